@@ -1,0 +1,194 @@
+//! Runs a parsed command line: reads the config, builds the search path,
+//! discovers plugins, and dispatches to the subcommand, which returns a
+//! report for [`crate::render`] to print.
+
+use crate::check::{check_device, CaseResult, Verdict};
+use crate::cli::{CheckArgs, Cli, Command, PlacementArgs, PlanArgs};
+use crate::config::{self, Config};
+use crate::discovery::{search_path, Origin, SearchInputs};
+use crate::manager::BackendManager;
+use crate::placement::{self, DeviceInfo, Placement, Request};
+use crate::registry::{Registry, Status};
+use crate::render;
+use anyhow::{bail, Context as _};
+use ggml::DeviceType;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// Sets up `tracing` on stderr: `-q` errors only, default warnings, `-v`
+/// info, `-vv` debug, `-vvv` trace; a set `RUST_LOG` wins.
+pub fn init_logging(verbose: u8, quiet: bool) {
+    use tracing_subscriber::EnvFilter;
+    let level = if quiet {
+        "error"
+    } else {
+        match verbose {
+            0 => "warn",
+            1 => "info",
+            2 => "debug",
+            _ => "trace",
+        }
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .without_time()
+        .with_target(false)
+        .try_init();
+    ggml::route_log_to_tracing();
+}
+
+/// Config, search path and registry of one invocation.
+pub struct Session {
+    /// The config file's contents.
+    pub config: Config,
+    /// The search path, in precedence order.
+    pub search: Vec<(PathBuf, Origin)>,
+    /// Plugins and devices.
+    pub registry: Registry,
+    /// CPU threads (flag, else config).
+    pub threads: Option<usize>,
+}
+
+impl Session {
+    /// Reads the config and discovers plugins.
+    pub fn open(cli: &Cli) -> anyhow::Result<Session> {
+        let config = match &cli.config {
+            Some(p) => config::load(p, true)?,
+            None => match config::default_path() {
+                Some(p) => config::load(&p, false)?,
+                None => Config::default(),
+            },
+        };
+        let inputs = SearchInputs {
+            flags: cli.plugin_path.clone(),
+            env: std::env::var("SDHOST_PLUGIN_PATH").ok(),
+            config: config.plugin_path.clone(),
+            exe_dir: std::env::current_exe()
+                .ok()
+                .and_then(|p| std::fs::canonicalize(p).ok())
+                .and_then(|p| p.parent().map(PathBuf::from)),
+            cwd: std::env::current_dir().ok(),
+        };
+        let (search, warnings) = search_path(&inputs);
+        for w in warnings {
+            tracing::warn!("{w}");
+        }
+        let registry = Registry::discover(&search);
+        for p in &registry.plugins {
+            match p.status {
+                Status::Rejected => {
+                    tracing::warn!("rejected plugin {}: {}", p.path.display(), p.reason.as_deref().unwrap_or("unknown reason"))
+                }
+                Status::Shadowed => {
+                    tracing::info!("shadowed plugin {}: {}", p.path.display(), p.reason.as_deref().unwrap_or(""))
+                }
+                Status::Loaded => tracing::info!("loaded plugin {} ({} devices)", p.path.display(), p.devices),
+            }
+        }
+        let threads = cli.threads.map(usize::from).or(config.threads);
+        Ok(Session { config, search, registry, threads })
+    }
+
+    /// The registry's devices as the placement resolver sees them.
+    pub fn device_infos(&self) -> Vec<DeviceInfo> {
+        self.registry
+            .devices
+            .iter()
+            .map(|d| {
+                let ty = match d.ty {
+                    DeviceType::Cpu => placement::DeviceType::Cpu,
+                    DeviceType::Gpu => placement::DeviceType::Gpu,
+                    DeviceType::IGpu => placement::DeviceType::IGpu,
+                    DeviceType::Accel | DeviceType::Meta => placement::DeviceType::Accel,
+                };
+                DeviceInfo::new(d.name.clone(), ty, d.memory_total)
+            })
+            .collect()
+    }
+
+    /// Resolves placement flags against the loaded devices.
+    pub fn resolve(&self, args: &PlacementArgs) -> anyhow::Result<Placement> {
+        let req = Request {
+            backend: args.backend.clone(),
+            params_backend: args.params_backend.clone(),
+            clip_on_cpu: args.clip_on_cpu,
+            vae_on_cpu: args.vae_on_cpu,
+            control_net_cpu: args.control_net_cpu,
+            offload_to_cpu: args.offload_to_cpu,
+            config_backend: self.config.backend.clone(),
+            config_params_backend: self.config.params_backend.clone(),
+            default_device: std::env::var("SDHOST_DEFAULT_DEVICE").ok(),
+        };
+        let p = placement::resolve(&req, &self.device_infos())?;
+        for n in &p.notes {
+            tracing::warn!("{n}");
+        }
+        Ok(p)
+    }
+}
+
+/// Runs one command line.
+pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let session = Session::open(&cli)?;
+    match &cli.command {
+        Command::Devices(a) => render::print(&render::DevicesReport::new(&session.registry), a.json),
+        Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json),
+        Command::Plan(a) => plan(&session, a)?,
+        Command::Check(a) => return check(&session, a),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn plan(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
+    let placement = session.resolve(&args.placement)?;
+    let model = match &args.model {
+        Some(path) => Some(
+            sdhost_models::checkpoint::scan(path).with_context(|| format!("reading checkpoint {}", path.display()))?,
+        ),
+        None => None,
+    };
+    let report = render::PlanReport::new(&session.registry, &placement, model.as_ref());
+    for w in &report.warnings {
+        tracing::warn!("{w}");
+    }
+    render::print(&report, args.json);
+    Ok(())
+}
+
+fn check(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
+    let reg = &session.registry;
+    let Some(cpu_name) = reg.devices.iter().find(|d| d.ty == DeviceType::Cpu).map(|d| d.name.clone()) else {
+        bail!("check needs the CPU plugin for reference results, and no CPU device is loaded");
+    };
+    let names: Vec<String> = if args.devices.is_empty() {
+        reg.devices.iter().filter(|d| d.ty != DeviceType::Cpu).map(|d| d.name.clone()).collect()
+    } else {
+        let infos = session.device_infos();
+        args.devices
+            .iter()
+            .map(|d| {
+                placement::resolve_device(&placement::DeviceRef::parse(d), &infos, None)
+                    .map_err(|e| anyhow::anyhow!("--device: {e}"))
+            })
+            .collect::<anyhow::Result<_>>()?
+    };
+    if names.is_empty() {
+        tracing::warn!("no non-CPU device is loaded; nothing to check (name one with --device)");
+    }
+    let manager = BackendManager::new(reg, session.threads);
+    let cpu = manager.get(&cpu_name)?;
+    let mut rows: Vec<CaseResult> = Vec::new();
+    for name in &names {
+        let dev = manager.get(name)?;
+        rows.extend(check_device(name, dev, cpu, args.seed));
+    }
+    let failed = rows.iter().filter(|r| r.verdict == Verdict::Fail).count();
+    render::print(&render::CheckReport { rows }, args.json);
+    if failed > 0 {
+        eprintln!("error: {failed} op check(s) failed");
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(ExitCode::SUCCESS)
+}

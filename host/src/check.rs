@@ -1,0 +1,257 @@
+//! `sdhost check`: each op our models use, run on a device (through ggml's
+//! scheduler, with the CPU as fallback) and on the CPU alone, compared.
+//!
+//! Per case the result is `PASS`/`FAIL` (max error against the per-op
+//! tolerance), `FALLBACK` (the device does not support the op: the scheduler
+//! ran it on the CPU and the result still matched) or `UNSUPPORTED` (the op
+//! could not run at all).
+
+use ggml::{Backend, Context, Sched, Tensor, Type};
+use serde::Serialize;
+
+/// Outcome of one case on one device.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "SCREAMING_SNAKE_CASE")]
+pub enum Verdict {
+    /// Ran on the device and matched the CPU.
+    Pass,
+    /// Ran on the device and did not match.
+    Fail,
+    /// Device lacks the op; the scheduler ran it on the CPU.
+    Fallback,
+    /// Could not run at all.
+    Unsupported,
+}
+
+impl Verdict {
+    /// Upper-case word for tables.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Pass => "PASS",
+            Verdict::Fail => "FAIL",
+            Verdict::Fallback => "FALLBACK",
+            Verdict::Unsupported => "UNSUPPORTED",
+        }
+    }
+}
+
+/// One row of the report.
+#[derive(Clone, Debug, Serialize)]
+pub struct CaseResult {
+    /// Device name.
+    pub device: String,
+    /// Case name.
+    pub op: &'static str,
+    /// Outcome.
+    pub verdict: Verdict,
+    /// Max abs error relative to max(1, max |reference|).
+    pub max_error: Option<f64>,
+    /// The tolerance.
+    pub tolerance: f64,
+    /// Why it is unsupported or failed to run.
+    pub detail: Option<String>,
+}
+
+type Build = for<'c> fn(&'c Context) -> ggml::Result<(Vec<Tensor<'c>>, Tensor<'c>)>;
+
+/// One op case.
+pub struct Case {
+    /// Name shown in the report.
+    pub name: &'static str,
+    /// Relative tolerance.
+    pub tolerance: f64,
+    build: Build,
+}
+
+fn t<'c>(ctx: &'c Context, ty: Type, ne: &[i64]) -> ggml::Result<Tensor<'c>> {
+    ctx.new_tensor(ty, ne)
+}
+
+/// The cases, in report order.
+pub fn cases() -> Vec<Case> {
+    vec![
+        Case { name: "mul_mat f32", tolerance: 1e-4, build: |c| {
+            let (a, b) = (t(c, Type::F32, &[64, 32])?, t(c, Type::F32, &[64, 16])?);
+            Ok((vec![a, b], c.mul_mat(a, b)?))
+        }},
+        Case { name: "mul_mat f16", tolerance: 1e-2, build: |c| {
+            let (a, b) = (t(c, Type::F16, &[64, 32])?, t(c, Type::F32, &[64, 16])?);
+            Ok((vec![a, b], c.mul_mat(a, b)?))
+        }},
+        Case { name: "mul_mat q8_0", tolerance: 3e-2, build: |c| {
+            let (a, b) = (t(c, Type::Q8_0, &[64, 32])?, t(c, Type::F32, &[64, 16])?);
+            Ok((vec![a, b], c.mul_mat(a, b)?))
+        }},
+        Case { name: "mul_mat q4_0", tolerance: 3e-2, build: |c| {
+            let (a, b) = (t(c, Type::Q4_0, &[64, 32])?, t(c, Type::F32, &[64, 16])?);
+            Ok((vec![a, b], c.mul_mat(a, b)?))
+        }},
+        Case { name: "conv_2d", tolerance: 1e-2, build: |c| {
+            let (k, x) = (t(c, Type::F16, &[3, 3, 8, 16])?, t(c, Type::F32, &[16, 16, 8, 1])?);
+            Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
+        }},
+        Case { name: "group_norm", tolerance: 1e-3, build: |c| {
+            let x = t(c, Type::F32, &[8, 8, 64, 1])?;
+            Ok((vec![x], c.group_norm(x, 32, 1e-6)?))
+        }},
+        Case { name: "layer_norm", tolerance: 1e-3, build: |c| {
+            let x = t(c, Type::F32, &[64, 16])?;
+            Ok((vec![x], c.norm(x, 1e-5)?))
+        }},
+        Case { name: "soft_max", tolerance: 1e-4, build: |c| {
+            let x = t(c, Type::F32, &[64, 16])?;
+            Ok((vec![x], c.soft_max(x)?))
+        }},
+        Case { name: "attention", tolerance: 1e-3, build: |c| {
+            // softmax(q·kᵀ/√d)·v with plain ops: q [d, nq], k [d, nk], vᵀ [nk, d].
+            let (q, k, vt) = (t(c, Type::F32, &[32, 16])?, t(c, Type::F32, &[32, 24])?, t(c, Type::F32, &[24, 32])?);
+            let kq = c.soft_max(c.scale(c.mul_mat(k, q)?, 1.0 / 32f32.sqrt())?)?;
+            Ok((vec![q, k, vt], c.mul_mat(vt, kq)?))
+        }},
+        Case { name: "flash_attn", tolerance: 1e-2, build: |c| {
+            let q = t(c, Type::F32, &[64, 16, 4])?;
+            let (k, v) = (t(c, Type::F16, &[64, 24, 4])?, t(c, Type::F16, &[64, 24, 4])?);
+            Ok((vec![q, k, v], c.flash_attn(q, k, v, 0.125)?))
+        }},
+        Case { name: "add", tolerance: 1e-5, build: |c| {
+            let (a, b) = (t(c, Type::F32, &[64, 16])?, t(c, Type::F32, &[64, 1])?);
+            Ok((vec![a, b], c.add(a, b)?))
+        }},
+        Case { name: "mul", tolerance: 1e-5, build: |c| {
+            let (a, b) = (t(c, Type::F32, &[64, 16])?, t(c, Type::F32, &[64, 16])?);
+            Ok((vec![a, b], c.mul(a, b)?))
+        }},
+        Case { name: "scale", tolerance: 1e-5, build: |c| {
+            let a = t(c, Type::F32, &[64, 16])?;
+            Ok((vec![a], c.scale(a, 0.18215)?))
+        }},
+        Case { name: "gelu", tolerance: 1e-3, build: |c| {
+            let a = t(c, Type::F32, &[64, 16])?;
+            Ok((vec![a], c.gelu(a)?))
+        }},
+        Case { name: "silu", tolerance: 1e-3, build: |c| {
+            let a = t(c, Type::F32, &[64, 16])?;
+            Ok((vec![a], c.silu(a)?))
+        }},
+        Case { name: "upscale", tolerance: 1e-6, build: |c| {
+            let a = t(c, Type::F32, &[8, 8, 4, 1])?;
+            Ok((vec![a], c.upscale(a, 2)?))
+        }},
+        Case { name: "concat", tolerance: 1e-6, build: |c| {
+            let (a, b) = (t(c, Type::F32, &[8, 8, 4, 1])?, t(c, Type::F32, &[8, 8, 3, 1])?);
+            Ok((vec![a, b], c.concat(a, b, 2)?))
+        }},
+        Case { name: "permute+cont", tolerance: 1e-6, build: |c| {
+            let a = t(c, Type::F32, &[8, 6, 4, 2])?;
+            Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
+        }},
+    ]
+}
+
+/// Deterministic inputs in [-1, 1) (splitmix64).
+pub fn random_values(seed: u64, n: usize) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^= z >> 31;
+            ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// Runs a case through a scheduler over `backends` (CPU last). Returns the
+/// output and whether its node ran on the first backend.
+pub fn run_case(case: &Case, backends: &[&Backend], seed: u64) -> ggml::Result<(Vec<f32>, bool)> {
+    let ctx = Context::new(64, 256)?;
+    let (inputs, out) = (case.build)(&ctx)?;
+    for i in &inputs {
+        i.set_input();
+    }
+    out.set_output();
+    let graph = ctx.graph(out, 256)?;
+    let mut sched = Sched::new(backends, 256)?;
+    sched.alloc(&graph)?;
+    for (k, i) in inputs.iter().enumerate() {
+        i.set_f32(&random_values(seed.wrapping_add(k as u64 * 7919), i.nelements()))?;
+    }
+    sched.compute(&graph)?;
+    let on_first = sched.backend_of(out) == Some(0);
+    Ok((out.get_f32()?, on_first))
+}
+
+/// max |a - b| / max(1, max |b|).
+pub fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    if got.len() != want.len() {
+        return f64::INFINITY;
+    }
+    let scale = want.iter().fold(1f64, |m, v| m.max(f64::from(v.abs())));
+    let err = got.iter().zip(want).fold(0f64, |m, (g, w)| {
+        let d = f64::from(*g) - f64::from(*w);
+        if d.is_nan() { f64::INFINITY } else { m.max(d.abs()) }
+    });
+    err / scale
+}
+
+/// Checks every case on `device` (named `name`) against `cpu`.
+pub fn check_device(name: &str, device: &Backend, cpu: &Backend, seed: u64) -> Vec<CaseResult> {
+    cases()
+        .iter()
+        .map(|case| {
+            let row = |verdict, max_error, detail| CaseResult {
+                device: name.to_string(),
+                op: case.name,
+                verdict,
+                max_error,
+                tolerance: case.tolerance,
+                detail,
+            };
+            let reference = match run_case(case, &[cpu], seed) {
+                Ok((r, _)) => r,
+                Err(e) => return row(Verdict::Unsupported, None, Some(format!("CPU reference: {e}"))),
+            };
+            let backends: Vec<&Backend> = if std::ptr::eq(device, cpu) { vec![cpu] } else { vec![device, cpu] };
+            match run_case(case, &backends, seed) {
+                Err(e) => row(Verdict::Unsupported, None, Some(e.to_string())),
+                Ok((got, on_device)) => {
+                    let err = relative_error(&got, &reference);
+                    let verdict = if err > case.tolerance {
+                        Verdict::Fail
+                    } else if on_device {
+                        Verdict::Pass
+                    } else {
+                        Verdict::Fallback
+                    };
+                    row(verdict, Some(err), None)
+                }
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn random_values_are_deterministic_and_in_range() {
+        let a = random_values(1, 1000);
+        assert_eq!(a, random_values(1, 1000));
+        assert_ne!(a, random_values(2, 1000));
+        assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
+        let mean: f32 = a.iter().sum::<f32>() / 1000.0;
+        assert!(mean.abs() < 0.1, "{mean}");
+    }
+
+    #[test]
+    fn relative_error_scales_and_catches_nan() {
+        assert_eq!(relative_error(&[1.0, 2.0], &[1.0, 2.0]), 0.0);
+        assert!((relative_error(&[1.0, 4.2], &[1.0, 4.0]) - 0.05).abs() < 1e-6);
+        assert!((relative_error(&[0.1], &[0.0]) - 0.1).abs() < 1e-6);
+        assert_eq!(relative_error(&[f32::NAN], &[0.0]), f64::INFINITY);
+        assert_eq!(relative_error(&[1.0], &[1.0, 2.0]), f64::INFINITY);
+    }
+}

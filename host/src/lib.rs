@@ -1,0 +1,21 @@
+//! The sdhost host: plugin discovery, the device registry, placement and the
+//! commands of the `sdhost` binary.
+//!
+//! **Architecture invariant:** the host knows no backend at compile time. It
+//! links `libggml-base` only; every device comes from a plugin found at run
+//! time ([`registry`]). It never depends on a plugin crate.
+//!
+//! **Architecture invariant:** [`placement`] is pure (no I/O, no env reads)
+//! and never panics on user input; everything that touches the outside world
+//! happens in [`app`].
+#![forbid(unsafe_code)]
+
+pub mod app;
+pub mod check;
+pub mod cli;
+pub mod config;
+pub mod discovery;
+pub mod manager;
+pub mod placement;
+pub mod registry;
+pub mod render;

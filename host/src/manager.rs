@@ -1,0 +1,65 @@
+//! The backend manager: one ggml backend instance per resolved device,
+//! created on first use, shared by every module and by both roles (runtime
+//! and params) that resolve to that device, owned here and freed on drop.
+//! Modules receive `&Backend` handles that cannot outlive the manager.
+
+use crate::registry::Registry;
+use ggml::Backend;
+use std::cell::OnceCell;
+
+/// Lazily created backends, one slot per registered device.
+pub struct BackendManager<'r> {
+    registry: &'r Registry,
+    slots: Vec<OnceCell<Backend>>,
+    threads: Option<usize>,
+}
+
+/// Why a backend could not be had.
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    /// The name is not a registered device.
+    #[error("no device named {0:?} is loaded")]
+    UnknownDevice(String),
+    /// The device refused to create a backend.
+    #[error("device {device}: cannot create a backend: {source}")]
+    Init {
+        /// The device.
+        device: String,
+        /// ggml's failure.
+        source: ggml::Error,
+    },
+}
+
+impl<'r> BackendManager<'r> {
+    /// A manager over the devices of `registry`; `threads` is applied to CPU
+    /// backends when given.
+    pub fn new(registry: &'r Registry, threads: Option<usize>) -> Self {
+        BackendManager { registry, slots: registry.devices.iter().map(|_| OnceCell::new()).collect(), threads }
+    }
+
+    /// The backend of device `name`, created on first call.
+    pub fn get(&self, name: &str) -> Result<&Backend, ManagerError> {
+        let idx = self
+            .registry
+            .devices
+            .iter()
+            .position(|d| d.name == name)
+            .ok_or_else(|| ManagerError::UnknownDevice(name.to_string()))?;
+        let slot = &self.slots[idx];
+        if let Some(b) = slot.get() {
+            return Ok(b);
+        }
+        let entry = &self.registry.devices[idx];
+        let backend = entry.device.init_backend().map_err(|source| ManagerError::Init { device: name.to_string(), source })?;
+        if let Some(n) = self.threads {
+            backend.set_n_threads(n);
+        }
+        tracing::debug!("created backend {} for device {name}", backend.name());
+        Ok(slot.get_or_init(|| backend))
+    }
+
+    /// Number of backend instances created so far.
+    pub fn created(&self) -> usize {
+        self.slots.iter().filter(|s| s.get().is_some()).count()
+    }
+}

@@ -1,0 +1,291 @@
+//! Loading plugins and the device registry keyed by device name.
+//!
+//! Each candidate file goes through the same gate, and a failure at any step
+//! makes it a `rejected` row with its reason; the host goes on with the rest:
+//!
+//! 1. `dlopen` (through abi_stable, which never unloads),
+//! 2. the abi_stable root module: present, version-compatible, same layout,
+//! 3. the manifest: a valid family name, build identity equal to the host's,
+//! 4. per family, the highest score (then the earliest search-path position)
+//!    is initialised; if its `init` fails the next one is tried; the others
+//!    are `shadowed`.
+//!
+//! **Invariant:** only `init` of a selected plugin touches devices; nothing
+//! here panics on a bad file.
+
+use crate::discovery::{plugin_files, Origin};
+use ggml::{Device, DeviceType, Reg};
+use sdhost_plugin_api::{OpenError, Plugin};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+
+/// What happened to one examined file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    /// Initialised; its devices are registered.
+    Loaded,
+    /// A valid plugin of a family another plugin won.
+    Shadowed,
+    /// Not usable; see the reason.
+    Rejected,
+}
+
+impl Status {
+    /// Lowercase word for tables.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Status::Loaded => "loaded",
+            Status::Shadowed => "shadowed",
+            Status::Rejected => "rejected",
+        }
+    }
+}
+
+/// The manifest, as plain Rust data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ManifestInfo {
+    /// Plugin name.
+    pub name: String,
+    /// Backend family.
+    pub family: String,
+    /// Plugin version.
+    pub version: String,
+    /// Build identity string.
+    pub build_identity: String,
+    /// Variant score.
+    pub score: i32,
+    /// Whether device names carry an index.
+    pub indexed_devices: bool,
+    /// Build features.
+    pub features: Vec<String>,
+}
+
+/// One examined file.
+#[derive(Clone, Debug, Serialize)]
+pub struct PluginRecord {
+    /// The file.
+    pub path: PathBuf,
+    /// Which search-path entry found it.
+    pub origin: Origin,
+    /// Outcome.
+    pub status: Status,
+    /// Why it was rejected or shadowed.
+    pub reason: Option<String>,
+    /// The manifest, when it could be read.
+    pub manifest: Option<ManifestInfo>,
+    /// Number of devices it registered.
+    pub devices: usize,
+}
+
+/// A registered device.
+#[derive(Clone, Debug)]
+pub struct DeviceEntry {
+    /// sdhost's name: lowercase family plus index where indexed.
+    pub name: String,
+    /// Device type.
+    pub ty: DeviceType,
+    /// ggml's own device name.
+    pub ggml_name: String,
+    /// Description.
+    pub description: String,
+    /// Free memory in bytes at discovery.
+    pub memory_free: u64,
+    /// Total memory in bytes.
+    pub memory_total: u64,
+    /// The plugin file it came from.
+    pub plugin: PathBuf,
+    /// The ggml device.
+    pub device: Device,
+}
+
+/// All plugins examined and all devices registered.
+#[derive(Debug, Default)]
+pub struct Registry {
+    /// Every file examined, in search order.
+    pub plugins: Vec<PluginRecord>,
+    /// Devices in registration order (plugin search order, then ggml's order).
+    pub devices: Vec<DeviceEntry>,
+}
+
+struct Candidate {
+    record: usize,
+    plugin: Plugin,
+    manifest: ManifestInfo,
+}
+
+/// Folds a possibly multi-line error into one line of bounded length.
+pub fn one_line(s: &str) -> String {
+    let joined = s.split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ");
+    if joined.chars().count() > 300 {
+        let cut: String = joined.chars().take(297).collect();
+        format!("{cut}...")
+    } else {
+        joined
+    }
+}
+
+fn unknown_manifest() -> ManifestInfo {
+    ManifestInfo {
+        name: String::new(),
+        family: String::new(),
+        version: String::new(),
+        build_identity: String::new(),
+        score: 0,
+        indexed_devices: false,
+        features: Vec::new(),
+    }
+}
+
+fn valid_family(f: &str) -> bool {
+    let mut b = f.bytes();
+    b.next().is_some_and(|c| c.is_ascii_lowercase()) && b.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_')
+}
+
+impl Registry {
+    /// Examines every plugin file on `search` and registers the devices of
+    /// the selected ones.
+    pub fn discover(search: &[(PathBuf, Origin)]) -> Registry {
+        let mut reg = Registry::default();
+        let mut candidates: Vec<Candidate> = Vec::new();
+        let mut seen: Vec<PathBuf> = Vec::new();
+        for (dir, origin) in search {
+            for path in plugin_files(dir) {
+                let canon = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
+                if seen.contains(&canon) {
+                    continue;
+                }
+                seen.push(canon);
+                let idx = reg.plugins.len();
+                reg.plugins.push(PluginRecord {
+                    path: path.clone(),
+                    origin: *origin,
+                    status: Status::Rejected,
+                    reason: None,
+                    manifest: None,
+                    devices: 0,
+                });
+                match Plugin::open(&path) {
+                    Err(e) => {
+                        if let OpenError::Identity { plugin, .. } = &e {
+                            reg.plugins[idx].manifest = Some(ManifestInfo { build_identity: plugin.clone(), ..unknown_manifest() });
+                        }
+                        reg.plugins[idx].reason = Some(one_line(&e.to_string()));
+                    }
+                    Ok(plugin) => {
+                        let manifest = manifest_info(&plugin.manifest);
+                        reg.plugins[idx].manifest = Some(manifest.clone());
+                        if !valid_family(&manifest.family) {
+                            reg.plugins[idx].reason = Some(format!(
+                                "invalid family name {:?} (lowercase letters, digits and _ only)",
+                                manifest.family
+                            ));
+                        } else {
+                            candidates.push(Candidate { record: idx, plugin, manifest });
+                        }
+                    }
+                }
+            }
+        }
+        // Per family: best score first, then search order (stable sort keeps it).
+        candidates.sort_by(|a, b| a.manifest.family.cmp(&b.manifest.family).then(b.manifest.score.cmp(&a.manifest.score)));
+        let mut families: Vec<String> = candidates.iter().map(|c| c.manifest.family.clone()).collect();
+        families.dedup();
+        let mut loaded: Vec<(usize, Reg)> = Vec::new();
+        for fam in families {
+            let mut winner: Option<usize> = None;
+            for c in candidates.iter().filter(|c| c.manifest.family == fam) {
+                if let Some(w) = winner {
+                    reg.plugins[c.record].status = Status::Shadowed;
+                    reg.plugins[c.record].reason = Some(format!(
+                        "family {fam} already provided by {} (score {} vs {})",
+                        reg.plugins[w].path.display(),
+                        reg.plugins[w].manifest.as_ref().map_or(0, |m| m.score),
+                        c.manifest.score
+                    ));
+                    continue;
+                }
+                match c.plugin.init() {
+                    Ok(r) => {
+                        reg.plugins[c.record].status = Status::Loaded;
+                        winner = Some(c.record);
+                        loaded.push((c.record, r));
+                    }
+                    Err(e) => reg.plugins[c.record].reason = Some(format!("init failed: {}", one_line(&e))),
+                }
+            }
+        }
+        loaded.sort_by_key(|(i, _)| *i);
+        for (i, r) in loaded {
+            let m = reg.plugins[i].manifest.clone().expect("loaded plugins have a manifest");
+            let devices: Vec<Device> = r.devices().into_iter().filter(|d| d.device_type() != DeviceType::Meta).collect();
+            let n = devices.len();
+            for (k, d) in devices.into_iter().enumerate() {
+                let name = if m.indexed_devices || n > 1 { format!("{}{k}", m.family) } else { m.family.clone() };
+                let (free, total) = d.memory();
+                reg.devices.push(DeviceEntry {
+                    name,
+                    ty: d.device_type(),
+                    ggml_name: d.name(),
+                    description: d.description(),
+                    memory_free: free,
+                    memory_total: total,
+                    plugin: reg.plugins[i].path.clone(),
+                    device: d,
+                });
+            }
+            reg.plugins[i].devices = n;
+            if n == 0 {
+                reg.plugins[i].reason = Some("loaded, but the backend reports no devices".into());
+            }
+        }
+        reg
+    }
+
+    /// The device registered under `name` (exact, lowercase).
+    pub fn device(&self, name: &str) -> Option<&DeviceEntry> {
+        self.devices.iter().find(|d| d.name == name)
+    }
+
+    /// The plugin record of a file.
+    pub fn plugin(&self, path: &Path) -> Option<&PluginRecord> {
+        self.plugins.iter().find(|p| p.path == path)
+    }
+}
+
+fn manifest_info(m: &sdhost_plugin_api::Manifest) -> ManifestInfo {
+    ManifestInfo {
+        name: m.name.to_string(),
+        family: m.family.to_string(),
+        version: m.plugin_version.to_string(),
+        build_identity: m.build_identity.to_string(),
+        score: m.score,
+        indexed_devices: m.indexed_devices,
+        features: m.features.iter().map(|f| f.to_string()).collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_line_folds_and_bounds() {
+        assert_eq!(one_line("a\n  b\n\nc"), "a; b; c");
+        let long = "x".repeat(400);
+        let s = one_line(&long);
+        assert_eq!(s.chars().count(), 300);
+        assert!(s.ends_with("..."));
+    }
+
+    #[test]
+    fn family_names() {
+        assert!(valid_family("cpu"));
+        assert!(valid_family("vulkan"));
+        assert!(valid_family("cpu_v3"));
+        assert!(!valid_family(""));
+        assert!(!valid_family("Cpu"));
+        assert!(!valid_family("0cpu"));
+        assert!(!valid_family("cu da"));
+    }
+}
