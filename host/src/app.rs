@@ -177,12 +177,16 @@ fn check(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
     if names.is_empty() {
         tracing::warn!("no non-CPU device is loaded; nothing to check (name one with --device)");
     }
+    if !args.ops.is_empty() && !crate::check::cases().iter().any(|c| args.ops.iter().any(|f| c.name.contains(f.as_str()))) {
+        let all: Vec<&str> = crate::check::cases().iter().map(|c| c.name).collect();
+        bail!("--op: no op matches {:?}; ops: {}", args.ops, all.join(", "));
+    }
     let manager = BackendManager::new(reg, session.threads);
     let cpu = manager.get(&cpu_name)?;
     let mut rows: Vec<CaseResult> = Vec::new();
     for name in &names {
         let dev = manager.get(name)?;
-        rows.extend(check_device(name, dev, cpu, args.seed));
+        rows.extend(check_device(name, dev, cpu, args.seed, &args.ops));
     }
     let failed = rows.iter().filter(|r| r.verdict == Verdict::Fail).count();
     render::print(&render::CheckReport { rows }, args.json);

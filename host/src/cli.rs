@@ -107,6 +107,10 @@ pub struct CheckArgs {
     #[arg(short, long = "device", value_name = "NAME")]
     pub devices: Vec<String>,
 
+    /// Only the ops whose name contains this text (repeatable; e.g. `mul_mat`)
+    #[arg(long = "op", value_name = "NAME")]
+    pub ops: Vec<String>,
+
     /// Random seed for the inputs
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
@@ -129,9 +133,9 @@ mod tests {
     #[test]
     fn every_spelling_parses() {
         let c = Cli::try_parse_from([
-            "sdhost", "--plugin-path", "/a", "plan", "--backend", "te=cpu", "--params-backend", "cpu",
+            "sdhost", "--plugin-path", "/a", "--plugin-path", "/b", "plan", "--backend", "te=cpu", "--params-backend", "cpu",
             "--clip-on-cpu", "--vae-on-cpu", "--control-net-cpu", "--offload-to-cpu", "-m", "x.gguf", "--json",
-            "--plugin-path", "/b", "-vv", "-t", "3",
+            "-vv", "-t", "3",
         ])
         .unwrap();
         assert_eq!(c.plugin_path, vec![PathBuf::from("/a"), PathBuf::from("/b")]);

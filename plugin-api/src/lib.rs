@@ -86,7 +86,7 @@ pub fn host_identity() -> String {
 /// Makes a crate a plugin: exports the root module with a manifest and an
 /// init function `fn() -> Result<*mut c_void, String>`.
 ///
-/// ```ignore
+/// ```text
 /// sdhost_plugin_api::export_plugin! {
 ///     name: "cpu", family: "cpu", score: 10, indexed_devices: false,
 ///     features: ["openmp"], init: my_init,

@@ -1,0 +1,134 @@
+//! Shared helpers: a private installed prefix (bin/sdhost, lib/sdhost/...)
+//! built from the workspace's build outputs, and a way to run it with a
+//! clean environment.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// The folder holding the built `sdhost`, `libggml-base.so.0` and plugins.
+pub fn build_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_sdhost")).parent().unwrap().to_path_buf()
+}
+
+/// A built plugin or test plugin by library stem, e.g. `sdhost_plugin_cpu`.
+pub fn built(stem: &str) -> PathBuf {
+    let p = build_dir().join(format!("lib{stem}.so"));
+    assert!(p.is_file(), "{} is missing: run `cargo build --workspace` first", p.display());
+    p
+}
+
+/// A throwaway installation: `root/bin/sdhost`, `root/lib/sdhost/libggml-base.so.0`,
+/// `root/lib/sdhost/plugins/`, plus a config home and a work dir.
+pub struct Prefix {
+    pub tmp: tempfile::TempDir,
+}
+
+impl Prefix {
+    /// An installation without any plugin.
+    pub fn bare() -> Prefix {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        for d in ["bin", "lib/sdhost/plugins", "config/sdhost", "work", "home"] {
+            std::fs::create_dir_all(root.join(d)).unwrap();
+        }
+        std::fs::copy(env!("CARGO_BIN_EXE_sdhost"), root.join("bin/sdhost")).unwrap();
+        std::fs::copy(build_dir().join("libggml-base.so.0"), root.join("lib/sdhost/libggml-base.so.0")).unwrap();
+        Prefix { tmp }
+    }
+
+    /// An installation with the CPU plugin in `lib/sdhost/plugins`.
+    pub fn with_cpu() -> Prefix {
+        let p = Prefix::bare();
+        p.install(&built("sdhost_plugin_cpu"), "libsdhost_plugin_cpu.so");
+        p
+    }
+
+    pub fn root(&self) -> &Path {
+        self.tmp.path()
+    }
+
+    pub fn plugins(&self) -> PathBuf {
+        self.root().join("lib/sdhost/plugins")
+    }
+
+    /// Copies `file` into the plugin folder as `name`.
+    pub fn install(&self, file: &Path, name: &str) -> PathBuf {
+        let dst = self.plugins().join(name);
+        std::fs::copy(file, &dst).unwrap();
+        dst
+    }
+
+    /// A fresh empty folder under the prefix's temp dir.
+    pub fn dir(&self, name: &str) -> PathBuf {
+        let d = self.root().join(name);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+
+    /// `sdhost` from this prefix, cwd `work/`, a clean environment.
+    pub fn cmd(&self, args: &[&str]) -> Command {
+        let mut c = Command::new(self.root().join("bin/sdhost"));
+        c.args(args)
+            .current_dir(self.root().join("work"))
+            .env_remove("SDHOST_PLUGIN_PATH")
+            .env_remove("SDHOST_DEFAULT_DEVICE")
+            .env_remove("RUST_LOG")
+            .env_remove("LD_LIBRARY_PATH")
+            .env("XDG_CONFIG_HOME", self.root().join("config"))
+            .env("HOME", self.root().join("home"));
+        c
+    }
+
+    pub fn run(&self, args: &[&str]) -> Run {
+        Run::from(self.cmd(args).output().unwrap())
+    }
+
+    pub fn write_config(&self, text: &str) {
+        std::fs::write(self.root().join("config/sdhost/config.toml"), text).unwrap();
+    }
+}
+
+/// The outcome of one run.
+#[derive(Debug)]
+pub struct Run {
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl From<Output> for Run {
+    fn from(o: Output) -> Run {
+        Run {
+            code: o.status.code(),
+            stdout: String::from_utf8_lossy(&o.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&o.stderr).into_owned(),
+        }
+    }
+}
+
+impl Run {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.stdout, self.stderr))
+    }
+
+    /// Device names from `devices --json`.
+    pub fn device_names(&self) -> Vec<String> {
+        self.json().as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect()
+    }
+
+    pub fn ok(self) -> Run {
+        assert_eq!(self.code, Some(0), "stdout: {}\nstderr: {}", self.stdout, self.stderr);
+        self
+    }
+}
+
+/// The `plugins --json` record for a file name.
+pub fn record<'a>(plugins: &'a serde_json::Value, file_name: &str) -> &'a serde_json::Value {
+    plugins["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"].as_str().unwrap().ends_with(&format!("/{file_name}")))
+        .unwrap_or_else(|| panic!("no record for {file_name} in {plugins:#}"))
+}
