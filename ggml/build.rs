@@ -34,7 +34,10 @@ fn main() {
         .build();
     let real = lib_dir.join(format!("libggml-base.so.{version}"));
     if !real.is_file() {
-        fail(&format!("ggml build finished but {} is missing", real.display()));
+        fail(&format!(
+            "ggml build finished but {} is missing",
+            real.display()
+        ));
     }
     // Put the shared library beside the binaries cargo builds (target/<profile>),
     // where their `$ORIGIN` RPATH finds it.
@@ -59,7 +62,13 @@ fn copy_if_changed(from: &Path, to: &Path) {
         let tmp = to.with_extension("tmp");
         std::fs::copy(from, &tmp)
             .and_then(|_| std::fs::rename(&tmp, to))
-            .unwrap_or_else(|e| fail(&format!("copying {} to {}: {e}", from.display(), to.display())));
+            .unwrap_or_else(|e| {
+                fail(&format!(
+                    "copying {} to {}: {e}",
+                    from.display(),
+                    to.display()
+                ))
+            });
     }
 }
 
@@ -90,7 +99,12 @@ fn identity(src: &Path, version: &str, out_dir: &Path) {
         h.update((text.len() as u64).to_le_bytes());
         h.update(&text);
     }
-    let digest: String = h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect();
+    let digest: String = h
+        .finalize()
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect();
     let impl_h = std::fs::read_to_string(src.join("src/ggml-backend-impl.h")).unwrap_or_default();
     let api_version = impl_h
         .lines()

@@ -124,9 +124,14 @@ impl Device {
         // SAFETY: valid device; null params means defaults.
         let b = unsafe { sys::ggml_backend_dev_init(self.0, std::ptr::null()) };
         if b.is_null() {
-            return Err(Error::Null { what: "ggml_backend_dev_init" });
+            return Err(Error::Null {
+                what: "ggml_backend_dev_init",
+            });
         }
-        Ok(Backend { raw: b, device: self })
+        Ok(Backend {
+            raw: b,
+            device: self,
+        })
     }
 
     /// Whether the device can run `op` (a node of a graph).

@@ -55,7 +55,9 @@ impl Type {
         if p.is_null() {
             return String::new();
         }
-        unsafe { std::ffi::CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned()
     }
 }
 
@@ -74,8 +76,15 @@ impl Context {
     /// `graph_size` nodes.
     pub fn new(n_tensors: usize, graph_size: usize) -> Result<Context> {
         // SAFETY: pure size computations.
-        let mem = unsafe { sys::ggml_tensor_overhead() * n_tensors + sys::ggml_graph_overhead_custom(graph_size, false) };
-        let params = sys::ggml_init_params { mem_size: mem, mem_buffer: std::ptr::null_mut(), no_alloc: true };
+        let mem = unsafe {
+            sys::ggml_tensor_overhead() * n_tensors
+                + sys::ggml_graph_overhead_custom(graph_size, false)
+        };
+        let params = sys::ggml_init_params {
+            mem_size: mem,
+            mem_buffer: std::ptr::null_mut(),
+            no_alloc: true,
+        };
         // SAFETY: valid params; ggml allocates the metadata buffer itself.
         let raw = unsafe { sys::ggml_init(params) };
         if raw.is_null() {
@@ -88,7 +97,10 @@ impl Context {
         if t.is_null() {
             return Err(Error::Null { what });
         }
-        Ok(Tensor { raw: t, _ctx: PhantomData })
+        Ok(Tensor {
+            raw: t,
+            _ctx: PhantomData,
+        })
     }
 
     /// A new tensor of `ty` with shape `ne` (ggml order: `ne[0]` is the
@@ -98,7 +110,11 @@ impl Context {
             return Err(Error::Invalid(format!("bad tensor shape {ne:?}")));
         }
         if ne[0] % ty.block_size() as i64 != 0 {
-            return Err(Error::Invalid(format!("first dimension {} is not a multiple of the {} block size", ne[0], ty.name())));
+            return Err(Error::Invalid(format!(
+                "first dimension {} is not a multiple of the {} block size",
+                ne[0],
+                ty.name()
+            )));
         }
         // SAFETY: live context; `ne` holds `ne.len()` valid dimensions.
         let t = unsafe { sys::ggml_new_tensor(self.raw, ty.raw(), ne.len() as i32, ne.as_ptr()) };
@@ -110,11 +126,16 @@ impl Context {
         // SAFETY: live context with room for the graph (see `new`).
         let g = unsafe { sys::ggml_new_graph_custom(self.raw, size, false) };
         if g.is_null() {
-            return Err(Error::Null { what: "ggml_new_graph_custom" });
+            return Err(Error::Null {
+                what: "ggml_new_graph_custom",
+            });
         }
         // SAFETY: `out` belongs to this context.
         unsafe { sys::ggml_build_forward_expand(g, out.raw) };
-        Ok(Graph { raw: g, _ctx: PhantomData })
+        Ok(Graph {
+            raw: g,
+            _ctx: PhantomData,
+        })
     }
 
     /// Allocates every tensor of this context in one buffer of `backend`.
@@ -122,7 +143,9 @@ impl Context {
         // SAFETY: live context and backend.
         let b = unsafe { sys::ggml_backend_alloc_ctx_tensors(self.raw, backend.raw()) };
         if b.is_null() {
-            return Err(Error::Null { what: "ggml_backend_alloc_ctx_tensors" });
+            return Err(Error::Null {
+                what: "ggml_backend_alloc_ctx_tensors",
+            });
         }
         Ok(Buffer { raw: b })
     }
@@ -184,14 +207,27 @@ impl Context {
     /// Group norm over `ne[0..3]` in `groups` groups of channels (`ne[2]`).
     pub fn group_norm<'a>(&'a self, a: Tensor<'a>, groups: i32, eps: f32) -> Result<Tensor<'a>> {
         // SAFETY: as above.
-        self.wrap(unsafe { sys::ggml_group_norm(self.raw, a.raw, groups, eps) }, "ggml_group_norm")
+        self.wrap(
+            unsafe { sys::ggml_group_norm(self.raw, a.raw, groups, eps) },
+            "ggml_group_norm",
+        )
     }
 
     /// 2-D convolution of `input` `[W, H, Cin, N]` with `kernel` `[KW, KH, Cin, Cout]`.
-    pub fn conv_2d<'a>(&'a self, kernel: Tensor<'a>, input: Tensor<'a>, stride: i32, pad: i32) -> Result<Tensor<'a>> {
+    pub fn conv_2d<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
         // SAFETY: as above.
         self.wrap(
-            unsafe { sys::ggml_conv_2d(self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1) },
+            unsafe {
+                sys::ggml_conv_2d(
+                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1,
+                )
+            },
             "ggml_conv_2d",
         )
     }
@@ -199,13 +235,19 @@ impl Context {
     /// Nearest-neighbour upscale of the first two dimensions by `factor`.
     pub fn upscale<'a>(&'a self, a: Tensor<'a>, factor: i32) -> Result<Tensor<'a>> {
         // SAFETY: as above.
-        self.wrap(unsafe { sys::ggml_upscale(self.raw, a.raw, factor, sys::GGML_SCALE_MODE_NEAREST) }, "ggml_upscale")
+        self.wrap(
+            unsafe { sys::ggml_upscale(self.raw, a.raw, factor, sys::GGML_SCALE_MODE_NEAREST) },
+            "ggml_upscale",
+        )
     }
 
     /// Concatenation along `dim`.
     pub fn concat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>, dim: i32) -> Result<Tensor<'a>> {
         // SAFETY: as above.
-        self.wrap(unsafe { sys::ggml_concat(self.raw, a.raw, b.raw, dim) }, "ggml_concat")
+        self.wrap(
+            unsafe { sys::ggml_concat(self.raw, a.raw, b.raw, dim) },
+            "ggml_concat",
+        )
     }
 
     /// Axis permutation (a view; follow with [`Context::cont`]).
@@ -217,15 +259,35 @@ impl Context {
             }
         }
         // SAFETY: as above; the permutation was checked (ggml aborts otherwise).
-        self.wrap(unsafe { sys::ggml_permute(self.raw, a.raw, axes[0], axes[1], axes[2], axes[3]) }, "ggml_permute")
+        self.wrap(
+            unsafe { sys::ggml_permute(self.raw, a.raw, axes[0], axes[1], axes[2], axes[3]) },
+            "ggml_permute",
+        )
     }
 
     /// Fused attention `softmax(q·kᵀ·scale)·v`; q `[D, Nq, H]`, k/v `[D, Nk, H]`
     /// (k and v in f16). The result is `[D, H, Nq]`.
-    pub fn flash_attn<'a>(&'a self, q: Tensor<'a>, k: Tensor<'a>, v: Tensor<'a>, scale: f32) -> Result<Tensor<'a>> {
+    pub fn flash_attn<'a>(
+        &'a self,
+        q: Tensor<'a>,
+        k: Tensor<'a>,
+        v: Tensor<'a>,
+        scale: f32,
+    ) -> Result<Tensor<'a>> {
         // SAFETY: as above; a null mask means none.
         self.wrap(
-            unsafe { sys::ggml_flash_attn_ext(self.raw, q.raw, k.raw, v.raw, std::ptr::null_mut(), scale, 0.0, 0.0) },
+            unsafe {
+                sys::ggml_flash_attn_ext(
+                    self.raw,
+                    q.raw,
+                    k.raw,
+                    v.raw,
+                    std::ptr::null_mut(),
+                    scale,
+                    0.0,
+                    0.0,
+                )
+            },
             "ggml_flash_attn_ext",
         )
     }
@@ -293,7 +355,11 @@ impl<'ctx> Tensor<'ctx> {
     /// quantized type) on the host first.
     pub fn set_f32(&self, values: &[f32]) -> Result<()> {
         if values.len() != self.nelements() {
-            return Err(Error::Invalid(format!("set_f32: {} values for {} elements", values.len(), self.nelements())));
+            return Err(Error::Invalid(format!(
+                "set_f32: {} values for {} elements",
+                values.len(),
+                self.nelements()
+            )));
         }
         // SAFETY: header read.
         let ty = unsafe { (*self.raw).type_ };
@@ -306,7 +372,17 @@ impl<'ctx> Tensor<'ctx> {
         let rows = values.len() as i64 / ne0;
         // SAFETY: `out` has room for `rows` rows of `ne0` values of `ty`
         // (it is exactly nbytes of a contiguous tensor of that shape).
-        unsafe { sys::ggml_quantize_chunk(ty, values.as_ptr(), out.as_mut_ptr().cast(), 0, rows, ne0, std::ptr::null()) };
+        unsafe {
+            sys::ggml_quantize_chunk(
+                ty,
+                values.as_ptr(),
+                out.as_mut_ptr().cast(),
+                0,
+                rows,
+                ne0,
+                std::ptr::null(),
+            )
+        };
         self.set_bytes(&out)
     }
 
@@ -315,11 +391,15 @@ impl<'ctx> Tensor<'ctx> {
         // SAFETY: header read.
         let ty = unsafe { (*self.raw).type_ };
         if ty != sys::GGML_TYPE_F32 || !self.is_allocated() {
-            return Err(Error::Invalid("get_f32 needs an allocated f32 tensor".into()));
+            return Err(Error::Invalid(
+                "get_f32 needs an allocated f32 tensor".into(),
+            ));
         }
         let mut out = vec![0f32; self.nelements()];
         // SAFETY: allocated tensor of exactly this many f32 values.
-        unsafe { sys::ggml_backend_tensor_get(self.raw, out.as_mut_ptr().cast(), 0, self.nbytes()) };
+        unsafe {
+            sys::ggml_backend_tensor_get(self.raw, out.as_mut_ptr().cast(), 0, self.nbytes())
+        };
         Ok(out)
     }
 
@@ -376,7 +456,10 @@ impl Graph<'_> {
         }
         // SAFETY: index in range.
         let t = unsafe { sys::ggml_graph_node(self.raw, i as i32) };
-        (!t.is_null()).then_some(Tensor { raw: t, _ctx: PhantomData })
+        (!t.is_null()).then_some(Tensor {
+            raw: t,
+            _ctx: PhantomData,
+        })
     }
 }
 
@@ -418,21 +501,38 @@ impl<'b> Sched<'b> {
     /// The last backend must be a CPU backend (ggml requires it).
     pub fn new(backends: &[&'b Backend], graph_size: usize) -> Result<Sched<'b>> {
         if backends.is_empty() {
-            return Err(Error::Invalid("a scheduler needs at least one backend".into()));
+            return Err(Error::Invalid(
+                "a scheduler needs at least one backend".into(),
+            ));
         }
         if backends.last().map(|b| b.device().device_type()) != Some(crate::DeviceType::Cpu) {
-            return Err(Error::Invalid("the scheduler's last backend must be a CPU backend".into()));
+            return Err(Error::Invalid(
+                "the scheduler's last backend must be a CPU backend".into(),
+            ));
         }
         let mut raws: Vec<sys::ggml_backend_t> = backends.iter().map(|b| b.raw()).collect();
-        let mut bufts: Vec<sys::ggml_backend_buffer_type_t> = backends.iter().map(|b| b.device().buffer_type()).collect();
+        let mut bufts: Vec<sys::ggml_backend_buffer_type_t> =
+            backends.iter().map(|b| b.device().buffer_type()).collect();
         // SAFETY: arrays of `len` live backends and their buffer types.
         let raw = unsafe {
-            sys::ggml_backend_sched_new(raws.as_mut_ptr(), bufts.as_mut_ptr(), raws.len() as i32, graph_size, false, true)
+            sys::ggml_backend_sched_new(
+                raws.as_mut_ptr(),
+                bufts.as_mut_ptr(),
+                raws.len() as i32,
+                graph_size,
+                false,
+                true,
+            )
         };
         if raw.is_null() {
-            return Err(Error::Null { what: "ggml_backend_sched_new" });
+            return Err(Error::Null {
+                what: "ggml_backend_sched_new",
+            });
         }
-        Ok(Sched { raw, backends: backends.to_vec() })
+        Ok(Sched {
+            raw,
+            backends: backends.to_vec(),
+        })
     }
 
     /// Allocates the graph's tensors (inputs included) on the backends the
@@ -441,7 +541,9 @@ impl<'b> Sched<'b> {
         // SAFETY: live scheduler and graph.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
         if !unsafe { sys::ggml_backend_sched_alloc_graph(self.raw, graph.raw) } {
-            return Err(Error::Null { what: "ggml_backend_sched_alloc_graph" });
+            return Err(Error::Null {
+                what: "ggml_backend_sched_alloc_graph",
+            });
         }
         Ok(())
     }

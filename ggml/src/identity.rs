@@ -47,7 +47,15 @@ impl fmt::Display for BuildIdentity {
         write!(
             f,
             "ggml-{}+h{}+api{}+l{}.{}.{}.{}.{}.{}",
-            self.ggml_version, self.header_digest, self.backend_api_version, l[0], l[1], l[2], l[3], l[4], l[5]
+            self.ggml_version,
+            self.header_digest,
+            self.backend_api_version,
+            l[0],
+            l[1],
+            l[2],
+            l[3],
+            l[4],
+            l[5]
         )
     }
 }

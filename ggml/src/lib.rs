@@ -19,7 +19,13 @@
 
 pub mod sys {
     //! Raw bindgen output for the pinned ggml headers.
-    #![allow(non_upper_case_globals, non_camel_case_types, non_snake_case, dead_code, missing_docs)]
+    #![allow(
+        non_upper_case_globals,
+        non_camel_case_types,
+        non_snake_case,
+        dead_code,
+        missing_docs
+    )]
     #![allow(clippy::all, rustdoc::all)]
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
@@ -31,8 +37,8 @@ mod identity;
 mod log;
 
 pub use backend::{Backend, Device, DeviceType, Reg};
-pub use gguf::{gguf_tensor_infos, GgufTensorInfo};
 pub use compute::{Buffer, Context, Graph, Sched, Tensor, Type};
+pub use gguf::{gguf_tensor_infos, GgufTensorInfo};
 pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;
 

@@ -79,16 +79,31 @@ impl Session {
         for p in &registry.plugins {
             match p.status {
                 Status::Rejected => {
-                    tracing::warn!("rejected plugin {}: {}", p.path.display(), p.reason.as_deref().unwrap_or("unknown reason"))
+                    tracing::warn!(
+                        "rejected plugin {}: {}",
+                        p.path.display(),
+                        p.reason.as_deref().unwrap_or("unknown reason")
+                    )
                 }
                 Status::Shadowed => {
-                    tracing::info!("shadowed plugin {}: {}", p.path.display(), p.reason.as_deref().unwrap_or(""))
+                    tracing::info!(
+                        "shadowed plugin {}: {}",
+                        p.path.display(),
+                        p.reason.as_deref().unwrap_or("")
+                    )
                 }
-                Status::Loaded => tracing::info!("loaded plugin {} ({} devices)", p.path.display(), p.devices),
+                Status::Loaded => {
+                    tracing::info!("loaded plugin {} ({} devices)", p.path.display(), p.devices)
+                }
             }
         }
         let threads = cli.threads.map(usize::from).or(config.threads);
-        Ok(Session { config, search, registry, threads })
+        Ok(Session {
+            config,
+            search,
+            registry,
+            threads,
+        })
     }
 
     /// The registry's devices as the placement resolver sees them.
@@ -133,7 +148,9 @@ impl Session {
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let session = Session::open(&cli)?;
     match &cli.command {
-        Command::Devices(a) => render::print(&render::DevicesReport::new(&session.registry), a.json),
+        Command::Devices(a) => {
+            render::print(&render::DevicesReport::new(&session.registry), a.json)
+        }
         Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json),
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
@@ -145,7 +162,8 @@ fn plan(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     let placement = session.resolve(&args.placement)?;
     let model = match &args.model {
         Some(path) => Some(
-            sdhost_models::checkpoint::scan(path).with_context(|| format!("reading checkpoint {}", path.display()))?,
+            sdhost_models::checkpoint::scan(path)
+                .with_context(|| format!("reading checkpoint {}", path.display()))?,
         ),
         None => None,
     };
@@ -159,11 +177,20 @@ fn plan(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
 
 fn check(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
     let reg = &session.registry;
-    let Some(cpu_name) = reg.devices.iter().find(|d| d.ty == DeviceType::Cpu).map(|d| d.name.clone()) else {
+    let Some(cpu_name) = reg
+        .devices
+        .iter()
+        .find(|d| d.ty == DeviceType::Cpu)
+        .map(|d| d.name.clone())
+    else {
         bail!("check needs the CPU plugin for reference results, and no CPU device is loaded");
     };
     let names: Vec<String> = if args.devices.is_empty() {
-        reg.devices.iter().filter(|d| d.ty != DeviceType::Cpu).map(|d| d.name.clone()).collect()
+        reg.devices
+            .iter()
+            .filter(|d| d.ty != DeviceType::Cpu)
+            .map(|d| d.name.clone())
+            .collect()
     } else {
         let infos = session.device_infos();
         args.devices
@@ -177,9 +204,17 @@ fn check(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
     if names.is_empty() {
         tracing::warn!("no non-CPU device is loaded; nothing to check (name one with --device)");
     }
-    if !args.ops.is_empty() && !crate::check::cases().iter().any(|c| args.ops.iter().any(|f| c.name.contains(f.as_str()))) {
+    if !args.ops.is_empty()
+        && !crate::check::cases()
+            .iter()
+            .any(|c| args.ops.iter().any(|f| c.name.contains(f.as_str())))
+    {
         let all: Vec<&str> = crate::check::cases().iter().map(|c| c.name).collect();
-        bail!("--op: no op matches {:?}; ops: {}", args.ops, all.join(", "));
+        bail!(
+            "--op: no op matches {:?}; ops: {}",
+            args.ops,
+            all.join(", ")
+        );
     }
     let manager = BackendManager::new(reg, session.threads);
     let cpu = manager.get(&cpu_name)?;

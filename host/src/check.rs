@@ -74,87 +74,179 @@ fn t<'c>(ctx: &'c Context, ty: Type, ne: &[i64]) -> ggml::Result<Tensor<'c>> {
 /// `mul_mat f32` gets ~1e-3), quantized weights add their own error.
 pub fn cases() -> Vec<Case> {
     vec![
-        Case { name: "mul_mat f32", tolerance: 2e-3, build: |i, c| {
-            let (a, b) = (t(i, Type::F32, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
-            Ok((vec![a, b], c.mul_mat(a, b)?))
-        }},
-        Case { name: "mul_mat bcast", tolerance: 2e-3, build: |i, c| {
-            // One matrix against a batch of two in dim 3 (ggml broadcasts);
-            // some backends (Vulkan in ggml 0.26) leave this to the CPU.
-            let (a, b) = (t(i, Type::F32, &[64, 32, 1, 1])?, t(i, Type::F32, &[64, 16, 1, 2])?);
-            Ok((vec![a, b], c.mul_mat(a, b)?))
-        }},
-        Case { name: "mul_mat f16", tolerance: 1e-2, build: |i, c| {
-            let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
-            Ok((vec![a, b], c.mul_mat(a, b)?))
-        }},
-        Case { name: "mul_mat q8_0", tolerance: 3e-2, build: |i, c| {
-            let (a, b) = (t(i, Type::Q8_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
-            Ok((vec![a, b], c.mul_mat(a, b)?))
-        }},
-        Case { name: "mul_mat q4_0", tolerance: 3e-2, build: |i, c| {
-            let (a, b) = (t(i, Type::Q4_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
-            Ok((vec![a, b], c.mul_mat(a, b)?))
-        }},
-        Case { name: "conv_2d", tolerance: 1e-2, build: |i, c| {
-            let (k, x) = (t(i, Type::F16, &[3, 3, 8, 16])?, t(i, Type::F32, &[16, 16, 8, 1])?);
-            Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
-        }},
-        Case { name: "group_norm", tolerance: 1e-3, build: |i, c| {
-            let x = t(i, Type::F32, &[8, 8, 64, 1])?;
-            Ok((vec![x], c.group_norm(x, 32, 1e-6)?))
-        }},
-        Case { name: "layer_norm", tolerance: 1e-3, build: |i, c| {
-            let x = t(i, Type::F32, &[64, 16])?;
-            Ok((vec![x], c.norm(x, 1e-5)?))
-        }},
-        Case { name: "soft_max", tolerance: 1e-4, build: |i, c| {
-            let x = t(i, Type::F32, &[64, 16])?;
-            Ok((vec![x], c.soft_max(x)?))
-        }},
-        Case { name: "attention", tolerance: 1e-3, build: |i, c| {
-            // softmax(q·kᵀ/√d)·v with plain ops: q [d, nq], k [d, nk], vᵀ [nk, d].
-            let (q, k, vt) = (t(i, Type::F32, &[32, 16])?, t(i, Type::F32, &[32, 24])?, t(i, Type::F32, &[24, 32])?);
-            let kq = c.soft_max(c.scale(c.mul_mat(k, q)?, 1.0 / 32f32.sqrt())?)?;
-            Ok((vec![q, k, vt], c.mul_mat(vt, kq)?))
-        }},
-        Case { name: "flash_attn", tolerance: 1e-2, build: |i, c| {
-            let q = t(i, Type::F32, &[64, 16, 4])?;
-            let (k, v) = (t(i, Type::F16, &[64, 24, 4])?, t(i, Type::F16, &[64, 24, 4])?);
-            Ok((vec![q, k, v], c.flash_attn(q, k, v, 0.125)?))
-        }},
-        Case { name: "add", tolerance: 1e-5, build: |i, c| {
-            let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 1])?);
-            Ok((vec![a, b], c.add(a, b)?))
-        }},
-        Case { name: "mul", tolerance: 1e-5, build: |i, c| {
-            let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 16])?);
-            Ok((vec![a, b], c.mul(a, b)?))
-        }},
-        Case { name: "scale", tolerance: 1e-5, build: |i, c| {
-            let a = t(i, Type::F32, &[64, 16])?;
-            Ok((vec![a], c.scale(a, 0.18215)?))
-        }},
-        Case { name: "gelu", tolerance: 1e-3, build: |i, c| {
-            let a = t(i, Type::F32, &[64, 16])?;
-            Ok((vec![a], c.gelu(a)?))
-        }},
-        Case { name: "silu", tolerance: 1e-3, build: |i, c| {
-            let a = t(i, Type::F32, &[64, 16])?;
-            Ok((vec![a], c.silu(a)?))
-        }},
-        Case { name: "upscale", tolerance: 1e-6, build: |i, c| {
-            let a = t(i, Type::F32, &[8, 8, 4, 1])?;
-            Ok((vec![a], c.upscale(a, 2)?))
-        }},
-        Case { name: "concat", tolerance: 1e-6, build: |i, c| {
-            let (a, b) = (t(i, Type::F32, &[8, 8, 4, 1])?, t(i, Type::F32, &[8, 8, 3, 1])?);
-            Ok((vec![a, b], c.concat(a, b, 2)?))
-        }},
-        Case { name: "permute+cont", tolerance: 1e-6, build: |i, c| {
-            let a = t(i, Type::F32, &[8, 6, 4, 2])?;
-            Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
-        }},
+        Case {
+            name: "mul_mat f32",
+            tolerance: 2e-3,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::F32, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat bcast",
+            tolerance: 2e-3,
+            build: |i, c| {
+                // One matrix against a batch of two in dim 3 (ggml broadcasts);
+                // some backends (Vulkan in ggml 0.26) leave this to the CPU.
+                let (a, b) = (
+                    t(i, Type::F32, &[64, 32, 1, 1])?,
+                    t(i, Type::F32, &[64, 16, 1, 2])?,
+                );
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat f16",
+            tolerance: 1e-2,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q8_0",
+            tolerance: 3e-2,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q8_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q4_0",
+            tolerance: 3e-2,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q4_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "conv_2d",
+            tolerance: 1e-2,
+            build: |i, c| {
+                let (k, x) = (
+                    t(i, Type::F16, &[3, 3, 8, 16])?,
+                    t(i, Type::F32, &[16, 16, 8, 1])?,
+                );
+                Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
+            },
+        },
+        Case {
+            name: "group_norm",
+            tolerance: 1e-3,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[8, 8, 64, 1])?;
+                Ok((vec![x], c.group_norm(x, 32, 1e-6)?))
+            },
+        },
+        Case {
+            name: "layer_norm",
+            tolerance: 1e-3,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![x], c.norm(x, 1e-5)?))
+            },
+        },
+        Case {
+            name: "soft_max",
+            tolerance: 1e-4,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![x], c.soft_max(x)?))
+            },
+        },
+        Case {
+            name: "attention",
+            tolerance: 1e-3,
+            build: |i, c| {
+                // softmax(q·kᵀ/√d)·v with plain ops: q [d, nq], k [d, nk], vᵀ [nk, d].
+                let (q, k, vt) = (
+                    t(i, Type::F32, &[32, 16])?,
+                    t(i, Type::F32, &[32, 24])?,
+                    t(i, Type::F32, &[24, 32])?,
+                );
+                let kq = c.soft_max(c.scale(c.mul_mat(k, q)?, 1.0 / 32f32.sqrt())?)?;
+                Ok((vec![q, k, vt], c.mul_mat(vt, kq)?))
+            },
+        },
+        Case {
+            name: "flash_attn",
+            tolerance: 1e-2,
+            build: |i, c| {
+                let q = t(i, Type::F32, &[64, 16, 4])?;
+                let (k, v) = (
+                    t(i, Type::F16, &[64, 24, 4])?,
+                    t(i, Type::F16, &[64, 24, 4])?,
+                );
+                Ok((vec![q, k, v], c.flash_attn(q, k, v, 0.125)?))
+            },
+        },
+        Case {
+            name: "add",
+            tolerance: 1e-5,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 1])?);
+                Ok((vec![a, b], c.add(a, b)?))
+            },
+        },
+        Case {
+            name: "mul",
+            tolerance: 1e-5,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 16])?);
+                Ok((vec![a, b], c.mul(a, b)?))
+            },
+        },
+        Case {
+            name: "scale",
+            tolerance: 1e-5,
+            build: |i, c| {
+                let a = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![a], c.scale(a, 0.18215)?))
+            },
+        },
+        Case {
+            name: "gelu",
+            tolerance: 1e-3,
+            build: |i, c| {
+                let a = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![a], c.gelu(a)?))
+            },
+        },
+        Case {
+            name: "silu",
+            tolerance: 1e-3,
+            build: |i, c| {
+                let a = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![a], c.silu(a)?))
+            },
+        },
+        Case {
+            name: "upscale",
+            tolerance: 1e-6,
+            build: |i, c| {
+                let a = t(i, Type::F32, &[8, 8, 4, 1])?;
+                Ok((vec![a], c.upscale(a, 2)?))
+            },
+        },
+        Case {
+            name: "concat",
+            tolerance: 1e-6,
+            build: |i, c| {
+                let (a, b) = (
+                    t(i, Type::F32, &[8, 8, 4, 1])?,
+                    t(i, Type::F32, &[8, 8, 3, 1])?,
+                );
+                Ok((vec![a, b], c.concat(a, b, 2)?))
+            },
+        },
+        Case {
+            name: "permute+cont",
+            tolerance: 1e-6,
+            build: |i, c| {
+                let a = t(i, Type::F32, &[8, 6, 4, 2])?;
+                Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
+            },
+        },
     ]
 }
 
@@ -176,7 +268,9 @@ pub fn random_values(seed: u64, n: usize) -> Vec<f32> {
 /// Runs a case through a scheduler over `backends` (CPU last). Returns the
 /// output and whether its node ran on the first backend.
 pub fn run_case(case: &Case, backends: &[&Backend], seed: u64) -> ggml::Result<(Vec<f32>, bool)> {
-    let first = backends.first().ok_or_else(|| ggml::Error::Invalid("no backend".into()))?;
+    let first = backends
+        .first()
+        .ok_or_else(|| ggml::Error::Invalid("no backend".into()))?;
     let inputs_ctx = Context::new(16, 0)?;
     let ctx = Context::new(64, 256)?;
     let (inputs, out) = (case.build)(&inputs_ctx, &ctx)?;
@@ -185,7 +279,10 @@ pub fn run_case(case: &Case, backends: &[&Backend], seed: u64) -> ggml::Result<(
     // the CPU (copying operands) for an op that device does not support.
     let _buffer = inputs_ctx.alloc_tensors(first)?;
     for (k, i) in inputs.iter().enumerate() {
-        i.set_f32(&random_values(seed.wrapping_add(k as u64 * 7919), i.nelements()))?;
+        i.set_f32(&random_values(
+            seed.wrapping_add(k as u64 * 7919),
+            i.nelements(),
+        ))?;
     }
     out.set_output();
     let graph = ctx.graph(out, 256)?;
@@ -204,14 +301,24 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f64 {
     let scale = want.iter().fold(1f64, |m, v| m.max(f64::from(v.abs())));
     let err = got.iter().zip(want).fold(0f64, |m, (g, w)| {
         let d = f64::from(*g) - f64::from(*w);
-        if d.is_nan() { f64::INFINITY } else { m.max(d.abs()) }
+        if d.is_nan() {
+            f64::INFINITY
+        } else {
+            m.max(d.abs())
+        }
     });
     err / scale
 }
 
 /// Checks the cases whose name contains one of `filter` (all when empty) on
 /// `device` (named `name`) against `cpu`.
-pub fn check_device(name: &str, device: &Backend, cpu: &Backend, seed: u64, filter: &[String]) -> Vec<CaseResult> {
+pub fn check_device(
+    name: &str,
+    device: &Backend,
+    cpu: &Backend,
+    seed: u64,
+    filter: &[String],
+) -> Vec<CaseResult> {
     cases()
         .iter()
         .filter(|c| filter.is_empty() || filter.iter().any(|f| c.name.contains(f.as_str())))
@@ -227,9 +334,19 @@ pub fn check_device(name: &str, device: &Backend, cpu: &Backend, seed: u64, filt
             tracing::debug!("check {name}: {}", case.name);
             let reference = match run_case(case, &[cpu], seed) {
                 Ok((r, _)) => r,
-                Err(e) => return row(Verdict::Unsupported, None, Some(format!("CPU reference: {e}"))),
+                Err(e) => {
+                    return row(
+                        Verdict::Unsupported,
+                        None,
+                        Some(format!("CPU reference: {e}")),
+                    )
+                }
             };
-            let backends: Vec<&Backend> = if std::ptr::eq(device, cpu) { vec![cpu] } else { vec![device, cpu] };
+            let backends: Vec<&Backend> = if std::ptr::eq(device, cpu) {
+                vec![cpu]
+            } else {
+                vec![device, cpu]
+            };
             match run_case(case, &backends, seed) {
                 Err(e) => row(Verdict::Unsupported, None, Some(e.to_string())),
                 Ok((got, on_device)) => {

@@ -6,7 +6,12 @@ use std::path::PathBuf;
 
 /// sdhost: diffusion-model inference on ggml, with backends loaded as plugins.
 #[derive(Debug, Parser)]
-#[command(name = "sdhost", version, propagate_version = true, max_term_width = 100)]
+#[command(
+    name = "sdhost",
+    version,
+    propagate_version = true,
+    max_term_width = 100
+)]
 pub struct Cli {
     /// Search this folder for plugins first (repeatable; before SDHOST_PLUGIN_PATH,
     /// the config file's plugin_path and the executable's folders)
@@ -133,15 +138,37 @@ mod tests {
     #[test]
     fn every_spelling_parses() {
         let c = Cli::try_parse_from([
-            "sdhost", "--plugin-path", "/a", "--plugin-path", "/b", "plan", "--backend", "te=cpu", "--params-backend", "cpu",
-            "--clip-on-cpu", "--vae-on-cpu", "--control-net-cpu", "--offload-to-cpu", "-m", "x.gguf", "--json",
-            "-vv", "-t", "3",
+            "sdhost",
+            "--plugin-path",
+            "/a",
+            "--plugin-path",
+            "/b",
+            "plan",
+            "--backend",
+            "te=cpu",
+            "--params-backend",
+            "cpu",
+            "--clip-on-cpu",
+            "--vae-on-cpu",
+            "--control-net-cpu",
+            "--offload-to-cpu",
+            "-m",
+            "x.gguf",
+            "--json",
+            "-vv",
+            "-t",
+            "3",
         ])
         .unwrap();
-        assert_eq!(c.plugin_path, vec![PathBuf::from("/a"), PathBuf::from("/b")]);
+        assert_eq!(
+            c.plugin_path,
+            vec![PathBuf::from("/a"), PathBuf::from("/b")]
+        );
         assert_eq!(c.verbose, 2);
         assert_eq!(c.threads, Some(3));
-        let Command::Plan(p) = c.command else { panic!("not plan") };
+        let Command::Plan(p) = c.command else {
+            panic!("not plan")
+        };
         assert_eq!(p.placement.backend.as_deref(), Some("te=cpu"));
         assert_eq!(p.placement.params_backend.as_deref(), Some("cpu"));
         assert!(p.placement.clip_on_cpu && p.placement.vae_on_cpu && p.placement.control_net_cpu);

@@ -53,10 +53,20 @@ pub fn default_path() -> Option<PathBuf> {
 pub fn load(path: &Path, explicit: bool) -> Result<Config, ConfigError> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => return Ok(Config::default()),
-        Err(source) => return Err(ConfigError::Read { path: path.to_path_buf(), source }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+            return Ok(Config::default())
+        }
+        Err(source) => {
+            return Err(ConfigError::Read {
+                path: path.to_path_buf(),
+                source,
+            })
+        }
     };
-    parse(&text).map_err(|message| ConfigError::Parse { path: path.to_path_buf(), message })
+    parse(&text).map_err(|message| ConfigError::Parse {
+        path: path.to_path_buf(),
+        message,
+    })
 }
 
 /// Parses config text; the error is one line.
@@ -97,6 +107,9 @@ mod tests {
     fn missing_default_file_is_empty_but_explicit_is_error() {
         let p = Path::new("/nonexistent/sdhost/config.toml");
         assert_eq!(load(p, false).unwrap(), Config::default());
-        assert!(load(p, true).unwrap_err().to_string().starts_with("config file /nonexistent/sdhost/config.toml: "));
+        assert!(load(p, true)
+            .unwrap_err()
+            .to_string()
+            .starts_with("config file /nonexistent/sdhost/config.toml: "));
     }
 }

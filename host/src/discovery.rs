@@ -65,7 +65,10 @@ pub fn search_path(inp: &SearchInputs) -> (Vec<(PathBuf, Origin)>, Vec<String>) 
     let mut warnings = Vec::new();
     let push = |p: PathBuf, o: Origin, out: &mut Vec<(PathBuf, Origin)>| {
         let key = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
-        if !out.iter().any(|(q, _)| std::fs::canonicalize(q).unwrap_or_else(|_| q.clone()) == key) {
+        if !out
+            .iter()
+            .any(|(q, _)| std::fs::canonicalize(q).unwrap_or_else(|_| q.clone()) == key)
+        {
             out.push((p, o));
         }
     };
@@ -75,7 +78,10 @@ pub fn search_path(inp: &SearchInputs) -> (Vec<(PathBuf, Origin)>, Vec<String>) 
         } else if let Some(cwd) = &inp.cwd {
             cwd.join(p)
         } else {
-            warnings.push(format!("--plugin-path {}: relative path and no current directory, ignored", p.display()));
+            warnings.push(format!(
+                "--plugin-path {}: relative path and no current directory, ignored",
+                p.display()
+            ));
             continue;
         };
         push(p, Origin::Flag, &mut out);
@@ -95,7 +101,10 @@ pub fn search_path(inp: &SearchInputs) -> (Vec<(PathBuf, Origin)>, Vec<String>) 
     }
     for p in &inp.config {
         if !p.is_absolute() {
-            warnings.push(format!("config plugin_path entry {} is relative, ignored", p.display()));
+            warnings.push(format!(
+                "config plugin_path entry {} is relative, ignored",
+                p.display()
+            ));
             continue;
         }
         push(p.clone(), Origin::Config, &mut out);
@@ -103,7 +112,11 @@ pub fn search_path(inp: &SearchInputs) -> (Vec<(PathBuf, Origin)>, Vec<String>) 
     if let Some(exe) = &inp.exe_dir {
         push(exe.clone(), Origin::ExeDir, &mut out);
         if let Some(parent) = exe.parent() {
-            push(parent.join("lib").join("sdhost").join("plugins"), Origin::Prefix, &mut out);
+            push(
+                parent.join("lib").join("sdhost").join("plugins"),
+                Origin::Prefix,
+                &mut out,
+            );
         }
     }
     (out, warnings)
@@ -114,12 +127,18 @@ pub fn search_path(inp: &SearchInputs) -> (Vec<(PathBuf, Origin)>, Vec<String>) 
 pub fn is_plugin_file_name(name: &str) -> bool {
     name.strip_prefix(sdhost_plugin_api::FILE_PREFIX)
         .and_then(|r| r.strip_suffix(sdhost_plugin_api::FILE_SUFFIX))
-        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-'))
+        .is_some_and(|n| {
+            !n.is_empty()
+                && n.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        })
 }
 
 /// Plugin files in `dir`, sorted by name. A missing folder has none.
 pub fn plugin_files(dir: &Path) -> Vec<PathBuf> {
-    let Ok(rd) = std::fs::read_dir(dir) else { return Vec::new() };
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
     let mut files: Vec<PathBuf> = rd
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_str().is_some_and(is_plugin_file_name))
@@ -147,7 +166,10 @@ mod tests {
     #[test]
     fn precedence_and_cwd_rules() {
         let (path, warnings) = search_path(&inputs());
-        let got: Vec<(String, Origin)> = path.iter().map(|(p, o)| (p.display().to_string(), *o)).collect();
+        let got: Vec<(String, Origin)> = path
+            .iter()
+            .map(|(p, o)| (p.display().to_string(), *o))
+            .collect();
         let want = vec![
             ("/flag/a".to_string(), Origin::Flag),
             ("/home/u/rel".to_string(), Origin::Flag),
@@ -165,14 +187,28 @@ mod tests {
 
     #[test]
     fn duplicates_are_dropped_keeping_the_first() {
-        let inp = SearchInputs { flags: vec!["/x".into()], env: Some("/x:/y".into()), ..Default::default() };
+        let inp = SearchInputs {
+            flags: vec!["/x".into()],
+            env: Some("/x:/y".into()),
+            ..Default::default()
+        };
         let (path, _) = search_path(&inp);
-        assert_eq!(path, vec![(PathBuf::from("/x"), Origin::Flag), (PathBuf::from("/y"), Origin::Env)]);
+        assert_eq!(
+            path,
+            vec![
+                (PathBuf::from("/x"), Origin::Flag),
+                (PathBuf::from("/y"), Origin::Env)
+            ]
+        );
     }
 
     #[test]
     fn plugin_file_names() {
-        for ok in ["libsdhost_plugin_cpu.so", "libsdhost_plugin_vulkan.so", "libsdhost_plugin_cpu-x86_64-v3.so"] {
+        for ok in [
+            "libsdhost_plugin_cpu.so",
+            "libsdhost_plugin_vulkan.so",
+            "libsdhost_plugin_cpu-x86_64-v3.so",
+        ] {
             assert!(is_plugin_file_name(ok), "{ok}");
         }
         for bad in [

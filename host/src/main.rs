@@ -9,7 +9,11 @@ fn main() -> ExitCode {
     match sdhost::app::run(cli) {
         Ok(code) => code,
         Err(e) => {
-            let msg = e.chain().map(|c| c.to_string()).collect::<Vec<_>>().join(": ");
+            let msg = e
+                .chain()
+                .map(|c| c.to_string())
+                .collect::<Vec<_>>()
+                .join(": ");
             eprintln!("error: {}", sdhost::registry::one_line(&msg));
             ExitCode::FAILURE
         }

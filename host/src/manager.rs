@@ -34,7 +34,11 @@ impl<'r> BackendManager<'r> {
     /// A manager over the devices of `registry`; `threads` is applied to CPU
     /// backends when given.
     pub fn new(registry: &'r Registry, threads: Option<usize>) -> Self {
-        BackendManager { registry, slots: registry.devices.iter().map(|_| OnceCell::new()).collect(), threads }
+        BackendManager {
+            registry,
+            slots: registry.devices.iter().map(|_| OnceCell::new()).collect(),
+            threads,
+        }
     }
 
     /// The backend of device `name`, created on first call.
@@ -50,7 +54,13 @@ impl<'r> BackendManager<'r> {
             return Ok(b);
         }
         let entry = &self.registry.devices[idx];
-        let backend = entry.device.init_backend().map_err(|source| ManagerError::Init { device: name.to_string(), source })?;
+        let backend = entry
+            .device
+            .init_backend()
+            .map_err(|source| ManagerError::Init {
+                device: name.to_string(),
+                source,
+            })?;
         if let Some(n) = self.threads {
             backend.set_n_threads(n);
         }

@@ -116,7 +116,12 @@ struct Candidate {
 
 /// Folds a possibly multi-line error into one line of bounded length.
 pub fn one_line(s: &str) -> String {
-    let joined = s.split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ");
+    let joined = s
+        .split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
     if joined.chars().count() > 300 {
         let cut: String = joined.chars().take(297).collect();
         format!("{cut}...")
@@ -139,7 +144,8 @@ fn unknown_manifest() -> ManifestInfo {
 
 fn valid_family(f: &str) -> bool {
     let mut b = f.bytes();
-    b.next().is_some_and(|c| c.is_ascii_lowercase()) && b.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_')
+    b.next().is_some_and(|c| c.is_ascii_lowercase())
+        && b.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'_')
 }
 
 impl Registry {
@@ -168,7 +174,10 @@ impl Registry {
                 match Plugin::open(&path) {
                     Err(e) => {
                         if let OpenError::Identity { plugin, .. } = &e {
-                            reg.plugins[idx].manifest = Some(ManifestInfo { build_identity: plugin.clone(), ..unknown_manifest() });
+                            reg.plugins[idx].manifest = Some(ManifestInfo {
+                                build_identity: plugin.clone(),
+                                ..unknown_manifest()
+                            });
                         }
                         reg.plugins[idx].reason = Some(one_line(&e.to_string()));
                     }
@@ -181,15 +190,27 @@ impl Registry {
                                 manifest.family
                             ));
                         } else {
-                            candidates.push(Candidate { record: idx, plugin, manifest });
+                            candidates.push(Candidate {
+                                record: idx,
+                                plugin,
+                                manifest,
+                            });
                         }
                     }
                 }
             }
         }
         // Per family: best score first, then search order (stable sort keeps it).
-        candidates.sort_by(|a, b| a.manifest.family.cmp(&b.manifest.family).then(b.manifest.score.cmp(&a.manifest.score)));
-        let mut families: Vec<String> = candidates.iter().map(|c| c.manifest.family.clone()).collect();
+        candidates.sort_by(|a, b| {
+            a.manifest
+                .family
+                .cmp(&b.manifest.family)
+                .then(b.manifest.score.cmp(&a.manifest.score))
+        });
+        let mut families: Vec<String> = candidates
+            .iter()
+            .map(|c| c.manifest.family.clone())
+            .collect();
         families.dedup();
         let mut loaded: Vec<(usize, Reg)> = Vec::new();
         for fam in families {
@@ -211,17 +232,31 @@ impl Registry {
                         winner = Some(c.record);
                         loaded.push((c.record, r));
                     }
-                    Err(e) => reg.plugins[c.record].reason = Some(format!("init failed: {}", one_line(&e))),
+                    Err(e) => {
+                        reg.plugins[c.record].reason =
+                            Some(format!("init failed: {}", one_line(&e)))
+                    }
                 }
             }
         }
         loaded.sort_by_key(|(i, _)| *i);
         for (i, r) in loaded {
-            let m = reg.plugins[i].manifest.clone().expect("loaded plugins have a manifest");
-            let devices: Vec<Device> = r.devices().into_iter().filter(|d| d.device_type() != DeviceType::Meta).collect();
+            let m = reg.plugins[i]
+                .manifest
+                .clone()
+                .expect("loaded plugins have a manifest");
+            let devices: Vec<Device> = r
+                .devices()
+                .into_iter()
+                .filter(|d| d.device_type() != DeviceType::Meta)
+                .collect();
             let n = devices.len();
             for (k, d) in devices.into_iter().enumerate() {
-                let name = if m.indexed_devices || n > 1 { format!("{}{k}", m.family) } else { m.family.clone() };
+                let name = if m.indexed_devices || n > 1 {
+                    format!("{}{k}", m.family)
+                } else {
+                    m.family.clone()
+                };
                 let (free, total) = d.memory();
                 reg.devices.push(DeviceEntry {
                     name,

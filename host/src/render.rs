@@ -21,7 +21,10 @@ pub trait Report {
 /// Prints a report to stdout.
 pub fn print(r: &dyn Report, json: bool) {
     if json {
-        println!("{}", serde_json::to_string_pretty(&r.json()).unwrap_or_else(|_| "null".into()));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&r.json()).unwrap_or_else(|_| "null".into())
+        );
     } else {
         print!("{}", r.text());
     }
@@ -36,7 +39,11 @@ pub fn human_bytes(b: u64) -> String {
         v /= 1024.0;
         u += 1;
     }
-    if u == 0 { format!("{b} B") } else { format!("{v:.1} {}", UNITS[u]) }
+    if u == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
 }
 
 /// Left-aligned table with a header row.
@@ -85,7 +92,9 @@ pub struct DevicesReport {
 impl DevicesReport {
     /// From the registry.
     pub fn new(reg: &Registry) -> Self {
-        DevicesReport { rows: reg.devices.clone() }
+        DevicesReport {
+            rows: reg.devices.clone(),
+        }
     }
 }
 
@@ -101,13 +110,26 @@ impl Report for DevicesReport {
                 vec![
                     d.name.clone(),
                     type_name(d.ty).into(),
-                    format!("{} / {}", human_bytes(d.memory_free), human_bytes(d.memory_total)),
+                    format!(
+                        "{} / {}",
+                        human_bytes(d.memory_free),
+                        human_bytes(d.memory_total)
+                    ),
                     d.description.clone(),
                     d.plugin.display().to_string(),
                 ]
             })
             .collect();
-        table(&["NAME", "TYPE", "MEMORY (free / total)", "DESCRIPTION", "PLUGIN"], &rows)
+        table(
+            &[
+                "NAME",
+                "TYPE",
+                "MEMORY (free / total)",
+                "DESCRIPTION",
+                "PLUGIN",
+            ],
+            &rows,
+        )
     }
 
     fn json(&self) -> Value {
@@ -153,7 +175,11 @@ impl PluginsReport {
                 ]
             })
             .collect();
-        let search = s.search.iter().map(|(p, o)| format!("{} ({})", p.display(), o.label())).collect();
+        let search = s
+            .search
+            .iter()
+            .map(|(p, o)| format!("{} ({})", p.display(), o.label()))
+            .collect();
         let json = json!({
             "host_identity": sdhost_plugin_api::host_identity(),
             "search_path": s.search.iter().map(|(p, o)| json!({"path": p, "origin": o})).collect::<Vec<_>>(),
@@ -172,7 +198,12 @@ impl Report for PluginsReport {
         if self.rows.is_empty() {
             out.push_str("no plugin files found\n");
         } else {
-            out.push_str(&table(&["STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "REASON"], &self.rows));
+            out.push_str(&table(
+                &[
+                    "STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "REASON",
+                ],
+                &self.rows,
+            ));
         }
         out
     }
@@ -228,7 +259,9 @@ impl PlanReport {
                 module: m.name(),
                 runtime: p.runtime.get(m).cloned().unwrap_or_default(),
                 params: p.params.get(m).cloned().unwrap_or_default(),
-                weight_bytes: bytes.as_ref().map(|b| b.get(m.name()).copied().unwrap_or(0)),
+                weight_bytes: bytes
+                    .as_ref()
+                    .map(|b| b.get(m.name()).copied().unwrap_or(0)),
             })
             .collect();
         let mut warnings = p.notes.clone();
@@ -247,10 +280,18 @@ impl PlanReport {
                         human_bytes(free)
                     ));
                 }
-                devices.push(PlanDevice { device: dev.to_string(), memory_free: free, weight_bytes: w });
+                devices.push(PlanDevice {
+                    device: dev.to_string(),
+                    memory_free: free,
+                    weight_bytes: w,
+                });
             }
         }
-        PlanReport { modules, devices, warnings }
+        PlanReport {
+            modules,
+            devices,
+            warnings,
+        }
     }
 }
 
@@ -278,7 +319,13 @@ impl Report for PlanReport {
             let rows: Vec<Vec<String>> = self
                 .devices
                 .iter()
-                .map(|d| vec![d.device.clone(), human_bytes(d.weight_bytes), human_bytes(d.memory_free)])
+                .map(|d| {
+                    vec![
+                        d.device.clone(),
+                        human_bytes(d.weight_bytes),
+                        human_bytes(d.memory_free),
+                    ]
+                })
                 .collect();
             out.push_str(&table(&["DEVICE", "WEIGHTS", "FREE"], &rows));
         }
@@ -315,7 +362,10 @@ impl Report for CheckReport {
                 ]
             })
             .collect();
-        let mut out = table(&["DEVICE", "OP", "RESULT", "MAX ERR", "TOL", "DETAIL"], &rows);
+        let mut out = table(
+            &["DEVICE", "OP", "RESULT", "MAX ERR", "TOL", "DETAIL"],
+            &rows,
+        );
         let count = |v: &str| self.rows.iter().filter(|r| r.verdict.as_str() == v).count();
         out.push_str(&format!(
             "{} passed, {} failed, {} fallback, {} unsupported\n",

@@ -10,7 +10,9 @@ use sdhost::registry::Registry;
 #[test]
 fn plan_resolves_against_loaded_devices() {
     let p = Prefix::with_cpu();
-    let r = p.run(&["plan", "--backend", "te=cpu,diffusion=auto", "--json"]).ok();
+    let r = p
+        .run(&["plan", "--backend", "te=cpu,diffusion=auto", "--json"])
+        .ok();
     let j = r.json();
     let modules = j["modules"].as_array().unwrap();
     assert_eq!(modules.len(), 7);
@@ -20,7 +22,10 @@ fn plan_resolves_against_loaded_devices() {
     }
     let r = p.run(&["plan", "--backend", "cuda0"]);
     assert_eq!(r.code, Some(1));
-    assert_eq!(r.stderr.trim(), "error: --backend: unknown device \"cuda0\"; loaded devices: cpu");
+    assert_eq!(
+        r.stderr.trim(),
+        "error: --backend: unknown device \"cuda0\"; loaded devices: cpu"
+    );
     let r = p.run(&["plan", "--backend", "te=cpu,clip=cpu"]);
     assert_eq!(r.code, Some(1));
     assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
@@ -32,7 +37,12 @@ fn plan_uses_config_and_flags_override_it() {
     p.write_config("backend = \"vulkan0\"\n");
     let r = p.run(&["plan"]);
     assert_eq!(r.code, Some(1));
-    assert!(r.stderr.contains("config backend: unknown device \"vulkan0\""), "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("config backend: unknown device \"vulkan0\""),
+        "{}",
+        r.stderr
+    );
     p.run(&["plan", "--backend", "cpu"]).ok();
 }
 
@@ -43,10 +53,21 @@ fn plan_with_model_counts_weights_per_module() {
     let header = r#"{"model.diffusion_model.w":{"dtype":"F32","shape":[256],"data_offsets":[0,1024]},"first_stage_model.w":{"dtype":"F16","shape":[64],"data_offsets":[1024,1152]}}"#;
     let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
     bytes.extend_from_slice(header.as_bytes());
-    bytes.extend(std::iter::repeat(0u8).take(1152));
+    bytes.extend(std::iter::repeat_n(0u8, 1152));
     std::fs::write(&model, bytes).unwrap();
-    let j = p.run(&["plan", "-m", model.to_str().unwrap(), "--json"]).ok().json();
-    let get = |name: &str| j["modules"].as_array().unwrap().iter().find(|m| m["module"] == name).unwrap()["weight_bytes"].clone();
+    let j = p
+        .run(&["plan", "-m", model.to_str().unwrap(), "--json"])
+        .ok()
+        .json();
+    let get = |name: &str| {
+        j["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["module"] == name)
+            .unwrap()["weight_bytes"]
+            .clone()
+    };
     assert_eq!(get("diffusion"), 1024);
     assert_eq!(get("vae"), 128);
     assert_eq!(get("te"), 0);
@@ -55,7 +76,12 @@ fn plan_with_model_counts_weights_per_module() {
     std::fs::write(&model, b"\x10\x00\x00\x00\x00\x00\x00\x00{").unwrap();
     let r = p.run(&["plan", "-m", model.to_str().unwrap()]);
     assert_eq!(r.code, Some(1));
-    assert!(r.stderr.starts_with("error: reading checkpoint ") && r.stderr.contains("invalid safetensors file"), "{}", r.stderr);
+    assert!(
+        r.stderr.starts_with("error: reading checkpoint ")
+            && r.stderr.contains("invalid safetensors file"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -70,7 +96,11 @@ fn check_on_cpu_passes_every_op() {
     }
     let r = p.run(&["check", "--device", "nosuch"]);
     assert_eq!(r.code, Some(1));
-    assert!(r.stderr.contains("--device: unknown device \"nosuch\""), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("--device: unknown device \"nosuch\""),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -81,7 +111,10 @@ fn manager_shares_one_backend_per_device() {
     assert_eq!(m.created(), 0);
     let te = m.get("cpu").unwrap();
     let vae = m.get("cpu").unwrap();
-    assert!(std::ptr::eq(te, vae), "two modules on cpu must share one instance");
+    assert!(
+        std::ptr::eq(te, vae),
+        "two modules on cpu must share one instance"
+    );
     assert_eq!(m.created(), 1);
     assert!(m.get("nosuch").is_err());
 }

@@ -64,7 +64,10 @@ pub fn module_of(name: &str) -> Option<&'static str> {
         ("first_stage_model.", "vae"),
         ("control_model.", "controlnet"),
     ];
-    PREFIXES.iter().find(|(p, _)| name.starts_with(p)).map(|(_, m)| *m)
+    PREFIXES
+        .iter()
+        .find(|(p, _)| name.starts_with(p))
+        .map(|(_, m)| *m)
 }
 
 impl Checkpoint {
@@ -82,17 +85,27 @@ impl Checkpoint {
 
 /// Reads a checkpoint's header (no tensor data is read).
 pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
-    let ext = path.extension().and_then(|e| e.to_str()).map(str::to_ascii_lowercase);
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .map(str::to_ascii_lowercase);
     let tensors = match ext.as_deref() {
         Some("safetensors") => scan_safetensors(path)?,
         Some("gguf") => ggml::gguf_tensor_infos(path)
             .map_err(|e| CheckpointError::Gguf(e.to_string()))?
             .into_iter()
-            .map(|t| TensorEntry { name: t.name, dtype: t.type_name, bytes: t.size })
+            .map(|t| TensorEntry {
+                name: t.name,
+                dtype: t.type_name,
+                bytes: t.size,
+            })
             .collect(),
         _ => return Err(CheckpointError::UnknownFormat(path.to_path_buf())),
     };
-    Ok(Checkpoint { path: path.to_path_buf(), tensors })
+    Ok(Checkpoint {
+        path: path.to_path_buf(),
+        tensors,
+    })
 }
 
 /// Bytes per element of a safetensors dtype, `None` for unknown ones.
@@ -108,28 +121,41 @@ fn dtype_size(dtype: &str) -> Option<u64> {
 
 fn scan_safetensors(path: &Path) -> Result<Vec<TensorEntry>, CheckpointError> {
     use std::io::Read;
-    let bad = |message: String| CheckpointError::Safetensors { path: path.to_path_buf(), message };
-    let io = |source| CheckpointError::Io { path: path.to_path_buf(), source };
+    let bad = |message: String| CheckpointError::Safetensors {
+        path: path.to_path_buf(),
+        message,
+    };
+    let io = |source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
     let mut file = std::fs::File::open(path).map_err(io)?;
     let total = file.metadata().map_err(io)?.len();
     let mut n = [0u8; 8];
-    file.read_exact(&mut n).map_err(|_| bad(format!("file is {total} bytes, too short for a header")))?;
+    file.read_exact(&mut n)
+        .map_err(|_| bad(format!("file is {total} bytes, too short for a header")))?;
     let header_len = u64::from_le_bytes(n);
     if header_len > total - 8 || header_len > 100 << 20 {
-        return Err(bad(format!("header length {header_len} runs past the end of the {total}-byte file")));
+        return Err(bad(format!(
+            "header length {header_len} runs past the end of the {total}-byte file"
+        )));
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(io)?;
-    let json: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+        .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
     let data_len = total - 8 - header_len;
     let mut entries: Vec<(u64, u64, TensorEntry)> = Vec::new();
     for (name, v) in json {
         if name == "__metadata__" {
             continue;
         }
-        let dtype = v["dtype"].as_str().ok_or_else(|| bad(format!("tensor {name}: no dtype")))?.to_string();
-        let size = dtype_size(&dtype).ok_or_else(|| bad(format!("tensor {name}: unknown dtype {dtype}")))?;
+        let dtype = v["dtype"]
+            .as_str()
+            .ok_or_else(|| bad(format!("tensor {name}: no dtype")))?
+            .to_string();
+        let size = dtype_size(&dtype)
+            .ok_or_else(|| bad(format!("tensor {name}: unknown dtype {dtype}")))?;
         let shape: Vec<u64> = v["shape"]
             .as_array()
             .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
@@ -141,18 +167,34 @@ fn scan_safetensors(path: &Path) -> Result<Vec<TensorEntry>, CheckpointError> {
             .ok_or_else(|| bad(format!("tensor {name}: bad data_offsets")))?;
         let (start, end) = (offs[0], offs[1]);
         if start > end || end > data_len {
-            return Err(bad(format!("tensor {name}: data offsets {start}..{end} run past the {data_len} data bytes")));
+            return Err(bad(format!(
+                "tensor {name}: data offsets {start}..{end} run past the {data_len} data bytes"
+            )));
         }
         let want = shape.iter().try_fold(size, |acc, d| acc.checked_mul(*d));
         if want != Some(end - start) {
-            return Err(bad(format!("tensor {name}: shape {shape:?} of {dtype} does not fit its {} bytes", end - start)));
+            return Err(bad(format!(
+                "tensor {name}: shape {shape:?} of {dtype} does not fit its {} bytes",
+                end - start
+            )));
         }
-        entries.push((start, end, TensorEntry { name, dtype, bytes: end - start }));
+        entries.push((
+            start,
+            end,
+            TensorEntry {
+                name,
+                dtype,
+                bytes: end - start,
+            },
+        ));
     }
     entries.sort_by_key(|(start, _, _)| *start);
     for w in entries.windows(2) {
         if w[1].0 < w[0].1 {
-            return Err(bad(format!("tensors {} and {} overlap", w[0].2.name, w[1].2.name)));
+            return Err(bad(format!(
+                "tensors {} and {} overlap",
+                w[0].2.name, w[1].2.name
+            )));
         }
     }
     Ok(entries.into_iter().map(|(_, _, e)| e).collect())
@@ -164,7 +206,10 @@ mod tests {
     use std::io::Write;
 
     fn file(header: &str, data: usize) -> tempfile::NamedTempFile {
-        let mut f = tempfile::Builder::new().suffix(".safetensors").tempfile().unwrap();
+        let mut f = tempfile::Builder::new()
+            .suffix(".safetensors")
+            .tempfile()
+            .unwrap();
         f.write_all(&(header.len() as u64).to_le_bytes()).unwrap();
         f.write_all(header.as_bytes()).unwrap();
         f.write_all(&vec![0u8; data]).unwrap();
@@ -176,13 +221,20 @@ mod tests {
         let got = scan(f.path());
         match (got, want) {
             (Ok(c), Ok(w)) => {
-                let got: Vec<(&str, u64)> = c.tensors.iter().map(|t| (t.name.as_str(), t.bytes)).collect();
+                let got: Vec<(&str, u64)> = c
+                    .tensors
+                    .iter()
+                    .map(|t| (t.name.as_str(), t.bytes))
+                    .collect();
                 assert_eq!(got, w);
             }
             (Err(e), Err(w)) => {
                 let msg = e.to_string();
                 assert!(msg.contains(w), "{msg} does not contain {w}");
-                assert!(msg.contains(&f.path().display().to_string()), "{msg} does not name the file");
+                assert!(
+                    msg.contains(&f.path().display().to_string()),
+                    "{msg} does not name the file"
+                );
             }
             (got, want) => panic!("got {got:?}, want {want:?}"),
         }
@@ -191,26 +243,54 @@ mod tests {
     #[test]
     fn safetensors_headers() {
         let te = r#"{"cond_stage_model.w":{"dtype":"F16","shape":[2,3],"data_offsets":[0,12]},"model.diffusion_model.b":{"dtype":"F32","shape":[4],"data_offsets":[12,28]},"__metadata__":{"a":"b"}}"#;
-        check(te, 28, Ok(vec![("cond_stage_model.w", 12), ("model.diffusion_model.b", 16)]));
+        check(
+            te,
+            28,
+            Ok(vec![
+                ("cond_stage_model.w", 12),
+                ("model.diffusion_model.b", 16),
+            ]),
+        );
         check(te, 20, Err("run past the 20 data bytes"));
-        check(r#"{"x":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#, 1, Err("unknown dtype Q9"));
-        check(r#"{"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#, 8, Err("does not fit"));
-        check(r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"y":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#, 12, Err("overlap"));
+        check(
+            r#"{"x":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#,
+            1,
+            Err("unknown dtype Q9"),
+        );
+        check(
+            r#"{"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}}"#,
+            8,
+            Err("does not fit"),
+        );
+        check(
+            r#"{"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"y":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}}"#,
+            12,
+            Err("overlap"),
+        );
         check("[1,2]", 0, Err("not a JSON object"));
     }
 
     #[test]
     fn truncated_and_unknown_files() {
-        let mut f = tempfile::Builder::new().suffix(".safetensors").tempfile().unwrap();
+        let mut f = tempfile::Builder::new()
+            .suffix(".safetensors")
+            .tempfile()
+            .unwrap();
         f.write_all(&1000u64.to_le_bytes()).unwrap();
         f.write_all(b"{}").unwrap();
         let e = scan(f.path()).unwrap_err().to_string();
         assert!(e.contains("runs past the end"), "{e}");
         let g = tempfile::Builder::new().suffix(".ckpt").tempfile().unwrap();
-        assert!(scan(g.path()).unwrap_err().to_string().contains("unknown checkpoint format"));
+        assert!(scan(g.path())
+            .unwrap_err()
+            .to_string()
+            .contains("unknown checkpoint format"));
         let mut h = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
         h.write_all(b"GGUF garbage").unwrap();
-        assert!(scan(h.path()).unwrap_err().to_string().contains("not a valid GGUF file"));
+        assert!(scan(h.path())
+            .unwrap_err()
+            .to_string()
+            .contains("not a valid GGUF file"));
     }
 
     #[test]
@@ -218,10 +298,26 @@ mod tests {
         let c = Checkpoint {
             path: PathBuf::new(),
             tensors: vec![
-                TensorEntry { name: "model.diffusion_model.x".into(), dtype: "F16".into(), bytes: 10 },
-                TensorEntry { name: "first_stage_model.y".into(), dtype: "F16".into(), bytes: 5 },
-                TensorEntry { name: "cond_stage_model.z".into(), dtype: "F16".into(), bytes: 7 },
-                TensorEntry { name: "model_ema.decay".into(), dtype: "F32".into(), bytes: 4 },
+                TensorEntry {
+                    name: "model.diffusion_model.x".into(),
+                    dtype: "F16".into(),
+                    bytes: 10,
+                },
+                TensorEntry {
+                    name: "first_stage_model.y".into(),
+                    dtype: "F16".into(),
+                    bytes: 5,
+                },
+                TensorEntry {
+                    name: "cond_stage_model.z".into(),
+                    dtype: "F16".into(),
+                    bytes: 7,
+                },
+                TensorEntry {
+                    name: "model_ema.decay".into(),
+                    dtype: "F32".into(),
+                    bytes: 4,
+                },
             ],
         };
         let m = c.module_bytes();

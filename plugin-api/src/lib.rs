@@ -178,14 +178,19 @@ impl std::fmt::Display for OpenError {
 }
 
 fn fold(s: &str) -> String {
-    s.split('\n').map(str::trim).filter(|l| !l.is_empty()).collect::<Vec<_>>().join("; ")
+    s.split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ")
 }
 
 impl Plugin {
     /// Opens `path` (the library is never unloaded) and checks it.
     pub fn open(path: &std::path::Path) -> Result<Plugin, OpenError> {
         use abi_stable::library::{lib_header_from_path, LibraryError};
-        let map = |e: LibraryError| match e {
+        let map = |e: LibraryError| {
+            match e {
             LibraryError::OpenError { err, .. } => OpenError::Load(fold(&err.to_string())),
             LibraryError::GetSymbolError { .. } => OpenError::NotAPlugin,
             LibraryError::IncompatibleVersionNumber { expected_version, actual_version, .. } => OpenError::Abi(format!(
@@ -195,20 +200,26 @@ impl Plugin {
                 OpenError::Abi("plugin ABI layout differs from the host's (built against another sdhost-plugin-api)".into())
             }
             other => OpenError::Abi(format!("invalid plugin: {}", fold(&other.to_string()))),
+        }
         };
         let header = lib_header_from_path(path).map_err(map)?;
         let module = header.init_root_module::<PluginModRef>().map_err(map)?;
         let manifest = (module.manifest())();
         let host = host_identity();
         if manifest.build_identity.as_str() != host {
-            return Err(OpenError::Identity { plugin: manifest.build_identity.to_string(), host });
+            return Err(OpenError::Identity {
+                plugin: manifest.build_identity.to_string(),
+                host,
+            });
         }
         Ok(Plugin { module, manifest })
     }
 
     /// Calls the plugin's `init` and wraps the registry it returns.
     pub fn init(&self) -> Result<ggml::Reg, String> {
-        let raw = (self.module.init())().into_result().map_err(|e| fold(e.as_str()))?;
+        let raw = (self.module.init())()
+            .into_result()
+            .map_err(|e| fold(e.as_str()))?;
         // SAFETY: `open` verified that the plugin carries this process's build
         // identity, so the registry was built against the same libggml-base;
         // the library is never unloaded, so the registry outlives every use.

@@ -9,8 +9,14 @@ fn main() {
     let native = std::env::var("SDHOST_CPU_NATIVE").is_ok_and(|v| v == "1");
     ggml_build::build_static_backend(
         "ggml-cpu",
-        &[("GGML_CPU", "ON"), ("GGML_NATIVE", if native { "ON" } else { "OFF" })],
+        &[
+            ("GGML_CPU", "ON"),
+            ("GGML_NATIVE", if native { "ON" } else { "OFF" }),
+        ],
     );
     println!("cargo:rustc-link-lib=dylib=gomp");
-    println!("cargo:rustc-env=SDHOST_CPU_VARIANT={}", if native { "native" } else { "portable" });
+    println!(
+        "cargo:rustc-env=SDHOST_CPU_VARIANT={}",
+        if native { "native" } else { "portable" }
+    );
 }

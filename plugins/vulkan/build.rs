@@ -12,17 +12,27 @@ use std::path::{Path, PathBuf};
 fn main() {
     println!("cargo:rerun-if-env-changed=SDHOST_VULKAN_INCLUDE");
     println!("cargo:rerun-if-env-changed=SDHOST_VULKAN_LIBRARY");
-    let include = std::env::var_os("SDHOST_VULKAN_INCLUDE").map(PathBuf::from).unwrap_or_else(|| {
-        let ours = PathBuf::from("/opt/sdhost-vulkan-headers/usr/include");
-        if ours.join("vulkan/vulkan.hpp").is_file() { ours } else { PathBuf::from("/usr/include") }
-    });
+    let include = std::env::var_os("SDHOST_VULKAN_INCLUDE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            let ours = PathBuf::from("/opt/sdhost-vulkan-headers/usr/include");
+            if ours.join("vulkan/vulkan.hpp").is_file() {
+                ours
+            } else {
+                PathBuf::from("/usr/include")
+            }
+        });
     if !include.join("vulkan/vulkan.hpp").is_file() {
         fail(&format!(
             "Vulkan plugin: no vulkan/vulkan.hpp under {} (run .ci/install-deps or set SDHOST_VULKAN_INCLUDE)",
             include.display()
         ));
     }
-    if std::process::Command::new("glslc").arg("--version").output().is_err() {
+    if std::process::Command::new("glslc")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         fail("Vulkan plugin: glslc not found (Debian: apt-get install glslc)");
     }
     let library = std::env::var_os("SDHOST_VULKAN_LIBRARY").map(PathBuf::from).unwrap_or_else(|| {
@@ -45,6 +55,9 @@ fn main() {
     );
     let dir = library.parent().unwrap_or(Path::new("/usr/lib"));
     println!("cargo:rustc-link-search=native={}", dir.display());
-    let file = library.file_name().and_then(|f| f.to_str()).unwrap_or("libvulkan.so.1");
+    let file = library
+        .file_name()
+        .and_then(|f| f.to_str())
+        .unwrap_or("libvulkan.so.1");
     println!("cargo:rustc-link-lib=dylib:+verbatim={file}");
 }

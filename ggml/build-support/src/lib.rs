@@ -42,7 +42,8 @@ pub fn ggml_source(out_dir: &Path) -> Result<PathBuf, String> {
         return Ok(dir);
     }
     let probe = out_dir.join("ggml-source-probe");
-    std::fs::create_dir_all(probe.join("src")).map_err(|e| format!("creating {}: {e}", probe.display()))?;
+    std::fs::create_dir_all(probe.join("src"))
+        .map_err(|e| format!("creating {}: {e}", probe.display()))?;
     let manifest = format!(
         "[package]\nname = \"ggml-source-probe\"\nversion = \"0.0.0\"\nedition = \"2021\"\n\n\
          [dependencies]\n{PIN_PACKAGE} = {{ version = \"={PIN_VERSION}\", default-features = false }}\n\n[workspace]\n"
@@ -58,13 +59,17 @@ pub fn ggml_source(out_dir: &Path) -> Result<PathBuf, String> {
         .map_err(|e| format!("running cargo metadata: {e}"))?;
     if !output.status.success() {
         let err = String::from_utf8_lossy(&output.stderr);
-        let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("no output");
         return Err(format!(
             "cannot fetch {PIN_PACKAGE} {PIN_VERSION} for the ggml source ({last}); set {SOURCE_ENV} to a ggml source tree"
         ));
     }
-    let meta: serde_json::Value =
-        serde_json::from_slice(&output.stdout).map_err(|e| format!("cargo metadata output: {e}"))?;
+    let meta: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .map_err(|e| format!("cargo metadata output: {e}"))?;
     let manifest_path = meta["packages"]
         .as_array()
         .into_iter()
@@ -81,9 +86,17 @@ pub fn ggml_source(out_dir: &Path) -> Result<PathBuf, String> {
 }
 
 fn check_source(dir: &Path) -> Result<(), String> {
-    for f in ["CMakeLists.txt", "include/ggml.h", "include/ggml-backend.h", "src/ggml-backend-impl.h"] {
+    for f in [
+        "CMakeLists.txt",
+        "include/ggml.h",
+        "include/ggml-backend.h",
+        "src/ggml-backend-impl.h",
+    ] {
         if !dir.join(f).is_file() {
-            return Err(format!("not a ggml source tree: {} is missing", dir.join(f).display()));
+            return Err(format!(
+                "not a ggml source tree: {} is missing",
+                dir.join(f).display()
+            ));
         }
     }
     Ok(())
@@ -148,7 +161,8 @@ impl CmakeBuild {
     /// Configures and builds; returns the folder holding every built library.
     pub fn build(self) -> PathBuf {
         let wrapper = self.out_dir.join(format!("wrapper-{}", self.target));
-        std::fs::create_dir_all(&wrapper).unwrap_or_else(|e| fail(&format!("creating {}: {e}", wrapper.display())));
+        std::fs::create_dir_all(&wrapper)
+            .unwrap_or_else(|e| fail(&format!("creating {}: {e}", wrapper.display())));
         let src = self.src.display().to_string().replace('\\', "/");
         let cmakelists = format!(
             "cmake_minimum_required(VERSION 3.16)\n\
@@ -158,7 +172,8 @@ impl CmakeBuild {
              set(CMAKE_ARCHIVE_OUTPUT_DIRECTORY ${{CMAKE_BINARY_DIR}}/lib)\n\
              add_subdirectory(\"{src}\" ggml)\n"
         );
-        std::fs::write(wrapper.join("CMakeLists.txt"), cmakelists).unwrap_or_else(|e| fail(&e.to_string()));
+        std::fs::write(wrapper.join("CMakeLists.txt"), cmakelists)
+            .unwrap_or_else(|e| fail(&e.to_string()));
         if Command::new(std::env::var_os("CMAKE").unwrap_or_else(|| "cmake".into()))
             .arg("--version")
             .output()
@@ -195,10 +210,13 @@ impl CmakeBuild {
 /// Sets the RPATH that finds `libggml-base` beside the plugin or one folder up
 /// (`lib/sdhost/plugins/` → `lib/sdhost/`).
 pub fn build_static_backend(target: &str, defines: &[(&str, &str)]) -> PathBuf {
-    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_else(|| fail("OUT_DIR not set")));
-    let src = std::env::var_os("DEP_GGML_BASE_SOURCE")
-        .unwrap_or_else(|| fail("DEP_GGML_BASE_SOURCE not set: the plugin crate must depend on `ggml` directly"));
-    let base_dir = std::env::var("DEP_GGML_BASE_LIB_DIR").unwrap_or_else(|_| fail("DEP_GGML_BASE_LIB_DIR not set"));
+    let out_dir =
+        PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_else(|| fail("OUT_DIR not set")));
+    let src = std::env::var_os("DEP_GGML_BASE_SOURCE").unwrap_or_else(|| {
+        fail("DEP_GGML_BASE_SOURCE not set: the plugin crate must depend on `ggml` directly")
+    });
+    let base_dir = std::env::var("DEP_GGML_BASE_LIB_DIR")
+        .unwrap_or_else(|_| fail("DEP_GGML_BASE_LIB_DIR not set"));
     let mut build = CmakeBuild::new(Path::new(&src), &out_dir, target);
     for (k, v) in defines {
         build = build.define(k, v);
@@ -210,7 +228,8 @@ pub fn build_static_backend(target: &str, defines: &[(&str, &str)]) -> PathBuf {
     let link_dir = out_dir.join("link");
     std::fs::create_dir_all(&link_dir).unwrap_or_else(|e| fail(&e.to_string()));
     let archive = format!("lib{target}.a");
-    std::fs::copy(lib_dir.join(&archive), link_dir.join(&archive)).unwrap_or_else(|e| fail(&format!("{archive}: {e}")));
+    std::fs::copy(lib_dir.join(&archive), link_dir.join(&archive))
+        .unwrap_or_else(|e| fail(&format!("{archive}: {e}")));
     println!("cargo:rustc-link-search=native={}", link_dir.display());
     println!("cargo:rustc-link-lib=static={target}");
     println!("cargo:rustc-link-search=native={base_dir}");

@@ -8,13 +8,20 @@ use std::process::{Command, Output};
 
 /// The folder holding the built `sdhost`, `libggml-base.so.0` and plugins.
 pub fn build_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_sdhost")).parent().unwrap().to_path_buf()
+    PathBuf::from(env!("CARGO_BIN_EXE_sdhost"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
 }
 
 /// A built plugin or test plugin by library stem, e.g. `sdhost_plugin_cpu`.
 pub fn built(stem: &str) -> PathBuf {
     let p = build_dir().join(format!("lib{stem}.so"));
-    assert!(p.is_file(), "{} is missing: run `cargo build --workspace` first", p.display());
+    assert!(
+        p.is_file(),
+        "{} is missing: run `cargo build --workspace` first",
+        p.display()
+    );
     p
 }
 
@@ -33,7 +40,11 @@ impl Prefix {
             std::fs::create_dir_all(root.join(d)).unwrap();
         }
         std::fs::copy(env!("CARGO_BIN_EXE_sdhost"), root.join("bin/sdhost")).unwrap();
-        std::fs::copy(build_dir().join("libggml-base.so.0"), root.join("lib/sdhost/libggml-base.so.0")).unwrap();
+        std::fs::copy(
+            build_dir().join("libggml-base.so.0"),
+            root.join("lib/sdhost/libggml-base.so.0"),
+        )
+        .unwrap();
         Prefix { tmp }
     }
 
@@ -109,16 +120,28 @@ impl From<Output> for Run {
 
 impl Run {
     pub fn json(&self) -> serde_json::Value {
-        serde_json::from_str(&self.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.stdout, self.stderr))
+        serde_json::from_str(&self.stdout)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}\nstderr: {}", self.stdout, self.stderr))
     }
 
     /// Device names from `devices --json`.
     pub fn device_names(&self) -> Vec<String> {
-        self.json().as_array().unwrap().iter().map(|d| d["name"].as_str().unwrap().to_string()).collect()
+        self.json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d["name"].as_str().unwrap().to_string())
+            .collect()
     }
 
     pub fn ok(self) -> Run {
-        assert_eq!(self.code, Some(0), "stdout: {}\nstderr: {}", self.stdout, self.stderr);
+        assert_eq!(
+            self.code,
+            Some(0),
+            "stdout: {}\nstderr: {}",
+            self.stdout,
+            self.stderr
+        );
         self
     }
 }
@@ -129,6 +152,11 @@ pub fn record<'a>(plugins: &'a serde_json::Value, file_name: &str) -> &'a serde_
         .as_array()
         .unwrap()
         .iter()
-        .find(|p| p["path"].as_str().unwrap().ends_with(&format!("/{file_name}")))
+        .find(|p| {
+            p["path"]
+                .as_str()
+                .unwrap()
+                .ends_with(&format!("/{file_name}"))
+        })
         .unwrap_or_else(|| panic!("no record for {file_name} in {plugins:#}"))
 }
