@@ -16,6 +16,7 @@ pub mod cli;
 pub mod config;
 pub mod discovery;
 pub mod manager;
+pub mod packages;
 pub mod placement;
 pub mod registry;
 pub mod render;

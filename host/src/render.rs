@@ -164,6 +164,7 @@ impl PluginsReport {
             .iter()
             .map(|p| {
                 let m = p.manifest.as_ref();
+                let pkg = crate::packages::package_of(&p.path);
                 vec![
                     p.status.as_str().to_string(),
                     m.map_or("-".into(), |m| m.family.clone()),
@@ -171,6 +172,14 @@ impl PluginsReport {
                     m.map_or("-".into(), |m| m.score.to_string()),
                     p.devices.to_string(),
                     p.path.display().to_string(),
+                    pkg.map_or("-".into(), |k| {
+                        format!(
+                            "{} {}{}",
+                            k.name,
+                            k.version,
+                            if k.intact { "" } else { " (modified)" }
+                        )
+                    }),
                     p.reason.clone().unwrap_or_default(),
                 ]
             })
@@ -183,7 +192,11 @@ impl PluginsReport {
         let json = json!({
             "host_identity": sdhost_plugin_api::host_identity(),
             "search_path": s.search.iter().map(|(p, o)| json!({"path": p, "origin": o})).collect::<Vec<_>>(),
-            "plugins": s.registry.plugins,
+            "plugins": s.registry.plugins.iter().map(|p| {
+                let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
+                v["package"] = serde_json::to_value(crate::packages::package_of(&p.path)).unwrap_or(Value::Null);
+                v
+            }).collect::<Vec<_>>(),
         });
         PluginsReport { json, rows, search }
     }

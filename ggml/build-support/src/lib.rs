@@ -158,9 +158,49 @@ impl CmakeBuild {
         self
     }
 
+    /// Where the CMake build lives. Cargo runs a build script again under a
+    /// new `OUT_DIR` whenever the compiler wrapper changes (`cargo clippy`,
+    /// `cargo doc`), so builds are kept in a folder keyed by their inputs
+    /// under the target directory (`target/sdhost-cmake/<key>`), where CMake's
+    /// own incremental build makes the repeat a no-op. Falls back to `OUT_DIR`
+    /// when the target directory cannot be found.
+    fn build_root(&self) -> PathBuf {
+        let mut key = format!("{}|{}|{}", self.src.display(), self.target, self.shared);
+        for (k, v) in &self.defines {
+            key.push_str(&format!("|{k}={v}"));
+        }
+        for v in [
+            "TARGET",
+            "OPT_LEVEL",
+            "DEBUG",
+            "PROFILE",
+            "CC",
+            "CXX",
+            "CFLAGS",
+            "CXXFLAGS",
+        ] {
+            key.push_str(&format!("|{}", std::env::var(v).unwrap_or_default()));
+        }
+        // FNV-1a: stable across runs and toolchains (DefaultHasher is not).
+        let hash = key.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+        // OUT_DIR = <target>/<profile>/build/<pkg>-<hash>/out (or one level
+        // deeper with --target <triple>): find the folder holding CACHEDIR.TAG.
+        self.out_dir
+            .ancestors()
+            .find(|a| a.join("CACHEDIR.TAG").is_file())
+            .map(|t| {
+                t.join("sdhost-cmake")
+                    .join(format!("{}-{hash:016x}", self.target))
+            })
+            .unwrap_or_else(|| self.out_dir.clone())
+    }
+
     /// Configures and builds; returns the folder holding every built library.
     pub fn build(self) -> PathBuf {
-        let wrapper = self.out_dir.join(format!("wrapper-{}", self.target));
+        let root = self.build_root();
+        let wrapper = root.join(format!("wrapper-{}", self.target));
         std::fs::create_dir_all(&wrapper)
             .unwrap_or_else(|e| fail(&format!("creating {}: {e}", wrapper.display())));
         let src = self.src.display().to_string().replace('\\', "/");
@@ -172,8 +212,11 @@ impl CmakeBuild {
              set(CMAKE_ARCHIVE_OUTPUT_DIRECTORY ${{CMAKE_BINARY_DIR}}/lib)\n\
              add_subdirectory(\"{src}\" ggml)\n"
         );
-        std::fs::write(wrapper.join("CMakeLists.txt"), cmakelists)
-            .unwrap_or_else(|e| fail(&e.to_string()));
+        // Rewrite only on change: a newer mtime would make CMake reconfigure.
+        let lists = wrapper.join("CMakeLists.txt");
+        if std::fs::read_to_string(&lists).ok().as_deref() != Some(cmakelists.as_str()) {
+            std::fs::write(&lists, cmakelists).unwrap_or_else(|e| fail(&e.to_string()));
+        }
         if Command::new(std::env::var_os("CMAKE").unwrap_or_else(|| "cmake".into()))
             .arg("--version")
             .output()
@@ -183,7 +226,7 @@ impl CmakeBuild {
         }
         let mut cfg = cmake::Config::new(&wrapper);
         cfg.profile("Release")
-            .out_dir(self.out_dir.join(format!("cmake-{}", self.target)))
+            .out_dir(root.join(format!("cmake-{}", self.target)))
             .build_target(&self.target)
             .define("BUILD_SHARED_LIBS", if self.shared { "ON" } else { "OFF" })
             .define("CMAKE_POSITION_INDEPENDENT_CODE", "ON")
@@ -234,7 +277,13 @@ pub fn build_static_backend(target: &str, defines: &[(&str, &str)]) -> PathBuf {
     println!("cargo:rustc-link-lib=static={target}");
     println!("cargo:rustc-link-search=native={base_dir}");
     println!("cargo:rustc-link-lib=dylib=ggml-base");
-    println!("cargo:rustc-link-lib=dylib=stdc++");
-    println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,$ORIGIN:$ORIGIN/..");
+    if std::env::var("CARGO_CFG_TARGET_OS").as_deref() == Ok("macos") {
+        println!("cargo:rustc-link-lib=dylib=c++");
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,@loader_path");
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,@loader_path/..");
+    } else {
+        println!("cargo:rustc-link-lib=dylib=stdc++");
+        println!("cargo:rustc-cdylib-link-arg=-Wl,-rpath,$ORIGIN:$ORIGIN/..");
+    }
     lib_dir
 }
