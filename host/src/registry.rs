@@ -130,6 +130,22 @@ pub fn one_line(s: &str) -> String {
     }
 }
 
+/// The order in which candidates `(family, score)`, given in search-path
+/// order, are tried: grouped by family, highest score first, and on equal
+/// scores the one found first. The first of each family that initialises
+/// wins; the rest of that family are shadowed.
+pub fn try_order(candidates: &[(&str, i32)]) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..candidates.len()).collect();
+    // Stable: equal (family, score) keep search order.
+    idx.sort_by(|&a, &b| {
+        candidates[a]
+            .0
+            .cmp(candidates[b].0)
+            .then(candidates[b].1.cmp(&candidates[a].1))
+    });
+    idx
+}
+
 fn unknown_manifest() -> ManifestInfo {
     ManifestInfo {
         name: String::new(),
@@ -200,13 +216,14 @@ impl Registry {
                 }
             }
         }
-        // Per family: best score first, then search order (stable sort keeps it).
-        candidates.sort_by(|a, b| {
-            a.manifest
-                .family
-                .cmp(&b.manifest.family)
-                .then(b.manifest.score.cmp(&a.manifest.score))
-        });
+        let keys: Vec<(&str, i32)> = candidates
+            .iter()
+            .map(|c| (c.manifest.family.as_str(), c.manifest.score))
+            .collect();
+        let order = try_order(&keys);
+        let mut slots: Vec<Option<Candidate>> = candidates.into_iter().map(Some).collect();
+        let candidates: Vec<Candidate> =
+            order.into_iter().filter_map(|i| slots[i].take()).collect();
         let mut families: Vec<String> = candidates
             .iter()
             .map(|c| c.manifest.family.clone())
@@ -311,6 +328,19 @@ mod tests {
         let s = one_line(&long);
         assert_eq!(s.chars().count(), 300);
         assert!(s.ends_with("..."));
+    }
+
+    #[test]
+    fn higher_score_first_then_search_order() {
+        let c = [
+            ("cpu", 10),
+            ("vulkan", 10),
+            ("cpu", 20),
+            ("cpu", 10),
+            ("cuda", 5),
+        ];
+        assert_eq!(try_order(&c), vec![2, 0, 3, 4, 1]);
+        assert_eq!(try_order(&[]), Vec::<usize>::new());
     }
 
     #[test]

@@ -83,13 +83,14 @@ pub fn host_identity() -> String {
     ggml::build_identity().to_string()
 }
 
-/// Makes a crate a plugin: exports the root module with a manifest and an
-/// init function `fn() -> Result<*mut c_void, String>`.
+/// Makes a crate a plugin: exports the root module with a manifest and
+/// either a ggml registry function compiled into the plugin (`registry:`)
+/// or an init function `fn() -> Result<*mut c_void, String>` (`init:`).
 ///
 /// ```text
 /// sdhost_plugin_api::export_plugin! {
 ///     name: "cpu", family: "cpu", score: 10, indexed_devices: false,
-///     features: ["openmp"], init: my_init,
+///     features: ["openmp"], registry: ggml_backend_cpu_reg,
 /// }
 /// ```
 ///
@@ -97,6 +98,28 @@ pub fn host_identity() -> String {
 /// The plugin crate must depend on `abi_stable` directly (its macros name it).
 #[macro_export]
 macro_rules! export_plugin {
+    // A ggml backend compiled into the plugin: `registry` names its
+    // registry function (`ggml_backend_cpu_reg`, `ggml_backend_vk_reg`, ...).
+    (
+        name: $name:expr, family: $family:expr, score: $score:expr, indexed_devices: $indexed:expr,
+        features: [$($feature:expr),* $(,)?], registry: $reg:ident $(,)?
+    ) => {
+        extern "C" {
+            fn $reg() -> *mut ::std::ffi::c_void;
+        }
+
+        fn __sdhost_backend_registry() -> ::std::result::Result<*mut ::std::ffi::c_void, ::std::string::String> {
+            // SAFETY: ggml's registry functions take no arguments, return a
+            // pointer to a static registry, and report device-initialisation
+            // failures by listing no devices rather than aborting.
+            Ok(unsafe { $reg() })
+        }
+
+        $crate::export_plugin! {
+            name: $name, family: $family, score: $score, indexed_devices: $indexed,
+            features: [$($feature),*], init: __sdhost_backend_registry,
+        }
+    };
     (
         name: $name:expr, family: $family:expr, score: $score:expr, indexed_devices: $indexed:expr,
         features: [$($feature:expr),* $(,)?], init: $init:path

@@ -69,20 +69,32 @@ fn names(prefix: &Path) -> Vec<String> {
         .collect()
 }
 
+fn archive<'a>(archives: &'a [PathBuf], prefix: &str) -> &'a PathBuf {
+    archives
+        .iter()
+        .find(|a| {
+            a.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(prefix))
+        })
+        .unwrap_or_else(|| panic!("no archive starting with {prefix} in {archives:?}"))
+}
+
+/// The `plugins --json` record whose path ends with `file`.
+fn plugin_record<'a>(plugins: &'a serde_json::Value, file: &str) -> &'a serde_json::Value {
+    plugins["plugins"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["path"].as_str().unwrap().ends_with(file))
+        .unwrap_or_else(|| panic!("no record for {file}"))
+}
+
 #[test]
 fn host_and_plugin_packages_install_into_any_prefix() {
     let out = tempfile::tempdir().unwrap();
     let archives = dist(out.path());
-    let host = archives
-        .iter()
-        .find(|a| {
-            a.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("sdhost-0.")
-        })
-        .expect("host archive");
+    let host = archive(&archives, "sdhost-0.");
     assert!(!out.path().read_dir().unwrap().any(|e| e
         .unwrap()
         .file_name()
@@ -135,16 +147,7 @@ fn host_and_plugin_packages_install_into_any_prefix() {
         eprintln!("SDHOST_TEST_VULKAN is not 1: Vulkan package part skipped");
         return;
     }
-    let vk = archives
-        .iter()
-        .find(|a| {
-            a.file_name()
-                .unwrap()
-                .to_str()
-                .unwrap()
-                .starts_with("sdhost-plugin-vulkan-")
-        })
-        .expect("a Vulkan package (the Vulkan plugin is built by scripts/test)");
+    let vk = archive(&archives, "sdhost-plugin-vulkan-");
     unpack(vk, &moved);
     assert_eq!(
         names(&moved),
@@ -169,17 +172,7 @@ fn host_and_plugin_packages_install_into_any_prefix() {
     .unwrap();
     assert_eq!(names(&moved), vec!["cpu"]);
     let (_, plugins, _) = sdhost(&moved, &["plugins", "--json"]);
-    let rec = plugins["plugins"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| {
-            p["path"]
-                .as_str()
-                .unwrap()
-                .ends_with("libsdhost_plugin_vulkan.so")
-        })
-        .unwrap();
+    let rec = plugin_record(&plugins, "libsdhost_plugin_vulkan.so");
     assert_eq!(rec["status"], "rejected");
     assert!(
         rec["reason"]

@@ -4,25 +4,13 @@
 //! it shares the host's `libggml-base`. Thread count: the host reaches
 //! `ggml_backend_set_n_threads` through the registry's proc-address table.
 
-use std::ffi::c_void;
-
-extern "C" {
-    fn ggml_backend_cpu_reg() -> *mut c_void;
-}
-
-fn init() -> Result<*mut c_void, String> {
-    // SAFETY: ggml_backend_cpu_reg returns a pointer to a static registry and
-    // has no preconditions.
-    Ok(unsafe { ggml_backend_cpu_reg() })
-}
-
 sdhost_plugin_api::export_plugin! {
     name: "cpu",
     family: "cpu",
     score: if const_str_eq(env!("SDHOST_CPU_VARIANT"), "native") { 20 } else { 10 },
     indexed_devices: false,
     features: ["openmp", env!("SDHOST_CPU_VARIANT")],
-    init: init,
+    registry: ggml_backend_cpu_reg,
 }
 
 const fn const_str_eq(a: &str, b: &str) -> bool {

@@ -7,23 +7,11 @@
 //! new enough driver, `init` succeeds with zero devices, which the host
 //! reports as "loaded, but the backend reports no devices".
 
-use std::ffi::c_void;
-
-extern "C" {
-    fn ggml_backend_cuda_reg() -> *mut c_void;
-}
-
-fn init() -> Result<*mut c_void, String> {
-    // SAFETY: returns ggml's static CUDA registry; initialisation failures
-    // (no driver, no device) are logged by ggml and leave zero devices.
-    Ok(unsafe { ggml_backend_cuda_reg() })
-}
-
 sdhost_plugin_api::export_plugin! {
     name: "cuda",
     family: "cuda",
     score: 10,
     indexed_devices: true,
     features: [env!("SDHOST_CUDA_VARIANT")],
-    init: init,
+    registry: ggml_backend_cuda_reg,
 }
