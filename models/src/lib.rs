@@ -1,12 +1,17 @@
 //! Model modules and checkpoint reading.
 //!
-//! Today this crate reads checkpoint headers ([`checkpoint`]): which tensors a
-//! file holds, their sizes, and which model module each belongs to. The
-//! module graphs (CLIP text encoder, UNet, VAE decoder) are the subject of the
-//! models issue and are not implemented yet.
+//! Today this crate holds:
+//! * [`checkpoint`]: checkpoint headers: which tensors a file holds, their
+//!   sizes, and which model module each belongs to;
+//! * [`schedule`]: the SD 1.x noise schedule and the samplers (`euler_a`,
+//!   `euler`, `dpm++2m`) over plain latents and a denoiser callback.
+//!
+//! The module graphs (CLIP text encoder, UNet, VAE decoder) are the subject of
+//! the models issue and are not implemented yet.
 //!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.
 #![forbid(unsafe_code)]
 
 pub mod checkpoint;
+pub mod schedule;
