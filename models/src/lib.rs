@@ -4,7 +4,8 @@
 //! * [`checkpoint`]: checkpoint headers: which tensors a file holds, their
 //!   sizes, and which model module each belongs to;
 //! * [`schedule`]: the SD 1.x noise schedule and the samplers (`euler_a`,
-//!   `euler`, `dpm++2m`) over plain latents and a denoiser callback.
+//!   `euler`, `dpm++2m`) over plain latents and a denoiser callback;
+//! * [`tokenizer`]: CLIP tokenization into 77-token chunks.
 //!
 //! The module graphs (CLIP text encoder, UNet, VAE decoder) are the subject of
 //! the models issue and are not implemented yet.
@@ -15,3 +16,4 @@
 
 pub mod checkpoint;
 pub mod schedule;
+pub mod tokenizer;
