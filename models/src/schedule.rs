@@ -17,8 +17,7 @@ pub const TRAIN_STEPS: usize = 1000;
 /// The discrete noise schedule of SD 1.x.
 #[derive(Clone, Debug)]
 pub struct Schedule {
-    /// σ_t for t = 0..1000.
-    sigmas: Vec<f64>,
+    /// log σ_t for t = 0..1000.
     log_sigmas: Vec<f64>,
 }
 
@@ -33,15 +32,14 @@ impl Schedule {
     pub fn scaled_linear(beta_start: f64, beta_end: f64) -> Schedule {
         let (a, b) = (beta_start.sqrt(), beta_end.sqrt());
         let mut cumprod = 1.0;
-        let sigmas: Vec<f64> = (0..TRAIN_STEPS)
+        let log_sigmas = (0..TRAIN_STEPS)
             .map(|i| {
                 let r = a + (b - a) * i as f64 / (TRAIN_STEPS - 1) as f64;
                 cumprod *= 1.0 - r * r;
-                ((1.0 - cumprod) / cumprod).sqrt()
+                ((1.0 - cumprod) / cumprod).sqrt().ln()
             })
             .collect();
-        let log_sigmas = sigmas.iter().map(|s| s.ln()).collect();
-        Schedule { sigmas, log_sigmas }
+        Schedule { log_sigmas }
     }
 
     /// σ at a (fractional) timestep in `0..=999`, interpolated in log space.
