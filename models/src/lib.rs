@@ -5,7 +5,9 @@
 //!   sizes, and which model module each belongs to;
 //! * [`schedule`]: the SD 1.x noise schedule and the samplers (`euler_a`,
 //!   `euler`, `dpm++2m`) over plain latents and a denoiser callback;
-//! * [`tokenizer`]: CLIP tokenization into 77-token chunks.
+//! * [`tokenizer`]: CLIP tokenization into 77-token chunks;
+//! * [`rng`]: seeded noise (Philox4x32-10 + Box–Muller, equal to PyTorch's CUDA
+//!   `randn`), generated on the host so a seed means the same on every device.
 //!
 //! The module graphs (CLIP text encoder, UNet, VAE decoder) are the subject of
 //! the models issue and are not implemented yet.
@@ -15,5 +17,6 @@
 #![forbid(unsafe_code)]
 
 pub mod checkpoint;
+pub mod rng;
 pub mod schedule;
 pub mod tokenizer;
