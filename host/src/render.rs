@@ -18,16 +18,17 @@ pub trait Report {
     fn json(&self) -> Value;
 }
 
-/// Prints a report to stdout.
+/// Prints a report to stdout. A closed pipe (`sdhost devices | head -1`)
+/// ends the output quietly instead of panicking.
 pub fn print(r: &dyn Report, json: bool) {
-    if json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&r.json()).unwrap_or_else(|_| "null".into())
-        );
+    use std::io::Write;
+    let text = if json {
+        serde_json::to_string_pretty(&r.json()).unwrap_or_else(|_| "null".into()) + "\n"
     } else {
-        print!("{}", r.text());
-    }
+        r.text()
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
 /// Formats bytes in binary units.

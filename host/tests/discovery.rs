@@ -300,3 +300,20 @@ fn bad_config_and_flags_are_one_line_errors() {
         r.stderr
     );
 }
+
+#[test]
+fn closed_stdout_is_not_a_panic() {
+    let p = Prefix::with_cpu();
+    let mut child = p
+        .cmd(&["devices", "--json"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Close the reading end before the child (busy loading plugins) writes.
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+}
