@@ -8,6 +8,7 @@ use crate::config::{self, Config};
 use crate::discovery::{search_path, Origin, SearchInputs};
 use crate::manager::BackendManager;
 use crate::placement::{self, DeviceInfo, Placement, Request};
+use crate::probe::{probe_child, ProbeMode, Prober};
 use crate::registry::{Registry, Status};
 use crate::render;
 use anyhow::{bail, Context as _};
@@ -75,7 +76,19 @@ impl Session {
         for w in warnings {
             tracing::warn!("{w}");
         }
-        let registry = Registry::discover(&search);
+        let mode = cli
+            .plugin_probe
+            .or(config.plugin_probe)
+            .unwrap_or(ProbeMode::Cached);
+        let registry = match (mode, std::env::current_exe()) {
+            (ProbeMode::Off, _) | (_, Err(_)) => Registry::discover(&search),
+            (mode, Ok(exe)) => {
+                let mut prober = Prober::new(exe, mode, Prober::default_cache_file());
+                let r = Registry::discover_with(&search, Some(&mut prober));
+                prober.save();
+                r
+            }
+        };
         for p in &registry.plugins {
             match p.status {
                 Status::Rejected => {
@@ -146,6 +159,11 @@ impl Session {
 
 /// Runs one command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    if let Command::Probe { file } = &cli.command {
+        let report = probe_child(file);
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     let session = Session::open(&cli)?;
     match &cli.command {
         Command::Devices(a) => {
@@ -154,6 +172,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json),
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
+        Command::Probe { .. } => {} // answered before discovery, above
     }
     Ok(ExitCode::SUCCESS)
 }

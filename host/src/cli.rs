@@ -34,6 +34,12 @@ pub struct Cli {
     #[arg(short = 't', long, value_name = "N", global = true, value_parser = clap::value_parser!(u16).range(1..))]
     pub threads: Option<u16>,
 
+    /// Load each new or changed plugin in a child process first, so one that
+    /// crashes is rejected instead of taking sdhost down (`cached`, the
+    /// default, remembers results; `always`; `off`)
+    #[arg(long = "plugin-probe", value_name = "MODE", global = true)]
+    pub plugin_probe: Option<crate::probe::ProbeMode>,
+
     /// What to do
     #[command(subcommand)]
     pub command: Command,
@@ -50,6 +56,12 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run each op our models use on a device and on the CPU and compare the results
     Check(CheckArgs),
+    /// Internal: load one plugin file and report (used for crash isolation)
+    #[command(name = "__probe", hide = true)]
+    Probe {
+        /// The plugin file
+        file: PathBuf,
+    },
 }
 
 /// `--json`.

@@ -20,6 +20,8 @@ pub struct Config {
     pub params_backend: Option<String>,
     /// Default CPU thread count.
     pub threads: Option<usize>,
+    /// Default for `--plugin-probe` (`cached`, `always`, `off`).
+    pub plugin_probe: Option<crate::probe::ProbeMode>,
 }
 
 /// Errors reading the config file.

@@ -18,5 +18,6 @@ pub mod discovery;
 pub mod manager;
 pub mod packages;
 pub mod placement;
+pub mod probe;
 pub mod registry;
 pub mod render;

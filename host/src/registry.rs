@@ -14,6 +14,7 @@
 //! here panics on a bad file.
 
 use crate::discovery::{plugin_files, Origin};
+use crate::probe::Prober;
 use ggml::{Device, DeviceType, Reg};
 use sdhost_plugin_api::{OpenError, Plugin};
 use serde::Serialize;
@@ -168,6 +169,15 @@ impl Registry {
     /// Examines every plugin file on `search` and registers the devices of
     /// the selected ones.
     pub fn discover(search: &[(PathBuf, Origin)]) -> Registry {
+        Registry::discover_with(search, None)
+    }
+
+    /// [`Registry::discover`], probing each file in a child process first
+    /// when a [`Prober`] is given (see [`crate::probe`]).
+    pub fn discover_with(
+        search: &[(PathBuf, Origin)],
+        mut prober: Option<&mut Prober>,
+    ) -> Registry {
         let mut reg = Registry::default();
         let mut candidates: Vec<Candidate> = Vec::new();
         let mut seen: Vec<PathBuf> = Vec::new();
@@ -187,6 +197,12 @@ impl Registry {
                     manifest: None,
                     devices: 0,
                 });
+                if let Some(p) = prober.as_deref_mut() {
+                    if let Err(reason) = p.check(&path) {
+                        reg.plugins[idx].reason = Some(one_line(&reason));
+                        continue;
+                    }
+                }
                 match Plugin::open(&path) {
                     Err(e) => {
                         if let OpenError::Identity { plugin, .. } = &e {

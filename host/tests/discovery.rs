@@ -317,3 +317,49 @@ fn closed_stdout_is_not_a_panic() {
     assert!(!stderr.contains("panicked"), "{stderr}");
     assert_eq!(out.status.code(), Some(0), "{stderr}");
 }
+
+#[test]
+fn crashing_plugin_is_rejected_by_the_isolated_probe() {
+    let p = Prefix::with_cpu();
+    p.install(
+        &built("sdhost_testplugin_init_crashes"),
+        "libsdhost_plugin_crashes.so",
+    );
+    assert_rejected(
+        &p,
+        "libsdhost_plugin_crashes.so",
+        "crashed while loading or initialising (signal 11",
+    );
+    // The verdict is cached: the next run does not spawn a probe for it.
+    let pl = p.run(&["plugins", "--json"]).ok().json();
+    let reason = record(&pl, "libsdhost_plugin_crashes.so")["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(reason.contains("(cached probe;"), "{reason}");
+    assert!(p.root().join("cache/sdhost/probes.json").is_file());
+    // `always` probes again; the result is the same.
+    let pl = p
+        .run(&["--plugin-probe", "always", "plugins", "--json"])
+        .ok()
+        .json();
+    let reason = record(&pl, "libsdhost_plugin_crashes.so")["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        reason.starts_with("crashed while loading or initialising (signal 11"),
+        "{reason}"
+    );
+    // Replacing the file invalidates its cache entry.
+    std::fs::copy(
+        built("sdhost_plugin_cpu"),
+        p.plugins().join("libsdhost_plugin_crashes.so"),
+    )
+    .unwrap();
+    let pl = p.run(&["plugins", "--json"]).ok().json();
+    assert_eq!(
+        record(&pl, "libsdhost_plugin_crashes.so")["status"],
+        "shadowed"
+    );
+}

@@ -87,7 +87,8 @@ impl Prefix {
             .env_remove("RUST_LOG")
             .env_remove("LD_LIBRARY_PATH")
             .env("XDG_CONFIG_HOME", self.root().join("config"))
-            .env("HOME", self.root().join("home"));
+            .env("HOME", self.root().join("home"))
+            .env("XDG_CACHE_HOME", self.root().join("cache"));
         c
     }
 
