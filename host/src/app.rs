@@ -164,7 +164,20 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(ExitCode::SUCCESS);
     }
+    if let Command::Bench(a) = &cli.command {
+        return crate::bench::startup(&cli, a);
+    }
+    let started = std::time::Instant::now();
     let session = Session::open(&cli)?;
+    if let Command::Startup = &cli.command {
+        let report = crate::bench::StartupSample {
+            discover_ns: started.elapsed().as_nanos() as u64,
+            plugins: session.registry.plugins.len(),
+            devices: session.registry.devices.len(),
+        };
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(ExitCode::SUCCESS);
+    }
     match &cli.command {
         Command::Devices(a) => {
             render::print(&render::DevicesReport::new(&session.registry), a.json)
@@ -172,7 +185,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json),
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
-        Command::Probe { .. } => {} // answered before discovery, above
+        Command::Probe { .. } | Command::Bench(_) | Command::Startup => {} // answered above
     }
     Ok(ExitCode::SUCCESS)
 }

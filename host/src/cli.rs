@@ -56,12 +56,34 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run each op our models use on a device and on the CPU and compare the results
     Check(CheckArgs),
+    /// Measure sdhost itself; today `--startup`: the time to discover, check
+    /// and register every plugin on the search path
+    Bench(BenchArgs),
+    /// Internal: discover plugins once and report the time it took (used by `bench --startup`)
+    #[command(name = "__startup", hide = true)]
+    Startup,
     /// Internal: load one plugin file and report (used for crash isolation)
     #[command(name = "__probe", hide = true)]
     Probe {
         /// The plugin file
         file: PathBuf,
     },
+}
+
+/// `sdhost bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// Time plugin discovery and registration, each run in a fresh process
+    #[arg(long)]
+    pub startup: bool,
+
+    /// Number of measured runs (after one warm-up run)
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub runs: u32,
+
+    /// Machine-readable output
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `--json`.

@@ -11,6 +11,7 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
+pub mod bench;
 pub mod check;
 pub mod cli;
 pub mod config;

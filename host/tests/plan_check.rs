@@ -118,3 +118,35 @@ fn manager_shares_one_backend_per_device() {
     assert_eq!(m.created(), 1);
     assert!(m.get("nosuch").is_err());
 }
+
+#[test]
+fn bench_startup_times_discovery_in_fresh_processes() {
+    let p = Prefix::with_cpu();
+    let j = p
+        .run(&["bench", "--startup", "--runs", "3", "--json"])
+        .ok()
+        .json();
+    assert_eq!(j["runs"], 3);
+    assert_eq!(j["plugins"], 1);
+    assert_eq!(j["devices"], 1);
+    let d = &j["discover_ms"];
+    let (min, med, max) = (
+        d["min"].as_f64().unwrap(),
+        d["median"].as_f64().unwrap(),
+        d["max"].as_f64().unwrap(),
+    );
+    assert!(min > 0.0 && min <= med && med <= max, "{d}");
+    let w = &j["process_ms"];
+    assert!(
+        w["median"].as_f64().unwrap() >= med,
+        "a process cannot be faster than its discovery: {j}"
+    );
+    let r = p.run(&["bench"]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr
+            .contains("only `sdhost bench --startup` exists so far"),
+        "{}",
+        r.stderr
+    );
+}
