@@ -121,6 +121,21 @@ impl Context {
         self.wrap(t, "ggml_new_tensor")
     }
 
+    /// Every tensor of the context, in creation order.
+    pub fn tensors(&self) -> Vec<Tensor<'_>> {
+        let mut out = Vec::new();
+        // SAFETY: walks the live context's own tensor list.
+        let mut t = unsafe { sys::ggml_get_first_tensor(self.raw) };
+        while !t.is_null() {
+            out.push(Tensor {
+                raw: t,
+                _ctx: PhantomData,
+            });
+            t = unsafe { sys::ggml_get_next_tensor(self.raw, t) };
+        }
+        out
+    }
+
     /// Builds the forward graph that computes `out`.
     pub fn graph(&self, out: Tensor<'_>, size: usize) -> Result<Graph<'_>> {
         // SAFETY: live context with room for the graph (see `new`).
@@ -384,6 +399,17 @@ impl<'ctx> Tensor<'ctx> {
             )
         };
         self.set_bytes(&out)
+    }
+
+    /// Reads the tensor's raw bytes (its own encoding).
+    pub fn get_bytes(&self) -> Result<Vec<u8>> {
+        if !self.is_allocated() {
+            return Err(Error::Invalid("get_bytes needs an allocated tensor".into()));
+        }
+        let mut out = vec![0u8; self.nbytes()];
+        // SAFETY: allocated tensor of exactly this many bytes.
+        unsafe { sys::ggml_backend_tensor_get(self.raw, out.as_mut_ptr().cast(), 0, out.len()) };
+        Ok(out)
     }
 
     /// Reads an f32 tensor's values.

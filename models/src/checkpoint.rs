@@ -13,6 +13,10 @@ pub struct TensorEntry {
     pub dtype: String,
     /// Bytes of data.
     pub bytes: u64,
+    /// Shape, outermost dimension first (safetensors only; empty for GGUF).
+    pub shape: Vec<u64>,
+    /// Absolute file offset of the data (safetensors only).
+    pub offset: Option<u64>,
 }
 
 /// What a checkpoint holds.
@@ -98,6 +102,8 @@ pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
                 name: t.name,
                 dtype: t.type_name,
                 bytes: t.size,
+                shape: Vec::new(),
+                offset: None,
             })
             .collect(),
         _ => return Err(CheckpointError::UnknownFormat(path.to_path_buf())),
@@ -185,6 +191,8 @@ fn scan_safetensors(path: &Path) -> Result<Vec<TensorEntry>, CheckpointError> {
                 name,
                 dtype,
                 bytes: end - start,
+                shape,
+                offset: Some(8 + header_len + start),
             },
         ));
     }
@@ -302,21 +310,29 @@ mod tests {
                     name: "model.diffusion_model.x".into(),
                     dtype: "F16".into(),
                     bytes: 10,
+                    shape: Vec::new(),
+                    offset: None,
                 },
                 TensorEntry {
                     name: "first_stage_model.y".into(),
                     dtype: "F16".into(),
                     bytes: 5,
+                    shape: Vec::new(),
+                    offset: None,
                 },
                 TensorEntry {
                     name: "cond_stage_model.z".into(),
                     dtype: "F16".into(),
                     bytes: 7,
+                    shape: Vec::new(),
+                    offset: None,
                 },
                 TensorEntry {
                     name: "model_ema.decay".into(),
                     dtype: "F32".into(),
                     bytes: 4,
+                    shape: Vec::new(),
+                    offset: None,
                 },
             ],
         };

@@ -1,0 +1,167 @@
+//! Uploading a module's weights from a checkpoint into a backend buffer.
+//!
+//! A module's tensors (those under one name prefix, e.g. `first_stage_model.`)
+//! are created in one `no_alloc` ggml context, allocated in one buffer of the
+//! *params* backend, then filled tensor by tensor with positioned reads from
+//! the file (no whole-file read, no memory map, so peak host memory is one
+//! tensor). f32, f16 and bf16 are kept as they are; shapes are reversed into
+//! ggml order.
+
+use crate::checkpoint::{Checkpoint, TensorEntry};
+use ggml::{Backend, Buffer, Context, Tensor, Type};
+use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+
+/// Errors loading weights; each names the file and, where it applies, the tensor.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightsError {
+    /// No tensor has the prefix.
+    #[error("{file}: no tensors under {prefix:?}")]
+    NoTensors {
+        /// The checkpoint.
+        file: PathBuf,
+        /// The prefix asked for.
+        prefix: String,
+    },
+    /// A tensor this loader cannot place.
+    #[error("{file}: tensor {tensor}: {reason}")]
+    Tensor {
+        /// The checkpoint.
+        file: PathBuf,
+        /// The tensor.
+        tensor: String,
+        /// Why.
+        reason: String,
+    },
+    /// I/O or ggml failure.
+    #[error("{file}: {reason}")]
+    Other {
+        /// The checkpoint.
+        file: PathBuf,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// One module's weights on one backend.
+pub struct ModuleWeights {
+    ctx: Context,
+    _buffer: Buffer,
+    index: HashMap<String, usize>,
+    bytes: u64,
+}
+
+fn ggml_type(dtype: &str) -> Option<Type> {
+    match dtype {
+        "F32" => Some(Type::F32),
+        "F16" => Some(Type::F16),
+        "BF16" => Some(Type::BF16),
+        _ => None,
+    }
+}
+
+impl ModuleWeights {
+    /// Loads every tensor of `ckpt` whose name starts with `prefix` into one
+    /// buffer of `backend`. Names are kept without the prefix.
+    pub fn load(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        backend: &Backend,
+    ) -> Result<ModuleWeights, WeightsError> {
+        let file = ckpt.path.clone();
+        let entries: Vec<&TensorEntry> = ckpt
+            .tensors
+            .iter()
+            .filter(|t| t.name.starts_with(prefix))
+            .collect();
+        if entries.is_empty() {
+            return Err(WeightsError::NoTensors {
+                file,
+                prefix: prefix.to_string(),
+            });
+        }
+        let tensor_err = |t: &TensorEntry, reason: String| WeightsError::Tensor {
+            file: file.clone(),
+            tensor: t.name.clone(),
+            reason,
+        };
+        let other = |reason: String| WeightsError::Other {
+            file: file.clone(),
+            reason,
+        };
+        let ctx = Context::new(entries.len(), 0).map_err(|e| other(e.to_string()))?;
+        let mut index = HashMap::new();
+        for (i, t) in entries.iter().enumerate() {
+            let ty = ggml_type(&t.dtype).ok_or_else(|| {
+                tensor_err(
+                    t,
+                    format!("dtype {} is not supported (f32, f16, bf16)", t.dtype),
+                )
+            })?;
+            if t.offset.is_none() {
+                return Err(tensor_err(
+                    t,
+                    "no data offset (only .safetensors weights can be loaded so far)".into(),
+                ));
+            }
+            if t.shape.len() > 4 {
+                return Err(tensor_err(
+                    t,
+                    format!("{} dimensions; ggml has at most 4", t.shape.len()),
+                ));
+            }
+            let mut ne: Vec<i64> = t.shape.iter().rev().map(|&d| d as i64).collect();
+            if ne.is_empty() {
+                ne.push(1);
+            }
+            let tensor = ctx
+                .new_tensor(ty, &ne)
+                .map_err(|e| tensor_err(t, e.to_string()))?;
+            tensor.set_name(&t.name[prefix.len()..]);
+            index.insert(t.name[prefix.len()..].to_string(), i);
+        }
+        let buffer = ctx
+            .alloc_tensors(backend)
+            .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
+        let f = std::fs::File::open(&file).map_err(|e| other(e.to_string()))?;
+        let tensors = ctx.tensors();
+        let mut bytes = 0;
+        for (t, dst) in entries.iter().zip(&tensors) {
+            let mut data = vec![0u8; t.bytes as usize];
+            f.read_exact_at(&mut data, t.offset.unwrap_or(0))
+                .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
+            dst.set_bytes(&data)
+                .map_err(|e| tensor_err(t, e.to_string()))?;
+            bytes += t.bytes;
+        }
+        drop(tensors);
+        Ok(ModuleWeights {
+            ctx,
+            _buffer: buffer,
+            index,
+            bytes,
+        })
+    }
+
+    /// A tensor by name (without the module prefix).
+    pub fn get(&self, name: &str) -> Option<Tensor<'_>> {
+        let i = *self.index.get(name)?;
+        self.ctx.tensors().into_iter().nth(i)
+    }
+
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether there are none (never true for a loaded module).
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Bytes of weight data uploaded.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+}
