@@ -159,13 +159,20 @@ pub struct PluginsReport {
 impl PluginsReport {
     /// From a session (registry plus search path).
     pub fn new(s: &Session) -> Self {
+        // Hashing a plugin file for its package check is the costly part: once each.
+        let packages: Vec<_> = s
+            .registry
+            .plugins
+            .iter()
+            .map(|p| crate::packages::package_of(&p.path))
+            .collect();
         let rows = s
             .registry
             .plugins
             .iter()
-            .map(|p| {
+            .zip(&packages)
+            .map(|(p, pkg)| {
                 let m = p.manifest.as_ref();
-                let pkg = crate::packages::package_of(&p.path);
                 vec![
                     p.status.as_str().to_string(),
                     m.map_or("-".into(), |m| m.family.clone()),
@@ -173,7 +180,7 @@ impl PluginsReport {
                     m.map_or("-".into(), |m| m.score.to_string()),
                     p.devices.to_string(),
                     p.path.display().to_string(),
-                    pkg.map_or("-".into(), |k| {
+                    pkg.as_ref().map_or("-".into(), |k| {
                         format!(
                             "{} {}{}",
                             k.name,
@@ -193,9 +200,9 @@ impl PluginsReport {
         let json = json!({
             "host_identity": sdhost_plugin_api::host_identity(),
             "search_path": s.search.iter().map(|(p, o)| json!({"path": p, "origin": o})).collect::<Vec<_>>(),
-            "plugins": s.registry.plugins.iter().map(|p| {
+            "plugins": s.registry.plugins.iter().zip(&packages).map(|(p, pkg)| {
                 let mut v = serde_json::to_value(p).unwrap_or(Value::Null);
-                v["package"] = serde_json::to_value(crate::packages::package_of(&p.path)).unwrap_or(Value::Null);
+                v["package"] = serde_json::to_value(pkg).unwrap_or(Value::Null);
                 v
             }).collect::<Vec<_>>(),
         });
