@@ -239,7 +239,14 @@ impl Plugin {
     }
 
     /// Calls the plugin's `init` and wraps the registry it returns.
+    ///
+    /// Calls are serialised process-wide: ggml's backend registries set up
+    /// global state on first use without locking (two threads initialising
+    /// the Vulkan backend at once enumerate its devices twice), so no two
+    /// plugins initialise at the same time.
     pub fn init(&self) -> Result<ggml::Reg, String> {
+        static INIT: std::sync::Mutex<()> = std::sync::Mutex::new(());
+        let _serial = INIT.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         let raw = (self.module.init())()
             .into_result()
             .map_err(|e| fold(e.as_str()))?;
