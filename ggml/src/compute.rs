@@ -42,6 +42,22 @@ impl Type {
         }
     }
 
+    /// The type with ggml's name `name` (`f32`, `f16`, `bf16`, `q8_0`, ...).
+    pub fn from_name(name: &str) -> Option<Type> {
+        [
+            Type::F32,
+            Type::F16,
+            Type::BF16,
+            Type::Q8_0,
+            Type::Q4_0,
+            Type::Q4_1,
+            Type::Q5_0,
+            Type::I32,
+        ]
+        .into_iter()
+        .find(|t| t.name() == name)
+    }
+
     /// Elements per block (1 for plain types).
     pub fn block_size(self) -> usize {
         // SAFETY: pure lookup in ggml's type table.
@@ -177,10 +193,12 @@ macro_rules! unary_ops {
     };
 }
 macro_rules! binary_ops {
-    ($($(#[$m:meta])* $name:ident => $f:ident;)*) => {
+    ($($(#[$m:meta])* $name:ident => $f:ident, $check:ident;)*) => {
         impl Context {
             $($(#[$m])* pub fn $name<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
-                // SAFETY: both tensors belong to this live context.
+                $check(&a, &b)?;
+                // SAFETY: both tensors belong to this live context and their
+                // shapes passed the check ggml would abort on.
                 self.wrap(unsafe { sys::$f(self.raw, a.raw, b.raw) }, stringify!($f))
             })*
         }
@@ -196,14 +214,61 @@ unary_ops! {
     soft_max => ggml_soft_max;
     /// Makes a contiguous copy.
     cont => ggml_cont;
+    /// GELU, exact (erf) form.
+    gelu_erf => ggml_gelu_erf;
+    /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
+    gelu_quick => ggml_gelu_quick;
 }
 binary_ops! {
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1, b.ne1]`).
-    mul_mat => ggml_mul_mat;
+    mul_mat => ggml_mul_mat, check_mul_mat;
     /// Element-wise sum (b broadcast).
-    add => ggml_add;
+    add => ggml_add, check_repeat;
     /// Element-wise product (b broadcast).
-    mul => ggml_mul;
+    mul => ggml_mul, check_repeat;
+    /// Rows of `a` (`[C, V]`) picked by the i32 indices in `b` (`[N]`): `[C, N]`.
+    get_rows => ggml_get_rows, check_get_rows;
+}
+
+// Shape checks run before ggml, which aborts the process on a mismatch.
+fn check_mul_mat(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
+    let (x, y) = (a.ne(), b.ne());
+    if x[0] != y[0] || y[2] % x[2] != 0 || y[3] % x[3] != 0 {
+        return Err(Error::Invalid(format!("mul_mat of {x:?} and {y:?}")));
+    }
+    Ok(())
+}
+fn check_repeat(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
+    // SAFETY: live tensors; reads their types.
+    let (ta, tb) = unsafe { ((*a.raw).type_, (*b.raw).type_) };
+    if ta != tb && tb != sys::GGML_TYPE_F32 {
+        return Err(Error::Invalid(format!(
+            "element-wise op of {} by {} (the second operand must be f32 or the same type)",
+            a.type_name(),
+            b.type_name()
+        )));
+    }
+    // SAFETY: both live tensors; pure shape test.
+    if !unsafe { sys::ggml_can_repeat(b.raw, a.raw) } {
+        return Err(Error::Invalid(format!(
+            "cannot broadcast {:?} to {:?}",
+            b.ne(),
+            a.ne()
+        )));
+    }
+    Ok(())
+}
+fn check_get_rows(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
+    // SAFETY: live tensor; reads its type.
+    let ty = unsafe { (*b.raw).type_ };
+    if ty != sys::GGML_TYPE_I32 || a.ne()[2] != b.ne()[1] || b.ne()[2] != 1 {
+        return Err(Error::Invalid(format!(
+            "get_rows of {:?} by {:?}",
+            a.ne(),
+            b.ne()
+        )));
+    }
+    Ok(())
 }
 
 impl Context {
@@ -236,6 +301,13 @@ impl Context {
         stride: i32,
         pad: i32,
     ) -> Result<Tensor<'a>> {
+        if kernel.ne()[2] != input.ne()[2] {
+            return Err(Error::Invalid(format!(
+                "conv_2d kernel {:?} on input {:?}",
+                kernel.ne(),
+                input.ne()
+            )));
+        }
         // SAFETY: as above.
         self.wrap(
             unsafe {
@@ -258,6 +330,12 @@ impl Context {
 
     /// Concatenation along `dim`.
     pub fn concat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>, dim: i32) -> Result<Tensor<'a>> {
+        let (x, y) = (a.ne(), b.ne());
+        if !(0..4).contains(&dim) || (0..4).any(|i| i != dim as usize && x[i] != y[i]) {
+            return Err(Error::Invalid(format!(
+                "concat of {x:?} and {y:?} along {dim}"
+            )));
+        }
         // SAFETY: as above.
         self.wrap(
             unsafe { sys::ggml_concat(self.raw, a.raw, b.raw, dim) },
@@ -304,6 +382,112 @@ impl Context {
                 )
             },
             "ggml_flash_attn_ext",
+        )
+    }
+}
+
+impl Context {
+    /// The same data seen with shape `ne` (1–4 dimensions, same element
+    /// count); `a` must be contiguous.
+    pub fn reshape<'a>(&'a self, a: Tensor<'a>, ne: &[i64]) -> Result<Tensor<'a>> {
+        let n: i64 = ne.iter().product();
+        if ne.is_empty()
+            || ne.len() > 4
+            || ne.iter().any(|&d| d <= 0)
+            || n as usize != a.nelements()
+        {
+            return Err(Error::Invalid(format!(
+                "cannot reshape {:?} to {ne:?}",
+                a.ne()
+            )));
+        }
+        // SAFETY: `a` belongs to this live context; counts were checked (ggml
+        // asserts them) and ggml checks contiguity itself.
+        if !unsafe { sys::ggml_is_contiguous(a.raw) } {
+            return Err(Error::Invalid("reshape of a non-contiguous tensor".into()));
+        }
+        let t = unsafe {
+            match *ne {
+                [a0] => sys::ggml_reshape_1d(self.raw, a.raw, a0),
+                [a0, a1] => sys::ggml_reshape_2d(self.raw, a.raw, a0, a1),
+                [a0, a1, a2] => sys::ggml_reshape_3d(self.raw, a.raw, a0, a1, a2),
+                [a0, a1, a2, a3] => sys::ggml_reshape_4d(self.raw, a.raw, a0, a1, a2, a3),
+                _ => unreachable!("length checked above"),
+            }
+        };
+        self.wrap(t, "ggml_reshape")
+    }
+
+    /// Part `index` of `parts` equal slices of `a` along `ne[0]` (a view;
+    /// follow with [`Context::cont`] where a contiguous tensor is needed).
+    pub fn split_dim0<'a>(&'a self, a: Tensor<'a>, parts: i64, index: i64) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        if parts <= 0 || ne[0] % parts != 0 || !(0..parts).contains(&index) {
+            return Err(Error::Invalid(format!(
+                "cannot take slice {index} of {parts} along the first dimension of {ne:?}"
+            )));
+        }
+        let w = ne[0] / parts;
+        // SAFETY: the view stays inside `a`: offset + w elements ≤ ne[0] per row,
+        // with `a`'s own strides.
+        let t = unsafe {
+            let r = &*a.raw;
+            sys::ggml_view_4d(
+                self.raw,
+                a.raw,
+                w,
+                ne[1],
+                ne[2],
+                ne[3],
+                r.nb[1],
+                r.nb[2],
+                r.nb[3],
+                (index * w) as usize * r.nb[0],
+            )
+        };
+        self.wrap(t, "ggml_view_4d")
+    }
+
+    /// `a` converted to `ty`.
+    pub fn cast<'a>(&'a self, a: Tensor<'a>, ty: Type) -> Result<Tensor<'a>> {
+        // SAFETY: `a` belongs to this live context.
+        self.wrap(
+            unsafe { sys::ggml_cast(self.raw, a.raw, ty.raw()) },
+            "ggml_cast",
+        )
+    }
+
+    /// Sets elements above the diagonal (key index > query index + `n_past`)
+    /// to −∞: a causal attention mask on `[Nk, Nq, ...]` scores.
+    pub fn diag_mask_inf<'a>(&'a self, a: Tensor<'a>, n_past: i32) -> Result<Tensor<'a>> {
+        // SAFETY: `a` belongs to this live context.
+        self.wrap(
+            unsafe { sys::ggml_diag_mask_inf(self.raw, a.raw, n_past) },
+            "ggml_diag_mask_inf",
+        )
+    }
+
+    /// `softmax(a · scale)` over `ne[0]`.
+    pub fn soft_max_scaled<'a>(&'a self, a: Tensor<'a>, scale: f32) -> Result<Tensor<'a>> {
+        // SAFETY: `a` belongs to this live context; no mask.
+        self.wrap(
+            unsafe { sys::ggml_soft_max_ext(self.raw, a.raw, std::ptr::null_mut(), scale, 0.0) },
+            "ggml_soft_max_ext",
+        )
+    }
+
+    /// Sinusoidal embedding `[cos(t·f), sin(t·f)]` of the f32 timesteps `t`
+    /// (`[N]`), `f_j = max_period^(−j/(dim/2))`: `[dim, N]`.
+    pub fn timestep_embedding<'a>(
+        &'a self,
+        t: Tensor<'a>,
+        dim: i32,
+        max_period: i32,
+    ) -> Result<Tensor<'a>> {
+        // SAFETY: `t` belongs to this live context.
+        self.wrap(
+            unsafe { sys::ggml_timestep_embedding(self.raw, t.raw, dim, max_period) },
+            "ggml_timestep_embedding",
         )
     }
 }
@@ -440,6 +624,41 @@ impl<'ctx> Tensor<'ctx> {
     pub fn set_output(&self) {
         // SAFETY: live tensor; sets a flag bit.
         unsafe { sys::ggml_set_output(self.raw) }
+    }
+
+    /// Copies `src`'s data into this tensor; both must be allocated (in any
+    /// backends' buffers) and have the same type and shape.
+    pub fn copy_from(&self, src: &Tensor<'_>) -> Result<()> {
+        if !self.is_allocated() || !src.is_allocated() {
+            return Err(Error::Invalid("copy between unallocated tensors".into()));
+        }
+        // SAFETY: both live; layouts compared before ggml (which asserts).
+        unsafe {
+            let same = (*self.raw).type_ == (*src.raw).type_
+                && (*self.raw).ne == (*src.raw).ne
+                && (*self.raw).nb == (*src.raw).nb;
+            if !same {
+                return Err(Error::Invalid(format!(
+                    "copy between different layouts {:?} and {:?}",
+                    src.ne(),
+                    self.ne()
+                )));
+            }
+            sys::ggml_backend_tensor_copy(src.raw, self.raw);
+        }
+        Ok(())
+    }
+
+    /// The element type's ggml name.
+    pub fn type_name(&self) -> String {
+        // SAFETY: live tensor; static string.
+        let p = unsafe { sys::ggml_type_name((*self.raw).type_) };
+        if p.is_null() {
+            return String::new();
+        }
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     /// Sets the tensor's name (truncated to ggml's limit).

@@ -185,6 +185,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json),
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
+        Command::Generate(a) => crate::generate::run(&session, a)?,
         Command::Probe { .. } | Command::Bench(_) | Command::Startup => {} // answered above
     }
     Ok(ExitCode::SUCCESS)

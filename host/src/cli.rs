@@ -56,6 +56,8 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run each op our models use on a device and on the CPU and compare the results
     Check(CheckArgs),
+    /// Generate an image from a text prompt with an SD 1.x checkpoint
+    Generate(GenerateArgs),
     /// Measure sdhost itself; today `--startup`: the time to discover, check
     /// and register every plugin on the search path
     Bench(BenchArgs),
@@ -121,6 +123,72 @@ pub struct PlacementArgs {
     /// Keep weights in CPU memory: --params-backend cpu (only when --params-backend is not given)
     #[arg(long = "offload-to-cpu")]
     pub offload_to_cpu: bool,
+}
+
+/// `sdhost generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Checkpoint: SD 1.x single file in the original layout (.safetensors or .gguf)
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: PathBuf,
+
+    /// Prompt
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+
+    /// Negative prompt
+    #[arg(short = 'n', long = "negative-prompt", default_value = "")]
+    pub negative: String,
+
+    /// Sampling steps
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub steps: u32,
+
+    /// Classifier-free guidance scale (1 turns the negative prompt off)
+    #[arg(long = "cfg-scale", default_value_t = 7.0)]
+    pub cfg_scale: f32,
+
+    /// Image width in pixels (a multiple of 64 for SD 1.x)
+    #[arg(short = 'W', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub width: u32,
+
+    /// Image height in pixels (a multiple of 64 for SD 1.x)
+    #[arg(short = 'H', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub height: u32,
+
+    /// Seed of the noise; the same seed gives the same image on every device (within precision)
+    #[arg(short = 's', long, default_value_t = 42)]
+    pub seed: u64,
+
+    /// Sampler: euler_a, euler or dpm++2m
+    #[arg(long, default_value = "euler_a", value_parser = parse_sampler)]
+    pub sampler: sdhost_models::schedule::Sampler,
+
+    /// Use the text encoder's N-th last layer (1 = last)
+    #[arg(long = "clip-skip", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=12))]
+    pub clip_skip: u32,
+
+    /// Output PNG, written only once the image is complete
+    #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
+    pub output: PathBuf,
+
+    /// When a module's weights live on another device than the one running
+    /// it: `free` the runtime copy after each phase (default) or `keep` it
+    #[arg(long = "weight-copies", default_value = "free", value_parser = parse_policy)]
+    pub weight_copies: sdhost_models::module::WeightPolicy,
+
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+fn parse_sampler(s: &str) -> Result<sdhost_models::schedule::Sampler, String> {
+    sdhost_models::schedule::Sampler::parse(s)
+        .ok_or_else(|| format!("unknown sampler {s:?} (euler_a, euler, dpm++2m)"))
+}
+
+fn parse_policy(s: &str) -> Result<sdhost_models::module::WeightPolicy, String> {
+    sdhost_models::module::WeightPolicy::parse(s)
+        .ok_or_else(|| format!("unknown policy {s:?} (free, keep)"))
 }
 
 /// `sdhost plan`.

@@ -16,6 +16,7 @@ pub mod check;
 pub mod cli;
 pub mod config;
 pub mod discovery;
+pub mod generate;
 pub mod manager;
 pub mod packages;
 pub mod placement;

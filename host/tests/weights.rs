@@ -76,7 +76,7 @@ fn check_on(device: &str) {
     let backend = m.get(device).unwrap();
     let w = ModuleWeights::load(&ckpt, "first_stage_model.", backend).unwrap();
     assert_eq!(w.len(), 3);
-    assert_eq!(w.bytes(), 24 + 8 + 8);
+    assert_eq!(w.bytes(), 24 + 8 + 8, "bytes read from the file");
     let conv = w.get("decoder.conv_in.weight").unwrap();
     assert_eq!(
         conv.ne(),
@@ -87,10 +87,15 @@ fn check_on(device: &str) {
         conv.get_f32().unwrap(),
         vec![1.5, -2.0, 0.25, 3.0, 4.0, -0.5]
     );
-    assert_eq!(
-        w.get("decoder.conv_in.bias").unwrap().get_bytes().unwrap(),
-        (0u8..8).collect::<Vec<_>>()
-    );
+    // Vectors are widened to f32, exactly.
+    let bias = w.get("decoder.conv_in.bias").unwrap();
+    assert_eq!(bias.type_name(), "f32");
+    let want: Vec<f32> = (0u8..8)
+        .collect::<Vec<_>>()
+        .chunks(2)
+        .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+        .collect();
+    assert_eq!(bias.get_f32().unwrap(), want);
     let pq = w.get("post_quant_conv.weight").unwrap();
     assert_eq!(pq.ne(), [1, 1, 2, 2]);
     assert_eq!(pq.get_bytes().unwrap(), (10u8..18).collect::<Vec<_>>());

@@ -19,7 +19,13 @@
 #![forbid(unsafe_code)]
 
 pub mod checkpoint;
+pub mod clip;
+pub mod module;
+pub mod nn;
+pub mod pipeline;
 pub mod rng;
 pub mod schedule;
 pub mod tokenizer;
+pub mod unet;
+pub mod vae;
 pub mod weights;

@@ -4,7 +4,8 @@
 //! are created in one `no_alloc` ggml context, allocated in one buffer of the
 //! *params* backend, then filled tensor by tensor with positioned reads from
 //! the file (no whole-file read, no memory map, so peak host memory is one
-//! tensor). f32, f16 and bf16 are kept as they are; shapes are reversed into
+//! tensor). f32, f16 and bf16 matrices are kept as they are, vectors (at most one
+//! dimension above 1: biases, norm weights) are widened to f32; shapes are reversed into
 //! ggml order.
 
 use crate::checkpoint::{Checkpoint, TensorEntry};
@@ -52,6 +53,21 @@ pub struct ModuleWeights {
     bytes: u64,
 }
 
+/// f16 or bf16 little-endian bytes to f32 little-endian bytes (exact).
+fn widen(dtype: &str, data: &[u8]) -> Vec<u8> {
+    data.chunks_exact(2)
+        .flat_map(|b| {
+            let bits = u16::from_le_bytes([b[0], b[1]]);
+            let v = if dtype == "BF16" {
+                f32::from_bits(u32::from(bits) << 16)
+            } else {
+                half::f16::from_bits(bits).to_f32()
+            };
+            v.to_le_bytes()
+        })
+        .collect()
+}
+
 fn ggml_type(dtype: &str) -> Option<Type> {
     match dtype {
         "F32" => Some(Type::F32),
@@ -69,11 +85,22 @@ impl ModuleWeights {
         prefix: &str,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
+        ModuleWeights::load_filtered(ckpt, prefix, |_| true, backend)
+    }
+
+    /// [`ModuleWeights::load`] of the tensors under `prefix` whose full name
+    /// passes `keep`.
+    pub fn load_filtered(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        keep: impl Fn(&str) -> bool,
+        backend: &Backend,
+    ) -> Result<ModuleWeights, WeightsError> {
         let file = ckpt.path.clone();
         let entries: Vec<&TensorEntry> = ckpt
             .tensors
             .iter()
-            .filter(|t| t.name.starts_with(prefix))
+            .filter(|t| t.name.starts_with(prefix) && keep(&t.name))
             .collect();
         if entries.is_empty() {
             return Err(WeightsError::NoTensors {
@@ -115,6 +142,13 @@ impl ModuleWeights {
             if ne.is_empty() {
                 ne.push(1);
             }
+            // Vectors (biases, norm weights) are widened to f32: ggml adds
+            // and multiplies f32 activations by f32 operands only.
+            let ty = if t.shape.iter().filter(|&&d| d > 1).count() <= 1 {
+                Type::F32
+            } else {
+                ty
+            };
             let tensor = ctx
                 .new_tensor(ty, &ne)
                 .map_err(|e| tensor_err(t, e.to_string()))?;
@@ -131,6 +165,9 @@ impl ModuleWeights {
             let mut data = vec![0u8; t.bytes as usize];
             f.read_exact_at(&mut data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
+            if dst.type_name() == "f32" && t.dtype != "F32" {
+                data = widen(&t.dtype, &data);
+            }
             dst.set_bytes(&data)
                 .map_err(|e| tensor_err(t, e.to_string()))?;
             bytes += t.bytes;
@@ -144,10 +181,52 @@ impl ModuleWeights {
         })
     }
 
-    /// A tensor by name (without the module prefix).
+    /// A tensor by name (without the module prefix). Walks the module's
+    /// tensors; to look up many, take [`ModuleWeights::map`] once.
     pub fn get(&self, name: &str) -> Option<Tensor<'_>> {
         let i = *self.index.get(name)?;
         self.ctx.tensors().into_iter().nth(i)
+    }
+
+    /// Every tensor by name (without the module prefix), for graph building.
+    pub fn map(&self) -> HashMap<&str, Tensor<'_>> {
+        let tensors = self.ctx.tensors();
+        self.index
+            .iter()
+            .map(|(name, &i)| (name.as_str(), tensors[i]))
+            .collect()
+    }
+
+    /// Tensor names (without the module prefix), in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.index.keys().map(String::as_str)
+    }
+
+    /// A copy of every tensor in one buffer of `backend` (device to device
+    /// where the backends allow it, else through host memory).
+    pub fn copy_to(&self, backend: &Backend) -> Result<ModuleWeights, String> {
+        let src = self.ctx.tensors();
+        let ctx = Context::new(src.len(), 0).map_err(|e| e.to_string())?;
+        for t in &src {
+            let ne = t.ne();
+            let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
+            let ty = Type::from_name(&t.type_name())
+                .ok_or_else(|| format!("tensor type {} cannot be copied", t.type_name()))?;
+            ctx.new_tensor(ty, &ne[..dims]).map_err(|e| e.to_string())?;
+        }
+        let buffer = ctx
+            .alloc_tensors(backend)
+            .map_err(|e| format!("allocating weights on {}: {e}", backend.name()))?;
+        for (dst, s) in ctx.tensors().iter().zip(&src) {
+            dst.copy_from(s).map_err(|e| e.to_string())?;
+        }
+        drop(src);
+        Ok(ModuleWeights {
+            ctx,
+            _buffer: buffer,
+            index: self.index.clone(),
+            bytes: self.bytes,
+        })
     }
 
     /// Number of tensors.

@@ -1,0 +1,209 @@
+//! `sdhost generate`: resolves where the text encoder, UNet and VAE run and
+//! where their weights live, loads the checkpoint, samples with a progress
+//! bar, and writes the PNG atomically (a temporary file in the output's
+//! folder, renamed over the target only once complete), with the generation
+//! parameters in a `parameters` text chunk.
+
+use crate::app::Session;
+use crate::cli::GenerateArgs;
+use crate::manager::BackendManager;
+use crate::placement::{Module as Place, Placement};
+use anyhow::{anyhow, bail, Context as _};
+use ggml::DeviceType;
+use sdhost_models::module::Devices;
+use sdhost_models::pipeline::{Image, Layout, Request, Sd1};
+use std::io::Write as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Runs `generate`.
+pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
+    let placement = session.resolve(&args.placement)?;
+    let out_dir = output_dir(&args.output)?;
+    let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
+
+    let reg = &session.registry;
+    let cpu_name = reg
+        .devices
+        .iter()
+        .find(|d| d.ty == DeviceType::Cpu)
+        .map(|d| d.name.clone())
+        .ok_or_else(|| {
+            anyhow!("generate needs the CPU plugin (ggml's scheduler falls back to it), and no CPU device is loaded")
+        })?;
+    let manager = BackendManager::new(reg, session.threads);
+    let cpu = manager.get(&cpu_name)?;
+    let devices = |m: Place| -> anyhow::Result<Devices<'_>> {
+        Ok(Devices {
+            runtime: manager.get(&placement.runtime[&m])?,
+            params: manager.get(&placement.params[&m])?,
+            cpu,
+        })
+    };
+    let layout = Layout {
+        te: devices(Place::Te)?,
+        diffusion: devices(Place::Diffusion)?,
+        vae: devices(Place::Vae)?,
+    };
+    let loading = Instant::now();
+    let mut sd = Sd1::load(&ckpt, layout, args.weight_copies)?;
+    let load_time = loading.elapsed();
+    let req = Request {
+        prompt: args.prompt.clone(),
+        negative: args.negative.clone(),
+        steps: args.steps as usize,
+        cfg_scale: args.cfg_scale,
+        width: args.width as usize,
+        height: args.height as usize,
+        seed: args.seed,
+        sampler: args.sampler,
+        clip_skip: args.clip_skip as usize,
+    };
+
+    let cancel = Arc::new(AtomicBool::new(false));
+    {
+        let cancel = cancel.clone();
+        // A second handler cannot be installed in one process; generate runs once.
+        let _ = ctrlc::set_handler(move || cancel.store(true, Ordering::SeqCst));
+    }
+    let bar = indicatif::ProgressBar::new(req.steps as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "sampling {bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {per_sec}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let sampling = Instant::now();
+    let image = sd.generate(
+        &req,
+        None,
+        &mut |step, _| bar.set_position(step as u64),
+        &|| cancel.load(Ordering::SeqCst),
+    );
+    bar.finish_and_clear();
+    let sampling_time = sampling.elapsed();
+    let image = image.with_context(|| args.model.display().to_string())?;
+
+    let text = parameters_text(args, &placement);
+    write_png(&args.output, out_dir, &image, &text)?;
+    eprintln!(
+        "{}",
+        summary(&sd, &placement, load_time, sampling_time, req.steps)
+    );
+    eprintln!("wrote {}", args.output.display());
+    Ok(())
+}
+
+/// The output's folder, checked before any work is done.
+fn output_dir(output: &Path) -> anyhow::Result<&Path> {
+    let dir = match output.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !dir.is_dir() {
+        bail!("--output: folder {} does not exist", dir.display());
+    }
+    if output.is_dir() {
+        bail!("--output: {} is a folder", output.display());
+    }
+    Ok(dir)
+}
+
+/// A1111-style parameters text.
+fn parameters_text(args: &GenerateArgs, placement: &Placement) -> String {
+    let place = |m: Place| {
+        let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
+        if r == p {
+            format!("{}={r}", m.name())
+        } else {
+            format!("{}={r} (params {p})", m.name())
+        }
+    };
+    let mut s = args.prompt.clone();
+    if !args.negative.is_empty() {
+        s.push_str(&format!("\nNegative prompt: {}", args.negative));
+    }
+    s.push_str(&format!(
+        "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Devices: {}, Generator: sdhost {}",
+        args.steps,
+        args.sampler.name(),
+        args.cfg_scale,
+        args.seed,
+        args.width,
+        args.height,
+        args.clip_skip,
+        args.model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
+        [Place::Te, Place::Diffusion, Place::Vae].map(place).join(", "),
+        env!("CARGO_PKG_VERSION"),
+    ));
+    s
+}
+
+/// Encodes the PNG into a temporary file beside `path` and renames it over
+/// `path` once complete; on any failure the temporary file is removed.
+pub fn write_png(path: &Path, dir: &Path, image: &Image, text: &str) -> anyhow::Result<()> {
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".sdhost-")
+        .suffix(".png.partial")
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    {
+        let mut enc = png::Encoder::new(
+            std::io::BufWriter::new(tmp.as_file_mut()),
+            image.width as u32,
+            image.height as u32,
+        );
+        enc.set_color(png::ColorType::Rgb);
+        enc.set_depth(png::BitDepth::Eight);
+        enc.add_itxt_chunk("parameters".into(), text.into())
+            .context("encoding the parameters text")?;
+        let mut w = enc.write_header().context("writing the PNG")?;
+        w.write_image_data(&image.rgb).context("writing the PNG")?;
+        w.finish().context("writing the PNG")?;
+    }
+    tmp.as_file_mut().flush()?;
+    tmp.as_file().sync_all().context("writing the PNG")?;
+    tmp.persist(path)
+        .map_err(|e| anyhow!("writing {}: {}", path.display(), e.error))?;
+    Ok(())
+}
+
+fn summary(
+    sd: &Sd1<'_>,
+    placement: &Placement,
+    load: std::time::Duration,
+    sampling: std::time::Duration,
+    steps: usize,
+) -> String {
+    let mut s = format!(
+        "{:<10} {:<22} {:>6} {:>10} {:>12}\n",
+        "module", "device (params)", "calls", "time", "weight copy"
+    );
+    for (name, t) in sd.timings() {
+        let m = crate::placement::Module::parse(name).unwrap_or(Place::Diffusion);
+        let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
+        let dev = if r == p {
+            r.clone()
+        } else {
+            format!("{r} ({p})")
+        };
+        s.push_str(&format!(
+            "{:<10} {:<22} {:>6} {:>9.2}s {:>11.2}s\n",
+            name,
+            dev,
+            t.calls,
+            t.compute.as_secs_f64(),
+            t.weight_copy.as_secs_f64()
+        ));
+    }
+    let unet = sd.unet.timing().compute.as_secs_f64();
+    s.push_str(&format!(
+        "loading {:.2}s, generation {:.2}s, sampling {:.2} it/s",
+        load.as_secs_f64(),
+        sampling.as_secs_f64(),
+        if unet > 0.0 { steps as f64 / unet } else { 0.0 }
+    ));
+    s
+}

@@ -1,0 +1,236 @@
+//! One model module at run time: its weights on the *params* device, the
+//! device that runs its graphs, and a scheduler over that device with the
+//! CPU as fallback for ops the device lacks.
+//!
+//! **Weight policy.** When the params device differs from the runtime device
+//! (e.g. `--backend vulkan0 --params-backend cpu`), the weights are copied to
+//! the runtime device when a *phase* begins (the first graph of the module
+//! after [`Module::end_phase`] or load) and then either
+//! * [`WeightPolicy::Free`] (default): dropped when the phase ends, so the
+//!   runtime device holds one module's weights at a time: text encoding,
+//!   the whole sampling loop, and VAE decoding are one phase each; or
+//! * [`WeightPolicy::Keep`]: kept until the module is dropped (faster for
+//!   repeated generations, uses the memory of both devices).
+//!
+//! When params and runtime device are the same, the weights are used in place.
+
+use crate::nn::{ModelError, Result, W};
+use crate::weights::ModuleWeights;
+use ggml::{Backend, Context, Sched, Tensor, Type};
+use std::time::{Duration, Instant};
+
+/// What happens to a runtime copy of the weights when a phase ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightPolicy {
+    /// Free the copy at the end of each phase.
+    #[default]
+    Free,
+    /// Keep the copy.
+    Keep,
+}
+
+impl WeightPolicy {
+    /// Parses `free` / `keep`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "free" => Some(WeightPolicy::Free),
+            "keep" => Some(WeightPolicy::Keep),
+            _ => None,
+        }
+    }
+}
+
+/// Where one module runs.
+#[derive(Clone, Copy)]
+pub struct Devices<'b> {
+    /// Runs the graphs.
+    pub runtime: &'b Backend,
+    /// Holds the weights.
+    pub params: &'b Backend,
+    /// The CPU backend: the scheduler's fallback.
+    pub cpu: &'b Backend,
+}
+
+/// An input value for a graph.
+pub enum Input {
+    /// f32 values.
+    F32(Vec<f32>),
+    /// i32 values.
+    I32(Vec<i32>),
+}
+
+/// A built graph: its output and the inputs to fill once allocated.
+pub struct Built<'a> {
+    /// The output tensor (read back as f32).
+    pub output: Tensor<'a>,
+    /// Input tensors and their values.
+    pub inputs: Vec<(Tensor<'a>, Input)>,
+}
+
+/// Time spent in a module.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Timing {
+    /// Graph computations.
+    pub calls: u32,
+    /// Wall time of those, weight copies included.
+    pub compute: Duration,
+    /// Wall time copying weights to the runtime device.
+    pub weight_copy: Duration,
+}
+
+/// Nodes a module graph may have (the SD 1.x UNet has about 3000).
+pub const GRAPH_SIZE: usize = 16384;
+
+/// A loaded module.
+pub struct Module<'b> {
+    name: &'static str,
+    params: ModuleWeights,
+    runtime_copy: Option<ModuleWeights>,
+    devices: Devices<'b>,
+    sched: Sched<'b>,
+    policy: WeightPolicy,
+    timing: Timing,
+}
+
+fn same_device(a: &Backend, b: &Backend) -> bool {
+    a.device().name() == b.device().name()
+}
+
+impl<'b> Module<'b> {
+    /// A module over already loaded weights (on `devices.params`).
+    pub fn new(
+        name: &'static str,
+        params: ModuleWeights,
+        devices: Devices<'b>,
+        policy: WeightPolicy,
+    ) -> Result<Self> {
+        let backends: Vec<&Backend> = if same_device(devices.runtime, devices.cpu) {
+            vec![devices.cpu]
+        } else {
+            vec![devices.runtime, devices.cpu]
+        };
+        let sched = Sched::new(&backends, GRAPH_SIZE)
+            .map_err(|e| ModelError(format!("{name}: scheduler: {e}")))?;
+        Ok(Module {
+            name,
+            params,
+            runtime_copy: None,
+            devices,
+            sched,
+            policy,
+            timing: Timing::default(),
+        })
+    }
+
+    /// The module's name (`te`, `diffusion`, `vae`).
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// The weights as loaded (on the params device).
+    pub fn params(&self) -> &ModuleWeights {
+        &self.params
+    }
+
+    /// Time spent so far.
+    pub fn timing(&self) -> Timing {
+        self.timing
+    }
+
+    /// Ends a phase: under [`WeightPolicy::Free`] the runtime copy of the
+    /// weights (if any) is freed.
+    pub fn end_phase(&mut self) {
+        if self.policy == WeightPolicy::Free {
+            self.runtime_copy = None;
+        }
+    }
+
+    /// Whether a runtime copy of the weights is held now.
+    pub fn has_runtime_copy(&self) -> bool {
+        self.runtime_copy.is_some()
+    }
+
+    /// Builds a graph with `build`, allocates it, fills its inputs, computes
+    /// it on the runtime device (CPU fallback) and returns the output.
+    pub fn compute<F>(&mut self, build: F) -> Result<Vec<f32>>
+    where
+        F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
+    {
+        let started = Instant::now();
+        let name = self.name;
+        if self.runtime_copy.is_none() && !same_device(self.devices.params, self.devices.runtime) {
+            let t = Instant::now();
+            let copy = self.params.copy_to(self.devices.runtime).map_err(|e| {
+                ModelError(format!(
+                    "{name}: copying weights to {}: {e}",
+                    self.devices.runtime.name()
+                ))
+            })?;
+            self.runtime_copy = Some(copy);
+            self.timing.weight_copy += t.elapsed();
+        }
+        let weights = self.runtime_copy.as_ref().unwrap_or(&self.params);
+        let w = W::new(weights.map());
+        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        let built = build(&ctx, &w).map_err(|e| ModelError(format!("{name}: {e}")))?;
+        built.output.set_output();
+        for (t, _) in &built.inputs {
+            t.set_input();
+        }
+        let graph = ctx.graph(built.output, GRAPH_SIZE)?;
+        let fail = |what: &str, e: ggml::Error| ModelError(format!("{name}: {what}: {e}"));
+        self.sched
+            .alloc(&graph)
+            .map_err(|e| fail("allocating the graph", e))?;
+        for (t, v) in &built.inputs {
+            match v {
+                Input::F32(v) => t.set_f32(v),
+                Input::I32(v) => {
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                    t.set_bytes(&bytes)
+                }
+            }
+            .map_err(|e| fail("setting an input", e))?;
+        }
+        self.sched
+            .compute(&graph)
+            .map_err(|e| fail("computing", e))?;
+        let out = built
+            .output
+            .get_f32()
+            .map_err(|e| fail("reading the output", e))?;
+        self.timing.calls += 1;
+        self.timing.compute += started.elapsed();
+        Ok(out)
+    }
+}
+
+/// An f32 input tensor of shape `ne` holding `values`.
+pub fn input_f32<'a>(
+    ctx: &'a Context,
+    ne: &[i64],
+    values: Vec<f32>,
+    inputs: &mut Vec<(Tensor<'a>, Input)>,
+) -> Result<Tensor<'a>> {
+    let n: i64 = ne.iter().product();
+    if n as usize != values.len() {
+        return Err(ModelError(format!(
+            "input of shape {ne:?} given {} values",
+            values.len()
+        )));
+    }
+    let t = ctx.new_tensor(Type::F32, ne)?;
+    inputs.push((t, Input::F32(values)));
+    Ok(t)
+}
+
+/// An i32 input tensor of `values.len()` elements.
+pub fn input_i32<'a>(
+    ctx: &'a Context,
+    values: Vec<i32>,
+    inputs: &mut Vec<(Tensor<'a>, Input)>,
+) -> Result<Tensor<'a>> {
+    let t = ctx.new_tensor(Type::I32, &[values.len() as i64])?;
+    inputs.push((t, Input::I32(values)));
+    Ok(t)
+}

@@ -1,0 +1,224 @@
+//! Building blocks shared by the module graphs: named weight lookup with
+//! shape checks, linear and convolution layers, norms and attention.
+//!
+//! Every helper checks the shapes of the weights it is handed against what
+//! the caller expects *before* calling ggml, so a checkpoint with a wrong
+//! shape gives a one-line error naming the tensor instead of a ggml abort.
+
+use ggml::{Context, Tensor};
+use std::collections::HashMap;
+
+/// A model error: one line, naming the tensor where one is at fault.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ModelError(pub String);
+
+impl From<ggml::Error> for ModelError {
+    fn from(e: ggml::Error) -> Self {
+        ModelError(format!("ggml: {e}"))
+    }
+}
+
+/// Result of model code.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// A module's weights by name, for one graph build.
+pub struct W<'a> {
+    map: HashMap<&'a str, Tensor<'a>>,
+}
+
+impl<'a> W<'a> {
+    /// Wraps a name → tensor map (from [`crate::weights::ModuleWeights::map`]).
+    pub fn new(map: HashMap<&'a str, Tensor<'a>>) -> Self {
+        W { map }
+    }
+
+    /// The tensor `name`, or a "missing tensor" error.
+    pub fn get(&self, name: &str) -> Result<Tensor<'a>> {
+        self.map
+            .get(name)
+            .copied()
+            .ok_or_else(|| ModelError(format!("missing tensor {name}")))
+    }
+
+    /// The tensor `name` if present.
+    pub fn opt(&self, name: &str) -> Option<Tensor<'a>> {
+        self.map.get(name).copied()
+    }
+
+    /// Whether `name` is present.
+    pub fn has(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+
+    /// The tensor `name`, checked to have shape `ne` (ggml order; trailing
+    /// ones may be left out).
+    pub fn shaped(&self, name: &str, ne: &[i64]) -> Result<Tensor<'a>> {
+        let t = self.get(name)?;
+        check_shape(name, t, ne)?;
+        Ok(t)
+    }
+
+    /// `ne` of tensor `name`.
+    pub fn ne(&self, name: &str) -> Result<[i64; 4]> {
+        Ok(self.get(name)?.ne())
+    }
+
+    /// Names, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &&'a str> {
+        self.map.keys()
+    }
+}
+
+/// Checks that `t` has shape `ne` (ggml order, trailing ones optional).
+pub fn check_shape(name: &str, t: Tensor<'_>, ne: &[i64]) -> Result<()> {
+    let mut want = [1i64; 4];
+    want[..ne.len()].copy_from_slice(ne);
+    if t.ne() != want {
+        return Err(ModelError(format!(
+            "tensor {name}: shape {} where {} was expected",
+            torch_shape(t.ne()),
+            torch_shape(want)
+        )));
+    }
+    Ok(())
+}
+
+/// A ggml shape written outermost first, as the checkpoint states it.
+fn torch_shape(ne: [i64; 4]) -> String {
+    let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
+    let v: Vec<String> = ne[..dims].iter().rev().map(i64::to_string).collect();
+    format!("[{}]", v.join(", "))
+}
+
+/// `y = W·x + b` over `ne[0]` of `x`; the weight is `[n_out, n_in]` (or a
+/// 1×1 convolution `[n_out, n_in, 1, 1]`), the bias optional.
+pub fn linear<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    n_in: i64,
+    n_out: i64,
+) -> Result<Tensor<'a>> {
+    let name = format!("{prefix}.weight");
+    let mut weight = w.get(&name)?;
+    if weight.ne() == [1, 1, n_in, n_out] {
+        weight = c.reshape(weight, &[n_in, n_out])?;
+    } else {
+        check_shape(&name, weight, &[n_in, n_out])?;
+    }
+    if x.ne()[0] != n_in {
+        return Err(ModelError(format!(
+            "{prefix}: input has {} features where {n_in} were expected",
+            x.ne()[0]
+        )));
+    }
+    let mut y = c.mul_mat(weight, x)?;
+    let bname = format!("{prefix}.bias");
+    if let Some(b) = w.opt(&bname) {
+        check_shape(&bname, b, &[n_out])?;
+        y = c.add(y, b)?;
+    }
+    Ok(y)
+}
+
+/// 2-D convolution of `x` `[W, H, c_in, N]` with a `[c_out, c_in, k, k]`
+/// kernel and optional `[c_out]` bias.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    c_in: i64,
+    c_out: i64,
+    k: i64,
+    stride: i32,
+    pad: i32,
+) -> Result<Tensor<'a>> {
+    let kernel = w.shaped(&format!("{prefix}.weight"), &[k, k, c_in, c_out])?;
+    if x.ne()[2] != c_in {
+        return Err(ModelError(format!(
+            "{prefix}: input has {} channels where {c_in} were expected",
+            x.ne()[2]
+        )));
+    }
+    let mut y = c.conv_2d(kernel, x, stride, pad)?;
+    let bname = format!("{prefix}.bias");
+    if let Some(b) = w.opt(&bname) {
+        check_shape(&bname, b, &[c_out])?;
+        y = c.add(y, c.reshape(b, &[1, 1, c_out, 1])?)?;
+    }
+    Ok(y)
+}
+
+/// Group norm in 32 groups over `[W, H, C, N]` with affine `[C]` weight and bias.
+pub fn group_norm<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    channels: i64,
+    eps: f32,
+) -> Result<Tensor<'a>> {
+    let g = w.shaped(&format!("{prefix}.weight"), &[channels])?;
+    let b = w.shaped(&format!("{prefix}.bias"), &[channels])?;
+    let y = c.group_norm(x, 32, eps)?;
+    let y = c.mul(y, c.reshape(g, &[1, 1, channels, 1])?)?;
+    Ok(c.add(y, c.reshape(b, &[1, 1, channels, 1])?)?)
+}
+
+/// Layer norm over `ne[0]` with affine `[C]` weight and bias.
+pub fn layer_norm<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    channels: i64,
+    eps: f32,
+) -> Result<Tensor<'a>> {
+    let g = w.shaped(&format!("{prefix}.weight"), &[channels])?;
+    let b = w.shaped(&format!("{prefix}.bias"), &[channels])?;
+    let y = c.norm(x, eps)?;
+    Ok(c.add(c.mul(y, g)?, b)?)
+}
+
+/// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
+/// `[D·H, T, N]`, `softmax(q·kᵀ/√D)·v` per head, optionally causal.
+pub fn attention<'a>(
+    c: &'a Context,
+    q: Tensor<'a>,
+    k: Tensor<'a>,
+    v: Tensor<'a>,
+    heads: i64,
+    causal: bool,
+) -> Result<Tensor<'a>> {
+    let [inner, t, n, _] = q.ne();
+    let s = k.ne()[1];
+    if inner % heads != 0 || k.ne()[0] != inner || v.ne() != k.ne() {
+        return Err(ModelError(format!(
+            "attention: q {:?}, k {:?}, v {:?} do not fit {heads} heads",
+            q.ne(),
+            k.ne(),
+            v.ne()
+        )));
+    }
+    let d = inner / heads;
+    // [D, H, T, N] → [D, T, H, N]
+    let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
+    let k = c.cont(c.permute(c.reshape(k, &[d, heads, s, n])?, [0, 2, 1, 3])?)?;
+    // [D, H, S, N] → [S, D, H, N]
+    let vt = c.cont(c.permute(c.reshape(v, &[d, heads, s, n])?, [1, 2, 0, 3])?)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    let mut kq = c.mul_mat(k, q)?; // [S, T, H, N]
+    if causal {
+        kq = c.diag_mask_inf(c.scale(kq, scale)?, 0)?;
+        kq = c.soft_max(kq)?;
+    } else {
+        kq = c.soft_max_scaled(kq, scale)?;
+    }
+    let out = c.mul_mat(vt, kq)?; // [D, T, H, N]
+    let out = c.cont(c.permute(out, [0, 2, 1, 3])?)?; // [D, H, T, N]
+    Ok(c.reshape(out, &[inner, t, n])?)
+}

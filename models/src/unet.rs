@@ -1,0 +1,329 @@
+//! The SD 1.x UNet (ε-prediction) in the original (ldm) layout.
+//!
+//! The structure is read off the tensor names, not hard-coded: `input_blocks.N`
+//! hold a residual block (`.0`) and optionally a spatial transformer (`.1`), or
+//! a stride-2 downsampling convolution (`.0.op`); `middle_block` is
+//! residual–transformer–residual; `output_blocks.N` take the matching skip
+//! (concatenated on channels), then a residual block, an optional
+//! transformer, and an optional 2× upsampling convolution. Channel counts
+//! come from the weight shapes, transformer depth from the
+//! `transformer_blocks.N` names, the context width from `attn2.to_k`.
+//! Attention uses SD 1.x's fixed 8 heads (`num_heads: 8`); SD 2.x-style
+//! 64-wide heads are not this module's job.
+
+use crate::module::{input_f32, Built, Module};
+use crate::nn::{attention, conv2d, group_norm, layer_norm, linear, ModelError, Result, W};
+use ggml::{Context, Tensor};
+
+/// SD 1.x attention heads.
+pub const HEADS: i64 = 8;
+
+/// UNet hyper-parameters read off the weights.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnetConfig {
+    /// Latent channels in.
+    pub in_channels: i64,
+    /// Latent channels out.
+    pub out_channels: i64,
+    /// Base channel count (`input_blocks.0.0` output).
+    pub model_channels: i64,
+    /// Time embedding width.
+    pub time_dim: i64,
+    /// Text context width.
+    pub context_dim: i64,
+    /// Number of 2× downsamplings.
+    pub downsamples: u32,
+}
+
+impl UnetConfig {
+    /// Reads the hyper-parameters off the weights.
+    pub fn from_weights(w: &W<'_>) -> Result<UnetConfig> {
+        let conv_in = w.ne("input_blocks.0.0.weight")?;
+        let conv_out = w.ne("out.2.weight")?;
+        let time = w.ne("time_embed.0.weight")?;
+        let to_k = w
+            .names()
+            .find(|n| n.ends_with("attn2.to_k.weight"))
+            .ok_or_else(|| ModelError("missing tensor *.attn2.to_k.weight".into()))?;
+        let context_dim = w.ne(to_k)?[0];
+        let downsamples = w
+            .names()
+            .filter(|n| n.starts_with("input_blocks.") && n.ends_with(".0.op.weight"))
+            .count() as u32;
+        Ok(UnetConfig {
+            in_channels: conv_in[2],
+            out_channels: conv_out[3],
+            model_channels: conv_in[3],
+            time_dim: time[1],
+            context_dim,
+            downsamples,
+        })
+    }
+}
+
+/// Predicts the noise ε for a batch of `n` latents `x` (`[n, C, H, W]`,
+/// W fastest) at timesteps `t` (`n` values) given text contexts
+/// `context` (`[n, S, context_dim]`).
+pub fn predict_noise(
+    module: &mut Module<'_>,
+    x: &[f32],
+    shape: [usize; 4],
+    t: &[f32],
+    context: &[f32],
+) -> Result<Vec<f32>> {
+    module.compute(|c, w| build(c, w, x, shape, t, context))
+}
+
+fn build<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    x: &[f32],
+    shape: [usize; 4],
+    t: &[f32],
+    context: &[f32],
+) -> Result<Built<'a>> {
+    let cfg = UnetConfig::from_weights(w)?;
+    let [n, ch_in, height, width] = shape.map(|d| d as i64);
+    if ch_in != cfg.in_channels {
+        return Err(ModelError(format!(
+            "latent has {ch_in} channels; the model takes {}",
+            cfg.in_channels
+        )));
+    }
+    let mult = 1i64 << cfg.downsamples;
+    if height % mult != 0 || width % mult != 0 {
+        return Err(ModelError(format!(
+            "latent size {width}×{height} is not a multiple of {mult}"
+        )));
+    }
+    if t.len() as i64 != n
+        || context.is_empty()
+        || context.len() as i64 % (n * cfg.context_dim) != 0
+    {
+        return Err(ModelError(format!(
+            "{} timesteps and {} context values do not fit a batch of {n} with context width {}",
+            t.len(),
+            context.len(),
+            cfg.context_dim
+        )));
+    }
+    let seq = context.len() as i64 / (n * cfg.context_dim);
+    let mut inputs = Vec::new();
+    let xt = input_f32(c, &[width, height, ch_in, n], x.to_vec(), &mut inputs)?;
+    let tt = input_f32(c, &[n], t.to_vec(), &mut inputs)?;
+    let ctx = input_f32(c, &[cfg.context_dim, seq, n], context.to_vec(), &mut inputs)?;
+
+    let mc = cfg.model_channels;
+    let emb = c.timestep_embedding(tt, mc as i32, 10000)?;
+    let emb = linear(c, w, "time_embed.0", emb, mc, cfg.time_dim)?;
+    let emb = linear(
+        c,
+        w,
+        "time_embed.2",
+        c.silu(emb)?,
+        cfg.time_dim,
+        cfg.time_dim,
+    )?;
+
+    let net = Net {
+        c,
+        w,
+        cfg: &cfg,
+        emb,
+        ctx,
+    };
+    let mut h = conv2d(c, w, "input_blocks.0.0", xt, ch_in, mc, 3, 1, 1)?;
+    let mut skips = vec![h];
+    for i in 1.. {
+        let p = format!("input_blocks.{i}");
+        if !w.has(&format!("{p}.0.op.weight")) && !w.has(&format!("{p}.0.in_layers.2.weight")) {
+            break;
+        }
+        let ch = h.ne()[2];
+        if w.has(&format!("{p}.0.op.weight")) {
+            h = conv2d(c, w, &format!("{p}.0.op"), h, ch, ch, 3, 2, 1)?;
+        } else {
+            h = net.res_block(&format!("{p}.0"), h)?;
+            if w.has(&format!("{p}.1.proj_in.weight")) {
+                h = net.transformer(&format!("{p}.1"), h)?;
+            }
+        }
+        skips.push(h);
+    }
+    h = net.res_block("middle_block.0", h)?;
+    h = net.transformer("middle_block.1", h)?;
+    h = net.res_block("middle_block.2", h)?;
+    for i in 0.. {
+        let p = format!("output_blocks.{i}");
+        if !w.has(&format!("{p}.0.in_layers.2.weight")) {
+            break;
+        }
+        let skip = skips.pop().ok_or_else(|| {
+            ModelError(format!(
+                "{p}: more output blocks than input blocks to take skips from"
+            ))
+        })?;
+        h = c.concat(h, skip, 2)?;
+        h = net.res_block(&format!("{p}.0"), h)?;
+        let mut j = 1;
+        if w.has(&format!("{p}.1.proj_in.weight")) {
+            h = net.transformer(&format!("{p}.1"), h)?;
+            j = 2;
+        }
+        let up = format!("{p}.{j}.conv");
+        if w.has(&format!("{up}.weight")) {
+            let ch = h.ne()[2];
+            h = conv2d(c, w, &up, c.upscale(h, 2)?, ch, ch, 3, 1, 1)?;
+        }
+    }
+    if !skips.is_empty() {
+        return Err(ModelError(format!(
+            "{} skip connections left unused: missing output blocks",
+            skips.len()
+        )));
+    }
+    let ch = h.ne()[2];
+    h = c.silu(group_norm(c, w, "out.0", h, ch, 1e-5)?)?;
+    let out = conv2d(c, w, "out.2", h, ch, cfg.out_channels, 3, 1, 1)?;
+    Ok(Built {
+        output: out,
+        inputs,
+    })
+}
+
+struct Net<'a, 'w> {
+    c: &'a Context,
+    w: &'w W<'a>,
+    cfg: &'w UnetConfig,
+    emb: Tensor<'a>,
+    ctx: Tensor<'a>,
+}
+
+impl<'a> Net<'a, '_> {
+    /// ldm `ResBlock`: norm–SiLU–conv, plus the projected time embedding,
+    /// norm–SiLU–conv, plus the (1×1-projected where channels change) input.
+    fn res_block(&self, p: &str, x: Tensor<'a>) -> Result<Tensor<'a>> {
+        let (c, w) = (self.c, self.w);
+        let cin = x.ne()[2];
+        let cout = w.ne(&format!("{p}.out_layers.3.weight"))?[3];
+        let h = c.silu(group_norm(c, w, &format!("{p}.in_layers.0"), x, cin, 1e-5)?)?;
+        let h = conv2d(c, w, &format!("{p}.in_layers.2"), h, cin, cout, 3, 1, 1)?;
+        let e = linear(
+            c,
+            w,
+            &format!("{p}.emb_layers.1"),
+            c.silu(self.emb)?,
+            self.cfg.time_dim,
+            cout,
+        )?;
+        let n = e.ne()[1];
+        let h = c.add(h, c.reshape(e, &[1, 1, cout, n])?)?;
+        let h = c.silu(group_norm(
+            c,
+            w,
+            &format!("{p}.out_layers.0"),
+            h,
+            cout,
+            1e-5,
+        )?)?;
+        let h = conv2d(c, w, &format!("{p}.out_layers.3"), h, cout, cout, 3, 1, 1)?;
+        let skip = if w.has(&format!("{p}.skip_connection.weight")) {
+            conv2d(c, w, &format!("{p}.skip_connection"), x, cin, cout, 1, 1, 0)?
+        } else if cin == cout {
+            x
+        } else {
+            return Err(ModelError(format!(
+                "missing tensor {p}.skip_connection.weight ({cin} → {cout} channels)"
+            )));
+        };
+        Ok(c.add(skip, h)?)
+    }
+
+    /// ldm `SpatialTransformer`: group norm, 1×1 (or linear) projection in,
+    /// transformer blocks over the W·H tokens, projection out, residual.
+    fn transformer(&self, p: &str, x: Tensor<'a>) -> Result<Tensor<'a>> {
+        let (c, w) = (self.c, self.w);
+        let [width, height, ch, n] = x.ne();
+        let proj_in = w.ne(&format!("{p}.proj_in.weight"))?;
+        let conv_proj = proj_in[0] == 1 && proj_in[1] == 1;
+        let inner = if conv_proj { proj_in[3] } else { proj_in[1] };
+        let h = group_norm(c, w, &format!("{p}.norm"), x, ch, 1e-6)?;
+        let to_tokens = |t: Tensor<'a>, ch: i64| -> Result<Tensor<'a>> {
+            let t = c.cont(c.permute(t, [1, 2, 0, 3])?)?; // [C, W, H, N]
+            Ok(c.reshape(t, &[ch, width * height, n])?)
+        };
+        let mut h = if conv_proj {
+            let h = conv2d(c, w, &format!("{p}.proj_in"), h, ch, inner, 1, 1, 0)?;
+            to_tokens(h, inner)?
+        } else {
+            linear(c, w, &format!("{p}.proj_in"), to_tokens(h, ch)?, ch, inner)?
+        };
+        let mut depth = 0;
+        while w.has(&format!("{p}.transformer_blocks.{depth}.norm1.weight")) {
+            h = self.block(&format!("{p}.transformer_blocks.{depth}"), h, inner)?;
+            depth += 1;
+        }
+        if depth == 0 {
+            return Err(ModelError(format!(
+                "missing tensor {p}.transformer_blocks.0.norm1.weight"
+            )));
+        }
+        let from_tokens = |t: Tensor<'a>, ch: i64| -> Result<Tensor<'a>> {
+            let t = c.reshape(t, &[ch, width, height, n])?;
+            Ok(c.cont(c.permute(t, [2, 0, 1, 3])?)?) // [W, H, C, N]
+        };
+        let h = if conv_proj {
+            conv2d(
+                c,
+                w,
+                &format!("{p}.proj_out"),
+                from_tokens(h, inner)?,
+                inner,
+                ch,
+                1,
+                1,
+                0,
+            )?
+        } else {
+            from_tokens(linear(c, w, &format!("{p}.proj_out"), h, inner, ch)?, ch)?
+        };
+        Ok(c.add(x, h)?)
+    }
+
+    /// `BasicTransformerBlock`: self-attention, cross-attention on the text
+    /// context, GEGLU feed-forward; each pre-norm with a residual.
+    fn block(&self, p: &str, x: Tensor<'a>, inner: i64) -> Result<Tensor<'a>> {
+        let (c, w) = (self.c, self.w);
+        let cd = self.cfg.context_dim;
+        let attn = |name: &str, x: Tensor<'a>, ctx: Option<Tensor<'a>>| -> Result<Tensor<'a>> {
+            let pa = format!("{p}.{name}");
+            let (kv, kv_dim) = match ctx {
+                Some(t) => (t, cd),
+                None => (x, inner),
+            };
+            let q = linear(c, w, &format!("{pa}.to_q"), x, inner, inner)?;
+            let k = linear(c, w, &format!("{pa}.to_k"), kv, kv_dim, inner)?;
+            let v = linear(c, w, &format!("{pa}.to_v"), kv, kv_dim, inner)?;
+            let a = attention(c, q, k, v, HEADS, false)?;
+            linear(c, w, &format!("{pa}.to_out.0"), a, inner, inner)
+        };
+        let n = layer_norm(c, w, &format!("{p}.norm1"), x, inner, 1e-5)?;
+        let x = c.add(x, attn("attn1", n, None)?)?;
+        let n = layer_norm(c, w, &format!("{p}.norm2"), x, inner, 1e-5)?;
+        let x = c.add(x, attn("attn2", n, Some(self.ctx))?)?;
+        let n = layer_norm(c, w, &format!("{p}.norm3"), x, inner, 1e-5)?;
+        let ff = w.ne(&format!("{p}.ff.net.0.proj.weight"))?[1] / 2;
+        let g = linear(c, w, &format!("{p}.ff.net.0.proj"), n, inner, 2 * ff)?;
+        let value = c.cont(c.split_dim0(g, 2, 0)?)?;
+        let gate = c.gelu_erf(c.cont(c.split_dim0(g, 2, 1)?)?)?;
+        let y = linear(
+            c,
+            w,
+            &format!("{p}.ff.net.2"),
+            c.mul(value, gate)?,
+            ff,
+            inner,
+        )?;
+        Ok(c.add(x, y)?)
+    }
+}
