@@ -4,6 +4,10 @@
 //! lives in backend buffers ([`Buffer`]) or is placed by the scheduler
 //! ([`Sched`]). A [`Tensor`] borrows its [`Context`], so it cannot outlive it.
 
+// ggml enums are `u32` or `i32` depending on the platform's C ABI, so casts
+// that are no-ops here are kept.
+#![allow(clippy::unnecessary_cast)]
+
 use crate::{sys, Backend, Error, Result};
 use std::marker::PhantomData;
 
@@ -24,9 +28,39 @@ pub enum Type {
     Q4_1,
     /// 5-bit blocks of 32.
     Q5_0,
+    /// 5-bit blocks of 32 with min.
+    Q5_1,
+    /// k-quant, 2 bits.
+    Q2K,
+    /// k-quant, 3 bits.
+    Q3K,
+    /// k-quant, 4 bits.
+    Q4K,
+    /// k-quant, 5 bits.
+    Q5K,
+    /// k-quant, 6 bits.
+    Q6K,
     /// 32-bit integer.
     I32,
 }
+
+/// Every [`Type`].
+const ALL_TYPES: [Type; 14] = [
+    Type::F32,
+    Type::F16,
+    Type::BF16,
+    Type::Q8_0,
+    Type::Q4_0,
+    Type::Q4_1,
+    Type::Q5_0,
+    Type::Q5_1,
+    Type::Q2K,
+    Type::Q3K,
+    Type::Q4K,
+    Type::Q5K,
+    Type::Q6K,
+    Type::I32,
+];
 
 impl Type {
     pub(crate) fn raw(self) -> sys::ggml_type {
@@ -38,24 +72,78 @@ impl Type {
             Type::Q4_0 => sys::GGML_TYPE_Q4_0,
             Type::Q4_1 => sys::GGML_TYPE_Q4_1,
             Type::Q5_0 => sys::GGML_TYPE_Q5_0,
+            Type::Q5_1 => sys::GGML_TYPE_Q5_1,
+            Type::Q2K => sys::GGML_TYPE_Q2_K,
+            Type::Q3K => sys::GGML_TYPE_Q3_K,
+            Type::Q4K => sys::GGML_TYPE_Q4_K,
+            Type::Q5K => sys::GGML_TYPE_Q5_K,
+            Type::Q6K => sys::GGML_TYPE_Q6_K,
             Type::I32 => sys::GGML_TYPE_I32,
         }
     }
 
     /// The type with ggml's name `name` (`f32`, `f16`, `bf16`, `q8_0`, ...).
     pub fn from_name(name: &str) -> Option<Type> {
-        [
-            Type::F32,
-            Type::F16,
-            Type::BF16,
-            Type::Q8_0,
-            Type::Q4_0,
-            Type::Q4_1,
-            Type::Q5_0,
-            Type::I32,
-        ]
-        .into_iter()
-        .find(|t| t.name() == name)
+        ALL_TYPES.into_iter().find(|t| t.name() == name)
+    }
+
+    /// The type with ggml's numeric id `id` (as GGUF files store it).
+    pub fn from_id(id: u32) -> Option<Type> {
+        ALL_TYPES.into_iter().find(|t| t.raw() as u32 == id)
+    }
+
+    /// ggml's numeric id.
+    pub fn id(self) -> u32 {
+        self.raw() as u32
+    }
+
+    /// Bytes of one block ([`Type::block_size`] elements).
+    pub fn block_bytes(self) -> usize {
+        // SAFETY: pure lookup in ggml's type table.
+        unsafe { sys::ggml_type_size(self.raw()) }
+    }
+
+    /// Bytes of `n` elements, `None` unless `n` is a multiple of the block size.
+    pub fn bytes_of(self, n: u64) -> Option<u64> {
+        let b = self.block_size() as u64;
+        n.is_multiple_of(b)
+            .then(|| n / b)?
+            .checked_mul(self.block_bytes() as u64)
+    }
+
+    /// Encodes f32 `values` (rows of `row_len`) as this type.
+    pub fn encode(self, values: &[f32], row_len: usize) -> Result<Vec<u8>> {
+        if row_len == 0
+            || !values.len().is_multiple_of(row_len)
+            || !row_len.is_multiple_of(self.block_size())
+        {
+            return Err(Error::Invalid(format!(
+                "{} values in rows of {row_len} cannot be encoded as {}",
+                values.len(),
+                self.name()
+            )));
+        }
+        match self {
+            Type::F32 => return Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            Type::I32 => return Err(Error::Invalid("f32 values cannot be encoded as i32".into())),
+            _ => {}
+        }
+        let n = self.bytes_of(values.len() as u64).unwrap_or(0) as usize;
+        let mut out = vec![0u8; n];
+        // SAFETY: `out` holds exactly the bytes of `values.len() / row_len`
+        // rows of `row_len` elements of this type (checked divisible above).
+        unsafe {
+            sys::ggml_quantize_chunk(
+                self.raw(),
+                values.as_ptr(),
+                out.as_mut_ptr().cast(),
+                0,
+                (values.len() / row_len) as i64,
+                row_len as i64,
+                std::ptr::null(),
+            )
+        };
+        Ok(out)
     }
 
     /// Elements per block (1 for plain types).
@@ -561,27 +649,10 @@ impl<'ctx> Tensor<'ctx> {
             )));
         }
         // SAFETY: header read.
-        let ty = unsafe { (*self.raw).type_ };
-        if ty == sys::GGML_TYPE_F32 {
-            let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            return self.set_bytes(&bytes);
-        }
-        let mut out = vec![0u8; self.nbytes()];
-        let ne0 = self.ne()[0];
-        let rows = values.len() as i64 / ne0;
-        // SAFETY: `out` has room for `rows` rows of `ne0` values of `ty`
-        // (it is exactly nbytes of a contiguous tensor of that shape).
-        unsafe {
-            sys::ggml_quantize_chunk(
-                ty,
-                values.as_ptr(),
-                out.as_mut_ptr().cast(),
-                0,
-                rows,
-                ne0,
-                std::ptr::null(),
-            )
-        };
+        let raw_ty = unsafe { (*self.raw).type_ };
+        let ty = Type::from_id(raw_ty as u32)
+            .ok_or_else(|| Error::Invalid(format!("set_f32 on a {} tensor", self.type_name())))?;
+        let out = ty.encode(values, self.ne()[0] as usize)?;
         self.set_bytes(&out)
     }
 

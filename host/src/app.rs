@@ -164,6 +164,10 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         println!("{}", serde_json::to_string(&report)?);
         return Ok(ExitCode::SUCCESS);
     }
+    if let Command::Convert(a) = &cli.command {
+        crate::generate::convert(a)?;
+        return Ok(ExitCode::SUCCESS);
+    }
     if let Command::Bench(a) = &cli.command {
         return crate::bench::startup(&cli, a);
     }
@@ -186,7 +190,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
         Command::Generate(a) => crate::generate::run(&session, a)?,
-        Command::Probe { .. } | Command::Bench(_) | Command::Startup => {} // answered above
+        Command::Probe { .. } | Command::Bench(_) | Command::Startup | Command::Convert(_) => {} // answered above
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -58,6 +58,8 @@ pub enum Command {
     Check(CheckArgs),
     /// Generate an image from a text prompt with an SD 1.x checkpoint
     Generate(GenerateArgs),
+    /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
+    Convert(ConvertArgs),
     /// Measure sdhost itself; today `--startup`: the time to discover, check
     /// and register every plugin on the search path
     Bench(BenchArgs),
@@ -179,6 +181,28 @@ pub struct GenerateArgs {
 
     #[command(flatten)]
     pub placement: PlacementArgs,
+}
+
+/// `sdhost convert`.
+#[derive(Debug, Args)]
+pub struct ConvertArgs {
+    /// Checkpoint to read (.safetensors or .gguf)
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: PathBuf,
+
+    /// GGUF file to write (complete or not at all)
+    #[arg(short = 'o', long, value_name = "FILE")]
+    pub output: PathBuf,
+
+    /// Type of the matrices: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K … q6_K
+    #[arg(long = "type", default_value = "f16", value_parser = parse_type)]
+    pub ty: ggml::Type,
+}
+
+fn parse_type(s: &str) -> Result<ggml::Type, String> {
+    ggml::Type::from_name(s)
+        .filter(|t| *t != ggml::Type::I32)
+        .ok_or_else(|| format!("unknown type {s:?} (f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, q3_K, q4_K, q5_K, q6_K)"))
 }
 
 fn parse_sampler(s: &str) -> Result<sdhost_models::schedule::Sampler, String> {

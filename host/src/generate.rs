@@ -20,6 +20,13 @@ use std::time::Instant;
 
 /// Runs `generate`.
 pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
+    // Ctrl-C stops sampling at the next step and leaves no output file.
+    let cancel = Arc::new(AtomicBool::new(false));
+    {
+        let cancel = cancel.clone();
+        // A second handler cannot be installed in one process; generate runs once.
+        let _ = ctrlc::set_handler(move || cancel.store(true, Ordering::SeqCst));
+    }
     let placement = session.resolve(&args.placement)?;
     let out_dir = output_dir(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
@@ -62,12 +69,13 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         clip_skip: args.clip_skip as usize,
     };
 
-    let cancel = Arc::new(AtomicBool::new(false));
-    {
-        let cancel = cancel.clone();
-        // A second handler cannot be installed in one process; generate runs once.
-        let _ = ctrlc::set_handler(move || cancel.store(true, Ordering::SeqCst));
-    }
+    tracing::info!(
+        "sampling {} steps with {} at {}x{}",
+        req.steps,
+        req.sampler.name(),
+        req.width,
+        req.height
+    );
     let bar = indicatif::ProgressBar::new(req.steps as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
@@ -93,6 +101,41 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         summary(&sd, &placement, load_time, sampling_time, req.steps)
     );
     eprintln!("wrote {}", args.output.display());
+    Ok(())
+}
+
+/// Runs `convert`: no plugin is needed (quantization runs in libggml-base).
+pub fn convert(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
+    let dir = output_dir(&args.output)?;
+    let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".sdhost-")
+        .suffix(".gguf.partial")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    let bar = indicatif::ProgressBar::new(ckpt.tensors.len() as u64);
+    let stats = {
+        let mut w = std::io::BufWriter::new(tmp.as_file_mut());
+        let stats = sdhost_models::convert::to_gguf(&ckpt, args.ty, &mut w, &mut |i, n| {
+            bar.set_length(n as u64);
+            bar.set_position(i as u64);
+        })
+        .map_err(|e| anyhow!("{}: {e}", args.model.display()))?;
+        w.flush().context("writing the GGUF file")?;
+        stats
+    };
+    bar.finish_and_clear();
+    tmp.as_file().sync_all().context("writing the GGUF file")?;
+    tmp.persist(&args.output)
+        .map_err(|e| anyhow!("writing {}: {}", args.output.display(), e.error))?;
+    eprintln!(
+        "wrote {}: {} tensors ({} MiB), {} left out",
+        args.output.display(),
+        stats.tensors,
+        stats.bytes >> 20,
+        stats.skipped
+    );
     Ok(())
 }
 
@@ -147,6 +190,7 @@ pub fn write_png(path: &Path, dir: &Path, image: &Image, text: &str) -> anyhow::
     let mut tmp = tempfile::Builder::new()
         .prefix(".sdhost-")
         .suffix(".png.partial")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
         .tempfile_in(dir)
         .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     {

@@ -13,9 +13,9 @@ pub struct TensorEntry {
     pub dtype: String,
     /// Bytes of data.
     pub bytes: u64,
-    /// Shape, outermost dimension first (safetensors only; empty for GGUF).
+    /// Shape, outermost dimension first.
     pub shape: Vec<u64>,
-    /// Absolute file offset of the data (safetensors only).
+    /// Absolute file offset of the data.
     pub offset: Option<u64>,
 }
 
@@ -95,17 +95,9 @@ pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
         .map(str::to_ascii_lowercase);
     let tensors = match ext.as_deref() {
         Some("safetensors") => scan_safetensors(path)?,
-        Some("gguf") => ggml::gguf_tensor_infos(path)
-            .map_err(|e| CheckpointError::Gguf(e.to_string()))?
-            .into_iter()
-            .map(|t| TensorEntry {
-                name: t.name,
-                dtype: t.type_name,
-                bytes: t.size,
-                shape: Vec::new(),
-                offset: None,
-            })
-            .collect(),
+        Some("gguf") => crate::gguf::scan(path).map_err(|e| {
+            CheckpointError::Gguf(format!("{}: invalid GGUF file: {e}", path.display()))
+        })?,
         _ => return Err(CheckpointError::UnknownFormat(path.to_path_buf())),
     };
     Ok(Checkpoint {
@@ -298,7 +290,7 @@ mod tests {
         assert!(scan(h.path())
             .unwrap_err()
             .to_string()
-            .contains("not a valid GGUF file"));
+            .contains("invalid GGUF file"));
     }
 
     #[test]

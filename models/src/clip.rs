@@ -75,10 +75,18 @@ pub fn encode(module: &mut Module<'_>, ids: &[u32], clip_skip: usize) -> Result<
     module.compute(|c, w| build(c, w, ids, clip_skip))
 }
 
+/// Checks the module's weights by building (not computing) its graph.
+pub fn validate(module: &Module<'_>) -> Result<()> {
+    module.validate(|c, w| {
+        let n = ClipConfig::from_weights(w)?.positions as usize;
+        build(c, w, &vec![0; n], 1)
+    })
+}
+
 fn build<'a>(c: &'a Context, w: &W<'a>, ids: &[u32], clip_skip: usize) -> Result<Built<'a>> {
     let cfg = ClipConfig::from_weights(w)?;
     let n_pos = cfg.positions as usize;
-    if ids.is_empty() || ids.len() % n_pos != 0 {
+    if ids.is_empty() || !ids.len().is_multiple_of(n_pos) {
         return Err(ModelError(format!(
             "token ids come in chunks of {n_pos}; got {}",
             ids.len()

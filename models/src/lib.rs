@@ -20,6 +20,8 @@
 
 pub mod checkpoint;
 pub mod clip;
+pub mod convert;
+pub mod gguf;
 pub mod module;
 pub mod nn;
 pub mod pipeline;

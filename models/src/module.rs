@@ -150,6 +150,20 @@ impl<'b> Module<'b> {
         self.runtime_copy.is_some()
     }
 
+    /// Builds a graph with `build` without computing it (weights from the
+    /// params device, nothing allocated): checks that every tensor the graph
+    /// needs is present and has the shape it needs, before any compute.
+    pub fn validate<F>(&self, build: F) -> Result<()>
+    where
+        F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
+    {
+        let w = W::new(self.params.map());
+        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        let built = build(&ctx, &w).map_err(|e| ModelError(format!("{}: {e}", self.name)))?;
+        ctx.graph(built.output, GRAPH_SIZE)?;
+        Ok(())
+    }
+
     /// Builds a graph with `build`, allocates it, fills its inputs, computes
     /// it on the runtime device (CPU fallback) and returns the output.
     pub fn compute<F>(&mut self, build: F) -> Result<Vec<f32>>

@@ -113,6 +113,15 @@ impl<'b> Sd1<'b> {
             .map_err(|e| ModelError(format!("{file}: te: {e}")))?;
         let un = unet::UnetConfig::from_weights(&W::new(sd.unet.params().map()))
             .map_err(|e| ModelError(format!("{file}: diffusion: {e}")))?;
+        // Build every graph once, uncomputed: a missing or misshapen tensor
+        // anywhere fails here, before any compute. Errors name the module.
+        for r in [
+            clip::validate(&sd.te),
+            unet::validate(&sd.unet),
+            vae::validate(&sd.vae),
+        ] {
+            r.map_err(|e| ModelError(format!("{file}: {e}")))?;
+        }
         if te.hidden != un.context_dim {
             return Err(ModelError(format!(
                 "{file}: the text encoder's width {} does not match the UNet's context width {}",
@@ -179,7 +188,11 @@ impl<'b> Sd1<'b> {
 
     fn latent_shape(&self, req: &Request) -> Result<[usize; 4]> {
         let m = self.size_multiple()?;
-        if req.width == 0 || req.height == 0 || req.width % m != 0 || req.height % m != 0 {
+        if req.width == 0
+            || req.height == 0
+            || !req.width.is_multiple_of(m)
+            || !req.height.is_multiple_of(m)
+        {
             return Err(ModelError(format!(
                 "image size {}×{} must be a positive multiple of {m} for this model",
                 req.width, req.height

@@ -74,6 +74,18 @@ pub fn predict_noise(
     module.compute(|c, w| build(c, w, x, shape, t, context))
 }
 
+/// Checks the module's weights by building (not computing) its graph for
+/// the smallest latent and a 77-token context.
+pub fn validate(module: &Module<'_>) -> Result<()> {
+    module.validate(|c, w| {
+        let cfg = UnetConfig::from_weights(w)?;
+        let m = 1usize << cfg.downsamples;
+        let ch = cfg.in_channels as usize;
+        let ctx = vec![0.0; 77 * cfg.context_dim as usize];
+        build(c, w, &vec![0.0; ch * m * m], [1, ch, m, m], &[0.0], &ctx)
+    })
+}
+
 fn build<'a>(
     c: &'a Context,
     w: &W<'a>,

@@ -32,6 +32,14 @@ pub fn upscale_factor(w: &W<'_>) -> u32 {
     1 << n
 }
 
+/// Checks the module's weights by building (not computing) its graph.
+pub fn validate(module: &Module<'_>) -> Result<()> {
+    module.validate(|c, w| {
+        let ch = w.ne("post_quant_conv.weight")?[2] as usize;
+        build(c, w, &vec![0.0; ch], [1, ch, 1, 1])
+    })
+}
+
 fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<Built<'a>> {
     let [n, zc, height, width] = shape.map(|d| d as i64);
     let mut inputs = Vec::new();

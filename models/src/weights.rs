@@ -53,27 +53,14 @@ pub struct ModuleWeights {
     bytes: u64,
 }
 
-/// f16 or bf16 little-endian bytes to f32 little-endian bytes (exact).
-fn widen(dtype: &str, data: &[u8]) -> Vec<u8> {
-    data.chunks_exact(2)
-        .flat_map(|b| {
-            let bits = u16::from_le_bytes([b[0], b[1]]);
-            let v = if dtype == "BF16" {
-                f32::from_bits(u32::from(bits) << 16)
-            } else {
-                half::f16::from_bits(bits).to_f32()
-            };
-            v.to_le_bytes()
-        })
-        .collect()
-}
-
+/// The ggml type of a safetensors dtype (`F16`) or GGUF type name (`q8_0`).
 fn ggml_type(dtype: &str) -> Option<Type> {
     match dtype {
         "F32" => Some(Type::F32),
         "F16" => Some(Type::F16),
         "BF16" => Some(Type::BF16),
-        _ => None,
+        "i32" => None,
+        other => Type::from_name(other),
     }
 }
 
@@ -123,14 +110,14 @@ impl ModuleWeights {
             let ty = ggml_type(&t.dtype).ok_or_else(|| {
                 tensor_err(
                     t,
-                    format!("dtype {} is not supported (f32, f16, bf16)", t.dtype),
+                    format!(
+                        "dtype {} is not supported (f32, f16, bf16, or a ggml quantized type)",
+                        t.dtype
+                    ),
                 )
             })?;
             if t.offset.is_none() {
-                return Err(tensor_err(
-                    t,
-                    "no data offset (only .safetensors weights can be loaded so far)".into(),
-                ));
+                return Err(tensor_err(t, "no data offset".into()));
             }
             if t.shape.len() > 4 {
                 return Err(tensor_err(
@@ -144,7 +131,8 @@ impl ModuleWeights {
             }
             // Vectors (biases, norm weights) are widened to f32: ggml adds
             // and multiplies f32 activations by f32 operands only.
-            let ty = if t.shape.iter().filter(|&&d| d > 1).count() <= 1 {
+            let half = matches!(ty, Type::F16 | Type::BF16);
+            let ty = if half && t.shape.iter().filter(|&&d| d > 1).count() <= 1 {
                 Type::F32
             } else {
                 ty
@@ -165,8 +153,12 @@ impl ModuleWeights {
             let mut data = vec![0u8; t.bytes as usize];
             f.read_exact_at(&mut data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
-            if dst.type_name() == "f32" && t.dtype != "F32" {
-                data = widen(&t.dtype, &data);
+            if dst.type_name() == "f32" && !t.dtype.eq_ignore_ascii_case("f32") {
+                data = crate::convert::decode_f32(&t.dtype, &data)
+                    .unwrap_or_default()
+                    .iter()
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
             }
             dst.set_bytes(&data)
                 .map_err(|e| tensor_err(t, e.to_string()))?;

@@ -1,0 +1,426 @@
+//! `sdhost generate` and `sdhost convert` end to end on the committed tiny
+//! SD 1.x checkpoint, in a private installed prefix: PNG output with its
+//! parameters, determinism, GGUF conversion, and bad input (each a one-line
+//! error naming the file and tensor, a non-zero exit, and no output file).
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+
+fn tiny() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The PNG's size and its `parameters` text (tEXt or iTXt, uncompressed).
+fn png_info(path: &Path) -> (u32, u32, String) {
+    let b = std::fs::read(path).unwrap();
+    assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
+    let (mut i, mut size, mut text) = (8, (0, 0), String::new());
+    while i + 8 <= b.len() {
+        let n = u32::from_be_bytes(b[i..i + 4].try_into().unwrap()) as usize;
+        let kind = &b[i + 4..i + 8];
+        let d = &b[i + 8..i + 8 + n];
+        if kind == b"IHDR" {
+            size = (
+                u32::from_be_bytes(d[0..4].try_into().unwrap()),
+                u32::from_be_bytes(d[4..8].try_into().unwrap()),
+            );
+        }
+        if kind == b"tEXt" && d.starts_with(b"parameters\0") {
+            text = String::from_utf8_lossy(&d[11..]).into_owned();
+        }
+        if kind == b"iTXt" && d.starts_with(b"parameters\0\0\0") {
+            // keyword, compression flag and method, language tag, translated keyword
+            let rest = &d[13..];
+            let mut parts = rest.splitn(3, |&b| b == 0);
+            let (_, _, t) = (parts.next(), parts.next(), parts.next().unwrap_or_default());
+            text = String::from_utf8_lossy(t).into_owned();
+        }
+        i += 12 + n;
+    }
+    (size.0, size.1, text)
+}
+
+/// Decoded RGB pixels.
+fn pixels(path: &Path) -> Vec<u8> {
+    let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
+    let mut r = dec.read_info().unwrap();
+    let mut buf = vec![0; r.output_buffer_size().unwrap()];
+    let info = r.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    buf
+}
+
+fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
+    let mut args = vec![
+        "generate",
+        "-m",
+        s(model),
+        "-p",
+        "a photo of a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "3",
+        "-o",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    p.run(&args)
+}
+
+/// Files in `dir` (to prove no partial output is left).
+fn listing(dir: &Path) -> Vec<String> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn generate_writes_a_png_with_its_parameters_deterministically() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let a = out.join("a.png");
+    let r = generate(&p, &tiny(), &a, &["--seed", "7", "-n", "blurry"]).ok();
+    assert!(
+        r.stderr.contains("diffusion"),
+        "timing summary: {}",
+        r.stderr
+    );
+    assert!(r.stderr.contains("it/s"), "{}", r.stderr);
+    let (w, h, text) = png_info(&a);
+    assert_eq!((w, h), (64, 64));
+    assert!(
+        text.starts_with("a photo of a cat\nNegative prompt: blurry\n"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Steps: 3, Sampler: euler_a, CFG scale: 7, Seed: 7, Size: 64x64"),
+        "{text}"
+    );
+    assert!(text.contains("diffusion=cpu"), "{text}");
+
+    // Same seed, same bytes; another seed, another image.
+    let b = out.join("b.png");
+    generate(&p, &tiny(), &b, &["--seed", "7", "-n", "blurry"]).ok();
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    let c = out.join("c.png");
+    generate(
+        &p,
+        &tiny(),
+        &c,
+        &["--seed", "8", "-n", "blurry", "--sampler", "dpm++2m"],
+    )
+    .ok();
+    assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&c).unwrap());
+    assert!(png_info(&c).2.contains("Sampler: dpm++2m"));
+    assert_eq!(listing(&out), ["a.png", "b.png", "c.png"]);
+}
+
+#[test]
+fn convert_to_gguf_and_generate_from_it() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let st = out.join("st.png");
+    generate(&p, &tiny(), &st, &[]).ok();
+    for ty in ["f16", "q8_0", "q4_0"] {
+        let g = out.join(format!("tiny-{ty}.gguf"));
+        let r = p
+            .run(&["convert", "-m", s(&tiny()), "-o", s(&g), "--type", ty])
+            .ok();
+        assert!(r.stderr.contains("536 tensors"), "{}", r.stderr);
+        let img = out.join(format!("{ty}.png"));
+        generate(&p, &g, &img, &[]).ok();
+        let (a, b) = (pixels(&st), pixels(&img));
+        if ty == "f16" {
+            // f16 GGUF holds the very same numbers as the f16 safetensors file.
+            assert_eq!(a, b, "f16 GGUF and safetensors give the same image");
+        } else {
+            assert_ne!(a, b, "{ty} quantizes");
+        }
+        // plan reads GGUF too.
+        let j = p.run(&["plan", "-m", s(&g), "--json"]).ok().json();
+        assert!(j["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["weight_bytes"].as_u64() > Some(0)));
+    }
+    let r = p.run(&[
+        "convert",
+        "-m",
+        s(&tiny()),
+        "-o",
+        s(&out.join("x.gguf")),
+        "--type",
+        "q7",
+    ]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("unknown type \"q7\""), "{}", r.stderr);
+}
+
+/// The tiny checkpoint's header and data, to make broken copies of.
+struct St {
+    header: serde_json::Map<String, serde_json::Value>,
+    data: Vec<u8>,
+}
+
+impl St {
+    fn read() -> St {
+        let b = std::fs::read(tiny()).unwrap();
+        let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
+        St {
+            header: serde_json::from_slice(&b[8..8 + n]).unwrap(),
+            data: b[8 + n..].to_vec(),
+        }
+    }
+    fn bytes(&self) -> Vec<u8> {
+        let h = serde_json::to_vec(&self.header).unwrap();
+        let mut out = (h.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(&h);
+        out.extend_from_slice(&self.data);
+        out
+    }
+    fn tensor(&mut self, name: &str) -> &mut serde_json::Value {
+        self.header
+            .get_mut(name)
+            .unwrap_or_else(|| panic!("no {name}"))
+    }
+}
+
+#[test]
+fn bad_checkpoints_fail_with_one_line_and_no_output() {
+    let p = Prefix::with_cpu();
+    let work = p.dir("bad");
+    let out_dir = p.dir("out");
+    let attn = "model.diffusion_model.middle_block.1.transformer_blocks.0.attn2.to_k.weight";
+    let fc1 = "cond_stage_model.transformer.text_model.encoder.layers.1.mlp.fc1.weight";
+    type Case<'a> = (&'a str, Box<dyn Fn(&mut St) -> Vec<u8>>, Vec<&'a str>);
+    let cases: Vec<Case> = vec![
+        (
+            "missing tensor",
+            Box::new(move |st| {
+                st.header.remove(attn);
+                st.bytes()
+            }),
+            vec!["diffusion: missing tensor middle_block.1.transformer_blocks.0.attn2.to_k.weight"],
+        ),
+        (
+            "wrong shape",
+            Box::new(move |st| {
+                // Same bytes, transposed shape: only the model can tell.
+                let t = st.tensor(fc1);
+                let sh = t["shape"].as_array().unwrap().clone();
+                t["shape"] = serde_json::json!([sh[1], sh[0]]);
+                st.bytes()
+            }),
+            vec!["te: tensor text_model.encoder.layers.1.mlp.fc1.weight: shape [32, 64] where [64, 32] was expected"],
+        ),
+        (
+            "truncated file",
+            Box::new(|st| {
+                let b = st.bytes();
+                b[..b.len() / 2].to_vec()
+            }),
+            vec!["invalid safetensors file", "run past the"],
+        ),
+        (
+            "offsets past the end",
+            Box::new(move |st| {
+                let len = st.data.len() as u64;
+                st.tensor(attn)["data_offsets"] = serde_json::json!([len, len + 2048]);
+                st.bytes()
+            }),
+            vec!["invalid safetensors file: tensor", "attn2.to_k.weight: data offsets"],
+        ),
+        (
+            "unknown dtype",
+            Box::new(move |st| {
+                st.tensor(attn)["dtype"] = serde_json::json!("F13");
+                st.bytes()
+            }),
+            vec!["attn2.to_k.weight: unknown dtype F13"],
+        ),
+        (
+            "unsupported dtype",
+            Box::new(move |st| {
+                // I16 has f16's size, so the header stays consistent.
+                st.tensor(attn)["dtype"] = serde_json::json!("I16");
+                st.bytes()
+            }),
+            vec!["tensor model.diffusion_model.middle_block.1.transformer_blocks.0.attn2.to_k.weight: dtype I16 is not supported"],
+        ),
+    ];
+    for (what, make, wants) in cases {
+        let model = work.join(format!("{}.safetensors", what.replace(' ', "-")));
+        std::fs::write(&model, make(&mut St::read())).unwrap();
+        let out = out_dir.join("x.png");
+        let r = generate(&p, &model, &out, &[]);
+        assert_eq!(r.code, Some(1), "{what}: {}", r.stderr);
+        let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+        assert_eq!(lines.len(), 1, "{what}: one line: {}", r.stderr);
+        assert!(lines[0].starts_with("error: "), "{what}: {}", r.stderr);
+        assert!(
+            lines[0].contains(model.file_name().unwrap().to_str().unwrap()),
+            "{what}: names the file: {}",
+            r.stderr
+        );
+        for w in wants {
+            assert!(lines[0].contains(w), "{what}: {:?} not in {}", w, r.stderr);
+        }
+        assert!(!r.stderr.contains("panicked"), "{what}");
+        assert!(
+            listing(&out_dir).is_empty(),
+            "{what}: no output: {:?}",
+            listing(&out_dir)
+        );
+    }
+
+    // A corrupt GGUF: truncated after a valid conversion.
+    let g = work.join("cut.gguf");
+    p.run(&["convert", "-m", s(&tiny()), "-o", s(&g), "--type", "q8_0"])
+        .ok();
+    let b = std::fs::read(&g).unwrap();
+    std::fs::write(&g, &b[..b.len() - 1000]).unwrap();
+    let r = generate(&p, &g, &out_dir.join("x.png"), &[]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr.contains("cut.gguf: invalid GGUF file: tensor ")
+            && r.stderr.contains("runs past the end"),
+        "{}",
+        r.stderr
+    );
+    std::fs::write(&g, b"GGUF\x03\0\0\0").unwrap();
+    let r = generate(&p, &g, &out_dir.join("x.png"), &[]);
+    assert!(
+        r.stderr.contains("invalid GGUF file: header truncated"),
+        "{}",
+        r.stderr
+    );
+    assert!(listing(&out_dir).is_empty());
+}
+
+#[test]
+fn bad_requests_fail_before_any_work() {
+    let p = Prefix::with_cpu();
+    let out_dir = p.dir("out");
+    let r = generate(&p, &tiny(), &p.root().join("nowhere/x.png"), &[]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr.contains("--output: folder") && r.stderr.contains("does not exist"),
+        "{}",
+        r.stderr
+    );
+    let r = p.run(&[
+        "generate",
+        "-m",
+        s(&tiny()),
+        "-p",
+        "x",
+        "-W",
+        "72",
+        "-H",
+        "64",
+        "-o",
+        s(&out_dir.join("x.png")),
+    ]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr
+            .contains("image size 72×64 must be a positive multiple of 16"),
+        "{}",
+        r.stderr
+    );
+    let r = generate(&p, &tiny(), &out_dir.join("x.png"), &["--sampler", "heun9"]);
+    assert_eq!(r.code, Some(2));
+    assert!(
+        r.stderr.contains("unknown sampler \"heun9\""),
+        "{}",
+        r.stderr
+    );
+    let r = generate(&p, &tiny(), &out_dir.join("x.png"), &["--backend", "cuda0"]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr.contains("unknown device \"cuda0\""),
+        "{}",
+        r.stderr
+    );
+    let r = generate(
+        &p,
+        &p.root().join("missing.safetensors"),
+        &out_dir.join("x.png"),
+        &[],
+    );
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("missing.safetensors"), "{}", r.stderr);
+    assert!(listing(&out_dir).is_empty());
+}
+
+#[test]
+fn ctrl_c_stops_cleanly_without_output() {
+    let p = Prefix::with_cpu();
+    let out_dir = p.dir("out");
+    let out = out_dir.join("x.png");
+    let mut child = p
+        .cmd(&[
+            "generate",
+            "-v",
+            "-m",
+            s(&tiny()),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1000",
+            "-o",
+            s(&out),
+        ])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait until sampling has begun, then interrupt.
+    use std::io::BufRead;
+    let mut err = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut seen = String::new();
+    loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "ended early: {seen}");
+        seen.push_str(&line);
+        if line.contains("sampling 1000 steps") {
+            break;
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let killed = std::process::Command::new("kill")
+        .args(["-INT", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut err, &mut rest).unwrap();
+    let status = child.wait().unwrap();
+    let r = Run {
+        code: status.code(),
+        stdout: String::new(),
+        stderr: rest,
+    };
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("error: ") && r.stderr.contains("cancelled"),
+        "{}",
+        r.stderr
+    );
+    assert!(listing(&out_dir).is_empty(), "{:?}", listing(&out_dir));
+}

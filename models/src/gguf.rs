@@ -1,0 +1,240 @@
+//! GGUF (version 2 and 3) read and written in Rust.
+//!
+//! ggml's own parser limits tensor names to `GGML_MAX_NAME` (64 bytes in the
+//! pinned build), shorter than many original-layout SD names
+//! (`cond_stage_model.transformer.text_model.encoder.layers.11.self_attn.out_proj.weight`
+//! is 82), so this module parses the header itself. Every count, length and
+//! offset is checked against the file size before use; a corrupt file gives
+//! one line naming what is wrong.
+
+use crate::checkpoint::TensorEntry;
+use ggml::Type;
+use std::io::{Read, Write};
+use std::path::Path;
+
+const MAGIC: &[u8; 4] = b"GGUF";
+const DEFAULT_ALIGNMENT: u64 = 32;
+
+struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: u64, what: &str) -> Result<&[u8], String> {
+        let end = (self.pos as u64)
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len() as u64)
+            .ok_or_else(|| format!("header truncated in {what}"))?;
+        let s = &self.buf[self.pos..end as usize];
+        self.pos = end as usize;
+        Ok(s)
+    }
+    fn u32(&mut self, what: &str) -> Result<u32, String> {
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().unwrap_or_default(),
+        ))
+    }
+    fn u64(&mut self, what: &str) -> Result<u64, String> {
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().unwrap_or_default(),
+        ))
+    }
+    fn string(&mut self, what: &str) -> Result<String, String> {
+        let n = self.u64(what)?;
+        let b = self.take(n, what)?;
+        String::from_utf8(b.to_vec()).map_err(|_| format!("{what} is not UTF-8"))
+    }
+    /// Skips a value of GGUF type `ty`, returning it when it is a u32
+    /// (for `general.alignment`).
+    fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<Option<u64>, String> {
+        let fixed = |ty| match ty {
+            0 | 1 | 7 => Some(1),
+            2 | 3 => Some(2),
+            4..=6 => Some(4),
+            10..=12 => Some(8),
+            _ => None,
+        };
+        match ty {
+            4 => Ok(Some(u64::from(self.u32(what)?))),
+            8 => self.string(what).map(|_| None),
+            9 => {
+                if depth > 2 {
+                    return Err(format!("{what}: arrays nested too deep"));
+                }
+                let et = self.u32(what)?;
+                let n = self.u64(what)?;
+                if let Some(sz) = fixed(et) {
+                    self.take(n.checked_mul(sz).ok_or("array too long")?, what)?;
+                } else {
+                    for _ in 0..n {
+                        self.value(et, what, depth + 1)?;
+                    }
+                }
+                Ok(None)
+            }
+            t => match fixed(t) {
+                Some(sz) => self.take(sz, what).map(|_| None),
+                None => Err(format!("{what}: unknown value type {t}")),
+            },
+        }
+    }
+}
+
+/// Reads the tensor table of a GGUF file. Shapes are outermost first (as in
+/// safetensors), dtypes are ggml's type names, offsets absolute.
+pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let total = f.metadata().map_err(|e| e.to_string())?.len();
+    // The header is read whole, up to 64 MiB (SD checkpoints need far less).
+    let mut buf = Vec::new();
+    Read::by_ref(&mut f)
+        .take(total.min(64 << 20))
+        .read_to_end(&mut buf)
+        .map_err(|e| e.to_string())?;
+    let mut r = Reader { buf: &buf, pos: 0 };
+    if r.take(4, "magic").ok() != Some(&MAGIC[..]) {
+        return Err("not a GGUF file (bad magic)".into());
+    }
+    let version = r.u32("version")?;
+    if !(2..=3).contains(&version) {
+        return Err(format!("GGUF version {version} is not supported (2, 3)"));
+    }
+    let n_tensors = r.u64("tensor count")?;
+    let n_kv = r.u64("metadata count")?;
+    if n_tensors > total / 24 || n_kv > total / 12 {
+        return Err(format!(
+            "{n_tensors} tensors and {n_kv} metadata entries cannot fit in {total} bytes"
+        ));
+    }
+    let mut alignment = DEFAULT_ALIGNMENT;
+    for i in 0..n_kv {
+        let key = r.string(&format!("metadata key {i}"))?;
+        let ty = r.u32(&key)?;
+        let v = r.value(ty, &key, 0)?;
+        if key == "general.alignment" {
+            alignment = v
+                .filter(|a| *a > 0 && a.is_power_of_two())
+                .ok_or("general.alignment is not a power of two")?;
+        }
+    }
+    let mut infos = Vec::with_capacity(n_tensors as usize);
+    for i in 0..n_tensors {
+        let name = r.string(&format!("tensor name {i}"))?;
+        let n_dims = r.u32(&name)?;
+        if n_dims == 0 || n_dims > 4 {
+            return Err(format!("tensor {name}: {n_dims} dimensions (1 to 4)"));
+        }
+        let mut ne = Vec::with_capacity(n_dims as usize);
+        for _ in 0..n_dims {
+            ne.push(r.u64(&name)?);
+        }
+        let id = r.u32(&name)?;
+        let offset = r.u64(&name)?;
+        let ty = Type::from_id(id)
+            .ok_or_else(|| format!("tensor {name}: unknown or unsupported type id {id}"))?;
+        let n = ne
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| format!("tensor {name}: shape {ne:?} overflows"))?;
+        if ne[0] % ty.block_size() as u64 != 0 {
+            return Err(format!(
+                "tensor {name}: first dimension {} is not a multiple of the {} block size",
+                ne[0],
+                ty.name()
+            ));
+        }
+        let bytes = ty
+            .bytes_of(n)
+            .ok_or_else(|| format!("tensor {name}: shape {ne:?} does not fit {}", ty.name()))?;
+        infos.push((name, ty, ne, offset, bytes));
+    }
+    let data_start = (r.pos as u64).div_ceil(alignment) * alignment;
+    let mut out: Vec<TensorEntry> = Vec::with_capacity(infos.len());
+    for (name, ty, ne, offset, bytes) in infos {
+        let start = data_start.checked_add(offset);
+        let end = start.and_then(|s| s.checked_add(bytes));
+        let (Some(start), Some(end)) = (start, end) else {
+            return Err(format!("tensor {name}: offset {offset} overflows"));
+        };
+        if end > total {
+            return Err(format!(
+                "tensor {name}: data {start}..{end} runs past the end of the {total}-byte file"
+            ));
+        }
+        out.push(TensorEntry {
+            name,
+            dtype: ty.name(),
+            bytes,
+            shape: ne.into_iter().rev().collect(),
+            offset: Some(start),
+        });
+    }
+    let mut sorted: Vec<&TensorEntry> = out.iter().collect();
+    sorted.sort_by_key(|t| t.offset);
+    for w in sorted.windows(2) {
+        if w[1].offset.unwrap_or(0) < w[0].offset.unwrap_or(0) + w[0].bytes {
+            return Err(format!("tensors {} and {} overlap", w[0].name, w[1].name));
+        }
+    }
+    let mut names: Vec<&str> = out.iter().map(|t| t.name.as_str()).collect();
+    names.sort_unstable();
+    if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
+        return Err(format!("tensor {} appears twice", w[0]));
+    }
+    Ok(out)
+}
+
+/// One tensor to write: name, type, shape (outermost first), encoded bytes.
+pub struct OutTensor {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub ty: Type,
+    /// Shape, outermost first.
+    pub shape: Vec<u64>,
+    /// Data in `ty`'s encoding.
+    pub data: Vec<u8>,
+}
+
+fn put_str(w: &mut impl Write, s: &str) -> std::io::Result<()> {
+    w.write_all(&(s.len() as u64).to_le_bytes())?;
+    w.write_all(s.as_bytes())
+}
+
+/// Writes a GGUF v3 file with string metadata `kv` and `tensors`.
+pub fn write(
+    w: &mut impl Write,
+    kv: &[(&str, &str)],
+    tensors: &[OutTensor],
+) -> std::io::Result<()> {
+    let mut head = Vec::new();
+    head.extend_from_slice(MAGIC);
+    head.extend_from_slice(&3u32.to_le_bytes());
+    head.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
+    head.extend_from_slice(&(kv.len() as u64).to_le_bytes());
+    for (k, v) in kv {
+        put_str(&mut head, k)?;
+        head.extend_from_slice(&8u32.to_le_bytes());
+        put_str(&mut head, v)?;
+    }
+    let mut offset = 0u64;
+    for t in tensors {
+        put_str(&mut head, &t.name)?;
+        head.extend_from_slice(&(t.shape.len() as u32).to_le_bytes());
+        for d in t.shape.iter().rev() {
+            head.extend_from_slice(&d.to_le_bytes());
+        }
+        head.extend_from_slice(&t.ty.id().to_le_bytes());
+        head.extend_from_slice(&offset.to_le_bytes());
+        offset = (offset + t.data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+    }
+    let pad = |n: u64| (n.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT - n) as usize;
+    head.resize(head.len() + pad(head.len() as u64), 0);
+    w.write_all(&head)?;
+    for t in tensors {
+        w.write_all(&t.data)?;
+        w.write_all(&vec![0u8; pad(t.data.len() as u64)])?;
+    }
+    Ok(())
+}
