@@ -48,7 +48,7 @@ pub struct Session {
     pub search: Vec<(PathBuf, Origin)>,
     /// Plugins and devices.
     pub registry: Registry,
-    /// CPU threads (flag, else config).
+    /// CPU threads (flag, else config, else every core).
     pub threads: Option<usize>,
 }
 
@@ -110,7 +110,12 @@ impl Session {
                 }
             }
         }
-        let threads = cli.threads.map(usize::from).or(config.threads);
+        // ggml's own default is 4 threads whatever the machine; ours is every core.
+        let threads = cli
+            .threads
+            .map(usize::from)
+            .or(config.threads)
+            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()));
         Ok(Session {
             config,
             search,
@@ -169,7 +174,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     if let Command::Bench(a) = &cli.command {
-        return crate::bench::startup(&cli, a);
+        if a.model.is_none() {
+            return crate::bench::startup(&cli, a);
+        }
     }
     let started = std::time::Instant::now();
     let session = Session::open(&cli)?;
@@ -190,7 +197,8 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
         Command::Generate(a) => crate::generate::run(&session, a)?,
-        Command::Probe { .. } | Command::Bench(_) | Command::Startup | Command::Convert(_) => {} // answered above
+        Command::Bench(a) => crate::bench::model(&cli, &session, a)?,
+        Command::Probe { .. } | Command::Startup | Command::Convert(_) => {} // answered above
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1,4 +1,5 @@
-//! `sdhost bench --startup`: how long plugin discovery takes.
+//! `sdhost bench`: `--startup` times plugin discovery; `-m MODEL` times
+//! each stage of generation, optionally beside stable-diffusion.cpp.
 //!
 //! Each run is a fresh `sdhost __startup` process (a plugin loaded once stays
 //! loaded, so repeating discovery in one process would measure nothing). The
@@ -104,8 +105,9 @@ impl Report for StartupReport {
 /// Runs the startup benchmark.
 pub fn startup(cli: &Cli, a: &BenchArgs) -> anyhow::Result<ExitCode> {
     if !a.startup {
-        bail!("only `sdhost bench --startup` exists so far; model benchmarks need `sdhost generate`, which is not implemented yet");
+        bail!("say what to measure: `sdhost bench --startup` or `sdhost bench -m MODEL`");
     }
+    let runs = a.runs.unwrap_or(20);
     let exe = std::env::current_exe().context("finding the sdhost executable")?;
     let mut base = Command::new(&exe);
     for p in &cli.plugin_path {
@@ -141,7 +143,7 @@ pub fn startup(cli: &Cli, a: &BenchArgs) -> anyhow::Result<ExitCode> {
     let mut discover = Vec::new();
     let mut process = Vec::new();
     let mut last = None;
-    for _ in 0..a.runs {
+    for _ in 0..runs {
         let (s, wall) = run_once()?;
         discover.push(s.discover_ns as f64 / 1e6);
         process.push(wall);
@@ -149,7 +151,7 @@ pub fn startup(cli: &Cli, a: &BenchArgs) -> anyhow::Result<ExitCode> {
     }
     let last = last.context("no run")?;
     let report = StartupReport {
-        runs: a.runs,
+        runs,
         plugins: last.plugins,
         devices: last.devices,
         discover_ms: spread(&discover),
@@ -157,6 +159,362 @@ pub fn startup(cli: &Cli, a: &BenchArgs) -> anyhow::Result<ExitCode> {
     };
     render::print(&report, a.json);
     Ok(ExitCode::SUCCESS)
+}
+
+/// Peak resident memory of this process (Linux `VmHWM`), bytes.
+fn peak_host_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// One measured sdhost run, seconds.
+#[derive(Debug, Default, Clone, Serialize)]
+struct ModelRun {
+    total: f64,
+    te: f64,
+    sampling: f64,
+    unet_step: f64,
+    vae: f64,
+}
+
+/// What the peer prints (bench/peer-sdcpp).
+#[derive(Debug, Deserialize)]
+struct PeerReport {
+    system: String,
+    load_s: f64,
+    runs: Vec<PeerRun>,
+}
+
+#[derive(Debug, Deserialize)]
+struct PeerRun {
+    total_s: f64,
+    te_s: Option<f64>,
+    sampling_s: Option<f64>,
+    vae_s: Option<f64>,
+}
+
+struct ModelReport {
+    model: String,
+    settings: String,
+    devices: String,
+    runs: u32,
+    load_s: f64,
+    ours: Vec<ModelRun>,
+    peak_host: Option<u64>,
+    device_used: Vec<(String, u64)>,
+    peer: Option<Result<PeerReport, String>>,
+    steps: u32,
+}
+
+type Pick = fn(&ModelRun) -> f64;
+
+const STAGES: [(&str, Pick); 5] = [
+    ("text encode", |r| r.te),
+    ("UNet step", |r| r.unet_step),
+    ("sampling", |r| r.sampling),
+    ("VAE decode", |r| r.vae),
+    ("end to end", |r| r.total),
+];
+
+impl ModelReport {
+    fn peer_stage(&self, stage: &str) -> Option<Spread> {
+        let Some(Ok(p)) = &self.peer else { return None };
+        let v: Vec<f64> = p
+            .runs
+            .iter()
+            .filter_map(|r| match stage {
+                "text encode" => r.te_s,
+                "UNet step" => r.sampling_s.map(|s| s / f64::from(self.steps)),
+                "sampling" => r.sampling_s,
+                "VAE decode" => r.vae_s,
+                "end to end" => Some(r.total_s),
+                _ => None,
+            })
+            .collect();
+        (!v.is_empty()).then(|| spread(&v))
+    }
+}
+
+fn secs(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.1} ms", s * 1e3)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+impl Report for ModelReport {
+    fn text(&self) -> String {
+        let mut out = format!(
+            "model {} — {} — {}\n{} measured runs after one warm-up; median [min – max]\n",
+            self.model, self.settings, self.devices, self.runs
+        );
+        let with_peer = matches!(self.peer, Some(Ok(_)));
+        let mut header = vec!["STAGE", "SDHOST"];
+        if with_peer {
+            header.extend(["SD.CPP", "SPEEDUP (sd.cpp ÷ sdhost)"]);
+        }
+        let mut rows = Vec::new();
+        let mut load = vec!["weight load".to_string(), secs(self.load_s)];
+        if let Some(Ok(p)) = &self.peer {
+            load.push(secs(p.load_s));
+            load.push(format!("{:.2}×", p.load_s / self.load_s.max(1e-9)));
+        }
+        rows.push(load);
+        for (name, pick) in STAGES {
+            let v: Vec<f64> = self.ours.iter().map(pick).collect();
+            let s = spread(&v);
+            let mut row = vec![
+                name.to_string(),
+                format!("{} [{} – {}]", secs(s.median), secs(s.min), secs(s.max)),
+            ];
+            if with_peer {
+                match self.peer_stage(name) {
+                    Some(p) => {
+                        row.push(format!(
+                            "{} [{} – {}]",
+                            secs(p.median),
+                            secs(p.min),
+                            secs(p.max)
+                        ));
+                        row.push(format!("{:.2}×", p.median / s.median.max(1e-9)));
+                    }
+                    None => row.extend(["—".to_string(), "—".to_string()]),
+                }
+            }
+            rows.push(row);
+        }
+        out.push_str(&render::table(&header, &rows));
+        if let Some(b) = self.peak_host {
+            out.push_str(&format!("peak host memory (sdhost): {} MiB\n", b >> 20));
+        }
+        for (d, b) in &self.device_used {
+            out.push_str(&format!(
+                "device memory in use on {d} (sampled peak): {} MiB\n",
+                b >> 20
+            ));
+        }
+        match &self.peer {
+            Some(Ok(p)) => out.push_str(&format!("sd.cpp: {}\n", p.system)),
+            Some(Err(e)) => out.push_str(&format!("sd.cpp: not measured: {e}\n")),
+            None => {}
+        }
+        out
+    }
+
+    fn json(&self) -> Value {
+        let stages: serde_json::Map<String, Value> = STAGES
+            .iter()
+            .map(|(name, pick)| {
+                let v: Vec<f64> = self.ours.iter().map(pick).collect();
+                let mut o = json!({ "sdhost_s": spread(&v) });
+                if let Some(p) = self.peer_stage(name) {
+                    o["sdcpp_s"] = json!(p);
+                    o["speedup"] = json!(p.median / spread(&v).median.max(1e-9));
+                }
+                (name.to_string(), o)
+            })
+            .collect();
+        let (peer_load, peer_err, peer_system) = match &self.peer {
+            Some(Ok(p)) => (json!(p.load_s), Value::Null, json!(p.system)),
+            Some(Err(e)) => (Value::Null, json!(e), Value::Null),
+            None => (Value::Null, Value::Null, Value::Null),
+        };
+        json!({
+            "model": self.model, "settings": self.settings, "devices": self.devices,
+            "runs": self.runs, "load_s": self.load_s, "sdcpp_load_s": peer_load,
+            "stages": stages, "peak_host_bytes": self.peak_host,
+            "device_used_bytes": self.device_used.iter().map(|(d, b)| json!({"device": d, "bytes": b})).collect::<Vec<_>>(),
+            "sdcpp_system": peer_system, "sdcpp_error": peer_err,
+        })
+    }
+}
+
+/// `sdhost bench -m MODEL`: loads once, one warm-up run, then measured runs,
+/// each stage timed by the modules themselves; optionally the same with
+/// stable-diffusion.cpp in a child process.
+pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()> {
+    use crate::manager::BackendManager;
+    use crate::placement::Module as Place;
+    use sdhost_models::module::Devices;
+    use sdhost_models::pipeline::{Layout, Request, Sd1};
+
+    let path = a.model.as_ref().context("no model")?;
+    let runs = a.runs.unwrap_or(3);
+    let placement = session.resolve(&a.placement)?;
+    let ckpt = sdhost_models::checkpoint::scan(path)?;
+    let reg = &session.registry;
+    let cpu_name = reg
+        .devices
+        .iter()
+        .find(|d| d.ty == ggml::DeviceType::Cpu)
+        .map(|d| d.name.clone())
+        .context("bench needs the CPU plugin, and no CPU device is loaded")?;
+    let manager = BackendManager::new(reg, session.threads);
+    let cpu = manager.get(&cpu_name)?;
+    let devices = |m: Place| -> anyhow::Result<Devices<'_>> {
+        Ok(Devices {
+            runtime: manager.get(&placement.runtime[&m])?,
+            params: manager.get(&placement.params[&m])?,
+            cpu,
+        })
+    };
+    let layout = Layout {
+        te: devices(Place::Te)?,
+        diffusion: devices(Place::Diffusion)?,
+        vae: devices(Place::Vae)?,
+    };
+    let used: Vec<String> = placement
+        .devices()
+        .into_iter()
+        .filter(|d| *d != cpu_name)
+        .map(String::from)
+        .collect();
+    let mut device_used: Vec<(String, u64)> = used.iter().map(|d| (d.clone(), 0)).collect();
+    let mut sample_devices = || {
+        for (name, peak) in device_used.iter_mut() {
+            if let Ok(b) = manager.get(name) {
+                let (free, total) = b.device().memory();
+                *peak = (*peak).max(total.saturating_sub(free));
+            }
+        }
+    };
+
+    let t = Instant::now();
+    let mut sd = Sd1::load(&ckpt, layout, a.weight_copies).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let load_s = t.elapsed().as_secs_f64();
+    sample_devices();
+    let req = Request {
+        prompt: a.prompt.clone(),
+        negative: String::new(),
+        steps: a.steps as usize,
+        cfg_scale: a.cfg_scale,
+        width: a.width as usize,
+        height: a.height as usize,
+        seed: a.seed,
+        sampler: a.sampler,
+        clip_skip: 1,
+    };
+    let mut ours = Vec::new();
+    for i in 0..=runs {
+        let before = sd.timings();
+        let t = Instant::now();
+        sd.generate(&req, None, &mut |_, _| sample_devices(), &|| false)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let total = t.elapsed().as_secs_f64();
+        sample_devices();
+        let after = sd.timings();
+        let d = |k: usize| (after[k].1.compute - before[k].1.compute).as_secs_f64();
+        let calls = after[1].1.calls - before[1].1.calls;
+        if i > 0 {
+            ours.push(ModelRun {
+                total,
+                te: d(0),
+                sampling: d(1),
+                unet_step: d(1) / f64::from(calls.max(1)),
+                vae: d(2),
+            });
+        }
+    }
+    let threads = session.threads.unwrap_or(1);
+    let peer = a.peer.as_ref().map(|p| run_peer(p, a, path, threads, runs));
+    let report = ModelReport {
+        model: path.display().to_string(),
+        settings: format!(
+            "{}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads",
+            a.width,
+            a.height,
+            a.steps,
+            a.sampler.name(),
+            a.cfg_scale,
+            a.seed,
+            threads
+        ),
+        devices: [Place::Te, Place::Diffusion, Place::Vae]
+            .iter()
+            .map(|m| {
+                let (r, p) = (&placement.runtime[m], &placement.params[m]);
+                if r == p {
+                    format!("{}={r}", m.name())
+                } else {
+                    format!("{}={r} (params {p})", m.name())
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        runs,
+        load_s,
+        ours,
+        peak_host: peak_host_memory(),
+        device_used,
+        peer,
+        steps: a.steps,
+    };
+    let _ = cli;
+    render::print(&report, a.json);
+    Ok(())
+}
+
+/// Runs the sd.cpp peer with the same settings; errors are reported in the
+/// table rather than failing the benchmark.
+fn run_peer(
+    peer: &std::path::Path,
+    a: &BenchArgs,
+    model: &std::path::Path,
+    threads: usize,
+    runs: u32,
+) -> Result<PeerReport, String> {
+    let exe = if peer.as_os_str() == "auto" {
+        std::env::current_exe()
+            .map_err(|e| e.to_string())?
+            .with_file_name("sdhost-peer-sdcpp")
+    } else {
+        peer.to_path_buf()
+    };
+    if !exe.is_file() {
+        return Err(format!(
+            "{} not found (build it: cargo build --release -p sdhost-peer-sdcpp)",
+            exe.display()
+        ));
+    }
+    let mut c = Command::new(&exe);
+    c.arg("-m")
+        .arg(model)
+        .args(["-p", &a.prompt])
+        .args(["-W", &a.width.to_string(), "-H", &a.height.to_string()])
+        .args(["--steps", &a.steps.to_string()])
+        .args(["--cfg-scale", &a.cfg_scale.to_string()])
+        .args(["--seed", &a.seed.to_string()])
+        .args(["--sampler", a.sampler.name()])
+        .args(["-t", &threads.to_string()])
+        .args(["--runs", &runs.to_string()]);
+    if let Some(b) = &a.placement.backend {
+        c.args(["--backend", b]);
+    }
+    if let Some(b) = &a.placement.params_backend {
+        c.args(["--params-backend", b]);
+    }
+    tracing::info!("running {c:?}");
+    let out = c.output().map_err(|e| format!("{}: {e}", exe.display()))?;
+    if !out.status.success() {
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err
+            .lines()
+            .rev()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("");
+        return Err(format!("exited with {}: {}", out.status, last.trim()));
+    }
+    // sd.cpp draws its progress bars on stdout; the report is the last line.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .ok_or("no report in its output")?;
+    serde_json::from_str(line).map_err(|e| format!("unreadable report: {e}"))
 }
 
 #[cfg(test)]

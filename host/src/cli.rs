@@ -78,12 +78,58 @@ pub enum Command {
 #[derive(Debug, Args)]
 pub struct BenchArgs {
     /// Time plugin discovery and registration, each run in a fresh process
-    #[arg(long)]
+    #[arg(long, conflicts_with = "model")]
     pub startup: bool,
 
-    /// Number of measured runs (after one warm-up run)
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
-    pub runs: u32,
+    /// Checkpoint to benchmark: weight load, text encoding, one UNet step,
+    /// sampling, VAE decoding, end to end, peak memory
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: Option<PathBuf>,
+
+    /// Measured runs after one warm-up run (default: 20 for --startup, 3 for a model)
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub runs: Option<u32>,
+
+    /// Also run stable-diffusion.cpp (the `sdhost-peer-sdcpp` binary built from
+    /// bench/peer-sdcpp; `--peer` alone: the one next to sdhost) with the same settings and
+    /// print speed ratios
+    #[arg(long, value_name = "PEER", num_args = 0..=1, default_missing_value = "auto")]
+    pub peer: Option<PathBuf>,
+
+    /// Prompt
+    #[arg(short = 'p', long, default_value = "a photo of a cat")]
+    pub prompt: String,
+
+    /// Sampling steps
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub steps: u32,
+
+    /// Classifier-free guidance scale
+    #[arg(long = "cfg-scale", default_value_t = 7.0)]
+    pub cfg_scale: f32,
+
+    /// Image width in pixels
+    #[arg(short = 'W', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub width: u32,
+
+    /// Image height in pixels
+    #[arg(short = 'H', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub height: u32,
+
+    /// Seed
+    #[arg(short = 's', long, default_value_t = 42)]
+    pub seed: u64,
+
+    /// Sampler: euler_a, euler or dpm++2m
+    #[arg(long, default_value = "euler_a", value_parser = parse_sampler)]
+    pub sampler: sdhost_models::schedule::Sampler,
+
+    /// Runtime copies of weights kept on another device: free or keep (see generate)
+    #[arg(long = "weight-copies", default_value = "free", value_parser = parse_policy)]
+    pub weight_copies: sdhost_models::module::WeightPolicy,
+
+    #[command(flatten)]
+    pub placement: PlacementArgs,
 
     /// Machine-readable output
     #[arg(long)]

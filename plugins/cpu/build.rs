@@ -12,6 +12,9 @@ fn main() {
         &[
             ("GGML_CPU", "ON"),
             ("GGML_NATIVE", if native { "ON" } else { "OFF" }),
+            // tinyBLAS matrix kernels (f32/f16/bf16/q8_0…); ggml's standalone
+            // build leaves them off, llama.cpp's and sd.cpp's turn them on.
+            ("GGML_LLAMAFILE", "ON"),
         ],
     );
     println!("cargo:rustc-link-lib=dylib=gomp");
