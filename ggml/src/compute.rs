@@ -455,7 +455,13 @@ impl Context {
         v: Tensor<'a>,
         scale: f32,
     ) -> Result<Tensor<'a>> {
-        // SAFETY: as above; a null mask means none.
+        let (x, y, z) = (q.ne(), k.ne(), v.ne());
+        if x[0] != y[0] || y[1] != z[1] || y[2] != z[2] || y[2] == 0 || x[2] % y[2] != 0 || x[3] != y[3] {
+            return Err(Error::Invalid(format!(
+                "flash attention of q {x:?}, k {y:?}, v {z:?}"
+            )));
+        }
+        // SAFETY: as above; a null mask means none; shapes checked.
         self.wrap(
             unsafe {
                 sys::ggml_flash_attn_ext(

@@ -128,6 +128,11 @@ pub struct BenchArgs {
     #[arg(long = "weight-copies", default_value = "free", value_parser = parse_policy)]
     pub weight_copies: sdhost_models::module::WeightPolicy,
 
+    /// Fused (flash) attention in the UNet and VAE (see generate); the peer
+    /// gets sd.cpp's equivalent
+    #[arg(long = "flash-attn")]
+    pub flash_attn: bool,
+
     #[command(flatten)]
     pub placement: PlacementArgs,
 
@@ -224,6 +229,11 @@ pub struct GenerateArgs {
     /// it: `free` the runtime copy after each phase (default) or `keep` it
     #[arg(long = "weight-copies", default_value = "free", value_parser = parse_policy)]
     pub weight_copies: sdhost_models::module::WeightPolicy,
+
+    /// Fused (flash) attention in the UNet and VAE: less memory, usually
+    /// faster; K and V rounded to f16
+    #[arg(long = "flash-attn")]
+    pub flash_attn: bool,
 
     #[command(flatten)]
     pub placement: PlacementArgs,

@@ -56,6 +56,9 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     };
     let loading = Instant::now();
     let mut sd = Sd1::load(&ckpt, layout, args.weight_copies)?;
+    sd.set_options(sdhost_models::nn::GraphOptions {
+        flash_attn: args.flash_attn,
+    });
     let load_time = loading.elapsed();
     let req = Request {
         prompt: args.prompt.clone(),
@@ -169,7 +172,7 @@ fn parameters_text(args: &GenerateArgs, placement: &Placement) -> String {
         s.push_str(&format!("\nNegative prompt: {}", args.negative));
     }
     s.push_str(&format!(
-        "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Devices: {}, Generator: sdhost {}",
+        "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Devices: {}, Flash attention: {}, Generator: sdhost {}",
         args.steps,
         args.sampler.name(),
         args.cfg_scale,
@@ -179,6 +182,7 @@ fn parameters_text(args: &GenerateArgs, placement: &Placement) -> String {
         args.clip_skip,
         args.model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
         [Place::Te, Place::Diffusion, Place::Vae].map(place).join(", "),
+        if args.flash_attn { "on" } else { "off" },
         env!("CARGO_PKG_VERSION"),
     ));
     s

@@ -231,3 +231,23 @@ fn weight_copies_follow_the_policy() {
         assert!(!sd.te.has_runtime_copy());
     });
 }
+
+/// Flash attention (K and V in f16) stays within the same tolerances.
+#[test]
+fn flash_attention_matches_references_on_cpu() {
+    let r = refs();
+    with_sd("cpu", "cpu", WeightPolicy::Free, |sd| {
+        sd.set_options(sdhost_models::nn::GraphOptions { flash_attn: true });
+        let eps = unet::predict_noise(
+            &mut sd.unet,
+            &r["unet.x"],
+            [1, 4, 8, 8],
+            &r["unet.t"],
+            &r["unet.context"],
+        )
+        .unwrap();
+        assert_close("flash unet eps", &eps, &r["unet.eps"], 1e-2);
+        let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8]).unwrap();
+        assert_close("flash vae image", &img, &r["vae.image"], 1e-2);
+    });
+}

@@ -146,7 +146,7 @@ fn layer<'a>(
     let q = linear(c, w, &format!("{p}.self_attn.q_proj"), n, h, h)?;
     let k = linear(c, w, &format!("{p}.self_attn.k_proj"), n, h, h)?;
     let v = linear(c, w, &format!("{p}.self_attn.v_proj"), n, h, h)?;
-    let a = attention(c, q, k, v, cfg.heads, true)?;
+    let a = attention(c, q, k, v, cfg.heads, true, false)?;
     let a = linear(c, w, &format!("{p}.self_attn.out_proj"), a, h, h)?;
     let x = c.add(x, a)?;
     let n = layer_norm(c, w, &format!("{p}.layer_norm2"), x, h, EPS)?;

@@ -14,7 +14,7 @@
 //!
 //! When params and runtime device are the same, the weights are used in place.
 
-use crate::nn::{ModelError, Result, W};
+use crate::nn::{GraphOptions, ModelError, Result, W};
 use crate::weights::ModuleWeights;
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use std::time::{Duration, Instant};
@@ -89,6 +89,7 @@ pub struct Module<'b> {
     devices: Devices<'b>,
     sched: Sched<'b>,
     policy: WeightPolicy,
+    opts: GraphOptions,
     timing: Timing,
 }
 
@@ -118,8 +119,14 @@ impl<'b> Module<'b> {
             devices,
             sched,
             policy,
+            opts: GraphOptions::default(),
             timing: Timing::default(),
         })
+    }
+
+    /// Sets how this module's graphs are built.
+    pub fn set_options(&mut self, opts: GraphOptions) {
+        self.opts = opts;
     }
 
     /// The module's name (`te`, `diffusion`, `vae`).
@@ -157,7 +164,7 @@ impl<'b> Module<'b> {
     where
         F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
     {
-        let w = W::new(self.params.map());
+        let w = W::new(self.params.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         let built = build(&ctx, &w).map_err(|e| ModelError(format!("{}: {e}", self.name)))?;
         ctx.graph(built.output, GRAPH_SIZE)?;
@@ -184,7 +191,7 @@ impl<'b> Module<'b> {
             self.timing.weight_copy += t.elapsed();
         }
         let weights = self.runtime_copy.as_ref().unwrap_or(&self.params);
-        let w = W::new(weights.map());
+        let w = W::new(weights.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         let built = build(&ctx, &w).map_err(|e| ModelError(format!("{name}: {e}")))?;
         built.output.set_output();

@@ -22,15 +22,34 @@ impl From<ggml::Error> for ModelError {
 /// Result of model code.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
-/// A module's weights by name, for one graph build.
+/// How graphs are built (beyond the weights).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphOptions {
+    /// Fused attention (`ggml_flash_attn_ext`, K and V in f16) instead of
+    /// materialised `softmax(q·kᵀ)` scores; not for the causal text encoder.
+    pub flash_attn: bool,
+}
+
+/// A module's weights by name, for one graph build, with the build options.
 pub struct W<'a> {
     map: HashMap<&'a str, Tensor<'a>>,
+    /// Build options.
+    pub opts: GraphOptions,
 }
 
 impl<'a> W<'a> {
     /// Wraps a name → tensor map (from [`crate::weights::ModuleWeights::map`]).
     pub fn new(map: HashMap<&'a str, Tensor<'a>>) -> Self {
-        W { map }
+        W {
+            map,
+            opts: GraphOptions::default(),
+        }
+    }
+
+    /// The same with `opts`.
+    pub fn with_options(mut self, opts: GraphOptions) -> Self {
+        self.opts = opts;
+        self
     }
 
     /// The tensor `name`, or a "missing tensor" error.
@@ -185,7 +204,8 @@ pub fn layer_norm<'a>(
 }
 
 /// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
-/// `[D·H, T, N]`, `softmax(q·kᵀ/√D)·v` per head, optionally causal.
+/// `[D·H, T, N]`, `softmax(q·kᵀ/√D)·v` per head, optionally causal; with
+/// `flash` (and not causal) as one fused op.
 pub fn attention<'a>(
     c: &'a Context,
     q: Tensor<'a>,
@@ -193,6 +213,7 @@ pub fn attention<'a>(
     v: Tensor<'a>,
     heads: i64,
     causal: bool,
+    flash: bool,
 ) -> Result<Tensor<'a>> {
     let [inner, t, n, _] = q.ne();
     let s = k.ne()[1];
@@ -205,12 +226,21 @@ pub fn attention<'a>(
         )));
     }
     let d = inner / heads;
+    let scale = 1.0 / (d as f32).sqrt();
     // [D, H, T, N] → [D, T, H, N]
     let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
+    if flash && !causal {
+        let f16 = |x: Tensor<'a>| -> Result<Tensor<'a>> {
+            let x = c.permute(c.reshape(x, &[d, heads, s, n])?, [0, 2, 1, 3])?;
+            Ok(c.cast(c.cont(x)?, ggml::Type::F16)?)
+        };
+        // Result [D, H, T, N]: heads already merged.
+        let out = c.flash_attn(q, f16(k)?, f16(v)?, scale)?;
+        return Ok(c.reshape(out, &[inner, t, n])?);
+    }
     let k = c.cont(c.permute(c.reshape(k, &[d, heads, s, n])?, [0, 2, 1, 3])?)?;
     // [D, H, S, N] → [S, D, H, N]
     let vt = c.cont(c.permute(c.reshape(v, &[d, heads, s, n])?, [1, 2, 0, 3])?)?;
-    let scale = 1.0 / (d as f32).sqrt();
     let mut kq = c.mul_mat(k, q)?; // [S, T, H, N]
     if causal {
         kq = c.diag_mask_inf(c.scale(kq, scale)?, 0)?;

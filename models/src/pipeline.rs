@@ -131,6 +131,13 @@ impl<'b> Sd1<'b> {
         Ok(sd)
     }
 
+    /// Sets how every module's graphs are built (e.g. flash attention).
+    pub fn set_options(&mut self, opts: crate::nn::GraphOptions) {
+        self.te.set_options(opts);
+        self.unet.set_options(opts);
+        self.vae.set_options(opts);
+    }
+
     /// Pixels per side the image size must be a multiple of.
     pub fn size_multiple(&self) -> Result<usize> {
         let w = W::new(self.unet.params().map());

@@ -316,7 +316,7 @@ impl<'a> Net<'a, '_> {
             let q = linear(c, w, &format!("{pa}.to_q"), x, inner, inner)?;
             let k = linear(c, w, &format!("{pa}.to_k"), kv, kv_dim, inner)?;
             let v = linear(c, w, &format!("{pa}.to_v"), kv, kv_dim, inner)?;
-            let a = attention(c, q, k, v, HEADS, false)?;
+            let a = attention(c, q, k, v, HEADS, false, w.opts.flash_attn)?;
             linear(c, w, &format!("{pa}.to_out.0"), a, inner, inner)
         };
         let n = layer_norm(c, w, &format!("{p}.norm1"), x, inner, 1e-5)?;

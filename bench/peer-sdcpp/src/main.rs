@@ -51,6 +51,9 @@ struct Args {
     /// sd.cpp's --params-backend
     #[arg(long = "params-backend")]
     params_backend: Option<String>,
+    /// sd.cpp's --diffusion-fa (flash attention in the diffusion model)
+    #[arg(long = "flash-attn")]
+    flash_attn: bool,
     /// Measured runs after one warm-up
     #[arg(long, default_value_t = 3)]
     runs: u32,
@@ -67,8 +70,20 @@ struct Run {
 #[derive(Serialize)]
 struct Report {
     system: String,
+    /// `new_sd_ctx` (sd.cpp may defer weight reads into the first run).
     load_s: f64,
+    /// The warm-up run, weight reads it deferred included.
+    first_run_s: f64,
     runs: Vec<Run>,
+    /// Peak resident memory of this process (`VmHWM`).
+    peak_host_bytes: Option<u64>,
+}
+
+fn peak_host_memory() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 static LOG: Mutex<Vec<String>> = Mutex::new(Vec::new());
@@ -151,6 +166,7 @@ fn run(a: &Args) -> Result<Report, String> {
         // the load row compares like with like; memory-mapping would defer
         // the reads into the first generation.
         p.enable_mmap = false;
+        p.diffusion_flash_attn = a.flash_attn;
         p.rng_type = sys::rng_type_t::CUDA_RNG;
         p.sampler_rng_type = sys::rng_type_t::CUDA_RNG;
         if let Some(b) = &backend {
@@ -169,6 +185,7 @@ fn run(a: &Args) -> Result<Report, String> {
             ));
         }
         let mut runs = Vec::new();
+        let mut first_run_s = 0.0;
         for i in 0..=a.runs {
             let mut g: sys::sd_img_gen_params_t = std::mem::zeroed();
             sys::sd_img_gen_params_init(&mut g);
@@ -198,7 +215,9 @@ fn run(a: &Args) -> Result<Report, String> {
             }
             libc_free(img.cast());
             let lines = LOG.lock().map(|l| l.clone()).unwrap_or_default();
-            if i > 0 {
+            if i == 0 {
+                first_run_s = total_s;
+            } else {
                 runs.push(Run {
                     total_s,
                     te_s: stage(&lines, "get_learned_condition completed"),
@@ -211,7 +230,9 @@ fn run(a: &Args) -> Result<Report, String> {
         Ok(Report {
             system,
             load_s,
+            first_run_s,
             runs,
+            peak_host_bytes: peak_host_memory(),
         })
     }
 }
