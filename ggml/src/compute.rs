@@ -456,7 +456,13 @@ impl Context {
         scale: f32,
     ) -> Result<Tensor<'a>> {
         let (x, y, z) = (q.ne(), k.ne(), v.ne());
-        if x[0] != y[0] || y[1] != z[1] || y[2] != z[2] || y[2] == 0 || x[2] % y[2] != 0 || x[3] != y[3] {
+        if x[0] != y[0]
+            || y[1] != z[1]
+            || y[2] != z[2]
+            || y[2] == 0
+            || x[2] % y[2] != 0
+            || x[3] != y[3]
+        {
             return Err(Error::Invalid(format!(
                 "flash attention of q {x:?}, k {y:?}, v {z:?}"
             )));

@@ -300,7 +300,11 @@ impl Report for ModelReport {
         out.push_str(&render::table(&header, &rows));
         if let Some(b) = self.peak_host {
             out.push_str(&format!("peak host memory: sdhost {} MiB", b >> 20));
-            if let Some(Ok(PeerReport { peak_host_bytes: Some(p), .. })) = &self.peer {
+            if let Some(Ok(PeerReport {
+                peak_host_bytes: Some(p),
+                ..
+            })) = &self.peer
+            {
                 out.push_str(&format!(", sd.cpp {} MiB", p >> 20));
             }
             out.push('\n');
@@ -404,7 +408,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
     };
 
     let t = Instant::now();
-    let mut sd = Sd1::load(&ckpt, layout, a.weight_copies).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut sd = Sd1::load(&ckpt, layout, a.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
     let load_s = t.elapsed().as_secs_f64();
     sd.set_options(sdhost_models::nn::GraphOptions {
         flash_attn: a.flash_attn,
@@ -458,7 +462,11 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
             a.cfg_scale,
             a.seed,
             threads,
-            if a.flash_attn { ", flash attention" } else { "" }
+            if a.flash_attn {
+                ", flash attention"
+            } else {
+                ""
+            }
         ),
         devices: [Place::Te, Place::Diffusion, Place::Vae]
             .iter()

@@ -124,9 +124,9 @@ pub struct BenchArgs {
     #[arg(long, default_value = "euler_a", value_parser = parse_sampler)]
     pub sampler: sdhost_models::schedule::Sampler,
 
-    /// Runtime copies of weights kept on another device: free or keep (see generate)
-    #[arg(long = "weight-copies", default_value = "free", value_parser = parse_policy)]
-    pub weight_copies: sdhost_models::module::WeightPolicy,
+    /// Compute buffers and runtime weight copies between phases: free or keep (see generate)
+    #[arg(long = "phase-memory", default_value = "free", value_parser = parse_policy)]
+    pub phase_memory: sdhost_models::module::WeightPolicy,
 
     /// Fused (flash) attention in the UNet and VAE (see generate); the peer
     /// gets sd.cpp's equivalent
@@ -225,10 +225,11 @@ pub struct GenerateArgs {
     #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
     pub output: PathBuf,
 
-    /// When a module's weights live on another device than the one running
-    /// it: `free` the runtime copy after each phase (default) or `keep` it
-    #[arg(long = "weight-copies", default_value = "free", value_parser = parse_policy)]
-    pub weight_copies: sdhost_models::module::WeightPolicy,
+    /// What each module holds between its phases (text encoding, sampling,
+    /// decoding): `free` (default) releases its compute buffers and any
+    /// runtime copy of weights kept on another device; `keep` holds them
+    #[arg(long = "phase-memory", default_value = "free", value_parser = parse_policy)]
+    pub phase_memory: sdhost_models::module::WeightPolicy,
 
     /// Fused (flash) attention in the UNet and VAE: less memory, usually
     /// faster; K and V rounded to f16

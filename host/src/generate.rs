@@ -55,7 +55,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         vae: devices(Place::Vae)?,
     };
     let loading = Instant::now();
-    let mut sd = Sd1::load(&ckpt, layout, args.weight_copies)?;
+    let mut sd = Sd1::load(&ckpt, layout, args.phase_memory)?;
     sd.set_options(sdhost_models::nn::GraphOptions {
         flash_attn: args.flash_attn,
     });

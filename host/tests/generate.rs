@@ -431,14 +431,32 @@ fn bench_times_each_stage_and_reports_a_missing_peer() {
     let missing = p.root().join("no-such-peer");
     let j = p
         .run(&[
-            "bench", "-m", s(&tiny()), "-W", "64", "-H", "64", "--steps", "2", "--runs", "2",
-            "--peer", s(&missing), "--json",
+            "bench",
+            "-m",
+            s(&tiny()),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "2",
+            "--runs",
+            "2",
+            "--peer",
+            s(&missing),
+            "--json",
         ])
         .ok()
         .json();
     assert_eq!(j["runs"], 2);
     assert!(j["load_s"].as_f64().unwrap() > 0.0);
-    for stage in ["text encode", "UNet step", "sampling", "VAE decode", "end to end"] {
+    for stage in [
+        "text encode",
+        "UNet step",
+        "sampling",
+        "VAE decode",
+        "end to end",
+    ] {
         let st = &j["stages"][stage]["sdhost_s"];
         let (min, med, max) = (
             st["min"].as_f64().unwrap(),
@@ -447,23 +465,50 @@ fn bench_times_each_stage_and_reports_a_missing_peer() {
         );
         assert!(0.0 < min && min <= med && med <= max, "{stage}: {st}");
     }
-    let e2e = j["stages"]["end to end"]["sdhost_s"]["median"].as_f64().unwrap();
+    let e2e = j["stages"]["end to end"]["sdhost_s"]["median"]
+        .as_f64()
+        .unwrap();
     let parts: f64 = ["text encode", "sampling", "VAE decode"]
         .iter()
         .map(|s| j["stages"][s]["sdhost_s"]["median"].as_f64().unwrap())
         .sum();
-    assert!(parts <= e2e * 1.05, "stages {parts} within end to end {e2e}");
+    assert!(
+        parts <= e2e * 1.05,
+        "stages {parts} within end to end {e2e}"
+    );
     assert!(j["peak_host_bytes"].as_u64().unwrap() > 1 << 20);
     let err = j["sdcpp_error"].as_str().unwrap();
     assert!(err.contains("no-such-peer not found"), "{err}");
     // Text form: a table with every stage.
     let r = p
-        .run(&["bench", "-m", s(&tiny()), "-W", "64", "-H", "64", "--steps", "1", "--runs", "1"])
+        .run(&[
+            "bench",
+            "-m",
+            s(&tiny()),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1",
+            "--runs",
+            "1",
+        ])
         .ok();
-    for stage in ["weight load", "text encode", "UNet step", "VAE decode", "end to end"] {
+    for stage in [
+        "weight load",
+        "text encode",
+        "UNet step",
+        "VAE decode",
+        "end to end",
+    ] {
         assert!(r.stdout.contains(stage), "{}", r.stdout);
     }
     let r = p.run(&["bench"]);
     assert_eq!(r.code, Some(1));
-    assert!(r.stderr.contains("--startup") && r.stderr.contains("-m MODEL"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("--startup") && r.stderr.contains("-m MODEL"),
+        "{}",
+        r.stderr
+    );
 }

@@ -13,19 +13,25 @@
 //!   repeated generations, uses the memory of both devices).
 //!
 //! When params and runtime device are the same, the weights are used in place.
+//!
+//! **Compute buffers** follow the same policy: under `Free` a module's
+//! scheduler (and the activation memory it holds) is dropped when its phase
+//! ends, so the UNet's buffers are gone before the VAE decodes; under `Keep`
+//! they stay allocated for the next generation.
 
 use crate::nn::{GraphOptions, ModelError, Result, W};
 use crate::weights::ModuleWeights;
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use std::time::{Duration, Instant};
 
-/// What happens to a runtime copy of the weights when a phase ends.
+/// What a module releases when a phase ends: the runtime copy of its
+/// weights and its compute buffers (`Free`), or nothing (`Keep`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightPolicy {
-    /// Free the copy at the end of each phase.
+    /// Free the copy and the compute buffers at the end of each phase.
     #[default]
     Free,
-    /// Keep the copy.
+    /// Keep both.
     Keep,
 }
 
@@ -87,7 +93,9 @@ pub struct Module<'b> {
     params: ModuleWeights,
     runtime_copy: Option<ModuleWeights>,
     devices: Devices<'b>,
-    sched: Sched<'b>,
+    /// Created on first compute, dropped (with its compute buffers) at the
+    /// end of a phase under [`WeightPolicy::Free`].
+    sched: Option<Sched<'b>>,
     policy: WeightPolicy,
     opts: GraphOptions,
     timing: Timing,
@@ -105,19 +113,12 @@ impl<'b> Module<'b> {
         devices: Devices<'b>,
         policy: WeightPolicy,
     ) -> Result<Self> {
-        let backends: Vec<&Backend> = if same_device(devices.runtime, devices.cpu) {
-            vec![devices.cpu]
-        } else {
-            vec![devices.runtime, devices.cpu]
-        };
-        let sched = Sched::new(&backends, GRAPH_SIZE)
-            .map_err(|e| ModelError(format!("{name}: scheduler: {e}")))?;
         Ok(Module {
             name,
             params,
             runtime_copy: None,
             devices,
-            sched,
+            sched: None,
             policy,
             opts: GraphOptions::default(),
             timing: Timing::default(),
@@ -145,11 +146,28 @@ impl<'b> Module<'b> {
     }
 
     /// Ends a phase: under [`WeightPolicy::Free`] the runtime copy of the
-    /// weights (if any) is freed.
+    /// weights (if any) and the compute buffers are freed, so the next
+    /// module's phase has the memory.
     pub fn end_phase(&mut self) {
         if self.policy == WeightPolicy::Free {
             self.runtime_copy = None;
+            self.sched = None;
         }
+    }
+
+    fn scheduler(&mut self) -> Result<&mut Sched<'b>> {
+        if self.sched.is_none() {
+            let d = self.devices;
+            let backends: Vec<&'b Backend> = if same_device(d.runtime, d.cpu) {
+                vec![d.cpu]
+            } else {
+                vec![d.runtime, d.cpu]
+            };
+            let sched = Sched::new(&backends, GRAPH_SIZE)
+                .map_err(|e| ModelError(format!("{}: scheduler: {e}", self.name)))?;
+            self.sched = Some(sched);
+        }
+        Ok(self.sched.as_mut().expect("set above"))
     }
 
     /// Whether a runtime copy of the weights is held now.
@@ -190,6 +208,8 @@ impl<'b> Module<'b> {
             self.runtime_copy = Some(copy);
             self.timing.weight_copy += t.elapsed();
         }
+        self.scheduler()?;
+        let sched = self.sched.as_mut().expect("created above");
         let weights = self.runtime_copy.as_ref().unwrap_or(&self.params);
         let w = W::new(weights.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
@@ -200,7 +220,7 @@ impl<'b> Module<'b> {
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
         let fail = |what: &str, e: ggml::Error| ModelError(format!("{name}: {what}: {e}"));
-        self.sched
+        sched
             .alloc(&graph)
             .map_err(|e| fail("allocating the graph", e))?;
         for (t, v) in &built.inputs {
@@ -213,9 +233,7 @@ impl<'b> Module<'b> {
             }
             .map_err(|e| fail("setting an input", e))?;
         }
-        self.sched
-            .compute(&graph)
-            .map_err(|e| fail("computing", e))?;
+        sched.compute(&graph).map_err(|e| fail("computing", e))?;
         let out = built
             .output
             .get_f32()
