@@ -362,35 +362,15 @@ impl Report for ModelReport {
 /// stable-diffusion.cpp in a child process.
 pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
-    use crate::placement::Module as Place;
-    use sdhost_models::module::Devices;
-    use sdhost_models::pipeline::{Layout, Request, Sd1};
+    use sdhost_models::pipeline::{Request, Sd1};
 
     let path = a.model.as_ref().context("no model")?;
     let runs = a.runs.unwrap_or(3);
     let placement = session.resolve(&a.placement)?;
     let ckpt = sdhost_models::checkpoint::scan(path)?;
-    let reg = &session.registry;
-    let cpu_name = reg
-        .devices
-        .iter()
-        .find(|d| d.ty == ggml::DeviceType::Cpu)
-        .map(|d| d.name.clone())
-        .context("bench needs the CPU plugin, and no CPU device is loaded")?;
-    let manager = BackendManager::new(reg, session.threads);
-    let cpu = manager.get(&cpu_name)?;
-    let devices = |m: Place| -> anyhow::Result<Devices<'_>> {
-        Ok(Devices {
-            runtime: manager.get(&placement.runtime[&m])?,
-            params: manager.get(&placement.params[&m])?,
-            cpu,
-        })
-    };
-    let layout = Layout {
-        te: devices(Place::Te)?,
-        diffusion: devices(Place::Diffusion)?,
-        vae: devices(Place::Vae)?,
-    };
+    let cpu_name = crate::generate::cpu_device(session, "bench")?;
+    let manager = BackendManager::new(&session.registry, session.threads);
+    let layout = crate::generate::layout(session, &manager, &placement, "bench")?;
     let used: Vec<String> = placement
         .devices()
         .into_iter()
@@ -408,21 +388,22 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
     };
 
     let t = Instant::now();
-    let mut sd = Sd1::load(&ckpt, layout, a.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut sd =
+        Sd1::load(&ckpt, layout, a.sample.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
     let load_s = t.elapsed().as_secs_f64();
     sd.set_options(sdhost_models::nn::GraphOptions {
-        flash_attn: a.flash_attn,
+        flash_attn: a.sample.flash_attn,
     });
     sample_devices();
     let req = Request {
         prompt: a.prompt.clone(),
         negative: String::new(),
-        steps: a.steps as usize,
-        cfg_scale: a.cfg_scale,
-        width: a.width as usize,
-        height: a.height as usize,
-        seed: a.seed,
-        sampler: a.sampler,
+        steps: a.sample.steps as usize,
+        cfg_scale: a.sample.cfg_scale,
+        width: a.sample.width as usize,
+        height: a.sample.height as usize,
+        seed: a.sample.seed,
+        sampler: a.sample.sampler,
         clip_skip: 1,
     };
     let mut ours = Vec::new();
@@ -455,31 +436,20 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
         model: path.display().to_string(),
         settings: format!(
             "{}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads{}",
-            a.width,
-            a.height,
-            a.steps,
-            a.sampler.name(),
-            a.cfg_scale,
-            a.seed,
+            a.sample.width,
+            a.sample.height,
+            a.sample.steps,
+            a.sample.sampler.name(),
+            a.sample.cfg_scale,
+            a.sample.seed,
             threads,
-            if a.flash_attn {
+            if a.sample.flash_attn {
                 ", flash attention"
             } else {
                 ""
             }
         ),
-        devices: [Place::Te, Place::Diffusion, Place::Vae]
-            .iter()
-            .map(|m| {
-                let (r, p) = (&placement.runtime[m], &placement.params[m]);
-                if r == p {
-                    format!("{}={r}", m.name())
-                } else {
-                    format!("{}={r} (params {p})", m.name())
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(", "),
+        devices: crate::generate::placement_summary(&placement),
         runs,
         load_s,
         first_run_s,
@@ -487,7 +457,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
         peak_host: peak_host_memory(),
         device_used,
         peer,
-        steps: a.steps,
+        steps: a.sample.steps,
     };
     let _ = cli;
     render::print(&report, a.json);
@@ -520,14 +490,19 @@ fn run_peer(
     c.arg("-m")
         .arg(model)
         .args(["-p", &a.prompt])
-        .args(["-W", &a.width.to_string(), "-H", &a.height.to_string()])
-        .args(["--steps", &a.steps.to_string()])
-        .args(["--cfg-scale", &a.cfg_scale.to_string()])
-        .args(["--seed", &a.seed.to_string()])
-        .args(["--sampler", a.sampler.name()])
+        .args([
+            "-W",
+            &a.sample.width.to_string(),
+            "-H",
+            &a.sample.height.to_string(),
+        ])
+        .args(["--steps", &a.sample.steps.to_string()])
+        .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
+        .args(["--seed", &a.sample.seed.to_string()])
+        .args(["--sampler", a.sample.sampler.name()])
         .args(["-t", &threads.to_string()])
         .args(["--runs", &runs.to_string()]);
-    if a.flash_attn {
+    if a.sample.flash_attn {
         c.arg("--flash-attn");
     }
     if let Some(b) = &a.placement.backend {

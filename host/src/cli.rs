@@ -100,38 +100,8 @@ pub struct BenchArgs {
     #[arg(short = 'p', long, default_value = "a photo of a cat")]
     pub prompt: String,
 
-    /// Sampling steps
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub steps: u32,
-
-    /// Classifier-free guidance scale
-    #[arg(long = "cfg-scale", default_value_t = 7.0)]
-    pub cfg_scale: f32,
-
-    /// Image width in pixels
-    #[arg(short = 'W', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
-    pub width: u32,
-
-    /// Image height in pixels
-    #[arg(short = 'H', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
-    pub height: u32,
-
-    /// Seed
-    #[arg(short = 's', long, default_value_t = 42)]
-    pub seed: u64,
-
-    /// Sampler: euler_a, euler or dpm++2m
-    #[arg(long, default_value = "euler_a", value_parser = parse_sampler)]
-    pub sampler: sdhost_models::schedule::Sampler,
-
-    /// Compute buffers and runtime weight copies between phases: free or keep (see generate)
-    #[arg(long = "phase-memory", default_value = "free", value_parser = parse_policy)]
-    pub phase_memory: sdhost_models::module::WeightPolicy,
-
-    /// Fused (flash) attention in the UNet and VAE (see generate); the peer
-    /// gets sd.cpp's equivalent
-    #[arg(long = "flash-attn")]
-    pub flash_attn: bool,
+    #[command(flatten)]
+    pub sample: SampleArgs,
 
     #[command(flatten)]
     pub placement: PlacementArgs,
@@ -178,21 +148,9 @@ pub struct PlacementArgs {
     pub offload_to_cpu: bool,
 }
 
-/// `sdhost generate`.
+/// Generation settings shared by `generate` and `bench -m`.
 #[derive(Debug, Args)]
-pub struct GenerateArgs {
-    /// Checkpoint: SD 1.x single file in the original layout (.safetensors or .gguf)
-    #[arg(short = 'm', long, value_name = "FILE")]
-    pub model: PathBuf,
-
-    /// Prompt
-    #[arg(short = 'p', long)]
-    pub prompt: String,
-
-    /// Negative prompt
-    #[arg(short = 'n', long = "negative-prompt", default_value = "")]
-    pub negative: String,
-
+pub struct SampleArgs {
     /// Sampling steps
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub steps: u32,
@@ -217,14 +175,6 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "euler_a", value_parser = parse_sampler)]
     pub sampler: sdhost_models::schedule::Sampler,
 
-    /// Use the text encoder's N-th last layer (1 = last)
-    #[arg(long = "clip-skip", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=12))]
-    pub clip_skip: u32,
-
-    /// Output PNG, written only once the image is complete
-    #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
-    pub output: PathBuf,
-
     /// What each module holds between its phases (text encoding, sampling,
     /// decoding): `free` (default) releases its compute buffers and any
     /// runtime copy of weights kept on another device; `keep` holds them
@@ -235,6 +185,33 @@ pub struct GenerateArgs {
     /// faster; K and V rounded to f16
     #[arg(long = "flash-attn")]
     pub flash_attn: bool,
+}
+
+/// `sdhost generate`.
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    /// Checkpoint: SD 1.x single file in the original layout (.safetensors or .gguf)
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: PathBuf,
+
+    /// Prompt
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+
+    /// Negative prompt
+    #[arg(short = 'n', long = "negative-prompt", default_value = "")]
+    pub negative: String,
+
+    #[command(flatten)]
+    pub sample: SampleArgs,
+
+    /// Use the text encoder's N-th last layer (1 = last)
+    #[arg(long = "clip-skip", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=12))]
+    pub clip_skip: u32,
+
+    /// Output PNG, written only once the image is complete
+    #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
+    pub output: PathBuf,
 
     #[command(flatten)]
     pub placement: PlacementArgs,

@@ -31,44 +31,23 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let out_dir = output_dir(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
 
-    let reg = &session.registry;
-    let cpu_name = reg
-        .devices
-        .iter()
-        .find(|d| d.ty == DeviceType::Cpu)
-        .map(|d| d.name.clone())
-        .ok_or_else(|| {
-            anyhow!("generate needs the CPU plugin (ggml's scheduler falls back to it), and no CPU device is loaded")
-        })?;
-    let manager = BackendManager::new(reg, session.threads);
-    let cpu = manager.get(&cpu_name)?;
-    let devices = |m: Place| -> anyhow::Result<Devices<'_>> {
-        Ok(Devices {
-            runtime: manager.get(&placement.runtime[&m])?,
-            params: manager.get(&placement.params[&m])?,
-            cpu,
-        })
-    };
-    let layout = Layout {
-        te: devices(Place::Te)?,
-        diffusion: devices(Place::Diffusion)?,
-        vae: devices(Place::Vae)?,
-    };
+    let manager = BackendManager::new(&session.registry, session.threads);
+    let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
-    let mut sd = Sd1::load(&ckpt, layout, args.phase_memory)?;
+    let mut sd = Sd1::load(&ckpt, layout, args.sample.phase_memory)?;
     sd.set_options(sdhost_models::nn::GraphOptions {
-        flash_attn: args.flash_attn,
+        flash_attn: args.sample.flash_attn,
     });
     let load_time = loading.elapsed();
     let req = Request {
         prompt: args.prompt.clone(),
         negative: args.negative.clone(),
-        steps: args.steps as usize,
-        cfg_scale: args.cfg_scale,
-        width: args.width as usize,
-        height: args.height as usize,
-        seed: args.seed,
-        sampler: args.sampler,
+        steps: args.sample.steps as usize,
+        cfg_scale: args.sample.cfg_scale,
+        width: args.sample.width as usize,
+        height: args.sample.height as usize,
+        seed: args.sample.seed,
+        sampler: args.sample.sampler,
         clip_skip: args.clip_skip as usize,
     };
 
@@ -105,6 +84,56 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     );
     eprintln!("wrote {}", args.output.display());
     Ok(())
+}
+
+/// The CPU device's name; `what` needs it because ggml's scheduler falls
+/// back to the CPU for ops a device lacks.
+pub fn cpu_device(session: &Session, what: &str) -> anyhow::Result<String> {
+    session
+        .registry
+        .devices
+        .iter()
+        .find(|d| d.ty == DeviceType::Cpu)
+        .map(|d| d.name.clone())
+        .ok_or_else(|| {
+            anyhow!("{what} needs the CPU plugin (ggml's scheduler falls back to it), and no CPU device is loaded")
+        })
+}
+
+/// The runtime, params and CPU backends of the SD 1.x modules under `placement`.
+pub fn layout<'m>(
+    session: &Session,
+    manager: &'m BackendManager<'_>,
+    placement: &Placement,
+    what: &str,
+) -> anyhow::Result<Layout<'m>> {
+    let cpu = manager.get(&cpu_device(session, what)?)?;
+    let devices = |m: Place| -> anyhow::Result<Devices<'m>> {
+        Ok(Devices {
+            runtime: manager.get(&placement.runtime[&m])?,
+            params: manager.get(&placement.params[&m])?,
+            cpu,
+        })
+    };
+    Ok(Layout {
+        te: devices(Place::Te)?,
+        diffusion: devices(Place::Diffusion)?,
+        vae: devices(Place::Vae)?,
+    })
+}
+
+/// Where each module runs, as `te=cpu, diffusion=vulkan0 (params cpu), …`.
+pub fn placement_summary(placement: &Placement) -> String {
+    [Place::Te, Place::Diffusion, Place::Vae]
+        .map(|m| {
+            let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
+            if r == p {
+                format!("{}={r}", m.name())
+            } else {
+                format!("{}={r} (params {p})", m.name())
+            }
+        })
+        .join(", ")
 }
 
 /// Runs `convert`: no plugin is needed (quantization runs in libggml-base).
@@ -159,30 +188,22 @@ fn output_dir(output: &Path) -> anyhow::Result<&Path> {
 
 /// A1111-style parameters text.
 fn parameters_text(args: &GenerateArgs, placement: &Placement) -> String {
-    let place = |m: Place| {
-        let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
-        if r == p {
-            format!("{}={r}", m.name())
-        } else {
-            format!("{}={r} (params {p})", m.name())
-        }
-    };
     let mut s = args.prompt.clone();
     if !args.negative.is_empty() {
         s.push_str(&format!("\nNegative prompt: {}", args.negative));
     }
     s.push_str(&format!(
         "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Devices: {}, Flash attention: {}, Generator: sdhost {}",
-        args.steps,
-        args.sampler.name(),
-        args.cfg_scale,
-        args.seed,
-        args.width,
-        args.height,
+        args.sample.steps,
+        args.sample.sampler.name(),
+        args.sample.cfg_scale,
+        args.sample.seed,
+        args.sample.width,
+        args.sample.height,
         args.clip_skip,
         args.model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-        [Place::Te, Place::Diffusion, Place::Vae].map(place).join(", "),
-        if args.flash_attn { "on" } else { "off" },
+        placement_summary(placement),
+        if args.sample.flash_attn { "on" } else { "off" },
         env!("CARGO_PKG_VERSION"),
     ));
     s

@@ -145,7 +145,7 @@ fn bench_startup_times_discovery_in_fresh_processes() {
     assert_eq!(r.code, Some(1));
     assert!(
         r.stderr
-            .contains("only `sdhost bench --startup` exists so far"),
+            .contains("say what to measure: `sdhost bench --startup` or `sdhost bench -m MODEL`"),
         "{}",
         r.stderr
     );

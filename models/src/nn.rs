@@ -181,11 +181,8 @@ pub fn group_norm<'a>(
     channels: i64,
     eps: f32,
 ) -> Result<Tensor<'a>> {
-    let g = w.shaped(&format!("{prefix}.weight"), &[channels])?;
-    let b = w.shaped(&format!("{prefix}.bias"), &[channels])?;
     let y = c.group_norm(x, 32, eps)?;
-    let y = c.mul(y, c.reshape(g, &[1, 1, channels, 1])?)?;
-    Ok(c.add(y, c.reshape(b, &[1, 1, channels, 1])?)?)
+    affine(c, w, prefix, y, channels, &[1, 1, channels, 1])
 }
 
 /// Layer norm over `ne[0]` with affine `[C]` weight and bias.
@@ -197,10 +194,23 @@ pub fn layer_norm<'a>(
     channels: i64,
     eps: f32,
 ) -> Result<Tensor<'a>> {
+    let y = c.norm(x, eps)?;
+    affine(c, w, prefix, y, channels, &[channels])
+}
+
+/// `y · weight + bias` with `[C]` weight and bias seen as shape `ne`.
+fn affine<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    y: Tensor<'a>,
+    channels: i64,
+    ne: &[i64],
+) -> Result<Tensor<'a>> {
     let g = w.shaped(&format!("{prefix}.weight"), &[channels])?;
     let b = w.shaped(&format!("{prefix}.bias"), &[channels])?;
-    let y = c.norm(x, eps)?;
-    Ok(c.add(c.mul(y, g)?, b)?)
+    let y = c.mul(y, c.reshape(g, ne)?)?;
+    Ok(c.add(y, c.reshape(b, ne)?)?)
 }
 
 /// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
