@@ -32,13 +32,11 @@ pub mod sys {
 
 mod backend;
 mod compute;
-mod gguf;
 mod identity;
 mod log;
 
 pub use backend::{Backend, Device, DeviceType, Reg};
 pub use compute::{Buffer, Context, Graph, Sched, Tensor, Type};
-pub use gguf::{gguf_tensor_infos, GgufTensorInfo};
 pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;
 

@@ -238,3 +238,87 @@ pub fn write(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tensor(name: &str, ty: Type, shape: Vec<u64>) -> OutTensor {
+        let n: u64 = shape.iter().product();
+        let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25 - 3.0).collect();
+        let row = *shape.last().unwrap() as usize;
+        OutTensor {
+            name: name.into(),
+            ty,
+            data: ty.encode(&values, row).unwrap(),
+            shape,
+        }
+    }
+
+    fn file(bytes: &[u8]) -> tempfile::NamedTempFile {
+        let f = tempfile::Builder::new().suffix(".gguf").tempfile().unwrap();
+        std::fs::write(f.path(), bytes).unwrap();
+        f
+    }
+
+    fn written(tensors: &[OutTensor]) -> Vec<u8> {
+        let mut out = Vec::new();
+        write(&mut out, &[("general.architecture", "sd1")], tensors).unwrap();
+        out
+    }
+
+    #[test]
+    fn round_trip_keeps_long_names_types_shapes_and_data() {
+        let long =
+            "cond_stage_model.transformer.text_model.encoder.layers.11.self_attn.out_proj.weight";
+        let ts = vec![
+            tensor(long, Type::Q8_0, vec![3, 64]),
+            tensor("first_stage_model.decoder.conv_in.bias", Type::F32, vec![5]),
+            tensor(
+                "model.diffusion_model.out.2.weight",
+                Type::F16,
+                vec![4, 2, 3, 3],
+            ),
+        ];
+        let bytes = written(&ts);
+        let f = file(&bytes);
+        let got = scan(f.path()).unwrap();
+        assert_eq!(got.len(), 3);
+        for (g, t) in got.iter().zip(&ts) {
+            assert_eq!(g.name, t.name);
+            assert_eq!(g.dtype, t.ty.name());
+            assert_eq!(g.shape, t.shape);
+            assert_eq!(g.bytes, t.data.len() as u64);
+            let off = g.offset.unwrap() as usize;
+            assert_eq!(off % 32, 0, "aligned");
+            assert_eq!(&bytes[off..off + t.data.len()], &t.data[..]);
+        }
+    }
+
+    #[test]
+    fn corrupt_files_are_one_line_errors() {
+        let good = written(&[tensor("a.weight", Type::F32, vec![2, 4])]);
+        let err = |b: &[u8]| scan(file(b).path()).unwrap_err();
+        assert!(err(b"GGUX\x03\0\0\0").contains("bad magic"));
+        assert!(err(b"GGUF\x09\0\0\0").contains("version 9"));
+        assert!(err(&good[..20]).contains("header truncated"));
+        assert!(err(&good[..good.len() - 4]).contains("runs past the end"));
+        // Type id 99.
+        let mut bad = good.clone();
+        let name_at = bad.windows(8).position(|w| w == b"a.weight").unwrap();
+        // name, then n_dims (u32), two dims (u64 each), then the type id.
+        let type_at = name_at + 8 + 4 + 16;
+        bad[type_at..type_at + 4].copy_from_slice(&99u32.to_le_bytes());
+        assert!(err(&bad).contains("unknown or unsupported type id 99"));
+        // Duplicate names.
+        let dup = written(&[
+            tensor("x", Type::F32, vec![2]),
+            tensor("x", Type::F32, vec![2]),
+        ]);
+        assert!(err(&dup).contains("tensor x appears twice"));
+        // Absurd counts.
+        let mut huge = good.clone();
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(err(&huge).contains("cannot fit"));
+    }
+}
