@@ -391,9 +391,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
     let mut sd =
         Sd1::load(&ckpt, layout, a.sample.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
     let load_s = t.elapsed().as_secs_f64();
-    sd.set_options(sdhost_models::nn::GraphOptions {
-        flash_attn: a.sample.flash_attn,
-    });
+    let flash = crate::generate::apply_flash_attn(&mut sd, &layout, &a.sample.flash_attn);
     sample_devices();
     let req = Request {
         prompt: a.prompt.clone(),
@@ -443,11 +441,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
             a.sample.cfg_scale,
             a.sample.seed,
             threads,
-            if a.sample.flash_attn {
-                ", flash attention"
-            } else {
-                ""
-            }
+            format!(", flash attention: {flash}")
         ),
         devices: crate::generate::placement_summary(&placement),
         runs,
@@ -502,7 +496,8 @@ fn run_peer(
         .args(["--sampler", a.sample.sampler.name()])
         .args(["-t", &threads.to_string()])
         .args(["--runs", &runs.to_string()]);
-    if a.sample.flash_attn {
+    // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
+    if a.sample.flash_attn == "on" {
         c.arg("--flash-attn");
     }
     if let Some(b) = &a.placement.backend {

@@ -181,10 +181,11 @@ pub struct SampleArgs {
     #[arg(long = "phase-memory", default_value = "free", value_parser = parse_policy)]
     pub phase_memory: sdhost_models::module::WeightPolicy,
 
-    /// Fused (flash) attention in the UNet and VAE: less memory, usually
-    /// faster; K and V rounded to f16
-    #[arg(long = "flash-attn")]
-    pub flash_attn: bool,
+    /// Fused (flash) attention in the UNet and VAE, K and V rounded to f16:
+    /// `auto` (default) uses it for modules running on a CPU device, where it
+    /// is faster and smaller; `on` (or the bare flag) everywhere; `off` nowhere
+    #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on", value_parser = ["auto", "on", "off"])]
+    pub flash_attn: String,
 }
 
 /// `sdhost generate`.

@@ -35,9 +35,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
     let mut sd = Sd1::load(&ckpt, layout, args.sample.phase_memory)?;
-    sd.set_options(sdhost_models::nn::GraphOptions {
-        flash_attn: args.sample.flash_attn,
-    });
+    let flash = apply_flash_attn(&mut sd, &layout, &args.sample.flash_attn);
     let load_time = loading.elapsed();
     let req = Request {
         prompt: args.prompt.clone(),
@@ -76,7 +74,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let sampling_time = sampling.elapsed();
     let image = image.with_context(|| args.model.display().to_string())?;
 
-    let text = parameters_text(args, &placement);
+    let text = parameters_text(args, &placement, &flash);
     write_png(&args.output, out_dir, &image, &text)?;
     eprintln!(
         "{}",
@@ -120,6 +118,33 @@ pub fn layout<'m>(
         diffusion: devices(Place::Diffusion)?,
         vae: devices(Place::Vae)?,
     })
+}
+
+/// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
+/// runtime device is a CPU) and says where it is on, e.g. `diffusion, vae`.
+pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: &str) -> String {
+    let mut on = Vec::new();
+    for (module, devices) in [
+        (&mut sd.te, layout.te),
+        (&mut sd.unet, layout.diffusion),
+        (&mut sd.vae, layout.vae),
+    ] {
+        let flash = match when {
+            "on" => true,
+            "off" => false,
+            _ => devices.runtime.device().device_type() == DeviceType::Cpu,
+        };
+        // The text encoder's causal attention never uses it.
+        if flash && module.name() != "te" {
+            on.push(module.name());
+        }
+        module.set_options(sdhost_models::nn::GraphOptions { flash_attn: flash });
+    }
+    if on.is_empty() {
+        "off".into()
+    } else {
+        on.join("+")
+    }
 }
 
 /// Where each module runs, as `te=cpu, diffusion=vulkan0 (params cpu), …`.
@@ -187,7 +212,7 @@ fn output_dir(output: &Path) -> anyhow::Result<&Path> {
 }
 
 /// A1111-style parameters text.
-fn parameters_text(args: &GenerateArgs, placement: &Placement) -> String {
+fn parameters_text(args: &GenerateArgs, placement: &Placement, flash: &str) -> String {
     let mut s = args.prompt.clone();
     if !args.negative.is_empty() {
         s.push_str(&format!("\nNegative prompt: {}", args.negative));
@@ -203,7 +228,7 @@ fn parameters_text(args: &GenerateArgs, placement: &Placement) -> String {
         args.clip_skip,
         args.model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
         placement_summary(placement),
-        if args.sample.flash_attn { "on" } else { "off" },
+        flash,
         env!("CARGO_PKG_VERSION"),
     ));
     s

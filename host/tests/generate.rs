@@ -108,6 +108,10 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
         "{text}"
     );
     assert!(text.contains("diffusion=cpu"), "{text}");
+    assert!(
+        text.contains("Flash attention: diffusion+vae"),
+        "auto turns it on for modules on the CPU: {text}"
+    );
 
     // Same seed, same bytes; another seed, another image.
     let b = out.join("b.png");
