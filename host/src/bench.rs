@@ -433,7 +433,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
     let report = ModelReport {
         model: path.display().to_string(),
         settings: format!(
-            "{}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads{}",
+            "{}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
             a.sample.width,
             a.sample.height,
             a.sample.steps,
@@ -441,7 +441,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
             a.sample.cfg_scale,
             a.sample.seed,
             threads,
-            format!(", flash attention: {flash}")
+            flash
         ),
         devices: crate::generate::placement_summary(&placement),
         runs,
