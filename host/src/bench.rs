@@ -362,7 +362,7 @@ impl Report for ModelReport {
 /// stable-diffusion.cpp in a child process.
 pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
-    use sdhost_models::pipeline::{Request, Sd1};
+    use sdhost_models::pipeline::Sd1;
 
     let path = a.model.as_ref().context("no model")?;
     let runs = a.runs.unwrap_or(3);
@@ -393,17 +393,7 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
     let load_s = t.elapsed().as_secs_f64();
     let flash = crate::generate::apply_flash_attn(&mut sd, &layout, &a.sample.flash_attn);
     sample_devices();
-    let req = Request {
-        prompt: a.prompt.clone(),
-        negative: String::new(),
-        steps: a.sample.steps as usize,
-        cfg_scale: a.sample.cfg_scale,
-        width: a.sample.width as usize,
-        height: a.sample.height as usize,
-        seed: a.sample.seed,
-        sampler: a.sample.sampler,
-        clip_skip: 1,
-    };
+    let req = a.sample.request(&a.prompt, "", 1);
     let mut ours = Vec::new();
     let mut first_run_s = 0.0;
     for i in 0..=runs {

@@ -188,6 +188,28 @@ pub struct SampleArgs {
     pub flash_attn: String,
 }
 
+impl SampleArgs {
+    /// The generation request these settings describe.
+    pub fn request(
+        &self,
+        prompt: &str,
+        negative: &str,
+        clip_skip: usize,
+    ) -> sdhost_models::pipeline::Request {
+        sdhost_models::pipeline::Request {
+            prompt: prompt.to_string(),
+            negative: negative.to_string(),
+            steps: self.steps as usize,
+            cfg_scale: self.cfg_scale,
+            width: self.width as usize,
+            height: self.height as usize,
+            seed: self.seed,
+            sampler: self.sampler,
+            clip_skip,
+        }
+    }
+}
+
 /// `sdhost generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {

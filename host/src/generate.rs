@@ -11,7 +11,7 @@ use crate::placement::{Module as Place, Placement};
 use anyhow::{anyhow, bail, Context as _};
 use ggml::DeviceType;
 use sdhost_models::module::Devices;
-use sdhost_models::pipeline::{Image, Layout, Request, Sd1};
+use sdhost_models::pipeline::{Image, Layout, Sd1};
 use std::io::Write as _;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,17 +37,9 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut sd = Sd1::load(&ckpt, layout, args.sample.phase_memory)?;
     let flash = apply_flash_attn(&mut sd, &layout, &args.sample.flash_attn);
     let load_time = loading.elapsed();
-    let req = Request {
-        prompt: args.prompt.clone(),
-        negative: args.negative.clone(),
-        steps: args.sample.steps as usize,
-        cfg_scale: args.sample.cfg_scale,
-        width: args.sample.width as usize,
-        height: args.sample.height as usize,
-        seed: args.sample.seed,
-        sampler: args.sample.sampler,
-        clip_skip: args.clip_skip as usize,
-    };
+    let req = args
+        .sample
+        .request(&args.prompt, &args.negative, args.clip_skip as usize);
 
     tracing::info!(
         "sampling {} steps with {} at {}x{}",
