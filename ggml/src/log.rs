@@ -22,7 +22,10 @@ unsafe extern "C" fn callback(level: sys::ggml_log_level, text: *const c_char, _
         return;
     }
     match level {
-        sys::GGML_LOG_LEVEL_ERROR => tracing::error!(target: "ggml", "{text}"),
+        // Every ggml failure also comes back as a return value, which sdhost
+        // reports as its own one-line error; ggml's text is the detail behind
+        // it, shown with `-v`.
+        sys::GGML_LOG_LEVEL_ERROR => tracing::info!(target: "ggml", "{text}"),
         sys::GGML_LOG_LEVEL_WARN => tracing::warn!(target: "ggml", "{text}"),
         sys::GGML_LOG_LEVEL_INFO => tracing::debug!(target: "ggml", "{text}"),
         _ => tracing::trace!(target: "ggml", "{text}"),

@@ -220,9 +220,12 @@ impl<'b> Module<'b> {
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
         let fail = |what: &str, e: ggml::Error| ModelError(format!("{name}: {what}: {e}"));
-        sched
-            .alloc(&graph)
-            .map_err(|e| fail("allocating the graph", e))?;
+        let runtime = self.devices.runtime.name();
+        sched.alloc(&graph).map_err(|e| {
+            ModelError(format!(
+                "{name}: allocating the graph on {runtime} failed, most likely not enough memory for this size ({e}; -v shows ggml's reason)"
+            ))
+        })?;
         for (t, v) in &built.inputs {
             match v {
                 Input::F32(v) => t.set_f32(v),
