@@ -197,7 +197,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
         Command::Generate(a) => crate::generate::run(&session, a)?,
-        Command::Bench(a) => crate::bench::model(&cli, &session, a)?,
+        Command::Bench(a) => crate::bench::model(&session, a)?,
         Command::Probe { .. } | Command::Startup | Command::Convert(_) => {} // answered above
     }
     Ok(ExitCode::SUCCESS)

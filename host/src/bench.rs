@@ -211,32 +211,58 @@ struct ModelReport {
     steps: u32,
 }
 
-type Pick = fn(&ModelRun) -> f64;
+/// One row of the stage table: how to read it off an sdhost run and off a
+/// peer run (`steps` turns sd.cpp's sampling time into a per-step time).
+struct Stage {
+    name: &'static str,
+    ours: fn(&ModelRun) -> f64,
+    peer: fn(&PeerRun, f64) -> Option<f64>,
+}
 
-const STAGES: [(&str, Pick); 5] = [
-    ("text encode", |r| r.te),
-    ("UNet step", |r| r.unet_step),
-    ("sampling", |r| r.sampling),
-    ("VAE decode", |r| r.vae),
-    ("end to end", |r| r.total),
+const STAGES: [Stage; 5] = [
+    Stage {
+        name: "text encode",
+        ours: |r| r.te,
+        peer: |r, _| r.te_s,
+    },
+    Stage {
+        name: "UNet step",
+        ours: |r| r.unet_step,
+        peer: |r, steps| r.sampling_s.map(|s| s / steps),
+    },
+    Stage {
+        name: "sampling",
+        ours: |r| r.sampling,
+        peer: |r, _| r.sampling_s,
+    },
+    Stage {
+        name: "VAE decode",
+        ours: |r| r.vae,
+        peer: |r, _| r.vae_s,
+    },
+    Stage {
+        name: "end to end",
+        ours: |r| r.total,
+        peer: |r, _| Some(r.total_s),
+    },
 ];
 
 impl ModelReport {
-    fn peer_stage(&self, stage: &str) -> Option<Spread> {
-        let Some(Ok(p)) = &self.peer else { return None };
-        let v: Vec<f64> = p
-            .runs
-            .iter()
-            .filter_map(|r| match stage {
-                "text encode" => r.te_s,
-                "UNet step" => r.sampling_s.map(|s| s / f64::from(self.steps)),
-                "sampling" => r.sampling_s,
-                "VAE decode" => r.vae_s,
-                "end to end" => Some(r.total_s),
-                _ => None,
-            })
-            .collect();
-        (!v.is_empty()).then(|| spread(&v))
+    /// sdhost's spread for `stage`, and the peer's where it was measured.
+    fn spreads(&self, stage: &Stage) -> (Spread, Option<Spread>) {
+        let ours: Vec<f64> = self.ours.iter().map(stage.ours).collect();
+        let peer = match &self.peer {
+            Some(Ok(p)) => {
+                let v: Vec<f64> = p
+                    .runs
+                    .iter()
+                    .filter_map(|r| (stage.peer)(r, f64::from(self.steps)))
+                    .collect();
+                (!v.is_empty()).then(|| spread(&v))
+            }
+            _ => None,
+        };
+        (spread(&ours), peer)
     }
 }
 
@@ -274,15 +300,14 @@ impl Report for ModelReport {
         }
         rows.push(load);
         rows.push(first);
-        for (name, pick) in STAGES {
-            let v: Vec<f64> = self.ours.iter().map(pick).collect();
-            let s = spread(&v);
+        for stage in &STAGES {
+            let (s, peer) = self.spreads(stage);
             let mut row = vec![
-                name.to_string(),
+                stage.name.to_string(),
                 format!("{} [{} – {}]", secs(s.median), secs(s.min), secs(s.max)),
             ];
             if with_peer {
-                match self.peer_stage(name) {
+                match peer {
                     Some(p) => {
                         row.push(format!(
                             "{} [{} – {}]",
@@ -329,14 +354,14 @@ impl Report for ModelReport {
     fn json(&self) -> Value {
         let stages: serde_json::Map<String, Value> = STAGES
             .iter()
-            .map(|(name, pick)| {
-                let v: Vec<f64> = self.ours.iter().map(pick).collect();
-                let mut o = json!({ "sdhost_s": spread(&v) });
-                if let Some(p) = self.peer_stage(name) {
+            .map(|stage| {
+                let (ours, peer) = self.spreads(stage);
+                let mut o = json!({ "sdhost_s": ours });
+                if let Some(p) = peer {
+                    o["speedup"] = json!(p.median / ours.median.max(1e-9));
                     o["sdcpp_s"] = json!(p);
-                    o["speedup"] = json!(p.median / spread(&v).median.max(1e-9));
                 }
-                (name.to_string(), o)
+                (stage.name.to_string(), o)
             })
             .collect();
         let (peer, peer_err) = match &self.peer {
@@ -360,7 +385,7 @@ impl Report for ModelReport {
 /// `sdhost bench -m MODEL`: loads once, one warm-up run, then measured runs,
 /// each stage timed by the modules themselves; optionally the same with
 /// stable-diffusion.cpp in a child process.
-pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()> {
+pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
     use sdhost_models::pipeline::Sd1;
 
@@ -443,7 +468,6 @@ pub fn model(cli: &Cli, session: &crate::app::Session, a: &BenchArgs) -> anyhow:
         peer,
         steps: a.sample.steps,
     };
-    let _ = cli;
     render::print(&report, a.json);
     Ok(())
 }

@@ -139,45 +139,71 @@ pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: &str) -> St
     }
 }
 
+/// Where module `m` runs, with its params device where that differs:
+/// `vulkan0` or `vulkan0 (params cpu)`.
+fn device_of(placement: &Placement, m: Place) -> String {
+    let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
+    if r == p {
+        r.clone()
+    } else {
+        format!("{r} (params {p})")
+    }
+}
+
 /// Where each module runs, as `te=cpu, diffusion=vulkan0 (params cpu), …`.
 pub fn placement_summary(placement: &Placement) -> String {
-    [Place::Te, Place::Diffusion, Place::Vae]
-        .map(|m| {
-            let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
-            if r == p {
-                format!("{}={r}", m.name())
-            } else {
-                format!("{}={r} (params {p})", m.name())
-            }
-        })
+    SD1_MODULES
+        .map(|m| format!("{}={}", m.name(), device_of(placement, m)))
         .join(", ")
+}
+
+/// The modules of an SD 1.x pipeline, in the order of [`Sd1::timings`].
+const SD1_MODULES: [Place; 3] = [Place::Te, Place::Diffusion, Place::Vae];
+
+/// Writes `path` all at once or not at all: `write` fills a temporary file
+/// in `dir` (the output's folder, so the rename cannot cross file systems),
+/// which is flushed, synced and renamed over `path` only once complete; on
+/// any failure the temporary file is removed.
+fn write_atomically(
+    path: &Path,
+    dir: &Path,
+    write: impl FnOnce(&mut std::io::BufWriter<&mut std::fs::File>) -> anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".sdhost-")
+        .suffix(".partial")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
+        .tempfile_in(dir)
+        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
+    let what = || format!("writing {}", path.display());
+    {
+        let mut w = std::io::BufWriter::new(tmp.as_file_mut());
+        write(&mut w)?;
+        w.flush().with_context(what)?;
+    }
+    tmp.as_file().sync_all().with_context(what)?;
+    tmp.persist(path)
+        .map_err(|e| anyhow!("{}: {}", what(), e.error))?;
+    Ok(())
 }
 
 /// Runs `convert`: no plugin is needed (quantization runs in libggml-base).
 pub fn convert(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
     let dir = output_dir(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".sdhost-")
-        .suffix(".gguf.partial")
-        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
-        .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
     let bar = indicatif::ProgressBar::new(ckpt.tensors.len() as u64);
-    let stats = {
-        let mut w = std::io::BufWriter::new(tmp.as_file_mut());
-        let stats = sdhost_models::convert::to_gguf(&ckpt, args.ty, &mut w, &mut |i, n| {
+    let mut stats = None;
+    write_atomically(&args.output, dir, |w| {
+        let s = sdhost_models::convert::to_gguf(&ckpt, args.ty, w, &mut |i, n| {
             bar.set_length(n as u64);
             bar.set_position(i as u64);
         })
         .map_err(|e| anyhow!("{}: {e}", args.model.display()))?;
-        w.flush().context("writing the GGUF file")?;
-        stats
-    };
+        stats = Some(s);
+        Ok(())
+    })?;
     bar.finish_and_clear();
-    tmp.as_file().sync_all().context("writing the GGUF file")?;
-    tmp.persist(&args.output)
-        .map_err(|e| anyhow!("writing {}: {}", args.output.display(), e.error))?;
+    let stats = stats.unwrap_or_default();
     eprintln!(
         "wrote {}: {} tensors ({} MiB), {} left out",
         args.output.display(),
@@ -229,31 +255,18 @@ fn parameters_text(args: &GenerateArgs, placement: &Placement, flash: &str) -> S
 /// Encodes the PNG into a temporary file beside `path` and renames it over
 /// `path` once complete; on any failure the temporary file is removed.
 pub fn write_png(path: &Path, dir: &Path, image: &Image, text: &str) -> anyhow::Result<()> {
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".sdhost-")
-        .suffix(".png.partial")
-        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
-        .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
-    {
-        let mut enc = png::Encoder::new(
-            std::io::BufWriter::new(tmp.as_file_mut()),
-            image.width as u32,
-            image.height as u32,
-        );
+    write_atomically(path, dir, |w| {
+        let mut enc = png::Encoder::new(w, image.width as u32, image.height as u32);
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);
         enc.add_itxt_chunk("parameters".into(), text.into())
             .context("encoding the parameters text")?;
-        let mut w = enc.write_header().context("writing the PNG")?;
-        w.write_image_data(&image.rgb).context("writing the PNG")?;
-        w.finish().context("writing the PNG")?;
-    }
-    tmp.as_file_mut().flush()?;
-    tmp.as_file().sync_all().context("writing the PNG")?;
-    tmp.persist(path)
-        .map_err(|e| anyhow!("writing {}: {}", path.display(), e.error))?;
-    Ok(())
+        let mut png = enc.write_header().context("writing the PNG")?;
+        png.write_image_data(&image.rgb)
+            .context("writing the PNG")?;
+        png.finish().context("writing the PNG")?;
+        Ok(())
+    })
 }
 
 fn summary(
@@ -267,14 +280,8 @@ fn summary(
         "{:<10} {:<22} {:>6} {:>10} {:>12}\n",
         "module", "device (params)", "calls", "time", "weight copy"
     );
-    for (name, t) in sd.timings() {
-        let m = crate::placement::Module::parse(name).unwrap_or(Place::Diffusion);
-        let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
-        let dev = if r == p {
-            r.clone()
-        } else {
-            format!("{r} ({p})")
-        };
+    for ((name, t), m) in sd.timings().into_iter().zip(SD1_MODULES) {
+        let dev = device_of(placement, m);
         s.push_str(&format!(
             "{:<10} {:<22} {:>6} {:>9.2}s {:>11.2}s\n",
             name,

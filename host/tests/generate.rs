@@ -15,34 +15,24 @@ fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
-/// The PNG's size and its `parameters` text (tEXt or iTXt, uncompressed).
+/// The PNG's size and its `parameters` text (iTXt or tEXt).
 fn png_info(path: &Path) -> (u32, u32, String) {
-    let b = std::fs::read(path).unwrap();
-    assert_eq!(&b[..8], b"\x89PNG\r\n\x1a\n", "not a PNG");
-    let (mut i, mut size, mut text) = (8, (0, 0), String::new());
-    while i + 8 <= b.len() {
-        let n = u32::from_be_bytes(b[i..i + 4].try_into().unwrap()) as usize;
-        let kind = &b[i + 4..i + 8];
-        let d = &b[i + 8..i + 8 + n];
-        if kind == b"IHDR" {
-            size = (
-                u32::from_be_bytes(d[0..4].try_into().unwrap()),
-                u32::from_be_bytes(d[4..8].try_into().unwrap()),
-            );
-        }
-        if kind == b"tEXt" && d.starts_with(b"parameters\0") {
-            text = String::from_utf8_lossy(&d[11..]).into_owned();
-        }
-        if kind == b"iTXt" && d.starts_with(b"parameters\0\0\0") {
-            // keyword, compression flag and method, language tag, translated keyword
-            let rest = &d[13..];
-            let mut parts = rest.splitn(3, |&b| b == 0);
-            let (_, _, t) = (parts.next(), parts.next(), parts.next().unwrap_or_default());
-            text = String::from_utf8_lossy(t).into_owned();
-        }
-        i += 12 + n;
-    }
-    (size.0, size.1, text)
+    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
+    let reader = png::Decoder::new(file).read_info().expect("a PNG");
+    let info = reader.info();
+    let text = info
+        .utf8_text
+        .iter()
+        .find(|c| c.keyword == "parameters")
+        .map(|c| c.get_text().unwrap())
+        .or_else(|| {
+            info.uncompressed_latin1_text
+                .iter()
+                .find(|c| c.keyword == "parameters")
+                .map(|c| c.text.clone())
+        })
+        .unwrap_or_default();
+    (info.width, info.height, text)
 }
 
 /// Decoded RGB pixels.
@@ -317,13 +307,9 @@ fn bad_checkpoints_fail_with_one_line_and_no_output() {
 fn bad_requests_fail_before_any_work() {
     let p = Prefix::with_cpu();
     let out_dir = p.dir("out");
+    let x = out_dir.join("x.png");
     let r = generate(&p, &tiny(), &p.root().join("nowhere/x.png"), &[]);
-    assert_eq!(r.code, Some(1));
-    assert!(
-        r.stderr.contains("--output: folder") && r.stderr.contains("does not exist"),
-        "{}",
-        r.stderr
-    );
+    fails(&r, 1, &["--output: folder", "does not exist"]);
     let r = p.run(&[
         "generate",
         "-m",
@@ -335,38 +321,28 @@ fn bad_requests_fail_before_any_work() {
         "-H",
         "64",
         "-o",
-        s(&out_dir.join("x.png")),
+        s(&x),
     ]);
-    assert_eq!(r.code, Some(1));
-    assert!(
-        r.stderr
-            .contains("image size 72×64 must be a positive multiple of 16"),
-        "{}",
-        r.stderr
+    fails(
+        &r,
+        1,
+        &["image size 72×64 must be a positive multiple of 16"],
     );
-    let r = generate(&p, &tiny(), &out_dir.join("x.png"), &["--sampler", "heun9"]);
-    assert_eq!(r.code, Some(2));
-    assert!(
-        r.stderr.contains("unknown sampler \"heun9\""),
-        "{}",
-        r.stderr
-    );
-    let r = generate(&p, &tiny(), &out_dir.join("x.png"), &["--backend", "cuda0"]);
-    assert_eq!(r.code, Some(1));
-    assert!(
-        r.stderr.contains("unknown device \"cuda0\""),
-        "{}",
-        r.stderr
-    );
-    let r = generate(
-        &p,
-        &p.root().join("missing.safetensors"),
-        &out_dir.join("x.png"),
-        &[],
-    );
-    assert_eq!(r.code, Some(1));
-    assert!(r.stderr.contains("missing.safetensors"), "{}", r.stderr);
+    let r = generate(&p, &tiny(), &x, &["--sampler", "heun9"]);
+    fails(&r, 2, &["unknown sampler \"heun9\""]);
+    let r = generate(&p, &tiny(), &x, &["--backend", "cuda0"]);
+    fails(&r, 1, &["unknown device \"cuda0\""]);
+    let r = generate(&p, &p.root().join("missing.safetensors"), &x, &[]);
+    fails(&r, 1, &["missing.safetensors"]);
     assert!(listing(&out_dir).is_empty());
+}
+
+/// `r` exited with `code` and its stderr says each of `needles`.
+fn fails(r: &Run, code: i32, needles: &[&str]) {
+    assert_eq!(r.code, Some(code), "{}", r.stderr);
+    for n in needles {
+        assert!(r.stderr.contains(n), "{n:?} not in {}", r.stderr);
+    }
 }
 
 #[test]

@@ -26,38 +26,29 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// The reference tensors (f32 and i32 as f32).
+/// The reference tensors (f32 and i32 as f32), read with the checkpoint
+/// reader the models use.
 fn refs() -> HashMap<String, Vec<f32>> {
-    let bytes = std::fs::read(fixture("tiny-sd1-ref.safetensors")).unwrap();
-    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
-    let data = &bytes[8 + n..];
-    let mut out = HashMap::new();
-    for (name, v) in header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let off = &v["data_offsets"];
-        let (a, b) = (
-            off[0].as_u64().unwrap() as usize,
-            off[1].as_u64().unwrap() as usize,
-        );
-        let raw = &data[a..b];
-        let vals: Vec<f32> = match v["dtype"].as_str().unwrap() {
-            "F32" => raw
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect(),
-            "I32" => raw
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
-                .collect(),
-            d => panic!("unexpected dtype {d}"),
-        };
-        out.insert(name, vals);
-    }
-    out
+    let path = fixture("tiny-sd1-ref.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    checkpoint::scan(&path)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|t| {
+            let off = t.offset.unwrap() as usize;
+            let raw = &bytes[off..off + t.bytes as usize];
+            let vals = match t.dtype.as_str() {
+                "I32" => raw
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
+                    .collect(),
+                d => sdhost_models::convert::decode_f32(d, raw)
+                    .unwrap_or_else(|| panic!("unexpected dtype {d}")),
+            };
+            (t.name, vals)
+        })
+        .collect()
 }
 
 /// Largest difference relative to the reference's largest magnitude.
@@ -99,6 +90,32 @@ fn with_sd(runtime: &str, params: &str, policy: WeightPolicy, f: impl FnOnce(&mu
 
 /// `tol` scales every tolerance: 1 on the CPU; lavapipe's f16 paths are
 /// less precise (about 3× on this model).
+/// A comparison: what, got, reference, tolerance.
+type Check<'a> = &'a dyn Fn(&str, &[f32], &[f32], f32);
+
+/// The UNet's noise prediction and the VAE decode against the references.
+fn unet_and_vae_match(
+    sd: &mut Sd1<'_>,
+    r: &HashMap<String, Vec<f32>>,
+    check: Check<'_>,
+    label: &str,
+) {
+    // UNet: one noise prediction at a fractional timestep.
+    let eps = unet::predict_noise(
+        &mut sd.unet,
+        &r["unet.x"],
+        [1, 4, 8, 8],
+        &r["unet.t"],
+        &r["unet.context"],
+    )
+    .unwrap();
+    check(&format!("{label}unet eps"), &eps, &r["unet.eps"], 1e-2);
+    sd.unet.end_phase();
+    let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8]).unwrap();
+    check(&format!("{label}vae image"), &img, &r["vae.image"], 1e-2);
+    sd.vae.end_phase();
+}
+
 fn modules_match_references(runtime: &str, params: &str, tol: f32) {
     let r = refs();
     let assert_close = |what: &str, got: &[f32], want: &[f32], t: f32| {
@@ -132,22 +149,7 @@ fn modules_match_references(runtime: &str, params: &str, tol: f32) {
         assert_close("te clip skip 2", &h, &r["te.hidden_skip2.0"], 5e-3);
         sd.te.end_phase();
 
-        // UNet: one noise prediction at a fractional timestep.
-        let eps = unet::predict_noise(
-            &mut sd.unet,
-            &r["unet.x"],
-            [1, 4, 8, 8],
-            &r["unet.t"],
-            &r["unet.context"],
-        )
-        .unwrap();
-        assert_close("unet eps", &eps, &r["unet.eps"], 1e-2);
-        sd.unet.end_phase();
-
-        // VAE decode.
-        let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8]).unwrap();
-        assert_close("vae image", &img, &r["vae.image"], 1e-2);
-        sd.vae.end_phase();
+        unet_and_vae_match(sd, &r, &assert_close, "");
 
         // Full pipeline: Euler, 3 steps, CFG 7, explicit initial noise.
         let sig: Vec<f32> = Schedule::default()
@@ -238,16 +240,6 @@ fn flash_attention_matches_references_on_cpu() {
     let r = refs();
     with_sd("cpu", "cpu", WeightPolicy::Free, |sd| {
         sd.set_options(sdhost_models::nn::GraphOptions { flash_attn: true });
-        let eps = unet::predict_noise(
-            &mut sd.unet,
-            &r["unet.x"],
-            [1, 4, 8, 8],
-            &r["unet.t"],
-            &r["unet.context"],
-        )
-        .unwrap();
-        assert_close("flash unet eps", &eps, &r["unet.eps"], 1e-2);
-        let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8]).unwrap();
-        assert_close("flash vae image", &img, &r["vae.image"], 1e-2);
+        unet_and_vae_match(sd, &r, &assert_close, "flash ");
     });
 }

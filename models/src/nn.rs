@@ -133,13 +133,8 @@ pub fn linear<'a>(
             x.ne()[0]
         )));
     }
-    let mut y = c.mul_mat(weight, x)?;
-    let bname = format!("{prefix}.bias");
-    if let Some(b) = w.opt(&bname) {
-        check_shape(&bname, b, &[n_out])?;
-        y = c.add(y, b)?;
-    }
-    Ok(y)
+    let y = c.mul_mat(weight, x)?;
+    add_bias(c, w, prefix, y, n_out, &[n_out])
 }
 
 /// 2-D convolution of `x` `[W, H, c_in, N]` with a `[c_out, c_in, k, k]`
@@ -163,13 +158,49 @@ pub fn conv2d<'a>(
             x.ne()[2]
         )));
     }
-    let mut y = c.conv_2d(kernel, x, stride, pad)?;
-    let bname = format!("{prefix}.bias");
-    if let Some(b) = w.opt(&bname) {
-        check_shape(&bname, b, &[c_out])?;
-        y = c.add(y, c.reshape(b, &[1, 1, c_out, 1])?)?;
+    let y = c.conv_2d(kernel, x, stride, pad)?;
+    add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
+}
+
+/// `y` plus the optional `[n]` bias `{prefix}.bias`, seen as shape `ne`.
+fn add_bias<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    y: Tensor<'a>,
+    n: i64,
+    ne: &[i64],
+) -> Result<Tensor<'a>> {
+    let name = format!("{prefix}.bias");
+    match w.opt(&name) {
+        Some(b) => {
+            check_shape(&name, b, &[n])?;
+            Ok(c.add(y, c.reshape(b, ne)?)?)
+        }
+        None => Ok(y),
     }
-    Ok(y)
+}
+
+/// The residual path of a block going from `c_in` to `c_out` channels: the
+/// 1×1 projection `{prefix}` where the checkpoint has one, else `x` itself
+/// (which needs `c_in == c_out`).
+pub fn shortcut<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    c_in: i64,
+    c_out: i64,
+) -> Result<Tensor<'a>> {
+    if w.has(&format!("{prefix}.weight")) {
+        conv2d(c, w, prefix, x, c_in, c_out, 1, 1, 0)
+    } else if c_in == c_out {
+        Ok(x)
+    } else {
+        Err(ModelError(format!(
+            "missing tensor {prefix}.weight ({c_in} → {c_out} channels)"
+        )))
+    }
 }
 
 /// Group norm in 32 groups over `[W, H, C, N]` with affine `[C]` weight and bias.

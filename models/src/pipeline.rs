@@ -62,6 +62,10 @@ pub struct Sd1<'b> {
     pub vae: Module<'b>,
     tokenizer: ClipTokenizer,
     schedule: Schedule,
+    /// Read off the weights once, at load.
+    unet_cfg: unet::UnetConfig,
+    /// Pixels per latent cell (8 for SD 1.x), read off the VAE at load.
+    vae_factor: usize,
 }
 
 /// Where the three modules go.
@@ -99,36 +103,41 @@ fn load_module<'b>(
 impl<'b> Sd1<'b> {
     /// Loads the three modules' weights onto their params devices.
     pub fn load(ckpt: &Checkpoint, layout: Layout<'b>, policy: WeightPolicy) -> Result<Self> {
-        let sd = Sd1 {
-            te: load_module(ckpt, "te", TE_PREFIX, layout.te, policy)?,
-            unet: load_module(ckpt, "diffusion", UNET_PREFIX, layout.diffusion, policy)?,
-            vae: load_module(ckpt, "vae", VAE_PREFIX, layout.vae, policy)?,
-            tokenizer: ClipTokenizer::default(),
-            schedule: Schedule::default(),
-        };
+        let te = load_module(ckpt, "te", TE_PREFIX, layout.te, policy)?;
+        let unet = load_module(ckpt, "diffusion", UNET_PREFIX, layout.diffusion, policy)?;
+        let vae = load_module(ckpt, "vae", VAE_PREFIX, layout.vae, policy)?;
         // Read the hyper-parameters now, so a checkpoint missing a tensor the
         // structure depends on fails before any compute.
         let file = ckpt.path.display();
-        let te = clip::ClipConfig::from_weights(&W::new(sd.te.params().map()))
+        let te_cfg = clip::ClipConfig::from_weights(&W::new(te.params().map()))
             .map_err(|e| ModelError(format!("{file}: te: {e}")))?;
-        let un = unet::UnetConfig::from_weights(&W::new(sd.unet.params().map()))
+        let unet_cfg = unet::UnetConfig::from_weights(&W::new(unet.params().map()))
             .map_err(|e| ModelError(format!("{file}: diffusion: {e}")))?;
+        let vae_factor = vae::upscale_factor(&W::new(vae.params().map())) as usize;
         // Build every graph once, uncomputed: a missing or misshapen tensor
         // anywhere fails here, before any compute. Errors name the module.
         for r in [
-            clip::validate(&sd.te),
-            unet::validate(&sd.unet),
-            vae::validate(&sd.vae),
+            clip::validate(&te),
+            unet::validate(&unet),
+            vae::validate(&vae),
         ] {
             r.map_err(|e| ModelError(format!("{file}: {e}")))?;
         }
-        if te.hidden != un.context_dim {
+        if te_cfg.hidden != unet_cfg.context_dim {
             return Err(ModelError(format!(
                 "{file}: the text encoder's width {} does not match the UNet's context width {}",
-                te.hidden, un.context_dim
+                te_cfg.hidden, unet_cfg.context_dim
             )));
         }
-        Ok(sd)
+        Ok(Sd1 {
+            te,
+            unet,
+            vae,
+            tokenizer: ClipTokenizer::default(),
+            schedule: Schedule::default(),
+            unet_cfg,
+            vae_factor,
+        })
     }
 
     /// Sets how every module's graphs are built (e.g. flash attention).
@@ -139,17 +148,8 @@ impl<'b> Sd1<'b> {
     }
 
     /// Pixels per side the image size must be a multiple of.
-    pub fn size_multiple(&self) -> Result<usize> {
-        let w = W::new(self.unet.params().map());
-        let un = unet::UnetConfig::from_weights(&w)?;
-        let f = vae::upscale_factor(&W::new(self.vae.params().map()));
-        Ok((f as usize) << un.downsamples)
-    }
-
-    /// Latent channels.
-    fn latent_channels(&self) -> Result<usize> {
-        let w = W::new(self.unet.params().map());
-        Ok(unet::UnetConfig::from_weights(&w)?.in_channels as usize)
+    pub fn size_multiple(&self) -> usize {
+        self.vae_factor << self.unet_cfg.downsamples
     }
 
     /// Hidden states of `chunks` 77-token chunks: `[chunks·77, hidden]`.
@@ -162,9 +162,7 @@ impl<'b> Sd1<'b> {
     pub fn token_chunks(&self, prompt: &str, min_chunks: usize) -> Vec<u32> {
         let mut chunks = self.tokenizer.chunks(prompt);
         let empty = self.tokenizer.chunks("")[0];
-        while chunks.len() < min_chunks {
-            chunks.push(empty);
-        }
+        chunks.resize(chunks.len().max(min_chunks), empty);
         chunks.into_iter().flatten().collect()
     }
 
@@ -194,7 +192,7 @@ impl<'b> Sd1<'b> {
     }
 
     fn latent_shape(&self, req: &Request) -> Result<[usize; 4]> {
-        let m = self.size_multiple()?;
+        let m = self.size_multiple();
         if req.width == 0
             || req.height == 0
             || !req.width.is_multiple_of(m)
@@ -205,8 +203,8 @@ impl<'b> Sd1<'b> {
                 req.width, req.height
             )));
         }
-        let f = m >> unet::UnetConfig::from_weights(&W::new(self.unet.params().map()))?.downsamples;
-        Ok([1, self.latent_channels()?, req.height / f, req.width / f])
+        let (f, ch) = (self.vae_factor, self.unet_cfg.in_channels as usize);
+        Ok([1, ch, req.height / f, req.width / f])
     }
 
     /// Encodes the prompts and runs the sampler; returns the final latent.
@@ -237,13 +235,19 @@ impl<'b> Sd1<'b> {
         // Text contexts: conditional and (with guidance) unconditional, padded
         // to the same number of chunks so they batch together.
         let guided = req.cfg_scale != 1.0;
-        let n_cond = self.tokenizer.chunks(&req.prompt).len();
-        let n_unc = self.tokenizer.chunks(&req.negative).len();
-        let chunks = if guided { n_cond.max(n_unc) } else { n_cond };
-        let mut ids = self.token_chunks(&req.prompt, chunks);
+        let mut cond = self.tokenizer.chunks(&req.prompt);
+        let mut uncond = if guided {
+            self.tokenizer.chunks(&req.negative)
+        } else {
+            Vec::new()
+        };
+        let n = cond.len().max(uncond.len());
+        let empty = self.tokenizer.chunks("")[0];
+        cond.resize(n, empty);
         if guided {
-            ids.extend(self.token_chunks(&req.negative, chunks));
+            uncond.resize(n, empty);
         }
+        let ids: Vec<u32> = cond.into_iter().chain(uncond).flatten().collect();
         let context = self.encode_ids(&ids, req.clip_skip)?;
         self.te.end_phase();
 
@@ -296,7 +300,7 @@ impl<'b> Sd1<'b> {
         let out = vae::decode(&mut self.vae, latent, shape);
         self.vae.end_phase();
         let out = out?;
-        let f = vae::upscale_factor(&W::new(self.vae.params().map())) as usize;
+        let f = self.vae_factor;
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
     }

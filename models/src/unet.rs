@@ -12,7 +12,9 @@
 //! 64-wide heads are not this module's job.
 
 use crate::module::{input_f32, Built, Module};
-use crate::nn::{attention, conv2d, group_norm, layer_norm, linear, ModelError, Result, W};
+use crate::nn::{
+    attention, conv2d, group_norm, layer_norm, linear, shortcut, ModelError, Result, W,
+};
 use ggml::{Context, Tensor};
 
 /// SD 1.x attention heads.
@@ -239,15 +241,7 @@ impl<'a> Net<'a, '_> {
             1e-5,
         )?)?;
         let h = conv2d(c, w, &format!("{p}.out_layers.3"), h, cout, cout, 3, 1, 1)?;
-        let skip = if w.has(&format!("{p}.skip_connection.weight")) {
-            conv2d(c, w, &format!("{p}.skip_connection"), x, cin, cout, 1, 1, 0)?
-        } else if cin == cout {
-            x
-        } else {
-            return Err(ModelError(format!(
-                "missing tensor {p}.skip_connection.weight ({cin} → {cout} channels)"
-            )));
-        };
+        let skip = shortcut(c, w, &format!("{p}.skip_connection"), x, cin, cout)?;
         Ok(c.add(skip, h)?)
     }
 

@@ -8,7 +8,7 @@
 //! shapes. Latents are divided by the SD 1.x scale factor 0.18215 first.
 
 use crate::module::{input_f32, Built, Module};
-use crate::nn::{attention, conv2d, group_norm, linear, ModelError, Result, W};
+use crate::nn::{attention, conv2d, group_norm, linear, shortcut, ModelError, Result, W};
 use ggml::{Context, Tensor};
 
 /// SD 1.x latent scale factor.
@@ -96,15 +96,7 @@ fn res_block<'a>(c: &'a Context, w: &W<'a>, p: &str, x: Tensor<'a>) -> Result<Te
     let h = conv2d(c, w, &format!("{p}.conv1"), h, cin, cout, 3, 1, 1)?;
     let h = c.silu(group_norm(c, w, &format!("{p}.norm2"), h, cout, EPS)?)?;
     let h = conv2d(c, w, &format!("{p}.conv2"), h, cout, cout, 3, 1, 1)?;
-    let skip = if w.has(&format!("{p}.nin_shortcut.weight")) {
-        conv2d(c, w, &format!("{p}.nin_shortcut"), x, cin, cout, 1, 1, 0)?
-    } else if cin == cout {
-        x
-    } else {
-        return Err(ModelError(format!(
-            "missing tensor {p}.nin_shortcut.weight ({cin} → {cout} channels)"
-        )));
-    };
+    let skip = shortcut(c, w, &format!("{p}.nin_shortcut"), x, cin, cout)?;
     Ok(c.add(skip, h)?)
 }
 
