@@ -2,6 +2,8 @@
 
 use crate::{sys, Error, Result};
 use std::ffi::{c_void, CStr, CString};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 fn cstr(p: *const std::ffi::c_char) -> String {
     if p.is_null() {
@@ -119,7 +121,33 @@ impl Device {
         }
     }
 
+    /// The device's id as ggml reports it: for PCI devices the lower-case
+    /// PCI bus id (`domain:bus:device.function`, e.g. `0000:c1:00.0`);
+    /// `None` where the backend does not know one (the CPU).
+    pub fn device_id(self) -> Option<String> {
+        // SAFETY: `ggml_backend_dev_props` is a C struct of pointers, integers,
+        // a C enum (an integer in the bindings) and bools, for all of which
+        // all-zero bytes are a valid value; ggml zeroes it again and lets the
+        // backend fill it. The device is valid (see `Reg::devices`), and the
+        // strings the backend stores in it are owned by the device context,
+        // which lives as long as the never-unloaded plugin.
+        let props = unsafe {
+            let mut props: sys::ggml_backend_dev_props = std::mem::zeroed();
+            sys::ggml_backend_dev_get_props(self.0, &mut props);
+            props
+        };
+        if props.device_id.is_null() {
+            return None;
+        }
+        Some(cstr(props.device_id)).filter(|s| !s.is_empty())
+    }
+
     /// Creates a backend instance (a stream) on this device.
+    ///
+    /// Where the backend's registry has `ggml_backend_set_abort_callback`
+    /// (the CPU does), the instance's abort callback is installed here, once,
+    /// before the instance is shared; [`Backend::set_abort_flag`] only swaps
+    /// the flag it reads.
     pub fn init_backend(self) -> Result<Backend> {
         // SAFETY: valid device; null params means defaults.
         let b = unsafe { sys::ggml_backend_dev_init(self.0, std::ptr::null()) };
@@ -128,9 +156,40 @@ impl Device {
                 what: "ggml_backend_dev_init",
             });
         }
+        let abort: Box<AbortSlot> = Box::new(Mutex::new(None));
+        // SAFETY: valid device → its registry.
+        let reg = Reg(unsafe { sys::ggml_backend_dev_backend_reg(self.0) });
+        let abortable = match reg.proc_address("ggml_backend_set_abort_callback") {
+            None => false,
+            Some(f) => {
+                // SAFETY: ggml-backend.h declares this proc as
+                // `ggml_backend_set_abort_callback_t`, i.e. `void (*)(ggml_backend_t,
+                // ggml_abort_callback, void *)`; the address is non-null and
+                // `Option<extern fn>` has the layout of a nullable pointer.
+                let set: sys::ggml_backend_set_abort_callback_t = unsafe { std::mem::transmute(f) };
+                if let Some(set) = set {
+                    // SAFETY: `b` is the live instance just created and not yet
+                    // shared with anyone, so the two context fields the setter
+                    // writes race with nothing. The data pointer is the address
+                    // of the boxed slot, which `Backend` owns and frees only
+                    // after `ggml_backend_free` (see `Drop`), so every call of
+                    // `abort_requested` sees a live slot.
+                    unsafe {
+                        set(
+                            b,
+                            Some(abort_requested),
+                            (&*abort as *const AbortSlot).cast_mut().cast(),
+                        )
+                    };
+                }
+                set.is_some()
+            }
+        };
         Ok(Backend {
             raw: b,
             device: self,
+            abort,
+            abortable,
         })
     }
 
@@ -147,11 +206,31 @@ impl Device {
     }
 }
 
+/// The flag an abort callback reads; boxed so its address is stable.
+type AbortSlot = Mutex<Option<Arc<AtomicBool>>>;
+
+/// ggml's abort callback: called by the backend between graph nodes; `true`
+/// stops the computation with `GGML_STATUS_ABORTED`.
+extern "C" fn abort_requested(data: *mut c_void) -> bool {
+    // SAFETY: `data` is the address of the `AbortSlot` boxed inside the
+    // `Backend` that installed this callback (`Device::init_backend`); the box
+    // is freed only after `ggml_backend_free`, so it is live whenever ggml
+    // calls back. Only shared access is made (through the mutex).
+    let slot = unsafe { &*(data as *const AbortSlot) };
+    let flag = slot.lock().unwrap_or_else(|e| e.into_inner());
+    flag.as_ref().is_some_and(|f| f.load(Ordering::SeqCst))
+}
+
 /// An owned backend instance; freed on drop.
 #[derive(Debug)]
 pub struct Backend {
     raw: sys::ggml_backend_t,
     device: Device,
+    /// The flag the abort callback reads (see `abort_requested`); must be
+    /// dropped after `raw` is freed, which `Drop` guarantees.
+    abort: Box<AbortSlot>,
+    /// Whether the abort callback was installed.
+    abortable: bool,
 }
 
 // SAFETY: a backend may move between threads; `&Backend` methods used by this
@@ -186,6 +265,17 @@ impl Backend {
         true
     }
 
+    /// Makes a computation on this backend stop between two graph nodes once
+    /// `flag` is set: `Graph::compute`/`Sched::compute` then return
+    /// [`Error::Aborted`]. Replaces any earlier flag. Returns whether the
+    /// backend supports aborting (its registry has
+    /// `ggml_backend_set_abort_callback`, as the CPU's does); when it does not,
+    /// the flag is kept but never read.
+    pub fn set_abort_flag(&self, flag: Arc<AtomicBool>) -> bool {
+        *self.abort.lock().unwrap_or_else(|e| e.into_inner()) = Some(flag);
+        self.abortable
+    }
+
     /// The raw handle, for code in this crate.
     pub(crate) fn raw(&self) -> sys::ggml_backend_t {
         self.raw
@@ -194,7 +284,8 @@ impl Backend {
 
 impl Drop for Backend {
     fn drop(&mut self) {
-        // SAFETY: we own the instance and free it once.
+        // SAFETY: we own the instance and free it once. Fields (the abort
+        // slot the callback points at) are dropped after this body returns.
         unsafe { sys::ggml_backend_free(self.raw) }
     }
 }

@@ -207,10 +207,37 @@ impl Context {
         })
     }
 
+    /// Checks that the context's metadata pool has room for `n` more tensors:
+    /// ggml aborts (`GGML_ASSERT(obj_new)`) when a tensor does not fit.
+    fn room(&self, n: usize) -> Result<()> {
+        // SAFETY: live context; these read its pool size and fill level.
+        let (used, size, per) = unsafe {
+            (
+                sys::ggml_used_mem(self.raw),
+                sys::ggml_get_mem_size(self.raw),
+                sys::ggml_tensor_overhead(),
+            )
+        };
+        // ggml's own test: end of the last object + padded tensor + object
+        // header must not pass the pool size; `ggml_tensor_overhead` is
+        // exactly that header plus the (already aligned) tensor size.
+        match per.checked_mul(n).and_then(|b| b.checked_add(used)) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(Error::Invalid(format!(
+                "the context has no room for {n} more tensor(s) ({used} of {size} bytes used)"
+            ))),
+        }
+    }
+
     /// A new tensor of `ty` with shape `ne` (ggml order: `ne[0]` is the
     /// fastest-varying dimension), at most 4 dimensions.
     pub fn new_tensor(&self, ty: Type, ne: &[i64]) -> Result<Tensor<'_>> {
-        if ne.is_empty() || ne.len() > 4 || ne.iter().any(|&n| n <= 0) {
+        let count = ne.iter().try_fold(1i64, |n, &d| n.checked_mul(d));
+        if ne.is_empty()
+            || ne.len() > 4
+            || ne.iter().any(|&n| n <= 0)
+            || count.and_then(|n| ty.bytes_of(n as u64)).is_none()
+        {
             return Err(Error::Invalid(format!("bad tensor shape {ne:?}")));
         }
         if ne[0] % ty.block_size() as i64 != 0 {
@@ -220,7 +247,10 @@ impl Context {
                 ty.name()
             )));
         }
-        // SAFETY: live context; `ne` holds `ne.len()` valid dimensions.
+        self.room(1)?;
+        // SAFETY: live context with room for the tensor (checked: ggml aborts
+        // otherwise); `ne` holds `ne.len()` (1..=4) positive dimensions whose
+        // product fits in i64, and `ne[0]` is a multiple of the block size.
         let t = unsafe { sys::ggml_new_tensor(self.raw, ty.raw(), ne.len() as i32, ne.as_ptr()) };
         self.wrap(t, "ggml_new_tensor")
     }
@@ -235,24 +265,46 @@ impl Context {
                 raw: t,
                 _ctx: PhantomData,
             });
+            // SAFETY: `t` is a tensor of this live context (from the list).
             t = unsafe { sys::ggml_get_next_tensor(self.raw, t) };
         }
         out
     }
 
-    /// Builds the forward graph that computes `out`.
-    pub fn graph(&self, out: Tensor<'_>, size: usize) -> Result<Graph<'_>> {
-        // SAFETY: live context with room for the graph (see `new`).
+    /// Builds the forward graph that computes `out`, with room for `size`
+    /// nodes and `size` leaves. The graph borrows both this context and the
+    /// one `out` (and its operands) live in.
+    pub fn graph<'a>(&'a self, out: Tensor<'a>, size: usize) -> Result<Graph<'a>> {
+        let (nodes, leafs) = count_graph(out);
+        if size == 0 || nodes > size || leafs > size {
+            return Err(Error::Invalid(format!(
+                "a graph of {nodes} nodes and {leafs} leaves does not fit a graph of size {size}"
+            )));
+        }
+        // SAFETY: live context; a pure size computation.
+        let need = unsafe { sys::ggml_graph_overhead_custom(size, false) };
+        // SAFETY: as above: reads the pool's size and fill level.
+        let (used, total) = unsafe { (sys::ggml_used_mem(self.raw), sys::ggml_get_mem_size(self.raw)) };
+        if used.checked_add(need).is_none_or(|end| end > total) {
+            return Err(Error::Invalid(format!(
+                "the context has no room for a graph of size {size} ({used} of {total} bytes used)"
+            )));
+        }
+        // SAFETY: live context with room for the graph object (checked above:
+        // ggml dereferences a null object otherwise).
         let g = unsafe { sys::ggml_new_graph_custom(self.raw, size, false) };
         if g.is_null() {
             return Err(Error::Null {
                 what: "ggml_new_graph_custom",
             });
         }
-        // SAFETY: `out` belongs to this context.
+        // SAFETY: `out` and every tensor it reaches are alive for 'a; the
+        // graph has room for the nodes and leaves counted above exactly as
+        // `ggml_visit_parents` counts them (its hash set holds 2·size).
         unsafe { sys::ggml_build_forward_expand(g, out.raw) };
         Ok(Graph {
             raw: g,
+            leafs,
             _ctx: PhantomData,
         })
     }
@@ -270,11 +322,103 @@ impl Context {
     }
 }
 
+/// `(nodes, leaves)` of the graph that computes `out`, counted the way
+/// `ggml_visit_parents` does: every tensor reachable through `src` once; one
+/// with no op (and not a parameter) is a leaf.
+fn count_graph(out: Tensor<'_>) -> (usize, usize) {
+    let mut seen = std::collections::HashSet::new();
+    let mut stack = vec![out.raw];
+    let (mut nodes, mut leafs) = (0, 0);
+    while let Some(t) = stack.pop() {
+        if t.is_null() || !seen.insert(t) {
+            continue;
+        }
+        // SAFETY: `out` is alive, and so is every tensor it reaches (operands
+        // outlive the tensors built from them: `Tensor<'a>` lifetimes).
+        let h = unsafe { &*t };
+        if h.op == sys::GGML_OP_NONE && h.flags & sys::GGML_TENSOR_FLAG_PARAM as i32 == 0 {
+            leafs += 1;
+        } else {
+            nodes += 1;
+        }
+        stack.extend(h.src.iter().copied());
+    }
+    (nodes, leafs)
+}
+
+// Checks run before ggml, which aborts the process on what they refuse, at
+// graph build time (GGML_ASSERT in ggml.c) or when the CPU computes (ggml-cpu
+// asserts and aborts on unsupported types). Each wrapper calls its check
+// and `room` first.
+
+fn invalid<T>(msg: String) -> Result<T> {
+    Err(Error::Invalid(msg))
+}
+
+/// Element types of the float ops (activations).
+fn is_float(t: &Tensor<'_>) -> bool {
+    matches!(t.ty(), Some(Type::F32 | Type::F16 | Type::BF16))
+}
+
+/// Elements of `ne[0]` are adjacent (no transposing view).
+fn dense_rows(t: &Tensor<'_>) -> bool {
+    // SAFETY: live tensor; reads its header and a pure type-table lookup.
+    unsafe { (*t.raw).nb[0] == sys::ggml_type_size((*t.raw).type_) }
+}
+
+fn contiguous(t: &Tensor<'_>) -> bool {
+    // SAFETY: live tensor; pure stride test.
+    unsafe { sys::ggml_is_contiguous(t.raw) }
+}
+
+fn check_unary(name: &str, a: &Tensor<'_>) -> Result<()> {
+    // SAFETY: live tensor; pure stride test.
+    let rows = unsafe { sys::ggml_is_contiguous_rows(a.raw) };
+    if !rows || !is_float(a) {
+        return invalid(format!(
+            "{name} needs rows of f32, f16 or bf16, not a {} tensor {:?} with strides {:?}",
+            a.type_name(),
+            a.ne(),
+            a.nb()
+        ));
+    }
+    Ok(())
+}
+fn check_f32_contiguous(name: &str, a: &Tensor<'_>) -> Result<()> {
+    if a.ty() != Some(Type::F32) || !contiguous(a) {
+        return invalid(format!(
+            "{name} needs a contiguous f32 tensor, not {} {:?} with strides {:?}",
+            a.type_name(),
+            a.ne(),
+            a.nb()
+        ));
+    }
+    Ok(())
+}
+fn check_f32_rows(name: &str, a: &Tensor<'_>) -> Result<()> {
+    if a.ty() != Some(Type::F32) || !dense_rows(a) {
+        return invalid(format!(
+            "{name} needs an f32 tensor with dense rows, not {} {:?} with strides {:?}",
+            a.type_name(),
+            a.ne(),
+            a.nb()
+        ));
+    }
+    Ok(())
+}
+fn check_any(_name: &str, _a: &Tensor<'_>) -> Result<()> {
+    Ok(())
+}
+
 macro_rules! unary_ops {
-    ($($(#[$m:meta])* $name:ident => $f:ident;)*) => {
+    ($($(#[$m:meta])* $name:ident => $f:ident, $check:ident;)*) => {
         impl Context {
             $($(#[$m])* pub fn $name<'a>(&'a self, a: Tensor<'a>) -> Result<Tensor<'a>> {
-                // SAFETY: `a` belongs to this live context.
+                $check(stringify!($name), &a)?;
+                self.room(1)?;
+                // SAFETY: `a` is alive for 'a (the lifetime ties it to this
+                // or an outliving context), it passed the check of what
+                // ggml aborts on, and the context has room for the result.
                 self.wrap(unsafe { sys::$f(self.raw, a.raw) }, stringify!($f))
             })*
         }
@@ -285,8 +429,10 @@ macro_rules! binary_ops {
         impl Context {
             $($(#[$m])* pub fn $name<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
                 $check(&a, &b)?;
-                // SAFETY: both tensors belong to this live context and their
-                // shapes passed the check ggml would abort on.
+                self.room(1)?;
+                // SAFETY: both tensors are alive for 'a, their shapes and
+                // types passed the check of what ggml aborts on, and the
+                // context has room for the result.
                 self.wrap(unsafe { sys::$f(self.raw, a.raw, b.raw) }, stringify!($f))
             })*
         }
@@ -295,17 +441,17 @@ macro_rules! binary_ops {
 
 unary_ops! {
     /// GELU.
-    gelu => ggml_gelu;
+    gelu => ggml_gelu, check_unary;
     /// SiLU.
-    silu => ggml_silu;
+    silu => ggml_silu, check_unary;
     /// Softmax over `ne[0]`.
-    soft_max => ggml_soft_max;
+    soft_max => ggml_soft_max, check_f32_contiguous;
     /// Makes a contiguous copy.
-    cont => ggml_cont;
+    cont => ggml_cont, check_any;
     /// GELU, exact (erf) form.
-    gelu_erf => ggml_gelu_erf;
+    gelu_erf => ggml_gelu_erf, check_unary;
     /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
-    gelu_quick => ggml_gelu_quick;
+    gelu_quick => ggml_gelu_quick, check_unary;
 }
 binary_ops! {
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1, b.ne1]`).
@@ -318,43 +464,64 @@ binary_ops! {
     get_rows => ggml_get_rows, check_get_rows;
 }
 
-// Shape checks run before ggml, which aborts the process on a mismatch.
 fn check_mul_mat(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
     let (x, y) = (a.ne(), b.ne());
     if x[0] != y[0] || y[2] % x[2] != 0 || y[3] % x[3] != 0 {
-        return Err(Error::Invalid(format!("mul_mat of {x:?} and {y:?}")));
+        return invalid(format!("mul_mat of {x:?} and {y:?}"));
+    }
+    // SAFETY: live tensor; pure stride test.
+    if unsafe { sys::ggml_is_transposed(a.raw) } || !dense_rows(a) || !dense_rows(b) {
+        return invalid(format!(
+            "mul_mat of transposed operands (strides {:?} and {:?})",
+            a.nb(),
+            b.nb()
+        ));
+    }
+    // The CPU (every graph's fallback) multiplies by an f32 `b`, or by one
+    // of the weight's own float type.
+    let types_ok = match (a.ty(), b.ty()) {
+        (Some(Type::I32), _) | (None, _) => false,
+        (_, Some(Type::F32)) => true,
+        (Some(ta @ (Type::F16 | Type::BF16)), Some(tb)) => ta == tb,
+        _ => false,
+    };
+    if !types_ok {
+        return invalid(format!(
+            "mul_mat of {} by {} (the second operand must be f32)",
+            a.type_name(),
+            b.type_name()
+        ));
     }
     Ok(())
 }
 fn check_repeat(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
-    // SAFETY: live tensors; reads their types.
-    let (ta, tb) = unsafe { ((*a.raw).type_, (*b.raw).type_) };
-    if ta != tb && tb != sys::GGML_TYPE_F32 {
-        return Err(Error::Invalid(format!(
-            "element-wise op of {} by {} (the second operand must be f32 or the same type)",
+    if !is_float(a) || (a.ty() != b.ty() && b.ty() != Some(Type::F32)) {
+        return invalid(format!(
+            "element-wise op of {} by {} (f32, f16 or bf16, the second operand f32 or the same type)",
             a.type_name(),
             b.type_name()
-        )));
+        ));
+    }
+    if !dense_rows(a) {
+        return invalid(format!(
+            "element-wise op on a transposed tensor (strides {:?})",
+            a.nb()
+        ));
     }
     // SAFETY: both live tensors; pure shape test.
     if !unsafe { sys::ggml_can_repeat(b.raw, a.raw) } {
-        return Err(Error::Invalid(format!(
-            "cannot broadcast {:?} to {:?}",
-            b.ne(),
-            a.ne()
-        )));
+        return invalid(format!("cannot broadcast {:?} to {:?}", b.ne(), a.ne()));
     }
     Ok(())
 }
 fn check_get_rows(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
-    // SAFETY: live tensor; reads its type.
-    let ty = unsafe { (*b.raw).type_ };
-    if ty != sys::GGML_TYPE_I32 || a.ne()[2] != b.ne()[1] || b.ne()[2] != 1 {
-        return Err(Error::Invalid(format!(
-            "get_rows of {:?} by {:?}",
-            a.ne(),
-            b.ne()
-        )));
+    let (x, y) = (a.ne(), b.ne());
+    if b.ty() != Some(Type::I32) || x[2] != y[1] || x[3] != y[2] || y[3] != 1 {
+        return invalid(format!(
+            "get_rows of {} {x:?} by {} {y:?} (i32 indices [N, ne2, ne3] of a)",
+            a.type_name(),
+            b.type_name()
+        ));
     }
     Ok(())
 }
@@ -362,19 +529,44 @@ fn check_get_rows(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
 impl Context {
     /// Multiplies by a scalar.
     pub fn scale<'a>(&'a self, a: Tensor<'a>, s: f32) -> Result<Tensor<'a>> {
-        // SAFETY: `a` belongs to this live context.
+        if !matches!(a.ty(), Some(Type::F32 | Type::BF16)) || !contiguous(&a) {
+            return invalid(format!(
+                "scale needs a contiguous f32 or bf16 tensor, not {} {:?} with strides {:?}",
+                a.type_name(),
+                a.ne(),
+                a.nb()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous (ggml asserts a padded 1-d
+        // layout) and of a type the CPU scales; room checked.
         self.wrap(unsafe { sys::ggml_scale(self.raw, a.raw, s) }, "ggml_scale")
     }
 
     /// Layer norm over `ne[0]` (no affine part).
     pub fn norm<'a>(&'a self, a: Tensor<'a>, eps: f32) -> Result<Tensor<'a>> {
-        // SAFETY: as above.
+        check_f32_rows("norm", &a)?;
+        if eps.is_nan() || eps < 0.0 {
+            return invalid(format!("norm with eps {eps}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, f32 (the only type the CPU norms) and
+        // eps ≥ 0 (the CPU asserts it); room checked.
         self.wrap(unsafe { sys::ggml_norm(self.raw, a.raw, eps) }, "ggml_norm")
     }
 
     /// Group norm over `ne[0..3]` in `groups` groups of channels (`ne[2]`).
     pub fn group_norm<'a>(&'a self, a: Tensor<'a>, groups: i32, eps: f32) -> Result<Tensor<'a>> {
-        // SAFETY: as above.
+        check_f32_rows("group_norm", &a)?;
+        if groups <= 0 || i64::from(groups) > a.ne()[2] || eps.is_nan() || eps < 0.0 {
+            return invalid(format!(
+                "group_norm of {:?} in {groups} groups with eps {eps}",
+                a.ne()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, f32 with dense rows (the CPU asserts
+        // both), 1 ≤ groups ≤ channels; room checked.
         self.wrap(
             unsafe { sys::ggml_group_norm(self.raw, a.raw, groups, eps) },
             "ggml_group_norm",
@@ -389,14 +581,30 @@ impl Context {
         stride: i32,
         pad: i32,
     ) -> Result<Tensor<'a>> {
-        if kernel.ne()[2] != input.ne()[2] {
-            return Err(Error::Invalid(format!(
-                "conv_2d kernel {:?} on input {:?}",
-                kernel.ne(),
-                input.ne()
-            )));
+        let (k, x) = (kernel.ne(), input.ne());
+        // ggml's output size, (in + 2·pad − k)/stride + 1, must be positive
+        // with a kernel that fits the padded input.
+        let fits = |i: usize| x[i] + 2 * i64::from(pad) >= k[i];
+        let bad_types = !matches!(kernel.ty(), Some(Type::F32 | Type::F16 | Type::BF16))
+            || !contiguous(&kernel)
+            || !dense_rows(&input)
+            || match kernel.ty() {
+                // im2col into f32 reads an f32 input; into f16 an f32 or f16 one.
+                Some(Type::BF16) => input.ty() != Some(Type::F32),
+                _ => !matches!(input.ty(), Some(Type::F32 | Type::F16)),
+            };
+        if k[2] != x[2] || stride < 1 || pad < 0 || !fits(0) || !fits(1) || bad_types {
+            return invalid(format!(
+                "conv_2d of a {} kernel {k:?} on a {} input {x:?}, stride {stride}, padding {pad}",
+                kernel.type_name(),
+                input.type_name()
+            ));
         }
-        // SAFETY: as above.
+        // im2col, two reshapes, mul_mat, reshape, permute, cont.
+        self.room(7)?;
+        // SAFETY: both alive for 'a; channels, types, contiguity, stride and
+        // output size checked (ggml's im2col, reshape and the CPU's im2col
+        // assert them); room for the seven tensors ggml creates checked.
         self.wrap(
             unsafe {
                 sys::ggml_conv_2d(
@@ -407,9 +615,21 @@ impl Context {
         )
     }
 
-    /// Nearest-neighbour upscale of the first two dimensions by `factor`.
+    /// Nearest-neighbour upscale of the first two dimensions by `factor` (≥ 2).
     pub fn upscale<'a>(&'a self, a: Tensor<'a>, factor: i32) -> Result<Tensor<'a>> {
-        // SAFETY: as above.
+        let ne = a.ne();
+        let grown = (ne[0].checked_mul(i64::from(factor)))
+            .zip(ne[1].checked_mul(i64::from(factor)))
+            .and_then(|(w, h)| w.checked_mul(h)?.checked_mul(ne[2])?.checked_mul(ne[3]));
+        if a.ty() != Some(Type::F32) || factor < 2 || grown.is_none() {
+            return invalid(format!(
+                "upscale of a {} tensor {ne:?} by {factor} (f32, factor ≥ 2)",
+                a.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and f32, factor > 1 (ggml asserts both)
+        // and the result's size fits; room checked.
         self.wrap(
             unsafe { sys::ggml_upscale(self.raw, a.raw, factor, sys::GGML_SCALE_MODE_NEAREST) },
             "ggml_upscale",
@@ -419,12 +639,20 @@ impl Context {
     /// Concatenation along `dim`.
     pub fn concat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>, dim: i32) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
-        if !(0..4).contains(&dim) || (0..4).any(|i| i != dim as usize && x[i] != y[i]) {
-            return Err(Error::Invalid(format!(
-                "concat of {x:?} and {y:?} along {dim}"
-            )));
+        if !(0..4).contains(&dim)
+            || (0..4).any(|i| i != dim as usize && x[i] != y[i])
+            || a.ty().is_none()
+            || a.ty() != b.ty()
+        {
+            return invalid(format!(
+                "concat of {} {x:?} and {} {y:?} along {dim}",
+                a.type_name(),
+                b.type_name()
+            ));
         }
-        // SAFETY: as above.
+        self.room(1)?;
+        // SAFETY: both alive for 'a; same type, dim in range and the other
+        // dimensions equal (ggml asserts them); room checked.
         self.wrap(
             unsafe { sys::ggml_concat(self.raw, a.raw, b.raw, dim) },
             "ggml_concat",
@@ -436,10 +664,12 @@ impl Context {
         let mut seen = [false; 4];
         for &x in &axes {
             if !(0..4).contains(&x) || std::mem::replace(&mut seen[x as usize], true) {
-                return Err(Error::Invalid(format!("bad permutation {axes:?}")));
+                return invalid(format!("bad permutation {axes:?}"));
             }
         }
-        // SAFETY: as above; the permutation was checked (ggml aborts otherwise).
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a; the permutation was checked (ggml
+        // aborts otherwise); room checked.
         self.wrap(
             unsafe { sys::ggml_permute(self.raw, a.raw, axes[0], axes[1], axes[2], axes[3]) },
             "ggml_permute",
@@ -459,15 +689,24 @@ impl Context {
         if x[0] != y[0]
             || y[1] != z[1]
             || y[2] != z[2]
-            || y[2] == 0
             || x[2] % y[2] != 0
             || x[3] != y[3]
+            || x[3] != z[3]
+            || !dense_rows(&q)
+            || !dense_rows(&k)
+            || !dense_rows(&v)
         {
-            return Err(Error::Invalid(format!(
-                "flash attention of q {x:?}, k {y:?}, v {z:?}"
-            )));
+            return invalid(format!(
+                "flash attention of q {x:?}, k {y:?}, v {z:?} (strides {:?}, {:?}, {:?})",
+                q.nb(),
+                k.nb(),
+                v.nb()
+            ));
         }
-        // SAFETY: as above; a null mask means none; shapes checked.
+        self.room(1)?;
+        // SAFETY: all three alive for 'a; a null mask means none; shapes
+        // (ggml's asserts: k·q multipliable, same ne[3]) and dense rows (the
+        // CPU's) checked; room checked.
         self.wrap(
             unsafe {
                 sys::ggml_flash_attn_ext(
@@ -490,22 +729,22 @@ impl Context {
     /// The same data seen with shape `ne` (1–4 dimensions, same element
     /// count); `a` must be contiguous.
     pub fn reshape<'a>(&'a self, a: Tensor<'a>, ne: &[i64]) -> Result<Tensor<'a>> {
-        let n: i64 = ne.iter().product();
+        let n = ne.iter().try_fold(1i64, |n, &d| n.checked_mul(d));
+        let block = a.ty().map_or(1, |t| t.block_size() as i64);
         if ne.is_empty()
             || ne.len() > 4
             || ne.iter().any(|&d| d <= 0)
-            || n as usize != a.nelements()
+            || n != Some(a.nelements() as i64)
+            || ne[0] % block != 0
         {
-            return Err(Error::Invalid(format!(
-                "cannot reshape {:?} to {ne:?}",
-                a.ne()
-            )));
+            return invalid(format!("cannot reshape {:?} to {ne:?}", a.ne()));
         }
-        // SAFETY: `a` belongs to this live context; counts were checked (ggml
-        // asserts them) and ggml checks contiguity itself.
-        if !unsafe { sys::ggml_is_contiguous(a.raw) } {
-            return Err(Error::Invalid("reshape of a non-contiguous tensor".into()));
+        if !contiguous(&a) {
+            return invalid("reshape of a non-contiguous tensor".into());
         }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and contiguous, the counts are equal and
+        // ne[0] is whole blocks (ggml asserts all three); room checked.
         let t = unsafe {
             match *ne {
                 [a0] => sys::ggml_reshape_1d(self.raw, a.raw, a0),
@@ -522,35 +761,80 @@ impl Context {
     /// follow with [`Context::cont`] where a contiguous tensor is needed).
     pub fn split_dim0<'a>(&'a self, a: Tensor<'a>, parts: i64, index: i64) -> Result<Tensor<'a>> {
         let ne = a.ne();
-        if parts <= 0 || ne[0] % parts != 0 || !(0..parts).contains(&index) {
-            return Err(Error::Invalid(format!(
+        let ty = a.ty();
+        let block = ty.map_or(0, |t| t.block_size() as i64);
+        if ty.is_none() || parts <= 0 || ne[0] % parts != 0 || !(0..parts).contains(&index) {
+            return invalid(format!(
                 "cannot take slice {index} of {parts} along the first dimension of {ne:?}"
-            )));
+            ));
         }
         let w = ne[0] / parts;
-        // SAFETY: the view stays inside `a`: offset + w elements ≤ ne[0] per row,
-        // with `a`'s own strides.
+        if w % block != 0 {
+            return invalid(format!(
+                "a slice of {w} {} elements is not whole blocks",
+                a.type_name()
+            ));
+        }
+        // SAFETY: live tensor; header reads and pure size computations (whole
+        // blocks, checked above).
+        let (offset, size, base_offs, base_bytes) = unsafe {
+            let r = &*a.raw;
+            let row = sys::ggml_row_size(r.type_, w);
+            let base = if r.view_src.is_null() { a.raw } else { r.view_src };
+            (
+                sys::ggml_row_size(r.type_, index * w),
+                (row as u128) * (ne[1] * ne[2] * ne[3]) as u128,
+                if r.view_src.is_null() { 0 } else { r.view_offs },
+                sys::ggml_nbytes(base),
+            )
+        };
+        // ggml's bound for a view: its dense size past its offset into the
+        // base tensor must stay inside the base.
+        if size + (base_offs + offset) as u128 > base_bytes as u128 {
+            return invalid(format!(
+                "slice {index} of {parts} of {ne:?} would reach past its base tensor"
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a; the view stays inside `a` (offset + w
+        // elements ≤ ne[0] per row, `a`'s own strides) and inside ggml's bound
+        // checked above; room checked.
         let t = unsafe {
             let r = &*a.raw;
             sys::ggml_view_4d(
-                self.raw,
-                a.raw,
-                w,
-                ne[1],
-                ne[2],
-                ne[3],
-                r.nb[1],
-                r.nb[2],
-                r.nb[3],
-                (index * w) as usize * r.nb[0],
+                self.raw, a.raw, w, ne[1], ne[2], ne[3], r.nb[1], r.nb[2], r.nb[3], offset,
             )
         };
         self.wrap(t, "ggml_view_4d")
     }
 
-    /// `a` converted to `ty`.
+    /// `a` converted to `ty`: between f32, f16 and bf16, f32 ↔ i32, from a
+    /// quantized type to f32, or from a float type with dense rows to a
+    /// quantized type (whole blocks).
     pub fn cast<'a>(&'a self, a: Tensor<'a>, ty: Type) -> Result<Tensor<'a>> {
-        // SAFETY: `a` belongs to this live context.
+        let float = |t: Type| matches!(t, Type::F32 | Type::F16 | Type::BF16);
+        let ok = match a.ty() {
+            None => false,
+            Some(from) if from == ty => true,
+            Some(from) if float(from) && float(ty) => true,
+            Some(Type::F32) if ty == Type::I32 => true,
+            Some(Type::I32) => ty == Type::F32,
+            Some(from) if !float(from) => ty == Type::F32,
+            // float → quantized
+            Some(_) => dense_rows(&a) && a.ne()[0] % ty.block_size() as i64 == 0,
+        };
+        if !ok {
+            return invalid(format!(
+                "cannot cast {} {:?} to {}",
+                a.type_name(),
+                a.ne(),
+                ty.name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a; ne[0] is whole blocks of `ty` (ggml
+        // asserts it) and the pair of types is one the CPU converts; room
+        // checked.
         self.wrap(
             unsafe { sys::ggml_cast(self.raw, a.raw, ty.raw()) },
             "ggml_cast",
@@ -560,7 +844,13 @@ impl Context {
     /// Sets elements above the diagonal (key index > query index + `n_past`)
     /// to −∞: a causal attention mask on `[Nk, Nq, ...]` scores.
     pub fn diag_mask_inf<'a>(&'a self, a: Tensor<'a>, n_past: i32) -> Result<Tensor<'a>> {
-        // SAFETY: `a` belongs to this live context.
+        check_f32_contiguous("diag_mask_inf", &a)?;
+        if n_past < 0 {
+            return invalid(format!("diag_mask_inf with n_past {n_past}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32, n_past ≥ 0 (the CPU
+        // asserts all three); room checked.
         self.wrap(
             unsafe { sys::ggml_diag_mask_inf(self.raw, a.raw, n_past) },
             "ggml_diag_mask_inf",
@@ -569,7 +859,10 @@ impl Context {
 
     /// `softmax(a · scale)` over `ne[0]`.
     pub fn soft_max_scaled<'a>(&'a self, a: Tensor<'a>, scale: f32) -> Result<Tensor<'a>> {
-        // SAFETY: `a` belongs to this live context; no mask.
+        check_f32_contiguous("soft_max_scaled", &a)?;
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32 (ggml and the CPU assert
+        // it); no mask; room checked.
         self.wrap(
             unsafe { sys::ggml_soft_max_ext(self.raw, a.raw, std::ptr::null_mut(), scale, 0.0) },
             "ggml_soft_max_ext",
@@ -584,7 +877,15 @@ impl Context {
         dim: i32,
         max_period: i32,
     ) -> Result<Tensor<'a>> {
-        // SAFETY: `t` belongs to this live context.
+        check_f32_rows("timestep_embedding", &t)?;
+        if dim <= 0 || max_period <= 0 {
+            return invalid(format!(
+                "timestep_embedding of dimension {dim}, max period {max_period}"
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `t` is alive for 'a, f32 with dense rows (the CPU asserts
+        // both), positive sizes; room checked.
         self.wrap(
             unsafe { sys::ggml_timestep_embedding(self.raw, t.raw, dim, max_period) },
             "ggml_timestep_embedding",
@@ -615,6 +916,18 @@ impl<'ctx> Tensor<'ctx> {
     pub fn ne(&self) -> [i64; 4] {
         // SAFETY: a live tensor's header.
         unsafe { (*self.raw).ne }
+    }
+
+    /// Strides in bytes, ggml order.
+    pub fn nb(&self) -> [usize; 4] {
+        // SAFETY: a live tensor's header.
+        unsafe { (*self.raw).nb }
+    }
+
+    /// The element type, `None` for a ggml type sdhost does not use.
+    pub fn ty(&self) -> Option<Type> {
+        // SAFETY: a live tensor's header.
+        Type::from_id(unsafe { (*self.raw).type_ } as u32)
     }
 
     /// Number of elements.
@@ -753,22 +1066,61 @@ impl<'ctx> Tensor<'ctx> {
     }
 }
 
+/// A compute status as a result.
+fn status(st: sys::ggml_status) -> Result<()> {
+    match st {
+        sys::GGML_STATUS_SUCCESS => Ok(()),
+        sys::GGML_STATUS_ABORTED => Err(Error::Aborted),
+        st => Err(Error::Compute(st as i32)),
+    }
+}
+
 /// A computation graph of a [`Context`].
 #[derive(Debug)]
 pub struct Graph<'ctx> {
     raw: *mut sys::ggml_cgraph,
+    /// Leaves, as counted when it was built.
+    leafs: usize,
     _ctx: PhantomData<&'ctx Context>,
 }
 
 impl Graph<'_> {
-    /// Computes the graph on one backend; every tensor must be allocated on it.
+    /// Computes the graph on one backend; every tensor must be allocated in
+    /// a buffer that backend can use (checked: the backend would read
+    /// through null or foreign pointers otherwise).
     pub fn compute(&self, backend: &Backend) -> Result<()> {
-        // SAFETY: live graph and backend.
-        let st = unsafe { sys::ggml_backend_graph_compute(backend.raw(), self.raw) };
-        if st != sys::GGML_STATUS_SUCCESS {
-            return Err(Error::Compute(st));
+        for i in 0..self.n_nodes() {
+            let Some(node) = self.node(i) else { continue };
+            // SAFETY: a node of the live graph; its sources are alive too.
+            let srcs = unsafe { (*node.raw).src };
+            let usable = std::iter::once(node.raw)
+                .chain(srcs.into_iter().filter(|p| !p.is_null()))
+                .all(|t| {
+                    // SAFETY: live tensors (above); the buffer, when set, is
+                    // a live buffer the tensor was allocated in.
+                    unsafe {
+                        let buf = (*t).buffer;
+                        if buf.is_null() {
+                            false
+                        } else {
+                            sys::ggml_backend_supports_buft(
+                                backend.raw(),
+                                sys::ggml_backend_buffer_get_type(buf),
+                            )
+                        }
+                    }
+                });
+            if !usable {
+                return Err(Error::Invalid(format!(
+                    "graph node {i} or one of its operands is not allocated in a buffer of backend {}",
+                    backend.name()
+                )));
+            }
         }
-        Ok(())
+        // SAFETY: live graph and backend; every node and operand lives in a
+        // buffer the backend can use (checked above).
+        let st = unsafe { sys::ggml_backend_graph_compute(backend.raw(), self.raw) };
+        status(st)
     }
 
     /// Number of nodes.
@@ -822,16 +1174,21 @@ impl Drop for Buffer {
 pub struct Sched<'b> {
     raw: sys::ggml_backend_sched_t,
     backends: Vec<&'b Backend>,
+    graph_size: usize,
 }
+
+/// ggml's `GGML_SCHED_MAX_BACKENDS` (ggml-backend.cpp).
+const SCHED_MAX_BACKENDS: usize = 16;
 
 impl<'b> Sched<'b> {
     /// A scheduler over `backends` for graphs of up to `graph_size` nodes.
     /// The last backend must be a CPU backend (ggml requires it).
     pub fn new(backends: &[&'b Backend], graph_size: usize) -> Result<Sched<'b>> {
-        if backends.is_empty() {
-            return Err(Error::Invalid(
-                "a scheduler needs at least one backend".into(),
-            ));
+        if backends.is_empty() || backends.len() > SCHED_MAX_BACKENDS {
+            return Err(Error::Invalid(format!(
+                "a scheduler needs 1 to {SCHED_MAX_BACKENDS} backends, not {}",
+                backends.len()
+            )));
         }
         if backends.last().map(|b| b.device().device_type()) != Some(crate::DeviceType::Cpu) {
             return Err(Error::Invalid(
@@ -860,14 +1217,18 @@ impl<'b> Sched<'b> {
         Ok(Sched {
             raw,
             backends: backends.to_vec(),
+            graph_size,
         })
     }
 
     /// Allocates the graph's tensors (inputs included) on the backends the
     /// scheduler assigns them to. Set inputs after this, then [`Sched::compute`].
     pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
-        // SAFETY: live scheduler and graph.
+        self.fits(graph)?;
+        // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
+        // SAFETY: live scheduler and graph; the graph fits its hash set
+        // (checked: ggml asserts it).
         if !unsafe { sys::ggml_backend_sched_alloc_graph(self.raw, graph.raw) } {
             return Err(Error::Null {
                 what: "ggml_backend_sched_alloc_graph",
@@ -878,10 +1239,22 @@ impl<'b> Sched<'b> {
 
     /// Computes an allocated graph.
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
-        // SAFETY: live scheduler and a graph allocated by `alloc`.
+        self.fits(graph)?;
+        // SAFETY: live scheduler and graph, which fits its hash set (checked:
+        // ggml allocates an unallocated graph here and asserts that).
         let st = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.raw) };
-        if st != sys::GGML_STATUS_SUCCESS {
-            return Err(Error::Compute(st));
+        status(st)
+    }
+
+    /// ggml asserts `nodes + leaves ≤ hash set size` when allocating; the
+    /// hash set has at least `graph_size` slots.
+    fn fits(&self, graph: &Graph<'_>) -> Result<()> {
+        let n = graph.n_nodes() + graph.leafs;
+        if n > self.graph_size {
+            return Err(Error::Invalid(format!(
+                "a graph of {n} tensors does not fit a scheduler for {}",
+                self.graph_size
+            )));
         }
         Ok(())
     }
@@ -906,5 +1279,233 @@ impl Drop for Sched<'_> {
         // SAFETY: we own the scheduler and free it once (before the backends,
         // which it borrows).
         unsafe { sys::ggml_backend_sched_free(self.raw) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The wrapper invariant: operands ggml would abort on (at graph build or
+    //! when the CPU computes) are an `Error::Invalid`, and matching operands
+    //! build. Only contexts are needed: building an op creates tensors.
+    use super::*;
+
+    type Build = for<'c> fn(&'c Context) -> Result<Tensor<'c>>;
+
+    struct Case {
+        op: &'static str,
+        /// Whether the operands are valid.
+        ok: bool,
+        build: Build,
+    }
+
+    fn t<'c>(c: &'c Context, ty: Type, ne: &[i64]) -> Tensor<'c> {
+        c.new_tensor(ty, ne).unwrap()
+    }
+    fn f32s<'c>(c: &'c Context, ne: &[i64]) -> Tensor<'c> {
+        t(c, Type::F32, ne)
+    }
+    /// A transposed view: `ne[0]` elements are not adjacent.
+    fn transposed<'c>(c: &'c Context, ty: Type, ne: &[i64]) -> Tensor<'c> {
+        c.permute(t(c, ty, ne), [1, 0, 2, 3]).unwrap()
+    }
+
+    macro_rules! cases {
+        ($($op:literal $ok:ident: |$c:ident| $e:expr;)*) => {
+            vec![$(Case { op: $op, ok: stringify!($ok) == "ok", build: |$c| $e },)*]
+        };
+    }
+
+    fn cases() -> Vec<Case> {
+        cases! {
+            "new_tensor" ok: |c| c.new_tensor(Type::Q8_0, &[64, 2]);
+            "new_tensor" bad: |c| c.new_tensor(Type::F32, &[0]);
+            "new_tensor" bad: |c| c.new_tensor(Type::F32, &[]);
+            "new_tensor" bad: |c| c.new_tensor(Type::F32, &[1, 1, 1, 1, 1]);
+            "new_tensor" bad: |c| c.new_tensor(Type::Q8_0, &[31]);
+            "new_tensor" bad: |c| c.new_tensor(Type::F32, &[i64::MAX, 2]);
+
+            "gelu" ok: |c| c.gelu(f32s(c, &[8, 4]));
+            "gelu" bad: |c| c.gelu(transposed(c, Type::F32, &[8, 4]));
+            "gelu" bad: |c| c.gelu(t(c, Type::I32, &[8]));
+            "silu" ok: |c| c.silu(t(c, Type::F16, &[8, 4]));
+            "silu" bad: |c| c.silu(t(c, Type::Q8_0, &[32]));
+            "gelu_erf" ok: |c| c.gelu_erf(f32s(c, &[8]));
+            "gelu_erf" bad: |c| c.gelu_erf(transposed(c, Type::F32, &[8, 4]));
+            "gelu_quick" ok: |c| c.gelu_quick(f32s(c, &[8]));
+            "gelu_quick" bad: |c| c.gelu_quick(t(c, Type::I32, &[8]));
+            "cont" ok: |c| c.cont(transposed(c, Type::F32, &[8, 4]));
+
+            "soft_max" ok: |c| c.soft_max(f32s(c, &[8, 4]));
+            "soft_max" bad: |c| c.soft_max(transposed(c, Type::F32, &[8, 4]));
+            "soft_max" bad: |c| c.soft_max(t(c, Type::F16, &[8, 4]));
+            "soft_max_scaled" ok: |c| c.soft_max_scaled(f32s(c, &[8, 4]), 0.5);
+            "soft_max_scaled" bad: |c| c.soft_max_scaled(transposed(c, Type::F32, &[8, 4]), 0.5);
+
+            "mul_mat" ok: |c| c.mul_mat(t(c, Type::Q8_0, &[64, 8]), f32s(c, &[64, 3, 2]));
+            "mul_mat" ok: |c| c.mul_mat(t(c, Type::F16, &[64, 8]), t(c, Type::F16, &[64, 3]));
+            "mul_mat" bad: |c| c.mul_mat(f32s(c, &[64, 8]), f32s(c, &[32, 3]));
+            "mul_mat" bad: |c| c.mul_mat(f32s(c, &[8, 8, 2]), f32s(c, &[8, 3, 3]));
+            "mul_mat" bad: |c| c.mul_mat(transposed(c, Type::F32, &[8, 8]), f32s(c, &[8, 3]));
+            "mul_mat" bad: |c| c.mul_mat(f32s(c, &[8, 8]), transposed(c, Type::F32, &[3, 8]));
+            "mul_mat" bad: |c| c.mul_mat(f32s(c, &[32, 8]), t(c, Type::Q8_0, &[32, 3]));
+            "mul_mat" bad: |c| c.mul_mat(t(c, Type::I32, &[8, 8]), f32s(c, &[8, 3]));
+
+            "add" ok: |c| c.add(f32s(c, &[8, 4, 2]), f32s(c, &[8, 1, 2]));
+            "add" ok: |c| c.add(t(c, Type::F16, &[8, 4]), f32s(c, &[8]));
+            "add" bad: |c| c.add(f32s(c, &[8, 4]), f32s(c, &[8, 3]));
+            "add" bad: |c| c.add(f32s(c, &[8]), f32s(c, &[8, 4]));
+            "add" bad: |c| c.add(t(c, Type::Q8_0, &[32]), t(c, Type::Q8_0, &[32]));
+            "add" bad: |c| c.add(f32s(c, &[8]), t(c, Type::F16, &[8]));
+            "add" bad: |c| c.add(transposed(c, Type::F32, &[8, 4]), f32s(c, &[4]));
+            "mul" ok: |c| c.mul(f32s(c, &[8, 4]), f32s(c, &[8, 4]));
+            "mul" bad: |c| c.mul(f32s(c, &[8, 4]), f32s(c, &[4, 8]));
+            "mul" bad: |c| c.mul(t(c, Type::I32, &[8]), t(c, Type::I32, &[8]));
+
+            "get_rows" ok: |c| c.get_rows(f32s(c, &[8, 100]), t(c, Type::I32, &[5]));
+            "get_rows" ok: |c| c.get_rows(f32s(c, &[8, 100, 2, 3]), t(c, Type::I32, &[5, 2, 3]));
+            "get_rows" bad: |c| c.get_rows(f32s(c, &[8, 100]), f32s(c, &[5]));
+            "get_rows" bad: |c| c.get_rows(f32s(c, &[8, 100, 1, 2]), t(c, Type::I32, &[5]));
+            "get_rows" bad: |c| c.get_rows(f32s(c, &[8, 100]), t(c, Type::I32, &[5, 2]));
+
+            "scale" ok: |c| c.scale(f32s(c, &[8, 4]), 2.0);
+            "scale" bad: |c| c.scale(transposed(c, Type::F32, &[8, 4]), 2.0);
+            "scale" bad: |c| c.scale(t(c, Type::F16, &[8]), 2.0);
+
+            "norm" ok: |c| c.norm(f32s(c, &[8, 4]), 1e-5);
+            "norm" bad: |c| c.norm(t(c, Type::F16, &[8, 4]), 1e-5);
+            "norm" bad: |c| c.norm(f32s(c, &[8, 4]), -1.0);
+            "group_norm" ok: |c| c.group_norm(f32s(c, &[4, 4, 64]), 32, 1e-6);
+            "group_norm" bad: |c| c.group_norm(f32s(c, &[4, 4, 64]), 0, 1e-6);
+            "group_norm" bad: |c| c.group_norm(f32s(c, &[4, 4, 16]), 32, 1e-6);
+            "group_norm" bad: |c| c.group_norm(t(c, Type::F16, &[4, 4, 64]), 32, 1e-6);
+
+            "conv_2d" ok: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d" ok: |c| c.conv_2d(f32s(c, &[3, 3, 8, 16]), f32s(c, &[1, 1, 8, 1]), 2, 1);
+            "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 4, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[2, 2, 8, 1]), 1, 0);
+            "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 0, 1);
+            "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, -1);
+            "conv_2d" bad: |c| c.conv_2d(t(c, Type::Q8_0, &[32, 1, 8, 16]), f32s(c, &[32, 1, 8, 1]), 1, 0);
+            "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), t(c, Type::I32, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d" bad: |c| c.conv_2d(transposed(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+
+            "upscale" ok: |c| c.upscale(f32s(c, &[4, 4, 2]), 2);
+            "upscale" bad: |c| c.upscale(f32s(c, &[4, 4, 2]), 1);
+            "upscale" bad: |c| c.upscale(t(c, Type::F16, &[4, 4, 2]), 2);
+
+            "concat" ok: |c| c.concat(f32s(c, &[4, 4, 3]), f32s(c, &[4, 4, 5]), 2);
+            "concat" bad: |c| c.concat(f32s(c, &[4, 4, 3]), f32s(c, &[4, 5, 3]), 2);
+            "concat" bad: |c| c.concat(f32s(c, &[4, 4, 3]), t(c, Type::F16, &[4, 4, 3]), 2);
+            "concat" bad: |c| c.concat(f32s(c, &[4]), f32s(c, &[4]), 4);
+
+            "permute" ok: |c| c.permute(f32s(c, &[2, 3, 4, 5]), [3, 2, 1, 0]);
+            "permute" bad: |c| c.permute(f32s(c, &[2, 3, 4, 5]), [0, 0, 1, 2]);
+            "permute" bad: |c| c.permute(f32s(c, &[2, 3, 4, 5]), [0, 1, 2, 4]);
+
+            "flash_attn" ok: |c| c.flash_attn(f32s(c, &[64, 16, 4]), t(c, Type::F16, &[64, 24, 4]), t(c, Type::F16, &[64, 24, 4]), 0.125);
+            "flash_attn" bad: |c| c.flash_attn(f32s(c, &[32, 16, 4]), t(c, Type::F16, &[64, 24, 4]), t(c, Type::F16, &[64, 24, 4]), 0.125);
+            "flash_attn" bad: |c| c.flash_attn(f32s(c, &[64, 16, 4]), t(c, Type::F16, &[64, 24, 4]), t(c, Type::F16, &[64, 24, 4, 2]), 0.125);
+            "flash_attn" bad: |c| c.flash_attn(f32s(c, &[64, 16, 4]), t(c, Type::F16, &[64, 24, 3]), t(c, Type::F16, &[64, 24, 3]), 0.125);
+            "flash_attn" bad: |c| c.flash_attn(transposed(c, Type::F32, &[16, 64, 4]), t(c, Type::F16, &[64, 24, 4]), t(c, Type::F16, &[64, 24, 4]), 0.125);
+
+            "reshape" ok: |c| c.reshape(t(c, Type::Q8_0, &[64, 2]), &[32, 4]);
+            "reshape" bad: |c| c.reshape(f32s(c, &[8, 4]), &[8, 3]);
+            "reshape" bad: |c| c.reshape(transposed(c, Type::F32, &[8, 4]), &[32]);
+            "reshape" bad: |c| c.reshape(t(c, Type::Q8_0, &[32, 2]), &[16, 4]);
+            "reshape" bad: |c| c.reshape(f32s(c, &[8]), &[i64::MAX, 2, 2]);
+
+            "split_dim0" ok: |c| c.split_dim0(f32s(c, &[8, 4]), 2, 1);
+            "split_dim0" ok: |c| c.split_dim0(c.split_dim0(f32s(c, &[8, 4]), 2, 1)?, 2, 1);
+            "split_dim0" bad: |c| c.split_dim0(f32s(c, &[8, 4]), 3, 0);
+            "split_dim0" bad: |c| c.split_dim0(f32s(c, &[8, 4]), 2, 2);
+            "split_dim0" bad: |c| c.split_dim0(t(c, Type::Q8_0, &[64, 2]), 4, 1);
+
+            "cast" ok: |c| c.cast(f32s(c, &[8, 4]), Type::F16);
+            "cast" ok: |c| c.cast(t(c, Type::Q8_0, &[32]), Type::F32);
+            "cast" ok: |c| c.cast(f32s(c, &[32]), Type::Q4_0);
+            "cast" bad: |c| c.cast(t(c, Type::I32, &[8]), Type::F16);
+            "cast" bad: |c| c.cast(t(c, Type::Q8_0, &[32]), Type::F16);
+            "cast" bad: |c| c.cast(f32s(c, &[16]), Type::Q8_0);
+            "cast" bad: |c| c.cast(transposed(c, Type::F32, &[32, 2]), Type::Q8_0);
+
+            "diag_mask_inf" ok: |c| c.diag_mask_inf(f32s(c, &[8, 8]), 0);
+            "diag_mask_inf" bad: |c| c.diag_mask_inf(f32s(c, &[8, 8]), -1);
+            "diag_mask_inf" bad: |c| c.diag_mask_inf(t(c, Type::F16, &[8, 8]), 0);
+
+            "timestep_embedding" ok: |c| c.timestep_embedding(f32s(c, &[2]), 32, 10000);
+            "timestep_embedding" bad: |c| c.timestep_embedding(f32s(c, &[2]), 0, 10000);
+            "timestep_embedding" bad: |c| c.timestep_embedding(t(c, Type::I32, &[2]), 32, 10000);
+        }
+    }
+
+    #[test]
+    fn every_checked_op_refuses_what_ggml_aborts_on_and_builds_the_rest() {
+        let cases = cases();
+        for case in &cases {
+            let ctx = Context::new(32, 0).unwrap();
+            let got = (case.build)(&ctx);
+            match (case.ok, &got) {
+                (true, Ok(_)) | (false, Err(Error::Invalid(_))) => {}
+                _ => panic!(
+                    "{} ({}): {:?}",
+                    case.op,
+                    if case.ok { "valid" } else { "invalid" },
+                    got.map(|t| t.ne())
+                ),
+            }
+        }
+        // Each op has both kinds of case, so the table fails in both directions.
+        for case in cases.iter().filter(|c| c.op != "cont") {
+            assert!(
+                cases.iter().any(|c| c.op == case.op && c.ok)
+                    && cases.iter().any(|c| c.op == case.op && !c.ok),
+                "{} needs a valid and an invalid case",
+                case.op
+            );
+        }
+    }
+
+    #[test]
+    fn a_full_context_is_an_error() {
+        let ctx = Context::new(2, 0).unwrap();
+        let x = f32s(&ctx, &[8]);
+        let y = ctx.gelu(x).unwrap();
+        assert!(matches!(ctx.silu(y), Err(Error::Invalid(_))));
+        assert!(matches!(
+            ctx.new_tensor(Type::F32, &[8]),
+            Err(Error::Invalid(_))
+        ));
+        // conv_2d makes seven tensors: room is checked for all of them.
+        let ctx = Context::new(8, 0).unwrap();
+        let (k, x) = (t(&ctx, Type::F16, &[3, 3, 8, 16]), f32s(&ctx, &[16, 16, 8, 1]));
+        assert!(matches!(ctx.conv_2d(k, x, 1, 1), Err(Error::Invalid(_))));
+        let ctx = Context::new(9, 0).unwrap();
+        let (k, x) = (t(&ctx, Type::F16, &[3, 3, 8, 16]), f32s(&ctx, &[16, 16, 8, 1]));
+        assert_eq!(ctx.conv_2d(k, x, 1, 1).unwrap().ne(), [16, 16, 16, 1]);
+    }
+
+    #[test]
+    fn graphs_must_fit_their_size_and_their_context() {
+        let ctx = Context::new(3, 2).unwrap();
+        let x = f32s(&ctx, &[8]);
+        let out = ctx.silu(ctx.gelu(x).unwrap()).unwrap();
+        assert!(matches!(ctx.graph(out, 0), Err(Error::Invalid(_))));
+        assert!(matches!(ctx.graph(out, 1), Err(Error::Invalid(_))));
+        let g = ctx.graph(out, 2).unwrap();
+        assert_eq!((g.n_nodes(), g.leafs), (2, 1));
+        // The context was sized for one graph.
+        assert!(matches!(ctx.graph(out, 2), Err(Error::Invalid(_))));
+        // A graph over operands of another context.
+        let ops = Context::new(1, 4).unwrap();
+        let g = ops.graph(ops.gelu(out).unwrap(), 4).unwrap();
+        assert_eq!((g.n_nodes(), g.leafs), (3, 1));
+    }
+
+    #[test]
+    fn aborted_is_its_own_error() {
+        assert!(matches!(status(sys::GGML_STATUS_ABORTED), Err(Error::Aborted)));
+        assert_eq!(Error::Aborted.to_string(), "computation aborted");
+        assert!(matches!(status(sys::GGML_STATUS_FAILED), Err(Error::Compute(-1))));
+        assert!(status(sys::GGML_STATUS_SUCCESS).is_ok());
     }
 }

@@ -49,9 +49,14 @@ pub enum Error {
         /// The operation.
         what: &'static str,
     },
-    /// A graph computation returned a status other than success.
+    /// A graph computation returned a status other than success (or
+    /// `GGML_STATUS_ABORTED`, which is [`Error::Aborted`]).
     #[error("graph compute failed with status {0}")]
     Compute(i32),
+    /// A graph computation was stopped by the backend's abort flag (see
+    /// [`Backend::set_abort_flag`]).
+    #[error("computation aborted")]
+    Aborted,
     /// A caller passed a value ggml would abort on.
     #[error("{0}")]
     Invalid(String),

@@ -8,8 +8,8 @@ use crate::config::{self, Config};
 use crate::discovery::{search_path, Origin, SearchInputs};
 use crate::manager::BackendManager;
 use crate::placement::{self, DeviceInfo, Placement, Request};
-use crate::probe::{probe_child, ProbeMode, Prober};
-use crate::registry::{Registry, Status};
+use crate::probe::{die_with_parent, probe_child, ProbeMode, Prober};
+use crate::registry::{DiscoverOptions, Registry, Status};
 use crate::render;
 use anyhow::{bail, Context as _};
 use ggml::DeviceType;
@@ -31,9 +31,13 @@ pub fn init_logging(verbose: u8, quiet: bool) {
         }
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    // Colours only on a terminal; control bytes from file-derived text are
+    // escaped by the writer either way.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_ansi(ansi)
+        .with_writer(move || crate::term::LogWriter { ansi })
         .without_time()
         .with_target(false)
         .try_init();
@@ -80,11 +84,25 @@ impl Session {
             .plugin_probe
             .or(config.plugin_probe)
             .unwrap_or(ProbeMode::Cached);
+        let timeout = cli
+            .plugin_probe_timeout
+            .or(config.plugin_probe_timeout)
+            .unwrap_or(crate::probe::DEFAULT_TIMEOUT_S);
+        let options = DiscoverOptions {
+            allow_insecure: cli.allow_insecure_plugins || config.allow_insecure_plugins,
+        };
         let registry = match (mode, std::env::current_exe()) {
-            (ProbeMode::Off, _) | (_, Err(_)) => Registry::discover(&search),
+            (ProbeMode::Off, _) | (_, Err(_)) => Registry::discover_with(&search, None, options),
             (mode, Ok(exe)) => {
-                let mut prober = Prober::new(exe, mode, Prober::default_cache_file());
-                let r = Registry::discover_with(&search, Some(&mut prober));
+                // Probes are spawned from this thread, which outlives them
+                // (their parent-death signal follows the spawning thread).
+                let mut prober = Prober::new(
+                    exe,
+                    mode,
+                    Prober::default_cache_file(),
+                    std::time::Duration::from_secs(timeout),
+                );
+                let r = Registry::discover_with(&search, Some(&mut prober), options);
                 prober.save();
                 r
             }
@@ -113,9 +131,12 @@ impl Session {
         // ggml's own default is 4 threads whatever the machine; ours is every core.
         let threads = cli
             .threads
-            .map(usize::from)
             .or(config.threads)
-            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()));
+            .or_else(|| {
+                std::thread::available_parallelism()
+                    .ok()
+                    .map(|n| n.get().min(config::MAX_THREADS))
+            });
         Ok(Session {
             config,
             search,
@@ -165,6 +186,7 @@ impl Session {
 /// Runs one command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     if let Command::Probe { file } = &cli.command {
+        die_with_parent();
         let report = probe_child(file);
         println!("{}", serde_json::to_string(&report)?);
         return Ok(ExitCode::SUCCESS);
@@ -191,9 +213,9 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     }
     match &cli.command {
         Command::Devices(a) => {
-            render::print(&render::DevicesReport::new(&session.registry), a.json)
+            render::print(&render::DevicesReport::new(&session.registry), a.json)?
         }
-        Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json),
+        Command::Plugins(a) => render::print(&render::PluginsReport::new(&session), a.json)?,
         Command::Plan(a) => plan(&session, a)?,
         Command::Check(a) => return check(&session, a),
         Command::Generate(a) => crate::generate::run(&session, a)?,
@@ -216,8 +238,7 @@ fn plan(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     for w in &report.warnings {
         tracing::warn!("{w}");
     }
-    render::print(&report, args.json);
-    Ok(())
+    render::print(&report, args.json)
 }
 
 fn check(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
@@ -269,9 +290,9 @@ fn check(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
         rows.extend(check_device(name, dev, cpu, args.seed, &args.ops));
     }
     let failed = rows.iter().filter(|r| r.verdict == Verdict::Fail).count();
-    render::print(&render::CheckReport { rows }, args.json);
+    render::print(&render::CheckReport { rows }, args.json)?;
     if failed > 0 {
-        eprintln!("error: {failed} op check(s) failed");
+        crate::term::eprint_line(&format!("error: {failed} op check(s) failed"));
         return Ok(ExitCode::FAILURE);
     }
     Ok(ExitCode::SUCCESS)

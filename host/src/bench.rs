@@ -157,7 +157,7 @@ pub fn startup(cli: &Cli, a: &BenchArgs) -> anyhow::Result<ExitCode> {
         discover_ms: spread(&discover),
         process_ms: spread(&process),
     };
-    render::print(&report, a.json);
+    render::print(&report, a.json)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -468,7 +468,7 @@ pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()>
         peer,
         steps: a.sample.steps,
     };
-    render::print(&report, a.json);
+    render::print(&report, a.json)?;
     Ok(())
 }
 

@@ -30,15 +30,26 @@ pub struct Cli {
     #[arg(short, long, global = true, conflicts_with = "verbose")]
     pub quiet: bool,
 
-    /// CPU threads for the CPU backend (default: the config file's `threads`, else all cores)
-    #[arg(short = 't', long, value_name = "N", global = true, value_parser = clap::value_parser!(u16).range(1..))]
-    pub threads: Option<u16>,
+    /// CPU threads for the CPU backend, 1 to 512 (default: the config file's `threads`, else all cores)
+    #[arg(short = 't', long, value_name = "N", global = true, value_parser = parse_threads)]
+    pub threads: Option<usize>,
 
     /// Load each new or changed plugin in a child process first, so one that
     /// crashes is rejected instead of taking sdhost down (`cached`, the
     /// default, remembers results; `always`; `off`)
     #[arg(long = "plugin-probe", value_name = "MODE", global = true)]
     pub plugin_probe: Option<crate::probe::ProbeMode>,
+
+    /// Seconds a plugin may take to load and initialise in its isolated probe
+    /// before it is killed and rejected (default: the config file's
+    /// `plugin_probe_timeout`, else 30)
+    #[arg(long = "plugin-probe-timeout", value_name = "SECS", global = true, value_parser = clap::value_parser!(u64).range(1..))]
+    pub plugin_probe_timeout: Option<u64>,
+
+    /// Load plugins from places anyone may write to as well (world-writable
+    /// files or folders, /tmp, /var/tmp, /dev/shm), which are skipped otherwise
+    #[arg(long = "allow-insecure-plugins", global = true)]
+    pub allow_insecure_plugins: bool,
 
     /// What to do
     #[command(subcommand)]
@@ -60,8 +71,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
-    /// Measure sdhost itself; today `--startup`: the time to discover, check
-    /// and register every plugin on the search path
+    /// Measure sdhost: `-m MODEL` times each generation stage (optionally
+    /// beside stable-diffusion.cpp, `--peer`); `--startup` times plugin discovery
     Bench(BenchArgs),
     /// Internal: discover plugins once and report the time it took (used by `bench --startup`)
     #[command(name = "__startup", hide = true)]
@@ -155,8 +166,8 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub steps: u32,
 
-    /// Classifier-free guidance scale (1 turns the negative prompt off)
-    #[arg(long = "cfg-scale", default_value_t = 7.0)]
+    /// Classifier-free guidance scale, a finite number (1 turns the negative prompt off)
+    #[arg(long = "cfg-scale", default_value_t = 7.0, value_parser = parse_cfg_scale)]
     pub cfg_scale: f32,
 
     /// Image width in pixels (a multiple of 64 for SD 1.x)
@@ -254,6 +265,21 @@ pub struct ConvertArgs {
     /// Type of the matrices: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K … q6_K
     #[arg(long = "type", default_value = "f16", value_parser = parse_type)]
     pub ty: ggml::Type,
+}
+
+fn parse_cfg_scale(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && v.abs() <= 1000.0 => Ok(v),
+        Ok(_) => Err(format!("{s} is not a finite number between -1000 and 1000")),
+        Err(_) => Err(format!("{s:?} is not a number")),
+    }
+}
+
+fn parse_threads(s: &str) -> Result<usize, String> {
+    let n: usize = s
+        .parse()
+        .map_err(|_| format!("{s:?} is not a whole number"))?;
+    crate::config::check_threads(n)
 }
 
 fn parse_type(s: &str) -> Result<ggml::Type, String> {
@@ -363,6 +389,13 @@ mod tests {
     fn bad_flags_are_usage_errors() {
         assert!(Cli::try_parse_from(["sdhost", "devices", "--bogus"]).is_err());
         assert!(Cli::try_parse_from(["sdhost", "-t", "0", "devices"]).is_err());
+        assert!(Cli::try_parse_from(["sdhost", "-t", "513", "devices"]).is_err());
+        assert!(Cli::try_parse_from(["sdhost", "-t", "65535", "devices"]).is_err());
+        assert!(Cli::try_parse_from(["sdhost", "-t", "512", "devices"]).is_ok());
+        for cfg in ["nan", "inf", "-inf", "1e39", "x"] {
+            let args = ["sdhost", "generate", "-m", "m", "-p", "p", "--cfg-scale", cfg];
+            assert!(Cli::try_parse_from(args).is_err(), "{cfg}");
+        }
         assert!(Cli::try_parse_from(["sdhost", "-q", "-v", "devices"]).is_err());
         assert!(Cli::try_parse_from(["sdhost"]).is_err());
     }

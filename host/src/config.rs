@@ -22,6 +22,13 @@ pub struct Config {
     pub threads: Option<usize>,
     /// Default for `--plugin-probe` (`cached`, `always`, `off`).
     pub plugin_probe: Option<crate::probe::ProbeMode>,
+    /// Default for `--plugin-probe-timeout`: seconds an isolated probe may
+    /// take (at least 1).
+    pub plugin_probe_timeout: Option<u64>,
+    /// `true`: as `--allow-insecure-plugins`, load plugins from world-writable
+    /// files and folders and from shared temporary folders too.
+    #[serde(default)]
+    pub allow_insecure_plugins: bool,
 }
 
 /// Errors reading the config file.
@@ -53,7 +60,7 @@ pub fn default_path() -> Option<PathBuf> {
 /// Loads `path`; a missing file at the *default* location is an empty config,
 /// a missing file given explicitly is an error.
 pub fn load(path: &Path, explicit: bool) -> Result<Config, ConfigError> {
-    let text = match std::fs::read_to_string(path) {
+    let text = match read_bounded(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
             return Ok(Config::default())
@@ -71,9 +78,30 @@ pub fn load(path: &Path, explicit: bool) -> Result<Config, ConfigError> {
     })
 }
 
+/// The most bytes a config file may have: `--config /dev/zero` must end in
+/// an error, not in reading until memory runs out.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
+/// Reads at most [`MAX_CONFIG_BYTES`] (a longer file is an error) as UTF-8.
+fn read_bounded(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_CONFIG_BYTES + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_CONFIG_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {} KiB; not a config file", MAX_CONFIG_BYTES >> 10),
+        ));
+    }
+    String::from_utf8(bytes)
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
 /// Parses config text; the error is one line.
 pub fn parse(text: &str) -> Result<Config, String> {
-    toml::from_str(text).map_err(|e| {
+    let config: Config = toml::from_str(text).map_err(|e| {
         let msg = e.message().trim().to_string();
         match e.span() {
             Some(span) => {
@@ -82,7 +110,27 @@ pub fn parse(text: &str) -> Result<Config, String> {
             }
             None => msg,
         }
-    })
+    })?;
+    if let Some(n) = config.threads {
+        check_threads(n).map_err(|e| format!("threads = {n}: {e}"))?;
+    }
+    if config.plugin_probe_timeout == Some(0) {
+        return Err("plugin_probe_timeout = 0: the probe timeout must be at least 1 second".into());
+    }
+    Ok(config)
+}
+
+/// The most CPU threads sdhost accepts: ggml's thread pool holds at most
+/// `GGML_MAX_N_THREADS` (512) and crashes beyond it.
+pub const MAX_THREADS: usize = 512;
+
+/// The one rule for a thread count, from `-t` or the config file.
+pub fn check_threads(n: usize) -> Result<usize, String> {
+    if (1..=MAX_THREADS).contains(&n) {
+        Ok(n)
+    } else {
+        Err(format!("thread count must be 1 to {MAX_THREADS}"))
+    }
 }
 
 #[cfg(test)]
@@ -96,6 +144,36 @@ mod tests {
         assert_eq!(c.backend.as_deref(), Some("te=cpu"));
         assert_eq!(c.params_backend.as_deref(), Some("cpu"));
         assert_eq!(c.threads, Some(4));
+    }
+
+    #[test]
+    fn thread_counts_outside_ggml_limit_are_refused() {
+        assert_eq!(parse("threads = 512\n").unwrap().threads, Some(512));
+        for bad in ["threads = 0", "threads = 513", "threads = 100000"] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.contains("must be 1 to 512"), "{e}");
+        }
+    }
+
+    #[test]
+    fn endless_or_binary_config_files_are_refused() {
+        let e = load(Path::new("/dev/zero"), true).unwrap_err().to_string();
+        assert!(e.contains("larger than 1024 KiB"), "{e}");
+        let f = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(f.path(), b"threads = \xff").unwrap();
+        let e = load(f.path(), true).unwrap_err().to_string();
+        assert!(e.contains("not UTF-8"), "{e}");
+    }
+
+    #[test]
+    fn probe_timeout_and_insecure_plugins() {
+        let c = parse("plugin_probe_timeout = 5\nallow_insecure_plugins = true\n").unwrap();
+        assert_eq!(c.plugin_probe_timeout, Some(5));
+        assert!(c.allow_insecure_plugins);
+        assert!(!parse("").unwrap().allow_insecure_plugins);
+        let e = parse("plugin_probe_timeout = 0\n").unwrap_err();
+        assert!(e.contains("at least 1 second"), "{e}");
+        assert!(parse("plugin_probe_timeout = -1\n").is_err());
     }
 
     #[test]

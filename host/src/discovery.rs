@@ -12,7 +12,15 @@
 //! from the environment or the config file are dropped with a warning;
 //! relative `--plugin-path` values are the user's explicit choice and are
 //! made absolute.
+//!
+//! **Invariant:** a plugin-named entry is examined with `stat` only; one that
+//! is not a regular file (a folder, a FIFO, a dangling link) is reported and
+//! never opened, since opening a FIFO blocks. A plugin in a place anyone may
+//! write to (a world-writable file or folder, `/tmp`, `/var/tmp`, `/dev/shm`)
+//! is not loaded unless `--allow-insecure-plugins` says so.
 
+use std::collections::HashSet;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// Where one search-path entry came from.
@@ -63,12 +71,12 @@ pub struct SearchInputs {
 pub fn search_path(inp: &SearchInputs) -> (Vec<(PathBuf, Origin)>, Vec<String>) {
     let mut out: Vec<(PathBuf, Origin)> = Vec::new();
     let mut warnings = Vec::new();
-    let push = |p: PathBuf, o: Origin, out: &mut Vec<(PathBuf, Origin)>| {
+    // Each entry is canonicalized once and looked up in a set: a long
+    // SDHOST_PLUGIN_PATH costs linear time, not quadratic.
+    let mut seen: HashSet<PathBuf> = HashSet::new();
+    let mut push = |p: PathBuf, o: Origin, out: &mut Vec<(PathBuf, Origin)>| {
         let key = std::fs::canonicalize(&p).unwrap_or_else(|_| p.clone());
-        if !out
-            .iter()
-            .any(|(q, _)| std::fs::canonicalize(q).unwrap_or_else(|_| q.clone()) == key)
-        {
+        if seen.insert(key) {
             out.push((p, o));
         }
     };
@@ -134,19 +142,104 @@ pub fn is_plugin_file_name(name: &str) -> bool {
         })
 }
 
-/// Plugin files in `dir`, sorted by name. A missing folder has none.
-pub fn plugin_files(dir: &Path) -> Vec<PathBuf> {
+/// One plugin-named entry of a plugin folder.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PluginEntry {
+    /// The entry's path (inside the searched folder).
+    pub path: PathBuf,
+    /// `None` for a regular file (directly or through a symbolic link), a
+    /// candidate; otherwise why it is no plugin, e.g. `not a regular file
+    /// (FIFO)`. Found with `stat` alone: such an entry is never opened.
+    pub not_a_file: Option<String>,
+}
+
+/// Plugin-named entries in `dir`, sorted by name, whatever their type. A
+/// missing folder has none.
+pub fn plugin_entries(dir: &Path) -> Vec<PluginEntry> {
     let Ok(rd) = std::fs::read_dir(dir) else {
         return Vec::new();
     };
-    let mut files: Vec<PathBuf> = rd
+    let mut entries: Vec<PluginEntry> = rd
         .filter_map(|e| e.ok())
         .filter(|e| e.file_name().to_str().is_some_and(is_plugin_file_name))
-        .map(|e| e.path())
-        .filter(|p| p.is_file())
+        .map(|e| {
+            let path = e.path();
+            let not_a_file = match e.file_type() {
+                Err(err) => Some(format!("cannot be examined: {err}")),
+                Ok(t) if t.is_symlink() => match std::fs::metadata(&path) {
+                    Ok(m) => not_regular(m.file_type()),
+                    Err(err) if err.kind() == std::io::ErrorKind::NotFound => {
+                        Some("dangling symbolic link".into())
+                    }
+                    Err(err) => Some(format!("symbolic link cannot be followed: {err}")),
+                },
+                Ok(t) => not_regular(t),
+            };
+            PluginEntry { path, not_a_file }
+        })
         .collect();
-    files.sort();
-    files
+    entries.sort_by(|a, b| a.path.cmp(&b.path));
+    entries
+}
+
+/// `None` for a regular file, else the rejection reason naming its type.
+fn not_regular(t: std::fs::FileType) -> Option<String> {
+    let kind = if t.is_file() {
+        return None;
+    } else if t.is_dir() {
+        "directory"
+    } else if t.is_fifo() {
+        "FIFO"
+    } else if t.is_socket() {
+        "socket"
+    } else if t.is_block_device() {
+        "block device"
+    } else if t.is_char_device() {
+        "character device"
+    } else {
+        "unknown type"
+    };
+    Some(format!("not a regular file ({kind})"))
+}
+
+/// Shared temporary folders: anyone may create files there, whatever the
+/// folder's mode says on a given system.
+const SHARED_TEMP_DIRS: [&str; 3] = ["/tmp", "/var/tmp", "/dev/shm"];
+
+/// Why plugins in `dir` must not be trusted, if they must not: the folder
+/// (after resolving symbolic links) is a shared temporary folder or is
+/// world-writable, so anyone could plant or replace a plugin there. A
+/// missing folder is `None`.
+pub fn insecure_dir(dir: &Path) -> Option<String> {
+    let canon = std::fs::canonicalize(dir).ok()?;
+    if SHARED_TEMP_DIRS
+        .iter()
+        .any(|t| canon == Path::new(t) || std::fs::canonicalize(t).is_ok_and(|c| c == canon))
+    {
+        return Some(format!(
+            "folder {} is a shared temporary folder",
+            canon.display()
+        ));
+    }
+    let mode = std::fs::metadata(&canon).ok()?.permissions().mode();
+    (mode & 0o002 != 0).then(|| format!("folder {} is world-writable", canon.display()))
+}
+
+/// Why the plugin file `path` must not be trusted, if it must not: the file
+/// (after resolving symbolic links) is world-writable, or the folder it
+/// really lives in is insecure ([`insecure_dir`]). The text ends in the way
+/// to load it anyway.
+pub fn insecure_plugin(path: &Path) -> Option<String> {
+    let why = if std::fs::metadata(path).is_ok_and(|m| m.permissions().mode() & 0o002 != 0) {
+        Some("the file is world-writable".to_string())
+    } else {
+        std::fs::canonicalize(path)
+            .ok()
+            .and_then(|c| c.parent().and_then(insecure_dir))
+    }?;
+    Some(format!(
+        "insecure location: {why}, so anyone could replace its code (--allow-insecure-plugins loads it anyway)"
+    ))
 }
 
 #[cfg(test)]
@@ -200,6 +293,127 @@ mod tests {
                 (PathBuf::from("/y"), Origin::Env)
             ]
         );
+    }
+
+    #[test]
+    fn ten_thousand_entries_deduplicate_in_linear_time_keeping_order() {
+        // Every entry twice, the second time in reverse: each keeps its
+        // first position. The old pairwise comparison took half a minute.
+        let n = 10_000;
+        let parts: Vec<String> = (0..n)
+            .chain((0..n).rev())
+            .map(|i| format!("/nonexistent-sdhost-test/{i}"))
+            .collect();
+        let inp = SearchInputs {
+            flags: vec!["/nonexistent-sdhost-test/7".into()],
+            env: Some(parts.join(":")),
+            ..Default::default()
+        };
+        let started = std::time::Instant::now();
+        let (path, warnings) = search_path(&inp);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert_eq!(path.len(), n);
+        assert_eq!(
+            path[0],
+            (PathBuf::from("/nonexistent-sdhost-test/7"), Origin::Flag)
+        );
+        let rest: Vec<PathBuf> = path[1..].iter().map(|(p, _)| p.clone()).collect();
+        let want: Vec<PathBuf> = (0..n)
+            .filter(|&i| i != 7)
+            .map(|i| PathBuf::from(format!("/nonexistent-sdhost-test/{i}")))
+            .collect();
+        assert_eq!(rest, want);
+        assert!(path[1..].iter().all(|(_, o)| *o == Origin::Env));
+    }
+
+    #[test]
+    fn entries_that_are_not_regular_files_are_named_without_opening() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path();
+        std::fs::write(d.join("libsdhost_plugin_a.so"), b"x").unwrap();
+        std::fs::create_dir(d.join("libsdhost_plugin_dir.so")).unwrap();
+        let _sock =
+            std::os::unix::net::UnixListener::bind(d.join("libsdhost_plugin_sock.so")).unwrap();
+        std::os::unix::fs::symlink(d.join("missing"), d.join("libsdhost_plugin_dangling.so"))
+            .unwrap();
+        std::os::unix::fs::symlink(
+            d.join("libsdhost_plugin_a.so"),
+            d.join("libsdhost_plugin_link.so"),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(
+            d.join("libsdhost_plugin_dir.so"),
+            d.join("libsdhost_plugin_linkdir.so"),
+        )
+        .unwrap();
+        std::fs::write(d.join("libsdhost_plugin_a.so.bak"), b"x").unwrap();
+        let got: Vec<(String, Option<String>)> = plugin_entries(d)
+            .into_iter()
+            .map(|e| {
+                (
+                    e.path.file_name().unwrap().to_str().unwrap().to_string(),
+                    e.not_a_file,
+                )
+            })
+            .collect();
+        let s = |x: &str| Some(x.to_string());
+        assert_eq!(
+            got,
+            vec![
+                ("libsdhost_plugin_a.so".into(), None),
+                ("libsdhost_plugin_dangling.so".into(), s("dangling symbolic link")),
+                ("libsdhost_plugin_dir.so".into(), s("not a regular file (directory)")),
+                ("libsdhost_plugin_link.so".into(), None),
+                ("libsdhost_plugin_linkdir.so".into(), s("not a regular file (directory)")),
+                ("libsdhost_plugin_sock.so".into(), s("not a regular file (socket)")),
+            ]
+        );
+        assert!(plugin_entries(&d.join("missing")).is_empty());
+    }
+
+    #[test]
+    fn shared_and_world_writable_locations_are_insecure() {
+        for t in SHARED_TEMP_DIRS {
+            if Path::new(t).is_dir() {
+                assert!(insecure_dir(Path::new(t)).is_some(), "{t}");
+            }
+        }
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("private");
+        std::fs::create_dir(&d).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(insecure_dir(&d), None);
+        assert_eq!(insecure_dir(&t.path().join("missing")), None);
+        let f = d.join("libsdhost_plugin_x.so");
+        std::fs::write(&f, b"x").unwrap();
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        assert_eq!(insecure_plugin(&f), None);
+        // A link to /tmp is /tmp.
+        std::os::unix::fs::symlink("/tmp", t.path().join("tmp-link")).unwrap();
+        assert!(insecure_dir(&t.path().join("tmp-link"))
+            .unwrap()
+            .contains("shared temporary folder"));
+        // A world-writable file.
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let why = insecure_plugin(&f).unwrap();
+        assert!(why.contains("the file is world-writable"), "{why}");
+        assert!(why.ends_with("(--allow-insecure-plugins loads it anyway)"), "{why}");
+        // A world-writable folder, also when reached through a link.
+        std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(insecure_dir(&d).unwrap().ends_with("is world-writable"));
+        let safe = t.path().join("safe");
+        std::fs::create_dir(&safe).unwrap();
+        std::fs::set_permissions(&safe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let link = safe.join("libsdhost_plugin_x.so");
+        std::os::unix::fs::symlink(&f, &link).unwrap();
+        let why = insecure_plugin(&link).unwrap();
+        assert!(why.contains("is world-writable"), "{why}");
     }
 
     #[test]

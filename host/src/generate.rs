@@ -8,30 +8,27 @@ use crate::app::Session;
 use crate::cli::GenerateArgs;
 use crate::manager::BackendManager;
 use crate::placement::{Module as Place, Placement};
-use anyhow::{anyhow, bail, Context as _};
+use crate::output::OutputFile;
+use crate::term;
+use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
 use sdhost_models::module::Devices;
+use sdhost_models::nn::ModelError;
 use sdhost_models::pipeline::{Image, Layout, Sd1};
-use std::io::Write as _;
-use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 /// Runs `generate`.
 pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
-    // Ctrl-C stops sampling at the next step and leaves no output file.
-    let cancel = Arc::new(AtomicBool::new(false));
-    {
-        let cancel = cancel.clone();
-        // A second handler cannot be installed in one process; generate runs once.
-        let _ = ctrlc::set_handler(move || cancel.store(true, Ordering::SeqCst));
-    }
+    // Ctrl-C or SIGTERM stops the work at the next check (between graph
+    // computations, or inside one on the CPU) and leaves no output file.
+    let cancel = crate::cancel::flag();
     let placement = session.resolve(&args.placement)?;
-    let out_dir = output_dir(&args.output)?;
+    let output = OutputFile::create(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
 
-    let manager = BackendManager::new(&session.registry, session.threads);
+    let manager =
+        BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
     let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
     let mut sd = Sd1::load(&ckpt, layout, args.sample.phase_memory)?;
@@ -66,13 +63,16 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let sampling_time = sampling.elapsed();
     let image = image.with_context(|| args.model.display().to_string())?;
 
+    if crate::cancel::requested() {
+        return Err(ModelError::Cancelled.into());
+    }
     let text = parameters_text(args, &placement, &flash);
-    write_png(&args.output, out_dir, &image, &text)?;
-    eprintln!(
-        "{}",
-        summary(&sd, &placement, load_time, sampling_time, req.steps)
-    );
-    eprintln!("wrote {}", args.output.display());
+    write_png(output, &image, &text)?;
+    term::eprint_line(&summary(&sd, &placement, load_time, sampling_time, req.steps));
+    term::eprint_line(&format!(
+        "wrote {}",
+        term::clean(&args.output.display().to_string())
+    ));
     Ok(())
 }
 
@@ -160,80 +160,59 @@ pub fn placement_summary(placement: &Placement) -> String {
 /// The modules of an SD 1.x pipeline, in the order of [`Sd1::timings`].
 const SD1_MODULES: [Place; 3] = [Place::Te, Place::Diffusion, Place::Vae];
 
-/// Writes `path` all at once or not at all: `write` fills a temporary file
-/// in `dir` (the output's folder, so the rename cannot cross file systems),
-/// which is flushed, synced and renamed over `path` only once complete; on
-/// any failure the temporary file is removed.
-fn write_atomically(
-    path: &Path,
-    dir: &Path,
-    write: impl FnOnce(&mut std::io::BufWriter<&mut std::fs::File>) -> anyhow::Result<()>,
-) -> anyhow::Result<()> {
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".sdhost-")
-        .suffix(".partial")
-        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
-        .tempfile_in(dir)
-        .with_context(|| format!("creating a temporary file in {}", dir.display()))?;
-    let what = || format!("writing {}", path.display());
-    {
-        let mut w = std::io::BufWriter::new(tmp.as_file_mut());
-        write(&mut w)?;
-        w.flush().with_context(what)?;
-    }
-    tmp.as_file().sync_all().with_context(what)?;
-    tmp.persist(path)
-        .map_err(|e| anyhow!("{}: {}", what(), e.error))?;
-    Ok(())
-}
-
 /// Runs `convert`: no plugin is needed (quantization runs in libggml-base).
 pub fn convert(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
-    let dir = output_dir(&args.output)?;
+    let cancel = crate::cancel::flag();
+    let output = OutputFile::create(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
     let bar = indicatif::ProgressBar::new(ckpt.tensors.len() as u64);
     let mut stats = None;
-    write_atomically(&args.output, dir, |w| {
-        let s = sdhost_models::convert::to_gguf(&ckpt, args.ty, w, &mut |i, n| {
-            bar.set_length(n as u64);
-            bar.set_position(i as u64);
-        })
-        .map_err(|e| anyhow!("{}: {e}", args.model.display()))?;
+    let result = output.commit(|w| {
+        let s = sdhost_models::convert::to_gguf(
+            &ckpt,
+            args.ty,
+            w,
+            &mut |i, n| {
+                bar.set_length(n as u64);
+                bar.set_position(i as u64);
+            },
+            &|| cancel.load(std::sync::atomic::Ordering::SeqCst),
+        )
+        .with_context(|| args.model.display().to_string())?;
         stats = Some(s);
         Ok(())
-    })?;
+    });
     bar.finish_and_clear();
+    result?;
     let stats = stats.unwrap_or_default();
-    eprintln!(
+    term::eprint_line(&format!(
         "wrote {}: {} tensors ({} MiB), {} left out",
-        args.output.display(),
+        term::clean(&args.output.display().to_string()),
         stats.tensors,
         stats.bytes >> 20,
         stats.skipped
-    );
+    ));
     Ok(())
 }
 
-/// The output's folder, checked before any work is done.
-fn output_dir(output: &Path) -> anyhow::Result<&Path> {
-    let dir = match output.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
-    if !dir.is_dir() {
-        bail!("--output: folder {} does not exist", dir.display());
-    }
-    if output.is_dir() {
-        bail!("--output: {} is a folder", output.display());
-    }
-    Ok(dir)
+/// A prompt on one line: A1111 readers take the line that starts with
+/// `Negative prompt:` and the last line as fields, so a line break inside a
+/// prompt could forge them. Line breaks become spaces (CLIP tokenizes both
+/// alike).
+fn one_line_prompt(p: &str) -> String {
+    p.split(['\n', '\r', '\u{2028}', '\u{2029}', '\u{85}', '\u{b}', '\u{c}'])
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// A1111-style parameters text.
 fn parameters_text(args: &GenerateArgs, placement: &Placement, flash: &str) -> String {
-    let mut s = args.prompt.clone();
+    let mut s = one_line_prompt(&args.prompt);
     if !args.negative.is_empty() {
-        s.push_str(&format!("\nNegative prompt: {}", args.negative));
+        s.push_str(&format!(
+            "\nNegative prompt: {}",
+            one_line_prompt(&args.negative)
+        ));
     }
     s.push_str(&format!(
         "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Devices: {}, Flash attention: {}, Generator: sdhost {}",
@@ -252,10 +231,10 @@ fn parameters_text(args: &GenerateArgs, placement: &Placement, flash: &str) -> S
     s
 }
 
-/// Encodes the PNG into a temporary file beside `path` and renames it over
-/// `path` once complete; on any failure the temporary file is removed.
-pub fn write_png(path: &Path, dir: &Path, image: &Image, text: &str) -> anyhow::Result<()> {
-    write_atomically(path, dir, |w| {
+/// Encodes the PNG into `output`'s temporary file and renames it over the
+/// target once complete; on any failure the temporary file is removed.
+pub fn write_png(output: OutputFile, image: &Image, text: &str) -> anyhow::Result<()> {
+    output.commit(|w| {
         let mut enc = png::Encoder::new(w, image.width as u32, image.height as u32);
         enc.set_color(png::ColorType::Rgb);
         enc.set_depth(png::BitDepth::Eight);

@@ -12,14 +12,17 @@
 
 pub mod app;
 pub mod bench;
+pub mod cancel;
 pub mod check;
 pub mod cli;
 pub mod config;
 pub mod discovery;
 pub mod generate;
 pub mod manager;
+pub mod output;
 pub mod packages;
 pub mod placement;
 pub mod probe;
 pub mod registry;
 pub mod render;
+pub mod term;

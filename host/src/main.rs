@@ -1,4 +1,6 @@
-//! The `sdhost` binary: parse, run, map errors to an exit code.
+//! The `sdhost` binary: parse, run, map errors to an exit code (1 for a
+//! failure, 130 for a run stopped by Ctrl-C or SIGTERM, 2 for usage errors,
+//! which clap reports).
 
 use clap::Parser;
 use std::process::ExitCode;
@@ -8,13 +10,12 @@ fn main() -> ExitCode {
     sdhost::app::init_logging(cli.verbose, cli.quiet);
     match sdhost::app::run(cli) {
         Ok(code) => code,
+        Err(e) if sdhost::term::is_cancelled(&e) => {
+            sdhost::term::eprint_line("cancelled: no output was written");
+            ExitCode::from(sdhost::cancel::EXIT_CODE)
+        }
         Err(e) => {
-            let msg = e
-                .chain()
-                .map(|c| c.to_string())
-                .collect::<Vec<_>>()
-                .join(": ");
-            eprintln!("error: {}", sdhost::registry::one_line(&msg));
+            sdhost::term::eprint_line(&format!("error: {}", sdhost::term::error_line(&e)));
             ExitCode::FAILURE
         }
     }

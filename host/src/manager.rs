@@ -6,12 +6,15 @@
 use crate::registry::Registry;
 use ggml::Backend;
 use std::cell::OnceCell;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
 
 /// Lazily created backends, one slot per registered device.
 pub struct BackendManager<'r> {
     registry: &'r Registry,
     slots: Vec<OnceCell<Backend>>,
     threads: Option<usize>,
+    abort: Option<Arc<AtomicBool>>,
 }
 
 /// Why a backend could not be had.
@@ -38,7 +41,15 @@ impl<'r> BackendManager<'r> {
             registry,
             slots: registry.devices.iter().map(|_| OnceCell::new()).collect(),
             threads,
+            abort: None,
         }
+    }
+
+    /// Backends created from now on stop a running computation once `flag`
+    /// is set, where the backend takes ggml's abort callback (the CPU does).
+    pub fn with_abort_flag(mut self, flag: Arc<AtomicBool>) -> Self {
+        self.abort = Some(flag);
+        self
     }
 
     /// The backend of device `name`, created on first call.
@@ -63,6 +74,9 @@ impl<'r> BackendManager<'r> {
             })?;
         if let Some(n) = self.threads {
             backend.set_n_threads(n);
+        }
+        if let Some(flag) = &self.abort {
+            backend.set_abort_flag(flag.clone());
         }
         tracing::debug!("created backend {} for device {name}", backend.name());
         Ok(slot.get_or_init(|| backend))

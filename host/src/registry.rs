@@ -3,6 +3,9 @@
 //! Each candidate file goes through the same gate, and a failure at any step
 //! makes it a `rejected` row with its reason; the host goes on with the rest:
 //!
+//! 0. a regular file (anything else is never opened), in a location only its
+//!    owner can write to (unless insecure locations are allowed), whose
+//!    isolated probe came back (see [`crate::probe`]),
 //! 1. `dlopen` (through abi_stable, which never unloads),
 //! 2. the abi_stable root module: present, version-compatible, same layout,
 //! 3. the manifest: a valid family name, build identity equal to the host's,
@@ -13,11 +16,12 @@
 //! **Invariant:** only `init` of a selected plugin touches devices; nothing
 //! here panics on a bad file.
 
-use crate::discovery::{plugin_files, Origin};
+use crate::discovery::{insecure_dir, insecure_plugin, plugin_entries, Origin};
 use crate::probe::Prober;
 use ggml::{Device, DeviceType, Reg};
 use sdhost_plugin_api::{OpenError, Plugin};
 use serde::Serialize;
+use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 
 /// What happened to one examined file.
@@ -109,6 +113,15 @@ pub struct Registry {
     pub devices: Vec<DeviceEntry>,
 }
 
+/// How discovery treats the files it finds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DiscoverOptions {
+    /// Load plugins from world-writable files and folders and from shared
+    /// temporary folders too (`--allow-insecure-plugins`); by default they
+    /// are `rejected` rows.
+    pub allow_insecure: bool,
+}
+
 struct Candidate {
     record: usize,
     plugin: Plugin,
@@ -169,7 +182,7 @@ impl Registry {
     /// Examines every plugin file on `search` and registers the devices of
     /// the selected ones.
     pub fn discover(search: &[(PathBuf, Origin)]) -> Registry {
-        Registry::discover_with(search, None)
+        Registry::discover_with(search, None, DiscoverOptions::default())
     }
 
     /// [`Registry::discover`], probing each file in a child process first
@@ -177,17 +190,34 @@ impl Registry {
     pub fn discover_with(
         search: &[(PathBuf, Origin)],
         mut prober: Option<&mut Prober>,
+        options: DiscoverOptions,
     ) -> Registry {
         let mut reg = Registry::default();
         let mut candidates: Vec<Candidate> = Vec::new();
-        let mut seen: Vec<PathBuf> = Vec::new();
+        let mut seen: HashSet<PathBuf> = HashSet::new();
         for (dir, origin) in search {
-            for path in plugin_files(dir) {
+            let entries = plugin_entries(dir);
+            if !entries.is_empty() {
+                if let Some(why) = insecure_dir(dir) {
+                    if options.allow_insecure {
+                        tracing::info!(
+                            "plugin folder {}: {why}; its plugins are loaded anyway (--allow-insecure-plugins)",
+                            dir.display()
+                        );
+                    } else {
+                        tracing::warn!(
+                            "plugin folder {}: {why}, so anyone could plant a plugin there; its plugins are skipped (--allow-insecure-plugins loads them)",
+                            dir.display()
+                        );
+                    }
+                }
+            }
+            for entry in entries {
+                let path = entry.path;
                 let canon = std::fs::canonicalize(&path).unwrap_or_else(|_| path.clone());
-                if seen.contains(&canon) {
+                if !seen.insert(canon) {
                     continue;
                 }
-                seen.push(canon);
                 let idx = reg.plugins.len();
                 reg.plugins.push(PluginRecord {
                     path: path.clone(),
@@ -197,6 +227,18 @@ impl Registry {
                     manifest: None,
                     devices: 0,
                 });
+                // Neither probed nor opened: a FIFO would block, and a file
+                // anyone may write to may hold anyone's code.
+                if let Some(why) = entry.not_a_file {
+                    reg.plugins[idx].reason = Some(why);
+                    continue;
+                }
+                if !options.allow_insecure {
+                    if let Some(why) = insecure_plugin(&path) {
+                        reg.plugins[idx].reason = Some(why);
+                        continue;
+                    }
+                }
                 if let Some(p) = prober.as_deref_mut() {
                     if let Err(reason) = p.check(&path) {
                         reg.plugins[idx].reason = Some(one_line(&reason));

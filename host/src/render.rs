@@ -19,16 +19,22 @@ pub trait Report {
 }
 
 /// Prints a report to stdout. A closed pipe (`sdhost devices | head -1`)
-/// ends the output quietly instead of panicking.
-pub fn print(r: &dyn Report, json: bool) {
+/// ends the output quietly; any other write error (`>/dev/full`) is an
+/// error, so that lost output never exits 0.
+pub fn print(r: &dyn Report, json: bool) -> anyhow::Result<()> {
     use std::io::Write;
     let text = if json {
-        serde_json::to_string_pretty(&r.json()).unwrap_or_else(|_| "null".into()) + "\n"
+        serde_json::to_string_pretty(&r.json())? + "\n"
     } else {
         r.text()
     };
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(anyhow::Error::new(e).context("writing to standard output"))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// Formats bytes in binary units.
@@ -47,8 +53,18 @@ pub fn human_bytes(b: u64) -> String {
     }
 }
 
-/// Left-aligned table with a header row.
+/// Left-aligned table with a header row. Cells are escaped
+/// ([`crate::term::clean`]): descriptions, reasons and paths come from files.
 pub fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| {
+            r.iter()
+                .map(|c| crate::term::clean(c).into_owned())
+                .collect()
+        })
+        .collect();
+    let rows = &rows[..];
     let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
     for r in rows {
         for (i, c) in r.iter().enumerate() {
@@ -159,12 +175,18 @@ pub struct PluginsReport {
 impl PluginsReport {
     /// From a session (registry plus search path).
     pub fn new(s: &Session) -> Self {
-        // Hashing a plugin file for its package check is the costly part: once each.
+        // Hashing a plugin file for its package check is the costly part: once
+        // each, and only for regular files (reading a FIFO would block).
         let packages: Vec<_> = s
             .registry
             .plugins
             .iter()
-            .map(|p| crate::packages::package_of(&p.path))
+            .map(|p| {
+                std::fs::metadata(&p.path)
+                    .is_ok_and(|m| m.is_file())
+                    .then(|| crate::packages::package_of(&p.path))
+                    .flatten()
+            })
             .collect();
         let rows = s
             .registry
@@ -221,7 +243,7 @@ impl Report for PluginsReport {
         } else {
             out.push_str(&table(
                 &[
-                    "STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "REASON",
+                    "STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "PACKAGE", "REASON",
                 ],
                 &self.rows,
             ));
@@ -265,8 +287,10 @@ pub struct PlanReport {
     pub modules: Vec<PlanRow>,
     /// Per device (only with a model).
     pub devices: Vec<PlanDevice>,
-    /// Over-commit warnings and resolver notes.
+    /// Over-commit warnings.
     pub warnings: Vec<String>,
+    /// The resolver's notes (printed as warnings once, by the resolver).
+    pub notes: Vec<String>,
 }
 
 impl PlanReport {
@@ -274,8 +298,10 @@ impl PlanReport {
     /// that each params device has room for the weights placed on it.
     pub fn new(reg: &Registry, p: &Placement, model: Option<&Checkpoint>) -> Self {
         let bytes = model.map(|m| m.module_bytes());
+        // With a checkpoint, only the modules it has.
         let modules: Vec<PlanRow> = Module::ALL
             .iter()
+            .filter(|m| bytes.as_ref().is_none_or(|b| b.contains_key(m.name())))
             .map(|m| PlanRow {
                 module: m.name(),
                 runtime: p.runtime.get(m).cloned().unwrap_or_default(),
@@ -285,7 +311,7 @@ impl PlanReport {
                     .map(|b| b.get(m.name()).copied().unwrap_or(0)),
             })
             .collect();
-        let mut warnings = p.notes.clone();
+        let mut warnings = Vec::new();
         let mut devices = Vec::new();
         if bytes.is_some() {
             let mut per: BTreeMap<&str, u64> = BTreeMap::new();
@@ -312,6 +338,7 @@ impl PlanReport {
             modules,
             devices,
             warnings,
+            notes: p.notes.clone(),
         }
     }
 }

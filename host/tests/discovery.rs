@@ -3,6 +3,8 @@
 
 mod common;
 use common::*;
+use std::path::Path;
+use std::time::{Duration, Instant};
 
 #[test]
 fn installed_prefix_lists_cpu() {
@@ -362,4 +364,374 @@ fn crashing_plugin_is_rejected_by_the_isolated_probe() {
         record(&pl, "libsdhost_plugin_crashes.so")["status"],
         "shadowed"
     );
+}
+
+const HANGS: &str = "libsdhost_plugin_hangs.so";
+const HANG_REASON_2S: &str =
+    "did not finish loading within 2 s (isolated probe; --plugin-probe-timeout sets the limit)";
+
+fn plugins_within(p: &Prefix, args: &[&str]) -> (serde_json::Value, Duration) {
+    let mut all = args.to_vec();
+    all.extend(["plugins", "--json"]);
+    let (r, took) = run_within(p.cmd(&all), Duration::from_secs(60));
+    (r.ok().json(), took)
+}
+
+
+#[test]
+fn hanging_plugin_is_killed_after_the_probe_timeout() {
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_testplugin_init_hangs"), HANGS);
+    let (pl, took) = plugins_within(&p, &["--plugin-probe-timeout", "2"]);
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    let rec = record(&pl, HANGS);
+    assert_eq!(rec["status"], "rejected", "{rec:#}");
+    assert_eq!(rec["reason"], HANG_REASON_2S);
+    assert_eq!(record(&pl, "libsdhost_plugin_cpu.so")["status"], "loaded");
+    // The verdict is cached under the limit it was reached with ...
+    let (pl, took) = plugins_within(&p, &["--plugin-probe-timeout", "2"]);
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let reason = record(&pl, HANGS)["reason"].as_str().unwrap().to_string();
+    assert!(
+        reason.starts_with(HANG_REASON_2S) && reason.contains("(cached probe;"),
+        "{reason}"
+    );
+    // ... and a longer limit tries again.
+    let (pl, took) = plugins_within(&p, &["--plugin-probe-timeout", "3"]);
+    assert!(took >= Duration::from_secs(3), "{took:?}");
+    assert!(record(&pl, HANGS)["reason"]
+        .as_str()
+        .unwrap()
+        .starts_with("did not finish loading within 3 s"));
+    // Zero is a usage error.
+    assert_eq!(
+        p.run(&["--plugin-probe-timeout", "0", "plugins"]).code,
+        Some(2)
+    );
+}
+
+#[test]
+fn probe_timeout_from_the_config_file() {
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_testplugin_init_hangs"), HANGS);
+    p.write_config("plugin_probe_timeout = 2\n");
+    let (pl, took) = plugins_within(&p, &[]);
+    assert!(took < Duration::from_secs(10), "{took:?}");
+    assert_eq!(record(&pl, HANGS)["reason"], HANG_REASON_2S);
+    let (d, _) = run_within(p.cmd(&["devices", "--json"]), Duration::from_secs(60));
+    assert_eq!(d.ok().device_names(), vec!["cpu"]);
+    p.write_config("plugin_probe_timeout = 0\n");
+    let r = p.run(&["devices"]);
+    assert_eq!(r.code, Some(1));
+    assert!(r.stderr.contains("plugin_probe_timeout = 0"), "{}", r.stderr);
+}
+
+#[test]
+fn probe_child_dies_with_a_killed_host() {
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_testplugin_init_hangs"), HANGS);
+    let mut host = p
+        .cmd(&["plugins"])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let host_pid = host.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let probe = loop {
+        if let Some((pid, _)) = children_of(host_pid)
+            .into_iter()
+            .find(|(_, cmd)| cmd.contains("__probe") && cmd.contains(HANGS))
+        {
+            break pid;
+        }
+        if Instant::now() > deadline {
+            let _ = host.kill();
+            panic!("no probe of {HANGS} appeared");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Let it get well into its endless init.
+    std::thread::sleep(Duration::from_millis(500));
+    host.kill().unwrap();
+    host.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match proc_stat(probe) {
+            None | Some(('Z', _)) => break,
+            Some(_) if Instant::now() > deadline => {
+                let _ = std::process::Command::new("kill")
+                    .arg("-9")
+                    .arg(probe.to_string())
+                    .status();
+                panic!("the probe child {probe} outlived its killed host");
+            }
+            Some(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+#[test]
+fn plugin_replaced_with_same_size_and_mtime_is_probed_again() {
+    use std::os::unix::fs::MetadataExt;
+    let p = Prefix::with_cpu();
+    let mut good = std::fs::read(built("sdhost_testplugin_init_fails")).unwrap();
+    let mut bad = std::fs::read(built("sdhost_testplugin_init_crashes")).unwrap();
+    // ELF ignores trailing bytes: pad the smaller library to the other's size.
+    let n = good.len().max(bad.len());
+    good.resize(n, 0);
+    bad.resize(n, 0);
+    let file = p.plugins().join("libsdhost_plugin_swapped.so");
+    std::fs::write(&file, &good).unwrap();
+    let pl = p.run(&["plugins", "--json"]).ok().json();
+    assert!(
+        record(&pl, "libsdhost_plugin_swapped.so")["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("init failed: no device driver present"),
+        "{pl:#}"
+    );
+    let before = std::fs::metadata(&file).unwrap();
+    // In place, as `cp -p` does: same inode, same size, old mtime.
+    std::fs::write(&file, &bad).unwrap();
+    filetime::set_file_mtime(&file, filetime::FileTime::from_last_modification_time(&before))
+        .unwrap();
+    let after = std::fs::metadata(&file).unwrap();
+    assert_eq!(
+        (after.ino(), after.len(), after.mtime(), after.mtime_nsec()),
+        (before.ino(), before.len(), before.mtime(), before.mtime_nsec())
+    );
+    let r = p.run(&["plugins", "--json"]).ok();
+    let rec = record(&r.json(), "libsdhost_plugin_swapped.so").clone();
+    assert_eq!(rec["status"], "rejected", "{rec:#}");
+    assert!(
+        rec["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("crashed while loading or initialising (signal 11"),
+        "{rec:#}"
+    );
+}
+
+/// A prefix with the CPU plugin and the crashing one, whose cache file holds
+/// `junk` (written by `put`), still works and leaves a sane cache behind.
+fn survives_probe_cache(name: &str, put: impl FnOnce(&Path)) {
+    let p = Prefix::with_cpu();
+    p.install(
+        &built("sdhost_testplugin_init_crashes"),
+        "libsdhost_plugin_crashes.so",
+    );
+    std::fs::create_dir_all(p.probe_cache().parent().unwrap()).unwrap();
+    put(&p.probe_cache());
+    let (r, _) = run_within(p.cmd(&["plugins", "--json"]), Duration::from_secs(60));
+    let pl = r.ok().json();
+    assert_eq!(
+        record(&pl, "libsdhost_plugin_cpu.so")["status"],
+        "loaded",
+        "{name}"
+    );
+    assert!(
+        record(&pl, "libsdhost_plugin_crashes.so")["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("crashed while loading or initialising"),
+        "{name}: {pl:#}"
+    );
+    let meta = std::fs::metadata(p.probe_cache()).unwrap();
+    assert!(meta.is_file() && meta.len() < 64 << 10, "{name}: {meta:?}");
+    let cache: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(p.probe_cache()).unwrap()).unwrap();
+    assert_eq!(cache.as_object().unwrap().len(), 2, "{name}: {cache:#}");
+}
+
+
+#[test]
+fn junk_probe_cache_is_harmless() {
+    survives_probe_cache("5 MiB of junk", |f| {
+        let junk: Vec<u8> = (0..5u32 << 20)
+            .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+            .collect();
+        std::fs::write(f, junk).unwrap();
+    });
+    survives_probe_cache("garbage JSON", |f| {
+        std::fs::write(f, b"{\"/x\": {\"file\": [1, 2,").unwrap()
+    });
+    survives_probe_cache("JSON of another shape", |f| {
+        std::fs::write(f, b"[1, 2, 3]").unwrap()
+    });
+    survives_probe_cache("FIFO", |f| {
+        let ok = std::process::Command::new("mkfifo")
+            .arg(f)
+            .status()
+            .unwrap();
+        assert!(ok.success());
+    });
+}
+
+/// A real cache entry, copied under many paths of files that do not exist.
+fn bloated_cache(p: &Prefix, copies: usize) -> Vec<u8> {
+    let real: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(p.probe_cache()).unwrap()).unwrap();
+    let entry = real.as_object().unwrap().values().next().unwrap().clone();
+    let mut map = serde_json::Map::new();
+    for i in 0..copies {
+        map.insert(
+            format!("/nonexistent-sdhost-test/{i}/libsdhost_plugin_gone.so"),
+            entry.clone(),
+        );
+    }
+    serde_json::to_vec_pretty(&map).unwrap()
+}
+
+#[test]
+fn probe_cache_forgets_missing_files_and_stays_bounded() {
+    for (copies, name) in [(500, "libsdhost_plugin_a.so"), (20_000, "libsdhost_plugin_b.so")] {
+        let p = Prefix::with_cpu();
+        p.run(&["plugins"]).ok();
+        let bloated = bloated_cache(&p, copies);
+        std::fs::write(p.probe_cache(), &bloated).unwrap();
+        // A new plugin makes the run probe, and write the cache back.
+        p.install(&built("sdhost_testplugin_init_fails"), name);
+        let pl = p.run(&["plugins", "--json"]).ok().json();
+        assert_eq!(pl["plugins"].as_array().unwrap().len(), 2);
+        let text = std::fs::read(p.probe_cache()).unwrap();
+        assert!(text.len() < 64 << 10, "{copies}: {} bytes", text.len());
+        let cache: serde_json::Value = serde_json::from_slice(&text).unwrap();
+        let keys: Vec<&String> = cache.as_object().unwrap().keys().collect();
+        assert_eq!(keys.len(), 2, "{copies} ({} bytes): {keys:?}", bloated.len());
+        assert!(keys.iter().all(|k| !k.contains("nonexistent")), "{keys:?}");
+    }
+}
+
+#[test]
+fn world_writable_plugin_folder_is_skipped_unless_allowed() {
+    use std::os::unix::fs::PermissionsExt;
+    let p = Prefix::bare();
+    let d = p.dir("shared");
+    std::fs::copy(
+        built("sdhost_plugin_cpu"),
+        d.join("libsdhost_plugin_cpu.so"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let dir = d.to_str().unwrap();
+    let r = p.run(&["--plugin-path", dir, "plugins", "--json"]).ok();
+    let rec = record(&r.json(), "libsdhost_plugin_cpu.so").clone();
+    assert_eq!(rec["status"], "rejected", "{rec:#}");
+    let reason = rec["reason"].as_str().unwrap();
+    assert_eq!(
+        reason,
+        format!(
+            "insecure location: folder {} is world-writable, so anyone could replace its code (--allow-insecure-plugins loads it anyway)",
+            std::fs::canonicalize(&d).unwrap().display()
+        )
+    );
+    assert!(
+        r.stderr
+            .contains(&format!("plugin folder {dir}: folder ")),
+        "{}",
+        r.stderr
+    );
+    assert!(p
+        .run(&["--plugin-path", dir, "devices", "--json"])
+        .ok()
+        .device_names()
+        .is_empty());
+    // Allowed by the flag, or by the config file.
+    let r = p
+        .run(&["--allow-insecure-plugins", "--plugin-path", dir, "devices", "--json"])
+        .ok();
+    assert_eq!(r.device_names(), vec!["cpu"]);
+    p.write_config("allow_insecure_plugins = true\n");
+    let r = p.run(&["--plugin-path", dir, "devices", "--json"]).ok();
+    assert_eq!(r.device_names(), vec!["cpu"]);
+}
+
+#[test]
+fn world_writable_plugin_file_is_skipped_unless_allowed() {
+    use std::os::unix::fs::PermissionsExt;
+    let p = Prefix::with_cpu();
+    let file = p.plugins().join("libsdhost_plugin_cpu.so");
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let pl = p.run(&["plugins", "--json"]).ok().json();
+    let rec = record(&pl, "libsdhost_plugin_cpu.so");
+    assert_eq!(rec["status"], "rejected");
+    assert!(
+        rec["reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("insecure location: the file is world-writable"),
+        "{rec:#}"
+    );
+    assert!(p.run(&["devices", "--json"]).ok().device_names().is_empty());
+    let r = p
+        .run(&["--allow-insecure-plugins", "devices", "--json"])
+        .ok();
+    assert_eq!(r.device_names(), vec!["cpu"]);
+}
+
+#[test]
+fn entries_that_are_not_files_are_listed_and_never_opened() {
+    let p = Prefix::with_cpu();
+    let dir = p.plugins();
+    std::fs::create_dir(dir.join("libsdhost_plugin_dir.so")).unwrap();
+    let ok = std::process::Command::new("mkfifo")
+        .arg(dir.join("libsdhost_plugin_fifo.so"))
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    std::os::unix::fs::symlink(
+        dir.join("missing.so"),
+        dir.join("libsdhost_plugin_dangling.so"),
+    )
+    .unwrap();
+    for probe in ["cached", "off"] {
+        let (pl, _) = plugins_within(&p, &["--plugin-probe", probe]);
+        assert_eq!(pl["plugins"].as_array().unwrap().len(), 4, "{pl:#}");
+        for (file, reason) in [
+            ("libsdhost_plugin_dir.so", "not a regular file (directory)"),
+            ("libsdhost_plugin_fifo.so", "not a regular file (FIFO)"),
+            ("libsdhost_plugin_dangling.so", "dangling symbolic link"),
+        ] {
+            let rec = record(&pl, file);
+            assert_eq!(rec["status"], "rejected", "{rec:#}");
+            assert_eq!(rec["reason"], reason, "{rec:#}");
+            assert!(rec["manifest"].is_null());
+        }
+        assert_eq!(record(&pl, "libsdhost_plugin_cpu.so")["status"], "loaded");
+    }
+    let (text, _) = run_within(p.cmd(&["plugins"]), Duration::from_secs(60));
+    assert!(text.ok().stdout.contains("not a regular file (FIFO)"));
+}
+
+#[test]
+fn plugins_table_header_has_a_column_per_cell() {
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_cpu"), "libsdhost_plugin_cpu2.so");
+    let out = p.run(&["plugins"]).ok().stdout;
+    let lines: Vec<&str> = out.lines().collect();
+    let h = lines
+        .iter()
+        .position(|l| l.starts_with("STATUS"))
+        .unwrap_or_else(|| panic!("{out}"));
+    let header = table_cells(lines[h]);
+    let names: Vec<&str> = header.iter().map(|(_, c)| c.as_str()).collect();
+    assert_eq!(
+        names,
+        ["STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "PACKAGE", "REASON"]
+    );
+    let shadowed = table_cells(lines.iter().find(|l| l.starts_with("shadowed")).unwrap());
+    assert_eq!(shadowed.len(), header.len(), "{out}");
+    for ((hs, h), (rs, r)) in header.iter().zip(&shadowed) {
+        assert_eq!(hs, rs, "column {h} starts where cell {r:?} does not:\n{out}");
+    }
+    assert_eq!(shadowed[6].1, "-");
+    assert!(shadowed[7].1.starts_with("family cpu already provided by"));
+    // The loaded row has no reason: one cell fewer, the rest aligned.
+    let loaded = table_cells(lines.iter().find(|l| l.starts_with("loaded")).unwrap());
+    assert_eq!(loaded.len(), header.len() - 1, "{out}");
+    for ((hs, _), (rs, _)) in header.iter().zip(&loaded) {
+        assert_eq!(hs, rs, "{out}");
+    }
 }

@@ -396,9 +396,9 @@ fn ctrl_c_stops_cleanly_without_output() {
         stdout: String::new(),
         stderr: rest,
     };
-    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert_eq!(r.code, Some(130), "{}", r.stderr);
     assert!(
-        r.stderr.contains("error: ") && r.stderr.contains("cancelled"),
+        r.stderr.contains("cancelled: no output was written"),
         "{}",
         r.stderr
     );

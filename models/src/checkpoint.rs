@@ -117,6 +117,34 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
+/// A safetensors header's entries in file order, duplicates kept: a JSON
+/// map type would keep only the last of two entries with one name and hide
+/// a malformed file.
+struct HeaderEntries(Vec<(String, serde_json::Value)>);
+
+impl<'de> serde::Deserialize<'de> for HeaderEntries {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = HeaderEntries;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<HeaderEntries, A::Error> {
+                let mut v = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    v.push(entry);
+                }
+                Ok(HeaderEntries(v))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
 fn scan_safetensors(path: &Path) -> Result<Vec<TensorEntry>, CheckpointError> {
     use std::io::Read;
     let bad = |message: String| CheckpointError::Safetensors {
@@ -140,11 +168,15 @@ fn scan_safetensors(path: &Path) -> Result<Vec<TensorEntry>, CheckpointError> {
     }
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).map_err(io)?;
-    let json: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header)
+    let json: HeaderEntries = serde_json::from_slice(&header)
         .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
+    let mut seen = std::collections::HashSet::new();
+    if let Some((name, _)) = json.0.iter().find(|(k, _)| !seen.insert(k.as_str())) {
+        return Err(bad(format!("tensor {name} appears twice in the header")));
+    }
     let data_len = total - 8 - header_len;
     let mut entries: Vec<(u64, u64, TensorEntry)> = Vec::new();
-    for (name, v) in json {
+    for (name, v) in json.0 {
         if name == "__metadata__" {
             continue;
         }
@@ -268,6 +300,11 @@ mod tests {
             Err("overlap"),
         );
         check("[1,2]", 0, Err("not a JSON object"));
+        check(
+            r#"{"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"x":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}"#,
+            8,
+            Err("tensor x appears twice"),
+        );
     }
 
     #[test]

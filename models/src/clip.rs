@@ -52,7 +52,7 @@ impl ClipConfig {
             .max()
             .map_or(0, |m| m + 1);
         if layers == 0 {
-            return Err(ModelError(format!("missing tensor {layer_prefix}0.*")));
+            return Err(ModelError::Invalid(format!("missing tensor {layer_prefix}0.*")));
         }
         let fc1 = w.ne(&format!("{layer_prefix}0.mlp.fc1.weight"))?;
         let hidden = tok[0];
@@ -87,19 +87,19 @@ fn build<'a>(c: &'a Context, w: &W<'a>, ids: &[u32], clip_skip: usize) -> Result
     let cfg = ClipConfig::from_weights(w)?;
     let n_pos = cfg.positions as usize;
     if ids.is_empty() || !ids.len().is_multiple_of(n_pos) {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "token ids come in chunks of {n_pos}; got {}",
             ids.len()
         )));
     }
     if let Some(bad) = ids.iter().find(|&&i| i64::from(i) >= cfg.vocab) {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "token id {bad} is outside the vocabulary of {}",
             cfg.vocab
         )));
     }
     if clip_skip == 0 || clip_skip > cfg.layers {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "clip skip {clip_skip} is outside 1..={}",
             cfg.layers
         )));

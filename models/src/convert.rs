@@ -12,7 +12,8 @@
 //! and int64 buffers are dropped); names stay as they are.
 
 use crate::checkpoint::{module_of, Checkpoint, TensorEntry};
-use crate::gguf::{self, OutTensor};
+use crate::gguf;
+use crate::nn::ModelError;
 use ggml::Type;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -68,15 +69,76 @@ pub fn target_type(name: &str, shape: &[u64], requested: Type) -> Type {
     }
 }
 
-/// Converts every model tensor of `ckpt` and writes a GGUF file to `out`.
-/// `progress(done, total)` is called after each tensor.
+/// Bytes read from the checkpoint per piece: conversion holds one piece of
+/// one tensor (read, widened to f32, encoded) at a time, whatever the
+/// tensor's size.
+const PIECE_BYTES: u64 = 16 << 20;
+
+/// How one tensor is written.
+struct Planned<'a> {
+    entry: &'a TensorEntry,
+    offset: u64,
+    ty: Type,
+    /// Bytes per source element when the source is f32/f16/bf16 and is
+    /// re-encoded; `None` when the data is copied as it is.
+    decode: Option<u64>,
+    shape: Vec<u64>,
+    bytes: u64,
+}
+
+fn float_size(dtype: &str) -> Option<u64> {
+    match dtype.to_ascii_lowercase().as_str() {
+        "f32" => Some(4),
+        "f16" | "bf16" => Some(2),
+        _ => None,
+    }
+}
+
+/// The pieces `(first element, elements, row length to encode with)` that
+/// cover `n` elements in rows of `row`, each at most `max` elements where a
+/// row allows: whole rows grouped while they fit, else each row cut at
+/// multiples of `block` (every type offered encodes blocks independently
+/// when no importance matrix is given, so cutting a row between blocks
+/// gives the same bytes).
+fn pieces(n: u64, row: u64, block: u64, max: u64) -> Vec<(u64, u64, u64)> {
+    let mut out = Vec::new();
+    if row <= max {
+        let step = (max / row).max(1) * row;
+        let mut at = 0;
+        while at < n {
+            let len = step.min(n - at);
+            out.push((at, len, row));
+            at += len;
+        }
+    } else {
+        let cut = (max / block).max(1) * block;
+        let mut r = 0;
+        while r < n {
+            let mut at = 0;
+            while at < row {
+                let len = cut.min(row - at);
+                out.push((r + at, len, len));
+                at += len;
+            }
+            r += row;
+        }
+    }
+    out
+}
+
+/// Converts every model tensor of `ckpt` and writes a GGUF file to `out`,
+/// streaming: the header first (every output size is known from the shapes),
+/// then each tensor piece by piece. `progress(done, total)` is called after
+/// each tensor; `cancelled()` is polled between pieces.
 pub fn to_gguf(
     ckpt: &Checkpoint,
     requested: Type,
     out: &mut impl Write,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<Converted, String> {
-    let file = std::fs::File::open(&ckpt.path).map_err(|e| e.to_string())?;
+    cancelled: &dyn Fn() -> bool,
+) -> Result<Converted, ModelError> {
+    let bad = ModelError::Invalid;
+    let file = std::fs::File::open(&ckpt.path).map_err(|e| bad(e.to_string()))?;
     let mut stats = Converted::default();
     let wanted: Vec<&TensorEntry> = ckpt
         .tensors
@@ -84,42 +146,45 @@ pub fn to_gguf(
         .filter(|t| module_of(&t.name).is_some())
         .collect();
     stats.skipped = ckpt.tensors.len() - wanted.len();
-    let mut tensors = Vec::with_capacity(wanted.len());
-    for (i, t) in wanted.iter().enumerate() {
+    let mut plan = Vec::new();
+    for t in wanted {
         let offset = t
             .offset
-            .ok_or_else(|| format!("tensor {}: no data offset", t.name))?;
-        let mut raw = vec![0u8; t.bytes as usize];
-        file.read_exact_at(&mut raw, offset)
-            .map_err(|e| format!("tensor {}: reading data: {e}", t.name))?;
+            .ok_or_else(|| bad(format!("tensor {}: no data offset", t.name)))?;
         let ty = target_type(&t.name, &t.shape, requested);
-        let data = match decode_f32(&t.dtype, &raw) {
-            Some(values) => {
-                let row = t.shape.last().copied().unwrap_or(1).max(1) as usize;
-                ty.encode(&values, row)
-                    .map_err(|e| format!("tensor {}: {e}", t.name))?
+        let shape = if t.shape.is_empty() {
+            vec![1]
+        } else {
+            t.shape.clone()
+        };
+        let (decode, bytes) = match float_size(&t.dtype) {
+            Some(es) => {
+                let n = t.bytes / es;
+                let bytes = ty.bytes_of(n).ok_or_else(|| {
+                    bad(format!(
+                        "tensor {}: shape {:?} does not fit {}",
+                        t.name,
+                        t.shape,
+                        ty.name()
+                    ))
+                })?;
+                (Some(es), bytes)
             }
-            None if Type::from_name(&t.dtype) == Some(ty) => raw,
+            None if Type::from_name(&t.dtype) == Some(ty) => (None, t.bytes),
             None => {
                 stats.skipped += 1;
-                progress(i + 1, wanted.len());
                 continue;
             }
         };
-        stats.bytes += data.len() as u64;
-        tensors.push(OutTensor {
-            name: t.name.clone(),
+        plan.push(Planned {
+            entry: t,
+            offset,
             ty,
-            shape: if t.shape.is_empty() {
-                vec![1]
-            } else {
-                t.shape.clone()
-            },
-            data,
+            decode,
+            shape,
+            bytes,
         });
-        progress(i + 1, wanted.len());
     }
-    stats.tensors = tensors.len();
     let kv = [
         ("general.architecture", "sd1"),
         ("general.file_type", &requested.name()[..]),
@@ -128,6 +193,95 @@ pub fn to_gguf(
             concat!("sdhost ", env!("CARGO_PKG_VERSION")),
         ),
     ];
-    gguf::write(out, &kv, &tensors).map_err(|e| e.to_string())?;
+    let io = |e: std::io::Error| bad(e.to_string());
+    let infos: Vec<gguf::OutInfo> = plan
+        .iter()
+        .map(|p| gguf::OutInfo {
+            name: p.entry.name.clone(),
+            ty: p.ty,
+            shape: p.shape.clone(),
+            bytes: p.bytes,
+        })
+        .collect();
+    gguf::write_header(out, &kv, &infos).map_err(io)?;
+    let mut buf = Vec::new();
+    for (i, p) in plan.iter().enumerate() {
+        let name = &p.entry.name;
+        let read = |buf: &mut Vec<u8>, at: u64, len: u64| {
+            buf.resize(len as usize, 0);
+            file.read_exact_at(buf, p.offset + at)
+                .map_err(|e| bad(format!("tensor {name}: reading data: {e}")))
+        };
+        let mut written = 0u64;
+        match p.decode {
+            Some(es) => {
+                let row = p.shape.last().copied().unwrap_or(1).max(1);
+                let n = p.entry.bytes / es;
+                for (at, len, enc_row) in pieces(n, row, p.ty.block_size() as u64, PIECE_BYTES / es) {
+                    if cancelled() {
+                        return Err(ModelError::Cancelled);
+                    }
+                    read(&mut buf, at * es, len * es)?;
+                    let values = decode_f32(&p.entry.dtype, &buf).unwrap_or_default();
+                    let data = p
+                        .ty
+                        .encode(&values, enc_row as usize)
+                        .map_err(|e| bad(format!("tensor {name}: {e}")))?;
+                    out.write_all(&data).map_err(io)?;
+                    written += data.len() as u64;
+                }
+            }
+            None => {
+                let mut at = 0;
+                while at < p.entry.bytes {
+                    if cancelled() {
+                        return Err(ModelError::Cancelled);
+                    }
+                    let len = PIECE_BYTES.min(p.entry.bytes - at);
+                    read(&mut buf, at, len)?;
+                    out.write_all(&buf).map_err(io)?;
+                    written += len;
+                    at += len;
+                }
+            }
+        }
+        if written != p.bytes {
+            return Err(bad(format!(
+                "tensor {name}: wrote {written} bytes, the header says {}",
+                p.bytes
+            )));
+        }
+        out.write_all(&vec![0u8; gguf::padding(written)]).map_err(io)?;
+        stats.bytes += written;
+        stats.tensors += 1;
+        progress(i + 1, plan.len());
+    }
     Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::pieces;
+
+    #[test]
+    fn pieces_cover_every_element_once() {
+        for (n, row, block, max) in [
+            (12, 4, 1, 8),
+            (12, 4, 1, 3),
+            (64, 32, 32, 16),
+            (128, 64, 32, 40),
+            (7, 7, 1, 100),
+            (1 << 20, 1 << 20, 256, 4096),
+        ] {
+            let ps = pieces(n, row, block, max);
+            let mut next = 0;
+            for &(at, len, enc) in &ps {
+                assert_eq!(at, next, "{n} {row} {block} {max}: {ps:?}");
+                assert!(len > 0 && len % enc == 0 && enc % block == 0);
+                assert!(len <= max.max(block));
+                next = at + len;
+            }
+            assert_eq!(next, n);
+        }
+    }
 }

@@ -118,7 +118,10 @@ pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
                 .ok_or("general.alignment is not a power of two")?;
         }
     }
-    let mut infos = Vec::with_capacity(n_tensors as usize);
+    // The count is untrusted: nothing is sized from it. Each entry is read
+    // from the bounded header buffer, so a lying count ends in "header
+    // truncated" after at most 64 MiB of entries.
+    let mut infos = Vec::new();
     for i in 0..n_tensors {
         let name = r.string(&format!("tensor name {i}"))?;
         let n_dims = r.u32(&name)?;
@@ -185,28 +188,32 @@ pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
     Ok(out)
 }
 
-/// One tensor to write: name, type, shape (outermost first), encoded bytes.
-pub struct OutTensor {
+/// One tensor's header entry: name, type, shape (outermost first) and the
+/// byte length of its data, for [`write_header`].
+pub struct OutInfo {
     /// Name.
     pub name: String,
     /// Element type.
     pub ty: Type,
     /// Shape, outermost first.
     pub shape: Vec<u64>,
-    /// Data in `ty`'s encoding.
-    pub data: Vec<u8>,
+    /// Bytes of data in `ty`'s encoding.
+    pub bytes: u64,
 }
 
-fn put_str(w: &mut impl Write, s: &str) -> std::io::Result<()> {
-    w.write_all(&(s.len() as u64).to_le_bytes())?;
-    w.write_all(s.as_bytes())
+/// Zero bytes that follow `n` bytes of data to reach the next aligned offset.
+pub fn padding(n: u64) -> usize {
+    (n.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT - n) as usize
 }
 
-/// Writes a GGUF v3 file with string metadata `kv` and `tensors`.
-pub fn write(
+/// Writes a GGUF v3 header (string metadata `kv`, then the tensor table,
+/// padded to the data alignment). The caller then writes each tensor's data
+/// in the same order, each followed by [`padding`] zero bytes: a conversion
+/// never has to hold more than one piece of one tensor.
+pub fn write_header(
     w: &mut impl Write,
     kv: &[(&str, &str)],
-    tensors: &[OutTensor],
+    tensors: &[OutInfo],
 ) -> std::io::Result<()> {
     let mut head = Vec::new();
     head.extend_from_slice(MAGIC);
@@ -227,14 +234,50 @@ pub fn write(
         }
         head.extend_from_slice(&t.ty.id().to_le_bytes());
         head.extend_from_slice(&offset.to_le_bytes());
-        offset = (offset + t.data.len() as u64).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
+        offset = (offset + t.bytes).div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT;
     }
-    let pad = |n: u64| (n.div_ceil(DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT - n) as usize;
-    head.resize(head.len() + pad(head.len() as u64), 0);
-    w.write_all(&head)?;
+    head.resize(head.len() + padding(head.len() as u64), 0);
+    w.write_all(&head)
+}
+
+/// One tensor to write: name, type, shape (outermost first), encoded bytes.
+pub struct OutTensor {
+    /// Name.
+    pub name: String,
+    /// Element type.
+    pub ty: Type,
+    /// Shape, outermost first.
+    pub shape: Vec<u64>,
+    /// Data in `ty`'s encoding.
+    pub data: Vec<u8>,
+}
+
+fn put_str(w: &mut impl Write, s: &str) -> std::io::Result<()> {
+    w.write_all(&(s.len() as u64).to_le_bytes())?;
+    w.write_all(s.as_bytes())
+}
+
+/// Writes a GGUF v3 file with string metadata `kv` and `tensors` held in
+/// memory (tests and small files; `convert` streams through
+/// [`write_header`]).
+pub fn write(
+    w: &mut impl Write,
+    kv: &[(&str, &str)],
+    tensors: &[OutTensor],
+) -> std::io::Result<()> {
+    let infos: Vec<OutInfo> = tensors
+        .iter()
+        .map(|t| OutInfo {
+            name: t.name.clone(),
+            ty: t.ty,
+            shape: t.shape.clone(),
+            bytes: t.data.len() as u64,
+        })
+        .collect();
+    write_header(w, kv, &infos)?;
     for t in tensors {
         w.write_all(&t.data)?;
-        w.write_all(&vec![0u8; pad(t.data.len() as u64)])?;
+        w.write_all(&vec![0u8; padding(t.data.len() as u64)])?;
     }
     Ok(())
 }

@@ -164,7 +164,7 @@ impl<'b> Module<'b> {
                 vec![d.runtime, d.cpu]
             };
             let sched = Sched::new(&backends, GRAPH_SIZE)
-                .map_err(|e| ModelError(format!("{}: scheduler: {e}", self.name)))?;
+                .map_err(|e| ModelError::Invalid(format!("{}: scheduler: {e}", self.name)))?;
             self.sched = Some(sched);
         }
         Ok(self.sched.as_mut().expect("set above"))
@@ -184,7 +184,7 @@ impl<'b> Module<'b> {
     {
         let w = W::new(self.params.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        let built = build(&ctx, &w).map_err(|e| ModelError(format!("{}: {e}", self.name)))?;
+        let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{}: {e}", self.name)))?;
         ctx.graph(built.output, GRAPH_SIZE)?;
         Ok(())
     }
@@ -200,7 +200,7 @@ impl<'b> Module<'b> {
         if self.runtime_copy.is_none() && !same_device(self.devices.params, self.devices.runtime) {
             let t = Instant::now();
             let copy = self.params.copy_to(self.devices.runtime).map_err(|e| {
-                ModelError(format!(
+                ModelError::Invalid(format!(
                     "{name}: copying weights to {}: {e}",
                     self.devices.runtime.name()
                 ))
@@ -213,16 +213,19 @@ impl<'b> Module<'b> {
         let weights = self.runtime_copy.as_ref().unwrap_or(&self.params);
         let w = W::new(weights.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        let built = build(&ctx, &w).map_err(|e| ModelError(format!("{name}: {e}")))?;
+        let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
         built.output.set_output();
         for (t, _) in &built.inputs {
             t.set_input();
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
-        let fail = |what: &str, e: ggml::Error| ModelError(format!("{name}: {what}: {e}"));
+        let fail = |what: &str, e: ggml::Error| match e {
+            ggml::Error::Aborted => ModelError::Cancelled,
+            e => ModelError::Invalid(format!("{name}: {what}: {e}")),
+        };
         let runtime = self.devices.runtime.name();
         sched.alloc(&graph).map_err(|e| {
-            ModelError(format!(
+            ModelError::Invalid(format!(
                 "{name}: allocating the graph on {runtime} failed, most likely not enough memory for this size ({e}; -v shows ggml's reason)"
             ))
         })?;
@@ -256,7 +259,7 @@ pub fn input_f32<'a>(
 ) -> Result<Tensor<'a>> {
     let n: i64 = ne.iter().product();
     if n as usize != values.len() {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "input of shape {ne:?} given {} values",
             values.len()
         )));

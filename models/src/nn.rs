@@ -8,14 +8,26 @@
 use ggml::{Context, Tensor};
 use std::collections::HashMap;
 
-/// A model error: one line, naming the tensor where one is at fault.
+/// A model error.
 #[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct ModelError(pub String);
+pub enum ModelError {
+    /// What is wrong, in one line, naming the tensor where one is at fault.
+    #[error("{0}")]
+    Invalid(String),
+    /// The caller's cancellation flag was raised (Ctrl-C, SIGTERM) and the
+    /// work stopped at the next check: between graph computations, or inside
+    /// one on backends that take an abort callback.
+    #[error("cancelled")]
+    Cancelled,
+}
 
 impl From<ggml::Error> for ModelError {
     fn from(e: ggml::Error) -> Self {
-        ModelError(format!("ggml: {e}"))
+        match e {
+            // The host's abort flag stopped a computation: a cancellation.
+            ggml::Error::Aborted => ModelError::Cancelled,
+            e => ModelError::Invalid(format!("ggml: {e}")),
+        }
     }
 }
 
@@ -57,7 +69,7 @@ impl<'a> W<'a> {
         self.map
             .get(name)
             .copied()
-            .ok_or_else(|| ModelError(format!("missing tensor {name}")))
+            .ok_or_else(|| ModelError::Invalid(format!("missing tensor {name}")))
     }
 
     /// The tensor `name` if present.
@@ -94,7 +106,7 @@ pub fn check_shape(name: &str, t: Tensor<'_>, ne: &[i64]) -> Result<()> {
     let mut want = [1i64; 4];
     want[..ne.len()].copy_from_slice(ne);
     if t.ne() != want {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "tensor {name}: shape {} where {} was expected",
             torch_shape(t.ne()),
             torch_shape(want)
@@ -128,7 +140,7 @@ pub fn linear<'a>(
         check_shape(&name, weight, &[n_in, n_out])?;
     }
     if x.ne()[0] != n_in {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "{prefix}: input has {} features where {n_in} were expected",
             x.ne()[0]
         )));
@@ -153,7 +165,7 @@ pub fn conv2d<'a>(
 ) -> Result<Tensor<'a>> {
     let kernel = w.shaped(&format!("{prefix}.weight"), &[k, k, c_in, c_out])?;
     if x.ne()[2] != c_in {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "{prefix}: input has {} channels where {c_in} were expected",
             x.ne()[2]
         )));
@@ -197,7 +209,7 @@ pub fn shortcut<'a>(
     } else if c_in == c_out {
         Ok(x)
     } else {
-        Err(ModelError(format!(
+        Err(ModelError::Invalid(format!(
             "missing tensor {prefix}.weight ({c_in} → {c_out} channels)"
         )))
     }
@@ -259,7 +271,7 @@ pub fn attention<'a>(
     let [inner, t, n, _] = q.ne();
     let s = k.ne()[1];
     if inner % heads != 0 || k.ne()[0] != inner || v.ne() != k.ne() {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "attention: q {:?}, k {:?}, v {:?} do not fit {heads} heads",
             q.ne(),
             k.ne(),

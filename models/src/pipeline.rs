@@ -95,9 +95,9 @@ fn load_module<'b>(
     policy: WeightPolicy,
 ) -> Result<Module<'b>> {
     let weights = ModuleWeights::load_filtered(ckpt, prefix, loaded, devices.params)
-        .map_err(|e| ModelError(e.to_string()))?;
+        .map_err(|e| ModelError::Invalid(e.to_string()))?;
     Module::new(name, weights, devices, policy)
-        .map_err(|e| ModelError(format!("{}: {e}", ckpt.path.display())))
+        .map_err(|e| ModelError::Invalid(format!("{}: {e}", ckpt.path.display())))
 }
 
 impl<'b> Sd1<'b> {
@@ -110,9 +110,9 @@ impl<'b> Sd1<'b> {
         // structure depends on fails before any compute.
         let file = ckpt.path.display();
         let te_cfg = clip::ClipConfig::from_weights(&W::new(te.params().map()))
-            .map_err(|e| ModelError(format!("{file}: te: {e}")))?;
+            .map_err(|e| ModelError::Invalid(format!("{file}: te: {e}")))?;
         let unet_cfg = unet::UnetConfig::from_weights(&W::new(unet.params().map()))
-            .map_err(|e| ModelError(format!("{file}: diffusion: {e}")))?;
+            .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
         let vae_factor = vae::upscale_factor(&W::new(vae.params().map())) as usize;
         // Build every graph once, uncomputed: a missing or misshapen tensor
         // anywhere fails here, before any compute. Errors name the module.
@@ -121,10 +121,10 @@ impl<'b> Sd1<'b> {
             unet::validate(&unet),
             vae::validate(&vae),
         ] {
-            r.map_err(|e| ModelError(format!("{file}: {e}")))?;
+            r.map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
         }
         if te_cfg.hidden != unet_cfg.context_dim {
-            return Err(ModelError(format!(
+            return Err(ModelError::Invalid(format!(
                 "{file}: the text encoder's width {} does not match the UNet's context width {}",
                 te_cfg.hidden, unet_cfg.context_dim
             )));
@@ -188,7 +188,10 @@ impl<'b> Sd1<'b> {
     ) -> Result<Image> {
         let latent = self.sample_latent(req, noise, progress, cancelled)?;
         let shape = self.latent_shape(req)?;
-        self.decode(&latent, shape)
+        check(cancelled)?;
+        let image = self.decode(&latent, shape)?;
+        check(cancelled)?;
+        Ok(image)
     }
 
     fn latent_shape(&self, req: &Request) -> Result<[usize; 4]> {
@@ -198,7 +201,7 @@ impl<'b> Sd1<'b> {
             || !req.width.is_multiple_of(m)
             || !req.height.is_multiple_of(m)
         {
-            return Err(ModelError(format!(
+            return Err(ModelError::Invalid(format!(
                 "image size {}×{} must be a positive multiple of {m} for this model",
                 req.width, req.height
             )));
@@ -216,7 +219,7 @@ impl<'b> Sd1<'b> {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
         if req.steps == 0 {
-            return Err(ModelError("steps must be at least 1".into()));
+            return Err(ModelError::Invalid("steps must be at least 1".into()));
         }
         let shape = self.latent_shape(req)?;
         let n_latent: usize = shape.iter().product();
@@ -224,7 +227,7 @@ impl<'b> Sd1<'b> {
         let noise = match noise {
             Some(v) if v.len() == n_latent => v,
             Some(v) => {
-                return Err(ModelError(format!(
+                return Err(ModelError::Invalid(format!(
                     "initial noise has {} values; the latent has {n_latent}",
                     v.len()
                 )))
@@ -248,8 +251,11 @@ impl<'b> Sd1<'b> {
             uncond.resize(n, empty);
         }
         let ids: Vec<u32> = cond.into_iter().chain(uncond).flatten().collect();
-        let context = self.encode_ids(&ids, req.clip_skip)?;
+        check(cancelled)?;
+        let context = self.encode_ids(&ids, req.clip_skip);
         self.te.end_phase();
+        let context = context?;
+        check(cancelled)?;
 
         let sigmas = self.schedule.sampling_sigmas(req.steps);
         let x: Vec<f32> = noise.iter().map(|v| v * sigmas[0] as f32).collect();
@@ -263,9 +269,7 @@ impl<'b> Sd1<'b> {
             &sigmas,
             x,
             |x, sigma, step| {
-                if cancelled() {
-                    return Err(ModelError("cancelled".into()));
-                }
+                check(cancelled)?;
                 let c_in = (1.0 / (sigma * sigma + 1.0).sqrt()) as f32;
                 let x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
                 let mut xb = x_in.clone();
@@ -297,12 +301,24 @@ impl<'b> Sd1<'b> {
 
     /// Decodes a latent `[1, C, h, w]` into an image.
     pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
+        tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
         let out = vae::decode(&mut self.vae, latent, shape);
         self.vae.end_phase();
         let out = out?;
         let f = self.vae_factor;
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
+    }
+}
+
+/// `Err(Cancelled)` once `cancelled()` says so: called between graph
+/// computations (a computation itself stops early on backends that take an
+/// abort callback, which the host points at the same flag).
+fn check(cancelled: &dyn Fn() -> bool) -> Result<()> {
+    if cancelled() {
+        Err(ModelError::Cancelled)
+    } else {
+        Ok(())
     }
 }
 

@@ -46,7 +46,7 @@ impl UnetConfig {
         let to_k = w
             .names()
             .find(|n| n.ends_with("attn2.to_k.weight"))
-            .ok_or_else(|| ModelError("missing tensor *.attn2.to_k.weight".into()))?;
+            .ok_or_else(|| ModelError::Invalid("missing tensor *.attn2.to_k.weight".into()))?;
         let context_dim = w.ne(to_k)?[0];
         let downsamples = w
             .names()
@@ -99,14 +99,14 @@ fn build<'a>(
     let cfg = UnetConfig::from_weights(w)?;
     let [n, ch_in, height, width] = shape.map(|d| d as i64);
     if ch_in != cfg.in_channels {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "latent has {ch_in} channels; the model takes {}",
             cfg.in_channels
         )));
     }
     let mult = 1i64 << cfg.downsamples;
     if height % mult != 0 || width % mult != 0 {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "latent size {width}×{height} is not a multiple of {mult}"
         )));
     }
@@ -114,7 +114,7 @@ fn build<'a>(
         || context.is_empty()
         || context.len() as i64 % (n * cfg.context_dim) != 0
     {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "{} timesteps and {} context values do not fit a batch of {n} with context width {}",
             t.len(),
             context.len(),
@@ -173,7 +173,7 @@ fn build<'a>(
             break;
         }
         let skip = skips.pop().ok_or_else(|| {
-            ModelError(format!(
+            ModelError::Invalid(format!(
                 "{p}: more output blocks than input blocks to take skips from"
             ))
         })?;
@@ -191,7 +191,7 @@ fn build<'a>(
         }
     }
     if !skips.is_empty() {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "{} skip connections left unused: missing output blocks",
             skips.len()
         )));
@@ -270,7 +270,7 @@ impl<'a> Net<'a, '_> {
             depth += 1;
         }
         if depth == 0 {
-            return Err(ModelError(format!(
+            return Err(ModelError::Invalid(format!(
                 "missing tensor {p}.transformer_blocks.0.norm1.weight"
             )));
         }

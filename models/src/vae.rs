@@ -48,7 +48,7 @@ fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<
     let pq = w.ne("post_quant_conv.weight")?;
     let zch = pq[2];
     if zch != zc {
-        return Err(ModelError(format!(
+        return Err(ModelError::Invalid(format!(
             "latent has {zc} channels; the decoder takes {zch}"
         )));
     }
@@ -62,7 +62,7 @@ fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<
         .take_while(|i| w.has(&format!("decoder.up.{i}.block.0.conv1.weight")))
         .count();
     if levels == 0 {
-        return Err(ModelError(
+        return Err(ModelError::Invalid(
             "missing tensor decoder.up.0.block.0.conv1.weight".into(),
         ));
     }

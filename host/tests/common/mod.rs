@@ -3,8 +3,10 @@
 //! clean environment.
 #![allow(dead_code)]
 
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
 
 /// The folder holding the built `sdhost`, `libggml-base.so.0` and plugins.
 pub fn build_dir() -> PathBuf {
@@ -39,6 +41,11 @@ impl Prefix {
         for d in ["bin", "lib/sdhost/plugins", "config/sdhost", "work", "home"] {
             std::fs::create_dir_all(root.join(d)).unwrap();
         }
+        // Whatever the umask: world-writable plugin folders are refused.
+        for d in ["lib", "lib/sdhost", "lib/sdhost/plugins"] {
+            std::fs::set_permissions(root.join(d), std::fs::Permissions::from_mode(0o755))
+                .unwrap();
+        }
         std::fs::copy(env!("CARGO_BIN_EXE_sdhost"), root.join("bin/sdhost")).unwrap();
         std::fs::copy(
             build_dir().join("libggml-base.so.0"),
@@ -67,6 +74,7 @@ impl Prefix {
     pub fn install(&self, file: &Path, name: &str) -> PathBuf {
         let dst = self.plugins().join(name);
         std::fs::copy(file, &dst).unwrap();
+        std::fs::set_permissions(&dst, std::fs::Permissions::from_mode(0o755)).unwrap();
         dst
     }
 
@@ -99,6 +107,89 @@ impl Prefix {
     pub fn write_config(&self, text: &str) {
         std::fs::write(self.root().join("config/sdhost/config.toml"), text).unwrap();
     }
+
+    /// The probe cache file the prefix's runs use.
+    pub fn probe_cache(&self) -> PathBuf {
+        self.root().join("cache/sdhost/probes.json")
+    }
+}
+
+/// Runs `cmd` to its end, killing it and failing the test if it takes
+/// longer than `limit` (a hang must not hang the test suite); also returns
+/// how long it took.
+pub fn run_within(mut cmd: Command, limit: Duration) -> (Run, Duration) {
+    let started = Instant::now();
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(out) => (Run::from(out.unwrap()), started.elapsed()),
+        Err(_) => {
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            panic!("{cmd:?} did not finish within {limit:?}");
+        }
+    }
+}
+
+/// `(state, ppid)` of a process from `/proc/PID/stat`; `None` once it is gone.
+pub fn proc_stat(pid: u32) -> Option<(char, u32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid ...`; comm may hold spaces and parentheses.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    let ppid = f.next()?.parse().ok()?;
+    Some((state, ppid))
+}
+
+/// Live processes whose parent is `parent`, with their command lines.
+pub fn children_of(parent: u32) -> Vec<(u32, String)> {
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    rd.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| proc_stat(pid).is_some_and(|(s, ppid)| ppid == parent && s != 'Z'))
+        .map(|pid| {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            (pid, String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}
+
+/// The cells of one line of a text table: runs of text separated by two or
+/// more spaces, with the byte offset each starts at.
+pub fn table_cells(line: &str) -> Vec<(usize, String)> {
+    let mut cells = Vec::new();
+    let mut start = None;
+    let b = line.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b' ' && b.get(i + 1) == Some(&b' ') {
+            if let Some(s) = start.take() {
+                cells.push((s, line[s..i].to_string()));
+            }
+            while i < b.len() && b[i] == b' ' {
+                i += 1;
+            }
+            continue;
+        }
+        if start.is_none() {
+            start = Some(i);
+        }
+        i += 1;
+    }
+    if let Some(s) = start {
+        cells.push((s, line[s..].trim_end().to_string()));
+    }
+    cells
 }
 
 /// The outcome of one run.

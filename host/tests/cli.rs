@@ -1,0 +1,136 @@
+//! CLI output snapshots (insta): every subcommand's `--help`, the listings
+//! in text and JSON, and the one-line errors of bad input. Paths of the
+//! throwaway prefix and machine-dependent values (memory, CPU name) are
+//! redacted. `INSTA_UPDATE=always cargo test -p sdhost --test cli` rewrites
+//! them after an intended change; review the diff before committing.
+
+mod common;
+use common::*;
+use std::path::{Path, PathBuf};
+
+fn tiny() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
+}
+
+/// Replaces what varies between runs and machines.
+fn settings(p: &Prefix) -> insta::Settings {
+    let mut s = insta::Settings::clone_current();
+    s.set_prepend_module_to_snapshot(false);
+    let root = p.root().display().to_string();
+    let fixtures = tiny().parent().unwrap().display().to_string();
+    s.add_filter(&regex_escape(&root), "[PREFIX]");
+    s.add_filter(&regex_escape(&fixtures), "[FIXTURES]");
+    s.add_filter(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)\b", "[SIZE]");
+    s.add_filter(r#""(memory_free|memory_total|weight_bytes|free)": \d+"#, "\"$1\": [N]");
+    s.add_filter(r"\.sdhost-\w+\.partial", ".sdhost-[TMP].partial");
+    s
+}
+
+fn regex_escape(s: &str) -> String {
+    s.chars()
+        .flat_map(|c| {
+            if "\\.+*?()|[]{}^$".contains(c) {
+                vec!['\\', c]
+            } else {
+                vec![c]
+            }
+        })
+        .collect()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn help_of_every_subcommand() {
+    let p = Prefix::bare();
+    let _g = settings(&p).bind_to_scope();
+    for sub in [
+        "", "devices", "plugins", "plan", "check", "generate", "convert", "bench",
+    ] {
+        let mut args: Vec<&str> = sub.split_whitespace().collect();
+        args.push("--help");
+        let r = p.run(&args).ok();
+        let name = if sub.is_empty() { "help".to_string() } else { format!("help-{sub}") };
+        insta::assert_snapshot!(name, r.stdout);
+    }
+}
+
+#[test]
+fn listings_in_text_and_json() {
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_testplugin_init_fails"), "libsdhost_plugin_initfails.so");
+    let _g = settings(&p).bind_to_scope();
+    let plugins = p.run(&["plugins"]).ok().stdout;
+    // The package column and the CPU's row vary with the machine's name for
+    // its processor: snapshot the structure.
+    insta::assert_snapshot!("plugins", plugins);
+    let mut j = p.run(&["plugins", "--json"]).ok().json();
+    for rec in j["plugins"].as_array_mut().unwrap() {
+        rec["sha256"] = "[HASH]".into();
+    }
+    insta::assert_json_snapshot!("plugins-json", j, {
+        ".plugins[].build" => "[BUILD]",
+        ".plugins[].identity" => "[BUILD]",
+        ".plugins[].manifest.identity" => "[BUILD]",
+    });
+    insta::assert_json_snapshot!("devices-json", p.run(&["devices", "--json"]).ok().json(), {
+        "[].description" => "[CPU]",
+        "[].memory_free" => "[N]",
+        "[].memory_total" => "[N]",
+    });
+    insta::assert_snapshot!("plan", p.run(&["plan"]).ok().stdout);
+    insta::assert_snapshot!(
+        "plan-model",
+        p.run(&["plan", "-m", s(&tiny())]).ok().stdout
+    );
+    insta::assert_json_snapshot!(
+        "plan-model-json",
+        p.run(&["plan", "-m", s(&tiny()), "--json"]).ok().json()
+    );
+    let bare = Prefix::bare();
+    let _g = settings(&bare).bind_to_scope();
+    insta::assert_snapshot!("devices-none", bare.run(&["devices"]).ok().stdout);
+}
+
+#[test]
+fn error_lines() {
+    let p = Prefix::with_cpu();
+    let _g = settings(&p).bind_to_scope();
+    let out = p.dir("out");
+    let png = out.join("x.png");
+    let gen = |extra: &[&str]| {
+        let mut a = vec!["generate", "-m", s(&tiny()), "-p", "a cat", "-W", "64", "-H", "64"];
+        a.extend_from_slice(extra);
+        a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    };
+    let missing = p.root().join("missing.safetensors");
+    let cases: Vec<(&str, Vec<String>)> = vec![
+        ("output-dev-null", gen(&["-o", "/dev/null"])),
+        ("output-folder", gen(&["-o", s(&out)])),
+        ("output-missing-folder", gen(&["-o", s(&out.join("no/x.png"))])),
+        ("output-unwritable-folder", gen(&["-o", "/proc/x.png"])),
+        ("missing-model", vec!["generate".into(), "-m".into(), s(&missing).into(), "-p".into(), "x".into(), "-o".into(), s(&png).into()]),
+        ("unknown-device", gen(&["--backend", "cuda0", "-o", s(&png)])),
+        ("size-not-a-multiple", gen(&["-W", "72", "-o", s(&png)])),
+        ("config-dev-zero", vec!["--config".into(), "/dev/zero".into(), "devices".into()]),
+        ("threads-usage", vec!["-t".into(), "65535".into(), "devices".into()]),
+        ("cfg-nan-usage", gen(&["--cfg-scale", "nan", "-o", s(&png)])),
+        ("unknown-sampler-usage", gen(&["--sampler", "heun9", "-o", s(&png)])),
+        ("check-unknown-device", vec!["check".into(), "--device".into(), "vulkan7".into()]),
+        ("plan-unknown-module", vec!["plan".into(), "--backend".into(), "unet=cpu".into()]),
+    ];
+    let mut all = String::new();
+    for (name, args) in cases {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let r = p.run(&args);
+        all.push_str(&format!(
+            "## {name}: exit {}\n{}\n",
+            r.code.unwrap_or(-1),
+            r.stderr.trim_end()
+        ));
+    }
+    insta::assert_snapshot!("errors", all);
+    assert!(std::fs::read_dir(&out).unwrap().next().is_none());
+}
