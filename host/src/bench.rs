@@ -416,7 +416,7 @@ pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()>
     let mut sd =
         Sd1::load(&ckpt, layout, a.sample.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
     let load_s = t.elapsed().as_secs_f64();
-    let flash = crate::generate::apply_flash_attn(&mut sd, &layout, &a.sample.flash_attn);
+    let flash = crate::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     sample_devices();
     let req = a.sample.request(&a.prompt, "", 1);
     let mut ours = Vec::new();
@@ -511,7 +511,7 @@ fn run_peer(
         .args(["-t", &threads.to_string()])
         .args(["--runs", &runs.to_string()]);
     // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
-    if a.sample.flash_attn == "on" {
+    if a.sample.flash_attn == crate::cli::FlashAttn::On {
         c.arg("--flash-attn");
     }
     if let Some(b) = &a.placement.backend {

@@ -183,20 +183,20 @@ pub struct SampleArgs {
     pub seed: u64,
 
     /// Sampler: euler_a, euler or dpm++2m
-    #[arg(long, default_value = "euler_a", value_parser = parse_sampler)]
+    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::schedule::Sampler>)]
     pub sampler: sdhost_models::schedule::Sampler,
 
     /// What each module holds between its phases (text encoding, sampling,
     /// decoding): `free` (default) releases its compute buffers and any
     /// runtime copy of weights kept on another device; `keep` holds them
-    #[arg(long = "phase-memory", default_value = "free", value_parser = parse_policy)]
+    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
     pub phase_memory: sdhost_models::module::WeightPolicy,
 
     /// Fused (flash) attention in the UNet and VAE, K and V rounded to f16:
     /// `auto` (default) uses it for modules running on a CPU device, where it
     /// is faster and smaller; `on` (or the bare flag) everywhere; `off` nowhere
-    #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on", value_parser = ["auto", "on", "off"])]
-    pub flash_attn: String,
+    #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
+    pub flash_attn: FlashAttn,
 }
 
 impl SampleArgs {
@@ -288,14 +288,15 @@ fn parse_type(s: &str) -> Result<ggml::Type, String> {
         .ok_or_else(|| format!("unknown type {s:?} (f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, q3_K, q4_K, q5_K, q6_K)"))
 }
 
-fn parse_sampler(s: &str) -> Result<sdhost_models::schedule::Sampler, String> {
-    sdhost_models::schedule::Sampler::parse(s)
-        .ok_or_else(|| format!("unknown sampler {s:?} (euler_a, euler, dpm++2m)"))
-}
-
-fn parse_policy(s: &str) -> Result<sdhost_models::module::WeightPolicy, String> {
-    sdhost_models::module::WeightPolicy::parse(s)
-        .ok_or_else(|| format!("unknown policy {s:?} (free, keep)"))
+/// `--flash-attn WHEN`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FlashAttn {
+    /// On for modules whose runtime device is a CPU.
+    Auto,
+    /// Everywhere.
+    On,
+    /// Nowhere.
+    Off,
 }
 
 /// `sdhost plan`.

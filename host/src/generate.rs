@@ -5,7 +5,7 @@
 //! parameters in a `parameters` text chunk.
 
 use crate::app::Session;
-use crate::cli::GenerateArgs;
+use crate::cli::{FlashAttn, GenerateArgs};
 use crate::manager::BackendManager;
 use crate::placement::{Module as Place, Placement};
 use crate::output::OutputFile;
@@ -32,7 +32,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
     let mut sd = Sd1::load(&ckpt, layout, args.sample.phase_memory)?;
-    let flash = apply_flash_attn(&mut sd, &layout, &args.sample.flash_attn);
+    let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     let load_time = loading.elapsed();
     let req = args
         .sample
@@ -114,7 +114,7 @@ pub fn layout<'m>(
 
 /// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
 /// runtime device is a CPU) and says where it is on, e.g. `diffusion, vae`.
-pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: &str) -> String {
+pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
     let mut on = Vec::new();
     for (module, devices) in [
         (&mut sd.te, layout.te),
@@ -122,9 +122,9 @@ pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: &str) -> St
         (&mut sd.vae, layout.vae),
     ] {
         let flash = match when {
-            "on" => true,
-            "off" => false,
-            _ => devices.runtime.device().device_type() == DeviceType::Cpu,
+            FlashAttn::On => true,
+            FlashAttn::Off => false,
+            FlashAttn::Auto => devices.runtime.device().device_type() == DeviceType::Cpu,
         };
         // The text encoder's causal attention never uses it.
         if flash && module.name() != "te" {

@@ -336,9 +336,8 @@ fn non_finite_guidance_is_a_usage_error() {
     let out_dir = p.dir("out");
     for v in ["nan", "inf", "-inf"] {
         let (model, out) = (tiny(), out_dir.join("x.png"));
-        let flag;
+        let flag = format!("--cfg-scale={v}");
         let mut args = gen_args(&model, &out, "64", "1");
-        flag = format!("--cfg-scale={v}");
         args.push(&flag);
         let r = p.run(&args);
         assert_eq!(r.code, Some(2), "{}", r.stderr);

@@ -191,13 +191,7 @@ fn modules_match_references_on_cpu() {
     modules_match_references("cpu", "cpu", 1.0);
 }
 
-fn vulkan_enabled() -> bool {
-    if std::env::var("SDHOST_TEST_VULKAN").as_deref() != Ok("1") {
-        eprintln!("SDHOST_TEST_VULKAN is not 1: skipped");
-        return false;
-    }
-    true
-}
+
 
 /// One test, so the second placement reuses the pipelines lavapipe compiled
 /// for the first (compiling them dominates the run time).

@@ -7,11 +7,7 @@ mod common;
 use common::*;
 
 fn enabled() -> bool {
-    let on = std::env::var("SDHOST_TEST_VULKAN").is_ok_and(|v| v == "1");
-    if !on {
-        eprintln!("SDHOST_TEST_VULKAN is not 1: Vulkan tests skipped (scripts/test sets it)");
-    }
-    on
+    vulkan_enabled()
 }
 
 fn prefix_with_vulkan() -> Prefix {

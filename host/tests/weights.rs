@@ -132,8 +132,7 @@ fn weights_upload_to_cpu() {
 
 #[test]
 fn weights_upload_to_vulkan() {
-    if std::env::var("SDHOST_TEST_VULKAN").as_deref() != Ok("1") {
-        eprintln!("SDHOST_TEST_VULKAN is not 1: skipped");
+    if !vulkan_enabled() {
         return;
     }
     // The Vulkan plugin reads it when it initialises; lavapipe is hidden otherwise.

@@ -36,13 +36,32 @@ pub enum WeightPolicy {
 }
 
 impl WeightPolicy {
-    /// Parses `free` / `keep`.
-    pub fn parse(s: &str) -> Option<Self> {
-        match s.to_ascii_lowercase().as_str() {
-            "free" => Some(WeightPolicy::Free),
-            "keep" => Some(WeightPolicy::Keep),
-            _ => None,
+    /// Both policies.
+    pub const ALL: [WeightPolicy; 2] = [WeightPolicy::Free, WeightPolicy::Keep];
+
+    /// The policy's name (`free`, `keep`).
+    pub fn name(self) -> &'static str {
+        match self {
+            WeightPolicy::Free => "free",
+            WeightPolicy::Keep => "keep",
         }
+    }
+
+    /// Parses a name of [`WeightPolicy::name`] (any case).
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|p| p.name().eq_ignore_ascii_case(s))
+    }
+}
+
+impl std::str::FromStr for WeightPolicy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        WeightPolicy::parse(s).ok_or_else(|| {
+            let names: Vec<&str> = Self::ALL.iter().map(|p| p.name()).collect();
+            format!("unknown policy {s:?} ({})", names.join(", "))
+        })
     }
 }
 

@@ -95,6 +95,9 @@ pub enum Sampler {
 }
 
 impl Sampler {
+    /// Every sampler, in the order help texts list them.
+    pub const ALL: [Sampler; 3] = [Sampler::EulerA, Sampler::Euler, Sampler::DpmPp2m];
+
     /// Parses `euler_a`, `euler`, `dpm++2m` (case-insensitive; `-`/`_` ignored).
     pub fn parse(s: &str) -> Option<Sampler> {
         let k: String = s
@@ -117,6 +120,22 @@ impl Sampler {
             Sampler::Euler => "euler",
             Sampler::DpmPp2m => "dpm++2m",
         }
+    }
+}
+
+impl std::str::FromStr for Sampler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Sampler::parse(s).ok_or_else(|| {
+            let names: Vec<&str> = Sampler::ALL.iter().map(|s| s.name()).collect();
+            format!("unknown sampler {s:?} ({})", names.join(", "))
+        })
+    }
+}
+
+impl std::fmt::Display for Sampler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

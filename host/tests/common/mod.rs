@@ -252,3 +252,25 @@ pub fn record<'a>(plugins: &'a serde_json::Value, file_name: &str) -> &'a serde_
         })
         .unwrap_or_else(|| panic!("no record for {file_name} in {plugins:#}"))
 }
+
+/// Whether the Vulkan tests run (`SDHOST_TEST_VULKAN=1`, set by
+/// `scripts/test`). A skip is loud, and where skipping is not allowed
+/// (`SDHOST_REQUIRE_VULKAN_TESTS=1`, set by `.ci/run`) it is a failure.
+pub fn vulkan_enabled() -> bool {
+    if std::env::var("SDHOST_TEST_VULKAN").as_deref() == Ok("1") {
+        return true;
+    }
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("a Vulkan test")
+        .to_string();
+    assert!(
+        std::env::var("SDHOST_REQUIRE_VULKAN_TESTS").as_deref() != Ok("1"),
+        "{test}: SDHOST_REQUIRE_VULKAN_TESTS=1 but SDHOST_TEST_VULKAN is not 1: \
+         the Vulkan tests must run here (scripts/test sets it)"
+    );
+    eprintln!(
+        "\n******** SKIPPED {test}: SDHOST_TEST_VULKAN is not 1 (scripts/test sets it) ********\n"
+    );
+    false
+}
