@@ -24,6 +24,7 @@ pub struct Reg(sys::ggml_backend_reg_t);
 // SAFETY: a registry is immutable after creation; ggml's accessors on it are
 // thread-safe (they read fixed tables).
 unsafe impl Send for Reg {}
+// SAFETY: as for `Send`: shared use only reads the registry's fixed tables.
 unsafe impl Sync for Reg {}
 
 impl Reg {
@@ -49,6 +50,7 @@ impl Reg {
         let n = unsafe { sys::ggml_backend_reg_dev_count(self.0) };
         (0..n)
             .filter_map(|i| {
+                // SAFETY: valid registry and `i` below its device count.
                 let d = unsafe { sys::ggml_backend_reg_dev_get(self.0, i) };
                 (!d.is_null()).then_some(Device(d))
             })
@@ -86,6 +88,7 @@ pub struct Device(sys::ggml_backend_dev_t);
 // SAFETY: devices are static objects of their registry; their accessors are
 // safe to call from any thread.
 unsafe impl Send for Device {}
+// SAFETY: as for `Send`: a device's accessors only read its static state.
 unsafe impl Sync for Device {}
 
 impl Device {
@@ -233,10 +236,15 @@ pub struct Backend {
     abortable: bool,
 }
 
-// SAFETY: a backend may move between threads; `&Backend` methods used by this
-// crate do not mutate shared state without ggml's own synchronisation, and
-// callers serialise computations through `&mut`-free APIs of the scheduler.
+// SAFETY: a backend may move between threads. Its `&self` methods read
+// ggml state, except `set_n_threads`, which writes one field of the backend's
+// context and is called before the backend is shared; the abort flag lives
+// behind a mutex (`set_abort_flag` never touches ggml). Computations on one
+// backend are serialised by their callers (ggml backends are not re-entrant).
 unsafe impl Send for Backend {}
+// SAFETY: as for `Send`: `&self` methods read ggml state, the one setter of
+// ggml state runs before sharing, the abort flag is behind a mutex, and
+// callers serialise computations on one backend.
 unsafe impl Sync for Backend {}
 
 impl Backend {
@@ -259,8 +267,15 @@ impl Backend {
         let Some(f) = reg.proc_address("ggml_backend_set_n_threads") else {
             return false;
         };
-        // SAFETY: ggml documents this proc as `void (*)(ggml_backend_t, int)`.
+        // SAFETY: ggml-backend.h declares this proc as
+        // `ggml_backend_set_n_threads_t`, `void (*)(ggml_backend_t, int)`, and
+        // the address is non-null.
         let f: unsafe extern "C" fn(sys::ggml_backend_t, i32) = unsafe { std::mem::transmute(f) };
+        // SAFETY: `self.raw` is the live instance this registry created. The
+        // setter writes one int of the backend's context, read when a
+        // computation starts; like every setter here it must not run while
+        // that backend computes (see the `Sync` note on `Backend`: the
+        // manager calls it right after creating the backend).
         unsafe { f(self.raw, n.clamp(1, i32::MAX as usize) as i32) };
         true
     }

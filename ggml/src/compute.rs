@@ -159,6 +159,7 @@ impl Type {
         if p.is_null() {
             return String::new();
         }
+        // SAFETY: non-null, NUL-terminated and static (ggml's type table).
         unsafe { std::ffi::CStr::from_ptr(p) }
             .to_string_lossy()
             .into_owned()
@@ -284,7 +285,12 @@ impl Context {
         // SAFETY: live context; a pure size computation.
         let need = unsafe { sys::ggml_graph_overhead_custom(size, false) };
         // SAFETY: as above: reads the pool's size and fill level.
-        let (used, total) = unsafe { (sys::ggml_used_mem(self.raw), sys::ggml_get_mem_size(self.raw)) };
+        let (used, total) = unsafe {
+            (
+                sys::ggml_used_mem(self.raw),
+                sys::ggml_get_mem_size(self.raw),
+            )
+        };
         if used.checked_add(need).is_none_or(|end| end > total) {
             return Err(Error::Invalid(format!(
                 "the context has no room for a graph of size {size} ({used} of {total} bytes used)"
@@ -780,7 +786,11 @@ impl Context {
         let (offset, size, base_offs, base_bytes) = unsafe {
             let r = &*a.raw;
             let row = sys::ggml_row_size(r.type_, w);
-            let base = if r.view_src.is_null() { a.raw } else { r.view_src };
+            let base = if r.view_src.is_null() {
+                a.raw
+            } else {
+                r.view_src
+            };
             (
                 sys::ggml_row_size(r.type_, index * w),
                 (row as u128) * (ne[1] * ne[2] * ne[3]) as u128,
@@ -1052,9 +1062,39 @@ impl<'ctx> Tensor<'ctx> {
         if p.is_null() {
             return String::new();
         }
+        // SAFETY: non-null, NUL-terminated and static (ggml's type table).
         unsafe { std::ffi::CStr::from_ptr(p) }
             .to_string_lossy()
             .into_owned()
+    }
+
+    /// The op that computes the tensor, as ggml names it (`MUL_MAT`,
+    /// `SOFT_MAX`, `GELU` for a unary op, `NONE` for a leaf).
+    pub fn op_name(&self) -> String {
+        // SAFETY: live tensor; ggml returns a static string from its op tables.
+        let p = unsafe { sys::ggml_op_desc(self.raw) };
+        if p.is_null() {
+            return String::new();
+        }
+        // SAFETY: non-null, NUL-terminated and static (above).
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Whether the tensor computes nothing: a leaf or a view of another
+    /// tensor (reshape, view, permute, transpose), which no backend runs.
+    pub fn is_no_op(&self) -> bool {
+        // SAFETY: a live tensor's header.
+        let op = unsafe { (*self.raw).op };
+        matches!(
+            op,
+            sys::GGML_OP_NONE
+                | sys::GGML_OP_RESHAPE
+                | sys::GGML_OP_VIEW
+                | sys::GGML_OP_PERMUTE
+                | sys::GGML_OP_TRANSPOSE
+        )
     }
 
     /// Sets the tensor's name (truncated to ggml's limit).
@@ -1477,10 +1517,16 @@ mod tests {
         ));
         // conv_2d makes seven tensors: room is checked for all of them.
         let ctx = Context::new(8, 0).unwrap();
-        let (k, x) = (t(&ctx, Type::F16, &[3, 3, 8, 16]), f32s(&ctx, &[16, 16, 8, 1]));
+        let (k, x) = (
+            t(&ctx, Type::F16, &[3, 3, 8, 16]),
+            f32s(&ctx, &[16, 16, 8, 1]),
+        );
         assert!(matches!(ctx.conv_2d(k, x, 1, 1), Err(Error::Invalid(_))));
         let ctx = Context::new(9, 0).unwrap();
-        let (k, x) = (t(&ctx, Type::F16, &[3, 3, 8, 16]), f32s(&ctx, &[16, 16, 8, 1]));
+        let (k, x) = (
+            t(&ctx, Type::F16, &[3, 3, 8, 16]),
+            f32s(&ctx, &[16, 16, 8, 1]),
+        );
         assert_eq!(ctx.conv_2d(k, x, 1, 1).unwrap().ne(), [16, 16, 16, 1]);
     }
 
@@ -1503,9 +1549,15 @@ mod tests {
 
     #[test]
     fn aborted_is_its_own_error() {
-        assert!(matches!(status(sys::GGML_STATUS_ABORTED), Err(Error::Aborted)));
+        assert!(matches!(
+            status(sys::GGML_STATUS_ABORTED),
+            Err(Error::Aborted)
+        ));
         assert_eq!(Error::Aborted.to_string(), "computation aborted");
-        assert!(matches!(status(sys::GGML_STATUS_FAILED), Err(Error::Compute(-1))));
+        assert!(matches!(
+            status(sys::GGML_STATUS_FAILED),
+            Err(Error::Compute(-1))
+        ));
         assert!(status(sys::GGML_STATUS_SUCCESS).is_ok());
     }
 }

@@ -26,7 +26,7 @@ pub mod sys {
         dead_code,
         missing_docs
     )]
-    #![allow(clippy::all, rustdoc::all)]
+    #![allow(clippy::all, clippy::undocumented_unsafe_blocks, rustdoc::all)]
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 

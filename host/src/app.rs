@@ -129,14 +129,11 @@ impl Session {
             }
         }
         // ggml's own default is 4 threads whatever the machine; ours is every core.
-        let threads = cli
-            .threads
-            .or(config.threads)
-            .or_else(|| {
-                std::thread::available_parallelism()
-                    .ok()
-                    .map(|n| n.get().min(config::MAX_THREADS))
-            });
+        let threads = cli.threads.or(config.threads).or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get().min(config::MAX_THREADS))
+        });
         Ok(Session {
             config,
             search,

@@ -2,9 +2,10 @@
 //! scheduler, with the CPU as fallback) and on the CPU alone, compared.
 //!
 //! Per case the result is `PASS`/`FAIL` (max error against the per-op
-//! tolerance), `FALLBACK` (the device does not support the op: the scheduler
-//! ran it on the CPU and the result still matched) or `UNSUPPORTED` (the op
-//! could not run at all).
+//! tolerance), `FALLBACK` (the device does not support some node of the
+//! case's graph: the scheduler ran those nodes on the CPU, the row names
+//! them, and the result still matched) or `UNSUPPORTED` (the case could not
+//! run at all). A mismatch is a `FAIL` wherever its nodes ran.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use serde::Serialize;
@@ -17,7 +18,7 @@ pub enum Verdict {
     Pass,
     /// Ran on the device and did not match.
     Fail,
-    /// Device lacks the op; the scheduler ran it on the CPU.
+    /// Device lacks some node of the case; the scheduler ran those on the CPU.
     Fallback,
     /// Could not run at all.
     Unsupported,
@@ -265,9 +266,30 @@ pub fn random_values(seed: u64, n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Runs a case through a scheduler over `backends` (CPU last). Returns the
-/// output and whether its node ran on the first backend.
-pub fn run_case(case: &Case, backends: &[&Backend], seed: u64) -> ggml::Result<(Vec<f32>, bool)> {
+/// Changes the values written into a case's inputs before the device run
+/// (input index, values); a test hook, so that `check` can be shown to FAIL
+/// when the device computes something else than the CPU.
+pub type Perturb<'p> = &'p dyn Fn(usize, &mut [f32]);
+
+/// What one run of a case produced.
+#[derive(Debug)]
+pub struct CaseRun {
+    /// The output's values.
+    pub output: Vec<f32>,
+    /// The graph's computing nodes that the scheduler did not put on the
+    /// first backend (it ran them on the CPU), as `node N OP`.
+    pub fell_back: Vec<String>,
+}
+
+/// Runs a case through a scheduler over `backends` (CPU last), its inputs
+/// filled from `seed` (and changed by `perturb`, if given). Reports the
+/// output and every node that did not run on the first backend.
+pub fn run_case(
+    case: &Case,
+    backends: &[&Backend],
+    seed: u64,
+    perturb: Option<Perturb<'_>>,
+) -> ggml::Result<CaseRun> {
     let first = backends
         .first()
         .ok_or_else(|| ggml::Error::Invalid("no backend".into()))?;
@@ -279,18 +301,41 @@ pub fn run_case(case: &Case, backends: &[&Backend], seed: u64) -> ggml::Result<(
     // the CPU (copying operands) for an op that device does not support.
     let _buffer = inputs_ctx.alloc_tensors(first)?;
     for (k, i) in inputs.iter().enumerate() {
-        i.set_f32(&random_values(
-            seed.wrapping_add(k as u64 * 7919),
-            i.nelements(),
-        ))?;
+        let mut values = random_values(seed.wrapping_add(k as u64 * 7919), i.nelements());
+        if let Some(p) = perturb {
+            p(k, &mut values);
+        }
+        i.set_f32(&values)?;
     }
     out.set_output();
     let graph = ctx.graph(out, 256)?;
     let mut sched = Sched::new(backends, 256)?;
     sched.alloc(&graph)?;
     sched.compute(&graph)?;
-    let on_first = sched.backend_of(out) == Some(0);
-    Ok((out.get_f32()?, on_first))
+    let fell_back = (0..graph.n_nodes())
+        .filter_map(|i| Some((i, graph.node(i)?)))
+        .filter(|(_, n)| !n.is_no_op() && sched.backend_of(*n) != Some(0))
+        .map(|(i, n)| format!("node {i} {}", n.op_name()))
+        .collect();
+    Ok(CaseRun {
+        output: out.get_f32()?,
+        fell_back,
+    })
+}
+
+/// The verdict on a device run whose output differs from the CPU's by
+/// `err` and in which the nodes `fell_back` ran on the CPU, with the row's
+/// detail: a mismatch is a FAIL whatever ran where; a match with any node on
+/// the CPU is a FALLBACK that names those nodes.
+pub fn decide(err: f64, tolerance: f64, fell_back: &[String]) -> (Verdict, Option<String>) {
+    let on_cpu = (!fell_back.is_empty()).then(|| format!("on the CPU: {}", fell_back.join(", ")));
+    if err.is_nan() || err > tolerance {
+        (Verdict::Fail, on_cpu)
+    } else if on_cpu.is_some() {
+        (Verdict::Fallback, on_cpu)
+    } else {
+        (Verdict::Pass, None)
+    }
 }
 
 /// max |a - b| / max(1, max |b|).
@@ -319,6 +364,20 @@ pub fn check_device(
     seed: u64,
     filter: &[String],
 ) -> Vec<CaseResult> {
+    check_device_with(name, device, cpu, seed, filter, None)
+}
+
+/// [`check_device`], with the device run's inputs changed by `perturb` (a
+/// test hook: with it, a device that computes exactly what the CPU does
+/// must FAIL every case).
+pub fn check_device_with(
+    name: &str,
+    device: &Backend,
+    cpu: &Backend,
+    seed: u64,
+    filter: &[String],
+    perturb: Option<Perturb<'_>>,
+) -> Vec<CaseResult> {
     cases()
         .iter()
         .filter(|c| filter.is_empty() || filter.iter().any(|f| c.name.contains(f.as_str())))
@@ -332,8 +391,8 @@ pub fn check_device(
                 detail,
             };
             tracing::debug!("check {name}: {}", case.name);
-            let reference = match run_case(case, &[cpu], seed) {
-                Ok((r, _)) => r,
+            let reference = match run_case(case, &[cpu], seed, None) {
+                Ok(r) => r.output,
                 Err(e) => {
                     return row(
                         Verdict::Unsupported,
@@ -347,18 +406,12 @@ pub fn check_device(
             } else {
                 vec![device, cpu]
             };
-            match run_case(case, &backends, seed) {
+            match run_case(case, &backends, seed, perturb) {
                 Err(e) => row(Verdict::Unsupported, None, Some(e.to_string())),
-                Ok((got, on_device)) => {
-                    let err = relative_error(&got, &reference);
-                    let verdict = if err > case.tolerance {
-                        Verdict::Fail
-                    } else if on_device {
-                        Verdict::Pass
-                    } else {
-                        Verdict::Fallback
-                    };
-                    row(verdict, Some(err), None)
+                Ok(run) => {
+                    let err = relative_error(&run.output, &reference);
+                    let (verdict, detail) = decide(err, case.tolerance, &run.fell_back);
+                    row(verdict, Some(err), detail)
                 }
             }
         })
@@ -377,6 +430,43 @@ mod tests {
         assert!(a.iter().all(|v| (-1.0..1.0).contains(v)));
         let mean: f32 = a.iter().sum::<f32>() / 1000.0;
         assert!(mean.abs() < 0.1, "{mean}");
+    }
+
+    #[test]
+    fn fallback_is_decided_per_node_and_a_mismatch_always_fails() {
+        let none: Vec<String> = Vec::new();
+        assert_eq!(decide(0.0, 1e-3, &none), (Verdict::Pass, None));
+        assert_eq!(decide(1e-3, 1e-3, &none), (Verdict::Pass, None));
+        assert_eq!(decide(2e-3, 1e-3, &none).0, Verdict::Fail);
+        assert_eq!(decide(f64::NAN, 1e-3, &none).0, Verdict::Fail);
+        assert_eq!(decide(f64::INFINITY, 1e-3, &none).0, Verdict::Fail);
+        // One inner node on the CPU is enough, whatever ran the output.
+        let inner = vec!["node 0 MUL_MAT".to_string()];
+        assert_eq!(
+            decide(0.0, 1e-3, &inner),
+            (
+                Verdict::Fallback,
+                Some("on the CPU: node 0 MUL_MAT".to_string())
+            )
+        );
+        let two = vec!["node 0 MUL_MAT".to_string(), "node 3 MUL_MAT".to_string()];
+        let (v, d) = decide(1.0, 1e-3, &two);
+        assert_eq!(v, Verdict::Fail);
+        assert_eq!(
+            d.as_deref(),
+            Some("on the CPU: node 0 MUL_MAT, node 3 MUL_MAT")
+        );
+    }
+
+    #[test]
+    fn every_case_builds_and_has_inputs() {
+        for case in cases() {
+            let (i, c) = (Context::new(16, 0).unwrap(), Context::new(64, 256).unwrap());
+            let (inputs, out) =
+                (case.build)(&i, &c).unwrap_or_else(|e| panic!("{}: {e}", case.name));
+            assert!(!inputs.is_empty(), "{}", case.name);
+            c.graph(out, 256).unwrap();
+        }
     }
 
     #[test]

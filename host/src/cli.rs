@@ -394,7 +394,16 @@ mod tests {
         assert!(Cli::try_parse_from(["sdhost", "-t", "65535", "devices"]).is_err());
         assert!(Cli::try_parse_from(["sdhost", "-t", "512", "devices"]).is_ok());
         for cfg in ["nan", "inf", "-inf", "1e39", "x"] {
-            let args = ["sdhost", "generate", "-m", "m", "-p", "p", "--cfg-scale", cfg];
+            let args = [
+                "sdhost",
+                "generate",
+                "-m",
+                "m",
+                "-p",
+                "p",
+                "--cfg-scale",
+                cfg,
+            ];
             assert!(Cli::try_parse_from(args).is_err(), "{cfg}");
         }
         assert!(Cli::try_parse_from(["sdhost", "-q", "-v", "devices"]).is_err());

@@ -92,7 +92,10 @@ fn read_bounded(path: &Path) -> std::io::Result<String> {
     if bytes.len() as u64 > MAX_CONFIG_BYTES {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("larger than {} KiB; not a config file", MAX_CONFIG_BYTES >> 10),
+            format!(
+                "larger than {} KiB; not a config file",
+                MAX_CONFIG_BYTES >> 10
+            ),
         ));
     }
     String::from_utf8(bytes)

@@ -366,11 +366,23 @@ mod tests {
             got,
             vec![
                 ("libsdhost_plugin_a.so".into(), None),
-                ("libsdhost_plugin_dangling.so".into(), s("dangling symbolic link")),
-                ("libsdhost_plugin_dir.so".into(), s("not a regular file (directory)")),
+                (
+                    "libsdhost_plugin_dangling.so".into(),
+                    s("dangling symbolic link")
+                ),
+                (
+                    "libsdhost_plugin_dir.so".into(),
+                    s("not a regular file (directory)")
+                ),
                 ("libsdhost_plugin_link.so".into(), None),
-                ("libsdhost_plugin_linkdir.so".into(), s("not a regular file (directory)")),
-                ("libsdhost_plugin_sock.so".into(), s("not a regular file (socket)")),
+                (
+                    "libsdhost_plugin_linkdir.so".into(),
+                    s("not a regular file (directory)")
+                ),
+                (
+                    "libsdhost_plugin_sock.so".into(),
+                    s("not a regular file (socket)")
+                ),
             ]
         );
         assert!(plugin_entries(&d.join("missing")).is_empty());
@@ -402,7 +414,10 @@ mod tests {
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o666)).unwrap();
         let why = insecure_plugin(&f).unwrap();
         assert!(why.contains("the file is world-writable"), "{why}");
-        assert!(why.ends_with("(--allow-insecure-plugins loads it anyway)"), "{why}");
+        assert!(
+            why.ends_with("(--allow-insecure-plugins loads it anyway)"),
+            "{why}"
+        );
         // A world-writable folder, also when reached through a link.
         std::fs::set_permissions(&f, std::fs::Permissions::from_mode(0o755)).unwrap();
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o777)).unwrap();

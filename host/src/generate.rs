@@ -7,8 +7,8 @@
 use crate::app::Session;
 use crate::cli::{FlashAttn, GenerateArgs};
 use crate::manager::BackendManager;
-use crate::placement::{Module as Place, Placement};
 use crate::output::OutputFile;
+use crate::placement::{Module as Place, Placement};
 use crate::term;
 use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
@@ -68,7 +68,13 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     }
     let text = parameters_text(args, &placement, &flash);
     write_png(output, &image, &text)?;
-    term::eprint_line(&summary(&sd, &placement, load_time, sampling_time, req.steps));
+    term::eprint_line(&summary(
+        &sd,
+        &placement,
+        load_time,
+        sampling_time,
+        req.steps,
+    ));
     term::eprint_line(&format!(
         "wrote {}",
         term::clean(&args.output.display().to_string())
@@ -200,9 +206,11 @@ pub fn convert(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
 /// prompt could forge them. Line breaks become spaces (CLIP tokenizes both
 /// alike).
 fn one_line_prompt(p: &str) -> String {
-    p.split(['\n', '\r', '\u{2028}', '\u{2029}', '\u{85}', '\u{b}', '\u{c}'])
-        .collect::<Vec<_>>()
-        .join(" ")
+    p.split([
+        '\n', '\r', '\u{2028}', '\u{2029}', '\u{85}', '\u{b}', '\u{c}',
+    ])
+    .collect::<Vec<_>>()
+    .join(" ")
 }
 
 /// A1111-style parameters text.

@@ -94,6 +94,10 @@ pub struct DeviceEntry {
     pub ggml_name: String,
     /// Description.
     pub description: String,
+    /// ggml's device id: for a PCI device its bus id
+    /// (`domain:bus:device.function`, e.g. `0000:c1:00.0`); `None` where the
+    /// backend reports none (the CPU).
+    pub device_id: Option<String>,
     /// Free memory in bytes at discovery.
     pub memory_free: u64,
     /// Total memory in bytes.
@@ -338,6 +342,7 @@ impl Registry {
                     ty: d.device_type(),
                     ggml_name: d.name(),
                     description: d.description(),
+                    device_id: d.device_id(),
                     memory_free: free,
                     memory_total: total,
                     plugin: reg.plugins[i].path.clone(),

@@ -127,6 +127,7 @@ impl Report for DevicesReport {
                 vec![
                     d.name.clone(),
                     type_name(d.ty).into(),
+                    d.device_id.clone().unwrap_or_else(|| "-".into()),
                     format!(
                         "{} / {}",
                         human_bytes(d.memory_free),
@@ -141,6 +142,7 @@ impl Report for DevicesReport {
             &[
                 "NAME",
                 "TYPE",
+                "PCI BUS",
                 "MEMORY (free / total)",
                 "DESCRIPTION",
                 "PLUGIN",
@@ -156,6 +158,7 @@ impl Report for DevicesReport {
                 .map(|d| {
                     json!({
                         "name": d.name, "type": type_name(d.ty), "description": d.description,
+                        "device_id": d.device_id,
                         "memory_total": d.memory_total, "memory_free": d.memory_free,
                         "plugin": d.plugin, "ggml_name": d.ggml_name,
                     })

@@ -21,7 +21,10 @@ fn settings(p: &Prefix) -> insta::Settings {
     s.add_filter(&regex_escape(&root), "[PREFIX]");
     s.add_filter(&regex_escape(&fixtures), "[FIXTURES]");
     s.add_filter(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)\b", "[SIZE]");
-    s.add_filter(r#""(memory_free|memory_total|weight_bytes|free)": \d+"#, "\"$1\": [N]");
+    s.add_filter(
+        r#""(memory_free|memory_total|weight_bytes|free)": \d+"#,
+        "\"$1\": [N]",
+    );
     s.add_filter(r"\.sdhost-\w+\.partial", ".sdhost-[TMP].partial");
     s
 }
@@ -52,7 +55,11 @@ fn help_of_every_subcommand() {
         let mut args: Vec<&str> = sub.split_whitespace().collect();
         args.push("--help");
         let r = p.run(&args).ok();
-        let name = if sub.is_empty() { "help".to_string() } else { format!("help-{sub}") };
+        let name = if sub.is_empty() {
+            "help".to_string()
+        } else {
+            format!("help-{sub}")
+        };
         insta::assert_snapshot!(name, r.stdout);
     }
 }
@@ -60,7 +67,10 @@ fn help_of_every_subcommand() {
 #[test]
 fn listings_in_text_and_json() {
     let p = Prefix::with_cpu();
-    p.install(&built("sdhost_testplugin_init_fails"), "libsdhost_plugin_initfails.so");
+    p.install(
+        &built("sdhost_testplugin_init_fails"),
+        "libsdhost_plugin_initfails.so",
+    );
     let _g = settings(&p).bind_to_scope();
     let plugins = p.run(&["plugins"]).ok().stdout;
     // The package column and the CPU's row vary with the machine's name for
@@ -81,10 +91,7 @@ fn listings_in_text_and_json() {
         "[].memory_total" => "[N]",
     });
     insta::assert_snapshot!("plan", p.run(&["plan"]).ok().stdout);
-    insta::assert_snapshot!(
-        "plan-model",
-        p.run(&["plan", "-m", s(&tiny())]).ok().stdout
-    );
+    insta::assert_snapshot!("plan-model", p.run(&["plan", "-m", s(&tiny())]).ok().stdout);
     insta::assert_json_snapshot!(
         "plan-model-json",
         p.run(&["plan", "-m", s(&tiny()), "--json"]).ok().json()
@@ -101,7 +108,17 @@ fn error_lines() {
     let out = p.dir("out");
     let png = out.join("x.png");
     let gen = |extra: &[&str]| {
-        let mut a = vec!["generate", "-m", s(&tiny()), "-p", "a cat", "-W", "64", "-H", "64"];
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&tiny()),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+        ];
         a.extend_from_slice(extra);
         a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
     };
@@ -109,17 +126,49 @@ fn error_lines() {
     let cases: Vec<(&str, Vec<String>)> = vec![
         ("output-dev-null", gen(&["-o", "/dev/null"])),
         ("output-folder", gen(&["-o", s(&out)])),
-        ("output-missing-folder", gen(&["-o", s(&out.join("no/x.png"))])),
+        (
+            "output-missing-folder",
+            gen(&["-o", s(&out.join("no/x.png"))]),
+        ),
         ("output-unwritable-folder", gen(&["-o", "/proc/x.png"])),
-        ("missing-model", vec!["generate".into(), "-m".into(), s(&missing).into(), "-p".into(), "x".into(), "-o".into(), s(&png).into()]),
-        ("unknown-device", gen(&["--backend", "cuda0", "-o", s(&png)])),
+        (
+            "missing-model",
+            vec![
+                "generate".into(),
+                "-m".into(),
+                s(&missing).into(),
+                "-p".into(),
+                "x".into(),
+                "-o".into(),
+                s(&png).into(),
+            ],
+        ),
+        (
+            "unknown-device",
+            gen(&["--backend", "cuda0", "-o", s(&png)]),
+        ),
         ("size-not-a-multiple", gen(&["-W", "72", "-o", s(&png)])),
-        ("config-dev-zero", vec!["--config".into(), "/dev/zero".into(), "devices".into()]),
-        ("threads-usage", vec!["-t".into(), "65535".into(), "devices".into()]),
+        (
+            "config-dev-zero",
+            vec!["--config".into(), "/dev/zero".into(), "devices".into()],
+        ),
+        (
+            "threads-usage",
+            vec!["-t".into(), "65535".into(), "devices".into()],
+        ),
         ("cfg-nan-usage", gen(&["--cfg-scale", "nan", "-o", s(&png)])),
-        ("unknown-sampler-usage", gen(&["--sampler", "heun9", "-o", s(&png)])),
-        ("check-unknown-device", vec!["check".into(), "--device".into(), "vulkan7".into()]),
-        ("plan-unknown-module", vec!["plan".into(), "--backend".into(), "unet=cpu".into()]),
+        (
+            "unknown-sampler-usage",
+            gen(&["--sampler", "heun9", "-o", s(&png)]),
+        ),
+        (
+            "check-unknown-device",
+            vec!["check".into(), "--device".into(), "vulkan7".into()],
+        ),
+        (
+            "plan-unknown-module",
+            vec!["plan".into(), "--backend".into(), "unet=cpu".into()],
+        ),
     ];
     let mut all = String::new();
     for (name, args) in cases {

@@ -377,7 +377,6 @@ fn plugins_within(p: &Prefix, args: &[&str]) -> (serde_json::Value, Duration) {
     (r.ok().json(), took)
 }
 
-
 #[test]
 fn hanging_plugin_is_killed_after_the_probe_timeout() {
     let p = Prefix::with_cpu();
@@ -423,7 +422,11 @@ fn probe_timeout_from_the_config_file() {
     p.write_config("plugin_probe_timeout = 0\n");
     let r = p.run(&["devices"]);
     assert_eq!(r.code, Some(1));
-    assert!(r.stderr.contains("plugin_probe_timeout = 0"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("plugin_probe_timeout = 0"),
+        "{}",
+        r.stderr
+    );
 }
 
 #[test]
@@ -495,12 +498,20 @@ fn plugin_replaced_with_same_size_and_mtime_is_probed_again() {
     let before = std::fs::metadata(&file).unwrap();
     // In place, as `cp -p` does: same inode, same size, old mtime.
     std::fs::write(&file, &bad).unwrap();
-    filetime::set_file_mtime(&file, filetime::FileTime::from_last_modification_time(&before))
-        .unwrap();
+    filetime::set_file_mtime(
+        &file,
+        filetime::FileTime::from_last_modification_time(&before),
+    )
+    .unwrap();
     let after = std::fs::metadata(&file).unwrap();
     assert_eq!(
         (after.ino(), after.len(), after.mtime(), after.mtime_nsec()),
-        (before.ino(), before.len(), before.mtime(), before.mtime_nsec())
+        (
+            before.ino(),
+            before.len(),
+            before.mtime(),
+            before.mtime_nsec()
+        )
     );
     let r = p.run(&["plugins", "--json"]).ok();
     let rec = record(&r.json(), "libsdhost_plugin_swapped.so").clone();
@@ -545,7 +556,6 @@ fn survives_probe_cache(name: &str, put: impl FnOnce(&Path)) {
     assert_eq!(cache.as_object().unwrap().len(), 2, "{name}: {cache:#}");
 }
 
-
 #[test]
 fn junk_probe_cache_is_harmless() {
     survives_probe_cache("5 MiB of junk", |f| {
@@ -586,7 +596,10 @@ fn bloated_cache(p: &Prefix, copies: usize) -> Vec<u8> {
 
 #[test]
 fn probe_cache_forgets_missing_files_and_stays_bounded() {
-    for (copies, name) in [(500, "libsdhost_plugin_a.so"), (20_000, "libsdhost_plugin_b.so")] {
+    for (copies, name) in [
+        (500, "libsdhost_plugin_a.so"),
+        (20_000, "libsdhost_plugin_b.so"),
+    ] {
         let p = Prefix::with_cpu();
         p.run(&["plugins"]).ok();
         let bloated = bloated_cache(&p, copies);
@@ -599,7 +612,12 @@ fn probe_cache_forgets_missing_files_and_stays_bounded() {
         assert!(text.len() < 64 << 10, "{copies}: {} bytes", text.len());
         let cache: serde_json::Value = serde_json::from_slice(&text).unwrap();
         let keys: Vec<&String> = cache.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 2, "{copies} ({} bytes): {keys:?}", bloated.len());
+        assert_eq!(
+            keys.len(),
+            2,
+            "{copies} ({} bytes): {keys:?}",
+            bloated.len()
+        );
         assert!(keys.iter().all(|k| !k.contains("nonexistent")), "{keys:?}");
     }
 }
@@ -628,8 +646,7 @@ fn world_writable_plugin_folder_is_skipped_unless_allowed() {
         )
     );
     assert!(
-        r.stderr
-            .contains(&format!("plugin folder {dir}: folder ")),
+        r.stderr.contains(&format!("plugin folder {dir}: folder ")),
         "{}",
         r.stderr
     );
@@ -640,7 +657,13 @@ fn world_writable_plugin_folder_is_skipped_unless_allowed() {
         .is_empty());
     // Allowed by the flag, or by the config file.
     let r = p
-        .run(&["--allow-insecure-plugins", "--plugin-path", dir, "devices", "--json"])
+        .run(&[
+            "--allow-insecure-plugins",
+            "--plugin-path",
+            dir,
+            "devices",
+            "--json",
+        ])
         .ok();
     assert_eq!(r.device_names(), vec!["cpu"]);
     p.write_config("allow_insecure_plugins = true\n");
@@ -724,7 +747,10 @@ fn plugins_table_header_has_a_column_per_cell() {
     let shadowed = table_cells(lines.iter().find(|l| l.starts_with("shadowed")).unwrap());
     assert_eq!(shadowed.len(), header.len(), "{out}");
     for ((hs, h), (rs, r)) in header.iter().zip(&shadowed) {
-        assert_eq!(hs, rs, "column {h} starts where cell {r:?} does not:\n{out}");
+        assert_eq!(
+            hs, rs,
+            "column {h} starts where cell {r:?} does not:\n{out}"
+        );
     }
     assert_eq!(shadowed[6].1, "-");
     assert!(shadowed[7].1.starts_with("family cpu already provided by"));

@@ -39,8 +39,19 @@ fn one_line_failure(r: &Run, code: i32, needles: &[&str]) {
 
 fn gen_args<'a>(model: &'a Path, out: &'a Path, size: &'a str, steps: &'a str) -> Vec<&'a str> {
     vec![
-        "generate", "-m", s(model), "-p", "a cat", "-W", size, "-H", size, "--steps", steps,
-        "-o", s(out),
+        "generate",
+        "-m",
+        s(model),
+        "-p",
+        "a cat",
+        "-W",
+        size,
+        "-H",
+        size,
+        "--steps",
+        steps,
+        "-o",
+        s(out),
     ]
 }
 
@@ -166,7 +177,11 @@ fn convert_streams_a_tensor_larger_than_its_memory_limit() {
     // 640 MiB of f32 in one tensor, converted under a 256 MiB heap limit.
     sparse_safetensors(&src, "model.diffusion_model.out.2.weight", &[40960, 4096]);
     let out = dir.join("big.gguf");
-    let r = run_limited(&p, 256, &["convert", "-m", s(&src), "-o", s(&out), "--type", "q8_0"]);
+    let r = run_limited(
+        &p,
+        256,
+        &["convert", "-m", s(&src), "-o", s(&out), "--type", "q8_0"],
+    );
     assert_eq!(r.code, Some(0), "{}", r.stderr);
     let len = std::fs::metadata(&out).unwrap().len();
     let q8 = 40960 * 4096 / 32 * 34;
@@ -242,7 +257,11 @@ fn thread_counts_beyond_ggml_limit_are_refused() {
     let p = Prefix::with_cpu();
     let r = p.run(&["-t", "65535", "devices"]);
     assert_eq!(r.code, Some(2), "{}", r.stderr);
-    assert!(r.stderr.contains("thread count must be 1 to 512"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("thread count must be 1 to 512"),
+        "{}",
+        r.stderr
+    );
     p.write_config("threads = 100000\n");
     let r = p.run(&["devices"]);
     one_line_failure(&r, 1, &["threads = 100000: thread count must be 1 to 512"]);
@@ -276,7 +295,10 @@ fn full_or_closed_output_streams() {
     let out_dir = p.dir("out");
     let out = out_dir.join("x.png");
     // stderr on a full device: the image is written and nothing panics.
-    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
     let o = p
         .cmd(&gen_args(&tiny(), &out, "64", "1"))
         .stderr(full)
@@ -285,7 +307,10 @@ fn full_or_closed_output_streams() {
     assert_eq!(o.status.code(), Some(0));
     assert!(out.is_file());
     // stdout on a full device: the listing is lost, so the exit is not 0.
-    let full = std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
     let o = p.cmd(&["devices"]).stdout(full).output().unwrap();
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{stderr}");
@@ -299,7 +324,12 @@ fn full_or_closed_output_streams() {
         .unwrap();
     drop(child.stdout.take());
     let o = child.wait_with_output().unwrap();
-    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
 }
 
 #[test]
@@ -349,10 +379,7 @@ fn non_finite_guidance_is_a_usage_error() {
 #[test]
 fn plan_with_a_model_lists_its_modules_and_says_each_note_once() {
     let p = Prefix::with_cpu();
-    let j = p
-        .run(&["plan", "-m", s(&tiny()), "--json"])
-        .ok()
-        .json();
+    let j = p.run(&["plan", "-m", s(&tiny()), "--json"]).ok().json();
     let names: Vec<&str> = j["modules"]
         .as_array()
         .unwrap()
@@ -362,14 +389,21 @@ fn plan_with_a_model_lists_its_modules_and_says_each_note_once() {
     assert_eq!(names, ["diffusion", "te", "vae"]);
     // --clip-on-cpu beside --backend is ignored with a note: said once.
     let r = p.run(&["plan", "--backend", "cpu", "--clip-on-cpu"]).ok();
-    let notes = r.stderr.lines().filter(|l| l.contains("clip-on-cpu")).count();
+    let notes = r
+        .stderr
+        .lines()
+        .filter(|l| l.contains("clip-on-cpu"))
+        .count();
     assert_eq!(notes, 1, "{}", r.stderr);
 }
 
 #[test]
 fn warnings_carry_no_colour_codes_off_a_terminal() {
     let p = Prefix::with_cpu();
-    p.install(&built("sdhost_testplugin_bad_identity"), "libsdhost_plugin_bad.so");
+    p.install(
+        &built("sdhost_testplugin_bad_identity"),
+        "libsdhost_plugin_bad.so",
+    );
     let r = p.run(&["devices"]).ok();
     assert!(r.stderr.contains("rejected plugin"), "{}", r.stderr);
     assert!(!r.stderr.contains('\x1b'), "{:?}", r.stderr);

@@ -191,8 +191,6 @@ fn modules_match_references_on_cpu() {
     modules_match_references("cpu", "cpu", 1.0);
 }
 
-
-
 /// One test, so the second placement reuses the pipelines lavapipe compiled
 /// for the first (compiling them dominates the run time).
 #[test]

@@ -3,6 +3,7 @@
 
 mod common;
 use common::*;
+use sdhost::check::{cases, check_device, check_device_with, Verdict};
 use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
@@ -70,7 +71,15 @@ fn plan_with_model_counts_weights_per_module() {
     };
     assert_eq!(get("diffusion"), 1024);
     assert_eq!(get("vae"), 128);
-    assert_eq!(get("te"), 0);
+    // With a checkpoint, only the modules it has are listed.
+    assert!(
+        j["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["module"] != "te"),
+        "{j:#}"
+    );
     assert_eq!(j["devices"][0]["device"], "cpu");
     assert_eq!(j["devices"][0]["weight_bytes"], 1152);
     std::fs::write(&model, b"\x10\x00\x00\x00\x00\x00\x00\x00{").unwrap();
@@ -101,6 +110,77 @@ fn check_on_cpu_passes_every_op() {
         "{}",
         r.stderr
     );
+}
+
+#[test]
+fn check_fails_when_the_device_computes_something_else() {
+    // The CPU against itself, its "device" run fed changed inputs: the check
+    // must be able to say FAIL, for every case (each has inputs), with the
+    // error it measured; unchanged, the same run passes.
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, Some(1));
+    let cpu = m.get("cpu").unwrap();
+    let clean = check_device("cpu", cpu, cpu, 42, &[]);
+    assert_eq!(clean.len(), cases().len());
+    for r in &clean {
+        assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
+        assert_eq!(r.max_error, Some(0.0), "{r:?}");
+        assert_eq!(r.detail, None, "{r:?}");
+    }
+    let flip = |_: usize, v: &mut [f32]| v.iter_mut().for_each(|x| *x = 0.5 - 2.0 * *x);
+    let perturbed = check_device_with("cpu", cpu, cpu, 42, &[], Some(&flip));
+    assert_eq!(perturbed.len(), cases().len());
+    for r in &perturbed {
+        assert_eq!(r.verdict, Verdict::Fail, "{r:?}");
+        assert!(r.max_error.unwrap() > r.tolerance, "{r:?}");
+    }
+    // Only the device run is perturbed: changing one input of one case fails
+    // that case alone.
+    let only_b = |k: usize, v: &mut [f32]| {
+        if k == 1 {
+            v[0] += 0.5;
+        }
+    };
+    let rows = check_device_with("cpu", cpu, cpu, 42, &["add".into()], Some(&only_b));
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].verdict, Verdict::Fail, "{:?}", rows[0]);
+    let rows = check_device_with("cpu", cpu, cpu, 42, &["gelu".into()], Some(&only_b));
+    assert_eq!(
+        rows[0].verdict,
+        Verdict::Pass,
+        "gelu has one input: {:?}",
+        rows[0]
+    );
+}
+
+#[test]
+fn devices_report_the_pci_bus_id() {
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    assert_eq!(
+        reg.device("cpu").unwrap().device_id,
+        None,
+        "the CPU has none"
+    );
+    let p = Prefix::with_cpu();
+    let j = p.run(&["devices", "--json"]).ok().json();
+    let cpu = &j.as_array().unwrap()[0];
+    assert!(
+        cpu.as_object().unwrap().contains_key("device_id"),
+        "{cpu:#}"
+    );
+    assert!(cpu["device_id"].is_null(), "{cpu:#}");
+    let text = p.run(&["devices"]).ok().stdout;
+    let mut lines = text.lines();
+    let header: Vec<&str> = lines
+        .next()
+        .unwrap()
+        .split("  ")
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    assert_eq!(header[2], "PCI BUS", "{text}");
+    let row: Vec<&str> = lines.next().unwrap().split_whitespace().collect();
+    assert_eq!(&row[..3], ["cpu", "cpu", "-"], "{text}");
 }
 
 #[test]

@@ -1,18 +1,21 @@
-//! Model modules and checkpoint reading.
+//! SD 1.x as ggml graphs, and everything around them: weights in, image out.
 //!
-//! Today this crate holds:
-//! * [`checkpoint`]: checkpoint headers: which tensors a file holds, their
-//!   sizes, and which model module each belongs to;
-//! * [`schedule`]: the SD 1.x noise schedule and the samplers (`euler_a`,
-//!   `euler`, `dpm++2m`) over plain latents and a denoiser callback;
-//! * [`tokenizer`]: CLIP tokenization into 77-token chunks;
-//! * [`weights`]: a module's safetensors weights (f32/f16/bf16) uploaded into
-//!   one buffer of its params backend with positioned reads;
-//! * [`rng`]: seeded noise (Philox4x32-10 + Box–Muller, equal to PyTorch's CUDA
-//!   `randn`), generated on the host so a seed means the same on every device.
-//!
-//! The module graphs (CLIP text encoder, UNet, VAE decoder) and GGUF weight
-//! upload are the subject of the models issue and are not implemented yet.
+//! * Checkpoints: [`checkpoint`] (`.safetensors` headers, the tensor-name →
+//!   module map), [`gguf`] (GGUF read and write, parsed in Rust), [`convert`]
+//!   (streaming conversion to GGUF with quantization), [`weights`] (a
+//!   module's weights uploaded into one buffer on its params device with
+//!   positioned reads).
+//! * Blocks: [`nn`] (named weights, layers with shape checks, the
+//!   [`nn::ModelError`] type), [`module`] (a module at run time: weights,
+//!   scheduler, phase memory, timing), [`clip`], [`unet`], [`vae`] (graph
+//!   builders; hyper-parameters read off tensor names and shapes once, at
+//!   load).
+//! * Sampling: [`schedule`] (noise schedule, samplers), [`rng`] (Philox
+//!   noise equal to PyTorch's CUDA `randn`, generated on the host),
+//!   [`tokenizer`] (CLIP BPE into 77-token chunks).
+//! * [`pipeline`]: `Sd1` loads the three modules, validates every graph
+//!   before any compute, encodes, samples with CFG and decodes, checking the
+//!   caller's cancellation flag between graph computations.
 //!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.

@@ -43,8 +43,7 @@ impl Prefix {
         }
         // Whatever the umask: world-writable plugin folders are refused.
         for d in ["lib", "lib/sdhost", "lib/sdhost/plugins"] {
-            std::fs::set_permissions(root.join(d), std::fs::Permissions::from_mode(0o755))
-                .unwrap();
+            std::fs::set_permissions(root.join(d), std::fs::Permissions::from_mode(0o755)).unwrap();
         }
         std::fs::copy(env!("CARGO_BIN_EXE_sdhost"), root.join("bin/sdhost")).unwrap();
         std::fs::copy(
