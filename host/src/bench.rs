@@ -123,6 +123,15 @@ pub fn startup(cli: &Cli, a: &BenchArgs) -> anyhow::Result<ExitCode> {
             crate::probe::ProbeMode::Off => "off",
         });
     }
+    if let Some(t) = cli.plugin_probe_timeout {
+        base.arg("--plugin-probe-timeout").arg(t.to_string());
+    }
+    if cli.allow_insecure_plugins {
+        base.arg("--allow-insecure-plugins");
+    }
+    if let Some(t) = cli.threads {
+        base.arg("--threads").arg(t.to_string());
+    }
     let run_once = || -> anyhow::Result<(StartupSample, f64)> {
         let mut c = Command::new(base.get_program());
         c.args(base.get_args()).args(["-q", "__startup"]);

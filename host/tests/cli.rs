@@ -107,11 +107,12 @@ fn error_lines() {
     let _g = settings(&p).bind_to_scope();
     let out = p.dir("out");
     let png = out.join("x.png");
+    let model = tiny();
     let gen = |extra: &[&str]| {
         let mut a = vec![
             "generate",
             "-m",
-            s(&tiny()),
+            s(&model),
             "-p",
             "a cat",
             "-W",
