@@ -11,13 +11,12 @@
 #![forbid(unsafe_code)]
 
 pub mod app;
-pub mod bench;
 pub mod cancel;
 pub mod check;
 pub mod cli;
+pub mod commands;
 pub mod config;
 pub mod discovery;
-pub mod generate;
 pub mod manager;
 pub mod output;
 pub mod packages;
@@ -25,4 +24,5 @@ pub mod placement;
 pub mod probe;
 pub mod registry;
 pub mod render;
+pub mod session;
 pub mod term;

@@ -409,7 +409,7 @@ pub fn die_with_parent() {
 pub fn probe_child(path: &Path) -> ProbeReport {
     match sdhost_plugin_api::Plugin::open(path) {
         Err(e) => ProbeReport::Rejected {
-            reason: crate::registry::one_line(&e.to_string()),
+            reason: crate::term::one_line(&e.to_string()),
         },
         Ok(p) => match p.init() {
             Ok(reg) => {
@@ -420,7 +420,7 @@ pub fn probe_child(path: &Path) -> ProbeReport {
                 ProbeReport::Ok
             }
             Err(e) => ProbeReport::Rejected {
-                reason: format!("init failed: {}", crate::registry::one_line(&e)),
+                reason: format!("init failed: {}", crate::term::one_line(&e)),
             },
         },
     }

@@ -18,6 +18,7 @@
 
 use crate::discovery::{insecure_dir, insecure_plugin, plugin_entries, Origin};
 use crate::probe::Prober;
+use crate::term::one_line;
 use ggml::{Device, DeviceType, Reg};
 use sdhost_plugin_api::{OpenError, Plugin};
 use serde::Serialize;
@@ -130,22 +131,6 @@ struct Candidate {
     record: usize,
     plugin: Plugin,
     manifest: ManifestInfo,
-}
-
-/// Folds a possibly multi-line error into one line of bounded length.
-pub fn one_line(s: &str) -> String {
-    let joined = s
-        .split('\n')
-        .map(str::trim)
-        .filter(|l| !l.is_empty())
-        .collect::<Vec<_>>()
-        .join("; ");
-    if joined.chars().count() > 300 {
-        let cut: String = joined.chars().take(297).collect();
-        format!("{cut}...")
-    } else {
-        joined
-    }
 }
 
 /// The order in which candidates `(family, score)`, given in search-path
@@ -383,15 +368,6 @@ fn manifest_info(m: &sdhost_plugin_api::Manifest) -> ManifestInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn one_line_folds_and_bounds() {
-        assert_eq!(one_line("a\n  b\n\nc"), "a; b; c");
-        let long = "x".repeat(400);
-        let s = one_line(&long);
-        assert_eq!(s.chars().count(), 300);
-        assert!(s.ends_with("..."));
-    }
 
     #[test]
     fn higher_score_first_then_search_order() {

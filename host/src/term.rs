@@ -10,6 +10,22 @@
 use std::borrow::Cow;
 use std::io::Write;
 
+/// Folds a possibly multi-line error into one line of bounded length.
+pub fn one_line(s: &str) -> String {
+    let joined = s
+        .split('\n')
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect::<Vec<_>>()
+        .join("; ");
+    if joined.chars().count() > 300 {
+        let cut: String = joined.chars().take(297).collect();
+        format!("{cut}...")
+    } else {
+        joined
+    }
+}
+
 /// `s` with every control character (C0 but tab, DEL, C1) written as a
 /// visible escape (`\r`, `\n`, `\x1b`, `\u{9b}`).
 pub fn clean(s: &str) -> Cow<'_, str> {
@@ -87,7 +103,7 @@ pub fn error_line(e: &anyhow::Error) -> String {
         }
         parts.push(text);
     }
-    clean(&crate::registry::one_line(&parts.join(": "))).into_owned()
+    clean(&one_line(&parts.join(": "))).into_owned()
 }
 
 /// Whether `e` is a cancellation (Ctrl-C, SIGTERM) rather than a failure.
@@ -103,6 +119,15 @@ pub fn is_cancelled(e: &anyhow::Error) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_line_folds_and_bounds() {
+        assert_eq!(one_line("a\n  b\n\nc"), "a; b; c");
+        let long = "x".repeat(400);
+        let s = one_line(&long);
+        assert_eq!(s.chars().count(), 300);
+        assert!(s.ends_with("..."));
+    }
 
     #[test]
     fn error_lines_say_each_cause_once_and_escaped() {

@@ -72,18 +72,30 @@ fn listings_in_text_and_json() {
         "libsdhost_plugin_initfails.so",
     );
     let _g = settings(&p).bind_to_scope();
-    let plugins = p.run(&["plugins"]).ok().stdout;
-    // The package column and the CPU's row vary with the machine's name for
-    // its processor: snapshot the structure.
+    // Column widths follow the temporary prefix's path length: snapshot the
+    // cells, `|`-separated.
+    let plugins: String = p
+        .run(&["plugins"])
+        .ok()
+        .stdout
+        .lines()
+        .map(|l| {
+            l.split("  ")
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .collect::<Vec<_>>()
+                .join(" | ")
+                + "\n"
+        })
+        .collect();
     insta::assert_snapshot!("plugins", plugins);
     let mut j = p.run(&["plugins", "--json"]).ok().json();
     for rec in j["plugins"].as_array_mut().unwrap() {
         rec["sha256"] = "[HASH]".into();
     }
     insta::assert_json_snapshot!("plugins-json", j, {
-        ".plugins[].build" => "[BUILD]",
-        ".plugins[].identity" => "[BUILD]",
-        ".plugins[].manifest.identity" => "[BUILD]",
+        ".host_identity" => "[BUILD]",
+        ".plugins[].manifest.build_identity" => "[BUILD]",
     });
     insta::assert_json_snapshot!("devices-json", p.run(&["devices", "--json"]).ok().json(), {
         "[].description" => "[CPU]",
@@ -109,17 +121,7 @@ fn error_lines() {
     let png = out.join("x.png");
     let model = tiny();
     let gen = |extra: &[&str]| {
-        let mut a = vec![
-            "generate",
-            "-m",
-            s(&model),
-            "-p",
-            "a cat",
-            "-W",
-            "64",
-            "-H",
-            "64",
-        ];
+        let mut a = vec!["generate", "-m", s(&model), "-p", "a cat"];
         a.extend_from_slice(extra);
         a.iter().map(|s| s.to_string()).collect::<Vec<_>>()
     };
@@ -148,7 +150,10 @@ fn error_lines() {
             "unknown-device",
             gen(&["--backend", "cuda0", "-o", s(&png)]),
         ),
-        ("size-not-a-multiple", gen(&["-W", "72", "-o", s(&png)])),
+        (
+            "size-not-a-multiple",
+            gen(&["-W", "72", "-H", "64", "-o", s(&png)]),
+        ),
         (
             "config-dev-zero",
             vec!["--config".into(), "/dev/zero".into(), "devices".into()],
@@ -168,7 +173,7 @@ fn error_lines() {
         ),
         (
             "plan-unknown-module",
-            vec!["plan".into(), "--backend".into(), "unet=cpu".into()],
+            vec!["plan".into(), "--backend".into(), "bogus=cpu".into()],
         ),
     ];
     let mut all = String::new();

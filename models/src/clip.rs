@@ -52,7 +52,9 @@ impl ClipConfig {
             .max()
             .map_or(0, |m| m + 1);
         if layers == 0 {
-            return Err(ModelError::Invalid(format!("missing tensor {layer_prefix}0.*")));
+            return Err(ModelError::Invalid(format!(
+                "missing tensor {layer_prefix}0.*"
+            )));
         }
         let fc1 = w.ne(&format!("{layer_prefix}0.mlp.fc1.weight"))?;
         let hidden = tok[0];

@@ -217,16 +217,16 @@ pub fn to_gguf(
             Some(es) => {
                 let row = p.shape.last().copied().unwrap_or(1).max(1);
                 let n = p.entry.bytes / es;
-                for (at, len, enc_row) in pieces(n, row, p.ty.block_size() as u64, PIECE_BYTES / es) {
+                for (at, len, enc_row) in pieces(n, row, p.ty.block_size() as u64, PIECE_BYTES / es)
+                {
                     if cancelled() {
                         return Err(ModelError::Cancelled);
                     }
                     read(&mut buf, at * es, len * es)?;
                     let values = decode_f32(&p.entry.dtype, &buf).unwrap_or_default();
-                    let data = p
-                        .ty
-                        .encode(&values, enc_row as usize)
-                        .map_err(|e| bad(format!("tensor {name}: {e}")))?;
+                    let data =
+                        p.ty.encode(&values, enc_row as usize)
+                            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
                     out.write_all(&data).map_err(io)?;
                     written += data.len() as u64;
                 }
@@ -251,7 +251,8 @@ pub fn to_gguf(
                 p.bytes
             )));
         }
-        out.write_all(&vec![0u8; gguf::padding(written)]).map_err(io)?;
+        out.write_all(&vec![0u8; gguf::padding(written)])
+            .map_err(io)?;
         stats.bytes += written;
         stats.tensors += 1;
         progress(i + 1, plan.len());

@@ -203,7 +203,8 @@ impl<'b> Module<'b> {
     {
         let w = W::new(self.params.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{}: {e}", self.name)))?;
+        let built =
+            build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{}: {e}", self.name)))?;
         ctx.graph(built.output, GRAPH_SIZE)?;
         Ok(())
     }

@@ -62,6 +62,7 @@ pub fn spread(v: &[f64]) -> Spread {
     }
 }
 
+#[derive(Serialize)]
 struct StartupReport {
     runs: u32,
     plugins: usize,
@@ -92,13 +93,6 @@ impl Report for StartupReport {
             ],
         ));
         out
-    }
-
-    fn json(&self) -> Value {
-        json!({
-            "runs": self.runs, "plugins": self.plugins, "devices": self.devices,
-            "discover_ms": self.discover_ms, "process_ms": self.process_ms,
-        })
     }
 }
 
@@ -359,8 +353,18 @@ impl Report for ModelReport {
         }
         out
     }
+}
 
-    fn json(&self) -> Value {
+/// The JSON form is computed (ratios to the peer per stage), so it is
+/// serialised from [`ModelReport::to_json`].
+impl Serialize for ModelReport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        self.to_json().serialize(s)
+    }
+}
+
+impl ModelReport {
+    fn to_json(&self) -> Value {
         let stages: serde_json::Map<String, Value> = STAGES
             .iter()
             .map(|stage| {
@@ -394,7 +398,7 @@ impl Report for ModelReport {
 /// `sdhost bench -m MODEL`: loads once, one warm-up run, then measured runs,
 /// each stage timed by the modules themselves; optionally the same with
 /// stable-diffusion.cpp in a child process.
-pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()> {
+pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
     use sdhost_models::pipeline::Sd1;
 
@@ -402,9 +406,9 @@ pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()>
     let runs = a.runs.unwrap_or(3);
     let placement = session.resolve(&a.placement)?;
     let ckpt = sdhost_models::checkpoint::scan(path)?;
-    let cpu_name = crate::generate::cpu_device(session, "bench")?;
+    let cpu_name = crate::commands::generate::cpu_device(session, "bench")?;
     let manager = BackendManager::new(&session.registry, session.threads);
-    let layout = crate::generate::layout(session, &manager, &placement, "bench")?;
+    let layout = crate::commands::generate::layout(session, &manager, &placement, "bench")?;
     let used: Vec<String> = placement
         .devices()
         .into_iter()
@@ -425,7 +429,7 @@ pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()>
     let mut sd =
         Sd1::load(&ckpt, layout, a.sample.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
     let load_s = t.elapsed().as_secs_f64();
-    let flash = crate::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
+    let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     sample_devices();
     let req = a.sample.request(&a.prompt, "", 1);
     let mut ours = Vec::new();
@@ -467,7 +471,7 @@ pub fn model(session: &crate::app::Session, a: &BenchArgs) -> anyhow::Result<()>
             threads,
             flash
         ),
-        devices: crate::generate::placement_summary(&placement),
+        devices: crate::commands::generate::placement_summary(&placement),
         runs,
         load_s,
         first_run_s,

@@ -4,11 +4,11 @@
 //! folder, renamed over the target only once complete), with the generation
 //! parameters in a `parameters` text chunk.
 
-use crate::app::Session;
 use crate::cli::{FlashAttn, GenerateArgs};
 use crate::manager::BackendManager;
 use crate::output::OutputFile;
 use crate::placement::{Module as Place, Placement};
+use crate::session::Session;
 use crate::term;
 use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
@@ -165,41 +165,6 @@ pub fn placement_summary(placement: &Placement) -> String {
 
 /// The modules of an SD 1.x pipeline, in the order of [`Sd1::timings`].
 const SD1_MODULES: [Place; 3] = [Place::Te, Place::Diffusion, Place::Vae];
-
-/// Runs `convert`: no plugin is needed (quantization runs in libggml-base).
-pub fn convert(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
-    let cancel = crate::cancel::flag();
-    let output = OutputFile::create(&args.output)?;
-    let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
-    let bar = indicatif::ProgressBar::new(ckpt.tensors.len() as u64);
-    let mut stats = None;
-    let result = output.commit(|w| {
-        let s = sdhost_models::convert::to_gguf(
-            &ckpt,
-            args.ty,
-            w,
-            &mut |i, n| {
-                bar.set_length(n as u64);
-                bar.set_position(i as u64);
-            },
-            &|| cancel.load(std::sync::atomic::Ordering::SeqCst),
-        )
-        .with_context(|| args.model.display().to_string())?;
-        stats = Some(s);
-        Ok(())
-    });
-    bar.finish_and_clear();
-    result?;
-    let stats = stats.unwrap_or_default();
-    term::eprint_line(&format!(
-        "wrote {}: {} tensors ({} MiB), {} left out",
-        term::clean(&args.output.display().to_string()),
-        stats.tensors,
-        stats.bytes >> 20,
-        stats.skipped
-    ));
-    Ok(())
-}
 
 /// A prompt on one line: A1111 readers take the line that starts with
 /// `Negative prompt:` and the last line as fields, so a line break inside a

@@ -1,0 +1,12 @@
+//! One module per subcommand. Each takes its parsed arguments (and the
+//! [`crate::session::Session`] when it needs devices), does its work and
+//! prints one report through [`crate::render`].
+
+pub mod bench;
+pub mod check;
+pub mod convert;
+pub mod devices;
+pub mod generate;
+pub mod plan;
+pub mod plugins;
+pub mod probe;

@@ -1,0 +1,176 @@
+//! One invocation's session: logging, the config file, the search path and
+//! the registry of plugins and devices, and the placement resolver fed from
+//! them. Every command that needs devices opens one.
+
+use crate::cli::{Cli, PlacementArgs};
+use crate::config::{self, Config};
+use crate::discovery::{search_path, Origin, SearchInputs};
+use crate::placement::{self, DeviceInfo, Placement, Request};
+use crate::probe::{ProbeMode, Prober};
+use crate::registry::{DiscoverOptions, Registry, Status};
+use ggml::DeviceType;
+use std::path::PathBuf;
+
+/// Sets up `tracing` on stderr: `-q` errors only, default warnings, `-v`
+/// info, `-vv` debug, `-vvv` trace; a set `RUST_LOG` wins.
+pub fn init_logging(verbose: u8, quiet: bool) {
+    use tracing_subscriber::EnvFilter;
+    let level = if quiet {
+        "error"
+    } else {
+        match verbose {
+            0 => "warn",
+            1 => "info",
+            2 => "debug",
+            _ => "trace",
+        }
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(level));
+    // Colours only on a terminal; control bytes from file-derived text are
+    // escaped by the writer either way.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(ansi)
+        .with_writer(move || crate::term::LogWriter { ansi })
+        .without_time()
+        .with_target(false)
+        .try_init();
+    ggml::route_log_to_tracing();
+}
+
+/// Config, search path and registry of one invocation.
+pub struct Session {
+    /// The config file's contents.
+    pub config: Config,
+    /// The search path, in precedence order.
+    pub search: Vec<(PathBuf, Origin)>,
+    /// Plugins and devices.
+    pub registry: Registry,
+    /// CPU threads (flag, else config, else every core).
+    pub threads: Option<usize>,
+}
+
+impl Session {
+    /// Reads the config and discovers plugins.
+    pub fn open(cli: &Cli) -> anyhow::Result<Session> {
+        let config = match &cli.config {
+            Some(p) => config::load(p, true)?,
+            None => match config::default_path() {
+                Some(p) => config::load(&p, false)?,
+                None => Config::default(),
+            },
+        };
+        let inputs = SearchInputs {
+            flags: cli.plugin_path.clone(),
+            env: std::env::var("SDHOST_PLUGIN_PATH").ok(),
+            config: config.plugin_path.clone(),
+            exe_dir: std::env::current_exe()
+                .ok()
+                .and_then(|p| std::fs::canonicalize(p).ok())
+                .and_then(|p| p.parent().map(PathBuf::from)),
+            cwd: std::env::current_dir().ok(),
+        };
+        let (search, warnings) = search_path(&inputs);
+        for w in warnings {
+            tracing::warn!("{w}");
+        }
+        let mode = cli
+            .plugin_probe
+            .or(config.plugin_probe)
+            .unwrap_or(ProbeMode::Cached);
+        let timeout = cli
+            .plugin_probe_timeout
+            .or(config.plugin_probe_timeout)
+            .unwrap_or(crate::probe::DEFAULT_TIMEOUT_S);
+        let options = DiscoverOptions {
+            allow_insecure: cli.allow_insecure_plugins || config.allow_insecure_plugins,
+        };
+        let registry = match (mode, std::env::current_exe()) {
+            (ProbeMode::Off, _) | (_, Err(_)) => Registry::discover_with(&search, None, options),
+            (mode, Ok(exe)) => {
+                // Probes are spawned from this thread, which outlives them
+                // (their parent-death signal follows the spawning thread).
+                let mut prober = Prober::new(
+                    exe,
+                    mode,
+                    Prober::default_cache_file(),
+                    std::time::Duration::from_secs(timeout),
+                );
+                let r = Registry::discover_with(&search, Some(&mut prober), options);
+                prober.save();
+                r
+            }
+        };
+        for p in &registry.plugins {
+            match p.status {
+                Status::Rejected => {
+                    tracing::warn!(
+                        "rejected plugin {}: {}",
+                        p.path.display(),
+                        p.reason.as_deref().unwrap_or("unknown reason")
+                    )
+                }
+                Status::Shadowed => {
+                    tracing::info!(
+                        "shadowed plugin {}: {}",
+                        p.path.display(),
+                        p.reason.as_deref().unwrap_or("")
+                    )
+                }
+                Status::Loaded => {
+                    tracing::info!("loaded plugin {} ({} devices)", p.path.display(), p.devices)
+                }
+            }
+        }
+        // ggml's own default is 4 threads whatever the machine; ours is every core.
+        let threads = cli.threads.or(config.threads).or_else(|| {
+            std::thread::available_parallelism()
+                .ok()
+                .map(|n| n.get().min(config::MAX_THREADS))
+        });
+        Ok(Session {
+            config,
+            search,
+            registry,
+            threads,
+        })
+    }
+
+    /// The registry's devices as the placement resolver sees them.
+    pub fn device_infos(&self) -> Vec<DeviceInfo> {
+        self.registry
+            .devices
+            .iter()
+            .map(|d| {
+                let ty = match d.ty {
+                    DeviceType::Cpu => placement::DeviceType::Cpu,
+                    DeviceType::Gpu => placement::DeviceType::Gpu,
+                    DeviceType::IGpu => placement::DeviceType::IGpu,
+                    DeviceType::Accel | DeviceType::Meta => placement::DeviceType::Accel,
+                };
+                DeviceInfo::new(d.name.clone(), ty, d.memory_total)
+            })
+            .collect()
+    }
+
+    /// Resolves placement flags against the loaded devices.
+    pub fn resolve(&self, args: &PlacementArgs) -> anyhow::Result<Placement> {
+        let req = Request {
+            backend: args.backend.clone(),
+            params_backend: args.params_backend.clone(),
+            clip_on_cpu: args.clip_on_cpu,
+            vae_on_cpu: args.vae_on_cpu,
+            control_net_cpu: args.control_net_cpu,
+            offload_to_cpu: args.offload_to_cpu,
+            config_backend: self.config.backend.clone(),
+            config_params_backend: self.config.params_backend.clone(),
+            default_device: std::env::var("SDHOST_DEFAULT_DEVICE").ok(),
+        };
+        let p = placement::resolve(&req, &self.device_infos())?;
+        for n in &p.notes {
+            tracing::warn!("{n}");
+        }
+        Ok(p)
+    }
+}
