@@ -67,7 +67,7 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run each op our models use on a device and on the CPU and compare the results
     Check(CheckArgs),
-    /// Generate an image from a text prompt with an SD 1.x checkpoint
+    /// Generate an image from a text prompt with an SD 1.x, SD 2.x or SDXL checkpoint
     Generate(GenerateArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
@@ -170,27 +170,39 @@ pub struct SampleArgs {
     #[arg(long = "cfg-scale", default_value_t = 7.0, value_parser = parse_cfg_scale)]
     pub cfg_scale: f32,
 
-    /// Image width in pixels (a multiple of 64 for SD 1.x)
-    #[arg(short = 'W', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
-    pub width: u32,
+    /// Image width in pixels, a multiple of the model's (64) (default: the
+    /// family's, 512 for SD 1.x/2.x, 1024 for SDXL)
+    #[arg(short = 'W', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub width: Option<u32>,
 
-    /// Image height in pixels (a multiple of 64 for SD 1.x)
-    #[arg(short = 'H', long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(8..=8192))]
-    pub height: u32,
+    /// Image height in pixels (default: the family's, as for the width)
+    #[arg(short = 'H', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub height: Option<u32>,
 
     /// Seed of the noise; the same seed gives the same image on every device (within precision)
     #[arg(short = 's', long, default_value_t = 42)]
     pub seed: u64,
 
     /// Sampler: euler_a, euler or dpm++2m
-    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::schedule::Sampler>)]
-    pub sampler: sdhost_models::schedule::Sampler,
+    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::sampling::schedule::Sampler>)]
+    pub sampler: sdhost_models::sampling::schedule::Sampler,
 
     /// What each module holds between its phases (text encoding, sampling,
     /// decoding): `free` (default) releases its compute buffers and any
     /// runtime copy of weights kept on another device; `keep` holds them
     #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
     pub phase_memory: sdhost_models::module::WeightPolicy,
+
+    /// What the UNet predicts, `eps` or `v`, where the checkpoint does not
+    /// say (or to override it, with a warning): SD 2.x 768-v checkpoints
+    /// without metadata need `v`
+    #[arg(long, value_name = "TYPE", value_parser = str::parse::<sdhost_models::family::Prediction>)]
+    pub prediction: Option<sdhost_models::family::Prediction>,
+
+    /// Replace the checkpoint's VAE with this file's (.safetensors or .gguf;
+    /// `first_stage_model.*` or bare `decoder.*` names), e.g. SDXL's fp16-fix VAE
+    #[arg(long, value_name = "FILE")]
+    pub vae: Option<PathBuf>,
 
     /// Fused (flash) attention in the UNet and VAE, K and V rounded to f16:
     /// `auto` (default) uses it for modules running on a CPU device, where it
@@ -200,23 +212,39 @@ pub struct SampleArgs {
 }
 
 impl SampleArgs {
-    /// The generation request these settings describe.
+    /// The generation request these settings describe; `default_size` is
+    /// the family's side length for a size not given.
     pub fn request(
         &self,
         prompt: &str,
         negative: &str,
         clip_skip: usize,
+        default_size: usize,
     ) -> sdhost_models::pipeline::Request {
+        let side = |v: Option<u32>| v.map_or(default_size, |v| v as usize);
         sdhost_models::pipeline::Request {
             prompt: prompt.to_string(),
             negative: negative.to_string(),
             steps: self.steps as usize,
             cfg_scale: self.cfg_scale,
-            width: self.width as usize,
-            height: self.height as usize,
+            width: side(self.width),
+            height: side(self.height),
             seed: self.seed,
             sampler: self.sampler,
             clip_skip,
+        }
+    }
+
+    /// How to load the checkpoint under these settings (`vae`: the
+    /// `--vae` file, scanned).
+    pub fn load_options<'c>(
+        &self,
+        vae: Option<&'c sdhost_models::checkpoint::Checkpoint>,
+    ) -> sdhost_models::pipeline::LoadOptions<'c> {
+        sdhost_models::pipeline::LoadOptions {
+            policy: self.phase_memory,
+            prediction: self.prediction,
+            vae,
         }
     }
 }
@@ -224,7 +252,7 @@ impl SampleArgs {
 /// `sdhost generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// Checkpoint: SD 1.x single file in the original layout (.safetensors or .gguf)
+    /// Checkpoint: SD 1.x, SD 2.x or SDXL single file in the original layout (.safetensors or .gguf)
     #[arg(short = 'm', long, value_name = "FILE")]
     pub model: PathBuf,
 
@@ -239,7 +267,8 @@ pub struct GenerateArgs {
     #[command(flatten)]
     pub sample: SampleArgs,
 
-    /// Use the text encoder's N-th last layer (1 = last)
+    /// Go N − 1 layers further back in the text encoder(s) than the family's own
+    /// choice (1: SD 1.x's last layer, SD 2.x's and SDXL's penultimate)
     #[arg(long = "clip-skip", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=12))]
     pub clip_skip: u32,
 

@@ -121,91 +121,17 @@ impl DeviceInfo {
     }
 }
 
-/// A placeable part of the pipeline.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Module {
-    /// UNet / DiT / MMDiT diffusion model.
-    Diffusion,
-    /// Text encoders and conditioners (CLIP text, T5, LLM encoders).
-    Te,
-    /// CLIP vision encoder.
-    ClipVision,
-    /// VAE or TAE (first stage).
-    Vae,
-    /// ControlNet.
-    ControlNet,
-    /// PhotoMaker ID encoder and LoRA.
-    PhotoMaker,
-    /// ESRGAN upscaler.
-    Upscaler,
-}
+/// A placeable part of the pipeline: the models crate's vocabulary, shared
+/// by placement, the checkpoint map, modules, timings and reports.
+pub use sdhost_models::ModuleKind as Module;
 
-impl Module {
-    /// Every module, in canonical order.
-    pub const ALL: [Module; 7] = [
-        Module::Diffusion,
-        Module::Te,
-        Module::ClipVision,
-        Module::Vae,
-        Module::ControlNet,
-        Module::PhotoMaker,
-        Module::Upscaler,
-    ];
-
-    /// Canonical name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Module::Diffusion => "diffusion",
-            Module::Te => "te",
-            Module::ClipVision => "clip_vision",
-            Module::Vae => "vae",
-            Module::ControlNet => "controlnet",
-            Module::PhotoMaker => "photomaker",
-            Module::Upscaler => "upscaler",
-        }
-    }
-
-    /// Accepted names, in normalized form (lowercase, without `-` and `_`).
-    pub fn aliases(self) -> &'static [&'static str] {
-        match self {
-            Module::Diffusion => &["diffusion", "model", "unet", "dit"],
-            Module::Te => &[
-                "te",
-                "clip",
-                "text",
-                "textencoder",
-                "textencoders",
-                "conditioner",
-                "cond",
-                "llm",
-                "t5",
-                "t5xxl",
-            ],
-            Module::ClipVision => &["clipvision", "vision"],
-            Module::Vae => &["vae", "firststage", "autoencoder", "tae"],
-            Module::ControlNet => &["controlnet", "control"],
-            Module::PhotoMaker => &["photomaker", "photomakerid", "pmid", "photo"],
-            Module::Upscaler => &["upscaler", "esrgan", "hires"],
-        }
-    }
-
-    /// Parses a module name or alias. Case-insensitive; `-` and `_` are
-    /// ignored; surrounding whitespace is trimmed.
-    pub fn parse(s: &str) -> Result<Module, PlacementError> {
-        let key = normalize_key(s);
-        Module::ALL
-            .into_iter()
-            .find(|m| m.aliases().contains(&key.as_str()))
-            .ok_or_else(|| PlacementError::UnknownModule {
-                token: s.trim().to_string(),
-            })
-    }
-}
-
-impl fmt::Display for Module {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
+/// Parses a module name or alias ([`Module::aliases`]). Case-insensitive;
+/// `-` and `_` are ignored; surrounding whitespace is trimmed.
+pub fn parse_module(s: &str) -> Result<Module, PlacementError> {
+    let key = normalize_key(s);
+    Module::from_alias(&key).ok_or_else(|| PlacementError::UnknownModule {
+        token: s.trim().to_string(),
+    })
 }
 
 /// Lowercases and drops `-` / `_`, after trimming.
@@ -431,7 +357,7 @@ pub fn parse_spec(s: &str) -> Result<Spec, PlacementError> {
             default_item = Some(item);
             spec.default = Some(device);
         } else {
-            let module = Module::parse(key)?;
+            let module = parse_module(key)?;
             if let Some(first) = module_items.get(&module) {
                 return Err(PlacementError::DuplicateModule {
                     module,
@@ -1103,18 +1029,14 @@ mod tests {
                 &d,
                 Ok((&want, "=", NONE)),
             );
-            assert_eq!(
-                Module::parse(alias).map(Module::name),
-                Ok(*canon),
-                "{alias}"
-            );
+            assert_eq!(parse_module(alias).map(Module::name), Ok(*canon), "{alias}");
         }
         // Every alias the code knows is in the table above.
         for m in Module::ALL {
             for a in m.aliases() {
                 assert!(table.iter().any(|(t, c)| t == a && *c == m.name()), "{a}");
             }
-            assert_eq!(Module::parse(m.name()), Ok(m));
+            assert_eq!(parse_module(m.name()), Ok(m));
             assert_eq!(m.to_string(), m.name());
         }
     }
@@ -1499,13 +1421,13 @@ mod tests {
             })
         );
         assert_eq!(
-            Module::parse("nope"),
+            parse_module("nope"),
             Err(PlacementError::UnknownModule {
                 token: "nope".into()
             })
         );
         assert_eq!(
-            Module::parse(""),
+            parse_module(""),
             Err(PlacementError::UnknownModule { token: "".into() })
         );
         assert_eq!(DeviceRef::parse(" AUTO ").to_string(), "auto");
@@ -1607,7 +1529,7 @@ mod tests {
             #[test]
             fn parse_spec_never_panics(s in spec_text()) {
                 let _ = parse_spec(&s);
-                let _ = Module::parse(&s);
+                let _ = parse_module(&s);
                 let _ = resolve_device(&DeviceRef::parse(&s), &std4(), Some(&s));
             }
 

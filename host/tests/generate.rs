@@ -234,7 +234,7 @@ fn bad_checkpoints_fail_with_one_line_and_no_output() {
                 t["shape"] = serde_json::json!([sh[1], sh[0]]);
                 st.bytes()
             }),
-            vec!["te: tensor text_model.encoder.layers.1.mlp.fc1.weight: shape [32, 64] where [64, 32] was expected"],
+            vec!["te: tensor transformer.text_model.encoder.layers.1.mlp.fc1.weight: shape [32, 64] where [64, 32] was expected"],
         ),
         (
             "truncated file",

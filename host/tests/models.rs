@@ -1,4 +1,4 @@
-//! The SD 1.x modules against references computed by transformers/diffusers
+//! The modules of each family (SD 1.x, SD 2.x v-prediction, SDXL) against references computed by transformers/diffusers
 //! (`tests/fixtures/make_fixtures.py`) on the committed tiny checkpoint, on
 //! the CPU and (SDHOST_TEST_VULKAN=1) on lavapipe's vulkan0, with the weights
 //! on the runtime device or on the CPU.
@@ -13,10 +13,12 @@ use common::*;
 use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
+use sdhost_models::blocks::unet::UnetInput;
+use sdhost_models::blocks::vae;
+use sdhost_models::checkpoint;
 use sdhost_models::module::{Devices, WeightPolicy};
-use sdhost_models::pipeline::{Layout, Request, Sd1};
-use sdhost_models::schedule::{Sampler, Schedule};
-use sdhost_models::{checkpoint, unet, vae};
+use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::sampling::schedule::{Sampler, Schedule};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -28,8 +30,8 @@ fn fixture(name: &str) -> PathBuf {
 
 /// The reference tensors (f32 and i32 as f32), read with the checkpoint
 /// reader the models use.
-fn refs() -> HashMap<String, Vec<f32>> {
-    let path = fixture("tiny-sd1-ref.safetensors");
+fn refs(fx: Fixture) -> HashMap<String, Vec<f32>> {
+    let path = fixture(&format!("tiny-{}-ref.safetensors", fx.name));
     let bytes = std::fs::read(&path).unwrap();
     checkpoint::scan(&path)
         .unwrap()
@@ -43,7 +45,7 @@ fn refs() -> HashMap<String, Vec<f32>> {
                     .chunks_exact(4)
                     .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
                     .collect(),
-                d => sdhost_models::convert::decode_f32(d, raw)
+                d => sdhost_models::checkpoint::dtype::decode_f32(d, raw)
                     .unwrap_or_else(|| panic!("unexpected dtype {d}")),
             };
             (t.name, vals)
@@ -68,9 +70,41 @@ fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(e <= tol, "{what}: relative error {e} exceeds {tol}");
 }
 
-/// Runs `f` on the tiny checkpoint with every module on `runtime` and its
+/// A tiny fixture family: its checkpoint and reference files.
+#[derive(Clone, Copy)]
+struct Fixture {
+    name: &'static str,
+    /// The reference key of the UNet's raw output.
+    unet_out: &'static str,
+    /// The reference keys of the token ids, one per encoder.
+    ids: &'static [&'static str],
+}
+
+const SD1: Fixture = Fixture {
+    name: "sd1",
+    unet_out: "unet.eps",
+    ids: &["te.ids"],
+};
+const SD2: Fixture = Fixture {
+    name: "sd2",
+    unet_out: "unet.out",
+    ids: &["te.ids"],
+};
+const SDXL: Fixture = Fixture {
+    name: "sdxl",
+    unet_out: "unet.out",
+    ids: &["te.ids_l", "te.ids_g"],
+};
+
+/// Runs `f` on a tiny checkpoint with every module on `runtime` and its
 /// weights on `params`.
-fn with_sd(runtime: &str, params: &str, policy: WeightPolicy, f: impl FnOnce(&mut Sd1<'_>)) {
+fn with_pipeline(
+    fx: Fixture,
+    runtime: &str,
+    params: &str,
+    policy: WeightPolicy,
+    f: impl FnOnce(&mut Pipeline<'_>),
+) {
     let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
     let m = BackendManager::new(&reg, None);
     let d = Devices {
@@ -78,78 +112,100 @@ fn with_sd(runtime: &str, params: &str, policy: WeightPolicy, f: impl FnOnce(&mu
         params: m.get(params).unwrap(),
         cpu: m.get("cpu").unwrap(),
     };
-    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let ckpt = checkpoint::scan(&fixture(&format!("tiny-{}.safetensors", fx.name))).unwrap();
     let layout = Layout {
         te: d,
         diffusion: d,
         vae: d,
     };
-    let mut sd = Sd1::load(&ckpt, layout, policy).unwrap();
+    let opts = LoadOptions {
+        policy,
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    assert_eq!(sd.family().family.name(), fx.name, "family detected");
     f(&mut sd);
 }
 
-/// `tol` scales every tolerance: 1 on the CPU; lavapipe's f16 paths are
-/// less precise (about 3× on this model).
+fn with_sd(runtime: &str, params: &str, policy: WeightPolicy, f: impl FnOnce(&mut Pipeline<'_>)) {
+    with_pipeline(SD1, runtime, params, policy, f)
+}
+
 /// A comparison: what, got, reference, tolerance.
 type Check<'a> = &'a dyn Fn(&str, &[f32], &[f32], f32);
 
-/// The UNet's noise prediction and the VAE decode against the references.
+/// The UNet's raw output (ε or v) and the VAE decode against the references.
 fn unet_and_vae_match(
-    sd: &mut Sd1<'_>,
+    fx: Fixture,
+    sd: &mut Pipeline<'_>,
     r: &HashMap<String, Vec<f32>>,
     check: Check<'_>,
     label: &str,
 ) {
-    // UNet: one noise prediction at a fractional timestep.
-    let eps = unet::predict_noise(
-        &mut sd.unet,
-        &r["unet.x"],
-        [1, 4, 8, 8],
-        &r["unet.t"],
-        &r["unet.context"],
-    )
-    .unwrap();
-    check(&format!("{label}unet eps"), &eps, &r["unet.eps"], 1e-2);
+    // UNet: one prediction at a fractional timestep.
+    let out = sd
+        .predict(UnetInput {
+            x: &r["unet.x"],
+            shape: [1, 4, 8, 8],
+            t: &r["unet.t"],
+            context: &r["unet.context"],
+            y: r.get("unet.y").map(Vec::as_slice),
+        })
+        .unwrap();
+    check(&format!("{label}unet"), &out, &r[fx.unet_out], 1e-2);
     sd.unet.end_phase();
-    let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8]).unwrap();
+    let scale = sd.family().vae_scale;
+    let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8], scale).unwrap();
     check(&format!("{label}vae image"), &img, &r["vae.image"], 1e-2);
     sd.vae.end_phase();
 }
 
-fn modules_match_references(runtime: &str, params: &str, tol: f32) {
-    let r = refs();
+fn modules_match_references(fx: Fixture, runtime: &str, params: &str, tol: f32) {
+    let r = refs(fx);
     let assert_close = |what: &str, got: &[f32], want: &[f32], t: f32| {
-        assert_close(&format!("{runtime}/{params} {what}"), got, want, t * tol)
+        assert_close(
+            &format!("{} {runtime}/{params} {what}", fx.name),
+            got,
+            want,
+            t * tol,
+        )
     };
-    with_sd(runtime, params, WeightPolicy::Free, |sd| {
-        // Text encoder: our tokenizer gives the reference ids, and the hidden
-        // states match for three prompts and for clip skip 2.
+    with_pipeline(fx, runtime, params, WeightPolicy::Free, |sd| {
+        // Text encoders: our tokenizer gives the reference ids, and the
+        // hidden states (and pooled output) match for three prompts.
         let prompts = [
             "a photo of a cat",
             "",
             "A painting of a lighthouse, at dusk; oil on canvas!",
         ];
         for (i, p) in prompts.iter().enumerate() {
-            let ids = sd.token_chunks(p, 1);
-            let want: Vec<u32> = r[&format!("te.ids.{i}")]
-                .iter()
-                .map(|&v| v as u32)
-                .collect();
-            assert_eq!(ids, want, "token ids of {p:?}");
-            let h = sd.encode_ids(&ids, 1).unwrap();
+            for (e, key) in fx.ids.iter().enumerate() {
+                let ids = sd.token_chunks(e, p, 1);
+                let want: Vec<u32> = r[&format!("{key}.{i}")].iter().map(|&v| v as u32).collect();
+                assert_eq!(ids, want, "token ids of {p:?} for encoder {e}");
+            }
+            let c = sd.encode_prompt(p, 1, 1).unwrap();
             assert_close(
                 &format!("te prompt {i}"),
-                &h,
+                &c.hidden,
                 &r[&format!("te.hidden.{i}")],
                 5e-3,
             );
+            match (c.pooled, r.get(&format!("te.pooled.{i}"))) {
+                (Some(got), Some(want)) => {
+                    assert_close(&format!("te pooled {i}"), &got, want, 5e-3)
+                }
+                (None, None) => {}
+                (got, want) => panic!("pooled output {got:?}, reference {want:?}"),
+            }
         }
-        let ids = sd.token_chunks(prompts[0], 1);
-        let h = sd.encode_ids(&ids, 2).unwrap();
-        assert_close("te clip skip 2", &h, &r["te.hidden_skip2.0"], 5e-3);
+        if let Some(want) = r.get("te.hidden_skip2.0") {
+            let c = sd.encode_prompt(prompts[0], 1, 2).unwrap();
+            assert_close("te clip skip 2", &c.hidden, want, 5e-3);
+        }
         sd.te.end_phase();
 
-        unet_and_vae_match(sd, &r, &assert_close, "");
+        unet_and_vae_match(fx, sd, &r, &assert_close, "");
 
         // Full pipeline: Euler, 3 steps, CFG 7, explicit initial noise.
         let sig: Vec<f32> = Schedule::default()
@@ -180,7 +236,8 @@ fn modules_match_references(runtime: &str, params: &str, tol: f32) {
             .unwrap();
         assert_eq!(calls, 3, "progress once per step");
         assert_close("pipeline latent", &latent, &r["pipe.latent"], 1e-2);
-        let img = vae::decode(&mut sd.vae, &latent, [1, 4, 8, 8]).unwrap();
+        let scale = sd.family().vae_scale;
+        let img = vae::decode(&mut sd.vae, &latent, [1, 4, 8, 8], scale).unwrap();
         sd.vae.end_phase();
         assert_close("pipeline image", &img, &r["pipe.image"], 2e-2);
     });
@@ -188,7 +245,7 @@ fn modules_match_references(runtime: &str, params: &str, tol: f32) {
 
 #[test]
 fn modules_match_references_on_cpu() {
-    modules_match_references("cpu", "cpu", 1.0);
+    modules_match_references(SD1, "cpu", "cpu", 1.0);
 }
 
 /// One test, so the second placement reuses the pipelines lavapipe compiled
@@ -196,8 +253,8 @@ fn modules_match_references_on_cpu() {
 #[test]
 fn modules_match_references_on_vulkan_with_params_on_vulkan_and_on_cpu() {
     if vulkan_enabled() {
-        modules_match_references("vulkan0", "vulkan0", 4.0);
-        modules_match_references("vulkan0", "cpu", 4.0);
+        modules_match_references(SD1, "vulkan0", "vulkan0", 4.0);
+        modules_match_references(SD1, "vulkan0", "cpu", 4.0);
     }
 }
 
@@ -210,8 +267,7 @@ fn weight_copies_follow_the_policy() {
     }
     for (policy, kept) in [(WeightPolicy::Free, false), (WeightPolicy::Keep, true)] {
         with_sd("vulkan0", "cpu", policy, |sd| {
-            let ids = sd.token_chunks("a cat", 1);
-            sd.encode_ids(&ids, 1).unwrap();
+            sd.encode_prompt("a cat", 1, 1).unwrap();
             assert!(sd.te.has_runtime_copy(), "a copy is made for compute");
             sd.te.end_phase();
             assert_eq!(sd.te.has_runtime_copy(), kept, "{policy:?}");
@@ -220,8 +276,7 @@ fn weight_copies_follow_the_policy() {
     }
     // Same device: no copy, ever.
     with_sd("cpu", "cpu", WeightPolicy::Keep, |sd| {
-        let ids = sd.token_chunks("a cat", 1);
-        sd.encode_ids(&ids, 1).unwrap();
+        sd.encode_prompt("a cat", 1, 1).unwrap();
         assert!(!sd.te.has_runtime_copy());
     });
 }
@@ -229,9 +284,9 @@ fn weight_copies_follow_the_policy() {
 /// Flash attention (K and V in f16) stays within the same tolerances.
 #[test]
 fn flash_attention_matches_references_on_cpu() {
-    let r = refs();
+    let r = refs(SD1);
     with_sd("cpu", "cpu", WeightPolicy::Free, |sd| {
-        sd.set_options(sdhost_models::nn::GraphOptions { flash_attn: true });
-        unet_and_vae_match(sd, &r, &assert_close, "flash ");
+        sd.set_options(sdhost_models::blocks::nn::GraphOptions { flash_attn: true });
+        unet_and_vae_match(SD1, sd, &r, &assert_close, "flash ");
     });
 }

@@ -8,7 +8,7 @@ use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
-use sdhost_models::weights::ModuleWeights;
+use sdhost_models::checkpoint::weights::ModuleWeights;
 
 /// (name, dtype, shape, data)
 type Spec = (&'static str, &'static str, Vec<u64>, Vec<u8>);

@@ -1,36 +1,37 @@
 //! SD 1.x as ggml graphs, and everything around them: weights in, image out.
 //!
-//! * Checkpoints: [`checkpoint`] (`.safetensors` headers, the tensor-name →
-//!   module map), [`gguf`] (GGUF read and write, parsed in Rust), [`convert`]
-//!   (streaming conversion to GGUF with quantization), [`weights`] (a
-//!   module's weights uploaded into one buffer on its params device with
-//!   positioned reads).
-//! * Blocks: [`nn`] (named weights, layers with shape checks, the
-//!   [`nn::ModelError`] type), [`module`] (a module at run time: weights,
-//!   scheduler, phase memory, timing), [`clip`], [`unet`], [`vae`] (graph
-//!   builders; hyper-parameters read off tensor names and shapes once, at
-//!   load).
-//! * Sampling: [`schedule`] (noise schedule, samplers), [`rng`] (Philox
-//!   noise equal to PyTorch's CUDA `randn`, generated on the host),
-//!   [`tokenizer`] (CLIP BPE into 77-token chunks).
-//! * [`pipeline`]: `Sd1` loads the three modules, validates every graph
-//!   before any compute, encodes, samples with CFG and decodes, checking the
-//!   caller's cancellation flag between graph computations.
+//! Grouped by what a thing is, as candle's `stable_diffusion` is: one UNet,
+//! one CLIP, one VAE, and a family is a configuration, not a copy.
+//!
+//! * [`checkpoint`]: formats (`.safetensors` and GGUF headers parsed in
+//!   Rust, dtype decoding), the tensor-name → [`ModuleKind`] map, streaming
+//!   conversion to GGUF, and weight upload into one buffer per module on its
+//!   params device.
+//! * [`blocks`]: the shared networks as ggml graph builders — named weights
+//!   and layers with shape checks ([`blocks::nn`], with [`ModelError`]), the
+//!   CLIP text encoder in HF and OpenCLIP naming, the UNet (optional ADM
+//!   class conditioning, per-level transformer depth, fixed or 64-wide
+//!   heads), the AutoencoderKL decoder, the CLIP tokenizer.
+//! * [`sampling`]: noise schedule, samplers, denoiser parametrisations (ε and
+//!   v), Philox noise equal to PyTorch's CUDA `randn`, generated on the host.
+//! * [`family`]: one small file per family (SD 1.x, SD 2.x, SDXL) holding its
+//!   configuration, and detection from a checkpoint's tensors.
+//! * [`module`]: a module at run time (weights, scheduler, phase memory,
+//!   timing); [`pipeline`]: load, validate every graph before any compute,
+//!   encode, sample with CFG, decode, checking the caller's cancellation flag
+//!   between graph computations.
 //!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.
 #![forbid(unsafe_code)]
 
+pub mod blocks;
 pub mod checkpoint;
-pub mod clip;
-pub mod convert;
-pub mod gguf;
+pub mod family;
+mod kind;
 pub mod module;
-pub mod nn;
 pub mod pipeline;
-pub mod rng;
-pub mod schedule;
-pub mod tokenizer;
-pub mod unet;
-pub mod vae;
-pub mod weights;
+pub mod sampling;
+
+pub use blocks::nn::ModelError;
+pub use kind::ModuleKind;

@@ -19,8 +19,9 @@
 //! ends, so the UNet's buffers are gone before the VAE decodes; under `Keep`
 //! they stay allocated for the next generation.
 
-use crate::nn::{GraphOptions, ModelError, Result, W};
-use crate::weights::ModuleWeights;
+use crate::blocks::nn::{GraphOptions, ModelError, Result, W};
+use crate::checkpoint::weights::ModuleWeights;
+use crate::ModuleKind;
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use std::time::{Duration, Instant};
 
@@ -103,12 +104,13 @@ pub struct Timing {
     pub weight_copy: Duration,
 }
 
-/// Nodes a module graph may have (the SD 1.x UNet has about 3000).
-pub const GRAPH_SIZE: usize = 16384;
+/// Nodes a module graph may have (the SD 1.x UNet has about 3000, SDXL's
+/// about 10000).
+pub const GRAPH_SIZE: usize = 32768;
 
 /// A loaded module.
 pub struct Module<'b> {
-    name: &'static str,
+    kind: ModuleKind,
     params: ModuleWeights,
     runtime_copy: Option<ModuleWeights>,
     devices: Devices<'b>,
@@ -127,13 +129,13 @@ fn same_device(a: &Backend, b: &Backend) -> bool {
 impl<'b> Module<'b> {
     /// A module over already loaded weights (on `devices.params`).
     pub fn new(
-        name: &'static str,
+        kind: ModuleKind,
         params: ModuleWeights,
         devices: Devices<'b>,
         policy: WeightPolicy,
     ) -> Result<Self> {
         Ok(Module {
-            name,
+            kind,
             params,
             runtime_copy: None,
             devices,
@@ -151,7 +153,12 @@ impl<'b> Module<'b> {
 
     /// The module's name (`te`, `diffusion`, `vae`).
     pub fn name(&self) -> &'static str {
-        self.name
+        self.kind.name()
+    }
+
+    /// Which module this is.
+    pub fn kind(&self) -> ModuleKind {
+        self.kind
     }
 
     /// The weights as loaded (on the params device).
@@ -182,8 +189,9 @@ impl<'b> Module<'b> {
             } else {
                 vec![d.runtime, d.cpu]
             };
-            let sched = Sched::new(&backends, GRAPH_SIZE)
-                .map_err(|e| ModelError::Invalid(format!("{}: scheduler: {e}", self.name)))?;
+            let sched = Sched::new(&backends, GRAPH_SIZE).map_err(|e| {
+                ModelError::Invalid(format!("{}: scheduler: {e}", self.kind.name()))
+            })?;
             self.sched = Some(sched);
         }
         Ok(self.sched.as_mut().expect("set above"))
@@ -203,8 +211,8 @@ impl<'b> Module<'b> {
     {
         let w = W::new(self.params.map()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        let built =
-            build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{}: {e}", self.name)))?;
+        let built = build(&ctx, &w)
+            .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
         ctx.graph(built.output, GRAPH_SIZE)?;
         Ok(())
     }
@@ -216,7 +224,7 @@ impl<'b> Module<'b> {
         F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
     {
         let started = Instant::now();
-        let name = self.name;
+        let name = self.kind.name();
         if self.runtime_copy.is_none() && !same_device(self.devices.params, self.devices.runtime) {
             let t = Instant::now();
             let copy = self.params.copy_to(self.devices.runtime).map_err(|e| {

@@ -1,22 +1,25 @@
-//! SD 1.x text-to-image: tokenize, encode the prompt and the negative prompt,
-//! sample latents with the UNet under classifier-free guidance, decode with
-//! the VAE. Each module runs where its [`Devices`] say.
+//! Text-to-image for every supported family: tokenize, encode the prompt and
+//! the negative prompt with the family's text encoder(s), sample latents
+//! with the UNet under classifier-free guidance (ε or v prediction), decode
+//! with the VAE. Each module runs where its [`Devices`] say.
+//!
+//! Everything the graphs need is read once, at load: the family
+//! ([`family::detect`]), each encoder's and the UNet's hyper-parameters, the
+//! VAE's factor; then every graph is built once, uncomputed, so a missing or
+//! misshapen tensor fails before any compute.
 
+use crate::blocks::clip::{self, ClipConfig};
+use crate::blocks::nn::{ModelError, Result, W};
+use crate::blocks::tokenizer::{ClipTokenizer, CONTEXT};
+use crate::blocks::unet::{self, UnetConfig, UnetInput};
+use crate::blocks::vae;
+use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
+use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::module::{Devices, Module, Timing, WeightPolicy};
-use crate::nn::{ModelError, Result, W};
-use crate::rng::Philox;
-use crate::schedule::{sample, Sampler, Schedule};
-use crate::tokenizer::ClipTokenizer;
-use crate::weights::ModuleWeights;
-use crate::{clip, unet, vae};
-
-/// Checkpoint name prefix of the text encoder.
-pub const TE_PREFIX: &str = "cond_stage_model.transformer.";
-/// Checkpoint name prefix of the UNet.
-pub const UNET_PREFIX: &str = "model.diffusion_model.";
-/// Checkpoint name prefix of the VAE.
-pub const VAE_PREFIX: &str = "first_stage_model.";
+use crate::sampling::rng::Philox;
+use crate::sampling::schedule::{denoised, sample, Sampler, Schedule};
+use crate::ModuleKind;
 
 /// What to generate.
 #[derive(Clone, Debug)]
@@ -37,7 +40,7 @@ pub struct Request {
     pub seed: u64,
     /// Sampler.
     pub sampler: Sampler,
-    /// CLIP skip (1 = last layer).
+    /// CLIP skip (1 = the family's own layer).
     pub clip_skip: usize,
 }
 
@@ -52,26 +55,10 @@ pub struct Image {
     pub rgb: Vec<u8>,
 }
 
-/// The three modules of an SD 1.x checkpoint, loaded.
-pub struct Sd1<'b> {
-    /// Text encoder.
-    pub te: Module<'b>,
-    /// UNet.
-    pub unet: Module<'b>,
-    /// VAE decoder.
-    pub vae: Module<'b>,
-    tokenizer: ClipTokenizer,
-    schedule: Schedule,
-    /// Read off the weights once, at load.
-    unet_cfg: unet::UnetConfig,
-    /// Pixels per latent cell (8 for SD 1.x), read off the VAE at load.
-    vae_factor: usize,
-}
-
 /// Where the three modules go.
 #[derive(Clone, Copy)]
 pub struct Layout<'b> {
-    /// Text encoder.
+    /// Text encoder(s).
     pub te: Devices<'b>,
     /// UNet.
     pub diffusion: Devices<'b>,
@@ -79,69 +66,193 @@ pub struct Layout<'b> {
     pub vae: Devices<'b>,
 }
 
+/// How to load.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LoadOptions<'c> {
+    /// What modules hold between phases.
+    pub policy: WeightPolicy,
+    /// The prediction type, overriding what the checkpoint says (a
+    /// contradiction is a warning).
+    pub prediction: Option<Prediction>,
+    /// A VAE from another file (`--vae`), replacing the checkpoint's.
+    pub vae: Option<&'c Checkpoint>,
+}
+
+/// A prompt's conditioning: hidden states of every encoder concatenated on
+/// features, and the pooled output where the family has one.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conditioning {
+    /// `[chunks · 77, context_dim]`, features fastest.
+    pub hidden: Vec<f32>,
+    /// The pooled, projected text embedding (SDXL).
+    pub pooled: Option<Vec<f32>>,
+}
+
+/// A checkpoint's three modules, loaded, with the family's configuration.
+pub struct Pipeline<'b> {
+    /// Text encoder(s).
+    pub te: Module<'b>,
+    /// UNet.
+    pub unet: Module<'b>,
+    /// VAE decoder.
+    pub vae: Module<'b>,
+    family: FamilyConfig,
+    prediction: Prediction,
+    tokenizer: ClipTokenizer,
+    schedule: Schedule,
+    clip: Vec<ClipConfig>,
+    unet_cfg: UnetConfig,
+    /// Pixels per latent cell (8), read off the VAE at load.
+    vae_factor: usize,
+}
+
 /// Tensors of a module that are not weights (int64 buffers some exporters
-/// keep) and tensors SD 1.x text-to-image never runs (the VAE encoder).
+/// keep) and tensors text-to-image never runs (the VAE encoder), by their
+/// name inside the module.
 fn loaded(name: &str) -> bool {
     !name.ends_with("position_ids")
-        && !name.starts_with("first_stage_model.encoder.")
-        && !name.starts_with("first_stage_model.quant_conv.")
+        && !name.ends_with("logit_scale")
+        && !name.starts_with("encoder.")
+        && !name.starts_with("quant_conv.")
 }
 
 fn load_module<'b>(
     ckpt: &Checkpoint,
-    name: &'static str,
+    kind: ModuleKind,
     prefix: &str,
     devices: Devices<'b>,
     policy: WeightPolicy,
 ) -> Result<Module<'b>> {
-    let weights = ModuleWeights::load_filtered(ckpt, prefix, loaded, devices.params)
-        .map_err(|e| ModelError::Invalid(e.to_string()))?;
-    Module::new(name, weights, devices, policy)
+    let weights = ModuleWeights::load_filtered(
+        ckpt,
+        prefix,
+        |name| loaded(&name[prefix.len()..]),
+        devices.params,
+    )
+    .map_err(|e| ModelError::Invalid(e.to_string()))?;
+    Module::new(kind, weights, devices, policy)
         .map_err(|e| ModelError::Invalid(format!("{}: {e}", ckpt.path.display())))
 }
 
-impl<'b> Sd1<'b> {
-    /// Loads the three modules' weights onto their params devices.
-    pub fn load(ckpt: &Checkpoint, layout: Layout<'b>, policy: WeightPolicy) -> Result<Self> {
-        let te = load_module(ckpt, "te", TE_PREFIX, layout.te, policy)?;
-        let unet = load_module(ckpt, "diffusion", UNET_PREFIX, layout.diffusion, policy)?;
-        let vae = load_module(ckpt, "vae", VAE_PREFIX, layout.vae, policy)?;
-        // Read the hyper-parameters now, so a checkpoint missing a tensor the
-        // structure depends on fails before any compute.
+/// The prefix of a VAE's tensors in `ckpt`: the checkpoint layout's, or
+/// none for a VAE-only file in the original naming.
+fn vae_prefix(ckpt: &Checkpoint) -> &'static str {
+    if ckpt.tensors.iter().any(|t| t.name.starts_with(VAE_PREFIX)) {
+        VAE_PREFIX
+    } else {
+        ""
+    }
+}
+
+impl<'b> Pipeline<'b> {
+    /// Detects the family, loads the three modules' weights onto their
+    /// params devices, reads every hyper-parameter and builds every graph
+    /// once (uncomputed).
+    pub fn load(ckpt: &Checkpoint, layout: Layout<'b>, opts: LoadOptions<'_>) -> Result<Self> {
+        let fam = family::detect(ckpt)?.config();
         let file = ckpt.path.display();
-        let te_cfg = clip::ClipConfig::from_weights(&W::new(te.params().map()))
+        let prediction = match (opts.prediction, family::stated_prediction(ckpt)) {
+            (Some(wanted), Some(stated)) if wanted != stated => {
+                tracing::warn!(
+                    "{file} says it predicts {}; using --prediction {} as asked",
+                    stated.name(),
+                    wanted.name()
+                );
+                wanted
+            }
+            (Some(wanted), _) => wanted,
+            (None, Some(stated)) => stated,
+            (None, None) => fam.prediction,
+        };
+        let policy = opts.policy;
+        let te = load_module(ckpt, ModuleKind::Te, fam.te_prefix, layout.te, policy)?;
+        let unet = load_module(
+            ckpt,
+            ModuleKind::Diffusion,
+            UNET_PREFIX,
+            layout.diffusion,
+            policy,
+        )?;
+        let vae_ckpt = opts.vae.unwrap_or(ckpt);
+        let vae = load_module(
+            vae_ckpt,
+            ModuleKind::Vae,
+            vae_prefix(vae_ckpt),
+            layout.vae,
+            policy,
+        )?;
+        let vae_file = vae_ckpt.path.display();
+        let clip = fam
+            .encoders
+            .iter()
+            .map(|e| ClipConfig::from_weights(&W::new(te.params().map()), *e))
+            .collect::<Result<Vec<_>>>()
             .map_err(|e| ModelError::Invalid(format!("{file}: te: {e}")))?;
-        let unet_cfg = unet::UnetConfig::from_weights(&W::new(unet.params().map()))
+        let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
             .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
         let vae_factor = vae::upscale_factor(&W::new(vae.params().map())) as usize;
-        // Build every graph once, uncomputed: a missing or misshapen tensor
-        // anywhere fails here, before any compute. Errors name the module.
-        for r in [
-            clip::validate(&te),
-            unet::validate(&unet),
-            vae::validate(&vae),
-        ] {
-            r.map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
-        }
-        if te_cfg.hidden != unet_cfg.context_dim {
+        let context: i64 = clip.iter().map(|c| c.hidden).sum();
+        if context != unet_cfg.context_dim {
             return Err(ModelError::Invalid(format!(
-                "{file}: the text encoder's width {} does not match the UNet's context width {}",
-                te_cfg.hidden, unet_cfg.context_dim
+                "{file}: the text encoders' width {context} does not match the UNet's context width {}",
+                unet_cfg.context_dim
             )));
         }
-        Ok(Sd1 {
+        match (fam.adm, unet_cfg.adm_in, pooled_width(&clip)) {
+            (false, None, _) => {}
+            (true, Some(adm), Some(p)) if adm > p && (adm - p) % 6 == 0 => {}
+            (true, adm, p) => {
+                return Err(ModelError::Invalid(format!(
+                    "{file}: the UNet's ADM input ({}) does not fit the pooled text width ({}) plus six size embeddings",
+                    adm.map_or("missing: no label_emb.0.0.weight".into(), |a| a.to_string()),
+                    p.map_or("none".into(), |p| p.to_string())
+                )))
+            }
+            (false, Some(_), _) => {
+                return Err(ModelError::Invalid(format!(
+                    "{file}: a {} UNet with an ADM input (label_emb.*) is not supported",
+                    fam.family.name()
+                )))
+            }
+        }
+        // Build every graph once, uncomputed: errors name the module.
+        for c in &clip {
+            clip::validate(&te, c).map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
+        }
+        unet::validate(&unet, &unet_cfg)
+            .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
+        vae::validate(&vae).map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
+        Ok(Pipeline {
             te,
             unet,
             vae,
+            family: fam,
+            prediction,
             tokenizer: ClipTokenizer::default(),
             schedule: Schedule::default(),
+            clip,
             unet_cfg,
             vae_factor,
         })
     }
 
+    /// The family's configuration.
+    pub fn family(&self) -> &FamilyConfig {
+        &self.family
+    }
+
+    /// The prediction type in use.
+    pub fn prediction(&self) -> Prediction {
+        self.prediction
+    }
+
+    /// The UNet's hyper-parameters.
+    pub fn unet_config(&self) -> &UnetConfig {
+        &self.unet_cfg
+    }
+
     /// Sets how every module's graphs are built (e.g. flash attention).
-    pub fn set_options(&mut self, opts: crate::nn::GraphOptions) {
+    pub fn set_options(&mut self, opts: crate::blocks::nn::GraphOptions) {
         self.te.set_options(opts);
         self.unet.set_options(opts);
         self.vae.set_options(opts);
@@ -152,33 +263,93 @@ impl<'b> Sd1<'b> {
         self.vae_factor << self.unet_cfg.downsamples
     }
 
-    /// Hidden states of `chunks` 77-token chunks: `[chunks·77, hidden]`.
-    pub fn encode_ids(&mut self, ids: &[u32], clip_skip: usize) -> Result<Vec<f32>> {
-        clip::encode(&mut self.te, ids, clip_skip)
-    }
-
-    /// Token ids of a prompt, in 77-token chunks, padded with empty-prompt
-    /// chunks to at least `min_chunks`.
-    pub fn token_chunks(&self, prompt: &str, min_chunks: usize) -> Vec<u32> {
-        let mut chunks = self.tokenizer.chunks(prompt);
-        let empty = self.tokenizer.chunks("")[0];
+    /// Token ids of a prompt for encoder `i`, in 77-token chunks, padded
+    /// with empty-prompt chunks to at least `min_chunks`.
+    pub fn token_chunks(&self, i: usize, prompt: &str, min_chunks: usize) -> Vec<u32> {
+        let pad = self.family.encoders[i].pad;
+        let mut chunks = self.tokenizer.chunks_padded(prompt, pad);
+        let empty = self.tokenizer.chunks_padded("", pad)[0];
         chunks.resize(chunks.len().max(min_chunks), empty);
         chunks.into_iter().flatten().collect()
     }
 
+    /// Chunks a prompt needs.
+    pub fn chunk_count(&self, prompt: &str) -> usize {
+        self.tokenizer.chunks(prompt).len()
+    }
+
+    /// Encodes a prompt, padded to `chunks` chunks, with every encoder.
+    pub fn encode_prompt(
+        &mut self,
+        prompt: &str,
+        chunks: usize,
+        clip_skip: usize,
+    ) -> Result<Conditioning> {
+        let n_tokens = chunks * CONTEXT;
+        let first_len = self.tokenizer.encode(prompt).len().min(CONTEXT - 2);
+        let mut per = Vec::new();
+        let mut pooled = None;
+        for i in 0..self.clip.len() {
+            let ids = self.token_chunks(i, prompt, chunks);
+            let cfg = self.clip[i].clone();
+            let out = clip::encode(&mut self.te, &cfg, &ids, clip_skip, first_len + 1)?;
+            if out.pooled.is_some() {
+                pooled = out.pooled;
+            }
+            per.push((out.hidden, cfg.hidden as usize));
+        }
+        let width: usize = per.iter().map(|(_, h)| h).sum();
+        let mut hidden = Vec::with_capacity(n_tokens * width);
+        for t in 0..n_tokens {
+            for (h, w) in &per {
+                hidden.extend_from_slice(&h[t * w..(t + 1) * w]);
+            }
+        }
+        Ok(Conditioning { hidden, pooled })
+    }
+
+    /// The ADM vector of an SDXL UNet call: the pooled text embedding, then
+    /// the sinusoidal embeddings of original size (h, w), crop (top, left)
+    /// and target size (h, w), as SDXL was trained (original = target = the
+    /// requested size, no crop).
+    pub fn adm_vector(&self, pooled: &[f32], width: usize, height: usize) -> Result<Vec<f32>> {
+        let Some(adm) = self.unet_cfg.adm_in else {
+            return Err(ModelError::Invalid("this UNet takes no ADM vector".into()));
+        };
+        let dim = (adm as usize).saturating_sub(pooled.len()) / 6;
+        if dim == 0 || pooled.len() + 6 * dim != adm as usize || dim % 2 != 0 {
+            return Err(ModelError::Invalid(format!(
+                "pooled text of {} values does not fit the ADM input of {adm}",
+                pooled.len()
+            )));
+        }
+        let (h, w) = (height as f32, width as f32);
+        let mut y = pooled.to_vec();
+        for v in [h, w, 0.0, 0.0, h, w] {
+            y.extend(sinusoid(v, dim));
+        }
+        Ok(y)
+    }
+
     /// Time spent in each module.
-    pub fn timings(&self) -> [(&'static str, Timing); 3] {
+    pub fn timings(&self) -> [(ModuleKind, Timing); 3] {
         [
-            (self.te.name(), self.te.timing()),
-            (self.unet.name(), self.unet.timing()),
-            (self.vae.name(), self.vae.timing()),
+            (self.te.kind(), self.te.timing()),
+            (self.unet.kind(), self.unet.timing()),
+            (self.vae.kind(), self.vae.timing()),
         ]
+    }
+
+    /// Runs the UNet once: its raw output (ε or v).
+    pub fn predict(&mut self, input: UnetInput<'_>) -> Result<Vec<f32>> {
+        let cfg = self.unet_cfg.clone();
+        unet::predict(&mut self.unet, &cfg, input)
     }
 
     /// Generates an image. `noise` replaces the seeded initial noise (unit
     /// Gaussian, `[C, h, w]` of the latent); `progress(step, steps)` is called
-    /// after each sampling step, and sampling stops with an error as soon as
-    /// `cancelled()` returns true.
+    /// after each sampling step, and the work stops with
+    /// [`ModelError::Cancelled`] as soon as `cancelled()` returns true.
     pub fn generate(
         &mut self,
         req: &Request,
@@ -238,31 +409,43 @@ impl<'b> Sd1<'b> {
         // Text contexts: conditional and (with guidance) unconditional, padded
         // to the same number of chunks so they batch together.
         let guided = req.cfg_scale != 1.0;
-        let mut cond = self.tokenizer.chunks(&req.prompt);
-        let mut uncond = if guided {
-            self.tokenizer.chunks(&req.negative)
-        } else {
-            Vec::new()
-        };
-        let n = cond.len().max(uncond.len());
-        let empty = self.tokenizer.chunks("")[0];
-        cond.resize(n, empty);
+        let mut chunks = self.chunk_count(&req.prompt);
         if guided {
-            uncond.resize(n, empty);
+            chunks = chunks.max(self.chunk_count(&req.negative));
         }
-        let ids: Vec<u32> = cond.into_iter().chain(uncond).flatten().collect();
         check(cancelled)?;
-        let context = self.encode_ids(&ids, req.clip_skip);
+        let encoded = (|| -> Result<(Conditioning, Option<Conditioning>)> {
+            let cond = self.encode_prompt(&req.prompt, chunks, req.clip_skip)?;
+            let uncond = if guided {
+                Some(self.encode_prompt(&req.negative, chunks, req.clip_skip)?)
+            } else {
+                None
+            };
+            Ok((cond, uncond))
+        })();
         self.te.end_phase();
-        let context = context?;
+        let (cond, uncond) = encoded?;
         check(cancelled)?;
+        let mut context = cond.hidden.clone();
+        let mut y = match (&cond.pooled, self.unet_cfg.adm_in) {
+            (Some(p), Some(_)) => Some(self.adm_vector(p, req.width, req.height)?),
+            _ => None,
+        };
+        if let Some(u) = &uncond {
+            context.extend_from_slice(&u.hidden);
+            if let (Some(y), Some(p)) = (y.as_mut(), &u.pooled) {
+                y.extend(self.adm_vector(p, req.width, req.height)?);
+            }
+        }
 
         let sigmas = self.schedule.sampling_sigmas(req.steps);
         let x: Vec<f32> = noise.iter().map(|v| v * sigmas[0] as f32).collect();
         let batch = if guided { 2 } else { 1 };
         let steps = req.steps;
         let cfg = req.cfg_scale;
+        let prediction = self.prediction;
         let schedule = self.schedule.clone();
+        let unet_cfg = self.unet_cfg.clone();
         let unet_module = &mut self.unet;
         let result = sample(
             req.sampler,
@@ -279,19 +462,22 @@ impl<'b> Sd1<'b> {
                 let t = schedule.timestep_of(sigma) as f32;
                 let mut shape_b = shape;
                 shape_b[0] = batch;
-                let eps =
-                    unet::predict_noise(unet_module, &xb, shape_b, &vec![t; batch], &context)?;
-                let eps: Vec<f32> = if batch == 2 {
-                    let (c, u) = eps.split_at(n_latent);
+                let input = UnetInput {
+                    x: &xb,
+                    shape: shape_b,
+                    t: &vec![t; batch],
+                    context: &context,
+                    y: y.as_deref(),
+                };
+                let out = unet::predict(unet_module, &unet_cfg, input)?;
+                let out: Vec<f32> = if batch == 2 {
+                    let (c, u) = out.split_at(n_latent);
                     c.iter().zip(u).map(|(c, u)| u + cfg * (c - u)).collect()
                 } else {
-                    eps
+                    out
                 };
                 progress(step + 1, steps);
-                Ok(x.iter()
-                    .zip(&eps)
-                    .map(|(x, e)| (f64::from(*x) - sigma * f64::from(*e)) as f32)
-                    .collect())
+                Ok(denoised(prediction, x, sigma, &out))
             },
             |_| rng.randn(n_latent),
         );
@@ -302,13 +488,30 @@ impl<'b> Sd1<'b> {
     /// Decodes a latent `[1, C, h, w]` into an image.
     pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
         tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
-        let out = vae::decode(&mut self.vae, latent, shape);
+        let out = vae::decode(&mut self.vae, latent, shape, self.family.vae_scale);
         self.vae.end_phase();
         let out = out?;
         let f = self.vae_factor;
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
     }
+}
+
+fn pooled_width(clip: &[ClipConfig]) -> Option<i64> {
+    clip.iter().find_map(|c| c.projection)
+}
+
+/// The sinusoidal embedding of `v` in `dim` values, cosines first (the
+/// UNet's timestep embedding with `flip_sin_to_cos`, max period 10000),
+/// computed in f32 as diffusers does.
+pub fn sinusoid(v: f32, dim: usize) -> Vec<f32> {
+    let half = dim / 2;
+    let freqs: Vec<f32> = (0..half)
+        .map(|i| (-(10000f32.ln()) * i as f32 / half as f32).exp())
+        .collect();
+    let cos = freqs.iter().map(|f| (v * f).cos());
+    let sin = freqs.iter().map(|f| (v * f).sin());
+    cos.chain(sin).collect()
 }
 
 /// `Err(Cancelled)` once `cancelled()` says so: called between graph
@@ -333,4 +536,19 @@ pub fn to_rgb(planes: &[f32], width: usize, height: usize) -> Image {
         }
     }
     Image { width, height, rgb }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sinusoid;
+
+    #[test]
+    fn sinusoid_is_cos_then_sin() {
+        let e = sinusoid(64.0, 8);
+        assert_eq!(e.len(), 8);
+        assert!((e[0] - 64f32.cos()).abs() < 1e-6);
+        assert!((e[4] - 64f32.sin()).abs() < 1e-6);
+        let f1 = (-(10000f32.ln()) / 4.0).exp();
+        assert!((e[1] - (64.0 * f1).cos()).abs() < 1e-6);
+    }
 }

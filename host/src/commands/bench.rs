@@ -400,12 +400,18 @@ impl ModelReport {
 /// stable-diffusion.cpp in a child process.
 pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
-    use sdhost_models::pipeline::Sd1;
+    use sdhost_models::pipeline::Pipeline;
 
     let path = a.model.as_ref().context("no model")?;
     let runs = a.runs.unwrap_or(3);
     let placement = session.resolve(&a.placement)?;
     let ckpt = sdhost_models::checkpoint::scan(path)?;
+    let vae = a
+        .sample
+        .vae
+        .as_deref()
+        .map(sdhost_models::checkpoint::scan)
+        .transpose()?;
     let cpu_name = crate::commands::generate::cpu_device(session, "bench")?;
     let manager = BackendManager::new(&session.registry, session.threads);
     let layout = crate::commands::generate::layout(session, &manager, &placement, "bench")?;
@@ -426,12 +432,12 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     };
 
     let t = Instant::now();
-    let mut sd =
-        Sd1::load(&ckpt, layout, a.sample.phase_memory).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let mut sd = Pipeline::load(&ckpt, layout, a.sample.load_options(vae.as_ref()))
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
     let load_s = t.elapsed().as_secs_f64();
     let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     sample_devices();
-    let req = a.sample.request(&a.prompt, "", 1);
+    let req = a.sample.request(&a.prompt, "", 1, sd.family().default_size);
     let mut ours = Vec::new();
     let mut first_run_s = 0.0;
     for i in 0..=runs {
@@ -457,13 +463,17 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
     }
     let threads = session.threads.unwrap_or(1);
-    let peer = a.peer.as_ref().map(|p| run_peer(p, a, path, threads, runs));
+    let peer = a
+        .peer
+        .as_ref()
+        .map(|p| run_peer(p, a, &req, path, threads, runs));
     let report = ModelReport {
         model: path.display().to_string(),
         settings: format!(
-            "{}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
-            a.sample.width,
-            a.sample.height,
+            "{} {}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
+            sd.family().family.name(),
+            req.width,
+            req.height,
             a.sample.steps,
             a.sample.sampler.name(),
             a.sample.cfg_scale,
@@ -471,7 +481,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             threads,
             flash
         ),
-        devices: crate::commands::generate::placement_summary(&placement),
+        devices: crate::commands::generate::placement_summary(&sd, &placement),
         runs,
         load_s,
         first_run_s,
@@ -490,6 +500,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
 fn run_peer(
     peer: &std::path::Path,
     a: &BenchArgs,
+    req: &sdhost_models::pipeline::Request,
     model: &std::path::Path,
     threads: usize,
     runs: u32,
@@ -511,12 +522,7 @@ fn run_peer(
     c.arg("-m")
         .arg(model)
         .args(["-p", &a.prompt])
-        .args([
-            "-W",
-            &a.sample.width.to_string(),
-            "-H",
-            &a.sample.height.to_string(),
-        ])
+        .args(["-W", &req.width.to_string(), "-H", &req.height.to_string()])
         .args(["--steps", &a.sample.steps.to_string()])
         .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
         .args(["--seed", &a.sample.seed.to_string()])

@@ -14,7 +14,7 @@ pub fn run(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
     let bar = indicatif::ProgressBar::new(ckpt.tensors.len() as u64);
     let mut stats = None;
     let result = output.commit(|w| {
-        let s = sdhost_models::convert::to_gguf(
+        let s = sdhost_models::checkpoint::convert::to_gguf(
             &ckpt,
             args.ty,
             w,

@@ -12,9 +12,9 @@ use crate::session::Session;
 use crate::term;
 use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
+use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::module::Devices;
-use sdhost_models::nn::ModelError;
-use sdhost_models::pipeline::{Image, Layout, Sd1};
+use sdhost_models::pipeline::{Image, Layout, Pipeline, Request};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -26,17 +26,26 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let placement = session.resolve(&args.placement)?;
     let output = OutputFile::create(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
+    let vae = args
+        .sample
+        .vae
+        .as_deref()
+        .map(sdhost_models::checkpoint::scan)
+        .transpose()?;
 
     let manager =
         BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
     let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
-    let mut sd = Sd1::load(&ckpt, layout, args.sample.phase_memory)?;
+    let mut sd = Pipeline::load(&ckpt, layout, args.sample.load_options(vae.as_ref()))?;
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     let load_time = loading.elapsed();
-    let req = args
-        .sample
-        .request(&args.prompt, &args.negative, args.clip_skip as usize);
+    let req = args.sample.request(
+        &args.prompt,
+        &args.negative,
+        args.clip_skip as usize,
+        sd.family().default_size,
+    );
 
     tracing::info!(
         "sampling {} steps with {} at {}x{}",
@@ -66,7 +75,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let text = parameters_text(args, &placement, &flash);
+    let text = parameters_text(args, &req, &sd, &placement, &flash);
     write_png(output, &image, &text)?;
     term::eprint_line(&summary(
         &sd,
@@ -120,7 +129,7 @@ pub fn layout<'m>(
 
 /// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
 /// runtime device is a CPU) and says where it is on, e.g. `diffusion, vae`.
-pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
+pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
     let mut on = Vec::new();
     for (module, devices) in [
         (&mut sd.te, layout.te),
@@ -136,7 +145,7 @@ pub fn apply_flash_attn(sd: &mut Sd1<'_>, layout: &Layout<'_>, when: FlashAttn) 
         if flash && module.name() != "te" {
             on.push(module.name());
         }
-        module.set_options(sdhost_models::nn::GraphOptions { flash_attn: flash });
+        module.set_options(sdhost_models::blocks::nn::GraphOptions { flash_attn: flash });
     }
     if on.is_empty() {
         "off".into()
@@ -156,15 +165,13 @@ fn device_of(placement: &Placement, m: Place) -> String {
     }
 }
 
-/// Where each module runs, as `te=cpu, diffusion=vulkan0 (params cpu), …`.
-pub fn placement_summary(placement: &Placement) -> String {
-    SD1_MODULES
-        .map(|m| format!("{}={}", m.name(), device_of(placement, m)))
+/// Where each module of a pipeline runs, as `te=cpu, diffusion=vulkan0
+/// (params cpu), …`.
+pub fn placement_summary(sd: &Pipeline<'_>, placement: &Placement) -> String {
+    sd.timings()
+        .map(|(m, _)| format!("{}={}", m.name(), device_of(placement, m)))
         .join(", ")
 }
-
-/// The modules of an SD 1.x pipeline, in the order of [`Sd1::timings`].
-const SD1_MODULES: [Place; 3] = [Place::Te, Place::Diffusion, Place::Vae];
 
 /// A prompt on one line: A1111 readers take the line that starts with
 /// `Negative prompt:` and the last line as fields, so a line break inside a
@@ -179,7 +186,18 @@ fn one_line_prompt(p: &str) -> String {
 }
 
 /// A1111-style parameters text.
-fn parameters_text(args: &GenerateArgs, placement: &Placement, flash: &str) -> String {
+fn parameters_text(
+    args: &GenerateArgs,
+    req: &Request,
+    sd: &Pipeline<'_>,
+    placement: &Placement,
+    flash: &str,
+) -> String {
+    let file_name = |p: &std::path::Path| {
+        p.file_name()
+            .map(|f| one_line_prompt(&f.to_string_lossy()))
+            .unwrap_or_default()
+    };
     let mut s = one_line_prompt(&args.prompt);
     if !args.negative.is_empty() {
         s.push_str(&format!(
@@ -188,16 +206,24 @@ fn parameters_text(args: &GenerateArgs, placement: &Placement, flash: &str) -> S
         ));
     }
     s.push_str(&format!(
-        "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Devices: {}, Flash attention: {}, Generator: sdhost {}",
-        args.sample.steps,
-        args.sample.sampler.name(),
-        args.sample.cfg_scale,
-        args.sample.seed,
-        args.sample.width,
-        args.sample.height,
-        args.clip_skip,
-        args.model.file_name().map(|f| f.to_string_lossy().into_owned()).unwrap_or_default(),
-        placement_summary(placement),
+        "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Model family: {}, Prediction: {}",
+        req.steps,
+        req.sampler.name(),
+        req.cfg_scale,
+        req.seed,
+        req.width,
+        req.height,
+        req.clip_skip,
+        file_name(&args.model),
+        sd.family().family.name(),
+        sd.prediction().name(),
+    ));
+    if let Some(vae) = &args.sample.vae {
+        s.push_str(&format!(", VAE: {}", file_name(vae)));
+    }
+    s.push_str(&format!(
+        ", Devices: {}, Flash attention: {}, Generator: sdhost {}",
+        placement_summary(sd, placement),
         flash,
         env!("CARGO_PKG_VERSION"),
     ));
@@ -222,7 +248,7 @@ pub fn write_png(output: OutputFile, image: &Image, text: &str) -> anyhow::Resul
 }
 
 fn summary(
-    sd: &Sd1<'_>,
+    sd: &Pipeline<'_>,
     placement: &Placement,
     load: std::time::Duration,
     sampling: std::time::Duration,
@@ -232,11 +258,11 @@ fn summary(
         "{:<10} {:<22} {:>6} {:>10} {:>12}\n",
         "module", "device (params)", "calls", "time", "weight copy"
     );
-    for ((name, t), m) in sd.timings().into_iter().zip(SD1_MODULES) {
+    for (m, t) in sd.timings() {
         let dev = device_of(placement, m);
         s.push_str(&format!(
             "{:<10} {:<22} {:>6} {:>9.2}s {:>11.2}s\n",
-            name,
+            m.name(),
             dev,
             t.calls,
             t.compute.as_secs_f64(),

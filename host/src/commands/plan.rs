@@ -74,14 +74,12 @@ impl PlanReport {
         // With a checkpoint, only the modules it has.
         let modules: Vec<PlanRow> = Module::ALL
             .iter()
-            .filter(|m| bytes.as_ref().is_none_or(|b| b.contains_key(m.name())))
+            .filter(|m| bytes.as_ref().is_none_or(|b| b.contains_key(*m)))
             .map(|m| PlanRow {
                 module: m.name(),
                 runtime: p.runtime.get(m).cloned().unwrap_or_default(),
                 params: p.params.get(m).cloned().unwrap_or_default(),
-                weight_bytes: bytes
-                    .as_ref()
-                    .map(|b| b.get(m.name()).copied().unwrap_or(0)),
+                weight_bytes: bytes.as_ref().map(|b| b.get(m).copied().unwrap_or(0)),
             })
             .collect();
         let mut warnings = Vec::new();

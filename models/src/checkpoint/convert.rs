@@ -11,9 +11,9 @@
 //! Only tensors of a known module are written (EMA copies, scheduler tables
 //! and int64 buffers are dropped); names stay as they are.
 
+use crate::blocks::nn::ModelError;
+use crate::checkpoint::gguf;
 use crate::checkpoint::{module_of, Checkpoint, TensorEntry};
-use crate::gguf;
-use crate::nn::ModelError;
 use ggml::Type;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -29,26 +29,7 @@ pub struct Converted {
     pub bytes: u64,
 }
 
-/// Decodes f32/f16/bf16 little-endian bytes (safetensors or GGUF dtype
-/// names, any case) to f32; `None` for other types.
-pub fn decode_f32(dtype: &str, data: &[u8]) -> Option<Vec<f32>> {
-    let d = dtype.to_ascii_lowercase();
-    Some(match d.as_str() {
-        "f32" => data
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect(),
-        "f16" => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        "bf16" => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
-}
+use super::dtype::decode_f32;
 
 /// The type a tensor of `shape` (outermost first) named `name` gets when
 /// `requested` is asked for.
@@ -185,14 +166,23 @@ pub fn to_gguf(
             bytes,
         });
     }
-    let kv = [
-        ("general.architecture", "sd1"),
-        ("general.file_type", &requested.name()[..]),
+    // A file of no supported family (a VAE alone, for `--vae`) converts too.
+    let architecture = crate::family::detect(ckpt).map_or("unknown", |f| f.name());
+    let file_type = requested.name();
+    let mut kv: Vec<(&str, &str)> = vec![
+        ("general.architecture", architecture),
+        ("general.file_type", &file_type),
         (
             "general.quantized_by",
             concat!("sdhost ", env!("CARGO_PKG_VERSION")),
         ),
     ];
+    // What the source says of itself survives the conversion.
+    for key in ["modelspec.prediction_type", "prediction_type"] {
+        if let Some(v) = ckpt.metadata.get(key) {
+            kv.push((key, v));
+        }
+    }
     let io = |e: std::io::Error| bad(e.to_string());
     let infos: Vec<gguf::OutInfo> = plan
         .iter()

@@ -50,7 +50,7 @@ pub struct W<'a> {
 }
 
 impl<'a> W<'a> {
-    /// Wraps a name → tensor map (from [`crate::weights::ModuleWeights::map`]).
+    /// Wraps a name → tensor map (from [`crate::checkpoint::weights::ModuleWeights::map`]).
     pub fn new(map: HashMap<&'a str, Tensor<'a>>) -> Self {
         W {
             map,

@@ -154,7 +154,7 @@ impl ModuleWeights {
             f.read_exact_at(&mut data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
             if dst.type_name() == "f32" && !t.dtype.eq_ignore_ascii_case("f32") {
-                data = crate::convert::decode_f32(&t.dtype, &data)
+                data = crate::checkpoint::dtype::decode_f32(&t.dtype, &data)
                     .unwrap_or_default()
                     .iter()
                     .flat_map(|v| v.to_le_bytes())

@@ -1,4 +1,5 @@
-//! The SD 1.x noise schedule and samplers, on plain `f32` latents.
+//! The noise schedule of SD 1.x, 2.x and SDXL (they share it), the samplers,
+//! and the denoiser parametrisations (ε and v), on plain `f32` latents.
 //!
 //! Schedule: DDPM "scaled linear" betas from 0.00085 to 0.012 over 1000
 //! training steps (`β_t = linspace(√0.00085, √0.012, 1000)²`), ᾱ_t the
@@ -10,6 +11,8 @@
 //! Samplers take a *denoiser* `D(x, σ) → x̂₀` (for an ε-prediction UNet:
 //! `x̂₀ = x − σ·ε(x/√(σ²+1), t(σ))` with classifier-free guidance inside) and
 //! step the latent from one σ to the next.
+
+use crate::family::Prediction;
 
 /// Number of training timesteps.
 pub const TRAIN_STEPS: usize = 1000;
@@ -136,6 +139,27 @@ impl std::str::FromStr for Sampler {
 impl std::fmt::Display for Sampler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
+    }
+}
+
+/// x̂₀ from the model output `out` at noise level `sigma` for latents `x`
+/// (unscaled), by the prediction type (k-diffusion's denoisers with
+/// σ_data = 1): ε gives x − σ·ε; v gives x/(σ²+1) − σ·v/√(σ²+1).
+pub fn denoised(prediction: Prediction, x: &[f32], sigma: f64, out: &[f32]) -> Vec<f32> {
+    match prediction {
+        Prediction::Eps => x
+            .iter()
+            .zip(out)
+            .map(|(x, e)| (f64::from(*x) - sigma * f64::from(*e)) as f32)
+            .collect(),
+        Prediction::V => {
+            let s2 = sigma * sigma + 1.0;
+            let (c_skip, c_out) = (1.0 / s2, -sigma / s2.sqrt());
+            x.iter()
+                .zip(out)
+                .map(|(x, v)| (f64::from(*x) * c_skip + f64::from(*v) * c_out) as f32)
+                .collect()
+        }
     }
 }
 

@@ -44,8 +44,14 @@ impl ClipTokenizer {
         u32::from(self.inner.end_of_text().to_u16())
     }
 
-    /// The 77-token chunks for a prompt (at least one, also for an empty one).
+    /// The 77-token chunks for a prompt (at least one, also for an empty
+    /// one), padded with the end token (OpenAI CLIP's rule).
     pub fn chunks(&self, prompt: &str) -> Vec<[u32; CONTEXT]> {
+        self.chunks_padded(prompt, self.eos())
+    }
+
+    /// The chunks with `pad` after the end token (0 for OpenCLIP).
+    pub fn chunks_padded(&self, prompt: &str, pad: u32) -> Vec<[u32; CONTEXT]> {
         let ids = self.encode(prompt);
         let (bos, eos) = (self.bos(), self.eos());
         let pieces: Vec<&[u32]> = if ids.is_empty() {
@@ -56,9 +62,10 @@ impl ClipTokenizer {
         pieces
             .into_iter()
             .map(|p| {
-                let mut c = [eos; CONTEXT];
+                let mut c = [pad; CONTEXT];
                 c[0] = bos;
                 c[1..=p.len()].copy_from_slice(p);
+                c[p.len() + 1] = eos;
                 c
             })
             .collect()
@@ -82,6 +89,14 @@ mod tests {
         assert_eq!(c.len(), 1);
         assert_eq!(&c[0][..7], &[49406, 320, 1125, 539, 320, 2368, 49407]);
         assert!(c[0][7..].iter().all(|&x| x == 49407));
+    }
+
+    #[test]
+    fn openclip_padding_follows_the_end_token() {
+        let t = ClipTokenizer::default();
+        let c = t.chunks_padded("a photo of a cat", 0);
+        assert_eq!(&c[0][..8], &[49406, 320, 1125, 539, 320, 2368, 49407, 0]);
+        assert!(c[0][7..].iter().all(|&x| x == 0));
     }
 
     #[test]

@@ -8,17 +8,18 @@
 //! transformer, and an optional 2× upsampling convolution. Channel counts
 //! come from the weight shapes, transformer depth from the
 //! `transformer_blocks.N` names, the context width from `attn2.to_k`.
-//! Attention uses SD 1.x's fixed 8 heads (`num_heads: 8`); SD 2.x-style
-//! 64-wide heads are not this module's job.
+//! Attention heads follow the family's rule ([`Heads`]: SD 1.x's fixed 8,
+//! SD 2.x/SDXL's 64-wide heads). With `label_emb.0.*` tensors (SDXL) the
+//! UNet also takes an ADM vector `y`, embedded and added to the time
+//! embedding. The output is whatever the checkpoint predicts (ε or v); the
+//! sampler's denoiser turns it into x₀.
 
-use crate::module::{input_f32, Built, Module};
-use crate::nn::{
+use crate::blocks::nn::{
     attention, conv2d, group_norm, layer_norm, linear, shortcut, ModelError, Result, W,
 };
+use crate::family::Heads;
+use crate::module::{input_f32, Built, Module};
 use ggml::{Context, Tensor};
-
-/// SD 1.x attention heads.
-pub const HEADS: i64 = 8;
 
 /// UNet hyper-parameters read off the weights.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -35,11 +36,16 @@ pub struct UnetConfig {
     pub context_dim: i64,
     /// Number of 2× downsamplings.
     pub downsamples: u32,
+    /// Attention heads.
+    pub heads: Heads,
+    /// Width of the ADM vector (`label_emb.0.0` input), when the UNet takes one.
+    pub adm_in: Option<i64>,
 }
 
 impl UnetConfig {
-    /// Reads the hyper-parameters off the weights.
-    pub fn from_weights(w: &W<'_>) -> Result<UnetConfig> {
+    /// Reads the hyper-parameters off the weights; `heads` is the family's
+    /// rule.
+    pub fn from_weights(w: &W<'_>, heads: Heads) -> Result<UnetConfig> {
         let conv_in = w.ne("input_blocks.0.0.weight")?;
         let conv_out = w.ne("out.2.weight")?;
         let time = w.ne("time_embed.0.weight")?;
@@ -52,6 +58,11 @@ impl UnetConfig {
             .names()
             .filter(|n| n.starts_with("input_blocks.") && n.ends_with(".0.op.weight"))
             .count() as u32;
+        let adm_in = if w.has("label_emb.0.0.weight") {
+            Some(w.ne("label_emb.0.0.weight")?[0])
+        } else {
+            None
+        };
         Ok(UnetConfig {
             in_channels: conv_in[2],
             out_channels: conv_out[3],
@@ -59,44 +70,72 @@ impl UnetConfig {
             time_dim: time[1],
             context_dim,
             downsamples,
+            heads,
+            adm_in,
         })
     }
 }
 
-/// Predicts the noise ε for a batch of `n` latents `x` (`[n, C, H, W]`,
-/// W fastest) at timesteps `t` (`n` values) given text contexts
-/// `context` (`[n, S, context_dim]`).
-pub fn predict_noise(
+/// One UNet call's inputs: a batch of `n` latents `x` (`[n, C, H, W]`, W
+/// fastest) at timesteps `t` (`n` values) with text contexts `context`
+/// (`[n, S, context_dim]`) and, for ADM UNets, vectors `y` (`[n, adm_in]`).
+#[derive(Clone, Copy, Debug)]
+pub struct UnetInput<'x> {
+    /// Latents.
+    pub x: &'x [f32],
+    /// Their shape `[n, C, H, W]`.
+    pub shape: [usize; 4],
+    /// Timesteps.
+    pub t: &'x [f32],
+    /// Text contexts.
+    pub context: &'x [f32],
+    /// ADM vectors (SDXL), `None` otherwise.
+    pub y: Option<&'x [f32]>,
+}
+
+/// Runs the UNet: its raw output (ε or v, as the checkpoint predicts), the
+/// shape of `input.x`.
+pub fn predict(
     module: &mut Module<'_>,
-    x: &[f32],
-    shape: [usize; 4],
-    t: &[f32],
-    context: &[f32],
+    cfg: &UnetConfig,
+    input: UnetInput<'_>,
 ) -> Result<Vec<f32>> {
-    module.compute(|c, w| build(c, w, x, shape, t, context))
+    module.compute(|c, w| build(c, w, cfg, input))
 }
 
 /// Checks the module's weights by building (not computing) its graph for
 /// the smallest latent and a 77-token context.
-pub fn validate(module: &Module<'_>) -> Result<()> {
+pub fn validate(module: &Module<'_>, cfg: &UnetConfig) -> Result<()> {
     module.validate(|c, w| {
-        let cfg = UnetConfig::from_weights(w)?;
         let m = 1usize << cfg.downsamples;
         let ch = cfg.in_channels as usize;
         let ctx = vec![0.0; 77 * cfg.context_dim as usize];
-        build(c, w, &vec![0.0; ch * m * m], [1, ch, m, m], &[0.0], &ctx)
+        let y = cfg.adm_in.map(|a| vec![0.0; a as usize]);
+        let x = vec![0.0; ch * m * m];
+        let input = UnetInput {
+            x: &x,
+            shape: [1, ch, m, m],
+            t: &[0.0],
+            context: &ctx,
+            y: y.as_deref(),
+        };
+        build(c, w, cfg, input)
     })
 }
 
 fn build<'a>(
     c: &'a Context,
     w: &W<'a>,
-    x: &[f32],
-    shape: [usize; 4],
-    t: &[f32],
-    context: &[f32],
+    cfg: &UnetConfig,
+    input: UnetInput<'_>,
 ) -> Result<Built<'a>> {
-    let cfg = UnetConfig::from_weights(w)?;
+    let UnetInput {
+        x,
+        shape,
+        t,
+        context,
+        y,
+    } = input;
     let [n, ch_in, height, width] = shape.map(|d| d as i64);
     if ch_in != cfg.in_channels {
         return Err(ModelError::Invalid(format!(
@@ -130,7 +169,7 @@ fn build<'a>(
     let mc = cfg.model_channels;
     let emb = c.timestep_embedding(tt, mc as i32, 10000)?;
     let emb = linear(c, w, "time_embed.0", emb, mc, cfg.time_dim)?;
-    let emb = linear(
+    let mut emb = linear(
         c,
         w,
         "time_embed.2",
@@ -138,11 +177,34 @@ fn build<'a>(
         cfg.time_dim,
         cfg.time_dim,
     )?;
+    match (cfg.adm_in, y) {
+        (Some(adm), Some(y)) if y.len() as i64 == n * adm => {
+            let yt = input_f32(c, &[adm, n], y.to_vec(), &mut inputs)?;
+            let l = linear(c, w, "label_emb.0.0", yt, adm, cfg.time_dim)?;
+            let l = linear(
+                c,
+                w,
+                "label_emb.0.2",
+                c.silu(l)?,
+                cfg.time_dim,
+                cfg.time_dim,
+            )?;
+            emb = c.add(emb, l)?;
+        }
+        (None, None) => {}
+        (adm, y) => {
+            return Err(ModelError::Invalid(format!(
+                "the UNet takes {} ADM values per latent; given {}",
+                adm.map_or("no".into(), |a| a.to_string()),
+                y.map_or("none".into(), |y| format!("{} for a batch of {n}", y.len()))
+            )))
+        }
+    }
 
     let net = Net {
         c,
         w,
-        cfg: &cfg,
+        cfg,
         emb,
         ctx,
     };
@@ -310,7 +372,8 @@ impl<'a> Net<'a, '_> {
             let q = linear(c, w, &format!("{pa}.to_q"), x, inner, inner)?;
             let k = linear(c, w, &format!("{pa}.to_k"), kv, kv_dim, inner)?;
             let v = linear(c, w, &format!("{pa}.to_v"), kv, kv_dim, inner)?;
-            let a = attention(c, q, k, v, HEADS, false, w.opts.flash_attn)?;
+            let heads = self.cfg.heads.for_width(inner);
+            let a = attention(c, q, k, v, heads, false, w.opts.flash_attn)?;
             linear(c, w, &format!("{pa}.to_out.0"), a, inner, inner)
         };
         let n = layer_norm(c, w, &format!("{p}.norm1"), x, inner, 1e-5)?;

@@ -9,6 +9,7 @@
 
 use crate::checkpoint::TensorEntry;
 use ggml::Type;
+use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::path::Path;
 
@@ -84,6 +85,13 @@ impl Reader<'_> {
 /// Reads the tensor table of a GGUF file. Shapes are outermost first (as in
 /// safetensors), dtypes are ggml's type names, offsets absolute.
 pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
+    scan_with_metadata(path).map(|(t, _)| t)
+}
+
+/// [`scan`], plus the file's string-valued metadata keys.
+pub fn scan_with_metadata(
+    path: &Path,
+) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>), String> {
     let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let total = f.metadata().map_err(|e| e.to_string())?.len();
     // The header is read whole, up to 64 MiB (SD checkpoints need far less).
@@ -108,9 +116,15 @@ pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
         ));
     }
     let mut alignment = DEFAULT_ALIGNMENT;
+    let mut metadata = BTreeMap::new();
     for i in 0..n_kv {
         let key = r.string(&format!("metadata key {i}"))?;
         let ty = r.u32(&key)?;
+        if ty == 8 {
+            let v = r.string(&key)?;
+            metadata.insert(key, v);
+            continue;
+        }
         let v = r.value(ty, &key, 0)?;
         if key == "general.alignment" {
             alignment = v
@@ -185,7 +199,7 @@ pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
     if let Some(w) = names.windows(2).find(|w| w[0] == w[1]) {
         return Err(format!("tensor {} appears twice", w[0]));
     }
-    Ok(out)
+    Ok((out, metadata))
 }
 
 /// One tensor's header entry: name, type, shape (outermost first) and the

@@ -1,6 +1,17 @@
-//! Checkpoint headers: tensor names and sizes of single-file checkpoints in
-//! the original Stable Diffusion layout, as `.safetensors` or `.gguf`.
+//! Checkpoints: tensor names, types, shapes and offsets of single-file
+//! checkpoints in the original layout, as `.safetensors` ([`safetensors`])
+//! or `.gguf` ([`gguf`]); the two formats share [`TensorEntry`] and
+//! [`dtype`] and never import each other. Also here: the tensor-name →
+//! module map, streaming conversion to GGUF ([`convert`]) and weight upload
+//! ([`weights`]).
 
+pub mod convert;
+pub mod dtype;
+pub mod gguf;
+mod safetensors;
+pub mod weights;
+
+use crate::ModuleKind;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -26,6 +37,8 @@ pub struct Checkpoint {
     pub path: PathBuf,
     /// Its tensors, in file order.
     pub tensors: Vec<TensorEntry>,
+    /// String metadata: safetensors' `__metadata__`, GGUF's string keys.
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// Errors reading a checkpoint; each names the file.
@@ -56,17 +69,16 @@ pub enum CheckpointError {
     Gguf(String),
 }
 
-/// The module a tensor of an original-layout checkpoint belongs to:
-/// `diffusion`, `te`, `vae`, `controlnet`, or `None` for anything else
-/// (EMA copies, scheduler tables, ...).
-pub fn module_of(name: &str) -> Option<&'static str> {
-    const PREFIXES: &[(&str, &str)] = &[
-        ("model.diffusion_model.", "diffusion"),
-        ("cond_stage_model.", "te"),
-        ("conditioner.", "te"),
-        ("text_encoders.", "te"),
-        ("first_stage_model.", "vae"),
-        ("control_model.", "controlnet"),
+/// The module a tensor of an original-layout checkpoint belongs to, or
+/// `None` for anything else (EMA copies, scheduler tables, ...).
+pub fn module_of(name: &str) -> Option<ModuleKind> {
+    const PREFIXES: &[(&str, ModuleKind)] = &[
+        ("model.diffusion_model.", ModuleKind::Diffusion),
+        ("cond_stage_model.", ModuleKind::Te),
+        ("conditioner.", ModuleKind::Te),
+        ("text_encoders.", ModuleKind::Te),
+        ("first_stage_model.", ModuleKind::Vae),
+        ("control_model.", ModuleKind::ControlNet),
     ];
     PREFIXES
         .iter()
@@ -76,7 +88,7 @@ pub fn module_of(name: &str) -> Option<&'static str> {
 
 impl Checkpoint {
     /// Bytes per module ([`module_of`]); unassigned tensors are left out.
-    pub fn module_bytes(&self) -> BTreeMap<&'static str, u64> {
+    pub fn module_bytes(&self) -> BTreeMap<ModuleKind, u64> {
         let mut m = BTreeMap::new();
         for t in &self.tensors {
             if let Some(module) = module_of(&t.name) {
@@ -93,9 +105,9 @@ pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
         .extension()
         .and_then(|e| e.to_str())
         .map(str::to_ascii_lowercase);
-    let tensors = match ext.as_deref() {
-        Some("safetensors") => scan_safetensors(path)?,
-        Some("gguf") => crate::gguf::scan(path).map_err(|e| {
+    let (tensors, metadata) = match ext.as_deref() {
+        Some("safetensors") => safetensors::scan(path)?,
+        Some("gguf") => gguf::scan_with_metadata(path).map_err(|e| {
             CheckpointError::Gguf(format!("{}: invalid GGUF file: {e}", path.display()))
         })?,
         _ => return Err(CheckpointError::UnknownFormat(path.to_path_buf())),
@@ -103,133 +115,8 @@ pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
     Ok(Checkpoint {
         path: path.to_path_buf(),
         tensors,
+        metadata,
     })
-}
-
-/// Bytes per element of a safetensors dtype, `None` for unknown ones.
-fn dtype_size(dtype: &str) -> Option<u64> {
-    Some(match dtype {
-        "F64" | "I64" | "U64" => 8,
-        "F32" | "I32" | "U32" => 4,
-        "F16" | "BF16" | "I16" | "U16" => 2,
-        "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
-        _ => return None,
-    })
-}
-
-/// A safetensors header's entries in file order, duplicates kept: a JSON
-/// map type would keep only the last of two entries with one name and hide
-/// a malformed file.
-struct HeaderEntries(Vec<(String, serde_json::Value)>);
-
-impl<'de> serde::Deserialize<'de> for HeaderEntries {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = HeaderEntries;
-            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<HeaderEntries, A::Error> {
-                let mut v = Vec::new();
-                while let Some(entry) = map.next_entry()? {
-                    v.push(entry);
-                }
-                Ok(HeaderEntries(v))
-            }
-        }
-        d.deserialize_map(Visit)
-    }
-}
-
-fn scan_safetensors(path: &Path) -> Result<Vec<TensorEntry>, CheckpointError> {
-    use std::io::Read;
-    let bad = |message: String| CheckpointError::Safetensors {
-        path: path.to_path_buf(),
-        message,
-    };
-    let io = |source| CheckpointError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let mut file = std::fs::File::open(path).map_err(io)?;
-    let total = file.metadata().map_err(io)?.len();
-    let mut n = [0u8; 8];
-    file.read_exact(&mut n)
-        .map_err(|_| bad(format!("file is {total} bytes, too short for a header")))?;
-    let header_len = u64::from_le_bytes(n);
-    if header_len > total - 8 || header_len > 100 << 20 {
-        return Err(bad(format!(
-            "header length {header_len} runs past the end of the {total}-byte file"
-        )));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header).map_err(io)?;
-    let json: HeaderEntries = serde_json::from_slice(&header)
-        .map_err(|e| bad(format!("header is not a JSON object: {e}")))?;
-    let mut seen = std::collections::HashSet::new();
-    if let Some((name, _)) = json.0.iter().find(|(k, _)| !seen.insert(k.as_str())) {
-        return Err(bad(format!("tensor {name} appears twice in the header")));
-    }
-    let data_len = total - 8 - header_len;
-    let mut entries: Vec<(u64, u64, TensorEntry)> = Vec::new();
-    for (name, v) in json.0 {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = v["dtype"]
-            .as_str()
-            .ok_or_else(|| bad(format!("tensor {name}: no dtype")))?
-            .to_string();
-        let size = dtype_size(&dtype)
-            .ok_or_else(|| bad(format!("tensor {name}: unknown dtype {dtype}")))?;
-        let shape: Vec<u64> = v["shape"]
-            .as_array()
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
-            .ok_or_else(|| bad(format!("tensor {name}: bad shape")))?;
-        let offs: Vec<u64> = v["data_offsets"]
-            .as_array()
-            .and_then(|a| a.iter().map(|d| d.as_u64()).collect())
-            .filter(|o: &Vec<u64>| o.len() == 2)
-            .ok_or_else(|| bad(format!("tensor {name}: bad data_offsets")))?;
-        let (start, end) = (offs[0], offs[1]);
-        if start > end || end > data_len {
-            return Err(bad(format!(
-                "tensor {name}: data offsets {start}..{end} run past the {data_len} data bytes"
-            )));
-        }
-        let want = shape.iter().try_fold(size, |acc, d| acc.checked_mul(*d));
-        if want != Some(end - start) {
-            return Err(bad(format!(
-                "tensor {name}: shape {shape:?} of {dtype} does not fit its {} bytes",
-                end - start
-            )));
-        }
-        entries.push((
-            start,
-            end,
-            TensorEntry {
-                name,
-                dtype,
-                bytes: end - start,
-                shape,
-                offset: Some(8 + header_len + start),
-            },
-        ));
-    }
-    entries.sort_by_key(|(start, _, _)| *start);
-    for w in entries.windows(2) {
-        if w[1].0 < w[0].1 {
-            return Err(bad(format!(
-                "tensors {} and {} overlap",
-                w[0].2.name, w[1].2.name
-            )));
-        }
-    }
-    Ok(entries.into_iter().map(|(_, _, e)| e).collect())
 }
 
 #[cfg(test)]
@@ -364,11 +251,12 @@ mod tests {
                     offset: None,
                 },
             ],
+            metadata: BTreeMap::new(),
         };
         let m = c.module_bytes();
-        assert_eq!(m.get("diffusion"), Some(&10));
-        assert_eq!(m.get("vae"), Some(&5));
-        assert_eq!(m.get("te"), Some(&7));
+        assert_eq!(m.get(&ModuleKind::Diffusion), Some(&10));
+        assert_eq!(m.get(&ModuleKind::Vae), Some(&5));
+        assert_eq!(m.get(&ModuleKind::Te), Some(&7));
         assert_eq!(m.len(), 3);
     }
 }

@@ -5,22 +5,26 @@
 //! convolution), group norm, SiLU and `conv_out`.
 //!
 //! Levels, blocks per level and channels come from the tensor names and
-//! shapes. Latents are divided by the SD 1.x scale factor 0.18215 first.
+//! shapes. Latents are divided by the family's scale factor first (0.18215
+//! for SD 1.x/2.x, 0.13025 for SDXL).
 
+use crate::blocks::nn::{attention, conv2d, group_norm, linear, shortcut, ModelError, Result, W};
 use crate::module::{input_f32, Built, Module};
-use crate::nn::{attention, conv2d, group_norm, linear, shortcut, ModelError, Result, W};
 use ggml::{Context, Tensor};
-
-/// SD 1.x latent scale factor.
-pub const SCALE_FACTOR: f32 = 0.18215;
 
 /// Group norm ε of the VAE.
 const EPS: f32 = 1e-6;
 
-/// Decodes `n` latents (`[n, C, h, w]`, w fastest) into images
-/// `[n, 3, h·f, w·f]` in about −1..1 (`f` = 2^number of upsamplings).
-pub fn decode(module: &mut Module<'_>, z: &[f32], shape: [usize; 4]) -> Result<Vec<f32>> {
-    module.compute(|c, w| build(c, w, z, shape))
+/// Decodes `n` latents (`[n, C, h, w]`, w fastest), first divided by
+/// `scale`, into images `[n, 3, h·f, w·f]` in about −1..1 (`f` = 2^number
+/// of upsamplings).
+pub fn decode(
+    module: &mut Module<'_>,
+    z: &[f32],
+    shape: [usize; 4],
+    scale: f32,
+) -> Result<Vec<f32>> {
+    module.compute(|c, w| build(c, w, z, shape, scale))
 }
 
 /// The decoder's upscaling factor (8 for SD 1.x), read off the weights.
@@ -36,14 +40,20 @@ pub fn upscale_factor(w: &W<'_>) -> u32 {
 pub fn validate(module: &Module<'_>) -> Result<()> {
     module.validate(|c, w| {
         let ch = w.ne("post_quant_conv.weight")?[2] as usize;
-        build(c, w, &vec![0.0; ch], [1, ch, 1, 1])
+        build(c, w, &vec![0.0; ch], [1, ch, 1, 1], 1.0)
     })
 }
 
-fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<Built<'a>> {
+fn build<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    z: &[f32],
+    shape: [usize; 4],
+    scale: f32,
+) -> Result<Built<'a>> {
     let [n, zc, height, width] = shape.map(|d| d as i64);
     let mut inputs = Vec::new();
-    let scaled: Vec<f32> = z.iter().map(|v| v / SCALE_FACTOR).collect();
+    let scaled: Vec<f32> = z.iter().map(|v| v / scale).collect();
     let x = input_f32(c, &[width, height, zc, n], scaled, &mut inputs)?;
     let pq = w.ne("post_quant_conv.weight")?;
     let zch = pq[2];

@@ -1,0 +1,7 @@
+//! The shared networks, as ggml graph builders over named weights.
+
+pub mod clip;
+pub mod nn;
+pub mod tokenizer;
+pub mod unet;
+pub mod vae;

@@ -1,0 +1,366 @@
+//! Model families: what distinguishes SD 1.x, SD 2.x and SDXL is a
+//! configuration of the shared blocks (which text encoders and how their
+//! output is taken, how the UNet's attention heads are sized, whether it
+//! takes an ADM vector, the VAE's latent scale, the prediction type and the
+//! default size), one small file each. [`detect`] finds the family from the
+//! checkpoint's tensors — never from the file name — and names what a file
+//! is when it is not a supported family.
+
+mod sd1;
+mod sd2;
+mod sdxl;
+
+use crate::checkpoint::Checkpoint;
+use crate::ModelError;
+
+/// A supported family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Stable Diffusion 1.x (CLIP ViT-L/14, 8 heads, ε).
+    Sd1,
+    /// Stable Diffusion 2.x (OpenCLIP ViT-H/14, 64-wide heads, ε or v).
+    Sd2,
+    /// Stable Diffusion XL base and its fine-tunes (CLIP-L + OpenCLIP bigG,
+    /// ADM size conditioning).
+    Sdxl,
+}
+
+impl Family {
+    /// The family's name as users write it (`sd1`, `sd2`, `sdxl`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Sd1 => "sd1",
+            Family::Sd2 => "sd2",
+            Family::Sdxl => "sdxl",
+        }
+    }
+
+    /// Its configuration.
+    pub fn config(self) -> FamilyConfig {
+        match self {
+            Family::Sd1 => sd1::config(),
+            Family::Sd2 => sd2::config(),
+            Family::Sdxl => sdxl::config(),
+        }
+    }
+}
+
+/// What a denoiser's output means.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Prediction {
+    /// The noise ε: x₀ = x − σ·ε.
+    Eps,
+    /// The velocity v (σ_data = 1): x₀ = x/(σ²+1) − σ·v/√(σ²+1).
+    V,
+}
+
+impl Prediction {
+    /// `eps` or `v`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Prediction::Eps => "eps",
+            Prediction::V => "v",
+        }
+    }
+}
+
+impl std::str::FromStr for Prediction {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "eps" | "epsilon" => Ok(Prediction::Eps),
+            "v" | "v_prediction" | "vpred" | "v-prediction" => Ok(Prediction::V),
+            _ => Err(format!("unknown prediction type {s:?} (eps, v)")),
+        }
+    }
+}
+
+/// Naming of a text encoder's tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// Hugging Face `CLIPTextModel` (`text_model.encoder.layers.N…`,
+    /// quick-GELU).
+    Hf,
+    /// OpenCLIP (`transformer.resblocks.N…`, fused in-projection, GELU).
+    OpenClip,
+}
+
+/// Which hidden state a text encoder hands on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layer {
+    /// The last layer's output.
+    Last,
+    /// The output of all layers but the last.
+    Penultimate,
+}
+
+/// One text encoder of a family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Encoder {
+    /// Name prefix inside the `te` module (e.g. `transformer.`,
+    /// `embedders.1.model.`).
+    pub prefix: &'static str,
+    /// Tensor naming.
+    pub naming: Naming,
+    /// The layer whose output is used (`--clip-skip N` goes N − 1 further).
+    pub layer: Layer,
+    /// Whether the final layer norm is applied to that output.
+    pub final_norm: bool,
+    /// Padding token after `<|endoftext|>` (49407 for OpenAI's CLIP, 0 for
+    /// OpenCLIP's tokenizer).
+    pub pad: u32,
+    /// Whether the pooled, projected last-layer output at the end token is
+    /// also taken (SDXL's bigG).
+    pub pooled: bool,
+}
+
+/// How the UNet's attention heads are sized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heads {
+    /// A fixed count (SD 1.x: 8).
+    Count(i64),
+    /// A fixed width (SD 2.x, SDXL: 64 channels per head).
+    Width(i64),
+}
+
+impl Heads {
+    /// Heads for an attention of `inner` channels.
+    pub fn for_width(self, inner: i64) -> i64 {
+        match self {
+            Heads::Count(n) => n,
+            Heads::Width(w) => (inner / w).max(1),
+        }
+    }
+}
+
+/// A family's configuration.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FamilyConfig {
+    /// The family.
+    pub family: Family,
+    /// Checkpoint prefix of the text encoder(s) (the `te` module).
+    pub te_prefix: &'static str,
+    /// The text encoders, whose hidden states are concatenated on features.
+    pub encoders: Vec<Encoder>,
+    /// UNet attention heads.
+    pub heads: Heads,
+    /// Whether the UNet takes an ADM vector (SDXL: pooled text + sizes).
+    pub adm: bool,
+    /// Latent scale factor of the VAE.
+    pub vae_scale: f32,
+    /// Prediction type when the checkpoint does not say.
+    pub prediction: Prediction,
+    /// Default image side in pixels.
+    pub default_size: usize,
+}
+
+/// Checkpoint prefix of the UNet (all families).
+pub const UNET_PREFIX: &str = "model.diffusion_model.";
+/// Checkpoint prefix of the VAE (all families).
+pub const VAE_PREFIX: &str = "first_stage_model.";
+
+/// What a checkpoint is: a supported family, or one line saying what it
+/// looks like and that it is not supported.
+pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
+    let has = |p: &str| ckpt.tensors.iter().any(|t| t.name.starts_with(p));
+    let contains = |p: &str| ckpt.tensors.iter().any(|t| t.name.contains(p));
+    let file = ckpt.path.display();
+    let unsupported = |what: &str| {
+        ModelError::Invalid(format!(
+            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x and SDXL base checkpoints"
+        ))
+    };
+    if contains("lora_up.")
+        || contains("lora_down.")
+        || contains(".lora_A.")
+        || contains(".lora_B.")
+        || has("lora_unet_")
+        || has("lora_te")
+    {
+        return Err(unsupported(
+            "a LoRA, not a checkpoint (LoRA support is planned as --lora)",
+        ));
+    }
+    if contains("joint_blocks.") {
+        return Err(unsupported(
+            "Stable Diffusion 3 (MMDiT), which is not supported",
+        ));
+    }
+    if contains("double_blocks.") && contains("single_blocks.") {
+        return Err(unsupported("a Flux model, which is not supported"));
+    }
+    if has("control_model.") || contains("input_hint_block.") {
+        return Err(unsupported("a ControlNet, which is not supported"));
+    }
+    let unet = has(UNET_PREFIX);
+    let vae_only = !unet && (has("decoder.conv_in.") || has("encoder.conv_in.") || has(VAE_PREFIX));
+    if vae_only {
+        return Err(unsupported(
+            "a VAE alone; give it with --vae FILE beside a checkpoint",
+        ));
+    }
+    if has("conditioner.embedders.0.model.") && !has("conditioner.embedders.1.") {
+        return Err(unsupported("the SDXL refiner, which is not supported"));
+    }
+    if !unet {
+        return Err(unsupported(
+            "no diffusion model (no model.diffusion_model.* tensors), which is not a checkpoint sdhost can run",
+        ));
+    }
+    let sdxl_l = has("conditioner.embedders.0.transformer.");
+    let sdxl_g = has("conditioner.embedders.1.model.");
+    let family = if sdxl_l || sdxl_g {
+        if !sdxl_l {
+            return Err(ModelError::Invalid(format!(
+                "{file}: SDXL checkpoint without its CLIP-L text encoder (conditioner.embedders.0.transformer.*)"
+            )));
+        }
+        if !sdxl_g {
+            return Err(ModelError::Invalid(format!(
+                "{file}: SDXL checkpoint without its OpenCLIP bigG text encoder (conditioner.embedders.1.model.*)"
+            )));
+        }
+        Family::Sdxl
+    } else if has("cond_stage_model.model.") {
+        Family::Sd2
+    } else if has("cond_stage_model.transformer.") {
+        Family::Sd1
+    } else {
+        return Err(ModelError::Invalid(format!(
+            "{file}: no text encoder (neither cond_stage_model.* nor conditioner.embedders.*): a UNet alone is not a checkpoint sdhost can run"
+        )));
+    };
+    if let Some(t) = ckpt
+        .tensors
+        .iter()
+        .find(|t| t.name == format!("{UNET_PREFIX}input_blocks.0.0.weight"))
+    {
+        if t.shape.get(1).is_some_and(|&c| c != 4) {
+            return Err(unsupported(&format!(
+                "an inpainting or other {}-channel {} UNet, which is not supported yet",
+                t.shape[1],
+                family.name()
+            )));
+        }
+    }
+    if !has(VAE_PREFIX) {
+        return Err(ModelError::Invalid(format!(
+            "{file}: {} checkpoint without a VAE (first_stage_model.*); give one with --vae FILE",
+            family.name()
+        )));
+    }
+    Ok(family)
+}
+
+/// The prediction type the checkpoint states, if it states one: the
+/// `modelspec.prediction_type` metadata (safetensors or GGUF), or a `v_pred`
+/// marker tensor.
+pub fn stated_prediction(ckpt: &Checkpoint) -> Option<Prediction> {
+    if let Some(p) = ckpt
+        .metadata
+        .get("modelspec.prediction_type")
+        .or_else(|| ckpt.metadata.get("prediction_type"))
+    {
+        return p.parse().ok();
+    }
+    ckpt.tensors
+        .iter()
+        .any(|t| t.name == "v_pred")
+        .then_some(Prediction::V)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::checkpoint::TensorEntry;
+
+    fn ckpt(names: &[&str]) -> Checkpoint {
+        Checkpoint {
+            path: "m.safetensors".into(),
+            tensors: names
+                .iter()
+                .map(|n| TensorEntry {
+                    name: n.to_string(),
+                    dtype: "F16".into(),
+                    bytes: 2,
+                    shape: if n.ends_with("input_blocks.0.0.weight") {
+                        vec![320, 4, 3, 3]
+                    } else {
+                        vec![1]
+                    },
+                    offset: Some(0),
+                })
+                .collect(),
+            metadata: Default::default(),
+        }
+    }
+
+    #[test]
+    fn families_are_told_apart_by_their_tensors() {
+        let unet = "model.diffusion_model.input_blocks.0.0.weight";
+        let vae = "first_stage_model.decoder.conv_in.weight";
+        let ok = |names: &[&str]| detect(&ckpt(names)).map_err(|e| e.to_string());
+        assert_eq!(
+            ok(&[unet, vae, "cond_stage_model.transformer.text_model.x"]),
+            Ok(Family::Sd1)
+        );
+        assert_eq!(
+            ok(&[
+                unet,
+                vae,
+                "cond_stage_model.model.transformer.resblocks.0.x"
+            ]),
+            Ok(Family::Sd2)
+        );
+        assert_eq!(
+            ok(&[
+                unet,
+                vae,
+                "conditioner.embedders.0.transformer.text_model.x",
+                "conditioner.embedders.1.model.x"
+            ]),
+            Ok(Family::Sdxl)
+        );
+        let err = |names: &[&str], needle: &str| {
+            let e = ok(names).unwrap_err();
+            assert!(e.contains(needle), "{e} does not say {needle}");
+            assert!(e.starts_with("m.safetensors: "), "{e}");
+        };
+        err(
+            &[unet, vae, "conditioner.embedders.0.model.x"],
+            "SDXL refiner",
+        );
+        err(
+            &["model.diffusion_model.joint_blocks.0.x"],
+            "Stable Diffusion 3",
+        );
+        err(&["double_blocks.0.x", "single_blocks.0.x"], "Flux");
+        err(&["lora_unet_down_blocks_0.lora_up.weight"], "a LoRA");
+        err(
+            &["decoder.conv_in.weight", "encoder.conv_in.weight"],
+            "a VAE alone",
+        );
+        err(&["control_model.input_hint_block.0.weight"], "a ControlNet");
+        err(
+            &[unet, vae, "conditioner.embedders.1.model.x"],
+            "without its CLIP-L",
+        );
+        err(
+            &[unet, vae, "conditioner.embedders.0.transformer.x"],
+            "without its OpenCLIP bigG",
+        );
+        err(&[unet, "cond_stage_model.transformer.x"], "without a VAE");
+        err(&[unet, vae], "no text encoder");
+    }
+
+    #[test]
+    fn stated_prediction_comes_from_metadata_or_marker() {
+        let mut c = ckpt(&["model.diffusion_model.x"]);
+        assert_eq!(stated_prediction(&c), None);
+        c.metadata
+            .insert("modelspec.prediction_type".into(), "v".into());
+        assert_eq!(stated_prediction(&c), Some(Prediction::V));
+        let c = ckpt(&["v_pred"]);
+        assert_eq!(stated_prediction(&c), Some(Prediction::V));
+    }
+}

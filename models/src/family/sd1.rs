@@ -1,0 +1,26 @@
+//! Stable Diffusion 1.x: OpenAI's CLIP ViT-L/14 text encoder (HF naming
+//! under `cond_stage_model.transformer.`, last layer, final norm, padded with
+//! the end token), a UNet with 8 heads, ε-prediction, latent scale 0.18215,
+//! 512×512.
+
+use super::{Encoder, Family, FamilyConfig, Heads, Layer, Naming, Prediction};
+
+pub(super) fn config() -> FamilyConfig {
+    FamilyConfig {
+        family: Family::Sd1,
+        te_prefix: "cond_stage_model.",
+        encoders: vec![Encoder {
+            prefix: "transformer.",
+            naming: Naming::Hf,
+            layer: Layer::Last,
+            final_norm: true,
+            pad: 49407,
+            pooled: false,
+        }],
+        heads: Heads::Count(8),
+        adm: false,
+        vae_scale: 0.18215,
+        prediction: Prediction::Eps,
+        default_size: 512,
+    }
+}

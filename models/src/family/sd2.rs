@@ -1,0 +1,28 @@
+//! Stable Diffusion 2.x: OpenCLIP ViT-H/14 (OpenCLIP naming under
+//! `cond_stage_model.model.`, the penultimate layer followed by the final
+//! norm, padded with 0), a UNet with linear projections and 64-wide heads,
+//! latent scale 0.18215. The 512-base checkpoints predict ε and the 768-v
+//! ones v: the prediction type comes from the checkpoint where it says,
+//! else `--prediction`, else ε.
+
+use super::{Encoder, Family, FamilyConfig, Heads, Layer, Naming, Prediction};
+
+pub(super) fn config() -> FamilyConfig {
+    FamilyConfig {
+        family: Family::Sd2,
+        te_prefix: "cond_stage_model.",
+        encoders: vec![Encoder {
+            prefix: "model.",
+            naming: Naming::OpenClip,
+            layer: Layer::Penultimate,
+            final_norm: true,
+            pad: 0,
+            pooled: false,
+        }],
+        heads: Heads::Width(64),
+        adm: false,
+        vae_scale: 0.18215,
+        prediction: Prediction::Eps,
+        default_size: 512,
+    }
+}
