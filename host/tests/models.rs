@@ -248,6 +248,16 @@ fn modules_match_references_on_cpu() {
     modules_match_references(SD1, "cpu", "cpu", 1.0);
 }
 
+#[test]
+fn sd2_v_prediction_matches_references_on_cpu() {
+    modules_match_references(SD2, "cpu", "cpu", 1.0);
+}
+
+#[test]
+fn sdxl_matches_references_on_cpu() {
+    modules_match_references(SDXL, "cpu", "cpu", 1.0);
+}
+
 /// One test, so the second placement reuses the pipelines lavapipe compiled
 /// for the first (compiling them dominates the run time).
 #[test]
