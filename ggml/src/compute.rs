@@ -412,7 +412,18 @@ fn check_f32_rows(name: &str, a: &Tensor<'_>) -> Result<()> {
     }
     Ok(())
 }
-fn check_any(_name: &str, _a: &Tensor<'_>) -> Result<()> {
+/// ggml's CPU copy of a non-contiguous quantized tensor writes past its
+/// buffer (seen as heap corruption with a transposed q8_0 projection):
+/// quantized data is only copied as it lies.
+fn check_cont(name: &str, a: &Tensor<'_>) -> Result<()> {
+    let quantized = a.ty().is_some_and(|t| t.block_size() > 1);
+    if quantized && !contiguous(a) {
+        return invalid(format!(
+            "{name} of a non-contiguous {} tensor {:?} (cast it to f32 first)",
+            a.type_name(),
+            a.ne()
+        ));
+    }
     Ok(())
 }
 
@@ -453,7 +464,7 @@ unary_ops! {
     /// Softmax over `ne[0]`.
     soft_max => ggml_soft_max, check_f32_contiguous;
     /// Makes a contiguous copy.
-    cont => ggml_cont, check_any;
+    cont => ggml_cont, check_cont;
     /// GELU, exact (erf) form.
     gelu_erf => ggml_gelu_erf, check_unary;
     /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
@@ -672,6 +683,15 @@ impl Context {
             if !(0..4).contains(&x) || std::mem::replace(&mut seen[x as usize], true) {
                 return invalid(format!("bad permutation {axes:?}"));
             }
+        }
+        // Quantized blocks run along the first dimension: moving it makes a
+        // view whose blocks mean nothing (and which ggml may still call
+        // contiguous).
+        if a.ty().is_some_and(|t| t.block_size() > 1) && axes[0] != 0 {
+            return invalid(format!(
+                "cannot move the first dimension of a {} tensor (cast it to f32 first)",
+                a.type_name()
+            ));
         }
         self.room(1)?;
         // SAFETY: `a` is alive for 'a; the permutation was checked (ggml
@@ -1374,6 +1394,9 @@ mod tests {
             "gelu_quick" ok: |c| c.gelu_quick(f32s(c, &[8]));
             "gelu_quick" bad: |c| c.gelu_quick(t(c, Type::I32, &[8]));
             "cont" ok: |c| c.cont(transposed(c, Type::F32, &[8, 4]));
+            "cont" ok: |c| c.cont(t(c, Type::Q8_0, &[32, 4]));
+            "cont" bad: |c| c.cont(c.permute(t(c, Type::Q8_0, &[32, 4, 2]), [0, 2, 1, 3]).unwrap());
+            "permute" bad: |c| c.permute(t(c, Type::Q8_0, &[64, 32]), [1, 0, 2, 3]);
 
             "soft_max" ok: |c| c.soft_max(f32s(c, &[8, 4]));
             "soft_max" bad: |c| c.soft_max(transposed(c, Type::F32, &[8, 4]));
@@ -1495,7 +1518,7 @@ mod tests {
             }
         }
         // Each op has both kinds of case, so the table fails in both directions.
-        for case in cases.iter().filter(|c| c.op != "cont") {
+        for case in &cases {
             assert!(
                 cases.iter().any(|c| c.op == case.op && c.ok)
                     && cases.iter().any(|c| c.op == case.op && !c.ok),

@@ -27,8 +27,19 @@ fn listing(dir: &Path) -> Vec<String> {
 
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![
-        "generate", "-m", s(model), "-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps",
-        "2", "-o", s(out),
+        "generate",
+        "-m",
+        s(model),
+        "-p",
+        "a photo of a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "-o",
+        s(out),
     ];
     args.extend_from_slice(extra);
     p.run(&args)
@@ -94,7 +105,10 @@ fn files_of_other_kinds_are_named_in_one_line() {
         ),
         (
             "flux",
-            &["double_blocks.0.img_attn.qkv.weight", "single_blocks.0.linear1.weight"],
+            &[
+                "double_blocks.0.img_attn.qkv.weight",
+                "single_blocks.0.linear1.weight",
+            ],
             "this looks like a Flux model",
         ),
         (
@@ -114,7 +128,11 @@ fn files_of_other_kinds_are_named_in_one_line() {
         ),
         (
             "sdxl-no-g",
-            &[unet, vae, "conditioner.embedders.0.transformer.text_model.x"],
+            &[
+                unet,
+                vae,
+                "conditioner.embedders.0.transformer.text_model.x",
+            ],
             "SDXL checkpoint without its OpenCLIP bigG text encoder",
         ),
         (
@@ -122,11 +140,7 @@ fn files_of_other_kinds_are_named_in_one_line() {
             &[unet, vae, "conditioner.embedders.1.model.ln_final.weight"],
             "SDXL checkpoint without its CLIP-L text encoder",
         ),
-        (
-            "no-te",
-            &[unet, vae],
-            "no text encoder",
-        ),
+        ("no-te", &[unet, vae], "no text encoder"),
     ];
     for (name, names, needle) in cases {
         let f = dir.join(format!("{name}.safetensors"));
@@ -135,7 +149,11 @@ fn files_of_other_kinds_are_named_in_one_line() {
         assert_eq!(r.code, Some(1), "{name}: {}", r.stderr);
         assert_eq!(r.stderr.lines().count(), 1, "{name}: {}", r.stderr);
         assert!(r.stderr.contains(needle), "{name}: {}", r.stderr);
-        assert!(r.stderr.contains(s(&f)), "{name} names the file: {}", r.stderr);
+        assert!(
+            r.stderr.contains(s(&f)),
+            "{name} names the file: {}",
+            r.stderr
+        );
     }
     assert!(listing(&out_dir).is_empty());
 }
@@ -155,7 +173,10 @@ fn vae_file(path: &Path, break_shape: bool) {
             continue;
         };
         let o = v["data_offsets"].as_array().unwrap();
-        let (a, z) = (o[0].as_u64().unwrap() as usize, o[1].as_u64().unwrap() as usize);
+        let (a, z) = (
+            o[0].as_u64().unwrap() as usize,
+            o[1].as_u64().unwrap() as usize,
+        );
         let mut v = v.clone();
         v["data_offsets"] = serde_json::json!([out_data.len(), out_data.len() + z - a]);
         if break_shape && bare == "post_quant_conv.weight" {
@@ -202,6 +223,71 @@ fn vae_from_another_file_replaces_the_checkpoints() {
     assert_eq!(r.code, Some(1), "{}", r.stderr);
     assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
     assert!(r.stderr.contains(s(&bad)), "{}", r.stderr);
-    assert!(r.stderr.contains("vae: tensor post_quant_conv."), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("vae: tensor post_quant_conv."),
+        "{}",
+        r.stderr
+    );
     assert_eq!(listing(&out), ["a.png", "b.png"]);
+}
+
+#[test]
+fn sd2_and_sdxl_generate_convert_and_plan() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    for (family, prediction) in [("sd2", "v"), ("sdxl", "eps")] {
+        let tiny = fixture(&format!("tiny-{family}.safetensors"));
+        let png = out.join(format!("{family}.png"));
+        generate(&p, &tiny, &png, &[]).ok();
+        let text = parameters(&png);
+        assert!(
+            text.contains(&format!("Model family: {family}, Prediction: {prediction}")),
+            "{text}"
+        );
+        // f16 GGUF holds the same numbers: the same image; q8_0 runs.
+        for ty in ["f16", "q8_0"] {
+            let g = out.join(format!("{family}-{ty}.gguf"));
+            p.run(&["convert", "-m", s(&tiny), "-o", s(&g), "--type", ty])
+                .ok();
+            let img = out.join(format!("{family}-{ty}.png"));
+            generate(&p, &g, &img, &[]).ok();
+            // The prediction type survives the conversion.
+            assert!(
+                parameters(&img).contains(&format!("Prediction: {prediction}")),
+                "{ty}"
+            );
+            if ty == "f16" {
+                assert_eq!(pixels(&png), pixels(&img), "{family} f16 GGUF");
+            }
+        }
+        // plan lists the family's three modules with their weight bytes.
+        let j = p.run(&["plan", "-m", s(&tiny), "--json"]).ok().json();
+        let rows = j["modules"].as_array().unwrap();
+        let names: Vec<&str> = rows.iter().map(|m| m["module"].as_str().unwrap()).collect();
+        assert_eq!(names, ["diffusion", "te", "vae"], "{family}");
+        assert!(rows.iter().all(|m| m["weight_bytes"].as_u64() > Some(0)));
+    }
+}
+
+#[test]
+fn prediction_against_what_the_checkpoint_says_warns_and_obeys() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let tiny = fixture("tiny-sd2.safetensors");
+    let png = out.join("eps.png");
+    let r = generate(&p, &tiny, &png, &["--prediction", "eps"]).ok();
+    assert!(
+        r.stderr
+            .contains("says it predicts v; using --prediction eps as asked"),
+        "{}",
+        r.stderr
+    );
+    assert!(parameters(&png).contains("Prediction: eps"));
+    let r = generate(&p, &tiny, &out.join("x.png"), &["--prediction", "x0"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("unknown prediction type \"x0\""),
+        "{}",
+        r.stderr
+    );
 }

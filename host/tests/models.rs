@@ -263,8 +263,10 @@ fn sdxl_matches_references_on_cpu() {
 #[test]
 fn modules_match_references_on_vulkan_with_params_on_vulkan_and_on_cpu() {
     if vulkan_enabled() {
-        modules_match_references(SD1, "vulkan0", "vulkan0", 4.0);
-        modules_match_references(SD1, "vulkan0", "cpu", 4.0);
+        for fx in [SD1, SD2, SDXL] {
+            modules_match_references(fx, "vulkan0", "vulkan0", 4.0);
+            modules_match_references(fx, "vulkan0", "cpu", 4.0);
+        }
     }
 }
 

@@ -279,6 +279,13 @@ fn build<'a>(
             let at = input_i32(c, vec![eos as i32], &mut inputs)?;
             let pooled = c.get_rows(flat, at)?; // [h, 1]
             let p = w.shaped(&format!("{e}text_projection"), &[proj, h])?;
+            // Transposed to [h, proj]; a quantized projection (some
+            // converters quantize every matrix) is widened first, because
+            // quantized data cannot be copied transposed.
+            let p = match p.type_name().as_str() {
+                "f32" | "f16" | "bf16" => p,
+                _ => c.cast(p, ggml::Type::F32)?,
+            };
             let pt = c.cont(c.permute(p, [1, 0, 2, 3])?)?; // [h, proj]
             let pooled = c.mul_mat(pt, pooled)?; // [proj, 1]
             let hidden = c.reshape(c.cont(hidden)?, &[h * cfg.positions * chunks])?;

@@ -3,9 +3,10 @@
 //! Which tensors take the requested type:
 //! * matrices used by matrix products (2-D, first dimension a multiple of the
 //!   type's block size): the requested type;
-//! * convolution kernels (4-D) and the position embedding (added to
-//!   activations): f16 when a quantized type is requested (ggml's im2col and
-//!   adds take no quantized operands), else the requested type;
+//! * convolution kernels (4-D), the position embeddings (added to
+//!   activations) and OpenCLIP's text projection (used transposed): f16 when
+//!   a quantized type is requested (ggml's im2col, adds and transposed copies
+//!   take no quantized operands), else the requested type;
 //! * vectors (biases, norm weights): f32.
 //!
 //! Only tensors of a known module are written (EMA copies, scheduler tables
@@ -39,7 +40,11 @@ pub fn target_type(name: &str, shape: &[u64], requested: Type) -> Type {
     if big_dims <= 1 {
         return Type::F32;
     }
-    if shape.len() == 4 || name.ends_with("position_embedding.weight") {
+    if shape.len() == 4
+        || name.ends_with("position_embedding.weight")
+        || name.ends_with("positional_embedding")
+        || name.ends_with("text_projection")
+    {
         return if quantized { Type::F16 } else { requested };
     }
     let inner = shape.last().copied().unwrap_or(1);
