@@ -416,6 +416,24 @@ mod tests {
     }
 
     #[test]
+    fn sizes_default_to_the_family_and_flags_win() {
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["sdhost", "generate", "-m", "m", "-p", "p"];
+            a.extend_from_slice(extra);
+            match Cli::try_parse_from(a).unwrap().command {
+                Command::Generate(g) => g,
+                _ => panic!("not generate"),
+            }
+        };
+        let g = parse(&[]);
+        let r = g.sample.request("p", "", 1, 1024);
+        assert_eq!((r.width, r.height), (1024, 1024));
+        let g = parse(&["-W", "768"]);
+        let r = g.sample.request("p", "", 1, 512);
+        assert_eq!((r.width, r.height), (768, 512));
+    }
+
+    #[test]
     fn bad_flags_are_usage_errors() {
         assert!(Cli::try_parse_from(["sdhost", "devices", "--bogus"]).is_err());
         assert!(Cli::try_parse_from(["sdhost", "-t", "0", "devices"]).is_err());
