@@ -1,4 +1,4 @@
-//! The one renderer: every command returns a report, and [`print`] writes
+//! The one renderer: every command returns a report, and [`print()`] writes
 //! it as text (tables built by [`table`]) or as JSON.
 
 use ggml::DeviceType;

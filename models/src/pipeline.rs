@@ -317,7 +317,7 @@ impl<'b> Pipeline<'b> {
             return Err(ModelError::Invalid("this UNet takes no ADM vector".into()));
         };
         let dim = (adm as usize).saturating_sub(pooled.len()) / 6;
-        if dim == 0 || pooled.len() + 6 * dim != adm as usize || dim % 2 != 0 {
+        if dim == 0 || pooled.len() + 6 * dim != adm as usize || !dim.is_multiple_of(2) {
             return Err(ModelError::Invalid(format!(
                 "pooled text of {} values does not fit the ADM input of {adm}",
                 pooled.len()

@@ -1,5 +1,5 @@
 //! Checkpoints: tensor names, types, shapes and offsets of single-file
-//! checkpoints in the original layout, as `.safetensors` ([`safetensors`])
+//! checkpoints in the original layout, as `.safetensors` (`safetensors.rs`)
 //! or `.gguf` ([`gguf`]); the two formats share [`TensorEntry`] and
 //! [`dtype`] and never import each other. Also here: the tensor-name →
 //! module map, streaming conversion to GGUF ([`convert`]) and weight upload
