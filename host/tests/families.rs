@@ -12,19 +12,6 @@ fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn listing(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
-}
-
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![
         "generate",
@@ -56,16 +43,6 @@ fn parameters(path: &Path) -> String {
         .find(|c| c.keyword == "parameters")
         .map(|c| c.get_text().unwrap())
         .unwrap_or_default()
-}
-
-/// Decoded RGB pixels.
-fn pixels(path: &Path) -> Vec<u8> {
-    let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
-    let mut r = dec.read_info().unwrap();
-    let mut buf = vec![0; r.output_buffer_size().unwrap()];
-    let info = r.next_frame(&mut buf).unwrap();
-    buf.truncate(info.buffer_size());
-    buf
 }
 
 /// A safetensors file holding one small f32 tensor per name (tensor data is

@@ -11,10 +11,6 @@ fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
 }
 
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
 /// The PNG's size and its `parameters` text (iTXt or tEXt).
 fn png_info(path: &Path) -> (u32, u32, String) {
     let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
@@ -35,16 +31,6 @@ fn png_info(path: &Path) -> (u32, u32, String) {
     (info.width, info.height, text)
 }
 
-/// Decoded RGB pixels.
-fn pixels(path: &Path) -> Vec<u8> {
-    let dec = png::Decoder::new(std::io::BufReader::new(std::fs::File::open(path).unwrap()));
-    let mut r = dec.read_info().unwrap();
-    let mut buf = vec![0; r.output_buffer_size().unwrap()];
-    let info = r.next_frame(&mut buf).unwrap();
-    buf.truncate(info.buffer_size());
-    buf
-}
-
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![
         "generate",
@@ -63,16 +49,6 @@ fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     ];
     args.extend_from_slice(extra);
     p.run(&args)
-}
-
-/// Files in `dir` (to prove no partial output is left).
-fn listing(dir: &Path) -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    v.sort();
-    v
 }
 
 #[test]
