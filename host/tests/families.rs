@@ -34,15 +34,7 @@ fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
 
 /// The PNG's `parameters` text.
 fn parameters(path: &Path) -> String {
-    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
-    let reader = png::Decoder::new(file).read_info().expect("a PNG");
-    reader
-        .info()
-        .utf8_text
-        .iter()
-        .find(|c| c.keyword == "parameters")
-        .map(|c| c.get_text().unwrap())
-        .unwrap_or_default()
+    png_info(path).2
 }
 
 /// A safetensors file holding one small f32 tensor per name (tensor data is

@@ -11,26 +11,6 @@ fn tiny() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
 }
 
-/// The PNG's size and its `parameters` text (iTXt or tEXt).
-fn png_info(path: &Path) -> (u32, u32, String) {
-    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
-    let reader = png::Decoder::new(file).read_info().expect("a PNG");
-    let info = reader.info();
-    let text = info
-        .utf8_text
-        .iter()
-        .find(|c| c.keyword == "parameters")
-        .map(|c| c.get_text().unwrap())
-        .or_else(|| {
-            info.uncompressed_latin1_text
-                .iter()
-                .find(|c| c.keyword == "parameters")
-                .map(|c| c.text.clone())
-        })
-        .unwrap_or_default();
-    (info.width, info.height, text)
-}
-
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![
         "generate",

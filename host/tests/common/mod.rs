@@ -298,3 +298,23 @@ pub fn pixels(path: &Path) -> Vec<u8> {
     buf.truncate(info.buffer_size());
     buf
 }
+
+/// The PNG's size and its `parameters` text (iTXt or tEXt).
+pub fn png_info(path: &Path) -> (u32, u32, String) {
+    let file = std::io::BufReader::new(std::fs::File::open(path).unwrap());
+    let reader = png::Decoder::new(file).read_info().expect("a PNG");
+    let info = reader.info();
+    let text = info
+        .utf8_text
+        .iter()
+        .find(|c| c.keyword == "parameters")
+        .map(|c| c.get_text().unwrap())
+        .or_else(|| {
+            info.uncompressed_latin1_text
+                .iter()
+                .find(|c| c.keyword == "parameters")
+                .map(|c| c.text.clone())
+        })
+        .unwrap_or_default();
+    (info.width, info.height, text)
+}
