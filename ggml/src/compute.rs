@@ -653,6 +653,32 @@ impl Context {
         )
     }
 
+    /// Zero padding at the end of each dimension: `[W, H, C, N]` becomes
+    /// `[W + p[0], H + p[1], C + p[2], N + p[3]]` (f32; the CPU kernel
+    /// takes nothing else).
+    pub fn pad<'a>(&'a self, a: Tensor<'a>, p: [i32; 4]) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        let grown = (0..4).try_fold(1i64, |n, i| {
+            let d = ne[i].checked_add(i64::from(p[i]))?;
+            (d > 0 && d <= i64::from(i32::MAX)).then_some(())?;
+            n.checked_mul(d)
+        });
+        if a.ty() != Some(Type::F32) || p.iter().any(|&v| v < 0) || grown.is_none() {
+            return invalid(format!(
+                "pad of a {} tensor {ne:?} by {p:?} (f32, non-negative)",
+                a.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and f32 (the CPU kernel asserts it);
+        // the paddings are non-negative and the result's size fits; room
+        // checked.
+        self.wrap(
+            unsafe { sys::ggml_pad(self.raw, a.raw, p[0], p[1], p[2], p[3]) },
+            "ggml_pad",
+        )
+    }
+
     /// Concatenation along `dim`.
     pub fn concat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>, dim: i32) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
@@ -1453,6 +1479,9 @@ mod tests {
             "conv_2d" bad: |c| c.conv_2d(transposed(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
 
             "upscale" ok: |c| c.upscale(f32s(c, &[4, 4, 2]), 2);
+            "pad" ok: |c| c.pad(f32s(c, &[4, 4, 2]), [1, 1, 0, 0]);
+            "pad" bad: |c| c.pad(f32s(c, &[4, 4, 2]), [-1, 0, 0, 0]);
+            "pad" bad: |c| c.pad(t(c, Type::F16, &[4, 4, 2]), [1, 1, 0, 0]);
             "upscale" bad: |c| c.upscale(f32s(c, &[4, 4, 2]), 1);
             "upscale" bad: |c| c.upscale(t(c, Type::F16, &[4, 4, 2]), 2);
 

@@ -232,6 +232,7 @@ impl SampleArgs {
             seed: self.seed,
             sampler: self.sampler,
             clip_skip,
+            init: None,
         }
     }
 
@@ -245,6 +246,7 @@ impl SampleArgs {
             policy: self.phase_memory,
             prediction: self.prediction,
             vae,
+            vae_encoder: false,
         }
     }
 }
@@ -277,7 +279,37 @@ pub struct GenerateArgs {
     pub output: PathBuf,
 
     #[command(flatten)]
+    pub init: InitArgs,
+
+    #[command(flatten)]
     pub placement: PlacementArgs,
+}
+
+/// img2img and inpainting.
+#[derive(Debug, Args)]
+pub struct InitArgs {
+    /// img2img: start from this image (PNG or JPEG). Without -W/-H the output
+    /// takes its size rounded down to the model's multiple; an image of
+    /// another size is resized (stretched, Lanczos 3) to the output size
+    #[arg(short = 'i', long = "init-img", value_name = "FILE")]
+    pub init_img: Option<PathBuf>,
+
+    /// How far img2img goes from the init image, in (0, 1]: the share of the
+    /// steps that run (1 = start from noise)
+    #[arg(long, default_value_t = 0.75, value_parser = parse_strength, requires = "init_img")]
+    pub strength: f64,
+
+    /// Inpainting mask, the init image's size (white = repaint, black = keep)
+    #[arg(long, value_name = "FILE", requires = "init_img")]
+    pub mask: Option<PathBuf>,
+}
+
+fn parse_strength(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
+        Ok(v) => Err(format!("{v} is outside (0, 1]")),
+        Err(_) => Err(format!("{s:?} is not a number")),
+    }
 }
 
 /// `sdhost convert`.

@@ -224,6 +224,7 @@ fn modules_match_references(fx: Fixture, runtime: &str, params: &str, tol: f32) 
             seed: 0,
             sampler: Sampler::Euler,
             clip_skip: 1,
+            init: None,
         };
         let mut calls = 0;
         let latent = sd

@@ -1,7 +1,22 @@
-//! Text-to-image for every supported family: tokenize, encode the prompt and
-//! the negative prompt with the family's text encoder(s), sample latents
-//! with the UNet under classifier-free guidance (ε or v prediction), decode
-//! with the VAE. Each module runs where its [`Devices`] say.
+//! Text-to-image, image-to-image and inpainting for every supported family:
+//! tokenize, encode the prompt and the negative prompt with the family's
+//! text encoder(s), sample latents with the UNet under classifier-free
+//! guidance (ε or v prediction), decode with the VAE. Each module runs where
+//! its [`Devices`] say.
+//!
+//! **img2img** ([`Request::init`]): the VAE encoder turns the init image into
+//! a latent z₀; of the `steps` σ of the schedule the last
+//! ⌊steps·strength⌋ are run, starting from z₀ + σ·noise (diffusers'
+//! `StableDiffusionImg2ImgPipeline` and sd.cpp truncate the same way).
+//!
+//! **Inpainting** ([`Init::mask`], white = repaint, binarised at ½ and
+//! sampled at each latent cell's top-left pixel like diffusers' nearest
+//! resize): an inpainting UNet (9 input channels: latent, mask, masked-image
+//! latent) gets the mask and the latent of the image with the repainted
+//! area set to 0 (grey) as extra input channels; for an ordinary UNet the
+//! denoiser's x̂₀ is replaced by z₀ outside the mask at every step, so every
+//! sampler keeps the kept area on the path z₀ + σ·noise, and the final
+//! latent takes z₀ there exactly.
 //!
 //! Everything the graphs need is read once, at load: the family
 //! ([`family::detect`]), each encoder's and the UNet's hyper-parameters, the
@@ -42,6 +57,21 @@ pub struct Request {
     pub sampler: Sampler,
     /// CLIP skip (1 = the family's own layer).
     pub clip_skip: usize,
+    /// img2img / inpainting input; `None` for text-to-image.
+    pub init: Option<Init>,
+}
+
+/// The image img2img starts from, with the inpainting mask.
+#[derive(Clone, Debug)]
+pub struct Init {
+    /// The init image, of the request's size.
+    pub image: Image,
+    /// How much of the schedule to run, in (0, 1]: 1 starts from pure noise
+    /// plus the image's latent at σ_max.
+    pub strength: f64,
+    /// Where to repaint: one value per pixel of the init image, 0..1
+    /// (1 = repaint), row-major.
+    pub mask: Option<Vec<f32>>,
 }
 
 /// An 8-bit RGB image.
@@ -76,6 +106,9 @@ pub struct LoadOptions<'c> {
     pub prediction: Option<Prediction>,
     /// A VAE from another file (`--vae`), replacing the checkpoint's.
     pub vae: Option<&'c Checkpoint>,
+    /// Load the VAE encoder too (img2img, inpainting); inpainting UNets
+    /// always get it.
+    pub vae_encoder: bool,
 }
 
 /// A prompt's conditioning: hidden states of every encoder concatenated on
@@ -107,13 +140,12 @@ pub struct Pipeline<'b> {
 }
 
 /// Tensors of a module that are not weights (int64 buffers some exporters
-/// keep) and tensors text-to-image never runs (the VAE encoder), by their
-/// name inside the module.
-fn loaded(name: &str) -> bool {
+/// keep) and, unless `encoder`, tensors text-to-image never runs (the VAE
+/// encoder), by their name inside the module.
+fn loaded(name: &str, encoder: bool) -> bool {
     !name.ends_with("position_ids")
         && !name.ends_with("logit_scale")
-        && !name.starts_with("encoder.")
-        && !name.starts_with("quant_conv.")
+        && (encoder || (!name.starts_with("encoder.") && !name.starts_with("quant_conv.")))
 }
 
 fn load_module<'b>(
@@ -122,11 +154,12 @@ fn load_module<'b>(
     prefix: &str,
     devices: Devices<'b>,
     policy: WeightPolicy,
+    encoder: bool,
 ) -> Result<Module<'b>> {
     let weights = ModuleWeights::load_filtered(
         ckpt,
         prefix,
-        |name| loaded(&name[prefix.len()..]),
+        |name| loaded(&name[prefix.len()..], encoder),
         devices.params,
     )
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
@@ -165,14 +198,25 @@ impl<'b> Pipeline<'b> {
             (None, None) => fam.prediction,
         };
         let policy = opts.policy;
-        let te = load_module(ckpt, ModuleKind::Te, fam.te_prefix, layout.te, policy)?;
+        let te = load_module(
+            ckpt,
+            ModuleKind::Te,
+            fam.te_prefix,
+            layout.te,
+            policy,
+            false,
+        )?;
         let unet = load_module(
             ckpt,
             ModuleKind::Diffusion,
             UNET_PREFIX,
             layout.diffusion,
             policy,
+            false,
         )?;
+        let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
+            .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
+        let inpainting = unet_cfg.in_channels != unet_cfg.out_channels;
         let vae_ckpt = opts.vae.unwrap_or(ckpt);
         let vae = load_module(
             vae_ckpt,
@@ -180,6 +224,7 @@ impl<'b> Pipeline<'b> {
             vae_prefix(vae_ckpt),
             layout.vae,
             policy,
+            opts.vae_encoder || inpainting,
         )?;
         let vae_file = vae_ckpt.path.display();
         let clip = fam
@@ -188,8 +233,6 @@ impl<'b> Pipeline<'b> {
             .map(|e| ClipConfig::from_weights(&W::new(te.params().map()), *e))
             .collect::<Result<Vec<_>>>()
             .map_err(|e| ModelError::Invalid(format!("{file}: te: {e}")))?;
-        let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
-            .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
         let vae_factor = vae::upscale_factor(&W::new(vae.params().map())) as usize;
         let context: i64 = clip.iter().map(|c| c.hidden).sum();
         if context != unet_cfg.context_dim {
@@ -222,6 +265,19 @@ impl<'b> Pipeline<'b> {
         unet::validate(&unet, &unet_cfg)
             .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
         vae::validate(&vae).map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
+        if opts.vae_encoder || inpainting {
+            vae::validate_encoder(&vae)
+                .map_err(|e| ModelError::Invalid(format!("{vae_file}: VAE encoder: {e}")))?;
+        }
+        if inpainting {
+            let z = vae_latent_channels(&vae)?;
+            if unet_cfg.in_channels != 2 * unet_cfg.out_channels + 1 || z != unet_cfg.out_channels {
+                return Err(ModelError::Invalid(format!(
+                    "{file}: a UNet taking {} channels and giving {} is neither a plain nor an inpainting model for a {z}-channel VAE",
+                    unet_cfg.in_channels, unet_cfg.out_channels
+                )));
+            }
+        }
         Ok(Pipeline {
             te,
             unet,
@@ -244,6 +300,17 @@ impl<'b> Pipeline<'b> {
     /// The prediction type in use.
     pub fn prediction(&self) -> Prediction {
         self.prediction
+    }
+
+    /// Whether the UNet is an inpainting model (mask and masked-image
+    /// latent as extra input channels).
+    pub fn is_inpainting(&self) -> bool {
+        self.unet_cfg.in_channels != self.unet_cfg.out_channels
+    }
+
+    /// Whether the VAE encoder is loaded (img2img and inpainting need it).
+    pub fn has_vae_encoder(&self) -> bool {
+        vae::has_encoder(&self.vae)
     }
 
     /// The UNet's hyper-parameters.
@@ -377,7 +444,7 @@ impl<'b> Pipeline<'b> {
                 req.width, req.height
             )));
         }
-        let (f, ch) = (self.vae_factor, self.unet_cfg.in_channels as usize);
+        let (f, ch) = (self.vae_factor, self.unet_cfg.out_channels as usize);
         Ok([1, ch, req.height / f, req.width / f])
     }
 
@@ -438,29 +505,44 @@ impl<'b> Pipeline<'b> {
             }
         }
 
-        let sigmas = self.schedule.sampling_sigmas(req.steps);
-        let x: Vec<f32> = noise.iter().map(|v| v * sigmas[0] as f32).collect();
+        let full_sigmas = self.schedule.sampling_sigmas(req.steps);
+        let init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
+        let sigmas = init.sigmas;
+        let x: Vec<f32> = match &init.z0 {
+            Some(z0) => z0
+                .iter()
+                .zip(&noise)
+                .map(|(z, n)| z + n * sigmas[0] as f32)
+                .collect(),
+            None => noise.iter().map(|v| v * sigmas[0] as f32).collect(),
+        };
+        let (z0, keep, extra) = (init.z0, init.repaint, init.extra);
         let batch = if guided { 2 } else { 1 };
-        let steps = req.steps;
+        let steps = sigmas.len() - 1;
         let cfg = req.cfg_scale;
         let prediction = self.prediction;
         let schedule = self.schedule.clone();
         let unet_cfg = self.unet_cfg.clone();
         let unet_module = &mut self.unet;
-        let result = sample(
+        let result: Result<Vec<f32>> = sample(
             req.sampler,
             &sigmas,
             x,
             |x, sigma, step| {
                 check(cancelled)?;
                 let c_in = (1.0 / (sigma * sigma + 1.0).sqrt()) as f32;
-                let x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
+                let mut x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
+                let mut shape_b = shape;
+                if let Some(extra) = &extra {
+                    // Inpainting UNet: latent, mask, masked-image latent.
+                    x_in.extend_from_slice(extra);
+                    shape_b[1] += extra.len() / (shape[2] * shape[3]);
+                }
                 let mut xb = x_in.clone();
                 if batch == 2 {
                     xb.extend_from_slice(&x_in);
                 }
                 let t = schedule.timestep_of(sigma) as f32;
-                let mut shape_b = shape;
                 shape_b[0] = batch;
                 let input = UnetInput {
                     x: &xb,
@@ -477,12 +559,151 @@ impl<'b> Pipeline<'b> {
                     out
                 };
                 progress(step + 1, steps);
-                Ok(denoised(prediction, x, sigma, &out))
+                let mut d = denoised(prediction, x, sigma, &out);
+                if let (Some(z0), Some(keep)) = (&z0, &keep) {
+                    blend(&mut d, z0, keep);
+                }
+                Ok(d)
             },
             |_| rng.randn(n_latent),
         );
         self.unet.end_phase();
-        result
+        let mut latent = result?;
+        if let (Some(z0), Some(keep)) = (&z0, &keep) {
+            blend(&mut latent, z0, keep);
+        }
+        Ok(latent)
+    }
+
+    /// Encodes an image (`[3, H, W]` planes in −1..1) into a scaled latent
+    /// with the VAE encoder; the VAE's phase stays open (the caller ends it).
+    pub fn encode_image(
+        &mut self,
+        planes: &[f32],
+        width: usize,
+        height: usize,
+    ) -> Result<Vec<f32>> {
+        if !self.has_vae_encoder() {
+            return Err(ModelError::Invalid(
+                "the VAE encoder was not loaded (load with vae_encoder)".into(),
+            ));
+        }
+        let (z, _) = vae::encode(
+            &mut self.vae,
+            planes,
+            [1, 3, height, width],
+            self.family.vae_scale,
+        )?;
+        Ok(z)
+    }
+
+    /// The σ to run and the latents img2img and inpainting need.
+    fn prepare_init(
+        &mut self,
+        req: &Request,
+        shape: [usize; 4],
+        full: &[f64],
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Prepared> {
+        let inpainting = self.is_inpainting();
+        let (lh, lw) = (shape[2], shape[3]);
+        let (w, h) = (req.width, req.height);
+        let Some(init) = &req.init else {
+            if !inpainting {
+                return Ok(Prepared {
+                    sigmas: full.to_vec(),
+                    z0: None,
+                    repaint: None,
+                    extra: None,
+                });
+            }
+            // An inpainting model without an image repaints everything: the
+            // masked image is all grey (0), the mask all ones.
+            let grey = self.encode_image(&vec![0.0; 3 * w * h], w, h);
+            self.vae.end_phase();
+            let mut extra = vec![1.0; lh * lw];
+            extra.extend(grey?);
+            return Ok(Prepared {
+                sigmas: full.to_vec(),
+                z0: None,
+                repaint: None,
+                extra: Some(extra),
+            });
+        };
+        if !(init.strength > 0.0 && init.strength <= 1.0) {
+            return Err(ModelError::Invalid(format!(
+                "strength {} is outside (0, 1]",
+                init.strength
+            )));
+        }
+        if init.image.width != w || init.image.height != h || init.image.rgb.len() != 3 * w * h {
+            return Err(ModelError::Invalid(format!(
+                "the init image is {}x{}; the request is {w}x{h}",
+                init.image.width, init.image.height
+            )));
+        }
+        let run = ((req.steps as f64 * init.strength).floor() as usize).min(req.steps);
+        if run == 0 {
+            return Err(ModelError::Invalid(format!(
+                "strength {} of {} steps runs no step: raise --strength or --steps",
+                init.strength, req.steps
+            )));
+        }
+        let sigmas = full[req.steps - run..].to_vec();
+        // Repaint where the mask is at least ½; no mask repaints everywhere.
+        let px_mask: Option<Vec<bool>> = match &init.mask {
+            Some(m) if m.len() != w * h => {
+                return Err(ModelError::Invalid(format!(
+                    "the mask has {} pixels; the image has {}",
+                    m.len(),
+                    w * h
+                )))
+            }
+            Some(m) => Some(m.iter().map(|v| *v >= 0.5).collect()),
+            None => None,
+        };
+        let f = self.vae_factor;
+        let cell_mask = |m: &[bool]| -> Vec<f32> {
+            (0..lh)
+                .flat_map(|i| (0..lw).map(move |j| (i, j)))
+                .map(|(i, j)| if m[i * f * w + j * f] { 1.0 } else { 0.0 })
+                .collect()
+        };
+        let planes = to_planes(&init.image);
+        check(cancelled)?;
+        let encoded = (|| -> Result<Prepared> {
+            let z0 = self.encode_image(&planes, w, h)?;
+            if inpainting {
+                let m = px_mask.unwrap_or_else(|| vec![true; w * h]);
+                let n = w * h;
+                let masked: Vec<f32> = planes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| if m[i % n] { 0.0 } else { *v })
+                    .collect();
+                check(cancelled)?;
+                let masked = self.encode_image(&masked, w, h)?;
+                let mut extra = cell_mask(&m);
+                extra.extend(masked);
+                Ok(Prepared {
+                    sigmas: sigmas.clone(),
+                    z0: Some(z0),
+                    repaint: None,
+                    extra: Some(extra),
+                })
+            } else {
+                let channels = shape[1];
+                let repaint = px_mask.map(|m| cell_mask(&m).repeat(channels));
+                Ok(Prepared {
+                    sigmas: sigmas.clone(),
+                    z0: Some(z0),
+                    repaint,
+                    extra: None,
+                })
+            }
+        })();
+        self.vae.end_phase();
+        encoded
     }
 
     /// Decodes a latent `[1, C, h, w]` into an image.
@@ -495,6 +716,43 @@ impl<'b> Pipeline<'b> {
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
     }
+}
+
+/// What sampling starts from: the σ to run, the init latent, where to
+/// repaint (per latent value, ordinary UNets), and an inpainting UNet's
+/// extra channels (mask, then the masked image's latent).
+struct Prepared {
+    sigmas: Vec<f64>,
+    z0: Option<Vec<f32>>,
+    repaint: Option<Vec<f32>>,
+    extra: Option<Vec<f32>>,
+}
+
+/// `x ← m·x + (1 − m)·z₀`: keeps z₀ where `m` is 0.
+fn blend(x: &mut [f32], z0: &[f32], m: &[f32]) {
+    for ((x, z), m) in x.iter_mut().zip(z0).zip(m) {
+        *x = m * *x + (1.0 - m) * z;
+    }
+}
+
+/// The latent channels of a VAE: its decoder's input (`post_quant_conv`).
+fn vae_latent_channels(vae: &Module<'_>) -> Result<i64> {
+    vae.params()
+        .get("post_quant_conv.weight")
+        .map(|t| t.ne()[2])
+        .ok_or_else(|| ModelError::Invalid("missing tensor post_quant_conv.weight".into()))
+}
+
+/// `[3, h, w]` planes in −1..1 of an RGB image (the VAE encoder's input).
+pub fn to_planes(image: &Image) -> Vec<f32> {
+    let n = image.width * image.height;
+    let mut planes = vec![0.0; 3 * n];
+    for (i, px) in image.rgb.chunks_exact(3).enumerate().take(n) {
+        for (ch, v) in px.iter().enumerate() {
+            planes[ch * n + i] = f32::from(*v) / 127.5 - 1.0;
+        }
+    }
+    planes
 }
 
 fn pooled_width(clip: &[ClipConfig]) -> Option<i64> {

@@ -4,7 +4,8 @@
 //! folder, renamed over the target only once complete), with the generation
 //! parameters in a `parameters` text chunk.
 
-use crate::cli::{FlashAttn, GenerateArgs};
+use crate::cli::{FlashAttn, GenerateArgs, InitArgs};
+use crate::image_io;
 use crate::manager::BackendManager;
 use crate::output::OutputFile;
 use crate::placement::{Module as Place, Placement};
@@ -14,7 +15,7 @@ use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
 use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::module::Devices;
-use sdhost_models::pipeline::{Image, Layout, Pipeline, Request};
+use sdhost_models::pipeline::{Image, Init, Layout, Pipeline, Request};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -25,6 +26,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let cancel = crate::cancel::flag();
     let placement = session.resolve(&args.placement)?;
     let output = OutputFile::create(&args.output)?;
+    let init = read_init(&args.init)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
     let vae = args
         .sample
@@ -37,15 +39,22 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
     let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
-    let mut sd = Pipeline::load(&ckpt, layout, args.sample.load_options(vae.as_ref()))?;
+    let mut opts = args.sample.load_options(vae.as_ref());
+    opts.vae_encoder = init.is_some();
+    let mut sd = Pipeline::load(&ckpt, layout, opts)?;
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     let load_time = loading.elapsed();
-    let req = args.sample.request(
+    let mut req = args.sample.request(
         &args.prompt,
         &args.negative,
         args.clip_skip as usize,
         sd.family().default_size,
     );
+    let mut hashes = (String::new(), None);
+    if let Some(init) = init {
+        hashes = (init.image_hash.clone(), init.mask_hash.clone());
+        init.apply(args, &sd, &mut req)?;
+    }
 
     tracing::info!(
         "sampling {} steps with {} at {}x{}",
@@ -75,7 +84,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let text = parameters_text(args, &req, &sd, &placement, &flash);
+    let text = parameters_text(args, &req, &sd, &placement, &flash, &hashes);
     write_png(output, &image, &text)?;
     term::eprint_line(&summary(
         &sd,
@@ -89,6 +98,98 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         term::clean(&args.output.display().to_string())
     ));
     Ok(())
+}
+
+/// The init image and mask, read before the model is, with their hashes.
+struct InitInput {
+    image: Image,
+    mask: Option<image_io::Mask>,
+    image_hash: String,
+    mask_hash: Option<String>,
+}
+
+/// Reads `-i` and `--mask`; a mask must have the init image's size.
+fn read_init(args: &InitArgs) -> anyhow::Result<Option<InitInput>> {
+    let Some(path) = &args.init_img else {
+        return Ok(None);
+    };
+    let image = image_io::load_rgb(path)?;
+    let image_hash = file_hash(path)?;
+    let (mask, mask_hash) = match &args.mask {
+        Some(mp) => {
+            let m = image_io::load_mask(mp)?;
+            if (m.width, m.height) != (image.width, image.height) {
+                return Err(anyhow!(
+                    "{}: the mask is {}x{}; the init image is {}x{}",
+                    term::clean(&mp.display().to_string()),
+                    m.width,
+                    m.height,
+                    image.width,
+                    image.height
+                ));
+            }
+            (Some(m), Some(file_hash(mp)?))
+        }
+        None => (None, None),
+    };
+    Ok(Some(InitInput {
+        image,
+        mask,
+        image_hash,
+        mask_hash,
+    }))
+}
+
+/// The first 12 hex digits of a file's SHA-256 (as A1111 shortens hashes).
+pub fn file_hash(path: &std::path::Path) -> anyhow::Result<String> {
+    use sha2::Digest as _;
+    let mut f =
+        std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut h = sha2::Sha256::new();
+    std::io::copy(&mut f, &mut h).with_context(|| format!("{}: cannot read", path.display()))?;
+    let d = h.finalize();
+    Ok(d.iter().take(6).map(|b| format!("{b:02x}")).collect())
+}
+
+impl InitInput {
+    /// Sizes the request by the init image (see `--init-img`) and attaches
+    /// the resized image and mask.
+    fn apply(
+        self,
+        args: &GenerateArgs,
+        sd: &Pipeline<'_>,
+        req: &mut Request,
+    ) -> anyhow::Result<()> {
+        let m = sd.size_multiple();
+        let path = args
+            .init
+            .init_img
+            .as_deref()
+            .unwrap_or(std::path::Path::new(""));
+        let (iw, ih) = (self.image.width, self.image.height);
+        let w = args.sample.width.map_or(iw / m * m, |v| v as usize);
+        let h = args.sample.height.map_or(ih / m * m, |v| v as usize);
+        if w == 0 || h == 0 {
+            return Err(anyhow!(
+                "{}: the image is {iw}x{ih}, smaller than this model's {m}-pixel multiple: give -W and -H",
+                term::clean(&path.display().to_string())
+            ));
+        }
+        if (w, h) != (iw, ih) {
+            tracing::info!("resizing the init image from {iw}x{ih} to {w}x{h}");
+        }
+        if self.mask.is_none() && sd.is_inpainting() {
+            tracing::info!("inpainting model without --mask: repainting the whole image");
+        }
+        req.width = w;
+        req.height = h;
+        req.init = Some(Init {
+            image: image_io::resize_rgb(self.image, w, h),
+            strength: args.init.strength,
+            mask: self.mask.map(|m| image_io::resize_mask(m, w, h).values),
+        });
+        Ok(())
+    }
 }
 
 /// The CPU device's name; `what` needs it because ggml's scheduler falls
@@ -192,6 +293,7 @@ fn parameters_text(
     sd: &Pipeline<'_>,
     placement: &Placement,
     flash: &str,
+    hashes: &(String, Option<String>),
 ) -> String {
     let file_name = |p: &std::path::Path| {
         p.file_name()
@@ -220,6 +322,20 @@ fn parameters_text(
     ));
     if let Some(vae) = &args.sample.vae {
         s.push_str(&format!(", VAE: {}", file_name(vae)));
+    }
+    if let (Some(init), Some(path)) = (&req.init, &args.init.init_img) {
+        s.push_str(&format!(
+            ", Denoising strength: {}, Init image: {}, Init image hash: {}",
+            init.strength,
+            file_name(path),
+            hashes.0
+        ));
+        if let (Some(mask), Some(hash)) = (&args.init.mask, &hashes.1) {
+            s.push_str(&format!(", Mask: {}, Mask hash: {hash}", file_name(mask)));
+        }
+        if sd.is_inpainting() {
+            s.push_str(", Inpainting model: yes");
+        }
     }
     s.push_str(&format!(
         ", Devices: {}, Flash attention: {}, Generator: sdhost {}",

@@ -1,4 +1,6 @@
-//! The AutoencoderKL decoder of SD 1.x in the original (ldm) layout:
+//! The AutoencoderKL of SD 1.x, 2.x and SDXL in the original (ldm) layout.
+//!
+//! **Decoder:**
 //! `post_quant_conv`, `decoder.conv_in`, a middle of residual–attention–
 //! residual, up levels (`decoder.up.N`, applied from the highest N down to
 //! 0, each a few residual blocks and, except level 0, a 2× upsampling
@@ -7,6 +9,14 @@
 //! Levels, blocks per level and channels come from the tensor names and
 //! shapes. Latents are divided by the family's scale factor first (0.18215
 //! for SD 1.x/2.x, 0.13025 for SDXL).
+//!
+//! **Encoder** (img2img, inpainting): `encoder.conv_in`, down levels
+//! (`encoder.down.N`, residual blocks and, except the last level, a stride-2
+//! convolution after padding one pixel right and bottom), the same middle,
+//! group norm, SiLU, `encoder.conv_out` to the Gaussian's mean and log
+//! variance, then `quant_conv`. The latent is the *mean* times the scale
+//! factor (the distribution's mode, as ComfyUI takes it): deterministic, and
+//! the SD VAE's posterior is narrow enough that sampling it changes little.
 
 use crate::blocks::nn::{attention, conv2d, group_norm, linear, shortcut, ModelError, Result, W};
 use crate::module::{input_f32, Built, Module};
@@ -25,6 +35,115 @@ pub fn decode(
     scale: f32,
 ) -> Result<Vec<f32>> {
     module.compute(|c, w| build(c, w, z, shape, scale))
+}
+
+/// Encodes `n` images (`[n, 3, H, W]` in −1..1, W fastest; H and W
+/// multiples of the factor) into latents `[n, C, H/f, W/f]`: the mean of the
+/// encoder's Gaussian times `scale`.
+pub fn encode(
+    module: &mut Module<'_>,
+    image: &[f32],
+    shape: [usize; 4],
+    scale: f32,
+) -> Result<(Vec<f32>, [usize; 4])> {
+    let moments = module.compute(|c, w| build_encoder(c, w, image, shape))?;
+    let f = downscale_factor(module)?;
+    let [n, _, h, wd] = shape;
+    let (lh, lw) = (h / f, wd / f);
+    let per = lh * lw;
+    let z = moments.len() / (n * per * 2).max(1);
+    if moments.len() != n * 2 * z * per {
+        return Err(ModelError::Invalid(format!(
+            "the encoder gave {} values for {n} {wd}x{h} images",
+            moments.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(n * z * per);
+    for b in 0..n {
+        let mean = &moments[b * 2 * z * per..][..z * per];
+        out.extend(mean.iter().map(|v| v * scale));
+    }
+    Ok((out, [n, z, lh, lw]))
+}
+
+/// Whether the module holds an encoder (`encoder.conv_in.weight`).
+pub fn has_encoder(module: &Module<'_>) -> bool {
+    module.params().contains("encoder.conv_in.weight")
+}
+
+/// The encoder's downscaling factor: 2 per down level but the last.
+fn downscale_factor(module: &Module<'_>) -> Result<usize> {
+    let levels = (0..)
+        .take_while(|i| {
+            module
+                .params()
+                .contains(&format!("encoder.down.{i}.block.0.conv1.weight"))
+        })
+        .count();
+    if levels == 0 {
+        return Err(ModelError::Invalid(
+            "missing tensor encoder.down.0.block.0.conv1.weight".into(),
+        ));
+    }
+    Ok(1 << (levels - 1))
+}
+
+/// Checks the encoder's weights by building (not computing) its graph on a
+/// one-cell image.
+pub fn validate_encoder(module: &Module<'_>) -> Result<()> {
+    let f = downscale_factor(module)?;
+    module.validate(|c, w| build_encoder(c, w, &vec![0.0; 3 * f * f], [1, 3, f, f]))
+}
+
+fn build_encoder<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    image: &[f32],
+    shape: [usize; 4],
+) -> Result<Built<'a>> {
+    let [n, ic, height, width] = shape.map(|d| d as i64);
+    let mut inputs = Vec::new();
+    let x = input_f32(c, &[width, height, ic, n], image.to_vec(), &mut inputs)?;
+    let conv_in = w.ne("encoder.conv_in.weight")?;
+    if conv_in[2] != ic {
+        return Err(ModelError::Invalid(format!(
+            "image has {ic} channels; the encoder takes {}",
+            conv_in[2]
+        )));
+    }
+    let mut h = conv2d(c, w, "encoder.conv_in", x, ic, conv_in[3], 3, 1, 1)?;
+    let levels = (0..)
+        .take_while(|i| w.has(&format!("encoder.down.{i}.block.0.conv1.weight")))
+        .count();
+    for level in 0..levels {
+        let mut j = 0;
+        while w.has(&format!("encoder.down.{level}.block.{j}.conv1.weight")) {
+            h = res_block(c, w, &format!("encoder.down.{level}.block.{j}"), h)?;
+            j += 1;
+        }
+        let down = format!("encoder.down.{level}.downsample.conv");
+        if w.has(&format!("{down}.weight")) {
+            let ch = h.ne()[2];
+            // ldm pads (0, 1, 0, 1) and convolves without padding.
+            h = conv2d(c, w, &down, c.pad(h, [1, 1, 0, 0])?, ch, ch, 3, 2, 0)?;
+        }
+    }
+    h = res_block(c, w, "encoder.mid.block_1", h)?;
+    h = attn_block(c, w, "encoder.mid.attn_1", h)?;
+    h = res_block(c, w, "encoder.mid.block_2", h)?;
+    let ch = h.ne()[2];
+    h = c.silu(group_norm(c, w, "encoder.norm_out", h, ch, EPS)?)?;
+    let out_ch = w.ne("encoder.conv_out.weight")?[3];
+    h = conv2d(c, w, "encoder.conv_out", h, ch, out_ch, 3, 1, 1)?;
+    let out = if w.has("quant_conv.weight") {
+        conv2d(c, w, "quant_conv", h, out_ch, out_ch, 1, 1, 0)?
+    } else {
+        h
+    };
+    Ok(Built {
+        output: out,
+        inputs,
+    })
 }
 
 /// The decoder's upscaling factor (8 for SD 1.x), read off the weights.

@@ -180,7 +180,12 @@ impl ModuleWeights {
         self.ctx.tensors().into_iter().nth(i)
     }
 
-    /// Every tensor by name (without the module prefix), for graph building.
+    /// Whether tensor `name` (without the module prefix) is loaded.
+    pub fn contains(&self, name: &str) -> bool {
+        self.index.contains_key(name)
+    }
+
+    /// Every tensor by name (without the module's prefix).
     pub fn map(&self) -> HashMap<&str, Tensor<'_>> {
         let tensors = self.ctx.tensors();
         self.index
