@@ -6,12 +6,6 @@ mod common;
 use common::*;
 use std::path::{Path, PathBuf};
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(name)
-}
-
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![
         "generate",

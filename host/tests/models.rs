@@ -22,52 +22,9 @@ use sdhost_models::sampling::schedule::{Sampler, Schedule};
 use std::collections::HashMap;
 use std::path::PathBuf;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(name)
-}
-
-/// The reference tensors (f32 and i32 as f32), read with the checkpoint
-/// reader the models use.
+/// The family's reference tensors.
 fn refs(fx: Fixture) -> HashMap<String, Vec<f32>> {
-    let path = fixture(&format!("tiny-{}-ref.safetensors", fx.name));
-    let bytes = std::fs::read(&path).unwrap();
-    checkpoint::scan(&path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let off = t.offset.unwrap() as usize;
-            let raw = &bytes[off..off + t.bytes as usize];
-            let vals = match t.dtype.as_str() {
-                "I32" => raw
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
-                    .collect(),
-                d => sdhost_models::checkpoint::dtype::decode_f32(d, raw)
-                    .unwrap_or_else(|| panic!("unexpected dtype {d}")),
-            };
-            (t.name, vals)
-        })
-        .collect()
-}
-
-/// Largest difference relative to the reference's largest magnitude.
-fn rel_err(got: &[f32], want: &[f32]) -> f32 {
-    assert_eq!(got.len(), want.len(), "lengths differ");
-    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    got.iter()
-        .zip(want)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-        / scale
-}
-
-fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    let e = rel_err(got, want);
-    eprintln!("{what}: relative error {e:.2e} (tolerance {tol:.0e})");
-    assert!(e <= tol, "{what}: relative error {e} exceeds {tol}");
+    read_tensors(&fixture(&format!("tiny-{}-ref.safetensors", fx.name)))
 }
 
 /// A tiny fixture family: its checkpoint and reference files.

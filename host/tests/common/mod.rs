@@ -318,3 +318,52 @@ pub fn png_info(path: &Path) -> (u32, u32, String) {
         .unwrap_or_default();
     (info.width, info.height, text)
 }
+
+/// A committed fixture file.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../tests/fixtures")
+        .join(name)
+}
+
+/// The tensors of a reference safetensors file (f32 and i32 as f32), read
+/// with the checkpoint reader the models use.
+pub fn read_tensors(path: &Path) -> std::collections::HashMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    sdhost_models::checkpoint::scan(path)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|t| {
+            let off = t.offset.unwrap() as usize;
+            let raw = &bytes[off..off + t.bytes as usize];
+            let vals = match t.dtype.as_str() {
+                "I32" => raw
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
+                    .collect(),
+                d => sdhost_models::checkpoint::dtype::decode_f32(d, raw)
+                    .unwrap_or_else(|| panic!("unexpected dtype {d}")),
+            };
+            (t.name, vals)
+        })
+        .collect()
+}
+
+/// Largest difference relative to the reference's largest magnitude.
+pub fn rel_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "lengths differ");
+    assert!(got.iter().all(|v| v.is_finite()), "non-finite output");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    got.iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale
+}
+
+/// Asserts `rel_err(got, want) <= tol`, printing the error.
+pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    let e = rel_err(got, want);
+    eprintln!("{what}: relative error {e:.2e} (tolerance {tol:.0e})");
+    assert!(e <= tol, "{what}: relative error {e} exceeds {tol}");
+}

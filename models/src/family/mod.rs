@@ -235,9 +235,11 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
         .iter()
         .find(|t| t.name == format!("{UNET_PREFIX}input_blocks.0.0.weight"))
     {
-        if t.shape.get(1).is_some_and(|&c| c != 4) {
+        // 4 latent channels, or 9 for an inpainting UNet (latent, mask,
+        // masked-image latent).
+        if t.shape.get(1).is_some_and(|&c| c != 4 && c != 9) {
             return Err(unsupported(&format!(
-                "an inpainting or other {}-channel {} UNet, which is not supported yet",
+                "a {}-channel {} UNet (4, or 9 for inpainting, are supported)",
                 t.shape[1],
                 family.name()
             )));

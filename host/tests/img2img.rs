@@ -1,0 +1,301 @@
+//! img2img and inpainting against references computed with diffusers
+//! (`tests/fixtures/make_img2img_refs.py`) on the tiny checkpoints, on the
+//! CPU: the VAE encoder of every family, img2img's truncated schedule,
+//! latent-blend inpainting with an ordinary UNet and the 9-channel
+//! inpainting UNet. Then `generate -i/--mask` end to end for every family,
+//! and bad input (one line, exit 1 or 2, no output file).
+
+mod common;
+use common::*;
+use sdhost::discovery::Origin;
+use sdhost::image_io;
+use sdhost::manager::BackendManager;
+use sdhost::registry::Registry;
+use sdhost_models::checkpoint;
+use sdhost_models::module::{Devices, WeightPolicy};
+use sdhost_models::pipeline::{to_planes, Init, Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::sampling::schedule::Sampler;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Tolerance relative to the reference's largest magnitude: f16 weights
+/// and activations against f32 references, as in tests/models.rs.
+const TOL: f32 = 1e-2;
+
+fn refs() -> HashMap<String, Vec<f32>> {
+    read_tensors(&fixture("tiny-img2img-ref.safetensors"))
+}
+
+fn with_pipeline(file: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let ckpt = checkpoint::scan(&fixture(file)).unwrap();
+    let opts = LoadOptions {
+        policy: WeightPolicy::Free,
+        vae_encoder: true,
+        ..LoadOptions::default()
+    };
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    f(&mut sd);
+}
+
+fn request(steps: usize, init: Option<Init>) -> Request {
+    Request {
+        prompt: "a photo of a cat".into(),
+        negative: String::new(),
+        steps,
+        cfg_scale: 7.0,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: Sampler::Euler,
+        clip_skip: 1,
+        init,
+    }
+}
+
+fn init(strength: f64, mask: bool) -> Init {
+    Init {
+        image: image_io::load_rgb(&fixture("init-64.png")).unwrap(),
+        strength,
+        mask: mask.then(|| image_io::load_mask(&fixture("mask-64.png")).unwrap().values),
+    }
+}
+
+fn latent(sd: &mut Pipeline<'_>, req: &Request, noise: &[f32]) -> Vec<f32> {
+    let mut calls = 0;
+    let out = sd
+        .sample_latent(req, Some(noise.to_vec()), &mut |_, _| calls += 1, &|| false)
+        .unwrap();
+    let run = req.init.as_ref().map_or(req.steps, |i| {
+        (req.steps as f64 * i.strength).floor() as usize
+    });
+    assert_eq!(calls, run, "one progress call per step run");
+    out
+}
+
+#[test]
+fn vae_encoder_matches_diffusers_for_every_family() {
+    let r = refs();
+    let image = image_io::load_rgb(&fixture("init-64.png")).unwrap();
+    for fam in ["sd1", "sd2", "sdxl"] {
+        with_pipeline(&format!("tiny-{fam}.safetensors"), |sd| {
+            let z = sd.encode_image(&to_planes(&image), 64, 64).unwrap();
+            sd.vae.end_phase();
+            assert_close(
+                &format!("{fam} encoder"),
+                &z,
+                &r[&format!("enc.z0.{fam}")],
+                TOL,
+            );
+        });
+    }
+}
+
+#[test]
+fn img2img_and_latent_blend_inpainting_match_references() {
+    let r = refs();
+    with_pipeline("tiny-sd1.safetensors", |sd| {
+        assert!(!sd.is_inpainting());
+        let req = request(4, Some(init(0.5, false)));
+        let got = latent(sd, &req, &r["i2i.noise"]);
+        assert_close("img2img latent", &got, &r["i2i.latent"], TOL);
+
+        let req = request(3, Some(init(1.0, true)));
+        let got = latent(sd, &req, &r["inp.noise"]);
+        assert_close("inpainting latent", &got, &r["inp.latent"], TOL);
+        // Outside the mask the final latent is the image's, exactly.
+        let z0 = sd
+            .encode_image(&to_planes(&req.init.as_ref().unwrap().image), 64, 64)
+            .unwrap();
+        sd.vae.end_phase();
+        let m = &r["inp.mask"];
+        for (i, (g, z)) in got.iter().zip(&z0).enumerate() {
+            if m[i % 64] == 0.0 {
+                assert_eq!(g, z, "kept latent value {i}");
+            }
+        }
+    });
+}
+
+#[test]
+fn inpainting_unet_matches_references() {
+    let r = refs();
+    with_pipeline("tiny-sd1-inpaint.safetensors", |sd| {
+        assert!(sd.is_inpainting(), "9 input channels are detected");
+        let req = request(3, Some(init(1.0, true)));
+        let got = latent(sd, &req, &r["inp9.noise"]);
+        assert_close("inpainting-UNet latent", &got, &r["inp9.latent"], TOL);
+        // Without an image: a grey masked image and a mask of ones.
+        let got = latent(sd, &request(3, None), &r["inp9t.noise"]);
+        assert_close(
+            "inpainting-UNet txt2img latent",
+            &got,
+            &r["inp9t.latent"],
+            TOL,
+        );
+    });
+}
+
+#[test]
+fn strength_that_runs_no_step_is_an_error() {
+    with_pipeline("tiny-sd1.safetensors", |sd| {
+        let req = request(3, Some(init(0.2, false)));
+        let e = sd
+            .sample_latent(&req, None, &mut |_, _| {}, &|| false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("runs no step"), "{e}");
+    });
+}
+
+fn generate(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Run {
+    let model = fixture(model);
+    let mut args = vec![
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a photo of a cat",
+        "--steps",
+        "4",
+        "-o",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    p.run(&args)
+}
+
+#[test]
+fn generate_img2img_and_inpaint_for_every_family() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let init = fixture("init-64.png");
+    let mask = fixture("mask-64.png");
+    for model in [
+        "tiny-sd1.safetensors",
+        "tiny-sd2.safetensors",
+        "tiny-sdxl.safetensors",
+        "tiny-sd1-inpaint.safetensors",
+    ] {
+        let a = out.join(format!("{model}.png"));
+        generate(&p, model, &a, &["-i", s(&init), "--strength", "0.5"]).ok();
+        let (w, h, text) = png_info(&a);
+        assert_eq!((w, h), (64, 64), "the init image's size");
+        assert!(
+            text.contains("Denoising strength: 0.5, Init image: init-64.png, Init image hash: "),
+            "{text}"
+        );
+        let b = out.join(format!("{model}-mask.png"));
+        generate(&p, model, &b, &["-i", s(&init), "--mask", s(&mask)]).ok();
+        let (_, _, text) = png_info(&b);
+        assert!(text.contains("Mask: mask-64.png, Mask hash: "), "{text}");
+        assert_eq!(
+            text.contains("Inpainting model: yes"),
+            model.contains("inpaint"),
+            "{text}"
+        );
+    }
+    // A larger image is resized to -W/-H; without them, a 100x70 image
+    // gives 96x64 (rounded down to the tiny model's multiple, 16).
+    let big = out.join("big.png");
+    image::RgbImage::from_fn(100, 70, |x, y| image::Rgb([x as u8, y as u8, 9]))
+        .save(&big)
+        .unwrap();
+    let c = out.join("c.png");
+    generate(&p, "tiny-sd1.safetensors", &c, &["-i", s(&big)]).ok();
+    assert_eq!((png_info(&c).0, png_info(&c).1), (96, 64));
+    generate(
+        &p,
+        "tiny-sd1.safetensors",
+        &c,
+        &["-i", s(&big), "-W", "128", "-H", "64"],
+    )
+    .ok();
+    assert_eq!((png_info(&c).0, png_info(&c).1), (128, 64));
+    // JPEG and grey PNG inputs.
+    let jpg = out.join("in.jpg");
+    image::RgbImage::from_fn(64, 64, |x, y| image::Rgb([x as u8 * 4, y as u8 * 4, 50]))
+        .save(&jpg)
+        .unwrap();
+    let grey = out.join("grey.png");
+    image::GrayImage::from_fn(64, 64, |x, _| image::Luma([x as u8 * 4]))
+        .save(&grey)
+        .unwrap();
+    for input in [&jpg, &grey] {
+        generate(&p, "tiny-sd1.safetensors", &c, &["-i", s(input)]).ok();
+    }
+}
+
+#[test]
+fn bad_images_masks_and_strengths_fail_with_one_line_and_no_output() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let target = out.join("x.png");
+    let init = fixture("init-64.png");
+    let junk = out.join("junk.png");
+    std::fs::write(&junk, b"\x89PNG\r\n\x1a\nthis is not the rest of a PNG").unwrap();
+    let cut = out.join("cut.png");
+    let bytes = std::fs::read(&init).unwrap();
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let small_mask = out.join("small-mask.png");
+    image::GrayImage::new(32, 32).save(&small_mask).unwrap();
+    let tiny_img = out.join("tiny.png");
+    image::RgbImage::new(10, 10).save(&tiny_img).unwrap();
+    let missing = out.join("missing.png");
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec!["-i", s(&junk)], 1, "junk.png"),
+        (vec!["-i", s(&cut)], 1, "cut.png"),
+        (vec!["-i", s(&missing)], 1, "missing.png"),
+        (vec!["-i", s(&init), "--mask", s(&junk)], 1, "junk.png"),
+        (
+            vec!["-i", s(&init), "--mask", s(&small_mask)],
+            1,
+            "the mask is 32x32; the init image is 64x64",
+        ),
+        (
+            vec!["-i", s(&tiny_img)],
+            1,
+            "smaller than this model's 16-pixel multiple",
+        ),
+        (vec!["-i", s(&init), "--strength", "0"], 2, "outside (0, 1]"),
+        (
+            vec!["-i", s(&init), "--strength", "1.5"],
+            2,
+            "outside (0, 1]",
+        ),
+        (vec!["-i", s(&init), "--strength", "x"], 2, "not a number"),
+        (vec!["--strength", "0.5"], 2, "--init-img"),
+        (vec!["--mask", s(&init)], 2, "--init-img"),
+        (vec!["-i", s(&init), "--strength", "0.1"], 1, "runs no step"),
+    ];
+    for (extra, code, needle) in cases {
+        let r = generate(&p, "tiny-sd1.safetensors", &target, &extra);
+        assert_eq!(r.code, Some(code), "{extra:?}: {}", r.stderr);
+
+        assert!(r.stderr.contains(needle), "{extra:?}: {}", r.stderr);
+        if code == 1 {
+            let errors = r.stderr.lines().filter(|l| l.starts_with("error:")).count();
+            assert_eq!(errors, 1, "{extra:?}: {}", r.stderr);
+        }
+        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+        assert!(!target.exists(), "{extra:?} left {}", target.display());
+        assert_eq!(
+            listing(&out).len(),
+            4,
+            "no temporary file left: {:?}",
+            listing(&out)
+        );
+    }
+}
