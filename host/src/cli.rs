@@ -209,9 +209,33 @@ pub struct SampleArgs {
     /// is faster and smaller; `on` (or the bare flag) everywhere; `off` nowhere
     #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     pub flash_attn: FlashAttn,
+
+    /// Decode (and encode) with the VAE in overlapping tiles blended at the
+    /// seams: the memory of one tile instead of the whole image
+    #[arg(long = "vae-tiling")]
+    pub vae_tiling: bool,
+
+    /// Tile side for --vae-tiling, in latent cells (8 pixels each)
+    #[arg(long = "vae-tile-size", value_name = "CELLS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub vae_tile_size: u32,
+
+    /// Latent cells neighbouring tiles share (blended), less than the tile size
+    #[arg(long = "vae-tile-overlap", value_name = "CELLS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=1023))]
+    pub vae_tile_overlap: u32,
 }
 
 impl SampleArgs {
+    /// `--vae-tiling` with its tile size and overlap, checked.
+    pub fn vae_tiling(&self) -> anyhow::Result<Option<sdhost_models::tiling::Tiling>> {
+        if !self.vae_tiling {
+            return Ok(None);
+        }
+        Ok(Some(sdhost_models::tiling::Tiling::new(
+            self.vae_tile_size as usize,
+            self.vae_tile_overlap as usize,
+        )?))
+    }
+
     /// The generation request these settings describe; `default_size` is
     /// the family's side length for a size not given.
     pub fn request(

@@ -4,7 +4,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![

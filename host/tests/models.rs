@@ -20,7 +20,6 @@ use sdhost_models::module::{Devices, WeightPolicy};
 use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Schedule};
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 /// The family's reference tensors.
 fn refs(fx: Fixture) -> HashMap<String, Vec<f32>> {

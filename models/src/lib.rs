@@ -21,6 +21,8 @@
 //!   encode, sample with CFG, decode, checking the caller's cancellation flag
 //!   between graph computations.
 //!
+//! * [`tiling`]: overlapping tiles with blended seams (VAE tiling).
+//!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.
 #![forbid(unsafe_code)]
@@ -32,6 +34,7 @@ mod kind;
 pub mod module;
 pub mod pipeline;
 pub mod sampling;
+pub mod tiling;
 
 pub use blocks::nn::ModelError;
 pub use kind::ModuleKind;

@@ -34,6 +34,7 @@ use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::module::{Devices, Module, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
 use crate::sampling::schedule::{denoised, sample, Sampler, Schedule};
+use crate::tiling::{run_tiled, Tiling};
 use crate::ModuleKind;
 
 /// What to generate.
@@ -137,6 +138,8 @@ pub struct Pipeline<'b> {
     unet_cfg: UnetConfig,
     /// Pixels per latent cell (8), read off the VAE at load.
     vae_factor: usize,
+    /// VAE tiling (in latent cells), or none.
+    vae_tiling: Option<Tiling>,
 }
 
 /// Tensors of a module that are not weights (int64 buffers some exporters
@@ -289,6 +292,7 @@ impl<'b> Pipeline<'b> {
             clip,
             unet_cfg,
             vae_factor,
+            vae_tiling: None,
         })
     }
 
@@ -306,6 +310,12 @@ impl<'b> Pipeline<'b> {
     /// latent as extra input channels).
     pub fn is_inpainting(&self) -> bool {
         self.unet_cfg.in_channels != self.unet_cfg.out_channels
+    }
+
+    /// Decodes and encodes in tiles of `tiling` latent cells (see
+    /// [`crate::tiling`]), or whole with `None`.
+    pub fn set_vae_tiling(&mut self, tiling: Option<Tiling>) {
+        self.vae_tiling = tiling;
     }
 
     /// Whether the VAE encoder is loaded (img2img and inpainting need it).
@@ -588,13 +598,22 @@ impl<'b> Pipeline<'b> {
                 "the VAE encoder was not loaded (load with vae_encoder)".into(),
             ));
         }
-        let (z, _) = vae::encode(
-            &mut self.vae,
+        let scale = self.family.vae_scale;
+        let Some(tiling) = self.vae_tiling else {
+            return Ok(vae::encode(&mut self.vae, planes, [1, 3, height, width], scale)?.0);
+        };
+        let f = self.vae_factor;
+        let z = vae_latent_channels(&self.vae)? as usize;
+        let module = &mut self.vae;
+        run_tiled(
             planes,
-            [1, 3, height, width],
-            self.family.vae_scale,
-        )?;
-        Ok(z)
+            [3, height / f, width / f],
+            f,
+            1,
+            z,
+            tiling,
+            |tile, th, tw| Ok(vae::encode(module, tile, [1, 3, th * f, tw * f], scale)?.0),
+        )
     }
 
     /// The σ to run and the latents img2img and inpainting need.
@@ -709,7 +728,23 @@ impl<'b> Pipeline<'b> {
     /// Decodes a latent `[1, C, h, w]` into an image.
     pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
         tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
-        let out = vae::decode(&mut self.vae, latent, shape, self.family.vae_scale);
+        let scale = self.family.vae_scale;
+        let out = match self.vae_tiling {
+            None => vae::decode(&mut self.vae, latent, shape, scale),
+            Some(tiling) => {
+                let module = &mut self.vae;
+                let [_, c, h, w] = shape;
+                run_tiled(
+                    latent,
+                    [c, h, w],
+                    1,
+                    self.vae_factor,
+                    3,
+                    tiling,
+                    |tile, th, tw| vae::decode(module, tile, [1, c, th, tw], scale),
+                )
+            }
+        };
         self.vae.end_phase();
         let out = out?;
         let f = self.vae_factor;

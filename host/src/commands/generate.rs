@@ -41,7 +41,9 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let loading = Instant::now();
     let mut opts = args.sample.load_options(vae.as_ref());
     opts.vae_encoder = init.is_some();
+    let tiling = args.sample.vae_tiling()?;
     let mut sd = Pipeline::load(&ckpt, layout, opts)?;
+    sd.set_vae_tiling(tiling);
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     let load_time = loading.elapsed();
     let mut req = args.sample.request(
@@ -322,6 +324,9 @@ fn parameters_text(
     ));
     if let Some(vae) = &args.sample.vae {
         s.push_str(&format!(", VAE: {}", file_name(vae)));
+    }
+    if let Ok(Some(t)) = args.sample.vae_tiling() {
+        s.push_str(&format!(", VAE tiling: {}/{}", t.tile, t.overlap));
     }
     if let (Some(init), Some(path)) = (&req.init, &args.init.init_img) {
         s.push_str(&format!(
