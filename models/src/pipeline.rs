@@ -18,7 +18,7 @@ use crate::checkpoint::Checkpoint;
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::module::{Devices, Module, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
-use crate::sampling::schedule::{denoised, sample, Sampler, Schedule};
+use crate::sampling::schedule::{denoised, sample, Sampler, Schedule, Scheduler};
 use crate::ModuleKind;
 
 /// What to generate.
@@ -40,6 +40,8 @@ pub struct Request {
     pub seed: u64,
     /// Sampler.
     pub sampler: Sampler,
+    /// How the sampling σs are spread over the schedule.
+    pub scheduler: Scheduler,
     /// CLIP skip (1 = the family's own layer).
     pub clip_skip: usize,
 }
@@ -438,7 +440,7 @@ impl<'b> Pipeline<'b> {
             }
         }
 
-        let sigmas = self.schedule.sampling_sigmas(req.steps);
+        let sigmas = req.scheduler.sigmas(&self.schedule, req.steps);
         let x: Vec<f32> = noise.iter().map(|v| v * sigmas[0] as f32).collect();
         let batch = if guided { 2 } else { 1 };
         let steps = req.steps;
@@ -451,7 +453,7 @@ impl<'b> Pipeline<'b> {
             req.sampler,
             &sigmas,
             x,
-            |x, sigma, step| {
+            |x, sigma, _step| {
                 check(cancelled)?;
                 let c_in = (1.0 / (sigma * sigma + 1.0).sqrt()) as f32;
                 let x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
@@ -476,10 +478,10 @@ impl<'b> Pipeline<'b> {
                 } else {
                     out
                 };
-                progress(step + 1, steps);
                 Ok(denoised(prediction, x, sigma, &out))
             },
             |_| rng.randn(n_latent),
+            |done| progress(done, steps),
         );
         self.unet.end_phase();
         result
