@@ -461,7 +461,9 @@ mod tests {
             let mut a = vec!["sdhost", "generate", "-m", "m", "-p", "p"];
             a.extend_from_slice(extra);
             match Cli::try_parse_from(a).map(|c| c.command) {
-                Ok(Command::Generate(g)) => g.sample.request("p", "", 1, 512).map_err(|e| e.to_string()),
+                Ok(Command::Generate(g)) => {
+                    g.sample.request("p", "", 1, 512).map_err(|e| e.to_string())
+                }
                 Ok(_) => panic!("not generate"),
                 Err(e) => Err(e.to_string()),
             }
@@ -469,19 +471,45 @@ mod tests {
         let pick = |extra: &[&str]| parse(extra).map(|r| (r.sampler, r.scheduler));
         for (args, want) in [
             (&[][..], (Sampler::EulerA, Scheduler::Discrete)),
-            (&["--sampler", "dpm++2m karras"], (Sampler::DpmPp2m, Scheduler::Karras)),
-            (&["--sampler", "DPM++ 2M SDE Karras"], (Sampler::DpmPp2mSde, Scheduler::Karras)),
-            (&["--sampler", "Euler a"], (Sampler::EulerA, Scheduler::Discrete)),
-            (&["--sampler", "heun", "--scheduler", "exponential"], (Sampler::Heun, Scheduler::Exponential)),
-            (&["--schedule", "SGM Uniform"], (Sampler::EulerA, Scheduler::SgmUniform)),
-            (&["--sampler", "lms karras", "--scheduler", "Karras"], (Sampler::Lms, Scheduler::Karras)),
+            (
+                &["--sampler", "dpm++2m karras"],
+                (Sampler::DpmPp2m, Scheduler::Karras),
+            ),
+            (
+                &["--sampler", "DPM++ 2M SDE Karras"],
+                (Sampler::DpmPp2mSde, Scheduler::Karras),
+            ),
+            (
+                &["--sampler", "Euler a"],
+                (Sampler::EulerA, Scheduler::Discrete),
+            ),
+            (
+                &["--sampler", "heun", "--scheduler", "exponential"],
+                (Sampler::Heun, Scheduler::Exponential),
+            ),
+            (
+                &["--schedule", "SGM Uniform"],
+                (Sampler::EulerA, Scheduler::SgmUniform),
+            ),
+            (
+                &["--sampler", "lms karras", "--scheduler", "Karras"],
+                (Sampler::Lms, Scheduler::Karras),
+            ),
         ] {
             assert_eq!(pick(args), Ok(want), "{args:?}");
         }
         let err = pick(&["--sampler", "dpm++2m karras", "--scheduler", "simple"]).unwrap_err();
-        assert_eq!(err, "--sampler \"dpm++2m karras\" names the karras schedule but --scheduler says simple");
+        assert_eq!(
+            err,
+            "--sampler \"dpm++2m karras\" names the karras schedule but --scheduler says simple"
+        );
         let err = pick(&["--scheduler", "ays"]).unwrap_err();
-        assert!(err.contains("unknown scheduler \"ays\" (discrete, karras, exponential, sgm_uniform, simple)"), "{err}");
+        assert!(
+            err.contains(
+                "unknown scheduler \"ays\" (discrete, karras, exponential, sgm_uniform, simple)"
+            ),
+            "{err}"
+        );
         let err = pick(&["--sampler", "dpm++2m kar"]).unwrap_err();
         assert!(err.contains("unknown sampler \"dpm++2m kar\""), "{err}");
     }

@@ -437,7 +437,9 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let load_s = t.elapsed().as_secs_f64();
     let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     sample_devices();
-    let req = a.sample.request(&a.prompt, "", 1, sd.family().default_size)?;
+    let req = a
+        .sample
+        .request(&a.prompt, "", 1, sd.family().default_size)?;
     let mut ours = Vec::new();
     let mut first_run_s = 0.0;
     for i in 0..=runs {
