@@ -119,7 +119,7 @@ pub enum Scheduler {
     /// σ evenly spaced in log σ from σ_max to σ_min.
     Exponential,
     /// N+1 timesteps evenly from 999 to 0, the last (t = 0) dropped
-    /// (ComfyUI's `sgm_uniform`, as SGM/SDXL's reference sampling).
+    /// (ComfyUI's and stable-diffusion.cpp's `sgm_uniform`).
     SgmUniform,
     /// Every (1000/N)-th table entry from the top, `σ[999 − ⌊i·1000/N⌋]`
     /// (ComfyUI's `simple`).
