@@ -183,9 +183,17 @@ pub struct SampleArgs {
     #[arg(short = 's', long, default_value_t = 42)]
     pub seed: u64,
 
-    /// Sampler: euler_a, euler or dpm++2m
-    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::sampling::schedule::Sampler>)]
-    pub sampler: sdhost_models::sampling::schedule::Sampler,
+    /// Sampler: euler_a, euler, heun, dpm2, dpm2_a, dpm++2s_a, dpm++2m,
+    /// dpm++2m_sde, lms, ddim or lcm; A1111 names work too ("Euler a",
+    /// "DPM++ 2M"), and may end with a schedule ("DPM++ 2M Karras")
+    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::sampling::sampler::SamplerChoice>)]
+    pub sampler: sdhost_models::sampling::sampler::SamplerChoice,
+
+    /// How the noise levels are spread over the steps: discrete, karras,
+    /// exponential, sgm_uniform or simple (default: the one named in
+    /// --sampler, else discrete)
+    #[arg(long, alias = "schedule", value_name = "NAME", value_parser = str::parse::<sdhost_models::sampling::schedule::Scheduler>)]
+    pub scheduler: Option<sdhost_models::sampling::schedule::Scheduler>,
 
     /// What each module holds between its phases (text encoding, sampling,
     /// decoding): `free` (default) releases its compute buffers and any
@@ -236,6 +244,18 @@ impl SampleArgs {
         )?))
     }
 
+    /// The schedule: `--scheduler`, else the one `--sampler` names, else
+    /// discrete; an error where the two name different ones.
+    pub fn scheduler(&self) -> anyhow::Result<sdhost_models::sampling::schedule::Scheduler> {
+        match (self.scheduler, self.sampler.scheduler) {
+            (Some(a), Some(b)) if a != b => anyhow::bail!(
+                "--sampler {:?} names the {b} schedule but --scheduler says {a}",
+                self.sampler.to_string()
+            ),
+            (a, b) => Ok(a.or(b).unwrap_or_default()),
+        }
+    }
+
     /// The generation request these settings describe; `default_size` is
     /// the family's side length for a size not given.
     pub fn request(
@@ -244,9 +264,9 @@ impl SampleArgs {
         negative: &str,
         clip_skip: usize,
         default_size: usize,
-    ) -> sdhost_models::pipeline::Request {
+    ) -> anyhow::Result<sdhost_models::pipeline::Request> {
         let side = |v: Option<u32>| v.map_or(default_size, |v| v as usize);
-        sdhost_models::pipeline::Request {
+        Ok(sdhost_models::pipeline::Request {
             prompt: prompt.to_string(),
             negative: negative.to_string(),
             steps: self.steps as usize,
@@ -254,10 +274,11 @@ impl SampleArgs {
             width: side(self.width),
             height: side(self.height),
             seed: self.seed,
-            sampler: self.sampler,
+            sampler: self.sampler.sampler,
+            scheduler: self.scheduler()?,
             clip_skip,
             init: None,
-        }
+        })
     }
 
     /// How to load the checkpoint under these settings (`vae`: the
@@ -482,11 +503,71 @@ mod tests {
             }
         };
         let g = parse(&[]);
-        let r = g.sample.request("p", "", 1, 1024);
+        let r = g.sample.request("p", "", 1, 1024).unwrap();
         assert_eq!((r.width, r.height), (1024, 1024));
         let g = parse(&["-W", "768"]);
-        let r = g.sample.request("p", "", 1, 512);
+        let r = g.sample.request("p", "", 1, 512).unwrap();
         assert_eq!((r.width, r.height), (768, 512));
+    }
+
+    #[test]
+    fn sampler_and_scheduler_flags() {
+        use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["sdhost", "generate", "-m", "m", "-p", "p"];
+            a.extend_from_slice(extra);
+            match Cli::try_parse_from(a).map(|c| c.command) {
+                Ok(Command::Generate(g)) => {
+                    g.sample.request("p", "", 1, 512).map_err(|e| e.to_string())
+                }
+                Ok(_) => panic!("not generate"),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        let pick = |extra: &[&str]| parse(extra).map(|r| (r.sampler, r.scheduler));
+        for (args, want) in [
+            (&[][..], (Sampler::EulerA, Scheduler::Discrete)),
+            (
+                &["--sampler", "dpm++2m karras"],
+                (Sampler::DpmPp2m, Scheduler::Karras),
+            ),
+            (
+                &["--sampler", "DPM++ 2M SDE Karras"],
+                (Sampler::DpmPp2mSde, Scheduler::Karras),
+            ),
+            (
+                &["--sampler", "Euler a"],
+                (Sampler::EulerA, Scheduler::Discrete),
+            ),
+            (
+                &["--sampler", "heun", "--scheduler", "exponential"],
+                (Sampler::Heun, Scheduler::Exponential),
+            ),
+            (
+                &["--schedule", "SGM Uniform"],
+                (Sampler::EulerA, Scheduler::SgmUniform),
+            ),
+            (
+                &["--sampler", "lms karras", "--scheduler", "Karras"],
+                (Sampler::Lms, Scheduler::Karras),
+            ),
+        ] {
+            assert_eq!(pick(args), Ok(want), "{args:?}");
+        }
+        let err = pick(&["--sampler", "dpm++2m karras", "--scheduler", "simple"]).unwrap_err();
+        assert_eq!(
+            err,
+            "--sampler \"dpm++2m karras\" names the karras schedule but --scheduler says simple"
+        );
+        let err = pick(&["--scheduler", "ays"]).unwrap_err();
+        assert!(
+            err.contains(
+                "unknown scheduler \"ays\" (discrete, karras, exponential, sgm_uniform, simple)"
+            ),
+            "{err}"
+        );
+        let err = pick(&["--sampler", "dpm++2m kar"]).unwrap_err();
+        assert!(err.contains("unknown sampler \"dpm++2m kar\""), "{err}");
     }
 
     #[test]

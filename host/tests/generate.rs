@@ -50,7 +50,9 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
         "{text}"
     );
     assert!(
-        text.contains("Steps: 3, Sampler: euler_a, CFG scale: 7, Seed: 7, Size: 64x64"),
+        text.contains(
+            "Steps: 3, Sampler: euler_a, Schedule type: Uniform, CFG scale: 7, Seed: 7, Size: 64x64"
+        ),
         "{text}"
     );
     assert!(text.contains("diffusion=cpu"), "{text}");
@@ -74,6 +76,59 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
     assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&c).unwrap());
     assert!(png_info(&c).2.contains("Sampler: dpm++2m"));
     assert_eq!(listing(&out), ["a.png", "b.png", "c.png"]);
+}
+
+/// Sampler and schedule names as people write them reach the PNG's
+/// parameters; a combined name that disagrees with `--scheduler` is refused
+/// before any work.
+#[test]
+fn generate_records_the_sampler_and_schedule() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let a = out.join("a.png");
+    generate(&p, &tiny(), &a, &["--sampler", "DPM++ 2M Karras"]).ok();
+    let text = png_info(&a).2;
+    assert!(
+        text.contains("Steps: 3, Sampler: dpm++2m, Schedule type: Karras, CFG scale: 7"),
+        "{text}"
+    );
+    let b = out.join("b.png");
+    let r = generate(
+        &p,
+        &tiny(),
+        &b,
+        &["--sampler", "heun", "--scheduler", "exponential"],
+    )
+    .ok();
+    // Heun evaluates the UNet twice per step but the last: 2 + 2 + 1.
+    let calls = r
+        .stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("diffusion "))
+        .and_then(|l| l.split_whitespace().nth(1));
+    assert_eq!(calls, Some("5"), "{}", r.stderr);
+    let text = png_info(&b).2;
+    assert!(
+        text.contains("Sampler: heun, Schedule type: Exponential, CFG scale"),
+        "{text}"
+    );
+    assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+
+    let x = out.join("x.png");
+    let r = generate(
+        &p,
+        &tiny(),
+        &x,
+        &["--sampler", "dpm++2m karras", "--scheduler", "simple"],
+    );
+    fails(
+        &r,
+        1,
+        &["--sampler \"dpm++2m karras\" names the karras schedule but --scheduler says simple"],
+    );
+    let r = generate(&p, &tiny(), &x, &["--scheduler", "ays"]);
+    fails(&r, 2, &["unknown scheduler \"ays\""]);
+    assert_eq!(listing(&out), ["a.png", "b.png"]);
 }
 
 /// Bounds on the mean absolute pixel difference of quantized images from

@@ -14,7 +14,7 @@ use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
 use sdhost_models::module::{Devices, WeightPolicy};
 use sdhost_models::pipeline::{to_planes, Init, Layout, LoadOptions, Pipeline, Request};
-use sdhost_models::sampling::schedule::Sampler;
+use sdhost_models::sampling::schedule::{Sampler, Scheduler};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -60,6 +60,7 @@ fn request(steps: usize, init: Option<Init>) -> Request {
         height: 64,
         seed: 0,
         sampler: Sampler::Euler,
+        scheduler: Scheduler::Discrete,
         clip_skip: 1,
         init,
     }

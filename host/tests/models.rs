@@ -18,7 +18,7 @@ use sdhost_models::blocks::vae;
 use sdhost_models::checkpoint;
 use sdhost_models::module::{Devices, WeightPolicy};
 use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
-use sdhost_models::sampling::schedule::{Sampler, Schedule};
+use sdhost_models::sampling::schedule::{Sampler, Schedule, Scheduler};
 use std::collections::HashMap;
 
 /// The family's reference tensors.
@@ -179,6 +179,7 @@ fn modules_match_references(fx: Fixture, runtime: &str, params: &str, tol: f32) 
             height: 64,
             seed: 0,
             sampler: Sampler::Euler,
+            scheduler: Scheduler::Discrete,
             clip_skip: 1,
             init: None,
         };

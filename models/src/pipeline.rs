@@ -33,7 +33,7 @@ use crate::checkpoint::Checkpoint;
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::module::{Devices, Module, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
-use crate::sampling::schedule::{denoised, sample, Sampler, Schedule};
+use crate::sampling::schedule::{denoised, sample, Sampler, Schedule, Scheduler};
 use crate::tiling::{run_tiled, Tiling};
 use crate::ModuleKind;
 
@@ -56,6 +56,8 @@ pub struct Request {
     pub seed: u64,
     /// Sampler.
     pub sampler: Sampler,
+    /// How the sampling σs are spread over the schedule.
+    pub scheduler: Scheduler,
     /// CLIP skip (1 = the family's own layer).
     pub clip_skip: usize,
     /// img2img / inpainting input; `None` for text-to-image.
@@ -515,7 +517,7 @@ impl<'b> Pipeline<'b> {
             }
         }
 
-        let full_sigmas = self.schedule.sampling_sigmas(req.steps);
+        let full_sigmas = req.scheduler.sigmas(&self.schedule, req.steps);
         let init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
         let sigmas = init.sigmas;
         let x: Vec<f32> = match &init.z0 {
@@ -538,7 +540,7 @@ impl<'b> Pipeline<'b> {
             req.sampler,
             &sigmas,
             x,
-            |x, sigma, step| {
+            |x, sigma, _step| {
                 check(cancelled)?;
                 let c_in = (1.0 / (sigma * sigma + 1.0).sqrt()) as f32;
                 let mut x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
@@ -568,7 +570,6 @@ impl<'b> Pipeline<'b> {
                 } else {
                     out
                 };
-                progress(step + 1, steps);
                 let mut d = denoised(prediction, x, sigma, &out);
                 if let (Some(z0), Some(keep)) = (&z0, &keep) {
                     blend(&mut d, z0, keep);
@@ -576,6 +577,7 @@ impl<'b> Pipeline<'b> {
                 Ok(d)
             },
             |_| rng.randn(n_latent),
+            |done| progress(done, steps),
         );
         self.unet.end_phase();
         let mut latent = result?;

@@ -437,7 +437,9 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let load_s = t.elapsed().as_secs_f64();
     let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     sample_devices();
-    let req = a.sample.request(&a.prompt, "", 1, sd.family().default_size);
+    let req = a
+        .sample
+        .request(&a.prompt, "", 1, sd.family().default_size)?;
     let mut ours = Vec::new();
     let mut first_run_s = 0.0;
     for i in 0..=runs {
@@ -470,12 +472,13 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let report = ModelReport {
         model: path.display().to_string(),
         settings: format!(
-            "{} {}x{}, {} steps, {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
+            "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
             sd.family().family.name(),
             req.width,
             req.height,
             a.sample.steps,
-            a.sample.sampler.name(),
+            req.sampler,
+            req.scheduler,
             a.sample.cfg_scale,
             a.sample.seed,
             threads,
@@ -526,7 +529,7 @@ fn run_peer(
         .args(["--steps", &a.sample.steps.to_string()])
         .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
         .args(["--seed", &a.sample.seed.to_string()])
-        .args(["--sampler", a.sample.sampler.name()])
+        .args(["--sampler", a.sample.sampler.sampler.name()])
         .args(["-t", &threads.to_string()])
         .args(["--runs", &runs.to_string()]);
     // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.

@@ -25,6 +25,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     // computations, or inside one on the CPU) and leaves no output file.
     let cancel = crate::cancel::flag();
     let placement = session.resolve(&args.placement)?;
+    args.sample.scheduler()?;
     let output = OutputFile::create(&args.output)?;
     let init = read_init(&args.init)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
@@ -51,7 +52,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         &args.negative,
         args.clip_skip as usize,
         sd.family().default_size,
-    );
+    )?;
     let mut hashes = (String::new(), None);
     if let Some(init) = init {
         hashes = (init.image_hash.clone(), init.mask_hash.clone());
@@ -310,9 +311,10 @@ fn parameters_text(
         ));
     }
     s.push_str(&format!(
-        "\nSteps: {}, Sampler: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Model family: {}, Prediction: {}",
+        "\nSteps: {}, Sampler: {}, Schedule type: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Model family: {}, Prediction: {}",
         req.steps,
         req.sampler.name(),
+        req.scheduler.a1111_label(),
         req.cfg_scale,
         req.seed,
         req.width,

@@ -1,4 +1,9 @@
-//! Noise schedule, samplers, denoiser parametrisations and seeded noise.
+//! Noise schedule, sampling schedules, samplers, denoiser parametrisations
+//! and seeded noise.
 
 pub mod rng;
+pub mod sampler;
 pub mod schedule;
+
+#[cfg(test)]
+mod reference_tests;

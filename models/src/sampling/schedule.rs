@@ -1,18 +1,25 @@
-//! The noise schedule of SD 1.x, 2.x and SDXL (they share it), the samplers,
-//! and the denoiser parametrisations (ε and v), on plain `f32` latents.
+//! The noise schedule of SD 1.x, 2.x and SDXL (they share it), the ways to
+//! pick the sampling σs from it, and the denoiser parametrisations (ε and v),
+//! on plain `f32` latents. The samplers live in [`super::sampler`] (re-exported
+//! here).
 //!
 //! Schedule: DDPM "scaled linear" betas from 0.00085 to 0.012 over 1000
 //! training steps (`β_t = linspace(√0.00085, √0.012, 1000)²`), ᾱ_t the
 //! cumulative product of `1 − β_t`, and the noise level `σ_t = √((1 − ᾱ_t)/ᾱ_t)`.
-//! Sampling follows the k-diffusion formulation: N steps at timesteps spaced
-//! evenly from 999 to 0, σ interpolated in log space between table entries,
-//! then a final σ = 0.
+//! A [`Scheduler`] picks N sampling σs from that table plus a final 0: by
+//! default ([`Scheduler::Discrete`]) at timesteps spaced evenly from 999 to 0,
+//! σ interpolated in log space between table entries (k-diffusion's
+//! `DiscreteSchedule.get_sigmas`); the others as stable-diffusion.cpp and
+//! ComfyUI define them.
 //!
 //! Samplers take a *denoiser* `D(x, σ) → x̂₀` (for an ε-prediction UNet:
 //! `x̂₀ = x − σ·ε(x/√(σ²+1), t(σ))` with classifier-free guidance inside) and
 //! step the latent from one σ to the next.
 
 use crate::family::Prediction;
+
+use super::sampler::normalize;
+pub use super::sampler::{sample, Sampler, SamplerChoice};
 
 /// Number of training timesteps.
 pub const TRAIN_STEPS: usize = 1000;
@@ -54,6 +61,16 @@ impl Schedule {
         ((1.0 - w) * self.log_sigmas[lo] + w * self.log_sigmas[hi]).exp()
     }
 
+    /// The smallest σ of the table (t = 0).
+    pub fn sigma_min(&self) -> f64 {
+        self.log_sigmas[0].exp()
+    }
+
+    /// The largest σ of the table (t = 999).
+    pub fn sigma_max(&self) -> f64 {
+        self.log_sigmas[TRAIN_STEPS - 1].exp()
+    }
+
     /// The (fractional) timestep of a σ: the inverse of [`Schedule::sigma_at`],
     /// which is what the UNet's timestep embedding receives.
     pub fn timestep_of(&self, sigma: f64) -> f64 {
@@ -69,7 +86,8 @@ impl Schedule {
         lo as f64 + w
     }
 
-    /// σ for `steps` sampling steps, plus the final 0 (length `steps + 1`).
+    /// σ for `steps` sampling steps, plus the final 0 (length `steps + 1`):
+    /// the [`Scheduler::Discrete`] schedule.
     pub fn sampling_sigmas(&self, steps: usize) -> Vec<f64> {
         let mut out: Vec<f64> = match steps {
             0 => Vec::new(),
@@ -86,57 +104,143 @@ impl Schedule {
     }
 }
 
-/// The samplers.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Sampler {
-    /// Euler ancestral (adds fresh noise each step); the default.
-    EulerA,
-    /// Euler (deterministic).
-    Euler,
-    /// DPM-Solver++(2M) (deterministic, second order).
-    DpmPp2m,
+/// How the sampling σs are chosen from a [`Schedule`]'s table; each gives
+/// `steps` decreasing σs and a final 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Scheduler {
+    /// Timesteps evenly from 999 to 0 (σ interpolated in log space), the
+    /// k-diffusion / stable-diffusion.cpp default; A1111's "Uniform" and
+    /// ComfyUI's "normal" are the same for these models.
+    #[default]
+    Discrete,
+    /// Karras et al. (2022): `(σ_max^{1/ρ} + i/(N−1)·(σ_min^{1/ρ} − σ_max^{1/ρ}))^ρ`
+    /// with ρ = 7 between the table's σ_min and σ_max.
+    Karras,
+    /// σ evenly spaced in log σ from σ_max to σ_min.
+    Exponential,
+    /// N+1 timesteps evenly from 999 to 0, the last (t = 0) dropped
+    /// (ComfyUI's and stable-diffusion.cpp's `sgm_uniform`).
+    SgmUniform,
+    /// Every (1000/N)-th table entry from the top, `σ[999 − ⌊i·1000/N⌋]`
+    /// (ComfyUI's `simple`).
+    Simple,
 }
 
-impl Sampler {
-    /// Every sampler, in the order help texts list them.
-    pub const ALL: [Sampler; 3] = [Sampler::EulerA, Sampler::Euler, Sampler::DpmPp2m];
+impl Scheduler {
+    /// Every schedule, in the order help texts list them.
+    pub const ALL: [Scheduler; 5] = [
+        Scheduler::Discrete,
+        Scheduler::Karras,
+        Scheduler::Exponential,
+        Scheduler::SgmUniform,
+        Scheduler::Simple,
+    ];
 
-    /// Parses `euler_a`, `euler`, `dpm++2m` (case-insensitive; `-`/`_` ignored).
-    pub fn parse(s: &str) -> Option<Sampler> {
-        let k: String = s
-            .chars()
-            .filter(|c| *c != '-' && *c != '_')
-            .flat_map(char::to_lowercase)
-            .collect();
-        match k.as_str() {
-            "eulera" | "eulerancestral" => Some(Sampler::EulerA),
-            "euler" => Some(Sampler::Euler),
-            "dpm++2m" | "dpmpp2m" => Some(Sampler::DpmPp2m),
-            _ => None,
-        }
-    }
-
-    /// Canonical name.
+    /// Canonical name (stable-diffusion.cpp's).
     pub fn name(self) -> &'static str {
         match self {
-            Sampler::EulerA => "euler_a",
-            Sampler::Euler => "euler",
-            Sampler::DpmPp2m => "dpm++2m",
+            Scheduler::Discrete => "discrete",
+            Scheduler::Karras => "karras",
+            Scheduler::Exponential => "exponential",
+            Scheduler::SgmUniform => "sgm_uniform",
+            Scheduler::Simple => "simple",
         }
     }
-}
 
-impl std::str::FromStr for Sampler {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        Sampler::parse(s).ok_or_else(|| {
-            let names: Vec<&str> = Sampler::ALL.iter().map(|s| s.name()).collect();
-            format!("unknown sampler {s:?} ({})", names.join(", "))
-        })
+    /// The AUTOMATIC1111 web UI's "Schedule type" label.
+    pub fn a1111_label(self) -> &'static str {
+        match self {
+            Scheduler::Discrete => "Uniform",
+            Scheduler::Karras => "Karras",
+            Scheduler::Exponential => "Exponential",
+            Scheduler::SgmUniform => "SGM Uniform",
+            Scheduler::Simple => "Simple",
+        }
+    }
+
+    /// Accepted spellings, normalised (lowercase, no `-`, `_` or spaces).
+    pub(crate) fn aliases(self) -> &'static [&'static str] {
+        match self {
+            Scheduler::Discrete => &["discrete", "uniform", "normal"],
+            Scheduler::Karras => &["karras"],
+            Scheduler::Exponential => &["exponential"],
+            Scheduler::SgmUniform => &["sgmuniform"],
+            Scheduler::Simple => &["simple"],
+        }
+    }
+
+    /// Parses a schedule name: the canonical names, A1111's labels
+    /// (`Karras`, `SGM Uniform`, `Uniform`) and ComfyUI's `normal` (the
+    /// discrete schedule); case, `-`, `_` and spaces are ignored.
+    pub fn parse(s: &str) -> Option<Scheduler> {
+        let k = normalize(s);
+        Scheduler::ALL
+            .into_iter()
+            .find(|v| v.aliases().contains(&k.as_str()))
+    }
+
+    /// The σs for `steps` sampling steps on `schedule`'s table: `steps + 1`
+    /// values, decreasing, the last 0 (just `[0]` for 0 steps).
+    pub fn sigmas(self, schedule: &Schedule, steps: usize) -> Vec<f64> {
+        if steps == 0 {
+            return vec![0.0];
+        }
+        let t_max = (TRAIN_STEPS - 1) as f64;
+        // i/(n−1) for i in 0..n, as torch.linspace(0, 1, n) (0 when n = 1).
+        let ramp = |i: usize| {
+            if steps == 1 {
+                0.0
+            } else {
+                i as f64 / (steps - 1) as f64
+            }
+        };
+        let (lo, hi) = (schedule.sigma_min(), schedule.sigma_max());
+        let mut out: Vec<f64> = match self {
+            Scheduler::Discrete => return schedule.sampling_sigmas(steps),
+            Scheduler::Karras => {
+                const RHO: f64 = 7.0;
+                let (a, b) = (hi.powf(1.0 / RHO), lo.powf(1.0 / RHO));
+                (0..steps)
+                    .map(|i| (a + ramp(i) * (b - a)).powf(RHO))
+                    .collect()
+            }
+            Scheduler::Exponential => {
+                let (a, b) = (hi.ln(), lo.ln());
+                (0..steps).map(|i| (a + ramp(i) * (b - a)).exp()).collect()
+            }
+            Scheduler::SgmUniform => (0..steps)
+                .map(|i| schedule.sigma_at(t_max * (1.0 - i as f64 / steps as f64)))
+                .collect(),
+            Scheduler::Simple => {
+                let stride = TRAIN_STEPS as f64 / steps as f64;
+                (0..steps)
+                    .map(|i| {
+                        let back = (i as f64 * stride) as usize;
+                        schedule.sigma_at((TRAIN_STEPS - 1).saturating_sub(back) as f64)
+                    })
+                    .collect()
+            }
+        };
+        out.push(0.0);
+        out
     }
 }
 
-impl std::fmt::Display for Sampler {
+/// The canonical schedule names, comma-separated.
+pub(crate) fn scheduler_names() -> String {
+    let names: Vec<&str> = Scheduler::ALL.iter().map(|s| s.name()).collect();
+    names.join(", ")
+}
+
+impl std::str::FromStr for Scheduler {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Scheduler::parse(s)
+            .ok_or_else(|| format!("unknown scheduler {s:?} ({})", scheduler_names()))
+    }
+}
+
+impl std::fmt::Display for Scheduler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.name())
     }
@@ -160,81 +264,6 @@ pub fn denoised(prediction: Prediction, x: &[f32], sigma: f64, out: &[f32]) -> V
                 .map(|(x, v)| (f64::from(*x) * c_skip + f64::from(*v) * c_out) as f32)
                 .collect()
         }
-    }
-}
-
-/// Runs `sampler` over `sigmas` (from [`Schedule::sampling_sigmas`]) starting
-/// from `x` (already scaled to `sigmas[0]`). `denoise(x, σ, step)` returns x̂₀;
-/// `noise(step)` returns fresh unit Gaussian noise of `x.len()` values (only
-/// ancestral samplers call it). Errors from `denoise` stop the loop.
-pub fn sample<E>(
-    sampler: Sampler,
-    sigmas: &[f64],
-    mut x: Vec<f32>,
-    mut denoise: impl FnMut(&[f32], f64, usize) -> Result<Vec<f32>, E>,
-    mut noise: impl FnMut(usize) -> Vec<f32>,
-) -> Result<Vec<f32>, E> {
-    let mut old_denoised: Option<Vec<f32>> = None;
-    for i in 0..sigmas.len().saturating_sub(1) {
-        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
-        let d0 = denoise(&x, s, i)?;
-        match sampler {
-            Sampler::Euler => euler_step(&mut x, &d0, s, s_next),
-            Sampler::EulerA => {
-                let up = if s_next > 0.0 {
-                    (s_next * s_next * (s * s - s_next * s_next) / (s * s))
-                        .max(0.0)
-                        .sqrt()
-                        .min(s_next)
-                } else {
-                    0.0
-                };
-                let down = (s_next * s_next - up * up).max(0.0).sqrt();
-                euler_step(&mut x, &d0, s, down);
-                if up > 0.0 {
-                    let n = noise(i);
-                    for (xv, nv) in x.iter_mut().zip(n) {
-                        *xv += (f64::from(nv) * up) as f32;
-                    }
-                }
-            }
-            Sampler::DpmPp2m => {
-                // In t = −log σ: x_{next} = (σ_next/σ)·x − (e^{−h} − 1)·D', with
-                // D' = (1 + 1/(2r))·D − 1/(2r)·D_prev after the first step.
-                if s_next == 0.0 {
-                    x.clone_from(&d0);
-                } else {
-                    let (t, t_next) = (-s.ln(), -s_next.ln());
-                    let h = t_next - t;
-                    let dprime: Vec<f32> = match (&old_denoised, i) {
-                        (Some(prev), i) if i > 0 => {
-                            let h_last = t - (-sigmas[i - 1].ln());
-                            let r = h_last / h;
-                            let (a, b) = (1.0 + 1.0 / (2.0 * r), 1.0 / (2.0 * r));
-                            d0.iter()
-                                .zip(prev)
-                                .map(|(d, p)| (a * f64::from(*d) - b * f64::from(*p)) as f32)
-                                .collect()
-                        }
-                        _ => d0.clone(),
-                    };
-                    let ratio = s_next / s;
-                    let coef = (-h).exp_m1();
-                    for (xv, dv) in x.iter_mut().zip(&dprime) {
-                        *xv = (ratio * f64::from(*xv) - coef * f64::from(*dv)) as f32;
-                    }
-                }
-                old_denoised = Some(d0);
-            }
-        }
-    }
-    Ok(x)
-}
-
-fn euler_step(x: &mut [f32], denoised: &[f32], s: f64, s_to: f64) {
-    for (xv, dv) in x.iter_mut().zip(denoised) {
-        let d = (f64::from(*xv) - f64::from(*dv)) / s;
-        *xv = (f64::from(*xv) + d * (s_to - s)) as f32;
     }
 }
 
@@ -267,70 +296,59 @@ mod tests {
         }
     }
 
-    /// With an oracle denoiser that always returns the true x₀, every sampler
-    /// must land exactly on x₀ (the last step goes to σ = 0).
     #[test]
-    fn samplers_reach_the_oracle_target() {
+    fn every_schedule_has_steps_plus_one_decreasing_sigmas() {
         let s = Schedule::default();
-        let sig = s.sampling_sigmas(8);
-        let x0 = vec![0.5f32, -1.0, 2.0, 0.0];
-        let start: Vec<f32> = x0
-            .iter()
-            .zip([0.3f32, -0.7, 1.1, 0.2])
-            .map(|(a, n)| a + n * sig[0] as f32)
-            .collect();
-        for sampler in [Sampler::Euler, Sampler::EulerA, Sampler::DpmPp2m] {
-            let mut calls = 0;
-            let out = sample::<()>(
-                sampler,
-                &sig,
-                start.clone(),
-                |_, _, _| {
-                    calls += 1;
-                    Ok(x0.clone())
-                },
-                |_| vec![1.0; 4],
-            )
-            .unwrap();
-            assert_eq!(calls, 8, "{sampler:?}");
-            for (o, t) in out.iter().zip(&x0) {
-                assert!((o - t).abs() < 1e-4, "{sampler:?}: {out:?}");
+        for scheduler in Scheduler::ALL {
+            assert_eq!(scheduler.sigmas(&s, 0), vec![0.0]);
+            for steps in [1, 2, 3, 7, 20, 1000] {
+                let sig = scheduler.sigmas(&s, steps);
+                assert_eq!(sig.len(), steps + 1, "{scheduler:?}");
+                assert_eq!(sig[steps], 0.0);
+                assert!((sig[0] - s.sigma_max()).abs() < 1e-12, "{scheduler:?}");
+                assert!(sig.windows(2).all(|w| w[0] > w[1]), "{scheduler:?} {steps}");
             }
         }
-    }
-
-    #[test]
-    fn euler_a_adds_noise_and_euler_does_not() {
-        let sig = Schedule::default().sampling_sigmas(4);
-        let run = |sampler, noise: f32| {
-            sample::<()>(
-                sampler,
-                &sig,
-                vec![1.0; 3],
-                |x, _, _| Ok(x.iter().map(|v| v * 0.5).collect()),
-                |_| vec![noise; 3],
-            )
-            .unwrap()
-        };
-        assert_eq!(run(Sampler::Euler, 0.0), run(Sampler::Euler, 5.0));
-        assert_ne!(run(Sampler::EulerA, 0.0), run(Sampler::EulerA, 5.0));
-    }
-
-    #[test]
-    fn sampler_names() {
-        for (s, want) in [
-            ("euler_a", Sampler::EulerA),
-            ("Euler-A", Sampler::EulerA),
-            ("euler", Sampler::Euler),
-            ("dpm++2m", Sampler::DpmPp2m),
-            ("DPMPP_2M", Sampler::DpmPp2m),
+        // Discrete, Karras and exponential end on σ_min; sgm_uniform and
+        // simple stop above it.
+        for scheduler in [
+            Scheduler::Discrete,
+            Scheduler::Karras,
+            Scheduler::Exponential,
         ] {
-            assert_eq!(Sampler::parse(s), Some(want), "{s}");
+            let sig = scheduler.sigmas(&s, 10);
+            assert!((sig[9] - s.sigma_min()).abs() < 1e-12, "{scheduler:?}");
         }
-        assert_eq!(Sampler::parse("ddim"), None);
+        assert!((Scheduler::SgmUniform.sigmas(&s, 10)[9] - s.sigma_at(99.9)).abs() < 1e-12);
+        assert!((Scheduler::Simple.sigmas(&s, 10)[9] - s.sigma_at(99.0)).abs() < 1e-12);
+        assert_eq!(Scheduler::Discrete.sigmas(&s, 20), s.sampling_sigmas(20));
+    }
+
+    #[test]
+    fn scheduler_names() {
+        for (text, want) in [
+            ("discrete", Scheduler::Discrete),
+            ("Uniform", Scheduler::Discrete),
+            ("normal", Scheduler::Discrete),
+            ("Karras", Scheduler::Karras),
+            ("EXPONENTIAL", Scheduler::Exponential),
+            ("sgm_uniform", Scheduler::SgmUniform),
+            ("SGM Uniform", Scheduler::SgmUniform),
+            ("sgm-uniform", Scheduler::SgmUniform),
+            ("simple", Scheduler::Simple),
+        ] {
+            assert_eq!(Scheduler::parse(text), Some(want), "{text}");
+        }
+        for s in Scheduler::ALL {
+            assert_eq!(Scheduler::parse(s.name()), Some(s));
+            assert_eq!(Scheduler::parse(s.a1111_label()), Some(s));
+        }
+        for bad in ["", "karas", "ays", "euler"] {
+            assert_eq!(Scheduler::parse(bad), None, "{bad}");
+        }
         assert_eq!(
-            Sampler::parse(Sampler::DpmPp2m.name()),
-            Some(Sampler::DpmPp2m)
+            "ays".parse::<Scheduler>().unwrap_err(),
+            "unknown scheduler \"ays\" (discrete, karras, exponential, sgm_uniform, simple)"
         );
     }
 }
