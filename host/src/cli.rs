@@ -245,6 +245,7 @@ impl SampleArgs {
             policy: self.phase_memory,
             prediction: self.prediction,
             vae,
+            ..Default::default()
         }
     }
 }
@@ -266,6 +267,9 @@ pub struct GenerateArgs {
 
     #[command(flatten)]
     pub sample: SampleArgs,
+
+    #[command(flatten)]
+    pub lora: crate::lora::LoraArgs,
 
     /// Go N − 1 layers further back in the text encoder(s) than the family's own
     /// choice (1: SD 1.x's last layer, SD 2.x's and SDXL's penultimate)

@@ -17,6 +17,7 @@ pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod discovery;
+pub mod lora;
 pub mod manager;
 pub mod output;
 pub mod packages;

@@ -16,6 +16,7 @@ use crate::blocks::vae;
 use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
+use crate::lora::{LoraApply, LoraSet, LoraSpec};
 use crate::module::{Devices, Module, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
 use crate::sampling::schedule::{denoised, sample, Sampler, Schedule};
@@ -76,6 +77,10 @@ pub struct LoadOptions<'c> {
     pub prediction: Option<Prediction>,
     /// A VAE from another file (`--vae`), replacing the checkpoint's.
     pub vae: Option<&'c Checkpoint>,
+    /// LoRAs to apply to the UNet and text encoder(s) (`--lora`).
+    pub loras: &'c [LoraSpec],
+    /// How the LoRAs are applied.
+    pub lora_apply: LoraApply,
 }
 
 /// A prompt's conditioning: hidden states of every encoder concatenated on
@@ -122,12 +127,14 @@ fn load_module<'b>(
     prefix: &str,
     devices: Devices<'b>,
     policy: WeightPolicy,
+    loras: &LoraSet,
 ) -> Result<Module<'b>> {
-    let weights = ModuleWeights::load_filtered(
+    let weights = ModuleWeights::load_patched(
         ckpt,
         prefix,
         |name| loaded(&name[prefix.len()..]),
         devices.params,
+        loras,
     )
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
     Module::new(kind, weights, devices, policy)
@@ -165,13 +172,15 @@ impl<'b> Pipeline<'b> {
             (None, None) => fam.prediction,
         };
         let policy = opts.policy;
-        let te = load_module(ckpt, ModuleKind::Te, fam.te_prefix, layout.te, policy)?;
+        let loras = LoraSet::load(opts.loras, ckpt, &fam, opts.lora_apply)?;
+        let te = load_module(ckpt, ModuleKind::Te, fam.te_prefix, layout.te, policy, &loras)?;
         let unet = load_module(
             ckpt,
             ModuleKind::Diffusion,
             UNET_PREFIX,
             layout.diffusion,
             policy,
+            &loras,
         )?;
         let vae_ckpt = opts.vae.unwrap_or(ckpt);
         let vae = load_module(
@@ -180,6 +189,7 @@ impl<'b> Pipeline<'b> {
             vae_prefix(vae_ckpt),
             layout.vae,
             policy,
+            &LoraSet::default(),
         )?;
         let vae_file = vae_ckpt.path.display();
         let clip = fam
