@@ -102,6 +102,10 @@ pub fn resolve(args: &LoraArgs, prompt: &str) -> anyhow::Result<Resolved> {
     }
     let mut hashes = Vec::new();
     for s in &specs {
+        let ext = s.path.extension().and_then(|e| e.to_str());
+        if !ext.is_some_and(|e| e.eq_ignore_ascii_case("safetensors")) {
+            bail!("{}: a LoRA must be a .safetensors file", s.path.display());
+        }
         let h = short_hash(&s.path)
             .with_context(|| format!("LoRA {}", s.path.display()))?;
         hashes.push(format!("{}: {h}", stem(&s.path)));
