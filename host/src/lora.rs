@@ -61,12 +61,19 @@ pub fn short_hash(path: &Path) -> std::io::Result<String> {
         }
         h.update(&buf[..n]);
     }
-    Ok(h.finalize().iter().take(6).map(|b| format!("{b:02x}")).collect())
+    Ok(h.finalize()
+        .iter()
+        .take(6)
+        .map(|b| format!("{b:02x}"))
+        .collect())
 }
 
 fn stem(p: &Path) -> String {
     p.file_stem()
-        .map(|s| s.to_string_lossy().replace([',', ':', '"', '\n', '\r'], "_"))
+        .map(|s| {
+            s.to_string_lossy()
+                .replace([',', ':', '"', '\n', '\r'], "_")
+        })
         .unwrap_or_default()
 }
 
@@ -80,7 +87,10 @@ pub fn resolve(args: &LoraArgs, prompt: &str) -> anyhow::Result<Resolved> {
             bail!("the prompt's <lora:{name}> tag needs --lora-dir DIR (the folder holding {name}.safetensors)");
         };
         if name.contains(['/', '\\']) || name == ".." {
-            bail!("<lora:{name}>: a LoRA name is a file name in {}, not a path", dir.display());
+            bail!(
+                "<lora:{name}>: a LoRA name is a file name in {}, not a path",
+                dir.display()
+            );
         }
         let path = dir.join(format!("{name}.safetensors"));
         if !path.is_file() {
@@ -106,15 +116,18 @@ pub fn resolve(args: &LoraArgs, prompt: &str) -> anyhow::Result<Resolved> {
         if !ext.is_some_and(|e| e.eq_ignore_ascii_case("safetensors")) {
             bail!("{}: a LoRA must be a .safetensors file", s.path.display());
         }
-        let h = short_hash(&s.path)
-            .with_context(|| format!("LoRA {}", s.path.display()))?;
+        let h = short_hash(&s.path).with_context(|| format!("LoRA {}", s.path.display()))?;
         hashes.push(format!("{}: {h}", stem(&s.path)));
     }
     if !hashes.is_empty() {
         fields.push_str(&format!(", Lora hashes: \"{}\"", hashes.join(", ")));
     }
     Ok(Resolved {
-        prompt: if tags.is_empty() { prompt.to_string() } else { clean },
+        prompt: if tags.is_empty() {
+            prompt.to_string()
+        } else {
+            clean
+        },
         specs,
         fields,
     })

@@ -129,12 +129,31 @@ fn loras_match_references_merged_and_in_the_graph() {
         for apply in [LoraApply::Merge, LoraApply::Graph] {
             let what = format!("{case} {}", apply.name());
             let (hidden, pooled, unet) = outputs(&model, family, &[spec(file, weight)], apply);
-            assert_close(&format!("{what} te"), &hidden, &r[&format!("{case}.te.hidden.0")], 5e-3);
+            assert_close(
+                &format!("{what} te"),
+                &hidden,
+                &r[&format!("{case}.te.hidden.0")],
+                5e-3,
+            );
             if let Some(p) = pooled {
-                assert_close(&format!("{what} pooled"), &p, &r[&format!("{case}.te.pooled.0")], 5e-3);
+                assert_close(
+                    &format!("{what} pooled"),
+                    &p,
+                    &r[&format!("{case}.te.pooled.0")],
+                    5e-3,
+                );
             }
-            let unet_key = if family == "sd1" { "unet.eps" } else { "unet.out" };
-            assert_close(&format!("{what} unet"), &unet, &r[&format!("{case}.unet.out")], 1e-2);
+            let unet_key = if family == "sd1" {
+                "unet.eps"
+            } else {
+                "unet.out"
+            };
+            assert_close(
+                &format!("{what} unet"),
+                &unet,
+                &r[&format!("{case}.unet.out")],
+                1e-2,
+            );
             // The LoRA matters: without it the outputs are far from the reference.
             assert!(rel_err(&base[unet_key], &r[&format!("{case}.unet.out")]) > 5e-2);
         }
@@ -190,7 +209,12 @@ fn quantized_models_take_loras_in_the_graph() {
         LoraApply::Merge,
     );
     let (h_q0, _, u_q0) = outputs(&g, "sd1", &[], LoraApply::Auto);
-    let (h_f0, _, u_f0) = outputs(&fixture("tiny-sd1.safetensors"), "sd1", &[], LoraApply::Auto);
+    let (h_f0, _, u_f0) = outputs(
+        &fixture("tiny-sd1.safetensors"),
+        "sd1",
+        &[],
+        LoraApply::Auto,
+    );
     let (qh, qu) = (rel_err(&h_q0, &h_f0), rel_err(&u_q0, &u_f0));
     eprintln!("q8_0 vs f16 without LoRA: te {qh:.2e}, unet {qu:.2e}");
     assert_close("q8_0 graph vs f16 merge te", &h_q, &h_f, 2.0 * qh + 1e-3);
@@ -210,7 +234,18 @@ fn quantized_models_take_loras_in_the_graph() {
 fn generate(p: &Prefix, prompt: &str, out: &Path, extra: &[&str]) -> Run {
     let model = fixture("tiny-sd1.safetensors");
     let mut args = vec![
-        "generate", "-m", s(&model), "-p", prompt, "-W", "64", "-H", "64", "--steps", "2", "-o",
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        prompt,
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "-o",
         s(out),
     ];
     args.extend_from_slice(extra);
@@ -240,7 +275,10 @@ fn generate_takes_loras_from_flags_and_prompt_tags() {
     let (_, _, text) = png_info(&a);
     let hash = autov3(&kohya);
     assert!(text.starts_with("a photo of a cat\n"), "{text}");
-    assert!(text.contains(", Lora: \"tiny-sd1-lora-kohya:0.8\""), "{text}");
+    assert!(
+        text.contains(", Lora: \"tiny-sd1-lora-kohya:0.8\""),
+        "{text}"
+    );
     assert!(
         text.contains(&format!(", Lora hashes: \"tiny-sd1-lora-kohya: {hash}\"")),
         "{text}"
@@ -263,9 +301,19 @@ fn generate_takes_loras_from_flags_and_prompt_tags() {
     assert!(!text.contains(", Lora: "), "{text}");
     assert!(text.contains(&format!("Lora hashes: \"tiny-sd1-lora-kohya: {hash}\"")));
     // Graph mode gives (nearly) the same image.
-    generate(&p, "a photo of a cat", &c, &["--lora", &flag, "--lora-apply", "graph"]).ok();
+    generate(
+        &p,
+        "a photo of a cat",
+        &c,
+        &["--lora", &flag, "--lora-apply", "graph"],
+    )
+    .ok();
     let (pa, pc) = (pixels(&a), pixels(&c));
-    let diff = pa.iter().zip(&pc).map(|(x, y)| (*x as f64 - *y as f64).abs()).sum::<f64>()
+    let diff = pa
+        .iter()
+        .zip(&pc)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .sum::<f64>()
         / pa.len() as f64;
     assert!(diff < 1.0, "graph vs merge: mean pixel difference {diff}");
 }
@@ -316,24 +364,42 @@ fn bad_loras_are_one_line_errors_and_leave_no_output() {
         ],
     );
     let r = generate(&p, "a cat", &x, &["--lora", s(&nothing)]);
-    fails(r, &["nothing.safetensors", "matches a tensor of this sd1 model"], "matches nothing");
+    fails(
+        r,
+        &["nothing.safetensors", "matches a tensor of this sd1 model"],
+        "matches nothing",
+    );
 
     let sdxl = fixture("tiny-sdxl-lora.safetensors");
     let r = generate(&p, "a cat", &x, &["--lora", s(&sdxl)]);
-    fails(r, &["tiny-sdxl-lora.safetensors", "a LoRA for SDXL", "sd1"], "wrong family");
+    fails(
+        r,
+        &["tiny-sdxl-lora.safetensors", "a LoRA for SDXL", "sd1"],
+        "wrong family",
+    );
 
     let shape = work.join("shape.safetensors");
     safetensors(
         &shape,
         &[
-            ("lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight", &[4, 31]),
-            ("lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight", &[32, 4]),
+            (
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight",
+                &[4, 31],
+            ),
+            (
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight",
+                &[32, 4],
+            ),
         ],
     );
     let r = generate(&p, "a cat", &x, &["--lora", s(&shape)]);
     fails(
         r,
-        &["shape.safetensors", "lora_unet_down_blocks_0_attentions_0_proj_in", "does not fit"],
+        &[
+            "shape.safetensors",
+            "lora_unet_down_blocks_0_attentions_0_proj_in",
+            "does not fit",
+        ],
         "shape mismatch",
     );
 
@@ -348,7 +414,11 @@ fn bad_loras_are_one_line_errors_and_leave_no_output() {
     fails(r, &["model.ckpt", ".safetensors"], "not safetensors");
 
     let r = generate(&p, "a <lora:absent:1>", &x, &["--lora-dir", s(&work)]);
-    fails(r, &["<lora:absent>", "absent.safetensors", "work"], "unknown tag");
+    fails(
+        r,
+        &["<lora:absent>", "absent.safetensors", "work"],
+        "unknown tag",
+    );
     let r = generate(&p, "a <lora:absent:1>", &x, &[]);
     fails(r, &["--lora-dir"], "tag without --lora-dir");
     let r = generate(&p, "a <lora:x:y>", &x, &["--lora-dir", s(&work)]);
@@ -365,8 +435,14 @@ fn partly_matching_loras_warn_once() {
     safetensors(
         &part,
         &[
-            ("lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight", &[4, 32, 1, 1]),
-            ("lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight", &[32, 4, 1, 1]),
+            (
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight",
+                &[4, 32, 1, 1],
+            ),
+            (
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_up.weight",
+                &[32, 4, 1, 1],
+            ),
             ("lora_unet_nowhere.lora_down.weight", &[4, 8]),
             ("lora_unet_nowhere.lora_up.weight", &[8, 4]),
             ("lora_unet_x.hada_w1_a", &[4, 8]),
@@ -374,8 +450,16 @@ fn partly_matching_loras_warn_once() {
     );
     let x = work.join("x.png");
     let r = generate(&p, "a cat", &x, &["--lora", s(&part)]).ok();
-    let warn: Vec<&str> = r.stderr.lines().filter(|l| l.contains("match nothing")).collect();
+    let warn: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| l.contains("match nothing"))
+        .collect();
     assert_eq!(warn.len(), 1, "{}", r.stderr);
-    assert!(warn[0].contains("2 of 3") && warn[0].contains("lora_unet_nowhere"), "{}", warn[0]);
+    assert!(
+        warn[0].contains("2 of 3") && warn[0].contains("lora_unet_nowhere"),
+        "{}",
+        warn[0]
+    );
     assert!(x.exists());
 }

@@ -173,7 +173,14 @@ impl<'b> Pipeline<'b> {
         };
         let policy = opts.policy;
         let loras = LoraSet::load(opts.loras, ckpt, &fam, opts.lora_apply)?;
-        let te = load_module(ckpt, ModuleKind::Te, fam.te_prefix, layout.te, policy, &loras)?;
+        let te = load_module(
+            ckpt,
+            ModuleKind::Te,
+            fam.te_prefix,
+            layout.te,
+            policy,
+            &loras,
+        )?;
         let unet = load_module(
             ckpt,
             ModuleKind::Diffusion,

@@ -178,17 +178,21 @@ impl ModuleWeights {
             f.read_exact_at(&mut data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
             if loras.merges(&t.name) {
-                let mut values = crate::checkpoint::dtype::decode_f32(&t.dtype, &data)
-                    .ok_or_else(|| {
+                let mut values =
+                    crate::checkpoint::dtype::decode_f32(&t.dtype, &data).ok_or_else(|| {
                         tensor_err(t, format!("a LoRA cannot be merged into {}", t.dtype))
                     })?;
                 loras
                     .merge(&t.name, &mut values)
                     .map_err(|e| tensor_err(t, format!("merging a LoRA: {e}")))?;
-                data = crate::checkpoint::dtype::encode_f32(&dst.type_name(), &values)
-                    .ok_or_else(|| {
-                        tensor_err(t, format!("a LoRA cannot be merged into {}", dst.type_name()))
-                    })?;
+                data = crate::checkpoint::dtype::encode_f32(&dst.type_name(), &values).ok_or_else(
+                    || {
+                        tensor_err(
+                            t,
+                            format!("a LoRA cannot be merged into {}", dst.type_name()),
+                        )
+                    },
+                )?;
             } else if dst.type_name() == "f32" && !t.dtype.eq_ignore_ascii_case("f32") {
                 data = crate::checkpoint::dtype::decode_f32(&t.dtype, &data)
                     .unwrap_or_default()

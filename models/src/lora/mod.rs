@@ -286,7 +286,11 @@ impl LoraSet {
             let (Some(down), Some(up)) = (down, up) else {
                 return Err(invalid(format!(
                     "{file}: {module}: has {} but not {}",
-                    if down.is_some() { "a down" } else { "an up or alpha" },
+                    if down.is_some() {
+                        "a down"
+                    } else {
+                        "an up or alpha"
+                    },
                     if down.is_some() { "its up" } else { "its down" },
                 )));
             };
@@ -355,10 +359,7 @@ impl LoraSet {
                 if unmatched.len() > first.len() { ", …" } else { "" }
             );
         }
-        tracing::info!(
-            "{file}: LoRA of {matched} layers, weight {}",
-            spec.weight
-        );
+        tracing::info!("{file}: LoRA of {matched} layers, weight {}", spec.weight);
         Ok(())
     }
 
@@ -516,7 +517,9 @@ mod tests {
         let (p, t) = prompt_tags("a cat <lora:style:0.7>, <lora:x> red").unwrap();
         assert_eq!(p, "a cat , red");
         assert_eq!(t, vec![("style".into(), 0.7), ("x".into(), 1.0)]);
-        assert!(prompt_tags("<lora:a:b>").unwrap_err().contains("<lora:a:b>"));
+        assert!(prompt_tags("<lora:a:b>")
+            .unwrap_err()
+            .contains("<lora:a:b>"));
         assert!(prompt_tags("<lora::1>").is_err());
         assert_eq!(prompt_tags("no <lora: end").unwrap().0, "no <lora: end");
     }

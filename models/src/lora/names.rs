@@ -136,7 +136,11 @@ fn openclip_to_hf(name: &str, width: usize) -> Vec<(String, Option<(usize, usize
 fn resnets_per_level(ckpt: &Checkpoint) -> usize {
     ckpt.tensors
         .iter()
-        .filter_map(|t| t.name.strip_prefix(UNET_PREFIX)?.strip_prefix("input_blocks."))
+        .filter_map(|t| {
+            t.name
+                .strip_prefix(UNET_PREFIX)?
+                .strip_prefix("input_blocks.")
+        })
         .filter_map(|r| {
             let (b, rest) = r.split_once('.')?;
             rest.starts_with("0.op.").then(|| b.parse::<usize>().ok())?
@@ -267,14 +271,23 @@ mod tests {
     fn ldm_unet_paths_map_to_diffusers() {
         let cases = [
             ("input_blocks.0.0", "conv_in"),
-            ("input_blocks.1.0.in_layers.2", "down_blocks.0.resnets.0.conv1"),
+            (
+                "input_blocks.1.0.in_layers.2",
+                "down_blocks.0.resnets.0.conv1",
+            ),
             (
                 "input_blocks.2.1.transformer_blocks.0.attn1.to_q",
                 "down_blocks.0.attentions.1.transformer_blocks.0.attn1.to_q",
             ),
             ("input_blocks.3.0.op", "down_blocks.0.downsamplers.0.conv"),
-            ("input_blocks.4.0.skip_connection", "down_blocks.1.resnets.0.conv_shortcut"),
-            ("input_blocks.8.0.emb_layers.1", "down_blocks.2.resnets.1.time_emb_proj"),
+            (
+                "input_blocks.4.0.skip_connection",
+                "down_blocks.1.resnets.0.conv_shortcut",
+            ),
+            (
+                "input_blocks.8.0.emb_layers.1",
+                "down_blocks.2.resnets.1.time_emb_proj",
+            ),
             ("middle_block.1.proj_in", "mid_block.attentions.0.proj_in"),
             ("middle_block.2.out_layers.3", "mid_block.resnets.1.conv2"),
             ("output_blocks.2.1.conv", "up_blocks.0.upsamplers.0.conv"),
@@ -283,7 +296,10 @@ mod tests {
                 "output_blocks.5.1.transformer_blocks.0.ff.net.0.proj",
                 "up_blocks.1.attentions.2.transformer_blocks.0.ff.net.0.proj",
             ),
-            ("output_blocks.3.0.in_layers.2", "up_blocks.1.resnets.0.conv1"),
+            (
+                "output_blocks.3.0.in_layers.2",
+                "up_blocks.1.resnets.0.conv1",
+            ),
             ("time_embed.2", "time_embedding.linear_2"),
             ("label_emb.0.0", "add_embedding.linear_1"),
             ("out.2", "conv_out"),
@@ -300,24 +316,38 @@ mod tests {
 
     #[test]
     fn keys_of_every_convention_normalise_alike() {
-        let want = |m: &str, part| Some(LoraKey {
-            module: m.into(),
-            part,
-        });
+        let want = |m: &str, part| {
+            Some(LoraKey {
+                module: m.into(),
+                part,
+            })
+        };
         assert_eq!(
-            parse_key("lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight", false),
+            parse_key(
+                "lora_unet_down_blocks_0_attentions_0_proj_in.lora_down.weight",
+                false
+            ),
             want("lora_unet_down_blocks_0_attentions_0_proj_in", Part::Down)
         );
         assert_eq!(
-            parse_key("unet.down_blocks.0.attentions.0.proj_in.lora_B.weight", false),
+            parse_key(
+                "unet.down_blocks.0.attentions.0.proj_in.lora_B.weight",
+                false
+            ),
             want("lora_unet_down_blocks_0_attentions_0_proj_in", Part::Up)
         );
         assert_eq!(
-            parse_key("text_encoder.text_model.encoder.layers.0.mlp.fc1.lora.up.weight", true),
+            parse_key(
+                "text_encoder.text_model.encoder.layers.0.mlp.fc1.lora.up.weight",
+                true
+            ),
             want("lora_te1_text_model_encoder_layers_0_mlp_fc1", Part::Up)
         );
         assert_eq!(
-            parse_key("text_encoder_2.text_model.encoder.layers.0.mlp.fc1.alpha", true),
+            parse_key(
+                "text_encoder_2.text_model.encoder.layers.0.mlp.fc1.alpha",
+                true
+            ),
             want("lora_te2_text_model_encoder_layers_0_mlp_fc1", Part::Alpha)
         );
         assert_eq!(parse_key("lora_unet_x.hada_w1_a", false), None);
