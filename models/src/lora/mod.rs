@@ -515,7 +515,7 @@ mod tests {
     #[test]
     fn prompt_tags_are_taken_out() {
         let (p, t) = prompt_tags("a cat <lora:style:0.7>, <lora:x> red").unwrap();
-        assert_eq!(p, "a cat , red");
+        assert_eq!(p, "a cat ,  red");
         assert_eq!(t, vec![("style".into(), 0.7), ("x".into(), 1.0)]);
         assert!(prompt_tags("<lora:a:b>")
             .unwrap_err()
