@@ -291,7 +291,7 @@ impl SampleArgs {
             policy: self.phase_memory,
             prediction: self.prediction,
             vae,
-            vae_encoder: false,
+            ..Default::default()
         }
     }
 }
@@ -313,6 +313,9 @@ pub struct GenerateArgs {
 
     #[command(flatten)]
     pub sample: SampleArgs,
+
+    #[command(flatten)]
+    pub lora: crate::lora::LoraArgs,
 
     /// Go N − 1 layers further back in the text encoder(s) than the family's own
     /// choice (1: SD 1.x's last layer, SD 2.x's and SDXL's penultimate)

@@ -18,6 +18,7 @@ pub mod commands;
 pub mod config;
 pub mod discovery;
 pub mod image_io;
+pub mod lora;
 pub mod manager;
 pub mod output;
 pub mod packages;

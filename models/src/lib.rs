@@ -16,6 +16,8 @@
 //!   v), Philox noise equal to PyTorch's CUDA `randn`, generated on the host.
 //! * [`family`]: one small file per family (SD 1.x, SD 2.x, SDXL) holding its
 //!   configuration, and detection from a checkpoint's tensors.
+//! * [`lora`]: LoRA files (kohya, diffusers, PEFT) matched to a checkpoint,
+//!   merged into float weights at load or applied in the graph.
 //! * [`module`]: a module at run time (weights, scheduler, phase memory,
 //!   timing); [`pipeline`]: load, validate every graph before any compute,
 //!   encode, sample with CFG, decode, checking the caller's cancellation flag
@@ -31,6 +33,7 @@ pub mod blocks;
 pub mod checkpoint;
 pub mod family;
 mod kind;
+pub mod lora;
 pub mod module;
 pub mod pipeline;
 pub mod sampling;

@@ -31,6 +31,7 @@ use crate::blocks::vae;
 use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
+use crate::lora::{LoraApply, LoraSet, LoraSpec};
 use crate::module::{Devices, Module, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
 use crate::sampling::schedule::{denoised, sample, Sampler, Schedule, Scheduler};
@@ -112,6 +113,10 @@ pub struct LoadOptions<'c> {
     /// Load the VAE encoder too (img2img, inpainting); inpainting UNets
     /// always get it.
     pub vae_encoder: bool,
+    /// LoRAs to apply to the UNet and text encoder(s) (`--lora`).
+    pub loras: &'c [LoraSpec],
+    /// How the LoRAs are applied.
+    pub lora_apply: LoraApply,
 }
 
 /// A prompt's conditioning: hidden states of every encoder concatenated on
@@ -160,12 +165,14 @@ fn load_module<'b>(
     devices: Devices<'b>,
     policy: WeightPolicy,
     encoder: bool,
+    loras: &LoraSet,
 ) -> Result<Module<'b>> {
-    let weights = ModuleWeights::load_filtered(
+    let weights = ModuleWeights::load_patched(
         ckpt,
         prefix,
         |name| loaded(&name[prefix.len()..], encoder),
         devices.params,
+        loras,
     )
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
     Module::new(kind, weights, devices, policy)
@@ -203,6 +210,7 @@ impl<'b> Pipeline<'b> {
             (None, None) => fam.prediction,
         };
         let policy = opts.policy;
+        let loras = LoraSet::load(opts.loras, ckpt, &fam, opts.lora_apply)?;
         let te = load_module(
             ckpt,
             ModuleKind::Te,
@@ -210,6 +218,7 @@ impl<'b> Pipeline<'b> {
             layout.te,
             policy,
             false,
+            &loras,
         )?;
         let unet = load_module(
             ckpt,
@@ -218,6 +227,7 @@ impl<'b> Pipeline<'b> {
             layout.diffusion,
             policy,
             false,
+            &loras,
         )?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
             .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
@@ -230,6 +240,7 @@ impl<'b> Pipeline<'b> {
             layout.vae,
             policy,
             opts.vae_encoder || inpainting,
+            &LoraSet::default(),
         )?;
         let vae_file = vae_ckpt.path.display();
         let clip = fam

@@ -38,17 +38,19 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
 
     let manager =
         BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
+    let loras = crate::lora::resolve(&args.lora, &args.prompt)?;
     let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
     let mut opts = args.sample.load_options(vae.as_ref());
     opts.vae_encoder = init.is_some();
+    (opts.loras, opts.lora_apply) = (&loras.specs, args.lora.apply);
     let tiling = args.sample.vae_tiling()?;
     let mut sd = Pipeline::load(&ckpt, layout, opts)?;
     sd.set_vae_tiling(tiling);
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     let load_time = loading.elapsed();
     let mut req = args.sample.request(
-        &args.prompt,
+        &loras.prompt,
         &args.negative,
         args.clip_skip as usize,
         sd.family().default_size,
@@ -87,7 +89,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let text = parameters_text(args, &req, &sd, &placement, &flash, &hashes);
+    let text = parameters_text(args, &req, &sd, &placement, &flash, &hashes) + &loras.fields;
     write_png(output, &image, &text)?;
     term::eprint_line(&summary(
         &sd,

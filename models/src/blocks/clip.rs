@@ -14,7 +14,7 @@
 //! handed on, whether the final norm applies and whether a pooled output is
 //! taken are the family's choice ([`crate::family::Encoder`]).
 
-use crate::blocks::nn::{attention, layer_norm, linear, ModelError, Result, W};
+use crate::blocks::nn::{self, attention, layer_norm, linear, ModelError, Result, W};
 use crate::family::{Encoder, Layer, Naming};
 use crate::module::{input_i32, Built, Module};
 use ggml::{Context, Tensor};
@@ -323,9 +323,11 @@ fn layer<'a>(
         Naming::OpenClip => {
             let p = format!("{e}transformer.resblocks.{l}");
             let n = layer_norm(c, w, &format!("{p}.ln_1"), x, h, EPS)?;
-            let wqkv = w.shaped(&format!("{p}.attn.in_proj_weight"), &[h, 3 * h])?;
+            let wname = format!("{p}.attn.in_proj_weight");
+            let wqkv = w.shaped(&wname, &[h, 3 * h])?;
             let bqkv = w.shaped(&format!("{p}.attn.in_proj_bias"), &[3 * h])?;
-            let qkv = c.add(c.mul_mat(wqkv, n)?, bqkv)?;
+            let qkv = nn::add_lora(c, w, &wname, n, c.mul_mat(wqkv, n)?)?;
+            let qkv = c.add(qkv, bqkv)?;
             let part = |i| -> Result<Tensor<'a>> { Ok(c.cont(c.split_dim0(qkv, 3, i)?)?) };
             let a = attention(c, part(0)?, part(1)?, part(2)?, cfg.heads, true, false)?;
             let a = linear(c, w, &format!("{p}.attn.out_proj"), a, h, h)?;

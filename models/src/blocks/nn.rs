@@ -99,6 +99,45 @@ impl<'a> W<'a> {
     pub fn names(&self) -> impl Iterator<Item = &&'a str> {
         self.map.keys()
     }
+
+    /// The graph-mode LoRA pairs of weight `name` (see [`crate::lora`]):
+    /// `(down, up)` with down `[inner, rank]` and up `[rank, out]` (ggml
+    /// order, the scale folded into up); empty for a weight without.
+    pub fn lora_for(&self, name: &str) -> Vec<(Tensor<'a>, Tensor<'a>)> {
+        let mut v = Vec::new();
+        while let (Some(d), Some(u)) = (
+            self.opt(&format!("{name}.lora.{}.down", v.len())),
+            self.opt(&format!("{name}.lora.{}.up", v.len())),
+        ) {
+            v.push((d, u));
+        }
+        v
+    }
+}
+
+/// `y + Σ up·(down·x)` over the graph-mode LoRAs of the matrix `name`
+/// (`x` `[n_in, …]`, `y` `[n_out, …]`); `y` itself when it has none.
+pub fn add_lora<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    name: &str,
+    x: Tensor<'a>,
+    mut y: Tensor<'a>,
+) -> Result<Tensor<'a>> {
+    for (down, up) in w.lora_for(name) {
+        let [inner, rank, ..] = down.ne();
+        if inner != x.ne()[0] || up.ne()[0] != rank || up.ne()[1] != y.ne()[0] {
+            return Err(ModelError::Invalid(format!(
+                "LoRA of {name}: down {:?} and up {:?} do not fit {:?} → {:?}",
+                down.ne(),
+                up.ne(),
+                x.ne(),
+                y.ne()
+            )));
+        }
+        y = c.add(y, c.mul_mat(up, c.mul_mat(down, x)?)?)?;
+    }
+    Ok(y)
 }
 
 /// Checks that `t` has shape `ne` (ggml order, trailing ones optional).
@@ -145,7 +184,7 @@ pub fn linear<'a>(
             x.ne()[0]
         )));
     }
-    let y = c.mul_mat(weight, x)?;
+    let y = add_lora(c, w, &name, x, c.mul_mat(weight, x)?)?;
     add_bias(c, w, prefix, y, n_out, &[n_out])
 }
 
@@ -163,14 +202,30 @@ pub fn conv2d<'a>(
     stride: i32,
     pad: i32,
 ) -> Result<Tensor<'a>> {
-    let kernel = w.shaped(&format!("{prefix}.weight"), &[k, k, c_in, c_out])?;
+    let name = format!("{prefix}.weight");
+    let kernel = w.shaped(&name, &[k, k, c_in, c_out])?;
     if x.ne()[2] != c_in {
         return Err(ModelError::Invalid(format!(
             "{prefix}: input has {} channels where {c_in} were expected",
             x.ne()[2]
         )));
     }
-    let y = c.conv_2d(kernel, x, stride, pad)?;
+    let mut y = c.conv_2d(kernel, x, stride, pad)?;
+    // Graph-mode LoRAs: a k×k convolution to `rank` channels, then a 1×1
+    // one to `c_out` (LoCon); a linear LoRA on a 1×1 kernel is the same.
+    for (down, up) in w.lora_for(&name) {
+        let [inner, rank, ..] = down.ne();
+        if inner != k * k * c_in || up.ne()[0] != rank || up.ne()[1] != c_out {
+            return Err(ModelError::Invalid(format!(
+                "LoRA of {name}: down {:?} and up {:?} do not fit a {k}×{k} kernel {c_in} → {c_out}",
+                down.ne(),
+                up.ne()
+            )));
+        }
+        let h = c.conv_2d(c.reshape(down, &[k, k, c_in, rank])?, x, stride, pad)?;
+        let h = c.conv_2d(c.reshape(up, &[1, 1, rank, c_out])?, h, 1, 0)?;
+        y = c.add(y, h)?;
+    }
     add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
 }
 

@@ -20,3 +20,20 @@ pub fn decode_f32(dtype: &str, data: &[u8]) -> Option<Vec<f32>> {
         _ => return None,
     })
 }
+
+/// Encodes f32 values as f32/f16/bf16 little-endian bytes (ggml type names,
+/// any case, round to nearest); `None` for other types.
+pub fn encode_f32(dtype: &str, values: &[f32]) -> Option<Vec<u8>> {
+    Some(match dtype.to_ascii_lowercase().as_str() {
+        "f32" => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        "f16" => values
+            .iter()
+            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+            .collect(),
+        "bf16" => values
+            .iter()
+            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+            .collect(),
+        _ => return None,
+    })
+}

@@ -6,9 +6,12 @@
 //! the file (no whole-file read, no memory map, so peak host memory is one
 //! tensor). f32, f16 and bf16 matrices are kept as they are, vectors (at most one
 //! dimension above 1: biases, norm weights) are widened to f32; shapes are reversed into
-//! ggml order.
+//! ggml order. LoRAs ([`crate::lora`]) are merged into a tensor's host data
+//! between the read and the upload, and their graph-mode tensors are
+//! uploaded into the same buffer ([`ModuleWeights::load_patched`]).
 
 use crate::checkpoint::{Checkpoint, TensorEntry};
+use crate::lora::LoraSet;
 use ggml::{Backend, Buffer, Context, Tensor, Type};
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
@@ -83,6 +86,19 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
+        ModuleWeights::load_patched(ckpt, prefix, keep, backend, &LoraSet::default())
+    }
+
+    /// [`ModuleWeights::load_filtered`] with `loras` merged into the tensors
+    /// they merge into (in f32, written back in the tensor's type) and
+    /// their graph-mode tensors for this module added (f32).
+    pub fn load_patched(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        keep: impl Fn(&str) -> bool,
+        backend: &Backend,
+        loras: &LoraSet,
+    ) -> Result<ModuleWeights, WeightsError> {
         let file = ckpt.path.clone();
         let entries: Vec<&TensorEntry> = ckpt
             .tensors
@@ -104,7 +120,8 @@ impl ModuleWeights {
             file: file.clone(),
             reason,
         };
-        let ctx = Context::new(entries.len(), 0).map_err(|e| other(e.to_string()))?;
+        let extra = loras.graph_tensors(prefix);
+        let ctx = Context::new(entries.len() + extra.len(), 0).map_err(|e| other(e.to_string()))?;
         let mut index = HashMap::new();
         for (i, t) in entries.iter().enumerate() {
             let ty = ggml_type(&t.dtype).ok_or_else(|| {
@@ -143,6 +160,13 @@ impl ModuleWeights {
             tensor.set_name(&t.name[prefix.len()..]);
             index.insert(t.name[prefix.len()..].to_string(), i);
         }
+        for (i, (name, ne, _)) in extra.iter().enumerate() {
+            let tensor = ctx
+                .new_tensor(Type::F32, ne)
+                .map_err(|e| other(format!("LoRA tensor {name}: {e}")))?;
+            tensor.set_name(name);
+            index.insert(name.clone(), entries.len() + i);
+        }
         let buffer = ctx
             .alloc_tensors(backend)
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
@@ -153,7 +177,23 @@ impl ModuleWeights {
             let mut data = vec![0u8; t.bytes as usize];
             f.read_exact_at(&mut data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
-            if dst.type_name() == "f32" && !t.dtype.eq_ignore_ascii_case("f32") {
+            if loras.merges(&t.name) {
+                let mut values =
+                    crate::checkpoint::dtype::decode_f32(&t.dtype, &data).ok_or_else(|| {
+                        tensor_err(t, format!("a LoRA cannot be merged into {}", t.dtype))
+                    })?;
+                loras
+                    .merge(&t.name, &mut values)
+                    .map_err(|e| tensor_err(t, format!("merging a LoRA: {e}")))?;
+                data = crate::checkpoint::dtype::encode_f32(&dst.type_name(), &values).ok_or_else(
+                    || {
+                        tensor_err(
+                            t,
+                            format!("a LoRA cannot be merged into {}", dst.type_name()),
+                        )
+                    },
+                )?;
+            } else if dst.type_name() == "f32" && !t.dtype.eq_ignore_ascii_case("f32") {
                 data = crate::checkpoint::dtype::decode_f32(&t.dtype, &data)
                     .unwrap_or_default()
                     .iter()
@@ -163,6 +203,11 @@ impl ModuleWeights {
             dst.set_bytes(&data)
                 .map_err(|e| tensor_err(t, e.to_string()))?;
             bytes += t.bytes;
+        }
+        for ((name, _, values), dst) in extra.iter().zip(&tensors[entries.len()..]) {
+            dst.set_f32(values)
+                .map_err(|e| other(format!("LoRA tensor {name}: {e}")))?;
+            bytes += 4 * values.len() as u64;
         }
         drop(tensors);
         Ok(ModuleWeights {

@@ -178,7 +178,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
         || has("lora_te")
     {
         return Err(unsupported(
-            "a LoRA, not a checkpoint (LoRA support is planned as --lora)",
+            "a LoRA, not a checkpoint; give it with --lora FILE beside a checkpoint",
         ));
     }
     if contains("joint_blocks.") {
