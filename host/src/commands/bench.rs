@@ -431,9 +431,11 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
     };
 
+    let tiling = a.sample.vae_tiling()?;
     let t = Instant::now();
     let mut sd = Pipeline::load(&ckpt, layout, a.sample.load_options(vae.as_ref()))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
+    sd.set_vae_tiling(tiling);
     let load_s = t.elapsed().as_secs_f64();
     let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     sample_devices();
@@ -508,6 +510,22 @@ fn run_peer(
     threads: usize,
     runs: u32,
 ) -> Result<PeerReport, String> {
+    // The peer driver maps only these settings onto sd.cpp; anything else
+    // would time a different computation, so it is not run at all.
+    use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+    if !matches!(
+        req.sampler,
+        Sampler::EulerA | Sampler::Euler | Sampler::DpmPp2m
+    ) || req.scheduler != Scheduler::Discrete
+        || a.sample.vae_tiling
+    {
+        return Err(format!(
+            "not comparable: the sd.cpp peer runs euler_a, euler or dpm++2m with the discrete schedule and no VAE tiling (asked: {} {}{})",
+            req.sampler,
+            req.scheduler,
+            if a.sample.vae_tiling { ", VAE tiling" } else { "" }
+        ));
+    }
     let exe = if peer.as_os_str() == "auto" {
         std::env::current_exe()
             .map_err(|e| e.to_string())?
