@@ -560,6 +560,21 @@ impl Context {
         self.wrap(unsafe { sys::ggml_scale(self.raw, a.raw, s) }, "ggml_scale")
     }
 
+    /// Leaky ReLU: `x` where positive, `slope·x` elsewhere.
+    pub fn leaky_relu<'a>(&'a self, a: Tensor<'a>, slope: f32) -> Result<Tensor<'a>> {
+        check_f32_contiguous("leaky_relu", &a)?;
+        if !slope.is_finite() {
+            return invalid(format!("leaky_relu with slope {slope}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32 (the CPU asserts
+        // contiguous rows of a float type); room checked.
+        self.wrap(
+            unsafe { sys::ggml_leaky_relu(self.raw, a.raw, slope, false) },
+            "ggml_leaky_relu",
+        )
+    }
+
     /// Layer norm over `ne[0]` (no affine part).
     pub fn norm<'a>(&'a self, a: Tensor<'a>, eps: f32) -> Result<Tensor<'a>> {
         check_f32_rows("norm", &a)?;
@@ -1433,6 +1448,11 @@ mod tests {
             "scale" ok: |c| c.scale(f32s(c, &[8, 4]), 2.0);
             "scale" bad: |c| c.scale(transposed(c, Type::F32, &[8, 4]), 2.0);
             "scale" bad: |c| c.scale(t(c, Type::F16, &[8]), 2.0);
+
+            "leaky_relu" ok: |c| c.leaky_relu(f32s(c, &[8, 4]), 0.2);
+            "leaky_relu" bad: |c| c.leaky_relu(transposed(c, Type::F32, &[8, 4]), 0.2);
+            "leaky_relu" bad: |c| c.leaky_relu(t(c, Type::F16, &[8, 4]), 0.2);
+            "leaky_relu" bad: |c| c.leaky_relu(f32s(c, &[8, 4]), f32::NAN);
 
             "norm" ok: |c| c.norm(f32s(c, &[8, 4]), 1e-5);
             "norm" bad: |c| c.norm(t(c, Type::F16, &[8, 4]), 1e-5);

@@ -20,6 +20,8 @@
 //!   timing); [`pipeline`]: load, validate every graph before any compute,
 //!   encode, sample with CFG, decode, checking the caller's cancellation flag
 //!   between graph computations.
+//! * [`upscale`]: ESRGAN / Real-ESRGAN (RRDBNet) upscalers in their three
+//!   namings, run tile by tile as the `upscaler` module.
 //!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.
@@ -32,6 +34,7 @@ mod kind;
 pub mod module;
 pub mod pipeline;
 pub mod sampling;
+pub mod upscale;
 
 pub use blocks::nn::ModelError;
 pub use kind::ModuleKind;

@@ -46,7 +46,6 @@
 
 use super::{CheckpointError, TensorEntry};
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read;
 use std::path::Path;
 
 /// Largest `data.pkl` read: state dicts of the largest models are a few MiB.
@@ -114,9 +113,9 @@ struct StorageRef {
 #[derive(Clone, Debug)]
 enum Obj {
     None,
-    Bool(bool),
+    Bool,
     Int(i64),
-    Float(f64),
+    Float,
     Str(String),
     Tuple(Vec<usize>),
     List(Vec<usize>),
@@ -130,9 +129,9 @@ impl Obj {
     fn kind(&self) -> &'static str {
         match self {
             Obj::None => "None",
-            Obj::Bool(_) => "a bool",
+            Obj::Bool => "a bool",
             Obj::Int(_) => "an int",
-            Obj::Float(_) => "a float",
+            Obj::Float => "a float",
             Obj::Str(_) => "a string",
             Obj::Tuple(_) => "a tuple",
             Obj::List(_) => "a list",
@@ -439,14 +438,12 @@ impl Machine<'_> {
                     }
                     self.push(Obj::Int(v));
                 }
+                // BINFLOAT: only its type matters here.
                 b'G' => {
-                    let b = self.take(8)?;
-                    let mut a = [0u8; 8];
-                    a.copy_from_slice(b);
-                    self.push(Obj::Float(f64::from_be_bytes(a)));
+                    self.take(8)?;
+                    self.push(Obj::Float);
                 }
-                0x88 => self.push(Obj::Bool(true)),
-                0x89 => self.push(Obj::Bool(false)),
+                0x88 | 0x89 => self.push(Obj::Bool),
                 b'N' => self.push(Obj::None),
                 b't' => {
                     let items = self.pop_mark()?;
