@@ -31,7 +31,7 @@
 //! image is first reflect-padded to a multiple of the cell (as spandrel
 //! does), tiles are whole cells, and the output is cropped back.
 
-use crate::blocks::nn::{conv2d, ModelError, Result, W};
+use crate::blocks::nn::{check_shape, conv2d, ModelError, Result, W};
 use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
 use crate::module::{input_f32, Built, Devices, Module, WeightPolicy};
@@ -243,6 +243,40 @@ impl Default for Tiling {
     }
 }
 
+/// A 3×3, stride 1, padding 1 convolution `{prefix}` from `c_in` to
+/// `c_out` channels: in f32 throughout for f32 kernels (ggml's own conv
+/// rounds to f16), else [`conv2d`].
+fn conv<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    c_in: i64,
+    c_out: i64,
+) -> Result<Tensor<'a>> {
+    let name = format!("{prefix}.weight");
+    let kernel = w.get(&name)?;
+    if kernel.ty() != Some(ggml::Type::F32) {
+        return conv2d(c, w, prefix, x, c_in, c_out, 3, 1, 1);
+    }
+    check_shape(&name, kernel, &[3, 3, c_in, c_out])?;
+    if x.ne()[2] != c_in {
+        return Err(ModelError::Invalid(format!(
+            "{prefix}: input has {} channels where {c_in} were expected",
+            x.ne()[2]
+        )));
+    }
+    let y = c.conv_2d_f32(kernel, x, 1, 1)?;
+    let bias = format!("{prefix}.bias");
+    match w.opt(&bias) {
+        Some(b) => {
+            check_shape(&bias, b, &[c_out])?;
+            Ok(c.add(y, c.reshape(b, &[1, 1, c_out, 1])?)?)
+        }
+        None => Ok(y),
+    }
+}
+
 fn lrelu<'a>(c: &'a Context, x: Tensor<'a>) -> Result<Tensor<'a>> {
     Ok(c.leaky_relu(x, SLOPE)?)
 }
@@ -258,10 +292,10 @@ fn dense_block<'a>(
     let mut cat = x;
     for j in 1..=4 {
         let cin = a.nf + (j as i64 - 1) * a.gc;
-        let y = lrelu(c, conv2d(c, w, &a.dense(b, r, j), cat, cin, a.gc, 3, 1, 1)?)?;
+        let y = lrelu(c, conv(c, w, &a.dense(b, r, j), cat, cin, a.gc)?)?;
         cat = c.concat(cat, y, 2)?;
     }
-    let x5 = conv2d(c, w, &a.dense(b, r, 5), cat, a.nf + 4 * a.gc, a.nf, 3, 1, 1)?;
+    let x5 = conv(c, w, &a.dense(b, r, 5), cat, a.nf + 4 * a.gc, a.nf)?;
     Ok(c.add(c.scale(x5, RES_SCALE)?, x)?)
 }
 
@@ -281,7 +315,7 @@ fn build<'a>(
         values,
         &mut inputs,
     )?;
-    let fea = conv2d(c, w, &a.first(), x, a.in_ch, a.nf, 3, 1, 1)?;
+    let fea = conv(c, w, &a.first(), x, a.in_ch, a.nf)?;
     let mut t = fea;
     for b in 0..a.blocks {
         let input = t;
@@ -290,13 +324,13 @@ fn build<'a>(
         }
         t = c.add(c.scale(t, RES_SCALE)?, input)?;
     }
-    t = conv2d(c, w, &a.trunk(), t, a.nf, a.nf, 3, 1, 1)?;
+    t = conv(c, w, &a.trunk(), t, a.nf, a.nf)?;
     let mut h = c.add(fea, t)?;
     for i in 0..a.ups {
-        h = lrelu(c, conv2d(c, w, &a.up(i), c.upscale(h, 2)?, a.nf, a.nf, 3, 1, 1)?)?;
+        h = lrelu(c, conv(c, w, &a.up(i), c.upscale(h, 2)?, a.nf, a.nf)?)?;
     }
-    h = lrelu(c, conv2d(c, w, &a.hr(), h, a.nf, a.nf, 3, 1, 1)?)?;
-    let out = conv2d(c, w, &a.last(), h, a.nf, a.out_ch, 3, 1, 1)?;
+    h = lrelu(c, conv(c, w, &a.hr(), h, a.nf, a.nf)?)?;
+    let out = conv(c, w, &a.last(), h, a.nf, a.out_ch)?;
     Ok(Built {
         output: out,
         inputs,
