@@ -322,7 +322,7 @@ pub struct UpscaleArgs {
     pub tuning: UpscaleTuning,
 
     /// What the upscaler holds after its work: `free` (default) or `keep`
-    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
+    #[arg(long = "phase-memory", value_name = "POLICY", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
     pub phase_memory: sdhost_models::module::WeightPolicy,
 
     #[command(flatten)]

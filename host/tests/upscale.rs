@@ -289,6 +289,38 @@ fn upscale_command_writes_a_png_with_its_parameters() {
         assert_eq!(png_info(&out).0, 20, "{color:?} {depth:?}");
         assert_eq!(pixels(&out).len(), 20 * 12 * 3);
     }
+    // JPEG, RGB and grey, made by Pillow from the reference input: the
+    // upscaled image is close to the upscaled reference (JPEG is lossy).
+    let refs = refs();
+    for jpg in ["in-rgb.jpg", "in-grey.jpg"] {
+        let out = out_dir.join("jpg.png");
+        p.run(&[
+            "upscale",
+            "-m",
+            s(&fixture("esrgan-new-x4.pth")),
+            "-i",
+            s(&fixture(jpg)),
+            "-o",
+            s(&out),
+        ])
+        .ok();
+        assert_eq!(png_info(&out).0, 52, "{jpg}");
+        let px = pixels(&out);
+        assert_eq!(px.len(), 52 * 40 * 3);
+        if jpg == "in-rgb.jpg" {
+            let want = &refs["out.new_x4"].1;
+            let n = 52 * 40;
+            let mean = (0..n * 3)
+                .map(|i| {
+                    let v = f32::from(px[i]) / 255.0;
+                    (v - want[(i % 3) * n + i / 3].clamp(0.0, 1.0)).abs()
+                })
+                .sum::<f32>()
+                / (3 * n) as f32;
+            eprintln!("{jpg}: mean abs difference {mean:.4} from the upscaled reference");
+            assert!(mean < 0.05, "{jpg}: mean abs difference {mean}");
+        }
+    }
 }
 
 #[test]
