@@ -126,7 +126,11 @@ fn tiles_with_a_receptive_field_overlap_equal_the_whole_image() {
             let e = max_abs_diff(&tiled, &whole);
             eprintln!("{file}: tiled (overlap 36) vs whole: max abs {e:.2e}");
             assert!(e <= 1e-5, "{file}: {e}");
-            assert_eq!(up.module.timing().calls, 1 + 6, "one whole run, then 3×2 tiles");
+            assert_eq!(
+                up.module.timing().calls,
+                1 + 6,
+                "one whole run, then 3×2 tiles"
+            );
             // A small overlap is close but not exact: the seams show the
             // tiles really are cut.
             let rough = Tiling {
@@ -221,7 +225,11 @@ fn write_png(path: &Path, w: u32, h: u32, color: png::ColorType, depth: png::Bit
         png::ColorType::Rgb => 3,
         _ => 4,
     };
-    let bytes_per = if depth == png::BitDepth::Sixteen { 2 } else { 1 };
+    let bytes_per = if depth == png::BitDepth::Sixteen {
+        2
+    } else {
+        1
+    };
     let data: Vec<u8> = (0..w * h * channels * bytes_per)
         .map(|i| (i * 37 % 251) as u8)
         .collect();
@@ -338,10 +346,16 @@ fn upscale_bad_input_fails_in_one_line_without_output() {
     std::fs::write(&corrupt, &bytes).unwrap();
     let text = work.join("notes.png");
     std::fs::write(&text, "hello").unwrap();
-    let sd = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors");
+    let sd =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors");
     let upscaler = fixture("esrgan-old-x4.pth");
     let cases: Vec<(&str, PathBuf, PathBuf, &str)> = vec![
-        ("not an upscaler", sd, good.clone(), "not an ESRGAN/RRDBNet upscaler"),
+        (
+            "not an upscaler",
+            sd,
+            good.clone(),
+            "not an ESRGAN/RRDBNet upscaler",
+        ),
         (
             "malicious pth",
             fixture("bad-os-system.pth"),
@@ -355,7 +369,12 @@ fn upscale_bad_input_fails_in_one_line_without_output() {
             "not a PyTorch zip checkpoint",
         ),
         ("corrupt png", upscaler.clone(), corrupt, "invalid PNG"),
-        ("not an image", upscaler.clone(), text, "not a PNG or JPEG image"),
+        (
+            "not an image",
+            upscaler.clone(),
+            text,
+            "not a PNG or JPEG image",
+        ),
         (
             "missing model",
             work.join("missing.pth"),
@@ -371,7 +390,11 @@ fn upscale_bad_input_fails_in_one_line_without_output() {
         let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
         assert_eq!(lines.len(), 1, "{what}: one line: {}", r.stderr);
         assert!(lines[0].starts_with("error: "), "{what}: {}", r.stderr);
-        assert!(lines[0].contains(want), "{what}: {want:?} not in {}", r.stderr);
+        assert!(
+            lines[0].contains(want),
+            "{what}: {want:?} not in {}",
+            r.stderr
+        );
         assert!(listing(&out_dir).is_empty(), "{what}: no output");
     }
 }
@@ -381,18 +404,33 @@ fn generate_upscales_before_writing() {
     let p = Prefix::with_cpu();
     let out_dir = p.dir("out");
     let out = out_dir.join("g.png");
-    let sd = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors");
+    let sd =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors");
     let args = |model: &Path, out: &Path| -> Vec<String> {
         [
-            "generate", "-m", s(&sd), "-p", "a cat", "-W", "64", "-H", "64", "--steps", "2",
-            "-o", s(out), "--upscale-model", s(model),
+            "generate",
+            "-m",
+            s(&sd),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "2",
+            "-o",
+            s(out),
+            "--upscale-model",
+            s(model),
         ]
         .iter()
         .map(|a| a.to_string())
         .collect()
     };
     let a = args(&fixture("esrgan-new-x2.safetensors"), &out);
-    p.run(&a.iter().map(String::as_str).collect::<Vec<_>>()).ok();
+    p.run(&a.iter().map(String::as_str).collect::<Vec<_>>())
+        .ok();
     let (w, h, text) = png_info(&out);
     assert_eq!((w, h), (128, 128));
     assert!(text.contains("Size: 64x64"), "{text}");
@@ -405,8 +443,11 @@ fn generate_upscales_before_writing() {
     let a = args(&fixture("bad-os-system.pth"), &out);
     let r = p.run(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(r.code, Some(1), "{}", r.stderr);
-    assert!(r.stderr.contains("pickle asks for os.system"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("pickle asks for os.system"),
+        "{}",
+        r.stderr
+    );
     assert!(!r.stderr.contains("sampling"), "{}", r.stderr);
     assert!(listing(&out_dir).is_empty());
 }
-

@@ -158,7 +158,13 @@ impl Arch {
                 // conv, act, conv: its length is 5 + 3·ups.
                 let len = w
                     .names()
-                    .filter_map(|n| n.strip_prefix("model.")?.split('.').next()?.parse::<u32>().ok())
+                    .filter_map(|n| {
+                        n.strip_prefix("model.")?
+                            .split('.')
+                            .next()?
+                            .parse::<u32>()
+                            .ok()
+                    })
                     .max()
                     .map_or(0, |m| m + 1);
                 if len < 5 || (len - 5) % 3 != 0 {

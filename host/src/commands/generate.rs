@@ -43,7 +43,11 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut upscaler = match &args.upscale_model {
         Some(m) => {
             let d = crate::commands::upscale::devices(session, &manager, &placement)?;
-            Some(crate::commands::upscale::load(m, d, args.sample.phase_memory)?)
+            Some(crate::commands::upscale::load(
+                m,
+                d,
+                args.sample.phase_memory,
+            )?)
         }
         None => None,
     };

@@ -611,8 +611,9 @@ pub(super) fn scan(
         }
         entries.insert(name, (start, f.size()));
     }
-    let pickle_name = pickle_name
-        .ok_or_else(|| bad("no <folder>/data.pkl in the archive: not a PyTorch checkpoint".into()))?;
+    let pickle_name = pickle_name.ok_or_else(|| {
+        bad("no <folder>/data.pkl in the archive: not a PyTorch checkpoint".into())
+    })?;
     let top = &pickle_name[..pickle_name.len() - "data.pkl".len()];
     if let Some(&(start, size)) = entries.get(&format!("{top}byteorder")) {
         let order = read_at(path, start, size.min(16)).map_err(io)?;
