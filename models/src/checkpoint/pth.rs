@@ -796,6 +796,24 @@ mod tests {
     }
 
     #[test]
+    fn corrupted_pickles_never_panic() {
+        let mut good = b"\x80\x02}q\x00(\x8c\x01w".to_vec();
+        good.extend(tensor("0"));
+        good.extend(b"u.");
+        assert_eq!(run(&good).unwrap(), vec!["w[2]".to_string()]);
+        // Every byte replaced by a few values, and every truncation: an
+        // error or a result, never a panic.
+        for i in 0..good.len() {
+            for v in [0x00, 0x01, 0x28, 0x2e, 0x52, 0x68, 0x71, 0x80, 0xff] {
+                let mut p = good.clone();
+                p[i] = v;
+                let _ = run(&p);
+            }
+            let _ = run(&good[..i]);
+        }
+    }
+
+    #[test]
     fn long1_is_signed() {
         let p = unpickle(b"\x8a\x02\xff\xff.").unwrap();
         assert!(matches!(p.objs[p.root], Obj::Int(-1)));
