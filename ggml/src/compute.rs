@@ -560,6 +560,21 @@ impl Context {
         self.wrap(unsafe { sys::ggml_scale(self.raw, a.raw, s) }, "ggml_scale")
     }
 
+    /// Leaky ReLU: `x` where positive, `slope·x` elsewhere.
+    pub fn leaky_relu<'a>(&'a self, a: Tensor<'a>, slope: f32) -> Result<Tensor<'a>> {
+        check_f32_contiguous("leaky_relu", &a)?;
+        if !slope.is_finite() {
+            return invalid(format!("leaky_relu with slope {slope}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32 (the CPU asserts
+        // contiguous rows of a float type); room checked.
+        self.wrap(
+            unsafe { sys::ggml_leaky_relu(self.raw, a.raw, slope, false) },
+            "ggml_leaky_relu",
+        )
+    }
+
     /// Layer norm over `ne[0]` (no affine part).
     pub fn norm<'a>(&'a self, a: Tensor<'a>, eps: f32) -> Result<Tensor<'a>> {
         check_f32_rows("norm", &a)?;
@@ -630,6 +645,67 @@ impl Context {
             },
             "ggml_conv_2d",
         )
+    }
+
+    /// [`Context::conv_2d`] computed in f32 throughout: ggml's own
+    /// `ggml_conv_2d` writes its im2col matrix in f16 (rounding activations
+    /// and weights to f16), which costs f32 checkpoints about 1e-3 relative;
+    /// here the im2col is f32 and multiplied by the f32 kernel.
+    pub fn conv_2d_f32<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let (k, x) = (kernel.ne(), input.ne());
+        let fits = |i: usize| x[i] + 2 * i64::from(pad) >= k[i];
+        if kernel.ty() != Some(Type::F32)
+            || input.ty() != Some(Type::F32)
+            || !contiguous(&kernel)
+            || !dense_rows(&input)
+            || k[2] != x[2]
+            || stride < 1
+            || pad < 0
+            || !fits(0)
+            || !fits(1)
+        {
+            return invalid(format!(
+                "conv_2d_f32 of a {} kernel {k:?} on a {} input {x:?}, stride {stride}, padding {pad} (both f32)",
+                kernel.type_name(),
+                input.type_name()
+            ));
+        }
+        // im2col, then reshapes, mul_mat, reshape, permute, cont below.
+        self.room(7)?;
+        // SAFETY: both alive for 'a; f32 kernel and input (the CPU's f32
+        // im2col reads an f32 input), channels, stride and output size
+        // checked as for conv_2d; room checked.
+        let cols = self.wrap(
+            unsafe {
+                sys::ggml_im2col(
+                    self.raw,
+                    kernel.raw,
+                    input.raw,
+                    stride,
+                    stride,
+                    pad,
+                    pad,
+                    1,
+                    1,
+                    true,
+                    sys::GGML_TYPE_F32,
+                )
+            },
+            "ggml_im2col",
+        )?;
+        // [IC·KH·KW, OW, OH, N]
+        let c = cols.ne();
+        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
+        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        let out = self.mul_mat(cols2, k2)?; // [OW·OH·N, OC]
+        let out = self.reshape(out, &[c[1], c[2], c[3], k[3]])?;
+        self.cont(self.permute(out, [0, 1, 3, 2])?)
     }
 
     /// Nearest-neighbour upscale of the first two dimensions by `factor` (≥ 2).
@@ -1460,6 +1536,11 @@ mod tests {
             "scale" bad: |c| c.scale(transposed(c, Type::F32, &[8, 4]), 2.0);
             "scale" bad: |c| c.scale(t(c, Type::F16, &[8]), 2.0);
 
+            "leaky_relu" ok: |c| c.leaky_relu(f32s(c, &[8, 4]), 0.2);
+            "leaky_relu" bad: |c| c.leaky_relu(transposed(c, Type::F32, &[8, 4]), 0.2);
+            "leaky_relu" bad: |c| c.leaky_relu(t(c, Type::F16, &[8, 4]), 0.2);
+            "leaky_relu" bad: |c| c.leaky_relu(f32s(c, &[8, 4]), f32::NAN);
+
             "norm" ok: |c| c.norm(f32s(c, &[8, 4]), 1e-5);
             "norm" bad: |c| c.norm(t(c, Type::F16, &[8, 4]), 1e-5);
             "norm" bad: |c| c.norm(f32s(c, &[8, 4]), -1.0);
@@ -1477,6 +1558,13 @@ mod tests {
             "conv_2d" bad: |c| c.conv_2d(t(c, Type::Q8_0, &[32, 1, 8, 16]), f32s(c, &[32, 1, 8, 1]), 1, 0);
             "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), t(c, Type::I32, &[16, 16, 8, 1]), 1, 1);
             "conv_2d" bad: |c| c.conv_2d(transposed(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+
+            "conv_2d_f32" ok: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d_f32" ok: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[1, 1, 8, 1]), 2, 1);
+            "conv_2d_f32" bad: |c| c.conv_2d_f32(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d_f32" bad: |c| c.conv_2d_f32(f32s(c, &[3, 3, 4, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d_f32" bad: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[2, 2, 8, 1]), 1, 0);
+            "conv_2d_f32" bad: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), t(c, Type::F16, &[16, 16, 8, 1]), 1, 1);
 
             "upscale" ok: |c| c.upscale(f32s(c, &[4, 4, 2]), 2);
             "pad" ok: |c| c.pad(f32s(c, &[4, 4, 2]), [1, 1, 0, 0]);

@@ -71,6 +71,8 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
+    /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)
+    Upscale(UpscaleArgs),
     /// Measure sdhost: `-m MODEL` times each generation stage (optionally
     /// beside stable-diffusion.cpp, `--peer`); `--startup` times plugin discovery
     Bench(BenchArgs),
@@ -326,6 +328,14 @@ pub struct GenerateArgs {
     #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
     pub output: PathBuf,
 
+    /// Enlarge the generated image with this ESRGAN / Real-ESRGAN model
+    /// (.pth, .safetensors or .gguf) before writing it
+    #[arg(long = "upscale-model", value_name = "FILE")]
+    pub upscale_model: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub upscale: UpscaleTuning,
+
     #[command(flatten)]
     pub init: InitArgs,
 
@@ -357,6 +367,54 @@ fn parse_strength(s: &str) -> Result<f64, String> {
         Ok(v) if v > 0.0 && v <= 1.0 => Ok(v),
         Ok(v) => Err(format!("{v} is outside (0, 1]")),
         Err(_) => Err(format!("{s:?} is not a number")),
+    }
+}
+
+/// How an upscaler is applied, shared by `upscale` and `generate --upscale-model`.
+#[derive(Clone, Copy, Debug, Args)]
+pub struct UpscaleTuning {
+    /// Apply the upscaler N times, 1 to 4 (each pass multiplies the size by its scale)
+    #[arg(long = "upscale-repeats", value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4))]
+    pub repeats: u32,
+
+    /// Upscale in tiles of N input pixels a side, each with 16 pixels of
+    /// context on every side; 0: the whole image at once (more memory)
+    #[arg(long = "upscale-tile", value_name = "N", default_value_t = 192, value_parser = parse_tile)]
+    pub tile: u32,
+}
+
+/// `sdhost upscale`.
+#[derive(Debug, Args)]
+pub struct UpscaleArgs {
+    /// Upscaler: ESRGAN or Real-ESRGAN (RRDBNet) weights, .pth, .safetensors or .gguf
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: PathBuf,
+
+    /// Image to enlarge, PNG or JPEG (alpha is dropped, grey becomes RGB)
+    #[arg(short = 'i', long, value_name = "FILE")]
+    pub input: PathBuf,
+
+    /// Output PNG, written only once the image is complete
+    #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
+    pub output: PathBuf,
+
+    #[command(flatten)]
+    pub tuning: UpscaleTuning,
+
+    /// What the upscaler holds after its work: `free` (default) or `keep`
+    #[arg(long = "phase-memory", value_name = "POLICY", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
+    pub phase_memory: sdhost_models::module::WeightPolicy,
+
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+}
+
+fn parse_tile(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(0) => Ok(0),
+        Ok(n) if (40..=4096).contains(&n) => Ok(n),
+        Ok(_) => Err(format!("{s} is not 0 or a tile side from 40 to 4096")),
+        Err(_) => Err(format!("{s:?} is not a whole number")),
     }
 }
 

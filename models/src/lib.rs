@@ -22,6 +22,8 @@
 //!   timing); [`pipeline`]: load, validate every graph before any compute,
 //!   encode, sample with CFG, decode, checking the caller's cancellation flag
 //!   between graph computations.
+//! * [`upscale`]: ESRGAN / Real-ESRGAN (RRDBNet) upscalers in their three
+//!   namings, run tile by tile as the `upscaler` module.
 //!
 //! * [`tiling`]: overlapping tiles with blended seams (VAE tiling).
 //!
@@ -38,6 +40,7 @@ pub mod module;
 pub mod pipeline;
 pub mod sampling;
 pub mod tiling;
+pub mod upscale;
 
 pub use blocks::nn::ModelError;
 pub use kind::ModuleKind;

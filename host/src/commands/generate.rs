@@ -48,6 +48,18 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut sd = Pipeline::load(&ckpt, layout, opts)?;
     sd.set_vae_tiling(tiling);
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
+    // Loaded before sampling, so a file that is no upscaler fails at once.
+    let mut upscaler = match &args.upscale_model {
+        Some(m) => {
+            let d = crate::commands::upscale::devices(session, &manager, &placement)?;
+            Some(crate::commands::upscale::load(
+                m,
+                d,
+                args.sample.phase_memory,
+            )?)
+        }
+        None => None,
+    };
     let load_time = loading.elapsed();
     let mut req = args.sample.request(
         &loras.prompt,
@@ -85,6 +97,11 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let sampling_time = sampling.elapsed();
     let image = image.with_context(|| args.model.display().to_string())?;
+    let image = match (&mut upscaler, &args.upscale_model) {
+        (Some(u), Some(m)) => crate::commands::upscale::apply(u, image, args.upscale, &cancel)
+            .with_context(|| m.display().to_string())?,
+        _ => image,
+    };
 
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
@@ -345,6 +362,13 @@ fn parameters_text(
         if sd.is_inpainting() {
             s.push_str(", Inpainting model: yes");
         }
+    }
+    if let Some(up) = &args.upscale_model {
+        s.push_str(&format!(
+            ", Upscaler: {}, Upscale repeats: {}",
+            file_name(up),
+            args.upscale.repeats
+        ));
     }
     s.push_str(&format!(
         ", Devices: {}, Flash attention: {}, Generator: sdhost {}",

@@ -10,3 +10,4 @@ pub mod generate;
 pub mod plan;
 pub mod plugins;
 pub mod probe;
+pub mod upscale;

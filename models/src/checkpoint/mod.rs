@@ -1,6 +1,7 @@
 //! Checkpoints: tensor names, types, shapes and offsets of single-file
-//! checkpoints in the original layout, as `.safetensors` (`safetensors.rs`)
-//! or `.gguf` ([`gguf`]); the two formats share [`TensorEntry`] and
+//! checkpoints in the original layout, as `.safetensors` (`safetensors.rs`),
+//! `.gguf` ([`gguf`]) or PyTorch `.pth` (`pth.rs`, a restricted pickle
+//! reader that only rebuilds tensors); the formats share [`TensorEntry`] and
 //! [`dtype`] and never import each other. Also here: the tensor-name →
 //! module map, streaming conversion to GGUF ([`convert`]) and weight upload
 //! ([`weights`]).
@@ -8,6 +9,7 @@
 pub mod convert;
 pub mod dtype;
 pub mod gguf;
+mod pth;
 mod safetensors;
 pub mod weights;
 
@@ -52,8 +54,8 @@ pub enum CheckpointError {
         /// Why.
         source: std::io::Error,
     },
-    /// The extension is neither `.safetensors` nor `.gguf`.
-    #[error("{0}: unknown checkpoint format (expected .safetensors or .gguf)")]
+    /// The extension is not `.safetensors`, `.gguf`, `.pth` or `.pt`.
+    #[error("{0}: unknown checkpoint format (expected .safetensors, .gguf or .pth)")]
     UnknownFormat(PathBuf),
     /// The safetensors header is invalid (truncated, offsets past the end,
     /// unknown dtype, ...).
@@ -67,6 +69,14 @@ pub enum CheckpointError {
     /// The GGUF header is invalid.
     #[error("{0}")]
     Gguf(String),
+    /// The PyTorch checkpoint is invalid or asks for more than tensor data.
+    #[error("{path}: {message}")]
+    Pth {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
 }
 
 /// The module a tensor of an original-layout checkpoint belongs to, or
@@ -107,6 +117,7 @@ pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
         .map(str::to_ascii_lowercase);
     let (tensors, metadata) = match ext.as_deref() {
         Some("safetensors") => safetensors::scan(path)?,
+        Some("pth" | "pt") => pth::scan(path)?,
         Some("gguf") => gguf::scan_with_metadata(path).map_err(|e| {
             CheckpointError::Gguf(format!("{}: invalid GGUF file: {e}", path.display()))
         })?,
