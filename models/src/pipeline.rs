@@ -10,6 +10,7 @@
 
 use crate::blocks::clip::{self, ClipConfig};
 use crate::blocks::nn::{ModelError, Result, W};
+use crate::blocks::taesd;
 use crate::blocks::tokenizer::{ClipTokenizer, CONTEXT};
 use crate::blocks::unet::{self, UnetConfig, UnetInput};
 use crate::blocks::vae;
@@ -104,6 +105,9 @@ pub struct Pipeline<'b> {
     unet_cfg: UnetConfig,
     /// Pixels per latent cell (8), read off the VAE at load.
     vae_factor: usize,
+    /// The VAE is a TAESD (`blocks/taesd.rs`, unscaled latents), decided
+    /// from its tensor names.
+    taesd: bool,
 }
 
 /// Tensors of a module that are not weights (int64 buffers some exporters
@@ -190,7 +194,12 @@ impl<'b> Pipeline<'b> {
             .map_err(|e| ModelError::Invalid(format!("{file}: te: {e}")))?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
             .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
-        let vae_factor = vae::upscale_factor(&W::new(vae.params().map())) as usize;
+        let taesd = taesd::is_taesd(vae.params().names());
+        let vae_factor = if taesd {
+            taesd::upscale_factor(&W::new(vae.params().map()))
+        } else {
+            vae::upscale_factor(&W::new(vae.params().map()))
+        } as usize;
         let context: i64 = clip.iter().map(|c| c.hidden).sum();
         if context != unet_cfg.context_dim {
             return Err(ModelError::Invalid(format!(
@@ -221,7 +230,12 @@ impl<'b> Pipeline<'b> {
         }
         unet::validate(&unet, &unet_cfg)
             .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
-        vae::validate(&vae).map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
+        if taesd {
+            taesd::validate(&vae)
+        } else {
+            vae::validate(&vae)
+        }
+        .map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
         Ok(Pipeline {
             te,
             unet,
@@ -233,7 +247,13 @@ impl<'b> Pipeline<'b> {
             clip,
             unet_cfg,
             vae_factor,
+            taesd,
         })
+    }
+
+    /// Whether the VAE is a TAESD.
+    pub fn vae_is_taesd(&self) -> bool {
+        self.taesd
     }
 
     /// The family's configuration.
@@ -488,7 +508,11 @@ impl<'b> Pipeline<'b> {
     /// Decodes a latent `[1, C, h, w]` into an image.
     pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
         tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
-        let out = vae::decode(&mut self.vae, latent, shape, self.family.vae_scale);
+        let out = if self.taesd {
+            taesd::decode(&mut self.vae, latent, shape)
+        } else {
+            vae::decode(&mut self.vae, latent, shape, self.family.vae_scale)
+        };
         self.vae.end_phase();
         let out = out?;
         let f = self.vae_factor;

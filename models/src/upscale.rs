@@ -31,7 +31,7 @@
 //! image is first reflect-padded to a multiple of the cell (as spandrel
 //! does), tiles are whole cells, and the output is cropped back.
 
-use crate::blocks::nn::{check_shape, conv2d, ModelError, Result, W};
+use crate::blocks::nn::{conv2d_precise, ModelError, Result, W};
 use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
 use crate::module::{input_f32, Built, Devices, Module, WeightPolicy};
@@ -250,8 +250,7 @@ impl Default for Tiling {
 }
 
 /// A 3×3, stride 1, padding 1 convolution `{prefix}` from `c_in` to
-/// `c_out` channels: in f32 throughout for f32 kernels (ggml's own conv
-/// rounds to f16), else [`conv2d`].
+/// `c_out` channels, in f32 throughout for f32 kernels.
 fn conv<'a>(
     c: &'a Context,
     w: &W<'a>,
@@ -260,27 +259,7 @@ fn conv<'a>(
     c_in: i64,
     c_out: i64,
 ) -> Result<Tensor<'a>> {
-    let name = format!("{prefix}.weight");
-    let kernel = w.get(&name)?;
-    if kernel.ty() != Some(ggml::Type::F32) {
-        return conv2d(c, w, prefix, x, c_in, c_out, 3, 1, 1);
-    }
-    check_shape(&name, kernel, &[3, 3, c_in, c_out])?;
-    if x.ne()[2] != c_in {
-        return Err(ModelError::Invalid(format!(
-            "{prefix}: input has {} channels where {c_in} were expected",
-            x.ne()[2]
-        )));
-    }
-    let y = c.conv_2d_f32(kernel, x, 1, 1)?;
-    let bias = format!("{prefix}.bias");
-    match w.opt(&bias) {
-        Some(b) => {
-            check_shape(&bias, b, &[c_out])?;
-            Ok(c.add(y, c.reshape(b, &[1, 1, c_out, 1])?)?)
-        }
-        None => Ok(y),
-    }
+    conv2d_precise(c, w, prefix, x, c_in, c_out, 3, 1, 1)
 }
 
 fn lrelu<'a>(c: &'a Context, x: Tensor<'a>) -> Result<Tensor<'a>> {
