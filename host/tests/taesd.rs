@@ -89,7 +89,10 @@ fn decode_and_encode_match_diffusers() {
     let e = taesd::decode(&mut module, &[0.0; 3], [1, 3, 1, 1])
         .unwrap_err()
         .to_string();
-    assert!(e.contains("latent has 3 channels; the TAESD decoder takes 4"), "{e}");
+    assert!(
+        e.contains("latent has 3 channels; the TAESD decoder takes 4"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -138,7 +141,18 @@ fn generate_with_taesd() {
     let sd = fixture("tiny-sd1.safetensors");
     let tae = fixture("taesd/tiny-taesd.safetensors");
     let base = [
-        "generate", "-m", s(&sd), "-p", "a cat", "-W", "64", "-H", "64", "--steps", "2", "-o",
+        "generate",
+        "-m",
+        s(&sd),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "-o",
         s(&out),
     ];
     let run = |extra: &[&str]| {
@@ -158,7 +172,11 @@ fn generate_with_taesd() {
     let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     assert_eq!(lines.len(), 1, "{}", r.stderr);
     assert!(lines[0].starts_with("error: "), "{}", r.stderr);
-    assert!(lines[0].contains("esrgan-new-x4.safetensors"), "{}", r.stderr);
+    assert!(
+        lines[0].contains("esrgan-new-x4.safetensors"),
+        "{}",
+        r.stderr
+    );
     assert!(listing(&out_dir).is_empty());
 
     let r = run(&["--taesd", s(&tae), "--vae", s(&tae)]);

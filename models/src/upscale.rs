@@ -32,7 +32,7 @@
 //! does), tiles are whole cells, and the output is cropped back.
 
 use crate::blocks::nn::{conv2d_precise, ModelError, Result, W};
-use crate::checkpoint::weights::ModuleWeights;
+use crate::checkpoint::weights::{ModuleWeights, WeightsError};
 use crate::checkpoint::Checkpoint;
 use crate::module::{input_f32, Built, Devices, Module, WeightPolicy};
 use crate::ModuleKind;
@@ -346,8 +346,13 @@ impl<'b> Upscaler<'b> {
     pub fn load(ckpt: &Checkpoint, devices: Devices<'b>, policy: WeightPolicy) -> Result<Self> {
         let file = ckpt.path.display().to_string();
         let keep = |n: &str| n.ends_with(".weight") || n.ends_with(".bias");
-        let weights = ModuleWeights::load_filtered(ckpt, "", keep, devices.params)
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        let weights =
+            ModuleWeights::load_filtered(ckpt, "", keep, devices.params).map_err(|e| match e {
+                WeightsError::NoTensors { .. } => ModelError::Invalid(format!(
+                    "{file}: not an ESRGAN/RRDBNet upscaler (no weight tensors)"
+                )),
+                e => ModelError::Invalid(e.to_string()),
+            })?;
         let arch = Arch::detect(&W::new(weights.map()))
             .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
         let module = Module::new(ModuleKind::Upscaler, weights, devices, policy)?;
