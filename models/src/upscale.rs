@@ -6,7 +6,8 @@
 //! the trunk conv `model.1.sub.NB`, upsampling convs `model.3`, `model.6`, …,
 //! then the HR conv and the last conv), Real-ESRGAN/basicsr's (`conv_first`,
 //! `body.N.rdbk.convj`, `conv_body`, `conv_upI`, `conv_hr`, `conv_last`) and
-//! BSRGAN's (`RRDB_trunk.N.RDBk.convj`, `trunk_conv`, `upconvI`, `HRconv`).
+//! BSRGAN's (`RRDB_trunk.N.RDBk.convj`, `trunk_conv`, `upconvI`, `HRconv`),
+//! each possibly under a common `module.` or `netG.` prefix.
 //! Features, growth channels, blocks and upsampling steps come from the
 //! tensor names and shapes; a first conv taking 4× or 16× the output
 //! channels means Real-ESRGAN's `pixel_unshuffle` by 2 (x2plus) or 4 (x1)
@@ -346,13 +347,27 @@ impl<'b> Upscaler<'b> {
     pub fn load(ckpt: &Checkpoint, devices: Devices<'b>, policy: WeightPolicy) -> Result<Self> {
         let file = ckpt.path.display().to_string();
         let keep = |n: &str| n.ends_with(".weight") || n.ends_with(".bias");
-        let weights =
-            ModuleWeights::load_filtered(ckpt, "", keep, devices.params).map_err(|e| match e {
+        // Weights saved from a wrapped network (DataParallel, a GAN
+        // trainer) carry a common prefix, which spandrel removes as well.
+        let prefix = ["module.", "netG."]
+            .into_iter()
+            .find(|p| {
+                ckpt.tensors.iter().any(|t| keep(&t.name))
+                    && ckpt
+                        .tensors
+                        .iter()
+                        .filter(|t| keep(&t.name))
+                        .all(|t| t.name.starts_with(p))
+            })
+            .unwrap_or("");
+        let weights = ModuleWeights::load_filtered(ckpt, prefix, keep, devices.params).map_err(
+            |e| match e {
                 WeightsError::NoTensors { .. } => ModelError::Invalid(format!(
                     "{file}: not an ESRGAN/RRDBNet upscaler (no weight tensors)"
                 )),
                 e => ModelError::Invalid(e.to_string()),
-            })?;
+            },
+        )?;
         let arch = Arch::detect(&W::new(weights.map()))
             .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
         let module = Module::new(ModuleKind::Upscaler, weights, devices, policy)?;
