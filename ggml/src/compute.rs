@@ -459,6 +459,10 @@ macro_rules! binary_ops {
 unary_ops! {
     /// GELU.
     gelu => ggml_gelu, check_unary;
+    /// ReLU.
+    relu => ggml_relu, check_unary;
+    /// Hyperbolic tangent.
+    tanh => ggml_tanh, check_unary;
     /// SiLU.
     silu => ggml_silu, check_unary;
     /// Softmax over `ne[0]`.
@@ -1491,6 +1495,10 @@ mod tests {
             "gelu" bad: |c| c.gelu(t(c, Type::I32, &[8]));
             "silu" ok: |c| c.silu(t(c, Type::F16, &[8, 4]));
             "silu" bad: |c| c.silu(t(c, Type::Q8_0, &[32]));
+            "relu" ok: |c| c.relu(f32s(c, &[8, 4]));
+            "relu" bad: |c| c.relu(t(c, Type::I32, &[8]));
+            "tanh" ok: |c| c.tanh(f32s(c, &[8, 4]));
+            "tanh" bad: |c| c.tanh(transposed(c, Type::F32, &[8, 4]));
             "gelu_erf" ok: |c| c.gelu_erf(f32s(c, &[8]));
             "gelu_erf" bad: |c| c.gelu_erf(transposed(c, Type::F32, &[8, 4]));
             "gelu_quick" ok: |c| c.gelu_quick(f32s(c, &[8]));

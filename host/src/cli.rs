@@ -214,6 +214,12 @@ pub struct SampleArgs {
     #[arg(long, value_name = "FILE")]
     pub vae: Option<PathBuf>,
 
+    /// Decode with this TAESD tiny autoencoder instead of the VAE (diffusers
+    /// AutoencoderTiny .safetensors: taesd for SD 1.x/2.x, taesdxl for SDXL):
+    /// much faster, slightly softer
+    #[arg(long, value_name = "FILE", conflicts_with = "vae")]
+    pub taesd: Option<PathBuf>,
+
     /// Fused (flash) attention in the UNet and VAE, K and V rounded to f16:
     /// `auto` (default) uses it for modules running on a CPU device, where it
     /// is faster and smaller; `on` (or the bare flag) everywhere; `off` nowhere
@@ -283,8 +289,13 @@ impl SampleArgs {
         })
     }
 
+    /// The file that replaces the checkpoint's VAE: `--vae` or `--taesd`.
+    pub fn vae_file(&self) -> Option<&std::path::Path> {
+        self.vae.as_deref().or(self.taesd.as_deref())
+    }
+
     /// How to load the checkpoint under these settings (`vae`: the
-    /// `--vae` file, scanned).
+    /// [`SampleArgs::vae_file`], scanned).
     pub fn load_options<'c>(
         &self,
         vae: Option<&'c sdhost_models::checkpoint::Checkpoint>,

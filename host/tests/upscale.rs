@@ -218,6 +218,43 @@ fn bad_pth_files_are_refused_in_one_line() {
     }
 }
 
+#[test]
+fn a_common_module_prefix_is_removed() {
+    let refs = refs();
+    let (shape, input) = &refs["input"];
+    let (h, w) = (shape[2] as usize, shape[3] as usize);
+    // esrgan-new-x4.safetensors with every name under `module.`.
+    let bytes = std::fs::read(fixture("esrgan-new-x4.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let renamed: serde_json::Map<String, serde_json::Value> = header
+        .into_iter()
+        .map(|(k, v)| match k.as_str() {
+            "__metadata__" => (k, v),
+            _ => (format!("module.{k}"), v),
+        })
+        .collect();
+    let text = serde_json::to_vec(&renamed).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("wrapped.safetensors");
+    let mut out = (text.len() as u64).to_le_bytes().to_vec();
+    out.extend(text);
+    out.extend(&bytes[8 + n..]);
+    std::fs::write(&path, out).unwrap();
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let mut up = Upscaler::load(&checkpoint::scan(&path).unwrap(), d, WeightPolicy::Free).unwrap();
+    let got = up.run(input, w, h, UNTILED, &|| false).unwrap();
+    assert!(max_abs_diff(&got, &refs["out.new_x4"].1) <= 1e-5);
+}
+
 fn write_png(path: &Path, w: u32, h: u32, color: png::ColorType, depth: png::BitDepth) {
     let channels = match color {
         png::ColorType::Grayscale => 1,

@@ -25,6 +25,7 @@
 
 use crate::blocks::clip::{self, ClipConfig};
 use crate::blocks::nn::{ModelError, Result, W};
+use crate::blocks::taesd;
 use crate::blocks::tokenizer::{ClipTokenizer, CONTEXT};
 use crate::blocks::unet::{self, UnetConfig, UnetInput};
 use crate::blocks::vae;
@@ -147,6 +148,9 @@ pub struct Pipeline<'b> {
     vae_factor: usize,
     /// VAE tiling (in latent cells), or none.
     vae_tiling: Option<Tiling>,
+    /// The VAE is a TAESD (`blocks/taesd.rs`, unscaled latents), decided
+    /// from its tensor names.
+    taesd: bool,
 }
 
 /// Tensors of a module that are not weights (int64 buffers some exporters
@@ -249,7 +253,12 @@ impl<'b> Pipeline<'b> {
             .map(|e| ClipConfig::from_weights(&W::new(te.params().map()), *e))
             .collect::<Result<Vec<_>>>()
             .map_err(|e| ModelError::Invalid(format!("{file}: te: {e}")))?;
-        let vae_factor = vae::upscale_factor(&W::new(vae.params().map())) as usize;
+        let taesd = taesd::is_taesd(vae.params().names());
+        let vae_factor = if taesd {
+            taesd::upscale_factor(&W::new(vae.params().map()))
+        } else {
+            vae::upscale_factor(&W::new(vae.params().map()))
+        } as usize;
         let context: i64 = clip.iter().map(|c| c.hidden).sum();
         if context != unet_cfg.context_dim {
             return Err(ModelError::Invalid(format!(
@@ -280,13 +289,18 @@ impl<'b> Pipeline<'b> {
         }
         unet::validate(&unet, &unet_cfg)
             .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
-        vae::validate(&vae).map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
-        if opts.vae_encoder || inpainting {
+        if taesd {
+            taesd::validate(&vae)
+        } else {
+            vae::validate(&vae)
+        }
+        .map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
+        if (opts.vae_encoder || inpainting) && !taesd {
             vae::validate_encoder(&vae)
                 .map_err(|e| ModelError::Invalid(format!("{vae_file}: VAE encoder: {e}")))?;
         }
         if inpainting {
-            let z = vae_latent_channels(&vae)?;
+            let z = vae_latent_channels(&vae, taesd)?;
             if unet_cfg.in_channels != 2 * unet_cfg.out_channels + 1 || z != unet_cfg.out_channels {
                 return Err(ModelError::Invalid(format!(
                     "{file}: a UNet taking {} channels and giving {} is neither a plain nor an inpainting model for a {z}-channel VAE",
@@ -306,7 +320,13 @@ impl<'b> Pipeline<'b> {
             unet_cfg,
             vae_factor,
             vae_tiling: None,
+            taesd,
         })
+    }
+
+    /// Whether the VAE is a TAESD.
+    pub fn vae_is_taesd(&self) -> bool {
+        self.taesd
     }
 
     /// The family's configuration.
@@ -333,7 +353,7 @@ impl<'b> Pipeline<'b> {
 
     /// Whether the VAE encoder is loaded (img2img and inpainting need it).
     pub fn has_vae_encoder(&self) -> bool {
-        vae::has_encoder(&self.vae)
+        vae::has_encoder(&self.vae) || self.vae.params().contains("encoder.layers.0.weight")
     }
 
     /// The UNet's hyper-parameters.
@@ -611,12 +631,20 @@ impl<'b> Pipeline<'b> {
                 "the VAE encoder was not loaded (load with vae_encoder)".into(),
             ));
         }
-        let scale = self.family.vae_scale;
+        let (scale, taesd) = (self.family.vae_scale, self.taesd);
+        // TAESD's latents need no scale.
+        let encode = move |module: &mut Module<'_>, x: &[f32], shape: [usize; 4]| {
+            if taesd {
+                taesd::encode(module, x, shape)
+            } else {
+                Ok(vae::encode(module, x, shape, scale)?.0)
+            }
+        };
         let Some(tiling) = self.vae_tiling else {
-            return Ok(vae::encode(&mut self.vae, planes, [1, 3, height, width], scale)?.0);
+            return encode(&mut self.vae, planes, [1, 3, height, width]);
         };
         let f = self.vae_factor;
-        let z = vae_latent_channels(&self.vae)? as usize;
+        let z = vae_latent_channels(&self.vae, taesd)? as usize;
         let module = &mut self.vae;
         run_tiled(
             planes,
@@ -625,7 +653,7 @@ impl<'b> Pipeline<'b> {
             1,
             z,
             tiling,
-            |tile, th, tw| Ok(vae::encode(module, tile, [1, 3, th * f, tw * f], scale)?.0),
+            |tile, th, tw| encode(module, tile, [1, 3, th * f, tw * f]),
         )
     }
 
@@ -741,9 +769,16 @@ impl<'b> Pipeline<'b> {
     /// Decodes a latent `[1, C, h, w]` into an image.
     pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
         tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
-        let scale = self.family.vae_scale;
+        let (scale, taesd) = (self.family.vae_scale, self.taesd);
+        let decode = move |module: &mut Module<'_>, z: &[f32], shape: [usize; 4]| {
+            if taesd {
+                taesd::decode(module, z, shape)
+            } else {
+                vae::decode(module, z, shape, scale)
+            }
+        };
         let out = match self.vae_tiling {
-            None => vae::decode(&mut self.vae, latent, shape, scale),
+            None => decode(&mut self.vae, latent, shape),
             Some(tiling) => {
                 let module = &mut self.vae;
                 let [_, c, h, w] = shape;
@@ -754,7 +789,7 @@ impl<'b> Pipeline<'b> {
                     self.vae_factor,
                     3,
                     tiling,
-                    |tile, th, tw| vae::decode(module, tile, [1, c, th, tw], scale),
+                    |tile, th, tw| decode(module, tile, [1, c, th, tw]),
                 )
             }
         };
@@ -784,11 +819,16 @@ fn blend(x: &mut [f32], z0: &[f32], m: &[f32]) {
 }
 
 /// The latent channels of a VAE: its decoder's input (`post_quant_conv`).
-fn vae_latent_channels(vae: &Module<'_>) -> Result<i64> {
+fn vae_latent_channels(vae: &Module<'_>, taesd: bool) -> Result<i64> {
+    let first = if taesd {
+        "decoder.layers.0.weight"
+    } else {
+        "post_quant_conv.weight"
+    };
     vae.params()
-        .get("post_quant_conv.weight")
+        .get(first)
         .map(|t| t.ne()[2])
-        .ok_or_else(|| ModelError::Invalid("missing tensor post_quant_conv.weight".into()))
+        .ok_or_else(|| ModelError::Invalid(format!("missing tensor {first}")))
 }
 
 /// `[3, h, w]` planes in −1..1 of an RGB image (the VAE encoder's input).

@@ -6,7 +6,8 @@
 //! the trunk conv `model.1.sub.NB`, upsampling convs `model.3`, `model.6`, …,
 //! then the HR conv and the last conv), Real-ESRGAN/basicsr's (`conv_first`,
 //! `body.N.rdbk.convj`, `conv_body`, `conv_upI`, `conv_hr`, `conv_last`) and
-//! BSRGAN's (`RRDB_trunk.N.RDBk.convj`, `trunk_conv`, `upconvI`, `HRconv`).
+//! BSRGAN's (`RRDB_trunk.N.RDBk.convj`, `trunk_conv`, `upconvI`, `HRconv`),
+//! each possibly under a common `module.` or `netG.` prefix.
 //! Features, growth channels, blocks and upsampling steps come from the
 //! tensor names and shapes; a first conv taking 4× or 16× the output
 //! channels means Real-ESRGAN's `pixel_unshuffle` by 2 (x2plus) or 4 (x1)
@@ -31,8 +32,8 @@
 //! image is first reflect-padded to a multiple of the cell (as spandrel
 //! does), tiles are whole cells, and the output is cropped back.
 
-use crate::blocks::nn::{check_shape, conv2d, ModelError, Result, W};
-use crate::checkpoint::weights::ModuleWeights;
+use crate::blocks::nn::{conv2d_precise, ModelError, Result, W};
+use crate::checkpoint::weights::{ModuleWeights, WeightsError};
 use crate::checkpoint::Checkpoint;
 use crate::module::{input_f32, Built, Devices, Module, WeightPolicy};
 use crate::ModuleKind;
@@ -250,8 +251,7 @@ impl Default for Tiling {
 }
 
 /// A 3×3, stride 1, padding 1 convolution `{prefix}` from `c_in` to
-/// `c_out` channels: in f32 throughout for f32 kernels (ggml's own conv
-/// rounds to f16), else [`conv2d`].
+/// `c_out` channels, in f32 throughout for f32 kernels.
 fn conv<'a>(
     c: &'a Context,
     w: &W<'a>,
@@ -260,27 +260,7 @@ fn conv<'a>(
     c_in: i64,
     c_out: i64,
 ) -> Result<Tensor<'a>> {
-    let name = format!("{prefix}.weight");
-    let kernel = w.get(&name)?;
-    if kernel.ty() != Some(ggml::Type::F32) {
-        return conv2d(c, w, prefix, x, c_in, c_out, 3, 1, 1);
-    }
-    check_shape(&name, kernel, &[3, 3, c_in, c_out])?;
-    if x.ne()[2] != c_in {
-        return Err(ModelError::Invalid(format!(
-            "{prefix}: input has {} channels where {c_in} were expected",
-            x.ne()[2]
-        )));
-    }
-    let y = c.conv_2d_f32(kernel, x, 1, 1)?;
-    let bias = format!("{prefix}.bias");
-    match w.opt(&bias) {
-        Some(b) => {
-            check_shape(&bias, b, &[c_out])?;
-            Ok(c.add(y, c.reshape(b, &[1, 1, c_out, 1])?)?)
-        }
-        None => Ok(y),
-    }
+    conv2d_precise(c, w, prefix, x, c_in, c_out, 3, 1, 1)
 }
 
 fn lrelu<'a>(c: &'a Context, x: Tensor<'a>) -> Result<Tensor<'a>> {
@@ -367,8 +347,27 @@ impl<'b> Upscaler<'b> {
     pub fn load(ckpt: &Checkpoint, devices: Devices<'b>, policy: WeightPolicy) -> Result<Self> {
         let file = ckpt.path.display().to_string();
         let keep = |n: &str| n.ends_with(".weight") || n.ends_with(".bias");
-        let weights = ModuleWeights::load_filtered(ckpt, "", keep, devices.params)
-            .map_err(|e| ModelError::Invalid(e.to_string()))?;
+        // Weights saved from a wrapped network (DataParallel, a GAN
+        // trainer) carry a common prefix, which spandrel removes as well.
+        let prefix = ["module.", "netG."]
+            .into_iter()
+            .find(|p| {
+                ckpt.tensors.iter().any(|t| keep(&t.name))
+                    && ckpt
+                        .tensors
+                        .iter()
+                        .filter(|t| keep(&t.name))
+                        .all(|t| t.name.starts_with(p))
+            })
+            .unwrap_or("");
+        let weights = ModuleWeights::load_filtered(ckpt, prefix, keep, devices.params).map_err(
+            |e| match e {
+                WeightsError::NoTensors { .. } => ModelError::Invalid(format!(
+                    "{file}: not an ESRGAN/RRDBNet upscaler (no weight tensors)"
+                )),
+                e => ModelError::Invalid(e.to_string()),
+            },
+        )?;
         let arch = Arch::detect(&W::new(weights.map()))
             .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
         let module = Module::new(ModuleKind::Upscaler, weights, devices, policy)?;

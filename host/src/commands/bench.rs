@@ -408,8 +408,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let ckpt = sdhost_models::checkpoint::scan(path)?;
     let vae = a
         .sample
-        .vae
-        .as_deref()
+        .vae_file()
         .map(sdhost_models::checkpoint::scan)
         .transpose()?;
     let cpu_name = crate::commands::generate::cpu_device(session, "bench")?;

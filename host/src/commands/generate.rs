@@ -31,8 +31,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
     let vae = args
         .sample
-        .vae
-        .as_deref()
+        .vae_file()
         .map(sdhost_models::checkpoint::scan)
         .transpose()?;
 
@@ -47,6 +46,12 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let tiling = args.sample.vae_tiling()?;
     let mut sd = Pipeline::load(&ckpt, layout, opts)?;
     sd.set_vae_tiling(tiling);
+    if let (Some(t), false) = (&args.sample.taesd, sd.vae_is_taesd()) {
+        return Err(anyhow!(
+            "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
+            t.display()
+        ));
+    }
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     // Loaded before sampling, so a file that is no upscaler fails at once.
     let mut upscaler = match &args.upscale_model {
@@ -362,6 +367,9 @@ fn parameters_text(
         if sd.is_inpainting() {
             s.push_str(", Inpainting model: yes");
         }
+    }
+    if let Some(t) = &args.sample.taesd {
+        s.push_str(&format!(", TAESD: {}", file_name(t)));
     }
     if let Some(up) = &args.upscale_model {
         s.push_str(&format!(

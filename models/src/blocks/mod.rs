@@ -2,6 +2,7 @@
 
 pub mod clip;
 pub mod nn;
+pub mod taesd;
 pub mod tokenizer;
 pub mod unet;
 pub mod vae;

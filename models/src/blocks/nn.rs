@@ -229,6 +229,37 @@ pub fn conv2d<'a>(
     add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
 }
 
+/// [`conv2d`], computed in f32 throughout where the kernel is f32 (ggml's
+/// own convolution rounds activations and weights to f16; see
+/// `ggml::Context::conv_2d_f32`); other kernels take [`conv2d`]'s path.
+#[allow(clippy::too_many_arguments)]
+pub fn conv2d_precise<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    c_in: i64,
+    c_out: i64,
+    k: i64,
+    stride: i32,
+    pad: i32,
+) -> Result<Tensor<'a>> {
+    let name = format!("{prefix}.weight");
+    let kernel = w.get(&name)?;
+    if kernel.ty() != Some(ggml::Type::F32) {
+        return conv2d(c, w, prefix, x, c_in, c_out, k, stride, pad);
+    }
+    check_shape(&name, kernel, &[k, k, c_in, c_out])?;
+    if x.ne()[2] != c_in {
+        return Err(ModelError::Invalid(format!(
+            "{prefix}: input has {} channels where {c_in} were expected",
+            x.ne()[2]
+        )));
+    }
+    let y = c.conv_2d_f32(kernel, x, stride, pad)?;
+    add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
+}
+
 /// `y` plus the optional `[n]` bias `{prefix}.bias`, seen as shape `ne`.
 fn add_bias<'a>(
     c: &'a Context,

@@ -1,0 +1,202 @@
+//! TAESD (diffusers `AutoencoderTiny`) against diffusers on the committed
+//! tiny random model (`tests/fixtures/taesd/`, `make_taesd_fixtures.py`):
+//! decode and encode, the pipeline passing its latents unscaled, and
+//! `generate --taesd` from the command line (PNG, parameters, a file that is
+//! no TAESD in one line, `--vae` and `--taesd` exclusive).
+//!
+//! The weights and references are f32 and f32 kernels run an f32 im2col, so
+//! the graph agrees with diffusers to about 1e-6 (asserted: 1e-4).
+
+mod common;
+use common::*;
+use sdhost::discovery::Origin;
+use sdhost::manager::BackendManager;
+use sdhost::registry::Registry;
+use sdhost_models::blocks::taesd;
+use sdhost_models::checkpoint::{self, weights::ModuleWeights};
+use sdhost_models::module::{Devices, Module, WeightPolicy};
+use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline};
+use sdhost_models::ModuleKind;
+use std::collections::HashMap;
+
+fn refs() -> HashMap<String, (Vec<u64>, Vec<f32>)> {
+    let path = fixture("taesd/tiny-taesd-ref.safetensors");
+    let bytes = std::fs::read(&path).unwrap();
+    checkpoint::scan(&path)
+        .unwrap()
+        .tensors
+        .into_iter()
+        .map(|t| {
+            let off = t.offset.unwrap() as usize;
+            let v = checkpoint::dtype::decode_f32(&t.dtype, &bytes[off..off + t.bytes as usize])
+                .unwrap();
+            (t.name, (t.shape, v))
+        })
+        .collect()
+}
+
+fn shape4(s: &[u64]) -> [usize; 4] {
+    [s[0] as usize, s[1] as usize, s[2] as usize, s[3] as usize]
+}
+
+fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+}
+
+#[test]
+fn decode_and_encode_match_diffusers() {
+    let refs = refs();
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let ckpt = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
+    let weights = ModuleWeights::load(&ckpt, "", cpu).unwrap();
+    assert!(taesd::is_taesd(weights.names()));
+    let mut module = Module::new(ModuleKind::Vae, weights, d, WeightPolicy::Free).unwrap();
+    taesd::validate(&module).unwrap();
+    assert_eq!(
+        taesd::upscale_factor(&sdhost_models::blocks::nn::W::new(module.params().map())),
+        8
+    );
+
+    let (zs, z) = &refs["decode.z"];
+    let got = taesd::decode(&mut module, z, shape4(zs)).unwrap();
+    let e = max_abs_diff(&got, &refs["decode.image"].1);
+    eprintln!("taesd decode: max abs error {e:.2e} against diffusers");
+    assert!(e <= 1e-4, "decode: {e}");
+
+    let (is, image) = &refs["encode.image"];
+    let got = taesd::encode(&mut module, image, shape4(is)).unwrap();
+    let e = max_abs_diff(&got, &refs["encode.z"].1);
+    eprintln!("taesd encode: max abs error {e:.2e} against diffusers");
+    assert!(e <= 1e-4, "encode: {e}");
+
+    // Four latent channels only.
+    let e = taesd::decode(&mut module, &[0.0; 3], [1, 3, 1, 1])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("latent has 3 channels; the TAESD decoder takes 4"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
+    let refs = refs();
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let opts = LoadOptions {
+        vae: Some(&tae),
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    assert!(sd.vae_is_taesd());
+    let (zs, z) = &refs["decode.z"];
+    let image = sd.decode(z, shape4(zs)).unwrap();
+    let want = sdhost_models::pipeline::to_rgb(&refs["decode.image"].1, 40, 48);
+    assert_eq!((image.width, image.height), (40, 48));
+    let worst = image
+        .rgb
+        .iter()
+        .zip(&want.rgb)
+        .map(|(a, b)| a.abs_diff(*b))
+        .max()
+        .unwrap();
+    assert!(worst <= 1, "pixels differ by up to {worst}");
+}
+
+#[test]
+fn generate_with_taesd() {
+    let p = Prefix::with_cpu();
+    let out_dir = p.dir("out");
+    let out = out_dir.join("t.png");
+    let sd = fixture("tiny-sd1.safetensors");
+    let tae = fixture("taesd/tiny-taesd.safetensors");
+    let base = [
+        "generate",
+        "-m",
+        s(&sd),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "-o",
+        s(&out),
+    ];
+    let run = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        p.run(&a)
+    };
+    run(&["--taesd", s(&tae)]).ok();
+    let (w, h, text) = png_info(&out);
+    assert_eq!((w, h), (64, 64));
+    assert!(text.contains(", TAESD: tiny-taesd.safetensors"), "{text}");
+    std::fs::remove_file(&out).unwrap();
+
+    // img2img, inpainting and tiling go through TAESD's encoder too.
+    let init = fixture("init-64.png");
+    let mask = fixture("mask-64.png");
+    run(&["--taesd", s(&tae), "-i", s(&init), "--strength", "0.5"]).ok();
+    run(&["--taesd", s(&tae), "-i", s(&init), "--mask", s(&mask)]).ok();
+    run(&[
+        "--taesd",
+        s(&tae),
+        "-i",
+        s(&init),
+        "--vae-tiling",
+        "--vae-tile-size",
+        "4",
+        "--vae-tile-overlap",
+        "2",
+    ])
+    .ok();
+    let (_, _, text) = png_info(&out);
+    assert!(
+        text.contains("Mask") || text.contains("VAE tiling: 4/2"),
+        "{text}"
+    );
+    std::fs::remove_file(&out).unwrap();
+
+    // A file that is no TAESD: one line, no output.
+    let r = run(&["--taesd", s(&fixture("upscale/esrgan-new-x4.safetensors"))]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{}", r.stderr);
+    assert!(lines[0].starts_with("error: "), "{}", r.stderr);
+    assert!(
+        lines[0].contains("esrgan-new-x4.safetensors"),
+        "{}",
+        r.stderr
+    );
+    assert!(listing(&out_dir).is_empty());
+
+    let r = run(&["--taesd", s(&tae), "--vae", s(&tae)]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("cannot be used with"), "{}", r.stderr);
+}
