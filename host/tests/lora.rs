@@ -19,13 +19,8 @@ use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::module::Devices;
 use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline};
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures")
-        .join(name)
-}
 
 fn tensors(path: &Path) -> HashMap<String, Vec<f32>> {
     let bytes = std::fs::read(path).unwrap();
