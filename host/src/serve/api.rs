@@ -278,7 +278,11 @@ impl Fields<'_> {
         };
         let n = v
             .as_i64()
-            .or_else(|| v.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 9e15).map(|f| f as i64))
+            .or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
+                    .map(|f| f as i64)
+            })
             .ok_or_else(|| ApiError::field(k, "expected a whole number"))?;
         if n < lo || n > hi {
             return Err(ApiError::field(k, format!("{n} is outside {lo}..={hi}")));
@@ -334,7 +338,10 @@ fn seed_of(f: &Fields<'_>) -> ApiResult<u64> {
             if let Some(u) = v.as_u64() {
                 return Ok(u);
             }
-            match v.as_i64().or_else(|| v.as_f64().filter(|x| x.fract() == 0.0).map(|x| x as i64)) {
+            match v
+                .as_i64()
+                .or_else(|| v.as_f64().filter(|x| x.fract() == 0.0).map(|x| x as i64))
+            {
                 Some(-1) => Ok(random_seed()),
                 Some(n) if n >= 0 => Ok(n as u64),
                 _ => Err(ApiError::field(
@@ -376,7 +383,10 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
     let choice = match &name {
         Some((field, s)) => SamplerChoice::parse(s).ok_or_else(|| {
             let names: Vec<&str> = Sampler::ALL.iter().map(|s| s.a1111_label()).collect();
-            ApiError::field(field, format!("unknown sampler {s:?} ({})", names.join(", ")))
+            ApiError::field(
+                field,
+                format!("unknown sampler {s:?} ({})", names.join(", ")),
+            )
         })?,
         None => SamplerChoice {
             sampler: Sampler::EulerA,
@@ -408,7 +418,10 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
     if batch * n_iter > MAX_IMAGES {
         return Err(ApiError::field(
             "n_iter",
-            format!("batch_size × n_iter is {}, more than {MAX_IMAGES}", batch * n_iter),
+            format!(
+                "batch_size × n_iter is {}, more than {MAX_IMAGES}",
+                batch * n_iter
+            ),
         ));
     }
     if f.boolean("enable_hr")? == Some(true) {
@@ -451,7 +464,9 @@ fn model_override(st: &AppState, f: &Fields<'_>) -> ApiResult<Option<ModelEntry>
     };
     match o.get("sd_model_checkpoint") {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::String(s)) => find_model(st, "override_settings.sd_model_checkpoint", s).map(Some),
+        Some(Value::String(s)) => {
+            find_model(st, "override_settings.sd_model_checkpoint", s).map(Some)
+        }
         Some(_) => Err(ApiError::field(
             "override_settings.sd_model_checkpoint",
             "expected a string",
@@ -472,7 +487,9 @@ fn decode_b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
     let clean: String = data.chars().filter(|c| !c.is_ascii_whitespace()).collect();
     base64::engine::general_purpose::STANDARD
         .decode(clean.trim_end_matches('='))
-        .or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(clean.trim_end_matches('=')))
+        .or_else(|_| {
+            base64::engine::general_purpose::STANDARD_NO_PAD.decode(clean.trim_end_matches('='))
+        })
         .map_err(|e| ApiError::field(field, format!("not base64: {e}")))
 }
 
@@ -698,7 +715,12 @@ async fn img2img(
     let first = match f.get("init_images") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(s) => s.clone(),
-            _ => return Err(ApiError::field("init_images[0]", "expected a base64 string")),
+            _ => {
+                return Err(ApiError::field(
+                    "init_images[0]",
+                    "expected a base64 string",
+                ))
+            }
         },
         Some(Value::Array(_)) | None => {
             return Err(ApiError::field("init_images", "required: one base64 image"))
@@ -821,7 +843,15 @@ async fn progress(State(st): State<AppState>) -> Json<Value> {
             let p = r.fraction();
             let el = r.started.elapsed().as_secs_f64();
             let eta = if p > 0.0 { el * (1.0 - p) / p } else { 0.0 };
-            (p, eta, r.step, r.steps, r.kind, r.timestamp.to_string(), Some(r.id))
+            (
+                p,
+                eta,
+                r.step,
+                r.steps,
+                r.kind,
+                r.timestamp.to_string(),
+                Some(r.id),
+            )
         }
         None => (0.0, 0.0, 0, 0, "", String::new(), None),
     };
@@ -893,10 +923,15 @@ async fn openai_generations(
         if size != "auto" {
             let parsed = size
                 .split_once(['x', 'X'])
-                .and_then(|(w, h)| Some((w.trim().parse::<i64>().ok()?, h.trim().parse::<i64>().ok()?)))
+                .and_then(|(w, h)| {
+                    Some((w.trim().parse::<i64>().ok()?, h.trim().parse::<i64>().ok()?))
+                })
                 .filter(|&(w, h)| (8..=MAX_SIDE).contains(&w) && (8..=MAX_SIDE).contains(&h));
             let (w, h) = parsed.ok_or_else(|| {
-                ApiError::field("size", format!("{size:?} is not WIDTHxHEIGHT with sides 8..={MAX_SIDE}"))
+                ApiError::field(
+                    "size",
+                    format!("{size:?} is not WIDTHxHEIGHT with sides 8..={MAX_SIDE}"),
+                )
             })?;
             (work.width, work.height) = (Some(w as usize), Some(h as usize));
         }
@@ -949,14 +984,22 @@ mod tests {
             (json!({"prompt": "x", "width": 100000}), "width"),
             (json!({"prompt": "x", "cfg_scale": "high"}), "cfg_scale"),
             (json!({"prompt": "x", "seed": -2}), "seed"),
-            (json!({"prompt": "x", "sampler_name": "nope"}), "sampler_name"),
+            (
+                json!({"prompt": "x", "sampler_name": "nope"}),
+                "sampler_name",
+            ),
             (json!({"prompt": "x", "scheduler": "ays"}), "scheduler"),
-            (json!({"prompt": "x", "batch_size": 8, "n_iter": 8}), "n_iter"),
+            (
+                json!({"prompt": "x", "batch_size": 8, "n_iter": 8}),
+                "n_iter",
+            ),
             (json!({"prompt": "x", "enable_hr": true}), "enable_hr"),
         ];
         for (body, field) in cases {
             let m = fields(body.clone());
-            let e = gen_work(&Fields(&m), "txt2img", 20).unwrap_err();
+            let Err(e) = gen_work(&Fields(&m), "txt2img", 20) else {
+                panic!("{body} was accepted")
+            };
             assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
             assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
         }
@@ -964,8 +1007,10 @@ mod tests {
 
     #[test]
     fn a1111_defaults_and_names() {
-        let m = fields(json!({"prompt": "p", "sampler_name": "DPM++ 2M Karras", "seed": -1,
-            "override_settings": {"CLIP_stop_at_last_layers": 2}, "steps": 20.0}));
+        let m = fields(
+            json!({"prompt": "p", "sampler_name": "DPM++ 2M Karras", "seed": -1,
+            "override_settings": {"CLIP_stop_at_last_layers": 2}, "steps": 20.0}),
+        );
         let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
         assert_eq!(w.sampler, Sampler::DpmPp2m);
         assert_eq!(w.scheduler, Scheduler::Karras);
@@ -981,7 +1026,10 @@ mod tests {
     fn base64_and_data_urls() {
         assert_eq!(decode_b64("f", "aGk=").unwrap(), b"hi");
         assert_eq!(decode_b64("f", "data:image/png;base64,aGk").unwrap(), b"hi");
-        assert_eq!(decode_b64("f", "***").unwrap_err().field.as_deref(), Some("f"));
+        assert_eq!(
+            decode_b64("f", "***").unwrap_err().field.as_deref(),
+            Some("f")
+        );
         let e = decode_image("init_images[0]", b"not an image").unwrap_err();
         assert_eq!(e.field.as_deref(), Some("init_images[0]"));
     }

@@ -45,7 +45,12 @@ pub struct ServeArgs {
     pub port: u16,
 
     /// Require `Authorization: Bearer KEY` on every API call
-    #[arg(long = "api-key", value_name = "KEY", env = "SDHOST_API_KEY", hide_env_values = true)]
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "SDHOST_API_KEY",
+        hide_env_values = true
+    )]
     pub api_key: Option<String>,
 
     /// Jobs that may wait behind the running one; more are refused with 503
@@ -206,8 +211,8 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         queue: queue.clone(),
         current: current.clone(),
     };
-    let listener = std::net::TcpListener::bind(addr)
-        .with_context(|| format!("cannot listen on {addr}"))?;
+    let listener =
+        std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener
         .set_nonblocking(true)
         .context("configuring the socket")?;

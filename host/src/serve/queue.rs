@@ -300,9 +300,9 @@ impl<W: JobKind, T> Queue<W, T> {
         drop(g);
         for job in dropped {
             job.cancel.store(true, Ordering::SeqCst);
-            let _ = job
-                .reply
-                .send(Err(JobError::Cancelled("the server is shutting down".into())));
+            let _ = job.reply.send(Err(JobError::Cancelled(
+                "the server is shutting down".into(),
+            )));
         }
         self.cv.notify_all();
     }

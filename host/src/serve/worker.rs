@@ -387,9 +387,8 @@ impl<'m> Worker<'_, 'm> {
                 clip_skip: g.clip_skip,
                 init: init.clone(),
             };
-            let image = l
-                .sd
-                .generate(
+            let image =
+                l.sd.generate(
                     &req,
                     None,
                     &mut |step, _| self.queue.progress(step, i),
