@@ -5,7 +5,8 @@
 //! parameters and reproducibility, img2img, switching models, the queue
 //! bound (503 + Retry-After), interrupt, cancellation on disconnect,
 //! authentication, the body limit, a batch of bad requests between valid
-//! ones, and shutdown on SIGTERM with exit code 0.
+//! ones, shutdown on SIGTERM with exit code 0, and a load test (100
+//! requests from 8 clients).
 //!
 //! Slow jobs (1000 steps) are always interrupted or cancelled, never run to
 //! the end; waits poll the server's own state, with a generous deadline
@@ -722,5 +723,109 @@ fn auth_body_limit_and_sigterm() {
     assert!(
         log.contains("still running after the grace period; cancelled"),
         "{log}"
+    );
+}
+
+/// Resident memory of a process, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+/// 100 requests from 8 clients: each answered 200 with its own seed or 503
+/// by the queue rule, none lost or duplicated, the counters agree, and the
+/// server's memory after the run is within 10 % of its value after the
+/// first 10 requests.
+#[test]
+fn load_100_requests_from_8_clients() {
+    // Compute buffers stay allocated between jobs (`keep`), so what is
+    // measured is the server, not the allocator returning freed buffers.
+    let srv = Server::start(&[
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--queue",
+        "3",
+        "--phase-memory",
+        "keep",
+    ]);
+    let one = |seed: u64| json!({"prompt": "load", "steps": 1, "width": 64, "height": 64, "seed": seed, "sampler_name": "euler"});
+    for seed in 0..10 {
+        let r = srv.post("/sdapi/v1/txt2img", one(seed));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let rss_warm = rss_kib(srv.child.id());
+
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(10));
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let (addr, next) = (srv.addr.clone(), next.clone());
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                loop {
+                    let seed = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if seed >= 100 {
+                        return got;
+                    }
+                    let body = serde_json::to_vec(&one(seed)).unwrap();
+                    let r = request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]);
+                    got.push((seed, r));
+                }
+            })
+        })
+        .collect();
+    let mut answers: Vec<(u64, Resp)> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+    answers.sort_by_key(|(seed, _)| *seed);
+    assert_eq!(
+        answers.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        (10..100).collect::<Vec<_>>(),
+        "every request answered once"
+    );
+    let (mut ok, mut busy) = (0u64, 0u64);
+    let mut images = std::collections::HashSet::new();
+    for (seed, r) in &answers {
+        match r.status {
+            200 => {
+                let j = r.json();
+                assert_eq!(
+                    j["parameters"]["seed"], *seed,
+                    "the answer to its own request"
+                );
+                let text = png_of(j["images"][0].as_str().unwrap()).2;
+                assert!(text.contains(&format!("Seed: {seed},")), "{text}");
+                assert!(
+                    images.insert(j["images"][0].as_str().unwrap().to_string()),
+                    "a duplicated image"
+                );
+                ok += 1;
+            }
+            503 => {
+                assert!(r.header("retry-after").is_some());
+                busy += 1;
+            }
+            s => panic!("seed {seed}: status {s}: {}", r.text()),
+        }
+    }
+    eprintln!("load: {ok} generated, {busy} refused (queue full)");
+    assert!(
+        ok >= 4,
+        "at least the running job and the queue's 3 got through"
+    );
+    let h = srv.get("/health");
+    assert_eq!(h["jobs"]["done"], 10 + ok, "{h}");
+    assert_eq!(h["jobs"]["submitted"], 10 + ok, "{h}");
+    assert_eq!(h["jobs"]["rejected"], busy, "{h}");
+    assert_eq!(h["jobs"]["failed"], 0, "{h}");
+    let rss_end = rss_kib(srv.child.id());
+    eprintln!("load: RSS {rss_warm} KiB after 10 requests, {rss_end} KiB after 100");
+    assert!(
+        rss_end * 10 <= rss_warm * 11,
+        "RSS grew from {rss_warm} KiB to {rss_end} KiB"
     );
 }
