@@ -69,6 +69,8 @@ pub enum Command {
     Check(CheckArgs),
     /// Generate an image from a text prompt with an SD 1.x, SD 2.x or SDXL checkpoint
     Generate(GenerateArgs),
+    /// Serve the A1111 (`/sdapi/v1`) and OpenAI image APIs and a web page, with the model loaded
+    Serve(crate::serve::ServeArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
     /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)

@@ -26,5 +26,6 @@ pub mod placement;
 pub mod probe;
 pub mod registry;
 pub mod render;
+pub mod serve;
 pub mod session;
 pub mod term;

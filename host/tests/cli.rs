@@ -46,7 +46,8 @@ fn help_of_every_subcommand() {
     let p = Prefix::bare();
     let _g = settings(&p).bind_to_scope();
     for sub in [
-        "", "devices", "plugins", "plan", "check", "generate", "convert", "upscale", "bench",
+        "", "devices", "plugins", "plan", "check", "generate", "serve", "convert", "upscale",
+        "bench",
     ] {
         let mut args: Vec<&str> = sub.split_whitespace().collect();
         args.push("--help");

@@ -21,7 +21,6 @@ use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline};
 use std::collections::HashMap;
 use std::path::Path;
 
-
 fn tensors(path: &Path) -> HashMap<String, Vec<f32>> {
     let bytes = std::fs::read(path).unwrap();
     checkpoint::scan(path)

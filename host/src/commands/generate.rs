@@ -322,16 +322,65 @@ fn parameters_text(
     flash: &str,
     hashes: &(String, Option<String>),
 ) -> String {
+    let fields = TextFields {
+        prompt: &args.prompt,
+        negative: &args.negative,
+        model: &args.model,
+        vae: args.sample.vae.as_deref(),
+        tiling: args.sample.vae_tiling().ok().flatten(),
+        init: args.init.init_img.as_deref(),
+        mask: args.init.mask.as_deref(),
+        taesd: args.sample.taesd.as_deref(),
+        upscaler: args
+            .upscale_model
+            .as_deref()
+            .map(|p| (p, args.upscale.repeats)),
+    };
+    parameters_text_of(&fields, req, sd, placement, flash, hashes)
+}
+
+/// What the parameters text records beyond the request and the pipeline
+/// (`generate` takes them from its flags, `serve` from a request).
+pub struct TextFields<'a> {
+    /// The prompt as given (LoRA tags included).
+    pub prompt: &'a str,
+    /// The negative prompt.
+    pub negative: &'a str,
+    /// The checkpoint (its file name is recorded).
+    pub model: &'a std::path::Path,
+    /// The replacement VAE.
+    pub vae: Option<&'a std::path::Path>,
+    /// VAE tiling.
+    pub tiling: Option<sdhost_models::tiling::Tiling>,
+    /// The init image (its file name is recorded).
+    pub init: Option<&'a std::path::Path>,
+    /// The inpainting mask.
+    pub mask: Option<&'a std::path::Path>,
+    /// The TAESD replacing the VAE.
+    pub taesd: Option<&'a std::path::Path>,
+    /// The upscaler and its repeats.
+    pub upscaler: Option<(&'a std::path::Path, u32)>,
+}
+
+/// A1111-style parameters text; `hashes` are the init image's and mask's.
+pub fn parameters_text_of(
+    args: &TextFields<'_>,
+    req: &Request,
+    sd: &Pipeline<'_>,
+    placement: &Placement,
+    flash: &str,
+    hashes: &(String, Option<String>),
+) -> String {
     let file_name = |p: &std::path::Path| {
         p.file_name()
             .map(|f| one_line_prompt(&f.to_string_lossy()))
             .unwrap_or_default()
     };
-    let mut s = one_line_prompt(&args.prompt);
+    let mut s = one_line_prompt(args.prompt);
     if !args.negative.is_empty() {
         s.push_str(&format!(
             "\nNegative prompt: {}",
-            one_line_prompt(&args.negative)
+            one_line_prompt(args.negative)
         ));
     }
     s.push_str(&format!(
@@ -344,38 +393,37 @@ fn parameters_text(
         req.width,
         req.height,
         req.clip_skip,
-        file_name(&args.model),
+        file_name(args.model),
         sd.family().family.name(),
         sd.prediction().name(),
     ));
-    if let Some(vae) = &args.sample.vae {
+    if let Some(vae) = args.vae {
         s.push_str(&format!(", VAE: {}", file_name(vae)));
     }
-    if let Ok(Some(t)) = args.sample.vae_tiling() {
+    if let Some(t) = args.tiling {
         s.push_str(&format!(", VAE tiling: {}/{}", t.tile, t.overlap));
     }
-    if let (Some(init), Some(path)) = (&req.init, &args.init.init_img) {
+    if let (Some(init), Some(path)) = (&req.init, args.init) {
         s.push_str(&format!(
             ", Denoising strength: {}, Init image: {}, Init image hash: {}",
             init.strength,
             file_name(path),
             hashes.0
         ));
-        if let (Some(mask), Some(hash)) = (&args.init.mask, &hashes.1) {
+        if let (Some(mask), Some(hash)) = (args.mask, &hashes.1) {
             s.push_str(&format!(", Mask: {}, Mask hash: {hash}", file_name(mask)));
         }
         if sd.is_inpainting() {
             s.push_str(", Inpainting model: yes");
         }
     }
-    if let Some(t) = &args.sample.taesd {
+    if let Some(t) = args.taesd {
         s.push_str(&format!(", TAESD: {}", file_name(t)));
     }
-    if let Some(up) = &args.upscale_model {
+    if let Some((up, repeats)) = args.upscaler {
         s.push_str(&format!(
-            ", Upscaler: {}, Upscale repeats: {}",
+            ", Upscaler: {}, Upscale repeats: {repeats}",
             file_name(up),
-            args.upscale.repeats
         ));
     }
     s.push_str(&format!(
@@ -390,18 +438,21 @@ fn parameters_text(
 /// Encodes the PNG into `output`'s temporary file and renames it over the
 /// target once complete; on any failure the temporary file is removed.
 pub fn write_png(output: OutputFile, image: &Image, text: &str) -> anyhow::Result<()> {
-    output.commit(|w| {
-        let mut enc = png::Encoder::new(w, image.width as u32, image.height as u32);
-        enc.set_color(png::ColorType::Rgb);
-        enc.set_depth(png::BitDepth::Eight);
-        enc.add_itxt_chunk("parameters".into(), text.into())
-            .context("encoding the parameters text")?;
-        let mut png = enc.write_header().context("writing the PNG")?;
-        png.write_image_data(&image.rgb)
-            .context("writing the PNG")?;
-        png.finish().context("writing the PNG")?;
-        Ok(())
-    })
+    output.commit(|w| encode_png(w, image, text))
+}
+
+/// Encodes `image` as an 8-bit RGB PNG with `text` in its `parameters` chunk.
+pub fn encode_png(w: impl std::io::Write, image: &Image, text: &str) -> anyhow::Result<()> {
+    let mut enc = png::Encoder::new(w, image.width as u32, image.height as u32);
+    enc.set_color(png::ColorType::Rgb);
+    enc.set_depth(png::BitDepth::Eight);
+    enc.add_itxt_chunk("parameters".into(), text.into())
+        .context("encoding the parameters text")?;
+    let mut png = enc.write_header().context("writing the PNG")?;
+    png.write_image_data(&image.rgb)
+        .context("writing the PNG")?;
+    png.finish().context("writing the PNG")?;
+    Ok(())
 }
 
 fn summary(

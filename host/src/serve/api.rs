@@ -1,0 +1,1036 @@
+//! The HTTP side of `serve` (axum on a tokio runtime of its own thread):
+//! routes, request parsing and validation, responses, authentication and
+//! graceful shutdown.
+//!
+//! Request bodies are parsed by hand from JSON values rather than derived,
+//! so every rejection names its field: malformed JSON is 400, a field of the
+//! wrong type or out of range, a missing prompt, an unknown sampler or model
+//! or an image that does not decode is 422, always with a JSON body
+//! `{"error": …, "field": …, "detail": …}`. Unknown fields are ignored, as
+//! A1111 clients send many this server has no use for.
+
+use super::queue::{Full, JobError};
+use super::worker::{GenOutput, GenWork, InitWork, JobQueue, ModelEntry, ModelInfo, Output, Work};
+use crate::image_io::Mask;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use base64::Engine as _;
+use sdhost_models::sampling::sampler::{Sampler, SamplerChoice};
+use sdhost_models::sampling::schedule::Scheduler;
+use serde_json::{json, Map, Value};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// The web page (`/`).
+const PAGE: &str = include_str!("page.html");
+/// The OpenAPI description (`/openapi.json`).
+const OPENAPI: &str = include_str!("openapi.json");
+
+/// Largest image side a request may ask for.
+pub const MAX_SIDE: i64 = 2048;
+/// Most images one request may ask for.
+pub const MAX_IMAGES: i64 = 16;
+
+/// What every handler shares.
+#[derive(Clone)]
+pub struct AppState {
+    /// The job queue.
+    pub queue: Arc<JobQueue>,
+    /// The checkpoints that can be loaded.
+    pub models: Arc<Vec<ModelEntry>>,
+    /// The loaded model.
+    pub current: Arc<Mutex<Option<ModelInfo>>>,
+    /// `--api-key`.
+    pub api_key: Option<Arc<str>>,
+    /// Where each module runs.
+    pub placement: String,
+}
+
+impl AppState {
+    fn current(&self) -> Option<ModelInfo> {
+        self.current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// An error answer: status, machine-readable kind, the field at fault.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    error: &'static str,
+    field: Option<String>,
+    detail: String,
+    retry_after: Option<u64>,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, error: &'static str, detail: impl Into<String>) -> ApiError {
+        ApiError {
+            status,
+            error,
+            field: None,
+            detail: detail.into(),
+            retry_after: None,
+        }
+    }
+
+    /// 422 naming `field`.
+    fn field(field: &str, detail: impl std::fmt::Display) -> ApiError {
+        ApiError {
+            field: Some(field.to_string()),
+            ..ApiError::new(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "invalid_field",
+                format!("{field}: {detail}"),
+            )
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body = json!({"error": self.error, "field": self.field, "detail": self.detail});
+        let mut r = (self.status, Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+                r.headers_mut().insert(header::RETRY_AFTER, v);
+            }
+        }
+        r
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// The routes, with authentication and the body limit.
+pub fn router(state: AppState, max_body: usize) -> Router {
+    let api = Router::new()
+        .route("/sdapi/v1/txt2img", post(txt2img))
+        .route("/sdapi/v1/img2img", post(img2img))
+        .route("/sdapi/v1/sd-models", get(sd_models))
+        .route("/sdapi/v1/samplers", get(samplers))
+        .route("/sdapi/v1/schedulers", get(schedulers))
+        .route("/sdapi/v1/options", get(get_options).post(set_options))
+        .route("/sdapi/v1/progress", get(progress))
+        .route("/sdapi/v1/interrupt", post(interrupt))
+        .route("/v1/images/generations", post(openai_generations))
+        .route("/v1/models", get(openai_models))
+        .route("/openapi.json", get(openapi))
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
+    Router::new()
+        .route("/", get(|| async { Html(PAGE) }))
+        .route("/health", get(health))
+        .merge(api)
+        .fallback(|| async {
+            ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
+        })
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+/// Serves on `listener` until SIGINT or SIGTERM, then stops accepting,
+/// closes the queue and cancels the running job after `grace`.
+pub fn serve(
+    listener: std::net::TcpListener,
+    local: std::net::SocketAddr,
+    state: AppState,
+    max_body: usize,
+    grace: Duration,
+) -> anyhow::Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("http-worker")
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let queue = state.queue.clone();
+        let app = router(state, max_body);
+        let shutdown = async move {
+            signal().await;
+            crate::term::eprint_line("stopping: no new requests; waiting jobs cancelled");
+            queue.close();
+            tokio::spawn(async move {
+                tokio::time::sleep(grace).await;
+                if let Some(id) = queue.interrupt() {
+                    crate::term::eprint_line(&format!(
+                        "job {id}: still running after the grace period; cancelled"
+                    ));
+                }
+            });
+        };
+        crate::term::eprint_line(&format!("listening on http://{local}"));
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown)
+            .await?;
+        anyhow::Ok(())
+    })
+}
+
+async fn signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).ok();
+    let mut int = signal(SignalKind::interrupt()).ok();
+    let recv = |s: &mut Option<tokio::signal::unix::Signal>| {
+        let s = s.take();
+        async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        }
+    };
+    tokio::select! {
+        _ = recv(&mut term) => {},
+        _ = recv(&mut int) => {},
+    }
+}
+
+/// `Authorization: Bearer KEY` on every API route when `--api-key` is set.
+async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &st.api_key {
+        let given = req
+            .headers()
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .unwrap_or("");
+        if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
+            let mut r = ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "this server needs `Authorization: Bearer KEY`",
+            )
+            .into_response();
+            r.headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            return r;
+        }
+    }
+    next.run(req).await
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// The body as a JSON object: 413 beyond the limit, 400 if malformed.
+fn json_body(body: Result<Bytes, BytesRejection>) -> ApiResult<Map<String, Value>> {
+    let bytes = body.map_err(|e| {
+        let status = e.status();
+        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "body_too_large"
+        } else {
+            "bad_body"
+        };
+        ApiError::new(status, kind, e.body_text())
+    })?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| ApiError {
+        field: Some("body".into()),
+        ..ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "malformed_json",
+            format!("body: not valid JSON: {e}"),
+        )
+    })?;
+    match v {
+        Value::Object(m) => Ok(m),
+        _ => Err(ApiError {
+            field: Some("body".into()),
+            ..ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "malformed_json",
+                "body: expected a JSON object",
+            )
+        }),
+    }
+}
+
+/// Typed, range-checked access to a request's fields (`null` = absent).
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl Fields<'_> {
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.0.get(k).filter(|v| !v.is_null())
+    }
+
+    fn string(&self, k: &str) -> ApiResult<Option<String>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            Some(_) => Err(ApiError::field(k, "expected a string")),
+        }
+    }
+
+    fn int(&self, k: &str, lo: i64, hi: i64) -> ApiResult<Option<i64>> {
+        let Some(v) = self.get(k) else {
+            return Ok(None);
+        };
+        let n = v
+            .as_i64()
+            .or_else(|| {
+                v.as_f64()
+                    .filter(|f| f.fract() == 0.0 && f.abs() < 9e15)
+                    .map(|f| f as i64)
+            })
+            .ok_or_else(|| ApiError::field(k, "expected a whole number"))?;
+        if n < lo || n > hi {
+            return Err(ApiError::field(k, format!("{n} is outside {lo}..={hi}")));
+        }
+        Ok(Some(n))
+    }
+
+    fn float(&self, k: &str, lo: f64, hi: f64) -> ApiResult<Option<f64>> {
+        let Some(v) = self.get(k) else {
+            return Ok(None);
+        };
+        let f = v
+            .as_f64()
+            .ok_or_else(|| ApiError::field(k, "expected a number"))?;
+        if !f.is_finite() || f < lo || f > hi {
+            return Err(ApiError::field(k, format!("{f} is outside [{lo}, {hi}]")));
+        }
+        Ok(Some(f))
+    }
+
+    fn boolean(&self, k: &str) -> ApiResult<Option<bool>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Bool(b)) => Ok(Some(*b)),
+            Some(Value::Number(n)) if n.as_i64() == Some(0) => Ok(Some(false)),
+            Some(Value::Number(n)) if n.as_i64() == Some(1) => Ok(Some(true)),
+            Some(_) => Err(ApiError::field(k, "expected true or false")),
+        }
+    }
+
+    fn prompt(&self) -> ApiResult<String> {
+        self.string("prompt")?
+            .ok_or_else(|| ApiError::field("prompt", "required"))
+    }
+}
+
+/// A random A1111-style seed (0..2³²).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.finish() & 0xffff_ffff
+}
+
+fn seed_of(f: &Fields<'_>) -> ApiResult<u64> {
+    match f.get("seed") {
+        None => Ok(random_seed()),
+        Some(v) => {
+            if let Some(u) = v.as_u64() {
+                return Ok(u);
+            }
+            match v
+                .as_i64()
+                .or_else(|| v.as_f64().filter(|x| x.fract() == 0.0).map(|x| x as i64))
+            {
+                Some(-1) => Ok(random_seed()),
+                Some(n) if n >= 0 => Ok(n as u64),
+                _ => Err(ApiError::field(
+                    "seed",
+                    "expected a whole number ≥ 0, or -1 for a random seed",
+                )),
+            }
+        }
+    }
+}
+
+fn find_model(st: &AppState, field: &str, name: &str) -> ApiResult<ModelEntry> {
+    st.models
+        .iter()
+        .find(|m| m.matches(name))
+        .cloned()
+        .ok_or_else(|| {
+            let names: Vec<&str> = st.models.iter().map(|m| m.title.as_str()).collect();
+            ApiError::field(
+                field,
+                format!("unknown model {name:?} (known: {})", names.join(", ")),
+            )
+        })
+}
+
+/// The generation settings shared by txt2img, img2img and OpenAI's API.
+fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult<GenWork> {
+    let prompt = f.prompt()?;
+    let negative = f.string("negative_prompt")?.unwrap_or_default();
+    let steps = f.int("steps", 1, 1000)?.unwrap_or(default_steps) as usize;
+    let cfg_scale = f.float("cfg_scale", -1000.0, 1000.0)?.unwrap_or(7.0) as f32;
+    let width = f.int("width", 8, MAX_SIDE)?.map(|v| v as usize);
+    let height = f.int("height", 8, MAX_SIDE)?.map(|v| v as usize);
+    let seed = seed_of(f)?;
+    let name = match f.string("sampler_name")? {
+        Some(s) => Some(("sampler_name", s)),
+        None => f.string("sampler_index")?.map(|s| ("sampler_index", s)),
+    };
+    let choice = match &name {
+        Some((field, s)) => SamplerChoice::parse(s).ok_or_else(|| {
+            let names: Vec<&str> = Sampler::ALL.iter().map(|s| s.a1111_label()).collect();
+            ApiError::field(
+                field,
+                format!("unknown sampler {s:?} ({})", names.join(", ")),
+            )
+        })?,
+        None => SamplerChoice {
+            sampler: Sampler::EulerA,
+            scheduler: None,
+        },
+    };
+    let scheduler = match f.string("scheduler")? {
+        None => None,
+        Some(s) if s.eq_ignore_ascii_case("automatic") => None,
+        Some(s) => Some(Scheduler::parse(&s).ok_or_else(|| {
+            let names: Vec<&str> = Scheduler::ALL.iter().map(|s| s.name()).collect();
+            ApiError::field(
+                "scheduler",
+                format!("unknown scheduler {s:?} ({}, automatic)", names.join(", ")),
+            )
+        })?),
+    };
+    let scheduler = match (scheduler, choice.scheduler) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(ApiError::field(
+                "scheduler",
+                format!("{a} contradicts the sampler name's schedule {b}"),
+            ))
+        }
+        (a, b) => a.or(b).unwrap_or_default(),
+    };
+    let batch = f.int("batch_size", 1, MAX_IMAGES)?.unwrap_or(1);
+    let n_iter = f.int("n_iter", 1, MAX_IMAGES)?.unwrap_or(1);
+    if batch * n_iter > MAX_IMAGES {
+        return Err(ApiError::field(
+            "n_iter",
+            format!(
+                "batch_size × n_iter is {}, more than {MAX_IMAGES}",
+                batch * n_iter
+            ),
+        ));
+    }
+    if f.boolean("enable_hr")? == Some(true) {
+        return Err(ApiError::field("enable_hr", "hires fix is not supported"));
+    }
+    let overrides = match f.get("override_settings") {
+        None => Map::new(),
+        Some(Value::Object(m)) => m.clone(),
+        Some(_) => return Err(ApiError::field("override_settings", "expected an object")),
+    };
+    let clip_skip = match f.int("clip_skip", 1, 12)? {
+        Some(v) => v,
+        None => Fields(&overrides)
+            .int("CLIP_stop_at_last_layers", 1, 12)
+            .map_err(|e| ApiError::field("override_settings.CLIP_stop_at_last_layers", e.detail))?
+            .unwrap_or(1),
+    } as usize;
+    Ok(GenWork {
+        kind,
+        prompt,
+        negative,
+        steps,
+        cfg_scale,
+        width,
+        height,
+        seed,
+        sampler: choice.sampler,
+        scheduler,
+        clip_skip,
+        count: (batch * n_iter) as usize,
+        init: None,
+        model: None,
+    })
+}
+
+/// `override_settings.sd_model_checkpoint`: the model a request runs on.
+fn model_override(st: &AppState, f: &Fields<'_>) -> ApiResult<Option<ModelEntry>> {
+    let Some(Value::Object(o)) = f.get("override_settings") else {
+        return Ok(None);
+    };
+    match o.get("sd_model_checkpoint") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => {
+            find_model(st, "override_settings.sd_model_checkpoint", s).map(Some)
+        }
+        Some(_) => Err(ApiError::field(
+            "override_settings.sd_model_checkpoint",
+            "expected a string",
+        )),
+    }
+}
+
+/// Decodes a base64 image (a `data:` URL prefix allowed).
+fn decode_b64(field: &str, s: &str) -> ApiResult<Vec<u8>> {
+    let s = s.trim();
+    let data = match s.strip_prefix("data:") {
+        Some(rest) => rest
+            .split_once(',')
+            .map(|(_, d)| d)
+            .ok_or_else(|| ApiError::field(field, "a data URL without a comma"))?,
+        None => s,
+    };
+    let clean: String = data.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    base64::engine::general_purpose::STANDARD
+        .decode(clean.trim_end_matches('='))
+        .or_else(|_| {
+            base64::engine::general_purpose::STANDARD_NO_PAD.decode(clean.trim_end_matches('='))
+        })
+        .map_err(|e| ApiError::field(field, format!("not base64: {e}")))
+}
+
+fn decode_image(field: &str, bytes: &[u8]) -> ApiResult<image::DynamicImage> {
+    let mut reader = image::ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| ApiError::field(field, format!("cannot read: {e}")))?;
+    if reader.format().is_none() {
+        return Err(ApiError::field(field, "not a PNG or JPEG image"));
+    }
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(crate::image_io::MAX_SIDE);
+    limits.max_image_height = Some(crate::image_io::MAX_SIDE);
+    limits.max_alloc = Some(1 << 30);
+    reader.limits(limits);
+    let img = reader
+        .decode()
+        .map_err(|e| ApiError::field(field, format!("not a readable image: {e}")))?;
+    if img.width() == 0 || img.height() == 0 {
+        return Err(ApiError::field(field, "the image is empty"));
+    }
+    Ok(img)
+}
+
+fn short_hash(bytes: &[u8]) -> String {
+    use sha2::Digest as _;
+    let d = sha2::Sha256::digest(bytes);
+    d.iter().take(6).map(|b| format!("{b:02x}")).collect()
+}
+
+/// Decodes a mask as `generate --mask` reads one (white = repaint;
+/// transparent = keep); `invert` swaps the two.
+fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
+    let has_alpha = img.color().has_alpha();
+    let la = img.into_luma_alpha16();
+    let values = la
+        .pixels()
+        .map(|p| {
+            let mut v = f32::from(p.0[0]) / 65535.0;
+            if has_alpha {
+                v *= f32::from(p.0[1]) / 65535.0;
+            }
+            if invert {
+                1.0 - v
+            } else {
+                v
+            }
+        })
+        .collect();
+    Mask {
+        width: la.width() as usize,
+        height: la.height() as usize,
+        values,
+    }
+}
+
+/// Submits `work` and awaits it; a dropped future cancels the job.
+async fn run_job(st: &AppState, work: Work) -> ApiResult<Output> {
+    let (ticket, rx) = st.queue.submit(work).map_err(|Full| {
+        let (running, waiting, _) = st.queue.snapshot();
+        let eta = running.map_or(1.0, |r| {
+            let p = r.fraction().max(0.01);
+            r.started.elapsed().as_secs_f64() * (1.0 - p) / p
+        });
+        ApiError {
+            retry_after: Some((eta.ceil() as u64).clamp(1, 600)),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "queue_full",
+                format!(
+                    "the queue is full ({waiting} waiting, at most {}) or the server is stopping",
+                    st.queue.bound()
+                ),
+            )
+        }
+    })?;
+    let reply = rx.await;
+    ticket.finish();
+    match reply {
+        Ok(Ok(out)) => Ok(out),
+        Ok(Err(JobError::Cancelled(m))) => Err(ApiError::new(StatusCode::CONFLICT, "cancelled", m)),
+        Ok(Err(JobError::Invalid(m))) => {
+            let field = m.split_once(':').map(|(f, _)| f.to_string());
+            Err(ApiError {
+                field,
+                ..ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "invalid_field", m)
+            })
+        }
+        Ok(Err(JobError::Failed(m))) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "generation_failed",
+            m,
+        )),
+        Err(_) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "stopping",
+            "the server is stopping",
+        )),
+    }
+}
+
+async fn generate(st: &AppState, work: GenWork) -> ApiResult<GenOutput> {
+    match run_job(st, Work::Generate(Box::new(work))).await? {
+        Output::Images(o) => Ok(o),
+        Output::Loaded(_) => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "unexpected reply",
+        )),
+    }
+}
+
+fn b64(png: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(png)
+}
+
+/// What a response repeats of a generation's settings.
+struct Echo {
+    prompt: String,
+    negative: String,
+    steps: usize,
+    cfg_scale: f32,
+    sampler: Sampler,
+    scheduler: Scheduler,
+    clip_skip: usize,
+}
+
+impl Echo {
+    fn of(w: &GenWork) -> Echo {
+        Echo {
+            prompt: w.prompt.clone(),
+            negative: w.negative.clone(),
+            steps: w.steps,
+            cfg_scale: w.cfg_scale,
+            sampler: w.sampler,
+            scheduler: w.scheduler,
+            clip_skip: w.clip_skip,
+        }
+    }
+}
+
+/// A1111's `info`: a JSON string describing the images.
+fn info_json(w: &Echo, out: &GenOutput, strength: Option<f64>) -> String {
+    json!({
+        "prompt": w.prompt,
+        "all_prompts": vec![&w.prompt; out.images.len()],
+        "negative_prompt": w.negative,
+        "all_negative_prompts": vec![&w.negative; out.images.len()],
+        "seed": out.seeds.first(),
+        "all_seeds": out.seeds,
+        "subseed": -1,
+        "all_subseeds": vec![-1; out.images.len()],
+        "subseed_strength": 0,
+        "width": out.width,
+        "height": out.height,
+        "sampler_name": w.sampler.a1111_label(),
+        "scheduler": w.scheduler.a1111_label(),
+        "cfg_scale": w.cfg_scale,
+        "steps": w.steps,
+        "batch_size": 1,
+        "n_iter": out.images.len(),
+        "restore_faces": false,
+        "sd_model_name": out.model.name,
+        "sd_model_hash": null,
+        "seed_resize_from_w": -1,
+        "seed_resize_from_h": -1,
+        "denoising_strength": strength,
+        "clip_skip": w.clip_skip,
+        "infotexts": out.infotexts,
+        "styles": [],
+        "index_of_first_image": 0,
+        "is_using_inpainting_conditioning": false,
+        "version": concat!("sdhost ", env!("CARGO_PKG_VERSION")),
+    })
+    .to_string()
+}
+
+/// The request echoed with the values used filled in.
+fn parameters(body: &Map<String, Value>, w: &Echo, out: &GenOutput) -> Value {
+    let mut p = body.clone();
+    for k in ["init_images", "mask"] {
+        if p.contains_key(k) {
+            p.insert(k.into(), Value::Null);
+        }
+    }
+    p.insert("prompt".into(), json!(w.prompt));
+    p.insert("negative_prompt".into(), json!(w.negative));
+    p.insert("seed".into(), json!(out.seeds.first()));
+    p.insert("steps".into(), json!(w.steps));
+    p.insert("cfg_scale".into(), json!(w.cfg_scale));
+    p.insert("width".into(), json!(out.width));
+    p.insert("height".into(), json!(out.height));
+    p.insert("sampler_name".into(), json!(w.sampler.a1111_label()));
+    p.insert("scheduler".into(), json!(w.scheduler.a1111_label()));
+    Value::Object(p)
+}
+
+async fn txt2img(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let mut work = gen_work(&f, "txt2img", 50)?;
+    work.model = model_override(&st, &f)?;
+    let echo = Echo::of(&work);
+    let out = generate(&st, work).await?;
+    Ok(Json(json!({
+        "images": out.images.iter().map(|p| b64(p)).collect::<Vec<_>>(),
+        "parameters": parameters(&body, &echo, &out),
+        "info": info_json(&echo, &out, None),
+    })))
+}
+
+async fn img2img(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let mut work = gen_work(&f, "img2img", 50)?;
+    work.model = model_override(&st, &f)?;
+    let first = match f.get("init_images") {
+        Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
+            Value::String(s) => s.clone(),
+            _ => {
+                return Err(ApiError::field(
+                    "init_images[0]",
+                    "expected a base64 string",
+                ))
+            }
+        },
+        Some(Value::Array(_)) | None => {
+            return Err(ApiError::field("init_images", "required: one base64 image"))
+        }
+        Some(_) => return Err(ApiError::field("init_images", "expected an array")),
+    };
+    let strength = f.float("denoising_strength", 0.0, 1.0)?.unwrap_or(0.75);
+    if strength <= 0.0 {
+        return Err(ApiError::field("denoising_strength", "must be above 0"));
+    }
+    let bytes = decode_b64("init_images[0]", &first)?;
+    let img = decode_image("init_images[0]", &bytes)?.into_rgb8();
+    let image = sdhost_models::pipeline::Image {
+        width: img.width() as usize,
+        height: img.height() as usize,
+        rgb: img.into_raw(),
+    };
+    let invert = match f.get("inpainting_mask_invert") {
+        None => false,
+        Some(_) => f.boolean("inpainting_mask_invert")?.unwrap_or(false),
+    };
+    let (mask, mask_hash) = match f.string("mask")? {
+        Some(m) if !m.is_empty() => {
+            let mb = decode_b64("mask", &m)?;
+            (
+                Some(mask_of(decode_image("mask", &mb)?, invert)),
+                Some(short_hash(&mb)),
+            )
+        }
+        _ => (None, None),
+    };
+    work.init = Some(InitWork {
+        image,
+        mask,
+        strength,
+        hash: short_hash(&bytes),
+        mask_hash,
+    });
+    let echo = Echo::of(&work);
+    let out = generate(&st, work).await?;
+    let mut params = parameters(&body, &echo, &out);
+    params["denoising_strength"] = json!(strength);
+    Ok(Json(json!({
+        "images": out.images.iter().map(|p| b64(p)).collect::<Vec<_>>(),
+        "parameters": params,
+        "info": info_json(&echo, &out, Some(strength)),
+    })))
+}
+
+async fn sd_models(State(st): State<AppState>) -> Json<Value> {
+    Json(Value::Array(
+        st.models
+            .iter()
+            .map(|m| {
+                json!({
+                    "title": m.title,
+                    "model_name": m.name,
+                    "hash": null,
+                    "sha256": null,
+                    "filename": m.path.display().to_string(),
+                    "config": null,
+                })
+            })
+            .collect(),
+    ))
+}
+
+async fn samplers() -> Json<Value> {
+    Json(Value::Array(
+        Sampler::ALL
+            .iter()
+            .map(|s| json!({"name": s.a1111_label(), "aliases": [s.name()], "options": {}}))
+            .collect(),
+    ))
+}
+
+async fn schedulers() -> Json<Value> {
+    Json(Value::Array(
+        Scheduler::ALL
+            .iter()
+            .map(|s| json!({"name": s.name(), "label": s.a1111_label(), "aliases": null}))
+            .collect(),
+    ))
+}
+
+async fn get_options(State(st): State<AppState>) -> Json<Value> {
+    let cur = st.current();
+    Json(json!({
+        "sd_model_checkpoint": cur.as_ref().map(|c| c.entry.title.clone()),
+        "sd_checkpoint_hash": null,
+        "CLIP_stop_at_last_layers": 1,
+        "samples_format": "png",
+        "sdhost_placement": st.placement,
+        "sdhost_model_family": cur.as_ref().map(|c| c.family.clone()),
+        "sdhost_size_multiple": cur.as_ref().map(|c| c.size_multiple),
+        "sdhost_default_size": cur.as_ref().map(|c| c.default_size),
+    }))
+}
+
+async fn set_options(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    if let Some(name) = f.string("sd_model_checkpoint")? {
+        let entry = find_model(&st, "sd_model_checkpoint", &name)?;
+        let loaded = st.current().map(|c| c.entry);
+        if loaded.as_ref() != Some(&entry) {
+            run_job(&st, Work::Load(entry)).await?;
+        }
+    }
+    Ok(Json(Value::Bool(true)))
+}
+
+async fn progress(State(st): State<AppState>) -> Json<Value> {
+    let (running, waiting, counters) = st.queue.snapshot();
+    let (p, eta, step, steps, job, ts, id) = match &running {
+        Some(r) => {
+            let p = r.fraction();
+            let el = r.started.elapsed().as_secs_f64();
+            let eta = if p > 0.0 { el * (1.0 - p) / p } else { 0.0 };
+            (
+                p,
+                eta,
+                r.step,
+                r.steps,
+                r.kind,
+                r.timestamp.to_string(),
+                Some(r.id),
+            )
+        }
+        None => (0.0, 0.0, 0, 0, "", String::new(), None),
+    };
+    let job_count = waiting + usize::from(running.is_some());
+    Json(json!({
+        "progress": p,
+        "eta_relative": eta,
+        "state": {
+            "skipped": false,
+            "interrupted": false,
+            "stopping_generation": false,
+            "job": job,
+            "job_count": job_count,
+            "job_timestamp": ts,
+            "job_no": running.as_ref().map_or(0, |r| r.images_done),
+            "sampling_step": step,
+            "sampling_steps": steps,
+            "sdhost_job_id": id,
+            "sdhost_waiting": waiting,
+            "sdhost_jobs": counters,
+        },
+        "current_image": null,
+        "textinfo": null,
+    }))
+}
+
+async fn interrupt(State(st): State<AppState>) -> Json<Value> {
+    let id = st.queue.interrupt();
+    Json(json!({"interrupted": id}))
+}
+
+async fn health(State(st): State<AppState>) -> Json<Value> {
+    let (running, waiting, counters) = st.queue.snapshot();
+    Json(json!({
+        "status": "ok",
+        "model": st.current().map(|c| c.entry.title),
+        "placement": st.placement,
+        "queue": {"running": running.is_some(), "waiting": waiting, "bound": st.queue.bound()},
+        "jobs": counters,
+        "version": env!("CARGO_PKG_VERSION"),
+    }))
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn openai_models(State(st): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": st.models.iter().map(|m| json!({
+            "id": m.title, "object": "model", "created": 0, "owned_by": "sdhost"
+        })).collect::<Vec<_>>(),
+    }))
+}
+
+async fn openai_generations(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let mut work = gen_work(&f, "txt2img", 20)?;
+    if f.get("batch_size").is_some() || f.get("n_iter").is_some() {
+        return Err(ApiError::field("n", "give the number of images as n"));
+    }
+    work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
+    if let Some(size) = f.string("size")? {
+        if size != "auto" {
+            let parsed = size
+                .split_once(['x', 'X'])
+                .and_then(|(w, h)| {
+                    Some((w.trim().parse::<i64>().ok()?, h.trim().parse::<i64>().ok()?))
+                })
+                .filter(|&(w, h)| (8..=MAX_SIDE).contains(&w) && (8..=MAX_SIDE).contains(&h));
+            let (w, h) = parsed.ok_or_else(|| {
+                ApiError::field(
+                    "size",
+                    format!("{size:?} is not WIDTHxHEIGHT with sides 8..={MAX_SIDE}"),
+                )
+            })?;
+            (work.width, work.height) = (Some(w as usize), Some(h as usize));
+        }
+    }
+    match f.string("response_format")?.as_deref() {
+        None | Some("b64_json") => {}
+        Some(other) => {
+            return Err(ApiError::field(
+                "response_format",
+                format!("{other:?} is not supported; use b64_json"),
+            ))
+        }
+    }
+    if let Some(m) = f.string("model")? {
+        // OpenAI clients often send their own model names: only a name this
+        // server knows switches the model.
+        work.model = st.models.iter().find(|e| e.matches(&m)).cloned();
+    }
+    let prompt = work.prompt.clone();
+    let out = generate(&st, work).await?;
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(Json(json!({
+        "created": created,
+        "data": out.images.iter().map(|p| json!({"b64_json": b64(p), "revised_prompt": prompt})).collect::<Vec<_>>(),
+        "output_format": "png",
+    })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fields(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(m) => m,
+            _ => panic!(),
+        }
+    }
+
+    #[test]
+    fn bad_fields_are_named() {
+        let cases = [
+            (json!({}), "prompt"),
+            (json!({"prompt": 3}), "prompt"),
+            (json!({"prompt": "x", "steps": "20"}), "steps"),
+            (json!({"prompt": "x", "steps": 0}), "steps"),
+            (json!({"prompt": "x", "steps": 2.5}), "steps"),
+            (json!({"prompt": "x", "width": 100000}), "width"),
+            (json!({"prompt": "x", "cfg_scale": "high"}), "cfg_scale"),
+            (json!({"prompt": "x", "seed": -2}), "seed"),
+            (
+                json!({"prompt": "x", "sampler_name": "nope"}),
+                "sampler_name",
+            ),
+            (json!({"prompt": "x", "scheduler": "ays"}), "scheduler"),
+            (
+                json!({"prompt": "x", "batch_size": 8, "n_iter": 8}),
+                "n_iter",
+            ),
+            (json!({"prompt": "x", "enable_hr": true}), "enable_hr"),
+        ];
+        for (body, field) in cases {
+            let m = fields(body.clone());
+            let Err(e) = gen_work(&Fields(&m), "txt2img", 20) else {
+                panic!("{body} was accepted")
+            };
+            assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
+            assert_eq!(e.status, StatusCode::UNPROCESSABLE_ENTITY);
+        }
+    }
+
+    #[test]
+    fn a1111_defaults_and_names() {
+        let m = fields(
+            json!({"prompt": "p", "sampler_name": "DPM++ 2M Karras", "seed": -1,
+            "override_settings": {"CLIP_stop_at_last_layers": 2}, "steps": 20.0}),
+        );
+        let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
+        assert_eq!(w.sampler, Sampler::DpmPp2m);
+        assert_eq!(w.scheduler, Scheduler::Karras);
+        assert_eq!((w.steps, w.clip_skip, w.count), (20, 2, 1));
+        assert!(w.seed < 1 << 32);
+        let m = fields(json!({"prompt": "p"}));
+        let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
+        assert_eq!((w.steps, w.cfg_scale), (50, 7.0));
+        assert_eq!((w.sampler, w.width), (Sampler::EulerA, None));
+    }
+
+    #[test]
+    fn base64_and_data_urls() {
+        assert_eq!(decode_b64("f", "aGk=").unwrap(), b"hi");
+        assert_eq!(decode_b64("f", "data:image/png;base64,aGk").unwrap(), b"hi");
+        assert_eq!(
+            decode_b64("f", "***").unwrap_err().field.as_deref(),
+            Some("f")
+        );
+        let e = decode_image("init_images[0]", b"not an image").unwrap_err();
+        assert_eq!(e.field.as_deref(), Some("init_images[0]"));
+    }
+}

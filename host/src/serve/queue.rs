@@ -1,0 +1,369 @@
+//! The job queue between the HTTP handlers and the model's worker thread.
+//!
+//! Handlers [`Queue::submit`] a job and await its reply on a oneshot
+//! channel; the worker takes jobs one at a time in FIFO order
+//! ([`Queue::next`]) and reports progress ([`Queue::progress`]). At most
+//! `bound` jobs wait behind the running one: a submission beyond that is
+//! refused ([`Full`], which the API turns into 503 with `Retry-After`).
+//!
+//! Cancellation: [`Queue::cancel`] removes a waiting job, or sets the
+//! running job's flag and the backends' abort flag (so a CPU computation
+//! stops inside a graph, not only between steps). Both happen under the
+//! queue's lock, and the worker clears the abort flag under the same lock
+//! when it starts a job, so a cancellation can never hit the next job.
+//! A handler holds a [`Ticket`]: when its future is dropped (the client
+//! disconnected) the ticket cancels the job.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+use tokio::sync::oneshot;
+
+/// Why a job ended without a result.
+#[derive(Debug)]
+pub enum JobError {
+    /// Interrupted, cancelled by its client, or dropped at shutdown.
+    Cancelled(String),
+    /// The request was invalid for the loaded model (422).
+    Invalid(String),
+    /// Anything else (500).
+    Failed(String),
+}
+
+/// A job's outcome.
+pub type Reply<T> = Result<T, JobError>;
+
+/// A queued job: the work, its cancel flag and where its reply goes.
+pub struct Job<W, T> {
+    /// Queue-wide id.
+    pub id: u64,
+    /// What to do.
+    pub work: W,
+    /// Set when the job is cancelled.
+    pub cancel: Arc<AtomicBool>,
+    /// Where the result goes (the handler may be gone).
+    pub reply: oneshot::Sender<Reply<T>>,
+}
+
+/// The submission was refused: `bound` jobs are already waiting.
+#[derive(Debug)]
+pub struct Full;
+
+/// The running job's progress.
+#[derive(Clone, Debug)]
+pub struct Running {
+    /// Its id.
+    pub id: u64,
+    /// Its kind, for `/progress` (`txt2img`, `img2img`, `load`).
+    pub kind: &'static str,
+    /// Sampling step done within the current image.
+    pub step: usize,
+    /// Steps per image.
+    pub steps: usize,
+    /// Images finished.
+    pub images_done: usize,
+    /// Images to make.
+    pub images: usize,
+    /// When it started.
+    pub started: Instant,
+    /// Wall-clock start, seconds since the epoch (A1111's job_timestamp).
+    pub timestamp: u64,
+    cancel: Arc<AtomicBool>,
+}
+
+impl Running {
+    /// Fraction done, 0..1.
+    pub fn fraction(&self) -> f64 {
+        if self.images == 0 || self.steps == 0 {
+            return 0.0;
+        }
+        let img = self.step.min(self.steps) as f64 / self.steps as f64;
+        ((self.images_done as f64 + img) / self.images as f64).min(1.0)
+    }
+}
+
+/// Counts of finished jobs (for `/health`).
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct Counters {
+    /// Jobs accepted.
+    pub submitted: u64,
+    /// Jobs that succeeded.
+    pub done: u64,
+    /// Jobs cancelled (interrupt, disconnect, shutdown).
+    pub cancelled: u64,
+    /// Jobs that failed.
+    pub failed: u64,
+    /// Submissions refused because the queue was full.
+    pub rejected: u64,
+}
+
+struct Inner<W, T> {
+    pending: VecDeque<Job<W, T>>,
+    running: Option<Running>,
+    closed: bool,
+    next_id: u64,
+    counters: Counters,
+}
+
+/// The FIFO queue (see the module docs).
+pub struct Queue<W, T> {
+    inner: Mutex<Inner<W, T>>,
+    cv: Condvar,
+    bound: usize,
+    abort: Arc<AtomicBool>,
+}
+
+/// A submitted job's handle: cancels the job when dropped before
+/// [`Ticket::finish`].
+pub struct Ticket<W: JobKind, T> {
+    queue: Arc<Queue<W, T>>,
+    id: u64,
+    finished: bool,
+}
+
+/// What the queue needs to know about a job's work.
+pub trait JobKind {
+    /// Its kind for `/progress`.
+    fn kind(&self) -> &'static str;
+    /// `(steps per image, images)` for progress.
+    fn size(&self) -> (usize, usize);
+}
+
+impl<W: JobKind, T> Ticket<W, T> {
+    /// The job's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The reply arrived: dropping no longer cancels.
+    pub fn finish(mut self) {
+        self.finished = true;
+    }
+}
+
+impl<W: JobKind, T> Drop for Ticket<W, T> {
+    fn drop(&mut self) {
+        if !self.finished && self.queue.cancel(self.id, "the client went away") {
+            tracing::info!("job {}: the client disconnected; cancelled", self.id);
+        }
+    }
+}
+
+impl<W: JobKind, T> Queue<W, T> {
+    /// A queue of at most `bound` waiting jobs; `abort` is the backends'
+    /// abort flag.
+    pub fn new(bound: usize, abort: Arc<AtomicBool>) -> Arc<Self> {
+        Arc::new(Queue {
+            inner: Mutex::new(Inner {
+                pending: VecDeque::new(),
+                running: None,
+                closed: false,
+                next_id: 1,
+                counters: Counters::default(),
+            }),
+            cv: Condvar::new(),
+            bound,
+            abort,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner<W, T>> {
+        // A panic while holding the lock leaves plain data behind: go on.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Queues `work`; the reply arrives on the receiver.
+    #[allow(clippy::type_complexity)]
+    pub fn submit(
+        self: &Arc<Self>,
+        work: W,
+    ) -> Result<(Ticket<W, T>, oneshot::Receiver<Reply<T>>), Full> {
+        let mut g = self.lock();
+        if g.closed {
+            return Err(Full);
+        }
+        if g.pending.len() >= self.bound {
+            g.counters.rejected += 1;
+            return Err(Full);
+        }
+        let id = g.next_id;
+        g.next_id += 1;
+        g.counters.submitted += 1;
+        let (tx, rx) = oneshot::channel();
+        g.pending.push_back(Job {
+            id,
+            work,
+            cancel: Arc::new(AtomicBool::new(false)),
+            reply: tx,
+        });
+        drop(g);
+        self.cv.notify_all();
+        Ok((
+            Ticket {
+                queue: self.clone(),
+                id,
+                finished: false,
+            },
+            rx,
+        ))
+    }
+
+    /// The next job, blocking; `None` once the queue is closed and empty.
+    pub fn next(&self) -> Option<Job<W, T>> {
+        let mut g = self.lock();
+        loop {
+            if let Some(job) = g.pending.pop_front() {
+                let (steps, images) = job.work.size();
+                let now = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                g.running = Some(Running {
+                    id: job.id,
+                    kind: job.work.kind(),
+                    step: 0,
+                    steps,
+                    images_done: 0,
+                    images,
+                    started: Instant::now(),
+                    timestamp: now,
+                    cancel: job.cancel.clone(),
+                });
+                self.abort.store(false, Ordering::SeqCst);
+                return Some(job);
+            }
+            if g.closed {
+                return None;
+            }
+            g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// The running job finished (`ok`: with a result; `cancelled`: by a
+    /// cancellation).
+    pub fn finished(&self, ok: bool, cancelled: bool) {
+        let mut g = self.lock();
+        g.running = None;
+        match (ok, cancelled) {
+            (true, _) => g.counters.done += 1,
+            (false, true) => g.counters.cancelled += 1,
+            (false, false) => g.counters.failed += 1,
+        }
+    }
+
+    /// Progress of the running job: `step` of the current image, and the
+    /// images finished.
+    pub fn progress(&self, step: usize, images_done: usize) {
+        if let Some(r) = self.lock().running.as_mut() {
+            r.step = step;
+            r.images_done = images_done;
+        }
+    }
+
+    /// Cancels job `id`, waiting or running; whether it was found.
+    pub fn cancel(&self, id: u64, why: &str) -> bool {
+        let mut g = self.lock();
+        if let Some(pos) = g.pending.iter().position(|j| j.id == id) {
+            let job = g.pending.remove(pos).expect("found above");
+            g.counters.cancelled += 1;
+            drop(g);
+            job.cancel.store(true, Ordering::SeqCst);
+            let _ = job.reply.send(Err(JobError::Cancelled(why.into())));
+            return true;
+        }
+        match &g.running {
+            Some(r) if r.id == id => {
+                r.cancel.store(true, Ordering::SeqCst);
+                self.abort.store(true, Ordering::SeqCst);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Cancels the running job (A1111's interrupt); its id, if any.
+    pub fn interrupt(&self) -> Option<u64> {
+        let g = self.lock();
+        let r = g.running.as_ref()?;
+        r.cancel.store(true, Ordering::SeqCst);
+        self.abort.store(true, Ordering::SeqCst);
+        Some(r.id)
+    }
+
+    /// Refuses new jobs and cancels the waiting ones; the running one goes
+    /// on (see [`Queue::interrupt`]). [`Queue::next`] returns `None` after.
+    pub fn close(&self) {
+        let mut g = self.lock();
+        g.closed = true;
+        let dropped: Vec<_> = g.pending.drain(..).collect();
+        g.counters.cancelled += dropped.len() as u64;
+        drop(g);
+        for job in dropped {
+            job.cancel.store(true, Ordering::SeqCst);
+            let _ = job.reply.send(Err(JobError::Cancelled(
+                "the server is shutting down".into(),
+            )));
+        }
+        self.cv.notify_all();
+    }
+
+    /// `(running job, waiting jobs, counters)`.
+    pub fn snapshot(&self) -> (Option<Running>, usize, Counters) {
+        let g = self.lock();
+        (g.running.clone(), g.pending.len(), g.counters)
+    }
+
+    /// The bound on waiting jobs.
+    pub fn bound(&self) -> usize {
+        self.bound
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct W(usize);
+    impl JobKind for W {
+        fn kind(&self) -> &'static str {
+            "test"
+        }
+        fn size(&self) -> (usize, usize) {
+            (self.0, 1)
+        }
+    }
+
+    #[test]
+    fn fifo_bound_and_cancellation() {
+        let abort = Arc::new(AtomicBool::new(false));
+        let q: Arc<Queue<W, ()>> = Queue::new(2, abort.clone());
+        let (t1, _r1) = q.submit(W(1)).unwrap();
+        let (t2, mut r2) = q.submit(W(2)).unwrap();
+        assert!(q.submit(W(3)).is_err(), "a third waiting job is refused");
+        assert_eq!(q.snapshot().2.rejected, 1);
+        let j1 = q.next().unwrap();
+        assert_eq!(j1.work.0, 1);
+        // One running, one waiting: room for one more.
+        let (t3, _r3) = q.submit(W(3)).unwrap();
+        // A dropped ticket of a waiting job removes it and answers it.
+        drop(t2);
+        assert!(matches!(r2.try_recv(), Ok(Err(JobError::Cancelled(_)))));
+        // Interrupting hits the running job only, and its abort flag.
+        assert_eq!(q.interrupt(), Some(j1.id));
+        assert!(j1.cancel.load(Ordering::SeqCst) && abort.load(Ordering::SeqCst));
+        q.finished(false, true);
+        t1.finish();
+        // The next job starts with the abort flag cleared.
+        let j3 = q.next().unwrap();
+        assert_eq!((j3.work.0, j3.id), (3, t3.id()));
+        assert!(!abort.load(Ordering::SeqCst) && !j3.cancel.load(Ordering::SeqCst));
+        q.progress(1, 0);
+        assert_eq!(q.snapshot().0.unwrap().fraction(), 1.0 / 3.0);
+        t3.finish();
+        q.finished(true, false);
+        q.close();
+        assert!(q.next().is_none());
+        let c = q.snapshot().2;
+        assert_eq!((c.submitted, c.done, c.cancelled), (3, 1, 2));
+    }
+}

@@ -1,0 +1,433 @@
+//! The model's worker: the one thread that owns the backends and the loaded
+//! [`Pipeline`] (ggml work blocks, and a pipeline borrows its backends, so
+//! both stay on this thread). It takes jobs from the [`Queue`] in order:
+//! generations, and model switches (`sd_model_checkpoint`), which reload
+//! with the same placement; a request whose `<lora:…>` tags differ from the
+//! loaded set reloads the model with them.
+
+use super::queue::{JobError, JobKind, Queue};
+use super::ServeArgs;
+use crate::commands::generate::{self, TextFields};
+use crate::image_io::{self, Mask};
+use crate::placement::Placement;
+use anyhow::Context as _;
+use sdhost_models::blocks::nn::ModelError;
+use sdhost_models::lora::LoraSpec;
+use sdhost_models::pipeline::{Image, Init, Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+/// A checkpoint the server can load.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelEntry {
+    /// Its file name (A1111's `title` and `model_name` base).
+    pub title: String,
+    /// The file name without its extension.
+    pub name: String,
+    /// The file.
+    pub path: PathBuf,
+}
+
+impl ModelEntry {
+    /// The entry of a file.
+    pub fn of(path: &Path) -> ModelEntry {
+        let title = path
+            .file_name()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let name = path
+            .file_stem()
+            .map(|f| f.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        ModelEntry {
+            title,
+            name,
+            path: path.to_path_buf(),
+        }
+    }
+
+    /// Whether `s` names this model: its title, its name, or A1111's
+    /// `title [hash]` form.
+    pub fn matches(&self, s: &str) -> bool {
+        let s = s.trim();
+        let base = match s.rfind(" [") {
+            Some(i) if s.ends_with(']') => &s[..i],
+            _ => s,
+        };
+        base == self.title || base == self.name
+    }
+}
+
+/// What the loaded model is, for the handlers.
+#[derive(Clone, Debug)]
+pub struct ModelInfo {
+    /// The checkpoint.
+    pub entry: ModelEntry,
+    /// Its family's name (`sd1`, …).
+    pub family: String,
+    /// Pixels per side an image size must be a multiple of.
+    pub size_multiple: usize,
+    /// The family's default side.
+    pub default_size: usize,
+}
+
+/// The init image of an img2img job.
+pub struct InitWork {
+    /// Decoded image.
+    pub image: Image,
+    /// Inpainting mask (white = repaint), any size (resized).
+    pub mask: Option<Mask>,
+    /// Denoising strength in (0, 1].
+    pub strength: f64,
+    /// Short SHA-256 of the image's bytes (as `generate` records).
+    pub hash: String,
+    /// Short SHA-256 of the mask's bytes.
+    pub mask_hash: Option<String>,
+}
+
+/// A generation.
+pub struct GenWork {
+    /// `txt2img` or `img2img`.
+    pub kind: &'static str,
+    /// Prompt (may hold `<lora:NAME:W>` tags).
+    pub prompt: String,
+    /// Negative prompt.
+    pub negative: String,
+    /// Steps.
+    pub steps: usize,
+    /// CFG scale.
+    pub cfg_scale: f32,
+    /// Width, or the init image's / the family's.
+    pub width: Option<usize>,
+    /// Height, likewise.
+    pub height: Option<usize>,
+    /// Seed of the first image (the others count up).
+    pub seed: u64,
+    /// Sampler.
+    pub sampler: Sampler,
+    /// Schedule.
+    pub scheduler: Scheduler,
+    /// CLIP skip.
+    pub clip_skip: usize,
+    /// Images to make.
+    pub count: usize,
+    /// img2img input.
+    pub init: Option<InitWork>,
+    /// The model to run on (`override_settings`), else the loaded one.
+    pub model: Option<ModelEntry>,
+}
+
+/// A job for the worker.
+pub enum Work {
+    /// Make images.
+    Generate(Box<GenWork>),
+    /// Load another checkpoint.
+    Load(ModelEntry),
+}
+
+impl JobKind for Work {
+    fn kind(&self) -> &'static str {
+        match self {
+            Work::Generate(g) => g.kind,
+            Work::Load(_) => "load",
+        }
+    }
+    fn size(&self) -> (usize, usize) {
+        match self {
+            Work::Generate(g) => (g.steps, g.count),
+            Work::Load(_) => (1, 1),
+        }
+    }
+}
+
+/// A finished generation.
+#[derive(Debug)]
+pub struct GenOutput {
+    /// PNG files.
+    pub images: Vec<Vec<u8>>,
+    /// Each image's parameters text.
+    pub infotexts: Vec<String>,
+    /// Each image's seed.
+    pub seeds: Vec<u64>,
+    /// The request as run (size resolved).
+    pub width: usize,
+    /// Height.
+    pub height: usize,
+    /// The model used.
+    pub model: ModelEntry,
+}
+
+/// A job's result.
+#[derive(Debug)]
+pub enum Output {
+    /// Images.
+    Images(GenOutput),
+    /// The model now loaded.
+    Loaded(ModelEntry),
+}
+
+/// The queue the server uses.
+pub type JobQueue = Queue<Work, Output>;
+
+/// A loaded checkpoint.
+pub struct Loaded<'m> {
+    sd: Pipeline<'m>,
+    entry: ModelEntry,
+    flash: String,
+    loras: Vec<LoraSpec>,
+}
+
+/// The worker's fixed settings.
+pub struct Worker<'a, 'm> {
+    /// Serve's flags.
+    pub args: &'a ServeArgs,
+    /// Where the modules run.
+    pub placement: &'a Placement,
+    /// Their backends.
+    pub layout: Layout<'m>,
+    /// The queue.
+    pub queue: Arc<JobQueue>,
+    /// What the handlers see of the loaded model.
+    pub current: Arc<Mutex<Option<ModelInfo>>>,
+}
+
+impl<'m> Worker<'_, 'm> {
+    fn load(&self, entry: &ModelEntry, loras: &[LoraSpec]) -> anyhow::Result<Loaded<'m>> {
+        let a = self.args;
+        let ckpt = sdhost_models::checkpoint::scan(&entry.path)?;
+        let vae = a
+            .vae
+            .as_deref()
+            .map(sdhost_models::checkpoint::scan)
+            .transpose()?;
+        let opts = LoadOptions {
+            policy: a.phase_memory,
+            prediction: a.prediction,
+            vae: vae.as_ref(),
+            vae_encoder: true,
+            loras,
+            lora_apply: a.lora.apply,
+        };
+        let started = std::time::Instant::now();
+        let mut sd = Pipeline::load(&ckpt, self.layout, opts)
+            .with_context(|| entry.path.display().to_string())?;
+        sd.set_vae_tiling(a.vae_tiling()?);
+        let flash = generate::apply_flash_attn(&mut sd, &self.layout, a.flash_attn);
+        tracing::info!(
+            "loaded {} in {:.2}s ({})",
+            entry.path.display(),
+            started.elapsed().as_secs_f64(),
+            generate::placement_summary(&sd, self.placement)
+        );
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(ModelInfo {
+            entry: entry.clone(),
+            family: sd.family().family.name().to_string(),
+            size_multiple: sd.size_multiple(),
+            default_size: sd.family().default_size,
+        });
+        Ok(Loaded {
+            sd,
+            entry: entry.clone(),
+            flash,
+            loras: loras.to_vec(),
+        })
+    }
+
+    /// Loads the first model (LoRAs: `--lora` only).
+    pub fn load_initial(&self, entry: &ModelEntry) -> anyhow::Result<Loaded<'m>> {
+        self.load(entry, &self.args.lora.loras)
+    }
+
+    /// Makes `loaded` hold `entry` with `loras` (reloading where either
+    /// differs); on failure, tries to bring the previous model back.
+    fn ensure(
+        &self,
+        loaded: &mut Option<Loaded<'m>>,
+        entry: &ModelEntry,
+        loras: &[LoraSpec],
+    ) -> Result<(), JobError> {
+        if let Some(l) = loaded {
+            if l.entry == *entry && l.loras == loras {
+                return Ok(());
+            }
+        }
+        let previous = loaded.take().map(|l| (l.entry, l.loras));
+        match self.load(entry, loras) {
+            Ok(l) => {
+                *loaded = Some(l);
+                Ok(())
+            }
+            Err(e) => {
+                let msg = crate::term::error_line(&e);
+                tracing::warn!("cannot load {}: {msg}", entry.path.display());
+                if let Some((pe, pl)) = previous {
+                    match self.load(&pe, &pl) {
+                        Ok(l) => *loaded = Some(l),
+                        Err(e2) => {
+                            *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                            tracing::warn!(
+                                "cannot reload {} either: {}",
+                                pe.path.display(),
+                                crate::term::error_line(&e2)
+                            );
+                        }
+                    }
+                }
+                Err(JobError::Invalid(format!("sd_model_checkpoint: {msg}")))
+            }
+        }
+    }
+
+    /// Runs jobs until the queue is closed and empty.
+    pub fn serve(&self, loaded: &mut Option<Loaded<'m>>) {
+        while let Some(job) = self.queue.next() {
+            let cancelled = || job.cancel.load(Ordering::SeqCst);
+            let result = match job.work {
+                Work::Load(entry) => {
+                    let loras = self.args.lora.loras.clone();
+                    self.ensure(loaded, &entry, &loras)
+                        .map(|()| Output::Loaded(entry))
+                }
+                Work::Generate(g) => self.generate(loaded, &g, &cancelled).map(Output::Images),
+            };
+            let (ok, was_cancelled) = match &result {
+                Ok(_) => (true, false),
+                Err(JobError::Cancelled(_)) => (false, true),
+                Err(_) => (false, cancelled()),
+            };
+            if let Err(e) = &result {
+                tracing::info!("job {}: {e:?}", job.id);
+            }
+            self.queue.finished(ok, was_cancelled);
+            let _ = job.reply.send(result);
+        }
+    }
+
+    fn generate(
+        &self,
+        loaded: &mut Option<Loaded<'m>>,
+        g: &GenWork,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<GenOutput, JobError> {
+        let entry = match (&g.model, loaded.as_ref()) {
+            (Some(m), _) => m.clone(),
+            (None, Some(l)) => l.entry.clone(),
+            (None, None) => return Err(JobError::Failed("no model is loaded".into())),
+        };
+        let loras = crate::lora::resolve(&self.args.lora, &g.prompt)
+            .map_err(|e| JobError::Invalid(format!("prompt: {}", crate::term::error_line(&e))))?;
+        self.ensure(loaded, &entry, &loras.specs)?;
+        let l = loaded.as_mut().expect("ensure loaded it");
+        let m = l.sd.size_multiple();
+        let default = l.sd.family().default_size;
+        let (mut w, mut h) = (default, default);
+        if let Some(init) = &g.init {
+            (w, h) = (init.image.width / m * m, init.image.height / m * m);
+        }
+        let w = g.width.unwrap_or(w);
+        let h = g.height.unwrap_or(h);
+        for (field, v) in [("width", w), ("height", h)] {
+            if v == 0 || v % m != 0 {
+                return Err(JobError::Invalid(format!(
+                    "{field}: {v} is not a positive multiple of {m}, this model's size multiple"
+                )));
+            }
+        }
+        let init = g.init.as_ref().map(|i| Init {
+            image: image_io::resize_rgb(i.image.clone(), w, h),
+            strength: i.strength,
+            mask: i.mask.as_ref().map(|mk| {
+                image_io::resize_mask(
+                    Mask {
+                        width: mk.width,
+                        height: mk.height,
+                        values: mk.values.clone(),
+                    },
+                    w,
+                    h,
+                )
+                .values
+            }),
+        });
+        let hashes = g
+            .init
+            .as_ref()
+            .map(|i| (i.hash.clone(), i.mask_hash.clone()))
+            .unwrap_or_default();
+        let mut out = GenOutput {
+            images: Vec::new(),
+            infotexts: Vec::new(),
+            seeds: Vec::new(),
+            width: w,
+            height: h,
+            model: entry.clone(),
+        };
+        let mask_name = g
+            .init
+            .as_ref()
+            .and_then(|i| i.mask.as_ref())
+            .map(|_| Path::new("mask"));
+        let tiling = self
+            .args
+            .vae_tiling()
+            .map_err(|e| JobError::Failed(e.to_string()))?;
+        for i in 0..g.count {
+            let req = Request {
+                prompt: loras.prompt.clone(),
+                negative: g.negative.clone(),
+                steps: g.steps,
+                cfg_scale: g.cfg_scale,
+                width: w,
+                height: h,
+                seed: g.seed.wrapping_add(i as u64),
+                sampler: g.sampler,
+                scheduler: g.scheduler,
+                clip_skip: g.clip_skip,
+                init: init.clone(),
+            };
+            let image =
+                l.sd.generate(
+                    &req,
+                    None,
+                    &mut |step, _| self.queue.progress(step, i),
+                    cancelled,
+                )
+                .map_err(|e| match e {
+                    ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
+                    e => JobError::Failed(format!("{}: {e}", entry.title)),
+                })?;
+            if cancelled() {
+                return Err(JobError::Cancelled("interrupted".into()));
+            }
+            let fields = TextFields {
+                prompt: &g.prompt,
+                negative: &g.negative,
+                model: &entry.path,
+                vae: self.args.vae.as_deref(),
+                tiling,
+                init: g.init.as_ref().map(|_| Path::new("init_images[0]")),
+                mask: mask_name,
+                taesd: None,
+                upscaler: None,
+            };
+            let text = generate::parameters_text_of(
+                &fields,
+                &req,
+                &l.sd,
+                self.placement,
+                &l.flash,
+                &hashes,
+            ) + &loras.fields;
+            let mut png = Vec::new();
+            generate::encode_png(&mut png, &image, &text)
+                .map_err(|e| JobError::Failed(e.to_string()))?;
+            out.images.push(png);
+            out.infotexts.push(text);
+            out.seeds.push(req.seed);
+            self.queue.progress(0, i + 1);
+        }
+        Ok(out)
+    }
+}

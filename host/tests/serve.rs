@@ -1,0 +1,831 @@
+//! `sdhost serve` end to end: the built binary in a private prefix with the
+//! CPU plugin and the tiny checkpoints, spoken to over loopback HTTP/1.1
+//! with a minimal client on `TcpStream` (so a test can also drop a
+//! connection mid-request). Covers the A1111 and OpenAI endpoints, PNG
+//! parameters and reproducibility, img2img, switching models, the queue
+//! bound (503 + Retry-After), interrupt, cancellation on disconnect,
+//! authentication, the body limit, a batch of bad requests between valid
+//! ones, shutdown on SIGTERM with exit code 0, and a load test (100
+//! requests from 8 clients).
+//!
+//! Slow jobs (1000 steps) are always interrupted or cancelled, never run to
+//! the end; waits poll the server's own state, with a generous deadline
+//! only to stop a hang.
+
+mod common;
+use base64::Engine as _;
+use common::*;
+use serde_json::{json, Value};
+use std::io::{BufRead as _, BufReader, Read as _, Write as _};
+use std::net::TcpStream;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+const DEADLINE: Duration = Duration::from_secs(300);
+
+struct Server {
+    child: Child,
+    addr: String,
+    _prefix: Prefix,
+    log: std::sync::Arc<std::sync::Mutex<String>>,
+}
+
+impl Server {
+    /// Starts `serve` with `args` on a free port and waits for its address.
+    fn start(args: &[&str]) -> Server {
+        let prefix = Prefix::with_cpu();
+        Server::start_in(prefix, args)
+    }
+
+    fn start_in(prefix: Prefix, args: &[&str]) -> Server {
+        let mut all = vec!["serve", "--port", "0"];
+        all.extend_from_slice(args);
+        let mut child = prefix
+            .cmd(&all)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let log = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+        let l2 = log.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines() {
+                let Ok(line) = line else { break };
+                eprintln!("[serve] {line}");
+                if let Some(a) = line.strip_prefix("listening on http://") {
+                    let _ = tx.send(a.to_string());
+                }
+                l2.lock().unwrap().push_str(&(line + "\n"));
+            }
+        });
+        let addr = rx
+            .recv_timeout(DEADLINE)
+            .expect("serve printed no `listening on` line");
+        Server {
+            child,
+            addr,
+            _prefix: prefix,
+            log,
+        }
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Resp {
+        request(
+            &self.addr,
+            method,
+            path,
+            body.map(|b| b.to_string().into_bytes()),
+            &[],
+        )
+    }
+
+    fn get(&self, path: &str) -> Value {
+        let r = self.call("GET", path, None);
+        assert_eq!(r.status, 200, "GET {path}: {}", r.text());
+        r.json()
+    }
+
+    fn post(&self, path: &str, body: Value) -> Resp {
+        self.call("POST", path, Some(&body))
+    }
+
+    /// Polls `/sdapi/v1/progress` until `pred` holds.
+    fn wait_progress(&self, what: &str, pred: impl Fn(&Value) -> bool) -> Value {
+        let start = Instant::now();
+        loop {
+            let p = self.get("/sdapi/v1/progress");
+            if pred(&p) {
+                return p;
+            }
+            assert!(start.elapsed() < DEADLINE, "never saw {what}: {p}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<Vec<u8>>,
+    headers: &[(&str, &str)],
+) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let body = body.unwrap_or_default();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    // A server may answer (413) before reading a large body.
+    let _ = s.write_all(&body);
+    s
+}
+
+fn read_resp(mut s: TcpStream) -> Resp {
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP response: {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let mut lines = head.split("\r\n");
+    let status = lines
+        .next()
+        .unwrap()
+        .split(' ')
+        .nth(1)
+        .unwrap()
+        .parse()
+        .unwrap();
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[split + 4..].to_vec();
+    let chunked = headers
+        .iter()
+        .any(|(k, v)| k.eq_ignore_ascii_case("transfer-encoding") && v.contains("chunked"));
+    if chunked {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        loop {
+            let nl = rest.windows(2).position(|w| w == b"\r\n").unwrap();
+            let n = usize::from_str_radix(std::str::from_utf8(&rest[..nl]).unwrap().trim(), 16)
+                .unwrap();
+            if n == 0 {
+                break;
+            }
+            out.extend_from_slice(&rest[nl + 2..nl + 2 + n]);
+            rest = &rest[nl + 2 + n + 2..];
+        }
+        body = out;
+    }
+    Resp {
+        status,
+        headers,
+        body,
+    }
+}
+
+fn request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: Option<Vec<u8>>,
+    headers: &[(&str, &str)],
+) -> Resp {
+    read_resp(send(addr, method, path, body, headers))
+}
+
+fn b64(bytes: &[u8]) -> String {
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// `(width, height, parameters text, pixels)` of a base64 PNG.
+fn png_of(b64png: &str) -> (u32, u32, String, Vec<u8>) {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64png)
+        .unwrap();
+    let mut r = png::Decoder::new(std::io::Cursor::new(bytes))
+        .read_info()
+        .unwrap();
+    let text = r
+        .info()
+        .utf8_text
+        .iter()
+        .find(|c| c.keyword == "parameters")
+        .map(|c| c.get_text().unwrap())
+        .unwrap_or_default();
+    let mut buf = vec![0; r.output_buffer_size().unwrap()];
+    let info = r.next_frame(&mut buf).unwrap();
+    buf.truncate(info.buffer_size());
+    (info.width, info.height, text, buf)
+}
+
+fn small(prompt: &str, seed: i64) -> Value {
+    json!({"prompt": prompt, "negative_prompt": "blurry", "steps": 2, "cfg_scale": 5,
+           "width": 64, "height": 64, "seed": seed, "sampler_name": "Euler a",
+           "batch_size": 1, "n_iter": 1, "restore_faces": false, "enable_hr": false,
+           "override_settings": {}, "alwayson_scripts": {}})
+}
+
+fn slow() -> Value {
+    json!({"prompt": "slow", "steps": 1000, "width": 64, "height": 64, "seed": 1})
+}
+
+#[test]
+fn apis_models_img2img_and_bad_input() {
+    let prefix = Prefix::with_cpu();
+    let dir = prefix.dir("models");
+    for f in ["tiny-sd1.safetensors", "tiny-sd2.safetensors"] {
+        std::fs::copy(fixture(f), dir.join(f)).unwrap();
+    }
+    let srv = Server::start_in(prefix, &["--models-dir", s(&dir)]);
+
+    // The page, the OpenAPI description and the listings.
+    let page = srv.call("GET", "/", None);
+    assert_eq!(page.status, 200);
+    assert!(page
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/html"));
+    assert!(
+        page.text().contains("/sdapi/v1/txt2img"),
+        "the page drives the API"
+    );
+    let spec = srv.get("/openapi.json");
+    assert!(
+        spec["paths"]["/sdapi/v1/txt2img"]["post"].is_object(),
+        "{spec}"
+    );
+    assert_eq!(srv.get("/health")["status"], "ok");
+    let models = srv.get("/sdapi/v1/sd-models");
+    let titles: Vec<&str> = models
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["title"].as_str().unwrap())
+        .collect();
+    assert_eq!(titles, ["tiny-sd1.safetensors", "tiny-sd2.safetensors"]);
+    assert!(srv
+        .get("/sdapi/v1/samplers")
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["name"] == "DPM++ 2M"));
+    assert_eq!(
+        srv.get("/v1/models")["data"][1]["id"],
+        "tiny-sd2.safetensors"
+    );
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sd_model_checkpoint"],
+        "tiny-sd1.safetensors"
+    );
+
+    // txt2img: a 64×64 PNG with the parameters; the same seed, the same bytes.
+    let r = srv.post("/sdapi/v1/txt2img", small("a red cube", 7));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let a = r.json();
+    let (w, h, text, px) = png_of(a["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    assert!(
+        text.starts_with("a red cube\nNegative prompt: blurry\nSteps: 2, Sampler: euler_a"),
+        "{text}"
+    );
+    assert!(
+        text.contains("Seed: 7, Size: 64x64") && text.contains("Model: tiny-sd1.safetensors"),
+        "{text}"
+    );
+    assert!(px.iter().any(|&v| v != px[0]), "a blank image");
+    let info: Value = serde_json::from_str(a["info"].as_str().unwrap()).unwrap();
+    assert_eq!(info["all_seeds"], json!([7]));
+    assert_eq!(info["infotexts"][0], text);
+    assert_eq!(a["parameters"]["seed"], 7);
+    let again = srv.post("/sdapi/v1/txt2img", small("a red cube", 7)).json();
+    assert_eq!(again["images"], a["images"], "same seed, same PNG");
+    let other = srv.post("/sdapi/v1/txt2img", small("a red cube", 8)).json();
+    assert_ne!(other["images"], a["images"]);
+
+    // A random seed (-1) is reported.
+    let rnd = srv.post("/sdapi/v1/txt2img", small("x", -1)).json();
+    let seed = rnd["parameters"]["seed"].as_u64().unwrap();
+    assert!(png_of(rnd["images"][0].as_str().unwrap())
+        .2
+        .contains(&format!("Seed: {seed},")));
+
+    // img2img from the fixture, as a data URL.
+    let init = std::fs::read(fixture("init-64.png")).unwrap();
+    let mut body = small("a blue cube", 3);
+    body["init_images"] = json!([format!("data:image/png;base64,{}", b64(&init))]);
+    body["denoising_strength"] = json!(0.5);
+    let r = srv.post("/sdapi/v1/img2img", body.clone());
+    assert_eq!(r.status, 200, "{}", r.text());
+    let i2i = r.json();
+    let (w, h, text, _) = png_of(i2i["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    assert!(
+        text.contains("Denoising strength: 0.5, Init image: init_images[0]"),
+        "{text}"
+    );
+    assert_eq!(i2i["parameters"]["init_images"], Value::Null);
+
+    // OpenAI.
+    let r = srv.post("/v1/images/generations", json!({"prompt": "a cat", "size": "64x64", "n": 1, "response_format": "b64_json", "steps": 2}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, _, _) = png_of(r.json()["data"][0]["b64_json"].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+
+    // Bad requests, each answered 400/422 naming the field, between valid ones.
+    let bad: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            b"{\"prompt\": ".to_vec(),
+            400,
+            "body",
+        ),
+        ("POST", "/sdapi/v1/txt2img", b"[1, 2]".to_vec(), 400, "body"),
+        ("POST", "/sdapi/v1/txt2img", b"{}".to_vec(), 422, "prompt"),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": 5}"#.to_vec(),
+            422,
+            "prompt",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "steps": "many"}"#.to_vec(),
+            422,
+            "steps",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "steps": 0}"#.to_vec(),
+            422,
+            "steps",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "steps": 100000}"#.to_vec(),
+            422,
+            "steps",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "width": 99999, "steps": 2}"#.to_vec(),
+            422,
+            "width",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "width": 72, "height": 64, "steps": 2}"#.to_vec(),
+            422,
+            "width",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "cfg_scale": null, "seed": "abc"}"#.to_vec(),
+            422,
+            "seed",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "sampler_name": "Euler z"}"#.to_vec(),
+            422,
+            "sampler_name",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "scheduler": "nope"}"#.to_vec(),
+            422,
+            "scheduler",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "batch_size": 99}"#.to_vec(),
+            422,
+            "batch_size",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/txt2img",
+            br#"{"prompt": "x", "override_settings": {"sd_model_checkpoint": "nope"}}"#.to_vec(),
+            422,
+            "override_settings.sd_model_checkpoint",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/img2img",
+            br#"{"prompt": "x"}"#.to_vec(),
+            422,
+            "init_images",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/img2img",
+            br#"{"prompt": "x", "init_images": ["@@@"]}"#.to_vec(),
+            422,
+            "init_images[0]",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/img2img",
+            br#"{"prompt": "x", "init_images": ["aGVsbG8gd29ybGQ="]}"#.to_vec(),
+            422,
+            "init_images[0]",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/img2img",
+            format!(
+                r#"{{"prompt": "x", "init_images": ["{}"]}}"#,
+                b64(&init[..init.len() / 2])
+            )
+            .into_bytes(),
+            422,
+            "init_images[0]",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/img2img",
+            format!(
+                r#"{{"prompt": "x", "init_images": ["{}"], "denoising_strength": 2}}"#,
+                b64(&init)
+            )
+            .into_bytes(),
+            422,
+            "denoising_strength",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/options",
+            br#"{"sd_model_checkpoint": "nope.safetensors"}"#.to_vec(),
+            422,
+            "sd_model_checkpoint",
+        ),
+        (
+            "POST",
+            "/sdapi/v1/options",
+            br#"{"sd_model_checkpoint": 3}"#.to_vec(),
+            422,
+            "sd_model_checkpoint",
+        ),
+        (
+            "POST",
+            "/v1/images/generations",
+            br#"{"prompt": "x", "size": "big"}"#.to_vec(),
+            422,
+            "size",
+        ),
+        (
+            "POST",
+            "/v1/images/generations",
+            br#"{"prompt": "x", "response_format": "url"}"#.to_vec(),
+            422,
+            "response_format",
+        ),
+        (
+            "POST",
+            "/v1/images/generations",
+            br#"{"n": 1}"#.to_vec(),
+            422,
+            "prompt",
+        ),
+    ];
+    for (i, (method, path, body, status, field)) in bad.into_iter().enumerate() {
+        let r = request(&srv.addr, method, path, Some(body.clone()), &[]);
+        assert_eq!(
+            r.status,
+            status,
+            "{path} {}: {}",
+            String::from_utf8_lossy(&body),
+            r.text()
+        );
+        let j = r.json();
+        assert_eq!(j["field"], field, "{}", r.text());
+        assert!(
+            j["detail"].as_str().unwrap().starts_with(field),
+            "{}",
+            r.text()
+        );
+        if i % 8 == 7 {
+            let ok = srv.post("/sdapi/v1/txt2img", small("still here", 1));
+            assert_eq!(ok.status, 200, "{}", ok.text());
+        }
+    }
+    assert_eq!(srv.call("GET", "/nope", None).status, 404);
+    assert_eq!(srv.get("/health")["status"], "ok");
+
+    // Switching models reloads; the images say which model made them.
+    let r = srv.post(
+        "/sdapi/v1/options",
+        json!({"sd_model_checkpoint": "tiny-sd2.safetensors [0123abcd]"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sd_model_checkpoint"],
+        "tiny-sd2.safetensors"
+    );
+    let r = srv.post("/sdapi/v1/txt2img", small("a red cube", 7)).json();
+    let text = png_of(r["images"][0].as_str().unwrap()).2;
+    assert!(
+        text.contains("Model: tiny-sd2.safetensors, Model family: sd2"),
+        "{text}"
+    );
+    // A per-request override, by model name.
+    let mut body = small("a red cube", 7);
+    body["override_settings"] = json!({"sd_model_checkpoint": "tiny-sd1"});
+    let r = srv.post("/sdapi/v1/txt2img", body).json();
+    assert_eq!(
+        r["images"], a["images"],
+        "back on tiny-sd1: the first image again"
+    );
+}
+
+#[test]
+fn queue_bound_interrupt_and_disconnect() {
+    let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors")), "--queue", "1"]);
+    let addr = srv.addr.clone();
+    let body = serde_json::to_vec(&slow()).unwrap();
+    let first =
+        std::thread::spawn(move || request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]));
+    let p = srv.wait_progress("the slow job running", |p| {
+        p["state"]["sampling_steps"] == 1000
+    });
+    let slow_id = p["state"]["sdhost_job_id"].clone();
+    let addr = srv.addr.clone();
+    let body = serde_json::to_vec(&small("queued", 5)).unwrap();
+    let second =
+        std::thread::spawn(move || request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]));
+    srv.wait_progress("one job waiting", |p| p["state"]["sdhost_waiting"] == 1);
+    assert_eq!(srv.get("/sdapi/v1/progress")["state"]["job_count"], 2);
+
+    // The queue holds one waiting job: a third is refused.
+    let r = srv.post("/sdapi/v1/txt2img", small("refused", 1));
+    assert_eq!(r.status, 503, "{}", r.text());
+    let retry: u64 = r
+        .header("retry-after")
+        .expect("Retry-After")
+        .parse()
+        .unwrap();
+    assert!(retry >= 1);
+    assert_eq!(r.json()["error"], "queue_full");
+
+    // Interrupt stops the running job only; the waiting one then runs.
+    let r = srv.post("/sdapi/v1/interrupt", json!({}));
+    assert_eq!(r.json()["interrupted"], slow_id);
+    let r = first.join().unwrap();
+    assert_eq!(r.status, 409, "{}", r.text());
+    assert_eq!(r.json()["error"], "cancelled");
+    let r = second.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(png_of(r.json()["images"][0].as_str().unwrap()).0, 64);
+
+    // A client that goes away cancels its job.
+    let before = srv.get("/health")["jobs"]["cancelled"].as_u64().unwrap();
+    let stream = send(
+        &srv.addr,
+        "POST",
+        "/sdapi/v1/txt2img",
+        Some(serde_json::to_vec(&slow()).unwrap()),
+        &[],
+    );
+    srv.wait_progress("the slow job running", |p| {
+        p["state"]["sampling_steps"] == 1000
+    });
+    drop(stream);
+    srv.wait_progress("the queue idle", |p| p["state"]["job_count"] == 0);
+    let h = srv.get("/health");
+    assert_eq!(h["jobs"]["cancelled"].as_u64().unwrap(), before + 1, "{h}");
+    assert_eq!(h["jobs"]["done"], 1, "{h}");
+}
+
+#[test]
+fn auth_body_limit_and_sigterm() {
+    // Anything but loopback needs a key; refused before any work.
+    let prefix = Prefix::with_cpu();
+    let model = fixture("tiny-sd1.safetensors");
+    let (r, _) = run_within(
+        prefix.cmd(&["serve", "-m", s(&model), "--host", "0.0.0.0", "--port", "0"]),
+        DEADLINE,
+    );
+    assert_eq!(r.code, Some(1), "{r:?}");
+    assert!(
+        r.stderr
+            .contains("--host 0.0.0.0: listening on a non-loopback address needs --api-key"),
+        "{}",
+        r.stderr
+    );
+
+    let srv = Server::start_in(
+        prefix,
+        &[
+            "-m",
+            s(&model),
+            "--api-key",
+            "s3cret",
+            "--max-body",
+            "1",
+            "--grace",
+            "1",
+        ],
+    );
+    let r = srv.call("GET", "/sdapi/v1/sd-models", None);
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"], "unauthorized");
+    let r = request(
+        &srv.addr,
+        "GET",
+        "/sdapi/v1/sd-models",
+        None,
+        &[("Authorization", "Bearer wrong")],
+    );
+    assert_eq!(r.status, 401);
+    let auth = [("Authorization", "Bearer s3cret")];
+    let r = request(&srv.addr, "GET", "/sdapi/v1/sd-models", None, &auth);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        srv.call("GET", "/health", None).status,
+        200,
+        "health needs no key"
+    );
+    assert_eq!(
+        srv.call("GET", "/", None).status,
+        200,
+        "the page needs no key"
+    );
+
+    // Bodies over --max-body: 413.
+    let big = format!(r#"{{"prompt": "{}"}}"#, "a".repeat(2 << 20));
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/sdapi/v1/txt2img",
+        Some(big.into_bytes()),
+        &auth,
+    );
+    assert_eq!(r.status, 413, "{}", r.text());
+
+    // SIGTERM during a slow job: cancelled after --grace, exit 0.
+    let addr = srv.addr.clone();
+    let body = serde_json::to_vec(&slow()).unwrap();
+    let job =
+        std::thread::spawn(move || request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &auth));
+    let start = Instant::now();
+    loop {
+        let p = request(&srv.addr, "GET", "/sdapi/v1/progress", None, &auth).json();
+        if p["state"]["sampling_steps"] == 1000 {
+            break;
+        }
+        assert!(start.elapsed() < DEADLINE, "the slow job never ran");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut srv = srv;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(srv.child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let r = job.join().unwrap();
+    assert_eq!(r.status, 409, "{}", r.text());
+    let status = srv.child.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "{}", srv.log.lock().unwrap());
+    let log = srv.log.lock().unwrap().clone();
+    assert!(log.contains("stopping: no new requests"), "{log}");
+    assert!(
+        log.contains("still running after the grace period; cancelled"),
+        "{log}"
+    );
+}
+
+/// Resident memory of a process, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmRSS")
+}
+
+/// 100 requests from 8 clients: each answered 200 with its own seed or 503
+/// by the queue rule, none lost or duplicated, the counters agree, and the
+/// server's memory after the run is within 10 % of its value after the
+/// first 10 requests.
+#[test]
+fn load_100_requests_from_8_clients() {
+    // Compute buffers stay allocated between jobs (`keep`), so what is
+    // measured is the server, not the allocator returning freed buffers.
+    let srv = Server::start(&[
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--queue",
+        "3",
+        "--phase-memory",
+        "keep",
+    ]);
+    let one = |seed: u64| json!({"prompt": "load", "steps": 1, "width": 64, "height": 64, "seed": seed, "sampler_name": "euler"});
+    for seed in 0..10 {
+        let r = srv.post("/sdapi/v1/txt2img", one(seed));
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    let rss_warm = rss_kib(srv.child.id());
+
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(10));
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let (addr, next) = (srv.addr.clone(), next.clone());
+            std::thread::spawn(move || {
+                let mut got = Vec::new();
+                loop {
+                    let seed = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    if seed >= 100 {
+                        return got;
+                    }
+                    let body = serde_json::to_vec(&one(seed)).unwrap();
+                    let r = request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]);
+                    got.push((seed, r));
+                }
+            })
+        })
+        .collect();
+    let mut answers: Vec<(u64, Resp)> = clients
+        .into_iter()
+        .flat_map(|c| c.join().unwrap())
+        .collect();
+    answers.sort_by_key(|(seed, _)| *seed);
+    assert_eq!(
+        answers.iter().map(|(s, _)| *s).collect::<Vec<_>>(),
+        (10..100).collect::<Vec<_>>(),
+        "every request answered once"
+    );
+    let (mut ok, mut busy) = (0u64, 0u64);
+    let mut images = std::collections::HashSet::new();
+    for (seed, r) in &answers {
+        match r.status {
+            200 => {
+                let j = r.json();
+                assert_eq!(
+                    j["parameters"]["seed"], *seed,
+                    "the answer to its own request"
+                );
+                let text = png_of(j["images"][0].as_str().unwrap()).2;
+                assert!(text.contains(&format!("Seed: {seed},")), "{text}");
+                assert!(
+                    images.insert(j["images"][0].as_str().unwrap().to_string()),
+                    "a duplicated image"
+                );
+                ok += 1;
+            }
+            503 => {
+                assert!(r.header("retry-after").is_some());
+                busy += 1;
+            }
+            s => panic!("seed {seed}: status {s}: {}", r.text()),
+        }
+    }
+    eprintln!("load: {ok} generated, {busy} refused (queue full)");
+    assert!(
+        ok >= 4,
+        "at least the running job and the queue's 3 got through"
+    );
+    let h = srv.get("/health");
+    assert_eq!(h["jobs"]["done"], 10 + ok, "{h}");
+    assert_eq!(h["jobs"]["submitted"], 10 + ok, "{h}");
+    assert_eq!(h["jobs"]["rejected"], busy, "{h}");
+    assert_eq!(h["jobs"]["failed"], 0, "{h}");
+    let rss_end = rss_kib(srv.child.id());
+    eprintln!("load: RSS {rss_warm} KiB after 10 requests, {rss_end} KiB after 100");
+    assert!(
+        rss_end * 10 <= rss_warm * 11,
+        "RSS grew from {rss_warm} KiB to {rss_end} KiB"
+    );
+}
