@@ -19,6 +19,7 @@ pub mod config;
 pub mod discovery;
 pub mod image_io;
 pub mod manager;
+pub mod memory;
 pub mod output;
 pub mod packages;
 pub mod placement;

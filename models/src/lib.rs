@@ -22,6 +22,8 @@
 //!   between graph computations.
 //!
 //! * [`tiling`]: overlapping tiles with blended seams (VAE tiling).
+//! * [`memory`]: what each module needs per phase at a size, measured with
+//!   a dry run of ggml's allocator on the real graphs.
 //!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.
@@ -31,6 +33,7 @@ pub mod blocks;
 pub mod checkpoint;
 pub mod family;
 mod kind;
+pub mod memory;
 pub mod module;
 pub mod pipeline;
 pub mod sampling;

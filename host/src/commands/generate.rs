@@ -43,6 +43,20 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut opts = args.sample.load_options(vae.as_ref());
     opts.vae_encoder = init.is_some();
     let tiling = args.sample.vae_tiling()?;
+    // Memory budgets: measured on placeholders before any weight is read.
+    let measure = crate::memory::Measure {
+        ckpt: &ckpt,
+        vae: vae.as_ref(),
+        width: args.sample.width.map(|v| v as usize),
+        height: args.sample.height.map(|v| v as usize),
+        init_size: init.as_ref().map(|i| (i.image.width, i.image.height)),
+        prompts: (&args.prompt, &args.negative),
+        guided: args.sample.cfg_scale != 1.0,
+        policy: args.sample.phase_memory,
+        flash: args.sample.flash_attn,
+        tiling,
+    };
+    crate::memory::check_budgets(session, &manager, &placement, &measure, &args.memory)?;
     let mut sd = Pipeline::load(&ckpt, layout, opts)?;
     sd.set_vae_tiling(tiling);
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
