@@ -400,8 +400,10 @@ pub fn measure(
     crate::commands::generate::apply_flash_attn(&mut sd, &layout, m.flash);
     let mult = sd.size_multiple();
     let default = sd.family().default_size;
+    // As `generate` sizes the request; an init image smaller than the
+    // multiple is refused later with its own message.
     let side = |given: Option<usize>, init: Option<usize>| {
-        given.unwrap_or_else(|| init.map_or(default, |v| v / mult * mult))
+        given.unwrap_or_else(|| init.map_or(default, |v| (v / mult * mult).max(mult)))
     };
     let width = side(m.width, m.init_size.map(|s| s.0));
     let height = side(m.height, m.init_size.map(|s| s.1));
@@ -418,7 +420,7 @@ pub fn measure(
     };
     let plan = sd
         .memory_plan(&req)
-        .map_err(|e| anyhow::anyhow!("{}: measuring memory: {e}", crate::term::clean(&file)))?;
+        .map_err(|e| anyhow::anyhow!("{}: {e}", crate::term::clean(&file)))?;
     let cpu = crate::commands::generate::cpu_device(session, what)?;
     let usage = account(&plan, placement, &cpu, m.policy);
     Ok(Measured {

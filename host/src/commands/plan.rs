@@ -121,8 +121,19 @@ pub struct PlanModuleMemory {
     pub weights: u64,
     /// Copy on the runtime device during its phases (0: used in place).
     pub runtime_copy: u64,
-    /// Compute buffers per phase: `(phase, runtime device, CPU fallback)`.
-    pub compute: Vec<(&'static str, u64, u64)>,
+    /// Compute buffers per phase.
+    pub compute: Vec<PlanCompute>,
+}
+
+/// A module's compute buffers in one phase.
+#[derive(Debug, Serialize)]
+pub struct PlanCompute {
+    /// The phase.
+    pub phase: &'static str,
+    /// On the runtime device.
+    pub runtime: u64,
+    /// On the CPU, for ops the runtime device lacks (0 when it is the CPU).
+    pub cpu: u64,
 }
 
 /// What was measured.
@@ -261,7 +272,11 @@ impl PlanReport {
                         compute: mm
                             .phases
                             .iter()
-                            .map(|(ph, c)| (ph.name(), c.runtime, c.cpu))
+                            .map(|(ph, c)| PlanCompute {
+                                phase: ph.name(),
+                                runtime: c.runtime,
+                                cpu: c.cpu,
+                            })
                             .collect(),
                     })
                     .collect(),
