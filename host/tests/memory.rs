@@ -89,6 +89,20 @@ fn prediction_matches_allocation(
     w: usize,
     h: usize,
 ) {
+    prediction_matches(fixture_name, runtime, params, w, h, false)
+}
+
+/// As [`prediction_matches_allocation`], with `img2img` from the 64×64
+/// init image, so the VAE encodes first (its allocation is then the larger
+/// of its two phases: its scheduler only grows).
+fn prediction_matches(
+    fixture_name: &str,
+    runtime: &str,
+    params: &str,
+    w: usize,
+    h: usize,
+    img2img: bool,
+) {
     let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
     let m = BackendManager::new(&reg, None);
     let d = Devices {
@@ -107,22 +121,48 @@ fn prediction_matches_allocation(
         height: h,
         batch: 2,
         chunks: 1,
-        encode: false,
+        encode: img2img,
     };
     let opts = LoadOptions {
         placeholders: true,
+        vae_encoder: img2img,
         ..LoadOptions::default()
     };
     let dry = Pipeline::load(&ckpt, layout, opts)
         .unwrap()
         .memory_plan(&req)
         .unwrap();
-    let mut sd = Pipeline::load(&ckpt, layout, LoadOptions::default()).unwrap();
+    let opts = LoadOptions {
+        vae_encoder: img2img,
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
     let loaded = sd.memory_plan(&req).unwrap();
     // Placeholders measure exactly as loaded weights do.
     assert_eq!(dry, loaded);
-    sd.generate(&request(w, h), None, &mut |_, _| {}, &|| false)
+    let mut gen_req = request(w, h);
+    if img2img {
+        let image = sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap();
+        gen_req.init = Some(sdhost_models::pipeline::Init {
+            image: sdhost::image_io::resize_rgb(image, w, h),
+            strength: 0.5,
+            mask: None,
+        });
+    }
+    sd.generate(&gen_req, None, &mut |_, _| {}, &|| false)
         .unwrap();
+    // The VAE's scheduler grows to the larger of encoding and decoding.
+    let mut dry = dry;
+    if img2img {
+        let vae = &mut dry.modules[2];
+        let most = vae.phases.iter().fold(
+            sdhost_models::module::ComputeBytes::default(),
+            |a, (_, c)| a.max(*c),
+        );
+        for (_, c) in &mut vae.phases {
+            *c = most;
+        }
+    }
     let real = actual_plan(&sd, &dry);
     let tag = format!("{fixture_name} {w}x{h} on {runtime} (params {params})");
     for (p, a) in dry.modules.iter().zip(&real.modules) {
@@ -135,29 +175,30 @@ fn prediction_matches_allocation(
             a.runtime_copy,
         );
         assert_eq!(p.runtime_copy == 0, runtime == params, "{name}");
-        let (phase, c) = p.phases[0];
-        let ac = a.phases[0].1;
-        assert!(ac.runtime > 0, "{name}: nothing allocated?");
-        within(
-            &format!("{name}: {} compute on {runtime}", phase.name()),
-            c.runtime,
-            ac.runtime,
-        );
-        within(
-            &format!("{name}: {} compute on cpu", phase.name()),
-            c.cpu,
-            ac.cpu,
-        );
+        for ((phase, c), (_, ac)) in p.phases.iter().zip(&a.phases) {
+            assert!(ac.runtime > 0, "{name}: nothing allocated?");
+            within(
+                &format!("{name}: {} compute on {runtime}", phase.name()),
+                c.runtime,
+                ac.runtime,
+            );
+            within(
+                &format!("{name}: {} compute on cpu", phase.name()),
+                c.cpu,
+                ac.cpu,
+            );
+        }
     }
     // Per device and phase, as `plan` shows it.
     for policy in WeightPolicy::ALL {
         let pl = placement(runtime, params);
         let want: Usage = account(&dry, &pl, "cpu", policy);
         let got: Usage = account(&real, &pl, "cpu", policy);
-        assert_eq!(
-            want.phases,
-            vec![Phase::TextEncoding, Phase::Sampling, Phase::Decoding]
-        );
+        let mut phases = vec![Phase::TextEncoding, Phase::Sampling, Phase::Decoding];
+        if img2img {
+            phases.insert(1, Phase::Encoding);
+        }
+        assert_eq!(want.phases, phases);
         for (dev, per) in &got.devices {
             for (phase, bytes) in per {
                 within(
@@ -175,6 +216,7 @@ fn prediction_matches_allocation_on_cpu() {
     prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 64, 64);
     prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 128, 64);
     prediction_matches_allocation("tiny-sdxl.safetensors", "cpu", "cpu", 64, 64);
+    prediction_matches("tiny-sd1.safetensors", "cpu", "cpu", 64, 64, true);
 }
 
 #[test]
@@ -185,6 +227,99 @@ fn prediction_matches_allocation_on_vulkan() {
     prediction_matches_allocation("tiny-sd1.safetensors", "vulkan0", "vulkan0", 64, 64);
     prediction_matches_allocation("tiny-sd1.safetensors", "vulkan0", "cpu", 64, 128);
     prediction_matches_allocation("tiny-sdxl.safetensors", "vulkan0", "cpu", 64, 64);
+}
+
+#[test]
+fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let run = |args: &[&str]| {
+        Run::from(
+            p.cmd(args)
+                .env("GGML_VK_VISIBLE_DEVICES", "0")
+                .output()
+                .unwrap(),
+        )
+    };
+    let model = tiny();
+    let plan = [
+        "plan",
+        "-m",
+        s(&model),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--backend",
+        "vulkan0",
+        "--params-backend",
+        "cpu",
+        "--json",
+    ];
+    let j = run(&plan).ok().json();
+    let dev = |j: &serde_json::Value, name: &str| {
+        j["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["device"] == name)
+            .unwrap()
+            .clone()
+    };
+    let vk = dev(&j, "vulkan0");
+    assert_eq!(vk["reserve"], 256 << 20);
+    assert_eq!(
+        vk["budget"].as_u64().unwrap(),
+        vk["memory_free"]
+            .as_u64()
+            .unwrap()
+            .saturating_sub(256 << 20)
+    );
+    // Weights on the CPU: vulkan0 holds the running module's copy only.
+    assert_eq!(vk["weight_bytes"], 0);
+    assert!(vk["phases"][0]["bytes"].as_u64().unwrap() > 0);
+    // --max-vram applies to vulkan0, not to the CPU.
+    let mut a = plan.to_vec();
+    a.extend(["--max-vram", "1K"]);
+    let j = run(&a).ok().json();
+    assert_eq!(dev(&j, "vulkan0")["budget"], 1024);
+    assert_eq!(dev(&j, "vulkan0")["fits"], false);
+    assert_eq!(dev(&j, "cpu")["fits"], true);
+    assert_eq!(dev(&j, "cpu")["max_memory"], serde_json::Value::Null);
+    // generate stops before computing, naming vulkan0.
+    let out = p.root().join("work/v.png");
+    let r = run(&[
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--backend",
+        "vulkan0",
+        "--max-memory",
+        "vulkan0=1K",
+        "-o",
+        s(&out),
+    ]);
+    one_line_failure(
+        &r,
+        1,
+        &[
+            "vulkan0: te needs",
+            "budget 1.0 KiB",
+            "vulkan0: sampling needs",
+        ],
+    );
+    assert!(!out.exists());
 }
 
 #[test]
