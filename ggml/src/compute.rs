@@ -1398,7 +1398,7 @@ impl<'b> Sched<'b> {
     /// scheduler assigns them to. Set inputs after this, then [`Sched::compute`].
     pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.fits(graph)?;
-        no_placeholders(graph)?;
+        self.check_buffers(graph, false)?;
         // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
         // SAFETY: live scheduler and graph; the graph fits its hash set
@@ -1414,7 +1414,7 @@ impl<'b> Sched<'b> {
     /// Computes an allocated graph.
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.fits(graph)?;
-        no_placeholders(graph)?;
+        self.check_buffers(graph, false)?;
         // SAFETY: live scheduler and graph, which fits its hash set (checked:
         // ggml allocates an unallocated graph here and asserts that).
         let st = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.raw) };
@@ -1443,6 +1443,7 @@ impl<'b> Sched<'b> {
     /// (call [`Sched::alloc`] again before computing).
     pub fn reserve_size(&mut self, graph: &Graph<'_>) -> Result<Vec<u64>> {
         self.fits(graph)?;
+        self.check_buffers(graph, true)?;
         let mut sizes = vec![0usize; self.backends.len()];
         // SAFETY: live scheduler and graph, which fits its hash set (checked:
         // ggml asserts it); `sizes` has one slot per backend of the
@@ -1478,31 +1479,54 @@ impl<'b> Sched<'b> {
     }
 }
 
-/// Refuses a graph that reads a placeholder ([`Context::place_unallocated`]):
-/// the scheduler would take it as allocated and compute through a null
-/// pointer. Every leaf is an operand of some node, so nodes and their
-/// operands cover the graph.
-fn no_placeholders(graph: &Graph<'_>) -> Result<()> {
-    for i in 0..graph.n_nodes() {
-        let Some(node) = graph.node(i) else { continue };
-        // SAFETY: a node of the live graph; its operands are live too.
-        let srcs = unsafe { (*node.raw).src };
-        let found = std::iter::once(node.raw)
-            .chain(srcs.into_iter().filter(|p| !p.is_null()))
-            .any(|raw| {
-                Tensor {
+impl Sched<'_> {
+    /// Checks the tensors that already have a buffer before ggml sees
+    /// them: ggml aborts on one whose buffer no backend of the scheduler can
+    /// use ("pre-allocated tensor in a buffer that cannot run the
+    /// operation"), and unless `placeholders_ok` (a dry run), a placeholder
+    /// ([`Context::place_unallocated`]) would be taken as allocated and
+    /// computed through a null pointer. Every leaf is an operand of some
+    /// node, so nodes and their operands cover the graph.
+    fn check_buffers(&self, graph: &Graph<'_>, placeholders_ok: bool) -> Result<()> {
+        for i in 0..graph.n_nodes() {
+            let Some(node) = graph.node(i) else { continue };
+            // SAFETY: a node of the live graph; its operands are live too.
+            let srcs = unsafe { (*node.raw).src };
+            for raw in std::iter::once(node.raw).chain(srcs.into_iter().filter(|p| !p.is_null())) {
+                let t = Tensor {
                     raw,
                     _ctx: PhantomData,
+                };
+                if !placeholders_ok && t.is_placeholder() {
+                    return Err(Error::Invalid(format!(
+                        "graph node {i} reads a placeholder tensor (measurement only, no data)"
+                    )));
                 }
-                .is_placeholder()
-            });
-        if found {
-            return Err(Error::Invalid(format!(
-                "graph node {i} reads a placeholder tensor (measurement only, no data)"
-            )));
+                // SAFETY: a live tensor; its view source, when set, is live,
+                // and a buffer, when set, is a live buffer it was placed in.
+                let usable = unsafe {
+                    let buf = if (*raw).view_src.is_null() {
+                        (*raw).buffer
+                    } else {
+                        (*(*raw).view_src).buffer
+                    };
+                    buf.is_null()
+                        || self.backends.iter().any(|b| {
+                            sys::ggml_backend_supports_buft(
+                                b.raw(),
+                                sys::ggml_backend_buffer_get_type(buf),
+                            )
+                        })
+                };
+                if !usable {
+                    return Err(Error::Invalid(format!(
+                        "graph node {i} uses a tensor in a buffer none of the scheduler's backends can use"
+                    )));
+                }
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 impl Drop for Sched<'_> {
