@@ -1076,18 +1076,19 @@ impl<'ctx> Tensor<'ctx> {
         }
     }
 
-    /// Whether this is a placeholder or a view of one: it claims a buffer
-    /// but has no data ([`Context::place_unallocated`]).
+    /// Whether this is a placeholder or a view of one: it (or the tensor it
+    /// views; ggml's view sources are never views) claims a buffer but has
+    /// no data ([`Context::place_unallocated`]). A view not yet initialised
+    /// over an allocated tensor is not one.
     fn is_placeholder(&self) -> bool {
-        // SAFETY: as above.
+        // SAFETY: as above; the view source, when set, is a live tensor.
         unsafe {
-            let raw = self.raw;
-            let buf = if (*raw).view_src.is_null() {
-                (*raw).buffer
+            let root = if (*self.raw).view_src.is_null() {
+                self.raw
             } else {
-                (*(*raw).view_src).buffer
+                (*self.raw).view_src
             };
-            (*raw).data.is_null() && !buf.is_null()
+            (*root).data.is_null() && !(*root).buffer.is_null()
         }
     }
 
