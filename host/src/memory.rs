@@ -312,8 +312,10 @@ pub fn overruns(usage: &Usage, budgets: &Budgets) -> Vec<(String, Phase, u64, u6
 }
 
 /// The one-line refusal for `overruns` (empty: none), with what to try
-/// until automatic fit exists.
-pub fn refusal(overruns: &[(String, Phase, u64, u64)]) -> Option<String> {
+/// until automatic fit exists: a smaller size; `--params-backend cpu` where
+/// an over-budget device that is not the CPU holds some module's weights;
+/// `--vae-tiling` where decoding or encoding is over.
+pub fn refusal(overruns: &[(String, Phase, u64, u64)], placement: &Placement) -> Option<String> {
     if overruns.is_empty() {
         return None;
     }
@@ -328,7 +330,14 @@ pub fn refusal(overruns: &[(String, Phase, u64, u64)]) -> Option<String> {
             )
         })
         .collect();
-    let mut tries = vec!["a smaller -W/-H", "--params-backend cpu"];
+    let mut tries = vec!["a smaller -W/-H"];
+    let holds_weights = |d: &str| placement.params.values().any(|p| p == d);
+    if overruns
+        .iter()
+        .any(|(d, _, _, _)| d != "cpu" && holds_weights(d))
+    {
+        tries.push("--params-backend cpu");
+    }
     if overruns
         .iter()
         .any(|(_, p, _, _)| matches!(p, Phase::Decoding | Phase::Encoding))
@@ -446,7 +455,7 @@ pub fn check_budgets(
     for (dev, per) in &measured.usage.devices {
         tracing::debug!("memory on {dev}: {per:?} (budget {:?})", budgets.0.get(dev));
     }
-    match refusal(&overruns(&measured.usage, &budgets)) {
+    match refusal(&overruns(&measured.usage, &budgets), placement) {
         Some(line) => Err(anyhow::anyhow!(line)),
         None => Ok(()),
     }
@@ -658,12 +667,19 @@ mod tests {
                 ("gpu".to_string(), Phase::Sampling, 1350, 1300)
             ]
         );
-        let line = refusal(&o).unwrap();
+        let line = refusal(&o, &placement("gpu", "gpu")).unwrap();
+        assert!(line.contains("--params-backend cpu"), "{line}");
         assert!(line.starts_with("gpu: encode needs 1.4 KiB, budget 1.3 KiB; gpu: sampling needs"));
         assert!(
             line.contains("--vae-tiling") && !line.contains('\n'),
             "{line}"
         );
-        assert_eq!(refusal(&[]), None);
+        // Weights already on the CPU: not suggested again.
+        let line = refusal(&o[1..], &placement("gpu", "cpu")).unwrap();
+        assert!(
+            !line.contains("--params-backend") && !line.contains("--vae-tiling"),
+            "{line}"
+        );
+        assert_eq!(refusal(&[], &placement("gpu", "gpu")), None);
     }
 }
