@@ -433,6 +433,18 @@ pub struct PlanArgs {
     #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
     pub phase_memory: sdhost_models::module::WeightPolicy,
 
+    /// Measure decoding in VAE tiles (as `generate --vae-tiling`)
+    #[arg(long = "vae-tiling")]
+    pub vae_tiling: bool,
+
+    /// Tile side for --vae-tiling, in latent cells
+    #[arg(long = "vae-tile-size", value_name = "CELLS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub vae_tile_size: u32,
+
+    /// Latent cells neighbouring tiles share, less than the tile size
+    #[arg(long = "vae-tile-overlap", value_name = "CELLS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=1023))]
+    pub vae_tile_overlap: u32,
+
     #[command(flatten)]
     pub memory: MemoryArgs,
 

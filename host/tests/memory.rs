@@ -610,3 +610,95 @@ fn bad_budgets_are_one_line_errors() {
         &["config file", "max_memory", "\"12Q\" is not a size"],
     );
 }
+
+#[test]
+fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
+    use sdhost_models::tiling::Tiling;
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let req = MemoryRequest {
+        width: 256,
+        height: 128,
+        batch: 2,
+        chunks: 1,
+        encode: false,
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, LoadOptions::default()).unwrap();
+    let decode = |p: &MemoryPlan| p.modules[2].phases[0].1;
+    let whole = decode(&sd.memory_plan(&req).unwrap());
+    sd.set_vae_tiling(Some(Tiling::new(8, 2).unwrap()));
+    let tiled = decode(&sd.memory_plan(&req).unwrap());
+    assert!(tiled.runtime * 3 < whole.runtime, "{tiled:?} vs {whole:?}");
+    // What decoding in 8x8-cell tiles really allocates.
+    sd.generate(&request(256, 128), None, &mut |_, _| {}, &|| false)
+        .unwrap();
+    within(
+        "tiled decode",
+        tiled.runtime,
+        sd.vae.allocated().compute.runtime,
+    );
+
+    // The CLI: a budget between the two fits only with --vae-tiling.
+    let p = Prefix::with_cpu();
+    let model = tiny();
+    let plan = |extra: &[&str]| {
+        let mut a = vec!["plan", "-m", s(&model), "-W", "256", "-H", "128", "--json"];
+        a.extend_from_slice(extra);
+        p.run(&a).ok().json()
+    };
+    let peak = |j: &serde_json::Value| j["devices"][0]["peak"].as_u64().unwrap();
+    let untiled = peak(&plan(&[]));
+    let with_tiles = peak(&plan(&[
+        "--vae-tiling",
+        "--vae-tile-size",
+        "8",
+        "--vae-tile-overlap",
+        "2",
+    ]));
+    assert!(with_tiles < untiled, "{with_tiles} vs {untiled}");
+    let budget = format!("cpu={}", (with_tiles + untiled) / 2);
+    let out = p.root().join("work/t.png");
+    let gen = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&model),
+            "-p",
+            "a cat",
+            "-W",
+            "256",
+            "-H",
+            "128",
+            "--steps",
+            "1",
+            "--max-memory",
+            &budget,
+            "-o",
+            s(&out),
+        ];
+        a.extend_from_slice(extra);
+        p.run(&a)
+    };
+    one_line_failure(&gen(&[]), 1, &["cpu: decode needs", "--vae-tiling"]);
+    gen(&[
+        "--vae-tiling",
+        "--vae-tile-size",
+        "8",
+        "--vae-tile-overlap",
+        "2",
+    ])
+    .ok();
+    assert!(out.exists());
+}

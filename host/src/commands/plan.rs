@@ -27,6 +27,14 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         None => None,
     };
     let manager = BackendManager::new(&session.registry, session.threads);
+    let tiling = if args.vae_tiling {
+        Some(sdhost_models::tiling::Tiling::new(
+            args.vae_tile_size as usize,
+            args.vae_tile_overlap as usize,
+        )?)
+    } else {
+        None
+    };
     let measured = match &model {
         Some(ckpt) => {
             let m = Measure {
@@ -39,7 +47,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 guided: true,
                 policy: args.phase_memory,
                 flash: FlashAttn::Auto,
-                tiling: None,
+                tiling,
             };
             match crate::memory::measure(session, &manager, &placement, &m, "plan") {
                 Ok(m) => Some(m),
