@@ -170,6 +170,10 @@ impl Type {
 #[derive(Debug)]
 pub struct Context {
     raw: *mut sys::ggml_context,
+    /// Zero-size buffers set on placeholder tensors
+    /// ([`Context::place_unallocated`]); freed after the context, so no
+    /// tensor of it ever points at a freed buffer.
+    placeholders: Vec<sys::ggml_backend_buffer_t>,
 }
 
 // SAFETY: a context is only used through `&self`/`&mut self` of one owner;
@@ -195,7 +199,10 @@ impl Context {
         if raw.is_null() {
             return Err(Error::Null { what: "ggml_init" });
         }
-        Ok(Context { raw })
+        Ok(Context {
+            raw,
+            placeholders: Vec::new(),
+        })
     }
 
     fn wrap(&self, t: *mut sys::ggml_tensor, what: &'static str) -> Result<Tensor<'_>> {
@@ -325,6 +332,56 @@ impl Context {
             });
         }
         Ok(Buffer { raw: b })
+    }
+
+    /// Bytes [`Context::alloc_tensors`] would allocate on `backend` for the
+    /// tensors of this context that have no memory yet (alignment and the
+    /// buffer type's padding included), without allocating; 0 when there
+    /// are none.
+    pub fn alloc_size(&self, backend: &Backend) -> u64 {
+        // SAFETY: live context, created `no_alloc` (ggml asserts that), and
+        // a live backend's buffer type; nothing is allocated.
+        unsafe {
+            sys::ggml_backend_alloc_ctx_tensors_from_buft_size(
+                self.raw,
+                backend.device().buffer_type(),
+            ) as u64
+        }
+    }
+
+    /// Makes every tensor of this context that has no memory a
+    /// *placeholder* on `backend`: it points at a zero-size buffer of the
+    /// backend's buffer type and has no data (llama.cpp's dry-run trick).
+    /// ggml's scheduler then assigns the ops that read it to `backend` and
+    /// its allocator treats it as allocated, so [`Sched::reserve_size`]
+    /// measures a graph over these tensors as if its weights lived on
+    /// `backend`, without them taking any memory. Placeholders can never be
+    /// read, written or computed: [`Tensor::is_allocated`] is false for
+    /// them, and [`Sched::alloc`], [`Sched::compute`] and
+    /// [`Graph::compute`] refuse graphs that use them.
+    pub fn place_unallocated(&mut self, backend: &Backend) -> Result<()> {
+        let buft = backend.device().buffer_type();
+        // SAFETY: a live buffer type; size 0 gives ggml's dummy buffer (no
+        // memory, no callbacks).
+        let buf = unsafe { sys::ggml_backend_buft_alloc_buffer(buft, 0) };
+        if buf.is_null() {
+            return Err(Error::Null {
+                what: "ggml_backend_buft_alloc_buffer",
+            });
+        }
+        self.placeholders.push(buf);
+        for t in self.tensors() {
+            // SAFETY: a tensor of this live context; only its buffer field
+            // is written, and only where it has neither data nor buffer nor
+            // a view source. The buffer outlives the context (`Drop`).
+            unsafe {
+                let raw = t.raw();
+                if (*raw).data.is_null() && (*raw).buffer.is_null() && (*raw).view_src.is_null() {
+                    (*raw).buffer = buf;
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -1033,6 +1090,11 @@ impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: we own the context and free it once.
         unsafe { sys::ggml_free(self.raw) }
+        for b in self.placeholders.drain(..) {
+            // SAFETY: a zero-size buffer we created and free once, after the
+            // context whose tensors pointed at it.
+            unsafe { sys::ggml_backend_buffer_free(b) }
+        }
     }
 }
 
@@ -1078,10 +1140,36 @@ impl<'ctx> Tensor<'ctx> {
         unsafe { sys::ggml_nbytes(self.raw) }
     }
 
-    /// Whether the tensor has backing memory.
+    /// Whether the tensor has backing memory: data in a backend buffer (its
+    /// own or, for a view, its source's). False for placeholders
+    /// ([`Context::place_unallocated`]), which have a buffer but no data.
     pub fn is_allocated(&self) -> bool {
-        // SAFETY: as above.
-        unsafe { !(*self.raw).buffer.is_null() || !(*self.raw).data.is_null() }
+        // SAFETY: as above; the view source, when set, is a live tensor.
+        unsafe {
+            let raw = self.raw;
+            let buf = if (*raw).view_src.is_null() {
+                (*raw).buffer
+            } else {
+                (*(*raw).view_src).buffer
+            };
+            !(*raw).data.is_null() && !buf.is_null()
+        }
+    }
+
+    /// Whether this is a placeholder or a view of one: it (or the tensor it
+    /// views; ggml's view sources are never views) claims a buffer but has
+    /// no data ([`Context::place_unallocated`]). A view not yet initialised
+    /// over an allocated tensor is not one.
+    fn is_placeholder(&self) -> bool {
+        // SAFETY: as above; the view source, when set, is a live tensor.
+        unsafe {
+            let root = if (*self.raw).view_src.is_null() {
+                self.raw
+            } else {
+                (*self.raw).view_src
+            };
+            (*root).data.is_null() && !(*root).buffer.is_null()
+        }
     }
 
     /// Writes raw bytes (the tensor's own encoding) into its buffer.
@@ -1266,7 +1354,7 @@ impl Graph<'_> {
                     // a live buffer the tensor was allocated in.
                     unsafe {
                         let buf = (*t).buffer;
-                        if buf.is_null() {
+                        if buf.is_null() || (*t).data.is_null() {
                             false
                         } else {
                             sys::ggml_backend_supports_buft(
@@ -1391,6 +1479,7 @@ impl<'b> Sched<'b> {
     /// scheduler assigns them to. Set inputs after this, then [`Sched::compute`].
     pub fn alloc(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.fits(graph)?;
+        self.check_buffers(graph, false)?;
         // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
         // SAFETY: live scheduler and graph; the graph fits its hash set
@@ -1406,6 +1495,7 @@ impl<'b> Sched<'b> {
     /// Computes an allocated graph.
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.fits(graph)?;
+        self.check_buffers(graph, false)?;
         // SAFETY: live scheduler and graph, which fits its hash set (checked:
         // ggml allocates an unallocated graph here and asserts that).
         let st = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.raw) };
@@ -1425,6 +1515,36 @@ impl<'b> Sched<'b> {
         Ok(())
     }
 
+    /// A dry run of the allocator: the bytes of compute buffer each backend
+    /// (in the order given to [`Sched::new`]) would need for `graph`, with
+    /// nothing allocated and nothing computed (`ggml_backend_sched_reserve_size`).
+    /// Tensors that already have memory, or are placeholders
+    /// ([`Context::place_unallocated`]), are not counted; graph inputs and
+    /// the copies between backends are. Resets the scheduler's assignment
+    /// (call [`Sched::alloc`] again before computing).
+    pub fn reserve_size(&mut self, graph: &Graph<'_>) -> Result<Vec<u64>> {
+        self.fits(graph)?;
+        self.check_buffers(graph, true)?;
+        let mut sizes = vec![0usize; self.backends.len()];
+        // SAFETY: live scheduler and graph, which fits its hash set (checked:
+        // ggml asserts it); `sizes` has one slot per backend of the
+        // scheduler, which is what ggml writes.
+        unsafe { sys::ggml_backend_sched_reserve_size(self.raw, graph.raw, sizes.as_mut_ptr()) };
+        Ok(sizes.into_iter().map(|s| s as u64).collect())
+    }
+
+    /// The bytes of compute buffer each backend (in the order given to
+    /// [`Sched::new`]) holds now: what [`Sched::alloc`] really allocated for
+    /// the largest graph so far (0 before the first).
+    pub fn buffer_sizes(&self) -> Vec<u64> {
+        self.backends
+            .iter()
+            // SAFETY: live scheduler; each backend is one of its own (ggml
+            // asserts that).
+            .map(|b| unsafe { sys::ggml_backend_sched_get_buffer_size(self.raw, b.raw()) } as u64)
+            .collect()
+    }
+
     /// Index (into the backends given to `new`) of the backend a node was
     /// assigned to, after `alloc`.
     pub fn backend_of(&self, t: Tensor<'_>) -> Option<usize> {
@@ -1437,6 +1557,56 @@ impl<'b> Sched<'b> {
     pub fn n_splits(&self) -> usize {
         // SAFETY: live scheduler.
         unsafe { sys::ggml_backend_sched_get_n_splits(self.raw) as usize }
+    }
+}
+
+impl Sched<'_> {
+    /// Checks the tensors that already have a buffer before ggml sees
+    /// them: ggml aborts on one whose buffer no backend of the scheduler can
+    /// use ("pre-allocated tensor in a buffer that cannot run the
+    /// operation"), and unless `placeholders_ok` (a dry run), a placeholder
+    /// ([`Context::place_unallocated`]) would be taken as allocated and
+    /// computed through a null pointer. Every leaf is an operand of some
+    /// node, so nodes and their operands cover the graph.
+    fn check_buffers(&self, graph: &Graph<'_>, placeholders_ok: bool) -> Result<()> {
+        for i in 0..graph.n_nodes() {
+            let Some(node) = graph.node(i) else { continue };
+            // SAFETY: a node of the live graph; its operands are live too.
+            let srcs = unsafe { (*node.raw).src };
+            for raw in std::iter::once(node.raw).chain(srcs.into_iter().filter(|p| !p.is_null())) {
+                let t = Tensor {
+                    raw,
+                    _ctx: PhantomData,
+                };
+                if !placeholders_ok && t.is_placeholder() {
+                    return Err(Error::Invalid(format!(
+                        "graph node {i} reads a placeholder tensor (measurement only, no data)"
+                    )));
+                }
+                // SAFETY: a live tensor; its view source, when set, is live,
+                // and a buffer, when set, is a live buffer it was placed in.
+                let usable = unsafe {
+                    let buf = if (*raw).view_src.is_null() {
+                        (*raw).buffer
+                    } else {
+                        (*(*raw).view_src).buffer
+                    };
+                    buf.is_null()
+                        || self.backends.iter().any(|b| {
+                            sys::ggml_backend_supports_buft(
+                                b.raw(),
+                                sys::ggml_backend_buffer_get_type(buf),
+                            )
+                        })
+                };
+                if !usable {
+                    return Err(Error::Invalid(format!(
+                        "graph node {i} uses a tensor in a buffer none of the scheduler's backends can use"
+                    )));
+                }
+            }
+        }
+        Ok(())
     }
 }
 

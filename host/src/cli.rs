@@ -354,6 +354,9 @@ pub struct GenerateArgs {
 
     #[command(flatten)]
     pub placement: PlacementArgs,
+
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 /// img2img and inpainting.
@@ -485,14 +488,71 @@ pub struct PlanArgs {
     #[command(flatten)]
     pub placement: PlacementArgs,
 
-    /// Checkpoint (.safetensors or .gguf): also show each module's weight bytes
-    /// and warn where a device would be over-committed
+    /// Checkpoint (.safetensors or .gguf): also show each module's weight
+    /// bytes and the memory each device needs in each phase, measured at
+    /// -W x -H (batch 2 for guidance, one 77-token chunk), against its budget
     #[arg(short = 'm', long, value_name = "FILE")]
     pub model: Option<PathBuf>,
+
+    /// Image width to measure at (default: the family's)
+    #[arg(short = 'W', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub width: Option<u32>,
+
+    /// Image height to measure at (default: the family's)
+    #[arg(short = 'H', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
+    pub height: Option<u32>,
+
+    /// The phase-memory policy to account for (as `generate --phase-memory`)
+    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
+    pub phase_memory: sdhost_models::module::WeightPolicy,
+
+    /// Measure decoding in VAE tiles (as `generate --vae-tiling`)
+    #[arg(long = "vae-tiling")]
+    pub vae_tiling: bool,
+
+    /// Tile side for --vae-tiling, in latent cells
+    #[arg(long = "vae-tile-size", value_name = "CELLS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
+    pub vae_tile_size: u32,
+
+    /// Latent cells neighbouring tiles share, less than the tile size
+    #[arg(long = "vae-tile-overlap", value_name = "CELLS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=1023))]
+    pub vae_tile_overlap: u32,
+
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 
     /// Machine-readable output
     #[arg(long)]
     pub json: bool,
+}
+
+/// Memory budgets (see docs/backend.md, "Memory").
+#[derive(Debug, Args, Clone, Default)]
+pub struct MemoryArgs {
+    /// Most memory each named device may use, e.g. `vulkan0=6G,cpu=16G`
+    /// (sizes in K, M, G, T, binary; also in the config file)
+    #[arg(long = "max-memory", value_name = "DEVICE=SIZE,...", allow_hyphen_values = true, value_parser = str::parse::<crate::memory::MaxMemory>)]
+    pub max_memory: Option<crate::memory::MaxMemory>,
+
+    /// Most memory every non-CPU device may use (sd.cpp's flag; a device
+    /// named in --max-memory takes that budget instead)
+    #[arg(long = "max-vram", value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::memory::parse_budget)]
+    pub max_vram: Option<u64>,
+
+    /// Memory kept free on every device (default: 256M on GPUs, 0 on the CPU)
+    #[arg(long = "memory-reserve", value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::memory::parse_size)]
+    pub memory_reserve: Option<u64>,
+}
+
+impl MemoryArgs {
+    /// The flags as settings (to merge over the config file's).
+    pub fn settings(&self) -> crate::memory::MemorySettings {
+        crate::memory::MemorySettings {
+            max_memory: self.max_memory.clone().unwrap_or_default(),
+            max_vram: self.max_vram,
+            reserve: self.memory_reserve,
+        }
+    }
 }
 
 /// `sdhost check`.

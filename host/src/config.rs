@@ -29,6 +29,37 @@ pub struct Config {
     /// files and folders and from shared temporary folders too.
     #[serde(default)]
     pub allow_insecure_plugins: bool,
+    /// Default for `--max-memory` (`"vulkan0=6G,cpu=16G"`).
+    pub max_memory: Option<String>,
+    /// Default for `--max-vram` (`"6G"`).
+    pub max_vram: Option<String>,
+    /// Default for `--memory-reserve` (`"512M"`).
+    pub memory_reserve: Option<String>,
+}
+
+impl Config {
+    /// The memory settings of the file (checked when it was parsed).
+    pub fn memory(&self) -> Result<crate::memory::MemorySettings, String> {
+        use crate::memory::{parse_budget, parse_size, MaxMemory, MemorySettings};
+        Ok(MemorySettings {
+            max_memory: match &self.max_memory {
+                Some(s) => s
+                    .parse::<MaxMemory>()
+                    .map_err(|e| format!("max_memory = {s:?}: {e}"))?,
+                None => MaxMemory::default(),
+            },
+            max_vram: self
+                .max_vram
+                .as_deref()
+                .map(|s| parse_budget(s).map_err(|e| format!("max_vram: {e}")))
+                .transpose()?,
+            reserve: self
+                .memory_reserve
+                .as_deref()
+                .map(|s| parse_size(s).map_err(|e| format!("memory_reserve: {e}")))
+                .transpose()?,
+        })
+    }
 }
 
 /// Errors reading the config file.
@@ -120,6 +151,7 @@ pub fn parse(text: &str) -> Result<Config, String> {
     if config.plugin_probe_timeout == Some(0) {
         return Err("plugin_probe_timeout = 0: the probe timeout must be at least 1 second".into());
     }
+    config.memory()?;
     Ok(config)
 }
 
@@ -147,6 +179,35 @@ mod tests {
         assert_eq!(c.backend.as_deref(), Some("te=cpu"));
         assert_eq!(c.params_backend.as_deref(), Some("cpu"));
         assert_eq!(c.threads, Some(4));
+    }
+
+    #[test]
+    fn memory_keys_are_checked_when_read() {
+        let c = parse(
+            "max_memory = \"vulkan0=6G,cpu=1.5G\"\nmax_vram = \"4G\"\nmemory_reserve = \"0\"\n",
+        )
+        .unwrap();
+        let m = c.memory().unwrap();
+        assert_eq!(m.max_memory.0[1], ("cpu".to_string(), 3 << 29));
+        assert_eq!((m.max_vram, m.reserve), (Some(4 << 30), Some(0)));
+        for (bad, want) in [
+            (
+                "max_memory = \"vulkan0=12Q\"",
+                "max_memory = \"vulkan0=12Q\": vulkan0: \"12Q\" is not a size",
+            ),
+            ("max_memory = \"a=1G,a=2G\"", "device a is given twice"),
+            (
+                "max_vram = \"0\"",
+                "max_vram: \"0\": a memory budget must be more than 0",
+            ),
+            (
+                "memory_reserve = \"-1M\"",
+                "memory_reserve: \"-1M\" is negative",
+            ),
+        ] {
+            let e = parse(bad).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
     }
 
     #[test]

@@ -22,7 +22,7 @@ fn settings(p: &Prefix) -> insta::Settings {
     s.add_filter(&regex_escape(&fixtures), "[FIXTURES]");
     s.add_filter(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)\b", "[SIZE]");
     s.add_filter(
-        r#""(memory_free|memory_total|weight_bytes|free)": \d+"#,
+        r#""(memory_free|memory_total|weight_bytes|free|budget)": \d+"#,
         "\"$1\": [N]",
     );
     s.add_filter(r"\.sdhost-\w+\.partial", ".sdhost-[TMP].partial");

@@ -26,6 +26,8 @@
 //!   namings, run tile by tile as the `upscaler` module.
 //!
 //! * [`tiling`]: overlapping tiles with blended seams (VAE tiling).
+//! * [`memory`]: what each module needs per phase at a size, measured with
+//!   a dry run of ggml's allocator on the real graphs.
 //!
 //! **Architecture invariant:** this crate never loads a plugin or names a
 //! backend; it receives device handles from the host.
@@ -36,6 +38,7 @@ pub mod checkpoint;
 pub mod family;
 mod kind;
 pub mod lora;
+pub mod memory;
 pub mod module;
 pub mod pipeline;
 pub mod sampling;

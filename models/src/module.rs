@@ -120,6 +120,41 @@ pub struct Module<'b> {
     policy: WeightPolicy,
     opts: GraphOptions,
     timing: Timing,
+    /// What was really allocated so far (for checking measurements).
+    allocated: Allocated,
+}
+
+/// Compute-buffer bytes of one graph, or the most of several, by where the
+/// scheduler puts them: the runtime device and the CPU fallback. When the
+/// runtime device is the CPU everything is in `runtime` and `cpu` is 0.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ComputeBytes {
+    /// On the runtime device.
+    pub runtime: u64,
+    /// On the CPU, for ops the runtime device lacks.
+    pub cpu: u64,
+}
+
+impl ComputeBytes {
+    /// The larger of each part.
+    pub fn max(self, o: ComputeBytes) -> ComputeBytes {
+        ComputeBytes {
+            runtime: self.runtime.max(o.runtime),
+            cpu: self.cpu.max(o.cpu),
+        }
+    }
+}
+
+/// The device memory a module really held (its largest allocations since
+/// load): read from ggml's buffers, not predicted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Allocated {
+    /// The weight buffer on the params device.
+    pub weights: u64,
+    /// The largest runtime copy of the weights (0 when none was made).
+    pub runtime_copy: u64,
+    /// The largest compute buffers the scheduler allocated.
+    pub compute: ComputeBytes,
 }
 
 fn same_device(a: &Backend, b: &Backend) -> bool {
@@ -143,6 +178,7 @@ impl<'b> Module<'b> {
             policy,
             opts: GraphOptions::default(),
             timing: Timing::default(),
+            allocated: Allocated::default(),
         })
     }
 
@@ -181,14 +217,20 @@ impl<'b> Module<'b> {
         }
     }
 
+    /// The scheduler's backends: the runtime device, then the CPU fallback
+    /// (one backend when the runtime device is the CPU).
+    fn sched_backends(&self) -> Vec<&'b Backend> {
+        let d = self.devices;
+        if same_device(d.runtime, d.cpu) {
+            vec![d.cpu]
+        } else {
+            vec![d.runtime, d.cpu]
+        }
+    }
+
     fn scheduler(&mut self) -> Result<&mut Sched<'b>> {
         if self.sched.is_none() {
-            let d = self.devices;
-            let backends: Vec<&'b Backend> = if same_device(d.runtime, d.cpu) {
-                vec![d.cpu]
-            } else {
-                vec![d.runtime, d.cpu]
-            };
+            let backends = self.sched_backends();
             let sched = Sched::new(&backends, GRAPH_SIZE).map_err(|e| {
                 ModelError::Invalid(format!("{}: scheduler: {e}", self.kind.name()))
             })?;
@@ -215,6 +257,61 @@ impl<'b> Module<'b> {
             .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
         ctx.graph(built.output, GRAPH_SIZE)?;
         Ok(())
+    }
+
+    /// The device memory this module really held so far: its weight
+    /// buffer, its largest runtime copy and compute buffers (as ggml
+    /// allocated them).
+    pub fn allocated(&self) -> Allocated {
+        Allocated {
+            weights: self.params.buffer_bytes(),
+            ..self.allocated
+        }
+    }
+
+    /// Bytes a runtime copy of the weights takes on the runtime device
+    /// (computed from the tensors and the device's buffer type, nothing
+    /// allocated); 0 when the weights are used in place.
+    pub fn runtime_copy_bytes(&self) -> Result<u64> {
+        if same_device(self.devices.params, self.devices.runtime) {
+            return Ok(0);
+        }
+        let shadow = self
+            .params
+            .placeholders_on(self.devices.runtime)
+            .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
+        Ok(shadow.buffer_bytes())
+    }
+
+    /// Measures a graph built with `build` without computing it: the
+    /// compute-buffer bytes ggml's allocator would take for it on the
+    /// runtime device and the CPU fallback (a dry run of the scheduler, see
+    /// [`Sched::reserve_size`]), with the weights as placeholders on the
+    /// runtime device, as they are when the graph runs.
+    pub fn measure<F>(&self, build: F) -> Result<ComputeBytes>
+    where
+        F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
+    {
+        let name = self.kind.name();
+        let invalid = |e: String| ModelError::Invalid(format!("{name}: measuring: {e}"));
+        let shadow = self
+            .params
+            .placeholders_on(self.devices.runtime)
+            .map_err(invalid)?;
+        let w = W::new(shadow.map()).with_options(self.opts);
+        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
+        built.output.set_output();
+        for (t, _) in &built.inputs {
+            t.set_input();
+        }
+        let graph = ctx.graph(built.output, GRAPH_SIZE)?;
+        let backends = self.sched_backends();
+        let mut sched = Sched::new(&backends, GRAPH_SIZE).map_err(|e| invalid(e.to_string()))?;
+        let sizes = sched
+            .reserve_size(&graph)
+            .map_err(|e| invalid(e.to_string()))?;
+        Ok(compute_bytes(&sizes))
     }
 
     /// Builds a graph with `build`, allocates it, fills its inputs, computes
@@ -257,6 +354,11 @@ impl<'b> Module<'b> {
                 "{name}: allocating the graph on {runtime} failed, most likely not enough memory for this size ({e}; -v shows ggml's reason)"
             ))
         })?;
+        let held = compute_bytes(&sched.buffer_sizes());
+        self.allocated.compute = self.allocated.compute.max(held);
+        if let Some(copy) = &self.runtime_copy {
+            self.allocated.runtime_copy = self.allocated.runtime_copy.max(copy.buffer_bytes());
+        }
         for (t, v) in &built.inputs {
             match v {
                 Input::F32(v) => t.set_f32(v),
@@ -275,6 +377,21 @@ impl<'b> Module<'b> {
         self.timing.calls += 1;
         self.timing.compute += started.elapsed();
         Ok(out)
+    }
+}
+
+/// Per-backend sizes of a scheduler over `[runtime, cpu]` or `[cpu]`.
+fn compute_bytes(sizes: &[u64]) -> ComputeBytes {
+    match sizes {
+        [runtime, cpu] => ComputeBytes {
+            runtime: *runtime,
+            cpu: *cpu,
+        },
+        [runtime] => ComputeBytes {
+            runtime: *runtime,
+            cpu: 0,
+        },
+        _ => ComputeBytes::default(),
     }
 }
 

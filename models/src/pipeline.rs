@@ -118,6 +118,10 @@ pub struct LoadOptions<'c> {
     pub loras: &'c [LoraSpec],
     /// How the LoRAs are applied.
     pub lora_apply: LoraApply,
+    /// Load placeholders instead of weights (shapes only, nothing read or
+    /// allocated): the pipeline can be measured
+    /// ([`Pipeline::memory_plan`]) but not run.
+    pub placeholders: bool,
 }
 
 /// A prompt's conditioning: hidden states of every encoder concatenated on
@@ -170,14 +174,14 @@ fn load_module<'b>(
     policy: WeightPolicy,
     encoder: bool,
     loras: &LoraSet,
+    placeholders: bool,
 ) -> Result<Module<'b>> {
-    let weights = ModuleWeights::load_patched(
-        ckpt,
-        prefix,
-        |name| loaded(&name[prefix.len()..], encoder),
-        devices.params,
-        loras,
-    )
+    let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
+    let weights = if placeholders {
+        ModuleWeights::placeholders(ckpt, prefix, keep, devices.params)
+    } else {
+        ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras)
+    }
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
     Module::new(kind, weights, devices, policy)
         .map_err(|e| ModelError::Invalid(format!("{}: {e}", ckpt.path.display())))
@@ -223,6 +227,7 @@ impl<'b> Pipeline<'b> {
             policy,
             false,
             &loras,
+            opts.placeholders,
         )?;
         let unet = load_module(
             ckpt,
@@ -232,6 +237,7 @@ impl<'b> Pipeline<'b> {
             policy,
             false,
             &loras,
+            opts.placeholders,
         )?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
             .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
@@ -245,6 +251,7 @@ impl<'b> Pipeline<'b> {
             policy,
             opts.vae_encoder || inpainting,
             &LoraSet::default(),
+            opts.placeholders,
         )?;
         let vae_file = vae_ckpt.path.display();
         let clip = fam
@@ -439,6 +446,26 @@ impl<'b> Pipeline<'b> {
             y.extend(sinusoid(v, dim));
         }
         Ok(y)
+    }
+
+    /// Measures what each module needs at `req`'s size, per phase, without
+    /// computing anything (see [`crate::memory`]).
+    pub fn memory_plan(
+        &self,
+        req: &crate::memory::MemoryRequest,
+    ) -> Result<crate::memory::MemoryPlan> {
+        let parts = crate::memory::Parts {
+            te: &self.te,
+            unet: &self.unet,
+            vae: &self.vae,
+            clip: &self.clip,
+            unet_cfg: &self.unet_cfg,
+            vae_factor: self.vae_factor,
+            multiple: self.size_multiple(),
+            tiling: self.vae_tiling,
+            inpainting: self.is_inpainting(),
+        };
+        crate::memory::measure(parts, req)
     }
 
     /// Time spent in each module.

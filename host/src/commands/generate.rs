@@ -44,6 +44,20 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     opts.vae_encoder = init.is_some();
     (opts.loras, opts.lora_apply) = (&loras.specs, args.lora.apply);
     let tiling = args.sample.vae_tiling()?;
+    // Memory budgets: measured on placeholders before any weight is read.
+    let measure = crate::memory::Measure {
+        ckpt: &ckpt,
+        vae: vae.as_ref(),
+        width: args.sample.width.map(|v| v as usize),
+        height: args.sample.height.map(|v| v as usize),
+        init_size: init.as_ref().map(|i| (i.image.width, i.image.height)),
+        prompts: (&args.prompt, &args.negative),
+        guided: args.sample.cfg_scale != 1.0,
+        policy: args.sample.phase_memory,
+        flash: args.sample.flash_attn,
+        tiling,
+    };
+    crate::memory::check_budgets(session, &manager, &placement, &measure, &args.memory)?;
     let mut sd = Pipeline::load(&ckpt, layout, opts)?;
     sd.set_vae_tiling(tiling);
     if let (Some(t), false) = (&args.sample.taesd, sd.vae_is_taesd()) {

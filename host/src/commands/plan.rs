@@ -1,10 +1,12 @@
 //! `sdhost plan`: where each module would run and where its weights would
-//! live; with `-m`, the checkpoint's modules, their weight bytes and
-//! over-commit warnings.
+//! live; with `-m`, the checkpoint's modules and their weight bytes, and the
+//! memory each device needs in each phase (measured on the model's graphs at
+//! `-W`×`-H`, see [`crate::memory`]) against the device's budget.
 
-use crate::cli::PlanArgs;
+use crate::cli::{FlashAttn, PlanArgs};
+use crate::manager::BackendManager;
+use crate::memory::{overruns, Budget, Budgets, Measure, Measured};
 use crate::placement::{Module, Placement};
-use crate::registry::Registry;
 use crate::render::{human_bytes, print, table, Report};
 use crate::session::Session;
 use anyhow::Context as _;
@@ -15,6 +17,8 @@ use std::collections::BTreeMap;
 /// Runs `plan`.
 pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     let placement = session.resolve(&args.placement)?;
+    let settings = crate::memory::session_settings(session, &args.memory)?;
+    let budgets = Budgets::new(&session.registry, &settings)?;
     let model = match &args.model {
         Some(path) => Some(
             sdhost_models::checkpoint::scan(path)
@@ -22,7 +26,47 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         ),
         None => None,
     };
-    let report = PlanReport::new(&session.registry, &placement, model.as_ref());
+    let manager = BackendManager::new(&session.registry, session.threads);
+    let tiling = if args.vae_tiling {
+        Some(sdhost_models::tiling::Tiling::new(
+            args.vae_tile_size as usize,
+            args.vae_tile_overlap as usize,
+        )?)
+    } else {
+        None
+    };
+    let measured = match &model {
+        Some(ckpt) => {
+            let m = Measure {
+                ckpt,
+                vae: None,
+                width: args.width.map(|v| v as usize),
+                height: args.height.map(|v| v as usize),
+                init_size: None,
+                prompts: ("", ""),
+                guided: true,
+                policy: args.phase_memory,
+                flash: FlashAttn::Auto,
+                tiling,
+            };
+            match crate::memory::measure(session, &manager, &placement, &m, "plan") {
+                Ok(m) => Some(m),
+                // A checkpoint sdhost cannot run still has weights to list.
+                Err(e) => {
+                    tracing::warn!("memory not measured: {e:#}");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    let report = PlanReport::new(
+        &placement,
+        model.as_ref(),
+        measured.as_ref(),
+        &budgets,
+        args.phase_memory,
+    );
     for w in &report.warnings {
         tracing::warn!("{w}");
     }
@@ -42,6 +86,17 @@ pub struct PlanRow {
     pub weight_bytes: Option<u64>,
 }
 
+/// One phase of a device's memory line.
+#[derive(Debug, Serialize)]
+pub struct PlanPhase {
+    /// `te`, `encode`, `sampling` or `decode`.
+    pub phase: &'static str,
+    /// Bytes the device holds at the phase's peak.
+    pub bytes: u64,
+    /// Whether that is within the device's budget.
+    pub fits: bool,
+}
+
 /// One device's memory line of `sdhost plan -m`.
 #[derive(Debug, Serialize)]
 pub struct PlanDevice {
@@ -49,8 +104,59 @@ pub struct PlanDevice {
     pub device: String,
     /// Free memory at discovery.
     pub memory_free: u64,
-    /// Weight bytes placed on it.
+    /// Checkpoint weight bytes placed on it (params role).
     pub weight_bytes: u64,
+    /// Kept free.
+    pub reserve: u64,
+    /// The budget given (`--max-memory`, `--max-vram`).
+    pub max_memory: Option<u64>,
+    /// min(free − reserve, given).
+    pub budget: u64,
+    /// Measured need per phase (empty when not measured).
+    pub phases: Vec<PlanPhase>,
+    /// The largest need over the phases (when measured).
+    pub peak: Option<u64>,
+    /// Whether every phase fits (when measured).
+    pub fits: Option<bool>,
+}
+
+/// One module's measured memory, by role.
+#[derive(Debug, Serialize)]
+pub struct PlanModuleMemory {
+    /// Module name.
+    pub module: &'static str,
+    /// Weight buffer on the params device.
+    pub weights: u64,
+    /// Copy on the runtime device during its phases (0: used in place).
+    pub runtime_copy: u64,
+    /// Compute buffers per phase.
+    pub compute: Vec<PlanCompute>,
+}
+
+/// A module's compute buffers in one phase.
+#[derive(Debug, Serialize)]
+pub struct PlanCompute {
+    /// The phase.
+    pub phase: &'static str,
+    /// On the runtime device.
+    pub runtime: u64,
+    /// On the CPU, for ops the runtime device lacks (0 when it is the CPU).
+    pub cpu: u64,
+}
+
+/// What was measured.
+#[derive(Debug, Serialize)]
+pub struct PlanMemory {
+    /// Image width measured at.
+    pub width: usize,
+    /// Image height measured at.
+    pub height: usize,
+    /// UNet batch (2: guidance).
+    pub batch: usize,
+    /// The phase-memory policy accounted for.
+    pub policy: &'static str,
+    /// Per module.
+    pub modules: Vec<PlanModuleMemory>,
 }
 
 /// `sdhost plan`.
@@ -60,16 +166,24 @@ pub struct PlanReport {
     pub modules: Vec<PlanRow>,
     /// Per device (only with a model).
     pub devices: Vec<PlanDevice>,
-    /// Over-commit warnings.
+    /// The measurement (with a model sdhost can run).
+    pub memory: Option<PlanMemory>,
+    /// Budget and over-commit warnings.
     pub warnings: Vec<String>,
     /// The resolver's notes (printed as warnings once, by the resolver).
     pub notes: Vec<String>,
 }
 
 impl PlanReport {
-    /// Builds the report; with a checkpoint, adds weight sizes and checks
-    /// that each params device has room for the weights placed on it.
-    pub fn new(reg: &Registry, p: &Placement, model: Option<&Checkpoint>) -> Self {
+    /// Builds the report; with a checkpoint, adds weight sizes and, where
+    /// measured, each device's need per phase against its budget.
+    pub fn new(
+        p: &Placement,
+        model: Option<&Checkpoint>,
+        measured: Option<&Measured>,
+        budgets: &Budgets,
+        policy: sdhost_models::module::WeightPolicy,
+    ) -> Self {
         let bytes = model.map(|m| m.module_bytes());
         // With a checkpoint, only the modules it has.
         let modules: Vec<PlanRow> = Module::ALL
@@ -89,25 +203,97 @@ impl PlanReport {
             for r in &modules {
                 *per.entry(r.params.as_str()).or_insert(0) += r.weight_bytes.unwrap_or(0);
             }
-            for (dev, w) in per {
-                let free = reg.device(dev).map_or(0, |d| d.memory_free);
-                if w > free {
-                    warnings.push(format!(
-                        "device {dev} would be over-committed: {} of weights, {} free",
-                        human_bytes(w),
-                        human_bytes(free)
-                    ));
+            if let Some(m) = measured {
+                for d in m.usage.devices.keys() {
+                    per.entry(d.as_str()).or_insert(0);
                 }
-                devices.push(PlanDevice {
+            }
+            let unknown = Budget {
+                memory_free: 0,
+                reserve: 0,
+                max_memory: None,
+                budget: 0,
+            };
+            for (dev, w) in per {
+                let b = budgets.0.get(dev).unwrap_or(&unknown);
+                let mut d = PlanDevice {
                     device: dev.to_string(),
-                    memory_free: free,
+                    memory_free: b.memory_free,
                     weight_bytes: w,
-                });
+                    reserve: b.reserve,
+                    max_memory: b.max_memory,
+                    budget: b.budget,
+                    phases: Vec::new(),
+                    peak: None,
+                    fits: None,
+                };
+                match measured.and_then(|m| m.usage.devices.get(dev).map(|u| (m, u))) {
+                    Some((m, use_)) => {
+                        d.phases = m
+                            .usage
+                            .phases
+                            .iter()
+                            .map(|ph| {
+                                let bytes = use_.get(ph).copied().unwrap_or(0);
+                                PlanPhase {
+                                    phase: ph.name(),
+                                    bytes,
+                                    fits: bytes <= b.budget,
+                                }
+                            })
+                            .collect();
+                        d.peak = Some(m.usage.peak(dev));
+                        d.fits = Some(d.phases.iter().all(|p| p.fits));
+                    }
+                    None if w > b.budget => warnings.push(format!(
+                        "device {dev} would be over-committed: {} of weights, budget {}",
+                        human_bytes(w),
+                        human_bytes(b.budget)
+                    )),
+                    None => {}
+                }
+                devices.push(d);
             }
         }
+        let memory = measured.map(|m| {
+            for (dev, phase, need, budget) in overruns(&m.usage, budgets) {
+                warnings.push(format!(
+                    "{dev}: {} needs {}, budget {}",
+                    phase.name(),
+                    human_bytes(need),
+                    human_bytes(budget)
+                ));
+            }
+            PlanMemory {
+                width: m.size.0,
+                height: m.size.1,
+                batch: 2,
+                policy: policy.name(),
+                modules: m
+                    .plan
+                    .modules
+                    .iter()
+                    .map(|mm| PlanModuleMemory {
+                        module: mm.module.name(),
+                        weights: mm.weights,
+                        runtime_copy: mm.runtime_copy,
+                        compute: mm
+                            .phases
+                            .iter()
+                            .map(|(ph, c)| PlanCompute {
+                                phase: ph.name(),
+                                runtime: c.runtime,
+                                cpu: c.cpu,
+                            })
+                            .collect(),
+                    })
+                    .collect(),
+            }
+        });
         PlanReport {
             modules,
             devices,
+            memory,
             warnings,
             notes: p.notes.clone(),
         }
@@ -133,21 +319,64 @@ impl Report for PlanReport {
         } else {
             table(&["MODULE", "RUNTIME", "PARAMS"], &rows)
         };
-        if !self.devices.is_empty() {
-            out.push('\n');
-            let rows: Vec<Vec<String>> = self
-                .devices
-                .iter()
-                .map(|d| {
-                    vec![
-                        d.device.clone(),
-                        human_bytes(d.weight_bytes),
-                        human_bytes(d.memory_free),
-                    ]
-                })
-                .collect();
-            out.push_str(&table(&["DEVICE", "WEIGHTS", "FREE"], &rows));
+        if self.devices.is_empty() {
+            return out;
         }
+        out.push('\n');
+        let phases: Vec<&'static str> = self
+            .devices
+            .iter()
+            .find(|d| !d.phases.is_empty())
+            .map(|d| d.phases.iter().map(|p| p.phase).collect())
+            .unwrap_or_default();
+        if let Some(m) = &self.memory {
+            out.push_str(&format!(
+                "memory at {}x{} (UNet batch {}, one prompt chunk, --phase-memory {}), per phase:\n",
+                m.width, m.height, m.batch, m.policy
+            ));
+        }
+        let mut header = vec!["DEVICE", "WEIGHTS", "FREE", "BUDGET"];
+        let upper: Vec<String> = phases.iter().map(|p| p.to_uppercase()).collect();
+        header.extend(upper.iter().map(String::as_str));
+        if !phases.is_empty() {
+            header.extend(["PEAK", "FITS"]);
+        }
+        let rows: Vec<Vec<String>> = self
+            .devices
+            .iter()
+            .map(|d| {
+                let mut r = vec![
+                    d.device.clone(),
+                    human_bytes(d.weight_bytes),
+                    human_bytes(d.memory_free),
+                    human_bytes(d.budget),
+                ];
+                if !phases.is_empty() {
+                    for p in &phases {
+                        let cell = d
+                            .phases
+                            .iter()
+                            .find(|x| x.phase == *p)
+                            .map_or("-".to_string(), |x| human_bytes(x.bytes));
+                        r.push(cell);
+                    }
+                    r.push(d.peak.map_or("-".into(), human_bytes));
+                    let over: Vec<&str> = d
+                        .phases
+                        .iter()
+                        .filter(|p| !p.fits)
+                        .map(|p| p.phase)
+                        .collect();
+                    r.push(if over.is_empty() {
+                        "yes".into()
+                    } else {
+                        format!("no: {}", over.join(", "))
+                    });
+                }
+                r
+            })
+            .collect();
+        out.push_str(&table(&header, &rows));
         out
     }
 }

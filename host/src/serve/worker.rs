@@ -209,6 +209,7 @@ impl<'m> Worker<'_, 'm> {
             vae_encoder: true,
             loras,
             lora_apply: a.lora.apply,
+            placeholders: false,
         };
         let started = std::time::Instant::now();
         let mut sd = Pipeline::load(&ckpt, self.layout, opts)

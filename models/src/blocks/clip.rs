@@ -189,6 +189,19 @@ pub fn validate(module: &Module<'_>, cfg: &ClipConfig) -> Result<()> {
     })
 }
 
+/// Measures the compute buffers of encoding `chunks` 77-token chunks with
+/// encoder `cfg`, without computing ([`Module::measure`]); the full stack
+/// (CLIP skip 1), the largest graph.
+pub fn measure(
+    module: &Module<'_>,
+    cfg: &ClipConfig,
+    chunks: usize,
+) -> Result<crate::module::ComputeBytes> {
+    let n = cfg.positions as usize;
+    let ids = vec![0; n * chunks.max(1)];
+    module.measure(|c, w| build(c, w, cfg, &ids, 1, n - 1))
+}
+
 fn build<'a>(
     c: &'a Context,
     w: &W<'a>,

@@ -123,6 +123,35 @@ pub fn validate(module: &Module<'_>, cfg: &UnetConfig) -> Result<()> {
     })
 }
 
+/// Measures the compute buffers of one UNet call on `batch` latents of
+/// `height`×`width` cells (the input channels of the checkpoint, so an
+/// inpainting UNet's extra channels count) with `tokens` context tokens,
+/// without computing ([`Module::measure`]).
+pub fn measure(
+    module: &Module<'_>,
+    cfg: &UnetConfig,
+    batch: usize,
+    height: usize,
+    width: usize,
+    tokens: usize,
+) -> Result<crate::module::ComputeBytes> {
+    let ch = cfg.in_channels as usize;
+    let x = vec![0.0; batch * ch * height * width];
+    let context = vec![0.0; batch * tokens * cfg.context_dim as usize];
+    let y = cfg.adm_in.map(|a| vec![0.0; batch * a as usize]);
+    let t = vec![0.0; batch];
+    module.measure(|c, w| {
+        let input = UnetInput {
+            x: &x,
+            shape: [batch, ch, height, width],
+            t: &t,
+            context: &context,
+            y: y.as_deref(),
+        };
+        build(c, w, cfg, input)
+    })
+}
+
 fn build<'a>(
     c: &'a Context,
     w: &W<'a>,

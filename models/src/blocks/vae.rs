@@ -163,6 +163,33 @@ pub fn validate(module: &Module<'_>) -> Result<()> {
     })
 }
 
+/// Measures the compute buffers of decoding one latent of `height`×`width`
+/// cells, without computing ([`Module::measure`]).
+pub fn measure_decode(
+    module: &Module<'_>,
+    height: usize,
+    width: usize,
+) -> Result<crate::module::ComputeBytes> {
+    let ch = module
+        .params()
+        .get("post_quant_conv.weight")
+        .map(|t| t.ne()[2] as usize)
+        .ok_or_else(|| ModelError::Invalid("missing tensor post_quant_conv.weight".into()))?;
+    let z = vec![0.0; ch * height * width];
+    module.measure(|c, w| build(c, w, &z, [1, ch, height, width], 1.0))
+}
+
+/// Measures the compute buffers of encoding one `height`×`width`-pixel
+/// image, without computing ([`Module::measure`]).
+pub fn measure_encode(
+    module: &Module<'_>,
+    height: usize,
+    width: usize,
+) -> Result<crate::module::ComputeBytes> {
+    let image = vec![0.0; 3 * height * width];
+    module.measure(|c, w| build_encoder(c, w, &image, [1, 3, height, width]))
+}
+
 fn build<'a>(
     c: &'a Context,
     w: &W<'a>,

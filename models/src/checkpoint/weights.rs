@@ -51,9 +51,13 @@ pub enum WeightsError {
 /// One module's weights on one backend.
 pub struct ModuleWeights {
     ctx: Context,
-    _buffer: Buffer,
+    /// `None` for placeholders ([`ModuleWeights::placeholders`]).
+    _buffer: Option<Buffer>,
     index: HashMap<String, usize>,
     bytes: u64,
+    /// Bytes of the device buffer (allocated, or for placeholders the size
+    /// one would have).
+    buffer_bytes: u64,
 }
 
 /// The ggml type of a safetensors dtype (`F16`) or GGUF type name (`q8_0`).
@@ -86,7 +90,7 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::load_patched(ckpt, prefix, keep, backend, &LoraSet::default())
+        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), false)
     }
 
     /// [`ModuleWeights::load_filtered`] with `loras` merged into the tensors
@@ -98,6 +102,32 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
         loras: &LoraSet,
+    ) -> Result<ModuleWeights, WeightsError> {
+        ModuleWeights::create(ckpt, prefix, keep, backend, loras, false)
+    }
+
+    /// The tensors [`ModuleWeights::load_filtered`] would load, as
+    /// placeholders on `backend` (shapes and types only, no memory, nothing
+    /// read from the file; see [`ggml::Context::place_unallocated`]): enough
+    /// to read hyper-parameters, build graphs and measure them, never to
+    /// compute. [`ModuleWeights::buffer_bytes`] is what loading would
+    /// allocate.
+    pub fn placeholders(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        keep: impl Fn(&str) -> bool,
+        backend: &Backend,
+    ) -> Result<ModuleWeights, WeightsError> {
+        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), true)
+    }
+
+    fn create(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        keep: impl Fn(&str) -> bool,
+        backend: &Backend,
+        loras: &LoraSet,
+        placeholders: bool,
     ) -> Result<ModuleWeights, WeightsError> {
         let file = ckpt.path.clone();
         let entries: Vec<&TensorEntry> = ckpt
@@ -167,6 +197,19 @@ impl ModuleWeights {
             tensor.set_name(name);
             index.insert(name.clone(), entries.len() + i);
         }
+        if placeholders {
+            let buffer_bytes = ctx.alloc_size(backend);
+            let mut ctx = ctx;
+            ctx.place_unallocated(backend)
+                .map_err(|e| other(e.to_string()))?;
+            return Ok(ModuleWeights {
+                ctx,
+                _buffer: None,
+                index,
+                bytes: entries.iter().map(|t| t.bytes).sum(),
+                buffer_bytes,
+            });
+        }
         let buffer = ctx
             .alloc_tensors(backend)
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
@@ -210,11 +253,13 @@ impl ModuleWeights {
             bytes += 4 * values.len() as u64;
         }
         drop(tensors);
+        let buffer_bytes = buffer.size() as u64;
         Ok(ModuleWeights {
             ctx,
-            _buffer: buffer,
+            _buffer: Some(buffer),
             index,
             bytes,
+            buffer_bytes,
         })
     }
 
@@ -244,9 +289,9 @@ impl ModuleWeights {
         self.index.keys().map(String::as_str)
     }
 
-    /// A copy of every tensor in one buffer of `backend` (device to device
-    /// where the backends allow it, else through host memory).
-    pub fn copy_to(&self, backend: &Backend) -> Result<ModuleWeights, String> {
+    /// A context holding a metadata-only copy of every tensor (same order,
+    /// shapes and types), nothing allocated.
+    fn shapes(&self) -> Result<Context, String> {
         let src = self.ctx.tensors();
         let ctx = Context::new(src.len(), 0).map_err(|e| e.to_string())?;
         for t in &src {
@@ -256,6 +301,31 @@ impl ModuleWeights {
                 .ok_or_else(|| format!("tensor type {} cannot be copied", t.type_name()))?;
             ctx.new_tensor(ty, &ne[..dims]).map_err(|e| e.to_string())?;
         }
+        Ok(ctx)
+    }
+
+    /// The same tensors as placeholders on `backend` (no memory; see
+    /// [`ModuleWeights::placeholders`]), for measuring graphs as if the
+    /// weights lived there; [`ModuleWeights::buffer_bytes`] is what
+    /// [`ModuleWeights::copy_to`] that backend would allocate.
+    pub fn placeholders_on(&self, backend: &Backend) -> Result<ModuleWeights, String> {
+        let mut ctx = self.shapes()?;
+        let buffer_bytes = ctx.alloc_size(backend);
+        ctx.place_unallocated(backend).map_err(|e| e.to_string())?;
+        Ok(ModuleWeights {
+            ctx,
+            _buffer: None,
+            index: self.index.clone(),
+            bytes: self.bytes,
+            buffer_bytes,
+        })
+    }
+
+    /// A copy of every tensor in one buffer of `backend` (device to device
+    /// where the backends allow it, else through host memory).
+    pub fn copy_to(&self, backend: &Backend) -> Result<ModuleWeights, String> {
+        let src = self.ctx.tensors();
+        let ctx = self.shapes()?;
         let buffer = ctx
             .alloc_tensors(backend)
             .map_err(|e| format!("allocating weights on {}: {e}", backend.name()))?;
@@ -263,11 +333,13 @@ impl ModuleWeights {
             dst.copy_from(s).map_err(|e| e.to_string())?;
         }
         drop(src);
+        let buffer_bytes = buffer.size() as u64;
         Ok(ModuleWeights {
             ctx,
-            _buffer: buffer,
+            _buffer: Some(buffer),
             index: self.index.clone(),
             bytes: self.bytes,
+            buffer_bytes,
         })
     }
 
@@ -284,5 +356,17 @@ impl ModuleWeights {
     /// Bytes of weight data uploaded.
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    /// Bytes of the device buffer holding the weights (alignment and
+    /// widened vectors included): what the params device really holds, or
+    /// for placeholders what loading would allocate.
+    pub fn buffer_bytes(&self) -> u64 {
+        self.buffer_bytes
+    }
+
+    /// Whether these are placeholders (no data; measurement only).
+    pub fn is_placeholder(&self) -> bool {
+        self._buffer.is_none()
     }
 }

@@ -1,0 +1,704 @@
+//! Memory accounting (issue 16, items 1–2): the prediction — a dry run of
+//! ggml's allocator on placeholder weights — against what ggml really
+//! allocated while generating (the weight buffers, the runtime copies and
+//! the schedulers' compute buffers, read after each graph was allocated),
+//! on the CPU and (SDHOST_TEST_VULKAN=1) on lavapipe's vulkan0, with the
+//! weights there or on the CPU; placeholders that cannot be computed;
+//! budgets and their bad input through the CLI.
+
+mod common;
+use common::*;
+use sdhost::discovery::Origin;
+use sdhost::manager::BackendManager;
+use sdhost::memory::{account, Usage};
+use sdhost::placement::Placement;
+use sdhost::registry::Registry;
+use sdhost_models::checkpoint;
+use sdhost_models::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
+use sdhost_models::module::{Devices, WeightPolicy};
+use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use sdhost_models::ModuleKind;
+
+fn request(width: usize, height: usize) -> Request {
+    Request {
+        prompt: "a photo of a cat".into(),
+        negative: String::new(),
+        steps: 2,
+        cfg_scale: 7.0,
+        width,
+        height,
+        seed: 1,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Discrete,
+        clip_skip: 1,
+        init: None,
+    }
+}
+
+fn placement(runtime: &str, params: &str) -> Placement {
+    let all = |d: &str| {
+        [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+            .into_iter()
+            .map(|m| (m, d.to_string()))
+            .collect()
+    };
+    Placement {
+        runtime: all(runtime),
+        params: all(params),
+        notes: vec![],
+    }
+}
+
+/// A plan from what the pipeline's modules really allocated: each
+/// module's largest compute buffers stand for each of its phases.
+fn actual_plan(sd: &Pipeline<'_>, predicted: &MemoryPlan) -> MemoryPlan {
+    let modules = [&sd.te, &sd.unet, &sd.vae]
+        .into_iter()
+        .zip(&predicted.modules)
+        .map(|(m, p)| {
+            let a = m.allocated();
+            ModuleMemory {
+                module: m.kind(),
+                weights: a.weights,
+                runtime_copy: a.runtime_copy,
+                phases: p.phases.iter().map(|(ph, _)| (*ph, a.compute)).collect(),
+            }
+        })
+        .collect();
+    MemoryPlan { modules }
+}
+
+fn within(what: &str, predicted: u64, actual: u64) {
+    let (p, a) = (predicted as f64, actual as f64);
+    eprintln!("{what}: predicted {predicted}, allocated {actual}");
+    assert!(
+        (p - a).abs() <= 0.10 * a.max(1.0),
+        "{what}: predicted {predicted} bytes, allocated {actual}"
+    );
+}
+
+/// Measures `fixture` at `w`×`h` with every module on `runtime` and its
+/// weights on `params`, once on placeholders and once on the loaded
+/// pipeline, then generates and compares the prediction with what ggml
+/// allocated, per module and per device and phase.
+fn prediction_matches_allocation(
+    fixture_name: &str,
+    runtime: &str,
+    params: &str,
+    w: usize,
+    h: usize,
+) {
+    prediction_matches(fixture_name, runtime, params, w, h, false)
+}
+
+/// As [`prediction_matches_allocation`], with `img2img` from the 64×64
+/// init image, so the VAE encodes first (its allocation is then the larger
+/// of its two phases: its scheduler only grows).
+fn prediction_matches(
+    fixture_name: &str,
+    runtime: &str,
+    params: &str,
+    w: usize,
+    h: usize,
+    img2img: bool,
+) {
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let d = Devices {
+        runtime: m.get(runtime).unwrap(),
+        params: m.get(params).unwrap(),
+        cpu: m.get("cpu").unwrap(),
+    };
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let ckpt = checkpoint::scan(&fixture(fixture_name)).unwrap();
+    let req = MemoryRequest {
+        width: w,
+        height: h,
+        batch: 2,
+        chunks: 1,
+        encode: img2img,
+    };
+    let opts = LoadOptions {
+        placeholders: true,
+        vae_encoder: img2img,
+        ..LoadOptions::default()
+    };
+    let dry = Pipeline::load(&ckpt, layout, opts)
+        .unwrap()
+        .memory_plan(&req)
+        .unwrap();
+    let opts = LoadOptions {
+        vae_encoder: img2img,
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    let loaded = sd.memory_plan(&req).unwrap();
+    // Placeholders measure exactly as loaded weights do.
+    assert_eq!(dry, loaded);
+    let mut gen_req = request(w, h);
+    if img2img {
+        let image = sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap();
+        gen_req.init = Some(sdhost_models::pipeline::Init {
+            image: sdhost::image_io::resize_rgb(image, w, h),
+            strength: 0.5,
+            mask: None,
+        });
+    }
+    sd.generate(&gen_req, None, &mut |_, _| {}, &|| false)
+        .unwrap();
+    // The VAE's scheduler grows to the larger of encoding and decoding.
+    let mut dry = dry;
+    if img2img {
+        let vae = &mut dry.modules[2];
+        let most = vae.phases.iter().fold(
+            sdhost_models::module::ComputeBytes::default(),
+            |a, (_, c)| a.max(*c),
+        );
+        for (_, c) in &mut vae.phases {
+            *c = most;
+        }
+    }
+    let real = actual_plan(&sd, &dry);
+    let tag = format!("{fixture_name} {w}x{h} on {runtime} (params {params})");
+    for (p, a) in dry.modules.iter().zip(&real.modules) {
+        let name = format!("{tag}: {}", p.module);
+        assert_eq!(p.weights, a.weights, "{name}: weights");
+        assert!(a.weights > 0, "{name}");
+        within(
+            &format!("{name}: runtime copy"),
+            p.runtime_copy,
+            a.runtime_copy,
+        );
+        assert_eq!(p.runtime_copy == 0, runtime == params, "{name}");
+        for ((phase, c), (_, ac)) in p.phases.iter().zip(&a.phases) {
+            assert!(ac.runtime > 0, "{name}: nothing allocated?");
+            within(
+                &format!("{name}: {} compute on {runtime}", phase.name()),
+                c.runtime,
+                ac.runtime,
+            );
+            within(
+                &format!("{name}: {} compute on cpu", phase.name()),
+                c.cpu,
+                ac.cpu,
+            );
+        }
+    }
+    // Per device and phase, as `plan` shows it.
+    for policy in WeightPolicy::ALL {
+        let pl = placement(runtime, params);
+        let want: Usage = account(&dry, &pl, "cpu", policy);
+        let got: Usage = account(&real, &pl, "cpu", policy);
+        let mut phases = vec![Phase::TextEncoding, Phase::Sampling, Phase::Decoding];
+        if img2img {
+            phases.insert(1, Phase::Encoding);
+        }
+        assert_eq!(want.phases, phases);
+        for (dev, per) in &got.devices {
+            for (phase, bytes) in per {
+                within(
+                    &format!("{tag}: {dev} at {} ({})", phase.name(), policy.name()),
+                    want.devices[dev][phase],
+                    *bytes,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn prediction_matches_allocation_on_cpu() {
+    prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 64, 64);
+    prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 128, 64);
+    prediction_matches_allocation("tiny-sdxl.safetensors", "cpu", "cpu", 64, 64);
+    prediction_matches("tiny-sd1.safetensors", "cpu", "cpu", 64, 64, true);
+}
+
+#[test]
+fn prediction_matches_allocation_on_vulkan() {
+    if !vulkan_enabled() {
+        return;
+    }
+    prediction_matches_allocation("tiny-sd1.safetensors", "vulkan0", "vulkan0", 64, 64);
+    prediction_matches_allocation("tiny-sd1.safetensors", "vulkan0", "cpu", 64, 128);
+    prediction_matches_allocation("tiny-sdxl.safetensors", "vulkan0", "cpu", 64, 64);
+}
+
+#[test]
+fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let run = |args: &[&str]| {
+        Run::from(
+            p.cmd(args)
+                .env("GGML_VK_VISIBLE_DEVICES", "0")
+                .output()
+                .unwrap(),
+        )
+    };
+    let model = tiny();
+    let plan = [
+        "plan",
+        "-m",
+        s(&model),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--backend",
+        "vulkan0",
+        "--params-backend",
+        "cpu",
+        "--json",
+    ];
+    let j = run(&plan).ok().json();
+    let dev = |j: &serde_json::Value, name: &str| {
+        j["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["device"] == name)
+            .unwrap()
+            .clone()
+    };
+    let vk = dev(&j, "vulkan0");
+    assert_eq!(vk["reserve"], 256 << 20);
+    assert_eq!(
+        vk["budget"].as_u64().unwrap(),
+        vk["memory_free"]
+            .as_u64()
+            .unwrap()
+            .saturating_sub(256 << 20)
+    );
+    // Weights on the CPU: vulkan0 holds the running module's copy only.
+    assert_eq!(vk["weight_bytes"], 0);
+    assert!(vk["phases"][0]["bytes"].as_u64().unwrap() > 0);
+    // --max-vram applies to vulkan0, not to the CPU.
+    let mut a = plan.to_vec();
+    a.extend(["--max-vram", "1K"]);
+    let j = run(&a).ok().json();
+    assert_eq!(dev(&j, "vulkan0")["budget"], 1024);
+    assert_eq!(dev(&j, "vulkan0")["fits"], false);
+    assert_eq!(dev(&j, "cpu")["fits"], true);
+    assert_eq!(dev(&j, "cpu")["max_memory"], serde_json::Value::Null);
+    // generate stops before computing, naming vulkan0.
+    let out = p.root().join("work/v.png");
+    let r = run(&[
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--backend",
+        "vulkan0",
+        "--max-memory",
+        "vulkan0=1K",
+        "-o",
+        s(&out),
+    ]);
+    one_line_failure(
+        &r,
+        1,
+        &[
+            "vulkan0: te needs",
+            "budget 1.0 KiB",
+            "vulkan0: sampling needs",
+            "--params-backend cpu",
+        ],
+    );
+    assert!(!out.exists());
+}
+
+#[test]
+fn the_measurement_grows_with_the_size_and_img2img_adds_an_encode_phase() {
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let opts = LoadOptions {
+        placeholders: true,
+        vae_encoder: true,
+        ..LoadOptions::default()
+    };
+    let sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    let at = |w, batch, encode| {
+        sd.memory_plan(&MemoryRequest {
+            width: w,
+            height: 64,
+            batch,
+            chunks: 1,
+            encode,
+        })
+        .unwrap()
+    };
+    let (small, large) = (at(64, 2, false), at(256, 2, false));
+    let sampling = |p: &MemoryPlan| p.modules[1].phases[0].1.runtime;
+    let decode = |p: &MemoryPlan| p.modules[2].phases.last().unwrap().1.runtime;
+    assert!(sampling(&large) > sampling(&small));
+    assert!(decode(&large) > 3 * decode(&small));
+    assert!(sampling(&at(64, 1, false)) < sampling(&small));
+    let img2img = at(64, 2, true);
+    assert_eq!(
+        img2img.phases(),
+        vec![
+            Phase::TextEncoding,
+            Phase::Encoding,
+            Phase::Sampling,
+            Phase::Decoding
+        ]
+    );
+    // Sizes the model cannot take are refused, not measured.
+    for (w, batch, chunks) in [(60, 2, 1), (0, 2, 1), (64, 3, 1), (64, 2, 0)] {
+        let e = sd
+            .memory_plan(&MemoryRequest {
+                width: w,
+                height: 64,
+                batch,
+                chunks,
+                encode: false,
+            })
+            .unwrap_err()
+            .to_string();
+        assert!(!e.contains('\n') && !e.is_empty(), "{e}");
+    }
+}
+
+#[test]
+fn placeholders_cannot_be_computed() {
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let opts = LoadOptions {
+        placeholders: true,
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    assert!(sd.te.params().is_placeholder());
+    let w = sd.unet.params().get("out.2.bias").unwrap();
+    assert!(!w.is_allocated());
+    assert!(w.get_bytes().is_err() && w.set_f32(&vec![0.0; w.nelements()]).is_err());
+    let e = sd
+        .generate(&request(64, 64), None, &mut |_, _| {}, &|| false)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("placeholder"), "{e}");
+}
+
+fn one_line_failure(r: &Run, code: i32, needles: &[&str]) {
+    assert_eq!(r.code, Some(code), "{}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "not one line: {:?}", r.stderr);
+    for n in needles {
+        assert!(r.stderr.contains(n), "{n:?} not in {}", r.stderr);
+    }
+}
+
+fn tiny() -> std::path::PathBuf {
+    fixture("tiny-sd1.safetensors")
+}
+
+#[test]
+fn plan_shows_each_phase_against_the_budget() {
+    let p = Prefix::with_cpu();
+    let j = p
+        .run(&["plan", "-m", s(&tiny()), "-W", "128", "-H", "64", "--json"])
+        .ok()
+        .json();
+    assert_eq!(
+        (
+            j["memory"]["width"].as_u64(),
+            j["memory"]["height"].as_u64()
+        ),
+        (Some(128), Some(64))
+    );
+    let cpu = &j["devices"][0];
+    assert_eq!(cpu["device"], "cpu");
+    let phases: Vec<&str> = cpu["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["phase"].as_str().unwrap())
+        .collect();
+    assert_eq!(phases, ["te", "sampling", "decode"]);
+    assert_eq!(cpu["fits"], true);
+    assert_eq!(cpu["reserve"], 0);
+    let peak = cpu["peak"].as_u64().unwrap();
+    assert!(peak > cpu["weight_bytes"].as_u64().unwrap());
+    // A budget under the peak: `plan` says which phases do not fit.
+    let budget = format!("cpu={}", peak - 1);
+    let r = p
+        .run(&[
+            "plan",
+            "-m",
+            s(&tiny()),
+            "-W",
+            "128",
+            "-H",
+            "64",
+            "--max-memory",
+            &budget,
+        ])
+        .ok();
+    assert!(r.stdout.contains("no: "), "{}", r.stdout);
+    assert!(r.stderr.contains("cpu: decode needs"), "{}", r.stderr);
+    // The config file sets the same.
+    p.write_config(&format!(
+        "max_memory = \"{budget}\"\nmemory_reserve = \"1M\"\n"
+    ));
+    let j = p
+        .run(&["plan", "-m", s(&tiny()), "-W", "128", "-H", "64", "--json"])
+        .ok()
+        .json();
+    assert_eq!(j["devices"][0]["fits"], false);
+    assert_eq!(j["devices"][0]["reserve"], 1 << 20);
+    assert_eq!(j["devices"][0]["max_memory"], peak - 1);
+    // The flag overrides the file.
+    let j = p
+        .run(&[
+            "plan",
+            "-m",
+            s(&tiny()),
+            "-W",
+            "128",
+            "-H",
+            "64",
+            "--max-memory",
+            "cpu=1T",
+            "--json",
+        ])
+        .ok()
+        .json();
+    assert_eq!(j["devices"][0]["fits"], true);
+}
+
+#[test]
+fn generate_refuses_a_placement_over_its_budget_before_computing() {
+    let p = Prefix::with_cpu();
+    let out = p.root().join("work/x.png");
+    let model = tiny();
+    let gen = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&model),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1",
+            "-o",
+            s(&out),
+        ];
+        a.extend_from_slice(extra);
+        p.run(&a)
+    };
+    let r = gen(&["--max-memory", "cpu=2M"]);
+    one_line_failure(
+        &r,
+        1,
+        &[
+            "cpu: te needs",
+            "budget 2.0 MiB",
+            "cpu: sampling needs",
+            "--vae-tiling",
+            "not implemented yet",
+        ],
+    );
+    assert!(!out.exists());
+    assert_eq!(listing(&p.root().join("work")), Vec::<String>::new());
+    // A reserve larger than the free memory leaves no budget.
+    let r = gen(&["--memory-reserve", "16000P"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    let r = gen(&["--memory-reserve", "16000T"]);
+    one_line_failure(&r, 1, &["cpu: te needs", "budget 0 B"]);
+    // Within budget it runs.
+    gen(&["--max-memory", "cpu=4G"]).ok();
+    assert!(out.exists());
+}
+
+#[test]
+fn bad_budgets_are_one_line_errors() {
+    let p = Prefix::with_cpu();
+    for (args, code, needles) in [
+        (
+            vec!["--max-memory", "vulkan0=12Q"],
+            2,
+            vec!["\"12Q\" is not a size"],
+        ),
+        (
+            vec!["--max-memory", "cpu=1G,cpu=2G"],
+            2,
+            vec!["device cpu is given twice"],
+        ),
+        (
+            vec!["--max-memory", "cpu=0"],
+            2,
+            vec!["must be more than 0"],
+        ),
+        (vec!["--max-memory", "cpu=-1G"], 2, vec!["negative"]),
+        (
+            vec!["--max-memory", "cpu=99999999999T"],
+            2,
+            vec!["too large"],
+        ),
+        (vec!["--max-memory", "cpu"], 2, vec!["is not DEVICE=SIZE"]),
+        (vec!["--max-vram", "0"], 2, vec!["must be more than 0"]),
+        (vec!["--max-vram", "1.5"], 2, vec!["must be whole"]),
+        (vec!["--memory-reserve", "-1"], 2, vec!["negative"]),
+        (
+            vec!["--max-memory", "vulkan7=1G"],
+            1,
+            vec!["no device named \"vulkan7\"", "devices: cpu"],
+        ),
+    ] {
+        let mut a = vec!["plan"];
+        a.extend(args.iter().copied());
+        let r = p.run(&a);
+        assert_eq!(r.code, Some(code), "{a:?}: {}", r.stderr);
+        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+        if code == 1 {
+            one_line_failure(&r, 1, &needles);
+        } else {
+            for n in needles {
+                assert!(r.stderr.contains(n), "{a:?}: {n:?} not in {}", r.stderr);
+            }
+        }
+    }
+    p.write_config("max_memory = \"cpu=12Q\"\n");
+    let r = p.run(&["plan"]);
+    one_line_failure(
+        &r,
+        1,
+        &["config file", "max_memory", "\"12Q\" is not a size"],
+    );
+}
+
+#[test]
+fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
+    use sdhost_models::tiling::Tiling;
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+    };
+    let layout = Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let req = MemoryRequest {
+        width: 256,
+        height: 128,
+        batch: 2,
+        chunks: 1,
+        encode: false,
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, LoadOptions::default()).unwrap();
+    let decode = |p: &MemoryPlan| p.modules[2].phases[0].1;
+    let whole = decode(&sd.memory_plan(&req).unwrap());
+    sd.set_vae_tiling(Some(Tiling::new(8, 2).unwrap()));
+    let tiled = decode(&sd.memory_plan(&req).unwrap());
+    assert!(tiled.runtime * 3 < whole.runtime, "{tiled:?} vs {whole:?}");
+    // What decoding in 8x8-cell tiles really allocates.
+    sd.generate(&request(256, 128), None, &mut |_, _| {}, &|| false)
+        .unwrap();
+    within(
+        "tiled decode",
+        tiled.runtime,
+        sd.vae.allocated().compute.runtime,
+    );
+
+    // The CLI: a budget between the two fits only with --vae-tiling.
+    let p = Prefix::with_cpu();
+    let model = tiny();
+    let plan = |extra: &[&str]| {
+        let mut a = vec!["plan", "-m", s(&model), "-W", "256", "-H", "128", "--json"];
+        a.extend_from_slice(extra);
+        p.run(&a).ok().json()
+    };
+    let peak = |j: &serde_json::Value| j["devices"][0]["peak"].as_u64().unwrap();
+    let untiled = peak(&plan(&[]));
+    let with_tiles = peak(&plan(&[
+        "--vae-tiling",
+        "--vae-tile-size",
+        "8",
+        "--vae-tile-overlap",
+        "2",
+    ]));
+    assert!(with_tiles < untiled, "{with_tiles} vs {untiled}");
+    let budget = format!("cpu={}", (with_tiles + untiled) / 2);
+    let out = p.root().join("work/t.png");
+    let gen = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&model),
+            "-p",
+            "a cat",
+            "-W",
+            "256",
+            "-H",
+            "128",
+            "--steps",
+            "1",
+            "--max-memory",
+            &budget,
+            "-o",
+            s(&out),
+        ];
+        a.extend_from_slice(extra);
+        p.run(&a)
+    };
+    one_line_failure(&gen(&[]), 1, &["cpu: decode needs", "--vae-tiling"]);
+    gen(&[
+        "--vae-tiling",
+        "--vae-tile-size",
+        "8",
+        "--vae-tile-overlap",
+        "2",
+    ])
+    .ok();
+    assert!(out.exists());
+}
