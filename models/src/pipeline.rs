@@ -166,16 +166,28 @@ fn loaded(name: &str, encoder: bool) -> bool {
         && (encoder || (!name.starts_with("encoder.") && !name.starts_with("quant_conv.")))
 }
 
+/// What of a module to load and how: the policy, the VAE encoder too,
+/// LoRAs to merge or add, placeholders only.
+struct How<'l> {
+    policy: WeightPolicy,
+    encoder: bool,
+    loras: &'l LoraSet,
+    placeholders: bool,
+}
+
 fn load_module<'b>(
     ckpt: &Checkpoint,
     kind: ModuleKind,
     prefix: &str,
     devices: Devices<'b>,
-    policy: WeightPolicy,
-    encoder: bool,
-    loras: &LoraSet,
-    placeholders: bool,
+    how: How<'_>,
 ) -> Result<Module<'b>> {
+    let How {
+        policy,
+        encoder,
+        loras,
+        placeholders,
+    } = how;
     let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
     let weights = if placeholders {
         ModuleWeights::placeholders(ckpt, prefix, keep, devices.params)
@@ -224,20 +236,24 @@ impl<'b> Pipeline<'b> {
             ModuleKind::Te,
             fam.te_prefix,
             layout.te,
-            policy,
-            false,
-            &loras,
-            opts.placeholders,
+            How {
+                policy,
+                encoder: false,
+                loras: &loras,
+                placeholders: opts.placeholders,
+            },
         )?;
         let unet = load_module(
             ckpt,
             ModuleKind::Diffusion,
             UNET_PREFIX,
             layout.diffusion,
-            policy,
-            false,
-            &loras,
-            opts.placeholders,
+            How {
+                policy,
+                encoder: false,
+                loras: &loras,
+                placeholders: opts.placeholders,
+            },
         )?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
             .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
@@ -248,10 +264,12 @@ impl<'b> Pipeline<'b> {
             ModuleKind::Vae,
             vae_prefix(vae_ckpt),
             layout.vae,
-            policy,
-            opts.vae_encoder || inpainting,
-            &LoraSet::default(),
-            opts.placeholders,
+            How {
+                policy,
+                encoder: opts.vae_encoder || inpainting,
+                loras: &LoraSet::default(),
+                placeholders: opts.placeholders,
+            },
         )?;
         let vae_file = vae_ckpt.path.display();
         let clip = fam
