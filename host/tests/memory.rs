@@ -89,7 +89,7 @@ fn prediction_matches_allocation(
     w: usize,
     h: usize,
 ) {
-    prediction_matches(fixture_name, runtime, params, w, h, false)
+    prediction_matches(fixture_name, None, runtime, params, w, h, false)
 }
 
 /// As [`prediction_matches_allocation`], with `img2img` from the 64×64
@@ -97,6 +97,7 @@ fn prediction_matches_allocation(
 /// of its two phases: its scheduler only grows).
 fn prediction_matches(
     fixture_name: &str,
+    vae: Option<&str>,
     runtime: &str,
     params: &str,
     w: usize,
@@ -116,6 +117,7 @@ fn prediction_matches(
         vae: d,
     };
     let ckpt = checkpoint::scan(&fixture(fixture_name)).unwrap();
+    let vae = vae.map(|v| checkpoint::scan(&fixture(v)).unwrap());
     let req = MemoryRequest {
         width: w,
         height: h,
@@ -126,6 +128,7 @@ fn prediction_matches(
     let opts = LoadOptions {
         placeholders: true,
         vae_encoder: img2img,
+        vae: vae.as_ref(),
         ..LoadOptions::default()
     };
     let dry = Pipeline::load(&ckpt, layout, opts)
@@ -134,6 +137,7 @@ fn prediction_matches(
         .unwrap();
     let opts = LoadOptions {
         vae_encoder: img2img,
+        vae: vae.as_ref(),
         ..LoadOptions::default()
     };
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
@@ -216,7 +220,10 @@ fn prediction_matches_allocation_on_cpu() {
     prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 64, 64);
     prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 128, 64);
     prediction_matches_allocation("tiny-sdxl.safetensors", "cpu", "cpu", 64, 64);
-    prediction_matches("tiny-sd1.safetensors", "cpu", "cpu", 64, 64, true);
+    prediction_matches("tiny-sd1.safetensors", None, "cpu", "cpu", 64, 64, true);
+    // TAESD in place of the VAE, decoding and encoding.
+    let taesd = Some("taesd/tiny-taesd.safetensors");
+    prediction_matches("tiny-sd1.safetensors", taesd, "cpu", "cpu", 64, 64, true);
 }
 
 #[test]

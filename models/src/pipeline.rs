@@ -378,7 +378,7 @@ impl<'b> Pipeline<'b> {
 
     /// Whether the VAE encoder is loaded (img2img and inpainting need it).
     pub fn has_vae_encoder(&self) -> bool {
-        vae::has_encoder(&self.vae) || self.vae.params().contains("encoder.layers.0.weight")
+        vae::has_encoder(&self.vae)
     }
 
     /// The UNet's hyper-parameters.

@@ -75,6 +75,33 @@ pub fn encode(module: &mut Module<'_>, image: &[f32], shape: [usize; 4]) -> Resu
     module.compute(|c, w| build_encoder(c, w, x, shape))
 }
 
+/// Compute-buffer bytes of decoding a `height`×`width` latent, measured
+/// without computing (see [`Module::measure`]).
+pub fn measure_decode(
+    module: &Module<'_>,
+    height: usize,
+    width: usize,
+) -> Result<crate::module::ComputeBytes> {
+    let ch = module
+        .params()
+        .get("decoder.layers.0.weight")
+        .map(|t| t.ne()[2] as usize)
+        .ok_or_else(|| ModelError::Invalid("missing tensor decoder.layers.0.weight".into()))?;
+    let z = vec![0.0; ch * height * width];
+    module.measure(|c, w| build_decoder(c, w, z.clone(), [1, ch, height, width]))
+}
+
+/// Compute-buffer bytes of encoding a `height`×`width` image, measured
+/// without computing.
+pub fn measure_encode(
+    module: &Module<'_>,
+    height: usize,
+    width: usize,
+) -> Result<crate::module::ComputeBytes> {
+    let image = vec![0.0; 3 * height * width];
+    module.measure(|c, w| build_encoder(c, w, image.clone(), [1, 3, height, width]))
+}
+
 /// Checks the weights by building the decoder's graph (and the encoder's,
 /// where the file has one) without computing it.
 pub fn validate(module: &Module<'_>) -> Result<()> {

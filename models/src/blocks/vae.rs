@@ -66,9 +66,11 @@ pub fn encode(
     Ok((out, [n, z, lh, lw]))
 }
 
-/// Whether the module holds an encoder (`encoder.conv_in.weight`).
+/// Whether the module holds an encoder: the KL VAE's
+/// (`encoder.conv_in.weight`) or a TAESD's (`encoder.layers.0.weight`).
 pub fn has_encoder(module: &Module<'_>) -> bool {
     module.params().contains("encoder.conv_in.weight")
+        || module.params().contains("encoder.layers.0.weight")
 }
 
 /// The encoder's downscaling factor: 2 per down level but the last.
@@ -170,6 +172,9 @@ pub fn measure_decode(
     height: usize,
     width: usize,
 ) -> Result<crate::module::ComputeBytes> {
+    if module.params().contains("decoder.layers.0.weight") {
+        return crate::blocks::taesd::measure_decode(module, height, width);
+    }
     let ch = module
         .params()
         .get("post_quant_conv.weight")
@@ -186,6 +191,9 @@ pub fn measure_encode(
     height: usize,
     width: usize,
 ) -> Result<crate::module::ComputeBytes> {
+    if module.params().contains("encoder.layers.0.weight") {
+        return crate::blocks::taesd::measure_encode(module, height, width);
+    }
     let image = vec![0.0; 3 * height * width];
     module.measure(|c, w| build_encoder(c, w, &image, [1, 3, height, width]))
 }
