@@ -7,13 +7,9 @@
 
 mod common;
 use common::*;
-use sdhost::discovery::Origin;
 use sdhost::image_io;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
-use sdhost_models::checkpoint;
-use sdhost_models::module::{Devices, WeightPolicy};
-use sdhost_models::pipeline::{to_planes, Init, Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::module::WeightPolicy;
+use sdhost_models::pipeline::{to_planes, Init, LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Scheduler};
 use std::collections::HashMap;
 use std::path::Path;
@@ -27,27 +23,12 @@ fn refs() -> HashMap<String, Vec<f32>> {
 }
 
 fn with_pipeline(file: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-    };
-    let ckpt = checkpoint::scan(&fixture(file)).unwrap();
     let opts = LoadOptions {
         policy: WeightPolicy::Free,
         vae_encoder: true,
         ..LoadOptions::default()
     };
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-    };
-    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    f(&mut sd);
+    with_pipeline_on(&fixture(file), "cpu", "cpu", opts, f);
 }
 
 fn request(steps: usize, init: Option<Init>) -> Request {

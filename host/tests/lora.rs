@@ -10,14 +10,10 @@
 
 mod common;
 use common::*;
-use sdhost::discovery::Origin;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::blocks::unet::UnetInput;
 use sdhost_models::checkpoint;
 use sdhost_models::lora::{LoraApply, LoraSpec};
-use sdhost_models::module::Devices;
-use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline};
+use sdhost_models::pipeline::LoadOptions;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -67,38 +63,25 @@ fn outputs(
     loras: &[LoraSpec],
     apply: LoraApply,
 ) -> (Vec<f32>, Option<Vec<f32>>, Vec<f32>) {
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-    };
-    let ckpt = checkpoint::scan(model).unwrap();
     let opts = LoadOptions {
         loras,
         lora_apply: apply,
         ..LoadOptions::default()
     };
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-    };
-    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    let c = sd.encode_prompt("a photo of a cat", 1, 1).unwrap();
-    let r = tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
-    let out = sd
-        .predict(UnetInput {
-            x: &r["unet.x"],
-            shape: [1, 4, 8, 8],
-            t: &r["unet.t"],
-            context: &r["unet.context"],
-            y: r.get("unet.y").map(Vec::as_slice),
-        })
-        .unwrap();
-    (c.hidden, c.pooled, out)
+    with_pipeline_on(model, "cpu", "cpu", opts, |sd| {
+        let c = sd.encode_prompt("a photo of a cat", 1, 1).unwrap();
+        let r = tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
+        let out = sd
+            .predict(UnetInput {
+                x: &r["unet.x"],
+                shape: [1, 4, 8, 8],
+                t: &r["unet.t"],
+                context: &r["unet.context"],
+                y: r.get("unet.y").map(Vec::as_slice),
+            })
+            .unwrap();
+        (c.hidden, c.pooled, out)
+    })
 }
 
 fn spec(file: &str, weight: f32) -> LoraSpec {

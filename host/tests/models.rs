@@ -10,14 +10,10 @@
 
 mod common;
 use common::*;
-use sdhost::discovery::Origin;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::blocks::unet::UnetInput;
 use sdhost_models::blocks::vae;
-use sdhost_models::checkpoint;
-use sdhost_models::module::{Devices, WeightPolicy};
-use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::module::WeightPolicy;
+use sdhost_models::pipeline::{LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Schedule, Scheduler};
 use std::collections::HashMap;
 
@@ -61,26 +57,15 @@ fn with_pipeline(
     policy: WeightPolicy,
     f: impl FnOnce(&mut Pipeline<'_>),
 ) {
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let d = Devices {
-        runtime: m.get(runtime).unwrap(),
-        params: m.get(params).unwrap(),
-        cpu: m.get("cpu").unwrap(),
-    };
-    let ckpt = checkpoint::scan(&fixture(&format!("tiny-{}.safetensors", fx.name))).unwrap();
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-    };
     let opts = LoadOptions {
         policy,
         ..LoadOptions::default()
     };
-    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    assert_eq!(sd.family().family.name(), fx.name, "family detected");
-    f(&mut sd);
+    let ckpt = fixture(&format!("tiny-{}.safetensors", fx.name));
+    with_pipeline_on(&ckpt, runtime, params, opts, |sd| {
+        assert_eq!(sd.family().family.name(), fx.name, "family detected");
+        f(sd)
+    });
 }
 
 fn with_sd(runtime: &str, params: &str, policy: WeightPolicy, f: impl FnOnce(&mut Pipeline<'_>)) {

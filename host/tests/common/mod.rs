@@ -367,3 +367,31 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     eprintln!("{what}: relative error {e:.2e} (tolerance {tol:.0e})");
     assert!(e <= tol, "{what}: relative error {e} exceeds {tol}");
 }
+
+/// Loads the checkpoint `ckpt` with every module on `runtime` and its
+/// weights on `params` (the CPU as the scheduler's fallback), from the
+/// workspace's built plugins, and runs `f` on the pipeline.
+pub fn with_pipeline_on<R>(
+    ckpt: &Path,
+    runtime: &str,
+    params: &str,
+    opts: sdhost_models::pipeline::LoadOptions<'_>,
+    f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
+) -> R {
+    let reg =
+        sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
+    let m = sdhost::manager::BackendManager::new(&reg, None);
+    let d = sdhost_models::module::Devices {
+        runtime: m.get(runtime).unwrap(),
+        params: m.get(params).unwrap(),
+        cpu: m.get("cpu").unwrap(),
+    };
+    let layout = sdhost_models::pipeline::Layout {
+        te: d,
+        diffusion: d,
+        vae: d,
+    };
+    let ckpt = sdhost_models::checkpoint::scan(ckpt).unwrap();
+    let mut sd = sdhost_models::pipeline::Pipeline::load(&ckpt, layout, opts).unwrap();
+    f(&mut sd)
+}
