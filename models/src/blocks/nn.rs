@@ -202,31 +202,7 @@ pub fn conv2d<'a>(
     stride: i32,
     pad: i32,
 ) -> Result<Tensor<'a>> {
-    let name = format!("{prefix}.weight");
-    let kernel = w.shaped(&name, &[k, k, c_in, c_out])?;
-    if x.ne()[2] != c_in {
-        return Err(ModelError::Invalid(format!(
-            "{prefix}: input has {} channels where {c_in} were expected",
-            x.ne()[2]
-        )));
-    }
-    let mut y = c.conv_2d(kernel, x, stride, pad)?;
-    // Graph-mode LoRAs: a k×k convolution to `rank` channels, then a 1×1
-    // one to `c_out` (LoCon); a linear LoRA on a 1×1 kernel is the same.
-    for (down, up) in w.lora_for(&name) {
-        let [inner, rank, ..] = down.ne();
-        if inner != k * k * c_in || up.ne()[0] != rank || up.ne()[1] != c_out {
-            return Err(ModelError::Invalid(format!(
-                "LoRA of {name}: down {:?} and up {:?} do not fit a {k}×{k} kernel {c_in} → {c_out}",
-                down.ne(),
-                up.ne()
-            )));
-        }
-        let h = c.conv_2d(c.reshape(down, &[k, k, c_in, rank])?, x, stride, pad)?;
-        let h = c.conv_2d(c.reshape(up, &[1, 1, rank, c_out])?, h, 1, 0)?;
-        y = c.add(y, h)?;
-    }
-    add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
+    conv2d_with(c, w, prefix, x, [c_in, c_out, k], stride, pad, false)
 }
 
 /// [`conv2d`], computed in f32 throughout where the kernel is f32 (ggml's
@@ -244,19 +220,50 @@ pub fn conv2d_precise<'a>(
     stride: i32,
     pad: i32,
 ) -> Result<Tensor<'a>> {
+    conv2d_with(c, w, prefix, x, [c_in, c_out, k], stride, pad, true)
+}
+
+/// [`conv2d`] and [`conv2d_precise`]: `[c_in, c_out, k]`, f32 im2col for
+/// f32 kernels when `precise`.
+#[allow(clippy::too_many_arguments)]
+fn conv2d_with<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    x: Tensor<'a>,
+    [c_in, c_out, k]: [i64; 3],
+    stride: i32,
+    pad: i32,
+    precise: bool,
+) -> Result<Tensor<'a>> {
     let name = format!("{prefix}.weight");
-    let kernel = w.get(&name)?;
-    if kernel.ty() != Some(ggml::Type::F32) {
-        return conv2d(c, w, prefix, x, c_in, c_out, k, stride, pad);
-    }
-    check_shape(&name, kernel, &[k, k, c_in, c_out])?;
+    let kernel = w.shaped(&name, &[k, k, c_in, c_out])?;
     if x.ne()[2] != c_in {
         return Err(ModelError::Invalid(format!(
             "{prefix}: input has {} channels where {c_in} were expected",
             x.ne()[2]
         )));
     }
-    let y = c.conv_2d_f32(kernel, x, stride, pad)?;
+    let mut y = if precise && kernel.ty() == Some(ggml::Type::F32) {
+        c.conv_2d_f32(kernel, x, stride, pad)?
+    } else {
+        c.conv_2d(kernel, x, stride, pad)?
+    };
+    // Graph-mode LoRAs: a k×k convolution to `rank` channels, then a 1×1
+    // one to `c_out` (LoCon); a linear LoRA on a 1×1 kernel is the same.
+    for (down, up) in w.lora_for(&name) {
+        let [inner, rank, ..] = down.ne();
+        if inner != k * k * c_in || up.ne()[0] != rank || up.ne()[1] != c_out {
+            return Err(ModelError::Invalid(format!(
+                "LoRA of {name}: down {:?} and up {:?} do not fit a {k}×{k} kernel {c_in} → {c_out}",
+                down.ne(),
+                up.ne()
+            )));
+        }
+        let h = c.conv_2d(c.reshape(down, &[k, k, c_in, rank])?, x, stride, pad)?;
+        let h = c.conv_2d(c.reshape(up, &[1, 1, rank, c_out])?, h, 1, 0)?;
+        y = c.add(y, h)?;
+    }
     add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
 }
 
