@@ -20,29 +20,11 @@ use sdhost_models::ModuleKind;
 use std::collections::HashMap;
 
 fn refs() -> HashMap<String, (Vec<u64>, Vec<f32>)> {
-    let path = fixture("taesd/tiny-taesd-ref.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    checkpoint::scan(&path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let off = t.offset.unwrap() as usize;
-            let v = checkpoint::dtype::decode_f32(&t.dtype, &bytes[off..off + t.bytes as usize])
-                .unwrap();
-            (t.name, (t.shape, v))
-        })
-        .collect()
+    read_shaped_tensors(&fixture("taesd/tiny-taesd-ref.safetensors"))
 }
 
 fn shape4(s: &[u64]) -> [usize; 4] {
     [s[0] as usize, s[1] as usize, s[2] as usize, s[3] as usize]
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "lengths differ");
-    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 #[test]

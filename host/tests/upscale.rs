@@ -30,25 +30,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn refs() -> HashMap<String, (Vec<u64>, Vec<f32>)> {
-    let path = fixture("esrgan-ref.safetensors");
-    let bytes = std::fs::read(&path).unwrap();
-    checkpoint::scan(&path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let off = t.offset.unwrap() as usize;
-            let v = checkpoint::dtype::decode_f32(&t.dtype, &bytes[off..off + t.bytes as usize])
-                .unwrap();
-            (t.name, (t.shape, v))
-        })
-        .collect()
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "lengths differ");
-    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
-    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    read_shaped_tensors(&fixture("esrgan-ref.safetensors"))
 }
 
 /// Runs `f` with the upscaler in `file` loaded on the CPU.

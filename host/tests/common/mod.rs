@@ -329,6 +329,14 @@ pub fn fixture(name: &str) -> PathBuf {
 /// The tensors of a reference safetensors file (f32 and i32 as f32), read
 /// with the checkpoint reader the models use.
 pub fn read_tensors(path: &Path) -> std::collections::HashMap<String, Vec<f32>> {
+    read_shaped_tensors(path)
+        .into_iter()
+        .map(|(k, (_, v))| (k, v))
+        .collect()
+}
+
+/// [`read_tensors`] with each tensor's shape (outermost first).
+pub fn read_shaped_tensors(path: &Path) -> std::collections::HashMap<String, (Vec<u64>, Vec<f32>)> {
     let bytes = std::fs::read(path).unwrap();
     sdhost_models::checkpoint::scan(path)
         .unwrap()
@@ -345,9 +353,16 @@ pub fn read_tensors(path: &Path) -> std::collections::HashMap<String, Vec<f32>> 
                 d => sdhost_models::checkpoint::dtype::decode_f32(d, raw)
                     .unwrap_or_else(|| panic!("unexpected dtype {d}")),
             };
-            (t.name, vals)
+            (t.name, (t.shape, vals))
         })
         .collect()
+}
+
+/// Largest absolute difference (lengths must match, values finite).
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "lengths differ");
+    assert!(a.iter().all(|v| v.is_finite()), "non-finite output");
+    a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
 }
 
 /// Largest difference relative to the reference's largest magnitude.
