@@ -332,98 +332,72 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
 
 #[test]
 fn the_measurement_grows_with_the_size_and_img2img_adds_an_encode_phase() {
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-    };
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-    };
-    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
     let opts = LoadOptions {
         placeholders: true,
         vae_encoder: true,
         ..LoadOptions::default()
     };
-    let sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    let at = |w, batch, encode| {
-        sd.memory_plan(&MemoryRequest {
-            width: w,
-            height: 64,
-            batch,
-            chunks: 1,
-            encode,
-        })
-        .unwrap()
-    };
-    let (small, large) = (at(64, 2, false), at(256, 2, false));
-    let sampling = |p: &MemoryPlan| p.modules[1].phases[0].1.runtime;
-    let decode = |p: &MemoryPlan| p.modules[2].phases.last().unwrap().1.runtime;
-    assert!(sampling(&large) > sampling(&small));
-    assert!(decode(&large) > 3 * decode(&small));
-    assert!(sampling(&at(64, 1, false)) < sampling(&small));
-    let img2img = at(64, 2, true);
-    assert_eq!(
-        img2img.phases(),
-        vec![
-            Phase::TextEncoding,
-            Phase::Encoding,
-            Phase::Sampling,
-            Phase::Decoding
-        ]
-    );
-    // Sizes the model cannot take are refused, not measured.
-    for (w, batch, chunks) in [(60, 2, 1), (0, 2, 1), (64, 3, 1), (64, 2, 0)] {
-        let e = sd
-            .memory_plan(&MemoryRequest {
+    with_pipeline_on(&fixture("tiny-sd1.safetensors"), "cpu", "cpu", opts, |sd| {
+        let at = |w, batch, encode| {
+            sd.memory_plan(&MemoryRequest {
                 width: w,
                 height: 64,
                 batch,
-                chunks,
-                encode: false,
+                chunks: 1,
+                encode,
             })
-            .unwrap_err()
-            .to_string();
-        assert!(!e.contains('\n') && !e.is_empty(), "{e}");
-    }
+            .unwrap()
+        };
+        let (small, large) = (at(64, 2, false), at(256, 2, false));
+        let sampling = |p: &MemoryPlan| p.modules[1].phases[0].1.runtime;
+        let decode = |p: &MemoryPlan| p.modules[2].phases.last().unwrap().1.runtime;
+        assert!(sampling(&large) > sampling(&small));
+        assert!(decode(&large) > 3 * decode(&small));
+        assert!(sampling(&at(64, 1, false)) < sampling(&small));
+        let img2img = at(64, 2, true);
+        assert_eq!(
+            img2img.phases(),
+            vec![
+                Phase::TextEncoding,
+                Phase::Encoding,
+                Phase::Sampling,
+                Phase::Decoding
+            ]
+        );
+        // Sizes the model cannot take are refused, not measured.
+        for (w, batch, chunks) in [(60, 2, 1), (0, 2, 1), (64, 3, 1), (64, 2, 0)] {
+            let e = sd
+                .memory_plan(&MemoryRequest {
+                    width: w,
+                    height: 64,
+                    batch,
+                    chunks,
+                    encode: false,
+                })
+                .unwrap_err()
+                .to_string();
+            assert!(!e.contains('\n') && !e.is_empty(), "{e}");
+        }
+    });
 }
 
 #[test]
 fn placeholders_cannot_be_computed() {
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-    };
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-    };
-    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
     let opts = LoadOptions {
         placeholders: true,
         ..LoadOptions::default()
     };
-    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    assert!(sd.te.params().is_placeholder());
-    let w = sd.unet.params().get("out.2.bias").unwrap();
-    assert!(!w.is_allocated());
-    assert!(w.get_bytes().is_err() && w.set_f32(&vec![0.0; w.nelements()]).is_err());
-    let e = sd
-        .generate(&request(64, 64), None, &mut |_, _| {}, &|| false)
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("placeholder"), "{e}");
+    with_pipeline_on(&fixture("tiny-sd1.safetensors"), "cpu", "cpu", opts, |sd| {
+        assert!(sd.te.params().is_placeholder());
+        let w = sd.unet.params().get("out.2.bias").unwrap();
+        assert!(!w.is_allocated());
+        assert!(w.get_bytes().is_err() && w.set_f32(&vec![0.0; w.nelements()]).is_err());
+        let e = sd
+            .generate(&request(64, 64), None, &mut |_, _| {}, &|| false)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("placeholder"), "{e}");
+    });
 }
 
 fn one_line_failure(r: &Run, code: i32, needles: &[&str]) {
