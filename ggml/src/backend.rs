@@ -202,6 +202,12 @@ impl Device {
         unsafe { sys::ggml_backend_dev_supports_op(self.0, op.raw()) }
     }
 
+    /// The device's pinned host-memory buffer type, null when it has none.
+    pub(crate) fn host_buffer_type(self) -> sys::ggml_backend_buffer_type_t {
+        // SAFETY: valid device.
+        unsafe { sys::ggml_backend_dev_host_buffer_type(self.0) }
+    }
+
     /// The device's default buffer type.
     pub(crate) fn buffer_type(self) -> sys::ggml_backend_buffer_type_t {
         // SAFETY: valid device.

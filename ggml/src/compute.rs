@@ -334,6 +334,37 @@ impl Context {
         Ok(Buffer { raw: b })
     }
 
+    /// Allocates every tensor of this context in one buffer for weights:
+    /// on `backend`'s device, or in the device's pinned host memory when
+    /// `pinned` and the device has such memory (CPU-visible, and the device
+    /// uploads from it asynchronously; else ordinary memory of the device).
+    /// The buffer is marked as holding weights, which is what ggml's
+    /// scheduler reads to run an op where its weights are, to offload the
+    /// op to a faster device that streams the weight in (see
+    /// [`Sched::with_op_offload`]), and what ggml's RPC server caches.
+    pub fn alloc_weights(&self, backend: &Backend, pinned: bool) -> Result<Buffer> {
+        let host = if pinned {
+            backend.device().host_buffer_type()
+        } else {
+            std::ptr::null_mut()
+        };
+        let buft = if host.is_null() {
+            backend.device().buffer_type()
+        } else {
+            host
+        };
+        // SAFETY: live context and a live buffer type of the device.
+        let b = unsafe { sys::ggml_backend_alloc_ctx_tensors_from_buft(self.raw, buft) };
+        if b.is_null() {
+            return Err(Error::Null {
+                what: "ggml_backend_alloc_ctx_tensors_from_buft",
+            });
+        }
+        // SAFETY: the buffer just allocated.
+        unsafe { sys::ggml_backend_buffer_set_usage(b, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS) };
+        Ok(Buffer { raw: b })
+    }
+
     /// Bytes [`Context::alloc_tensors`] would allocate on `backend` for the
     /// tensors of this context that have no memory yet (alignment and the
     /// buffer type's padding included), without allocating; 0 when there
@@ -369,6 +400,10 @@ impl Context {
                 what: "ggml_backend_buft_alloc_buffer",
             });
         }
+        // SAFETY: the buffer just allocated. Placeholders stand for
+        // weights: marked so, the scheduler places their ops as it would
+        // place the real weights' (see `alloc_weights`).
+        unsafe { sys::ggml_backend_buffer_set_usage(buf, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS) };
         self.placeholders.push(buf);
         for t in self.tensors() {
             // SAFETY: a tensor of this live context; only its buffer field
@@ -1110,6 +1145,12 @@ impl<'ctx> Tensor<'ctx> {
         self.raw
     }
 
+    /// An identity for the tensor: equal for two handles of the same
+    /// tensor while it lives (to find a graph's tensors among known ones).
+    pub fn id(&self) -> usize {
+        self.raw as usize
+    }
+
     /// Shape, ggml order.
     pub fn ne(&self) -> [i64; 4] {
         // SAFETY: a live tensor's header.
@@ -1397,6 +1438,40 @@ impl Graph<'_> {
     }
 }
 
+impl Graph<'_> {
+    /// The graph's leaves that live in a buffer (weights, placeholders),
+    /// in the order the nodes first read them (a view is counted as the
+    /// tensor it views): the order a computation needs them.
+    pub fn buffered_leaves_in_order(&self) -> Vec<Tensor<'_>> {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::new();
+        for i in 0..self.n_nodes() {
+            let Some(node) = self.node(i) else { continue };
+            // SAFETY: a node of the live graph; its operands are live too.
+            let srcs = unsafe { (*node.raw).src };
+            for raw in srcs.into_iter().filter(|p| !p.is_null()) {
+                // SAFETY: a live operand; its view source, when set, is live.
+                let root = unsafe {
+                    if (*raw).view_src.is_null() {
+                        raw
+                    } else {
+                        (*raw).view_src
+                    }
+                };
+                // SAFETY: as above.
+                let leaf = unsafe { (*root).op == sys::GGML_OP_NONE && !(*root).buffer.is_null() };
+                if leaf && seen.insert(root) {
+                    out.push(Tensor {
+                        raw: root,
+                        _ctx: PhantomData,
+                    });
+                }
+            }
+        }
+        out
+    }
+}
+
 /// A backend buffer; freed on drop.
 #[derive(Debug)]
 pub struct Buffer {
@@ -1438,6 +1513,21 @@ impl<'b> Sched<'b> {
     /// A scheduler over `backends` for graphs of up to `graph_size` nodes.
     /// The last backend must be a CPU backend (ggml requires it).
     pub fn new(backends: &[&'b Backend], graph_size: usize) -> Result<Sched<'b>> {
+        Sched::with_op_offload(backends, graph_size, true)
+    }
+
+    /// [`Sched::new`], saying whether an op whose weights are in host
+    /// memory (a buffer marked as weights, on the last, CPU, backend) may
+    /// run on an earlier backend that asks for it (ggml's `offload_op`:
+    /// GPUs ask for ops with a batch of at least 32): the weight is then
+    /// copied up for that op only, in its own split, so at most one split's
+    /// weights are on the device at a time: weight streaming. Without it
+    /// such ops run on the CPU, where their weights are: a layer split.
+    pub fn with_op_offload(
+        backends: &[&'b Backend],
+        graph_size: usize,
+        op_offload: bool,
+    ) -> Result<Sched<'b>> {
         if backends.is_empty() || backends.len() > SCHED_MAX_BACKENDS {
             return Err(Error::Invalid(format!(
                 "a scheduler needs 1 to {SCHED_MAX_BACKENDS} backends, not {}",
@@ -1460,7 +1550,7 @@ impl<'b> Sched<'b> {
                 raws.len() as i32,
                 graph_size,
                 false,
-                true,
+                op_offload,
             )
         };
         if raw.is_null() {

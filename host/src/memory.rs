@@ -24,10 +24,9 @@ use crate::session::Session;
 use ggml::DeviceType;
 use sdhost_models::checkpoint::Checkpoint;
 use sdhost_models::memory::{MemoryPlan, MemoryRequest, Phase};
-use sdhost_models::module::WeightPolicy;
+use sdhost_models::module::{DeviceBytes, WeightPolicy};
 use sdhost_models::pipeline::{LoadOptions, Pipeline};
 use sdhost_models::tiling::Tiling;
-use sdhost_models::ModuleKind;
 use std::collections::BTreeMap;
 
 /// The reserve kept free on a non-CPU device when none is given: drivers,
@@ -235,18 +234,15 @@ impl Usage {
 }
 
 /// Adds the measured roles up per device and phase. At each phase every
-/// module's weights are on its params device; the module that runs holds
-/// its runtime copy (where params ≠ runtime) and its compute buffers for
-/// this phase (runtime device and CPU fallback). Under
-/// [`WeightPolicy::Keep`] the modules that ran earlier still hold their
-/// copies and compute buffers (a module's buffers are the largest of its
-/// phases so far: its scheduler only grows).
-pub fn account(plan: &MemoryPlan, placement: &Placement, cpu: &str, policy: WeightPolicy) -> Usage {
+/// module's weights are on their devices; the module that runs holds its
+/// runtime copy (whole, or a streamed module's resident part) and its
+/// compute buffers for this phase (on every device its scheduler uses).
+/// Under [`WeightPolicy::Keep`] the modules that ran earlier still hold
+/// their copies and compute buffers (a module's buffers are the largest of
+/// its phases so far: its scheduler only grows).
+pub fn account(plan: &MemoryPlan, policy: WeightPolicy) -> Usage {
     let phases = plan.phases();
     let mut devices: BTreeMap<String, BTreeMap<Phase, u64>> = BTreeMap::new();
-    let dev = |m: ModuleKind, map: &BTreeMap<ModuleKind, String>| {
-        map.get(&m).cloned().unwrap_or_else(|| cpu.to_string())
-    };
     for &phase in &phases {
         let mut add = |d: &str, b: u64| {
             *devices
@@ -256,11 +252,9 @@ pub fn account(plan: &MemoryPlan, placement: &Placement, cpu: &str, policy: Weig
                 .or_insert(0) += b;
         };
         for m in &plan.modules {
-            let (runtime, params) = (
-                dev(m.module, &placement.runtime),
-                dev(m.module, &placement.params),
-            );
-            add(&params, m.weights);
+            for (d, b) in &m.weights.0 {
+                add(d, *b);
+            }
             let active = m.phases.iter().any(|(p, _)| *p == phase);
             let ran = m.phases.iter().any(|(p, _)| *p <= phase);
             let holds = active || (policy == WeightPolicy::Keep && ran);
@@ -274,15 +268,10 @@ pub fn account(plan: &MemoryPlan, placement: &Placement, cpu: &str, policy: Weig
                     WeightPolicy::Free => *p == phase,
                     WeightPolicy::Keep => *p <= phase,
                 })
-                .fold(
-                    Default::default(),
-                    |a: sdhost_models::module::ComputeBytes, (_, c)| a.max(*c),
-                );
-            if runtime != params {
-                add(&runtime, m.runtime_copy);
+                .fold(DeviceBytes::default(), |a, (_, c)| a.max(c));
+            for (d, b) in m.runtime_copy.0.iter().chain(&compute.0) {
+                add(d, *b);
             }
-            add(&runtime, compute.runtime);
-            add(cpu, compute.cpu);
         }
     }
     // Every device used appears with every phase.
@@ -405,7 +394,7 @@ pub fn measure(
         ..LoadOptions::default()
     };
     let file = m.ckpt.path.display().to_string();
-    let mut sd = Pipeline::load(m.ckpt, layout, opts)?;
+    let mut sd = Pipeline::load(m.ckpt, layout.clone(), opts)?;
     sd.set_vae_tiling(m.tiling);
     crate::commands::generate::apply_flash_attn(&mut sd, &layout, m.flash);
     let mult = sd.size_multiple();
@@ -431,8 +420,7 @@ pub fn measure(
     let plan = sd
         .memory_plan(&req)
         .map_err(|e| anyhow::anyhow!("{}: {e}", crate::term::clean(&file)))?;
-    let cpu = crate::commands::generate::cpu_device(session, what)?;
-    let usage = account(&plan, placement, &cpu, m.policy);
+    let usage = account(&plan, m.policy);
     Ok(Measured {
         size: (width, height),
         plan,
@@ -477,9 +465,9 @@ pub fn session_settings(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sdhost_models::ModuleKind;
     use proptest::prelude::*;
     use sdhost_models::memory::ModuleMemory;
-    use sdhost_models::module::ComputeBytes;
 
     #[test]
     fn sizes_parse_in_binary_units() {
@@ -576,32 +564,54 @@ mod tests {
         Placement {
             runtime: all(runtime),
             params: all(params),
+            split: Default::default(),
+            stream: Default::default(),
+            fixed_runtime: Default::default(),
+            fixed_params: Default::default(),
             notes: vec![],
         }
     }
 
-    fn plan() -> MemoryPlan {
-        let c = |runtime, cpu| ComputeBytes { runtime, cpu };
+    /// A plan as measured under `placement` (every module on the same
+    /// runtime and params device): compute `(r, c)` is r on the runtime
+    /// device and c on the CPU fallback.
+    fn plan(placement: &Placement) -> MemoryPlan {
+        let module = |m: ModuleKind, w: u64, copy: u64, phases: &[(Phase, u64, u64)]| {
+            let (rt, pa) = (&placement.runtime[&m], &placement.params[&m]);
+            let mut weights = DeviceBytes::default();
+            weights.add(pa, w);
+            let mut runtime_copy = DeviceBytes::default();
+            if rt != pa {
+                runtime_copy.add(rt, copy);
+            }
+            let phases = phases
+                .iter()
+                .map(|&(p, r, c)| {
+                    let mut d = DeviceBytes::default();
+                    d.add(rt, r);
+                    if rt != "cpu" {
+                        d.add("cpu", c);
+                    }
+                    (p, d)
+                })
+                .collect();
+            ModuleMemory {
+                module: m,
+                weights,
+                runtime_copy,
+                phases,
+            }
+        };
         MemoryPlan {
             modules: vec![
-                ModuleMemory {
-                    module: ModuleKind::Te,
-                    weights: 100,
-                    runtime_copy: 101,
-                    phases: vec![(Phase::TextEncoding, c(10, 1))],
-                },
-                ModuleMemory {
-                    module: ModuleKind::Diffusion,
-                    weights: 1000,
-                    runtime_copy: 1001,
-                    phases: vec![(Phase::Sampling, c(200, 2))],
-                },
-                ModuleMemory {
-                    module: ModuleKind::Vae,
-                    weights: 50,
-                    runtime_copy: 51,
-                    phases: vec![(Phase::Encoding, c(300, 3)), (Phase::Decoding, c(30, 4))],
-                },
+                module(ModuleKind::Te, 100, 101, &[(Phase::TextEncoding, 10, 1)]),
+                module(ModuleKind::Diffusion, 1000, 1001, &[(Phase::Sampling, 200, 2)]),
+                module(
+                    ModuleKind::Vae,
+                    50,
+                    51,
+                    &[(Phase::Encoding, 300, 3), (Phase::Decoding, 30, 4)],
+                ),
             ],
         }
     }
@@ -609,9 +619,8 @@ mod tests {
     #[test]
     fn phases_add_up_per_device_under_each_policy() {
         use Phase::*;
-        let p = plan();
         // Everything on one device: weights always, one module's buffers.
-        let u = account(&p, &placement("gpu", "gpu"), "cpu", WeightPolicy::Free);
+        let u = account(&plan(&placement("gpu", "gpu")), WeightPolicy::Free);
         assert_eq!(u.phases, vec![TextEncoding, Encoding, Sampling, Decoding]);
         let gpu = &u.devices["gpu"];
         assert_eq!(gpu[&TextEncoding], 1150 + 10);
@@ -621,12 +630,12 @@ mod tests {
         assert_eq!(u.peak("gpu"), 1450);
         assert_eq!(u.devices["cpu"][&Decoding], 4);
         // Weights on the CPU: the GPU holds the running module's copy only.
-        let u = account(&p, &placement("gpu", "cpu"), "cpu", WeightPolicy::Free);
+        let u = account(&plan(&placement("gpu", "cpu")), WeightPolicy::Free);
         assert_eq!(u.devices["gpu"][&Sampling], 1001 + 200);
         assert_eq!(u.devices["gpu"][&TextEncoding], 101 + 10);
         assert_eq!(u.devices["cpu"][&Sampling], 1150 + 2);
         // Keep: what ran before stays, a module's buffers only grow.
-        let u = account(&p, &placement("gpu", "cpu"), "cpu", WeightPolicy::Keep);
+        let u = account(&plan(&placement("gpu", "cpu")), WeightPolicy::Keep);
         assert_eq!(
             u.devices["gpu"][&Sampling],
             101 + 10 + 51 + 300 + 1001 + 200
@@ -636,16 +645,15 @@ mod tests {
             101 + 10 + 1001 + 200 + 51 + 300
         );
         assert_eq!(u.devices["cpu"][&Decoding], 1150 + 1 + 2 + 4);
-        // All on the CPU: its fallback buffers are the runtime's.
-        let u = account(&p, &placement("cpu", "cpu"), "cpu", WeightPolicy::Free);
+        // All on the CPU: one scheduler backend, no fallback buffers.
+        let u = account(&plan(&placement("cpu", "cpu")), WeightPolicy::Free);
         assert_eq!(u.devices.len(), 1);
-        assert_eq!(u.devices["cpu"][&Sampling], 1150 + 200 + 2);
+        assert_eq!(u.devices["cpu"][&Sampling], 1150 + 200);
     }
 
     #[test]
     fn overruns_name_device_phase_need_and_budget() {
-        let p = plan();
-        let u = account(&p, &placement("gpu", "gpu"), "cpu", WeightPolicy::Free);
+        let u = account(&plan(&placement("gpu", "gpu")), WeightPolicy::Free);
         let budget = |b| Budget {
             memory_free: 1 << 40,
             reserve: 0,

@@ -14,7 +14,10 @@
 //! `module=device` pairs (`all=cuda0,te=cpu`). Devices are matched against
 //! the list of loaded devices by exact name or unique prefix, and the
 //! keywords `auto`/`default` (or an empty value) and `gpu` pick a device by
-//! type. See `docs/backend.md` for the user-facing description.
+//! type. A runtime device may also be a *split* of one module over several
+//! devices, `vulkan0+cpu` (or sd.cpp's `vulkan0&cpu`), with optional
+//! shares, `vulkan0:3+cpu:1`. See `docs/backend.md` for the user-facing
+//! description.
 //!
 //! # Invariants
 //!
@@ -157,12 +160,40 @@ pub enum DeviceRef {
     Gpu,
     /// A device name or unique prefix, as written (trimmed, case kept).
     Named(String),
+    /// `vulkan0+cpu`, `vulkan0:3+cpu:1`: one module's weights split over
+    /// these devices, with shares given for all of them or none.
+    Split(Vec<(DeviceRef, Option<u64>)>),
 }
 
 impl DeviceRef {
     /// Classifies a device token. The keywords `auto`, `default` and `gpu`
     /// are case-insensitive and take precedence over device names.
     pub fn parse(s: &str) -> DeviceRef {
+        let t = s.trim();
+        if t.contains('+') || t.contains('&') {
+            let parts = t
+                .split(['+', '&'])
+                .map(|p| {
+                    let p = p.trim();
+                    match p.rsplit_once(':') {
+                        Some((name, share)) => {
+                            // A share that is not a number stays in the name
+                            // and is refused by `check_split`.
+                            match share.trim().parse::<u64>() {
+                                Ok(n) => (DeviceRef::parse_one(name), Some(n)),
+                                Err(_) => (DeviceRef::Named(p.to_string()), None),
+                            }
+                        }
+                        None => (DeviceRef::parse_one(p), None),
+                    }
+                })
+                .collect();
+            return DeviceRef::Split(parts);
+        }
+        DeviceRef::parse_one(t)
+    }
+
+    fn parse_one(s: &str) -> DeviceRef {
         let t = s.trim();
         match t.to_lowercase().as_str() {
             "" | "auto" | "default" => DeviceRef::Auto,
@@ -178,6 +209,16 @@ impl fmt::Display for DeviceRef {
             DeviceRef::Auto => f.write_str("auto"),
             DeviceRef::Gpu => f.write_str("gpu"),
             DeviceRef::Named(n) => f.write_str(n),
+            DeviceRef::Split(parts) => {
+                let items: Vec<String> = parts
+                    .iter()
+                    .map(|(d, s)| match s {
+                        Some(s) => format!("{d}:{s}"),
+                        None => d.to_string(),
+                    })
+                    .collect();
+                f.write_str(&items.join("+"))
+            }
         }
     }
 }
@@ -243,6 +284,10 @@ pub enum PlacementError {
     /// `gpu` requested, but neither a GPU nor an integrated GPU is loaded.
     #[error("no GPU device loaded for \"gpu\"; loaded devices: {}", name_list(.loaded))]
     NoGpu { loaded: Vec<String> },
+    /// A malformed split (`vulkan0+`, `cpu+cpu`, shares on some devices
+    /// only, a zero or non-numeric share, a split for weights).
+    #[error("bad split {split:?}: {reason}")]
+    BadSplit { split: String, reason: String },
     /// A default device was needed but the device list is empty.
     #[error("no devices loaded; cannot pick a default device")]
     NoDevices,
@@ -399,6 +444,10 @@ pub fn resolve_device(
         other => other.clone(),
     };
     match r {
+        DeviceRef::Split(_) => Err(PlacementError::BadSplit {
+            split: r.to_string(),
+            reason: "a split names where one module runs, here one device is needed".into(),
+        }),
         DeviceRef::Named(token) => resolve_named(&token, devices),
         DeviceRef::Gpu => resolve_gpu(devices),
         DeviceRef::Auto => match default_device.map(DeviceRef::parse) {
@@ -408,6 +457,49 @@ pub fn resolve_device(
             }
         },
     }
+}
+
+/// Resolves a split's devices and shares: every part a device, none twice,
+/// shares for all parts or none (then equal), each at least 1.
+pub fn resolve_split(
+    parts: &[(DeviceRef, Option<u64>)],
+    devices: &[DeviceInfo],
+    default_device: Option<&str>,
+) -> Result<Vec<(String, Option<u64>)>, PlacementError> {
+    let text = DeviceRef::Split(parts.to_vec()).to_string();
+    let bad = |reason: &str| PlacementError::BadSplit {
+        split: text.clone(),
+        reason: reason.to_string(),
+    };
+    if parts.len() < 2 {
+        return Err(bad("a split needs at least two devices"));
+    }
+    let given = parts.iter().filter(|(_, s)| s.is_some()).count();
+    if given != 0 && given != parts.len() {
+        return Err(bad(
+            "give a share for every device (vulkan0:3+cpu:1) or for none (vulkan0+cpu)",
+        ));
+    }
+    let mut out: Vec<(String, Option<u64>)> = Vec::new();
+    for (r, share) in parts {
+        if let DeviceRef::Named(n) = r {
+            if n.trim().is_empty() {
+                return Err(bad("empty device name; devices are joined by single + signs"));
+            }
+            if let Some((_, sh)) = n.rsplit_once(':') {
+                return Err(bad(&format!("share {:?} is not a whole number", sh.trim())));
+            }
+        }
+        if *share == Some(0) {
+            return Err(bad("a share must be at least 1"));
+        }
+        let name = resolve_device(r, devices, default_device)?;
+        if out.iter().any(|(d, _)| *d == name) {
+            return Err(bad(&format!("device {name} appears twice")));
+        }
+        out.push((name, *share));
+    }
+    Ok(out)
 }
 
 fn resolve_named(token: &str, devices: &[DeviceInfo]) -> Result<String, PlacementError> {
@@ -484,6 +576,17 @@ pub struct Placement {
     pub runtime: BTreeMap<Module, String>,
     /// Device that stores each module's weights. Contains every module.
     pub params: BTreeMap<Module, String>,
+    /// Modules split over several devices (the first is also the module's
+    /// runtime and params entry), with the shares given, if any.
+    pub split: BTreeMap<Module, Vec<(String, Option<u64>)>>,
+    /// Modules whose weights stream to their runtime device from the params
+    /// device, with the bytes kept resident there (set by automatic fit).
+    pub stream: BTreeMap<Module, u64>,
+    /// Modules whose runtime device the user chose (a flag, the config
+    /// file): automatic fit leaves them there.
+    pub fixed_runtime: BTreeSet<Module>,
+    /// Modules whose params device the user chose.
+    pub fixed_params: BTreeSet<Module>,
     /// Human-readable remarks, e.g. compatibility flags that were ignored.
     pub notes: Vec<String>,
 }
@@ -559,8 +662,21 @@ pub fn resolve(req: &Request, devices: &[DeviceInfo]) -> Result<Placement, Place
     }
 
     let mut runtime = BTreeMap::new();
+    let mut split = BTreeMap::new();
+    let mut fixed_runtime = BTreeSet::new();
     for (module, (r, origin)) in &rt_refs {
-        let name = resolve_device(r, devices, env).map_err(|e| tag(e, *origin))?;
+        if *r != DeviceRef::Auto {
+            fixed_runtime.insert(*module);
+        }
+        let name = match r {
+            DeviceRef::Split(parts) => {
+                let list = resolve_split(parts, devices, env).map_err(|e| tag(e, *origin))?;
+                let first = list.first().map(|(d, _)| d.clone()).unwrap_or_default();
+                split.insert(*module, list);
+                first
+            }
+            r => resolve_device(r, devices, env).map_err(|e| tag(e, *origin))?,
+        };
         runtime.insert(*module, name);
     }
 
@@ -592,10 +708,20 @@ pub fn resolve(req: &Request, devices: &[DeviceInfo]) -> Result<Placement, Place
     // weights and leave everything else where it runs. An explicit `te=` or
     // `auto` in the params spec does mean the default device.
     let mut params = BTreeMap::new();
+    let mut fixed_params = BTreeSet::new();
     for module in Module::ALL {
         let entry = params_spec
             .as_ref()
             .and_then(|(spec, origin)| spec.device_for(module).map(|r| (r, *origin)));
+        if entry.is_some() {
+            fixed_params.insert(module);
+        }
+        // A split module's weights follow its split.
+        let entry = if split.contains_key(&module) {
+            None
+        } else {
+            entry
+        };
         let name = match entry {
             Some((r, origin)) => {
                 resolve_device(r, devices, env).map_err(|e| e.with_origin(origin))?
@@ -613,6 +739,10 @@ pub fn resolve(req: &Request, devices: &[DeviceInfo]) -> Result<Placement, Place
     Ok(Placement {
         runtime,
         params,
+        split,
+        stream: BTreeMap::new(),
+        fixed_runtime,
+        fixed_params,
         notes,
     })
 }

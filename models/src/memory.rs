@@ -21,7 +21,7 @@ use crate::blocks::clip::{self, ClipConfig};
 use crate::blocks::nn::{ModelError, Result};
 use crate::blocks::unet::{self, UnetConfig};
 use crate::blocks::vae;
-use crate::module::{ComputeBytes, Module};
+use crate::module::{ComputeBytes, DeviceBytes, Module};
 use crate::tiling::Tiling;
 use crate::ModuleKind;
 
@@ -89,11 +89,13 @@ pub struct MemoryRequest {
 pub struct ModuleMemory {
     /// Which module.
     pub module: ModuleKind,
-    /// Its weight buffer, on the params device, held all the time.
-    pub weights: u64,
-    /// A copy of the weights on the runtime device while the module's phase
-    /// runs; 0 when the params device is the runtime device.
-    pub runtime_copy: u64,
+    /// Its weight buffers by device (the params device, or a split's
+    /// devices), held all the time.
+    pub weights: DeviceBytes,
+    /// A copy of the weights (all, or a streamed module's resident part)
+    /// on the runtime device while the module's phase runs; empty when the
+    /// weights are used where they are.
+    pub runtime_copy: DeviceBytes,
     /// Compute buffers in each phase the module runs in.
     pub phases: Vec<(Phase, ComputeBytes)>,
 }
@@ -159,7 +161,7 @@ pub(crate) fn measure(p: Parts<'_, '_>, req: &MemoryRequest) -> Result<MemoryPla
 
     let mut te = ComputeBytes::default();
     for c in p.clip {
-        te = te.max(clip::measure(p.te, c, req.chunks)?);
+        te = te.max(&clip::measure(p.te, c, req.chunks)?);
     }
     let sampling = unet::measure(p.unet, p.unet_cfg, req.batch, lh, lw, tokens)?;
     // With tiling, each graph is one tile (clipped to the latent).
@@ -176,7 +178,7 @@ pub(crate) fn measure(p: Parts<'_, '_>, req: &MemoryRequest) -> Result<MemoryPla
     let module = |m: &Module<'_>, phases| -> Result<ModuleMemory> {
         Ok(ModuleMemory {
             module: m.kind(),
-            weights: m.params().buffer_bytes(),
+            weights: m.weight_bytes(),
             runtime_copy: m.runtime_copy_bytes()?,
             phases,
         })

@@ -18,11 +18,29 @@
 //! scheduler (and the activation memory it holds) is dropped when its phase
 //! ends, so the UNet's buffers are gone before the VAE decodes; under `Keep`
 //! they stay allocated for the next generation.
+//!
+//! **Spread** ([`Spread`]): beyond one params device, a module's weights
+//! may be
+//! * *streamed*: they stay on the params device (the CPU), the first
+//!   `resident` bytes of them in graph order are copied to the runtime
+//!   device for the phase as above, and ggml's scheduler uploads each of the
+//!   others to the runtime device just before the op that reads it, in a
+//!   split of its own, so the device holds one such weight at a time
+//!   ([`ggml::Sched::with_op_offload`]); ops too small for the device to
+//!   want them run on the CPU instead, where the weight is;
+//! * *split*: spread over several devices in graph order, in proportion to
+//!   shares; every op runs where its weights are and ggml's scheduler
+//!   moves the activations between devices.
+//!
+//! Both need the order in which the module's graphs read their weights:
+//! [`Module::validate`] records it.
 
 use crate::blocks::nn::{GraphOptions, ModelError, Result, W};
 use crate::checkpoint::weights::ModuleWeights;
 use crate::ModuleKind;
 use ggml::{Backend, Context, Sched, Tensor, Type};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 /// What a module releases when a phase ends: the runtime copy of its
@@ -69,12 +87,56 @@ impl std::str::FromStr for WeightPolicy {
 /// Where one module runs.
 #[derive(Clone, Copy)]
 pub struct Devices<'b> {
-    /// Runs the graphs.
+    /// Runs the graphs (for a split module: its first device).
     pub runtime: &'b Backend,
-    /// Holds the weights.
+    /// Holds the weights (ignored for a split module).
     pub params: &'b Backend,
     /// The CPU backend: the scheduler's fallback.
     pub cpu: &'b Backend,
+}
+
+/// One device's share of a split module.
+#[derive(Clone, Copy)]
+pub struct Share<'b> {
+    /// The device.
+    pub backend: &'b Backend,
+    /// Its share of the weights, relative to the others' (by bytes).
+    pub weight: u64,
+}
+
+/// How a module's weights are spread beyond one params device (see the
+/// module docs).
+#[derive(Clone, Default)]
+pub enum Spread<'b> {
+    /// All on the params device (copied to the runtime device for each
+    /// phase when they differ).
+    #[default]
+    Whole,
+    /// On the params device; the first `resident` bytes (graph order) are
+    /// copied to the runtime device for each phase, the rest streamed op by
+    /// op.
+    Stream {
+        /// Bytes of weights kept on the runtime device during a phase.
+        resident: u64,
+    },
+    /// Over these devices in graph order, by share.
+    Split(Vec<Share<'b>>),
+}
+
+impl std::fmt::Debug for Spread<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Spread::Whole => write!(f, "Whole"),
+            Spread::Stream { resident } => write!(f, "Stream {{ resident: {resident} }}"),
+            Spread::Split(shares) => {
+                let parts: Vec<String> = shares
+                    .iter()
+                    .map(|s| format!("{}:{}", s.backend.name(), s.weight))
+                    .collect();
+                write!(f, "Split({})", parts.join("+"))
+            }
+        }
+    }
 }
 
 /// An input value for a graph.
@@ -114,6 +176,10 @@ pub struct Module<'b> {
     params: ModuleWeights,
     runtime_copy: Option<ModuleWeights>,
     devices: Devices<'b>,
+    spread: Spread<'b>,
+    /// Weight names in the order the module's graphs first read them
+    /// (recorded by [`Module::validate`]).
+    order: RefCell<Vec<String>>,
     /// Created on first compute, dropped (with its compute buffers) at the
     /// end of a phase under [`WeightPolicy::Free`].
     sched: Option<Sched<'b>>,
@@ -124,35 +190,64 @@ pub struct Module<'b> {
     allocated: Allocated,
 }
 
-/// Compute-buffer bytes of one graph, or the most of several, by where the
-/// scheduler puts them: the runtime device and the CPU fallback. When the
-/// runtime device is the CPU everything is in `runtime` and `cpu` is 0.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct ComputeBytes {
-    /// On the runtime device.
-    pub runtime: u64,
-    /// On the CPU, for ops the runtime device lacks.
-    pub cpu: u64,
-}
+/// Bytes by device name: weights, copies or compute buffers of a module.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DeviceBytes(pub Vec<(String, u64)>);
 
-impl ComputeBytes {
-    /// The larger of each part.
-    pub fn max(self, o: ComputeBytes) -> ComputeBytes {
-        ComputeBytes {
-            runtime: self.runtime.max(o.runtime),
-            cpu: self.cpu.max(o.cpu),
+impl DeviceBytes {
+    /// The bytes on `device` (0 when none).
+    pub fn get(&self, device: &str) -> u64 {
+        self.0
+            .iter()
+            .filter(|(d, _)| d == device)
+            .map(|(_, b)| *b)
+            .sum()
+    }
+
+    /// Adds `bytes` on `device`.
+    pub fn add(&mut self, device: &str, bytes: u64) {
+        match self.0.iter_mut().find(|(d, _)| d == device) {
+            Some((_, b)) => *b += bytes,
+            None => self.0.push((device.to_string(), bytes)),
         }
+    }
+
+    /// Per device, the larger of the two.
+    pub fn max(&self, o: &DeviceBytes) -> DeviceBytes {
+        let mut out = self.clone();
+        for (d, b) in &o.0 {
+            match out.0.iter_mut().find(|(x, _)| x == d) {
+                Some((_, x)) => *x = (*x).max(*b),
+                None => out.0.push((d.clone(), *b)),
+            }
+        }
+        out
+    }
+
+    /// The sum over devices.
+    pub fn total(&self) -> u64 {
+        self.0.iter().map(|(_, b)| *b).sum()
+    }
+
+    /// The devices with bytes, in order of appearance.
+    pub fn devices(&self) -> impl Iterator<Item = &str> {
+        self.0.iter().map(|(d, _)| d.as_str())
     }
 }
 
+/// Compute-buffer bytes of one graph, or the most of several, by device:
+/// where the scheduler puts them (the runtime device, the CPU fallback,
+/// the devices of a split).
+pub type ComputeBytes = DeviceBytes;
+
 /// The device memory a module really held (its largest allocations since
 /// load): read from ggml's buffers, not predicted.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Allocated {
-    /// The weight buffer on the params device.
-    pub weights: u64,
-    /// The largest runtime copy of the weights (0 when none was made).
-    pub runtime_copy: u64,
+    /// The weight buffers on the params device(s).
+    pub weights: DeviceBytes,
+    /// The largest runtime copy of the weights (empty when none was made).
+    pub runtime_copy: DeviceBytes,
     /// The largest compute buffers the scheduler allocated.
     pub compute: ComputeBytes,
 }
@@ -174,12 +269,35 @@ impl<'b> Module<'b> {
             params,
             runtime_copy: None,
             devices,
+            spread: Spread::Whole,
+            order: RefCell::new(Vec::new()),
             sched: None,
             policy,
             opts: GraphOptions::default(),
             timing: Timing::default(),
             allocated: Allocated::default(),
         })
+    }
+
+    /// Sets how the weights are spread. For [`Spread::Split`] the weights
+    /// given to [`Module::new`] must already be split (see
+    /// [`Module::split_assignment`]).
+    pub fn set_spread(&mut self, spread: Spread<'b>) {
+        self.spread = spread;
+        self.runtime_copy = None;
+        self.sched = None;
+    }
+
+    /// How the weights are spread.
+    pub fn spread(&self) -> &Spread<'b> {
+        &self.spread
+    }
+
+    /// Replaces the weights (e.g. placeholders by the real, split ones).
+    pub fn replace_params(&mut self, params: ModuleWeights) {
+        self.params = params;
+        self.runtime_copy = None;
+        self.sched = None;
     }
 
     /// Sets how this module's graphs are built.
@@ -202,6 +320,11 @@ impl<'b> Module<'b> {
         &self.params
     }
 
+    /// The devices.
+    pub fn devices(&self) -> Devices<'b> {
+        self.devices
+    }
+
     /// Time spent so far.
     pub fn timing(&self) -> Timing {
         self.timing
@@ -217,21 +340,53 @@ impl<'b> Module<'b> {
         }
     }
 
-    /// The scheduler's backends: the runtime device, then the CPU fallback
-    /// (one backend when the runtime device is the CPU).
+    /// The scheduler's backends, in priority order, the CPU last: the
+    /// runtime device then the CPU fallback, or a split's devices; one
+    /// backend when that is the CPU alone.
     fn sched_backends(&self) -> Vec<&'b Backend> {
         let d = self.devices;
-        if same_device(d.runtime, d.cpu) {
-            vec![d.cpu]
-        } else {
-            vec![d.runtime, d.cpu]
+        let mut out: Vec<&'b Backend> = Vec::new();
+        match &self.spread {
+            Spread::Split(shares) => {
+                for s in shares {
+                    if !same_device(s.backend, d.cpu)
+                        && !out.iter().any(|b| same_device(b, s.backend))
+                    {
+                        out.push(s.backend);
+                    }
+                }
+            }
+            _ => {
+                if !same_device(d.runtime, d.cpu) {
+                    out.push(d.runtime);
+                }
+            }
         }
+        out.push(d.cpu);
+        out
+    }
+
+    /// Every backend the module uses (for placeholders of its parts).
+    fn all_backends(&self) -> Vec<&'b Backend> {
+        let mut v = self.sched_backends();
+        if !v.iter().any(|b| same_device(b, self.devices.params)) {
+            v.push(self.devices.params);
+        }
+        v
+    }
+
+    fn new_sched(&self) -> std::result::Result<Sched<'b>, ggml::Error> {
+        let backends = self.sched_backends();
+        // A split runs each op where its weights are; everything else may
+        // stream host weights to the device (only a streamed module has
+        // any: the others use a copy on the runtime device).
+        let offload = !matches!(self.spread, Spread::Split(_));
+        Sched::with_op_offload(&backends, GRAPH_SIZE, offload)
     }
 
     fn scheduler(&mut self) -> Result<&mut Sched<'b>> {
         if self.sched.is_none() {
-            let backends = self.sched_backends();
-            let sched = Sched::new(&backends, GRAPH_SIZE).map_err(|e| {
+            let sched = self.new_sched().map_err(|e| {
                 ModelError::Invalid(format!("{}: scheduler: {e}", self.kind.name()))
             })?;
             self.sched = Some(sched);
@@ -247,58 +402,208 @@ impl<'b> Module<'b> {
     /// Builds a graph with `build` without computing it (weights from the
     /// params device, nothing allocated): checks that every tensor the graph
     /// needs is present and has the shape it needs, before any compute.
+    /// Records the order in which the graph reads the weights (after those
+    /// of earlier graphs).
     pub fn validate<F>(&self, build: F) -> Result<()>
     where
         F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
     {
-        let w = W::new(self.params.map()).with_options(self.opts);
+        let map = self.params.map();
+        let names: HashMap<usize, &str> = map.iter().map(|(n, t)| (t.id(), *n)).collect();
+        let w = W::new(map.clone()).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         let built = build(&ctx, &w)
             .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
-        ctx.graph(built.output, GRAPH_SIZE)?;
+        let graph = ctx.graph(built.output, GRAPH_SIZE)?;
+        let mut order = self.order.borrow_mut();
+        let known: std::collections::HashSet<String> = order.iter().cloned().collect();
+        for t in graph.buffered_leaves_in_order() {
+            if let Some(n) = names.get(&t.id()) {
+                if !known.contains(*n) && !order.iter().any(|o| o == n) {
+                    order.push(n.to_string());
+                }
+            }
+        }
         Ok(())
     }
 
+    /// Every weight name in the order the graphs read them (those no graph
+    /// reads last, by name).
+    pub fn weight_order(&self) -> Vec<String> {
+        let mut order = self.order.borrow().clone();
+        let seen: std::collections::HashSet<&str> = order.iter().map(String::as_str).collect();
+        let mut rest: Vec<String> = self
+            .params
+            .names()
+            .filter(|n| !seen.contains(n))
+            .map(String::from)
+            .collect();
+        rest.sort();
+        order.extend(rest);
+        order
+    }
+
+    /// For a split over `shares`: the index of the share each weight goes
+    /// to. Weights are taken in graph order and cut where the running
+    /// total of bytes crosses each share's part of the whole, so each
+    /// device holds one run of consecutive layers.
+    pub fn split_assignment(&self, shares: &[Share<'_>]) -> HashMap<String, usize> {
+        let map = self.params.map();
+        let order = self.weight_order();
+        let total: u64 = order
+            .iter()
+            .filter_map(|n| map.get(n.as_str()))
+            .map(|t| t.nbytes() as u64)
+            .sum();
+        let weights: u64 = shares.iter().map(|s| s.weight).sum::<u64>().max(1);
+        // Cumulative byte bounds of each share.
+        let mut bounds = Vec::new();
+        let mut acc = 0u64;
+        for s in shares {
+            acc += s.weight;
+            bounds.push((total as u128 * acc as u128 / weights as u128) as u64);
+        }
+        let mut out = HashMap::new();
+        let mut at = 0u64;
+        for n in order {
+            let b = map.get(n.as_str()).map_or(0, |t| t.nbytes() as u64);
+            let mid = at + b / 2;
+            let i = bounds
+                .iter()
+                .position(|&e| mid < e)
+                .unwrap_or(shares.len().saturating_sub(1));
+            out.insert(n, i);
+            at += b;
+        }
+        out
+    }
+
+    /// For a streamed module: the weights kept on the runtime device, the
+    /// longest run from the start of the graph order whose copy fits
+    /// `resident` bytes.
+    fn resident_names(&self, resident: u64) -> Result<Vec<String>> {
+        let order = self.weight_order();
+        if resident == 0 || order.is_empty() {
+            return Ok(Vec::new());
+        }
+        let size = |k: usize| -> Result<u64> {
+            let names: Vec<&str> = order[..k].iter().map(String::as_str).collect();
+            Ok(self
+                .params
+                .subset_placeholders_on(self.devices.runtime, &names)
+                .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?
+                .buffer_bytes())
+        };
+        // The largest prefix that fits (sizes only grow with the prefix).
+        let (mut lo, mut hi) = (0usize, order.len());
+        while lo < hi {
+            let mid = (lo + hi).div_ceil(2);
+            if size(mid)? <= resident {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        Ok(order[..lo].to_vec())
+    }
+
     /// The device memory this module really held so far: its weight
-    /// buffer, its largest runtime copy and compute buffers (as ggml
+    /// buffers, its largest runtime copy and compute buffers (as ggml
     /// allocated them).
     pub fn allocated(&self) -> Allocated {
         Allocated {
-            weights: self.params.buffer_bytes(),
-            ..self.allocated
+            weights: DeviceBytes(self.params.buffer_bytes_by_device()),
+            ..self.allocated.clone()
         }
     }
 
-    /// Bytes a runtime copy of the weights takes on the runtime device
-    /// (computed from the tensors and the device's buffer type, nothing
-    /// allocated); 0 when the weights are used in place.
-    pub fn runtime_copy_bytes(&self) -> Result<u64> {
-        if same_device(self.devices.params, self.devices.runtime) {
-            return Ok(0);
+    /// The weights' buffers by device.
+    pub fn weight_bytes(&self) -> DeviceBytes {
+        DeviceBytes(self.params.buffer_bytes_by_device())
+    }
+
+    /// Bytes the copy of the weights made for a phase takes on the runtime
+    /// device (computed from the tensors and the device's buffer type,
+    /// nothing allocated): the whole module, or a streamed module's
+    /// resident part; empty when the weights are used in place.
+    pub fn runtime_copy_bytes(&self) -> Result<DeviceBytes> {
+        let runtime = self.devices.runtime;
+        let mut out = DeviceBytes::default();
+        let invalid = |e: String| ModelError::Invalid(format!("{}: {e}", self.kind.name()));
+        match &self.spread {
+            Spread::Split(_) => {}
+            Spread::Whole => {
+                if !same_device(self.devices.params, runtime) {
+                    let shadow = self.params.placeholders_on(runtime).map_err(invalid)?;
+                    out.add(&runtime.device().name(), shadow.buffer_bytes());
+                }
+            }
+            Spread::Stream { resident } => {
+                if !same_device(self.devices.params, runtime) {
+                    let names = self.resident_names(*resident)?;
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    let shadow = self
+                        .params
+                        .subset_placeholders_on(runtime, &names)
+                        .map_err(invalid)?;
+                    out.add(&runtime.device().name(), shadow.buffer_bytes());
+                }
+            }
         }
-        let shadow = self
-            .params
-            .placeholders_on(self.devices.runtime)
-            .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
-        Ok(shadow.buffer_bytes())
+        Ok(out)
+    }
+
+    /// The weights as a graph reads them, as placeholders (nothing
+    /// allocated): where they are when the graph runs.
+    fn measuring_weights(&self) -> Result<(ModuleWeights, Option<ModuleWeights>)> {
+        let invalid = |e: String| ModelError::Invalid(format!("{}: measuring: {e}", self.kind.name()));
+        let runtime = self.devices.runtime;
+        match &self.spread {
+            Spread::Whole => Ok((
+                self.params.placeholders_on(runtime).map_err(invalid)?,
+                None,
+            )),
+            Spread::Split(_) => Ok((
+                self.params
+                    .placeholders_in_place(&self.all_backends())
+                    .map_err(invalid)?,
+                None,
+            )),
+            Spread::Stream { resident } => {
+                let base = self
+                    .params
+                    .placeholders_in_place(&self.all_backends())
+                    .map_err(invalid)?;
+                if same_device(self.devices.params, runtime) {
+                    return Ok((base, None));
+                }
+                let names = self.resident_names(*resident)?;
+                let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                let copy = self
+                    .params
+                    .subset_placeholders_on(runtime, &names)
+                    .map_err(invalid)?;
+                Ok((base, Some(copy)))
+            }
+        }
     }
 
     /// Measures a graph built with `build` without computing it: the
-    /// compute-buffer bytes ggml's allocator would take for it on the
-    /// runtime device and the CPU fallback (a dry run of the scheduler, see
-    /// [`Sched::reserve_size`]), with the weights as placeholders on the
-    /// runtime device, as they are when the graph runs.
+    /// compute-buffer bytes ggml's allocator would take for it on each
+    /// device (a dry run of the scheduler, see [`Sched::reserve_size`]),
+    /// with the weights as placeholders where they are when the graph runs.
     pub fn measure<F>(&self, build: F) -> Result<ComputeBytes>
     where
         F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
     {
         let name = self.kind.name();
         let invalid = |e: String| ModelError::Invalid(format!("{name}: measuring: {e}"));
-        let shadow = self
-            .params
-            .placeholders_on(self.devices.runtime)
-            .map_err(invalid)?;
-        let w = W::new(shadow.map()).with_options(self.opts);
+        let (base, copy) = self.measuring_weights()?;
+        let mut map = base.map();
+        if let Some(c) = &copy {
+            map.extend(c.map());
+        }
+        let w = W::new(map).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
         built.output.set_output();
@@ -306,12 +611,43 @@ impl<'b> Module<'b> {
             t.set_input();
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
-        let backends = self.sched_backends();
-        let mut sched = Sched::new(&backends, GRAPH_SIZE).map_err(|e| invalid(e.to_string()))?;
+        let mut sched = self.new_sched().map_err(|e| invalid(e.to_string()))?;
         let sizes = sched
             .reserve_size(&graph)
             .map_err(|e| invalid(e.to_string()))?;
-        Ok(compute_bytes(&sizes))
+        Ok(self.compute_bytes(&sizes))
+    }
+
+    /// Makes the copy of the weights a phase uses on the runtime device, if
+    /// the spread has one and it is not there yet.
+    fn ensure_runtime_copy(&mut self) -> Result<()> {
+        if self.runtime_copy.is_some() || same_device(self.devices.params, self.devices.runtime) {
+            return Ok(());
+        }
+        let names = match &self.spread {
+            Spread::Split(_) => return Ok(()),
+            Spread::Whole => None,
+            Spread::Stream { resident } => Some(self.resident_names(*resident)?),
+        };
+        let name = self.kind.name();
+        let runtime = self.devices.runtime;
+        let t = Instant::now();
+        let copy = match &names {
+            None => self.params.copy_to(runtime),
+            Some(n) => {
+                let n: Vec<&str> = n.iter().map(String::as_str).collect();
+                self.params.copy_subset_to(runtime, &n)
+            }
+        }
+        .map_err(|e| {
+            ModelError::Invalid(format!(
+                "{name}: copying weights to {}: {e}",
+                runtime.name()
+            ))
+        })?;
+        self.runtime_copy = Some(copy);
+        self.timing.weight_copy += t.elapsed();
+        Ok(())
     }
 
     /// Builds a graph with `build`, allocates it, fills its inputs, computes
@@ -322,21 +658,15 @@ impl<'b> Module<'b> {
     {
         let started = Instant::now();
         let name = self.kind.name();
-        if self.runtime_copy.is_none() && !same_device(self.devices.params, self.devices.runtime) {
-            let t = Instant::now();
-            let copy = self.params.copy_to(self.devices.runtime).map_err(|e| {
-                ModelError::Invalid(format!(
-                    "{name}: copying weights to {}: {e}",
-                    self.devices.runtime.name()
-                ))
-            })?;
-            self.runtime_copy = Some(copy);
-            self.timing.weight_copy += t.elapsed();
-        }
+        self.ensure_runtime_copy()?;
         self.scheduler()?;
+        let backends = self.sched_backends();
         let sched = self.sched.as_mut().expect("created above");
-        let weights = self.runtime_copy.as_ref().unwrap_or(&self.params);
-        let w = W::new(weights.map()).with_options(self.opts);
+        let mut map = self.params.map();
+        if let Some(copy) = &self.runtime_copy {
+            map.extend(copy.map());
+        }
+        let w = W::new(map).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
         built.output.set_output();
@@ -354,10 +684,11 @@ impl<'b> Module<'b> {
                 "{name}: allocating the graph on {runtime} failed, most likely not enough memory for this size ({e}; -v shows ggml's reason)"
             ))
         })?;
-        let held = compute_bytes(&sched.buffer_sizes());
-        self.allocated.compute = self.allocated.compute.max(held);
+        let held = per_backend(&backends, &sched.buffer_sizes());
+        self.allocated.compute = self.allocated.compute.max(&held);
         if let Some(copy) = &self.runtime_copy {
-            self.allocated.runtime_copy = self.allocated.runtime_copy.max(copy.buffer_bytes());
+            let c = DeviceBytes(copy.buffer_bytes_by_device());
+            self.allocated.runtime_copy = self.allocated.runtime_copy.max(&c);
         }
         for (t, v) in &built.inputs {
             match v {
@@ -378,21 +709,19 @@ impl<'b> Module<'b> {
         self.timing.compute += started.elapsed();
         Ok(out)
     }
+
+    fn compute_bytes(&self, sizes: &[u64]) -> ComputeBytes {
+        per_backend(&self.sched_backends(), sizes)
+    }
 }
 
-/// Per-backend sizes of a scheduler over `[runtime, cpu]` or `[cpu]`.
-fn compute_bytes(sizes: &[u64]) -> ComputeBytes {
-    match sizes {
-        [runtime, cpu] => ComputeBytes {
-            runtime: *runtime,
-            cpu: *cpu,
-        },
-        [runtime] => ComputeBytes {
-            runtime: *runtime,
-            cpu: 0,
-        },
-        _ => ComputeBytes::default(),
+/// A scheduler's per-backend sizes by device name.
+fn per_backend(backends: &[&Backend], sizes: &[u64]) -> ComputeBytes {
+    let mut out = DeviceBytes::default();
+    for (b, s) in backends.iter().zip(sizes) {
+        out.add(&b.device().name(), *s);
     }
+    out
 }
 
 /// An f32 input tensor of shape `ne` holding `values`.

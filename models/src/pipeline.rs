@@ -33,7 +33,7 @@ use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::lora::{LoraApply, LoraSet, LoraSpec};
-use crate::module::{Devices, Module, Timing, WeightPolicy};
+use crate::module::{Spread, Devices, Module, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
 use crate::sampling::schedule::{denoised, sample, Sampler, Schedule, Scheduler};
 use crate::tiling::{run_tiled, Tiling};
@@ -91,7 +91,7 @@ pub struct Image {
 }
 
 /// Where the three modules go.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Layout<'b> {
     /// Text encoder(s).
     pub te: Devices<'b>,
@@ -99,6 +99,19 @@ pub struct Layout<'b> {
     pub diffusion: Devices<'b>,
     /// VAE.
     pub vae: Devices<'b>,
+    /// How each module's weights are spread (streamed, split).
+    pub spread: Spreads<'b>,
+}
+
+/// Each module's [`Spread`].
+#[derive(Clone, Debug, Default)]
+pub struct Spreads<'b> {
+    /// Text encoder(s).
+    pub te: Spread<'b>,
+    /// UNet.
+    pub diffusion: Spread<'b>,
+    /// VAE.
+    pub vae: Spread<'b>,
 }
 
 /// How to load.
@@ -168,7 +181,8 @@ fn loaded(name: &str, encoder: bool) -> bool {
 
 /// What of a module to load and how: the policy, the VAE encoder too,
 /// LoRAs to merge or add, placeholders only.
-struct How<'l> {
+struct How<'l, 'b> {
+    spread: Spread<'b>,
     policy: WeightPolicy,
     encoder: bool,
     loras: &'l LoraSet,
@@ -180,23 +194,61 @@ fn load_module<'b>(
     kind: ModuleKind,
     prefix: &str,
     devices: Devices<'b>,
-    how: How<'_>,
+    how: How<'_, 'b>,
 ) -> Result<Module<'b>> {
     let How {
+        spread,
         policy,
         encoder,
         loras,
         placeholders,
     } = how;
     let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
-    let weights = if placeholders {
+    // A split module is loaded as placeholders first: its split follows
+    // the order its graphs read the weights, known once they are built
+    // (`split_weights`).
+    let split = matches!(spread, Spread::Split(_));
+    let weights = if placeholders || split {
         ModuleWeights::placeholders(ckpt, prefix, keep, devices.params)
     } else {
         ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras)
     }
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
-    Module::new(kind, weights, devices, policy)
-        .map_err(|e| ModelError::Invalid(format!("{}: {e}", ckpt.path.display())))
+    let mut m = Module::new(kind, weights, devices, policy)
+        .map_err(|e| ModelError::Invalid(format!("{}: {e}", ckpt.path.display())))?;
+    m.set_spread(spread);
+    Ok(m)
+}
+
+/// Loads a split module's weights over its devices, in the order its
+/// validated graphs read them (placeholders stay placeholders).
+fn split_weights(
+    m: &mut Module<'_>,
+    ckpt: &Checkpoint,
+    prefix: &str,
+    encoder: bool,
+    loras: &LoraSet,
+    placeholders: bool,
+) -> Result<()> {
+    let Spread::Split(shares) = m.spread().clone() else {
+        return Ok(());
+    };
+    let assign = m.split_assignment(&shares);
+    let backends: Vec<&ggml::Backend> = shares.iter().map(|s| s.backend).collect();
+    let last = backends.len().saturating_sub(1);
+    let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
+    let w = ModuleWeights::load_split(
+        ckpt,
+        prefix,
+        keep,
+        loras,
+        &backends,
+        |n| assign.get(n).copied().unwrap_or(last),
+        placeholders,
+    )
+    .map_err(|e| ModelError::Invalid(e.to_string()))?;
+    m.replace_params(w);
+    Ok(())
 }
 
 /// The prefix of a VAE's tensors in `ckpt`: the checkpoint layout's, or
@@ -237,6 +289,7 @@ impl<'b> Pipeline<'b> {
             fam.te_prefix,
             layout.te,
             How {
+                spread: layout.spread.te.clone(),
                 policy,
                 encoder: false,
                 loras: &loras,
@@ -249,6 +302,7 @@ impl<'b> Pipeline<'b> {
             UNET_PREFIX,
             layout.diffusion,
             How {
+                spread: layout.spread.diffusion.clone(),
                 policy,
                 encoder: false,
                 loras: &loras,
@@ -265,6 +319,7 @@ impl<'b> Pipeline<'b> {
             vae_prefix(vae_ckpt),
             layout.vae,
             How {
+                spread: layout.spread.vae.clone(),
                 policy,
                 encoder: opts.vae_encoder || inpainting,
                 loras: &LoraSet::default(),
@@ -324,6 +379,17 @@ impl<'b> Pipeline<'b> {
             vae::validate_encoder(&vae)
                 .map_err(|e| ModelError::Invalid(format!("{vae_file}: VAE encoder: {e}")))?;
         }
+        let (mut te, mut unet, mut vae) = (te, unet, vae);
+        split_weights(&mut te, ckpt, fam.te_prefix, false, &loras, opts.placeholders)?;
+        split_weights(&mut unet, ckpt, UNET_PREFIX, false, &loras, opts.placeholders)?;
+        split_weights(
+            &mut vae,
+            vae_ckpt,
+            vae_prefix(vae_ckpt),
+            opts.vae_encoder || inpainting,
+            &LoraSet::default(),
+            opts.placeholders,
+        )?;
         if inpainting {
             let z = vae_latent_channels(&vae, taesd)?;
             if unet_cfg.in_channels != 2 * unet_cfg.out_channels + 1 || z != unet_cfg.out_channels {

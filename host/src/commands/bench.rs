@@ -432,7 +432,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
 
     let tiling = a.sample.vae_tiling()?;
     let t = Instant::now();
-    let mut sd = Pipeline::load(&ckpt, layout, a.sample.load_options(vae.as_ref()))
+    let mut sd = Pipeline::load(&ckpt, layout.clone(), a.sample.load_options(vae.as_ref()))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
     sd.set_vae_tiling(tiling);
     let load_s = t.elapsed().as_secs_f64();

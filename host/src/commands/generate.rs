@@ -14,8 +14,8 @@ use crate::term;
 use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
 use sdhost_models::blocks::nn::ModelError;
-use sdhost_models::module::Devices;
-use sdhost_models::pipeline::{Image, Init, Layout, Pipeline, Request};
+use sdhost_models::module::{Devices, Share, Spread};
+use sdhost_models::pipeline::{Image, Init, Layout, Pipeline, Request, Spreads};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -58,7 +58,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         tiling,
     };
     crate::memory::check_budgets(session, &manager, &placement, &measure, &args.memory)?;
-    let mut sd = Pipeline::load(&ckpt, layout, opts)?;
+    let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)?;
     sd.set_vae_tiling(tiling);
     if let (Some(t), false) = (&args.sample.taesd, sd.vae_is_taesd()) {
         return Err(anyhow!(
@@ -262,10 +262,33 @@ pub fn layout<'m>(
             cpu,
         })
     };
+    let spread = |m: Place| -> anyhow::Result<Spread<'m>> {
+        if let Some(list) = placement.split.get(&m) {
+            let shares = list
+                .iter()
+                .map(|(d, share)| {
+                    Ok(Share {
+                        backend: manager.get(d)?,
+                        weight: share.unwrap_or(1),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            return Ok(Spread::Split(shares));
+        }
+        Ok(match placement.stream.get(&m) {
+            Some(&resident) => Spread::Stream { resident },
+            None => Spread::Whole,
+        })
+    };
     Ok(Layout {
         te: devices(Place::Te)?,
         diffusion: devices(Place::Diffusion)?,
         vae: devices(Place::Vae)?,
+        spread: Spreads {
+            te: spread(Place::Te)?,
+            diffusion: spread(Place::Diffusion)?,
+            vae: spread(Place::Vae)?,
+        },
     })
 }
 

@@ -125,10 +125,11 @@ pub struct PlanDevice {
 pub struct PlanModuleMemory {
     /// Module name.
     pub module: &'static str,
-    /// Weight buffer on the params device.
-    pub weights: u64,
-    /// Copy on the runtime device during its phases (0: used in place).
-    pub runtime_copy: u64,
+    /// Weight buffers by device (the params device, or a split's).
+    pub weights: BTreeMap<String, u64>,
+    /// Copy on the runtime device during its phases (the whole module, or a
+    /// streamed module's resident part; empty: used in place).
+    pub runtime_copy: BTreeMap<String, u64>,
     /// Compute buffers per phase.
     pub compute: Vec<PlanCompute>,
 }
@@ -138,10 +139,10 @@ pub struct PlanModuleMemory {
 pub struct PlanCompute {
     /// The phase.
     pub phase: &'static str,
-    /// On the runtime device.
-    pub runtime: u64,
-    /// On the CPU, for ops the runtime device lacks (0 when it is the CPU).
-    pub cpu: u64,
+    /// By device: the runtime device, the CPU for ops the runtime device
+    /// lacks (or ops left there with their streamed weights), a split's
+    /// devices.
+    pub devices: BTreeMap<String, u64>,
 }
 
 /// What was measured.
@@ -275,15 +276,14 @@ impl PlanReport {
                     .iter()
                     .map(|mm| PlanModuleMemory {
                         module: mm.module.name(),
-                        weights: mm.weights,
-                        runtime_copy: mm.runtime_copy,
+                        weights: mm.weights.0.iter().cloned().collect(),
+                        runtime_copy: mm.runtime_copy.0.iter().cloned().collect(),
                         compute: mm
                             .phases
                             .iter()
                             .map(|(ph, c)| PlanCompute {
                                 phase: ph.name(),
-                                runtime: c.runtime,
-                                cpu: c.cpu,
+                                devices: c.0.iter().cloned().collect(),
                             })
                             .collect(),
                     })

@@ -212,7 +212,7 @@ impl<'m> Worker<'_, 'm> {
             placeholders: false,
         };
         let started = std::time::Instant::now();
-        let mut sd = Pipeline::load(&ckpt, self.layout, opts)
+        let mut sd = Pipeline::load(&ckpt, self.layout.clone(), opts)
             .with_context(|| entry.path.display().to_string())?;
         sd.set_vae_tiling(a.vae_tiling()?);
         let flash = generate::apply_flash_attn(&mut sd, &self.layout, a.flash_attn);

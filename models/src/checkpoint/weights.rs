@@ -9,6 +9,13 @@
 //! ggml order. LoRAs ([`crate::lora`]) are merged into a tensor's host data
 //! between the read and the upload, and their graph-mode tensors are
 //! uploaded into the same buffer ([`ModuleWeights::load_patched`]).
+//!
+//! A module's weights may also be spread over several devices, one buffer
+//! each ([`ModuleWeights::load_split`], a layer split), and a subset may be
+//! copied to another device ([`ModuleWeights::copy_subset_to`], the resident
+//! part of a streamed module). Every weight buffer is marked as holding
+//! weights, which is how ggml's scheduler knows to run an op where its
+//! weights are, or to stream them to a device that asks for the op.
 
 use crate::checkpoint::{Checkpoint, TensorEntry};
 use crate::lora::LoraSet;
@@ -48,13 +55,22 @@ pub enum WeightsError {
     },
 }
 
-/// One module's weights on one backend.
+/// One module's weights: one buffer per device they are on (one, unless
+/// split).
 pub struct ModuleWeights {
+    parts: Vec<Part>,
+    /// Name → (part, index in the part's context).
+    index: HashMap<String, (usize, usize)>,
+    bytes: u64,
+}
+
+/// The tensors on one device.
+struct Part {
     ctx: Context,
     /// `None` for placeholders ([`ModuleWeights::placeholders`]).
-    _buffer: Option<Buffer>,
-    index: HashMap<String, usize>,
-    bytes: u64,
+    buffer: Option<Buffer>,
+    /// The device's name.
+    device: String,
     /// Bytes of the device buffer (allocated, or for placeholders the size
     /// one would have).
     buffer_bytes: u64,
@@ -150,7 +166,13 @@ impl ModuleWeights {
             file: file.clone(),
             reason,
         };
-        let extra = loras.graph_tensors(prefix);
+        // LoRA graph-mode tensors go where `keep` puts their names (one
+        // part of a split module, the only part otherwise).
+        let extra: Vec<_> = loras
+            .graph_tensors(prefix)
+            .into_iter()
+            .filter(|(name, _, _)| keep(&format!("{prefix}{name}")))
+            .collect();
         let ctx = Context::new(entries.len() + extra.len(), 0).map_err(|e| other(e.to_string()))?;
         let mut index = HashMap::new();
         for (i, t) in entries.iter().enumerate() {
@@ -197,21 +219,26 @@ impl ModuleWeights {
             tensor.set_name(name);
             index.insert(name.clone(), entries.len() + i);
         }
+        let index = index.into_iter().map(|(k, i)| (k, (0, i))).collect();
+        let device = backend.device().name();
         if placeholders {
             let buffer_bytes = ctx.alloc_size(backend);
             let mut ctx = ctx;
             ctx.place_unallocated(backend)
                 .map_err(|e| other(e.to_string()))?;
             return Ok(ModuleWeights {
-                ctx,
-                _buffer: None,
+                parts: vec![Part {
+                    ctx,
+                    buffer: None,
+                    device,
+                    buffer_bytes,
+                }],
                 index,
                 bytes: entries.iter().map(|t| t.bytes).sum(),
-                buffer_bytes,
             });
         }
         let buffer = ctx
-            .alloc_tensors(backend)
+            .alloc_weights(backend, false)
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
         let f = std::fs::File::open(&file).map_err(|e| other(e.to_string()))?;
         let tensors = ctx.tensors();
@@ -255,19 +282,70 @@ impl ModuleWeights {
         drop(tensors);
         let buffer_bytes = buffer.size() as u64;
         Ok(ModuleWeights {
-            ctx,
-            _buffer: Some(buffer),
+            parts: vec![Part {
+                ctx,
+                buffer: Some(buffer),
+                device,
+                buffer_bytes,
+            }],
             index,
             bytes,
-            buffer_bytes,
+        })
+    }
+
+    /// [`ModuleWeights::load_patched`] spread over several devices: tensor
+    /// `name` (without the prefix) goes to `backends[assign(name)]`, one
+    /// buffer per device (placeholders when `placeholders`). A device that
+    /// gets no tensor gets no buffer.
+    pub fn load_split(
+        ckpt: &Checkpoint,
+        prefix: &str,
+        keep: impl Fn(&str) -> bool,
+        loras: &LoraSet,
+        backends: &[&Backend],
+        assign: impl Fn(&str) -> usize,
+        placeholders: bool,
+    ) -> Result<ModuleWeights, WeightsError> {
+        let mut parts = Vec::new();
+        let mut index = HashMap::new();
+        let mut bytes = 0;
+        for (i, b) in backends.iter().enumerate() {
+            let mine = |name: &str| {
+                keep(name) && name.starts_with(prefix) && assign(&name[prefix.len()..]) == i
+            };
+            if !ckpt
+                .tensors
+                .iter()
+                .any(|t| t.name.starts_with(prefix) && mine(&t.name))
+            {
+                continue;
+            }
+            let w = ModuleWeights::create(ckpt, prefix, mine, b, loras, placeholders)?;
+            let at = parts.len();
+            for (name, (_, j)) in w.index {
+                index.insert(name, (at, j));
+            }
+            bytes += w.bytes;
+            parts.extend(w.parts);
+        }
+        if parts.is_empty() {
+            return Err(WeightsError::NoTensors {
+                file: ckpt.path.clone(),
+                prefix: prefix.to_string(),
+            });
+        }
+        Ok(ModuleWeights {
+            parts,
+            index,
+            bytes,
         })
     }
 
     /// A tensor by name (without the module prefix). Walks the module's
     /// tensors; to look up many, take [`ModuleWeights::map`] once.
     pub fn get(&self, name: &str) -> Option<Tensor<'_>> {
-        let i = *self.index.get(name)?;
-        self.ctx.tensors().into_iter().nth(i)
+        let (p, i) = *self.index.get(name)?;
+        self.parts[p].ctx.tensors().into_iter().nth(i)
     }
 
     /// Whether tensor `name` (without the module prefix) is loaded.
@@ -277,10 +355,10 @@ impl ModuleWeights {
 
     /// Every tensor by name (without the module's prefix).
     pub fn map(&self) -> HashMap<&str, Tensor<'_>> {
-        let tensors = self.ctx.tensors();
+        let tensors: Vec<Vec<Tensor<'_>>> = self.parts.iter().map(|p| p.ctx.tensors()).collect();
         self.index
             .iter()
-            .map(|(name, &i)| (name.as_str(), tensors[i]))
+            .map(|(name, &(p, i))| (name.as_str(), tensors[p][i]))
             .collect()
     }
 
@@ -289,19 +367,57 @@ impl ModuleWeights {
         self.index.keys().map(String::as_str)
     }
 
-    /// A context holding a metadata-only copy of every tensor (same order,
-    /// shapes and types), nothing allocated.
-    fn shapes(&self) -> Result<Context, String> {
-        let src = self.ctx.tensors();
-        let ctx = Context::new(src.len(), 0).map_err(|e| e.to_string())?;
-        for t in &src {
+    /// A context holding a metadata-only copy of the tensors named in
+    /// `names` (all of them for `None`), in that order, nothing allocated;
+    /// and the copied names.
+    fn shapes(&self, names: Option<&[&str]>) -> Result<(Context, Vec<String>), String> {
+        let map = self.map();
+        let mut list: Vec<&str> = match names {
+            Some(n) => n.to_vec(),
+            None => self.names().collect(),
+        };
+        list.sort_unstable();
+        list.dedup();
+        let ctx = Context::new(list.len().max(1), 0).map_err(|e| e.to_string())?;
+        let mut out = Vec::with_capacity(list.len());
+        for name in list {
+            let t = map
+                .get(name)
+                .ok_or_else(|| format!("no tensor {name} to copy"))?;
             let ne = t.ne();
             let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
             let ty = Type::from_name(&t.type_name())
                 .ok_or_else(|| format!("tensor type {} cannot be copied", t.type_name()))?;
-            ctx.new_tensor(ty, &ne[..dims]).map_err(|e| e.to_string())?;
+            let c = ctx.new_tensor(ty, &ne[..dims]).map_err(|e| e.to_string())?;
+            c.set_name(name);
+            out.push(name.to_string());
         }
-        Ok(ctx)
+        Ok((ctx, out))
+    }
+
+    /// Placeholders for `names` (all for `None`) on `backend`.
+    fn placeholder_part(
+        &self,
+        backend: &Backend,
+        names: Option<&[&str]>,
+    ) -> Result<ModuleWeights, String> {
+        let (mut ctx, list) = self.shapes(names)?;
+        let buffer_bytes = if list.is_empty() {
+            0
+        } else {
+            ctx.alloc_size(backend)
+        };
+        ctx.place_unallocated(backend).map_err(|e| e.to_string())?;
+        Ok(ModuleWeights {
+            bytes: list.iter().filter_map(|n| self.get(n)).map(|t| t.nbytes() as u64).sum(),
+            index: list.into_iter().enumerate().map(|(i, n)| (n, (0, i))).collect(),
+            parts: vec![Part {
+                ctx,
+                buffer: None,
+                device: backend.device().name(),
+                buffer_bytes,
+            }],
+        })
     }
 
     /// The same tensors as placeholders on `backend` (no memory; see
@@ -309,37 +425,88 @@ impl ModuleWeights {
     /// weights lived there; [`ModuleWeights::buffer_bytes`] is what
     /// [`ModuleWeights::copy_to`] that backend would allocate.
     pub fn placeholders_on(&self, backend: &Backend) -> Result<ModuleWeights, String> {
-        let mut ctx = self.shapes()?;
-        let buffer_bytes = ctx.alloc_size(backend);
-        ctx.place_unallocated(backend).map_err(|e| e.to_string())?;
+        self.placeholder_part(backend, None)
+    }
+
+    /// Placeholders of `names` on `backend`: what
+    /// [`ModuleWeights::copy_subset_to`] would hold.
+    pub fn subset_placeholders_on(
+        &self,
+        backend: &Backend,
+        names: &[&str],
+    ) -> Result<ModuleWeights, String> {
+        self.placeholder_part(backend, Some(names))
+    }
+
+    /// The same tensors, each as a placeholder on the device of its part
+    /// (`backends` holds every part's device): the layout measured as it
+    /// is, with nothing allocated.
+    pub fn placeholders_in_place(&self, backends: &[&Backend]) -> Result<ModuleWeights, String> {
+        let mut parts = Vec::new();
+        let mut index = HashMap::new();
+        for part in &self.parts {
+            let b = backends
+                .iter()
+                .find(|b| b.device().name() == part.device)
+                .ok_or_else(|| format!("no backend for device {}", part.device))?;
+            let names: Vec<&str> = self
+                .index
+                .iter()
+                .filter(|(_, (p, _))| std::ptr::eq(&self.parts[*p], part))
+                .map(|(n, _)| n.as_str())
+                .collect();
+            let w = self.placeholder_part(b, Some(&names))?;
+            let at = parts.len();
+            for (name, (_, j)) in w.index {
+                index.insert(name, (at, j));
+            }
+            parts.extend(w.parts);
+        }
         Ok(ModuleWeights {
-            ctx,
-            _buffer: None,
-            index: self.index.clone(),
+            parts,
+            index,
             bytes: self.bytes,
-            buffer_bytes,
         })
     }
 
     /// A copy of every tensor in one buffer of `backend` (device to device
     /// where the backends allow it, else through host memory).
     pub fn copy_to(&self, backend: &Backend) -> Result<ModuleWeights, String> {
-        let src = self.ctx.tensors();
-        let ctx = self.shapes()?;
+        self.copy_part(backend, None)
+    }
+
+    /// A copy of the tensors named in `names` in one buffer of `backend`.
+    pub fn copy_subset_to(
+        &self,
+        backend: &Backend,
+        names: &[&str],
+    ) -> Result<ModuleWeights, String> {
+        self.copy_part(backend, Some(names))
+    }
+
+    fn copy_part(&self, backend: &Backend, names: Option<&[&str]>) -> Result<ModuleWeights, String> {
+        let (ctx, list) = self.shapes(names)?;
         let buffer = ctx
-            .alloc_tensors(backend)
+            .alloc_weights(backend, false)
             .map_err(|e| format!("allocating weights on {}: {e}", backend.name()))?;
-        for (dst, s) in ctx.tensors().iter().zip(&src) {
+        let map = self.map();
+        let mut bytes = 0;
+        for (dst, name) in ctx.tensors().iter().zip(&list) {
+            let s = map.get(name.as_str()).ok_or("a copied tensor vanished")?;
             dst.copy_from(s).map_err(|e| e.to_string())?;
+            bytes += s.nbytes() as u64;
         }
-        drop(src);
+        drop(map);
         let buffer_bytes = buffer.size() as u64;
         Ok(ModuleWeights {
-            ctx,
-            _buffer: Some(buffer),
-            index: self.index.clone(),
-            bytes: self.bytes,
-            buffer_bytes,
+            index: list.into_iter().enumerate().map(|(i, n)| (n, (0, i))).collect(),
+            parts: vec![Part {
+                ctx,
+                buffer: Some(buffer),
+                device: backend.device().name(),
+                buffer_bytes,
+            }],
+            bytes,
         })
     }
 
@@ -358,15 +525,30 @@ impl ModuleWeights {
         self.bytes
     }
 
-    /// Bytes of the device buffer holding the weights (alignment and
-    /// widened vectors included): what the params device really holds, or
+    /// Bytes of the device buffers holding the weights (alignment and
+    /// widened vectors included): what the params devices really hold, or
     /// for placeholders what loading would allocate.
     pub fn buffer_bytes(&self) -> u64 {
-        self.buffer_bytes
+        self.parts.iter().map(|p| p.buffer_bytes).sum()
+    }
+
+    /// [`ModuleWeights::buffer_bytes`] by device name, in part order.
+    pub fn buffer_bytes_by_device(&self) -> Vec<(String, u64)> {
+        self.parts
+            .iter()
+            .map(|p| (p.device.clone(), p.buffer_bytes))
+            .collect()
+    }
+
+    /// The device (name) a tensor is on.
+    pub fn device_of(&self, name: &str) -> Option<&str> {
+        self.index
+            .get(name)
+            .map(|&(p, _)| self.parts[p].device.as_str())
     }
 
     /// Whether these are placeholders (no data; measurement only).
     pub fn is_placeholder(&self) -> bool {
-        self._buffer.is_none()
+        self.parts.iter().all(|p| p.buffer.is_none())
     }
 }
