@@ -542,6 +542,21 @@ pub struct MemoryArgs {
     /// Memory kept free on every device (default: 256M on GPUs, 0 on the CPU)
     #[arg(long = "memory-reserve", value_name = "SIZE", allow_hyphen_values = true, value_parser = crate::memory::parse_size)]
     pub memory_reserve: Option<u64>,
+
+    /// Fit the placement to the budgets: time-share, stream weights, tile
+    /// the VAE, move modules you did not place (default on; also `fit` in
+    /// the config file)
+    #[arg(long = "fit", value_name = "on|off", value_parser = parse_on_off)]
+    pub fit: Option<bool>,
+}
+
+/// `on`/`off` (also true/false, yes/no, 1/0).
+fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("expected on or off, not {s:?}")),
+    }
 }
 
 impl MemoryArgs {

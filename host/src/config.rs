@@ -35,6 +35,8 @@ pub struct Config {
     pub max_vram: Option<String>,
     /// Default for `--memory-reserve` (`"512M"`).
     pub memory_reserve: Option<String>,
+    /// Default for `--fit` (`true` = on).
+    pub fit: Option<bool>,
 }
 
 impl Config {

@@ -20,6 +20,7 @@ pub mod discovery;
 pub mod image_io;
 pub mod lora;
 pub mod manager;
+pub mod fit;
 pub mod memory;
 pub mod output;
 pub mod packages;

@@ -300,14 +300,8 @@ pub fn overruns(usage: &Usage, budgets: &Budgets) -> Vec<(String, Phase, u64, u6
     out
 }
 
-/// The one-line refusal for `overruns` (empty: none), with what to try
-/// until automatic fit exists: a smaller size; `--params-backend cpu` where
-/// an over-budget device that is not the CPU holds some module's weights;
-/// `--vae-tiling` where decoding or encoding is over.
-pub fn refusal(overruns: &[(String, Phase, u64, u64)], placement: &Placement) -> Option<String> {
-    if overruns.is_empty() {
-        return None;
-    }
+/// `overruns` as `dev: phase needs X, budget Y; …`.
+pub fn human_overruns(overruns: &[(String, Phase, u64, u64)]) -> String {
     let parts: Vec<String> = overruns
         .iter()
         .map(|(d, p, need, budget)| {
@@ -319,6 +313,18 @@ pub fn refusal(overruns: &[(String, Phase, u64, u64)], placement: &Placement) ->
             )
         })
         .collect();
+    parts.join("; ")
+}
+
+/// The one-line refusal for `overruns` (empty: none), with what to try
+/// until automatic fit exists: a smaller size; `--params-backend cpu` where
+/// an over-budget device that is not the CPU holds some module's weights;
+/// `--vae-tiling` where decoding or encoding is over.
+pub fn refusal(overruns: &[(String, Phase, u64, u64)], placement: &Placement) -> Option<String> {
+    if overruns.is_empty() {
+        return None;
+    }
+    let parts = human_overruns(overruns);
     let mut tries = vec!["a smaller -W/-H"];
     let holds_weights = |d: &str| placement.params.values().any(|p| p == d);
     if overruns
@@ -334,13 +340,13 @@ pub fn refusal(overruns: &[(String, Phase, u64, u64)], placement: &Placement) ->
         tries.push("--vae-tiling");
     }
     Some(format!(
-        "{}; not enough memory for this placement (automatic fit is not implemented yet): try {}, or a larger --max-memory",
-        parts.join("; "),
+        "{parts}; not enough memory for this placement: try {}, or a larger --max-memory",
         tries.join(", ")
     ))
 }
 
 /// What to measure: a checkpoint at a size, as `generate` would run it.
+#[derive(Clone)]
 pub struct Measure<'a> {
     /// The checkpoint.
     pub ckpt: &'a Checkpoint,
@@ -428,26 +434,25 @@ pub fn measure(
     })
 }
 
-/// `generate`'s check before loading: measures the placement at the
-/// request's size and refuses, in one line, any device whose need at some
-/// phase exceeds its budget.
-pub fn check_budgets(
+/// `generate`'s step before loading: measures the placement at the
+/// request's size and fits it to the budgets ([`crate::fit`]; with
+/// `--fit off` only refuses, in one line, a device over its budget).
+pub fn fit_placement(
     session: &Session,
     manager: &BackendManager<'_>,
-    placement: &Placement,
+    placement: Placement,
     m: &Measure<'_>,
     flags: &crate::cli::MemoryArgs,
-) -> anyhow::Result<()> {
+    what: &str,
+) -> anyhow::Result<crate::fit::Fitted> {
     let settings = session_settings(session, flags)?;
     let budgets = Budgets::new(&session.registry, &settings)?;
-    let measured = measure(session, manager, placement, m, "generate")?;
-    for (dev, per) in &measured.usage.devices {
+    let on = flags.fit.or(session.config.fit).unwrap_or(true);
+    let fitted = crate::fit::fit(session, manager, placement, m, &budgets, on, what)?;
+    for (dev, per) in &fitted.measured.usage.devices {
         tracing::debug!("memory on {dev}: {per:?} (budget {:?})", budgets.0.get(dev));
     }
-    match refusal(&overruns(&measured.usage, &budgets), placement) {
-        Some(line) => Err(anyhow::anyhow!(line)),
-        None => Ok(()),
-    }
+    Ok(fitted)
 }
 
 /// The flags over the config file's memory settings.

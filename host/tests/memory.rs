@@ -11,14 +11,12 @@ use common::*;
 use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::memory::{account, Usage};
-use sdhost::placement::Placement;
 use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
 use sdhost_models::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
 use sdhost_models::module::{Devices, WeightPolicy};
 use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Scheduler};
-use sdhost_models::ModuleKind;
 
 fn request(width: usize, height: usize) -> Request {
     Request {
@@ -36,20 +34,6 @@ fn request(width: usize, height: usize) -> Request {
     }
 }
 
-fn placement(runtime: &str, params: &str) -> Placement {
-    let all = |d: &str| {
-        [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
-            .into_iter()
-            .map(|m| (m, d.to_string()))
-            .collect()
-    };
-    Placement {
-        runtime: all(runtime),
-        params: all(params),
-        notes: vec![],
-    }
-}
-
 /// A plan from what the pipeline's modules really allocated: each
 /// module's largest compute buffers stand for each of its phases.
 fn actual_plan(sd: &Pipeline<'_>, predicted: &MemoryPlan) -> MemoryPlan {
@@ -62,7 +46,11 @@ fn actual_plan(sd: &Pipeline<'_>, predicted: &MemoryPlan) -> MemoryPlan {
                 module: m.kind(),
                 weights: a.weights,
                 runtime_copy: a.runtime_copy,
-                phases: p.phases.iter().map(|(ph, _)| (*ph, a.compute)).collect(),
+                phases: p
+                    .phases
+                    .iter()
+                    .map(|(ph, _)| (*ph, a.compute.clone()))
+                    .collect(),
             }
         })
         .collect();
@@ -115,6 +103,7 @@ fn prediction_matches(
         te: d,
         diffusion: d,
         vae: d,
+        spread: Default::default(),
     };
     let ckpt = checkpoint::scan(&fixture(fixture_name)).unwrap();
     let vae = vae.map(|v| checkpoint::scan(&fixture(v)).unwrap());
@@ -131,7 +120,7 @@ fn prediction_matches(
         vae: vae.as_ref(),
         ..LoadOptions::default()
     };
-    let dry = Pipeline::load(&ckpt, layout, opts)
+    let dry = Pipeline::load(&ckpt, layout.clone(), opts)
         .unwrap()
         .memory_plan(&req)
         .unwrap();
@@ -161,10 +150,10 @@ fn prediction_matches(
         let vae = &mut dry.modules[2];
         let most = vae.phases.iter().fold(
             sdhost_models::module::ComputeBytes::default(),
-            |a, (_, c)| a.max(*c),
+            |a, (_, c)| a.max(c),
         );
         for (_, c) in &mut vae.phases {
-            *c = most;
+            *c = most.clone();
         }
     }
     let real = actual_plan(&sd, &dry);
@@ -172,32 +161,33 @@ fn prediction_matches(
     for (p, a) in dry.modules.iter().zip(&real.modules) {
         let name = format!("{tag}: {}", p.module);
         assert_eq!(p.weights, a.weights, "{name}: weights");
-        assert!(a.weights > 0, "{name}");
+        assert!(a.weights.total() > 0, "{name}");
+        assert_eq!(
+            p.runtime_copy.devices().collect::<Vec<_>>(),
+            a.runtime_copy.devices().collect::<Vec<_>>(),
+            "{name}: runtime copy devices"
+        );
         within(
             &format!("{name}: runtime copy"),
-            p.runtime_copy,
-            a.runtime_copy,
+            p.runtime_copy.total(),
+            a.runtime_copy.total(),
         );
-        assert_eq!(p.runtime_copy == 0, runtime == params, "{name}");
+        assert_eq!(p.runtime_copy.total() == 0, runtime == params, "{name}");
         for ((phase, c), (_, ac)) in p.phases.iter().zip(&a.phases) {
-            assert!(ac.runtime > 0, "{name}: nothing allocated?");
-            within(
-                &format!("{name}: {} compute on {runtime}", phase.name()),
-                c.runtime,
-                ac.runtime,
-            );
-            within(
-                &format!("{name}: {} compute on cpu", phase.name()),
-                c.cpu,
-                ac.cpu,
-            );
+            assert!(ac.get(runtime) > 0, "{name}: nothing allocated?");
+            for dev in c.devices().chain(ac.devices()) {
+                within(
+                    &format!("{name}: {} compute on {dev}", phase.name()),
+                    c.get(dev),
+                    ac.get(dev),
+                );
+            }
         }
     }
     // Per device and phase, as `plan` shows it.
     for policy in WeightPolicy::ALL {
-        let pl = placement(runtime, params);
-        let want: Usage = account(&dry, &pl, "cpu", policy);
-        let got: Usage = account(&real, &pl, "cpu", policy);
+        let want: Usage = account(&dry, policy);
+        let got: Usage = account(&real, policy);
         let mut phases = vec![Phase::TextEncoding, Phase::Sampling, Phase::Decoding];
         if img2img {
             phases.insert(1, Phase::Encoding);
@@ -349,8 +339,8 @@ fn the_measurement_grows_with_the_size_and_img2img_adds_an_encode_phase() {
             .unwrap()
         };
         let (small, large) = (at(64, 2, false), at(256, 2, false));
-        let sampling = |p: &MemoryPlan| p.modules[1].phases[0].1.runtime;
-        let decode = |p: &MemoryPlan| p.modules[2].phases.last().unwrap().1.runtime;
+        let sampling = |p: &MemoryPlan| p.modules[1].phases[0].1.total();
+        let decode = |p: &MemoryPlan| p.modules[2].phases.last().unwrap().1.total();
         assert!(sampling(&large) > sampling(&small));
         assert!(decode(&large) > 3 * decode(&small));
         assert!(sampling(&at(64, 1, false)) < sampling(&small));
@@ -607,6 +597,7 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
         te: d,
         diffusion: d,
         vae: d,
+        spread: Default::default(),
     };
     let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
     let req = MemoryRequest {
@@ -617,18 +608,18 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
         encode: false,
     };
     let mut sd = Pipeline::load(&ckpt, layout, LoadOptions::default()).unwrap();
-    let decode = |p: &MemoryPlan| p.modules[2].phases[0].1;
+    let decode = |p: &MemoryPlan| p.modules[2].phases[0].1.get("cpu");
     let whole = decode(&sd.memory_plan(&req).unwrap());
     sd.set_vae_tiling(Some(Tiling::new(8, 2).unwrap()));
     let tiled = decode(&sd.memory_plan(&req).unwrap());
-    assert!(tiled.runtime * 3 < whole.runtime, "{tiled:?} vs {whole:?}");
+    assert!(tiled * 3 < whole, "{tiled:?} vs {whole:?}");
     // What decoding in 8x8-cell tiles really allocates.
     sd.generate(&request(256, 128), None, &mut |_, _| {}, &|| false)
         .unwrap();
     within(
         "tiled decode",
-        tiled.runtime,
-        sd.vae.allocated().compute.runtime,
+        tiled,
+        sd.vae.allocated().compute.get("cpu"),
     );
 
     // The CLI: a budget between the two fits only with --vae-tiling.

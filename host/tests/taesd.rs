@@ -87,6 +87,7 @@ fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
         te: d,
         diffusion: d,
         vae: d,
+        spread: Default::default(),
     };
     let opts = LoadOptions {
         vae: Some(&tae),

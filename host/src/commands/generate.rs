@@ -38,7 +38,6 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let manager =
         BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
     let loras = crate::lora::resolve(&args.lora, &args.prompt)?;
-    let layout = layout(session, &manager, &placement, "generate")?;
     let loading = Instant::now();
     let mut opts = args.sample.load_options(vae.as_ref());
     opts.vae_encoder = init.is_some();
@@ -57,7 +56,17 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         flash: args.sample.flash_attn,
         tiling,
     };
-    crate::memory::check_budgets(session, &manager, &placement, &measure, &args.memory)?;
+    let fitted = crate::memory::fit_placement(
+        session,
+        &manager,
+        placement,
+        &measure,
+        &args.memory,
+        "generate",
+    )?;
+    tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
+    let (placement, tiling) = (fitted.placement, fitted.tiling);
+    let layout = layout(session, &manager, &placement, "generate")?;
     let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)?;
     sd.set_vae_tiling(tiling);
     if let (Some(t), false) = (&args.sample.taesd, sd.vae_is_taesd()) {

@@ -35,7 +35,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     } else {
         None
     };
-    let measured = match &model {
+    let fitted = match &model {
         Some(ckpt) => {
             let m = Measure {
                 ckpt,
@@ -49,24 +49,47 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 flash: FlashAttn::Auto,
                 tiling,
             };
-            match crate::memory::measure(session, &manager, &placement, &m, "plan") {
-                Ok(m) => Some(m),
-                // A checkpoint sdhost cannot run still has weights to list.
+            match crate::memory::fit_placement(
+                session,
+                &manager,
+                placement.clone(),
+                &m,
+                &args.memory,
+                "plan",
+            ) {
+                Ok(f) => Some(f),
                 Err(e) => {
-                    tracing::warn!("memory not measured: {e:#}");
-                    None
+                    // Over budget even fitted, or a checkpoint sdhost
+                    // cannot run: show the placement as resolved.
+                    tracing::warn!("{e:#}");
+                    match crate::memory::measure(session, &manager, &placement, &m, "plan") {
+                        Ok(measured) => Some(crate::fit::Fitted {
+                            placement: placement.clone(),
+                            tiling,
+                            choices: Vec::new(),
+                            measured,
+                        }),
+                        Err(e) => {
+                            tracing::warn!("memory not measured: {e:#}");
+                            None
+                        }
+                    }
                 }
             }
         }
         None => None,
     };
-    let report = PlanReport::new(
-        &placement,
+    let shown = fitted.as_ref().map_or(&placement, |f| &f.placement);
+    let mut report = PlanReport::new(
+        shown,
         model.as_ref(),
-        measured.as_ref(),
+        fitted.as_ref().map(|f| &f.measured),
         &budgets,
         args.phase_memory,
     );
+    if let Some(f) = &fitted {
+        report.fit = f.choices.clone();
+    }
     for w in &report.warnings {
         tracing::warn!("{w}");
     }
@@ -173,6 +196,8 @@ pub struct PlanReport {
     pub warnings: Vec<String>,
     /// The resolver's notes (printed as warnings once, by the resolver).
     pub notes: Vec<String>,
+    /// What automatic fit chose for each module, and why (with `-m`).
+    pub fit: Vec<crate::fit::Choice>,
 }
 
 impl PlanReport {
@@ -296,6 +321,7 @@ impl PlanReport {
             memory,
             warnings,
             notes: p.notes.clone(),
+            fit: Vec::new(),
         }
     }
 }
@@ -319,6 +345,10 @@ impl Report for PlanReport {
         } else {
             table(&["MODULE", "RUNTIME", "PARAMS"], &rows)
         };
+        if !self.fit.is_empty() {
+            out.push_str("\nfit:\n");
+            out.push_str(&crate::fit::table(&self.fit));
+        }
         if self.devices.is_empty() {
             return out;
         }

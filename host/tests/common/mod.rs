@@ -405,6 +405,7 @@ pub fn with_pipeline_on<R>(
         te: d,
         diffusion: d,
         vae: d,
+        spread: Default::default(),
     };
     let ckpt = sdhost_models::checkpoint::scan(ckpt).unwrap();
     let mut sd = sdhost_models::pipeline::Pipeline::load(&ckpt, layout, opts).unwrap();

@@ -1,0 +1,406 @@
+//! Automatic fit (`--fit on`, the default): makes a placement fit the
+//! devices' memory budgets, deciding only what the user left open.
+//!
+//! The resolver ([`crate::placement`]) has already put every module on a
+//! device (the user's choice, else the best device by type and memory).
+//! Fit measures that placement at the request's size (a dry run on
+//! placeholder weights, [`crate::memory::measure`]) and, while some device
+//! is over its budget in some phase, takes the next step of a fixed
+//! ladder, measuring again after each:
+//!
+//! 1. **Time-sharing**: a module whose runtime device is over keeps its
+//!    weights on the CPU instead, and they are copied to the device only
+//!    for the module's phase (freed when it ends).
+//! 2. **Partial residency**: a module still over streams its weights from
+//!    the CPU; as many as fit stay resident on the device for the phase
+//!    (the first ones its graph reads), the others are uploaded op by op.
+//! 3. **VAE tiling**: decoding (and encoding) in tiles of 32, then 16,
+//!    then 8 latent cells.
+//! 4. **Another device**: a module whose runtime device the user did not
+//!    choose and that still does not fit moves to the next device by
+//!    type, then free memory, as the resolver ranks them.
+//!
+//! Explicit `--backend`/`--params-backend` entries are obeyed: step 1 and
+//! 2 need a module whose weights the user did not place, step 4 one whose
+//! runtime device the user did not choose. If the ladder ends with a device
+//! still over, the error names each overrun and the smallest budget that
+//! would have worked (the need of the most frugal arrangement tried).
+//!
+//! A split module (`diffusion=vulkan0+cpu`) is left as it is, with shares
+//! in proportion to its devices' budgets unless the user gave them.
+
+use crate::manager::BackendManager;
+use crate::memory::{human_overruns, measure, overruns, Budgets, Measure, Measured};
+use crate::placement::{DeviceType, Module, Placement};
+use crate::render::human_bytes;
+use crate::session::Session;
+use sdhost_models::memory::Phase;
+use sdhost_models::tiling::Tiling;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// Modules in the order fit considers them: the largest first.
+const ORDER: [Module; 3] = [Module::Diffusion, Module::Vae, Module::Te];
+
+/// VAE tile sizes tried, in latent cells (overlap a quarter).
+const TILES: [usize; 3] = [32, 16, 8];
+
+/// A MiB, the step fit leaves free when sizing a resident part.
+const MIB: u64 = 1 << 20;
+
+/// Where one module ended up and why.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+pub struct Choice {
+    /// The module.
+    pub module: &'static str,
+    /// The device that runs it (a split's first device).
+    pub runtime: String,
+    /// Where its weights are and how they reach the runtime device.
+    pub weights: String,
+    /// Why.
+    pub reason: String,
+}
+
+/// A fitted placement, with the tiling it needs and the measurement that
+/// shows it fits.
+pub struct Fitted {
+    /// The placement to load.
+    pub placement: Placement,
+    /// VAE tiling (the user's, or fit's).
+    pub tiling: Option<Tiling>,
+    /// One line per module.
+    pub choices: Vec<Choice>,
+    /// The measurement of the fitted placement.
+    pub measured: Measured,
+}
+
+/// The phases a module's graphs run in.
+fn phases_of(m: Module) -> &'static [Phase] {
+    match m {
+        Module::Te => &[Phase::TextEncoding],
+        Module::Diffusion => &[Phase::Sampling],
+        Module::Vae => &[Phase::Encoding, Phase::Decoding],
+        _ => &[],
+    }
+}
+
+/// Whether `device` is over budget in one of `m`'s phases.
+fn over_in(over: &[(String, Phase, u64, u64)], device: &str, m: Module) -> bool {
+    over.iter()
+        .any(|(d, p, _, _)| d == device && phases_of(m).contains(p))
+}
+
+/// The most `device` needs in `m`'s phases.
+fn need_in(measured: &Measured, device: &str, m: Module) -> u64 {
+    measured
+        .usage
+        .devices
+        .get(device)
+        .map(|per| {
+            per.iter()
+                .filter(|(p, _)| phases_of(m).contains(p))
+                .map(|(_, b)| *b)
+                .max()
+                .unwrap_or(0)
+        })
+        .unwrap_or(0)
+}
+
+/// Gives a split without shares shares in proportion to its devices'
+/// budgets (in MiB).
+pub fn fill_split_shares(p: &mut Placement, budgets: &Budgets) {
+    for list in p.split.values_mut() {
+        if list.iter().all(|(_, s)| s.is_none()) {
+            for (d, s) in list.iter_mut() {
+                let b = budgets.0.get(d.as_str()).map_or(0, |b| b.budget);
+                *s = Some((b / MIB).max(1));
+            }
+        }
+    }
+}
+
+/// Fits `placement` (see the module docs); with `on` false only measures
+/// it and refuses it when over budget.
+pub fn fit(
+    session: &Session,
+    manager: &BackendManager<'_>,
+    placement: Placement,
+    m: &Measure<'_>,
+    budgets: &Budgets,
+    on: bool,
+    what: &str,
+) -> anyhow::Result<Fitted> {
+    let mut p = placement;
+    fill_split_shares(&mut p, budgets);
+    let cpu = crate::commands::generate::cpu_device(session, what)?;
+    let mut tiling = m.tiling;
+    let mut reasons: BTreeMap<Module, String> = BTreeMap::new();
+    let eval = |p: &Placement, tiling: Option<Tiling>| -> anyhow::Result<Measured> {
+        let mm = Measure { tiling, ..m.clone() };
+        measure(session, manager, p, &mm, what)
+    };
+    let mut measured = eval(&p, tiling)?;
+    let mut over = overruns(&measured.usage, budgets);
+    let budget = |d: &str| budgets.0.get(d).map_or(0, |b| b.budget);
+
+    if on && !over.is_empty() {
+        // 1. Time-sharing.
+        let mut changed = false;
+        for m in ORDER {
+            let d = p.runtime[&m].clone();
+            if d != cpu
+                && !p.split.contains_key(&m)
+                && !p.fixed_params.contains(&m)
+                && p.params[&m] == d
+                && over.iter().any(|(od, _, _, _)| *od == d)
+            {
+                p.params.insert(m, cpu.clone());
+                reasons.insert(
+                    m,
+                    format!(
+                        "{d} cannot hold every module's weights (budget {}): time-shared",
+                        human_bytes(budget(&d))
+                    ),
+                );
+                changed = true;
+            }
+        }
+        if changed {
+            measured = eval(&p, tiling)?;
+            over = overruns(&measured.usage, budgets);
+        }
+        // 2. Partial residency.
+        for m in ORDER {
+            let d = p.runtime[&m].clone();
+            if d == cpu || p.split.contains_key(&m) || !over_in(&over, &d, m) {
+                continue;
+            }
+            if p.params[&m] != cpu {
+                if p.fixed_params.contains(&m) {
+                    continue;
+                }
+                p.params.insert(m, cpu.clone());
+            }
+            p.stream.insert(m, 0);
+            measured = eval(&p, tiling)?;
+            over = overruns(&measured.usage, budgets);
+            let need0 = need_in(&measured, &d, m);
+            let b = budget(&d);
+            if need0 > b {
+                reasons.insert(
+                    m,
+                    format!(
+                        "even streaming every weight {d} needs {} (budget {})",
+                        human_bytes(need0),
+                        human_bytes(b)
+                    ),
+                );
+                continue;
+            }
+            // The room left is what may stay resident; the copy's padding
+            // and the scheduler's other buffers may shift a little, so
+            // shrink by the overshoot until it fits.
+            let mut resident = (b - need0).saturating_sub(MIB);
+            for _ in 0..6 {
+                p.stream.insert(m, resident);
+                measured = eval(&p, tiling)?;
+                over = overruns(&measured.usage, budgets);
+                let need = need_in(&measured, &d, m);
+                if need <= b || resident == 0 {
+                    break;
+                }
+                resident = resident.saturating_sub(need - b + MIB);
+            }
+            let kept = measured
+                .plan
+                .modules
+                .iter()
+                .find(|mm| mm.module == m)
+                .map_or(0, |mm| mm.runtime_copy.get(&d));
+            reasons.insert(
+                m,
+                format!(
+                    "its weights do not fit {d} (budget {}): {} resident, the rest streamed",
+                    human_bytes(b),
+                    human_bytes(kept)
+                ),
+            );
+        }
+        // 3. VAE tiling.
+        let coding = |over: &[(String, Phase, u64, u64)]| {
+            over.iter()
+                .any(|(_, p, _, _)| matches!(p, Phase::Decoding | Phase::Encoding))
+        };
+        if coding(&over) {
+            for t in TILES {
+                if tiling.is_some_and(|x| x.tile <= t) {
+                    continue;
+                }
+                let candidate = Tiling::new(t, t / 4)?;
+                let mm = eval(&p, Some(candidate))?;
+                let o = overruns(&mm.usage, budgets);
+                tiling = Some(candidate);
+                (measured, over) = (mm, o);
+                if !coding(&over) {
+                    break;
+                }
+            }
+            if let Some(t) = tiling {
+                reasons.insert(
+                    Module::Vae,
+                    format!(
+                        "decoding whole does not fit: tiles of {} latent cells, overlap {}",
+                        t.tile, t.overlap
+                    ),
+                );
+            }
+        }
+        // 4. Another device.
+        for m in ORDER {
+            let d = p.runtime[&m].clone();
+            if p.fixed_runtime.contains(&m) || !over_in(&over, &d, m) {
+                continue;
+            }
+            let mut candidates: Vec<(u8, std::cmp::Reverse<u64>, String)> = session
+                .device_infos()
+                .into_iter()
+                .filter(|x| x.name != d && x.ty != DeviceType::Accel)
+                .map(|x| (rank(x.ty), std::cmp::Reverse(budget(&x.name)), x.name))
+                .collect();
+            candidates.sort();
+            for (_, _, c) in candidates {
+                let mut q = p.clone();
+                q.runtime.insert(m, c.clone());
+                if !q.fixed_params.contains(&m) {
+                    q.params.insert(m, c.clone());
+                }
+                q.stream.remove(&m);
+                let mm = eval(&q, tiling)?;
+                let o = overruns(&mm.usage, budgets);
+                if !over_in(&o, &c, m) && o.len() < over.len() {
+                    reasons.insert(
+                        m,
+                        format!(
+                            "does not fit {d} (budget {}) even streamed: moved to {c}",
+                            human_bytes(budget(&d))
+                        ),
+                    );
+                    (p, measured, over) = (q, mm, o);
+                    break;
+                }
+            }
+        }
+    }
+    if !over.is_empty() {
+        let smallest: BTreeMap<&str, u64> = over.iter().fold(BTreeMap::new(), |mut acc, (d, _, need, _)| {
+            let e = acc.entry(d.as_str()).or_insert(0);
+            *e = (*e).max(*need);
+            acc
+        });
+        let least: Vec<String> = smallest
+            .iter()
+            .map(|(d, n)| format!("{d} {}", human_bytes(*n)))
+            .collect();
+        let tried = if on {
+            "even with time-sharing, streaming and VAE tiling"
+        } else {
+            "(--fit off)"
+        };
+        anyhow::bail!(
+            "{}; not enough memory {tried}: the smallest budget that would work is {}; try a smaller -W/-H{}",
+            human_overruns(&over),
+            least.join(", "),
+            if on { ", or a larger --max-memory" } else { ", or --fit on" }
+        );
+    }
+    let choices = choices(&p, &measured, &reasons, tiling);
+    Ok(Fitted {
+        placement: p,
+        tiling,
+        choices,
+        measured,
+    })
+}
+
+/// The resolver's device rank (discrete GPU first).
+fn rank(t: DeviceType) -> u8 {
+    match t {
+        DeviceType::Gpu => 0,
+        DeviceType::IGpu => 1,
+        DeviceType::Cpu => 2,
+        DeviceType::Accel => 3,
+    }
+}
+
+/// One line per module of the fitted placement.
+fn choices(
+    p: &Placement,
+    measured: &Measured,
+    reasons: &BTreeMap<Module, String>,
+    tiling: Option<Tiling>,
+) -> Vec<Choice> {
+    ORDER
+        .iter()
+        .rev()
+        .map(|&m| {
+            let rt = p.runtime[&m].clone();
+            let pa = &p.params[&m];
+            let weights = if let Some(list) = p.split.get(&m) {
+                let parts: Vec<String> = list
+                    .iter()
+                    .map(|(d, s)| format!("{d}:{}", s.unwrap_or(1)))
+                    .collect();
+                format!("split {}", parts.join("+"))
+            } else if p.stream.contains_key(&m) {
+                let kept = measured
+                    .plan
+                    .modules
+                    .iter()
+                    .find(|mm| mm.module == m)
+                    .map_or(0, |mm| mm.runtime_copy.get(&rt));
+                format!("{pa}, {} resident on {rt}, rest streamed", human_bytes(kept))
+            } else if *pa != rt {
+                format!("{pa}, copied to {rt} for its phase")
+            } else {
+                rt.clone()
+            };
+            let reason = reasons.get(&m).cloned().unwrap_or_else(|| {
+                if p.split.contains_key(&m) {
+                    "split as asked".into()
+                } else if p.fixed_runtime.contains(&m) || p.fixed_params.contains(&m) {
+                    "as asked; fits".into()
+                } else {
+                    "best device; fits".into()
+                }
+            });
+            let reason = match (m, tiling) {
+                (Module::Vae, Some(t)) if !reason.contains("tiles") => {
+                    format!("{reason}; tiles of {}", t.tile)
+                }
+                _ => reason,
+            };
+            Choice {
+                module: m.name(),
+                runtime: rt,
+                weights,
+                reason,
+            }
+        })
+        .collect()
+}
+
+/// The choices as a table (`plan`, `generate -v`).
+pub fn table(choices: &[Choice]) -> String {
+    let rows: Vec<Vec<String>> = choices
+        .iter()
+        .map(|c| {
+            vec![
+                c.module.to_string(),
+                c.runtime.clone(),
+                c.weights.clone(),
+                c.reason.clone(),
+            ]
+        })
+        .collect();
+    crate::render::table(&["MODULE", "RUNS ON", "WEIGHTS", "WHY"], &rows)
+}
