@@ -193,6 +193,7 @@ impl Device {
             device: self,
             abort,
             abortable,
+            label: None,
         })
     }
 
@@ -240,6 +241,9 @@ pub struct Backend {
     abort: Box<AbortSlot>,
     /// Whether the abort callback was installed.
     abortable: bool,
+    /// The name its owner knows the device by (sdhost's registry name,
+    /// `cpu`, `vulkan0`), when set.
+    label: Option<String>,
 }
 
 // SAFETY: a backend may move between threads. Its `&self` methods read
@@ -254,6 +258,17 @@ unsafe impl Send for Backend {}
 unsafe impl Sync for Backend {}
 
 impl Backend {
+    /// Sets the name its owner knows the device by (see [`Backend::label`]).
+    pub fn set_label(&mut self, label: &str) {
+        self.label = Some(label.to_string());
+    }
+
+    /// The name its owner knows the device by (set by
+    /// [`Backend::set_label`]), else the ggml device's name.
+    pub fn label(&self) -> String {
+        self.label.clone().unwrap_or_else(|| self.device.name())
+    }
+
     /// The backend's name.
     pub fn name(&self) -> String {
         // SAFETY: self.raw is live until drop.

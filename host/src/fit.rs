@@ -291,6 +291,11 @@ pub fn fit(
             }
         }
     }
+    if !on {
+        if let Some(line) = crate::memory::refusal(&over, &p) {
+            anyhow::bail!("{line}; automatic fit is off (--fit off)");
+        }
+    }
     if !over.is_empty() {
         let smallest: BTreeMap<&str, u64> = over.iter().fold(BTreeMap::new(), |mut acc, (d, _, need, _)| {
             let e = acc.entry(d.as_str()).or_insert(0);
@@ -301,16 +306,10 @@ pub fn fit(
             .iter()
             .map(|(d, n)| format!("{d} {}", human_bytes(*n)))
             .collect();
-        let tried = if on {
-            "even with time-sharing, streaming and VAE tiling"
-        } else {
-            "(--fit off)"
-        };
         anyhow::bail!(
-            "{}; not enough memory {tried}: the smallest budget that would work is {}; try a smaller -W/-H{}",
+            "{}; not enough memory even with time-sharing, streaming and VAE tiling: the smallest budget that would work is {}; try a smaller -W/-H or a larger --max-memory",
             human_overruns(&over),
             least.join(", "),
-            if on { ", or a larger --max-memory" } else { ", or --fit on" }
         );
     }
     let choices = choices(&p, &measured, &reasons, tiling);

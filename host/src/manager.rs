@@ -65,13 +65,14 @@ impl<'r> BackendManager<'r> {
             return Ok(b);
         }
         let entry = &self.registry.devices[idx];
-        let backend = entry
+        let mut backend = entry
             .device
             .init_backend()
             .map_err(|source| ManagerError::Init {
                 device: name.to_string(),
                 source,
             })?;
+        backend.set_label(name);
         if let Some(n) = self.threads {
             backend.set_n_threads(n);
         }

@@ -443,13 +443,31 @@ fn plan_shows_each_phase_against_the_budget() {
             "64",
             "--max-memory",
             &budget,
+            "--fit",
+            "off",
         ])
         .ok();
     assert!(r.stdout.contains("no: "), "{}", r.stdout);
     assert!(r.stderr.contains("cpu: decode needs"), "{}", r.stderr);
+    // Fit on (the default): the decode is tiled and everything fits.
+    let r = p
+        .run(&[
+            "plan",
+            "-m",
+            s(&tiny()),
+            "-W",
+            "128",
+            "-H",
+            "64",
+            "--max-memory",
+            &budget,
+        ])
+        .ok();
+    assert!(r.stdout.contains("tiles of "), "{}", r.stdout);
+    assert!(!r.stdout.contains("no: "), "{}", r.stdout);
     // The config file sets the same.
     p.write_config(&format!(
-        "max_memory = \"{budget}\"\nmemory_reserve = \"1M\"\n"
+        "max_memory = \"{budget}\"\nmemory_reserve = \"1M\"\nfit = false\n"
     ));
     let j = p
         .run(&["plan", "-m", s(&tiny()), "-W", "128", "-H", "64", "--json"])
@@ -501,7 +519,7 @@ fn generate_refuses_a_placement_over_its_budget_before_computing() {
         a.extend_from_slice(extra);
         p.run(&a)
     };
-    let r = gen(&["--max-memory", "cpu=2M"]);
+    let r = gen(&["--max-memory", "cpu=2M", "--fit", "off"]);
     one_line_failure(
         &r,
         1,
@@ -510,7 +528,20 @@ fn generate_refuses_a_placement_over_its_budget_before_computing() {
             "budget 2.0 MiB",
             "cpu: sampling needs",
             "--vae-tiling",
-            "not implemented yet",
+            "automatic fit is off",
+        ],
+    );
+    assert!(!out.exists());
+    // Fit cannot shrink what the CPU alone holds: it says what would do.
+    let r = gen(&["--max-memory", "cpu=2M"]);
+    one_line_failure(
+        &r,
+        1,
+        &[
+            "cpu: te needs",
+            "budget 2.0 MiB",
+            "even with time-sharing, streaming and VAE tiling",
+            "the smallest budget that would work is cpu ",
         ],
     );
     assert!(!out.exists());
@@ -663,7 +694,16 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
         a.extend_from_slice(extra);
         p.run(&a)
     };
-    one_line_failure(&gen(&[]), 1, &["cpu: decode needs", "--vae-tiling"]);
+    one_line_failure(
+        &gen(&["--fit", "off"]),
+        1,
+        &["cpu: decode needs", "--vae-tiling"],
+    );
+    // Fit tiles the decode by itself, and the image says so.
+    gen(&[]).ok();
+    let (_, _, text) = png_info(&out);
+    assert!(text.contains("VAE tiling: "), "{text}");
+    std::fs::remove_file(&out).unwrap();
     gen(&[
         "--vae-tiling",
         "--vae-tile-size",

@@ -535,7 +535,7 @@ impl<'b> Module<'b> {
             Spread::Whole => {
                 if !same_device(self.devices.params, runtime) {
                     let shadow = self.params.placeholders_on(runtime).map_err(invalid)?;
-                    out.add(&runtime.device().name(), shadow.buffer_bytes());
+                    out.add(&runtime.label(), shadow.buffer_bytes());
                 }
             }
             Spread::Stream { resident } => {
@@ -546,7 +546,7 @@ impl<'b> Module<'b> {
                         .params
                         .subset_placeholders_on(runtime, &names)
                         .map_err(invalid)?;
-                    out.add(&runtime.device().name(), shadow.buffer_bytes());
+                    out.add(&runtime.label(), shadow.buffer_bytes());
                 }
             }
         }
@@ -719,7 +719,7 @@ impl<'b> Module<'b> {
 fn per_backend(backends: &[&Backend], sizes: &[u64]) -> ComputeBytes {
     let mut out = DeviceBytes::default();
     for (b, s) in backends.iter().zip(sizes) {
-        out.add(&b.device().name(), *s);
+        out.add(&b.label(), *s);
     }
     out
 }

@@ -442,6 +442,11 @@ impl<'b> Pipeline<'b> {
         self.vae_tiling = tiling;
     }
 
+    /// The VAE tiling in use, if any.
+    pub fn vae_tiling(&self) -> Option<Tiling> {
+        self.vae_tiling
+    }
+
     /// Whether the VAE encoder is loaded (img2img and inpainting need it).
     pub fn has_vae_encoder(&self) -> bool {
         vae::has_encoder(&self.vae)

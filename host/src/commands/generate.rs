@@ -373,7 +373,7 @@ fn parameters_text(
         negative: &args.negative,
         model: &args.model,
         vae: args.sample.vae.as_deref(),
-        tiling: args.sample.vae_tiling().ok().flatten(),
+        tiling: sd.vae_tiling(),
         init: args.init.init_img.as_deref(),
         mask: args.init.mask.as_deref(),
         taesd: args.sample.taesd.as_deref(),

@@ -220,7 +220,7 @@ impl ModuleWeights {
             index.insert(name.clone(), entries.len() + i);
         }
         let index = index.into_iter().map(|(k, i)| (k, (0, i))).collect();
-        let device = backend.device().name();
+        let device = backend.label();
         if placeholders {
             let buffer_bytes = ctx.alloc_size(backend);
             let mut ctx = ctx;
@@ -414,7 +414,7 @@ impl ModuleWeights {
             parts: vec![Part {
                 ctx,
                 buffer: None,
-                device: backend.device().name(),
+                device: backend.label(),
                 buffer_bytes,
             }],
         })
@@ -447,7 +447,7 @@ impl ModuleWeights {
         for part in &self.parts {
             let b = backends
                 .iter()
-                .find(|b| b.device().name() == part.device)
+                .find(|b| b.label() == part.device)
                 .ok_or_else(|| format!("no backend for device {}", part.device))?;
             let names: Vec<&str> = self
                 .index
@@ -503,7 +503,7 @@ impl ModuleWeights {
             parts: vec![Part {
                 ctx,
                 buffer: Some(buffer),
-                device: backend.device().name(),
+                device: backend.label(),
                 buffer_bytes,
             }],
             bytes,
