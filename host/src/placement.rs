@@ -175,6 +175,10 @@ impl DeviceRef {
                 .split(['+', '&'])
                 .map(|p| {
                     let p = p.trim();
+                    if p.is_empty() {
+                        // Refused by `resolve_split`, not the default device.
+                        return (DeviceRef::Named(String::new()), None);
+                    }
                     match p.rsplit_once(':') {
                         Some((name, share)) => {
                             // A share that is not a number stays in the name

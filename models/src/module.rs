@@ -180,6 +180,9 @@ pub struct Module<'b> {
     /// Weight names in the order the module's graphs first read them
     /// (recorded by [`Module::validate`]).
     order: RefCell<Vec<String>>,
+    /// A streamed module's resident weights, by resident budget (computed
+    /// once: finding them measures copies).
+    resident: RefCell<Option<(u64, Vec<String>)>>,
     /// Created on first compute, dropped (with its compute buffers) at the
     /// end of a phase under [`WeightPolicy::Free`].
     sched: Option<Sched<'b>>,
@@ -271,6 +274,7 @@ impl<'b> Module<'b> {
             devices,
             spread: Spread::Whole,
             order: RefCell::new(Vec::new()),
+            resident: RefCell::new(None),
             sched: None,
             policy,
             opts: GraphOptions::default(),
@@ -296,6 +300,7 @@ impl<'b> Module<'b> {
     /// Replaces the weights (e.g. placeholders by the real, split ones).
     pub fn replace_params(&mut self, params: ModuleWeights) {
         self.params = params;
+        *self.resident.borrow_mut() = None;
         self.runtime_copy = None;
         self.sched = None;
     }
@@ -482,6 +487,17 @@ impl<'b> Module<'b> {
     /// longest run from the start of the graph order whose copy fits
     /// `resident` bytes.
     fn resident_names(&self, resident: u64) -> Result<Vec<String>> {
+        if let Some((r, names)) = &*self.resident.borrow() {
+            if *r == resident {
+                return Ok(names.clone());
+            }
+        }
+        let names = self.find_resident(resident)?;
+        *self.resident.borrow_mut() = Some((resident, names.clone()));
+        Ok(names)
+    }
+
+    fn find_resident(&self, resident: u64) -> Result<Vec<String>> {
         let order = self.weight_order();
         if resident == 0 || order.is_empty() {
             return Ok(Vec::new());
@@ -627,7 +643,14 @@ impl<'b> Module<'b> {
         let names = match &self.spread {
             Spread::Split(_) => return Ok(()),
             Spread::Whole => None,
-            Spread::Stream { resident } => Some(self.resident_names(*resident)?),
+            Spread::Stream { resident } => {
+                let names = self.resident_names(*resident)?;
+                if names.is_empty() {
+                    // Nothing resident: every weight streams.
+                    return Ok(());
+                }
+                Some(names)
+            }
         };
         let name = self.kind.name();
         let runtime = self.devices.runtime;

@@ -96,6 +96,14 @@ impl Prefix {
             .env("XDG_CONFIG_HOME", self.root().join("config"))
             .env("HOME", self.root().join("home"))
             .env("XDG_CACHE_HOME", self.root().join("cache"));
+        // Lavapipe compiles every shader on first use (minutes): one cache
+        // for all tests and runs instead of a cold one per prefix.
+        if std::env::var_os("MESA_SHADER_CACHE_DIR").is_none() {
+            c.env(
+                "MESA_SHADER_CACHE_DIR",
+                build_dir().join("mesa-shader-cache"),
+            );
+        }
         c
     }
 
@@ -393,6 +401,21 @@ pub fn with_pipeline_on<R>(
     opts: sdhost_models::pipeline::LoadOptions<'_>,
     f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
 ) -> R {
+    with_pipeline_spread(ckpt, runtime, params, |_| Default::default(), opts, f)
+}
+
+/// [`with_pipeline_on`] with the UNet's weights spread as `spread` says
+/// (given the backend manager, to name a split's devices).
+pub fn with_pipeline_spread<R>(
+    ckpt: &Path,
+    runtime: &str,
+    params: &str,
+    spread: impl for<'m> FnOnce(
+        &'m sdhost::manager::BackendManager<'_>,
+    ) -> sdhost_models::module::Spread<'m>,
+    opts: sdhost_models::pipeline::LoadOptions<'_>,
+    f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
+) -> R {
     let reg =
         sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
     let m = sdhost::manager::BackendManager::new(&reg, None);
@@ -405,7 +428,10 @@ pub fn with_pipeline_on<R>(
         te: d,
         diffusion: d,
         vae: d,
-        spread: Default::default(),
+        spread: sdhost_models::pipeline::Spreads {
+            diffusion: spread(&m),
+            ..Default::default()
+        },
     };
     let ckpt = sdhost_models::checkpoint::scan(ckpt).unwrap();
     let mut sd = sdhost_models::pipeline::Pipeline::load(&ckpt, layout, opts).unwrap();

@@ -1,0 +1,260 @@
+//! Memory-aware placement beyond one device per module: weight streaming
+//! with partial residency, layer split, and automatic fit to budgets
+//! (docs/backend.md, "Fitting memory"). The streamed and split runs are
+//! compared with the resident run on vulkan0 (lavapipe); the CLI cases
+//! check what fit decides and its errors.
+
+mod common;
+use common::*;
+use sdhost_models::module::{Share, Spread};
+use sdhost_models::pipeline::{Image, LoadOptions, Pipeline, Request};
+use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+
+fn request() -> Request {
+    Request {
+        prompt: "a photo of a cat".into(),
+        negative: String::new(),
+        steps: 2,
+        cfg_scale: 7.0,
+        width: 64,
+        height: 64,
+        seed: 3,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Discrete,
+        clip_skip: 1,
+        init: None,
+    }
+}
+
+fn tiny() -> std::path::PathBuf {
+    fixture("tiny-sd1.safetensors")
+}
+
+fn run(sd: &mut Pipeline<'_>) -> Image {
+    sd.generate(&request(), None, &mut |_, _| {}, &|| false)
+        .unwrap()
+}
+
+fn mean_abs(a: &Image, b: &Image) -> f64 {
+    assert_eq!((a.width, a.height), (b.width, b.height));
+    let sum: u64 = a
+        .rgb
+        .iter()
+        .zip(&b.rgb)
+        .map(|(x, y)| u64::from(x.abs_diff(*y)))
+        .sum();
+    sum as f64 / a.rgb.len() as f64
+}
+
+/// The UNet's weights on the CPU, `resident` bytes of them copied to
+/// vulkan0 for sampling and the rest streamed op by op: the image is close
+/// to the resident run's (every op large enough to be offloaded runs the
+/// same Vulkan kernel; the few small ones that read a streamed weight, such
+/// as the timestep embedding's, run on the CPU, where the weight is), and
+/// vulkan0 never holds more than the prediction.
+#[test]
+fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let opts = LoadOptions::default;
+    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), |sd| run(sd));
+    let unet_bytes = with_pipeline_on(&tiny(), "cpu", "cpu", opts(), |sd| {
+        sd.unet.params().buffer_bytes()
+    });
+    for keep in [0, unet_bytes / 2] {
+        let (image, predicted, allocated, copy) = with_pipeline_spread(
+            &tiny(),
+            "vulkan0",
+            "cpu",
+            |_| Spread::Stream { resident: keep },
+            opts(),
+            |sd| {
+                let req = sdhost_models::memory::MemoryRequest {
+                    width: 64,
+                    height: 64,
+                    batch: 2,
+                    chunks: 1,
+                    encode: false,
+                };
+                let plan = sd.memory_plan(&req).unwrap();
+                let image = run(sd);
+                let unet = &plan.modules[1];
+                let predicted =
+                    unet.runtime_copy.get("vulkan0") + unet.phases[0].1.get("vulkan0");
+                let a = sd.unet.allocated();
+                let allocated = a.runtime_copy.get("vulkan0") + a.compute.get("vulkan0");
+                (image, predicted, allocated, a.runtime_copy.get("vulkan0"))
+            },
+        );
+        eprintln!(
+            "resident {keep}: vulkan0 predicted {predicted}, allocated {allocated} (copy {copy}) of {unet_bytes} weights"
+        );
+        let d = mean_abs(&image, &resident);
+        eprintln!("resident {keep}: mean difference {d:.3}/255");
+        assert!(d < 2.0, "resident {keep}: mean difference {d}/255");
+        assert!(copy <= keep, "resident {keep}: copied {copy}");
+        assert!(
+            allocated <= predicted + predicted / 10,
+            "resident {keep}: allocated {allocated}, predicted {predicted}"
+        );
+        // Streaming holds less than the whole module would.
+        assert!(allocated < unet_bytes + predicted, "{allocated}");
+    }
+}
+
+/// The UNet split over vulkan0 and the CPU, 3:1 and 1:1: each device holds
+/// its share of the weights (within one tensor), and the image is close to
+/// the resident run's (the CPU part runs other kernels).
+#[test]
+fn a_layer_split_holds_each_share_and_gives_the_image() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let opts = LoadOptions::default;
+    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), |sd| run(sd));
+    for (gpu, cpu) in [(3u64, 1u64), (1, 1)] {
+        let (image, by_device, largest) = with_pipeline_spread(
+            &tiny(),
+            "vulkan0",
+            "vulkan0",
+            |m| {
+                Spread::Split(vec![
+                    Share {
+                        backend: m.get("vulkan0").unwrap(),
+                        weight: gpu,
+                    },
+                    Share {
+                        backend: m.get("cpu").unwrap(),
+                        weight: cpu,
+                    },
+                ])
+            },
+            opts(),
+            |sd| {
+                let by_device = sd.unet.params().buffer_bytes_by_device();
+                let largest = sd
+                    .unet
+                    .params()
+                    .map()
+                    .values()
+                    .map(|t| t.nbytes() as u64)
+                    .max()
+                    .unwrap();
+                (run(sd), by_device, largest)
+            },
+        );
+        let total: u64 = by_device.iter().map(|(_, b)| b).sum();
+        let on = |d: &str| {
+            by_device
+                .iter()
+                .find(|(x, _)| x == d)
+                .map_or(0, |(_, b)| *b)
+        };
+        let want = total * gpu / (gpu + cpu);
+        eprintln!("split {gpu}:{cpu}: {by_device:?}");
+        assert!(
+            on("vulkan0").abs_diff(want) <= largest + 4096,
+            "split {gpu}:{cpu}: vulkan0 holds {} of {total}, want about {want}",
+            on("vulkan0")
+        );
+        assert!(on("cpu") > 0);
+        let d = mean_abs(&image, &resident);
+        eprintln!("split {gpu}:{cpu}: mean difference {d:.3}/255");
+        assert!(d < 3.0, "split {gpu}:{cpu}: mean difference {d}/255");
+    }
+}
+
+/// `generate` under a vulkan0 budget smaller than the model: fit
+/// time-shares and streams, `plan` shows it, the image is the resident
+/// one; a budget too small for anything names the smallest that works.
+#[test]
+fn fit_makes_a_small_budget_work_and_names_the_smallest() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let model = tiny();
+    let gen = |out: &std::path::Path, extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&model),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "2",
+            "--backend",
+            "vulkan0",
+            "-o",
+            s(out),
+        ];
+        a.extend_from_slice(extra);
+        p.run(&a)
+    };
+    let whole = p.root().join("whole.png");
+    gen(&whole, &[]).ok();
+    let plan = p
+        .run(&[
+            "plan",
+            "-m",
+            s(&model),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--backend",
+            "vulkan0",
+            "--max-memory",
+            "vulkan0=4M",
+        ])
+        .ok();
+    assert!(plan.stdout.contains("time-shared"), "{}", plan.stdout);
+    assert!(plan.stdout.contains("rest streamed"), "{}", plan.stdout);
+    assert!(!plan.stdout.contains("no: "), "{}", plan.stdout);
+    let small = p.root().join("small.png");
+    gen(&small, &["--max-memory", "vulkan0=4M"]).ok();
+    assert_eq!(pixels(&small), pixels(&whole));
+    // Too small even streamed: one line with the smallest budget.
+    let none = p.root().join("none.png");
+    let r = gen(&none, &["--max-memory", "vulkan0=1M"]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    assert!(
+        r.stderr
+            .contains("the smallest budget that would work is vulkan0 "),
+        "{}",
+        r.stderr
+    );
+    assert!(!none.exists());
+}
+
+/// Malformed splits are one-line errors naming the split, exit 1.
+#[test]
+fn bad_splits_are_one_line_errors() {
+    let p = Prefix::with_cpu();
+    for (spec, needle) in [
+        ("diffusion=cpu+", "empty device name"),
+        ("diffusion=cpu+cpu", "appears twice"),
+        ("diffusion=cpu:2+cpu", "give a share for every device"),
+        ("diffusion=cpu:0+cpu:1", "at least 1"),
+        ("diffusion=cpu:x+cpu", "not a whole number"),
+        ("diffusion=cpu&nosuch", "unknown device \"nosuch\""),
+    ] {
+        let r = p.run(&["plan", "--backend", spec]);
+        assert_eq!(r.code, Some(1), "{spec}: {}", r.stderr);
+        assert_eq!(r.stderr.lines().count(), 1, "{spec}: {}", r.stderr);
+        assert!(r.stderr.contains(needle), "{spec}: {}", r.stderr);
+        assert!(r.stderr.contains("--backend"), "{spec}: {}", r.stderr);
+    }
+    let r = p.run(&["plan", "--params-backend", "cpu+cpu"]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(r.stderr.contains("bad split"), "{}", r.stderr);
+    let r = p.run(&["plan", "--fit", "maybe"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+}
