@@ -18,7 +18,17 @@ fn tiny() -> PathBuf {
 /// `bench` on the tiny model at 64×64, 1 step, 1 run, with `extra` flags.
 fn bench_args<'a>(model: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![
-        "bench", "-m", s(model), "-W", "64", "-H", "64", "--steps", "1", "--runs", "1",
+        "bench",
+        "-m",
+        s(model),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--runs",
+        "1",
     ];
     a.extend_from_slice(extra);
     a
@@ -60,7 +70,13 @@ fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
     let j = p
         .run(&bench_args(
             &model,
-            &["--peer", "diffusers", "--diffusers-python", s(&bad), "--json"],
+            &[
+                "--peer",
+                "diffusers",
+                "--diffusers-python",
+                s(&bad),
+                "--json",
+            ],
         ))
         .ok()
         .json();
@@ -75,7 +91,12 @@ fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
         assert!(!err.contains('\n'), "{err}");
     }
     // sdhost's own stages are still measured, with no peer figures.
-    assert!(j["stages"]["end to end"]["sdhost_s"]["median"].as_f64().unwrap() > 0.0);
+    assert!(
+        j["stages"]["end to end"]["sdhost_s"]["median"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
     assert_eq!(j["stages"]["end to end"]["peers"], serde_json::json!({}));
     assert!(j["page_cache"]["bytes"].as_u64().unwrap() > 0, "{j}");
 
@@ -92,7 +113,11 @@ fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
         "{}",
         r.stdout
     );
-    let e2e = r.stdout.lines().find(|l| l.starts_with("end to end")).unwrap();
+    let e2e = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("end to end"))
+        .unwrap();
     assert_eq!(e2e.matches("unavailable").count(), 2, "{}", r.stdout);
     assert!(
         r.stdout.contains("diffusers-f32: unavailable: ")
@@ -119,7 +144,10 @@ fn peer_list_parses_commas_repeats_and_bare_flag() {
             vec!["diffusers-f32", "diffusers-bf16", "sd.cpp"],
         ),
         (vec!["--peer"], vec!["sd.cpp"]),
-        (vec!["--peer", "diffusers,diffusers"], vec!["diffusers-f32", "diffusers-bf16"]),
+        (
+            vec!["--peer", "diffusers,diffusers"],
+            vec!["diffusers-f32", "diffusers-bf16"],
+        ),
         (vec!["--peer", s(&no_sdcpp)], vec!["sd.cpp"]),
         (vec![], vec![]),
     ] {
@@ -145,11 +173,7 @@ fn peer_list_parses_commas_repeats_and_bare_flag() {
     // A misspelt name is a usage error, not a missing file.
     let r = p.run(&bench_args(&model, &["--peer", "sdcpp,difusers"]));
     assert_eq!(r.code, Some(2), "{}", r.stderr);
-    assert!(
-        r.stderr.contains("unknown peer `difusers`"),
-        "{}",
-        r.stderr
-    );
+    assert!(r.stderr.contains("unknown peer `difusers`"), "{}", r.stderr);
 }
 
 /// Runs the diffusers peer with a fake Python whose behaviour is `body`.
@@ -217,7 +241,13 @@ echo "$@" > "$FAKE_DIR/args-$dtype"
 cat > "$FAKE_DIR/script-$dtype.py"
 echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{"total_s": 20.0, "te_s": 1.0, "sampling_s": 8.0, "vae_s": 10.0, "unet_calls": 2}], "peak_host_bytes": 1073741824}'"#;
     let (p, j) = with_fake(body, &["--threads", "2", "--seed", "7"]);
-    assert_eq!(peers(&j), [("diffusers-f32".into(), None), ("diffusers-bf16".into(), None)]);
+    assert_eq!(
+        peers(&j),
+        [
+            ("diffusers-f32".into(), None),
+            ("diffusers-bf16".into(), None)
+        ]
+    );
     for dtype in ["f32", "bf16"] {
         let args = std::fs::read_to_string(p.root().join(format!("args-{dtype}"))).unwrap();
         for want in [
@@ -234,7 +264,10 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/diffusers_peer.py"),
         )
         .unwrap();
-        assert_eq!(script, ours, "the script on stdin is bench/diffusers_peer.py");
+        assert_eq!(
+            script, ours,
+            "the script on stdin is bench/diffusers_peer.py"
+        );
     }
     let ours = |stage: &str| j["stages"][stage]["sdhost_s"]["median"].as_f64().unwrap();
     for (stage, theirs) in [
@@ -246,10 +279,17 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
     ] {
         for name in ["diffusers-f32", "diffusers-bf16"] {
             let pr = &j["stages"][stage]["peers"][name];
-            assert_eq!(pr["s"]["median"].as_f64(), Some(theirs), "{stage} {name}: {pr}");
+            assert_eq!(
+                pr["s"]["median"].as_f64(),
+                Some(theirs),
+                "{stage} {name}: {pr}"
+            );
             let want = theirs / ours(stage);
             let got = pr["ratio"].as_f64().unwrap();
-            assert!((got - want).abs() <= 1e-9 * want, "{stage}: {got} vs {want}");
+            assert!(
+                (got - want).abs() <= 1e-9 * want,
+                "{stage}: {got} vs {want}"
+            );
         }
     }
     let f32 = &j["peers"][0];
@@ -271,13 +311,40 @@ fn real_diffusers_peer_on_the_tiny_model() {
     let p = Prefix::with_cpu();
     let model = tiny();
     let mut c = p.cmd(&[
-        "bench", "-m", s(&model), "-W", "64", "-H", "64", "--steps", "2", "--runs", "1",
-        "--threads", "2", "--peer", "diffusers", "--json",
+        "bench",
+        "-m",
+        s(&model),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "--runs",
+        "1",
+        "--threads",
+        "2",
+        "--peer",
+        "diffusers",
+        "--json",
     ]);
     c.env("SDHOST_DIFFUSERS_PYTHON", &py);
     let j = Run::from(c.output().unwrap()).ok().json();
-    assert_eq!(peers(&j), [("diffusers-f32".into(), None), ("diffusers-bf16".into(), None)], "{j}");
-    for stage in ["text encode", "UNet step", "sampling", "VAE decode", "end to end"] {
+    assert_eq!(
+        peers(&j),
+        [
+            ("diffusers-f32".into(), None),
+            ("diffusers-bf16".into(), None)
+        ],
+        "{j}"
+    );
+    for stage in [
+        "text encode",
+        "UNet step",
+        "sampling",
+        "VAE decode",
+        "end to end",
+    ] {
         for name in ["diffusers-f32", "diffusers-bf16"] {
             let r = j["stages"][stage]["peers"][name]["ratio"].as_f64().unwrap();
             assert!(r.is_finite() && r > 0.0, "{stage} {name}: {r}");

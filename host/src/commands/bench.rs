@@ -254,11 +254,13 @@ fn parse_peer_report(stdout: &str, runs: u32) -> Result<PeerReport, String> {
             r.runs.len()
         ));
     }
-    let times = [r.load_s, r.first_run_s].into_iter().chain(r.runs.iter().flat_map(|x| {
-        [Some(x.total_s), x.te_s, x.sampling_s, x.vae_s]
-            .into_iter()
-            .flatten()
-    }));
+    let times = [r.load_s, r.first_run_s]
+        .into_iter()
+        .chain(r.runs.iter().flat_map(|x| {
+            [Some(x.total_s), x.te_s, x.sampling_s, x.vae_s]
+                .into_iter()
+                .flatten()
+        }));
     for t in times {
         if !(t.is_finite() && t >= 0.0) {
             return Err(format!("unreadable report: time {t} is not a duration"));
@@ -476,7 +478,9 @@ impl Report for ModelReport {
         let header: Vec<&str> = header.iter().map(String::as_str).collect();
         out.push_str(&render::table(&header, &rows));
         if !self.peers.is_empty() {
-            out.push_str("RATIO: the peer's figure ÷ sdhost's (above 1: sdhost is faster or smaller)\n");
+            out.push_str(
+                "RATIO: the peer's figure ÷ sdhost's (above 1: sdhost is faster or smaller)\n",
+            );
         }
         for (d, b) in &self.device_used {
             out.push_str(&format!(
@@ -886,9 +890,7 @@ fn run_child(mut c: Command, what: &str, script: Option<&str>) -> Result<String,
     })
     .stdout(Stdio::piped())
     .stderr(Stdio::piped());
-    let mut child = c
-        .spawn()
-        .map_err(|e| format!("unavailable: {what}: {e}"))?;
+    let mut child = c.spawn().map_err(|e| format!("unavailable: {what}: {e}"))?;
     let feeder = script.and_then(|s| {
         let mut stdin = child.stdin.take()?;
         let s = s.to_string();
@@ -935,7 +937,9 @@ mod tests {
         assert_eq!(parse_peer("diffusers"), Ok(Peer::Diffusers));
         assert_eq!(
             parse_peer("./build/sdhost-peer-sdcpp"),
-            Ok(Peer::SdCpp(Some(PathBuf::from("./build/sdhost-peer-sdcpp"))))
+            Ok(Peer::SdCpp(Some(PathBuf::from(
+                "./build/sdhost-peer-sdcpp"
+            ))))
         );
         let e = parse_peer("pytorch").unwrap_err();
         assert!(e.starts_with("unknown peer `pytorch`"), "{e}");
@@ -947,16 +951,23 @@ mod tests {
     fn peer_report_is_the_last_json_line() {
         let out = format!("{{progress\n{GOOD}\n  [=====] 100%\n");
         let r = parse_peer_report(&out, 1).unwrap();
-        assert_eq!((r.load_s, r.runs.len(), r.peak_host_bytes), (1.5, 1, Some(42)));
+        assert_eq!(
+            (r.load_s, r.runs.len(), r.peak_host_bytes),
+            (1.5, 1, Some(42))
+        );
         assert_eq!(r.runs[0].unet_calls, None);
         for (out, runs, want) in [
             ("", 1, "unreadable report: no JSON object in its output"),
-            ("{", 1, "unreadable report: EOF while parsing an object at line 1 column 1"),
+            (
+                "{",
+                1,
+                "unreadable report: EOF while parsing an object at line 1 column 1",
+            ),
             (GOOD, 2, "unreadable report: 1 measured runs, asked for 2"),
             (
                 &GOOD.replace("1.5", "\"x\""),
                 1,
-                "unreadable report: invalid type: string \"x\", expected f64 at line 1 column 41",
+                "unreadable report: invalid type: string \"x\", expected f64 at line 1 column 29",
             ),
             (
                 &GOOD.replace("0.5}", "0.5, \"unet_calls\": 0}"),
