@@ -76,7 +76,7 @@ pub enum Command {
     /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)
     Upscale(UpscaleArgs),
     /// Measure sdhost: `-m MODEL` times each generation stage (optionally
-    /// beside stable-diffusion.cpp, `--peer`); `--startup` times plugin discovery
+    /// beside stable-diffusion.cpp and diffusers, `--peer`); `--startup` times plugin discovery
     Bench(BenchArgs),
     /// Internal: discover plugins once and report the time it took (used by `bench --startup`)
     #[command(name = "__startup", hide = true)]
@@ -105,11 +105,18 @@ pub struct BenchArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub runs: Option<u32>,
 
-    /// Also run stable-diffusion.cpp (the `sdhost-peer-sdcpp` binary built from
-    /// bench/peer-sdcpp; `--peer` alone: the one next to sdhost) with the same settings and
-    /// print speed ratios
-    #[arg(long, value_name = "PEER", num_args = 0..=1, default_missing_value = "auto")]
-    pub peer: Option<PathBuf>,
+    /// Also run other programs with the same settings and print ratios (peer ÷ sdhost):
+    /// `sdcpp` (stable-diffusion.cpp: the `sdhost-peer-sdcpp` binary from bench/peer-sdcpp
+    /// next to sdhost, or a path to it), `diffusers` (bench/diffusers_peer.py, f32 and
+    /// bf16); comma-separated or repeated; `--peer` alone: sdcpp
+    #[arg(long, value_name = "PEER", num_args = 0..=1, default_missing_value = "sdcpp",
+          value_delimiter = ',', value_parser = crate::commands::bench::parse_peer)]
+    pub peer: Vec<crate::commands::bench::Peer>,
+
+    /// Python with torch and diffusers for `--peer diffusers` (default:
+    /// $SDHOST_DIFFUSERS_PYTHON, else python3)
+    #[arg(long = "diffusers-python", value_name = "PYTHON")]
+    pub diffusers_python: Option<PathBuf>,
 
     /// Prompt
     #[arg(short = 'p', long, default_value = "a photo of a cat")]

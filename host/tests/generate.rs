@@ -485,7 +485,8 @@ fn bench_times_each_stage_and_reports_a_missing_peer() {
         "stages {parts} within end to end {e2e}"
     );
     assert!(j["peak_host_bytes"].as_u64().unwrap() > 1 << 20);
-    let err = j["sdcpp_error"].as_str().unwrap();
+    assert_eq!(j["peers"][0]["name"], "sd.cpp");
+    let err = j["peers"][0]["error"].as_str().unwrap();
     assert!(err.contains("no-such-peer not found"), "{err}");
     // Text form: a table with every stage.
     let r = p

@@ -1,5 +1,10 @@
 //! `sdhost bench`: `--startup` times plugin discovery; `-m MODEL` times
-//! each stage of generation, optionally beside stable-diffusion.cpp.
+//! each stage of generation, optionally beside peers (`--peer`):
+//! stable-diffusion.cpp (bench/peer-sdcpp) and diffusers in f32 and bf16
+//! (bench/diffusers_peer.py), each in a child process with the same
+//! settings, after the checkpoint has been read into the page cache. A peer
+//! that cannot run (not built, no Python, torch or diffusers, settings it
+//! cannot reproduce) is a column saying why, never an error.
 //!
 //! Each run is a fresh `sdhost __startup` process (a plugin loaded once stays
 //! loaded, so repeating discovery in one process would measure nothing). The
@@ -13,6 +18,7 @@ use crate::render::{self, Report};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 use std::time::Instant;
 
@@ -182,8 +188,35 @@ struct ModelRun {
     vae: f64,
 }
 
-/// What the peer prints (bench/peer-sdcpp).
+/// A program `bench -m` times beside sdhost (`--peer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peer {
+    /// stable-diffusion.cpp through `sdhost-peer-sdcpp` (bench/peer-sdcpp):
+    /// the binary next to sdhost, or the one at this path.
+    SdCpp(Option<PathBuf>),
+    /// diffusers through bench/diffusers_peer.py, once in f32 and once in bf16.
+    Diffusers,
+}
+
+/// Parses one `--peer` item: `sdcpp` (also `auto`, today's bare `--peer`),
+/// `diffusers`, or a path to `sdhost-peer-sdcpp` (it must contain a `/`, so
+/// that a misspelt name is an error rather than a missing file).
+pub fn parse_peer(s: &str) -> Result<Peer, String> {
+    match s {
+        "sdcpp" | "sd.cpp" | "auto" => Ok(Peer::SdCpp(None)),
+        "diffusers" => Ok(Peer::Diffusers),
+        p if p.contains(std::path::MAIN_SEPARATOR) || p.contains('/') => {
+            Ok(Peer::SdCpp(Some(PathBuf::from(p))))
+        }
+        other => Err(format!(
+            "unknown peer `{other}`: expected sdcpp, diffusers or a path to sdhost-peer-sdcpp (with a `/`)"
+        )),
+    }
+}
+
+/// What a peer prints: one JSON object (bench/peer-sdcpp, bench/diffusers_peer.py).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PeerReport {
     system: String,
     load_s: f64,
@@ -193,11 +226,85 @@ struct PeerReport {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 struct PeerRun {
     total_s: f64,
     te_s: Option<f64>,
     sampling_s: Option<f64>,
     vae_s: Option<f64>,
+    /// UNet calls in the run (diffusers); without it, one per step (sd.cpp).
+    #[serde(default)]
+    unet_calls: Option<u32>,
+}
+
+/// Reads a peer's report: the last line of `stdout` that starts with `{`
+/// (sd.cpp draws progress bars on stdout), with `runs` measured runs and
+/// finite, non-negative times. Errors are one line.
+fn parse_peer_report(stdout: &str, runs: u32) -> Result<PeerReport, String> {
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.trim_start().starts_with('{'))
+        .ok_or("unreadable report: no JSON object in its output")?;
+    let r: PeerReport = serde_json::from_str(line)
+        .map_err(|e| format!("unreadable report: {}", one_line(&e.to_string())))?;
+    if r.runs.len() != runs as usize {
+        return Err(format!(
+            "unreadable report: {} measured runs, asked for {runs}",
+            r.runs.len()
+        ));
+    }
+    let times = [r.load_s, r.first_run_s]
+        .into_iter()
+        .chain(r.runs.iter().flat_map(|x| {
+            [Some(x.total_s), x.te_s, x.sampling_s, x.vae_s]
+                .into_iter()
+                .flatten()
+        }));
+    for t in times {
+        if !(t.is_finite() && t >= 0.0) {
+            return Err(format!("unreadable report: time {t} is not a duration"));
+        }
+    }
+    if r.runs.iter().any(|x| x.unet_calls == Some(0)) {
+        return Err("unreadable report: a run with 0 UNet calls".into());
+    }
+    Ok(r)
+}
+
+/// `s` on one line (whitespace runs collapsed).
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// One peer column of the table: a program and precision, its report or
+/// why it was not measured (`unavailable: …`, `not comparable: …`,
+/// `failed: …`, `unreadable report: …`).
+struct PeerColumn {
+    name: &'static str,
+    /// sd.cpp reads weights inside its first generation, so its load time
+    /// alone is not comparable.
+    deferred_load: bool,
+    result: Result<PeerReport, String>,
+}
+
+impl PeerColumn {
+    /// The word a cell shows for a peer that was not measured.
+    fn status(&self) -> &str {
+        match &self.result {
+            Ok(_) => "",
+            Err(e) => e.split(':').next().unwrap_or("not measured"),
+        }
+    }
+}
+
+/// The checkpoint files read once before timing (warm page cache).
+#[derive(Debug, Serialize)]
+struct WarmCache {
+    files: Vec<String>,
+    bytes: u64,
+    /// Seconds the first read took (before sdhost was timed).
+    first_read_s: f64,
 }
 
 struct ModelReport {
@@ -210,12 +317,14 @@ struct ModelReport {
     ours: Vec<ModelRun>,
     peak_host: Option<u64>,
     device_used: Vec<(String, u64)>,
-    peer: Option<Result<PeerReport, String>>,
+    peers: Vec<PeerColumn>,
+    warm: WarmCache,
     steps: u32,
 }
 
 /// One row of the stage table: how to read it off an sdhost run and off a
-/// peer run (`steps` turns sd.cpp's sampling time into a per-step time).
+/// peer run (`steps` turns a peer's sampling time into a per-step time
+/// where it does not count its UNet calls).
 struct Stage {
     name: &'static str,
     ours: fn(&ModelRun) -> f64,
@@ -231,7 +340,10 @@ const STAGES: [Stage; 5] = [
     Stage {
         name: "UNet step",
         ours: |r| r.unet_step,
-        peer: |r, steps| r.sampling_s.map(|s| s / steps),
+        peer: |r, steps| {
+            r.sampling_s
+                .map(|s| s / r.unet_calls.map_or(steps, f64::from))
+        },
     },
     Stage {
         name: "sampling",
@@ -251,21 +363,25 @@ const STAGES: [Stage; 5] = [
 ];
 
 impl ModelReport {
-    /// sdhost's spread for `stage`, and the peer's where it was measured.
-    fn spreads(&self, stage: &Stage) -> (Spread, Option<Spread>) {
+    /// sdhost's spread for `stage`, and each peer's where it was measured.
+    fn spreads(&self, stage: &Stage, steps: f64) -> (Spread, Vec<Option<Spread>>) {
         let ours: Vec<f64> = self.ours.iter().map(stage.ours).collect();
-        let peer = match &self.peer {
-            Some(Ok(p)) => {
-                let v: Vec<f64> = p
-                    .runs
-                    .iter()
-                    .filter_map(|r| (stage.peer)(r, f64::from(self.steps)))
-                    .collect();
-                (!v.is_empty()).then(|| spread(&v))
-            }
-            _ => None,
-        };
-        (spread(&ours), peer)
+        let peers = self
+            .peers
+            .iter()
+            .map(|c| match &c.result {
+                Ok(p) => {
+                    let v: Vec<f64> = p
+                        .runs
+                        .iter()
+                        .filter_map(|r| (stage.peer)(r, steps))
+                        .collect();
+                    (!v.is_empty()).then(|| spread(&v))
+                }
+                Err(_) => None,
+            })
+            .collect();
+        (spread(&ours), peers)
     }
 }
 
@@ -277,65 +393,94 @@ fn secs(s: f64) -> String {
     }
 }
 
+fn ratio(peer: f64, ours: f64) -> String {
+    format!("{:.2}×", peer / ours.max(1e-9))
+}
+
 impl Report for ModelReport {
     fn text(&self) -> String {
         let mut out = format!(
             "model {} — {} — {}\n{} measured runs after one warm-up; median [min – max]\n",
             self.model, self.settings, self.devices, self.runs
         );
-        let with_peer = matches!(self.peer, Some(Ok(_)));
-        let mut header = vec!["STAGE", "SDHOST"];
-        if with_peer {
-            header.extend(["SD.CPP", "SPEEDUP (sd.cpp ÷ sdhost)"]);
+        let mut header = vec!["STAGE".to_string(), "SDHOST".to_string()];
+        for c in &self.peers {
+            header.push(c.name.to_uppercase());
+            header.push("RATIO".to_string());
         }
+        // Fills one peer's two cells: its figure and the ratio, or its status.
+        let cells = |row: &mut Vec<String>, c: &PeerColumn, v: Option<(String, String)>| match v {
+            _ if c.result.is_err() => row.extend([c.status().to_string(), "—".to_string()]),
+            Some((a, b)) => row.extend([a, b]),
+            None => row.extend(["—".to_string(), "—".to_string()]),
+        };
+        let steps = self.steps();
         let mut rows = Vec::new();
-        // sd.cpp reads weights lazily, inside its first generation, so load
-        // alone is not comparable; load plus the first image is.
         let mut load = vec!["weight load".to_string(), secs(self.load_s)];
         let ours_first = self.load_s + self.first_run_s;
         let mut first = vec!["load + first image".to_string(), secs(ours_first)];
-        if let Some(Ok(p)) = &self.peer {
-            load.push(format!("{} (deferred)", secs(p.load_s)));
-            load.push("—".into());
-            let theirs = p.load_s + p.first_run_s;
-            first.push(secs(theirs));
-            first.push(format!("{:.2}×", theirs / ours_first.max(1e-9)));
+        for c in &self.peers {
+            let p = c.result.as_ref().ok();
+            cells(
+                &mut load,
+                c,
+                p.map(|p| {
+                    if c.deferred_load {
+                        (format!("{} (deferred)", secs(p.load_s)), "—".to_string())
+                    } else {
+                        (secs(p.load_s), ratio(p.load_s, self.load_s))
+                    }
+                }),
+            );
+            cells(
+                &mut first,
+                c,
+                p.map(|p| {
+                    let theirs = p.load_s + p.first_run_s;
+                    (secs(theirs), ratio(theirs, ours_first))
+                }),
+            );
         }
         rows.push(load);
         rows.push(first);
         for stage in &STAGES {
-            let (s, peer) = self.spreads(stage);
+            let (s, peers) = self.spreads(stage, steps);
             let mut row = vec![
                 stage.name.to_string(),
                 format!("{} [{} – {}]", secs(s.median), secs(s.min), secs(s.max)),
             ];
-            if with_peer {
-                match peer {
-                    Some(p) => {
-                        row.push(format!(
-                            "{} [{} – {}]",
-                            secs(p.median),
-                            secs(p.min),
-                            secs(p.max)
-                        ));
-                        row.push(format!("{:.2}×", p.median / s.median.max(1e-9)));
-                    }
-                    None => row.extend(["—".to_string(), "—".to_string()]),
-                }
+            for (c, p) in self.peers.iter().zip(peers) {
+                cells(
+                    &mut row,
+                    c,
+                    p.map(|p| {
+                        (
+                            format!("{} [{} – {}]", secs(p.median), secs(p.min), secs(p.max)),
+                            ratio(p.median, s.median),
+                        )
+                    }),
+                );
             }
             rows.push(row);
         }
-        out.push_str(&render::table(&header, &rows));
         if let Some(b) = self.peak_host {
-            out.push_str(&format!("peak host memory: sdhost {} MiB", b >> 20));
-            if let Some(Ok(PeerReport {
-                peak_host_bytes: Some(p),
-                ..
-            })) = &self.peer
-            {
-                out.push_str(&format!(", sd.cpp {} MiB", p >> 20));
+            let mut row = vec!["peak host memory".to_string(), format!("{} MiB", b >> 20)];
+            for c in &self.peers {
+                let p = c.result.as_ref().ok().and_then(|p| p.peak_host_bytes);
+                cells(
+                    &mut row,
+                    c,
+                    p.map(|p| (format!("{} MiB", p >> 20), ratio(p as f64, b as f64))),
+                );
             }
-            out.push('\n');
+            rows.push(row);
+        }
+        let header: Vec<&str> = header.iter().map(String::as_str).collect();
+        out.push_str(&render::table(&header, &rows));
+        if !self.peers.is_empty() {
+            out.push_str(
+                "RATIO: the peer's figure ÷ sdhost's (above 1: sdhost is faster or smaller)\n",
+            );
         }
         for (d, b) in &self.device_used {
             out.push_str(&format!(
@@ -343,19 +488,23 @@ impl Report for ModelReport {
                 b >> 20
             ));
         }
-        match &self.peer {
-            Some(Ok(p)) => out.push_str(&format!(
-                "sd.cpp: {}\n",
-                p.system.split_whitespace().collect::<Vec<_>>().join(" ")
-            )),
-            Some(Err(e)) => out.push_str(&format!("sd.cpp: not measured: {e}\n")),
-            None => {}
+        out.push_str(&format!(
+            "page cache: {} ({} MiB) read once before timing sdhost ({:.1} s) and again before each peer, so load times compare loading, not the disk\n",
+            self.warm.files.join(", "),
+            self.warm.bytes >> 20,
+            self.warm.first_read_s
+        ));
+        for c in &self.peers {
+            match &c.result {
+                Ok(p) => out.push_str(&format!("{}: {}\n", c.name, one_line(&p.system))),
+                Err(e) => out.push_str(&format!("{}: {e}\n", c.name)),
+            }
         }
         out
     }
 }
 
-/// The JSON form is computed (ratios to the peer per stage), so it is
+/// The JSON form is computed (ratios to each peer per stage), so it is
 /// serialised from [`ModelReport::to_json`].
 impl Serialize for ModelReport {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
@@ -364,40 +513,80 @@ impl Serialize for ModelReport {
 }
 
 impl ModelReport {
+    /// Sampling steps, as a divisor.
+    fn steps(&self) -> f64 {
+        f64::from(self.steps)
+    }
+
     fn to_json(&self) -> Value {
+        let steps = self.steps();
         let stages: serde_json::Map<String, Value> = STAGES
             .iter()
             .map(|stage| {
-                let (ours, peer) = self.spreads(stage);
-                let mut o = json!({ "sdhost_s": ours });
-                if let Some(p) = peer {
-                    o["speedup"] = json!(p.median / ours.median.max(1e-9));
-                    o["sdcpp_s"] = json!(p);
-                }
+                let (ours, peers) = self.spreads(stage, steps);
+                let peers: serde_json::Map<String, Value> = self
+                    .peers
+                    .iter()
+                    .zip(peers)
+                    .filter_map(|(c, p)| {
+                        let p = p?;
+                        let r = p.median / ours.median.max(1e-9);
+                        Some((c.name.to_string(), json!({ "s": p, "ratio": r })))
+                    })
+                    .collect();
+                let o = json!({ "sdhost_s": ours, "peers": peers });
                 (stage.name.to_string(), o)
             })
             .collect();
-        let (peer, peer_err) = match &self.peer {
-            Some(Ok(p)) => (
-                json!({"system": p.system, "load_s": p.load_s, "first_run_s": p.first_run_s, "peak_host_bytes": p.peak_host_bytes}),
-                Value::Null,
-            ),
-            Some(Err(e)) => (Value::Null, json!(e)),
-            None => (Value::Null, Value::Null),
-        };
+        let peers: Vec<Value> = self
+            .peers
+            .iter()
+            .map(|c| match &c.result {
+                Ok(p) => json!({
+                    "name": c.name, "system": p.system, "load_s": p.load_s,
+                    "load_deferred": c.deferred_load, "first_run_s": p.first_run_s,
+                    "peak_host_bytes": p.peak_host_bytes, "error": null,
+                }),
+                Err(e) => json!({ "name": c.name, "error": e }),
+            })
+            .collect();
         json!({
             "model": self.model, "settings": self.settings, "devices": self.devices,
             "runs": self.runs, "load_s": self.load_s, "first_run_s": self.first_run_s,
             "stages": stages, "peak_host_bytes": self.peak_host,
             "device_used_bytes": self.device_used.iter().map(|(d, b)| json!({"device": d, "bytes": b})).collect::<Vec<_>>(),
-            "sdcpp": peer, "sdcpp_error": peer_err,
+            "page_cache": self.warm, "peers": peers,
         })
     }
 }
 
+/// Reads `files` once, sequentially, discarding the bytes, so that the
+/// program timed next finds them in the page cache. Returns the bytes read
+/// and the seconds it took.
+fn warm_page_cache(files: &[&Path]) -> anyhow::Result<(u64, f64)> {
+    use std::io::Read;
+    let t = Instant::now();
+    let mut buf = vec![0u8; 8 << 20];
+    let mut total = 0u64;
+    for f in files {
+        let mut file =
+            std::fs::File::open(f).with_context(|| format!("{}: reading it", f.display()))?;
+        loop {
+            let n = file
+                .read(&mut buf)
+                .with_context(|| format!("{}: reading it", f.display()))?;
+            if n == 0 {
+                break;
+            }
+            total += n as u64;
+        }
+    }
+    Ok((total, t.elapsed().as_secs_f64()))
+}
+
 /// `sdhost bench -m MODEL`: loads once, one warm-up run, then measured runs,
 /// each stage timed by the modules themselves; optionally the same with
-/// stable-diffusion.cpp in a child process.
+/// stable-diffusion.cpp and diffusers, each in a child process.
 pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
     use sdhost_models::pipeline::Pipeline;
@@ -428,6 +617,18 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
                 *peak = (*peak).max(total.saturating_sub(free));
             }
         }
+    };
+
+    // Every program starts from a warm page cache: "load + first image"
+    // then compares loading, not the disk.
+    let files: Vec<&Path> = std::iter::once(path.as_path())
+        .chain(a.sample.vae_file())
+        .collect();
+    let (bytes, first_read_s) = warm_page_cache(&files)?;
+    let warm = WarmCache {
+        files: files.iter().map(|f| f.display().to_string()).collect(),
+        bytes,
+        first_read_s,
     };
 
     let tiling = a.sample.vae_tiling()?;
@@ -466,123 +667,322 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
     }
     let threads = session.threads.unwrap_or(1);
-    let peer = a
-        .peer
-        .as_ref()
-        .map(|p| run_peer(p, a, &req, path, threads, runs));
+    let family = sd.family().family;
+    let settings = format!(
+        "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
+        family.name(),
+        req.width,
+        req.height,
+        a.sample.steps,
+        req.sampler,
+        req.scheduler,
+        a.sample.cfg_scale,
+        a.sample.seed,
+        threads,
+        flash
+    );
+    let devices = crate::commands::generate::placement_summary(&sd, &placement);
+    let peak_host = peak_host_memory();
+    // sdhost's weights and buffers are released before the peers run.
+    drop(sd);
+    let job = PeerJob {
+        a,
+        req: &req,
+        model: path,
+        threads,
+        runs,
+        family,
+        gpu: used.first().map(String::as_str),
+        files: &files,
+    };
+    let mut peers = Vec::new();
+    let mut seen = Vec::new();
+    for p in &a.peer {
+        let key = std::mem::discriminant(p);
+        if seen.contains(&key) {
+            continue;
+        }
+        seen.push(key);
+        match p {
+            Peer::SdCpp(exe) => peers.push(PeerColumn {
+                name: "sd.cpp",
+                deferred_load: true,
+                result: job.sdcpp(exe.as_deref()),
+            }),
+            Peer::Diffusers => {
+                for (name, dtype) in [("diffusers-f32", "f32"), ("diffusers-bf16", "bf16")] {
+                    peers.push(PeerColumn {
+                        name,
+                        deferred_load: false,
+                        result: job.diffusers(dtype),
+                    });
+                }
+            }
+        }
+    }
     let report = ModelReport {
         model: path.display().to_string(),
-        settings: format!(
-            "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
-            sd.family().family.name(),
-            req.width,
-            req.height,
-            a.sample.steps,
-            req.sampler,
-            req.scheduler,
-            a.sample.cfg_scale,
-            a.sample.seed,
-            threads,
-            flash
-        ),
-        devices: crate::commands::generate::placement_summary(&sd, &placement),
+        settings,
+        devices,
         runs,
         load_s,
         first_run_s,
         ours,
-        peak_host: peak_host_memory(),
+        peak_host,
         device_used,
-        peer,
+        peers,
+        warm,
         steps: a.sample.steps,
     };
     render::print(&report, a.json)?;
     Ok(())
 }
 
-/// Runs the sd.cpp peer with the same settings; errors are reported in the
-/// table rather than failing the benchmark.
-fn run_peer(
-    peer: &std::path::Path,
-    a: &BenchArgs,
-    req: &sdhost_models::pipeline::Request,
-    model: &std::path::Path,
+/// What every peer is given: sdhost's settings for this benchmark.
+struct PeerJob<'a> {
+    a: &'a BenchArgs,
+    req: &'a sdhost_models::pipeline::Request,
+    model: &'a Path,
     threads: usize,
     runs: u32,
-) -> Result<PeerReport, String> {
-    // The peer driver maps only these settings onto sd.cpp; anything else
-    // would time a different computation, so it is not run at all.
-    use sdhost_models::sampling::schedule::{Sampler, Scheduler};
-    if !matches!(
-        req.sampler,
-        Sampler::EulerA | Sampler::Euler | Sampler::DpmPp2m
-    ) || req.scheduler != Scheduler::Discrete
-        || a.sample.vae_tiling
-    {
-        return Err(format!(
-            "not comparable: the sd.cpp peer runs euler_a, euler or dpm++2m with the discrete schedule and no VAE tiling (asked: {} {}{})",
+    family: sdhost_models::family::Family,
+    /// The first non-CPU device sdhost ran on, if any.
+    gpu: Option<&'a str>,
+    /// Files to read into the page cache before the peer starts.
+    files: &'a [&'a Path],
+}
+
+impl PeerJob<'_> {
+    /// Re-reads the checkpoint (it may have been evicted while sdhost ran).
+    fn warm(&self) -> Result<(), String> {
+        warm_page_cache(self.files)
+            .map(|_| ())
+            .map_err(|e| format!("failed: {}", one_line(&format!("{e:#}"))))
+    }
+
+    /// Runs the sd.cpp peer with the same settings; errors are reported in
+    /// the table rather than failing the benchmark.
+    fn sdcpp(&self, exe: Option<&Path>) -> Result<PeerReport, String> {
+        // The peer driver maps only these settings onto sd.cpp; anything else
+        // would time a different computation, so it is not run at all.
+        use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+        let (a, req) = (self.a, self.req);
+        if !matches!(
             req.sampler,
-            req.scheduler,
-            if a.sample.vae_tiling { ", VAE tiling" } else { "" }
-        ));
+            Sampler::EulerA | Sampler::Euler | Sampler::DpmPp2m
+        ) || req.scheduler != Scheduler::Discrete
+            || a.sample.vae_tiling
+        {
+            return Err(format!(
+                "not comparable: the sd.cpp peer runs euler_a, euler or dpm++2m with the discrete schedule and no VAE tiling (asked: {} {}{})",
+                req.sampler,
+                req.scheduler,
+                if a.sample.vae_tiling { ", VAE tiling" } else { "" }
+            ));
+        }
+        let exe = match exe {
+            Some(p) => p.to_path_buf(),
+            None => std::env::current_exe()
+                .map_err(|e| format!("unavailable: {e}"))?
+                .with_file_name("sdhost-peer-sdcpp"),
+        };
+        if !exe.is_file() {
+            return Err(format!(
+                "unavailable: {} not found (build it: cargo build --release -p sdhost-peer-sdcpp)",
+                exe.display()
+            ));
+        }
+        let mut c = Command::new(&exe);
+        c.arg("-m")
+            .arg(self.model)
+            .args(["-p", &a.prompt])
+            .args(["-W", &req.width.to_string(), "-H", &req.height.to_string()])
+            .args(["--steps", &a.sample.steps.to_string()])
+            .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
+            .args(["--seed", &a.sample.seed.to_string()])
+            .args(["--sampler", a.sample.sampler.sampler.name()])
+            .args(["-t", &self.threads.to_string()])
+            .args(["--runs", &self.runs.to_string()]);
+        // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
+        if a.sample.flash_attn == crate::cli::FlashAttn::On {
+            c.arg("--flash-attn");
+        }
+        if let Some(b) = &a.placement.backend {
+            c.args(["--backend", b]);
+        }
+        if let Some(b) = &a.placement.params_backend {
+            c.args(["--params-backend", b]);
+        }
+        self.warm()?;
+        let stdout = run_child(c, &exe.display().to_string(), None)?;
+        parse_peer_report(&stdout, self.runs)
     }
-    let exe = if peer.as_os_str() == "auto" {
-        std::env::current_exe()
-            .map_err(|e| e.to_string())?
-            .with_file_name("sdhost-peer-sdcpp")
-    } else {
-        peer.to_path_buf()
-    };
-    if !exe.is_file() {
-        return Err(format!(
-            "{} not found (build it: cargo build --release -p sdhost-peer-sdcpp)",
-            exe.display()
-        ));
+
+    /// Runs bench/diffusers_peer.py (compiled in, given to Python on stdin)
+    /// in `dtype` with the same settings; errors are reported in the table.
+    fn diffusers(&self, dtype: &str) -> Result<PeerReport, String> {
+        use sdhost_models::family::Family;
+        let (a, req) = (self.a, self.req);
+        if self.family != Family::Sd1 {
+            return Err(format!(
+                "not comparable: the diffusers peer runs SD 1.x checkpoints (this is {})",
+                self.family.name()
+            ));
+        }
+        if let Some(d) = self.gpu {
+            return Err(format!(
+                "not comparable: the diffusers peer runs on the CPU, sdhost ran on {d}"
+            ));
+        }
+        if a.sample.vae_tiling || a.sample.vae_file().is_some() {
+            return Err(
+                "not comparable: the diffusers peer decodes with the checkpoint's own VAE, untiled"
+                    .into(),
+            );
+        }
+        let python = a
+            .diffusers_python
+            .clone()
+            .or_else(|| std::env::var_os("SDHOST_DIFFUSERS_PYTHON").map(PathBuf::from))
+            .unwrap_or_else(|| PathBuf::from("python3"));
+        let mut c = Command::new(&python);
+        c.arg("-")
+            .arg("--model")
+            .arg(self.model)
+            .args(["--prompt", &a.prompt])
+            .args(["--width", &req.width.to_string()])
+            .args(["--height", &req.height.to_string()])
+            .args(["--steps", &a.sample.steps.to_string()])
+            .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
+            .args(["--seed", &a.sample.seed.to_string()])
+            .args(["--sampler", req.sampler.name()])
+            .args(["--scheduler", req.scheduler.name()])
+            .args(["--threads", &self.threads.to_string()])
+            .args(["--dtype", dtype])
+            .args(["--runs", &self.runs.to_string()])
+            // No hub access, ever: the script builds every config itself.
+            .env("HF_HUB_OFFLINE", "1");
+        self.warm()?;
+        let stdout = run_child(c, &python.display().to_string(), Some(DIFFUSERS_PEER))?;
+        parse_peer_report(&stdout, self.runs)
     }
-    let mut c = Command::new(&exe);
-    c.arg("-m")
-        .arg(model)
-        .args(["-p", &a.prompt])
-        .args(["-W", &req.width.to_string(), "-H", &req.height.to_string()])
-        .args(["--steps", &a.sample.steps.to_string()])
-        .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
-        .args(["--seed", &a.sample.seed.to_string()])
-        .args(["--sampler", a.sample.sampler.sampler.name()])
-        .args(["-t", &threads.to_string()])
-        .args(["--runs", &runs.to_string()]);
-    // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
-    if a.sample.flash_attn == crate::cli::FlashAttn::On {
-        c.arg("--flash-attn");
-    }
-    if let Some(b) = &a.placement.backend {
-        c.args(["--backend", b]);
-    }
-    if let Some(b) = &a.placement.params_backend {
-        c.args(["--params-backend", b]);
-    }
+}
+
+/// bench/diffusers_peer.py, run as `python - ARGS` so that an installed
+/// sdhost needs no copy of the repository.
+const DIFFUSERS_PEER: &str = include_str!("../../../bench/diffusers_peer.py");
+
+/// Exit statuses of bench/diffusers_peer.py whose one-line stderr message
+/// already names its kind (`unavailable: …`, `not comparable: …`).
+const EXIT_UNAVAILABLE: i32 = 3;
+const EXIT_NOT_COMPARABLE: i32 = 4;
+
+/// Runs a peer to completion (its stdin fed `script`, if any) and returns
+/// its stdout, or a one-line error.
+fn run_child(mut c: Command, what: &str, script: Option<&str>) -> Result<String, String> {
+    use std::io::Write;
+    use std::process::Stdio;
     tracing::info!("running {c:?}");
-    let out = c.output().map_err(|e| format!("{}: {e}", exe.display()))?;
+    c.stdin(if script.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = c.spawn().map_err(|e| format!("unavailable: {what}: {e}"))?;
+    let feeder = script.and_then(|s| {
+        let mut stdin = child.stdin.take()?;
+        let s = s.to_string();
+        // A child that exits without reading its script closes the pipe;
+        // its exit status says what went wrong, so a write error is ignored.
+        Some(std::thread::spawn(move || {
+            let _ = stdin.write_all(s.as_bytes());
+        }))
+    });
+    let out = child
+        .wait_with_output()
+        .map_err(|e| format!("failed: {what}: {e}"))?;
+    if let Some(f) = feeder {
+        let _ = f.join();
+    }
     if !out.status.success() {
         let err = String::from_utf8_lossy(&out.stderr);
-        let last = err
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("");
-        return Err(format!("exited with {}: {}", out.status, last.trim()));
+        let last = one_line(
+            err.lines()
+                .rev()
+                .find(|l| !l.trim().is_empty())
+                .unwrap_or(""),
+        );
+        return Err(match out.status.code() {
+            Some(EXIT_UNAVAILABLE | EXIT_NOT_COMPARABLE)
+                if last.starts_with("unavailable:") || last.starts_with("not comparable:") =>
+            {
+                last
+            }
+            _ => format!("failed: {what} exited with {}: {last}", out.status),
+        });
     }
-    // sd.cpp draws its progress bars on stdout; the report is the last line.
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.trim_start().starts_with('{'))
-        .ok_or("no report in its output")?;
-    serde_json::from_str(line).map_err(|e| format!("unreadable report: {e}"))
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_names_and_paths() {
+        assert_eq!(parse_peer("sdcpp"), Ok(Peer::SdCpp(None)));
+        assert_eq!(parse_peer("auto"), Ok(Peer::SdCpp(None)));
+        assert_eq!(parse_peer("diffusers"), Ok(Peer::Diffusers));
+        assert_eq!(
+            parse_peer("./build/sdhost-peer-sdcpp"),
+            Ok(Peer::SdCpp(Some(PathBuf::from(
+                "./build/sdhost-peer-sdcpp"
+            ))))
+        );
+        let e = parse_peer("pytorch").unwrap_err();
+        assert!(e.starts_with("unknown peer `pytorch`"), "{e}");
+    }
+
+    const GOOD: &str = r#"{"system": "s", "load_s": 1.5, "first_run_s": 2.0, "runs": [{"total_s": 3.0, "te_s": 0.1, "sampling_s": 2.0, "vae_s": 0.5}], "peak_host_bytes": 42}"#;
+
+    #[test]
+    fn peer_report_is_the_last_json_line() {
+        let out = format!("{{progress\n{GOOD}\n  [=====] 100%\n");
+        let r = parse_peer_report(&out, 1).unwrap();
+        assert_eq!(
+            (r.load_s, r.runs.len(), r.peak_host_bytes),
+            (1.5, 1, Some(42))
+        );
+        assert_eq!(r.runs[0].unet_calls, None);
+        for (out, runs, want) in [
+            ("", 1, "unreadable report: no JSON object in its output"),
+            (
+                "{",
+                1,
+                "unreadable report: EOF while parsing an object at line 1 column 1",
+            ),
+            (GOOD, 2, "unreadable report: 1 measured runs, asked for 2"),
+            (
+                &GOOD.replace("1.5", "\"x\""),
+                1,
+                "unreadable report: invalid type: string \"x\", expected f64 at line 1 column 29",
+            ),
+            (
+                &GOOD.replace("0.5}", "0.5, \"unet_calls\": 0}"),
+                1,
+                "unreadable report: a run with 0 UNet calls",
+            ),
+            (
+                &GOOD.replace("\"te_s\": 0.1", "\"te_s\": -0.1"),
+                1,
+                "unreadable report: time -0.1 is not a duration",
+            ),
+        ] {
+            assert_eq!(parse_peer_report(out, runs).unwrap_err(), want, "{out}");
+        }
+    }
 
     #[test]
     fn spread_of_odd_even_and_empty() {

@@ -1,0 +1,379 @@
+#!/usr/bin/env python3
+"""diffusers run with the settings `sdhost bench --peer diffusers` gives it, for side-by-side timings.
+
+sdhost runs this script in a child process (`python - ARGS`, the script on stdin; it is compiled
+into the sdhost binary) once per precision (f32, bf16).  It prints ONE JSON object on stdout,
+the same shape as bench/peer-sdcpp prints:
+
+  {"system": str, "load_s": float, "first_run_s": float, "peak_host_bytes": int|null,
+   "runs": [{"total_s", "te_s", "sampling_s", "vae_s", "unet_calls"}, ...]}
+
+Stages, as sdhost's bench times them: text encode = every CLIP forward (prompt and negative),
+sampling = from the end of text encoding to the start of VAE decoding (UNet calls with CFG's batch
+of two, scheduler steps), VAE decode = `vae.decode`, end to end = one pipeline call.  `load_s` is
+reading the checkpoint and building the three models; `first_run_s` is the warm-up generation.
+
+Offline by construction: the single-file checkpoint's architecture is read from its tensor shapes
+and written as an ldm `original_config` YAML into a temporary folder, which diffusers'
+`from_single_file` turns into model configs (no hub access: no config, no tokenizer files are
+fetched).  The CLIP tokenizer is built from the BPE vocabulary open_clip_torch ships.
+
+Exit status: 0 with the report; 3 "unavailable: ..." (Python packages missing); 4 "not
+comparable: ..." (settings diffusers cannot reproduce, checkpoint not SD 1.x); anything else is a
+failure.  Every message is one line on stderr.
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+EXIT_UNAVAILABLE = 3
+EXIT_NOT_COMPARABLE = 4
+
+
+def fail(code, msg):
+    print(" ".join(str(msg).split()), file=sys.stderr)
+    sys.exit(code)
+
+
+# sdhost sampler name -> (diffusers scheduler class, extra kwargs).  What diffusers has no
+# equivalent for is refused: a different sampler would time a different computation.
+SAMPLERS = {
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "heun": ("HeunDiscreteScheduler", {}),
+    "dpm2": ("KDPM2DiscreteScheduler", {}),
+    "dpm2_a": ("KDPM2AncestralDiscreteScheduler", {}),
+    "dpm++2m": ("DPMSolverMultistepScheduler", {"algorithm_type": "dpmsolver++", "solver_order": 2}),
+    "dpm++2m_sde": ("DPMSolverMultistepScheduler", {"algorithm_type": "sde-dpmsolver++", "solver_order": 2}),
+    "lms": ("LMSDiscreteScheduler", {}),
+    "ddim": ("DDIMScheduler", {"set_alpha_to_one": False}),
+}
+
+# sdhost schedule name -> scheduler kwarg that selects it (None: the default spacing).
+SCHEDULES = {
+    "discrete": None,
+    "karras": "use_karras_sigmas",
+    "exponential": "use_exponential_sigmas",
+}
+
+# SD 1.x's training schedule (the ldm config's linear_start/linear_end, "scaled_linear" betas).
+SD1_SCHEDULE = dict(num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                    timestep_spacing="linspace", steps_offset=1)
+
+TE = "cond_stage_model.transformer.text_model."
+UNET = "model.diffusion_model."
+VAE = "first_stage_model."
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--prompt", default="a photo of a cat")
+    p.add_argument("--negative-prompt", default="")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--height", type=int, default=512)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--cfg-scale", type=float, default=7.0)
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--sampler", default="euler_a")
+    p.add_argument("--scheduler", default="discrete")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--runs", type=int, default=3)
+    return p.parse_args()
+
+
+def sd1_original_config(shapes):
+    """The ldm (CompVis) config of an SD 1.x single-file checkpoint, read off its tensor shapes.
+
+    SD 1.x has 8 attention heads at every level (ldm num_heads: 8), which shapes cannot show; sdhost
+    uses the same rule."""
+    if TE + "embeddings.token_embedding.weight" not in shapes:
+        fail(EXIT_NOT_COMPARABLE, "not comparable: the diffusers peer runs SD 1.x single-file checkpoints "
+             f"(no {TE}embeddings.token_embedding.weight; SD 2.x and SDXL are not mapped)")
+    if UNET + "label_emb.0.0.weight" in shapes:
+        fail(EXIT_NOT_COMPARABLE, "not comparable: the UNet has an ADM input (SDXL-like), not SD 1.x")
+    conv_in = shapes[UNET + "input_blocks.0.0.weight"]
+    model_channels, in_channels = conv_in[0], conv_in[1]
+    if in_channels != 4:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: the UNet takes {in_channels} input channels (inpainting); "
+             "bench runs text-to-image")
+    levels = [[]]  # per level: (out channels, has attention, transformer depth) of each res block
+    k = 1
+    context_dim = None
+    while UNET + f"input_blocks.{k}.0.op.weight" in shapes or UNET + f"input_blocks.{k}.0.out_layers.3.weight" in shapes:
+        if UNET + f"input_blocks.{k}.0.op.weight" in shapes:
+            levels.append([])
+        else:
+            out = shapes[UNET + f"input_blocks.{k}.0.out_layers.3.weight"][0]
+            depth = 0
+            while UNET + f"input_blocks.{k}.1.transformer_blocks.{depth}.attn2.to_k.weight" in shapes:
+                context_dim = shapes[UNET + f"input_blocks.{k}.1.transformer_blocks.{depth}.attn2.to_k.weight"][1]
+                depth += 1
+            levels[-1].append((out, depth))
+        k += 1
+    if not levels[0] or any(len(lv) != len(levels[0]) for lv in levels):
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: unexpected UNet layout in input_blocks ({levels})")
+    if context_dim is None:
+        fail(EXIT_NOT_COMPARABLE, "not comparable: the UNet has no cross-attention")
+    channel_mult = []
+    attention_resolutions = []
+    depths = set()
+    for i, lv in enumerate(levels):
+        if lv[0][0] % model_channels:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: level {i} width {lv[0][0]} is no multiple of {model_channels}")
+        channel_mult.append(lv[0][0] // model_channels)
+        if lv[0][1]:
+            attention_resolutions.append(2 ** i)
+            depths.add(lv[0][1])
+    if len(depths) > 1:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: transformer depth differs between levels ({sorted(depths)})")
+
+    vae_ch = shapes[VAE + "encoder.conv_in.weight"][0]
+    vae_mult = []
+    i = 0
+    while VAE + f"encoder.down.{i}.block.0.conv2.weight" in shapes:
+        vae_mult.append(shapes[VAE + f"encoder.down.{i}.block.0.conv2.weight"][0] // vae_ch)
+        i += 1
+    vae_blocks = 0
+    while VAE + f"encoder.down.0.block.{vae_blocks}.conv1.weight" in shapes:
+        vae_blocks += 1
+    z_channels = shapes[VAE + "decoder.conv_in.weight"][1]
+    embed_dim = shapes[VAE + "post_quant_conv.weight"][0]
+
+    return {
+        "model": {
+            "target": "ldm.models.diffusion.ddpm.LatentDiffusion",
+            "params": {
+                "linear_start": 0.00085,
+                "linear_end": 0.012,
+                "timesteps": 1000,
+                "scale_factor": 0.18215,
+                "unet_config": {
+                    "target": "ldm.modules.diffusionmodules.openaimodel.UNetModel",
+                    "params": {
+                        "image_size": 32,
+                        "in_channels": in_channels,
+                        "out_channels": shapes[UNET + "out.2.weight"][0],
+                        "model_channels": model_channels,
+                        "attention_resolutions": attention_resolutions,
+                        "num_res_blocks": len(levels[0]),
+                        "channel_mult": channel_mult,
+                        "num_heads": 8,
+                        "transformer_depth": depths.pop() if depths else 1,
+                        "context_dim": context_dim,
+                        "use_checkpoint": False,
+                        "legacy": False,
+                    },
+                },
+                "first_stage_config": {
+                    "target": "ldm.models.autoencoder.AutoencoderKL",
+                    "params": {
+                        "embed_dim": embed_dim,
+                        "ddconfig": {
+                            "double_z": True,
+                            "z_channels": z_channels,
+                            "resolution": 256,
+                            "in_channels": shapes[VAE + "encoder.conv_in.weight"][1],
+                            "out_ch": shapes[VAE + "decoder.conv_out.weight"][0],
+                            "ch": vae_ch,
+                            "ch_mult": vae_mult,
+                            "num_res_blocks": vae_blocks,
+                            "attn_resolutions": [],
+                            "dropout": 0.0,
+                        },
+                    },
+                },
+                "cond_stage_config": {"target": "ldm.modules.encoders.modules.FrozenCLIPEmbedder"},
+            },
+        }
+    }
+
+
+def te_config(shapes):
+    """CLIP text encoder config from shapes; heads = max(1, hidden / 64) as in sdhost (CLIP ViT-L/14: 12)."""
+    from transformers import CLIPTextConfig
+
+    vocab, hidden = shapes[TE + "embeddings.token_embedding.weight"]
+    layers = 0
+    while TE + f"encoder.layers.{layers}.mlp.fc1.weight" in shapes:
+        layers += 1
+    cfg = CLIPTextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=shapes[TE + "encoder.layers.0.mlp.fc1.weight"][0],
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        max_position_embeddings=shapes[TE + "embeddings.position_embedding.weight"][0],
+        hidden_act="quick_gelu",
+        layer_norm_eps=1e-5,
+    )
+    return cfg
+
+
+def clip_tokenizer():
+    """transformers' CLIPTokenizer from the OpenAI BPE vocabulary open_clip_torch ships (no hub)."""
+    import gzip
+
+    from open_clip.tokenizer import SimpleTokenizer, default_bpe
+    from transformers import CLIPTokenizer
+
+    st = SimpleTokenizer()
+    merges = gzip.open(default_bpe()).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
+    vocab = {("<|startoftext|>" if t == "<start_of_text>" else "<|endoftext|>" if t == "<end_of_text>" else t): i
+             for t, i in st.encoder.items()}
+    return CLIPTokenizer(vocab=vocab, merges=[tuple(m.split()) for m in merges], model_max_length=77)
+
+
+def peak_host_bytes():
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+class Timer:
+    """Sums the wall time of a module's forward calls and counts them."""
+
+    def __init__(self, module, clock):
+        self.total, self.calls, self.first_start, self.last_end = 0.0, 0, None, None
+        self._t0 = None
+        self._clock = clock
+        module.register_forward_pre_hook(self._pre)
+        module.register_forward_hook(self._post)
+
+    def _pre(self, *_):
+        self._t0 = self._clock()
+        if self.first_start is None:
+            self.first_start = self._t0
+
+    def _post(self, *_):
+        self.last_end = self._clock()
+        self.total += self.last_end - self._t0
+        self.calls += 1
+
+    def reset(self):
+        self.total, self.calls, self.first_start, self.last_end = 0.0, 0, None, None
+
+
+def main():
+    args = parse_args()
+    if args.sampler not in SAMPLERS:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers has no scheduler for sdhost's {args.sampler} "
+             f"(mapped: {', '.join(SAMPLERS)})")
+    if args.scheduler not in SCHEDULES:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers has no {args.scheduler} schedule "
+             f"(mapped: {', '.join(SCHEDULES)})")
+    if not args.model.endswith(".safetensors"):
+        fail(EXIT_NOT_COMPARABLE, "not comparable: the diffusers peer reads single-file .safetensors checkpoints")
+    try:
+        import torch
+
+        import diffusers
+        import transformers
+        from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+        from diffusers.loaders import single_file_utils as sfu
+        from safetensors import safe_open
+        from transformers import CLIPTextModel
+        import yaml
+        import open_clip  # noqa: F401  (the tokenizer's vocabulary)
+    except ImportError as e:
+        fail(EXIT_UNAVAILABLE, f"unavailable: {sys.executable}: {e}")
+
+    import inspect
+
+    cls_name, extra = SAMPLERS[args.sampler]
+    cls = getattr(diffusers, cls_name)
+    kwarg = SCHEDULES[args.scheduler]
+    if kwarg is not None:
+        if kwarg not in inspect.signature(cls.__init__).parameters:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers' {cls_name} has no {args.scheduler} schedule")
+        extra = dict(extra, **{kwarg: True})
+    sig = inspect.signature(cls.__init__).parameters
+    sched_kwargs = {k: v for k, v in dict(SD1_SCHEDULE, **extra).items() if k in sig}
+
+    torch.set_num_threads(args.threads)
+    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    clock = time.perf_counter
+
+    with safe_open(args.model, framework="pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    original_config = sd1_original_config(shapes)
+
+    t = clock()
+    checkpoint = sfu.load_single_file_checkpoint(args.model, local_files_only=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        oc = os.path.join(tmp, "v1-inference.yaml")
+        with open(oc, "w") as f:
+            yaml.safe_dump(original_config, f)
+        unet = UNet2DConditionModel.from_single_file(checkpoint, original_config=oc, torch_dtype=dtype,
+                                                     local_files_only=True)
+        vae = AutoencoderKL.from_single_file(checkpoint, original_config=oc, torch_dtype=dtype, local_files_only=True)
+    te = CLIPTextModel(te_config(shapes))
+    csd = sfu.convert_ldm_clip_checkpoint(checkpoint)
+    own = te.state_dict()
+    csd = {(k if k in own else k[len("text_model."):]): v for k, v in csd.items()}
+    r = te.load_state_dict(csd, strict=False)
+    if r.unexpected_keys or any(not k.endswith("position_ids") for k in r.missing_keys):
+        fail(1, f"text encoder weights do not fit: unexpected {r.unexpected_keys[:3]}, missing {r.missing_keys[:3]}")
+    te = te.to(dtype).eval()
+    del checkpoint, csd
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=te, tokenizer=clip_tokenizer(), unet=unet, scheduler=cls(**sched_kwargs),
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    pipe.set_progress_bar_config(disable=True)
+    load_s = clock() - t
+
+    te_t = Timer(te, clock)
+    unet_t = Timer(unet, clock)
+    vae_time = {"total": 0.0, "start": None}
+    decode = vae.decode
+
+    def timed_decode(*a, **kw):
+        t0 = clock()
+        if vae_time["start"] is None:
+            vae_time["start"] = t0
+        out = decode(*a, **kw)
+        vae_time["total"] += clock() - t0
+        return out
+
+    vae.decode = timed_decode
+
+    def generate():
+        te_t.reset()
+        unet_t.reset()
+        vae_time.update(total=0.0, start=None)
+        g = torch.Generator().manual_seed(args.seed)
+        t0 = clock()
+        with torch.inference_mode():
+            pipe(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
+                 num_inference_steps=args.steps, guidance_scale=args.cfg_scale, generator=g, output_type="np")
+        total = clock() - t0
+        sampling = (vae_time["start"] - te_t.last_end) if vae_time["start"] and te_t.last_end else None
+        return {"total_s": total, "te_s": te_t.total, "sampling_s": sampling, "vae_s": vae_time["total"],
+                "unet_calls": unet_t.calls}
+
+    t = clock()
+    generate()
+    first_run_s = clock() - t
+    runs = [generate() for _ in range(args.runs)]
+
+    system = (f"diffusers {diffusers.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
+              f"{args.dtype} weights and compute, {torch.get_num_threads()} threads, {cls_name}, "
+              f"attention {type(unet.attn_processors[next(iter(unet.attn_processors))]).__name__}")
+    json.dump({"system": system, "load_s": load_s, "first_run_s": first_run_s, "runs": runs,
+               "peak_host_bytes": peak_host_bytes()}, sys.stdout)
+    sys.stdout.write("\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+//! `sdhost bench -m … --peer …`: the peer list on the command line, the
+//! diffusers peer's column when Python cannot run it (a column saying why,
+//! never an error), the parser that reads a peer's JSON report (malformed
+//! output is one line in the column), and the ratios computed from a report.
+//! Python is replaced by small shell scripts, so CI needs no torch; the real
+//! diffusers peer runs when `SDHOST_DIFFUSERS_PYTHON` names a Python with
+//! torch and diffusers (skipped, loudly, otherwise).
+
+mod common;
+use common::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+fn tiny() -> PathBuf {
+    fixture("tiny-sd1.safetensors")
+}
+
+/// `bench` on the tiny model at 64×64, 1 step, 1 run, with `extra` flags.
+fn bench_args<'a>(model: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "bench",
+        "-m",
+        s(model),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--runs",
+        "1",
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
+/// The `peers` array of a JSON report: (name, error) in column order.
+fn peers(j: &Value) -> Vec<(String, Option<String>)> {
+    j["peers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["name"].as_str().unwrap().to_string(),
+                p["error"].as_str().map(String::from),
+            )
+        })
+        .collect()
+}
+
+fn names(j: &Value) -> Vec<String> {
+    peers(j).into_iter().map(|(n, _)| n).collect()
+}
+
+/// Writes an executable shell script standing in for Python.
+fn fake_python(p: &Prefix, name: &str, body: &str) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let path = p.root().join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}
+
+#[test]
+fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
+    let p = Prefix::with_cpu();
+    let bad = p.root().join("no/such/python3");
+    let model = tiny();
+    let j = p
+        .run(&bench_args(
+            &model,
+            &[
+                "--peer",
+                "diffusers",
+                "--diffusers-python",
+                s(&bad),
+                "--json",
+            ],
+        ))
+        .ok()
+        .json();
+    let got = peers(&j);
+    assert_eq!(names(&j), ["diffusers-f32", "diffusers-bf16"], "{j}");
+    for (name, err) in &got {
+        let err = err.as_deref().unwrap_or_else(|| panic!("{name}: no error"));
+        assert!(
+            err.starts_with("unavailable: ") && err.contains("no/such/python3"),
+            "{name}: {err}"
+        );
+        assert!(!err.contains('\n'), "{err}");
+    }
+    // sdhost's own stages are still measured, with no peer figures.
+    assert!(
+        j["stages"]["end to end"]["sdhost_s"]["median"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    assert_eq!(j["stages"]["end to end"]["peers"], serde_json::json!({}));
+    assert!(j["page_cache"]["bytes"].as_u64().unwrap() > 0, "{j}");
+
+    // Text: a column per precision whose cells say so, the reason below.
+    let r = p
+        .run(&bench_args(
+            &model,
+            &["--peer", "diffusers", "--diffusers-python", s(&bad)],
+        ))
+        .ok();
+    let header = r.stdout.lines().nth(2).unwrap();
+    assert!(
+        header.contains("DIFFUSERS-F32") && header.contains("DIFFUSERS-BF16"),
+        "{}",
+        r.stdout
+    );
+    let e2e = r
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("end to end"))
+        .unwrap();
+    assert_eq!(e2e.matches("unavailable").count(), 2, "{}", r.stdout);
+    assert!(
+        r.stdout.contains("diffusers-f32: unavailable: ")
+            && r.stdout.contains("diffusers-bf16: unavailable: "),
+        "{}",
+        r.stdout
+    );
+    assert!(r.stdout.contains("page cache: "), "{}", r.stdout);
+}
+
+#[test]
+fn peer_list_parses_commas_repeats_and_bare_flag() {
+    let p = Prefix::with_cpu();
+    let bad = p.root().join("missing-python");
+    let model = tiny();
+    let no_sdcpp = p.root().join("no-sdcpp-here");
+    for (flags, want) in [
+        (
+            vec!["--peer", "sdcpp,diffusers"],
+            vec!["sd.cpp", "diffusers-f32", "diffusers-bf16"],
+        ),
+        (
+            vec!["--peer", "diffusers", "--peer"],
+            vec!["diffusers-f32", "diffusers-bf16", "sd.cpp"],
+        ),
+        (vec!["--peer"], vec!["sd.cpp"]),
+        (
+            vec!["--peer", "diffusers,diffusers"],
+            vec!["diffusers-f32", "diffusers-bf16"],
+        ),
+        (vec!["--peer", s(&no_sdcpp)], vec!["sd.cpp"]),
+        (vec![], vec![]),
+    ] {
+        let mut extra = flags.clone();
+        extra.extend(["--diffusers-python", s(&bad), "--json"]);
+        let j = p.run(&bench_args(&model, &extra)).ok().json();
+        assert_eq!(names(&j), want, "{flags:?}");
+        // Nothing here can run: every column says why.
+        for (name, err) in peers(&j) {
+            assert!(err.is_some(), "{flags:?}: {name} measured?");
+        }
+    }
+    // A path is the sd.cpp peer at that path.
+    let j = p
+        .run(&bench_args(&model, &["--peer", s(&no_sdcpp), "--json"]))
+        .ok()
+        .json();
+    let err = peers(&j)[0].1.clone().unwrap();
+    assert!(
+        err.starts_with("unavailable: ") && err.contains("no-sdcpp-here not found"),
+        "{err}"
+    );
+    // A misspelt name is a usage error, not a missing file.
+    let r = p.run(&bench_args(&model, &["--peer", "sdcpp,difusers"]));
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert!(r.stderr.contains("unknown peer `difusers`"), "{}", r.stderr);
+}
+
+/// Runs the diffusers peer with a fake Python whose behaviour is `body`.
+fn with_fake(body: &str, extra: &[&str]) -> (Prefix, Value) {
+    let p = Prefix::with_cpu();
+    let py = fake_python(&p, "fake-python", body);
+    let model = tiny();
+    let mut flags = vec!["--peer", "diffusers", "--json"];
+    flags.extend_from_slice(extra);
+    let mut c = p.cmd(&bench_args(&model, &flags));
+    c.env("SDHOST_DIFFUSERS_PYTHON", &py)
+        .env("FAKE_DIR", p.root());
+    let j = Run::from(c.output().unwrap()).ok().json();
+    (p, j)
+}
+
+#[test]
+fn malformed_peer_output_is_one_line_in_the_column() {
+    for (body, want) in [
+        ("cat >/dev/null; echo 'progress 50%'; echo 'not json'", "unreadable report: no JSON object in its output"),
+        ("cat >/dev/null; echo '{\"system\": 1}'", "unreadable report: invalid type: integer `1`"),
+        (
+            "cat >/dev/null; echo '{\"system\": \"x\", \"load_s\": 1.0, \"first_run_s\": 1.0, \"runs\": [], \"peak_host_bytes\": null}'",
+            "unreadable report: 0 measured runs, asked for 1",
+        ),
+        (
+            "cat >/dev/null; echo '{\"system\": \"x\", \"load_s\": -1.0, \"first_run_s\": 1.0, \"runs\": [{\"total_s\": 1.0, \"te_s\": null, \"sampling_s\": null, \"vae_s\": null}], \"peak_host_bytes\": null}'",
+            "unreadable report: time -1 is not a duration",
+        ),
+        (
+            "cat >/dev/null; echo '{\"system\": \"x\", \"load_s\": 1.0, \"first_run_s\": 1.0, \"runs\": [{\"total_s\": 1.0, \"te_s\": null, \"sampling_s\": null, \"vae_s\": null, \"bogus\": 2}], \"peak_host_bytes\": null}'",
+            "unreadable report: unknown field `bogus`",
+        ),
+        (
+            "cat >/dev/null; echo 'Traceback:' >&2; echo \"unavailable: $0: No module named 'torch'\" >&2; exit 3",
+            "unavailable: ",
+        ),
+        (
+            "cat >/dev/null; echo \"not comparable: no scheduler\" >&2; exit 4",
+            "not comparable: no scheduler",
+        ),
+        (
+            "cat >/dev/null; echo 'boom' >&2; exit 7",
+            "failed: ",
+        ),
+    ] {
+        let (_p, j) = with_fake(body, &[]);
+        for (name, err) in peers(&j) {
+            let err = err.unwrap_or_else(|| panic!("{body}: {name} measured"));
+            assert!(err.starts_with(want), "{body}: {name}: {err}");
+            assert!(!err.contains('\n'), "{err}");
+            if want == "failed: " {
+                assert!(err.contains("exit status: 7") && err.ends_with("boom"), "{err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_peer_report_becomes_ratios_and_gets_the_settings() {
+    // The fake keeps its arguments and the script it was given, and reports
+    // fixed times: 2 UNet calls in 8 s of sampling.
+    let body = r#"dtype=$(echo "$@" | sed 's/.*--dtype \([a-z0-9]*\).*/\1/')
+echo "$@" > "$FAKE_DIR/args-$dtype"
+cat > "$FAKE_DIR/script-$dtype.py"
+echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{"total_s": 20.0, "te_s": 1.0, "sampling_s": 8.0, "vae_s": 10.0, "unet_calls": 2}], "peak_host_bytes": 1073741824}'"#;
+    let (p, j) = with_fake(body, &["--threads", "2", "--seed", "7"]);
+    assert_eq!(
+        peers(&j),
+        [
+            ("diffusers-f32".into(), None),
+            ("diffusers-bf16".into(), None)
+        ]
+    );
+    for dtype in ["f32", "bf16"] {
+        let args = std::fs::read_to_string(p.root().join(format!("args-{dtype}"))).unwrap();
+        for want in [
+            "- --model ",
+            "--width 64 --height 64 --steps 1 ",
+            "--seed 7 ",
+            "--sampler euler_a --scheduler discrete --threads 2 ",
+            &format!("--dtype {dtype} --runs 1"),
+        ] {
+            assert!(args.contains(want), "{want}: {args}");
+        }
+        let script = std::fs::read_to_string(p.root().join(format!("script-{dtype}.py"))).unwrap();
+        let ours = std::fs::read_to_string(
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../bench/diffusers_peer.py"),
+        )
+        .unwrap();
+        assert_eq!(
+            script, ours,
+            "the script on stdin is bench/diffusers_peer.py"
+        );
+    }
+    let ours = |stage: &str| j["stages"][stage]["sdhost_s"]["median"].as_f64().unwrap();
+    for (stage, theirs) in [
+        ("text encode", 1.0),
+        ("UNet step", 4.0),
+        ("sampling", 8.0),
+        ("VAE decode", 10.0),
+        ("end to end", 20.0),
+    ] {
+        for name in ["diffusers-f32", "diffusers-bf16"] {
+            let pr = &j["stages"][stage]["peers"][name];
+            assert_eq!(
+                pr["s"]["median"].as_f64(),
+                Some(theirs),
+                "{stage} {name}: {pr}"
+            );
+            let want = theirs / ours(stage);
+            let got = pr["ratio"].as_f64().unwrap();
+            assert!(
+                (got - want).abs() <= 1e-9 * want,
+                "{stage}: {got} vs {want}"
+            );
+        }
+    }
+    let f32 = &j["peers"][0];
+    assert_eq!(f32["system"], "fake diffusers");
+    assert_eq!(f32["load_deferred"], false);
+    assert_eq!(f32["peak_host_bytes"], 1u64 << 30);
+}
+
+/// The real diffusers peer on the tiny checkpoint, when a Python with torch
+/// and diffusers is named (for example /tmp/fixture-venv/bin/python).
+#[test]
+fn real_diffusers_peer_on_the_tiny_model() {
+    let Some(py) = std::env::var_os("SDHOST_DIFFUSERS_PYTHON") else {
+        eprintln!(
+            "SKIPPED real_diffusers_peer_on_the_tiny_model: set SDHOST_DIFFUSERS_PYTHON to a Python with torch and diffusers"
+        );
+        return;
+    };
+    let p = Prefix::with_cpu();
+    let model = tiny();
+    let mut c = p.cmd(&[
+        "bench",
+        "-m",
+        s(&model),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "--runs",
+        "1",
+        "--threads",
+        "2",
+        "--peer",
+        "diffusers",
+        "--json",
+    ]);
+    c.env("SDHOST_DIFFUSERS_PYTHON", &py);
+    let j = Run::from(c.output().unwrap()).ok().json();
+    assert_eq!(
+        peers(&j),
+        [
+            ("diffusers-f32".into(), None),
+            ("diffusers-bf16".into(), None)
+        ],
+        "{j}"
+    );
+    for stage in [
+        "text encode",
+        "UNet step",
+        "sampling",
+        "VAE decode",
+        "end to end",
+    ] {
+        for name in ["diffusers-f32", "diffusers-bf16"] {
+            let r = j["stages"][stage]["peers"][name]["ratio"].as_f64().unwrap();
+            assert!(r.is_finite() && r > 0.0, "{stage} {name}: {r}");
+        }
+    }
+    let sys = j["peers"][1]["system"].as_str().unwrap();
+    assert!(sys.contains("bf16") && sys.contains("2 threads"), "{sys}");
+}
