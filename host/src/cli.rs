@@ -128,6 +128,16 @@ pub struct BenchArgs {
     #[command(flatten)]
     pub placement: PlacementArgs,
 
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+
+    /// Also time the resident placement (every module where the resolver
+    /// puts it, no budgets) in the same run, as a `resident` column: the
+    /// cost of what fit did to meet --max-memory (streaming, time-sharing,
+    /// tiling)
+    #[arg(long)]
+    pub vs_resident: bool,
+
     /// Machine-readable output
     #[arg(long)]
     pub json: bool,

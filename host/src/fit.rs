@@ -136,7 +136,10 @@ pub fn fit(
     let mut tiling = m.tiling;
     let mut reasons: BTreeMap<Module, String> = BTreeMap::new();
     let eval = |p: &Placement, tiling: Option<Tiling>| -> anyhow::Result<Measured> {
-        let mm = Measure { tiling, ..m.clone() };
+        let mm = Measure {
+            tiling,
+            ..m.clone()
+        };
         measure(session, manager, p, &mm, what)
     };
     let mut measured = eval(&p, tiling)?;
@@ -297,11 +300,13 @@ pub fn fit(
         }
     }
     if !over.is_empty() {
-        let smallest: BTreeMap<&str, u64> = over.iter().fold(BTreeMap::new(), |mut acc, (d, _, need, _)| {
-            let e = acc.entry(d.as_str()).or_insert(0);
-            *e = (*e).max(*need);
-            acc
-        });
+        let smallest: BTreeMap<&str, u64> =
+            over.iter()
+                .fold(BTreeMap::new(), |mut acc, (d, _, need, _)| {
+                    let e = acc.entry(d.as_str()).or_insert(0);
+                    *e = (*e).max(*need);
+                    acc
+                });
         let least: Vec<String> = smallest
             .iter()
             .map(|(d, n)| format!("{d} {}", human_bytes(*n)))
@@ -357,7 +362,10 @@ fn choices(
                     .iter()
                     .find(|mm| mm.module == m)
                     .map_or(0, |mm| mm.runtime_copy.get(&rt));
-                format!("{pa}, {} resident on {rt}, rest streamed", human_bytes(kept))
+                format!(
+                    "{pa}, {} resident on {rt}, rest streamed",
+                    human_bytes(kept)
+                )
             } else if *pa != rt {
                 format!("{pa}, copied to {rt} for its phase")
             } else {

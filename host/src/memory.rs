@@ -470,9 +470,9 @@ pub fn session_settings(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use sdhost_models::ModuleKind;
     use proptest::prelude::*;
     use sdhost_models::memory::ModuleMemory;
+    use sdhost_models::ModuleKind;
 
     #[test]
     fn sizes_parse_in_binary_units() {
@@ -610,7 +610,12 @@ mod tests {
         MemoryPlan {
             modules: vec![
                 module(ModuleKind::Te, 100, 101, &[(Phase::TextEncoding, 10, 1)]),
-                module(ModuleKind::Diffusion, 1000, 1001, &[(Phase::Sampling, 200, 2)]),
+                module(
+                    ModuleKind::Diffusion,
+                    1000,
+                    1001,
+                    &[(Phase::Sampling, 200, 2)],
+                ),
                 module(
                     ModuleKind::Vae,
                     50,

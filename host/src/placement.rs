@@ -488,7 +488,9 @@ pub fn resolve_split(
     for (r, share) in parts {
         if let DeviceRef::Named(n) = r {
             if n.trim().is_empty() {
-                return Err(bad("empty device name; devices are joined by single + signs"));
+                return Err(bad(
+                    "empty device name; devices are joined by single + signs",
+                ));
             }
             if let Some((_, sh)) = n.rsplit_once(':') {
                 return Err(bad(&format!("share {:?} is not a whole number", sh.trim())));

@@ -80,8 +80,7 @@ fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
                 let plan = sd.memory_plan(&req).unwrap();
                 let image = run(sd);
                 let unet = &plan.modules[1];
-                let predicted =
-                    unet.runtime_copy.get("vulkan0") + unet.phases[0].1.get("vulkan0");
+                let predicted = unet.runtime_copy.get("vulkan0") + unet.phases[0].1.get("vulkan0");
                 let a = sd.unet.allocated();
                 let allocated = a.runtime_copy.get("vulkan0") + a.compute.get("vulkan0");
                 (image, predicted, allocated, a.runtime_copy.get("vulkan0"))

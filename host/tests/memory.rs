@@ -647,11 +647,7 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
     // What decoding in 8x8-cell tiles really allocates.
     sd.generate(&request(256, 128), None, &mut |_, _| {}, &|| false)
         .unwrap();
-    within(
-        "tiled decode",
-        tiled,
-        sd.vae.allocated().compute.get("cpu"),
-    );
+    within("tiled decode", tiled, sd.vae.allocated().compute.get("cpu"));
 
     // The CLI: a budget between the two fits only with --vae-tiling.
     let p = Prefix::with_cpu();

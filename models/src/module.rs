@@ -572,13 +572,11 @@ impl<'b> Module<'b> {
     /// The weights as a graph reads them, as placeholders (nothing
     /// allocated): where they are when the graph runs.
     fn measuring_weights(&self) -> Result<(ModuleWeights, Option<ModuleWeights>)> {
-        let invalid = |e: String| ModelError::Invalid(format!("{}: measuring: {e}", self.kind.name()));
+        let invalid =
+            |e: String| ModelError::Invalid(format!("{}: measuring: {e}", self.kind.name()));
         let runtime = self.devices.runtime;
         match &self.spread {
-            Spread::Whole => Ok((
-                self.params.placeholders_on(runtime).map_err(invalid)?,
-                None,
-            )),
+            Spread::Whole => Ok((self.params.placeholders_on(runtime).map_err(invalid)?, None)),
             Spread::Split(_) => Ok((
                 self.params
                     .placeholders_in_place(&self.all_backends())

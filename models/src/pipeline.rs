@@ -33,7 +33,7 @@ use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::lora::{LoraApply, LoraSet, LoraSpec};
-use crate::module::{Spread, Devices, Module, Timing, WeightPolicy};
+use crate::module::{Devices, Module, Spread, Timing, WeightPolicy};
 use crate::sampling::rng::Philox;
 use crate::sampling::schedule::{denoised, sample, Sampler, Schedule, Scheduler};
 use crate::tiling::{run_tiled, Tiling};
@@ -380,8 +380,22 @@ impl<'b> Pipeline<'b> {
                 .map_err(|e| ModelError::Invalid(format!("{vae_file}: VAE encoder: {e}")))?;
         }
         let (mut te, mut unet, mut vae) = (te, unet, vae);
-        split_weights(&mut te, ckpt, fam.te_prefix, false, &loras, opts.placeholders)?;
-        split_weights(&mut unet, ckpt, UNET_PREFIX, false, &loras, opts.placeholders)?;
+        split_weights(
+            &mut te,
+            ckpt,
+            fam.te_prefix,
+            false,
+            &loras,
+            opts.placeholders,
+        )?;
+        split_weights(
+            &mut unet,
+            ckpt,
+            UNET_PREFIX,
+            false,
+            &loras,
+            opts.placeholders,
+        )?;
         split_weights(
             &mut vae,
             vae_ckpt,

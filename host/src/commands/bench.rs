@@ -593,7 +593,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
 
     let path = a.model.as_ref().context("no model")?;
     let runs = a.runs.unwrap_or(3);
-    let placement = session.resolve(&a.placement)?;
+    let resolved = session.resolve(&a.placement)?;
     let ckpt = sdhost_models::checkpoint::scan(path)?;
     let vae = a
         .sample
@@ -602,6 +602,28 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         .transpose()?;
     let cpu_name = crate::commands::generate::cpu_device(session, "bench")?;
     let manager = BackendManager::new(&session.registry, session.threads);
+    // As `generate`: fitted to the budgets before anything is loaded.
+    let fitted = crate::memory::fit_placement(
+        session,
+        &manager,
+        resolved.clone(),
+        &crate::memory::Measure {
+            ckpt: &ckpt,
+            vae: vae.as_ref(),
+            width: a.sample.width.map(|v| v as usize),
+            height: a.sample.height.map(|v| v as usize),
+            init_size: None,
+            prompts: (&a.prompt, ""),
+            guided: a.sample.cfg_scale != 1.0,
+            policy: a.sample.phase_memory,
+            flash: a.sample.flash_attn,
+            tiling: a.sample.vae_tiling()?,
+        },
+        &a.memory,
+        "bench",
+    )?;
+    tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
+    let placement = fitted.placement;
     let layout = crate::commands::generate::layout(session, &manager, &placement, "bench")?;
     let used: Vec<String> = placement
         .devices()
@@ -631,7 +653,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         first_read_s,
     };
 
-    let tiling = a.sample.vae_tiling()?;
+    let tiling = fitted.tiling;
     let t = Instant::now();
     let mut sd = Pipeline::load(&ckpt, layout.clone(), a.sample.load_options(vae.as_ref()))
         .map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -642,30 +664,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let req = a
         .sample
         .request(&a.prompt, "", 1, sd.family().default_size)?;
-    let mut ours = Vec::new();
-    let mut first_run_s = 0.0;
-    for i in 0..=runs {
-        let before = sd.timings();
-        let t = Instant::now();
-        sd.generate(&req, None, &mut |_, _| sample_devices(), &|| false)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        let total = t.elapsed().as_secs_f64();
-        sample_devices();
-        let after = sd.timings();
-        let d = |k: usize| (after[k].1.compute - before[k].1.compute).as_secs_f64();
-        let calls = after[1].1.calls - before[1].1.calls;
-        if i == 0 {
-            first_run_s = total;
-        } else {
-            ours.push(ModelRun {
-                total,
-                te: d(0),
-                sampling: d(1),
-                unet_step: d(1) / f64::from(calls.max(1)),
-                vae: d(2),
-            });
-        }
-    }
+    let (first_run_s, ours) = time_runs(&mut sd, &req, runs, path, &mut sample_devices)?;
     let threads = session.threads.unwrap_or(1);
     let family = sd.family().family;
     let settings = format!(
@@ -696,6 +695,22 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         files: &files,
     };
     let mut peers = Vec::new();
+    if a.vs_resident {
+        peers.push(PeerColumn {
+            name: "resident",
+            deferred_load: false,
+            result: resident_column(
+                session,
+                &manager,
+                &resolved,
+                &ckpt,
+                vae.as_ref(),
+                a,
+                &req,
+                runs,
+            ),
+        });
+    }
     let mut seen = Vec::new();
     for p in &a.peer {
         let key = std::mem::discriminant(p);
@@ -736,6 +751,87 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     };
     render::print(&report, a.json)?;
     Ok(())
+}
+
+/// One warm-up run, then `runs` measured runs, each stage timed by the
+/// modules themselves.
+fn time_runs(
+    sd: &mut sdhost_models::pipeline::Pipeline<'_>,
+    req: &sdhost_models::pipeline::Request,
+    runs: u32,
+    path: &Path,
+    sample: &mut dyn FnMut(),
+) -> anyhow::Result<(f64, Vec<ModelRun>)> {
+    let mut ours = Vec::new();
+    let mut first_run_s = 0.0;
+    for i in 0..=runs {
+        let before = sd.timings();
+        let t = Instant::now();
+        sd.generate(req, None, &mut |_, _| sample(), &|| false)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let total = t.elapsed().as_secs_f64();
+        sample();
+        let after = sd.timings();
+        let d = |k: usize| (after[k].1.compute - before[k].1.compute).as_secs_f64();
+        let calls = after[1].1.calls - before[1].1.calls;
+        if i == 0 {
+            first_run_s = total;
+        } else {
+            ours.push(ModelRun {
+                total,
+                te: d(0),
+                sampling: d(1),
+                unet_step: d(1) / f64::from(calls.max(1)),
+                vae: d(2),
+            });
+        }
+    }
+    Ok((first_run_s, ours))
+}
+
+/// `--vs-resident`: the same benchmark with the resolver's placement, no
+/// budgets, no fit, in this process, as a column beside sdhost's fitted
+/// run (its ratio is then the fitted run's overhead).
+#[allow(clippy::too_many_arguments)]
+fn resident_column(
+    session: &crate::session::Session,
+    manager: &crate::manager::BackendManager<'_>,
+    placement: &crate::placement::Placement,
+    ckpt: &sdhost_models::checkpoint::Checkpoint,
+    vae: Option<&sdhost_models::checkpoint::Checkpoint>,
+    a: &BenchArgs,
+    req: &sdhost_models::pipeline::Request,
+    runs: u32,
+) -> Result<PeerReport, String> {
+    let fail = |e: anyhow::Error| format!("failed: {}", one_line(&format!("{e:#}")));
+    let layout =
+        crate::commands::generate::layout(session, manager, placement, "bench").map_err(fail)?;
+    let t = Instant::now();
+    let mut sd =
+        sdhost_models::pipeline::Pipeline::load(ckpt, layout.clone(), a.sample.load_options(vae))
+            .map_err(|e| fail(anyhow::anyhow!("{e}")))?;
+    sd.set_vae_tiling(a.sample.vae_tiling().map_err(fail)?);
+    crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
+    let load_s = t.elapsed().as_secs_f64();
+    let (first_run_s, timed) =
+        time_runs(&mut sd, req, runs, &ckpt.path, &mut || {}).map_err(fail)?;
+    let devices = crate::commands::generate::placement_summary(&sd, placement);
+    Ok(PeerReport {
+        system: format!("resident placement, no budgets: {devices}"),
+        load_s,
+        first_run_s,
+        runs: timed
+            .iter()
+            .map(|r| PeerRun {
+                total_s: r.total,
+                te_s: Some(r.te),
+                sampling_s: Some(r.sampling),
+                vae_s: Some(r.vae),
+                unet_calls: Some((r.sampling / r.unet_step.max(1e-12)).round() as u32),
+            })
+            .collect(),
+        peak_host_bytes: None,
+    })
 }
 
 /// What every peer is given: sdhost's settings for this benchmark.

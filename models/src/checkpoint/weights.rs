@@ -409,8 +409,16 @@ impl ModuleWeights {
         };
         ctx.place_unallocated(backend).map_err(|e| e.to_string())?;
         Ok(ModuleWeights {
-            bytes: list.iter().filter_map(|n| self.get(n)).map(|t| t.nbytes() as u64).sum(),
-            index: list.into_iter().enumerate().map(|(i, n)| (n, (0, i))).collect(),
+            bytes: list
+                .iter()
+                .filter_map(|n| self.get(n))
+                .map(|t| t.nbytes() as u64)
+                .sum(),
+            index: list
+                .into_iter()
+                .enumerate()
+                .map(|(i, n)| (n, (0, i)))
+                .collect(),
             parts: vec![Part {
                 ctx,
                 buffer: None,
@@ -484,7 +492,11 @@ impl ModuleWeights {
         self.copy_part(backend, Some(names))
     }
 
-    fn copy_part(&self, backend: &Backend, names: Option<&[&str]>) -> Result<ModuleWeights, String> {
+    fn copy_part(
+        &self,
+        backend: &Backend,
+        names: Option<&[&str]>,
+    ) -> Result<ModuleWeights, String> {
         let (ctx, list) = self.shapes(names)?;
         let buffer = ctx
             .alloc_weights(backend, false)
@@ -499,7 +511,11 @@ impl ModuleWeights {
         drop(map);
         let buffer_bytes = buffer.size() as u64;
         Ok(ModuleWeights {
-            index: list.into_iter().enumerate().map(|(i, n)| (n, (0, i))).collect(),
+            index: list
+                .into_iter()
+                .enumerate()
+                .map(|(i, n)| (n, (0, i)))
+                .collect(),
             parts: vec![Part {
                 ctx,
                 buffer: Some(buffer),
