@@ -58,7 +58,7 @@ fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
         return;
     }
     let opts = LoadOptions::default;
-    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), |sd| run(sd));
+    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), run);
     let unet_bytes = with_pipeline_on(&tiny(), "cpu", "cpu", opts(), |sd| {
         sd.unet.params().buffer_bytes()
     });
@@ -111,7 +111,7 @@ fn a_layer_split_holds_each_share_and_gives_the_image() {
         return;
     }
     let opts = LoadOptions::default;
-    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), |sd| run(sd));
+    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), run);
     for (gpu, cpu) in [(3u64, 1u64), (1, 1)] {
         let (image, by_device, largest) = with_pipeline_spread(
             &tiny(),

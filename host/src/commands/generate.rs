@@ -332,6 +332,16 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
 /// `vulkan0` or `vulkan0 (params cpu)`.
 fn device_of(placement: &Placement, m: Place) -> String {
     let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
+    if let Some(list) = placement.split.get(&m) {
+        let parts: Vec<String> = list
+            .iter()
+            .map(|(d, s)| format!("{d}:{}", s.unwrap_or(1)))
+            .collect();
+        return format!("split {}", parts.join("+"));
+    }
+    if placement.stream.contains_key(&m) {
+        return format!("{r} (params {p}, streamed)");
+    }
     if r == p {
         r.clone()
     } else {
