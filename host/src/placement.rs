@@ -869,6 +869,46 @@ mod tests {
     const NONE: &[&str] = &[];
 
     #[test]
+    fn splits_resolve_with_shares_and_refuse_bad_lists() {
+        let d = std4();
+        let p = resolve(&r().backend("diffusion=cuda0:3+cpu:1").0, &d).unwrap();
+        assert_eq!(
+            p.split[&Module::Diffusion],
+            vec![("cuda0".to_string(), Some(3)), ("cpu".to_string(), Some(1))]
+        );
+        assert_eq!(p.runtime[&Module::Diffusion], "cuda0");
+        assert_eq!(p.params[&Module::Diffusion], "cuda0");
+        assert!(p.fixed_runtime.contains(&Module::Diffusion));
+        assert!(!p.fixed_runtime.contains(&Module::Te));
+        // sd.cpp's `&`, prefixes, no shares.
+        let p = resolve(&r().backend("vul&cuda1").0, &d).unwrap();
+        assert_eq!(
+            p.split[&Module::Vae],
+            vec![("vulkan0".to_string(), None), ("cuda1".to_string(), None)]
+        );
+        // The params spec does not move a split module's weights.
+        let p = resolve(&r().backend("diffusion=cuda0+cpu").params("cpu").0, &d).unwrap();
+        assert_eq!(p.params[&Module::Diffusion], "cuda0");
+        assert_eq!(p.params[&Module::Te], "cpu");
+        assert!(p.fixed_params.contains(&Module::Te));
+        for (spec, needle) in [
+            ("diffusion=cuda0+", "empty device name"),
+            ("diffusion=cuda0+cuda0", "appears twice"),
+            ("diffusion=cuda0:2+cpu", "for every device"),
+            ("diffusion=cuda0:0+cpu:1", "at least 1"),
+            ("diffusion=cuda0:x+cpu", "not a whole number"),
+            ("diffusion=cuda0+nope", "unknown device"),
+        ] {
+            let e = resolve(&r().backend(spec).0, &d).unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+            assert!(e.starts_with("--backend: "), "{spec}: {e}");
+            assert!(!e.contains('\n'), "{spec}: {e}");
+        }
+        let e = resolve(&r().params("cpu+cuda0").0, &d).unwrap_err().to_string();
+        assert!(e.contains("bad split"), "{e}");
+    }
+
+    #[test]
     fn runtime_specs() {
         let d = std4();
         let amb = "--backend: ambiguous device \"cu\" matches cuda0, cuda1; use a full device name";
