@@ -343,10 +343,9 @@ fn choices(
     reasons: &BTreeMap<Module, String>,
     tiling: Option<Tiling>,
 ) -> Vec<Choice> {
-    ORDER
-        .iter()
-        .rev()
-        .map(|&m| {
+    [Module::Te, Module::Diffusion, Module::Vae]
+        .into_iter()
+        .map(|m| {
             let rt = p.runtime[&m].clone();
             let pa = &p.params[&m];
             let weights = if let Some(list) = p.split.get(&m) {
