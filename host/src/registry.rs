@@ -116,15 +116,21 @@ pub struct Registry {
     pub plugins: Vec<PluginRecord>,
     /// Devices in registration order (plugin search order, then ggml's order).
     pub devices: Vec<DeviceEntry>,
+    /// The registry of each loaded family (`rpc-server` finds ggml's RPC
+    /// server through the `rpc` family's proc-address table).
+    pub regs: Vec<(String, Reg)>,
 }
 
 /// How discovery treats the files it finds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DiscoverOptions {
     /// Load plugins from world-writable files and folders and from shared
     /// temporary folders too (`--allow-insecure-plugins`); by default they
     /// are `rejected` rows.
     pub allow_insecure: bool,
+    /// Remote endpoints (`HOST:PORT`, already checked, see `rpc.rs`) handed
+    /// to every selected plugin that takes them (`configure`) before `init`.
+    pub endpoints: Vec<String>,
 }
 
 struct Candidate {
@@ -290,6 +296,11 @@ impl Registry {
                     ));
                     continue;
                 }
+                if let Some(Err(e)) = c.plugin.configure(&options.endpoints) {
+                    reg.plugins[c.record].reason =
+                        Some(format!("configure failed: {}", one_line(&e)));
+                    continue;
+                }
                 match c.plugin.init() {
                     Ok(r) => {
                         reg.plugins[c.record].status = Status::Loaded;
@@ -309,6 +320,7 @@ impl Registry {
                 .manifest
                 .clone()
                 .expect("loaded plugins have a manifest");
+            reg.regs.push((m.family.clone(), r));
             let devices: Vec<Device> = r
                 .devices()
                 .into_iter()
@@ -345,6 +357,11 @@ impl Registry {
     /// The device registered under `name` (exact, lowercase).
     pub fn device(&self, name: &str) -> Option<&DeviceEntry> {
         self.devices.iter().find(|d| d.name == name)
+    }
+
+    /// The registry of the loaded plugin of `family`.
+    pub fn family_reg(&self, family: &str) -> Option<Reg> {
+        self.regs.iter().find(|(f, _)| f == family).map(|(_, r)| *r)
     }
 
     /// The plugin record of a file.

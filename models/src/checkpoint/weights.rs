@@ -213,6 +213,8 @@ impl ModuleWeights {
         let buffer = ctx
             .alloc_tensors(backend)
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
+        // Weights: an RPC server with a cache then receives large tensors once.
+        buffer.mark_weights();
         let f = std::fs::File::open(&file).map_err(|e| other(e.to_string()))?;
         let tensors = ctx.tensors();
         let mut bytes = 0;
@@ -329,6 +331,7 @@ impl ModuleWeights {
         let buffer = ctx
             .alloc_tensors(backend)
             .map_err(|e| format!("allocating weights on {}: {e}", backend.name()))?;
+        buffer.mark_weights();
         for (dst, s) in ctx.tensors().iter().zip(&src) {
             dst.copy_from(s).map_err(|e| e.to_string())?;
         }
