@@ -1414,10 +1414,7 @@ impl Buffer {
     pub fn mark_weights(&self) {
         // SAFETY: live buffer; setting the usage only changes a field.
         unsafe {
-            sys::ggml_backend_buffer_set_usage(
-                self.raw,
-                sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS,
-            )
+            sys::ggml_backend_buffer_set_usage(self.raw, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
         }
     }
 

@@ -23,7 +23,9 @@ unsafe extern "C" fn callback(message: *const c_char) {
         String::from("ggml aborted")
     } else {
         // SAFETY: ggml passes its NUL-terminated message buffer.
-        unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned()
+        unsafe { CStr::from_ptr(message) }
+            .to_string_lossy()
+            .into_owned()
     };
     if let Some(h) = HANDLER.get() {
         // A panic must not unwind into C: contain it, exit either way.

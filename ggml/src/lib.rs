@@ -41,8 +41,8 @@ mod rpc;
 
 pub use backend::{Backend, Device, DeviceType, Reg};
 pub use compute::{Buffer, Context, Graph, Sched, Tensor, Type};
-pub use identity::{build_identity, BuildIdentity};
 pub use fatal::set_fatal_handler;
+pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;
 pub use rpc::START_SERVER as RPC_START_SERVER;
 

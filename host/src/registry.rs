@@ -128,8 +128,9 @@ pub struct DiscoverOptions {
     /// temporary folders too (`--allow-insecure-plugins`); by default they
     /// are `rejected` rows.
     pub allow_insecure: bool,
-    /// Remote endpoints (`HOST:PORT`, already checked, see `rpc.rs`) handed
-    /// to every selected plugin that takes them (`configure`) before `init`.
+    /// Remote endpoints (`HOST:PORT`, already checked, see `rpc.rs`) added
+    /// after `init` to every loaded registry that takes RPC servers
+    /// (`ggml_backend_rpc_add_server` in its proc-address table).
     pub endpoints: Vec<String>,
 }
 
@@ -296,11 +297,6 @@ impl Registry {
                     ));
                     continue;
                 }
-                if let Some(Err(e)) = c.plugin.configure(&options.endpoints) {
-                    reg.plugins[c.record].reason =
-                        Some(format!("configure failed: {}", one_line(&e)));
-                    continue;
-                }
                 match c.plugin.init() {
                     Ok(r) => {
                         reg.plugins[c.record].status = Status::Loaded;
@@ -321,6 +317,15 @@ impl Registry {
                 .clone()
                 .expect("loaded plugins have a manifest");
             reg.regs.push((m.family.clone(), r));
+            // An RPC registry takes the (checked) servers now, the way ggml
+            // hands servers to any RPC registry; the probe never does this.
+            if r.is_rpc() {
+                for e in &options.endpoints {
+                    if let Err(err) = r.rpc_add_server(e) {
+                        tracing::warn!("RPC server {e}: {err}");
+                    }
+                }
+            }
             let devices: Vec<Device> = r
                 .devices()
                 .into_iter()

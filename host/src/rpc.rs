@@ -151,7 +151,8 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
         .and_then(|()| s.set_write_timeout(Some(timeout)))
         .map_err(|err| format!("socket setup: {err}"))?;
     let _ = s.set_nodelay(true);
-    let io = |err: std::io::Error| match err.kind() {
+    let io = |err: std::io::Error| {
+        match err.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
             "no answer to the RPC handshake within {secs} s (busy serving another client, or not a ggml RPC server; --rpc-timeout sets the limit)"
         ),
@@ -162,6 +163,7 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
             "closed the connection during the RPC handshake (not a ggml RPC server of protocol 7, or it refused this client)".to_string()
         }
         _ => format!("RPC handshake: {err}"),
+    }
     };
     let mut request = Vec::with_capacity(1 + 8 + CONN_CAPS);
     request.push(CMD_HELLO);
@@ -270,10 +272,9 @@ pub fn serve(session: &crate::session::Session, args: &ServerArgs) -> anyhow::Re
             }
         )
     })?;
-    let reg = session
-        .registry
-        .family_reg("rpc")
-        .ok_or_else(|| anyhow!("the rpc plugin (libsdhost_plugin_rpc.so) is not loaded; `sdhost plugins` says why"))?;
+    let reg = session.registry.family_reg("rpc").ok_or_else(|| {
+        anyhow!("the rpc plugin (libsdhost_plugin_rpc.so) is not loaded; `sdhost plugins` says why")
+    })?;
     if let Some(dir) = &args.cache {
         std::fs::create_dir_all(dir)
             .with_context(|| format!("--cache: creating {}", dir.display()))?;

@@ -188,7 +188,10 @@ impl Session {
             if self.rpc_failures.is_empty() {
                 anyhow::Error::from(e)
             } else {
-                anyhow::anyhow!("{e} (RPC servers left out: {})", self.rpc_failures.join("; "))
+                anyhow::anyhow!(
+                    "{e} (RPC servers left out: {})",
+                    self.rpc_failures.join("; ")
+                )
             }
         })?;
         for n in &p.notes {

@@ -131,8 +131,19 @@ fn hello(port: u16) -> Option<(TcpStream, [u8; 3])> {
 fn generate(p: &Prefix, out: &Path, extra: &[&str]) -> Run {
     let model = tiny();
     let mut args = vec![
-        "generate", "-m", s(&model), "-p", "a photo of a cat", "-W", "64", "-H", "64", "--steps",
-        "3", "-o", s(out),
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a photo of a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "3",
+        "-o",
+        s(out),
     ];
     args.extend_from_slice(extra);
     run(p.cmd(&args))
@@ -142,16 +153,33 @@ fn generate(p: &Prefix, out: &Path, extra: &[&str]) -> Run {
 /// per channel within the stated bounds.
 fn close_image(what: &str, a: &[u8], b: &[u8]) {
     assert_eq!(a.len(), b.len(), "{what}");
-    let d: Vec<u32> = a.iter().zip(b).map(|(x, y)| x.abs_diff(*y) as u32).collect();
+    let d: Vec<u32> = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| x.abs_diff(*y) as u32)
+        .collect();
     let max = d.iter().copied().max().unwrap_or(0);
     let mean = d.iter().sum::<u32>() as f64 / d.len() as f64;
     eprintln!("{what}: max |diff| {max}, mean {mean:.4}");
-    assert!(max <= MAX_DIFF && mean <= MEAN_DIFF, "{what}: max |diff| {max}, mean {mean:.4}");
+    assert!(
+        max <= MAX_DIFF && mean <= MEAN_DIFF,
+        "{what}: max |diff| {max}, mean {mean:.4}"
+    );
 }
 
 fn one_line_failure(r: &Run, needles: &[&str]) {
-    assert_eq!(r.code, Some(1), "stdout: {}\nstderr: {}", r.stdout, r.stderr);
-    let lines: Vec<&str> = r.stderr.lines().filter(|l| l.starts_with("error")).collect();
+    assert_eq!(
+        r.code,
+        Some(1),
+        "stdout: {}\nstderr: {}",
+        r.stdout,
+        r.stderr
+    );
+    let lines: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| l.starts_with("error"))
+        .collect();
     assert_eq!(lines.len(), 1, "{}", r.stderr);
     for n in needles {
         assert!(lines[0].contains(n), "{n:?} not in {:?}", lines[0]);
@@ -196,7 +224,11 @@ fn a_remote_cpu_gives_the_local_image() {
         &["--seed", "3", "--rpc", &ep, "--backend", "diffusion=rpc0"],
     )
     .ok();
-    assert!(r.stderr.is_empty() || !r.stderr.contains("error"), "{}", r.stderr);
+    assert!(
+        r.stderr.is_empty() || !r.stderr.contains("error"),
+        "{}",
+        r.stderr
+    );
     let (_, _, text) = png_info(&remote);
     assert!(text.contains("diffusion=rpc0"), "{text}");
     // The same CPU code on the server; within MAX_DIFF/MEAN_DIFF.
@@ -228,7 +260,12 @@ fn modules_split_over_two_servers() {
     generate(
         &p,
         &split,
-        &["--rpc", &list, "--backend", "te=rpc0,diffusion=rpc1,vae=rpc0"],
+        &[
+            "--rpc",
+            &list,
+            "--backend",
+            "te=rpc0,diffusion=rpc1,vae=rpc0",
+        ],
     )
     .ok();
     let (_, _, text) = png_info(&split);
@@ -249,8 +286,21 @@ fn a_server_on_vulkan() {
     let local = out.join("local.png");
     let remote = out.join("remote.png");
     let mut c = p.cmd(&[
-        "generate", "-m", s(&tiny()), "-p", "a photo of a cat", "-W", "64", "-H", "64",
-        "--steps", "3", "-o", s(&local), "--backend", "diffusion=vulkan0",
+        "generate",
+        "-m",
+        s(&tiny()),
+        "-p",
+        "a photo of a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "3",
+        "-o",
+        s(&local),
+        "--backend",
+        "diffusion=vulkan0",
     ]);
     c.env("GGML_VK_VISIBLE_DEVICES", "0");
     run(c).ok();
@@ -267,8 +317,24 @@ fn a_server_killed_during_sampling_is_one_line_and_no_output() {
     let out = out_dir.join("x.png");
     let mut child = p
         .cmd(&[
-            "generate", "-v", "-m", s(&tiny()), "-p", "a cat", "-W", "64", "-H", "64", "--steps",
-            "1000", "-o", s(&out), "--rpc", &ep, "--backend", "diffusion=rpc0",
+            "generate",
+            "-v",
+            "-m",
+            s(&tiny()),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1000",
+            "-o",
+            s(&out),
+            "--rpc",
+            &ep,
+            "--backend",
+            "diffusion=rpc0",
         ])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -361,7 +427,14 @@ fn servers_that_fail_the_check_are_a_warning_and_no_device() {
         let g = generate(
             &p,
             &p.dir("out").join("x.png"),
-            &["--rpc", &ep, "--rpc-timeout", "1", "--backend", "diffusion=rpc0"],
+            &[
+                "--rpc",
+                &ep,
+                "--rpc-timeout",
+                "1",
+                "--backend",
+                "diffusion=rpc0",
+            ],
         );
         one_line_failure(&g, &["rpc0", &ep, why]);
         assert!(listing(&p.dir("out")).is_empty());
@@ -378,7 +451,11 @@ fn a_second_client_while_the_server_is_busy() {
     assert_eq!(version, [7, 0, 0]);
     let r = run(p.cmd(&["devices", "--json", "--rpc", &ep, "--rpc-timeout", "1"])).ok();
     assert_eq!(r.device_names(), vec!["cpu"]);
-    assert!(r.stderr.contains("busy serving another client"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("busy serving another client"),
+        "{}",
+        r.stderr
+    );
     drop(first);
     // Free again: the server serves the next client.
     let r = run(p.cmd(&["devices", "--json", "--rpc", &ep])).ok();
@@ -389,7 +466,10 @@ fn a_second_client_while_the_server_is_busy() {
 fn rpc_server_binds_loopback_unless_allowed() {
     let p = prefix();
     let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--host", "0.0.0.0"]));
-    one_line_failure(&r, &["--allow-remote", "neither authentication nor encryption"]);
+    one_line_failure(
+        &r,
+        &["--allow-remote", "neither authentication nor encryption"],
+    );
     let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--host", "localhost"]));
     one_line_failure(&r, &["--host \"localhost\"", "IPv4"]);
     let r = run(p.cmd(&["rpc-server", "--device", "nosuch"]));
@@ -402,7 +482,10 @@ fn rpc_server_binds_loopback_unless_allowed() {
     // With --allow-remote it serves, after the warning.
     let server = Server::start(&p, "cpu", &["--host", "0.0.0.0", "--allow-remote"], &[]);
     let log = std::fs::read_to_string(&server.log).unwrap();
-    assert!(log.contains("neither authentication nor encryption"), "{log}");
+    assert!(
+        log.contains("neither authentication nor encryption"),
+        "{log}"
+    );
     let r = run(p.cmd(&["devices", "--json", "--rpc", &server.endpoint()])).ok();
     assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
 }
@@ -428,5 +511,8 @@ fn malformed_server_lists_are_one_line() {
         one_line_failure(&run(c), &["SDHOST_RPC_SERVERS: server", why]);
     }
     p.write_config("rpc = [\"127.0.0.1:99999\"]\n");
-    one_line_failure(&run(p.cmd(&["devices"])), &["config file rpc: server", "out of range"]);
+    one_line_failure(
+        &run(p.cmd(&["devices"])),
+        &["config file rpc: server", "out of range"],
+    );
 }

@@ -64,13 +64,6 @@ pub struct PluginMod {
     /// Initialises the backend and returns its registry, or a one-line reason.
     #[sabi(last_prefix_field)]
     pub init: extern "C" fn() -> RResult<RawReg, RString>,
-    /// Optional, for plugins whose devices live on other machines (the `rpc`
-    /// plugin): the remote endpoints (`HOST:PORT`) to serve devices from,
-    /// already checked by the host (reachable, right protocol version).
-    /// The host calls it at most once, before `init`; the isolated probe
-    /// never calls it (so a probe opens no connection and sees no devices).
-    /// `None` for every plugin with local devices only.
-    pub configure: Option<extern "C" fn(RVec<RString>) -> RResult<(), RString>>,
 }
 
 impl RootModule for PluginModRef {
@@ -101,9 +94,6 @@ pub fn host_identity() -> String {
 /// }
 /// ```
 ///
-/// `configure: <path>` (after `init:`) names an
-/// `extern "C" fn(RVec<RString>) -> RResult<(), RString>` that receives the
-/// remote endpoints before `init` (see [`PluginMod::configure`]).
 /// `identity: <expr>` overrides the build identity (only tests do that).
 /// The plugin crate must depend on `abi_stable` directly (its macros name it).
 #[macro_export]
@@ -133,7 +123,6 @@ macro_rules! export_plugin {
     (
         name: $name:expr, family: $family:expr, score: $score:expr, indexed_devices: $indexed:expr,
         features: [$($feature:expr),* $(,)?], init: $init:path
-        $(, configure: $configure:path)?
         $(, identity: $identity:expr)? $(,)?
     ) => {
         #[::abi_stable::sabi_extern_fn]
@@ -165,18 +154,7 @@ macro_rules! export_plugin {
         #[::abi_stable::export_root_module]
         fn __sdhost_plugin_root() -> $crate::PluginModRef {
             use ::abi_stable::prefix_type::PrefixTypeTrait;
-            #[allow(unused_mut)]
-            let mut __sdhost_configure: ::std::option::Option<
-                extern "C" fn(::abi_stable::std_types::RVec<::abi_stable::std_types::RString>)
-                    -> ::abi_stable::std_types::RResult<(), ::abi_stable::std_types::RString>,
-            > = None;
-            $( __sdhost_configure = Some($configure); )?
-            $crate::PluginMod {
-                manifest: __sdhost_plugin_manifest,
-                init: __sdhost_plugin_init,
-                configure: __sdhost_configure,
-            }
-                .leak_into_prefix()
+            $crate::PluginMod { manifest: __sdhost_plugin_manifest, init: __sdhost_plugin_init }.leak_into_prefix()
         }
     };
 }
@@ -258,15 +236,6 @@ impl Plugin {
             });
         }
         Ok(Plugin { module, manifest })
-    }
-
-    /// Hands the plugin its remote endpoints before [`Plugin::init`]:
-    /// `None` when the plugin has no `configure` (every plugin with local
-    /// devices only, and plugins built before the field existed).
-    pub fn configure(&self, endpoints: &[String]) -> Option<Result<(), String>> {
-        let f = self.module.configure().flatten()?;
-        let list: RVec<RString> = endpoints.iter().map(|e| RString::from(e.as_str())).collect();
-        Some(f(list).into_result().map_err(|e| fold(e.as_str())))
     }
 
     /// Calls the plugin's `init` and wraps the registry it returns.

@@ -13,7 +13,9 @@ const EXPECTED: (u32, u32, u32) = (7, 0, 0);
 
 fn main() {
     let src = std::env::var_os("DEP_GGML_BASE_SOURCE").unwrap_or_else(|| {
-        ggml_build::fail("DEP_GGML_BASE_SOURCE not set: the plugin crate must depend on `ggml` directly")
+        ggml_build::fail(
+            "DEP_GGML_BASE_SOURCE not set: the plugin crate must depend on `ggml` directly",
+        )
     });
     let header = Path::new(&src).join("include/ggml-rpc.h");
     println!("cargo:rerun-if-changed={}", header.display());
@@ -27,7 +29,9 @@ fn main() {
                     .and_then(|r| r.trim().strip_prefix(name))
                     .and_then(|v| v.trim().parse().ok())
             })
-            .unwrap_or_else(|| ggml_build::fail(&format!("{name} not found in {}", header.display())))
+            .unwrap_or_else(|| {
+                ggml_build::fail(&format!("{name} not found in {}", header.display()))
+            })
     };
     let found = (
         get("RPC_PROTO_MAJOR_VERSION"),

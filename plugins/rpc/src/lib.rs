@@ -4,20 +4,20 @@
 //! local ones: `rpc0`, `rpc1`, … in the order of the server list, then of
 //! each server's devices.
 //!
-//! The server list arrives through the ABI's optional `configure` entry,
-//! before `init`; the host has already checked every server (reachable,
-//! protocol 7.0.0), because ggml's client aborts the process on a server
-//! that fails. Without a `configure` call (the isolated probe, or no
-//! servers configured) the plugin loads with zero devices.
+//! The server list arrives the way ggml hands it to any RPC registry:
+//! through the registry's proc-address table, `ggml_backend_rpc_add_server`
+//! (as llama.cpp does). The host calls it once per server after `init`,
+//! having checked each one first (reachable, protocol 7.0.0), because
+//! ggml's client aborts the process on a server that fails. The isolated
+//! probe never calls it, so a probe opens no connection and sees no devices.
 //!
-//! ggml makes one registry per server (`ggml_backend_rpc_add_server`); the
-//! host takes one registry per plugin, so `init` returns a small registry
-//! of this plugin's own that lists the devices of all of them and forwards
-//! `get_proc_address` to ggml's RPC registry (which is where
-//! `ggml_backend_rpc_start_server` is found for `sdhost rpc-server`).
+//! ggml makes one registry per server; the host takes one registry per
+//! plugin, so `init` returns a small registry of this plugin's own: its
+//! `ggml_backend_rpc_add_server` calls ggml's and appends that server's
+//! devices to its list, and every other proc address is ggml's RPC
+//! registry's (`ggml_backend_rpc_start_server` for `sdhost rpc-server`).
 
-use abi_stable::std_types::{RResult, RString, RVec};
-use std::ffi::{c_char, c_int, c_void, CString};
+use std::ffi::{c_char, c_int, c_void};
 use std::sync::Mutex;
 
 extern "C" {
@@ -25,8 +25,9 @@ extern "C" {
     fn ggml_backend_rpc_add_server(endpoint: *const c_char) -> *mut c_void;
 }
 
-/// The endpoints `configure` received, used by `init`.
-static ENDPOINTS: Mutex<Vec<CString>> = Mutex::new(Vec::new());
+/// The devices of every server added so far, in order (device handles are
+/// ggml's, static for the process).
+static DEVICES: Mutex<Vec<usize>> = Mutex::new(Vec::new());
 
 /// `struct ggml_backend_reg_i` of `ggml-backend-impl.h` (the build identity
 /// pins that header).
@@ -46,67 +47,60 @@ struct RawReg {
     context: *mut c_void,
 }
 
-/// What our registry's `context` points at: the devices of every server.
-struct Devices(Vec<*mut c_void>);
+fn devices() -> std::sync::MutexGuard<'static, Vec<usize>> {
+    DEVICES.lock().unwrap_or_else(|p| p.into_inner())
+}
 
 unsafe extern "C" fn get_name(_reg: *mut RawReg) -> *const c_char {
     c"RPC".as_ptr()
 }
 
-unsafe extern "C" fn get_device_count(reg: *mut RawReg) -> usize {
-    // SAFETY: `reg` is the registry `init` leaked, whose context is a leaked
-    // `Devices`; both live for the rest of the process.
-    unsafe { (*((*reg).context as *const Devices)).0.len() }
+unsafe extern "C" fn get_device_count(_reg: *mut RawReg) -> usize {
+    devices().len()
 }
 
-unsafe extern "C" fn get_device(reg: *mut RawReg, index: usize) -> *mut c_void {
-    // SAFETY: as in `get_device_count`.
-    let devices = unsafe { &(*((*reg).context as *const Devices)).0 };
-    devices.get(index).copied().unwrap_or(std::ptr::null_mut())
+unsafe extern "C" fn get_device(_reg: *mut RawReg, index: usize) -> *mut c_void {
+    devices()
+        .get(index)
+        .map_or(std::ptr::null_mut(), |&d| d as *mut c_void)
+}
+
+/// Our `ggml_backend_rpc_add_server`: ggml's, plus the server's devices
+/// appended to this registry (once per endpoint: ggml returns the same
+/// registry for an endpoint it knows).
+unsafe extern "C" fn add_server(endpoint: *const c_char) -> *mut c_void {
+    // SAFETY: the caller passes a NUL-terminated endpoint it has checked;
+    // should the server fail now, ggml aborts, which the host's abort
+    // handler turns into one line and exit 1.
+    let reg = unsafe { ggml_backend_rpc_add_server(endpoint) };
+    if reg.is_null() {
+        return reg; // a server without devices
+    }
+    // SAFETY: `reg` is the registry ggml made for this server.
+    let n = unsafe { ggml::sys::ggml_backend_reg_dev_count(reg.cast()) };
+    let mut list = devices();
+    for i in 0..n {
+        // SAFETY: valid registry, `i` below its device count.
+        let d = unsafe { ggml::sys::ggml_backend_reg_dev_get(reg.cast(), i) } as usize;
+        if d != 0 && !list.contains(&d) {
+            list.push(d);
+        }
+    }
+    reg
 }
 
 unsafe extern "C" fn get_proc_address(_reg: *mut RawReg, name: *const c_char) -> *mut c_void {
-    // SAFETY: ggml's static RPC registry is valid for the process; `name`
-    // is the caller's NUL-terminated string.
+    // SAFETY: `name` is the caller's NUL-terminated string.
+    if unsafe { std::ffi::CStr::from_ptr(name) } == c"ggml_backend_rpc_add_server" {
+        return add_server as *mut c_void;
+    }
+    // SAFETY: ggml's static RPC registry is valid for the process.
     unsafe { ggml::sys::ggml_backend_reg_get_proc_address(ggml_backend_rpc_reg().cast(), name) }
 }
 
-extern "C" fn configure(endpoints: RVec<RString>) -> RResult<(), RString> {
-    let mut list = Vec::new();
-    for e in endpoints.iter() {
-        match CString::new(e.as_str()) {
-            Ok(c) => list.push(c),
-            Err(_) => return RResult::RErr(format!("endpoint {:?} contains a NUL byte", e.as_str()).into()),
-        }
-    }
-    *ENDPOINTS.lock().unwrap_or_else(|p| p.into_inner()) = list;
-    RResult::ROk(())
-}
-
 fn init() -> Result<*mut c_void, String> {
-    let endpoints = ENDPOINTS.lock().unwrap_or_else(|p| p.into_inner()).clone();
-    let mut devices = Vec::new();
-    for endpoint in &endpoints {
-        // SAFETY: a NUL-terminated endpoint the host checked (it answered
-        // the protocol-7 handshake); should it fail now, ggml aborts and the
-        // host's abort handler turns that into one line and exit 1.
-        let reg = unsafe { ggml_backend_rpc_add_server(endpoint.as_ptr()) };
-        if reg.is_null() {
-            continue; // a server with no devices
-        }
-        // SAFETY: `reg` is the registry ggml just made for this server.
-        let n = unsafe { ggml::sys::ggml_backend_reg_dev_count(reg.cast()) };
-        for i in 0..n {
-            // SAFETY: valid registry, `i` below its device count.
-            let d = unsafe { ggml::sys::ggml_backend_reg_dev_get(reg.cast(), i) };
-            if !d.is_null() {
-                devices.push(d.cast::<c_void>());
-            }
-        }
-    }
     let api_version = c_int::try_from(ggml::build_identity().backend_api_version)
         .map_err(|_| "backend API version out of range".to_string())?;
-    let context = Box::into_raw(Box::new(Devices(devices))).cast::<c_void>();
     let reg = Box::new(RawReg {
         api_version,
         iface: RegIface {
@@ -115,7 +109,7 @@ fn init() -> Result<*mut c_void, String> {
             get_device,
             get_proc_address,
         },
-        context,
+        context: std::ptr::null_mut(),
     });
     // Leaked: registries live as long as the process (plugins are never unloaded).
     Ok(Box::into_raw(reg).cast())
@@ -128,5 +122,4 @@ sdhost_plugin_api::export_plugin! {
     indexed_devices: true,
     features: ["tcp", "protocol-7.0.0"],
     init: init,
-    configure: configure,
 }
