@@ -92,6 +92,11 @@ unsafe impl Send for Device {}
 unsafe impl Sync for Device {}
 
 impl Device {
+    /// The raw handle, for calls inside this crate.
+    pub(crate) fn raw(self) -> sys::ggml_backend_dev_t {
+        self.0
+    }
+
     /// ggml's own device name (e.g. `CPU`, `Vulkan0`).
     pub fn name(self) -> String {
         // SAFETY: a device obtained from a valid registry.

@@ -7,6 +7,8 @@
 //! * Safe wrappers ([`Reg`], [`Device`], [`Backend`], [`Context`], [`Tensor`],
 //!   [`Graph`], [`Buffer`], [`Sched`]) used by the rest of the workspace.
 //! * [`route_log_to_tracing`]: ggml's log callback into `tracing`.
+//! * [`set_fatal_handler`]: ggml's abort callback (one line, exit 1, no core
+//!   dump); [`Reg::rpc_serve`]: ggml's RPC server through a registry.
 //!
 //! **Architecture invariant:** all `unsafe` of the workspace, apart from each
 //! plugin's export function, lives in this crate. Every wrapper that hands a
@@ -32,13 +34,17 @@ pub mod sys {
 
 mod backend;
 mod compute;
+mod fatal;
 mod identity;
 mod log;
+mod rpc;
 
 pub use backend::{Backend, Device, DeviceType, Reg};
 pub use compute::{Buffer, Context, Graph, Sched, Tensor, Type};
+pub use fatal::set_fatal_handler;
 pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;
+pub use rpc::START_SERVER as RPC_START_SERVER;
 
 /// Errors from the safe wrappers.
 #[derive(Debug, thiserror::Error)]

@@ -19,6 +19,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Check(a) => commands::check::run(&Session::open(&cli)?, a),
         Command::Generate(a) => ok(commands::generate::run(&Session::open(&cli)?, a)),
         Command::Serve(a) => ok(crate::serve::run(&Session::open(&cli)?, a)),
+        Command::RpcServer(a) => ok(crate::rpc::serve(&Session::open(&cli)?, a)),
         Command::Convert(a) => ok(commands::convert::run(a)),
         Command::Upscale(a) => ok(commands::upscale::run(&Session::open(&cli)?, a)),
         Command::Bench(a) if a.model.is_none() => commands::bench::startup(&cli, a),

@@ -51,6 +51,18 @@ pub struct Cli {
     #[arg(long = "allow-insecure-plugins", global = true)]
     pub allow_insecure_plugins: bool,
 
+    /// ggml RPC servers whose devices to use, as rpc0, rpc1, … (HOST:PORT,
+    /// comma-separated; default: SDHOST_RPC_SERVERS, else the config file's
+    /// `rpc`); see docs/rpc.md
+    #[arg(long, value_name = "HOST:PORT,...", global = true)]
+    pub rpc: Option<String>,
+
+    /// Seconds to wait for an RPC server to accept the connection and to
+    /// answer each step of the handshake (default: the config file's
+    /// `rpc_timeout`, else 5)
+    #[arg(long = "rpc-timeout", value_name = "SECS", global = true, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub rpc_timeout: Option<u64>,
+
     /// What to do
     #[command(subcommand)]
     pub command: Command,
@@ -71,6 +83,9 @@ pub enum Command {
     Generate(GenerateArgs),
     /// Serve the A1111 (`/sdapi/v1`) and OpenAI image APIs and a web page, with the model loaded
     Serve(crate::serve::ServeArgs),
+    /// Serve one device to other machines' sdhost (or any ggml RPC client of
+    /// protocol 7) through ggml's RPC server; see docs/rpc.md
+    RpcServer(crate::rpc::ServerArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
     /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)

@@ -37,6 +37,12 @@ pub struct Config {
     pub memory_reserve: Option<String>,
     /// Default for `--fit` (`true` = on).
     pub fit: Option<bool>,
+    /// ggml RPC servers (`["192.168.1.20:50052"]`), used when neither
+    /// `--rpc` nor `SDHOST_RPC_SERVERS` is set (docs/rpc.md).
+    #[serde(default)]
+    pub rpc: Vec<String>,
+    /// Default for `--rpc-timeout` (seconds, at least 1).
+    pub rpc_timeout: Option<u64>,
 }
 
 impl Config {

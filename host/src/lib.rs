@@ -28,6 +28,7 @@ pub mod placement;
 pub mod probe;
 pub mod registry;
 pub mod render;
+pub mod rpc;
 pub mod serve;
 pub mod session;
 pub mod term;

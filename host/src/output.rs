@@ -13,11 +13,38 @@
 use anyhow::{anyhow, bail, Context as _};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 /// A target path and its temporary file beside it.
 pub struct OutputFile {
     path: PathBuf,
     tmp: tempfile::NamedTempFile,
+    _pending: Pending,
+}
+
+/// Temporary files of live [`OutputFile`]s, for [`remove_pending`].
+static PENDING: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Keeps a temporary file listed in [`PENDING`] while its `OutputFile` lives.
+struct Pending(PathBuf);
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let mut l = PENDING.lock().unwrap_or_else(|p| p.into_inner());
+        l.retain(|p| p != &self.0);
+    }
+}
+
+/// Removes the temporary files of every live [`OutputFile`]: for a process
+/// about to end without unwinding (ggml's abort, see `rpc.rs`), where their
+/// destructors will not run. Never blocks: if the list is locked at that
+/// moment, nothing is removed.
+pub fn remove_pending() {
+    if let Ok(l) = PENDING.try_lock() {
+        for p in l.iter() {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 /// What kind of file system object `m` is, for an error line.
@@ -67,9 +94,15 @@ impl OutputFile {
             .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666))
             .tempfile_in(dir)
             .map_err(|e| anyhow!("--output: cannot write in folder {}: {e}", dir.display()))?;
+        let pending = Pending(tmp.path().to_path_buf());
+        PENDING
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(pending.0.clone());
         Ok(OutputFile {
             path: path.to_path_buf(),
             tmp,
+            _pending: pending,
         })
     }
 

@@ -116,15 +116,22 @@ pub struct Registry {
     pub plugins: Vec<PluginRecord>,
     /// Devices in registration order (plugin search order, then ggml's order).
     pub devices: Vec<DeviceEntry>,
+    /// The registry of each loaded family (`rpc-server` finds ggml's RPC
+    /// server through the `rpc` family's proc-address table).
+    pub regs: Vec<(String, Reg)>,
 }
 
 /// How discovery treats the files it finds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct DiscoverOptions {
     /// Load plugins from world-writable files and folders and from shared
     /// temporary folders too (`--allow-insecure-plugins`); by default they
     /// are `rejected` rows.
     pub allow_insecure: bool,
+    /// Remote endpoints (`HOST:PORT`, already checked, see `rpc.rs`) added
+    /// after `init` to every loaded registry that takes RPC servers
+    /// (`ggml_backend_rpc_add_server` in its proc-address table).
+    pub endpoints: Vec<String>,
 }
 
 struct Candidate {
@@ -309,6 +316,16 @@ impl Registry {
                 .manifest
                 .clone()
                 .expect("loaded plugins have a manifest");
+            reg.regs.push((m.family.clone(), r));
+            // An RPC registry takes the (checked) servers now, the way ggml
+            // hands servers to any RPC registry; the probe never does this.
+            if r.is_rpc() {
+                for e in &options.endpoints {
+                    if let Err(err) = r.rpc_add_server(e) {
+                        tracing::warn!("RPC server {e}: {err}");
+                    }
+                }
+            }
             let devices: Vec<Device> = r
                 .devices()
                 .into_iter()
@@ -345,6 +362,11 @@ impl Registry {
     /// The device registered under `name` (exact, lowercase).
     pub fn device(&self, name: &str) -> Option<&DeviceEntry> {
         self.devices.iter().find(|d| d.name == name)
+    }
+
+    /// The registry of the loaded plugin of `family`.
+    pub fn family_reg(&self, family: &str) -> Option<Reg> {
+        self.regs.iter().find(|(f, _)| f == family).map(|(_, r)| *r)
     }
 
     /// The plugin record of a file.

@@ -49,6 +49,9 @@ pub struct Session {
     pub registry: Registry,
     /// CPU threads (flag, else config, else every core).
     pub threads: Option<usize>,
+    /// RPC servers that failed their check, with the reason (their devices
+    /// are missing; named again when a placement cannot be resolved).
+    pub rpc_failures: Vec<String>,
 }
 
 impl Session {
@@ -83,8 +86,13 @@ impl Session {
             .plugin_probe_timeout
             .or(config.plugin_probe_timeout)
             .unwrap_or(crate::probe::DEFAULT_TIMEOUT_S);
+        let (endpoints, rpc_failures) = rpc_servers(cli, &config)?;
+        if !endpoints.is_empty() {
+            crate::rpc::install_fatal_handler(&endpoints);
+        }
         let options = DiscoverOptions {
             allow_insecure: cli.allow_insecure_plugins || config.allow_insecure_plugins,
+            endpoints,
         };
         let registry = match (mode, std::env::current_exe()) {
             (ProbeMode::Off, _) | (_, Err(_)) => Registry::discover_with(&search, None, options),
@@ -134,6 +142,7 @@ impl Session {
             search,
             registry,
             threads,
+            rpc_failures,
         })
     }
 
@@ -143,7 +152,15 @@ impl Session {
             .devices
             .iter()
             .map(|d| {
+                // ggml's RPC devices all say GPU; a remote device is used
+                // where it is named, never picked as the default or for `gpu`.
+                let remote = self
+                    .registry
+                    .plugin(&d.plugin)
+                    .and_then(|p| p.manifest.as_ref())
+                    .is_some_and(|m| m.family == "rpc");
                 let ty = match d.ty {
+                    _ if remote => placement::DeviceType::Accel,
                     DeviceType::Cpu => placement::DeviceType::Cpu,
                     DeviceType::Gpu => placement::DeviceType::Gpu,
                     DeviceType::IGpu => placement::DeviceType::IGpu,
@@ -167,10 +184,44 @@ impl Session {
             config_params_backend: self.config.params_backend.clone(),
             default_device: std::env::var("SDHOST_DEFAULT_DEVICE").ok(),
         };
-        let p = placement::resolve(&req, &self.device_infos())?;
+        let p = placement::resolve(&req, &self.device_infos()).map_err(|e| {
+            if self.rpc_failures.is_empty() {
+                anyhow::Error::from(e)
+            } else {
+                anyhow::anyhow!(
+                    "{e} (RPC servers left out: {})",
+                    self.rpc_failures.join("; ")
+                )
+            }
+        })?;
         for n in &p.notes {
             tracing::warn!("{n}");
         }
         Ok(p)
     }
+}
+
+/// The RPC servers of this invocation that passed their check, and a line
+/// for each that did not (also logged as a warning). A malformed list is an
+/// error.
+fn rpc_servers(cli: &Cli, config: &Config) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+    let env = std::env::var("SDHOST_RPC_SERVERS").ok();
+    let list = crate::rpc::servers(cli.rpc.as_deref(), env.as_deref(), &config.rpc)?;
+    let timeout = std::time::Duration::from_secs(
+        cli.rpc_timeout
+            .or(config.rpc_timeout)
+            .unwrap_or(crate::rpc::DEFAULT_TIMEOUT_S)
+            .max(1),
+    );
+    let (mut ok, mut failed) = (Vec::new(), Vec::new());
+    for e in list {
+        match crate::rpc::check(&e, timeout) {
+            Ok(()) => ok.push(e.text),
+            Err(why) => {
+                tracing::warn!("RPC server {} left out: {why}", e.text);
+                failed.push(format!("{}: {why}", e.text));
+            }
+        }
+    }
+    Ok((ok, failed))
 }

@@ -1,0 +1,340 @@
+//! Remote devices through ggml's RPC backend: the server list
+//! (`--rpc`, `SDHOST_RPC_SERVERS`, `rpc = [...]` in the config file), the
+//! handshake check every server passes before ggml sees it, the fatal-error
+//! line for a server lost during compute, and `sdhost rpc-server`.
+//!
+//! Why the check is ours: ggml's RPC client (protocol 7.0.0 in the pinned
+//! source) aborts the whole process when a server is unreachable, answers
+//! the handshake wrongly or speaks another version. So the host connects
+//! first, in Rust, with connect and read/write timeouts, sends the HELLO
+//! command and compares the version; a server that fails is a warning and
+//! no device. Only servers that passed reach the `rpc` plugin.
+//!
+//! **Invariant:** a failure ggml can only report by aborting (a server that
+//! dies mid-call) ends in one line and exit status 1, with pending output
+//! files removed (see [`install_fatal_handler`]); never a core dump.
+
+use anyhow::{anyhow, bail, Context as _};
+use clap::Args;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, ToSocketAddrs};
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// The protocol version of the pinned `ggml-rpc.h`; the `rpc` plugin's
+/// build script refuses a ggml whose header says otherwise.
+pub const PROTOCOL: (u8, u8, u8) = (7, 0, 0);
+
+/// `RPC_CMD_HELLO` (ggml asserts it is always 14).
+const CMD_HELLO: u8 = 14;
+/// `RPC_CONN_CAPS_SIZE`: the HELLO request is this many capability bytes
+/// (all zero: plain TCP).
+const CONN_CAPS: usize = 24;
+/// The HELLO response: major, minor, patch, padding, capabilities.
+const HELLO_RESPONSE: usize = 4 + CONN_CAPS;
+
+/// Default seconds for connecting to a server and for each handshake read
+/// or write (`--rpc-timeout`, `rpc_timeout` in the config file).
+pub const DEFAULT_TIMEOUT_S: u64 = 5;
+
+/// One server of the list: as written (ggml gets this string) and the IPv4
+/// address it resolved to (ggml's client connects to IPv4 only, to the
+/// first address the name resolves to).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    /// `HOST:PORT` as given.
+    pub text: String,
+    /// The address connected to.
+    pub addr: SocketAddrV4,
+}
+
+/// Parses a comma-separated `HOST:PORT` list from `source` (named in every
+/// error): malformed entries, ports out of range, names that do not
+/// resolve and servers listed twice are errors. Empty entries are skipped.
+pub fn parse_list<'a>(
+    entries: impl IntoIterator<Item = &'a str>,
+    source: &str,
+) -> anyhow::Result<Vec<Endpoint>> {
+    let mut out: Vec<Endpoint> = Vec::new();
+    for raw in entries
+        .into_iter()
+        .flat_map(|s| s.split(','))
+        .map(str::trim)
+    {
+        if raw.is_empty() {
+            continue;
+        }
+        let e = parse_one(raw).map_err(|e| anyhow!("{source}: server {raw:?}: {e}"))?;
+        if let Some(prev) = out.iter().find(|p| p.addr == e.addr) {
+            bail!(
+                "{source}: server {raw:?} is listed twice (as {:?} too, both {})",
+                prev.text,
+                e.addr
+            );
+        }
+        out.push(e);
+    }
+    Ok(out)
+}
+
+fn parse_one(raw: &str) -> Result<Endpoint, String> {
+    if raw.starts_with('[') || raw.matches(':').count() > 1 {
+        return Err("IPv6 addresses are not supported by ggml's RPC client; give an IPv4 address or a host name".into());
+    }
+    let (host, port) = raw
+        .split_once(':')
+        .ok_or("expected HOST:PORT (e.g. 192.168.1.20:50052)")?;
+    if host.is_empty() {
+        return Err("the host is empty (expected HOST:PORT)".into());
+    }
+    if !host
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b == b'.' || b == b'-' || b == b'_')
+    {
+        return Err("the host may hold letters, digits, '.', '-' and '_' only".into());
+    }
+    let port: u32 = port
+        .parse()
+        .map_err(|_| format!("port {port:?} is not a number"))?;
+    let port = u16::try_from(port)
+        .ok()
+        .filter(|&p| p != 0)
+        .ok_or(format!("port {port} is out of range (1 to 65535)"))?;
+    let addr = (host, port)
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {host}: {e}"))?
+        .find_map(|a| match a {
+            SocketAddr::V4(v4) => Some(v4),
+            SocketAddr::V6(_) => None,
+        })
+        .ok_or(format!(
+            "{host} has no IPv4 address (ggml's RPC client connects over IPv4)"
+        ))?;
+    Ok(Endpoint {
+        text: raw.to_string(),
+        addr,
+    })
+}
+
+/// The server list of this invocation: the flag wins over the environment,
+/// which wins over the config file (the first one that is set is used
+/// whole; they are not merged).
+pub fn servers(
+    flag: Option<&str>,
+    env: Option<&str>,
+    config: &[String],
+) -> anyhow::Result<Vec<Endpoint>> {
+    if let Some(f) = flag {
+        parse_list([f], "--rpc")
+    } else if let Some(e) = env {
+        parse_list([e], "SDHOST_RPC_SERVERS")
+    } else {
+        parse_list(config.iter().map(String::as_str), "config file rpc")
+    }
+}
+
+/// Connects to `e` and runs the protocol's HELLO: `Ok` when the server
+/// answers with protocol 7.x (x ≤ 0, ggml's client rule), else a reason
+/// (without the server's name). `timeout` bounds the connect and each read
+/// and write.
+pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
+    let secs = timeout.as_secs_f64();
+    let mut s = TcpStream::connect_timeout(&SocketAddr::V4(e.addr), timeout).map_err(|err| {
+        if err.kind() == std::io::ErrorKind::TimedOut {
+            format!("no connection within {secs} s")
+        } else {
+            format!("cannot connect: {err}")
+        }
+    })?;
+    s.set_read_timeout(Some(timeout))
+        .and_then(|()| s.set_write_timeout(Some(timeout)))
+        .map_err(|err| format!("socket setup: {err}"))?;
+    let _ = s.set_nodelay(true);
+    let io = |err: std::io::Error| {
+        match err.kind() {
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
+            "no answer to the RPC handshake within {secs} s (busy serving another client, or not a ggml RPC server; --rpc-timeout sets the limit)"
+        ),
+        std::io::ErrorKind::UnexpectedEof
+        | std::io::ErrorKind::ConnectionReset
+        | std::io::ErrorKind::ConnectionAborted
+        | std::io::ErrorKind::BrokenPipe => {
+            "closed the connection during the RPC handshake (not a ggml RPC server of protocol 7, or it refused this client)".to_string()
+        }
+        _ => format!("RPC handshake: {err}"),
+    }
+    };
+    let mut request = Vec::with_capacity(1 + 8 + CONN_CAPS);
+    request.push(CMD_HELLO);
+    request.extend_from_slice(&(CONN_CAPS as u64).to_le_bytes());
+    request.extend_from_slice(&[0u8; CONN_CAPS]);
+    s.write_all(&request).map_err(io)?;
+    let mut size = [0u8; 8];
+    s.read_exact(&mut size).map_err(io)?;
+    let size = u64::from_le_bytes(size);
+    if size != HELLO_RESPONSE as u64 {
+        return Err(format!(
+            "answered the RPC handshake with {size} bytes instead of {HELLO_RESPONSE}: not a ggml RPC server of protocol 7"
+        ));
+    }
+    let mut rsp = [0u8; HELLO_RESPONSE];
+    s.read_exact(&mut rsp).map_err(io)?;
+    let (major, minor, patch) = (rsp[0], rsp[1], rsp[2]);
+    if major != PROTOCOL.0 || minor > PROTOCOL.1 {
+        return Err(format!(
+            "speaks RPC protocol {major}.{minor}.{patch}; this sdhost speaks {}.{}.{}",
+            PROTOCOL.0, PROTOCOL.1, PROTOCOL.2
+        ));
+    }
+    Ok(())
+}
+
+/// The servers of the running process, for the fatal-error line.
+static IN_USE: OnceLock<String> = OnceLock::new();
+
+fn fatal(message: &str) {
+    let servers = IN_USE.get().map(String::as_str).unwrap_or("?");
+    crate::output::remove_pending();
+    crate::term::eprint_line(&format!(
+        "error: an RPC server ({servers}) failed or closed the connection during a call ({}); no output was written",
+        crate::term::clean(message)
+    ));
+}
+
+/// Makes ggml's aborts one line and exit status 1 (pending output files
+/// removed) for a process that uses the RPC servers `servers`.
+pub fn install_fatal_handler(servers: &[String]) {
+    let _ = IN_USE.set(servers.join(","));
+    ggml::set_fatal_handler(fatal);
+}
+
+/// `sdhost rpc-server`.
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// Device to serve (as `sdhost devices` names it: cpu, vulkan0, cuda0, …)
+    #[arg(long, value_name = "NAME")]
+    pub device: String,
+
+    /// IPv4 address to listen on; anything but loopback needs --allow-remote
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// TCP port to listen on
+    #[arg(long, default_value_t = 50052, value_parser = clap::value_parser!(u16).range(1..))]
+    pub port: u16,
+
+    /// Folder where large weight tensors are cached by hash, so that a client
+    /// that sends them again uploads only the hash
+    #[arg(long, value_name = "DIR")]
+    pub cache: Option<PathBuf>,
+
+    /// Listen on a non-loopback address. ggml's RPC protocol has neither
+    /// authentication nor encryption: anyone who reaches the port can use
+    /// the device and read or write its memory
+    #[arg(long = "allow-remote")]
+    pub allow_remote: bool,
+}
+
+/// Runs `sdhost rpc-server` (blocks while serving).
+pub fn serve(session: &crate::session::Session, args: &ServerArgs) -> anyhow::Result<()> {
+    let ip: Ipv4Addr = args.host.parse().map_err(|_| {
+        anyhow!(
+            "--host {:?}: ggml's RPC server listens on an IPv4 address (e.g. 127.0.0.1 or 0.0.0.0)",
+            args.host
+        )
+    })?;
+    if !ip.is_loopback() {
+        if !args.allow_remote {
+            bail!(
+                "--host {ip} is not a loopback address: ggml's RPC protocol has neither authentication nor encryption, so --allow-remote is needed to listen there"
+            );
+        }
+        crate::term::eprint_line(&format!(
+            "warning: listening on {ip}:{}: ggml's RPC protocol has neither authentication nor encryption; anyone who can reach this port can run computations on the device and read or write its memory",
+            args.port
+        ));
+    }
+    let entry = session.registry.device(&args.device).ok_or_else(|| {
+        let names: Vec<&str> = session
+            .registry
+            .devices
+            .iter()
+            .map(|d| d.name.as_str())
+            .collect();
+        anyhow!(
+            "--device {}: no such device (loaded: {})",
+            args.device,
+            if names.is_empty() {
+                "none".to_string()
+            } else {
+                names.join(", ")
+            }
+        )
+    })?;
+    let reg = session.registry.family_reg("rpc").ok_or_else(|| {
+        anyhow!("the rpc plugin (libsdhost_plugin_rpc.so) is not loaded; `sdhost plugins` says why")
+    })?;
+    if let Some(dir) = &args.cache {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--cache: creating {}", dir.display()))?;
+    }
+    // A clear line for a port in use, before ggml's silent failure to bind.
+    drop(
+        std::net::TcpListener::bind((ip, args.port))
+            .with_context(|| format!("cannot listen on {ip}:{}", args.port))?,
+    );
+    let threads = session.threads.unwrap_or(1);
+    tracing::info!(
+        "serving {} ({}) on {ip}:{}",
+        entry.name,
+        entry.description,
+        args.port
+    );
+    reg.rpc_serve(
+        &format!("{ip}:{}", args.port),
+        args.cache.as_deref(),
+        threads,
+        &[entry.device],
+    )
+    .map_err(|e| anyhow!("rpc-server on {ip}:{}: {e}", args.port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lists() {
+        let l = parse_list(["127.0.0.1:50052, localhost:50053,"], "--rpc").unwrap();
+        assert_eq!(l.len(), 2);
+        assert_eq!(l[0].text, "127.0.0.1:50052");
+        assert_eq!(l[1].addr.port(), 50053);
+        assert!(parse_list([""], "--rpc").unwrap().is_empty());
+        for bad in [
+            "127.0.0.1",
+            ":50052",
+            "127.0.0.1:0",
+            "127.0.0.1:65536",
+            "127.0.0.1:-1",
+            "127.0.0.1:x",
+            "[::1]:50052",
+            "a b:1",
+            "no-such-host.invalid:50052",
+            "127.0.0.1:50052,127.0.0.1:50052",
+        ] {
+            let e = parse_list([bad], "--rpc").unwrap_err().to_string();
+            assert!(e.starts_with("--rpc: server"), "{bad}: {e}");
+            assert!(!e.contains('\n'), "{e}");
+        }
+    }
+
+    #[test]
+    fn precedence() {
+        let cfg = vec!["127.0.0.1:3".to_string()];
+        let s = |f, e| servers(f, e, &cfg).unwrap()[0].addr.port();
+        assert_eq!(s(Some("127.0.0.1:1"), Some("127.0.0.1:2")), 1);
+        assert_eq!(s(None, Some("127.0.0.1:2")), 2);
+        assert_eq!(s(None, None), 3);
+    }
+}
