@@ -195,7 +195,10 @@ fn the_page_generates_an_image_in_headless_chromium() {
     let tab = browser.new_tab().unwrap();
     tab.set_default_timeout(DEADLINE);
     let url = format!("http://{}/", srv.addr);
-    tab.navigate_to(&url).unwrap().wait_until_navigated().unwrap();
+    tab.navigate_to(&url)
+        .unwrap()
+        .wait_until_navigated()
+        .unwrap();
 
     // The page fills its pickers from the API, then says it is ready.
     wait_for(
@@ -237,11 +240,8 @@ fn the_page_generates_an_image_in_headless_chromium() {
     ] {
         type_into(&tab, field, value);
     }
-    tab.evaluate(
-        "document.getElementById('sampler').value = 'Euler'",
-        false,
-    )
-    .unwrap();
+    tab.evaluate("document.getElementById('sampler').value = 'Euler'", false)
+        .unwrap();
     tab.wait_for_element("#go").unwrap().click().unwrap();
     wait_for(
         &tab,

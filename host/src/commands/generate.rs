@@ -117,8 +117,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let sampling_time = sampling.elapsed();
     let image = image.with_context(|| args.model.display().to_string())?;
     let image = match (&mut upscaler, &args.upscale.model) {
-        (Some(u), Some(m)) => crate::commands::upscale::apply(u, image, args.upscale.tuning, &cancel)
-            .with_context(|| m.display().to_string())?,
+        (Some(u), Some(m)) => {
+            crate::commands::upscale::apply(u, image, args.upscale.tuning, &cancel)
+                .with_context(|| m.display().to_string())?
+        }
         _ => image,
     };
 

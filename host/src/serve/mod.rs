@@ -255,24 +255,23 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
                     let manager =
                         crate::manager::BackendManager::new(&session.registry, session.threads)
                             .with_abort_flag(abort);
-                    let started = crate::commands::generate::layout(
-                        session, &manager, placement, "serve",
-                    )
-                    .and_then(|layout| {
-                        let worker = Worker {
-                            args,
-                            replica: i,
-                            session,
-                            manager: &manager,
-                            load_lock,
-                            placement,
-                            layout,
-                            queue,
-                            current,
-                        };
-                        let loaded = worker.load_initial(first)?;
-                        Ok((worker, loaded))
-                    });
+                    let started =
+                        crate::commands::generate::layout(session, &manager, placement, "serve")
+                            .and_then(|layout| {
+                                let worker = Worker {
+                                    args,
+                                    replica: i,
+                                    session,
+                                    manager: &manager,
+                                    load_lock,
+                                    placement,
+                                    layout,
+                                    queue,
+                                    current,
+                                };
+                                let loaded = worker.load_initial(first)?;
+                                Ok((worker, loaded))
+                            });
                     match started {
                         Ok((worker, loaded)) => {
                             let _ = ready.send((i, Ok(())));

@@ -387,7 +387,10 @@ mod tests {
 
     #[test]
     fn two_replicas_run_two_jobs_and_cancel_apart() {
-        let aborts = vec![Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false))];
+        let aborts = vec![
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        ];
         let q: Arc<Queue<W, ()>> = Queue::new(4, aborts.clone());
         let tickets: Vec<_> = (1..=3).map(|n| q.submit(W(n)).unwrap()).collect();
         // Each replica takes the oldest waiting job: two run at once.

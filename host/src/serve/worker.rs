@@ -260,7 +260,8 @@ impl<'m> Worker<'_, 'm> {
         let flash = generate::apply_flash_attn(&mut sd, &self.layout, a.flash_attn);
         let upscaler = match &self.args.upscale.model {
             Some(m) => {
-                let d = crate::commands::upscale::devices(self.session, self.manager, self.placement)?;
+                let d =
+                    crate::commands::upscale::devices(self.session, self.manager, self.placement)?;
                 Some(crate::commands::upscale::load(m, d, a.phase_memory)?)
             }
             None => None,
@@ -461,11 +462,15 @@ impl<'m> Worker<'_, 'm> {
                     e => JobError::Failed(format!("{}: {e}", entry.title)),
                 })?;
             let image = match &mut l.upscaler {
-                Some(u) => crate::commands::upscale::apply(u, image, self.args.upscale.tuning, cancel)
-                    .map_err(|e| match e.downcast_ref::<ModelError>() {
-                        Some(ModelError::Cancelled) => JobError::Cancelled("interrupted".into()),
-                        _ => JobError::Failed(crate::term::error_line(&e)),
-                    })?,
+                Some(u) => {
+                    crate::commands::upscale::apply(u, image, self.args.upscale.tuning, cancel)
+                        .map_err(|e| match e.downcast_ref::<ModelError>() {
+                            Some(ModelError::Cancelled) => {
+                                JobError::Cancelled("interrupted".into())
+                            }
+                            _ => JobError::Failed(crate::term::error_line(&e)),
+                        })?
+                }
                 None => image,
             };
             if cancelled() {
