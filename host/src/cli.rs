@@ -231,6 +231,63 @@ pub struct SampleArgs {
     #[arg(long, alias = "schedule", value_name = "NAME", value_parser = str::parse::<sdhost_models::sampling::schedule::Scheduler>)]
     pub scheduler: Option<sdhost_models::sampling::schedule::Scheduler>,
 
+    #[command(flatten)]
+    pub load: LoadArgs,
+}
+
+impl SampleArgs {
+    /// The schedule: `--scheduler`, else the one `--sampler` names, else
+    /// discrete; an error where the two name different ones.
+    pub fn scheduler(&self) -> anyhow::Result<sdhost_models::sampling::schedule::Scheduler> {
+        match (self.scheduler, self.sampler.scheduler) {
+            (Some(a), Some(b)) if a != b => anyhow::bail!(
+                "--sampler {:?} names the {b} schedule but --scheduler says {a}",
+                self.sampler.to_string()
+            ),
+            (a, b) => Ok(a.or(b).unwrap_or_default()),
+        }
+    }
+
+    /// The generation request these settings describe; `default_size` is
+    /// the family's side length for a size not given.
+    pub fn request(
+        &self,
+        prompt: &str,
+        negative: &str,
+        clip_skip: usize,
+        default_size: usize,
+    ) -> anyhow::Result<sdhost_models::pipeline::Request> {
+        let side = |v: Option<u32>| v.map_or(default_size, |v| v as usize);
+        Ok(sdhost_models::pipeline::Request {
+            prompt: prompt.to_string(),
+            negative: negative.to_string(),
+            steps: self.steps as usize,
+            cfg_scale: self.cfg_scale,
+            width: side(self.width),
+            height: side(self.height),
+            seed: self.seed,
+            sampler: self.sampler.sampler,
+            scheduler: self.scheduler()?,
+            clip_skip,
+            init: None,
+        })
+    }
+}
+
+// The loading flags live in their own struct, flattened into
+// `SampleArgs` (for `generate` and `bench -m`) and into `serve`'s flags, so
+// each is defined once; `SampleArgs` derefs to them so that
+// `args.sample.vae` keeps working where the flags are read.
+impl std::ops::Deref for SampleArgs {
+    type Target = LoadArgs;
+    fn deref(&self) -> &LoadArgs {
+        &self.load
+    }
+}
+
+/// How a checkpoint is loaded: shared by `generate`, `bench -m` and `serve`.
+#[derive(Debug, Args)]
+pub struct LoadArgs {
     /// What each module holds between its phases (text encoding, sampling,
     /// decoding): `free` (default) releases its compute buffers and any
     /// runtime copy of weights kept on another device; `keep` holds them
@@ -274,7 +331,7 @@ pub struct SampleArgs {
     pub vae_tile_overlap: u32,
 }
 
-impl SampleArgs {
+impl LoadArgs {
     /// `--vae-tiling` with its tile size and overlap, checked.
     pub fn vae_tiling(&self) -> anyhow::Result<Option<sdhost_models::tiling::Tiling>> {
         if !self.vae_tiling {
@@ -286,50 +343,13 @@ impl SampleArgs {
         )?))
     }
 
-    /// The schedule: `--scheduler`, else the one `--sampler` names, else
-    /// discrete; an error where the two name different ones.
-    pub fn scheduler(&self) -> anyhow::Result<sdhost_models::sampling::schedule::Scheduler> {
-        match (self.scheduler, self.sampler.scheduler) {
-            (Some(a), Some(b)) if a != b => anyhow::bail!(
-                "--sampler {:?} names the {b} schedule but --scheduler says {a}",
-                self.sampler.to_string()
-            ),
-            (a, b) => Ok(a.or(b).unwrap_or_default()),
-        }
-    }
-
-    /// The generation request these settings describe; `default_size` is
-    /// the family's side length for a size not given.
-    pub fn request(
-        &self,
-        prompt: &str,
-        negative: &str,
-        clip_skip: usize,
-        default_size: usize,
-    ) -> anyhow::Result<sdhost_models::pipeline::Request> {
-        let side = |v: Option<u32>| v.map_or(default_size, |v| v as usize);
-        Ok(sdhost_models::pipeline::Request {
-            prompt: prompt.to_string(),
-            negative: negative.to_string(),
-            steps: self.steps as usize,
-            cfg_scale: self.cfg_scale,
-            width: side(self.width),
-            height: side(self.height),
-            seed: self.seed,
-            sampler: self.sampler.sampler,
-            scheduler: self.scheduler()?,
-            clip_skip,
-            init: None,
-        })
-    }
-
     /// The file that replaces the checkpoint's VAE: `--vae` or `--taesd`.
     pub fn vae_file(&self) -> Option<&std::path::Path> {
         self.vae.as_deref().or(self.taesd.as_deref())
     }
 
     /// How to load the checkpoint under these settings (`vae`: the
-    /// [`SampleArgs::vae_file`], scanned).
+    /// [`LoadArgs::vae_file`], scanned).
     pub fn load_options<'c>(
         &self,
         vae: Option<&'c sdhost_models::checkpoint::Checkpoint>,
@@ -341,6 +361,18 @@ impl SampleArgs {
             ..Default::default()
         }
     }
+}
+
+/// `--upscale-model` with its tuning, shared by `generate` and `serve`.
+#[derive(Debug, Args)]
+pub struct UpscaleModelArgs {
+    /// Enlarge the generated image with this ESRGAN / Real-ESRGAN model
+    /// (.pth, .safetensors or .gguf) before writing it
+    #[arg(id = "upscale_model", long = "upscale-model", value_name = "FILE")]
+    pub model: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub tuning: UpscaleTuning,
 }
 
 /// `sdhost generate`.
@@ -373,13 +405,8 @@ pub struct GenerateArgs {
     #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
     pub output: PathBuf,
 
-    /// Enlarge the generated image with this ESRGAN / Real-ESRGAN model
-    /// (.pth, .safetensors or .gguf) before writing it
-    #[arg(long = "upscale-model", value_name = "FILE")]
-    pub upscale_model: Option<PathBuf>,
-
     #[command(flatten)]
-    pub upscale: UpscaleTuning,
+    pub upscale: UpscaleModelArgs,
 
     #[command(flatten)]
     pub init: InitArgs,

@@ -5,8 +5,10 @@
 //! parameters and reproducibility, img2img, switching models, the queue
 //! bound (503 + Retry-After), interrupt, cancellation on disconnect,
 //! authentication, the body limit, a batch of bad requests between valid
-//! ones, shutdown on SIGTERM with exit code 0, and a load test (100
-//! requests from 8 clients).
+//! ones, shutdown on SIGTERM with exit code 0, several replicas of the
+//! model running jobs at once (`--replicas cpu,cpu`; `cpu,vulkan0` with
+//! `SDHOST_TEST_VULKAN=1`), and a load test (100 requests from 8 clients,
+//! which also prints the server's overhead over the library).
 //!
 //! Slow jobs (1000 steps) are always interrupted or cancelled, never run to
 //! the end; waits poll the server's own state, with a generous deadline
@@ -38,10 +40,15 @@ impl Server {
     }
 
     fn start_in(prefix: Prefix, args: &[&str]) -> Server {
+        Server::start_env(prefix, args, &[])
+    }
+
+    fn start_env(prefix: Prefix, args: &[&str], env: &[(&str, &str)]) -> Server {
         let mut all = vec!["serve", "--port", "0"];
         all.extend_from_slice(args);
         let mut child = prefix
             .cmd(&all)
+            .envs(env.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -828,4 +835,221 @@ fn load_100_requests_from_8_clients() {
         rss_end * 10 <= rss_warm * 11,
         "RSS grew from {rss_warm} KiB to {rss_end} KiB"
     );
+    print_overhead(&srv);
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+/// The server's overhead over the same generation through the library,
+/// printed (a measurement, not an assertion: timings on a shared machine
+/// vary): the median wall time of 10 requests, as a client sees it (queue,
+/// JSON, PNG and base64 included), against the median end-to-end time of
+/// `sdhost bench -m` for the same settings (one measured run after a
+/// warm-up, `--phase-memory keep` as the server here). The two alternate,
+/// so a busy machine slows both alike.
+fn print_overhead(srv: &Server) {
+    const RUNS: usize = 10;
+    let body = json!({"prompt": "overhead", "steps": 8, "cfg_scale": 7, "width": 64,
+                      "height": 64, "seed": 3, "sampler_name": "euler"});
+    let tiny = fixture("tiny-sd1.safetensors");
+    let (mut server, mut library) = (Vec::new(), Vec::new());
+    for _ in 0..RUNS {
+        let t = Instant::now();
+        let r = srv.post("/sdapi/v1/txt2img", body.clone());
+        server.push(t.elapsed().as_secs_f64());
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (run, _) = run_within(
+            srv._prefix.cmd(&[
+                "bench",
+                "-m",
+                s(&tiny),
+                "-p",
+                "overhead",
+                "--steps",
+                "8",
+                "--cfg-scale",
+                "7",
+                "-W",
+                "64",
+                "-H",
+                "64",
+                "--seed",
+                "3",
+                "--sampler",
+                "euler",
+                "--phase-memory",
+                "keep",
+                "--runs",
+                "1",
+                "--json",
+            ]),
+            DEADLINE,
+        );
+        assert_eq!(run.code, Some(0), "{}", run.stderr);
+        let report: Value = serde_json::from_str(&run.stdout).unwrap();
+        library.push(
+            report["stages"]["end to end"]["sdhost_s"]["median"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no end-to-end time in {report}")),
+        );
+    }
+    let (served, library) = (median(server), median(library));
+    eprintln!(
+        "overhead: server median {:.1} ms per request, library (sdhost bench) median {:.1} ms: {:+.1} %",
+        served * 1e3,
+        library * 1e3,
+        (served / library - 1.0) * 100.0
+    );
+}
+
+/// A job far too long to finish: 16 images of 1000 steps (always
+/// interrupted).
+fn slowest() -> Value {
+    json!({"prompt": "slow", "steps": 1000, "width": 64, "height": 64, "seed": 1, "n_iter": 16})
+}
+
+impl Server {
+    /// Posts `body` to txt2img on another thread.
+    fn post_bg(&self, body: &Value) -> std::thread::JoinHandle<Resp> {
+        let addr = self.addr.clone();
+        let body = serde_json::to_vec(body).unwrap();
+        std::thread::spawn(move || request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]))
+    }
+
+    /// The running jobs `/progress` lists.
+    fn running(p: &Value) -> Vec<Value> {
+        p["state"]["sdhost_running"].as_array().unwrap().clone()
+    }
+}
+
+/// Two replicas (`devices`, e.g. cpu,cpu): a short job runs and finishes
+/// beside a long one; two long jobs run at once, one per replica, each
+/// listed by `/progress` with its device while a third waits; interrupt
+/// stops both; and the two replicas make the same image for one request.
+fn check_two_replicas(srv: &Server, devices: [&str; 2]) {
+    assert_eq!(srv.get("/health")["replicas"], json!(devices));
+    let a = srv.post_bg(&slowest());
+    srv.wait_progress("the first long job running", |p| {
+        Server::running(p).len() == 1
+    });
+    // The other replica is free: a short job runs beside the long one.
+    let r = srv.post("/sdapi/v1/txt2img", small("beside", 7));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let beside = r.json()["images"][0].as_str().unwrap().to_string();
+    let p = srv.get("/sdapi/v1/progress");
+    assert_eq!(Server::running(&p).len(), 1, "the long job still runs: {p}");
+
+    let c = srv.post_bg(&slowest());
+    let p = srv.wait_progress("two long jobs running", |p| Server::running(p).len() == 2);
+    let running = Server::running(&p);
+    let mut on: Vec<_> = running
+        .iter()
+        .map(|j| {
+            assert_eq!(j["sampling_steps"], 1000, "{j}");
+            assert_eq!(j["job_images"], 16, "{j}");
+            (j["replica"].as_u64().unwrap(), j["device"].clone())
+        })
+        .collect();
+    on.sort_by_key(|(r, _)| *r);
+    assert_eq!(
+        on,
+        vec![(0, json!(devices[0])), (1, json!(devices[1]))],
+        "one job per replica: {p}"
+    );
+    assert_eq!(p["state"]["job_count"], 2, "{p}");
+    // Both replicas busy: the next job waits.
+    let d = srv.post_bg(&small("beside", 7));
+    srv.wait_progress("one job waiting", |p| p["state"]["sdhost_waiting"] == 1);
+    let r = srv.post("/sdapi/v1/interrupt", json!({}));
+    let mut ids: Vec<_> = r.json()["sdhost_interrupted"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    ids.sort();
+    let mut want: Vec<_> = running.iter().map(|j| j["id"].as_u64().unwrap()).collect();
+    want.sort();
+    assert_eq!(ids, want, "interrupt stops every running job");
+    for (what, h) in [("first", a), ("second", c)] {
+        let r = h.join().unwrap();
+        assert_eq!(r.status, 409, "the {what} long job: {}", r.text());
+    }
+    let r = d.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    let again = r.json()["images"][0].as_str().unwrap().to_string();
+    if devices[0] == devices[1] {
+        assert!(
+            again == beside,
+            "two CPU replicas made different images for one request"
+        );
+    }
+    let h = srv.get("/health");
+    assert_eq!(
+        (
+            &h["jobs"]["done"],
+            &h["jobs"]["cancelled"],
+            &h["queue"]["running"]
+        ),
+        (&json!(2), &json!(2), &json!(0)),
+        "{h}"
+    );
+}
+
+#[test]
+fn two_cpu_replicas_run_two_jobs_at_once() {
+    let tiny = fixture("tiny-sd1.safetensors");
+    let srv = Server::start(&["-m", s(&tiny), "--replicas", "cpu,cpu", "--queue", "2"]);
+    assert!(
+        srv.get("/sdapi/v1/options")["sdhost_placement"]
+            .as_str()
+            .unwrap()
+            .starts_with("cpu: te=cpu, diffusion=cpu, vae=cpu; cpu: te=cpu"),
+        "each replica's placement is shown"
+    );
+    check_two_replicas(&srv, ["cpu", "cpu"]);
+    drop(srv);
+
+    // Bad --replicas: one line naming the flag, exit 1, nothing served.
+    let prefix = Prefix::with_cpu();
+    for (args, want) in [
+        (&["--replicas", "cpu,nope"][..], "--replicas nope"),
+        (
+            &["--replicas", "cpu", "--backend", "cpu"][..],
+            "drop --backend",
+        ),
+        (&["--replicas", "cpu,te=cpu"][..], "is not a device name"),
+    ] {
+        let mut all = vec!["serve", "--port", "0", "-m", s(&tiny)];
+        all.extend_from_slice(args);
+        let (run, _) = run_within(prefix.cmd(&all), DEADLINE);
+        assert_eq!(run.code, Some(1), "{args:?}: {}", run.stderr);
+        assert!(run.stderr.contains(want), "{args:?}: {}", run.stderr);
+        assert!(!run.stderr.contains("listening on"), "{}", run.stderr);
+    }
+}
+
+/// `--replicas cpu,vulkan0` on lavapipe (with `SDHOST_TEST_VULKAN=1`).
+#[test]
+fn cpu_and_vulkan_replicas_run_two_jobs_at_once() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let prefix = Prefix::with_cpu();
+    prefix.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let tiny = fixture("tiny-sd1.safetensors");
+    let srv = Server::start_env(
+        prefix,
+        &["-m", s(&tiny), "--replicas", "cpu,vulkan0", "--queue", "2"],
+        &[("GGML_VK_VISIBLE_DEVICES", "0")],
+    );
+    check_two_replicas(&srv, ["cpu", "vulkan0"]);
 }

@@ -77,7 +77,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     }
     let flash = apply_flash_attn(&mut sd, &layout, args.sample.flash_attn);
     // Loaded before sampling, so a file that is no upscaler fails at once.
-    let mut upscaler = match &args.upscale_model {
+    let mut upscaler = match &args.upscale.model {
         Some(m) => {
             let d = crate::commands::upscale::devices(session, &manager, &placement)?;
             Some(crate::commands::upscale::load(
@@ -125,9 +125,11 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let sampling_time = sampling.elapsed();
     let image = image.with_context(|| args.model.display().to_string())?;
-    let image = match (&mut upscaler, &args.upscale_model) {
-        (Some(u), Some(m)) => crate::commands::upscale::apply(u, image, args.upscale, &cancel)
-            .with_context(|| m.display().to_string())?,
+    let image = match (&mut upscaler, &args.upscale.model) {
+        (Some(u), Some(m)) => {
+            crate::commands::upscale::apply(u, image, args.upscale.tuning, &cancel)
+                .with_context(|| m.display().to_string())?
+        }
         _ => image,
     };
 
@@ -388,9 +390,10 @@ fn parameters_text(
         mask: args.init.mask.as_deref(),
         taesd: args.sample.taesd.as_deref(),
         upscaler: args
-            .upscale_model
+            .upscale
+            .model
             .as_deref()
-            .map(|p| (p, args.upscale.repeats)),
+            .map(|p| (p, args.upscale.tuning.repeats)),
     };
     parameters_text_of(&fields, req, sd, placement, flash, hashes)
 }

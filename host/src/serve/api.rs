@@ -9,7 +9,7 @@
 //! `{"error": …, "field": …, "detail": …}`. Unknown fields are ignored, as
 //! A1111 clients send many this server has no use for.
 
-use super::queue::{Full, JobError};
+use super::queue::{Full, JobError, Running};
 use super::worker::{GenOutput, GenWork, InitWork, JobQueue, ModelEntry, ModelInfo, Output, Work};
 use crate::image_io::Mask;
 use axum::body::Bytes;
@@ -48,8 +48,10 @@ pub struct AppState {
     pub current: Arc<Mutex<Option<ModelInfo>>>,
     /// `--api-key`.
     pub api_key: Option<Arc<str>>,
-    /// Where each module runs.
+    /// Where each module runs (of each replica).
     pub placement: String,
+    /// Each replica's device (`--replicas`), by replica index.
+    pub replicas: Arc<Vec<String>>,
 }
 
 impl AppState {
@@ -160,7 +162,7 @@ pub fn serve(
             queue.close();
             tokio::spawn(async move {
                 tokio::time::sleep(grace).await;
-                if let Some(id) = queue.interrupt() {
+                for id in queue.interrupt() {
                     crate::term::eprint_line(&format!(
                         "job {id}: still running after the grace period; cancelled"
                     ));
@@ -550,10 +552,15 @@ fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
 async fn run_job(st: &AppState, work: Work) -> ApiResult<Output> {
     let (ticket, rx) = st.queue.submit(work).map_err(|Full| {
         let (running, waiting, _) = st.queue.snapshot();
-        let eta = running.map_or(1.0, |r| {
-            let p = r.fraction().max(0.01);
-            r.started.elapsed().as_secs_f64() * (1.0 - p) / p
-        });
+        // When the first replica is likely to be free.
+        let eta = running
+            .iter()
+            .map(|r| {
+                let p = r.fraction().max(0.01);
+                r.started.elapsed().as_secs_f64() * (1.0 - p) / p
+            })
+            .reduce(f64::min)
+            .unwrap_or(1.0);
         ApiError {
             retry_after: Some((eta.ceil() as u64).clamp(1, 600)),
             ..ApiError::new(
@@ -836,26 +843,51 @@ async fn set_options(
     Ok(Json(Value::Bool(true)))
 }
 
+/// Seconds a running job probably still needs, from its pace so far.
+fn eta_of(r: &Running) -> f64 {
+    let p = r.fraction();
+    if p > 0.0 {
+        r.started.elapsed().as_secs_f64() * (1.0 - p) / p
+    } else {
+        0.0
+    }
+}
+
+/// A1111's progress fields describe one job: the oldest running one.
+/// `state.sdhost_running` lists every running job (one per busy replica)
+/// with the device it runs on.
 async fn progress(State(st): State<AppState>) -> Json<Value> {
     let (running, waiting, counters) = st.queue.snapshot();
-    let (p, eta, step, steps, job, ts, id) = match &running {
-        Some(r) => {
-            let p = r.fraction();
-            let el = r.started.elapsed().as_secs_f64();
-            let eta = if p > 0.0 { el * (1.0 - p) / p } else { 0.0 };
-            (
-                p,
-                eta,
-                r.step,
-                r.steps,
-                r.kind,
-                r.timestamp.to_string(),
-                Some(r.id),
-            )
-        }
+    let (p, eta, step, steps, job, ts, id) = match running.first() {
+        Some(r) => (
+            r.fraction(),
+            eta_of(r),
+            r.step,
+            r.steps,
+            r.kind,
+            r.timestamp.to_string(),
+            Some(r.id),
+        ),
         None => (0.0, 0.0, 0, 0, "", String::new(), None),
     };
-    let job_count = waiting + usize::from(running.is_some());
+    let job_count = waiting + running.len();
+    let jobs: Vec<Value> = running
+        .iter()
+        .map(|r| {
+            json!({
+                "id": r.id,
+                "job": r.kind,
+                "replica": r.replica,
+                "device": st.replicas.get(r.replica),
+                "progress": r.fraction(),
+                "eta_relative": eta_of(r),
+                "sampling_step": r.step,
+                "sampling_steps": r.steps,
+                "job_no": r.images_done,
+                "job_images": r.images,
+            })
+        })
+        .collect();
     Json(json!({
         "progress": p,
         "eta_relative": eta,
@@ -866,10 +898,11 @@ async fn progress(State(st): State<AppState>) -> Json<Value> {
             "job": job,
             "job_count": job_count,
             "job_timestamp": ts,
-            "job_no": running.as_ref().map_or(0, |r| r.images_done),
+            "job_no": running.first().map_or(0, |r| r.images_done),
             "sampling_step": step,
             "sampling_steps": steps,
             "sdhost_job_id": id,
+            "sdhost_running": jobs,
             "sdhost_waiting": waiting,
             "sdhost_jobs": counters,
         },
@@ -879,8 +912,9 @@ async fn progress(State(st): State<AppState>) -> Json<Value> {
 }
 
 async fn interrupt(State(st): State<AppState>) -> Json<Value> {
-    let id = st.queue.interrupt();
-    Json(json!({"interrupted": id}))
+    // Every running job: with several replicas, one per busy device.
+    let ids = st.queue.interrupt();
+    Json(json!({"interrupted": ids.first(), "sdhost_interrupted": ids}))
 }
 
 async fn health(State(st): State<AppState>) -> Json<Value> {
@@ -889,7 +923,8 @@ async fn health(State(st): State<AppState>) -> Json<Value> {
         "status": "ok",
         "model": st.current().map(|c| c.entry.title),
         "placement": st.placement,
-        "queue": {"running": running.is_some(), "waiting": waiting, "bound": st.queue.bound()},
+        "queue": {"running": running.len(), "waiting": waiting, "bound": st.queue.bound()},
+        "replicas": *st.replicas,
         "jobs": counters,
         "version": env!("CARGO_PKG_VERSION"),
     }))

@@ -2,19 +2,22 @@
 //! APIs front-ends already use (AUTOMATIC1111's `/sdapi/v1`, OpenAI's
 //! images API), with a bounded FIFO job queue and a web page at `/`.
 //!
-//! Threads: the main thread owns the session, the backends and the loaded
-//! pipeline ([`worker`]) and runs jobs one at a time; a second thread runs
-//! the tokio runtime with the axum server ([`api`]). They meet at the
-//! [`queue`]: handlers submit jobs and await a oneshot reply. On SIGINT or
+//! Threads: one worker thread per replica (`--replicas cpu,vulkan0`; one
+//! replica by default) owns that replica's backends and loaded pipeline
+//! ([`worker`]) and runs one job at a time; another thread runs the tokio
+//! runtime with the axum server ([`api`]). They meet at the [`queue`]:
+//! handlers submit jobs and await a oneshot reply, and every replica takes
+//! the oldest waiting job, so N replicas run N jobs at once. On SIGINT or
 //! SIGTERM the server stops accepting, waiting jobs are answered 503, the
-//! running one gets `--grace` seconds to finish before it is cancelled, and
-//! the process exits 0.
+//! running ones get `--grace` seconds to finish before they are cancelled,
+//! and the process exits 0.
 
 pub mod api;
 pub mod queue;
 pub mod worker;
 
-use crate::cli::{FlashAttn, PlacementArgs};
+use crate::cli::{LoadArgs, MemoryArgs, PlacementArgs, UpscaleModelArgs};
+use crate::placement::Placement;
 use crate::session::Session;
 use anyhow::{anyhow, bail, Context as _};
 use clap::Args;
@@ -53,7 +56,13 @@ pub struct ServeArgs {
     )]
     pub api_key: Option<String>,
 
-    /// Jobs that may wait behind the running one; more are refused with 503
+    /// Load the model once on each listed device and run a job on each at
+    /// once, e.g. `cpu,vulkan0` (a device may repeat); every module of a
+    /// replica runs on its device (weights as --params-backend says)
+    #[arg(long, value_name = "DEVICES", value_delimiter = ',')]
+    pub replicas: Vec<String>,
+
+    /// Jobs that may wait behind the running ones; more are refused with 503
     #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub queue: u32,
 
@@ -66,52 +75,20 @@ pub struct ServeArgs {
     #[arg(long = "max-body", value_name = "MIB", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_body: u32,
 
-    /// What each module holds between its phases: `free` (default) or `keep`
-    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
-    pub phase_memory: sdhost_models::module::WeightPolicy,
+    #[command(flatten)]
+    pub load: LoadArgs,
 
-    /// What the UNet predicts, `eps` or `v`, where the checkpoint does not say
-    #[arg(long, value_name = "TYPE", value_parser = str::parse::<sdhost_models::family::Prediction>)]
-    pub prediction: Option<sdhost_models::family::Prediction>,
-
-    /// Replace every checkpoint's VAE with this file's
-    #[arg(long, value_name = "FILE")]
-    pub vae: Option<PathBuf>,
-
-    /// Fused attention: `auto` (default: modules on a CPU device), `on`, `off`
-    #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
-    pub flash_attn: FlashAttn,
-
-    /// Decode and encode with the VAE in overlapping tiles
-    #[arg(long = "vae-tiling")]
-    pub vae_tiling: bool,
-
-    /// Tile side for --vae-tiling, in latent cells
-    #[arg(long = "vae-tile-size", value_name = "CELLS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
-    pub vae_tile_size: u32,
-
-    /// Latent cells neighbouring tiles share
-    #[arg(long = "vae-tile-overlap", value_name = "CELLS", default_value_t = 8, value_parser = clap::value_parser!(u32).range(0..=1023))]
-    pub vae_tile_overlap: u32,
+    #[command(flatten)]
+    pub upscale: UpscaleModelArgs,
 
     #[command(flatten)]
     pub lora: crate::lora::LoraArgs,
 
     #[command(flatten)]
     pub placement: PlacementArgs,
-}
 
-impl ServeArgs {
-    /// `--vae-tiling` with its tile size and overlap, checked.
-    pub fn vae_tiling(&self) -> anyhow::Result<Option<sdhost_models::tiling::Tiling>> {
-        if !self.vae_tiling {
-            return Ok(None);
-        }
-        Ok(Some(sdhost_models::tiling::Tiling::new(
-            self.vae_tile_size as usize,
-            self.vae_tile_overlap as usize,
-        )?))
-    }
+    #[command(flatten)]
+    pub memory: MemoryArgs,
 }
 
 /// The checkpoints `--models-dir` holds (sorted by file name), with `-m`'s
@@ -192,25 +169,62 @@ fn bind_address(args: &ServeArgs) -> anyhow::Result<std::net::SocketAddr> {
     Ok(addr)
 }
 
+/// Most replicas `--replicas` may list.
+const MAX_REPLICAS: usize = 16;
+
+/// Each replica's name (its device) and placement: the placement flags as
+/// resolved, or with `--replicas`, resolved once per listed device with
+/// that device as the runtime of every module.
+fn replicas(session: &Session, args: &ServeArgs) -> anyhow::Result<Vec<(String, Placement)>> {
+    use crate::placement::Module as M;
+    if args.replicas.is_empty() {
+        let p = session.resolve(&args.placement)?;
+        return Ok(vec![(p.runtime[&M::Diffusion].clone(), p)]);
+    }
+    if args.placement.backend.is_some() {
+        bail!("--replicas: each replica runs every module on its own device; drop --backend");
+    }
+    if args.replicas.len() > MAX_REPLICAS {
+        bail!(
+            "--replicas: {} devices listed, at most {MAX_REPLICAS}",
+            args.replicas.len()
+        );
+    }
+    args.replicas
+        .iter()
+        .map(|d| {
+            let d = d.trim();
+            if d.is_empty() || d.contains('=') {
+                bail!("--replicas: {d:?} is not a device name (e.g. cpu,vulkan0)");
+            }
+            let flags = PlacementArgs {
+                backend: Some(d.to_string()),
+                ..args.placement.clone()
+            };
+            let mut p = session
+                .resolve(&flags)
+                .with_context(|| format!("--replicas {d}"))?;
+            for r in p.runtime.values_mut() {
+                *r = d.to_string();
+            }
+            Ok((d.to_string(), p))
+        })
+        .collect()
+}
+
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     let addr = bind_address(args)?;
     let (models, first) = catalogue(args)?;
-    args.vae_tiling()?;
-    let placement = session.resolve(&args.placement)?;
-    let abort = Arc::new(AtomicBool::new(false));
-    let manager = crate::manager::BackendManager::new(&session.registry, session.threads)
-        .with_abort_flag(abort.clone());
-    let layout = crate::commands::generate::layout(session, &manager, &placement, "serve")?;
-    let queue = worker::JobQueue::new(args.queue as usize, abort);
+    args.load.vae_tiling()?;
+    let replicas = replicas(session, args)?;
+    let aborts: Vec<_> = replicas
+        .iter()
+        .map(|_| Arc::new(AtomicBool::new(false)))
+        .collect();
+    let queue = worker::JobQueue::new(args.queue as usize, aborts.clone());
     let current = Arc::new(Mutex::new(None));
-    let worker = Worker {
-        args,
-        placement: &placement,
-        layout,
-        queue: queue.clone(),
-        current: current.clone(),
-    };
+    let load_lock = Mutex::new(());
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
     listener
@@ -220,27 +234,82 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     let state = api::AppState {
         queue: queue.clone(),
         models: Arc::new(models),
-        current,
+        current: current.clone(),
         api_key: args.api_key.clone().map(Arc::from),
-        placement: placement_text(&placement),
+        placement: replicas_text(&replicas),
+        replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
-    let mut loaded = Some(worker.load_initial(&first)?);
     let (done_tx, done_rx) = std::sync::mpsc::channel();
-    let q = queue.clone();
-    std::thread::Builder::new()
-        .name("http".into())
-        .spawn(move || {
-            let r = api::serve(listener, local, state, max_body, grace);
-            // Whatever ended the server, the worker must stop too.
-            q.close();
-            let _ = done_tx.send(r);
-        })
-        .context("starting the HTTP thread")?;
-    // Returns once the queue is closed (by a signal) and drained.
-    worker.serve(&mut loaded);
-    drop(loaded);
+    std::thread::scope(|scope| {
+        // Each replica loads the first model (one at a time), says so, then
+        // serves until the queue is closed (by a signal) and drained.
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        for (i, (_, placement)) in replicas.iter().enumerate() {
+            let (ready, queue, current) = (ready_tx.clone(), queue.clone(), current.clone());
+            let (abort, first, load_lock) = (aborts[i].clone(), &first, &load_lock);
+            std::thread::Builder::new()
+                .name(format!("replica-{i}"))
+                .spawn_scoped(scope, move || {
+                    let manager =
+                        crate::manager::BackendManager::new(&session.registry, session.threads)
+                            .with_abort_flag(abort);
+                    let started =
+                        crate::commands::generate::layout(session, &manager, placement, "serve")
+                            .and_then(|layout| {
+                                let worker = Worker {
+                                    args,
+                                    replica: i,
+                                    session,
+                                    manager: &manager,
+                                    load_lock,
+                                    placement,
+                                    layout,
+                                    queue,
+                                    current,
+                                };
+                                let loaded = worker.load_initial(first)?;
+                                Ok((worker, loaded))
+                            });
+                    match started {
+                        Ok((worker, loaded)) => {
+                            let _ = ready.send((i, Ok(())));
+                            worker.serve(&mut Some(loaded));
+                        }
+                        Err(e) => {
+                            let _ = ready.send((i, Err(e)));
+                        }
+                    }
+                })
+                .context("starting a replica's thread")?;
+        }
+        drop(ready_tx);
+        for _ in 0..replicas.len() {
+            let (i, r) = ready_rx
+                .recv()
+                .unwrap_or_else(|_| (0, Err(anyhow!("a replica stopped while loading"))));
+            if let Err(e) = r {
+                queue.close();
+                return Err(match replicas.len() {
+                    1 => e,
+                    _ => e.context(format!("--replicas: replica {i} ({})", replicas[i].0)),
+                });
+            }
+        }
+        let q = queue.clone();
+        std::thread::Builder::new()
+            .name("http".into())
+            .spawn(move || {
+                let r = api::serve(listener, local, state, max_body, grace);
+                // Whatever ended the server, the workers must stop too.
+                q.close();
+                let _ = done_tx.send(r);
+            })
+            .context("starting the HTTP thread")?;
+        anyhow::Ok(())
+    })?;
+    // Every replica has drained the closed queue.
     match done_rx.recv_timeout(std::time::Duration::from_secs(10)) {
         Ok(r) => r,
         Err(_) => {
@@ -250,8 +319,21 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     }
 }
 
+/// Where each replica's modules run: one replica's placement text, or
+/// `cpu: te=cpu, …; vulkan0: te=vulkan0, …`.
+fn replicas_text(replicas: &[(String, Placement)]) -> String {
+    match replicas {
+        [(_, p)] => placement_text(p),
+        _ => replicas
+            .iter()
+            .map(|(d, p)| format!("{d}: {}", placement_text(p)))
+            .collect::<Vec<_>>()
+            .join("; "),
+    }
+}
+
 /// Where each module runs, as `te=cpu, diffusion=cpu, vae=cpu`.
-fn placement_text(p: &crate::placement::Placement) -> String {
+fn placement_text(p: &Placement) -> String {
     use crate::placement::Module as M;
     [(M::Te, "te"), (M::Diffusion, "diffusion"), (M::Vae, "vae")]
         .iter()

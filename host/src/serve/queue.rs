@@ -1,16 +1,19 @@
 //! The job queue between the HTTP handlers and the model's worker thread.
 //!
 //! Handlers [`Queue::submit`] a job and await its reply on a oneshot
-//! channel; the worker takes jobs one at a time in FIFO order
-//! ([`Queue::next`]) and reports progress ([`Queue::progress`]). At most
-//! `bound` jobs wait behind the running one: a submission beyond that is
-//! refused ([`Full`], which the API turns into 503 with `Retry-After`).
+//! channel; each replica's worker (one per device the model is loaded on,
+//! `--replicas`) takes the oldest waiting job ([`Queue::next`]), so with
+//! two replicas two jobs run at once, and reports its progress
+//! ([`Queue::progress`]). At most `bound` jobs wait behind the running
+//! ones: a submission beyond that is refused ([`Full`], which the API turns
+//! into 503 with `Retry-After`).
 //!
 //! Cancellation: [`Queue::cancel`] removes a waiting job, or sets the
-//! running job's flag and the backends' abort flag (so a CPU computation
-//! stops inside a graph, not only between steps). Both happen under the
-//! queue's lock, and the worker clears the abort flag under the same lock
-//! when it starts a job, so a cancellation can never hit the next job.
+//! running job's flag and its replica's backends' abort flag (so a CPU
+//! computation stops inside a graph, not only between steps). Both happen
+//! under the queue's lock, and a worker clears its abort flag under the
+//! same lock when it starts a job, so a cancellation can never hit the next
+//! job, nor a job on another replica.
 //! A handler holds a [`Ticket`]: when its future is dropped (the client
 //! disconnected) the ticket cancels the job.
 
@@ -50,11 +53,13 @@ pub struct Job<W, T> {
 #[derive(Debug)]
 pub struct Full;
 
-/// The running job's progress.
+/// A running job's progress.
 #[derive(Clone, Debug)]
 pub struct Running {
     /// Its id.
     pub id: u64,
+    /// The replica running it (index into `--replicas`).
+    pub replica: usize,
     /// Its kind, for `/progress` (`txt2img`, `img2img`, `load`).
     pub kind: &'static str,
     /// Sampling step done within the current image.
@@ -100,7 +105,8 @@ pub struct Counters {
 
 struct Inner<W, T> {
     pending: VecDeque<Job<W, T>>,
-    running: Option<Running>,
+    /// One entry per busy replica, oldest job first.
+    running: Vec<Running>,
     closed: bool,
     next_id: u64,
     counters: Counters,
@@ -111,7 +117,8 @@ pub struct Queue<W, T> {
     inner: Mutex<Inner<W, T>>,
     cv: Condvar,
     bound: usize,
-    abort: Arc<AtomicBool>,
+    /// Each replica's backends' abort flag.
+    aborts: Vec<Arc<AtomicBool>>,
 }
 
 /// A submitted job's handle: cancels the job when dropped before
@@ -151,20 +158,20 @@ impl<W: JobKind, T> Drop for Ticket<W, T> {
 }
 
 impl<W: JobKind, T> Queue<W, T> {
-    /// A queue of at most `bound` waiting jobs; `abort` is the backends'
-    /// abort flag.
-    pub fn new(bound: usize, abort: Arc<AtomicBool>) -> Arc<Self> {
+    /// A queue of at most `bound` waiting jobs for one worker per replica;
+    /// `aborts` holds each replica's backends' abort flag.
+    pub fn new(bound: usize, aborts: Vec<Arc<AtomicBool>>) -> Arc<Self> {
         Arc::new(Queue {
             inner: Mutex::new(Inner {
                 pending: VecDeque::new(),
-                running: None,
+                running: Vec::new(),
                 closed: false,
                 next_id: 1,
                 counters: Counters::default(),
             }),
             cv: Condvar::new(),
             bound,
-            abort,
+            aborts,
         })
     }
 
@@ -209,8 +216,10 @@ impl<W: JobKind, T> Queue<W, T> {
         ))
     }
 
-    /// The next job, blocking; `None` once the queue is closed and empty.
-    pub fn next(&self) -> Option<Job<W, T>> {
+    /// The next job for `replica`'s worker, blocking; `None` once the queue
+    /// is closed and empty. A replica runs one job at a time: it calls
+    /// [`Queue::finished`] before asking again.
+    pub fn next(&self, replica: usize) -> Option<Job<W, T>> {
         let mut g = self.lock();
         loop {
             if let Some(job) = g.pending.pop_front() {
@@ -218,8 +227,10 @@ impl<W: JobKind, T> Queue<W, T> {
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
                     .map_or(0, |d| d.as_secs());
-                g.running = Some(Running {
+                g.running.retain(|r| r.replica != replica);
+                g.running.push(Running {
                     id: job.id,
+                    replica,
                     kind: job.work.kind(),
                     step: 0,
                     steps,
@@ -229,7 +240,8 @@ impl<W: JobKind, T> Queue<W, T> {
                     timestamp: now,
                     cancel: job.cancel.clone(),
                 });
-                self.abort.store(false, Ordering::SeqCst);
+                g.running.sort_by_key(|r| r.id);
+                self.aborts[replica].store(false, Ordering::SeqCst);
                 return Some(job);
             }
             if g.closed {
@@ -239,11 +251,11 @@ impl<W: JobKind, T> Queue<W, T> {
         }
     }
 
-    /// The running job finished (`ok`: with a result; `cancelled`: by a
-    /// cancellation).
-    pub fn finished(&self, ok: bool, cancelled: bool) {
+    /// `replica`'s running job finished (`ok`: with a result; `cancelled`:
+    /// by a cancellation).
+    pub fn finished(&self, replica: usize, ok: bool, cancelled: bool) {
         let mut g = self.lock();
-        g.running = None;
+        g.running.retain(|r| r.replica != replica);
         match (ok, cancelled) {
             (true, _) => g.counters.done += 1,
             (false, true) => g.counters.cancelled += 1,
@@ -251,10 +263,15 @@ impl<W: JobKind, T> Queue<W, T> {
         }
     }
 
-    /// Progress of the running job: `step` of the current image, and the
-    /// images finished.
-    pub fn progress(&self, step: usize, images_done: usize) {
-        if let Some(r) = self.lock().running.as_mut() {
+    /// Progress of `replica`'s running job: `step` of the current image,
+    /// and the images finished.
+    pub fn progress(&self, replica: usize, step: usize, images_done: usize) {
+        if let Some(r) = self
+            .lock()
+            .running
+            .iter_mut()
+            .find(|r| r.replica == replica)
+        {
             r.step = step;
             r.images_done = images_done;
         }
@@ -271,26 +288,27 @@ impl<W: JobKind, T> Queue<W, T> {
             let _ = job.reply.send(Err(JobError::Cancelled(why.into())));
             return true;
         }
-        match &g.running {
-            Some(r) if r.id == id => {
+        match g.running.iter().find(|r| r.id == id) {
+            Some(r) => {
                 r.cancel.store(true, Ordering::SeqCst);
-                self.abort.store(true, Ordering::SeqCst);
+                self.aborts[r.replica].store(true, Ordering::SeqCst);
                 true
             }
-            _ => false,
+            None => false,
         }
     }
 
-    /// Cancels the running job (A1111's interrupt); its id, if any.
-    pub fn interrupt(&self) -> Option<u64> {
+    /// Cancels every running job (A1111's interrupt); their ids.
+    pub fn interrupt(&self) -> Vec<u64> {
         let g = self.lock();
-        let r = g.running.as_ref()?;
-        r.cancel.store(true, Ordering::SeqCst);
-        self.abort.store(true, Ordering::SeqCst);
-        Some(r.id)
+        for r in &g.running {
+            r.cancel.store(true, Ordering::SeqCst);
+            self.aborts[r.replica].store(true, Ordering::SeqCst);
+        }
+        g.running.iter().map(|r| r.id).collect()
     }
 
-    /// Refuses new jobs and cancels the waiting ones; the running one goes
+    /// Refuses new jobs and cancels the waiting ones; the running ones go
     /// on (see [`Queue::interrupt`]). [`Queue::next`] returns `None` after.
     pub fn close(&self) {
         let mut g = self.lock();
@@ -307,8 +325,8 @@ impl<W: JobKind, T> Queue<W, T> {
         self.cv.notify_all();
     }
 
-    /// `(running job, waiting jobs, counters)`.
-    pub fn snapshot(&self) -> (Option<Running>, usize, Counters) {
+    /// `(running jobs, oldest first; waiting jobs; counters)`.
+    pub fn snapshot(&self) -> (Vec<Running>, usize, Counters) {
         let g = self.lock();
         (g.running.clone(), g.pending.len(), g.counters)
     }
@@ -336,12 +354,12 @@ mod tests {
     #[test]
     fn fifo_bound_and_cancellation() {
         let abort = Arc::new(AtomicBool::new(false));
-        let q: Arc<Queue<W, ()>> = Queue::new(2, abort.clone());
+        let q: Arc<Queue<W, ()>> = Queue::new(2, vec![abort.clone()]);
         let (t1, _r1) = q.submit(W(1)).unwrap();
         let (t2, mut r2) = q.submit(W(2)).unwrap();
         assert!(q.submit(W(3)).is_err(), "a third waiting job is refused");
         assert_eq!(q.snapshot().2.rejected, 1);
-        let j1 = q.next().unwrap();
+        let j1 = q.next(0).unwrap();
         assert_eq!(j1.work.0, 1);
         // One running, one waiting: room for one more.
         let (t3, _r3) = q.submit(W(3)).unwrap();
@@ -349,21 +367,61 @@ mod tests {
         drop(t2);
         assert!(matches!(r2.try_recv(), Ok(Err(JobError::Cancelled(_)))));
         // Interrupting hits the running job only, and its abort flag.
-        assert_eq!(q.interrupt(), Some(j1.id));
+        assert_eq!(q.interrupt(), vec![j1.id]);
         assert!(j1.cancel.load(Ordering::SeqCst) && abort.load(Ordering::SeqCst));
-        q.finished(false, true);
+        q.finished(0, false, true);
         t1.finish();
         // The next job starts with the abort flag cleared.
-        let j3 = q.next().unwrap();
+        let j3 = q.next(0).unwrap();
         assert_eq!((j3.work.0, j3.id), (3, t3.id()));
         assert!(!abort.load(Ordering::SeqCst) && !j3.cancel.load(Ordering::SeqCst));
-        q.progress(1, 0);
-        assert_eq!(q.snapshot().0.unwrap().fraction(), 1.0 / 3.0);
+        q.progress(0, 1, 0);
+        assert_eq!(q.snapshot().0[0].fraction(), 1.0 / 3.0);
         t3.finish();
-        q.finished(true, false);
+        q.finished(0, true, false);
         q.close();
-        assert!(q.next().is_none());
+        assert!(q.next(0).is_none());
         let c = q.snapshot().2;
         assert_eq!((c.submitted, c.done, c.cancelled), (3, 1, 2));
+    }
+
+    #[test]
+    fn two_replicas_run_two_jobs_and_cancel_apart() {
+        let aborts = vec![
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        ];
+        let q: Arc<Queue<W, ()>> = Queue::new(4, aborts.clone());
+        let tickets: Vec<_> = (1..=3).map(|n| q.submit(W(n)).unwrap()).collect();
+        // Each replica takes the oldest waiting job: two run at once.
+        let a = q.next(1).unwrap();
+        let b = q.next(0).unwrap();
+        assert_eq!((a.work.0, b.work.0), (1, 2));
+        let (running, waiting, _) = q.snapshot();
+        let ids: Vec<_> = running.iter().map(|r| (r.id, r.replica)).collect();
+        assert_eq!((ids, waiting), (vec![(a.id, 1), (b.id, 0)], 1));
+        // Progress and cancellation reach only the job's own replica.
+        q.progress(0, 1, 0);
+        let (running, _, _) = q.snapshot();
+        assert_eq!((running[0].step, running[1].step), (0, 1));
+        assert!(q.cancel(b.id, "test"));
+        assert!(b.cancel.load(Ordering::SeqCst) && aborts[0].load(Ordering::SeqCst));
+        assert!(!a.cancel.load(Ordering::SeqCst) && !aborts[1].load(Ordering::SeqCst));
+        q.finished(0, false, true);
+        // Replica 0 takes the third job with its abort flag cleared, while
+        // replica 1 still runs the first.
+        let c = q.next(0).unwrap();
+        assert_eq!(c.work.0, 3);
+        assert!(!aborts[0].load(Ordering::SeqCst));
+        assert_eq!(q.snapshot().0.len(), 2);
+        // Interrupt stops both.
+        assert_eq!(q.interrupt(), vec![a.id, c.id]);
+        assert!(aborts[0].load(Ordering::SeqCst) && aborts[1].load(Ordering::SeqCst));
+        q.finished(1, false, true);
+        q.finished(0, false, true);
+        assert!(q.snapshot().0.is_empty());
+        for (t, _) in tickets {
+            t.finish();
+        }
     }
 }

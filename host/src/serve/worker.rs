@@ -1,22 +1,30 @@
-//! The model's worker: the one thread that owns the backends and the loaded
-//! [`Pipeline`] (ggml work blocks, and a pipeline borrows its backends, so
-//! both stay on this thread). It takes jobs from the [`Queue`] in order:
+//! A replica's worker: the thread that owns one replica's backends and its
+//! loaded [`Pipeline`] (ggml work blocks, and a pipeline borrows its
+//! backends, so both stay on this thread). With `--replicas` there is one
+//! worker per listed device, each with the model loaded on its own
+//! backends, all taking jobs from the one [`Queue`] in FIFO order:
 //! generations, and model switches (`sd_model_checkpoint`), which reload
-//! with the same placement; a request whose `<lora:…>` tags differ from the
-//! loaded set reloads the model with them.
+//! with the same placement. The model to use is the server's current one
+//! ([`ModelInfo`], set by the last load on any replica): a replica that
+//! holds another reloads before its next job, as it does for a request
+//! whose `<lora:…>` tags differ from its loaded set. Loads take a lock
+//! shared by the replicas, so only one checkpoint is read at a time.
 
 use super::queue::{JobError, JobKind, Queue};
 use super::ServeArgs;
 use crate::commands::generate::{self, TextFields};
 use crate::image_io::{self, Mask};
+use crate::manager::BackendManager;
 use crate::placement::Placement;
+use crate::session::Session;
 use anyhow::Context as _;
 use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::lora::LoraSpec;
 use sdhost_models::pipeline::{Image, Init, Layout, LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use sdhost_models::upscale::Upscaler;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A checkpoint the server can load.
@@ -177,12 +185,21 @@ pub struct Loaded<'m> {
     entry: ModelEntry,
     flash: String,
     loras: Vec<LoraSpec>,
+    upscaler: Option<Upscaler<'m>>,
 }
 
-/// The worker's fixed settings.
+/// A replica worker's fixed settings.
 pub struct Worker<'a, 'm> {
     /// Serve's flags.
     pub args: &'a ServeArgs,
+    /// This replica's index (into `--replicas`).
+    pub replica: usize,
+    /// Plugins, devices and the config (for memory budgets).
+    pub session: &'a Session,
+    /// This replica's backends.
+    pub manager: &'m BackendManager<'m>,
+    /// Held while a replica loads a checkpoint.
+    pub load_lock: &'a Mutex<()>,
     /// Where the modules run.
     pub placement: &'a Placement,
     /// Their backends.
@@ -195,29 +212,63 @@ pub struct Worker<'a, 'm> {
 
 impl<'m> Worker<'_, 'm> {
     fn load(&self, entry: &ModelEntry, loras: &[LoraSpec]) -> anyhow::Result<Loaded<'m>> {
-        let a = self.args;
+        let a = &self.args.load;
         let ckpt = sdhost_models::checkpoint::scan(&entry.path)?;
         let vae = a
-            .vae
-            .as_deref()
+            .vae_file()
             .map(sdhost_models::checkpoint::scan)
             .transpose()?;
         let opts = LoadOptions {
-            policy: a.phase_memory,
-            prediction: a.prediction,
-            vae: vae.as_ref(),
             vae_encoder: true,
             loras,
-            lora_apply: a.lora.apply,
-            placeholders: false,
+            lora_apply: self.args.lora.apply,
+            ..a.load_options(vae.as_ref())
         };
+        let tiling = a.vae_tiling()?;
+        let _loading = self.load_lock.lock().unwrap_or_else(|e| e.into_inner());
+        // Memory budgets (--max-memory, …), measured at the family's size.
+        let measure = crate::memory::Measure {
+            ckpt: &ckpt,
+            vae: vae.as_ref(),
+            width: None,
+            height: None,
+            init_size: None,
+            prompts: ("", ""),
+            guided: true,
+            policy: a.phase_memory,
+            flash: a.flash_attn,
+            tiling,
+        };
+        crate::memory::check_budgets(
+            self.session,
+            self.manager,
+            self.placement,
+            &measure,
+            &self.args.memory,
+        )
+        .with_context(|| entry.path.display().to_string())?;
         let started = std::time::Instant::now();
         let mut sd = Pipeline::load(&ckpt, self.layout.clone(), opts)
             .with_context(|| entry.path.display().to_string())?;
-        sd.set_vae_tiling(a.vae_tiling()?);
+        sd.set_vae_tiling(tiling);
+        if let (Some(t), false) = (&a.taesd, sd.vae_is_taesd()) {
+            anyhow::bail!(
+                "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
+                t.display()
+            );
+        }
         let flash = generate::apply_flash_attn(&mut sd, &self.layout, a.flash_attn);
+        let upscaler = match &self.args.upscale.model {
+            Some(m) => {
+                let d =
+                    crate::commands::upscale::devices(self.session, self.manager, self.placement)?;
+                Some(crate::commands::upscale::load(m, d, a.phase_memory)?)
+            }
+            None => None,
+        };
         tracing::info!(
-            "loaded {} in {:.2}s ({})",
+            "replica {}: loaded {} in {:.2}s ({})",
+            self.replica,
             entry.path.display(),
             started.elapsed().as_secs_f64(),
             generate::placement_summary(&sd, self.placement)
@@ -233,6 +284,7 @@ impl<'m> Worker<'_, 'm> {
             entry: entry.clone(),
             flash,
             loras: loras.to_vec(),
+            upscaler,
         })
     }
 
@@ -283,15 +335,16 @@ impl<'m> Worker<'_, 'm> {
 
     /// Runs jobs until the queue is closed and empty.
     pub fn serve(&self, loaded: &mut Option<Loaded<'m>>) {
-        while let Some(job) = self.queue.next() {
-            let cancelled = || job.cancel.load(Ordering::SeqCst);
+        while let Some(job) = self.queue.next(self.replica) {
+            let cancel = job.cancel.clone();
+            let cancelled = || cancel.load(Ordering::SeqCst);
             let result = match job.work {
                 Work::Load(entry) => {
                     let loras = self.args.lora.loras.clone();
                     self.ensure(loaded, &entry, &loras)
                         .map(|()| Output::Loaded(entry))
                 }
-                Work::Generate(g) => self.generate(loaded, &g, &cancelled).map(Output::Images),
+                Work::Generate(g) => self.generate(loaded, &g, &cancel).map(Output::Images),
             };
             let (ok, was_cancelled) = match &result {
                 Ok(_) => (true, false),
@@ -301,7 +354,7 @@ impl<'m> Worker<'_, 'm> {
             if let Err(e) = &result {
                 tracing::info!("job {}: {e:?}", job.id);
             }
-            self.queue.finished(ok, was_cancelled);
+            self.queue.finished(self.replica, ok, was_cancelled);
             let _ = job.reply.send(result);
         }
     }
@@ -310,12 +363,20 @@ impl<'m> Worker<'_, 'm> {
         &self,
         loaded: &mut Option<Loaded<'m>>,
         g: &GenWork,
-        cancelled: &dyn Fn() -> bool,
+        cancel: &Arc<AtomicBool>,
     ) -> Result<GenOutput, JobError> {
-        let entry = match (&g.model, loaded.as_ref()) {
-            (Some(m), _) => m.clone(),
-            (None, Some(l)) => l.entry.clone(),
-            (None, None) => return Err(JobError::Failed("no model is loaded".into())),
+        let cancelled = || cancel.load(Ordering::SeqCst);
+        let current = self
+            .current
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|c| c.entry.clone());
+        let entry = match (&g.model, current, loaded.as_ref()) {
+            (Some(m), _, _) => m.clone(),
+            (None, Some(c), _) => c,
+            (None, None, Some(l)) => l.entry.clone(),
+            (None, None, None) => return Err(JobError::Failed("no model is loaded".into())),
         };
         let loras = crate::lora::resolve(&self.args.lora, &g.prompt)
             .map_err(|e| JobError::Invalid(format!("prompt: {}", crate::term::error_line(&e))))?;
@@ -372,6 +433,7 @@ impl<'m> Worker<'_, 'm> {
             .map(|_| Path::new("mask"));
         let tiling = self
             .args
+            .load
             .vae_tiling()
             .map_err(|e| JobError::Failed(e.to_string()))?;
         for i in 0..g.count {
@@ -392,13 +454,25 @@ impl<'m> Worker<'_, 'm> {
                 l.sd.generate(
                     &req,
                     None,
-                    &mut |step, _| self.queue.progress(step, i),
-                    cancelled,
+                    &mut |step, _| self.queue.progress(self.replica, step, i),
+                    &cancelled,
                 )
                 .map_err(|e| match e {
                     ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
                     e => JobError::Failed(format!("{}: {e}", entry.title)),
                 })?;
+            let image = match &mut l.upscaler {
+                Some(u) => {
+                    crate::commands::upscale::apply(u, image, self.args.upscale.tuning, cancel)
+                        .map_err(|e| match e.downcast_ref::<ModelError>() {
+                            Some(ModelError::Cancelled) => {
+                                JobError::Cancelled("interrupted".into())
+                            }
+                            _ => JobError::Failed(crate::term::error_line(&e)),
+                        })?
+                }
+                None => image,
+            };
             if cancelled() {
                 return Err(JobError::Cancelled("interrupted".into()));
             }
@@ -406,12 +480,17 @@ impl<'m> Worker<'_, 'm> {
                 prompt: &g.prompt,
                 negative: &g.negative,
                 model: &entry.path,
-                vae: self.args.vae.as_deref(),
+                vae: self.args.load.vae.as_deref(),
                 tiling,
                 init: g.init.as_ref().map(|_| Path::new("init_images[0]")),
                 mask: mask_name,
-                taesd: None,
-                upscaler: None,
+                taesd: self.args.load.taesd.as_deref(),
+                upscaler: self
+                    .args
+                    .upscale
+                    .model
+                    .as_deref()
+                    .map(|p| (p, self.args.upscale.tuning.repeats)),
             };
             let text = generate::parameters_text_of(
                 &fields,
@@ -427,7 +506,7 @@ impl<'m> Worker<'_, 'm> {
             out.images.push(png);
             out.infotexts.push(text);
             out.seeds.push(req.seed);
-            self.queue.progress(0, i + 1);
+            self.queue.progress(self.replica, 0, i + 1);
         }
         Ok(out)
     }
