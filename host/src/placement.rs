@@ -904,7 +904,9 @@ mod tests {
             assert!(e.starts_with("--backend: "), "{spec}: {e}");
             assert!(!e.contains('\n'), "{spec}: {e}");
         }
-        let e = resolve(&r().params("cpu+cuda0").0, &d).unwrap_err().to_string();
+        let e = resolve(&r().params("cpu+cuda0").0, &d)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("bad split"), "{e}");
     }
 

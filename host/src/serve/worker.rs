@@ -239,25 +239,29 @@ impl<'m> Worker<'_, 'm> {
             flash: a.flash_attn,
             tiling,
         };
-        crate::memory::check_budgets(
+        // Fitted to the budgets as `generate` is (at the family's size).
+        let fitted = crate::memory::fit_placement(
             self.session,
             self.manager,
-            self.placement,
+            self.placement.clone(),
             &measure,
             &self.args.memory,
+            "serve",
         )
         .with_context(|| entry.path.display().to_string())?;
+        tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
+        let layout = generate::layout(self.session, self.manager, &fitted.placement, "serve")?;
         let started = std::time::Instant::now();
-        let mut sd = Pipeline::load(&ckpt, self.layout.clone(), opts)
+        let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)
             .with_context(|| entry.path.display().to_string())?;
-        sd.set_vae_tiling(tiling);
+        sd.set_vae_tiling(fitted.tiling);
         if let (Some(t), false) = (&a.taesd, sd.vae_is_taesd()) {
             anyhow::bail!(
                 "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
                 t.display()
             );
         }
-        let flash = generate::apply_flash_attn(&mut sd, &self.layout, a.flash_attn);
+        let flash = generate::apply_flash_attn(&mut sd, &layout, a.flash_attn);
         let upscaler = match &self.args.upscale.model {
             Some(m) => {
                 let d =
