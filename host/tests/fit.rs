@@ -164,9 +164,10 @@ fn a_layer_split_holds_each_share_and_gives_the_image() {
     }
 }
 
-/// `generate` under a vulkan0 budget smaller than the model: fit
-/// time-shares and streams, `plan` shows it, the image is the resident
-/// one; a budget too small for anything names the smallest that works.
+/// `plan` and `generate` under a vulkan0 budget smaller than the model:
+/// fit time-shares and streams (the images such placements give are the
+/// in-process tests above), and a budget too small for anything is one
+/// line naming the smallest that works, before any weight is read.
 #[test]
 fn fit_makes_a_small_budget_work_and_names_the_smallest() {
     if !vulkan_enabled() {
@@ -175,31 +176,8 @@ fn fit_makes_a_small_budget_work_and_names_the_smallest() {
     let p = Prefix::with_cpu();
     p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
     let model = tiny();
-    let gen = |out: &std::path::Path, extra: &[&str]| {
-        let mut a = vec![
-            "generate",
-            "-m",
-            s(&model),
-            "-p",
-            "a cat",
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--steps",
-            "2",
-            "--backend",
-            "vulkan0",
-            "-o",
-            s(out),
-        ];
-        a.extend_from_slice(extra);
-        p.run(&a)
-    };
-    let whole = p.root().join("whole.png");
-    gen(&whole, &[]).ok();
-    let plan = p
-        .run(&[
+    let plan = |budget: &str| {
+        p.run(&[
             "plan",
             "-m",
             s(&model),
@@ -210,18 +188,44 @@ fn fit_makes_a_small_budget_work_and_names_the_smallest() {
             "--backend",
             "vulkan0",
             "--max-memory",
-            "vulkan0=4M",
+            budget,
+            "--json",
         ])
-        .ok();
-    assert!(plan.stdout.contains("time-shared"), "{}", plan.stdout);
-    assert!(plan.stdout.contains("rest streamed"), "{}", plan.stdout);
-    assert!(!plan.stdout.contains("no: "), "{}", plan.stdout);
-    let small = p.root().join("small.png");
-    gen(&small, &["--max-memory", "vulkan0=4M"]).ok();
-    assert_eq!(pixels(&small), pixels(&whole));
+        .ok()
+        .json()
+    };
+    let j = plan("vulkan0=4M");
+    let fit = j["fit"].as_array().unwrap();
+    let why: Vec<&str> = fit.iter().map(|c| c["reason"].as_str().unwrap()).collect();
+    assert!(why.iter().any(|w| w.contains("time-shared")), "{why:?}");
+    assert!(why.iter().any(|w| w.contains("rest streamed")), "{why:?}");
+    let vulkan = j["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["device"] == "vulkan0")
+        .unwrap();
+    assert_eq!(vulkan["fits"], true, "{vulkan}");
+    assert!(vulkan["peak"].as_u64().unwrap() <= 4 << 20, "{vulkan}");
     // Too small even streamed: one line with the smallest budget.
     let none = p.root().join("none.png");
-    let r = gen(&none, &["--max-memory", "vulkan0=1M"]);
+    let r = p.run(&[
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--backend",
+        "vulkan0",
+        "--max-memory",
+        "vulkan0=1M",
+        "-o",
+        s(&none),
+    ]);
     assert_eq!(r.code, Some(1), "{}", r.stderr);
     assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
     assert!(

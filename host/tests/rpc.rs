@@ -297,6 +297,7 @@ fn modules_split_over_two_servers() {
 }
 
 #[test]
+#[ignore = "never yet run to the end on lavapipe (a cold shader cache takes longer than the test allows): run with --ignored; issues 18 and 19"]
 fn a_server_on_vulkan() {
     if !vulkan_enabled() {
         return;

