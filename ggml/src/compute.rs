@@ -335,18 +335,19 @@ impl Context {
     }
 
     /// Allocates every tensor of this context in one buffer for weights:
-    /// on `backend`'s device, or in the device's pinned host memory when
-    /// `pinned` and the device has such memory (CPU-visible, and the device
-    /// uploads from it asynchronously; else ordinary memory of the device).
-    /// The buffer is marked as holding weights, which is what ggml's
-    /// scheduler reads to run an op where its weights are, to offload the
-    /// op to a faster device that streams the weight in (see
-    /// [`Sched::with_op_offload`]), and what ggml's RPC server caches.
-    pub fn alloc_weights(&self, backend: &Backend, pinned: bool) -> Result<Buffer> {
-        let host = if pinned {
-            backend.device().host_buffer_type()
-        } else {
-            std::ptr::null_mut()
+    /// on `backend`'s device, or, with `pinned_for`, in that device's
+    /// pinned host memory when it has such memory (CPU-visible, so
+    /// `backend`, a CPU, computes with it as with its own, and the device
+    /// uploads from it asynchronously, overlapping its computation; else
+    /// `backend`'s ordinary memory). The buffer is marked as holding
+    /// weights, which is what ggml's scheduler reads to run an op where its
+    /// weights are, to offload the op to a faster device that streams the
+    /// weight in (see [`Sched::with_op_offload`]), and what ggml's RPC
+    /// server caches.
+    pub fn alloc_weights(&self, backend: &Backend, pinned_for: Option<&Backend>) -> Result<Buffer> {
+        let host = match pinned_for {
+            Some(d) => d.device().host_buffer_type(),
+            None => std::ptr::null_mut(),
         };
         let buft = if host.is_null() {
             backend.device().buffer_type()

@@ -211,7 +211,14 @@ fn load_module<'b>(
     let weights = if placeholders || split {
         ModuleWeights::placeholders(ckpt, prefix, keep, devices.params)
     } else {
-        ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras)
+        // A streamed module's weights live in host memory pinned for its
+        // runtime device, where it has such memory: uploads then overlap
+        // computation.
+        let streamed = matches!(spread, Spread::Stream { .. })
+            && devices.params.label() == devices.cpu.label()
+            && devices.runtime.label() != devices.cpu.label();
+        let pinned = streamed.then_some(devices.runtime);
+        ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras, pinned)
     }
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
     let mut m = Module::new(kind, weights, devices, policy)

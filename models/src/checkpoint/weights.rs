@@ -106,20 +106,24 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), false)
+        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), false, None)
     }
 
     /// [`ModuleWeights::load_filtered`] with `loras` merged into the tensors
     /// they merge into (in f32, written back in the tensor's type) and
-    /// their graph-mode tensors for this module added (f32).
+    /// their graph-mode tensors for this module added (f32). With
+    /// `pinned_for`, the buffer is that device's pinned host memory where
+    /// it has some (see [`ggml::Context::alloc_weights`]): weights streamed
+    /// to it then upload asynchronously.
     pub fn load_patched(
         ckpt: &Checkpoint,
         prefix: &str,
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
         loras: &LoraSet,
+        pinned_for: Option<&Backend>,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(ckpt, prefix, keep, backend, loras, false)
+        ModuleWeights::create(ckpt, prefix, keep, backend, loras, false, pinned_for)
     }
 
     /// The tensors [`ModuleWeights::load_filtered`] would load, as
@@ -134,7 +138,7 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), true)
+        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), true, None)
     }
 
     fn create(
@@ -144,6 +148,7 @@ impl ModuleWeights {
         backend: &Backend,
         loras: &LoraSet,
         placeholders: bool,
+        pinned_for: Option<&Backend>,
     ) -> Result<ModuleWeights, WeightsError> {
         let file = ckpt.path.clone();
         let entries: Vec<&TensorEntry> = ckpt
@@ -238,7 +243,7 @@ impl ModuleWeights {
             });
         }
         let buffer = ctx
-            .alloc_weights(backend, false)
+            .alloc_weights(backend, pinned_for)
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
         let f = std::fs::File::open(&file).map_err(|e| other(e.to_string()))?;
         let tensors = ctx.tensors();
@@ -320,7 +325,7 @@ impl ModuleWeights {
             {
                 continue;
             }
-            let w = ModuleWeights::create(ckpt, prefix, mine, b, loras, placeholders)?;
+            let w = ModuleWeights::create(ckpt, prefix, mine, b, loras, placeholders, None)?;
             let at = parts.len();
             for (name, (_, j)) in w.index {
                 index.insert(name, (at, j));
@@ -499,7 +504,7 @@ impl ModuleWeights {
     ) -> Result<ModuleWeights, String> {
         let (ctx, list) = self.shapes(names)?;
         let buffer = ctx
-            .alloc_weights(backend, false)
+            .alloc_weights(backend, None)
             .map_err(|e| format!("allocating weights on {}: {e}", backend.name()))?;
         let map = self.map();
         let mut bytes = 0;
