@@ -106,7 +106,15 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), false, None)
+        ModuleWeights::create(
+            ckpt,
+            prefix,
+            keep,
+            backend,
+            &LoraSet::default(),
+            false,
+            None,
+        )
     }
 
     /// [`ModuleWeights::load_filtered`] with `loras` merged into the tensors
