@@ -1483,17 +1483,6 @@ pub struct Buffer {
 unsafe impl Send for Buffer {}
 
 impl Buffer {
-    /// Marks the buffer as holding weights (`GGML_BACKEND_BUFFER_USAGE_WEIGHTS`):
-    /// the scheduler then prefers the weights' backend, and ggml's RPC client
-    /// sends large weight tensors by hash first so that a server with a
-    /// cache uploads them only once.
-    pub fn mark_weights(&self) {
-        // SAFETY: live buffer; setting the usage only changes a field.
-        unsafe {
-            sys::ggml_backend_buffer_set_usage(self.raw, sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
-        }
-    }
-
     /// Size in bytes.
     pub fn size(&self) -> usize {
         // SAFETY: live buffer.

@@ -255,23 +255,17 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
                     let manager =
                         crate::manager::BackendManager::new(&session.registry, session.threads)
                             .with_abort_flag(abort);
-                    let started =
-                        crate::commands::generate::layout(session, &manager, placement, "serve")
-                            .and_then(|layout| {
-                                let worker = Worker {
-                                    args,
-                                    replica: i,
-                                    session,
-                                    manager: &manager,
-                                    load_lock,
-                                    placement,
-                                    layout,
-                                    queue,
-                                    current,
-                                };
-                                let loaded = worker.load_initial(first)?;
-                                Ok((worker, loaded))
-                            });
+                    let worker = Worker {
+                        args,
+                        replica: i,
+                        session,
+                        manager: &manager,
+                        load_lock,
+                        placement,
+                        queue,
+                        current,
+                    };
+                    let started = worker.load_initial(first).map(|loaded| (worker, loaded));
                     match started {
                         Ok((worker, loaded)) => {
                             let _ = ready.send((i, Ok(())));

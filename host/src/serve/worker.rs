@@ -20,7 +20,7 @@ use crate::session::Session;
 use anyhow::Context as _;
 use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::lora::LoraSpec;
-use sdhost_models::pipeline::{Image, Init, Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::pipeline::{Image, Init, LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Scheduler};
 use sdhost_models::upscale::Upscaler;
 use std::path::{Path, PathBuf};
@@ -202,8 +202,6 @@ pub struct Worker<'a, 'm> {
     pub load_lock: &'a Mutex<()>,
     /// Where the modules run.
     pub placement: &'a Placement,
-    /// Their backends.
-    pub layout: Layout<'m>,
     /// The queue.
     pub queue: Arc<JobQueue>,
     /// What the handlers see of the loaded model.
