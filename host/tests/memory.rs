@@ -307,6 +307,8 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
         "-o",
         s(&out),
     ]);
+    // Fit (on by default) already tried the CPU for the weights, streaming
+    // and tiling: it names the smallest budget that would have worked.
     one_line_failure(
         &r,
         1,
@@ -314,8 +316,36 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
             "vulkan0: te needs",
             "budget 1.0 KiB",
             "vulkan0: sampling needs",
-            "--params-backend cpu",
+            "the smallest budget that would work is vulkan0 ",
         ],
+    );
+    assert!(!out.exists());
+    // With --fit off the refusal suggests what to try by hand.
+    let r = run(&[
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "--backend",
+        "vulkan0",
+        "--max-memory",
+        "vulkan0=1K",
+        "--fit",
+        "off",
+        "-o",
+        s(&out),
+    ]);
+    one_line_failure(
+        &r,
+        1,
+        &["vulkan0: te needs", "budget 1.0 KiB", "--params-backend cpu"],
     );
     assert!(!out.exists());
 }
