@@ -317,6 +317,15 @@ pub struct LoadArgs {
     #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     pub flash_attn: FlashAttn,
 
+    /// The type weight matrices and convolution kernels are stored and
+    /// multiplied in: `auto` (default) converts to bf16 for modules running
+    /// on a CPU whose plugin has native bf16 kernels (AVX512-BF16: the
+    /// cooperlake, zen4 and sapphirerapids variants) and keeps the
+    /// checkpoint's types everywhere else; `f32`, `f16` or `bf16` for every
+    /// module (activations and results stay f32)
+    #[arg(long = "compute-type", value_name = "TYPE", default_value = "auto")]
+    pub compute_type: ComputeType,
+
     /// Decode (and encode) with the VAE in overlapping tiles blended at the
     /// seams: the memory of one tile instead of the whole image
     #[arg(long = "vae-tiling")]
@@ -541,6 +550,19 @@ pub enum FlashAttn {
     Off,
 }
 
+/// `--compute-type TYPE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ComputeType {
+    /// bf16 on CPUs with native bf16 kernels, the checkpoint's types elsewhere.
+    Auto,
+    /// f32 matrices everywhere.
+    F32,
+    /// f16 matrices everywhere.
+    F16,
+    /// bf16 matrices everywhere.
+    Bf16,
+}
+
 /// `sdhost plan`.
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -564,6 +586,10 @@ pub struct PlanArgs {
     /// The phase-memory policy to account for (as `generate --phase-memory`)
     #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
     pub phase_memory: sdhost_models::module::WeightPolicy,
+
+    /// The weights' matrix type to account for (as `generate --compute-type`)
+    #[arg(long = "compute-type", value_name = "TYPE", default_value = "auto")]
+    pub compute_type: ComputeType,
 
     /// Measure decoding in VAE tiles (as `generate --vae-tiling`)
     #[arg(long = "vae-tiling")]

@@ -367,6 +367,8 @@ pub struct Measure<'a> {
     pub policy: WeightPolicy,
     /// `--flash-attn` (changes the attention graphs' buffers).
     pub flash: FlashAttn,
+    /// `--compute-type` (changes the weights' sizes).
+    pub compute: crate::cli::ComputeType,
     /// `--vae-tiling`.
     pub tiling: Option<Tiling>,
 }
@@ -392,6 +394,7 @@ pub fn measure(
 ) -> anyhow::Result<Measured> {
     let layout = crate::commands::generate::layout(session, manager, placement, what)?;
     let opts = LoadOptions {
+        matrix_types: crate::commands::generate::matrix_types(session, &layout, m.compute),
         policy: m.policy,
         prediction: None,
         vae: m.vae,

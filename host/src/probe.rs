@@ -411,6 +411,10 @@ pub fn probe_child(path: &Path) -> ProbeReport {
         Err(e) => ProbeReport::Rejected {
             reason: crate::term::one_line(&e.to_string()),
         },
+        // A plugin that says it cannot run here (negative score: a CPU
+        // variant this processor lacks instructions for) is never
+        // initialised; the registry rejects it on every run.
+        Ok(p) if p.manifest.score < 0 => ProbeReport::Ok,
         Ok(p) => match p.init() {
             Ok(reg) => {
                 // Touch every device the host will query.

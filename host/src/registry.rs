@@ -9,7 +9,10 @@
 //! 1. `dlopen` (through abi_stable, which never unloads),
 //! 2. the abi_stable root module: present, version-compatible, same layout,
 //! 3. the manifest: a valid family name, build identity equal to the host's,
-//! 4. per family, the highest score (then the earliest search-path position)
+//! 4. a negative score (the plugin's own check says it cannot run on this
+//!    machine, e.g. a CPU variant whose instructions the processor lacks) is
+//!    rejected without `init`;
+//! 5. per family, the highest score (then the earliest search-path position)
 //!    is initialised; if its `init` fails the next one is tried; the others
 //!    are `shadowed`.
 //!
@@ -168,6 +171,25 @@ fn unknown_manifest() -> ManifestInfo {
     }
 }
 
+/// The reason a plugin whose manifest score is negative is rejected.
+pub fn unsupported_reason(m: &ManifestInfo) -> String {
+    let built: Vec<&str> = m
+        .features
+        .iter()
+        .map(String::as_str)
+        .filter(|f| *f != "openmp" && *f != "llamafile")
+        .collect();
+    format!(
+        "cannot run on this machine: the plugin's own check failed (score {}){}",
+        m.score,
+        if built.is_empty() {
+            String::new()
+        } else {
+            format!("; built for {}", built.join(" "))
+        }
+    )
+}
+
 fn valid_family(f: &str) -> bool {
     let mut b = f.bytes();
     b.next().is_some_and(|c| c.is_ascii_lowercase())
@@ -259,6 +281,11 @@ impl Registry {
                                 "invalid family name {:?} (lowercase letters, digits and _ only)",
                                 manifest.family
                             ));
+                        } else if manifest.score < 0 {
+                            // The plugin's own check (e.g. a CPU variant
+                            // asking the processor) says it cannot run here.
+                            reg.plugins[idx].reason =
+                                Some(one_line(&unsupported_reason(&manifest)));
                         } else {
                             candidates.push(Candidate {
                                 record: idx,

@@ -742,7 +742,10 @@ fn plugins_table_header_has_a_column_per_cell() {
     let names: Vec<&str> = header.iter().map(|(_, c)| c.as_str()).collect();
     assert_eq!(
         names,
-        ["STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "PACKAGE", "REASON"]
+        [
+            "STATUS", "FAMILY", "VERSION", "SCORE", "VARIANT", "DEVICES", "PATH", "PACKAGE",
+            "REASON"
+        ]
     );
     let shadowed = table_cells(lines.iter().find(|l| l.starts_with("shadowed")).unwrap());
     assert_eq!(shadowed.len(), header.len(), "{out}");
@@ -752,12 +755,144 @@ fn plugins_table_header_has_a_column_per_cell() {
             "column {h} starts where cell {r:?} does not:\n{out}"
         );
     }
-    assert_eq!(shadowed[6].1, "-");
-    assert!(shadowed[7].1.starts_with("family cpu already provided by"));
+    assert_eq!(shadowed[4].1, "haswell");
+    assert_eq!(shadowed[7].1, "-");
+    assert!(shadowed[8].1.starts_with("family cpu already provided by"));
     // The loaded row has no reason: one cell fewer, the rest aligned.
     let loaded = table_cells(lines.iter().find(|l| l.starts_with("loaded")).unwrap());
     assert_eq!(loaded.len(), header.len() - 1, "{out}");
     for ((hs, _), (rs, _)) in header.iter().zip(&loaded) {
         assert_eq!(hs, rs, "{out}");
+    }
+}
+
+/// A CPU variant built by `cargo xtask cpu-variants --debug x64 haswell`
+/// (scripts/test does it before the tests).
+fn cpu_variant(name: &str) -> std::path::PathBuf {
+    let f = build_dir().join(format!("cpu-variants/libsdhost_plugin_cpu_{name}.so"));
+    assert!(
+        f.is_file(),
+        "{} is missing: run `cargo xtask cpu-variants --debug x64 haswell` first (scripts/test does)",
+        f.display()
+    );
+    f
+}
+
+fn has(manifest: &serde_json::Value, feature: &str) -> bool {
+    manifest["features"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|f| f == feature)
+}
+
+#[test]
+fn the_best_cpu_variant_the_processor_runs_wins() {
+    let p = Prefix::bare();
+    // Search order puts x64 first: the score, not the order, decides.
+    p.install(&cpu_variant("x64"), "libsdhost_plugin_cpu_a_x64.so");
+    p.install(&cpu_variant("haswell"), "libsdhost_plugin_cpu_b_haswell.so");
+    let pl = p.run(&["plugins", "--json"]).ok().json();
+    let x64 = record(&pl, "libsdhost_plugin_cpu_a_x64.so");
+    let haswell = record(&pl, "libsdhost_plugin_cpu_b_haswell.so");
+    assert_eq!(haswell["status"], "loaded", "{pl:#}");
+    assert!(has(&haswell["manifest"], "variant=haswell"), "{haswell:#}");
+    assert!(has(&haswell["manifest"], "avx2"), "{haswell:#}");
+    assert!(has(&x64["manifest"], "variant=x64"), "{x64:#}");
+    assert!(!has(&x64["manifest"], "avx"), "{x64:#}");
+    // ggml's scores: 1 for the baseline, 1 plus a bit per feature above it.
+    let (sx, sh) = (
+        x64["manifest"]["score"].as_i64().unwrap(),
+        haswell["manifest"]["score"].as_i64().unwrap(),
+    );
+    assert_eq!(sx, 1);
+    assert_eq!(
+        sh,
+        1 + 1 + 2 + 4 + 8 + 16 + 32,
+        "FMA F16C SSE42 BMI2 AVX AVX2"
+    );
+    assert_eq!(x64["status"], "shadowed");
+    let reason = x64["reason"].as_str().unwrap();
+    assert!(
+        reason.starts_with("family cpu already provided by ")
+            && reason.ends_with(&format!("(score {sh} vs {sx})")),
+        "{reason}"
+    );
+    // The text table says which variant won.
+    let text = p.run(&["plugins"]).ok().stdout;
+    let loaded = text.lines().find(|l| l.starts_with("loaded")).unwrap();
+    assert!(loaded.contains(" haswell "), "{text}");
+}
+
+#[test]
+fn the_baseline_cpu_variant_computes_the_same_image() {
+    // Each variant alone generates; the baseline (no AVX) and the default
+    // (AVX2/FMA) differ only by float rounding in their kernels.
+    let image = |variant: &str| {
+        let p = Prefix::bare();
+        p.install(
+            &cpu_variant(variant),
+            &format!("libsdhost_plugin_cpu_{variant}.so"),
+        );
+        let out = p.root().join("work/out.png");
+        p.run(&[
+            "generate",
+            "-m",
+            s(&fixture("tiny-sd1.safetensors")),
+            "-p",
+            "a red cube",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "2",
+            "--seed",
+            "7",
+            "-o",
+            s(&out),
+        ])
+        .ok();
+        pixels(&out)
+    };
+    let (a, b) = (image("x64"), image("haswell"));
+    assert_eq!(a.len(), b.len());
+    let mean = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| (*x as f64 - *y as f64).abs())
+        .sum::<f64>()
+        / a.len() as f64;
+    assert!(mean < 1.0, "mean difference {mean}/255");
+}
+
+#[test]
+fn a_plugin_that_cannot_run_here_is_never_initialised() {
+    // The crashing test plugin, told to report a negative score (as a CPU
+    // variant does on a processor without its instructions): if anything
+    // called its init, the probe would say "crashed", and without the probe
+    // the host itself would die.
+    let p = Prefix::with_cpu();
+    p.install(
+        &built("sdhost_testplugin_init_crashes"),
+        "libsdhost_plugin_crashes.so",
+    );
+    for probe in ["always", "off"] {
+        let r = Run::from(
+            p.cmd(&["--plugin-probe", probe, "plugins", "--json"])
+                .env("SDHOST_TESTPLUGIN_SCORE", "-1")
+                .output()
+                .unwrap(),
+        )
+        .ok();
+        let pl = r.json();
+        let rec = record(&pl, "libsdhost_plugin_crashes.so");
+        assert_eq!(rec["status"], "rejected");
+        assert_eq!(
+            rec["reason"],
+            "cannot run on this machine: the plugin's own check failed (score -1); built for crash-test",
+            "{rec:#}"
+        );
+        assert_eq!(record(&pl, "libsdhost_plugin_cpu.so")["status"], "loaded");
     }
 }

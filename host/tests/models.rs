@@ -13,7 +13,7 @@ use common::*;
 use sdhost_models::blocks::unet::UnetInput;
 use sdhost_models::blocks::vae;
 use sdhost_models::module::WeightPolicy;
-use sdhost_models::pipeline::{LoadOptions, Pipeline, Request};
+use sdhost_models::pipeline::{LoadOptions, MatrixTypes, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Schedule, Scheduler};
 use std::collections::HashMap;
 
@@ -57,8 +57,21 @@ fn with_pipeline(
     policy: WeightPolicy,
     f: impl FnOnce(&mut Pipeline<'_>),
 ) {
+    with_typed_pipeline(fx, runtime, params, policy, MatrixTypes::default(), f)
+}
+
+/// [`with_pipeline`] with the modules' matrices converted (`--compute-type`).
+fn with_typed_pipeline(
+    fx: Fixture,
+    runtime: &str,
+    params: &str,
+    policy: WeightPolicy,
+    matrix_types: MatrixTypes,
+    f: impl FnOnce(&mut Pipeline<'_>),
+) {
     let opts = LoadOptions {
         policy,
+        matrix_types,
         ..LoadOptions::default()
     };
     let ckpt = fixture(&format!("tiny-{}.safetensors", fx.name));
@@ -102,16 +115,34 @@ fn unet_and_vae_match(
 }
 
 fn modules_match_references(fx: Fixture, runtime: &str, params: &str, tol: f32) {
+    typed_modules_match_references(fx, runtime, params, tol, None)
+}
+
+/// [`modules_match_references`] with every module's matrices in `ty`.
+fn typed_modules_match_references(
+    fx: Fixture,
+    runtime: &str,
+    params: &str,
+    tol: f32,
+    ty: Option<ggml::Type>,
+) {
     let r = refs(fx);
+    let label = ty.map_or(String::new(), |t| format!(" {}", t.name()));
     let assert_close = |what: &str, got: &[f32], want: &[f32], t: f32| {
         assert_close(
-            &format!("{} {runtime}/{params} {what}", fx.name),
+            &format!("{}{label} {runtime}/{params} {what}", fx.name),
             got,
             want,
             t * tol,
         )
     };
-    with_pipeline(fx, runtime, params, WeightPolicy::Free, |sd| {
+    let types = MatrixTypes {
+        te: ty,
+        diffusion: ty,
+        vae: ty,
+    };
+    with_typed_pipeline(fx, runtime, params, WeightPolicy::Free, types, |sd| {
+        assert_eq!(sd.matrix_types(), types);
         // Text encoders: our tokenizer gives the reference ids, and the
         // hidden states (and pooled output) match for three prompts.
         let prompts = [
@@ -248,3 +279,17 @@ fn flash_attention_matches_references_on_cpu() {
         unet_and_vae_match(SD1, sd, &r, &assert_close, "flash ");
     });
 }
+
+/// `--compute-type`: every module's matrices in f32, f16 or bf16 (the tiny
+/// checkpoints are f16). f32 and f16 keep the CPU tolerances; bf16 (8
+/// mantissa bits against f16's 11) gets the wider ones docs/models.md states.
+#[test]
+fn compute_types_match_references_on_cpu() {
+    typed_modules_match_references(SD1, "cpu", "cpu", 1.0, Some(ggml::Type::F32));
+    typed_modules_match_references(SD1, "cpu", "cpu", 1.0, Some(ggml::Type::F16));
+    typed_modules_match_references(SD1, "cpu", "cpu", BF16_TOLERANCE, Some(ggml::Type::BF16));
+    typed_modules_match_references(SDXL, "cpu", "cpu", BF16_TOLERANCE, Some(ggml::Type::BF16));
+}
+
+/// bf16's tolerances, as multiples of the CPU's (docs/models.md).
+const BF16_TOLERANCE: f32 = 4.0;

@@ -114,9 +114,24 @@ pub struct Spreads<'b> {
     pub vae: Spread<'b>,
 }
 
+/// The type each module's float matrices and convolution kernels are
+/// stored and multiplied in (`--compute-type`); `None`: as the checkpoint
+/// stores them. See [`crate::checkpoint::weights::stored_type`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MatrixTypes {
+    /// Text encoder(s).
+    pub te: Option<ggml::Type>,
+    /// UNet.
+    pub diffusion: Option<ggml::Type>,
+    /// VAE.
+    pub vae: Option<ggml::Type>,
+}
+
 /// How to load.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct LoadOptions<'c> {
+    /// The type of each module's matrices (`None`s: as stored).
+    pub matrix_types: MatrixTypes,
     /// What modules hold between phases.
     pub policy: WeightPolicy,
     /// The prediction type, overriding what the checkpoint says (a
@@ -149,6 +164,8 @@ pub struct Conditioning {
 
 /// A checkpoint's three modules, loaded, with the family's configuration.
 pub struct Pipeline<'b> {
+    /// The matrix types it was loaded with.
+    matrix_types: MatrixTypes,
     /// Text encoder(s).
     pub te: Module<'b>,
     /// UNet.
@@ -187,6 +204,7 @@ struct How<'l, 'b> {
     encoder: bool,
     loras: &'l LoraSet,
     placeholders: bool,
+    matrices: Option<ggml::Type>,
 }
 
 fn load_module<'b>(
@@ -202,6 +220,7 @@ fn load_module<'b>(
         encoder,
         loras,
         placeholders,
+        matrices,
     } = how;
     let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
     // A split module is loaded as placeholders first: its split follows
@@ -209,7 +228,7 @@ fn load_module<'b>(
     // (`split_weights`).
     let split = matches!(spread, Spread::Split(_));
     let weights = if placeholders || split {
-        ModuleWeights::placeholders(ckpt, prefix, keep, devices.params)
+        ModuleWeights::placeholders(ckpt, prefix, keep, devices.params, matrices)
     } else {
         // A streamed module's weights live in host memory pinned for its
         // runtime device, where it has such memory: uploads then overlap
@@ -218,7 +237,7 @@ fn load_module<'b>(
             && devices.params.label() == devices.cpu.label()
             && devices.runtime.label() != devices.cpu.label();
         let pinned = streamed.then_some(devices.runtime);
-        ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras, pinned)
+        ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras, pinned, matrices)
     }
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
     let mut m = Module::new(kind, weights, devices, policy)
@@ -236,6 +255,7 @@ fn split_weights(
     encoder: bool,
     loras: &LoraSet,
     placeholders: bool,
+    matrices: Option<ggml::Type>,
 ) -> Result<()> {
     let Spread::Split(shares) = m.spread().clone() else {
         return Ok(());
@@ -252,6 +272,7 @@ fn split_weights(
         &backends,
         |n| assign.get(n).copied().unwrap_or(last),
         placeholders,
+        matrices,
     )
     .map_err(|e| ModelError::Invalid(e.to_string()))?;
     m.replace_params(w);
@@ -301,6 +322,7 @@ impl<'b> Pipeline<'b> {
                 encoder: false,
                 loras: &loras,
                 placeholders: opts.placeholders,
+                matrices: opts.matrix_types.te,
             },
         )?;
         let unet = load_module(
@@ -314,6 +336,7 @@ impl<'b> Pipeline<'b> {
                 encoder: false,
                 loras: &loras,
                 placeholders: opts.placeholders,
+                matrices: opts.matrix_types.diffusion,
             },
         )?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
@@ -331,6 +354,7 @@ impl<'b> Pipeline<'b> {
                 encoder: opts.vae_encoder || inpainting,
                 loras: &LoraSet::default(),
                 placeholders: opts.placeholders,
+                matrices: opts.matrix_types.vae,
             },
         )?;
         let vae_file = vae_ckpt.path.display();
@@ -394,6 +418,7 @@ impl<'b> Pipeline<'b> {
             false,
             &loras,
             opts.placeholders,
+            opts.matrix_types.te,
         )?;
         split_weights(
             &mut unet,
@@ -402,6 +427,7 @@ impl<'b> Pipeline<'b> {
             false,
             &loras,
             opts.placeholders,
+            opts.matrix_types.diffusion,
         )?;
         split_weights(
             &mut vae,
@@ -410,6 +436,7 @@ impl<'b> Pipeline<'b> {
             opts.vae_encoder || inpainting,
             &LoraSet::default(),
             opts.placeholders,
+            opts.matrix_types.vae,
         )?;
         if inpainting {
             let z = vae_latent_channels(&vae, taesd)?;
@@ -421,6 +448,7 @@ impl<'b> Pipeline<'b> {
             }
         }
         Ok(Pipeline {
+            matrix_types: opts.matrix_types,
             te,
             unet,
             vae,
@@ -461,6 +489,11 @@ impl<'b> Pipeline<'b> {
     /// [`crate::tiling`]), or whole with `None`.
     pub fn set_vae_tiling(&mut self, tiling: Option<Tiling>) {
         self.vae_tiling = tiling;
+    }
+
+    /// The matrix types it was loaded with (`--compute-type`).
+    pub fn matrix_types(&self) -> MatrixTypes {
+        self.matrix_types
     }
 
     /// The VAE tiling in use, if any.

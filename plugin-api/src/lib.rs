@@ -39,7 +39,10 @@ pub struct Manifest {
     pub plugin_version: RString,
     /// [`ggml::BuildIdentity`] as a string; must equal the host's.
     pub build_identity: RString,
-    /// Variant score: among plugins of one family the highest wins.
+    /// Variant score: among plugins of one family the highest wins. It may
+    /// be computed when the manifest is read (the CPU plugin asks the
+    /// processor); a negative score means "cannot run on this machine": the
+    /// host rejects the plugin without initialising it.
     pub score: i32,
     /// Whether device names carry an index (`vulkan0`) or not (`cpu`, `metal`).
     pub indexed_devices: bool,
@@ -94,7 +97,9 @@ pub fn host_identity() -> String {
 /// }
 /// ```
 ///
-/// `identity: <expr>` overrides the build identity (only tests do that).
+/// `features` is any expression a `&[&str]` can borrow from (an array
+/// literal, a `Vec<&str>`); `score` is evaluated each time the manifest is
+/// read. `identity: <expr>` overrides the build identity (only tests do that).
 /// The plugin crate must depend on `abi_stable` directly (its macros name it).
 #[macro_export]
 macro_rules! export_plugin {
@@ -102,7 +107,7 @@ macro_rules! export_plugin {
     // registry function (`ggml_backend_cpu_reg`, `ggml_backend_vk_reg`, ...).
     (
         name: $name:expr, family: $family:expr, score: $score:expr, indexed_devices: $indexed:expr,
-        features: [$($feature:expr),* $(,)?], registry: $reg:ident $(,)?
+        features: $features:expr, registry: $reg:ident $(,)?
     ) => {
         extern "C" {
             fn $reg() -> *mut ::std::ffi::c_void;
@@ -117,12 +122,12 @@ macro_rules! export_plugin {
 
         $crate::export_plugin! {
             name: $name, family: $family, score: $score, indexed_devices: $indexed,
-            features: [$($feature),*], init: __sdhost_backend_registry,
+            features: $features, init: __sdhost_backend_registry,
         }
     };
     (
         name: $name:expr, family: $family:expr, score: $score:expr, indexed_devices: $indexed:expr,
-        features: [$($feature:expr),* $(,)?], init: $init:path
+        features: $features:expr, init: $init:path
         $(, identity: $identity:expr)? $(,)?
     ) => {
         #[::abi_stable::sabi_extern_fn]
@@ -130,6 +135,7 @@ macro_rules! export_plugin {
             #[allow(unused_mut, unused_assignments)]
             let mut identity: ::std::string::String = $crate::host_identity();
             $( identity = ::std::string::String::from($identity); )?
+            let features: &[&str] = &$features;
             $crate::Manifest {
                 name: $name.into(),
                 family: $family.into(),
@@ -137,7 +143,11 @@ macro_rules! export_plugin {
                 build_identity: identity.into(),
                 score: $score,
                 indexed_devices: $indexed,
-                features: ::std::vec![$(::abi_stable::std_types::RString::from($feature)),*].into(),
+                features: features
+                    .iter()
+                    .map(|f| ::abi_stable::std_types::RString::from(*f))
+                    .collect::<::std::vec::Vec<_>>()
+                    .into(),
             }
         }
 

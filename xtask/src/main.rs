@@ -1,5 +1,5 @@
 //! `cargo xtask dist`: one archive for the host (binary, `libggml-base`, the
-//! CPU plugin, docs, licence notices) and one per GPU plugin that was built,
+//! CPU plugin variants, docs, licence notices) and one per GPU plugin that was built,
 //! each with a package manifest (name, version, build identity, sha256 of
 //! every file). Archives hold prefix-relative paths (`bin/sdhost`,
 //! `lib/sdhost/…`): `tar -C PREFIX -xzf ARCHIVE` installs into any prefix.
@@ -21,6 +21,17 @@ struct Cli {
 enum Task {
     /// Build (release by default) and write the packages under `dist/`
     Dist(DistArgs),
+    /// Build CPU plugin variants into `target/<profile>/cpu-variants/`
+    CpuVariants(CpuVariantsArgs),
+}
+
+#[derive(clap::Args)]
+struct CpuVariantsArgs {
+    /// Build the debug profile instead of release
+    #[arg(long)]
+    debug: bool,
+    /// Variants to build (ggml's names: x64, haswell, skylakex, ...); `all` or nothing: every one
+    variants: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -31,9 +42,13 @@ struct DistArgs {
     /// Also build these GPU plugins first (e.g. `vulkan`, `cuda`; repeatable)
     #[arg(long = "build-plugin", value_name = "NAME")]
     build_plugins: Vec<String>,
-    /// Do not run cargo: package what is already built
+    /// Do not run cargo: package what is already built (with the CPU
+    /// variants found in `target/<profile>/cpu-variants/`)
     #[arg(long)]
     no_build: bool,
+    /// CPU plugin variants to build and ship (comma-separated ggml names, or `all`)
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    cpu_variants: Vec<String>,
     /// Output folder
     #[arg(long, default_value = "dist")]
     out: PathBuf,
@@ -66,6 +81,11 @@ fn main() {
     let cli = Cli::parse();
     let r = match cli.task {
         Task::Dist(a) => dist(&a),
+        Task::CpuVariants(a) => cpu_variants(a.debug, &a.variants).map(|files| {
+            for f in files {
+                println!("{}", f.display());
+            }
+        }),
     };
     if let Err(e) = r {
         eprintln!(
@@ -118,6 +138,9 @@ fn dist(a: &DistArgs) -> Result<()> {
             bail!("cargo build failed");
         }
     }
+    if !a.no_build {
+        cpu_variants(a.debug, &a.cpu_variants)?;
+    }
     let sdhost = bin_dir.join("sdhost");
     for f in [
         &sdhost,
@@ -153,11 +176,6 @@ fn dist(a: &DistArgs) -> Result<()> {
             mode: 0o755,
         },
         Entry {
-            src: bin_dir.join("libsdhost_plugin_cpu.so"),
-            dst: "lib/sdhost/plugins/libsdhost_plugin_cpu.so".into(),
-            mode: 0o755,
-        },
-        Entry {
             src: root.join("LICENSE"),
             dst: "share/doc/sdhost/LICENSE".into(),
             mode: 0o644,
@@ -168,6 +186,28 @@ fn dist(a: &DistArgs) -> Result<()> {
             mode: 0o644,
         },
     ];
+    // The CPU plugin: every variant built, each scored by the processor at
+    // run time (the best one it runs wins); without variants, the plain build.
+    let variants = built_cpu_variants(&bin_dir)?;
+    if variants.is_empty() {
+        host.push(Entry {
+            src: bin_dir.join("libsdhost_plugin_cpu.so"),
+            dst: "lib/sdhost/plugins/libsdhost_plugin_cpu.so".into(),
+            mode: 0o755,
+        });
+    }
+    for v in variants {
+        let file = v
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_string();
+        host.push(Entry {
+            src: v,
+            dst: format!("lib/sdhost/plugins/{file}"),
+            mode: 0o755,
+        });
+    }
     for d in [
         "ARCHITECTURE.md",
         "backend.md",
@@ -232,6 +272,91 @@ fn dist(a: &DistArgs) -> Result<()> {
         println!("{}", w.display());
     }
     Ok(())
+}
+
+/// Where `cpu-variants` puts the variant plugins of a profile.
+fn variants_dir(bin_dir: &Path) -> PathBuf {
+    bin_dir.join("cpu-variants")
+}
+
+/// The variant plugin files found for a profile, sorted.
+fn built_cpu_variants(bin_dir: &Path) -> Result<Vec<PathBuf>> {
+    let dir = variants_dir(bin_dir);
+    if !dir.is_dir() {
+        return Ok(Vec::new());
+    }
+    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .with_context(|| format!("reading {}", dir.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libsdhost_plugin_cpu_") && n.ends_with(".so"))
+        })
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// Builds each named CPU variant (`all`, or none named: every one) of the
+/// CPU plugin and copies it to `cpu-variants/libsdhost_plugin_cpu_<v>.so`,
+/// then builds the plain plugin again so that the profile folder is left
+/// as a plain `cargo build` leaves it. Each variant's ggml build has its own
+/// CMake folder, so a second run only relinks.
+fn cpu_variants(debug: bool, names: &[String]) -> Result<Vec<PathBuf>> {
+    let all: Vec<&str> = ggml_build::CPU_VARIANTS.iter().map(|(n, _)| *n).collect();
+    let wanted: Vec<String> = if names.is_empty() || names.iter().any(|n| n == "all") {
+        all.iter().map(|s| s.to_string()).collect()
+    } else {
+        for n in names {
+            if !all.contains(&n.as_str()) {
+                bail!("unknown CPU variant {n:?}; known: {}", all.join(", "));
+            }
+        }
+        names.to_vec()
+    };
+    let root = workspace_root();
+    let profile = if debug { "debug" } else { "release" };
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let bin_dir = target_dir.join(profile);
+    let out = variants_dir(&bin_dir);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let build = |variant: Option<&str>| -> Result<()> {
+        let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+        let mut c = Command::new(cargo);
+        c.current_dir(&root)
+            .args(["build", "-p", "sdhost-plugin-cpu"]);
+        if !debug {
+            c.arg("--release");
+        }
+        c.env_remove("SDHOST_CPU_NATIVE");
+        match variant {
+            Some(v) => c.env("SDHOST_CPU_VARIANT", v),
+            None => c.env_remove("SDHOST_CPU_VARIANT"),
+        };
+        let st = c.status().context("running cargo build")?;
+        if !st.success() {
+            bail!(
+                "cargo build of the CPU plugin ({}) failed",
+                variant.unwrap_or("default")
+            );
+        }
+        Ok(())
+    };
+    let mut files = Vec::new();
+    for v in &wanted {
+        build(Some(v))?;
+        let dst = out.join(format!("libsdhost_plugin_cpu_{v}.so"));
+        let tmp = dst.with_extension("partial");
+        std::fs::copy(bin_dir.join("libsdhost_plugin_cpu.so"), &tmp)
+            .and_then(|_| std::fs::rename(&tmp, &dst))
+            .with_context(|| format!("writing {}", dst.display()))?;
+        files.push(dst);
+    }
+    build(None)?;
+    Ok(files)
 }
 
 fn host_identity(sdhost: &Path) -> Result<String> {

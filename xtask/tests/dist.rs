@@ -105,10 +105,13 @@ fn host_and_plugin_packages_install_into_any_prefix() {
     let t = tempfile::tempdir().unwrap();
     let prefix = t.path().join("usr");
     unpack(host, &prefix);
+    // The CPU variants scripts/test builds (x64, haswell) replace the plain
+    // CPU plugin in the host package.
     for f in [
         "bin/sdhost",
         "lib/sdhost/libggml-base.so.0",
-        "lib/sdhost/plugins/libsdhost_plugin_cpu.so",
+        "lib/sdhost/plugins/libsdhost_plugin_cpu_x64.so",
+        "lib/sdhost/plugins/libsdhost_plugin_cpu_haswell.so",
         "lib/sdhost/packages/sdhost.toml",
         "share/doc/sdhost/LICENSE",
         "share/doc/sdhost/LICENSE.ggml",
@@ -137,6 +140,19 @@ fn host_and_plugin_packages_install_into_any_prefix() {
         .unwrap();
     assert_eq!(cpu["package"]["name"], "sdhost");
     assert_eq!(cpu["package"]["intact"], true);
+    // The processor picks the variant: haswell over the x64 baseline.
+    assert!(
+        cpu["path"]
+            .as_str()
+            .unwrap()
+            .ends_with("libsdhost_plugin_cpu_haswell.so"),
+        "{cpu:#}"
+    );
+    assert!(!prefix
+        .join("lib/sdhost/plugins/libsdhost_plugin_cpu.so")
+        .exists());
+    let x64 = plugin_record(&plugins, "libsdhost_plugin_cpu_x64.so");
+    assert_eq!(x64["status"], "shadowed", "{x64:#}");
 
     // The whole prefix moved elsewhere still works (RPATH and search path are relative).
     let moved = t.path().join("opt-sdhost");

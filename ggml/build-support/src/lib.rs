@@ -244,6 +244,134 @@ impl CmakeBuild {
     }
 }
 
+/// ggml's x86-64 CPU variants (its `src/CMakeLists.txt`, the
+/// `GGML_CPU_ALL_VARIANTS` list, non-MSVC), with the features each enables.
+pub const CPU_VARIANTS: &[(&str, &[&str])] = &[
+    ("x64", &[]),
+    ("sse42", &["SSE42"]),
+    ("sandybridge", &["SSE42", "AVX"]),
+    ("ivybridge", &["SSE42", "AVX", "F16C"]),
+    ("piledriver", &["SSE42", "AVX", "F16C", "FMA"]),
+    ("haswell", &["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2"]),
+    (
+        "skylakex",
+        &["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512"],
+    ),
+    (
+        "cannonlake",
+        &[
+            "SSE42",
+            "AVX",
+            "F16C",
+            "FMA",
+            "AVX2",
+            "BMI2",
+            "AVX512",
+            "AVX512_VBMI",
+        ],
+    ),
+    (
+        "cascadelake",
+        &[
+            "SSE42",
+            "AVX",
+            "F16C",
+            "FMA",
+            "AVX2",
+            "BMI2",
+            "AVX512",
+            "AVX512_VNNI",
+        ],
+    ),
+    (
+        "icelake",
+        &[
+            "SSE42",
+            "AVX",
+            "F16C",
+            "FMA",
+            "AVX2",
+            "BMI2",
+            "AVX512",
+            "AVX512_VBMI",
+            "AVX512_VNNI",
+        ],
+    ),
+    (
+        "cooperlake",
+        &[
+            "SSE42",
+            "AVX",
+            "F16C",
+            "FMA",
+            "AVX2",
+            "BMI2",
+            "AVX512",
+            "AVX512_VNNI",
+            "AVX512_BF16",
+        ],
+    ),
+    (
+        "zen4",
+        &[
+            "SSE42",
+            "AVX",
+            "F16C",
+            "FMA",
+            "AVX2",
+            "BMI2",
+            "AVX512",
+            "AVX512_VBMI",
+            "AVX512_VNNI",
+            "AVX512_BF16",
+        ],
+    ),
+    (
+        "alderlake",
+        &["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI"],
+    ),
+    (
+        "sapphirerapids",
+        &[
+            "SSE42",
+            "AVX",
+            "F16C",
+            "FMA",
+            "AVX2",
+            "BMI2",
+            "AVX512",
+            "AVX512_VBMI",
+            "AVX512_VNNI",
+            "AVX512_BF16",
+            "AMX_TILE",
+            "AMX_INT8",
+        ],
+    ),
+];
+
+/// Every x86 feature switch of ggml's CMake; a variant turns on its own and
+/// explicitly off all the others (ggml's defaults would turn AVX2 on).
+pub const CPU_FEATURES: &[&str] = &[
+    "SSE42",
+    "AVX",
+    "AVX2",
+    "BMI2",
+    "AVX_VNNI",
+    "FMA",
+    "F16C",
+    "AVX512",
+    "AVX512_VBMI",
+    "AVX512_VNNI",
+    "AVX512_BF16",
+    "AMX_TILE",
+    "AMX_INT8",
+    "AMX_BF16",
+];
+
+/// The variant a plain `cargo build` gives (AVX2, FMA, F16C, BMI2: what
+/// the CPU plugin was built with before variants existed).
+pub const CPU_DEFAULT_VARIANT: &str = "haswell";
+
 /// For a plugin's build script: builds `target` (a ggml backend, e.g.
 /// `ggml-cpu`, `ggml-vulkan`) as a static PIC archive from the source the
 /// `ggml` crate used, and links it into the plugin together with the shared

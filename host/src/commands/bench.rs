@@ -617,6 +617,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             guided: a.sample.cfg_scale != 1.0,
             policy: a.sample.phase_memory,
             flash: a.sample.flash_attn,
+            compute: a.sample.compute_type,
             tiling: a.sample.vae_tiling()?,
         },
         &a.memory,
@@ -655,8 +656,15 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
 
     let tiling = fitted.tiling;
     let t = Instant::now();
-    let mut sd = Pipeline::load(&ckpt, layout.clone(), a.sample.load_options(vae.as_ref()))
-        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let opts = sdhost_models::pipeline::LoadOptions {
+        matrix_types: crate::commands::generate::matrix_types(
+            session,
+            &layout,
+            a.sample.compute_type,
+        ),
+        ..a.sample.load_options(vae.as_ref())
+    };
+    let mut sd = Pipeline::load(&ckpt, layout.clone(), opts).map_err(|e| anyhow::anyhow!("{e}"))?;
     sd.set_vae_tiling(tiling);
     let load_s = t.elapsed().as_secs_f64();
     let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
@@ -807,9 +815,16 @@ fn resident_column(
     let layout =
         crate::commands::generate::layout(session, manager, placement, "bench").map_err(fail)?;
     let t = Instant::now();
-    let mut sd =
-        sdhost_models::pipeline::Pipeline::load(ckpt, layout.clone(), a.sample.load_options(vae))
-            .map_err(|e| fail(anyhow::anyhow!("{e}")))?;
+    let opts = sdhost_models::pipeline::LoadOptions {
+        matrix_types: crate::commands::generate::matrix_types(
+            session,
+            &layout,
+            a.sample.compute_type,
+        ),
+        ..a.sample.load_options(vae)
+    };
+    let mut sd = sdhost_models::pipeline::Pipeline::load(ckpt, layout.clone(), opts)
+        .map_err(|e| fail(anyhow::anyhow!("{e}")))?;
     sd.set_vae_tiling(a.sample.vae_tiling().map_err(fail)?);
     crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
     let load_s = t.elapsed().as_secs_f64();

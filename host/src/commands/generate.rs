@@ -4,7 +4,7 @@
 //! folder, renamed over the target only once complete), with the generation
 //! parameters in a `parameters` text chunk.
 
-use crate::cli::{FlashAttn, GenerateArgs, InitArgs};
+use crate::cli::{ComputeType, FlashAttn, GenerateArgs, InitArgs};
 use crate::image_io;
 use crate::manager::BackendManager;
 use crate::output::OutputFile;
@@ -15,7 +15,7 @@ use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
 use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::module::{Devices, Share, Spread};
-use sdhost_models::pipeline::{Image, Init, Layout, Pipeline, Request, Spreads};
+use sdhost_models::pipeline::{Image, Init, Layout, MatrixTypes, Pipeline, Request, Spreads};
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -54,6 +54,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         guided: args.sample.cfg_scale != 1.0,
         policy: args.sample.phase_memory,
         flash: args.sample.flash_attn,
+        compute: args.sample.compute_type,
         tiling,
     };
     let fitted = crate::memory::fit_placement(
@@ -67,6 +68,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
     let (placement, tiling) = (fitted.placement, fitted.tiling);
     let layout = layout(session, &manager, &placement, "generate")?;
+    opts.matrix_types = matrix_types(session, &layout, args.sample.compute_type);
     let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)?;
     sd.set_vae_tiling(tiling);
     if let (Some(t), false) = (&args.sample.taesd, sd.vae_is_taesd()) {
@@ -303,6 +305,47 @@ pub fn layout<'m>(
     })
 }
 
+/// Whether the loaded CPU plugin multiplies bf16 natively: its variant was
+/// built with AVX512-BF16 (a `native` build: the processor has it).
+pub fn cpu_has_native_bf16(session: &Session) -> bool {
+    session.registry.plugins.iter().any(|p| {
+        p.status == crate::registry::Status::Loaded
+            && p.manifest.as_ref().is_some_and(|m| {
+                m.family == "cpu"
+                    && (m.features.iter().any(|f| f == "avx512_bf16")
+                        || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
+            })
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn native_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn native_bf16() -> bool {
+    false
+}
+
+/// Resolves `--compute-type` module by module (see [`ComputeType`]).
+pub fn matrix_types(session: &Session, layout: &Layout<'_>, when: ComputeType) -> MatrixTypes {
+    let on_bf16_cpu = |d: Devices<'_>| {
+        d.runtime.device().device_type() == DeviceType::Cpu && cpu_has_native_bf16(session)
+    };
+    let pick = |d| match when {
+        ComputeType::F32 => Some(ggml::Type::F32),
+        ComputeType::F16 => Some(ggml::Type::F16),
+        ComputeType::Bf16 => Some(ggml::Type::BF16),
+        ComputeType::Auto => on_bf16_cpu(d).then_some(ggml::Type::BF16),
+    };
+    MatrixTypes {
+        te: pick(layout.te),
+        diffusion: pick(layout.diffusion),
+        vae: pick(layout.vae),
+    }
+}
+
 /// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
 /// runtime device is a CPU) and says where it is on, e.g. `diffusion, vae`.
 pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
@@ -485,6 +528,9 @@ pub fn parameters_text_of(
             file_name(up),
         ));
     }
+    if let Some(types) = compute_type_summary(sd.matrix_types()) {
+        s.push_str(&format!(", Compute type: {types}"));
+    }
     s.push_str(&format!(
         ", Devices: {}, Flash attention: {}, Generator: sdhost {}",
         placement_summary(sd, placement),
@@ -492,6 +538,25 @@ pub fn parameters_text_of(
         env!("CARGO_PKG_VERSION"),
     ));
     s
+}
+
+/// The converted matrix types for the parameters text: `bf16` where every
+/// module has the same, else `diffusion bf16, vae bf16`; `None` where every
+/// module keeps the checkpoint's types.
+pub fn compute_type_summary(t: MatrixTypes) -> Option<String> {
+    let all = [("te", t.te), ("diffusion", t.diffusion), ("vae", t.vae)];
+    if all.iter().all(|(_, ty)| ty.is_none()) {
+        return None;
+    }
+    if all.iter().all(|(_, ty)| *ty == t.te) {
+        return t.te.map(|ty| ty.name());
+    }
+    Some(
+        all.iter()
+            .filter_map(|(m, ty)| ty.map(|ty| format!("{m} {}", ty.name())))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
 }
 
 /// Encodes the PNG into `output`'s temporary file and renames it over the

@@ -47,6 +47,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 guided: true,
                 policy: args.phase_memory,
                 flash: FlashAttn::Auto,
+                compute: args.compute_type,
                 tiling,
             };
             match crate::memory::fit_placement(

@@ -102,6 +102,14 @@ impl Report for PluginsReport {
                     m.map_or("-".into(), |m| m.family.clone()),
                     m.map_or("-".into(), |m| m.version.clone()),
                     m.map_or("-".into(), |m| m.score.to_string()),
+                    // Which build of its family this is (CPU variants).
+                    m.and_then(|m| {
+                        m.features
+                            .iter()
+                            .find_map(|f| f.strip_prefix("variant="))
+                            .map(String::from)
+                    })
+                    .unwrap_or_else(|| "-".into()),
                     p.devices.to_string(),
                     p.path.display().to_string(),
                     pkg.as_ref().map_or("-".into(), |k| {
@@ -118,7 +126,8 @@ impl Report for PluginsReport {
             .collect();
         out.push_str(&table(
             &[
-                "STATUS", "FAMILY", "VERSION", "SCORE", "DEVICES", "PATH", "PACKAGE", "REASON",
+                "STATUS", "FAMILY", "VERSION", "SCORE", "VARIANT", "DEVICES", "PATH", "PACKAGE",
+                "REASON",
             ],
             &rows,
         ));

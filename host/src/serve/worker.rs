@@ -235,6 +235,7 @@ impl<'m> Worker<'_, 'm> {
             guided: true,
             policy: a.phase_memory,
             flash: a.flash_attn,
+            compute: a.compute_type,
             tiling,
         };
         // Fitted to the budgets as `generate` is (at the family's size).
@@ -250,6 +251,10 @@ impl<'m> Worker<'_, 'm> {
         tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
         let layout = generate::layout(self.session, self.manager, &fitted.placement, "serve")?;
         let started = std::time::Instant::now();
+        let opts = LoadOptions {
+            matrix_types: generate::matrix_types(self.session, &layout, a.compute_type),
+            ..opts
+        };
         let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)
             .with_context(|| entry.path.display().to_string())?;
         sd.set_vae_tiling(fitted.tiling);

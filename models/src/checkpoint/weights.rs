@@ -87,6 +87,25 @@ fn ggml_type(dtype: &str) -> Option<Type> {
     }
 }
 
+/// The type a tensor of checkpoint type `ty` and `shape` is stored in.
+///
+/// Vectors (biases, norm weights: at most one dimension above 1) in f16 or
+/// bf16 are widened to f32: ggml adds and multiplies f32 activations by f32
+/// operands only. With `matrices` (`--compute-type`), every float tensor of
+/// two or more dimensions (linear weights, convolution kernels, embedding
+/// tables) is stored in that type, which is the type ggml multiplies in
+/// (activations are converted to it row by row inside the product and the
+/// result is f32). Quantized tensors are kept as they are.
+pub fn stored_type(ty: Type, shape: &[u64], matrices: Option<Type>) -> Type {
+    let float = matches!(ty, Type::F32 | Type::F16 | Type::BF16);
+    let vector = shape.iter().filter(|&&d| d > 1).count() <= 1;
+    match matrices {
+        _ if float && vector => Type::F32,
+        Some(m) if float => m,
+        _ => ty,
+    }
+}
+
 impl ModuleWeights {
     /// Loads every tensor of `ckpt` whose name starts with `prefix` into one
     /// buffer of `backend`. Names are kept without the prefix.
@@ -114,6 +133,7 @@ impl ModuleWeights {
             &LoraSet::default(),
             false,
             None,
+            None,
         )
     }
 
@@ -122,7 +142,9 @@ impl ModuleWeights {
     /// their graph-mode tensors for this module added (f32). With
     /// `pinned_for`, the buffer is that device's pinned host memory where
     /// it has some (see [`ggml::Context::alloc_weights`]): weights streamed
-    /// to it then upload asynchronously.
+    /// to it then upload asynchronously. With `matrices`, every float
+    /// matrix and convolution kernel is converted to that type (see
+    /// [`stored_type`]).
     pub fn load_patched(
         ckpt: &Checkpoint,
         prefix: &str,
@@ -130,8 +152,11 @@ impl ModuleWeights {
         backend: &Backend,
         loras: &LoraSet,
         pinned_for: Option<&Backend>,
+        matrices: Option<Type>,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(ckpt, prefix, keep, backend, loras, false, pinned_for)
+        ModuleWeights::create(
+            ckpt, prefix, keep, backend, loras, false, pinned_for, matrices,
+        )
     }
 
     /// The tensors [`ModuleWeights::load_filtered`] would load, as
@@ -145,10 +170,21 @@ impl ModuleWeights {
         prefix: &str,
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
+        matrices: Option<Type>,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(ckpt, prefix, keep, backend, &LoraSet::default(), true, None)
+        ModuleWeights::create(
+            ckpt,
+            prefix,
+            keep,
+            backend,
+            &LoraSet::default(),
+            true,
+            None,
+            matrices,
+        )
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn create(
         ckpt: &Checkpoint,
         prefix: &str,
@@ -157,6 +193,7 @@ impl ModuleWeights {
         loras: &LoraSet,
         placeholders: bool,
         pinned_for: Option<&Backend>,
+        matrices: Option<Type>,
     ) -> Result<ModuleWeights, WeightsError> {
         let file = ckpt.path.clone();
         let entries: Vec<&TensorEntry> = ckpt
@@ -211,14 +248,7 @@ impl ModuleWeights {
             if ne.is_empty() {
                 ne.push(1);
             }
-            // Vectors (biases, norm weights) are widened to f32: ggml adds
-            // and multiplies f32 activations by f32 operands only.
-            let half = matches!(ty, Type::F16 | Type::BF16);
-            let ty = if half && t.shape.iter().filter(|&&d| d > 1).count() <= 1 {
-                Type::F32
-            } else {
-                ty
-            };
+            let ty = stored_type(ty, &t.shape, matrices);
             let tensor = ctx
                 .new_tensor(ty, &ne)
                 .map_err(|e| tensor_err(t, e.to_string()))?;
@@ -276,12 +306,16 @@ impl ModuleWeights {
                         )
                     },
                 )?;
-            } else if dst.type_name() == "f32" && !t.dtype.eq_ignore_ascii_case("f32") {
+            } else if !dst.type_name().eq_ignore_ascii_case(&t.dtype) {
+                // Widened or converted (stored_type): only between float types.
                 data = crate::checkpoint::dtype::decode_f32(&t.dtype, &data)
-                    .unwrap_or_default()
-                    .iter()
-                    .flat_map(|v| v.to_le_bytes())
-                    .collect();
+                    .and_then(|v| crate::checkpoint::dtype::encode_f32(&dst.type_name(), &v))
+                    .ok_or_else(|| {
+                        tensor_err(
+                            t,
+                            format!("cannot convert {} to {}", t.dtype, dst.type_name()),
+                        )
+                    })?;
             }
             dst.set_bytes(&data)
                 .map_err(|e| tensor_err(t, e.to_string()))?;
@@ -310,6 +344,7 @@ impl ModuleWeights {
     /// `name` (without the prefix) goes to `backends[assign(name)]`, one
     /// buffer per device (placeholders when `placeholders`). A device that
     /// gets no tensor gets no buffer.
+    #[allow(clippy::too_many_arguments)]
     pub fn load_split(
         ckpt: &Checkpoint,
         prefix: &str,
@@ -318,6 +353,7 @@ impl ModuleWeights {
         backends: &[&Backend],
         assign: impl Fn(&str) -> usize,
         placeholders: bool,
+        matrices: Option<Type>,
     ) -> Result<ModuleWeights, WeightsError> {
         let mut parts = Vec::new();
         let mut index = HashMap::new();
@@ -333,7 +369,8 @@ impl ModuleWeights {
             {
                 continue;
             }
-            let w = ModuleWeights::create(ckpt, prefix, mine, b, loras, placeholders, None)?;
+            let w =
+                ModuleWeights::create(ckpt, prefix, mine, b, loras, placeholders, None, matrices)?;
             let at = parts.len();
             for (name, (_, j)) in w.index {
                 index.insert(name, (at, j));
