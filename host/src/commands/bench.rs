@@ -676,7 +676,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let threads = session.threads.unwrap_or(1);
     let family = sd.family().family;
     let settings = format!(
-        "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}",
+        "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}, compute type: {}",
         family.name(),
         req.width,
         req.height,
@@ -686,7 +686,9 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         a.sample.cfg_scale,
         a.sample.seed,
         threads,
-        flash
+        flash,
+        crate::commands::generate::compute_type_summary(sd.matrix_types())
+            .unwrap_or_else(|| "as stored".into())
     );
     let devices = crate::commands::generate::placement_summary(&sd, &placement);
     let peak_host = peak_host_memory();
