@@ -46,8 +46,17 @@ fn help_of_every_subcommand() {
     let p = Prefix::bare();
     let _g = settings(&p).bind_to_scope();
     for sub in [
-        "", "devices", "plugins", "plan", "check", "generate", "serve", "convert", "upscale",
+        "",
+        "devices",
+        "plugins",
+        "plan",
+        "check",
+        "generate",
+        "serve",
+        "convert",
+        "upscale",
         "bench",
+        "rpc-server",
     ] {
         let mut args: Vec<&str> = sub.split_whitespace().collect();
         args.push("--help");
