@@ -345,7 +345,11 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
     one_line_failure(
         &r,
         1,
-        &["vulkan0: te needs", "budget 1.0 KiB", "--params-backend cpu"],
+        &[
+            "vulkan0: te needs",
+            "budget 1.0 KiB",
+            "--params-backend cpu",
+        ],
     );
     assert!(!out.exists());
 }
