@@ -154,6 +154,8 @@ fn send(
     headers: &[(&str, &str)],
 ) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
+    // No answer within the deadline fails the test rather than hanging it.
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
     let body = body.unwrap_or_default();
     let mut head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
@@ -1049,12 +1051,8 @@ fn cpu_and_vulkan_replicas_run_two_jobs_at_once() {
         vec![(0, json!("cpu")), (1, json!("vulkan0"))],
         "one job per replica: {p}"
     );
-    // Interrupt once both have made a step (the Vulkan one past its
-    // first graph), so both stop inside sampling.
-    srv.wait_progress_within("both jobs sampling", VULKAN_WAIT, |p| {
-        let r = Server::running(p);
-        r.len() == 2 && r.iter().all(|j| j["sampling_step"].as_u64() > Some(0))
-    });
+    // A job on lavapipe stops at the end of the graph it computes (with a
+    // cold shader cache, after compiling its kernels).
     srv.post("/sdapi/v1/interrupt", json!({}));
     for (what, h) in [("first", a), ("second", c)] {
         let r = h.join().unwrap();
@@ -1087,6 +1085,66 @@ fn cpu_and_vulkan_replicas_run_two_jobs_at_once() {
         (&json!(2), &json!(2)),
         "{h}"
     );
+}
+
+/// A vulkan0 budget under the model's need at the default size (with
+/// `SDHOST_TEST_VULKAN=1`): fit time-shares, streams and tiles at load, and
+/// the PNG's `Devices`, `/health` and `/sdapi/v1/options` say so (the images such placements give are
+/// host/tests/fit.rs's).
+#[test]
+fn a_vulkan_budget_is_fitted_and_the_png_says_how() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let prefix = Prefix::with_cpu();
+    prefix.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let tiny = fixture("tiny-sd1.safetensors");
+    let srv = Server::start_env(
+        prefix,
+        &[
+            "-m",
+            s(&tiny),
+            "--backend",
+            "vulkan0",
+            "--max-memory",
+            "vulkan0=78M",
+        ],
+        &[("GGML_VK_VISIBLE_DEVICES", "0")],
+    );
+    let h = srv.get("/health");
+    let fit = &h["fit"][0];
+    let of = |k: &str| -> Vec<String> {
+        fit["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m[k].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert!(
+        of("reason").iter().any(|w| w.contains("time-shared")),
+        "{fit}"
+    );
+    assert!(
+        of("weights").iter().any(|w| w.contains("rest streamed")),
+        "{fit}"
+    );
+    let placement = h["placement"].as_str().unwrap();
+    assert!(placement.contains("(params cpu, streamed)"), "{placement}");
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sdhost_placement"],
+        h["placement"]
+    );
+    let r = srv.post("/sdapi/v1/txt2img", small("a budget", 4));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let text = png_of(r.json()["images"][0].as_str().unwrap()).2;
+    let devices = text
+        .split(", Devices: ")
+        .nth(1)
+        .and_then(|t| t.split(", Flash attention").next())
+        .unwrap_or_else(|| panic!("no devices in {text}"));
+    assert!(placement.starts_with(devices), "{devices} vs {placement}");
+    assert!(devices.contains("(params cpu, streamed)"), "{text}");
 }
 
 /// A request (`steps`, `cfg_scale`, `seed`, euler) for `serve`, and the same
