@@ -8,7 +8,11 @@
 //! ([`ModelInfo`], set by the last load on any replica): a replica that
 //! holds another reloads before its next job, as it does for a request
 //! whose `<lora:…>` tags differ from its loaded set. Loads take a lock
-//! shared by the replicas, so only one checkpoint is read at a time.
+//! shared by the replicas, so only one checkpoint is read at a time. Each
+//! load fits the placement to the memory budgets (at the family's default
+//! size, as `generate` does at the request's); the fitted placement and
+//! tiling are what the replica runs, what its PNGs record and what the
+//! handlers report ([`ReplicaFit`]).
 
 use super::queue::{JobError, JobKind, Queue};
 use super::ServeArgs;
