@@ -10,7 +10,9 @@
 //! A1111 clients send many this server has no use for.
 
 use super::queue::{Full, JobError, Running};
-use super::worker::{GenOutput, GenWork, InitWork, JobQueue, ModelEntry, ModelInfo, Output, Work};
+use super::worker::{
+    GenOutput, GenWork, InitWork, JobQueue, ModelEntry, ModelInfo, Output, ReplicaFit, Work,
+};
 use crate::image_io::Mask;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -48,8 +50,8 @@ pub struct AppState {
     pub current: Arc<Mutex<Option<ModelInfo>>>,
     /// `--api-key`.
     pub api_key: Option<Arc<str>>,
-    /// Where each module runs (of each replica).
-    pub placement: String,
+    /// Where each replica's modules run, as its last load fitted them.
+    pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
     /// Each replica's device (`--replicas`), by replica index.
     pub replicas: Arc<Vec<String>>,
 }
@@ -60,6 +62,34 @@ impl AppState {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
+    }
+
+    fn fits(&self) -> Vec<ReplicaFit> {
+        self.fits.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Where each replica's modules run (`te=cpu, …`, replicas joined by
+    /// `; `).
+    fn placement(&self) -> String {
+        super::replicas_text(&self.fits())
+    }
+
+    /// What fit chose at each replica's last load: its placement, VAE
+    /// tiling and one entry per module (as `plan --json`'s `fit`).
+    fn fit_json(&self) -> Value {
+        self.fits()
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                json!({
+                    "replica": i,
+                    "device": f.device,
+                    "placement": f.placement,
+                    "vae_tiling": f.tiling.map(|t| json!({"tile": t.tile, "overlap": t.overlap})),
+                    "modules": f.choices,
+                })
+            })
+            .collect()
     }
 }
 
@@ -820,7 +850,8 @@ async fn get_options(State(st): State<AppState>) -> Json<Value> {
         "sd_checkpoint_hash": null,
         "CLIP_stop_at_last_layers": 1,
         "samples_format": "png",
-        "sdhost_placement": st.placement,
+        "sdhost_placement": st.placement(),
+        "sdhost_fit": st.fit_json(),
         "sdhost_model_family": cur.as_ref().map(|c| c.family.clone()),
         "sdhost_size_multiple": cur.as_ref().map(|c| c.size_multiple),
         "sdhost_default_size": cur.as_ref().map(|c| c.default_size),
@@ -922,7 +953,8 @@ async fn health(State(st): State<AppState>) -> Json<Value> {
     Json(json!({
         "status": "ok",
         "model": st.current().map(|c| c.entry.title),
-        "placement": st.placement,
+        "placement": st.placement(),
+        "fit": st.fit_json(),
         "queue": {"running": running.len(), "waiting": waiting, "bound": st.queue.bound()},
         "replicas": *st.replicas,
         "jobs": counters,

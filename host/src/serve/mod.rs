@@ -25,7 +25,7 @@ use std::net::ToSocketAddrs as _;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use worker::{ModelEntry, Worker};
+use worker::{ModelEntry, ReplicaFit, Worker};
 
 /// `sdhost serve`.
 #[derive(Debug, Args)]
@@ -224,6 +224,18 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         .collect();
     let queue = worker::JobQueue::new(args.queue as usize, aborts.clone());
     let current = Arc::new(Mutex::new(None));
+    // Until a replica has loaded, what it reports is the resolved placement.
+    let fits = Arc::new(Mutex::new(
+        replicas
+            .iter()
+            .map(|(d, p)| ReplicaFit {
+                device: d.clone(),
+                placement: placement_text(p),
+                tiling: None,
+                choices: Vec::new(),
+            })
+            .collect::<Vec<_>>(),
+    ));
     let load_lock = Mutex::new(());
     let listener =
         std::net::TcpListener::bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
@@ -236,7 +248,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         models: Arc::new(models),
         current: current.clone(),
         api_key: args.api_key.clone().map(Arc::from),
-        placement: replicas_text(&replicas),
+        fits: fits.clone(),
         replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
     };
     let grace = std::time::Duration::from_secs(args.grace);
@@ -248,6 +260,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         for (i, (_, placement)) in replicas.iter().enumerate() {
             let (ready, queue, current) = (ready_tx.clone(), queue.clone(), current.clone());
+            let fits = fits.clone();
             let (abort, first, load_lock) = (aborts[i].clone(), &first, &load_lock);
             std::thread::Builder::new()
                 .name(format!("replica-{i}"))
@@ -264,6 +277,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
                         placement,
                         queue,
                         current,
+                        fits,
                     };
                     let started = worker.load_initial(first).map(|loaded| (worker, loaded));
                     match started {
@@ -314,19 +328,21 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
 }
 
 /// Where each replica's modules run: one replica's placement text, or
-/// `cpu: te=cpu, …; vulkan0: te=vulkan0, …`.
-fn replicas_text(replicas: &[(String, Placement)]) -> String {
-    match replicas {
-        [(_, p)] => placement_text(p),
-        _ => replicas
+/// `cpu: te=cpu, …; vulkan0: te=vulkan0, …` (each as its last load fitted
+/// it).
+pub fn replicas_text(fits: &[ReplicaFit]) -> String {
+    match fits {
+        [f] => f.text(),
+        _ => fits
             .iter()
-            .map(|(d, p)| format!("{d}: {}", placement_text(p)))
+            .map(|f| format!("{}: {}", f.device, f.text()))
             .collect::<Vec<_>>()
             .join("; "),
     }
 }
 
-/// Where each module runs, as `te=cpu, diffusion=cpu, vae=cpu`.
+/// Where each module runs as resolved (before fit), as `te=cpu,
+/// diffusion=cpu, vae=cpu`.
 fn placement_text(p: &Placement) -> String {
     use crate::placement::Module as M;
     [(M::Te, "te"), (M::Diffusion, "diffusion"), (M::Vae, "vae")]

@@ -8,7 +8,11 @@
 //! ([`ModelInfo`], set by the last load on any replica): a replica that
 //! holds another reloads before its next job, as it does for a request
 //! whose `<lora:…>` tags differ from its loaded set. Loads take a lock
-//! shared by the replicas, so only one checkpoint is read at a time.
+//! shared by the replicas, so only one checkpoint is read at a time. Each
+//! load fits the placement to the memory budgets (at the family's default
+//! size, as `generate` does at the request's); the fitted placement and
+//! tiling are what the replica runs, what its PNGs record and what the
+//! handlers report ([`ReplicaFit`]).
 
 use super::queue::{JobError, JobKind, Queue};
 use super::ServeArgs;
@@ -22,6 +26,7 @@ use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::lora::LoraSpec;
 use sdhost_models::pipeline::{Image, Init, LoadOptions, Pipeline, Request};
 use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use sdhost_models::tiling::Tiling;
 use sdhost_models::upscale::Upscaler;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -176,12 +181,40 @@ pub enum Output {
     Loaded(ModelEntry),
 }
 
+/// Where a replica's modules run as its last load fitted them to the
+/// memory budgets (`--max-memory`, …): what the handlers report and every
+/// PNG of the replica records.
+#[derive(Clone, Debug)]
+pub struct ReplicaFit {
+    /// The replica's device (`--replicas`), or the diffusion's runtime.
+    pub device: String,
+    /// Where each module runs, as `te=cpu, diffusion=vulkan0 (params cpu,
+    /// streamed), vae=cpu` (before the first load: the resolved placement).
+    pub placement: String,
+    /// The VAE tiling decoding uses (the user's or fit's).
+    pub tiling: Option<Tiling>,
+    /// What fit chose for each module and why (empty before the first load).
+    pub choices: Vec<crate::fit::Choice>,
+}
+
+impl ReplicaFit {
+    /// The placement, with the tiling where there is one.
+    pub fn text(&self) -> String {
+        match self.tiling {
+            Some(t) => format!("{}, VAE tiling: {}/{}", self.placement, t.tile, t.overlap),
+            None => self.placement.clone(),
+        }
+    }
+}
+
 /// The queue the server uses.
 pub type JobQueue = Queue<Work, Output>;
 
 /// A loaded checkpoint.
 pub struct Loaded<'m> {
     sd: Pipeline<'m>,
+    /// The placement fitted at load, which the PNGs record.
+    placement: Placement,
     entry: ModelEntry,
     flash: String,
     loras: Vec<LoraSpec>,
@@ -206,6 +239,9 @@ pub struct Worker<'a, 'm> {
     pub queue: Arc<JobQueue>,
     /// What the handlers see of the loaded model.
     pub current: Arc<Mutex<Option<ModelInfo>>>,
+    /// Each replica's fitted placement, by replica index (this one's is
+    /// set at each load).
+    pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
 }
 
 impl<'m> Worker<'_, 'm> {
@@ -247,7 +283,9 @@ impl<'m> Worker<'_, 'm> {
             &self.args.memory,
             "serve",
         )
-        .with_context(|| entry.path.display().to_string())?;
+        // The file name, not the path: the budget error is long, and its
+        // end (the smallest budget that works) must fit the error line.
+        .with_context(|| entry.title.clone())?;
         tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
         let layout = generate::layout(self.session, self.manager, &fitted.placement, "serve")?;
         let started = std::time::Instant::now();
@@ -267,8 +305,11 @@ impl<'m> Worker<'_, 'm> {
         let flash = generate::apply_flash_attn(&mut sd, &layout, a.flash_attn);
         let upscaler = match &self.args.upscale.model {
             Some(m) => {
-                let d =
-                    crate::commands::upscale::devices(self.session, self.manager, self.placement)?;
+                let d = crate::commands::upscale::devices(
+                    self.session,
+                    self.manager,
+                    &fitted.placement,
+                )?;
                 Some(crate::commands::upscale::load(m, d, a.phase_memory)?)
             }
             None => None,
@@ -278,8 +319,18 @@ impl<'m> Worker<'_, 'm> {
             self.replica,
             entry.path.display(),
             started.elapsed().as_secs_f64(),
-            generate::placement_summary(&sd, self.placement)
+            generate::placement_summary(&sd, &fitted.placement)
         );
+        if let Some(f) = self
+            .fits
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(self.replica)
+        {
+            f.placement = generate::placement_summary(&sd, &fitted.placement);
+            f.tiling = sd.vae_tiling();
+            f.choices = fitted.choices;
+        }
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(ModelInfo {
             entry: entry.clone(),
             family: sd.family().family.name().to_string(),
@@ -288,6 +339,7 @@ impl<'m> Worker<'_, 'm> {
         });
         Ok(Loaded {
             sd,
+            placement: fitted.placement,
             entry: entry.clone(),
             flash,
             loras: loras.to_vec(),
@@ -438,11 +490,9 @@ impl<'m> Worker<'_, 'm> {
             .as_ref()
             .and_then(|i| i.mask.as_ref())
             .map(|_| Path::new("mask"));
-        let tiling = self
-            .args
-            .load
-            .vae_tiling()
-            .map_err(|e| JobError::Failed(e.to_string()))?;
+        // The tiling fit chose at load (or --vae-tiling's), as generate
+        // records it.
+        let tiling = l.sd.vae_tiling();
         for i in 0..g.count {
             let req = Request {
                 prompt: loras.prompt.clone(),
@@ -499,14 +549,9 @@ impl<'m> Worker<'_, 'm> {
                     .as_deref()
                     .map(|p| (p, self.args.upscale.tuning.repeats)),
             };
-            let text = generate::parameters_text_of(
-                &fields,
-                &req,
-                &l.sd,
-                self.placement,
-                &l.flash,
-                &hashes,
-            ) + &loras.fields;
+            let text =
+                generate::parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
+                    + &loras.fields;
             let mut png = Vec::new();
             generate::encode_png(&mut png, &image, &text)
                 .map_err(|e| JobError::Failed(e.to_string()))?;
