@@ -300,8 +300,11 @@ fn modules_split_over_two_servers() {
     assert!(pixels(&local) == pixels(&split), "not bit for bit");
 }
 
+/// Lavapipe compiles its pipelines on first use (minutes with a cold Mesa
+/// shader cache); the test script shares one cache, which the Vulkan tests
+/// of fit.rs and memory.rs have filled with this model's pipelines by the
+/// time this file runs (about 12 s warm).
 #[test]
-#[ignore = "lavapipe: passes in about 12 s with a warm Mesa shader cache, but with a cold one the local generate alone ran past its 900 s limit on a shared 2-core machine; run with --ignored (issue 19, docs/rpc.md)"]
 fn a_server_on_vulkan() {
     if !vulkan_enabled() {
         return;
