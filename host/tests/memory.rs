@@ -288,29 +288,33 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
     assert_eq!(dev(&j, "cpu")["max_memory"], serde_json::Value::Null);
     // generate stops before computing, naming vulkan0.
     let out = p.root().join("work/v.png");
-    let r = run(&[
-        "generate",
-        "-m",
-        s(&model),
-        "-p",
-        "a cat",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-        "--backend",
-        "vulkan0",
-        "--max-memory",
-        "vulkan0=1K",
-        "-o",
-        s(&out),
-    ]);
+    let generate = |extra: &[&str]| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&model),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1",
+            "--backend",
+            "vulkan0",
+            "--max-memory",
+            "vulkan0=1K",
+            "-o",
+            s(&out),
+        ];
+        a.extend(extra);
+        run(&a)
+    };
     // Fit (on by default) already tried the CPU for the weights, streaming
     // and tiling: it names the smallest budget that would have worked.
     one_line_failure(
-        &r,
+        &generate(&[]),
         1,
         &[
             "vulkan0: te needs",
@@ -321,29 +325,8 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
     );
     assert!(!out.exists());
     // With --fit off the refusal suggests what to try by hand.
-    let r = run(&[
-        "generate",
-        "-m",
-        s(&model),
-        "-p",
-        "a cat",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-        "--backend",
-        "vulkan0",
-        "--max-memory",
-        "vulkan0=1K",
-        "--fit",
-        "off",
-        "-o",
-        s(&out),
-    ]);
     one_line_failure(
-        &r,
+        &generate(&["--fit", "off"]),
         1,
         &[
             "vulkan0: te needs",
