@@ -174,6 +174,8 @@ pub struct Context {
     /// ([`Context::place_unallocated`]); freed after the context, so no
     /// tensor of it ever points at a freed buffer.
     placeholders: Vec<sys::ggml_backend_buffer_t>,
+    /// [`Context::set_amx`].
+    amx: std::cell::Cell<bool>,
 }
 
 // SAFETY: a context is only used through `&self`/`&mut self` of one owner;
@@ -202,7 +204,95 @@ impl Context {
         Ok(Context {
             raw,
             placeholders: Vec::new(),
+            amx: std::cell::Cell::new(false),
         })
+    }
+
+    /// Says that the in-process CPU backend computes this context's graphs,
+    /// so that [`Context::mul_mat`] may multiply bf16 weights with sdhost's
+    /// AMX kernels (custom ops no other backend runs) where
+    /// [`crate::amx::available`]. Off by default.
+    pub fn set_amx(&self, on: bool) {
+        self.amx.set(on && crate::amx::available());
+    }
+
+    /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,
+    /// b.ne1]`). In an AMX context ([`Context::set_amx`]) a 2-D bf16 `a`
+    /// times an f32 `b` of at least [`crate::amx::ROWS`] rows runs on the
+    /// tile unit (see [`crate::amx`]).
+    pub fn mul_mat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
+        check_mul_mat(&a, &b)?;
+        let (x, y) = (a.ne(), b.ne());
+        let rows = y[1] * y[2] * y[3];
+        if self.amx.get()
+            && a.ty() == Some(Type::BF16)
+            && b.ty() == Some(Type::F32)
+            && contiguous(&a)
+            && x[2] == 1
+            && x[3] == 1
+            && rows >= crate::amx::ROWS as i64
+        {
+            return self.mul_mat_amx(a, b);
+        }
+        self.room(1)?;
+        // SAFETY: both tensors are alive for 'a, their shapes and types
+        // passed the check of what ggml aborts on, and the context has room
+        // for the result.
+        self.wrap(
+            unsafe { sys::ggml_mul_mat(self.raw, a.raw, b.raw) },
+            "ggml_mul_mat",
+        )
+    }
+
+    /// [`Context::mul_mat`] as the two custom ops of [`crate::amx`].
+    fn mul_mat_amx<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
+        let (x, y) = (a.ne(), b.ne());
+        let len = crate::amx::packed_len(x[0] as usize, x[1] as usize);
+        self.room(2)?;
+        let mut args = [a.raw];
+        // SAFETY: `a` is alive for 'a, contiguous bf16 `[K, N]` (checked by
+        // the caller), which `pack_op` reads; the result is `len` bf16 it
+        // writes; room checked.
+        let packed = self.wrap(
+            unsafe {
+                sys::ggml_custom_4d(
+                    self.raw,
+                    sys::GGML_TYPE_BF16,
+                    len as i64,
+                    1,
+                    1,
+                    1,
+                    args.as_mut_ptr(),
+                    1,
+                    Some(crate::amx::pack_op),
+                    sys::GGML_N_TASKS_MAX,
+                    std::ptr::null_mut(),
+                )
+            },
+            "ggml_custom_4d",
+        )?;
+        let mut args = [packed.raw, b.raw];
+        // SAFETY: `packed` as above and `b` f32 with dense rows and
+        // `b.ne0 == K` (checked by check_mul_mat and the caller), which
+        // `gemm_op` reads; the result is contiguous f32 `[N, b.ne1..3]`.
+        self.wrap(
+            unsafe {
+                sys::ggml_custom_4d(
+                    self.raw,
+                    sys::GGML_TYPE_F32,
+                    x[1],
+                    y[1],
+                    y[2],
+                    y[3],
+                    args.as_mut_ptr(),
+                    2,
+                    Some(crate::amx::gemm_op),
+                    sys::GGML_N_TASKS_MAX,
+                    std::ptr::null_mut(),
+                )
+            },
+            "ggml_custom_4d",
+        )
     }
 
     fn wrap(&self, t: *mut sys::ggml_tensor, what: &'static str) -> Result<Tensor<'_>> {
@@ -568,8 +658,6 @@ unary_ops! {
     gelu_quick => ggml_gelu_quick, check_unary;
 }
 binary_ops! {
-    /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1, b.ne1]`).
-    mul_mat => ggml_mul_mat, check_mul_mat;
     /// Element-wise sum (b broadcast).
     add => ggml_add, check_repeat;
     /// Element-wise product (b broadcast).
@@ -729,6 +817,13 @@ impl Context {
                 input.type_name()
             ));
         }
+        if kernel.ty() == Some(Type::BF16) {
+            // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
+            // kernel, which the CPU widens to f32: an f32 GEMM. With the
+            // kernel as src0 the columns are narrowed to bf16 instead and
+            // the GEMM runs on bf16 dot products (AVX512-BF16, AMX).
+            return self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true);
+        }
         // im2col, two reshapes, mul_mat, reshape, permute, cont.
         self.room(7)?;
         // SAFETY: both alive for 'a; channels, types, contiguity, stride and
@@ -742,6 +837,49 @@ impl Context {
             },
             "ggml_conv_2d",
         )
+    }
+
+    /// A convolution as im2col (`cols` type) and one matrix product:
+    /// `kernel_first` multiplies `kernel · cols` (result `[OC, OW·OH·N]`,
+    /// transposed back), else `cols · kernel` as ggml_conv_2d does. The
+    /// caller checked shapes, types and contiguity.
+    fn conv_2d_im2col<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+        cols_type: sys::ggml_type,
+        kernel_first: bool,
+    ) -> Result<Tensor<'a>> {
+        let k = kernel.ne();
+        // im2col, then reshapes, mul_mat, reshape, permute, cont below.
+        self.room(7)?;
+        // SAFETY: both alive for 'a; kernel and input types (the CPU's f32
+        // im2col reads an f32 input, its f16 one f32 or f16), channels,
+        // stride and output size checked by the callers; room checked.
+        let cols = self.wrap(
+            unsafe {
+                sys::ggml_im2col(
+                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1, true,
+                    cols_type,
+                )
+            },
+            "ggml_im2col",
+        )?;
+        // [IC·KH·KW, OW, OH, N]
+        let c = cols.ne();
+        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
+        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        if kernel_first {
+            let out = self.mul_mat(k2, cols2)?; // [OC, OW·OH·N]
+            let out = self.reshape(out, &[k[3], c[1], c[2], c[3]])?;
+            self.cont(self.permute(out, [2, 0, 1, 3])?)
+        } else {
+            let out = self.mul_mat(cols2, k2)?; // [OW·OH·N, OC]
+            let out = self.reshape(out, &[c[1], c[2], c[3], k[3]])?;
+            self.cont(self.permute(out, [0, 1, 3, 2])?)
+        }
     }
 
     /// [`Context::conv_2d`] computed in f32 throughout: ggml's own
@@ -773,36 +911,7 @@ impl Context {
                 input.type_name()
             ));
         }
-        // im2col, then reshapes, mul_mat, reshape, permute, cont below.
-        self.room(7)?;
-        // SAFETY: both alive for 'a; f32 kernel and input (the CPU's f32
-        // im2col reads an f32 input), channels, stride and output size
-        // checked as for conv_2d; room checked.
-        let cols = self.wrap(
-            unsafe {
-                sys::ggml_im2col(
-                    self.raw,
-                    kernel.raw,
-                    input.raw,
-                    stride,
-                    stride,
-                    pad,
-                    pad,
-                    1,
-                    1,
-                    true,
-                    sys::GGML_TYPE_F32,
-                )
-            },
-            "ggml_im2col",
-        )?;
-        // [IC·KH·KW, OW, OH, N]
-        let c = cols.ne();
-        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
-        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
-        let out = self.mul_mat(cols2, k2)?; // [OW·OH·N, OC]
-        let out = self.reshape(out, &[c[1], c[2], c[3], k[3]])?;
-        self.cont(self.permute(out, [0, 1, 3, 2])?)
+        self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, false)
     }
 
     /// Nearest-neighbour upscale of the first two dimensions by `factor` (≥ 2).

@@ -32,6 +32,7 @@ pub mod sys {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 
+pub mod amx;
 mod backend;
 mod compute;
 mod fatal;

@@ -310,6 +310,21 @@ impl<'b> Module<'b> {
         self.opts = opts;
     }
 
+    /// A context for one of this module's graphs: AMX matrix products
+    /// ([`GraphOptions::amx`]) only where the in-process CPU backend runs
+    /// the whole module (custom ops run nowhere else).
+    fn graph_context(&self) -> Result<Context> {
+        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        ctx.set_amx(self.amx());
+        Ok(ctx)
+    }
+
+    /// Whether this module's graphs may use AMX (see [`Module::graph_context`]).
+    fn amx(&self) -> bool {
+        let on_cpu = self.devices.runtime.device().device_type() == ggml::DeviceType::Cpu;
+        self.opts.amx && on_cpu && !matches!(self.spread, Spread::Split(_))
+    }
+
     /// The module's name (`te`, `diffusion`, `vae`).
     pub fn name(&self) -> &'static str {
         self.kind.name()
@@ -416,7 +431,7 @@ impl<'b> Module<'b> {
         let map = self.params.map();
         let names: HashMap<usize, &str> = map.iter().map(|(n, t)| (t.id(), *n)).collect();
         let w = W::new(map.clone()).with_options(self.opts);
-        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        let ctx = self.graph_context()?;
         let built = build(&ctx, &w)
             .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
@@ -618,7 +633,7 @@ impl<'b> Module<'b> {
             map.extend(c.map());
         }
         let w = W::new(map).with_options(self.opts);
-        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        let ctx = self.graph_context()?;
         let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
         built.output.set_output();
         for (t, _) in &built.inputs {
@@ -682,6 +697,7 @@ impl<'b> Module<'b> {
         self.ensure_runtime_copy()?;
         self.scheduler()?;
         let backends = self.sched_backends();
+        let amx = self.amx();
         let sched = self.sched.as_mut().expect("created above");
         let mut map = self.params.map();
         if let Some(copy) = &self.runtime_copy {
@@ -689,6 +705,7 @@ impl<'b> Module<'b> {
         }
         let w = W::new(map).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
+        ctx.set_amx(amx);
         let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
         built.output.set_output();
         for (t, _) in &built.inputs {

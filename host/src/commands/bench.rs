@@ -688,6 +688,10 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         threads,
         flash,
         crate::commands::generate::compute_type_summary(sd.matrix_types())
+            .map(|t| match t.contains("bf16") && ggml::amx::available() {
+                true => format!("{t} (AMX where on the CPU)"),
+                false => t,
+            })
             .unwrap_or_else(|| "as stored".into())
     );
     let devices = crate::commands::generate::placement_summary(&sd, &placement);

@@ -364,7 +364,12 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
         if flash && module.name() != "te" {
             on.push(module.name());
         }
-        module.set_options(sdhost_models::blocks::nn::GraphOptions { flash_attn: flash });
+        // bf16 products on the AMX tile unit wherever the module runs on the
+        // CPU alone and the processor has one (`SDHOST_NO_AMX` turns it off).
+        module.set_options(sdhost_models::blocks::nn::GraphOptions {
+            flash_attn: flash,
+            amx: true,
+        });
     }
     if on.is_empty() {
         "off".into()

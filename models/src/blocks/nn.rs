@@ -40,6 +40,10 @@ pub struct GraphOptions {
     /// Fused attention (`ggml_flash_attn_ext`, K and V in f16) instead of
     /// materialised `softmax(q·kᵀ)` scores; not for the causal text encoder.
     pub flash_attn: bool,
+    /// bf16 matrix products on the AMX tile unit (`ggml::amx`) where the
+    /// processor has one and the module runs on the in-process CPU backend
+    /// alone.
+    pub amx: bool,
 }
 
 /// A module's weights by name, for one graph build, with the build options.
