@@ -39,6 +39,14 @@ use crate::sys;
 
 /// Rows of `x` per block (two 16-row tiles).
 pub const ROWS: usize = 32;
+/// The fewest rows (matrix products) or output pixels (convolutions) that
+/// take the AMX path (one block: below it ggml's own kernels). Both repack
+/// the weight in every evaluation; measured on SD 1.5 at 256×256, that
+/// still beats ggml's bf16 kernels at the UNet's smallest levels (8 × 8
+/// latents). `SDHOST_AMX_MIN_ROWS` overrides it, for measurements.
+pub static MIN_ROWS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
+    std::env::var("SDHOST_AMX_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(ROWS)
+});
 /// k per tile row (bf16 elements in 64 bytes).
 const TILE_K: usize = 32;
 /// Outputs per panel (one tile's columns).
@@ -101,23 +109,36 @@ fn bf16(f: f32) -> u16 {
 /// Packs panels `ith, ith + nth, …` of the `[k, n]` row-major bf16
 /// weight `w` (row `j` = output `j`) into `out` ([`packed_len`]).
 pub fn pack(w: &[u16], k: usize, n: usize, out: &mut [u16], ith: usize, nth: usize) {
+    pack_with(k, n, out, ith, nth, |j, row| row[..k].copy_from_slice(&w[j * k..(j + 1) * k]));
+}
+
+/// [`pack`] of the `k × n` operand whose row for output `j` `fill(j, row)`
+/// writes into the first `k` of a zeroed row of `k` rounded up to 32.
+fn pack_with(
+    k: usize,
+    n: usize,
+    out: &mut [u16],
+    ith: usize,
+    nth: usize,
+    fill: impl Fn(usize, &mut [u16]),
+) {
     let kp = round_up(k, TILE_K);
     let panels = round_up(n, 2 * PANEL) / PANEL;
+    let mut row = vec![0u16; kp];
     for p in (ith..panels).step_by(nth.max(1)) {
         let panel = &mut out[p * kp * PANEL..(p + 1) * kp * PANEL];
-        for (kb, tile) in panel.chunks_exact_mut(TILE_K * PANEL).enumerate() {
-            for c in 0..PANEL {
-                let j = p * PANEL + c;
-                let row = (j < n).then(|| &w[j * k..(j + 1) * k]);
-                for r in 0..TILE_K / 2 {
-                    for e in 0..2 {
-                        let kk = kb * TILE_K + 2 * r + e;
-                        tile[r * 2 * PANEL + 2 * c + e] = match row {
-                            Some(row) if kk < k => row[kk],
-                            _ => 0,
-                        };
-                    }
-                }
+        for c in 0..PANEL {
+            let j = p * PANEL + c;
+            row.fill(0);
+            if j < n {
+                fill(j, &mut row);
+            }
+            // Pair q (k = 2q, 2q + 1) goes to tile q / 16, tile row q % 16,
+            // column c.
+            for (q, pair) in row.chunks_exact(2).enumerate() {
+                let at = (q / PANEL) * TILE_K * PANEL + (q % PANEL) * 2 * PANEL + 2 * c;
+                panel[at] = pair[0];
+                panel[at + 1] = pair[1];
             }
         }
     }
@@ -143,17 +164,16 @@ pub fn gemm(packed: &[u16], x: &Rows<'_>, n: usize, out: &mut [f32], ith: usize,
     }
     let kp = round_up(x.k, TILE_K);
     let np = round_up(n, 2 * PANEL);
+    let (blocks, pairs) = (x.rows.div_ceil(ROWS), np / (2 * PANEL));
+    let by_panel = panel_outer(kp * np * 2, blocks, x.rows * kp * 2, pairs);
     BUF.with(|buf| {
         let mut a = buf.borrow_mut();
         a.clear();
-        a.resize(ROWS * kp, 0);
-        let mut c = [0f32; ROWS * 2 * PANEL];
-        let tiles = Tiles::load();
-        for block in (ith..x.rows.div_ceil(ROWS)).step_by(nth.max(1)) {
-            let r0 = block * ROWS;
+        a.resize(if by_panel { blocks } else { 1 } * ROWS * kp, 0);
+        // Rows r0.. of x, narrowed and zero-padded, into `dst` (32 × kp).
+        let fill = |dst: &mut [u16], r0: usize| {
             let valid = ROWS.min(x.rows - r0);
-            for r in 0..ROWS {
-                let dst = &mut a[r * kp..(r + 1) * kp];
+            for (r, dst) in dst.chunks_exact_mut(kp).take(ROWS).enumerate() {
                 if r < valid {
                     narrow((x.row)(r0 + r), &mut dst[..x.k]);
                     dst[x.k..].fill(0);
@@ -161,19 +181,49 @@ pub fn gemm(packed: &[u16], x: &Rows<'_>, n: usize, out: &mut [f32], ith: usize,
                     dst.fill(0);
                 }
             }
-            for p in (0..np / PANEL).step_by(2) {
-                let b0 = &packed[p * kp * PANEL..(p + 1) * kp * PANEL];
-                let b1 = &packed[(p + 1) * kp * PANEL..(p + 2) * kp * PANEL];
-                tiles.block(&a, kp, b0, b1, &mut c);
-                let cols = (2 * PANEL).min(n - p * PANEL);
-                for r in 0..valid {
-                    let o = (r0 + r) * n + p * PANEL;
-                    out[o..o + cols].copy_from_slice(&c[r * 2 * PANEL..r * 2 * PANEL + cols]);
+        };
+        let mut c = [0f32; ROWS * 2 * PANEL];
+        let tiles = Tiles::load();
+        let mut run = |a: &[u16], block: usize, pair: usize| {
+            let (r0, p) = (block * ROWS, pair * 2);
+            let b0 = &packed[p * kp * PANEL..(p + 1) * kp * PANEL];
+            let b1 = &packed[(p + 1) * kp * PANEL..(p + 2) * kp * PANEL];
+            tiles.block(a, kp, b0, b1, &mut c);
+            let cols = (2 * PANEL).min(n - p * PANEL);
+            for r in 0..ROWS.min(x.rows - r0) {
+                let o = (r0 + r) * n + p * PANEL;
+                out[o..o + cols].copy_from_slice(&c[r * 2 * PANEL..r * 2 * PANEL + cols]);
+            }
+        };
+        if by_panel {
+            for block in 0..blocks {
+                fill(&mut a[block * ROWS * kp..(block + 1) * ROWS * kp], block * ROWS);
+            }
+            for pair in (ith..pairs).step_by(nth.max(1)) {
+                for block in 0..blocks {
+                    run(&a[block * ROWS * kp..(block + 1) * ROWS * kp], block, pair);
+                }
+            }
+        } else {
+            for block in (ith..blocks).step_by(nth.max(1)) {
+                fill(&mut a, block * ROWS);
+                for pair in 0..pairs {
+                    run(&a, block, pair);
                 }
             }
         }
         drop(tiles);
     });
+}
+
+/// Whether a product should run panel pair by panel pair (each thread
+/// its own outputs, every block of rows over them) rather than block by
+/// block (each thread its own rows, every panel over them): when the
+/// packed weight does not stay in the core's cache and streaming it once
+/// per block costs more than streaming the activations once per pair.
+fn panel_outer(weight_bytes: usize, blocks: usize, act_bytes: usize, pairs: usize) -> bool {
+    const CACHED: usize = 1 << 20;
+    weight_bytes > CACHED && weight_bytes.saturating_mul(blocks) > act_bytes.saturating_mul(pairs)
 }
 
 /// f32 to bf16 over a row.
@@ -195,6 +245,183 @@ fn narrow(src: &[f32], dst: &mut [u16]) {
 fn narrow_avx512(src: &[f32], dst: &mut [u16]) {
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = bf16(s);
+    }
+}
+
+/// A convolution's geometry, as the tile kernels see it: the input
+/// `[w, h, c, n]` held channels-last in bf16 with `pad` zeros around each
+/// image ([`Conv::nhwc`]), a `[kw, kh, c, oc]` kernel, dilation 1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Conv {
+    /// Input width, height, channels and images.
+    pub w: usize,
+    /// See `w`.
+    pub h: usize,
+    /// See `w`.
+    pub c: usize,
+    /// See `w`.
+    pub n: usize,
+    /// Output channels.
+    pub oc: usize,
+    /// Kernel width and height.
+    pub kw: usize,
+    /// See `kw`.
+    pub kh: usize,
+    /// Stride (both axes).
+    pub stride: usize,
+    /// Zero padding (both axes).
+    pub pad: usize,
+}
+
+impl Conv {
+    /// Output width.
+    pub fn ow(&self) -> usize {
+        (self.w + 2 * self.pad - self.kw) / self.stride + 1
+    }
+    /// Output height.
+    pub fn oh(&self) -> usize {
+        (self.h + 2 * self.pad - self.kh) / self.stride + 1
+    }
+    /// Channels padded to whole tile rows.
+    pub fn cp(&self) -> usize {
+        round_up(self.c, TILE_K)
+    }
+    /// Padded width of the channels-last copy.
+    pub fn wp(&self) -> usize {
+        self.w + 2 * self.pad
+    }
+    /// Rows per image of the channels-last copy: the padded height plus
+    /// slack rows, so that a block's last tile, which may run past its
+    /// output row (its results are dropped), still reads inside the copy.
+    pub fn hs(&self) -> usize {
+        let past = ROWS * self.stride + self.kw;
+        self.h + 2 * self.pad + past.div_ceil(self.wp()) + 1
+    }
+    /// bf16 elements of the channels-last copy: `[cp, wp, hs, n]`.
+    pub fn nhwc_ne(&self) -> [usize; 4] {
+        [self.cp(), self.wp(), self.hs(), self.n]
+    }
+    /// Elements (bf16) of the packed kernel: k runs over (ky, kx, channel).
+    pub fn packed_len(&self) -> usize {
+        packed_len(self.kh * self.kw * self.cp(), self.oc)
+    }
+
+    /// Packs the `[kw, kh, c, oc]` bf16 kernel (panels `ith, ith + nth,
+    /// …`).
+    pub fn pack(&self, kernel: &[u16], out: &mut [u16], ith: usize, nth: usize) {
+        let (cp, k) = (self.cp(), self.kh * self.kw * self.cp());
+        let taps = self.kh * self.kw;
+        pack_with(k, self.oc, out, ith, nth, |j, row| {
+            let src = &kernel[j * self.c * taps..(j + 1) * self.c * taps];
+            for (ch, per) in src.chunks_exact(taps).enumerate() {
+                for (t, &v) in per.iter().enumerate() {
+                    row[t * cp + ch] = v;
+                }
+            }
+        });
+    }
+
+    /// Writes rows `ith, ith + nth, …` (over images × [`Conv::hs`]) of
+    /// the channels-last copy of `input` (`input(n, ch, y)` is that row of
+    /// `w` f32), zero where padding or slack.
+    pub fn nhwc<'x>(
+        &self,
+        input: impl Fn(usize, usize, usize) -> &'x [f32],
+        out: &mut [u16],
+        ith: usize,
+        nth: usize,
+    ) {
+        let (cp, wp, hs) = (self.cp(), self.wp(), self.hs());
+        for row in (ith..self.n * hs).step_by(nth.max(1)) {
+            let (img, yy) = (row / hs, row % hs);
+            let dst = &mut out[row * wp * cp..(row + 1) * wp * cp];
+            dst.fill(0);
+            let Some(y) = yy.checked_sub(self.pad).filter(|&y| y < self.h) else {
+                continue;
+            };
+            for ch in 0..self.c {
+                let src = input(img, ch, y);
+                for (x, &v) in src.iter().enumerate().take(self.w) {
+                    dst[(x + self.pad) * cp + ch] = bf16(v);
+                }
+            }
+        }
+    }
+
+    /// The convolution of the channels-last copy `nhwc` by the packed
+    /// kernel, into `out` `[ow, oh, oc, n]` f32, for the blocks of 32
+    /// output pixels `ith, ith + nth, …`.
+    ///
+    /// With stride 1 a block runs over the padded width across output rows
+    /// (pixel `m` of an image reads from `m + ky·wp + kx`, one pixel apart
+    /// whatever the row), and the `2·pad` results per row that fall in the
+    /// padding are dropped: small images keep their tiles full. With a
+    /// larger stride a block is 32 pixels of one output row.
+    pub fn gemm(&self, packed: &[u16], nhwc: &[u16], out: &mut [f32], ith: usize, nth: usize) {
+        let (ow, oh, cp, wp, hs) = (self.ow(), self.oh(), self.cp(), self.wp(), self.hs());
+        assert!(nhwc.len() >= self.nhwc_ne().iter().product() && out.len() >= ow * oh * self.oc * self.n);
+        let kp = self.kh * self.kw * cp;
+        let np = round_up(self.oc, 2 * PANEL);
+        assert!(packed.len() >= kp * np);
+        let flat = self.stride == 1;
+        let per_image = match flat {
+            true => (oh * wp).div_ceil(ROWS),
+            false => oh * ow.div_ceil(ROWS),
+        };
+        let (blocks, pairs) = (self.n * per_image, np / (2 * PANEL));
+        let act = self.nhwc_ne().iter().product::<usize>() * 2;
+        let by_panel = panel_outer(kp * np * 2, blocks, act, pairs);
+        let mut c = [0f32; ROWS * 2 * PANEL];
+        // Output (oy, ox) of each of the block's rows, if it is one.
+        let mut at = [None; ROWS];
+        let tiles = Tiles::load();
+        let mut run = |block: usize, pair: usize| {
+            let (img, b) = (block / per_image, block % per_image);
+            // The block's first pixel in the image's copy, for tap (0, 0).
+            let first = if flat {
+                let m0 = b * ROWS;
+                for (r, v) in at.iter_mut().enumerate() {
+                    let (oy, ox) = ((m0 + r) / wp, (m0 + r) % wp);
+                    *v = (oy < oh && ox < ow).then_some((oy, ox));
+                }
+                m0
+            } else {
+                let xblocks = ow.div_ceil(ROWS);
+                let (oy, ox0) = (b / xblocks, (b % xblocks) * ROWS);
+                for (r, v) in at.iter_mut().enumerate() {
+                    *v = (ox0 + r < ow).then_some((oy, ox0 + r));
+                }
+                oy * self.stride * wp + ox0 * self.stride
+            };
+            let tap = |ky: usize, kx: usize| ((img * hs + ky) * wp + first + kx) * cp;
+            let p = pair * 2;
+            let b0 = &packed[p * kp * PANEL..(p + 1) * kp * PANEL];
+            let b1 = &packed[(p + 1) * kp * PANEL..(p + 2) * kp * PANEL];
+            tiles.conv_block(nhwc, self, &tap, b0, b1, &mut c);
+            let cols = (2 * PANEL).min(self.oc - p * PANEL);
+            for j in 0..cols {
+                let plane = (img * self.oc + p * PANEL + j) * oh * ow;
+                for (r, pos) in at.iter().enumerate() {
+                    if let Some((oy, ox)) = pos {
+                        out[plane + oy * ow + ox] = c[r * 2 * PANEL + j];
+                    }
+                }
+            }
+        };
+        if by_panel {
+            for pair in (ith..pairs).step_by(nth.max(1)) {
+                for block in 0..blocks {
+                    run(block, pair);
+                }
+            }
+        } else {
+            for block in (ith..blocks).step_by(nth.max(1)) {
+                for pair in 0..pairs {
+                    run(block, pair);
+                }
+            }
+        }
+        drop(tiles);
     }
 }
 
@@ -260,8 +487,82 @@ impl Tiles {
                     options(nostack, readonly)
                 );
             }
-            let cp = c.as_mut_ptr();
-            let row = 2 * PANEL * 4;
+        }
+        self.store(c);
+    }
+}
+
+impl Tiles {
+    /// `c[32 × 32]` = the 32 output pixels at `tap(ky, kx)` (rows `stride
+    /// · cp` apart in `nhwc`) times the packed panels `b0 b1`, summed over
+    /// the kernel's taps and channel blocks.
+    fn conv_block(
+        &self,
+        nhwc: &[u16],
+        conv: &Conv,
+        tap: &dyn Fn(usize, usize) -> usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32; ROWS * 2 * PANEL],
+    ) {
+        let cp = conv.cp();
+        let kp = conv.kh * conv.kw * cp;
+        let stride = conv.stride * cp * 2;
+        let last = tap(conv.kh - 1, conv.kw - 1) + (ROWS - 1) * conv.stride * cp + cp;
+        assert!(last <= nhwc.len() && b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
+        let second = PANEL * conv.stride * cp;
+        // SAFETY: the tiles are configured (`self`). Every A load reads 16
+        // rows of 64 bytes from a tap's first pixel on, rows `stride`
+        // bytes apart, the last ending at most at `last` (asserted inside
+        // `nhwc`; taps grow with ky, kx and channel blocks end at cp); B
+        // loads read 1 KiB tiles inside the panels (asserted); the stores
+        // write 16 rows of 64 bytes inside `c` (32 rows of 128 bytes).
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            let base = nhwc.as_ptr();
+            let mut kt = 0;
+            for ky in 0..conv.kh {
+                for kx in 0..conv.kw {
+                    let t = tap(ky, kx);
+                    for cb in (0..cp).step_by(TILE_K) {
+                        std::arch::asm!(
+                            "tileloadd tmm4, [{a0} + {s}*1]",
+                            "tileloadd tmm5, [{a1} + {s}*1]",
+                            "tileloadd tmm6, [{b0} + {t}*1]",
+                            "tileloadd tmm7, [{b1} + {t}*1]",
+                            "tdpbf16ps tmm0, tmm4, tmm6",
+                            "tdpbf16ps tmm1, tmm4, tmm7",
+                            "tdpbf16ps tmm2, tmm5, tmm6",
+                            "tdpbf16ps tmm3, tmm5, tmm7",
+                            a0 = in(reg) base.add(t + cb),
+                            a1 = in(reg) base.add(t + cb + second),
+                            b0 = in(reg) b0.as_ptr().add(kt),
+                            b1 = in(reg) b1.as_ptr().add(kt),
+                            s = in(reg) stride,
+                            t = in(reg) 64usize,
+                            options(nostack, readonly)
+                        );
+                        kt += TILE_K * PANEL;
+                    }
+                }
+            }
+        }
+        self.store(c);
+    }
+
+    /// Stores the four accumulators into `c` (32 rows of 32 f32).
+    fn store(&self, c: &mut [f32; ROWS * 2 * PANEL]) {
+        let cp = c.as_mut_ptr();
+        let row = 2 * PANEL * 4;
+        // SAFETY: each store writes 16 rows of 64 bytes, 128 bytes apart,
+        // from a quarter of `c` (32 × 32 f32 = 32 rows of 128 bytes).
+        unsafe {
             std::arch::asm!(
                 "tilestored [{c0} + {s}*1], tmm0",
                 "tilestored [{c1} + {s}*1], tmm1",
@@ -336,6 +637,104 @@ pub(crate) unsafe extern "C" fn gemm_op(
     }
 }
 
+/// The [`Conv`] of a kernel `k` and an input `x` (`[w, h, c, n]`), with
+/// stride and padding from a custom op's userdata ([`conv_userdata`]).
+///
+/// # Safety
+/// `k` and `x` point at live tensors.
+unsafe fn conv_of(k: *const sys::ggml_tensor, x: *const sys::ggml_tensor, ud: *mut c_void) -> Conv {
+    // SAFETY: live tensors (caller).
+    let (k, x) = unsafe { (&*k, &*x) };
+    let ud = ud as usize;
+    Conv {
+        w: x.ne[0] as usize,
+        h: x.ne[1] as usize,
+        c: x.ne[2] as usize,
+        n: x.ne[3] as usize,
+        oc: k.ne[3] as usize,
+        kw: k.ne[0] as usize,
+        kh: k.ne[1] as usize,
+        stride: ud >> 16,
+        pad: ud & 0xffff,
+    }
+}
+
+/// The userdata that carries a convolution's stride and padding (each
+/// below 2¹⁶, checked by the graph builder) to the custom ops.
+pub(crate) fn conv_userdata(stride: usize, pad: usize) -> *mut c_void {
+    ((stride << 16) | pad) as *mut c_void
+}
+
+/// Custom op: `dst` = [`Conv::pack`] of the kernel `src[0]` for the input
+/// `src[1]`.
+pub(crate) unsafe extern "C" fn conv_pack_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d` built this op: a contiguous bf16 kernel,
+    // an input whose shape fits it, and a destination of
+    // `Conv::packed_len` bf16, all in host memory.
+    unsafe {
+        let (k, x) = ((*dst).src[0], (*dst).src[1]);
+        let conv = conv_of(k, x, ud);
+        let kernel = std::slice::from_raw_parts((*k).data as *const u16, conv.kw * conv.kh * conv.c * conv.oc);
+        let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, conv.packed_len());
+        conv.pack(kernel, out, ith as usize, nth as usize);
+    }
+}
+
+/// Custom op: `dst` = [`Conv::nhwc`] of the f32 input `src[0]` (rows
+/// dense) for the kernel `src[1]`.
+pub(crate) unsafe extern "C" fn nhwc_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d` built this op: an f32 input with dense
+    // rows whose strides address every row, its kernel, and a contiguous
+    // bf16 destination of shape `Conv::nhwc_ne`.
+    unsafe {
+        let (x, k) = ((*dst).src[0], (*dst).src[1]);
+        let conv = conv_of(k, x, ud);
+        let (base, nb, w) = ((*x).data as *const u8, (*x).nb, conv.w);
+        let input = |img: usize, ch: usize, y: usize| -> &[f32] {
+            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
+            std::slice::from_raw_parts(p, w)
+        };
+        let len = conv.nhwc_ne().iter().product();
+        let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, len);
+        conv.nhwc(input, out, ith as usize, nth as usize);
+    }
+}
+
+/// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = [`Conv::gemm`]
+/// of the packed kernel `src[0]` and the channels-last copy `src[1]`;
+/// `src[2]` and `src[3]` are the kernel and input, for their shapes.
+pub(crate) unsafe extern "C" fn conv_gemm_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d` built this op from the two ops above for
+    // this kernel and input; the destination holds ow × oh × oc × n f32;
+    // threads write disjoint blocks of output pixels.
+    unsafe {
+        let conv = conv_of((*dst).src[2], (*dst).src[3], ud);
+        let packed = std::slice::from_raw_parts((*(*dst).src[0]).data as *const u16, conv.packed_len());
+        let len = conv.nhwc_ne().iter().product();
+        let nhwc = std::slice::from_raw_parts((*(*dst).src[1]).data as *const u16, len);
+        let out = std::slice::from_raw_parts_mut(
+            (*dst).data as *mut f32,
+            conv.ow() * conv.oh() * conv.oc * conv.n,
+        );
+        conv.gemm(packed, nhwc, out, ith as usize, nth as usize);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,7 +789,8 @@ mod tests {
             eprintln!("no AMX here: skipped");
             return;
         }
-        for (m, k, n) in [(1, 32, 16), (33, 70, 45), (64, 320, 64), (100, 36, 3)] {
+        // The last two pack more than 1 MiB for few rows: panel by panel.
+        for (m, k, n) in [(1, 32, 16), (33, 70, 45), (64, 320, 64), (100, 36, 3), (40, 1024, 600), (8, 2048, 300)] {
             let x = values(m * k, 1);
             let wf = values(n * k, 2);
             let w: Vec<u16> = wf.iter().map(|&v| bf16(v)).collect();
@@ -418,6 +818,66 @@ mod tests {
                         (got - want).abs() < 1e-4 * (1.0 + want.abs()),
                         "{m}x{k}x{n} [{i},{j}]: {got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn convolutions_match_a_reference() {
+        if !available() {
+            eprintln!("no AMX here: skipped");
+            return;
+        }
+        let cases = [
+            // w, h, c, n, oc, k, stride, pad
+            (9, 5, 3, 2, 5, 3, 1, 1),
+            (40, 3, 40, 1, 33, 3, 1, 1),
+            (17, 6, 8, 1, 16, 3, 2, 0),
+            (33, 2, 64, 2, 32, 1, 1, 0),
+            (8, 8, 4, 1, 7, 3, 2, 1),
+            // Over 1 MiB of packed kernel for few pixels: panel by panel.
+            (5, 4, 256, 2, 240, 3, 1, 1),
+            (6, 6, 300, 1, 200, 3, 2, 1),
+        ];
+        for (w, h, c, n, oc, k, stride, pad) in cases {
+            let conv = Conv { w, h, c, n, oc, kw: k, kh: k, stride, pad };
+            let x = values(w * h * c * n, 3);
+            let kf = values(k * k * c * oc, 4);
+            let kernel: Vec<u16> = kf.iter().map(|&v| bf16(v)).collect();
+            let mut packed = vec![0; conv.packed_len()];
+            let mut nhwc = vec![0xffff; conv.nhwc_ne().iter().product()];
+            for t in 0..2 {
+                conv.pack(&kernel, &mut packed, t, 2);
+                conv.nhwc(|i, ch, y| &x[((i * c + ch) * h + y) * w..][..w], &mut nhwc, t, 2);
+            }
+            let (ow, oh) = (conv.ow(), conv.oh());
+            let mut out = vec![f32::NAN; ow * oh * oc * n];
+            for t in 0..3 {
+                conv.gemm(&packed, &nhwc, &mut out, t, 3);
+            }
+            for i in 0..n {
+                for o in 0..oc {
+                    for oy in 0..oh {
+                        for ox in 0..ow {
+                            let mut want = 0f64;
+                            for ch in 0..c {
+                                for ky in 0..k {
+                                    for kx in 0..k {
+                                        let (iy, ix) = ((oy * stride + ky) as isize - pad as isize, (ox * stride + kx) as isize - pad as isize);
+                                        if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                            continue;
+                                        }
+                                        let xv = to_f32(bf16(x[((i * c + ch) * h + iy as usize) * w + ix as usize]));
+                                        let kv = to_f32(kernel[((o * c + ch) * k + ky) * k + kx]);
+                                        want += xv as f64 * kv as f64;
+                                    }
+                                }
+                            }
+                            let got = out[((i * oc + o) * oh + oy) * ow + ox] as f64;
+                            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{conv:?} [{i},{o},{oy},{ox}]: {got} vs {want}");
+                        }
+                    }
                 }
             }
         }

@@ -218,7 +218,7 @@ impl Context {
 
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,
     /// b.ne1]`). In an AMX context ([`Context::set_amx`]) a 2-D bf16 `a`
-    /// times an f32 `b` of at least [`crate::amx::ROWS`] rows runs on the
+    /// times an f32 `b` of at least [`crate::amx::MIN_ROWS`] rows runs on the
     /// tile unit (see [`crate::amx`]).
     pub fn mul_mat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
         check_mul_mat(&a, &b)?;
@@ -230,7 +230,7 @@ impl Context {
             && contiguous(&a)
             && x[2] == 1
             && x[3] == 1
-            && rows >= crate::amx::ROWS as i64
+            && rows >= *crate::amx::MIN_ROWS as i64
         {
             return self.mul_mat_amx(a, b);
         }
@@ -817,6 +817,19 @@ impl Context {
                 input.type_name()
             ));
         }
+        // Pixels out: the AMX path repacks the kernel in every evaluation,
+        // which pays for itself only over enough of them.
+        let pixels = ((x[0] + 2 * i64::from(pad) - k[0]) / i64::from(stride) + 1)
+            * ((x[1] + 2 * i64::from(pad) - k[1]) / i64::from(stride) + 1)
+            * x[3];
+        if self.amx.get()
+            && kernel.ty() == Some(Type::BF16)
+            && stride < 1 << 15
+            && pad < 1 << 15
+            && pixels >= *crate::amx::MIN_ROWS as i64
+        {
+            return self.conv_2d_amx(kernel, input, stride, pad);
+        }
         if kernel.ty() == Some(Type::BF16) {
             // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
             // kernel, which the CPU widens to f32: an f32 GEMM. With the
@@ -836,6 +849,70 @@ impl Context {
                 )
             },
             "ggml_conv_2d",
+        )
+    }
+
+    /// [`Context::conv_2d`] as the three custom ops of [`crate::amx`]:
+    /// packed kernel, channels-last bf16 input, implicit GEMM (no im2col).
+    /// The caller checked shapes and types (bf16 kernel, f32 input).
+    fn conv_2d_amx<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let (k, x) = (kernel.ne(), input.ne());
+        let ud = crate::amx::conv_userdata(stride as usize, pad as usize);
+        let conv = crate::amx::Conv {
+            w: x[0] as usize,
+            h: x[1] as usize,
+            c: x[2] as usize,
+            n: x[3] as usize,
+            oc: k[3] as usize,
+            kw: k[0] as usize,
+            kh: k[1] as usize,
+            stride: stride as usize,
+            pad: pad as usize,
+        };
+        let custom = |ty, ne: [usize; 4], args: &mut [*mut sys::ggml_tensor], f| {
+            // SAFETY: every argument is alive for 'a; `f` is one of the
+            // conv ops of `crate::amx`, which read the arguments in the
+            // order given here (shapes and types checked by conv_2d) and
+            // write `ne` elements of `ty`; room checked below.
+            self.wrap(
+                unsafe {
+                    sys::ggml_custom_4d(
+                        self.raw,
+                        ty,
+                        ne[0] as i64,
+                        ne[1] as i64,
+                        ne[2] as i64,
+                        ne[3] as i64,
+                        args.as_mut_ptr(),
+                        args.len() as i32,
+                        Some(f),
+                        sys::GGML_N_TASKS_MAX,
+                        ud,
+                    )
+                },
+                "ggml_custom_4d",
+            )
+        };
+        self.room(3)?;
+        let bf16 = sys::GGML_TYPE_BF16;
+        let packed = custom(
+            bf16,
+            [conv.packed_len(), 1, 1, 1],
+            &mut [kernel.raw, input.raw],
+            crate::amx::conv_pack_op,
+        )?;
+        let nhwc = custom(bf16, conv.nhwc_ne(), &mut [input.raw, kernel.raw], crate::amx::nhwc_op)?;
+        custom(
+            sys::GGML_TYPE_F32,
+            [conv.ow(), conv.oh(), conv.oc, conv.n],
+            &mut [packed.raw, nhwc.raw, kernel.raw, input.raw],
+            crate::amx::conv_gemm_op,
         )
     }
 
