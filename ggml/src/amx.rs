@@ -45,7 +45,10 @@ pub const ROWS: usize = 32;
 /// still beats ggml's bf16 kernels at the UNet's smallest levels (8 × 8
 /// latents). `SDHOST_AMX_MIN_ROWS` overrides it, for measurements.
 pub static MIN_ROWS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-    std::env::var("SDHOST_AMX_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(ROWS)
+    std::env::var("SDHOST_AMX_MIN_ROWS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(ROWS)
 });
 /// k per tile row (bf16 elements in 64 bytes).
 const TILE_K: usize = 32;
@@ -109,7 +112,9 @@ fn bf16(f: f32) -> u16 {
 /// Packs panels `ith, ith + nth, …` of the `[k, n]` row-major bf16
 /// weight `w` (row `j` = output `j`) into `out` ([`packed_len`]).
 pub fn pack(w: &[u16], k: usize, n: usize, out: &mut [u16], ith: usize, nth: usize) {
-    pack_with(k, n, out, ith, nth, |j, row| row[..k].copy_from_slice(&w[j * k..(j + 1) * k]));
+    pack_with(k, n, out, ith, nth, |j, row| {
+        row[..k].copy_from_slice(&w[j * k..(j + 1) * k])
+    });
 }
 
 /// [`pack`] of the `k × n` operand whose row for output `j` `fill(j, row)`
@@ -188,7 +193,7 @@ pub fn gemm(packed: &[u16], x: &Rows<'_>, n: usize, out: &mut [f32], ith: usize,
             let (r0, p) = (block * ROWS, pair * 2);
             let b0 = &packed[p * kp * PANEL..(p + 1) * kp * PANEL];
             let b1 = &packed[(p + 1) * kp * PANEL..(p + 2) * kp * PANEL];
-            tiles.block(a, kp, b0, b1, &mut c);
+            tiles.block(a, kp, kp, b0, b1, &mut c);
             let cols = (2 * PANEL).min(n - p * PANEL);
             for r in 0..ROWS.min(x.rows - r0) {
                 let o = (r0 + r) * n + p * PANEL;
@@ -197,7 +202,10 @@ pub fn gemm(packed: &[u16], x: &Rows<'_>, n: usize, out: &mut [f32], ith: usize,
         };
         if by_panel {
             for block in 0..blocks {
-                fill(&mut a[block * ROWS * kp..(block + 1) * ROWS * kp], block * ROWS);
+                fill(
+                    &mut a[block * ROWS * kp..(block + 1) * ROWS * kp],
+                    block * ROWS,
+                );
             }
             for pair in (ith..pairs).step_by(nth.max(1)) {
                 for block in 0..blocks {
@@ -359,7 +367,10 @@ impl Conv {
     /// larger stride a block is 32 pixels of one output row.
     pub fn gemm(&self, packed: &[u16], nhwc: &[u16], out: &mut [f32], ith: usize, nth: usize) {
         let (ow, oh, cp, wp, hs) = (self.ow(), self.oh(), self.cp(), self.wp(), self.hs());
-        assert!(nhwc.len() >= self.nhwc_ne().iter().product() && out.len() >= ow * oh * self.oc * self.n);
+        assert!(
+            nhwc.len() >= self.nhwc_ne().iter().product()
+                && out.len() >= ow * oh * self.oc * self.n
+        );
         let kp = self.kh * self.kw * cp;
         let np = round_up(self.oc, 2 * PANEL);
         assert!(packed.len() >= kp * np);
@@ -425,6 +436,202 @@ impl Conv {
     }
 }
 
+/// Multi-head attention `softmax(q·kᵀ·scale)·v` on the tile unit, with
+/// an online softmax over key chunks (no score matrix): `q` `[d·heads,
+/// t, n]`, `k` and `v` `[d·heads, s, n]`, all f32 in that layout (head
+/// `h` is the slice `h·d..(h+1)·d` of each row), result like `q`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Attn {
+    /// Head size.
+    pub d: usize,
+    /// Heads.
+    pub heads: usize,
+    /// Queries.
+    pub t: usize,
+    /// Keys.
+    pub s: usize,
+    /// Batch.
+    pub n: usize,
+    /// Applied to q·kᵀ.
+    pub scale: f32,
+}
+
+/// Where [`Attn::run`] puts its results: `(image, query, first column,
+/// values)`.
+pub type OutRow<'o> = dyn FnMut(usize, usize, usize, &[f32]) + 'o;
+
+/// Keys per softmax chunk.
+const CHUNK: usize = 256;
+
+impl Attn {
+    /// Runs this thread's share: (image, head) units `ith, ith + nth, …`
+    /// whole where there are at least `nth` units, else every unit with
+    /// the blocks of 32 queries `ith, ith + nth, …`. `q(i, j)`, `k(i, j)`
+    /// and `v(i, j)` are row `j` of image `i`; `out(i, j)` the output row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run<'x>(
+        &self,
+        q: &dyn Fn(usize, usize) -> &'x [f32],
+        k: &dyn Fn(usize, usize) -> &'x [f32],
+        v: &dyn Fn(usize, usize) -> &'x [f32],
+        out: &mut OutRow<'_>,
+        ith: usize,
+        nth: usize,
+    ) {
+        let nth = nth.max(1);
+        let (d, s) = (self.d, self.s);
+        let dp = round_up(d, TILE_K);
+        let sp = round_up(s, 2 * PANEL);
+        let units = self.n * self.heads;
+        let mut kpack = vec![0u16; packed_len(d, s)];
+        let mut vpack = vec![0u16; packed_len(s, d)];
+        let mut qa = vec![0u16; ROWS * dp];
+        let mut pa = vec![0u16; ROWS * CHUNK];
+        let mut sc = vec![0f32; ROWS * CHUNK];
+        let mut o = vec![0f32; ROWS * round_up(d, 2 * PANEL)];
+        let od = round_up(d, 2 * PANEL);
+        let mut c = [0f32; ROWS * 2 * PANEL];
+        let qblocks = self.t.div_ceil(ROWS);
+        let tiles = Tiles::load();
+        for unit in 0..units {
+            let whole = units >= nth;
+            if whole && unit % nth != ith {
+                continue;
+            }
+            let (img, h) = (unit / self.heads, unit % self.heads);
+            let col = h * d..(h + 1) * d;
+            pack_with(d, s, &mut kpack, 0, 1, |j, row| {
+                narrow(&k(img, j)[col.clone()], &mut row[..d]);
+            });
+            pack_with(s, d, &mut vpack, 0, 1, |j, row| {
+                for (key, r) in row[..s].iter_mut().enumerate() {
+                    *r = bf16(v(img, key)[h * d + j]);
+                }
+            });
+            let (first, step) = if whole { (0, 1) } else { (ith, nth) };
+            for qb in (first..qblocks).step_by(step) {
+                let t0 = qb * ROWS;
+                let valid = ROWS.min(self.t - t0);
+                for (r, row) in qa.chunks_exact_mut(dp).enumerate() {
+                    row.fill(0);
+                    if r < valid {
+                        for (x, &y) in row.iter_mut().zip(&q(img, t0 + r)[col.clone()]) {
+                            *x = bf16(y * self.scale);
+                        }
+                    }
+                }
+                let mut max = [f32::NEG_INFINITY; ROWS];
+                let mut sum = [0f32; ROWS];
+                o.fill(0.0);
+                for k0 in (0..sp).step_by(CHUNK) {
+                    let len = CHUNK.min(sp - k0);
+                    // Scores of the chunk, 32 keys at a time.
+                    for kb in (0..len).step_by(2 * PANEL) {
+                        let p = (k0 + kb) / PANEL;
+                        let b0 = &kpack[p * dp * PANEL..(p + 1) * dp * PANEL];
+                        let b1 = &kpack[(p + 1) * dp * PANEL..(p + 2) * dp * PANEL];
+                        tiles.block(&qa, dp, dp, b0, b1, &mut c);
+                        for r in 0..ROWS {
+                            sc[r * CHUNK + kb..r * CHUNK + kb + 2 * PANEL]
+                                .copy_from_slice(&c[r * 2 * PANEL..(r + 1) * 2 * PANEL]);
+                        }
+                    }
+                    let keys = len.min(s.saturating_sub(k0));
+                    for r in 0..ROWS {
+                        let row = &mut sc[r * CHUNK..r * CHUNK + len];
+                        let m = row[..keys].iter().fold(max[r], |a, &b| a.max(b));
+                        let factor = exp(max[r] - m);
+                        max[r] = m;
+                        let total = exp_shifted(&mut row[..keys], m);
+                        sum[r] = sum[r] * factor + total;
+                        if factor != 1.0 {
+                            for x in &mut o[r * od..(r + 1) * od] {
+                                *x *= factor;
+                            }
+                        }
+                        let pr = &mut pa[r * CHUNK..r * CHUNK + len];
+                        narrow(&row[..keys], &mut pr[..keys]);
+                        pr[keys..].fill(0);
+                    }
+                    // o += p · v over the chunk, 32 outputs at a time.
+                    for db in (0..od).step_by(2 * PANEL) {
+                        let p = db / PANEL;
+                        let kv = round_up(s, TILE_K);
+                        let at = k0 * PANEL;
+                        let b0 = &vpack[p * kv * PANEL + at..(p + 1) * kv * PANEL];
+                        let b1 = &vpack[(p + 1) * kv * PANEL + at..(p + 2) * kv * PANEL];
+                        let len = len.min(kv - k0);
+                        tiles.block(&pa, CHUNK, len, b0, b1, &mut c);
+                        for r in 0..ROWS {
+                            let dst = &mut o[r * od + db..r * od + db + 2 * PANEL];
+                            for (x, &y) in
+                                dst.iter_mut().zip(&c[r * 2 * PANEL..(r + 1) * 2 * PANEL])
+                            {
+                                *x += y;
+                            }
+                        }
+                    }
+                }
+                for r in 0..valid {
+                    let row = &mut o[r * od..r * od + d];
+                    let inv = 1.0 / sum[r];
+                    for x in row.iter_mut() {
+                        *x *= inv;
+                    }
+                    out(img, t0 + r, h * d, row);
+                }
+            }
+        }
+        drop(tiles);
+    }
+}
+
+/// `e^x` (f32, relative error below 1e-5 over the range softmax uses).
+#[inline(always)]
+fn exp(x: f32) -> f32 {
+    // 2^(x·log2 e) = 2^i · 2^f with f in [-0.5, 0.5], a degree-6
+    // polynomial for 2^f; below -87 the result is 0.
+    let x = x.max(-87.0);
+    let y = x * std::f32::consts::LOG2_E;
+    let i = y.round_ties_even();
+    let f = y - i;
+    let p = 1.535_336_2e-4f32;
+    let p = p.mul_add(f, 1.339_887_4e-3);
+    let p = p.mul_add(f, 9.618_437e-3);
+    let p = p.mul_add(f, 5.550_332_6e-2);
+    let p = p.mul_add(f, 2.402_264_6e-1);
+    let p = p.mul_add(f, 6.931_472e-1);
+    let p = p.mul_add(f, 1.0);
+    f32::from_bits(p.to_bits().wrapping_add(((i as i32) << 23) as u32))
+}
+
+/// `row[j] = e^(row[j] − m)`; returns their sum.
+fn exp_shifted(row: &mut [f32], m: f32) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the processor has AVX-512F (checked just above).
+        return unsafe { exp_shifted_avx512(row, m) };
+    }
+    row.iter_mut().fold(0.0, |acc, x| {
+        *x = exp(*x - m);
+        acc + *x
+    })
+}
+
+/// [`exp_shifted`] compiled for AVX-512 (the loop vectorizes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn exp_shifted_avx512(row: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0f32; 16];
+    for chunk in row.chunks_mut(16) {
+        for (a, x) in acc.iter_mut().zip(chunk.iter_mut()) {
+            *x = exp(*x - m);
+            *a += *x;
+        }
+    }
+    acc.iter().sum()
+}
+
 /// The tile configuration of this thread, held for the life of the value:
 /// eight tiles of 16 rows × 64 bytes (palette 1).
 struct Tiles(());
@@ -448,17 +655,26 @@ impl Tiles {
         Tiles(())
     }
 
-    /// `c[32 × 32] = a[32 rows of kp] · [b0 b1]` (each panel `kp × 16`,
-    /// packed), in f32.
-    fn block(&self, a: &[u16], kp: usize, b0: &[u16], b1: &[u16], c: &mut [f32; ROWS * 2 * PANEL]) {
-        assert!(a.len() >= ROWS * kp && b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
-        let stride = kp * 2;
-        let (a0, a1) = (a.as_ptr(), a[PANEL * kp..].as_ptr());
-        // SAFETY: the tiles are configured (`self`); every load reads 16
-        // rows of 64 bytes inside `a` (rows of `kp` bf16, `kp` a multiple
-        // of 32, 32 rows asserted) or inside a panel (kp × 16 bf16 =
-        // kp/32 tiles of 1 KiB, asserted); the stores write 16 rows of 64
-        // bytes inside `c` (32 rows of 128 bytes).
+    /// `c[32 × 32] = a[32 rows of kp, lda apart] · [b0 b1]` (each panel
+    /// `kp × 16`, packed), in f32.
+    fn block(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32; ROWS * 2 * PANEL],
+    ) {
+        assert!(kp.is_multiple_of(TILE_K) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
+        assert!(b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
+        let stride = lda * 2;
+        let (a0, a1) = (a.as_ptr(), a[PANEL * lda..].as_ptr());
+        // SAFETY: the tiles are configured (`self`); every A load reads 16
+        // rows of 64 bytes, `lda` bf16 apart, at k < kp (a multiple of 32):
+        // the last ends at (31·lda + kp) bf16, inside `a` (asserted); B
+        // loads read 1 KiB tiles inside the panels (kp × 16 bf16 each,
+        // asserted).
         unsafe {
             std::arch::asm!(
                 "tilezero tmm0",
@@ -679,7 +895,10 @@ pub(crate) unsafe extern "C" fn conv_pack_op(
     unsafe {
         let (k, x) = ((*dst).src[0], (*dst).src[1]);
         let conv = conv_of(k, x, ud);
-        let kernel = std::slice::from_raw_parts((*k).data as *const u16, conv.kw * conv.kh * conv.c * conv.oc);
+        let kernel = std::slice::from_raw_parts(
+            (*k).data as *const u16,
+            conv.kw * conv.kh * conv.c * conv.oc,
+        );
         let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, conv.packed_len());
         conv.pack(kernel, out, ith as usize, nth as usize);
     }
@@ -724,7 +943,8 @@ pub(crate) unsafe extern "C" fn conv_gemm_op(
     // threads write disjoint blocks of output pixels.
     unsafe {
         let conv = conv_of((*dst).src[2], (*dst).src[3], ud);
-        let packed = std::slice::from_raw_parts((*(*dst).src[0]).data as *const u16, conv.packed_len());
+        let packed =
+            std::slice::from_raw_parts((*(*dst).src[0]).data as *const u16, conv.packed_len());
         let len = conv.nhwc_ne().iter().product();
         let nhwc = std::slice::from_raw_parts((*(*dst).src[1]).data as *const u16, len);
         let out = std::slice::from_raw_parts_mut(
@@ -732,6 +952,53 @@ pub(crate) unsafe extern "C" fn conv_gemm_op(
             conv.ow() * conv.oh() * conv.oc * conv.n,
         );
         conv.gemm(packed, nhwc, out, ith as usize, nth as usize);
+    }
+}
+
+/// The userdata that carries attention's heads (below 2³², checked by
+/// the graph builder) and scale to [`attn_op`].
+pub(crate) fn attn_userdata(heads: usize, scale: f32) -> *mut c_void {
+    ((heads << 32) | scale.to_bits() as usize) as *mut c_void
+}
+
+/// Custom op: `dst` (f32 `[d·heads, t, n]`, contiguous) = [`Attn::run`]
+/// of `src[0..3]` (q, k, v: f32, rows dense).
+pub(crate) unsafe extern "C" fn attn_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::attention_amx` built this op: q `[d·heads, t, n]`,
+    // k and v `[d·heads, s, n]`, f32 with dense rows whose strides address
+    // every row, and a contiguous f32 destination shaped like q. Threads
+    // write disjoint (image, head, query block) parts.
+    unsafe {
+        let (q, k, v) = (&*(*dst).src[0], &*(*dst).src[1], &*(*dst).src[2]);
+        let ud = ud as usize;
+        let heads = ud >> 32;
+        let inner = q.ne[0] as usize;
+        let attn = Attn {
+            d: inner / heads,
+            heads,
+            t: q.ne[1] as usize,
+            s: k.ne[1] as usize,
+            n: q.ne[2] as usize,
+            scale: f32::from_bits(ud as u32),
+        };
+        let rows = |x: &sys::ggml_tensor| {
+            let (base, nb) = (x.data as *const u8, x.nb);
+            move |i: usize, j: usize| -> &[f32] {
+                std::slice::from_raw_parts(base.add(i * nb[2] + j * nb[1]) as *const f32, inner)
+            }
+        };
+        let (qr, kr, vr) = (rows(q), rows(k), rows(v));
+        let (out, t) = ((*dst).data as *mut f32, attn.t);
+        let mut write = |i: usize, j: usize, at: usize, row: &[f32]| {
+            let dst = std::slice::from_raw_parts_mut(out.add((i * t + j) * inner + at), row.len());
+            dst.copy_from_slice(row);
+        };
+        attn.run(&qr, &kr, &vr, &mut write, ith as usize, nth as usize);
     }
 }
 
@@ -790,7 +1057,14 @@ mod tests {
             return;
         }
         // The last two pack more than 1 MiB for few rows: panel by panel.
-        for (m, k, n) in [(1, 32, 16), (33, 70, 45), (64, 320, 64), (100, 36, 3), (40, 1024, 600), (8, 2048, 300)] {
+        for (m, k, n) in [
+            (1, 32, 16),
+            (33, 70, 45),
+            (64, 320, 64),
+            (100, 36, 3),
+            (40, 1024, 600),
+            (8, 2048, 300),
+        ] {
             let x = values(m * k, 1);
             let wf = values(n * k, 2);
             let w: Vec<u16> = wf.iter().map(|&v| bf16(v)).collect();
@@ -841,7 +1115,17 @@ mod tests {
             (6, 6, 300, 1, 200, 3, 2, 1),
         ];
         for (w, h, c, n, oc, k, stride, pad) in cases {
-            let conv = Conv { w, h, c, n, oc, kw: k, kh: k, stride, pad };
+            let conv = Conv {
+                w,
+                h,
+                c,
+                n,
+                oc,
+                kw: k,
+                kh: k,
+                stride,
+                pad,
+            };
             let x = values(w * h * c * n, 3);
             let kf = values(k * k * c * oc, 4);
             let kernel: Vec<u16> = kf.iter().map(|&v| bf16(v)).collect();
@@ -849,7 +1133,12 @@ mod tests {
             let mut nhwc = vec![0xffff; conv.nhwc_ne().iter().product()];
             for t in 0..2 {
                 conv.pack(&kernel, &mut packed, t, 2);
-                conv.nhwc(|i, ch, y| &x[((i * c + ch) * h + y) * w..][..w], &mut nhwc, t, 2);
+                conv.nhwc(
+                    |i, ch, y| &x[((i * c + ch) * h + y) * w..][..w],
+                    &mut nhwc,
+                    t,
+                    2,
+                );
             }
             let (ow, oh) = (conv.ow(), conv.oh());
             let mut out = vec![f32::NAN; ow * oh * oc * n];
@@ -864,18 +1153,110 @@ mod tests {
                             for ch in 0..c {
                                 for ky in 0..k {
                                     for kx in 0..k {
-                                        let (iy, ix) = ((oy * stride + ky) as isize - pad as isize, (ox * stride + kx) as isize - pad as isize);
-                                        if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                        let (iy, ix) = (
+                                            (oy * stride + ky) as isize - pad as isize,
+                                            (ox * stride + kx) as isize - pad as isize,
+                                        );
+                                        if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize
+                                        {
                                             continue;
                                         }
-                                        let xv = to_f32(bf16(x[((i * c + ch) * h + iy as usize) * w + ix as usize]));
+                                        let xv = to_f32(bf16(
+                                            x[((i * c + ch) * h + iy as usize) * w + ix as usize],
+                                        ));
                                         let kv = to_f32(kernel[((o * c + ch) * k + ky) * k + kx]);
                                         want += xv as f64 * kv as f64;
                                     }
                                 }
                             }
                             let got = out[((i * oc + o) * oh + oy) * ow + ox] as f64;
-                            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{conv:?} [{i},{o},{oy},{ox}]: {got} vs {want}");
+                            assert!(
+                                (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                                "{conv:?} [{i},{o},{oy},{ox}]: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn exp_is_close_to_std() {
+        for i in 0..2000 {
+            let x = -(i as f32) * 0.05;
+            let (got, want) = (exp(x), x.exp());
+            assert!(
+                (got - want).abs() <= 1e-5 * want + 1e-37,
+                "exp({x}) = {got}, want {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn attention_matches_a_reference() {
+        if !available() {
+            eprintln!("no AMX here: skipped");
+            return;
+        }
+        for (d, heads, t, s, n) in [
+            (40, 2, 33, 300, 2),
+            (64, 1, 70, 20, 1),
+            (8, 3, 5, 1, 1),
+            (160, 1, 32, 600, 1),
+        ] {
+            let inner = d * heads;
+            let scale = 1.0 / (d as f32).sqrt();
+            let q = values(inner * t * n, 5);
+            let k = values(inner * s * n, 6);
+            let v = values(inner * s * n, 7);
+            let attn = Attn {
+                d,
+                heads,
+                t,
+                s,
+                n,
+                scale,
+            };
+            let mut out = vec![f32::NAN; inner * t * n];
+            for th in 0..3 {
+                let qr = |i: usize, j: usize| &q[(i * t + j) * inner..][..inner];
+                let kr = |i: usize, j: usize| &k[(i * s + j) * inner..][..inner];
+                let vr = |i: usize, j: usize| &v[(i * s + j) * inner..][..inner];
+                let mut w = |i: usize, j: usize, at: usize, row: &[f32]| {
+                    out[(i * t + j) * inner + at..][..row.len()].copy_from_slice(row)
+                };
+                attn.run(&qr, &kr, &vr, &mut w, th, 3);
+            }
+            let r = |x: f32| to_f32(bf16(x)) as f64;
+            for i in 0..n {
+                for h in 0..heads {
+                    for j in 0..t {
+                        let qrow = &q[(i * t + j) * inner + h * d..][..d];
+                        let scores: Vec<f64> = (0..s)
+                            .map(|key| {
+                                let krow = &k[(i * s + key) * inner + h * d..][..d];
+                                qrow.iter()
+                                    .zip(krow)
+                                    .map(|(&a, &b)| r(a * scale) * r(b))
+                                    .sum()
+                            })
+                            .collect();
+                        let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                        let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                        let total: f64 = e.iter().sum();
+                        for c in 0..d {
+                            let want: f64 = (0..s)
+                                .map(|key| {
+                                    e[key] / total * v[(i * s + key) * inner + h * d + c] as f64
+                                })
+                                .sum();
+                            let got = out[(i * t + j) * inner + h * d + c] as f64;
+                            // p and v are rounded to bf16: 2⁻⁸ relative each.
+                            assert!(
+                                (got - want).abs() < 1e-2,
+                                "{d}/{heads}/{t}/{s}/{n} [{i},{h},{j},{c}]: {got} vs {want}"
+                            );
                         }
                     }
                 }

@@ -907,7 +907,12 @@ impl Context {
             &mut [kernel.raw, input.raw],
             crate::amx::conv_pack_op,
         )?;
-        let nhwc = custom(bf16, conv.nhwc_ne(), &mut [input.raw, kernel.raw], crate::amx::nhwc_op)?;
+        let nhwc = custom(
+            bf16,
+            conv.nhwc_ne(),
+            &mut [input.raw, kernel.raw],
+            crate::amx::nhwc_op,
+        )?;
         custom(
             sys::GGML_TYPE_F32,
             [conv.ow(), conv.oh(), conv.oc, conv.n],
@@ -1084,6 +1089,68 @@ impl Context {
         self.wrap(
             unsafe { sys::ggml_permute(self.raw, a.raw, axes[0], axes[1], axes[2], axes[3]) },
             "ggml_permute",
+        )
+    }
+
+    /// Whether [`Context::set_amx`] turned the AMX kernels on here.
+    pub fn amx(&self) -> bool {
+        self.amx.get()
+    }
+
+    /// Multi-head attention `softmax(q·kᵀ·scale)·v` on the tile unit (see
+    /// [`crate::amx::Attn`]), in an AMX context ([`Context::set_amx`]):
+    /// `q` `[D·H, T, N]`, `k` and `v` `[D·H, S, N]`, f32 with dense rows;
+    /// the result is `[D·H, T, N]` with the heads merged.
+    pub fn attention_amx<'a>(
+        &'a self,
+        q: Tensor<'a>,
+        k: Tensor<'a>,
+        v: Tensor<'a>,
+        heads: i64,
+        scale: f32,
+    ) -> Result<Tensor<'a>> {
+        let (x, y, z) = (q.ne(), k.ne(), v.ne());
+        let f32s = [&q, &k, &v]
+            .iter()
+            .all(|t| t.ty() == Some(Type::F32) && dense_rows(t));
+        if !self.amx.get()
+            || !f32s
+            || heads <= 0
+            || heads >= 1 << 31
+            || x[0] % heads != 0
+            || y != z
+            || x[0] != y[0]
+            || x[2] != y[2]
+            || x[3] != 1
+            || y[3] != 1
+            || !scale.is_finite()
+        {
+            return invalid(format!(
+                "AMX attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, an AMX context)"
+            ));
+        }
+        self.room(1)?;
+        let mut args = [q.raw, k.raw, v.raw];
+        // SAFETY: the three are alive for 'a, f32 with dense rows and the
+        // shapes `attn_op` reads (checked above); the result is contiguous
+        // f32 shaped like q, which it writes; room checked.
+        self.wrap(
+            unsafe {
+                sys::ggml_custom_4d(
+                    self.raw,
+                    sys::GGML_TYPE_F32,
+                    x[0],
+                    x[1],
+                    x[2],
+                    1,
+                    args.as_mut_ptr(),
+                    3,
+                    Some(crate::amx::attn_op),
+                    sys::GGML_N_TASKS_MAX,
+                    crate::amx::attn_userdata(heads as usize, scale),
+                )
+            },
+            "ggml_custom_4d",
         )
     }
 

@@ -10,6 +10,7 @@
 
 mod common;
 use common::*;
+use sdhost_models::blocks::nn::GraphOptions;
 use sdhost_models::blocks::unet::UnetInput;
 use sdhost_models::blocks::vae;
 use sdhost_models::module::WeightPolicy;
@@ -126,8 +127,21 @@ fn typed_modules_match_references(
     tol: f32,
     ty: Option<ggml::Type>,
 ) {
+    typed_modules_match_references_with(fx, runtime, params, tol, ty, GraphOptions::default())
+}
+
+/// [`typed_modules_match_references`] with graph options `opts`.
+fn typed_modules_match_references_with(
+    fx: Fixture,
+    runtime: &str,
+    params: &str,
+    tol: f32,
+    ty: Option<ggml::Type>,
+    opts: GraphOptions,
+) {
     let r = refs(fx);
-    let label = ty.map_or(String::new(), |t| format!(" {}", t.name()));
+    let label =
+        ty.map_or(String::new(), |t| format!(" {}", t.name())) + if opts.amx { " amx" } else { "" };
     let assert_close = |what: &str, got: &[f32], want: &[f32], t: f32| {
         assert_close(
             &format!("{}{label} {runtime}/{params} {what}", fx.name),
@@ -142,6 +156,7 @@ fn typed_modules_match_references(
         vae: ty,
     };
     with_typed_pipeline(fx, runtime, params, WeightPolicy::Free, types, |sd| {
+        sd.set_options(opts);
         assert_eq!(sd.matrix_types(), types);
         // Text encoders: our tokenizer gives the reference ids, and the
         // hidden states (and pooled output) match for three prompts.
@@ -275,7 +290,10 @@ fn weight_copies_follow_the_policy() {
 fn flash_attention_matches_references_on_cpu() {
     let r = refs(SD1);
     with_sd("cpu", "cpu", WeightPolicy::Free, |sd| {
-        sd.set_options(sdhost_models::blocks::nn::GraphOptions { flash_attn: true });
+        sd.set_options(sdhost_models::blocks::nn::GraphOptions {
+            flash_attn: true,
+            amx: false,
+        });
         unet_and_vae_match(SD1, sd, &r, &assert_close, "flash ");
     });
 }
@@ -289,6 +307,30 @@ fn compute_types_match_references_on_cpu() {
     typed_modules_match_references(SD1, "cpu", "cpu", 1.0, Some(ggml::Type::F16));
     typed_modules_match_references(SD1, "cpu", "cpu", BF16_TOLERANCE, Some(ggml::Type::BF16));
     typed_modules_match_references(SDXL, "cpu", "cpu", BF16_TOLERANCE, Some(ggml::Type::BF16));
+}
+
+/// bf16 through sdhost's AMX kernels (matrix products, implicit-GEMM
+/// convolutions, fused attention) keeps bf16's tolerances; where the
+/// processor has no AMX the same graphs use ggml's kernels.
+#[test]
+fn amx_kernels_match_references_on_cpu() {
+    if !ggml::amx::available() {
+        eprintln!("no AMX on this processor: ggml's kernels (tested above)");
+    }
+    let opts = GraphOptions {
+        flash_attn: true,
+        amx: true,
+    };
+    for fx in [SD1, SDXL] {
+        typed_modules_match_references_with(
+            fx,
+            "cpu",
+            "cpu",
+            BF16_TOLERANCE,
+            Some(ggml::Type::BF16),
+            opts,
+        );
+    }
 }
 
 /// bf16's tolerances, as multiples of the CPU's (docs/models.md).

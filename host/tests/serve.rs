@@ -1467,7 +1467,10 @@ fn overhead_over_the_library() {
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
     // As the server's `--flash-attn auto` on the CPU.
     for module in [&mut sd.te, &mut sd.unet, &mut sd.vae] {
-        module.set_options(sdhost_models::blocks::nn::GraphOptions { flash_attn: true });
+        module.set_options(sdhost_models::blocks::nn::GraphOptions {
+            flash_attn: true,
+            amx: true,
+        });
     }
     let serve = || {
         let t = Instant::now();

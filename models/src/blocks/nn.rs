@@ -377,6 +377,14 @@ pub fn attention<'a>(
     }
     let d = inner / heads;
     let scale = 1.0 / (d as f32).sqrt();
+    if flash && !causal && c.amx() {
+        // The tile unit's fused attention reads the heads in place.
+        let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
+            true => Ok(x),
+            false => c.cont(x),
+        };
+        return Ok(c.attention_amx(dense(q)?, dense(k)?, dense(v)?, heads, scale)?);
+    }
     // [D, H, T, N] → [D, T, H, N]
     let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
     if flash && !causal {
