@@ -347,11 +347,19 @@ impl Conv {
             let Some(y) = yy.checked_sub(self.pad).filter(|&y| y < self.h) else {
                 continue;
             };
-            for ch in 0..self.c {
-                let src = input(img, ch, y);
-                for (x, &v) in src.iter().enumerate().take(self.w) {
-                    dst[(x + self.pad) * cp + ch] = bf16(v);
+            // 16 pixels at a time through a small buffer, so that the
+            // transposition's scattered writes stay in the L1 cache.
+            let mut tile = vec![0u16; 16 * cp];
+            for x0 in (0..self.w).step_by(16) {
+                let len = 16.min(self.w - x0);
+                for ch in 0..self.c {
+                    let src = &input(img, ch, y)[x0..x0 + len];
+                    for (xx, &v) in src.iter().enumerate() {
+                        tile[xx * cp + ch] = bf16(v);
+                    }
                 }
+                let at = (x0 + self.pad) * cp;
+                dst[at..at + len * cp].copy_from_slice(&tile[..len * cp]);
             }
         }
     }
@@ -593,7 +601,12 @@ fn exp(x: f32) -> f32 {
     // polynomial for 2^f; below -87 the result is 0.
     let x = x.max(-87.0);
     let y = x * std::f32::consts::LOG2_E;
-    let i = y.round_ties_even();
+    // Rounds y to an integer in float arithmetic (1.5·2²³ leaves no
+    // fraction bits); the integer is then in the sum's low mantissa bits,
+    // so no float-to-int conversion stops the loop from vectorizing.
+    const MAGIC: f32 = 12_582_912.0;
+    let t = y + MAGIC;
+    let i = t - MAGIC;
     let f = y - i;
     let p = 1.535_336_2e-4f32;
     let p = p.mul_add(f, 1.339_887_4e-3);
@@ -602,7 +615,8 @@ fn exp(x: f32) -> f32 {
     let p = p.mul_add(f, 2.402_264_6e-1);
     let p = p.mul_add(f, 6.931_472e-1);
     let p = p.mul_add(f, 1.0);
-    f32::from_bits(p.to_bits().wrapping_add(((i as i32) << 23) as u32))
+    let shift = t.to_bits().wrapping_sub(MAGIC.to_bits()) << 23;
+    f32::from_bits(p.to_bits().wrapping_add(shift))
 }
 
 /// `row[j] = e^(row[j] − m)`; returns their sum.
