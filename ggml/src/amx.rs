@@ -373,7 +373,16 @@ impl Conv {
     /// whatever the row), and the `2·pad` results per row that fall in the
     /// padding are dropped: small images keep their tiles full. With a
     /// larger stride a block is 32 pixels of one output row.
-    pub fn gemm(&self, packed: &[u16], nhwc: &[u16], out: &mut [f32], ith: usize, nth: usize) {
+    pub fn gemm(
+        &self,
+        packed: &[u16],
+        nhwc: &[u16],
+        bias: Option<&[f32]>,
+        out: &mut [f32],
+        ith: usize,
+        nth: usize,
+    ) {
+        assert!(bias.is_none_or(|b| b.len() >= self.oc));
         let (ow, oh, cp, wp, hs) = (self.ow(), self.oh(), self.cp(), self.wp(), self.hs());
         assert!(
             nhwc.len() >= self.nhwc_ne().iter().product()
@@ -420,9 +429,10 @@ impl Conv {
             let cols = (2 * PANEL).min(self.oc - p * PANEL);
             for j in 0..cols {
                 let plane = (img * self.oc + p * PANEL + j) * oh * ow;
+                let add = bias.map_or(0.0, |b| b[p * PANEL + j]);
                 for (r, pos) in at.iter().enumerate() {
                     if let Some((oy, ox)) = pos {
-                        out[plane + oy * ow + ox] = c[r * 2 * PANEL + j];
+                        out[plane + oy * ow + ox] = c[r * 2 * PANEL + j] + add;
                     }
                 }
             }
@@ -945,7 +955,8 @@ pub(crate) unsafe extern "C" fn nhwc_op(
 
 /// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = [`Conv::gemm`]
 /// of the packed kernel `src[0]` and the channels-last copy `src[1]`;
-/// `src[2]` and `src[3]` are the kernel and input, for their shapes.
+/// `src[2]` and `src[3]` are the kernel and input, for their shapes, and
+/// `src[4]`, if any, an f32 bias of `oc` values added to each output.
 pub(crate) unsafe extern "C" fn conv_gemm_op(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -965,7 +976,10 @@ pub(crate) unsafe extern "C" fn conv_gemm_op(
             (*dst).data as *mut f32,
             conv.ow() * conv.oh() * conv.oc * conv.n,
         );
-        conv.gemm(packed, nhwc, out, ith as usize, nth as usize);
+        let bias = ((*dst).src[4] as *const sys::ggml_tensor)
+            .as_ref()
+            .map(|b| std::slice::from_raw_parts(b.data as *const f32, conv.oc));
+        conv.gemm(packed, nhwc, bias, out, ith as usize, nth as usize);
     }
 }
 
@@ -1143,6 +1157,8 @@ mod tests {
             let x = values(w * h * c * n, 3);
             let kf = values(k * k * c * oc, 4);
             let kernel: Vec<u16> = kf.iter().map(|&v| bf16(v)).collect();
+            // Every other case with a bias.
+            let bias = (oc % 2 == 1).then(|| values(oc, 8));
             let mut packed = vec![0; conv.packed_len()];
             let mut nhwc = vec![0xffff; conv.nhwc_ne().iter().product()];
             for t in 0..2 {
@@ -1157,13 +1173,13 @@ mod tests {
             let (ow, oh) = (conv.ow(), conv.oh());
             let mut out = vec![f32::NAN; ow * oh * oc * n];
             for t in 0..3 {
-                conv.gemm(&packed, &nhwc, &mut out, t, 3);
+                conv.gemm(&packed, &nhwc, bias.as_deref(), &mut out, t, 3);
             }
             for i in 0..n {
                 for o in 0..oc {
                     for oy in 0..oh {
                         for ox in 0..ow {
-                            let mut want = 0f64;
+                            let mut want = bias.as_ref().map_or(0.0, |b| b[o] as f64);
                             for ch in 0..c {
                                 for ky in 0..k {
                                     for kx in 0..k {

@@ -798,6 +798,20 @@ impl Context {
         stride: i32,
         pad: i32,
     ) -> Result<Tensor<'a>> {
+        Ok(self.conv_2d_impl(kernel, input, None, stride, pad)?.0)
+    }
+
+    /// [`Context::conv_2d`], with `bias` added inside the convolution
+    /// where the AMX path takes it (then the flag is true; the caller adds
+    /// it otherwise).
+    fn conv_2d_impl<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<(Tensor<'a>, bool)> {
         let (k, x) = (kernel.ne(), input.ne());
         // ggml's output size, (in + 2·pad − k)/stride + 1, must be positive
         // with a kernel that fits the padded input.
@@ -828,14 +842,16 @@ impl Context {
             && pad < 1 << 15
             && pixels >= *crate::amx::MIN_ROWS as i64
         {
-            return self.conv_2d_amx(kernel, input, stride, pad);
+            let added = bias.is_some();
+            return Ok((self.conv_2d_amx(kernel, input, bias, stride, pad)?, added));
         }
         if kernel.ty() == Some(Type::BF16) {
             // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
             // kernel, which the CPU widens to f32: an f32 GEMM. With the
             // kernel as src0 the columns are narrowed to bf16 instead and
             // the GEMM runs on bf16 dot products (AVX512-BF16, AMX).
-            return self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true);
+            let y = self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true)?;
+            return Ok((y, false));
         }
         // im2col, two reshapes, mul_mat, reshape, permute, cont.
         self.room(7)?;
@@ -850,6 +866,7 @@ impl Context {
             },
             "ggml_conv_2d",
         )
+        .map(|y| (y, false))
     }
 
     /// [`Context::conv_2d`] as the three custom ops of [`crate::amx`]:
@@ -859,6 +876,7 @@ impl Context {
         &'a self,
         kernel: Tensor<'a>,
         input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
         stride: i32,
         pad: i32,
     ) -> Result<Tensor<'a>> {
@@ -913,12 +931,40 @@ impl Context {
             &mut [input.raw, kernel.raw],
             crate::amx::nhwc_op,
         )?;
+        let mut args = vec![packed.raw, nhwc.raw, kernel.raw, input.raw];
+        args.extend(bias.map(|b| b.raw));
         custom(
             sys::GGML_TYPE_F32,
             [conv.ow(), conv.oh(), conv.oc, conv.n],
-            &mut [packed.raw, nhwc.raw, kernel.raw, input.raw],
+            &mut args,
             crate::amx::conv_gemm_op,
         )
+    }
+
+    /// [`Context::conv_2d`] plus an f32 `[Cout]` bias: in an AMX context
+    /// the bias is added as the convolution writes its output (one pass
+    /// over the activations fewer), elsewhere by `ggml_add`.
+    pub fn conv_2d_bias<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let oc = kernel.ne()[3];
+        if bias.ty() != Some(Type::F32) || !contiguous(&bias) || bias.ne() != [oc, 1, 1, 1] {
+            return invalid(format!(
+                "conv_2d bias {:?} of type {} for {oc} output channels (f32, contiguous)",
+                bias.ne(),
+                bias.type_name()
+            ));
+        }
+        let (y, added) = self.conv_2d_impl(kernel, input, Some(bias), stride, pad)?;
+        if added {
+            return Ok(y);
+        }
+        self.add(y, self.reshape(bias, &[1, 1, oc, 1])?)
     }
 
     /// A convolution as im2col (`cols` type) and one matrix product:

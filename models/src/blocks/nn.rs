@@ -248,6 +248,14 @@ fn conv2d_with<'a>(
             x.ne()[2]
         )));
     }
+    let bias_name = format!("{prefix}.bias");
+    if let (Some(b), true) = (w.opt(&bias_name), w.lora_for(&name).is_empty()) {
+        if c.amx() && kernel.ty() == Some(ggml::Type::BF16) && b.ty() == Some(ggml::Type::F32) {
+            // The AMX convolution adds the bias as it writes its output.
+            check_shape(&bias_name, b, &[c_out])?;
+            return Ok(c.conv_2d_bias(kernel, x, c.reshape(b, &[c_out])?, stride, pad)?);
+        }
+    }
     let mut y = if precise && kernel.ty() == Some(ggml::Type::F32) {
         c.conv_2d_f32(kernel, x, stride, pad)?
     } else {
