@@ -249,50 +249,72 @@ impl Context {
         let (x, y) = (a.ne(), b.ne());
         let len = crate::amx::packed_len(x[0] as usize, x[1] as usize);
         self.room(2)?;
-        let mut args = [a.raw];
+        let none = std::ptr::null_mut();
         // SAFETY: `a` is alive for 'a, contiguous bf16 `[K, N]` (checked by
         // the caller), which `pack_op` reads; the result is `len` bf16 it
         // writes; room checked.
-        let packed = self.wrap(
-            unsafe {
-                sys::ggml_custom_4d(
-                    self.raw,
-                    sys::GGML_TYPE_BF16,
-                    len as i64,
-                    1,
-                    1,
-                    1,
-                    args.as_mut_ptr(),
-                    1,
-                    Some(crate::amx::pack_op),
-                    sys::GGML_N_TASKS_MAX,
-                    std::ptr::null_mut(),
-                )
-            },
-            "ggml_custom_4d",
-        )?;
-        let mut args = [packed.raw, b.raw];
+        let packed = unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_BF16,
+                [len as i64, 1, 1, 1],
+                &mut [a.raw],
+                crate::amx::pack_op,
+                none,
+            )
+        }?;
         // SAFETY: `packed` as above and `b` f32 with dense rows and
         // `b.ne0 == K` (checked by check_mul_mat and the caller), which
         // `gemm_op` reads; the result is contiguous f32 `[N, b.ne1..3]`.
-        self.wrap(
-            unsafe {
-                sys::ggml_custom_4d(
-                    self.raw,
-                    sys::GGML_TYPE_F32,
-                    x[1],
-                    y[1],
-                    y[2],
-                    y[3],
-                    args.as_mut_ptr(),
-                    2,
-                    Some(crate::amx::gemm_op),
-                    sys::GGML_N_TASKS_MAX,
-                    std::ptr::null_mut(),
-                )
-            },
-            "ggml_custom_4d",
-        )
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                [x[1], y[1], y[2], y[3]],
+                &mut [packed.raw, b.raw],
+                crate::amx::gemm_op,
+                none,
+            )
+        }
+    }
+
+    /// A `ggml_custom_4d` node of type `ty` and shape `ne` computed by `f`
+    /// from `args` (its sources, in order), with `userdata`, on every
+    /// thread.
+    ///
+    /// # Safety
+    /// Every argument is a live tensor of this context's graphs; `f` reads
+    /// exactly the sources, shapes and types the caller checked and writes
+    /// at most `ne` elements of `ty`; the caller checked the context's room.
+    unsafe fn custom_op<'a>(
+        &'a self,
+        ty: sys::ggml_type,
+        ne: [i64; 4],
+        args: &mut [*mut sys::ggml_tensor],
+        f: unsafe extern "C" fn(
+            *mut sys::ggml_tensor,
+            std::os::raw::c_int,
+            std::os::raw::c_int,
+            *mut std::os::raw::c_void,
+        ),
+        userdata: *mut std::os::raw::c_void,
+    ) -> Result<Tensor<'a>> {
+        // SAFETY: as the caller promises; ggml copies `args` into the
+        // node's sources (at most GGML_MAX_SRC, which all callers stay under).
+        let t = unsafe {
+            sys::ggml_custom_4d(
+                self.raw,
+                ty,
+                ne[0],
+                ne[1],
+                ne[2],
+                ne[3],
+                args.as_mut_ptr(),
+                args.len() as i32,
+                Some(f),
+                sys::GGML_N_TASKS_MAX,
+                userdata,
+            )
+        };
+        self.wrap(t, "ggml_custom_4d")
     }
 
     fn wrap(&self, t: *mut sys::ggml_tensor, what: &'static str) -> Result<Tensor<'_>> {
@@ -894,28 +916,12 @@ impl Context {
             pad: pad as usize,
         };
         let custom = |ty, ne: [usize; 4], args: &mut [*mut sys::ggml_tensor], f| {
+            let ne = ne.map(|n| n as i64);
             // SAFETY: every argument is alive for 'a; `f` is one of the
             // conv ops of `crate::amx`, which read the arguments in the
             // order given here (shapes and types checked by conv_2d) and
             // write `ne` elements of `ty`; room checked below.
-            self.wrap(
-                unsafe {
-                    sys::ggml_custom_4d(
-                        self.raw,
-                        ty,
-                        ne[0] as i64,
-                        ne[1] as i64,
-                        ne[2] as i64,
-                        ne[3] as i64,
-                        args.as_mut_ptr(),
-                        args.len() as i32,
-                        Some(f),
-                        sys::GGML_N_TASKS_MAX,
-                        ud,
-                    )
-                },
-                "ggml_custom_4d",
-            )
+            unsafe { self.custom_op(ty, ne, args, f, ud) }
         };
         self.room(3)?;
         let bf16 = sys::GGML_TYPE_BF16;
@@ -1176,28 +1182,19 @@ impl Context {
             ));
         }
         self.room(1)?;
-        let mut args = [q.raw, k.raw, v.raw];
+        let ud = crate::amx::attn_userdata(heads as usize, scale);
         // SAFETY: the three are alive for 'a, f32 with dense rows and the
         // shapes `attn_op` reads (checked above); the result is contiguous
         // f32 shaped like q, which it writes; room checked.
-        self.wrap(
-            unsafe {
-                sys::ggml_custom_4d(
-                    self.raw,
-                    sys::GGML_TYPE_F32,
-                    x[0],
-                    x[1],
-                    x[2],
-                    1,
-                    args.as_mut_ptr(),
-                    3,
-                    Some(crate::amx::attn_op),
-                    sys::GGML_N_TASKS_MAX,
-                    crate::amx::attn_userdata(heads as usize, scale),
-                )
-            },
-            "ggml_custom_4d",
-        )
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                [x[0], x[1], x[2], 1],
+                &mut [q.raw, k.raw, v.raw],
+                crate::amx::attn_op,
+                ud,
+            )
+        }
     }
 
     /// Fused attention `softmax(q·kᵀ·scale)·v`; q `[D, Nq, H]`, k/v `[D, Nk, H]`
