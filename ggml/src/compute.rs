@@ -2124,6 +2124,12 @@ mod tests {
             "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), t(c, Type::I32, &[16, 16, 8, 1]), 1, 1);
             "conv_2d" bad: |c| c.conv_2d(transposed(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
 
+            "conv_2d" ok: |c| c.conv_2d(t(c, Type::BF16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
+            "conv_2d_bias" ok: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
+            "conv_2d_bias" ok: |c| c.conv_2d_bias(t(c, Type::BF16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
+            "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[8]), 1, 1);
+            "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), t(c, Type::F16, &[16]), 1, 1);
+            "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 4, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
             "conv_2d_f32" ok: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
             "conv_2d_f32" ok: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[1, 1, 8, 1]), 2, 1);
             "conv_2d_f32" bad: |c| c.conv_2d_f32(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
@@ -2208,6 +2214,58 @@ mod tests {
                 case.op
             );
         }
+    }
+
+    /// In an AMX context (where the processor has one) bf16 products,
+    /// convolutions and attention become custom nodes of the same shapes;
+    /// bad operands are refused there too, and attention outside one.
+    #[test]
+    fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
+        let plain = Context::new(32, 0).unwrap();
+        let q = f32s(&plain, &[16, 40, 2]);
+        let kv = f32s(&plain, &[16, 10, 2]);
+        assert!(matches!(
+            plain.attention_amx(q, kv, kv, 2, 0.25),
+            Err(Error::Invalid(_))
+        ));
+        let c = Context::new(64, 0).unwrap();
+        c.set_amx(true);
+        if !c.amx() {
+            eprintln!("no AMX here: only the refusal outside an AMX context is tested");
+            return;
+        }
+        let custom = |t: &Tensor<'_>| {
+            // SAFETY: live tensor; reads its op.
+            unsafe { (*t.raw).op == sys::GGML_OP_CUSTOM }
+        };
+        let y = c
+            .mul_mat(t(&c, Type::BF16, &[64, 48]), f32s(&c, &[64, 40, 2]))
+            .unwrap();
+        assert_eq!((y.ne(), custom(&y)), ([48, 40, 2, 1], true));
+        let k = t(&c, Type::BF16, &[3, 3, 8, 16]);
+        let y = c.conv_2d(k, f32s(&c, &[16, 12, 8, 2]), 2, 1).unwrap();
+        assert_eq!((y.ne(), custom(&y)), ([8, 6, 16, 2], true));
+        let y = c
+            .conv_2d_bias(k, f32s(&c, &[16, 12, 8, 2]), f32s(&c, &[16]), 1, 1)
+            .unwrap();
+        assert_eq!((y.ne(), custom(&y)), ([16, 12, 16, 2], true));
+        let (q, kv) = (f32s(&c, &[16, 40, 2]), f32s(&c, &[16, 10, 2]));
+        let y = c.attention_amx(q, kv, kv, 2, 0.25).unwrap();
+        assert_eq!(y.ne(), [16, 40, 2, 1]);
+        for bad in [
+            c.attention_amx(q, kv, kv, 3, 0.25),
+            c.attention_amx(q, f32s(&c, &[8, 10, 2]), f32s(&c, &[8, 10, 2]), 2, 0.25),
+            c.attention_amx(q, kv, f32s(&c, &[16, 11, 2]), 2, 0.25),
+            c.attention_amx(q, kv, kv, 2, f32::NAN),
+            c.attention_amx(t(&c, Type::F16, &[16, 40, 2]), kv, kv, 2, 0.25),
+        ] {
+            assert!(matches!(bad, Err(Error::Invalid(_))));
+        }
+        // Too few rows for a block: ggml's own product.
+        let y = c
+            .mul_mat(t(&c, Type::BF16, &[64, 48]), f32s(&c, &[64, 3]))
+            .unwrap();
+        assert!(!custom(&y));
     }
 
     #[test]
