@@ -163,7 +163,16 @@ pub struct Rows<'x> {
 /// `out[i·n + j] = Σ x[i][·] · w[j][·]` for the row blocks `ith, ith + nth,
 /// …` of `x`, with `w` packed by [`pack`] (`n` outputs). The caller made
 /// sure [`available`] said yes.
-pub fn gemm(packed: &[u16], x: &Rows<'_>, n: usize, out: &mut [f32], ith: usize, nth: usize) {
+pub fn gemm(
+    packed: &[u16],
+    x: &Rows<'_>,
+    n: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    assert!(bias.is_none_or(|b| b.len() >= n));
     thread_local! {
         static BUF: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
     }
@@ -197,7 +206,16 @@ pub fn gemm(packed: &[u16], x: &Rows<'_>, n: usize, out: &mut [f32], ith: usize,
             let cols = (2 * PANEL).min(n - p * PANEL);
             for r in 0..ROWS.min(x.rows - r0) {
                 let o = (r0 + r) * n + p * PANEL;
-                out[o..o + cols].copy_from_slice(&c[r * 2 * PANEL..r * 2 * PANEL + cols]);
+                let row = &c[r * 2 * PANEL..r * 2 * PANEL + cols];
+                match bias {
+                    Some(b) => {
+                        let b = &b[p * PANEL..p * PANEL + cols];
+                        for ((o, &v), &b) in out[o..o + cols].iter_mut().zip(row).zip(b) {
+                            *o = v + b;
+                        }
+                    }
+                    None => out[o..o + cols].copy_from_slice(row),
+                }
             }
         };
         if by_panel {
@@ -847,7 +865,8 @@ pub(crate) unsafe extern "C" fn pack_op(
 }
 
 /// Custom op: `dst` (f32 `[N, M₁, M₂, M₃]`, contiguous) = the packed
-/// weight `src[0]` times the f32 `src[1]` `[K, M₁, M₂, M₃]` (rows dense).
+/// weight `src[0]` times the f32 `src[1]` `[K, M₁, M₂, M₃]` (rows dense),
+/// plus the f32 bias `src[2]` of N values if there is one.
 pub(crate) unsafe extern "C" fn gemm_op(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -873,7 +892,10 @@ pub(crate) unsafe extern "C" fn gemm_op(
         let packed = std::slice::from_raw_parts(packed.data as *const u16, packed_len(k, n));
         let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, rows * n);
         let x = Rows { rows, k, row: &row };
-        gemm(packed, &x, n, out, ith as usize, nth as usize);
+        let bias = ((*dst).src[2] as *const sys::ggml_tensor)
+            .as_ref()
+            .map(|b| std::slice::from_raw_parts(b.data as *const f32, n));
+        gemm(packed, &x, n, bias, out, ith as usize, nth as usize);
     }
 }
 
@@ -1100,6 +1122,8 @@ mod tests {
             for t in 0..3 {
                 pack(&w, k, n, &mut packed, t, 3);
             }
+            // Every other case with a bias.
+            let bias = (n % 2 == 1).then(|| values(n, 9));
             let row = |i: usize| &x[i * k..(i + 1) * k];
             let rows = Rows {
                 rows: m,
@@ -1108,13 +1132,14 @@ mod tests {
             };
             let mut out = vec![f32::NAN; m * n];
             for t in 0..2 {
-                gemm(&packed, &rows, n, &mut out, t, 2);
+                gemm(&packed, &rows, n, bias.as_deref(), &mut out, t, 2);
             }
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
                         .map(|kk| to_f32(bf16(x[i * k + kk])) as f64 * to_f32(w[j * k + kk]) as f64)
-                        .sum();
+                        .sum::<f64>()
+                        + bias.as_ref().map_or(0.0, |b| b[j] as f64);
                     let got = out[i * n + j] as f64;
                     assert!(
                         (got - want).abs() < 1e-4 * (1.0 + want.abs()),

@@ -221,6 +221,40 @@ impl Context {
     /// times an f32 `b` of at least [`crate::amx::MIN_ROWS`] rows runs on the
     /// tile unit (see [`crate::amx`]).
     pub fn mul_mat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
+        Ok(self.mul_mat_impl(a, b, None)?.0)
+    }
+
+    /// [`Context::mul_mat`] plus an f32 bias of `a.ne1` values on every
+    /// row: added as the AMX product writes its output, elsewhere by
+    /// `ggml_add`.
+    pub fn mul_mat_bias<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        b: Tensor<'a>,
+        bias: Tensor<'a>,
+    ) -> Result<Tensor<'a>> {
+        let n = a.ne()[1];
+        if bias.ty() != Some(Type::F32) || !contiguous(&bias) || bias.ne() != [n, 1, 1, 1] {
+            return invalid(format!(
+                "mul_mat bias {:?} of type {} for {n} outputs (f32, contiguous)",
+                bias.ne(),
+                bias.type_name()
+            ));
+        }
+        match self.mul_mat_impl(a, b, Some(bias))? {
+            (y, true) => Ok(y),
+            (y, false) => self.add(y, bias),
+        }
+    }
+
+    /// [`Context::mul_mat`], with `bias` added inside the product where the
+    /// AMX path takes it (then the flag is true).
+    fn mul_mat_impl<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        b: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+    ) -> Result<(Tensor<'a>, bool)> {
         check_mul_mat(&a, &b)?;
         let (x, y) = (a.ne(), b.ne());
         let rows = y[1] * y[2] * y[3];
@@ -232,7 +266,8 @@ impl Context {
             && x[3] == 1
             && rows >= *crate::amx::MIN_ROWS as i64
         {
-            return self.mul_mat_amx(a, b);
+            let added = bias.is_some();
+            return Ok((self.mul_mat_amx(a, b, bias)?, added));
         }
         self.room(1)?;
         // SAFETY: both tensors are alive for 'a, their shapes and types
@@ -242,10 +277,16 @@ impl Context {
             unsafe { sys::ggml_mul_mat(self.raw, a.raw, b.raw) },
             "ggml_mul_mat",
         )
+        .map(|t| (t, false))
     }
 
     /// [`Context::mul_mat`] as the two custom ops of [`crate::amx`].
-    fn mul_mat_amx<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
+    fn mul_mat_amx<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        b: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+    ) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
         let len = crate::amx::packed_len(x[0] as usize, x[1] as usize);
         self.room(2)?;
@@ -263,13 +304,18 @@ impl Context {
             )
         }?;
         // SAFETY: `packed` as above and `b` f32 with dense rows and
-        // `b.ne0 == K` (checked by check_mul_mat and the caller), which
+        // `b.ne0 == K` (checked by check_mul_mat and the caller), and the
+        // f32 bias of N values if any (checked by mul_mat_bias), which
         // `gemm_op` reads; the result is contiguous f32 `[N, b.ne1..3]`.
         unsafe {
             self.custom_op(
                 sys::GGML_TYPE_F32,
                 [x[1], y[1], y[2], y[3]],
-                &mut [packed.raw, b.raw],
+                &mut [
+                    packed.raw,
+                    b.raw,
+                    bias.map_or(std::ptr::null_mut(), |t| t.raw),
+                ][..2 + usize::from(bias.is_some())],
                 crate::amx::gemm_op,
                 none,
             )
@@ -2124,6 +2170,10 @@ mod tests {
             "conv_2d" bad: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), t(c, Type::I32, &[16, 16, 8, 1]), 1, 1);
             "conv_2d" bad: |c| c.conv_2d(transposed(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
 
+            "mul_mat_bias" ok: |c| c.mul_mat_bias(t(c, Type::BF16, &[64, 8]), f32s(c, &[64, 40]), f32s(c, &[8]));
+            "mul_mat_bias" ok: |c| c.mul_mat_bias(f32s(c, &[64, 8]), f32s(c, &[64, 3, 2]), f32s(c, &[8]));
+            "mul_mat_bias" bad: |c| c.mul_mat_bias(f32s(c, &[64, 8]), f32s(c, &[64, 3]), f32s(c, &[64]));
+            "mul_mat_bias" bad: |c| c.mul_mat_bias(f32s(c, &[64, 8]), f32s(c, &[32, 3]), f32s(c, &[8]));
             "conv_2d" ok: |c| c.conv_2d(t(c, Type::BF16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
             "conv_2d_bias" ok: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
             "conv_2d_bias" ok: |c| c.conv_2d_bias(t(c, Type::BF16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
@@ -2242,6 +2292,13 @@ mod tests {
             .mul_mat(t(&c, Type::BF16, &[64, 48]), f32s(&c, &[64, 40, 2]))
             .unwrap();
         assert_eq!((y.ne(), custom(&y)), ([48, 40, 2, 1], true));
+        let y = c.mul_mat_bias(
+            t(&c, Type::BF16, &[64, 48]),
+            f32s(&c, &[64, 40]),
+            f32s(&c, &[48]),
+        );
+        let y = y.unwrap();
+        assert_eq!((y.ne(), custom(&y)), ([48, 40, 1, 1], true));
         let k = t(&c, Type::BF16, &[3, 3, 8, 16]);
         let y = c.conv_2d(k, f32s(&c, &[16, 12, 8, 2]), 2, 1).unwrap();
         assert_eq!((y.ne(), custom(&y)), ([8, 6, 16, 2], true));

@@ -188,6 +188,14 @@ pub fn linear<'a>(
             x.ne()[0]
         )));
     }
+    let bias_name = format!("{prefix}.bias");
+    if let (Some(b), true) = (w.opt(&bias_name), w.lora_for(&name).is_empty()) {
+        if c.amx() && weight.ty() == Some(ggml::Type::BF16) && b.ty() == Some(ggml::Type::F32) {
+            // The AMX product adds the bias as it writes its output.
+            check_shape(&bias_name, b, &[n_out])?;
+            return Ok(c.mul_mat_bias(weight, x, c.reshape(b, &[n_out])?)?);
+        }
+    }
     let y = add_lora(c, w, &name, x, c.mul_mat(weight, x)?)?;
     add_bias(c, w, prefix, y, n_out, &[n_out])
 }
