@@ -6,6 +6,11 @@
 //! case's graph: the scheduler ran those nodes on the CPU, the row names
 //! them, and the result still matched) or `UNSUPPORTED` (the case could not
 //! run at all). A mismatch is a `FAIL` wherever its nodes ran.
+//!
+//! The `(AMX)` cases check sdhost's own tile kernels (`ggml::amx`): on the
+//! in-process CPU of a processor with AMX their graph is built in an AMX
+//! context and compared with ggml's kernels; on any other device they are
+//! ordinary bf16 cases.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use serde::Serialize;
@@ -63,6 +68,10 @@ pub struct Case {
     pub name: &'static str,
     /// Relative tolerance.
     pub tolerance: f64,
+    /// Built in an AMX context (`ggml::Context::set_amx`) when the device
+    /// under test is the in-process CPU: sdhost's own tile kernels against
+    /// ggml's (the reference is always built without).
+    pub amx: bool,
     build: Build,
 }
 
@@ -78,6 +87,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat f32",
             tolerance: 2e-3,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -86,6 +96,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat bcast",
             tolerance: 2e-3,
+            amx: false,
             build: |i, c| {
                 // One matrix against a batch of two in dim 3 (ggml broadcasts);
                 // some backends (Vulkan in ggml 0.26) leave this to the CPU.
@@ -99,6 +110,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat f16",
             tolerance: 1e-2,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -107,6 +119,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat q8_0",
             tolerance: 3e-2,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q8_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -115,6 +128,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat q4_0",
             tolerance: 3e-2,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q4_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -123,6 +137,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "conv_2d",
             tolerance: 1e-2,
+            amx: false,
             build: |i, c| {
                 let (k, x) = (
                     t(i, Type::F16, &[3, 3, 8, 16])?,
@@ -134,6 +149,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "group_norm",
             tolerance: 1e-3,
+            amx: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[8, 8, 64, 1])?;
                 Ok((vec![x], c.group_norm(x, 32, 1e-6)?))
@@ -142,6 +158,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "layer_norm",
             tolerance: 1e-3,
+            amx: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.norm(x, 1e-5)?))
@@ -150,6 +167,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "soft_max",
             tolerance: 1e-4,
+            amx: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.soft_max(x)?))
@@ -158,6 +176,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "attention",
             tolerance: 1e-3,
+            amx: false,
             build: |i, c| {
                 // softmax(q·kᵀ/√d)·v with plain ops: q [d, nq], k [d, nk], vᵀ [nk, d].
                 let (q, k, vt) = (
@@ -172,6 +191,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "flash_attn",
             tolerance: 1e-2,
+            amx: false,
             build: |i, c| {
                 let q = t(i, Type::F32, &[64, 16, 4])?;
                 let (k, v) = (
@@ -184,6 +204,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "add",
             tolerance: 1e-5,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 1])?);
                 Ok((vec![a, b], c.add(a, b)?))
@@ -192,6 +213,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul",
             tolerance: 1e-5,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul(a, b)?))
@@ -200,6 +222,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "scale",
             tolerance: 1e-5,
+            amx: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.scale(a, 0.18215)?))
@@ -208,6 +231,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "gelu",
             tolerance: 1e-3,
+            amx: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.gelu(a)?))
@@ -216,6 +240,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "silu",
             tolerance: 1e-3,
+            amx: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.silu(a)?))
@@ -224,6 +249,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "upscale",
             tolerance: 1e-6,
+            amx: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[8, 8, 4, 1])?;
                 Ok((vec![a], c.upscale(a, 2)?))
@@ -232,6 +258,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "concat",
             tolerance: 1e-6,
+            amx: false,
             build: |i, c| {
                 let (a, b) = (
                     t(i, Type::F32, &[8, 8, 4, 1])?,
@@ -243,9 +270,59 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "permute+cont",
             tolerance: 1e-6,
+            amx: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[8, 6, 4, 2])?;
                 Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
+            },
+        },
+        Case {
+            name: "mul_mat bf16 (AMX)",
+            tolerance: 1e-2,
+            amx: true,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::BF16, &[256, 72])?, t(i, Type::F32, &[256, 96])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "conv_2d bf16 + bias (AMX)",
+            tolerance: 1e-2,
+            amx: true,
+            build: |i, c| {
+                let (k, x, b) = (
+                    t(i, Type::BF16, &[3, 3, 32, 48])?,
+                    t(i, Type::F32, &[20, 12, 32, 2])?,
+                    t(i, Type::F32, &[48])?,
+                );
+                Ok((vec![k, x, b], c.conv_2d_bias(k, x, b, 1, 1)?))
+            },
+        },
+        Case {
+            name: "attention heads (AMX)",
+            tolerance: 3e-2,
+            amx: true,
+            build: |i, c| {
+                // Two heads of 32 over [64, tokens, 2]; without AMX the same
+                // attention from plain ops, head by head in f32.
+                let (q, k, v) = (
+                    t(i, Type::F32, &[64, 40, 2])?,
+                    t(i, Type::F32, &[64, 24, 2])?,
+                    t(i, Type::F32, &[64, 24, 2])?,
+                );
+                let scale = 1.0 / 32f32.sqrt();
+                if c.amx() {
+                    return Ok((vec![q, k, v], c.attention_amx(q, k, v, 2, scale)?));
+                }
+                // [64, n, 2] → [32, n, 2 heads, 2]
+                let qh = c.cont(c.permute(c.reshape(q, &[32, 2, 40, 2])?, [0, 2, 1, 3])?)?;
+                let kh = c.cont(c.permute(c.reshape(k, &[32, 2, 24, 2])?, [0, 2, 1, 3])?)?;
+                // vᵀ per head: [24, 32, 2 heads, 2]
+                let vt = c.cont(c.permute(c.reshape(v, &[32, 2, 24, 2])?, [1, 2, 0, 3])?)?;
+                let kq = c.soft_max(c.scale(c.mul_mat(kh, qh)?, scale)?)?; // [24, 40, 2, 2]
+                let out = c.mul_mat(vt, kq)?; // [32, 40, 2 heads, 2]
+                let out = c.cont(c.permute(out, [0, 2, 1, 3])?)?; // [32, 2, 40, 2]
+                Ok((vec![q, k, v], c.reshape(out, &[64, 40, 2])?))
             },
         },
     ]
@@ -289,12 +366,14 @@ pub fn run_case(
     backends: &[&Backend],
     seed: u64,
     perturb: Option<Perturb<'_>>,
+    amx: bool,
 ) -> ggml::Result<CaseRun> {
     let first = backends
         .first()
         .ok_or_else(|| ggml::Error::Invalid("no backend".into()))?;
     let inputs_ctx = Context::new(16, 0)?;
     let ctx = Context::new(64, 256)?;
+    ctx.set_amx(amx);
     let (inputs, out) = (case.build)(&inputs_ctx, &ctx)?;
     // Inputs live in a buffer of the device under test, like weights: the
     // scheduler then runs each op where its operands are, and falls back to
@@ -391,7 +470,7 @@ pub fn check_device_with(
                 detail,
             };
             tracing::debug!("check {name}: {}", case.name);
-            let reference = match run_case(case, &[cpu], seed, None) {
+            let reference = match run_case(case, &[cpu], seed, None, false) {
                 Ok(r) => r.output,
                 Err(e) => {
                     return row(
@@ -406,7 +485,9 @@ pub fn check_device_with(
             } else {
                 vec![device, cpu]
             };
-            match run_case(case, &backends, seed, perturb) {
+            // sdhost's AMX kernels only ever run on the in-process CPU.
+            let amx = case.amx && device.device().device_type() == ggml::DeviceType::Cpu;
+            match run_case(case, &backends, seed, perturb, amx) {
                 Err(e) => row(Verdict::Unsupported, None, Some(e.to_string())),
                 Ok(run) => {
                     let err = relative_error(&run.output, &reference);
