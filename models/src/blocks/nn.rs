@@ -188,13 +188,8 @@ pub fn linear<'a>(
             x.ne()[0]
         )));
     }
-    let bias_name = format!("{prefix}.bias");
-    if let (Some(b), true) = (w.opt(&bias_name), w.lora_for(&name).is_empty()) {
-        if c.amx() && weight.ty() == Some(ggml::Type::BF16) && b.ty() == Some(ggml::Type::F32) {
-            // The AMX product adds the bias as it writes its output.
-            check_shape(&bias_name, b, &[n_out])?;
-            return Ok(c.mul_mat_bias(weight, x, c.reshape(b, &[n_out])?)?);
-        }
+    if let Some(b) = fusable_bias(c, w, prefix, &name, n_out)? {
+        return Ok(c.mul_mat_bias(weight, x, b)?);
     }
     let y = add_lora(c, w, &name, x, c.mul_mat(weight, x)?)?;
     add_bias(c, w, prefix, y, n_out, &[n_out])
@@ -256,15 +251,13 @@ fn conv2d_with<'a>(
             x.ne()[2]
         )));
     }
-    let bias_name = format!("{prefix}.bias");
-    if let (Some(b), true) = (w.opt(&bias_name), w.lora_for(&name).is_empty()) {
-        if c.amx() && kernel.ty() == Some(ggml::Type::BF16) && b.ty() == Some(ggml::Type::F32) {
-            // The AMX convolution adds the bias as it writes its output.
-            check_shape(&bias_name, b, &[c_out])?;
-            return Ok(c.conv_2d_bias(kernel, x, c.reshape(b, &[c_out])?, stride, pad)?);
+    let precise = precise && kernel.ty() == Some(ggml::Type::F32);
+    if !precise {
+        if let Some(b) = fusable_bias(c, w, prefix, &name, c_out)? {
+            return Ok(c.conv_2d_bias(kernel, x, b, stride, pad)?);
         }
     }
-    let mut y = if precise && kernel.ty() == Some(ggml::Type::F32) {
+    let mut y = if precise {
         c.conv_2d_f32(kernel, x, stride, pad)?
     } else {
         c.conv_2d(kernel, x, stride, pad)?
@@ -285,6 +278,28 @@ fn conv2d_with<'a>(
         y = c.add(y, h)?;
     }
     add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
+}
+
+/// The `[n]` bias `{prefix}.bias` of the weight `name` when the product
+/// or convolution can take it itself (`mul_mat_bias`, `conv_2d_bias`, which
+/// add it as they write their output where ggml's AMX kernels run, and by
+/// `ggml_add` elsewhere): f32 and no LoRA on the weight, whose terms must
+/// come before the bias.
+fn fusable_bias<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    prefix: &str,
+    name: &str,
+    n: i64,
+) -> Result<Option<Tensor<'a>>> {
+    let bias_name = format!("{prefix}.bias");
+    match w.opt(&bias_name) {
+        Some(b) if b.ty() == Some(ggml::Type::F32) && w.lora_for(name).is_empty() => {
+            check_shape(&bias_name, b, &[n])?;
+            Ok(Some(c.reshape(b, &[n])?))
+        }
+        _ => Ok(None),
+    }
 }
 
 /// `y` plus the optional `[n]` bias `{prefix}.bias`, seen as shape `ne`.
