@@ -255,9 +255,9 @@ fn panel_outer(weight_bytes: usize, blocks: usize, act_bytes: usize, pairs: usiz
 /// f32 to bf16 over a row.
 fn narrow(src: &[f32], dst: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the processor has AVX-512F (checked just above).
-        unsafe { narrow_avx512(src, dst) };
+    if std::arch::is_x86_feature_detected!("avx512bf16") {
+        // SAFETY: the processor has AVX512-BF16 (checked just above).
+        unsafe { narrow_bf16(src, dst) };
         return;
     }
     for (d, &s) in dst.iter_mut().zip(src) {
@@ -265,13 +265,137 @@ fn narrow(src: &[f32], dst: &mut [u16]) {
     }
 }
 
-/// [`narrow`] compiled for AVX-512, which the loop vectorizes 16 wide.
+/// [`narrow`] by the processor's own conversion (`vcvtneps2bf16`: round
+/// to nearest even, NaN stays NaN, like [`bf16`] but for subnormals,
+/// which it flushes to zero).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw")]
-fn narrow_avx512(src: &[f32], dst: &mut [u16]) {
-    for (d, &s) in dst.iter_mut().zip(src) {
-        *d = bf16(s);
+#[target_feature(enable = "avx512f,avx512bf16")]
+fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let n = src.len().min(dst.len());
+    for i in (0..n).step_by(16) {
+        let mask = if n - i >= 16 {
+            !0
+        } else {
+            (1u16 << (n - i)) - 1
+        };
+        // SAFETY: the masked load and store touch lanes i..i + 16 below n
+        // only (the mask), inside both slices.
+        unsafe {
+            let v = _mm512_maskz_loadu_ps(mask, src.as_ptr().add(i));
+            let b: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, mask, b);
+        }
     }
+}
+
+/// `out[i] = silu(a·x[i] + b)`.
+fn affine_silu(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the processor has AVX-512F (checked just above).
+        unsafe { affine_silu_avx512(x, a, b, out) };
+        return;
+    }
+    affine_silu_body(x, a, b, out);
+}
+
+/// [`affine_silu`] compiled for AVX-512 (the loop vectorizes 16 wide).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn affine_silu_avx512(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+    affine_silu_body(x, a, b, out);
+}
+
+#[inline(always)]
+fn affine_silu_body(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+    for (o, &v) in out.iter_mut().zip(x) {
+        let y = v.mul_add(a, b);
+        *o = y / (1.0 + exp(-y));
+    }
+}
+
+/// A group norm over `[w, h, c, n]` f32 (`groups` groups of `c / groups`
+/// channels, each normalised over its channels and pixels, per image),
+/// as the fused convolution input needs it: statistics first, then the
+/// norm and its affine weights folded into one `a·x + b` per channel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GroupNorm {
+    /// Groups (divides the channels).
+    pub groups: usize,
+    /// Added to the variance.
+    pub eps: f32,
+}
+
+impl GroupNorm {
+    /// Writes `(mean, 1/√(variance + eps))` of the (image, group) units
+    /// `ith, ith + nth, …` to `stats[2·(n·groups + g)..]`; `input(n, ch,
+    /// y)` is a row of `w` f32. Sums in f64, two passes (as ggml does).
+    pub fn stats<'x>(
+        &self,
+        [w, h, c, n]: [usize; 4],
+        input: impl Fn(usize, usize, usize) -> &'x [f32],
+        stats: &mut [f32],
+        ith: usize,
+        nth: usize,
+    ) {
+        assert!(self.groups > 0 && c % self.groups == 0 && stats.len() >= 2 * n * self.groups);
+        let per = c / self.groups;
+        let count = (per * h * w) as f64;
+        for unit in (ith..n * self.groups).step_by(nth.max(1)) {
+            let (img, g) = (unit / self.groups, unit % self.groups);
+            let rows = || (g * per..(g + 1) * per).flat_map(move |ch| (0..h).map(move |y| (ch, y)));
+            let sum = |squares: bool, mean: f64| -> f64 {
+                rows()
+                    .map(|(ch, y)| match squares {
+                        false => row_sum::<false>(input(img, ch, y), mean),
+                        true => row_sum::<true>(input(img, ch, y), mean),
+                    })
+                    .sum()
+            };
+            let mean = sum(false, 0.0) / count;
+            let var = sum(true, mean) / count;
+            stats[2 * unit] = mean as f32;
+            stats[2 * unit + 1] = (1.0 / (var + f64::from(self.eps)).sqrt()) as f32;
+        }
+    }
+
+    /// `(a, b)` such that `a·x + b` = `(x − mean)·rstd·gamma + beta` for
+    /// channel `ch` of image `img`.
+    pub fn fold(
+        &self,
+        stats: &[f32],
+        c: usize,
+        gamma: &[f32],
+        beta: &[f32],
+        img: usize,
+        ch: usize,
+    ) -> (f32, f32) {
+        let unit = img * self.groups + ch / (c / self.groups);
+        let (mean, rstd) = (stats[2 * unit], stats[2 * unit + 1]);
+        let a = rstd * gamma[ch];
+        (a, beta[ch] - mean * a)
+    }
+}
+
+/// `Σ x` (`SQUARES` false) or `Σ (x − mean)²` (true), in f64 over
+/// blocks of f32 partial sums.
+fn row_sum<const SQUARES: bool>(x: &[f32], mean: f64) -> f64 {
+    let m = mean as f32;
+    let term = |v: f32| if SQUARES { (v - m) * (v - m) } else { v };
+    let mut total = 0.0;
+    for block in x.chunks(256) {
+        let mut lanes = [0f32; 16];
+        let mut parts = block.chunks_exact(16);
+        for p in &mut parts {
+            for (l, &v) in lanes.iter_mut().zip(p) {
+                *l += term(v);
+            }
+        }
+        let rest: f32 = parts.remainder().iter().map(|&v| term(v)).sum();
+        total += f64::from(lanes.iter().sum::<f32>() + rest);
+    }
+    total
 }
 
 /// `dst[x·stride + i] = src[i·w + x]` for 16 rows `i` of `w` values: a
@@ -393,7 +517,34 @@ impl Conv {
         ith: usize,
         nth: usize,
     ) {
+        self.nhwc_with(input, None, out, ith, nth);
+    }
+
+    /// [`Conv::nhwc`] of `silu(a·x + b)`, where `affine(n, ch)` gives
+    /// `(a, b)` for each image and channel: a group norm and its affine
+    /// weights folded together ([`GroupNorm::fold`]), applied as the copy
+    /// is made instead of in passes of their own.
+    pub fn nhwc_norm_silu<'x>(
+        &self,
+        input: impl Fn(usize, usize, usize) -> &'x [f32],
+        affine: &dyn Fn(usize, usize) -> (f32, f32),
+        out: &mut [u16],
+        ith: usize,
+        nth: usize,
+    ) {
+        self.nhwc_with(input, Some(affine), out, ith, nth);
+    }
+
+    fn nhwc_with<'x>(
+        &self,
+        input: impl Fn(usize, usize, usize) -> &'x [f32],
+        affine: Option<&dyn Fn(usize, usize) -> (f32, f32)>,
+        out: &mut [u16],
+        ith: usize,
+        nth: usize,
+    ) {
         let (cp, wp, hs) = (self.cp(), self.wp(), self.hs());
+        let mut scratch = vec![0f32; if affine.is_some() { self.w } else { 0 }];
         for row in (ith..self.n * hs).step_by(nth.max(1)) {
             let (img, yy) = (row / hs, row % hs);
             let dst = &mut out[row * wp * cp..(row + 1) * wp * cp];
@@ -412,7 +563,15 @@ impl Conv {
                 let chans = 16.min(self.c.saturating_sub(c0));
                 narrowed[chans * self.w..].fill(0);
                 for (i, part) in narrowed.chunks_exact_mut(self.w).take(chans).enumerate() {
-                    narrow(input(img, c0 + i, y), part);
+                    let src = input(img, c0 + i, y);
+                    match affine {
+                        Some(f) => {
+                            let (a, b) = f(img, c0 + i);
+                            affine_silu(src, a, b, &mut scratch);
+                            narrow(&scratch, part);
+                        }
+                        None => narrow(src, part),
+                    }
                 }
                 transpose16(&narrowed, self.w, &mut dst[self.pad * cp + c0..], cp);
             }
@@ -676,18 +835,21 @@ fn softmax_chunk(
     len: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the processor has AVX-512F (checked just above).
-        return unsafe { softmax_chunk_avx512(sc, pa, o, od, max, sum, keys, len) };
+    if std::arch::is_x86_feature_detected!("avx512bf16") {
+        // SAFETY: the processor has AVX512-BF16 (checked just above).
+        return unsafe { softmax_chunk_bf16(sc, pa, o, od, max, sum, keys, len) };
     }
     softmax_chunk_body(sc, pa, o, od, max, sum, keys, len)
 }
 
-/// [`softmax_chunk`] compiled for AVX-512 (its loops vectorize 16 wide).
+/// [`softmax_chunk`] in AVX-512 intrinsics, with [`exp`] 16 lanes at a
+/// time and the processor's own bf16 conversion (written out: the
+/// compiler does not vectorize the online maximum's reduction or the
+/// masked tail well, and it cannot emit `vcvtneps2bf16` by itself).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,fma")]
+#[target_feature(enable = "avx512f,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
-fn softmax_chunk_avx512(
+fn softmax_chunk_bf16(
     sc: &mut [f32],
     pa: &mut [u16],
     o: &mut [f32],
@@ -697,10 +859,76 @@ fn softmax_chunk_avx512(
     keys: usize,
     len: usize,
 ) {
-    softmax_chunk_body(sc, pa, o, od, max, sum, keys, len)
+    use std::arch::x86_64::*;
+    assert!(keys <= len && len <= CHUNK);
+    assert!(sc.len() >= ROWS * SC_LD && pa.len() >= ROWS * PA_LD && o.len() >= ROWS * od);
+    let exp16 = |x: __m512| {
+        const MAGIC: f32 = 12_582_912.0;
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let y = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
+        let t = _mm512_add_ps(y, _mm512_set1_ps(MAGIC));
+        let f = _mm512_sub_ps(y, _mm512_sub_ps(t, _mm512_set1_ps(MAGIC)));
+        let mut p = _mm512_set1_ps(1.535_336_2e-4);
+        for c in [
+            1.339_887_4e-3,
+            9.618_437e-3,
+            5.550_332_6e-2,
+            2.402_264_6e-1,
+            6.931_472e-1,
+            1.0,
+        ] {
+            p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+        }
+        let shift = _mm512_slli_epi32::<23>(_mm512_sub_epi32(
+            _mm512_castps_si512(t),
+            _mm512_set1_epi32(MAGIC.to_bits() as i32),
+        ));
+        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), shift))
+    };
+    let mask_at = |i: usize| {
+        if keys - i >= 16 {
+            !0u16
+        } else {
+            (1u16 << (keys - i)) - 1
+        }
+    };
+    for r in 0..ROWS {
+        let (row, pr) = (sc[r * SC_LD..].as_ptr(), pa[r * PA_LD..].as_mut_ptr());
+        let mut vm = _mm512_set1_ps(f32::NEG_INFINITY);
+        for i in (0..keys).step_by(16) {
+            let mask = mask_at(i);
+            // SAFETY: lanes below `keys` of the row (the mask), inside
+            // `sc` (asserted).
+            let x = unsafe { _mm512_maskz_loadu_ps(mask, row.add(i)) };
+            vm = _mm512_mask_max_ps(vm, mask, vm, x);
+        }
+        let m = _mm512_reduce_max_ps(vm).max(max[r]);
+        let factor = exp(max[r] - m);
+        max[r] = m;
+        let (mv, mut acc) = (_mm512_set1_ps(m), _mm512_setzero_ps());
+        for i in (0..keys).step_by(16) {
+            let mask = mask_at(i);
+            // SAFETY: as above; the store writes the same lanes of the
+            // row of `pa` (asserted large enough).
+            unsafe {
+                let x = _mm512_maskz_loadu_ps(mask, row.add(i));
+                let e = _mm512_maskz_mov_ps(mask, exp16(_mm512_sub_ps(x, mv)));
+                acc = _mm512_add_ps(acc, e);
+                let b: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(e));
+                _mm256_mask_storeu_epi16(pr.add(i) as *mut i16, mask, b);
+            }
+        }
+        pa[r * PA_LD + keys..r * PA_LD + len].fill(0);
+        sum[r] = sum[r] * factor + _mm512_reduce_add_ps(acc);
+        if factor != 1.0 {
+            for x in &mut o[r * od..(r + 1) * od] {
+                *x *= factor;
+            }
+        }
+    }
 }
 
-#[inline(always)]
+/// [`softmax_chunk`] in plain Rust, for processors without AVX512-BF16.
 #[allow(clippy::too_many_arguments)]
 fn softmax_chunk_body(
     sc: &mut [f32],
@@ -1133,6 +1361,86 @@ pub(crate) unsafe extern "C" fn nhwc_op(
     }
 }
 
+/// The userdata that carries a group norm's groups (below 2³², checked by
+/// the graph builder) and epsilon to [`group_stats_op`].
+pub(crate) fn group_norm_userdata(groups: usize, eps: f32) -> *mut c_void {
+    ((groups << 32) | eps.to_bits() as usize) as *mut c_void
+}
+
+/// Custom op: `dst` (f32 `[2, groups, n]`, contiguous) = the
+/// [`GroupNorm::stats`] of `src[0]` (f32 `[w, h, c, n]`, rows dense).
+pub(crate) unsafe extern "C" fn group_stats_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d_norm_silu` built this op: an f32 input
+    // with dense rows whose strides address every row, groups dividing
+    // its channels, and a contiguous f32 destination of 2 × groups × n.
+    // Threads write disjoint (image, group) pairs.
+    unsafe {
+        let x = &*(*dst).src[0];
+        let ud = ud as usize;
+        let norm = GroupNorm {
+            groups: ud >> 32,
+            eps: f32::from_bits(ud as u32),
+        };
+        let ne = x.ne.map(|n| n as usize);
+        let (base, nb) = (x.data as *const u8, x.nb);
+        let input = |img: usize, ch: usize, y: usize| -> &[f32] {
+            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
+            std::slice::from_raw_parts(p, ne[0])
+        };
+        let stats =
+            std::slice::from_raw_parts_mut((*dst).data as *mut f32, 2 * norm.groups * ne[3]);
+        norm.stats(
+            [ne[0], ne[1], ne[2], ne[3]],
+            input,
+            stats,
+            ith as usize,
+            nth as usize,
+        );
+    }
+}
+
+/// Custom op: `dst` = [`Conv::nhwc_norm_silu`] of the f32 input `src[0]`
+/// (rows dense) for the kernel `src[1]`, with the group norm whose
+/// statistics are `src[2]` ([`group_stats_op`]) and the f32 `[c]` affine
+/// weights `src[3]` (scale) and `src[4]` (shift).
+pub(crate) unsafe extern "C" fn nhwc_norm_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d_norm_silu` built this op like `nhwc_op`,
+    // plus the statistics of this input (2 × groups × n f32) and two
+    // contiguous f32 vectors of c.
+    unsafe {
+        let (x, k) = ((*dst).src[0], (*dst).src[1]);
+        let conv = conv_of(k, x, ud);
+        let stats = &*(*dst).src[2];
+        let norm = GroupNorm {
+            groups: stats.ne[1] as usize,
+            eps: 0.0,
+        };
+        let stats = std::slice::from_raw_parts(stats.data as *const f32, 2 * norm.groups * conv.n);
+        let vector =
+            |t: *mut sys::ggml_tensor| std::slice::from_raw_parts((*t).data as *const f32, conv.c);
+        let (gamma, beta) = (vector((*dst).src[3]), vector((*dst).src[4]));
+        let affine = |img: usize, ch: usize| norm.fold(stats, conv.c, gamma, beta, img, ch);
+        let (base, nb, w) = ((*x).data as *const u8, (*x).nb, conv.w);
+        let input = |img: usize, ch: usize, y: usize| -> &[f32] {
+            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
+            std::slice::from_raw_parts(p, w)
+        };
+        let len = conv.nhwc_ne().iter().product();
+        let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, len);
+        conv.nhwc_norm_silu(input, &affine, out, ith as usize, nth as usize);
+    }
+}
+
 /// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = [`Conv::gemm`]
 /// of the packed kernel `src[0]` and the channels-last copy `src[1]`;
 /// `src[2]` and `src[3]` are the kernel and input, for their shapes, and
@@ -1391,6 +1699,55 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn both_softmax_chunks_agree() {
+        if !std::arch::is_x86_feature_detected!("avx512bf16") {
+            eprintln!("no AVX512-BF16 here: skipped");
+            return;
+        }
+        let od = 64;
+        for (keys, len) in [(256, 256), (37, 64), (1, 32), (250, 256)] {
+            let sc: Vec<f32> = values(ROWS * SC_LD, keys as u64)
+                .iter()
+                .map(|v| v * 9.0)
+                .collect();
+            let run = |bf16_path: bool| {
+                let (mut sc, mut pa) = (sc.clone(), vec![0xffffu16; ROWS * PA_LD]);
+                let mut o = values(ROWS * od, 11);
+                let mut max: [f32; ROWS] = std::array::from_fn(|r| (r as f32 - 16.0) * 0.3);
+                let mut sum = [1.5f32; ROWS];
+                if bf16_path {
+                    // SAFETY: the processor has AVX512-BF16 (checked above).
+                    unsafe {
+                        softmax_chunk_bf16(
+                            &mut sc, &mut pa, &mut o, od, &mut max, &mut sum, keys, len,
+                        )
+                    };
+                } else {
+                    softmax_chunk_body(&mut sc, &mut pa, &mut o, od, &mut max, &mut sum, keys, len);
+                }
+                (pa, o, max, sum)
+            };
+            let (a, b) = (run(true), run(false));
+            for r in 0..ROWS {
+                let row = r * PA_LD..r * PA_LD + len;
+                assert_eq!(
+                    a.0[row.clone()],
+                    b.0[row],
+                    "probabilities of row {r}, {keys} keys"
+                );
+                assert_eq!(a.2[r], b.2[r]);
+                assert!(
+                    (a.3[r] - b.3[r]).abs() <= 1e-5 * b.3[r],
+                    "sum of row {r}: {} vs {}",
+                    a.3[r],
+                    b.3[r]
+                );
+            }
+            assert_eq!(a.1, b.1);
         }
     }
 

@@ -869,17 +869,16 @@ impl Context {
         Ok(self.conv_2d_impl(kernel, input, None, stride, pad)?.0)
     }
 
-    /// [`Context::conv_2d`], with `bias` added inside the convolution
-    /// where the AMX path takes it (then the flag is true; the caller adds
-    /// it otherwise).
-    fn conv_2d_impl<'a>(
-        &'a self,
-        kernel: Tensor<'a>,
-        input: Tensor<'a>,
-        bias: Option<Tensor<'a>>,
+    /// Checks a convolution's operands (an error for what ggml would
+    /// abort on) and says whether it takes the AMX path: a bf16 kernel in
+    /// an AMX context, over enough output pixels.
+    fn conv_2d_check(
+        &self,
+        kernel: Tensor<'_>,
+        input: Tensor<'_>,
         stride: i32,
         pad: i32,
-    ) -> Result<(Tensor<'a>, bool)> {
+    ) -> Result<bool> {
         let (k, x) = (kernel.ne(), input.ne());
         // ggml's output size, (in + 2·pad − k)/stride + 1, must be positive
         // with a kernel that fits the padded input.
@@ -904,14 +903,30 @@ impl Context {
         let pixels = ((x[0] + 2 * i64::from(pad) - k[0]) / i64::from(stride) + 1)
             * ((x[1] + 2 * i64::from(pad) - k[1]) / i64::from(stride) + 1)
             * x[3];
-        if self.amx.get()
+        Ok(self.amx.get()
             && kernel.ty() == Some(Type::BF16)
             && stride < 1 << 15
             && pad < 1 << 15
-            && pixels >= *crate::amx::MIN_ROWS as i64
-        {
+            && pixels >= *crate::amx::MIN_ROWS as i64)
+    }
+
+    /// [`Context::conv_2d`], with `bias` added inside the convolution
+    /// where the AMX path takes it (then the flag is true; the caller adds
+    /// it otherwise).
+    fn conv_2d_impl<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<(Tensor<'a>, bool)> {
+        if self.conv_2d_check(kernel, input, stride, pad)? {
             let added = bias.is_some();
-            return Ok((self.conv_2d_amx(kernel, input, bias, stride, pad)?, added));
+            return Ok((
+                self.conv_2d_amx(kernel, input, bias, stride, pad, None)?,
+                added,
+            ));
         }
         if kernel.ty() == Some(Type::BF16) {
             // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
@@ -947,6 +962,7 @@ impl Context {
         bias: Option<Tensor<'a>>,
         stride: i32,
         pad: i32,
+        norm: Option<[Tensor<'a>; 3]>,
     ) -> Result<Tensor<'a>> {
         let (k, x) = (kernel.ne(), input.ne());
         let ud = crate::amx::conv_userdata(stride as usize, pad as usize);
@@ -965,8 +981,10 @@ impl Context {
             let ne = ne.map(|n| n as i64);
             // SAFETY: every argument is alive for 'a; `f` is one of the
             // conv ops of `crate::amx`, which read the arguments in the
-            // order given here (shapes and types checked by conv_2d) and
-            // write `ne` elements of `ty`; room checked below.
+            // order given here (shapes and types checked by conv_2d_check,
+            // the norm's by conv_2d_norm_silu, its statistics made by
+            // group_stats_op for this input) and write `ne` elements of
+            // `ty`; room checked below.
             unsafe { self.custom_op(ty, ne, args, f, ud) }
         };
         self.room(3)?;
@@ -977,12 +995,20 @@ impl Context {
             &mut [kernel.raw, input.raw],
             crate::amx::conv_pack_op,
         )?;
-        let nhwc = custom(
-            bf16,
-            conv.nhwc_ne(),
-            &mut [input.raw, kernel.raw],
-            crate::amx::nhwc_op,
-        )?;
+        let nhwc = match norm {
+            None => custom(
+                bf16,
+                conv.nhwc_ne(),
+                &mut [input.raw, kernel.raw],
+                crate::amx::nhwc_op,
+            )?,
+            Some([stats, gamma, beta]) => custom(
+                bf16,
+                conv.nhwc_ne(),
+                &mut [input.raw, kernel.raw, stats.raw, gamma.raw, beta.raw],
+                crate::amx::nhwc_norm_op,
+            )?,
+        };
         let mut args = vec![packed.raw, nhwc.raw, kernel.raw, input.raw];
         args.extend(bias.map(|b| b.raw));
         custom(
@@ -1017,6 +1043,70 @@ impl Context {
             return Ok(y);
         }
         self.add(y, self.reshape(bias, &[1, 1, oc, 1])?)
+    }
+
+    /// `conv_2d(kernel, silu(group_norm(input) · gamma + beta))`, plus an
+    /// optional f32 `[Cout]` bias: the group norm of ggml's
+    /// [`Context::group_norm`] (`groups` groups, `eps`) with f32 `[Cin]`
+    /// affine weights, as every ResBlock feeds its convolutions. In an
+    /// AMX context, where the convolution takes the tile path, the norm,
+    /// its weights and the SiLU are applied as the convolution's
+    /// channels-last copy is made (one statistics pass and one copy,
+    /// where ggml makes five passes over the activations); elsewhere by
+    /// ggml's ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_2d_norm_silu<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        (groups, eps): (i32, f32),
+        gamma: Tensor<'a>,
+        beta: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let c = input.ne()[2];
+        for (what, t) in [("scale", gamma), ("shift", beta)] {
+            if t.ty() != Some(Type::F32) || !contiguous(&t) || t.ne() != [c, 1, 1, 1] {
+                return invalid(format!(
+                    "group norm {what} {:?} of type {} for {c} channels (f32, contiguous)",
+                    t.ne(),
+                    t.type_name()
+                ));
+            }
+        }
+        let groups_fit = groups > 0 && i64::from(groups) <= c && c % i64::from(groups) == 0;
+        if groups_fit
+            && !eps.is_nan()
+            && eps >= 0.0
+            && self.conv_2d_check(kernel, input, stride, pad)?
+        {
+            self.room(1)?;
+            let ud = crate::amx::group_norm_userdata(groups as usize, eps);
+            let ne = [2, i64::from(groups), input.ne()[3], 1];
+            // SAFETY: `input` is alive for 'a, f32 with dense rows
+            // (conv_2d_check); group_stats_op reads it and writes 2 ×
+            // groups × n f32, groups dividing the channels (checked); room
+            // checked.
+            let stats = unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    ne,
+                    &mut [input.raw],
+                    crate::amx::group_stats_op,
+                    ud,
+                )?
+            };
+            return self.conv_2d_amx(kernel, input, bias, stride, pad, Some([stats, gamma, beta]));
+        }
+        let h = self.group_norm(input, groups, eps)?;
+        let h = self.mul(h, self.reshape(gamma, &[1, 1, c, 1])?)?;
+        let h = self.silu(self.add(h, self.reshape(beta, &[1, 1, c, 1])?)?)?;
+        match bias {
+            Some(b) => self.conv_2d_bias(kernel, h, b, stride, pad),
+            None => self.conv_2d(kernel, h, stride, pad),
+        }
     }
 
     /// A convolution as im2col (`cols` type) and one matrix product:

@@ -343,6 +343,43 @@ pub fn shortcut<'a>(
     }
 }
 
+/// `conv2d(silu(group_norm(x)))`, the norm–SiLU–convolution that feeds
+/// every ResBlock's 3×3 convolutions (32 groups, `eps`, stride 1, padding
+/// 1): one `conv_2d_norm_silu`, which ggml fuses where its AMX kernels run,
+/// when the norm's weights and the bias are f32 and no LoRA touches the
+/// kernel; else [`group_norm`], SiLU and [`conv2d`].
+#[allow(clippy::too_many_arguments)]
+pub fn norm_silu_conv2d<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    norm: &str,
+    conv: &str,
+    x: Tensor<'a>,
+    c_in: i64,
+    c_out: i64,
+    eps: f32,
+) -> Result<Tensor<'a>> {
+    let name = format!("{conv}.weight");
+    let gamma = w.shaped(&format!("{norm}.weight"), &[c_in])?;
+    let beta = w.shaped(&format!("{norm}.bias"), &[c_in])?;
+    let is_f32 = |t: Tensor<'_>| t.ty() == Some(ggml::Type::F32);
+    let bias_ok = w.opt(&format!("{conv}.bias")).is_none_or(is_f32);
+    if is_f32(gamma) && is_f32(beta) && bias_ok && w.lora_for(&name).is_empty() {
+        let kernel = w.shaped(&name, &[3, 3, c_in, c_out])?;
+        if x.ne()[2] != c_in {
+            return Err(ModelError::Invalid(format!(
+                "{conv}: input has {} channels where {c_in} were expected",
+                x.ne()[2]
+            )));
+        }
+        let bias = fusable_bias(c, w, conv, &name, c_out)?;
+        let (gamma, beta) = (c.reshape(gamma, &[c_in])?, c.reshape(beta, &[c_in])?);
+        return Ok(c.conv_2d_norm_silu(kernel, x, bias, (32, eps), gamma, beta, 1, 1)?);
+    }
+    let h = c.silu(group_norm(c, w, norm, x, c_in, eps)?)?;
+    conv2d(c, w, conv, h, c_in, c_out, 3, 1, 1)
+}
+
 /// Group norm in 32 groups over `[W, H, C, N]` with affine `[C]` weight and bias.
 pub fn group_norm<'a>(
     c: &'a Context,

@@ -15,7 +15,8 @@
 //! sampler's denoiser turns it into x₀.
 
 use crate::blocks::nn::{
-    attention, conv2d, group_norm, layer_norm, linear, shortcut, ModelError, Result, W,
+    attention, conv2d, group_norm, layer_norm, linear, norm_silu_conv2d, shortcut, ModelError,
+    Result, W,
 };
 use crate::family::Heads;
 use crate::module::{input_f32, Built, Module};
@@ -288,8 +289,7 @@ fn build<'a>(
         )));
     }
     let ch = h.ne()[2];
-    h = c.silu(group_norm(c, w, "out.0", h, ch, 1e-5)?)?;
-    let out = conv2d(c, w, "out.2", h, ch, cfg.out_channels, 3, 1, 1)?;
+    let out = norm_silu_conv2d(c, w, "out.0", "out.2", h, ch, cfg.out_channels, 1e-5)?;
     Ok(Built {
         output: out,
         inputs,
@@ -311,8 +311,8 @@ impl<'a> Net<'a, '_> {
         let (c, w) = (self.c, self.w);
         let cin = x.ne()[2];
         let cout = w.ne(&format!("{p}.out_layers.3.weight"))?[3];
-        let h = c.silu(group_norm(c, w, &format!("{p}.in_layers.0"), x, cin, 1e-5)?)?;
-        let h = conv2d(c, w, &format!("{p}.in_layers.2"), h, cin, cout, 3, 1, 1)?;
+        let (norm, conv) = (format!("{p}.in_layers.0"), format!("{p}.in_layers.2"));
+        let h = norm_silu_conv2d(c, w, &norm, &conv, x, cin, cout, 1e-5)?;
         let e = linear(
             c,
             w,
@@ -323,15 +323,8 @@ impl<'a> Net<'a, '_> {
         )?;
         let n = e.ne()[1];
         let h = c.add(h, c.reshape(e, &[1, 1, cout, n])?)?;
-        let h = c.silu(group_norm(
-            c,
-            w,
-            &format!("{p}.out_layers.0"),
-            h,
-            cout,
-            1e-5,
-        )?)?;
-        let h = conv2d(c, w, &format!("{p}.out_layers.3"), h, cout, cout, 3, 1, 1)?;
+        let (norm, conv) = (format!("{p}.out_layers.0"), format!("{p}.out_layers.3"));
+        let h = norm_silu_conv2d(c, w, &norm, &conv, h, cout, cout, 1e-5)?;
         let skip = shortcut(c, w, &format!("{p}.skip_connection"), x, cin, cout)?;
         Ok(c.add(skip, h)?)
     }

@@ -18,7 +18,9 @@
 //! factor (the distribution's mode, as ComfyUI takes it): deterministic, and
 //! the SD VAE's posterior is narrow enough that sampling it changes little.
 
-use crate::blocks::nn::{attention, conv2d, group_norm, linear, shortcut, ModelError, Result, W};
+use crate::blocks::nn::{
+    attention, conv2d, group_norm, linear, norm_silu_conv2d, shortcut, ModelError, Result, W,
+};
 use crate::module::{input_f32, Built, Module};
 use ggml::{Context, Tensor};
 
@@ -134,9 +136,17 @@ fn build_encoder<'a>(
     h = attn_block(c, w, "encoder.mid.attn_1", h)?;
     h = res_block(c, w, "encoder.mid.block_2", h)?;
     let ch = h.ne()[2];
-    h = c.silu(group_norm(c, w, "encoder.norm_out", h, ch, EPS)?)?;
     let out_ch = w.ne("encoder.conv_out.weight")?[3];
-    h = conv2d(c, w, "encoder.conv_out", h, ch, out_ch, 3, 1, 1)?;
+    h = norm_silu_conv2d(
+        c,
+        w,
+        "encoder.norm_out",
+        "encoder.conv_out",
+        h,
+        ch,
+        out_ch,
+        EPS,
+    )?;
     let out = if w.has("quant_conv.weight") {
         conv2d(c, w, "quant_conv", h, out_ch, out_ch, 1, 1, 0)?
     } else {
@@ -243,9 +253,17 @@ fn build<'a>(
         }
     }
     let ch = h.ne()[2];
-    h = c.silu(group_norm(c, w, "decoder.norm_out", h, ch, EPS)?)?;
     let out_ch = w.ne("decoder.conv_out.weight")?[3];
-    let out = conv2d(c, w, "decoder.conv_out", h, ch, out_ch, 3, 1, 1)?;
+    let out = norm_silu_conv2d(
+        c,
+        w,
+        "decoder.norm_out",
+        "decoder.conv_out",
+        h,
+        ch,
+        out_ch,
+        EPS,
+    )?;
     Ok(Built {
         output: out,
         inputs,
@@ -256,10 +274,10 @@ fn build<'a>(
 fn res_block<'a>(c: &'a Context, w: &W<'a>, p: &str, x: Tensor<'a>) -> Result<Tensor<'a>> {
     let cin = x.ne()[2];
     let cout = w.ne(&format!("{p}.conv1.weight"))?[3];
-    let h = c.silu(group_norm(c, w, &format!("{p}.norm1"), x, cin, EPS)?)?;
-    let h = conv2d(c, w, &format!("{p}.conv1"), h, cin, cout, 3, 1, 1)?;
-    let h = c.silu(group_norm(c, w, &format!("{p}.norm2"), h, cout, EPS)?)?;
-    let h = conv2d(c, w, &format!("{p}.conv2"), h, cout, cout, 3, 1, 1)?;
+    let (n1, c1) = (format!("{p}.norm1"), format!("{p}.conv1"));
+    let h = norm_silu_conv2d(c, w, &n1, &c1, x, cin, cout, EPS)?;
+    let (n2, c2) = (format!("{p}.norm2"), format!("{p}.conv2"));
+    let h = norm_silu_conv2d(c, w, &n2, &c2, h, cout, cout, EPS)?;
     let skip = shortcut(c, w, &format!("{p}.nin_shortcut"), x, cin, cout)?;
     Ok(c.add(skip, h)?)
 }
