@@ -1752,6 +1752,77 @@ mod tests {
     }
 
     #[test]
+    fn the_normed_copy_matches_a_reference() {
+        // Group norm statistics in f64, then silu(norm · gamma + beta)
+        // narrowed to bf16 at each pixel's place in the channels-last copy.
+        if !available() {
+            eprintln!("no AMX here: skipped");
+            return;
+        }
+        let (w, h, c, n, groups) = (13, 5, 64, 2, 8);
+        let conv = Conv {
+            w,
+            h,
+            c,
+            n,
+            oc: 16,
+            kw: 3,
+            kh: 3,
+            stride: 1,
+            pad: 1,
+        };
+        let x: Vec<f32> = values(w * h * c * n, 21)
+            .iter()
+            .map(|v| v * 3.0 + 0.5)
+            .collect();
+        let (gamma, beta) = (values(c, 22), values(c, 23));
+        let norm = GroupNorm { groups, eps: 1e-5 };
+        let input = |i: usize, ch: usize, y: usize| &x[((i * c + ch) * h + y) * w..][..w];
+        let mut stats = vec![f32::NAN; 2 * groups * n];
+        for t in 0..3 {
+            norm.stats([w, h, c, n], input, &mut stats, t, 3);
+        }
+        let mut out = vec![0xffff; conv.nhwc_ne().iter().product()];
+        let affine = |i: usize, ch: usize| norm.fold(&stats, c, &gamma, &beta, i, ch);
+        for t in 0..2 {
+            conv.nhwc_norm_silu(input, &affine, &mut out, t, 2);
+        }
+        let (cp, wp, hs) = (conv.cp(), conv.wp(), conv.hs());
+        let per = c / groups;
+        for i in 0..n {
+            for g in 0..groups {
+                let vals: Vec<f64> = (g * per..(g + 1) * per)
+                    .flat_map(|ch| {
+                        (0..h).flat_map(move |y| input(i, ch, y).iter().map(|&v| v as f64))
+                    })
+                    .collect();
+                let mean = vals.iter().sum::<f64>() / vals.len() as f64;
+                let var =
+                    vals.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / vals.len() as f64;
+                for ch in g * per..(g + 1) * per {
+                    for y in 0..h {
+                        for xx in 0..w {
+                            let v = (input(i, ch, y)[xx] as f64 - mean) / (var + 1e-5).sqrt();
+                            let v = v * gamma[ch] as f64 + beta[ch] as f64;
+                            let want = v / (1.0 + (-v).exp());
+                            let at = ((i * hs + y + 1) * wp + xx + 1) * cp + ch;
+                            let got = to_f32(out[at]) as f64;
+                            assert!(
+                                (got - want).abs() <= 8e-3 * want.abs() + 1e-5,
+                                "[{i},{ch},{y},{xx}]: {got} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+            // Padding stays zero.
+            assert!(out[(i * hs * wp) * cp..((i * hs + 1) * wp) * cp]
+                .iter()
+                .all(|&v| v == 0));
+        }
+    }
+
+    #[test]
     fn exp_is_close_to_std() {
         for i in 0..2000 {
             let x = -(i as f32) * 0.05;

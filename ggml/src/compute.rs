@@ -2270,6 +2270,11 @@ mod tests {
             "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[8]), 1, 1);
             "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), t(c, Type::F16, &[16]), 1, 1);
             "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 4, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
+            "conv_2d_norm_silu" ok: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), f32s(c, &[64]), 1, 1);
+            "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[32]), f32s(c, &[64]), 1, 1);
+            "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), t(c, Type::F16, &[64]), 1, 1);
+            "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (0, 1e-5), f32s(c, &[64]), f32s(c, &[64]), 1, 1);
+            "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 32, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), f32s(c, &[64]), 1, 1);
             "conv_2d_f32" ok: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
             "conv_2d_f32" ok: |c| c.conv_2d_f32(f32s(c, &[3, 3, 8, 16]), f32s(c, &[1, 1, 8, 1]), 2, 1);
             "conv_2d_f32" bad: |c| c.conv_2d_f32(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
@@ -2396,6 +2401,21 @@ mod tests {
             .conv_2d_bias(k, f32s(&c, &[16, 12, 8, 2]), f32s(&c, &[16]), 1, 1)
             .unwrap();
         assert_eq!((y.ne(), custom(&y)), ([16, 12, 16, 2], true));
+        let (k, x, gb) = (
+            t(&c, Type::BF16, &[3, 3, 64, 16]),
+            f32s(&c, &[16, 12, 64, 2]),
+            f32s(&c, &[64]),
+        );
+        let y = c
+            .conv_2d_norm_silu(k, x, Some(f32s(&c, &[16])), (32, 1e-6), gb, gb, 1, 1)
+            .unwrap();
+        assert_eq!((y.ne(), custom(&y)), ([16, 12, 16, 2], true));
+        // Groups that do not divide the channels: ggml's group norm (which
+        // allows them) and the plain convolution after it.
+        let y = c
+            .conv_2d_norm_silu(k, x, None, (24, 1e-6), gb, gb, 1, 1)
+            .unwrap();
+        assert_eq!(y.ne(), [16, 12, 16, 2]);
         let (q, kv) = (f32s(&c, &[16, 40, 2]), f32s(&c, &[16, 10, 2]));
         let y = c.attention_amx(q, kv, kv, 2, 0.25).unwrap();
         assert_eq!(y.ne(), [16, 40, 2, 1]);

@@ -299,6 +299,23 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "group norm + SiLU + conv_2d (AMX)",
+            tolerance: 2e-2,
+            amx: true,
+            build: |i, c| {
+                // The norm folded into the convolution's input copy on AMX;
+                // ggml's group_norm, mul, add, silu and conv elsewhere.
+                let (k, x, g, b) = (
+                    t(i, Type::BF16, &[3, 3, 64, 32])?,
+                    t(i, Type::F32, &[18, 10, 64, 2])?,
+                    t(i, Type::F32, &[64])?,
+                    t(i, Type::F32, &[64])?,
+                );
+                let y = c.conv_2d_norm_silu(k, x, None, (32, 1e-5), g, b, 1, 1)?;
+                Ok((vec![k, x, g, b], y))
+            },
+        },
+        Case {
             name: "attention heads (AMX)",
             tolerance: 3e-2,
             amx: true,
