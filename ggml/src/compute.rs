@@ -641,6 +641,17 @@ fn check_unary(name: &str, a: &Tensor<'_>) -> Result<()> {
     }
     Ok(())
 }
+fn check_glu(name: &str, a: &Tensor<'_>) -> Result<()> {
+    if a.ty() != Some(Type::F32) || !contiguous(a) || a.ne()[0] % 2 != 0 {
+        return invalid(format!(
+            "{name} needs a contiguous f32 tensor of even rows, not {} {:?} with strides {:?}",
+            a.type_name(),
+            a.ne(),
+            a.nb()
+        ));
+    }
+    Ok(())
+}
 fn check_f32_contiguous(name: &str, a: &Tensor<'_>) -> Result<()> {
     if a.ty() != Some(Type::F32) || !contiguous(a) {
         return invalid(format!(
@@ -724,6 +735,9 @@ unary_ops! {
     gelu_erf => ggml_gelu_erf, check_unary;
     /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
     gelu_quick => ggml_gelu_quick, check_unary;
+    /// GEGLU as diffusers has it: the first half of `ne[0]` times the exact
+    /// (erf) GELU of the second, in one pass (`ne[0]` halves).
+    geglu_erf => ggml_geglu_erf_swapped, check_glu;
 }
 binary_ops! {
     /// Element-wise sum (b broadcast).
@@ -2270,6 +2284,9 @@ mod tests {
             "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[8]), 1, 1);
             "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), t(c, Type::F16, &[16]), 1, 1);
             "conv_2d_bias" bad: |c| c.conv_2d_bias(t(c, Type::F16, &[3, 3, 4, 16]), f32s(c, &[16, 16, 8, 1]), f32s(c, &[16]), 1, 1);
+            "geglu_erf" ok: |c| c.geglu_erf(f32s(c, &[16, 3]));
+            "geglu_erf" bad: |c| c.geglu_erf(f32s(c, &[15, 3]));
+            "geglu_erf" bad: |c| c.geglu_erf(transposed(c, Type::F32, &[16, 3]));
             "conv_2d_norm_silu" ok: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), f32s(c, &[64]), 1, 1);
             "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[32]), f32s(c, &[64]), 1, 1);
             "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), t(c, Type::F16, &[64]), 1, 1);

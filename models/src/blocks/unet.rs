@@ -405,16 +405,7 @@ impl<'a> Net<'a, '_> {
         let n = layer_norm(c, w, &format!("{p}.norm3"), x, inner, 1e-5)?;
         let ff = w.ne(&format!("{p}.ff.net.0.proj.weight"))?[1] / 2;
         let g = linear(c, w, &format!("{p}.ff.net.0.proj"), n, inner, 2 * ff)?;
-        let value = c.cont(c.split_dim0(g, 2, 0)?)?;
-        let gate = c.gelu_erf(c.cont(c.split_dim0(g, 2, 1)?)?)?;
-        let y = linear(
-            c,
-            w,
-            &format!("{p}.ff.net.2"),
-            c.mul(value, gate)?,
-            ff,
-            inner,
-        )?;
+        let y = linear(c, w, &format!("{p}.ff.net.2"), c.geglu_erf(g)?, ff, inner)?;
         Ok(c.add(x, y)?)
     }
 }
