@@ -255,8 +255,9 @@ fn panel_outer(weight_bytes: usize, blocks: usize, act_bytes: usize, pairs: usiz
 /// f32 to bf16 over a row.
 fn narrow(src: &[f32], dst: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512bf16") {
-        // SAFETY: the processor has AVX512-BF16 (checked just above).
+    if bf16_ops() {
+        // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
+        // above).
         unsafe { narrow_bf16(src, dst) };
         return;
     }
@@ -265,11 +266,21 @@ fn narrow(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// Whether the processor has what [`narrow_bf16`] and
+/// [`softmax_chunk_bf16`] use: AVX512-BF16 (with F, BW and VL for the
+/// masked 16-bit stores).
+#[cfg(target_arch = "x86_64")]
+fn bf16_ops() -> bool {
+    std::arch::is_x86_feature_detected!("avx512bf16")
+        && std::arch::is_x86_feature_detected!("avx512bw")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+}
+
 /// [`narrow`] by the processor's own conversion (`vcvtneps2bf16`: round
 /// to nearest even, NaN stays NaN, like [`bf16`] but for subnormals,
 /// which it flushes to zero).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
 fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
     use std::arch::x86_64::*;
     let n = src.len().min(dst.len());
@@ -381,6 +392,23 @@ impl GroupNorm {
 /// `Σ x` (`SQUARES` false) or `Σ (x − mean)²` (true), in f64 over
 /// blocks of f32 partial sums.
 fn row_sum<const SQUARES: bool>(x: &[f32], mean: f64) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the processor has AVX-512F (checked just above).
+        return unsafe { row_sum_avx512::<SQUARES>(x, mean) };
+    }
+    row_sum_body::<SQUARES>(x, mean)
+}
+
+/// [`row_sum`] compiled for AVX-512 (the lanes vectorize 16 wide).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn row_sum_avx512<const SQUARES: bool>(x: &[f32], mean: f64) -> f64 {
+    row_sum_body::<SQUARES>(x, mean)
+}
+
+#[inline(always)]
+fn row_sum_body<const SQUARES: bool>(x: &[f32], mean: f64) -> f64 {
     let m = mean as f32;
     let term = |v: f32| if SQUARES { (v - m) * (v - m) } else { v };
     let mut total = 0.0;
@@ -835,8 +863,9 @@ fn softmax_chunk(
     len: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512bf16") {
-        // SAFETY: the processor has AVX512-BF16 (checked just above).
+    if bf16_ops() {
+        // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
+        // above).
         return unsafe { softmax_chunk_bf16(sc, pa, o, od, max, sum, keys, len) };
     }
     softmax_chunk_body(sc, pa, o, od, max, sum, keys, len)
@@ -847,7 +876,7 @@ fn softmax_chunk(
 /// compiler does not vectorize the online maximum's reduction or the
 /// masked tail well, and it cannot emit `vcvtneps2bf16` by itself).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bf16,fma")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16,fma")]
 #[allow(clippy::too_many_arguments)]
 fn softmax_chunk_bf16(
     sc: &mut [f32],
@@ -1704,7 +1733,7 @@ mod tests {
 
     #[test]
     fn both_softmax_chunks_agree() {
-        if !std::arch::is_x86_feature_detected!("avx512bf16") {
+        if !bf16_ops() {
             eprintln!("no AVX512-BF16 here: skipped");
             return;
         }
@@ -1720,7 +1749,8 @@ mod tests {
                 let mut max: [f32; ROWS] = std::array::from_fn(|r| (r as f32 - 16.0) * 0.3);
                 let mut sum = [1.5f32; ROWS];
                 if bf16_path {
-                    // SAFETY: the processor has AVX512-BF16 (checked above).
+                    // SAFETY: the processor has AVX512-BF16, BW and VL
+                    // (checked above).
                     unsafe {
                         softmax_chunk_bf16(
                             &mut sc, &mut pa, &mut o, od, &mut max, &mut sum, keys, len,
