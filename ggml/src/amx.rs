@@ -1336,6 +1336,25 @@ unsafe fn conv_of(k: *const sys::ggml_tensor, x: *const sys::ggml_tensor, ud: *m
     }
 }
 
+/// Row `y` of channel `ch` of image `img` of the 4-D tensor `x`.
+///
+/// # Safety
+/// `x` is a live f32 tensor in host memory whose rows are dense and whose
+/// strides address every row; the rows stay alive and unwritten while
+/// the closure's slices are used.
+unsafe fn f32_rows<'x>(x: *const sys::ggml_tensor) -> impl Fn(usize, usize, usize) -> &'x [f32] {
+    // SAFETY: live tensor (caller).
+    let (base, nb, w) = unsafe { ((*x).data as *const u8, (*x).nb, (*x).ne[0] as usize) };
+    move |img, ch, y| {
+        // SAFETY: the caller's promise: every (img, ch, y) inside the
+        // tensor addresses a row of w f32.
+        unsafe {
+            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
+            std::slice::from_raw_parts(p, w)
+        }
+    }
+}
+
 /// The userdata that carries a convolution's stride and padding (each
 /// below 2¹⁶, checked by the graph builder) to the custom ops.
 pub(crate) fn conv_userdata(stride: usize, pad: usize) -> *mut c_void {
@@ -1379,11 +1398,7 @@ pub(crate) unsafe extern "C" fn nhwc_op(
     unsafe {
         let (x, k) = ((*dst).src[0], (*dst).src[1]);
         let conv = conv_of(k, x, ud);
-        let (base, nb, w) = ((*x).data as *const u8, (*x).nb, conv.w);
-        let input = |img: usize, ch: usize, y: usize| -> &[f32] {
-            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
-            std::slice::from_raw_parts(p, w)
-        };
+        let input = f32_rows(x);
         let len = conv.nhwc_ne().iter().product();
         let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, len);
         conv.nhwc(input, out, ith as usize, nth as usize);
@@ -1416,11 +1431,7 @@ pub(crate) unsafe extern "C" fn group_stats_op(
             eps: f32::from_bits(ud as u32),
         };
         let ne = x.ne.map(|n| n as usize);
-        let (base, nb) = (x.data as *const u8, x.nb);
-        let input = |img: usize, ch: usize, y: usize| -> &[f32] {
-            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
-            std::slice::from_raw_parts(p, ne[0])
-        };
+        let input = f32_rows(x);
         let stats =
             std::slice::from_raw_parts_mut((*dst).data as *mut f32, 2 * norm.groups * ne[3]);
         norm.stats(
@@ -1459,11 +1470,7 @@ pub(crate) unsafe extern "C" fn nhwc_norm_op(
             |t: *mut sys::ggml_tensor| std::slice::from_raw_parts((*t).data as *const f32, conv.c);
         let (gamma, beta) = (vector((*dst).src[3]), vector((*dst).src[4]));
         let affine = |img: usize, ch: usize| norm.fold(stats, conv.c, gamma, beta, img, ch);
-        let (base, nb, w) = ((*x).data as *const u8, (*x).nb, conv.w);
-        let input = |img: usize, ch: usize, y: usize| -> &[f32] {
-            let p = base.add(img * nb[3] + ch * nb[2] + y * nb[1]) as *const f32;
-            std::slice::from_raw_parts(p, w)
-        };
+        let input = f32_rows(x);
         let len = conv.nhwc_ne().iter().product();
         let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, len);
         conv.nhwc_norm_silu(input, &affine, out, ith as usize, nth as usize);
