@@ -169,7 +169,7 @@ impl Type {
 /// A `no_alloc` ggml context: tensor and graph metadata.
 #[derive(Debug)]
 pub struct Context {
-    raw: *mut sys::ggml_context,
+    pub(crate) raw: *mut sys::ggml_context,
     /// Zero-size buffers set on placeholder tensors
     /// ([`Context::place_unallocated`]); freed after the context, so no
     /// tensor of it ever points at a freed buffer.
@@ -1987,8 +1987,19 @@ impl<'b> Sched<'b> {
             ));
         }
         let mut raws: Vec<sys::ggml_backend_t> = backends.iter().map(|b| b.raw()).collect();
-        let mut bufts: Vec<sys::ggml_backend_buffer_type_t> =
-            backends.iter().map(|b| b.device().buffer_type()).collect();
+        // The CPU's compute buffers come from the arena (`crate::arena`),
+        // every other device's from its own buffer type.
+        let mut bufts: Vec<sys::ggml_backend_buffer_type_t> = backends
+            .iter()
+            .map(|b| {
+                let d = b.device();
+                if crate::arena::enabled() && d.device_type() == crate::DeviceType::Cpu {
+                    crate::arena::buffer_type()
+                } else {
+                    d.buffer_type()
+                }
+            })
+            .collect();
         // SAFETY: arrays of `len` live backends and their buffer types.
         let raw = unsafe {
             sys::ggml_backend_sched_new(

@@ -33,6 +33,7 @@ pub mod sys {
 }
 
 pub mod amx;
+pub mod arena;
 mod backend;
 mod compute;
 mod fatal;

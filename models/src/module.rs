@@ -712,6 +712,7 @@ impl<'b> Module<'b> {
             t.set_input();
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
+        let built_at = started.elapsed();
         let fail = |what: &str, e: ggml::Error| match e {
             ggml::Error::Aborted => ModelError::Cancelled,
             e => ModelError::Invalid(format!("{name}: {what}: {e}")),
@@ -738,7 +739,15 @@ impl<'b> Module<'b> {
             }
             .map_err(|e| fail("setting an input", e))?;
         }
+        let set_at = started.elapsed();
         sched.compute(&graph).map_err(|e| fail("computing", e))?;
+        tracing::debug!(
+            "{name}: call {}: graph built in {:.1?}, allocated and inputs set in {:.1?}, computed in {:.1?}",
+            self.timing.calls + 1,
+            built_at,
+            set_at - built_at,
+            started.elapsed() - set_at
+        );
         let out = built
             .output
             .get_f32()

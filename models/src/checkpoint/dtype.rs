@@ -37,3 +37,116 @@ pub fn encode_f32(dtype: &str, values: &[f32]) -> Option<Vec<u8>> {
         _ => return None,
     })
 }
+
+/// Bytes per element of the float types [`convert_into`] knows.
+fn float_size(dtype: &str) -> Option<usize> {
+    match dtype.to_ascii_lowercase().as_str() {
+        "f32" => Some(4),
+        "f16" | "bf16" => Some(2),
+        _ => None,
+    }
+}
+
+/// Elements per step of [`convert_into`]: the f32 staging rows stay in the
+/// L1 cache.
+const CHUNK: usize = 2048;
+
+/// Converts little-endian float bytes of type `src` to type `dst` (f32,
+/// f16 or bf16, safetensors or ggml names, any case; round to nearest even)
+/// into `out`, which is cleared first and keeps its capacity, so a loader
+/// that converts tensor after tensor touches new memory only for the
+/// largest. Goes through f32 a chunk at a time ([`decode_f32`] and
+/// [`encode_f32`] make whole copies, and convert element by element where
+/// this uses `half`'s slice conversions, F16C where the processor has it);
+/// `None` for other types.
+pub fn convert_into(src: &str, data: &[u8], dst: &str, out: &mut Vec<u8>) -> Option<()> {
+    use half::slice::HalfFloatSliceExt;
+    let (src, dst) = (src.to_ascii_lowercase(), dst.to_ascii_lowercase());
+    let (ss, ds) = (float_size(&src)?, float_size(&dst)?);
+    let n = data.len() / ss;
+    out.clear();
+    out.reserve(n * ds);
+    let mut f = [0f32; CHUNK];
+    let mut h = [half::f16::ZERO; CHUNK];
+    let mut bytes = [0u8; CHUNK * 4];
+    for chunk in data[..n * ss].chunks(CHUNK * ss) {
+        let m = chunk.len() / ss;
+        let f = &mut f[..m];
+        match src.as_str() {
+            "f32" => {
+                for (x, b) in f.iter_mut().zip(chunk.chunks_exact(4)) {
+                    *x = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+                }
+            }
+            "f16" => {
+                for (x, b) in h.iter_mut().zip(chunk.chunks_exact(2)) {
+                    *x = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
+                }
+                h[..m].convert_to_f32_slice(f);
+            }
+            _ => {
+                for (x, b) in f.iter_mut().zip(chunk.chunks_exact(2)) {
+                    *x = f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16);
+                }
+            }
+        }
+        let bytes = &mut bytes[..m * ds];
+        match dst.as_str() {
+            "f32" => {
+                for (b, x) in bytes.chunks_exact_mut(4).zip(f.iter()) {
+                    b.copy_from_slice(&x.to_le_bytes());
+                }
+            }
+            "f16" => {
+                h[..m].convert_from_f32_slice(f);
+                for (b, x) in bytes.chunks_exact_mut(2).zip(&h[..m]) {
+                    b.copy_from_slice(&x.to_bits().to_le_bytes());
+                }
+            }
+            _ => {
+                for (b, &x) in bytes.chunks_exact_mut(2).zip(f.iter()) {
+                    b.copy_from_slice(&half::bf16::from_f32(x).to_bits().to_le_bytes());
+                }
+            }
+        }
+        out.extend_from_slice(bytes);
+    }
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn convert_into_matches_the_whole_copies() {
+        // Values around the types' edges: subnormals, rounding ties,
+        // infinities, NaN, and more than one chunk of them.
+        let mut values: Vec<f32> = vec![
+            0.0,
+            -0.0,
+            1.0,
+            -2.5,
+            65504.0,
+            1e-7,
+            6.1e-5,
+            1.0 + 1.0 / 256.0,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            3.4e38,
+        ];
+        values.extend((0..5000).map(|i| ((i as f32) * 0.731).sin() * 10f32.powi(i % 9 - 4)));
+        let mut out = vec![1u8; 7];
+        for src in ["f32", "F16", "bf16"] {
+            let data = encode_f32(src, &values).unwrap();
+            for dst in ["F32", "f16", "BF16"] {
+                convert_into(src, &data, dst, &mut out).unwrap();
+                let whole = encode_f32(dst, &decode_f32(src, &data).unwrap()).unwrap();
+                assert_eq!(out, whole, "{src} to {dst}");
+            }
+        }
+        assert!(convert_into("q8_0", &[0; 34], "f32", &mut out).is_none());
+        assert!(convert_into("f16", &[0; 4], "i32", &mut out).is_none());
+    }
+}

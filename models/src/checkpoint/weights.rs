@@ -286,38 +286,51 @@ impl ModuleWeights {
         let f = std::fs::File::open(&file).map_err(|e| other(e.to_string()))?;
         let tensors = ctx.tensors();
         let mut bytes = 0;
+        // One read buffer and one conversion buffer for every tensor: new
+        // memory is touched only for the largest (a fresh vector per tensor
+        // made loading fault in every page of the checkpoint twice).
+        let mut read = Vec::new();
+        let mut converted = Vec::new();
         for (t, dst) in entries.iter().zip(&tensors) {
-            let mut data = vec![0u8; t.bytes as usize];
-            f.read_exact_at(&mut data, t.offset.unwrap_or(0))
+            read.resize(t.bytes as usize, 0);
+            let data = &mut read;
+            f.read_exact_at(data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
-            if loras.merges(&t.name) {
+            let data: &[u8] = if loras.merges(&t.name) {
                 let mut values =
-                    crate::checkpoint::dtype::decode_f32(&t.dtype, &data).ok_or_else(|| {
+                    crate::checkpoint::dtype::decode_f32(&t.dtype, data).ok_or_else(|| {
                         tensor_err(t, format!("a LoRA cannot be merged into {}", t.dtype))
                     })?;
                 loras
                     .merge(&t.name, &mut values)
                     .map_err(|e| tensor_err(t, format!("merging a LoRA: {e}")))?;
-                data = crate::checkpoint::dtype::encode_f32(&dst.type_name(), &values).ok_or_else(
-                    || {
+                converted = crate::checkpoint::dtype::encode_f32(&dst.type_name(), &values)
+                    .ok_or_else(|| {
                         tensor_err(
                             t,
                             format!("a LoRA cannot be merged into {}", dst.type_name()),
                         )
-                    },
-                )?;
+                    })?;
+                &converted
             } else if !dst.type_name().eq_ignore_ascii_case(&t.dtype) {
                 // Widened or converted (stored_type): only between float types.
-                data = crate::checkpoint::dtype::decode_f32(&t.dtype, &data)
-                    .and_then(|v| crate::checkpoint::dtype::encode_f32(&dst.type_name(), &v))
-                    .ok_or_else(|| {
-                        tensor_err(
-                            t,
-                            format!("cannot convert {} to {}", t.dtype, dst.type_name()),
-                        )
-                    })?;
-            }
-            dst.set_bytes(&data)
+                crate::checkpoint::dtype::convert_into(
+                    &t.dtype,
+                    data,
+                    &dst.type_name(),
+                    &mut converted,
+                )
+                .ok_or_else(|| {
+                    tensor_err(
+                        t,
+                        format!("cannot convert {} to {}", t.dtype, dst.type_name()),
+                    )
+                })?;
+                &converted
+            } else {
+                data
+            };
+            dst.set_bytes(data)
                 .map_err(|e| tensor_err(t, e.to_string()))?;
             bytes += t.bytes;
         }
