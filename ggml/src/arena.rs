@@ -24,7 +24,7 @@
 //! interface is the one in `ggml-backend-impl.h` (declared here by hand, as
 //! the RPC plugin declares the registry's: the build identity pins that
 //! header), and the buffers behave exactly like ggml's CPU buffers (the
-//! same memcpy/memset semantics, host memory, 64-byte alignment).
+//! same memcpy/memset semantics, host memory, ggml's 32-byte tensor alignment, so plans and memory figures do not change).
 //!
 //! **Invariant:** only schedulers' compute buffers come from here (see
 //! [`crate::Sched`]); weights never do.
@@ -73,6 +73,10 @@ struct RawBufferType {
 
 type Buf = sys::ggml_backend_buffer_t;
 
+/// The 2D copies of `struct ggml_backend_buffer_i` (tensor, data, offset,
+/// size, copies, tensor stride, data stride).
+type Copy2d<T, D> = Option<unsafe extern "C" fn(Buf, T, D, usize, usize, usize, usize, usize)>;
+
 /// `struct ggml_backend_buffer_i`.
 #[repr(C)]
 struct BufferIface {
@@ -84,30 +88,8 @@ struct BufferIface {
         Option<unsafe extern "C" fn(Buf, *mut sys::ggml_tensor, *const c_void, usize, usize)>,
     get_tensor:
         Option<unsafe extern "C" fn(Buf, *const sys::ggml_tensor, *mut c_void, usize, usize)>,
-    set_tensor_2d: Option<
-        unsafe extern "C" fn(
-            Buf,
-            *mut sys::ggml_tensor,
-            *const c_void,
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-        ),
-    >,
-    get_tensor_2d: Option<
-        unsafe extern "C" fn(
-            Buf,
-            *const sys::ggml_tensor,
-            *mut c_void,
-            usize,
-            usize,
-            usize,
-            usize,
-            usize,
-        ),
-    >,
+    set_tensor_2d: Copy2d<*mut sys::ggml_tensor, *const c_void>,
+    get_tensor_2d: Copy2d<*const sys::ggml_tensor, *mut c_void>,
     cpy_tensor:
         Option<unsafe extern "C" fn(Buf, *const sys::ggml_tensor, *mut sys::ggml_tensor) -> bool>,
     clear: Option<unsafe extern "C" fn(Buf, u8)>,
@@ -134,8 +116,9 @@ extern "C" {
     ) -> Buf;
 }
 
-/// Tensor alignment inside a block (ggml's CPU buffers use 32 or 64).
-const ALIGN: usize = 64;
+/// Tensor alignment inside a block: ggml's CPU buffer type's
+/// (`TENSOR_ALIGNMENT`), so that a graph plans to the same bytes.
+const ALIGN: usize = 32;
 /// Blocks start on a huge-page boundary.
 const HUGE: usize = 2 << 20;
 
