@@ -208,6 +208,15 @@ impl Device {
         unsafe { sys::ggml_backend_dev_supports_op(self.0, op.raw()) }
     }
 
+    /// Whether the device's memory is the host's (its default buffer type
+    /// is a host buffer type): the CPU, and accelerators that work on host
+    /// memory, such as ggml's BLAS backend.
+    pub fn uses_host_memory(self) -> bool {
+        // SAFETY: valid device; its default buffer type is a static of the
+        // backend.
+        unsafe { sys::ggml_backend_buft_is_host(sys::ggml_backend_dev_buffer_type(self.0)) }
+    }
+
     /// The device's pinned host-memory buffer type, null when it has none.
     pub(crate) fn host_buffer_type(self) -> sys::ggml_backend_buffer_type_t {
         // SAFETY: valid device.

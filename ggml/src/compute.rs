@@ -176,6 +176,8 @@ pub struct Context {
     placeholders: Vec<sys::ggml_backend_buffer_t>,
     /// [`Context::set_amx`].
     amx: std::cell::Cell<bool>,
+    /// [`Context::set_f32_products`].
+    f32_products: std::cell::Cell<bool>,
 }
 
 // SAFETY: a context is only used through `&self`/`&mut self` of one owner;
@@ -205,6 +207,7 @@ impl Context {
             raw,
             placeholders: Vec::new(),
             amx: std::cell::Cell::new(false),
+            f32_products: std::cell::Cell::new(false),
         })
     }
 
@@ -214,6 +217,16 @@ impl Context {
     /// [`crate::amx::available`]. Off by default.
     pub fn set_amx(&self, on: bool) {
         self.amx.set(on && crate::amx::available());
+    }
+
+    /// Says that a backend which multiplies only f32 activations (ggml's
+    /// BLAS, attached to the CPU) takes this context's large products, so
+    /// [`Context::conv_2d`] of an f16 kernel writes its im2col matrix in
+    /// f32 as the product's second operand (kernel first) instead of
+    /// ggml's f16 im2col as the first: BLAS takes the former and never the
+    /// latter. The f32 matrix is twice the f16 one. Off by default.
+    pub fn set_f32_products(&self, on: bool) {
+        self.f32_products.set(on);
     }
 
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,
@@ -942,11 +955,17 @@ impl Context {
                 added,
             ));
         }
-        if kernel.ty() == Some(Type::BF16) {
+        if kernel.ty() == Some(Type::BF16)
+            || (self.f32_products.get()
+                && kernel.ty() == Some(Type::F16)
+                && input.ty() == Some(Type::F32))
+        {
             // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
             // kernel, which the CPU widens to f32: an f32 GEMM. With the
             // kernel as src0 the columns are narrowed to bf16 instead and
-            // the GEMM runs on bf16 dot products (AVX512-BF16, AMX).
+            // the GEMM runs on bf16 dot products (AVX512-BF16, AMX). An f16
+            // kernel goes this way in a context whose products an f32-only
+            // backend takes (`set_f32_products`).
             let y = self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true)?;
             return Ok((y, false));
         }
@@ -1987,13 +2006,19 @@ impl<'b> Sched<'b> {
             ));
         }
         let mut raws: Vec<sys::ggml_backend_t> = backends.iter().map(|b| b.raw()).collect();
-        // The CPU's compute buffers come from the arena (`crate::arena`),
+        // The compute buffers of the CPU and of accelerators that work on
+        // host memory (ggml's BLAS) come from the arena (`crate::arena`),
         // every other device's from its own buffer type.
         let mut bufts: Vec<sys::ggml_backend_buffer_type_t> = backends
             .iter()
             .map(|b| {
                 let d = b.device();
-                if crate::arena::enabled() && d.device_type() == crate::DeviceType::Cpu {
+                let host = match d.device_type() {
+                    crate::DeviceType::Cpu => true,
+                    crate::DeviceType::Accel => d.uses_host_memory(),
+                    _ => false,
+                };
+                if crate::arena::enabled() && host {
                     crate::arena::buffer_type()
                 } else {
                     d.buffer_type()

@@ -89,7 +89,9 @@ pub fn cases() -> Vec<Case> {
             tolerance: 2e-3,
             amx: false,
             build: |i, c| {
-                let (a, b) = (t(i, Type::F32, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
+                // At least 32 in every dimension, so that ggml's BLAS
+                // backend (which leaves smaller products to the CPU) runs it.
+                let (a, b) = (t(i, Type::F32, &[64, 32])?, t(i, Type::F32, &[64, 32])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },
@@ -102,7 +104,7 @@ pub fn cases() -> Vec<Case> {
                 // some backends (Vulkan in ggml 0.26) leave this to the CPU.
                 let (a, b) = (
                     t(i, Type::F32, &[64, 32, 1, 1])?,
-                    t(i, Type::F32, &[64, 16, 1, 2])?,
+                    t(i, Type::F32, &[64, 32, 1, 2])?,
                 );
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
@@ -112,7 +114,7 @@ pub fn cases() -> Vec<Case> {
             tolerance: 1e-2,
             amx: false,
             build: |i, c| {
-                let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
+                let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 32])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },
@@ -140,7 +142,7 @@ pub fn cases() -> Vec<Case> {
             amx: false,
             build: |i, c| {
                 let (k, x) = (
-                    t(i, Type::F16, &[3, 3, 8, 16])?,
+                    t(i, Type::F16, &[3, 3, 8, 32])?,
                     t(i, Type::F32, &[16, 16, 8, 1])?,
                 );
                 Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
@@ -391,6 +393,10 @@ pub fn run_case(
     let inputs_ctx = Context::new(16, 0)?;
     let ctx = Context::new(64, 256)?;
     ctx.set_amx(amx);
+    // A CPU assist (ggml's BLAS) gets the graphs the models give it: f16
+    // convolutions with an f32 im2col it can multiply.
+    let dev = first.device();
+    ctx.set_f32_products(dev.device_type() == ggml::DeviceType::Accel && dev.uses_host_memory());
     let (inputs, out) = (case.build)(&inputs_ctx, &ctx)?;
     // Inputs live in a buffer of the device under test, like weights: the
     // scheduler then runs each op where its operands are, and falls back to

@@ -13,6 +13,10 @@ use std::sync::Arc;
 pub struct BackendManager<'r> {
     registry: &'r Registry,
     slots: Vec<OnceCell<Backend>>,
+    /// The CPU assists' backends, handed to every module as one slice
+    /// ([`BackendManager::cpu_assists`]); separate from `slots`, which
+    /// `check` may fill for the same devices.
+    assists: OnceCell<Vec<Backend>>,
     threads: Option<usize>,
     abort: Option<Arc<AtomicBool>>,
 }
@@ -40,6 +44,7 @@ impl<'r> BackendManager<'r> {
         BackendManager {
             registry,
             slots: registry.devices.iter().map(|_| OnceCell::new()).collect(),
+            assists: OnceCell::new(),
             threads,
             abort: None,
         }
@@ -64,7 +69,37 @@ impl<'r> BackendManager<'r> {
         if let Some(b) = slot.get() {
             return Ok(b);
         }
-        let entry = &self.registry.devices[idx];
+        let backend = self.create(&self.registry.devices[idx])?;
+        Ok(slot.get_or_init(|| backend))
+    }
+
+    /// The backends of the CPU assists (ggml's BLAS; see
+    /// `DeviceEntry::cpu_assist`), created on first call, for the modules
+    /// that run on the CPU alone. Empty when none is loaded or when
+    /// `SDHOST_NO_CPU_ASSIST=1` turns them off.
+    pub fn cpu_assists(&self) -> Result<&[Backend], ManagerError> {
+        if let Some(v) = self.assists.get() {
+            return Ok(v);
+        }
+        let off = std::env::var_os("SDHOST_NO_CPU_ASSIST").is_some_and(|v| v == "1");
+        let mut v = Vec::new();
+        if !off {
+            for entry in self.registry.cpu_assists() {
+                v.push(self.create(entry)?);
+            }
+        }
+        if !v.is_empty() {
+            let names: Vec<String> = v.iter().map(Backend::label).collect();
+            tracing::info!(
+                "modules on the CPU hand their large matrix products to {}",
+                names.join(", ")
+            );
+        }
+        Ok(self.assists.get_or_init(|| v))
+    }
+
+    fn create(&self, entry: &crate::registry::DeviceEntry) -> Result<Backend, ManagerError> {
+        let name = &entry.name;
         let mut backend = entry
             .device
             .init_backend()
@@ -80,7 +115,7 @@ impl<'r> BackendManager<'r> {
             backend.set_abort_flag(flag.clone());
         }
         tracing::debug!("created backend {} for device {name}", backend.name());
-        Ok(slot.get_or_init(|| backend))
+        Ok(backend)
     }
 
     /// Number of backend instances created so far.

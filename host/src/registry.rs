@@ -108,6 +108,11 @@ pub struct DeviceEntry {
     pub memory_total: u64,
     /// The plugin file it came from.
     pub plugin: PathBuf,
+    /// A CPU assist: an accelerator that works on host memory (ggml's BLAS
+    /// backend). It runs only some ops (BLAS: large matrix products), so it
+    /// is never a placement target; modules that run on the CPU alone get
+    /// it in their scheduler before the CPU (see `docs/plugins.md`).
+    pub cpu_assist: bool,
     /// The ggml device.
     pub device: Device,
 }
@@ -375,6 +380,9 @@ impl Registry {
                     memory_free: free,
                     memory_total: total,
                     plugin: reg.plugins[i].path.clone(),
+                    cpu_assist: d.device_type() == DeviceType::Accel
+                        && d.uses_host_memory()
+                        && m.family != "rpc",
                     device: d,
                 });
             }
@@ -389,6 +397,12 @@ impl Registry {
     /// The device registered under `name` (exact, lowercase).
     pub fn device(&self, name: &str) -> Option<&DeviceEntry> {
         self.devices.iter().find(|d| d.name == name)
+    }
+
+    /// The CPU assists (see [`DeviceEntry::cpu_assist`]), in registration
+    /// order.
+    pub fn cpu_assists(&self) -> impl Iterator<Item = &DeviceEntry> {
+        self.devices.iter().filter(|d| d.cpu_assist)
     }
 
     /// The registry of the loaded plugin of `family`.

@@ -146,11 +146,24 @@ impl Session {
         })
     }
 
-    /// The registry's devices as the placement resolver sees them.
+    /// The registry's devices as the placement resolver sees them: every
+    /// device but the CPU assists, which run only some ops and are attached
+    /// to the CPU's modules instead (`DeviceEntry::cpu_assist`).
     pub fn device_infos(&self) -> Vec<DeviceInfo> {
+        self.infos(false)
+    }
+
+    /// [`Session::device_infos`] with the CPU assists too, as accelerators:
+    /// for `check`, which runs single ops on any device.
+    pub fn device_infos_with_assists(&self) -> Vec<DeviceInfo> {
+        self.infos(true)
+    }
+
+    fn infos(&self, with_assists: bool) -> Vec<DeviceInfo> {
         self.registry
             .devices
             .iter()
+            .filter(|d| with_assists || !d.cpu_assist)
             .map(|d| {
                 // ggml's RPC devices all say GPU; a remote device is used
                 // where it is named, never picked as the default or for `gpu`.
@@ -185,6 +198,18 @@ impl Session {
             default_device: std::env::var("SDHOST_DEFAULT_DEVICE").ok(),
         };
         let p = placement::resolve(&req, &self.device_infos()).map_err(|e| {
+            if let placement::PlacementError::UnknownDevice { token, .. } = e.root() {
+                if let Some(d) = self
+                    .registry
+                    .device(&token.to_ascii_lowercase())
+                    .filter(|d| d.cpu_assist)
+                {
+                    return anyhow::anyhow!(
+                        "{e} ({} assists the CPU: it takes the large matrix products of the modules that run on the CPU, and cannot hold or run a module itself)",
+                        d.name
+                    );
+                }
+            }
             if self.rpc_failures.is_empty() {
                 anyhow::Error::from(e)
             } else {

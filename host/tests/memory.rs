@@ -98,6 +98,7 @@ fn prediction_matches(
         runtime: m.get(runtime).unwrap(),
         params: m.get(params).unwrap(),
         cpu: m.get("cpu").unwrap(),
+        assist: &[],
     };
     let layout = Layout {
         te: d,
@@ -640,6 +641,7 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
         runtime: cpu,
         params: cpu,
         cpu,
+        assist: &[],
     };
     let layout = Layout {
         te: d,

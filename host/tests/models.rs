@@ -333,5 +333,19 @@ fn amx_kernels_match_references_on_cpu() {
     }
 }
 
+/// ggml's BLAS backend (the BLAS plugin on OpenBLAS) attached to the CPU,
+/// as `sdhost generate` attaches it: its sgemm takes the large products
+/// (f16 and bf16 weights widened to f32; f16 convolutions multiply an f32
+/// im2col), the CPU the rest. Every compute type keeps its CPU tolerances.
+#[test]
+fn blas_assisted_modules_match_references_on_cpu() {
+    with_cpu_assists(|| {
+        modules_match_references(SD1, "cpu", "cpu", 1.0);
+        typed_modules_match_references(SD1, "cpu", "cpu", 1.0, Some(ggml::Type::F32));
+        typed_modules_match_references(SD1, "cpu", "cpu", BF16_TOLERANCE, Some(ggml::Type::BF16));
+        modules_match_references(SDXL, "cpu", "cpu", 1.0);
+    });
+}
+
 /// bf16's tolerances, as multiples of the CPU's (docs/models.md).
 const BF16_TOLERANCE: f32 = 4.0;

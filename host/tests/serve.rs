@@ -1451,6 +1451,7 @@ fn overhead_over_the_library() {
         runtime: cpu,
         params: cpu,
         cpu,
+        assist: &[],
     };
     let layout = sdhost_models::pipeline::Layout {
         te: d,

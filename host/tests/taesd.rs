@@ -37,6 +37,7 @@ fn decode_and_encode_match_diffusers() {
         runtime: cpu,
         params: cpu,
         cpu,
+        assist: &[],
     };
     let ckpt = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
     let weights = ModuleWeights::load(&ckpt, "", cpu).unwrap();
@@ -80,6 +81,7 @@ fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
         runtime: cpu,
         params: cpu,
         cpu,
+        assist: &[],
     };
     let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
     let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();

@@ -42,6 +42,7 @@ fn with_upscaler(file: &str, f: impl FnOnce(&mut Upscaler<'_>)) {
         runtime: cpu,
         params: cpu,
         cpu,
+        assist: &[],
     };
     let ckpt = checkpoint::scan(&fixture(file)).unwrap();
     let mut up = Upscaler::load(&ckpt, d, WeightPolicy::Free).unwrap();
@@ -231,6 +232,7 @@ fn a_common_module_prefix_is_removed() {
         runtime: cpu,
         params: cpu,
         cpu,
+        assist: &[],
     };
     let mut up = Upscaler::load(&checkpoint::scan(&path).unwrap(), d, WeightPolicy::Free).unwrap();
     let got = up.run(input, w, h, UNTILED, &|| false).unwrap();

@@ -93,6 +93,11 @@ pub struct Devices<'b> {
     pub params: &'b Backend,
     /// The CPU backend: the scheduler's fallback.
     pub cpu: &'b Backend,
+    /// CPU assists (ggml's BLAS: accelerators on host memory that run only
+    /// some ops): when the module runs on the CPU alone they come before
+    /// it in the scheduler, which gives them every op they take and the
+    /// CPU the rest. Empty for none.
+    pub assist: &'b [Backend],
 }
 
 /// One device's share of a split module.
@@ -316,7 +321,26 @@ impl<'b> Module<'b> {
     fn graph_context(&self) -> Result<Context> {
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         ctx.set_amx(self.amx());
+        ctx.set_f32_products(self.assisted());
         Ok(ctx)
+    }
+
+    /// Whether CPU assists run in this module's scheduler: it runs on the
+    /// CPU alone (not split) and some are given.
+    fn assisted(&self) -> bool {
+        !self.devices.assist.is_empty()
+            && same_device(self.devices.runtime, self.devices.cpu)
+            && !matches!(self.spread, Spread::Split(_))
+    }
+
+    /// The labels of the CPU assists in this module's scheduler (see
+    /// [`Devices::assist`]).
+    pub fn assists(&self) -> Vec<String> {
+        if self.assisted() {
+            self.devices.assist.iter().map(Backend::label).collect()
+        } else {
+            Vec::new()
+        }
     }
 
     /// Whether this module's graphs may use AMX (see [`Module::graph_context`]).
@@ -361,8 +385,9 @@ impl<'b> Module<'b> {
     }
 
     /// The scheduler's backends, in priority order, the CPU last: the
-    /// runtime device then the CPU fallback, or a split's devices; one
-    /// backend when that is the CPU alone.
+    /// runtime device then the CPU fallback, or a split's devices; when the
+    /// module runs on the CPU alone, the CPU assists before it (see
+    /// [`Devices::assist`]), else the CPU alone.
     fn sched_backends(&self) -> Vec<&'b Backend> {
         let d = self.devices;
         let mut out: Vec<&'b Backend> = Vec::new();
@@ -381,6 +406,9 @@ impl<'b> Module<'b> {
                     out.push(d.runtime);
                 }
             }
+        }
+        if self.assisted() {
+            out.extend(d.assist.iter());
         }
         out.push(d.cpu);
         out
@@ -698,6 +726,7 @@ impl<'b> Module<'b> {
         self.scheduler()?;
         let backends = self.sched_backends();
         let amx = self.amx();
+        let assisted = self.assisted();
         let sched = self.sched.as_mut().expect("created above");
         let mut map = self.params.map();
         if let Some(copy) = &self.runtime_copy {
@@ -706,6 +735,7 @@ impl<'b> Module<'b> {
         let w = W::new(map).with_options(self.opts);
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         ctx.set_amx(amx);
+        ctx.set_f32_products(assisted);
         let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
         built.output.set_output();
         for (t, _) in &built.inputs {
@@ -723,6 +753,33 @@ impl<'b> Module<'b> {
                 "{name}: allocating the graph on {runtime} failed, most likely not enough memory for this size ({e}; -v shows ggml's reason)"
             ))
         })?;
+        if backends.len() > 1 && tracing::enabled!(tracing::Level::DEBUG) {
+            // Which backend computes what: views and reshapes are free and
+            // go wherever their neighbours are, so they are not counted.
+            let mut ops = vec![0usize; backends.len()];
+            let mut counted = 0;
+            for n in (0..graph.n_nodes()).filter_map(|i| graph.node(i)) {
+                let free = matches!(
+                    n.op_name().as_str(),
+                    "NONE" | "VIEW" | "RESHAPE" | "PERMUTE" | "TRANSPOSE"
+                );
+                if let (false, Some(b)) = (free, sched.backend_of(n)) {
+                    ops[b] += 1;
+                    counted += 1;
+                }
+            }
+            let list: Vec<String> = backends
+                .iter()
+                .zip(&ops)
+                .map(|(b, n)| format!("{} {n}", b.label()))
+                .collect();
+            tracing::debug!(
+                "{name}: call {}: {counted} ops ({}), {} splits",
+                self.timing.calls + 1,
+                list.join(", "),
+                sched.n_splits()
+            );
+        }
         let held = per_backend(&backends, &sched.buffer_sizes());
         self.allocated.compute = self.allocated.compute.max(&held);
         if let Some(copy) = &self.runtime_copy {
@@ -762,11 +819,18 @@ impl<'b> Module<'b> {
     }
 }
 
-/// A scheduler's per-backend sizes by device name.
+/// A scheduler's per-backend sizes by device name; a CPU assist's are
+/// host memory, counted as the CPU's (the last backend).
 fn per_backend(backends: &[&Backend], sizes: &[u64]) -> ComputeBytes {
     let mut out = DeviceBytes::default();
+    let cpu = backends.last().map(|b| b.label()).unwrap_or_default();
     for (b, s) in backends.iter().zip(sizes) {
-        out.add(&b.label(), *s);
+        let d = b.device();
+        if d.device_type() == ggml::DeviceType::Accel && d.uses_host_memory() {
+            out.add(&cpu, *s);
+        } else {
+            out.add(&b.label(), *s);
+        }
     }
     out
 }

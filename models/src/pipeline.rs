@@ -620,6 +620,16 @@ impl<'b> Pipeline<'b> {
         ]
     }
 
+    /// The CPU assists each module's scheduler uses (labels, e.g. `blas`;
+    /// empty where the module is not on the CPU alone or none is loaded).
+    pub fn assists(&self) -> [(ModuleKind, Vec<String>); 3] {
+        [
+            (self.te.kind(), self.te.assists()),
+            (self.unet.kind(), self.unet.assists()),
+            (self.vae.kind(), self.vae.assists()),
+        ]
+    }
+
     /// Runs the UNet once: its raw output (ε or v).
     pub fn predict(&mut self, input: UnetInput<'_>) -> Result<Vec<f32>> {
         let cfg = self.unet_cfg.clone();

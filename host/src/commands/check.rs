@@ -29,7 +29,7 @@ pub fn run(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
             .map(|d| d.name.clone())
             .collect()
     } else {
-        let infos = session.device_infos();
+        let infos = session.device_infos_with_assists();
         args.devices
             .iter()
             .map(|d| {

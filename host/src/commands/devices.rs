@@ -32,6 +32,9 @@ pub struct DeviceRow {
     pub plugin: PathBuf,
     /// ggml's own device name.
     pub ggml_name: String,
+    /// For a CPU assist (ggml's BLAS): the device whose modules it takes
+    /// ops from (`cpu`); `None` for every device that runs modules itself.
+    pub assists: Option<&'static str>,
 }
 
 /// `sdhost devices`.
@@ -60,6 +63,7 @@ fn row(d: &DeviceEntry) -> DeviceRow {
         memory_free: d.memory_free,
         plugin: d.plugin.clone(),
         ggml_name: d.ggml_name.clone(),
+        assists: d.cpu_assist.then_some("cpu"),
     }
 }
 
@@ -76,12 +80,19 @@ impl Report for DevicesReport {
                     d.name.clone(),
                     d.ty.into(),
                     d.device_id.clone().unwrap_or_else(|| "-".into()),
-                    format!(
-                        "{} / {}",
-                        human_bytes(d.memory_free),
-                        human_bytes(d.memory_total)
-                    ),
-                    d.description.clone(),
+                    if d.assists.is_some() {
+                        "host memory".into()
+                    } else {
+                        format!(
+                            "{} / {}",
+                            human_bytes(d.memory_free),
+                            human_bytes(d.memory_total)
+                        )
+                    },
+                    match d.assists {
+                        Some(dev) => format!("{} (assists {dev})", d.description),
+                        None => d.description.clone(),
+                    },
                     d.plugin.display().to_string(),
                 ]
             })

@@ -268,11 +268,17 @@ pub fn layout<'m>(
     what: &str,
 ) -> anyhow::Result<Layout<'m>> {
     let cpu = manager.get(&cpu_device(session, what)?)?;
+    let assists = manager.cpu_assists()?;
     let devices = |m: Place| -> anyhow::Result<Devices<'m>> {
         Ok(Devices {
             runtime: manager.get(&placement.runtime[&m])?,
             params: manager.get(&placement.params[&m])?,
             cpu,
+            // Not the text encoders: their products have a prompt's 77
+            // rows (twice that with CFG), too few for BLAS to win back
+            // widening every weight to f32 (measured slower every time;
+            // docs/performance.md, "BLAS").
+            assist: if m == Place::Te { &[] } else { assists },
         })
     };
     let spread = |m: Place| -> anyhow::Result<Spread<'m>> {
@@ -399,11 +405,19 @@ fn device_of(placement: &Placement, m: Place) -> String {
     }
 }
 
-/// Where each module of a pipeline runs, as `te=cpu, diffusion=vulkan0
-/// (params cpu), …`.
+/// Where each module of a pipeline runs, as `te=cpu+blas, diffusion=vulkan0
+/// (params cpu), …` (`+name`: a CPU assist takes the module's large
+/// products).
 pub fn placement_summary(sd: &Pipeline<'_>, placement: &Placement) -> String {
-    sd.timings()
-        .map(|(m, _)| format!("{}={}", m.name(), device_of(placement, m)))
+    sd.assists()
+        .map(|(m, assists)| {
+            let mut d = device_of(placement, m);
+            for a in assists {
+                d.push('+');
+                d.push_str(&a);
+            }
+            format!("{}={d}", m.name())
+        })
         .join(", ")
 }
 

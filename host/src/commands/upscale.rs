@@ -97,6 +97,7 @@ pub fn devices<'m>(
         runtime: manager.get(&placement.runtime[&Place::Upscaler])?,
         params: manager.get(&placement.params[&Place::Upscaler])?,
         cpu,
+        assist: manager.cpu_assists()?,
     })
 }
 

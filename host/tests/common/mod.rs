@@ -404,6 +404,23 @@ pub fn with_pipeline_on<R>(
     with_pipeline_spread(ckpt, runtime, params, |_| Default::default(), opts, f)
 }
 
+thread_local! {
+    /// Whether [`with_pipeline_spread`] gives the modules the CPU assists
+    /// (the BLAS plugin); see [`with_cpu_assists`].
+    static CPU_ASSISTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the pipelines of [`with_pipeline_on`] (on this thread)
+/// given the CPU assists of the built plugins, as `sdhost generate` gives
+/// them (ggml's BLAS backend before the CPU in every CPU module's
+/// scheduler).
+pub fn with_cpu_assists<R>(f: impl FnOnce() -> R) -> R {
+    CPU_ASSISTS.set(true);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    CPU_ASSISTS.set(false);
+    r.unwrap_or_else(|e| std::panic::resume_unwind(e))
+}
+
 /// [`with_pipeline_on`] with the UNet's weights spread as `spread` says
 /// (given the backend manager, to name a split's devices).
 pub fn with_pipeline_spread<R>(
@@ -419,10 +436,21 @@ pub fn with_pipeline_spread<R>(
     let reg =
         sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
     let m = sdhost::manager::BackendManager::new(&reg, None);
+    let assist = if CPU_ASSISTS.get() {
+        let a = m.cpu_assists().unwrap();
+        assert!(
+            !a.is_empty(),
+            "no CPU assist loaded: build the BLAS plugin (`cargo build --workspace`)"
+        );
+        a
+    } else {
+        &[]
+    };
     let d = sdhost_models::module::Devices {
         runtime: m.get(runtime).unwrap(),
         params: m.get(params).unwrap(),
         cpu: m.get("cpu").unwrap(),
+        assist,
     };
     let layout = sdhost_models::pipeline::Layout {
         te: d,
@@ -435,5 +463,10 @@ pub fn with_pipeline_spread<R>(
     };
     let ckpt = sdhost_models::checkpoint::scan(ckpt).unwrap();
     let mut sd = sdhost_models::pipeline::Pipeline::load(&ckpt, layout, opts).unwrap();
+    if CPU_ASSISTS.get() && runtime == "cpu" {
+        for (m, a) in sd.assists() {
+            assert_eq!(a, ["blas"], "{} runs without BLAS", m.name());
+        }
+    }
     f(&mut sd)
 }
