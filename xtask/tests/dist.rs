@@ -159,6 +159,20 @@ fn host_and_plugin_packages_install_into_any_prefix() {
     std::fs::rename(&prefix, &moved).unwrap();
     assert_eq!(names(&moved), vec!["cpu"]);
 
+    // The BLAS plugin's package adds the `blas` assist (OpenBLAS itself is
+    // the system's, found through the plugin's RUNPATH); taken out again
+    // for the Vulkan part below.
+    let blas = archive(&archives, "sdhost-plugin-blas-");
+    unpack(blas, &moved);
+    assert_eq!(names(&moved), vec!["blas", "cpu"]);
+    let (_, plugins, _) = sdhost(&moved, &["plugins", "--json"]);
+    let rec = plugin_record(&plugins, "libsdhost_plugin_blas.so");
+    assert_eq!(rec["status"], "loaded", "{rec:#}");
+    assert_eq!(rec["package"]["name"], "sdhost-plugin-blas");
+    std::fs::remove_file(moved.join("lib/sdhost/plugins/libsdhost_plugin_blas.so")).unwrap();
+    std::fs::remove_file(moved.join("lib/sdhost/packages/sdhost-plugin-blas.toml")).unwrap();
+    assert_eq!(names(&moved), vec!["cpu"]);
+
     if std::env::var("SDHOST_TEST_VULKAN").as_deref() != Ok("1") {
         eprintln!("SDHOST_TEST_VULKAN is not 1: Vulkan package part skipped");
         return;
