@@ -1969,6 +1969,8 @@ impl Drop for Buffer {
 pub struct Sched<'b> {
     raw: sys::ggml_backend_sched_t,
     backends: Vec<&'b Backend>,
+    /// The buffer type of each backend's compute buffer, as given to ggml.
+    bufts: Vec<sys::ggml_backend_buffer_type_t>,
     graph_size: usize,
 }
 
@@ -2044,6 +2046,7 @@ impl<'b> Sched<'b> {
         Ok(Sched {
             raw,
             backends: backends.to_vec(),
+            bufts,
             graph_size,
         })
     }
@@ -2103,6 +2106,15 @@ impl<'b> Sched<'b> {
         // ggml asserts it); `sizes` has one slot per backend of the
         // scheduler, which is what ggml writes.
         unsafe { sys::ggml_backend_sched_reserve_size(self.raw, graph.raw, sizes.as_mut_ptr()) };
+        // Backends given the same buffer type (the CPU and a CPU assist,
+        // both on the arena) share one allocator and one buffer, which
+        // ggml's dry run reports once per backend: count it once, as
+        // `ggml_gallocr_get_buffer_size` (behind `buffer_sizes`) does.
+        for i in 0..sizes.len() {
+            if self.bufts[..i].contains(&self.bufts[i]) {
+                sizes[i] = 0;
+            }
+        }
         Ok(sizes.into_iter().map(|s| s as u64).collect())
     }
 

@@ -98,7 +98,11 @@ fn prediction_matches(
         runtime: m.get(runtime).unwrap(),
         params: m.get(params).unwrap(),
         cpu: m.get("cpu").unwrap(),
-        assist: &[],
+        assist: if cpu_assists_wanted() {
+            m.cpu_assists().unwrap()
+        } else {
+            &[]
+        },
     };
     let layout = Layout {
         te: d,
@@ -215,6 +219,17 @@ fn prediction_matches_allocation_on_cpu() {
     // TAESD in place of the VAE, decoding and encoding.
     let taesd = Some("taesd/tiny-taesd.safetensors");
     prediction_matches("tiny-sd1.safetensors", taesd, "cpu", "cpu", 64, 64, true);
+}
+
+/// With the BLAS plugin before the CPU in every module's scheduler: the
+/// two share one buffer type (the arena), so one allocator and one buffer,
+/// which the dry run must count once (ggml's counts it per backend).
+#[test]
+fn prediction_matches_allocation_with_blas_on_cpu() {
+    with_cpu_assists(|| {
+        prediction_matches_allocation("tiny-sd1.safetensors", "cpu", "cpu", 64, 64);
+        prediction_matches_allocation("tiny-sdxl.safetensors", "cpu", "cpu", 64, 64);
+    });
 }
 
 #[test]

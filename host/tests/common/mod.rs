@@ -410,6 +410,11 @@ thread_local! {
     static CPU_ASSISTS: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Whether this thread runs inside [`with_cpu_assists`].
+pub fn cpu_assists_wanted() -> bool {
+    CPU_ASSISTS.get()
+}
+
 /// Runs `f` with the pipelines of [`with_pipeline_on`] (on this thread)
 /// given the CPU assists of the built plugins, as `sdhost generate` gives
 /// them (ggml's BLAS backend before the CPU in every CPU module's
