@@ -2110,9 +2110,9 @@ impl<'b> Sched<'b> {
         // both on the arena) share one allocator and one buffer, which
         // ggml's dry run reports once per backend: count it once, as
         // `ggml_gallocr_get_buffer_size` (behind `buffer_sizes`) does.
-        for i in 0..sizes.len() {
+        for (i, size) in sizes.iter_mut().enumerate() {
             if self.bufts[..i].contains(&self.bufts[i]) {
-                sizes[i] = 0;
+                *size = 0;
             }
         }
         Ok(sizes.into_iter().map(|s| s as u64).collect())
