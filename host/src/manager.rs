@@ -91,7 +91,7 @@ impl<'r> BackendManager<'r> {
         if !v.is_empty() {
             let names: Vec<String> = v.iter().map(Backend::label).collect();
             tracing::info!(
-                "modules on the CPU hand their large matrix products to {}",
+                "CPU assist {}: takes the large matrix products of the VAE on the CPU",
                 names.join(", ")
             );
         }

@@ -97,7 +97,8 @@ pub fn devices<'m>(
         runtime: manager.get(&placement.runtime[&Place::Upscaler])?,
         params: manager.get(&placement.params[&Place::Upscaler])?,
         cpu,
-        assist: manager.cpu_assists()?,
+        // Not measured with BLAS: left to the CPU (see `generate::layout`).
+        assist: &[],
     })
 }
 
