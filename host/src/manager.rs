@@ -75,7 +75,7 @@ impl<'r> BackendManager<'r> {
 
     /// The backends of the CPU assists (ggml's BLAS; see
     /// `DeviceEntry::cpu_assist`), created on first call, for the modules
-    /// that run on the CPU alone. Empty when none is loaded or when
+    /// `generate::layout` gives them to. Empty when none is loaded or when
     /// `SDHOST_NO_CPU_ASSIST=1` turns them off.
     pub fn cpu_assists(&self) -> Result<&[Backend], ManagerError> {
         if let Some(v) = self.assists.get() {

@@ -110,8 +110,9 @@ pub struct DeviceEntry {
     pub plugin: PathBuf,
     /// A CPU assist: an accelerator that works on host memory (ggml's BLAS
     /// backend). It runs only some ops (BLAS: large matrix products), so it
-    /// is never a placement target; modules that run on the CPU alone get
-    /// it in their scheduler before the CPU (see `docs/plugins.md`).
+    /// is never a placement target; the modules it was measured to speed
+    /// up (the VAE), when they run on the CPU alone, get it in their
+    /// scheduler before the CPU (see `docs/plugins.md`).
     pub cpu_assist: bool,
     /// The ggml device.
     pub device: Device,
