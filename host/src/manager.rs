@@ -75,7 +75,8 @@ impl<'r> BackendManager<'r> {
 
     /// The backends of the CPU assists (ggml's BLAS; see
     /// `DeviceEntry::cpu_assist`), created on first call, for the modules
-    /// `generate::layout` gives them to. Empty when none is loaded or when
+    /// `generate::layout` and `upscale::devices` give them to. Empty when
+    /// none is loaded or when
     /// `SDHOST_NO_CPU_ASSIST=1` turns them off.
     pub fn cpu_assists(&self) -> Result<&[Backend], ManagerError> {
         if let Some(v) = self.assists.get() {
@@ -91,7 +92,7 @@ impl<'r> BackendManager<'r> {
         if !v.is_empty() {
             let names: Vec<String> = v.iter().map(Backend::label).collect();
             tracing::info!(
-                "CPU assist {}: takes the large matrix products of the VAE on the CPU",
+                "CPU assist {}: takes the large matrix products of the VAE and the upscaler on the CPU",
                 names.join(", ")
             );
         }

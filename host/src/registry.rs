@@ -111,7 +111,7 @@ pub struct DeviceEntry {
     /// A CPU assist: an accelerator that works on host memory (ggml's BLAS
     /// backend). It runs only some ops (BLAS: large matrix products), so it
     /// is never a placement target; the modules it was measured to speed
-    /// up (the VAE), when they run on the CPU alone, get it in their
+    /// up (the VAE, the upscaler), when they run on the CPU alone, get it in their
     /// scheduler before the CPU (see `docs/plugins.md`).
     pub cpu_assist: bool,
     /// The ggml device.

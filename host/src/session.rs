@@ -205,7 +205,7 @@ impl Session {
                     .filter(|d| d.cpu_assist)
                 {
                     return anyhow::anyhow!(
-                        "{e} ({} assists the CPU: it takes the large matrix products of the VAE when the VAE runs on the CPU, and cannot hold or run a module itself)",
+                        "{e} ({} assists the CPU: it takes the large matrix products of the VAE and the upscaler when they run on the CPU, and cannot hold or run a module itself)",
                         d.name
                     );
                 }

@@ -175,7 +175,9 @@ fn generation_on_the_cpu_hands_products_to_blas() {
     };
     let (log, with) = run("blas.png", true);
     assert!(
-        log.contains("CPU assist blas: takes the large matrix products of the VAE on the CPU"),
+        log.contains(
+            "CPU assist blas: takes the large matrix products of the VAE and the upscaler on the CPU"
+        ),
         "{log}"
     );
     // Only the VAE gets it: the text encoder and the UNet measured slower
@@ -210,4 +212,36 @@ fn generation_on_the_cpu_hands_products_to_blas() {
         .max()
         .unwrap();
     assert!(max <= 3, "BLAS and the CPU differ by {max} levels");
+}
+
+/// `upscale` hands the upscaler's products to BLAS too, and says so
+/// (`on cpu+blas`, and in the PNG's parameters); `SDHOST_NO_CPU_ASSIST=1`
+/// leaves it out. (The tiny fixture's convolutions have under 32 output
+/// channels, too few for BLAS to take: the images are the same.)
+#[test]
+fn upscale_runs_with_blas_attached() {
+    let p = prefix_with_blas();
+    let dir = p.dir("out");
+    let run = |file: &str, assist: bool| -> (String, Vec<u8>) {
+        let out = dir.join(file);
+        let mut c = p.cmd(&[
+            "upscale",
+            "-m",
+            s(&fixture("upscale/esrgan-new-x4.safetensors")),
+            "-i",
+            s(&fixture("upscale/in-rgb.jpg")),
+            "-o",
+            s(&out),
+        ]);
+        if !assist {
+            c.env("SDHOST_NO_CPU_ASSIST", "1");
+        }
+        let r = Run::from(c.output().unwrap()).ok();
+        (r.stderr, pixels(&out))
+    };
+    let (log, with) = run("blas.png", true);
+    assert!(log.contains(" on cpu+blas in "), "{log}");
+    let (log, without) = run("cpu.png", false);
+    assert!(log.contains(" on cpu in "), "{log}");
+    assert_eq!(with, without);
 }

@@ -274,11 +274,12 @@ pub fn layout<'m>(
             runtime: manager.get(&placement.runtime[&m])?,
             params: manager.get(&placement.params[&m])?,
             cpu,
-            // The VAE only, where it was measured faster (1.5× decoding
-            // on an AVX2 build). The UNet measured 10 % slower (BLAS widens
-            // every f16 weight to f32 for each product, at every step) and
-            // the text encoders slower still (a prompt's 77 rows are too
-            // few to pay for it): docs/performance.md, "BLAS".
+            // The VAE (and the upscaler, `upscale::devices`) only, where
+            // it was measured faster (1.5× decoding on an AVX2 build). The
+            // UNet measured 10 % slower (BLAS widens every f16 weight to
+            // f32 for each product, at every step) and the text encoders
+            // slower still (a prompt's 77 rows are too few to pay for
+            // it): docs/performance.md, "BLAS".
             assist: if m == Place::Vae { assists } else { &[] },
         })
     };

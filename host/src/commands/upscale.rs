@@ -46,7 +46,7 @@ pub fn run(session: &Session, args: &UpscaleArgs) -> anyhow::Result<()> {
         image.width,
         image.height,
         args.tuning.tile,
-        device_of(&placement),
+        device_of(&placement, &up.module.assists()),
         env!("CARGO_PKG_VERSION"),
     );
     crate::commands::generate::write_png(output, &image, &text)?;
@@ -56,7 +56,7 @@ pub fn run(session: &Session, args: &UpscaleArgs) -> anyhow::Result<()> {
         image.width,
         image.height,
         term::clean(&up.arch().to_string()),
-        device_of(&placement),
+        device_of(&placement, &up.module.assists()),
         started.elapsed().as_secs_f64(),
         t.calls
     ));
@@ -74,16 +74,22 @@ pub fn file_name(p: &Path) -> String {
         .unwrap_or_default()
 }
 
-fn device_of(placement: &Placement) -> String {
+/// Where the upscaler runs, as `cpu`, `cpu+blas` (a CPU assist takes its
+/// large products) or `vulkan0 (params cpu)`.
+fn device_of(placement: &Placement, assists: &[String]) -> String {
     let (r, p) = (
         &placement.runtime[&Place::Upscaler],
         &placement.params[&Place::Upscaler],
     );
-    if r == p {
-        r.clone()
-    } else {
-        format!("{r} (params {p})")
+    let mut d = r.clone();
+    for a in assists {
+        d.push('+');
+        d.push_str(a);
     }
+    if r != p {
+        d.push_str(&format!(" (params {p})"));
+    }
+    d
 }
 
 /// The runtime, params and CPU backends of the `upscaler` module.
@@ -97,8 +103,8 @@ pub fn devices<'m>(
         runtime: manager.get(&placement.runtime[&Place::Upscaler])?,
         params: manager.get(&placement.params[&Place::Upscaler])?,
         cpu,
-        // Not measured with BLAS: left to the CPU (see `generate::layout`).
-        assist: &[],
+        // Measured 1.4–1.6× faster with BLAS (docs/performance.md, "BLAS").
+        assist: manager.cpu_assists()?,
     })
 }
 

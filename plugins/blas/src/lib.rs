@@ -7,7 +7,8 @@
 //! activations and f32/f16/bf16 weights (widened to f32 per product, then
 //! `cblas_sgemm`), and nothing else (`sdhost check --device blas`). So
 //! it is not a place to run a model part: the host attaches it to the VAE
-//! when the VAE runs on the CPU alone (where it was measured faster), in
+//! and the upscaler when they run on the CPU alone (where it was measured
+//! faster), in
 //! the scheduler before the CPU, which then takes every op it does not
 //! (see `docs/plugins.md`, "CPU assists"). Thread count: the host reaches
 //! `ggml_backend_set_n_threads` through the registry's proc-address table,
