@@ -4,11 +4,11 @@
 //!
 //! Why OpenMP: the CPU plugin runs its threads on OpenMP (libgomp), and a
 //! module's graph alternates between the CPU's ops and BLAS's products.
-//! OpenBLAS's pthreads flavour keeps a second pool of threads that waits by
-//! spinning; on a machine with few cores the two pools fight over them
-//! (measured: sdhost became several times slower end to end, with tens of
-//! seconds of system time in `sched_yield`). The OpenMP flavour runs its
-//! products on the same libgomp threads the CPU plugin uses.
+//! OpenBLAS's pthreads flavour keeps a second pool of threads beside
+//! libgomp's, which then share the cores (three threads on two); the
+//! OpenMP flavour runs its products on the same libgomp threads the CPU
+//! plugin uses. (Its best measured run was the best of both; neither
+//! flavour is robust to a hypervisor stealing cores: docs/performance.md.)
 //!
 //! Where it is looked for: `SDHOST_OPENBLAS_DIR` (a folder holding
 //! `libopenblas.so` built with `USE_OPENMP=1`), else Debian's
