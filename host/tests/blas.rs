@@ -15,6 +15,19 @@ fn prefix_with_blas() -> Prefix {
     p
 }
 
+/// Runs `args -o out` (with `SDHOST_NO_CPU_ASSIST=1` unless `assist`),
+/// which must succeed; its stderr and the written image's pixels.
+fn run_to_png(p: &Prefix, args: &[&str], out: &std::path::Path, assist: bool) -> (String, Vec<u8>) {
+    let mut args = args.to_vec();
+    args.extend(["-o", s(out)]);
+    let mut c = p.cmd(&args);
+    if !assist {
+        c.env("SDHOST_NO_CPU_ASSIST", "1");
+    }
+    let r = Run::from(c.output().unwrap()).ok();
+    (r.stderr, pixels(out))
+}
+
 #[test]
 fn blas_registers_as_an_assist_of_the_cpu() {
     let p = prefix_with_blas();
@@ -147,9 +160,8 @@ fn generation_on_the_cpu_hands_products_to_blas() {
     let p = prefix_with_blas();
     let model = fixture("tiny-sd1.safetensors");
     let dir = p.dir("out");
-    let run = |file: &str, assist: bool| -> (String, Vec<u8>) {
-        let out = dir.join(file);
-        let mut c = p.cmd(&[
+    let run = |file: &str, assist: bool| {
+        let args = [
             "-vv",
             "generate",
             "-m",
@@ -164,14 +176,8 @@ fn generation_on_the_cpu_hands_products_to_blas() {
             "2",
             "--seed",
             "5",
-            "-o",
-            s(&out),
-        ]);
-        if !assist {
-            c.env("SDHOST_NO_CPU_ASSIST", "1");
-        }
-        let r = Run::from(c.output().unwrap()).ok();
-        (r.stderr, pixels(&out))
+        ];
+        run_to_png(&p, &args, &dir.join(file), assist)
     };
     let (log, with) = run("blas.png", true);
     assert!(
@@ -222,22 +228,13 @@ fn generation_on_the_cpu_hands_products_to_blas() {
 fn upscale_runs_with_blas_attached() {
     let p = prefix_with_blas();
     let dir = p.dir("out");
-    let run = |file: &str, assist: bool| -> (String, Vec<u8>) {
-        let out = dir.join(file);
-        let mut c = p.cmd(&[
-            "upscale",
-            "-m",
-            s(&fixture("upscale/esrgan-new-x4.safetensors")),
-            "-i",
-            s(&fixture("upscale/in-rgb.jpg")),
-            "-o",
-            s(&out),
-        ]);
-        if !assist {
-            c.env("SDHOST_NO_CPU_ASSIST", "1");
-        }
-        let r = Run::from(c.output().unwrap()).ok();
-        (r.stderr, pixels(&out))
+    let (model, input) = (
+        fixture("upscale/esrgan-new-x4.safetensors"),
+        fixture("upscale/in-rgb.jpg"),
+    );
+    let run = |file: &str, assist: bool| {
+        let args = ["upscale", "-m", s(&model), "-i", s(&input)];
+        run_to_png(&p, &args, &dir.join(file), assist)
     };
     let (log, with) = run("blas.png", true);
     assert!(log.contains(" on cpu+blas in "), "{log}");
