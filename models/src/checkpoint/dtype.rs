@@ -1,41 +1,25 @@
-//! Decoding the float types checkpoints store.
+//! Decoding and converting the float types checkpoints store.
 
 /// Decodes f32/f16/bf16 little-endian bytes (safetensors or GGUF dtype
 /// names, any case) to f32; `None` for other types.
 pub fn decode_f32(dtype: &str, data: &[u8]) -> Option<Vec<f32>> {
-    let d = dtype.to_ascii_lowercase();
-    Some(match d.as_str() {
-        "f32" => data
+    let mut bytes = Vec::new();
+    convert_into(dtype, data, "f32", &mut bytes)?;
+    Some(
+        bytes
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
             .collect(),
-        "f16" => data
-            .chunks_exact(2)
-            .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        "bf16" => data
-            .chunks_exact(2)
-            .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-            .collect(),
-        _ => return None,
-    })
+    )
 }
 
 /// Encodes f32 values as f32/f16/bf16 little-endian bytes (ggml type names,
 /// any case, round to nearest); `None` for other types.
 pub fn encode_f32(dtype: &str, values: &[f32]) -> Option<Vec<u8>> {
-    Some(match dtype.to_ascii_lowercase().as_str() {
-        "f32" => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        "f16" => values
-            .iter()
-            .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
-            .collect(),
-        "bf16" => values
-            .iter()
-            .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
-            .collect(),
-        _ => return None,
-    })
+    let data: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut out = Vec::new();
+    convert_into("f32", &data, dtype, &mut out)?;
+    Some(out)
 }
 
 /// Bytes per element of the float types [`convert_into`] knows.
@@ -55,10 +39,9 @@ const CHUNK: usize = 2048;
 /// f16 or bf16, safetensors or ggml names, any case; round to nearest even)
 /// into `out`, which is cleared first and keeps its capacity, so a loader
 /// that converts tensor after tensor touches new memory only for the
-/// largest. Goes through f32 a chunk at a time ([`decode_f32`] and
-/// [`encode_f32`] make whole copies, and convert element by element where
-/// this uses `half`'s slice conversions, F16C where the processor has it);
-/// `None` for other types.
+/// largest. Goes through f32 a chunk at a time, with `half`'s slice
+/// conversions (F16C where the processor has it); [`decode_f32`] and
+/// [`encode_f32`] are this into fresh vectors. `None` for other types.
 pub fn convert_into(src: &str, data: &[u8], dst: &str, out: &mut Vec<u8>) -> Option<()> {
     use half::slice::HalfFloatSliceExt;
     let (src, dst) = (src.to_ascii_lowercase(), dst.to_ascii_lowercase());
@@ -118,6 +101,36 @@ pub fn convert_into(src: &str, data: &[u8], dst: &str, out: &mut Vec<u8>) -> Opt
 mod tests {
     use super::*;
 
+    /// An independent reference: one element at a time through `half`'s
+    /// scalar conversions (round to nearest even).
+    fn reference(src: &str, data: &[u8], dst: &str) -> Vec<u8> {
+        let f: Vec<f32> = match src {
+            "f32" => data
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+            "f16" => data
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+            _ => data
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
+                .collect(),
+        };
+        match dst {
+            "f32" => f.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            "f16" => f
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect(),
+            _ => f
+                .iter()
+                .flat_map(|&v| half::bf16::from_f32(v).to_le_bytes())
+                .collect(),
+        }
+    }
+
     #[test]
     fn convert_into_matches_the_whole_copies() {
         // Values around the types' edges: subnormals, rounding ties,
@@ -138,14 +151,22 @@ mod tests {
         ];
         values.extend((0..5000).map(|i| ((i as f32) * 0.731).sin() * 10f32.powi(i % 9 - 4)));
         let mut out = vec![1u8; 7];
+        let f32_bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         for src in ["f32", "F16", "bf16"] {
-            let data = encode_f32(src, &values).unwrap();
+            let data = reference("f32", &f32_bytes, &src.to_ascii_lowercase());
+            assert_eq!(encode_f32(src, &values).unwrap(), data, "encode {src}");
+            let decoded = decode_f32(src, &data).unwrap();
+            let want = reference(&src.to_ascii_lowercase(), &data, "f32");
+            let got: Vec<u8> = decoded.iter().flat_map(|v| v.to_le_bytes()).collect();
+            assert_eq!(got, want, "decode {src}");
             for dst in ["F32", "f16", "BF16"] {
                 convert_into(src, &data, dst, &mut out).unwrap();
-                let whole = encode_f32(dst, &decode_f32(src, &data).unwrap()).unwrap();
-                assert_eq!(out, whole, "{src} to {dst}");
+                let want = reference(&src.to_ascii_lowercase(), &data, &dst.to_ascii_lowercase());
+                assert_eq!(out, want, "{src} to {dst}");
             }
         }
+        assert!(decode_f32("q8_0", &[0; 34]).is_none());
+        assert!(encode_f32("i32", &[1.0]).is_none());
         assert!(convert_into("q8_0", &[0; 34], "f32", &mut out).is_none());
         assert!(convert_into("f16", &[0; 4], "i32", &mut out).is_none());
     }
