@@ -222,14 +222,14 @@ pub struct SampleArgs {
     /// Sampler: euler_a, euler, heun, dpm2, dpm2_a, dpm++2s_a, dpm++2m,
     /// dpm++2m_sde, lms, ddim or lcm; A1111 names work too ("Euler a",
     /// "DPM++ 2M"), and may end with a schedule ("DPM++ 2M Karras")
-    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::sampling::sampler::SamplerChoice>)]
-    pub sampler: sdhost_models::sampling::sampler::SamplerChoice,
+    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::sampling::SamplerChoice>)]
+    pub sampler: sdhost_models::sampling::SamplerChoice,
 
     /// How the noise levels are spread over the steps: discrete, karras,
     /// exponential, sgm_uniform or simple (default: the one named in
     /// --sampler, else discrete)
-    #[arg(long, alias = "schedule", value_name = "NAME", value_parser = str::parse::<sdhost_models::sampling::schedule::Scheduler>)]
-    pub scheduler: Option<sdhost_models::sampling::schedule::Scheduler>,
+    #[arg(long, alias = "schedule", value_name = "NAME", value_parser = str::parse::<sdhost_models::sampling::Scheduler>)]
+    pub scheduler: Option<sdhost_models::sampling::Scheduler>,
 
     #[command(flatten)]
     pub load: LoadArgs,
@@ -238,7 +238,7 @@ pub struct SampleArgs {
 impl SampleArgs {
     /// The schedule: `--scheduler`, else the one `--sampler` names, else
     /// discrete; an error where the two name different ones.
-    pub fn scheduler(&self) -> anyhow::Result<sdhost_models::sampling::schedule::Scheduler> {
+    pub fn scheduler(&self) -> anyhow::Result<sdhost_models::sampling::Scheduler> {
         match (self.scheduler, self.sampler.scheduler) {
             (Some(a), Some(b)) if a != b => anyhow::bail!(
                 "--sampler {:?} names the {b} schedule but --scheduler says {a}",
@@ -291,14 +291,14 @@ pub struct LoadArgs {
     /// What each module holds between its phases (text encoding, sampling,
     /// decoding): `free` (default) releases its compute buffers and any
     /// runtime copy of weights kept on another device; `keep` holds them
-    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
-    pub phase_memory: sdhost_models::module::WeightPolicy,
+    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::runtime::module::WeightPolicy>)]
+    pub phase_memory: sdhost_models::runtime::module::WeightPolicy,
 
     /// What the UNet predicts, `eps` or `v`, where the checkpoint does not
     /// say (or to override it, with a warning): SD 2.x 768-v checkpoints
     /// without metadata need `v`
-    #[arg(long, value_name = "TYPE", value_parser = str::parse::<sdhost_models::family::Prediction>)]
-    pub prediction: Option<sdhost_models::family::Prediction>,
+    #[arg(long, value_name = "TYPE", value_parser = str::parse::<sdhost_models::sampling::Prediction>)]
+    pub prediction: Option<sdhost_models::sampling::Prediction>,
 
     /// Replace the checkpoint's VAE with this file's (.safetensors or .gguf;
     /// `first_stage_model.*` or bare `decoder.*` names), e.g. SDXL's fp16-fix VAE
@@ -342,11 +342,11 @@ pub struct LoadArgs {
 
 impl LoadArgs {
     /// `--vae-tiling` with its tile size and overlap, checked.
-    pub fn vae_tiling(&self) -> anyhow::Result<Option<sdhost_models::tiling::Tiling>> {
+    pub fn vae_tiling(&self) -> anyhow::Result<Option<sdhost_models::runtime::tiling::Tiling>> {
         if !self.vae_tiling {
             return Ok(None);
         }
-        Ok(Some(sdhost_models::tiling::Tiling::new(
+        Ok(Some(sdhost_models::runtime::tiling::Tiling::new(
             self.vae_tile_size as usize,
             self.vae_tile_overlap as usize,
         )?))
@@ -486,8 +486,8 @@ pub struct UpscaleArgs {
     pub tuning: UpscaleTuning,
 
     /// What the upscaler holds after its work: `free` (default) or `keep`
-    #[arg(long = "phase-memory", value_name = "POLICY", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
-    pub phase_memory: sdhost_models::module::WeightPolicy,
+    #[arg(long = "phase-memory", value_name = "POLICY", default_value = "free", value_parser = str::parse::<sdhost_models::runtime::module::WeightPolicy>)]
+    pub phase_memory: sdhost_models::runtime::module::WeightPolicy,
 
     #[command(flatten)]
     pub placement: PlacementArgs,
@@ -584,8 +584,8 @@ pub struct PlanArgs {
     pub height: Option<u32>,
 
     /// The phase-memory policy to account for (as `generate --phase-memory`)
-    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::module::WeightPolicy>)]
-    pub phase_memory: sdhost_models::module::WeightPolicy,
+    #[arg(long = "phase-memory", default_value = "free", value_parser = str::parse::<sdhost_models::runtime::module::WeightPolicy>)]
+    pub phase_memory: sdhost_models::runtime::module::WeightPolicy,
 
     /// The weights' matrix type to account for (as `generate --compute-type`)
     #[arg(long = "compute-type", value_name = "TYPE", default_value = "auto")]
@@ -746,7 +746,7 @@ mod tests {
 
     #[test]
     fn sampler_and_scheduler_flags() {
-        use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+        use sdhost_models::sampling::{Sampler, Scheduler};
         let parse = |extra: &[&str]| {
             let mut a = vec!["sdhost", "generate", "-m", "m", "-p", "p"];
             a.extend_from_slice(extra);

@@ -34,8 +34,8 @@ use crate::memory::{human_overruns, measure, overruns, Budgets, Measure, Measure
 use crate::placement::{DeviceType, Module, Placement};
 use crate::render::human_bytes;
 use crate::session::Session;
-use sdhost_models::memory::Phase;
-use sdhost_models::tiling::Tiling;
+use sdhost_models::runtime::memory::Phase;
+use sdhost_models::runtime::tiling::Tiling;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
@@ -135,6 +135,8 @@ pub fn fit(
     let cpu = crate::commands::generate::cpu_device(session, what)?;
     let mut tiling = m.tiling;
     let mut reasons: BTreeMap<Module, String> = BTreeMap::new();
+    // The VAE's reason when fit tiled it (it names the tiles already).
+    let mut tiling_reason: Option<String> = None;
     let eval = |p: &Placement, tiling: Option<Tiling>| -> anyhow::Result<Measured> {
         let mm = Measure {
             tiling,
@@ -249,13 +251,12 @@ pub fn fit(
                 }
             }
             if let Some(t) = tiling {
-                reasons.insert(
-                    Module::Vae,
-                    format!(
-                        "decoding whole does not fit: tiles of {} latent cells, overlap {}",
-                        t.tile, t.overlap
-                    ),
+                let why = format!(
+                    "decoding whole does not fit: tiles of {} latent cells, overlap {}",
+                    t.tile, t.overlap
                 );
+                tiling_reason = Some(why.clone());
+                reasons.insert(Module::Vae, why);
             }
         }
         // 4. Another device.
@@ -317,7 +318,7 @@ pub fn fit(
             least.join(", "),
         );
     }
-    let choices = choices(&p, &measured, &reasons, tiling);
+    let choices = choices(&p, &measured, &reasons, tiling, tiling_reason.as_deref());
     Ok(Fitted {
         placement: p,
         tiling,
@@ -342,6 +343,7 @@ fn choices(
     measured: &Measured,
     reasons: &BTreeMap<Module, String>,
     tiling: Option<Tiling>,
+    tiling_reason: Option<&str>,
 ) -> Vec<Choice> {
     [Module::Te, Module::Diffusion, Module::Vae]
         .into_iter()
@@ -380,7 +382,7 @@ fn choices(
                 }
             });
             let reason = match (m, tiling) {
-                (Module::Vae, Some(t)) if !reason.contains("tiles") => {
+                (Module::Vae, Some(t)) if Some(reason.as_str()) != tiling_reason => {
                     format!("{reason}; tiles of {}", t.tile)
                 }
                 _ => reason,

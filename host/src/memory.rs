@@ -23,10 +23,10 @@ use crate::render::human_bytes;
 use crate::session::Session;
 use ggml::DeviceType;
 use sdhost_models::checkpoint::Checkpoint;
-use sdhost_models::memory::{MemoryPlan, MemoryRequest, Phase};
-use sdhost_models::module::{DeviceBytes, WeightPolicy};
 use sdhost_models::pipeline::{LoadOptions, Pipeline};
-use sdhost_models::tiling::Tiling;
+use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, Phase};
+use sdhost_models::runtime::module::{DeviceBytes, WeightPolicy};
+use sdhost_models::runtime::tiling::Tiling;
 use std::collections::BTreeMap;
 
 /// The reserve kept free on a non-CPU device when none is given: drivers,
@@ -474,7 +474,7 @@ pub fn session_settings(
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use sdhost_models::memory::ModuleMemory;
+    use sdhost_models::runtime::memory::ModuleMemory;
     use sdhost_models::ModuleKind;
 
     #[test]

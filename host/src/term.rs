@@ -110,8 +110,8 @@ pub fn error_line(e: &anyhow::Error) -> String {
 pub fn is_cancelled(e: &anyhow::Error) -> bool {
     e.chain().any(|c| {
         matches!(
-            c.downcast_ref::<sdhost_models::blocks::nn::ModelError>(),
-            Some(sdhost_models::blocks::nn::ModelError::Cancelled)
+            c.downcast_ref::<sdhost_models::ModelError>(),
+            Some(sdhost_models::ModelError::Cancelled)
         )
     })
 }
@@ -142,8 +142,7 @@ mod tests {
             error_line(&e),
             "reading \\x1b[31mx: x.png: entity not found"
         );
-        let c =
-            anyhow::Error::new(sdhost_models::blocks::nn::ModelError::Cancelled).context("model");
+        let c = anyhow::Error::new(sdhost_models::ModelError::Cancelled).context("model");
         assert!(is_cancelled(&c));
         assert!(!is_cancelled(&anyhow::anyhow!("cancelled")));
     }

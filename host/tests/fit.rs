@@ -6,9 +6,9 @@
 
 mod common;
 use common::*;
-use sdhost_models::module::{Share, Spread};
 use sdhost_models::pipeline::{Image, LoadOptions, Pipeline, Request};
-use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use sdhost_models::runtime::module::{Share, Spread};
+use sdhost_models::sampling::{Sampler, Scheduler};
 
 fn request() -> Request {
     Request {
@@ -70,7 +70,7 @@ fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
             |_| Spread::Stream { resident: keep },
             opts(),
             |sd| {
-                let req = sdhost_models::memory::MemoryRequest {
+                let req = sdhost_models::runtime::memory::MemoryRequest {
                     width: 64,
                     height: 64,
                     batch: 2,

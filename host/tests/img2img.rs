@@ -8,9 +8,9 @@
 mod common;
 use common::*;
 use sdhost::image_io;
-use sdhost_models::module::WeightPolicy;
 use sdhost_models::pipeline::{to_planes, Init, LoadOptions, Pipeline, Request};
-use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use sdhost_models::runtime::module::WeightPolicy;
+use sdhost_models::sampling::{Sampler, Scheduler};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -287,7 +287,7 @@ fn bad_images_masks_and_strengths_fail_with_one_line_and_no_output() {
 /// results differ a little; the blend keeps that small.
 #[test]
 fn tiled_vae_stays_close_to_untiled() {
-    use sdhost_models::tiling::Tiling;
+    use sdhost_models::runtime::tiling::Tiling;
     with_pipeline("tiny-sd1.safetensors", |sd| {
         let z: Vec<f32> = (0..4 * 16 * 16)
             .map(|i| ((i as f32 * 0.61).sin() + (i as f32 * 0.07).cos()) * 0.5)

@@ -10,8 +10,8 @@
 
 mod common;
 use common::*;
-use sdhost_models::blocks::unet::UnetInput;
 use sdhost_models::checkpoint;
+use sdhost_models::denoisers::unet::UnetInput;
 use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::pipeline::LoadOptions;
 use std::collections::HashMap;

@@ -13,10 +13,10 @@ use sdhost::manager::BackendManager;
 use sdhost::memory::{account, Usage};
 use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
-use sdhost_models::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
-use sdhost_models::module::{Devices, WeightPolicy};
 use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
-use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
+use sdhost_models::runtime::module::{Devices, WeightPolicy};
+use sdhost_models::sampling::{Sampler, Scheduler};
 
 fn request(width: usize, height: usize) -> Request {
     Request {
@@ -154,7 +154,7 @@ fn prediction_matches(
     if img2img {
         let vae = &mut dry.modules[2];
         let most = vae.phases.iter().fold(
-            sdhost_models::module::ComputeBytes::default(),
+            sdhost_models::runtime::module::ComputeBytes::default(),
             |a, (_, c)| a.max(c),
         );
         for (_, c) in &mut vae.phases {
@@ -648,7 +648,7 @@ fn bad_budgets_are_one_line_errors() {
 
 #[test]
 fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
-    use sdhost_models::tiling::Tiling;
+    use sdhost_models::runtime::tiling::Tiling;
     let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
     let m = BackendManager::new(&reg, None);
     let cpu = m.get("cpu").unwrap();

@@ -10,12 +10,11 @@
 
 mod common;
 use common::*;
-use sdhost_models::blocks::nn::GraphOptions;
-use sdhost_models::blocks::unet::UnetInput;
-use sdhost_models::blocks::vae;
-use sdhost_models::module::WeightPolicy;
+use sdhost_models::denoisers::unet::UnetInput;
 use sdhost_models::pipeline::{LoadOptions, MatrixTypes, Pipeline, Request};
-use sdhost_models::sampling::schedule::{Sampler, Schedule, Scheduler};
+use sdhost_models::runtime::graph::GraphOptions;
+use sdhost_models::runtime::module::WeightPolicy;
+use sdhost_models::sampling::{DiscreteSchedule, NoiseSchedule, Sampler, Scheduler};
 use std::collections::HashMap;
 
 /// The family's reference tensors.
@@ -109,8 +108,10 @@ fn unet_and_vae_match(
         .unwrap();
     check(&format!("{label}unet"), &out, &r[fx.unet_out], 1e-2);
     sd.unet.end_phase();
-    let scale = sd.family().vae_scale;
-    let img = vae::decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8], scale).unwrap();
+    let stage = sd.first_stage().clone();
+    let img = stage
+        .decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8])
+        .unwrap();
     check(&format!("{label}vae image"), &img, &r["vae.image"], 1e-2);
     sd.vae.end_phase();
 }
@@ -195,8 +196,8 @@ fn typed_modules_match_references_with(
         unet_and_vae_match(fx, sd, &r, &assert_close, "");
 
         // Full pipeline: Euler, 3 steps, CFG 7, explicit initial noise.
-        let sig: Vec<f32> = Schedule::default()
-            .sampling_sigmas(3)
+        let sig: Vec<f32> = Scheduler::Discrete
+            .sigmas(&NoiseSchedule::Discrete(DiscreteSchedule::default()), 3)
             .iter()
             .map(|&s| s as f32)
             .collect();
@@ -225,8 +226,8 @@ fn typed_modules_match_references_with(
             .unwrap();
         assert_eq!(calls, 3, "progress once per step");
         assert_close("pipeline latent", &latent, &r["pipe.latent"], 1e-2);
-        let scale = sd.family().vae_scale;
-        let img = vae::decode(&mut sd.vae, &latent, [1, 4, 8, 8], scale).unwrap();
+        let stage = sd.first_stage().clone();
+        let img = stage.decode(&mut sd.vae, &latent, [1, 4, 8, 8]).unwrap();
         sd.vae.end_phase();
         assert_close("pipeline image", &img, &r["pipe.image"], 2e-2);
     });
@@ -290,7 +291,7 @@ fn weight_copies_follow_the_policy() {
 fn flash_attention_matches_references_on_cpu() {
     let r = refs(SD1);
     with_sd("cpu", "cpu", WeightPolicy::Free, |sd| {
-        sd.set_options(sdhost_models::blocks::nn::GraphOptions {
+        sd.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: true,
             amx: false,
         });

@@ -1418,7 +1418,7 @@ fn env_or(name: &str, default: usize) -> usize {
 #[ignore = "a measurement that prints timings: run with --ignored --nocapture (docs/serve.md)"]
 fn overhead_over_the_library() {
     use sdhost_models::pipeline::{LoadOptions, Pipeline, Request};
-    use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+    use sdhost_models::sampling::{Sampler, Scheduler};
     let runs = env_or("SDHOST_OVERHEAD_RUNS", 10).max(1);
     let size = env_or("SDHOST_OVERHEAD_SIZE", 64);
     let steps = env_or("SDHOST_OVERHEAD_STEPS", 8);
@@ -1447,7 +1447,7 @@ fn overhead_over_the_library() {
         sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
     let m = sdhost::manager::BackendManager::new(&reg, Some(threads));
     let cpu = m.get("cpu").unwrap();
-    let d = sdhost_models::module::Devices {
+    let d = sdhost_models::runtime::module::Devices {
         runtime: cpu,
         params: cpu,
         cpu,
@@ -1461,14 +1461,14 @@ fn overhead_over_the_library() {
     };
     let ckpt = sdhost_models::checkpoint::scan(&model).unwrap();
     let opts = LoadOptions {
-        policy: sdhost_models::module::WeightPolicy::Keep,
+        policy: sdhost_models::runtime::module::WeightPolicy::Keep,
         vae_encoder: true,
         ..Default::default()
     };
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
     // As the server's `--flash-attn auto` on the CPU.
     for module in [&mut sd.te, &mut sd.unet, &mut sd.vae] {
-        module.set_options(sdhost_models::blocks::nn::GraphOptions {
+        module.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: true,
             amx: true,
         });

@@ -12,10 +12,10 @@ use common::*;
 use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
-use sdhost_models::blocks::taesd;
+use sdhost_models::autoencoders::taesd;
 use sdhost_models::checkpoint::{self, weights::ModuleWeights};
-use sdhost_models::module::{Devices, Module, WeightPolicy};
 use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline};
+use sdhost_models::runtime::module::{Devices, Module, WeightPolicy};
 use sdhost_models::ModuleKind;
 use std::collections::HashMap;
 
@@ -45,7 +45,9 @@ fn decode_and_encode_match_diffusers() {
     let mut module = Module::new(ModuleKind::Vae, weights, d, WeightPolicy::Free).unwrap();
     taesd::validate(&module).unwrap();
     assert_eq!(
-        taesd::upscale_factor(&sdhost_models::blocks::nn::W::new(module.params().map())),
+        taesd::upscale_factor(&sdhost_models::runtime::graph::W::new(
+            module.params().map()
+        )),
         8
     );
 
@@ -96,7 +98,7 @@ fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
         ..LoadOptions::default()
     };
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    assert!(sd.vae_is_taesd());
+    assert!((sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd));
     let (zs, z) = &refs["decode.z"];
     let image = sd.decode(z, shape4(zs)).unwrap();
     let want = sdhost_models::pipeline::to_rgb(&refs["decode.image"].1, 40, 48);

@@ -18,7 +18,7 @@ use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
-use sdhost_models::module::{Devices, WeightPolicy};
+use sdhost_models::runtime::module::{Devices, WeightPolicy};
 use sdhost_models::upscale::{Tiling, Upscaler};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

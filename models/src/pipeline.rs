@@ -23,20 +23,21 @@
 //! VAE's factor; then every graph is built once, uncomputed, so a missing or
 //! misshapen tensor fails before any compute.
 
-use crate::blocks::clip::{self, ClipConfig};
-use crate::blocks::nn::{ModelError, Result, W};
-use crate::blocks::taesd;
-use crate::blocks::tokenizer::{ClipTokenizer, CONTEXT};
-use crate::blocks::unet::{self, UnetConfig, UnetInput};
-use crate::blocks::vae;
+use crate::autoencoders::FirstStage;
 use crate::checkpoint::weights::ModuleWeights;
 use crate::checkpoint::Checkpoint;
+use crate::denoisers::unet::{self, UnetConfig, UnetInput};
+use crate::encoders::clip::{self, ClipConfig};
+use crate::error::{ModelError, Result};
 use crate::family::{self, FamilyConfig, Prediction, UNET_PREFIX, VAE_PREFIX};
 use crate::lora::{LoraApply, LoraSet, LoraSpec};
-use crate::module::{Devices, Module, Spread, Timing, WeightPolicy};
+use crate::runtime::graph::{GraphOptions, W};
+use crate::runtime::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
+use crate::runtime::module::{ComputeBytes, Devices, Module, Spread, Timing, WeightPolicy};
+use crate::runtime::tiling::{run_tiled, Tiling};
 use crate::sampling::rng::Philox;
-use crate::sampling::schedule::{denoised, sample, Sampler, Schedule, Scheduler};
-use crate::tiling::{run_tiled, Tiling};
+use crate::sampling::{sample, DiscreteSchedule, Guidance, ModelSampling, Sampler, Scheduler};
+use crate::tokenizers::clip::{ClipTokenizer, CONTEXT};
 use crate::ModuleKind;
 
 /// What to generate.
@@ -173,18 +174,16 @@ pub struct Pipeline<'b> {
     /// VAE decoder.
     pub vae: Module<'b>,
     family: FamilyConfig,
-    prediction: Prediction,
+    /// The prediction type and noise schedule.
+    sampling: ModelSampling,
     tokenizer: ClipTokenizer,
-    schedule: Schedule,
     clip: Vec<ClipConfig>,
     unet_cfg: UnetConfig,
-    /// Pixels per latent cell (8), read off the VAE at load.
-    vae_factor: usize,
+    /// The VAE's autoencoder (KL or TAESD, from its tensor names), latent
+    /// format and normalisation.
+    first_stage: FirstStage,
     /// VAE tiling (in latent cells), or none.
     vae_tiling: Option<Tiling>,
-    /// The VAE is a TAESD (`blocks/taesd.rs`, unscaled latents), decided
-    /// from its tensor names.
-    taesd: bool,
 }
 
 /// Tensors of a module that are not weights (int64 buffers some exporters
@@ -238,10 +237,9 @@ fn load_module<'b>(
             && devices.runtime.label() != devices.cpu.label();
         let pinned = streamed.then_some(devices.runtime);
         ModuleWeights::load_patched(ckpt, prefix, keep, devices.params, loras, pinned, matrices)
-    }
-    .map_err(|e| ModelError::Invalid(e.to_string()))?;
-    let mut m = Module::new(kind, weights, devices, policy)
-        .map_err(|e| ModelError::Invalid(format!("{}: {e}", ckpt.path.display())))?;
+    }?;
+    let mut m =
+        Module::new(kind, weights, devices, policy).map_err(|e| e.context(ckpt.path.display()))?;
     m.set_spread(spread);
     Ok(m)
 }
@@ -273,8 +271,7 @@ fn split_weights(
         |n| assign.get(n).copied().unwrap_or(last),
         placeholders,
         matrices,
-    )
-    .map_err(|e| ModelError::Invalid(e.to_string()))?;
+    )?;
     m.replace_params(w);
     Ok(())
 }
@@ -340,7 +337,7 @@ impl<'b> Pipeline<'b> {
             },
         )?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
-            .map_err(|e| ModelError::Invalid(format!("{file}: diffusion: {e}")))?;
+            .map_err(|e| e.context(format!("{file}: diffusion")))?;
         let inpainting = unet_cfg.in_channels != unet_cfg.out_channels;
         let vae_ckpt = opts.vae.unwrap_or(ckpt);
         let vae = load_module(
@@ -363,16 +360,12 @@ impl<'b> Pipeline<'b> {
             .iter()
             .map(|e| ClipConfig::from_weights(&W::new(te.params().map()), *e))
             .collect::<Result<Vec<_>>>()
-            .map_err(|e| ModelError::Invalid(format!("{file}: te: {e}")))?;
-        let taesd = taesd::is_taesd(vae.params().names());
-        let vae_factor = if taesd {
-            taesd::upscale_factor(&W::new(vae.params().map()))
-        } else {
-            vae::upscale_factor(&W::new(vae.params().map()))
-        } as usize;
+            .map_err(|e| e.context(format!("{file}: te")))?;
+        let first_stage =
+            FirstStage::read(&vae, fam.latent.clone()).map_err(|e| e.context(&vae_file))?;
         let context: i64 = clip.iter().map(|c| c.hidden).sum();
         if context != unet_cfg.context_dim {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Incompatible(format!(
                 "{file}: the text encoders' width {context} does not match the UNet's context width {}",
                 unet_cfg.context_dim
             )));
@@ -381,14 +374,14 @@ impl<'b> Pipeline<'b> {
             (false, None, _) => {}
             (true, Some(adm), Some(p)) if adm > p && (adm - p) % 6 == 0 => {}
             (true, adm, p) => {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Incompatible(format!(
                     "{file}: the UNet's ADM input ({}) does not fit the pooled text width ({}) plus six size embeddings",
                     adm.map_or("missing: no label_emb.0.0.weight".into(), |a| a.to_string()),
                     p.map_or("none".into(), |p| p.to_string())
                 )))
             }
             (false, Some(_), _) => {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Unsupported(format!(
                     "{file}: a {} UNet with an ADM input (label_emb.*) is not supported",
                     fam.family.name()
                 )))
@@ -396,20 +389,12 @@ impl<'b> Pipeline<'b> {
         }
         // Build every graph once, uncomputed: errors name the module.
         for c in &clip {
-            clip::validate(&te, c).map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
+            clip::validate(&te, c).map_err(|e| e.context(&file))?;
         }
-        unet::validate(&unet, &unet_cfg)
-            .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
-        if taesd {
-            taesd::validate(&vae)
-        } else {
-            vae::validate(&vae)
-        }
-        .map_err(|e| ModelError::Invalid(format!("{vae_file}: {e}")))?;
-        if (opts.vae_encoder || inpainting) && !taesd {
-            vae::validate_encoder(&vae)
-                .map_err(|e| ModelError::Invalid(format!("{vae_file}: VAE encoder: {e}")))?;
-        }
+        unet::validate(&unet, &unet_cfg).map_err(|e| e.context(&file))?;
+        first_stage
+            .validate(&vae, opts.vae_encoder || inpainting)
+            .map_err(|e| e.context(&vae_file))?;
         let (mut te, mut unet, mut vae) = (te, unet, vae);
         split_weights(
             &mut te,
@@ -439,9 +424,9 @@ impl<'b> Pipeline<'b> {
             opts.matrix_types.vae,
         )?;
         if inpainting {
-            let z = vae_latent_channels(&vae, taesd)?;
+            let z = first_stage.format().channels as i64;
             if unet_cfg.in_channels != 2 * unet_cfg.out_channels + 1 || z != unet_cfg.out_channels {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Incompatible(format!(
                     "{file}: a UNet taking {} channels and giving {} is neither a plain nor an inpainting model for a {z}-channel VAE",
                     unet_cfg.in_channels, unet_cfg.out_channels
                 )));
@@ -453,20 +438,18 @@ impl<'b> Pipeline<'b> {
             unet,
             vae,
             family: fam,
-            prediction,
+            sampling: ModelSampling::discrete(prediction, DiscreteSchedule::default()),
             tokenizer: ClipTokenizer::default(),
-            schedule: Schedule::default(),
             clip,
             unet_cfg,
-            vae_factor,
+            first_stage,
             vae_tiling: None,
-            taesd,
         })
     }
 
-    /// Whether the VAE is a TAESD.
-    pub fn vae_is_taesd(&self) -> bool {
-        self.taesd
+    /// The VAE's autoencoder, latent format and normalisation.
+    pub fn first_stage(&self) -> &FirstStage {
+        &self.first_stage
     }
 
     /// The family's configuration.
@@ -476,7 +459,7 @@ impl<'b> Pipeline<'b> {
 
     /// The prediction type in use.
     pub fn prediction(&self) -> Prediction {
-        self.prediction
+        self.sampling.prediction()
     }
 
     /// Whether the UNet is an inpainting model (mask and masked-image
@@ -503,7 +486,7 @@ impl<'b> Pipeline<'b> {
 
     /// Whether the VAE encoder is loaded (img2img and inpainting need it).
     pub fn has_vae_encoder(&self) -> bool {
-        vae::has_encoder(&self.vae)
+        self.first_stage.has_encoder(&self.vae)
     }
 
     /// The UNet's hyper-parameters.
@@ -512,7 +495,7 @@ impl<'b> Pipeline<'b> {
     }
 
     /// Sets how every module's graphs are built (e.g. flash attention).
-    pub fn set_options(&mut self, opts: crate::blocks::nn::GraphOptions) {
+    pub fn set_options(&mut self, opts: GraphOptions) {
         self.te.set_options(opts);
         self.unet.set_options(opts);
         self.vae.set_options(opts);
@@ -520,7 +503,7 @@ impl<'b> Pipeline<'b> {
 
     /// Pixels per side the image size must be a multiple of.
     pub fn size_multiple(&self) -> usize {
-        self.vae_factor << self.unet_cfg.downsamples
+        self.first_stage.format().spatial << self.unet_cfg.downsamples
     }
 
     /// Token ids of a prompt for encoder `i`, in 77-token chunks, padded
@@ -574,11 +557,13 @@ impl<'b> Pipeline<'b> {
     /// requested size, no crop).
     pub fn adm_vector(&self, pooled: &[f32], width: usize, height: usize) -> Result<Vec<f32>> {
         let Some(adm) = self.unet_cfg.adm_in else {
-            return Err(ModelError::Invalid("this UNet takes no ADM vector".into()));
+            return Err(ModelError::Incompatible(
+                "this UNet takes no ADM vector".into(),
+            ));
         };
         let dim = (adm as usize).saturating_sub(pooled.len()) / 6;
         if dim == 0 || pooled.len() + 6 * dim != adm as usize || !dim.is_multiple_of(2) {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Incompatible(format!(
                 "pooled text of {} values does not fit the ADM input of {adm}",
                 pooled.len()
             )));
@@ -592,23 +577,67 @@ impl<'b> Pipeline<'b> {
     }
 
     /// Measures what each module needs at `req`'s size, per phase, without
-    /// computing anything (see [`crate::memory`]).
-    pub fn memory_plan(
-        &self,
-        req: &crate::memory::MemoryRequest,
-    ) -> Result<crate::memory::MemoryPlan> {
-        let parts = crate::memory::Parts {
-            te: &self.te,
-            unet: &self.unet,
-            vae: &self.vae,
-            clip: &self.clip,
-            unet_cfg: &self.unet_cfg,
-            vae_factor: self.vae_factor,
-            multiple: self.size_multiple(),
-            tiling: self.vae_tiling,
-            inpainting: self.is_inpainting(),
+    /// computing anything (see [`crate::runtime::memory`]): each module's
+    /// real graphs built over its weights (or placeholders) and allocated
+    /// dry.
+    pub fn memory_plan(&self, req: &MemoryRequest) -> Result<MemoryPlan> {
+        let m = self.size_multiple();
+        if req.width == 0
+            || req.height == 0
+            || !req.width.is_multiple_of(m)
+            || !req.height.is_multiple_of(m)
+        {
+            return Err(ModelError::Request(format!(
+                "image size {}×{} must be a positive multiple of {m} for this model",
+                req.width, req.height
+            )));
+        }
+        if !(1..=2).contains(&req.batch) || req.chunks == 0 {
+            return Err(ModelError::Request(format!(
+                "a UNet batch of {} with {} prompt chunks cannot be measured (batch 1 or 2, at least one chunk)",
+                req.batch, req.chunks
+            )));
+        }
+        let f = self.first_stage.format().spatial;
+        let (lh, lw) = (req.height / f, req.width / f);
+        // Token positions per chunk (77 for every CLIP the families use).
+        let positions = self.clip.first().map_or(77, |c| c.positions as usize);
+        let tokens = req.chunks * positions;
+
+        let mut te = ComputeBytes::default();
+        for c in &self.clip {
+            te = te.max(&clip::measure(&self.te, c, req.chunks)?);
+        }
+        let sampling = unet::measure(&self.unet, &self.unet_cfg, req.batch, lh, lw, tokens)?;
+        // With tiling, each graph is one tile (clipped to the latent).
+        let (th, tw) = match self.vae_tiling {
+            Some(t) => (lh.min(t.tile), lw.min(t.tile)),
+            None => (lh, lw),
         };
-        crate::memory::measure(parts, req)
+        let decode = self.first_stage.measure_decode(&self.vae, th, tw)?;
+        let mut vae_phases = Vec::new();
+        if (req.encode || self.is_inpainting()) && self.has_vae_encoder() {
+            vae_phases.push((
+                Phase::Encoding,
+                self.first_stage.measure_encode(&self.vae, th * f, tw * f)?,
+            ));
+        }
+        vae_phases.push((Phase::Decoding, decode));
+        let module = |m: &Module<'_>, phases| -> Result<ModuleMemory> {
+            Ok(ModuleMemory {
+                module: m.kind(),
+                weights: m.weight_bytes(),
+                runtime_copy: m.runtime_copy_bytes()?,
+                phases,
+            })
+        };
+        Ok(MemoryPlan {
+            modules: vec![
+                module(&self.te, vec![(Phase::TextEncoding, te)])?,
+                module(&self.unet, vec![(Phase::Sampling, sampling)])?,
+                module(&self.vae, vae_phases)?,
+            ],
+        })
     }
 
     /// Time spent in each module.
@@ -662,12 +691,15 @@ impl<'b> Pipeline<'b> {
             || !req.width.is_multiple_of(m)
             || !req.height.is_multiple_of(m)
         {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Request(format!(
                 "image size {}×{} must be a positive multiple of {m} for this model",
                 req.width, req.height
             )));
         }
-        let (f, ch) = (self.vae_factor, self.unet_cfg.out_channels as usize);
+        let (f, ch) = (
+            self.first_stage.format().spatial,
+            self.unet_cfg.out_channels as usize,
+        );
         Ok([1, ch, req.height / f, req.width / f])
     }
 
@@ -680,7 +712,7 @@ impl<'b> Pipeline<'b> {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
         if req.steps == 0 {
-            return Err(ModelError::Invalid("steps must be at least 1".into()));
+            return Err(ModelError::Request("steps must be at least 1".into()));
         }
         let shape = self.latent_shape(req)?;
         let n_latent: usize = shape.iter().product();
@@ -688,7 +720,7 @@ impl<'b> Pipeline<'b> {
         let noise = match noise {
             Some(v) if v.len() == n_latent => v,
             Some(v) => {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Request(format!(
                     "initial noise has {} values; the latent has {n_latent}",
                     v.len()
                 )))
@@ -698,7 +730,10 @@ impl<'b> Pipeline<'b> {
 
         // Text contexts: conditional and (with guidance) unconditional, padded
         // to the same number of chunks so they batch together.
-        let guided = req.cfg_scale != 1.0;
+        let guidance = Guidance::Cfg {
+            scale: req.cfg_scale,
+        };
+        let guided = guidance.two_passes();
         let mut chunks = self.chunk_count(&req.prompt);
         if guided {
             chunks = chunks.max(self.chunk_count(&req.negative));
@@ -728,32 +763,26 @@ impl<'b> Pipeline<'b> {
             }
         }
 
-        let full_sigmas = req.scheduler.sigmas(&self.schedule, req.steps);
+        let full_sigmas = req.scheduler.sigmas(self.sampling.schedule(), req.steps);
         let init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
         let sigmas = init.sigmas;
-        let x: Vec<f32> = match &init.z0 {
-            Some(z0) => z0
-                .iter()
-                .zip(&noise)
-                .map(|(z, n)| z + n * sigmas[0] as f32)
-                .collect(),
-            None => noise.iter().map(|v| v * sigmas[0] as f32).collect(),
-        };
+        let x = self
+            .sampling
+            .noise_scaling(sigmas[0], &noise, init.z0.as_deref());
         let (z0, keep, extra) = (init.z0, init.repaint, init.extra);
         let batch = if guided { 2 } else { 1 };
         let steps = sigmas.len() - 1;
-        let cfg = req.cfg_scale;
-        let prediction = self.prediction;
-        let schedule = self.schedule.clone();
+        let sampling = self.sampling.clone();
         let unet_cfg = self.unet_cfg.clone();
         let unet_module = &mut self.unet;
         let result: Result<Vec<f32>> = sample(
             req.sampler,
+            sampling.noise_rule(),
             &sigmas,
             x,
             |x, sigma, _step| {
                 check(cancelled)?;
-                let c_in = (1.0 / (sigma * sigma + 1.0).sqrt()) as f32;
+                let c_in = sampling.c_in(sigma);
                 let mut x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
                 let mut shape_b = shape;
                 if let Some(extra) = &extra {
@@ -765,7 +794,7 @@ impl<'b> Pipeline<'b> {
                 if batch == 2 {
                     xb.extend_from_slice(&x_in);
                 }
-                let t = schedule.timestep_of(sigma) as f32;
+                let t = sampling.timestep(sigma);
                 shape_b[0] = batch;
                 let input = UnetInput {
                     x: &xb,
@@ -775,13 +804,13 @@ impl<'b> Pipeline<'b> {
                     y: y.as_deref(),
                 };
                 let out = unet::predict(unet_module, &unet_cfg, input)?;
-                let out: Vec<f32> = if batch == 2 {
+                let out = if batch == 2 {
                     let (c, u) = out.split_at(n_latent);
-                    c.iter().zip(u).map(|(c, u)| u + cfg * (c - u)).collect()
+                    guidance.combine(c, Some(u))
                 } else {
                     out
                 };
-                let mut d = denoised(prediction, x, sigma, &out);
+                let mut d = sampling.denoised(x, sigma, &out);
                 if let (Some(z0), Some(keep)) = (&z0, &keep) {
                     blend(&mut d, z0, keep);
                 }
@@ -807,33 +836,25 @@ impl<'b> Pipeline<'b> {
         height: usize,
     ) -> Result<Vec<f32>> {
         if !self.has_vae_encoder() {
-            return Err(ModelError::Invalid(
+            return Err(ModelError::Incompatible(
                 "the VAE encoder was not loaded (load with vae_encoder)".into(),
             ));
         }
-        let (scale, taesd) = (self.family.vae_scale, self.taesd);
-        // TAESD's latents need no scale.
-        let encode = move |module: &mut Module<'_>, x: &[f32], shape: [usize; 4]| {
-            if taesd {
-                taesd::encode(module, x, shape)
-            } else {
-                Ok(vae::encode(module, x, shape, scale)?.0)
-            }
-        };
+        let stage = &self.first_stage;
         let Some(tiling) = self.vae_tiling else {
-            return encode(&mut self.vae, planes, [1, 3, height, width]);
+            return stage.encode(&mut self.vae, planes, [1, 3, height, width]);
         };
-        let f = self.vae_factor;
-        let z = vae_latent_channels(&self.vae, taesd)? as usize;
+        let format = stage.format();
+        let f = format.spatial;
         let module = &mut self.vae;
         run_tiled(
             planes,
             [3, height / f, width / f],
             f,
             1,
-            z,
+            format.channels,
             tiling,
-            |tile, th, tw| encode(module, tile, [1, 3, th * f, tw * f]),
+            |tile, th, tw| stage.encode(module, tile, [1, 3, th * f, tw * f]),
         )
     }
 
@@ -871,20 +892,20 @@ impl<'b> Pipeline<'b> {
             });
         };
         if !(init.strength > 0.0 && init.strength <= 1.0) {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Request(format!(
                 "strength {} is outside (0, 1]",
                 init.strength
             )));
         }
         if init.image.width != w || init.image.height != h || init.image.rgb.len() != 3 * w * h {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Request(format!(
                 "the init image is {}x{}; the request is {w}x{h}",
                 init.image.width, init.image.height
             )));
         }
         let run = ((req.steps as f64 * init.strength).floor() as usize).min(req.steps);
         if run == 0 {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Request(format!(
                 "strength {} of {} steps runs no step: raise --strength or --steps",
                 init.strength, req.steps
             )));
@@ -893,7 +914,7 @@ impl<'b> Pipeline<'b> {
         // Repaint where the mask is at least ½; no mask repaints everywhere.
         let px_mask: Option<Vec<bool>> = match &init.mask {
             Some(m) if m.len() != w * h => {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Request(format!(
                     "the mask has {} pixels; the image has {}",
                     m.len(),
                     w * h
@@ -902,7 +923,7 @@ impl<'b> Pipeline<'b> {
             Some(m) => Some(m.iter().map(|v| *v >= 0.5).collect()),
             None => None,
         };
-        let f = self.vae_factor;
+        let f = self.first_stage.format().spatial;
         let cell_mask = |m: &[bool]| -> Vec<f32> {
             (0..lh)
                 .flat_map(|i| (0..lw).map(move |j| (i, j)))
@@ -949,16 +970,9 @@ impl<'b> Pipeline<'b> {
     /// Decodes a latent `[1, C, h, w]` into an image.
     pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
         tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
-        let (scale, taesd) = (self.family.vae_scale, self.taesd);
-        let decode = move |module: &mut Module<'_>, z: &[f32], shape: [usize; 4]| {
-            if taesd {
-                taesd::decode(module, z, shape)
-            } else {
-                vae::decode(module, z, shape, scale)
-            }
-        };
+        let stage = &self.first_stage;
         let out = match self.vae_tiling {
-            None => decode(&mut self.vae, latent, shape),
+            None => stage.decode(&mut self.vae, latent, shape),
             Some(tiling) => {
                 let module = &mut self.vae;
                 let [_, c, h, w] = shape;
@@ -966,16 +980,16 @@ impl<'b> Pipeline<'b> {
                     latent,
                     [c, h, w],
                     1,
-                    self.vae_factor,
+                    stage.format().spatial,
                     3,
                     tiling,
-                    |tile, th, tw| decode(module, tile, [1, c, th, tw]),
+                    |tile, th, tw| stage.decode(module, tile, [1, c, th, tw]),
                 )
             }
         };
         self.vae.end_phase();
         let out = out?;
-        let f = self.vae_factor;
+        let f = self.first_stage.format().spatial;
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
     }
@@ -996,19 +1010,6 @@ fn blend(x: &mut [f32], z0: &[f32], m: &[f32]) {
     for ((x, z), m) in x.iter_mut().zip(z0).zip(m) {
         *x = m * *x + (1.0 - m) * z;
     }
-}
-
-/// The latent channels of a VAE: its decoder's input (`post_quant_conv`).
-fn vae_latent_channels(vae: &Module<'_>, taesd: bool) -> Result<i64> {
-    let first = if taesd {
-        "decoder.layers.0.weight"
-    } else {
-        "post_quant_conv.weight"
-    };
-    vae.params()
-        .get(first)
-        .map(|t| t.ne()[2])
-        .ok_or_else(|| ModelError::Invalid(format!("missing tensor {first}")))
 }
 
 /// `[3, h, w]` planes in −1..1 of an RGB image (the VAE encoder's input).

@@ -32,10 +32,12 @@
 //! image is first reflect-padded to a multiple of the cell (as spandrel
 //! does), tiles are whole cells, and the output is cropped back.
 
-use crate::blocks::nn::{conv2d_precise, ModelError, Result, W};
 use crate::checkpoint::weights::{ModuleWeights, WeightsError};
 use crate::checkpoint::Checkpoint;
-use crate::module::{input_f32, Built, Devices, Module, WeightPolicy};
+use crate::error::{ModelError, Result};
+use crate::nn::conv2d_precise;
+use crate::runtime::graph::W;
+use crate::runtime::module::{input_f32, Built, Devices, Module, WeightPolicy};
 use crate::ModuleKind;
 use ggml::{Context, Tensor};
 
@@ -132,11 +134,11 @@ impl Arch {
         } else if w.has("conv_first.weight") && w.has("RRDB_trunk.0.RDB1.conv1.weight") {
             Naming::Bsrgan
         } else if w.has("model.0.weight") && w.has("model.1.sub.0.RDB1.conv1x1.weight") {
-            return Err(ModelError::Invalid(
+            return Err(ModelError::Unsupported(
                 "ESRGAN+ models (conv1x1 in the dense blocks) are not supported".into(),
             ));
         } else {
-            return Err(ModelError::Invalid(
+            return Err(ModelError::Unsupported(
                 "not an ESRGAN/RRDBNet upscaler (no model.0 + model.1.sub.0.RDB1 or conv_first + body.0.rdb1 tensors)".into(),
             ));
         };
@@ -169,7 +171,7 @@ impl Arch {
                     .max()
                     .map_or(0, |m| m + 1);
                 if len < 5 || (len - 5) % 3 != 0 {
-                    return Err(ModelError::Invalid(format!(
+                    return Err(ModelError::Unsupported(format!(
                         "ESRGAN layout with {len} model.N layers fits no scale"
                     )));
                 }
@@ -180,7 +182,7 @@ impl Arch {
                 .count() as u32,
         };
         if a.ups > 4 {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Unsupported(format!(
                 "{} upsampling steps; at most 4 (16×) are supported",
                 a.ups
             )));
@@ -197,13 +199,13 @@ impl Arch {
             1
         };
         if a.out_ch != 3 || a.in_ch != 3 * (a.unshuffle * a.unshuffle) as i64 {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Unsupported(format!(
                 "upscaler takes {} and gives {} channels; only RGB models (3, or 12/48 unshuffled, to 3) are supported",
                 a.in_ch, a.out_ch
             )));
         }
         if (1usize << a.ups) < a.unshuffle {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Unsupported(format!(
                 "upscaler unshuffles by {} but upsamples only {}×",
                 a.unshuffle,
                 1 << a.ups
@@ -362,19 +364,18 @@ impl<'b> Upscaler<'b> {
             .unwrap_or("");
         let weights = ModuleWeights::load_filtered(ckpt, prefix, keep, devices.params).map_err(
             |e| match e {
-                WeightsError::NoTensors { .. } => ModelError::Invalid(format!(
+                WeightsError::NoTensors { .. } => ModelError::Unsupported(format!(
                     "{file}: not an ESRGAN/RRDBNet upscaler (no weight tensors)"
                 )),
-                e => ModelError::Invalid(e.to_string()),
+                e => ModelError::Io(e.to_string()),
             },
         )?;
-        let arch = Arch::detect(&W::new(weights.map()))
-            .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
+        let arch = Arch::detect(&W::new(weights.map())).map_err(|e| e.context(&file))?;
         let module = Module::new(ModuleKind::Upscaler, weights, devices, policy)?;
         let s = arch.unshuffle;
         module
             .validate(|c, w| build(c, w, &arch, vec![0.0; 3 * s * s], 1, 1))
-            .map_err(|e| ModelError::Invalid(format!("{file}: {e}")))?;
+            .map_err(|e| e.context(&file))?;
         tracing::info!("{file}: {arch}");
         Ok(Upscaler { module, arch })
     }
@@ -401,7 +402,7 @@ impl<'b> Upscaler<'b> {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
         if width == 0 || height == 0 || image.len() != 3 * width * height {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Shape(format!(
                 "upscale: {} values for a {width}x{height} RGB image",
                 image.len()
             )));
@@ -418,7 +419,7 @@ impl<'b> Upscaler<'b> {
             let ov = tiling.overlap.div_ceil(s);
             let tile = (tiling.tile / s).max(1);
             if tile <= 2 * ov {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Request(format!(
                     "upscale tile {} is too small for an overlap of {} on each side",
                     tiling.tile, tiling.overlap
                 )));
@@ -457,7 +458,7 @@ impl<'b> Upscaler<'b> {
                 let t = self.module.compute(|c, w| build(c, w, &a, v, tw, th))?;
                 let (rw, rh) = (tw * up, th * up);
                 if t.len() != 3 * rw * rh {
-                    return Err(ModelError::Invalid(format!(
+                    return Err(ModelError::Shape(format!(
                         "upscaler gave {} values for a {rw}x{rh} tile",
                         t.len()
                     )));
@@ -505,7 +506,7 @@ impl<'b> Upscaler<'b> {
         for _ in 0..repeats {
             let n = w * h;
             if rgb.len() != 3 * n {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Shape(format!(
                     "upscale: {} bytes for a {w}x{h} RGB image",
                     rgb.len()
                 )));

@@ -882,7 +882,7 @@ impl PeerJob<'_> {
     fn sdcpp(&self, exe: Option<&Path>) -> Result<PeerReport, String> {
         // The peer driver maps only these settings onto sd.cpp; anything else
         // would time a different computation, so it is not run at all.
-        use sdhost_models::sampling::schedule::{Sampler, Scheduler};
+        use sdhost_models::sampling::{Sampler, Scheduler};
         let (a, req) = (self.a, self.req);
         if !matches!(
             req.sampler,

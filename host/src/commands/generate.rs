@@ -13,9 +13,9 @@ use crate::session::Session;
 use crate::term;
 use anyhow::{anyhow, Context as _};
 use ggml::DeviceType;
-use sdhost_models::blocks::nn::ModelError;
-use sdhost_models::module::{Devices, Share, Spread};
 use sdhost_models::pipeline::{Image, Init, Layout, MatrixTypes, Pipeline, Request, Spreads};
+use sdhost_models::runtime::module::{Devices, Share, Spread};
+use sdhost_models::ModelError;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -71,7 +71,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     opts.matrix_types = matrix_types(session, &layout, args.sample.compute_type);
     let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)?;
     sd.set_vae_tiling(tiling);
-    if let (Some(t), false) = (&args.sample.taesd, sd.vae_is_taesd()) {
+    if let (Some(t), false) = (
+        &args.sample.taesd,
+        (sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd),
+    ) {
         return Err(anyhow!(
             "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
             t.display()
@@ -374,7 +377,7 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
         }
         // bf16 products on the AMX tile unit wherever the module runs on the
         // CPU alone and the processor has one (`SDHOST_NO_AMX` turns it off).
-        module.set_options(sdhost_models::blocks::nn::GraphOptions {
+        module.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: flash,
             amx: true,
         });
@@ -474,7 +477,7 @@ pub struct TextFields<'a> {
     /// The replacement VAE.
     pub vae: Option<&'a std::path::Path>,
     /// VAE tiling.
-    pub tiling: Option<sdhost_models::tiling::Tiling>,
+    pub tiling: Option<sdhost_models::runtime::tiling::Tiling>,
     /// The init image (its file name is recorded).
     pub init: Option<&'a std::path::Path>,
     /// The inpainting mask.

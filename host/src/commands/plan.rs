@@ -28,7 +28,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     };
     let manager = BackendManager::new(&session.registry, session.threads);
     let tiling = if args.vae_tiling {
-        Some(sdhost_models::tiling::Tiling::new(
+        Some(sdhost_models::runtime::tiling::Tiling::new(
             args.vae_tile_size as usize,
             args.vae_tile_overlap as usize,
         )?)
@@ -209,7 +209,7 @@ impl PlanReport {
         model: Option<&Checkpoint>,
         measured: Option<&Measured>,
         budgets: &Budgets,
-        policy: sdhost_models::module::WeightPolicy,
+        policy: sdhost_models::runtime::module::WeightPolicy,
     ) -> Self {
         let bytes = model.map(|m| m.module_bytes());
         // With a checkpoint, only the modules it has.

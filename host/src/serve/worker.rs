@@ -22,12 +22,12 @@ use crate::manager::BackendManager;
 use crate::placement::Placement;
 use crate::session::Session;
 use anyhow::Context as _;
-use sdhost_models::blocks::nn::ModelError;
 use sdhost_models::lora::LoraSpec;
 use sdhost_models::pipeline::{Image, Init, LoadOptions, Pipeline, Request};
-use sdhost_models::sampling::schedule::{Sampler, Scheduler};
-use sdhost_models::tiling::Tiling;
+use sdhost_models::runtime::tiling::Tiling;
+use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::upscale::Upscaler;
+use sdhost_models::ModelError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -296,7 +296,10 @@ impl<'m> Worker<'_, 'm> {
         let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)
             .with_context(|| entry.path.display().to_string())?;
         sd.set_vae_tiling(fitted.tiling);
-        if let (Some(t), false) = (&a.taesd, sd.vae_is_taesd()) {
+        if let (Some(t), false) = (
+            &a.taesd,
+            (sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd),
+        ) {
             anyhow::bail!(
                 "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
                 t.display()
@@ -516,6 +519,9 @@ impl<'m> Worker<'_, 'm> {
                 )
                 .map_err(|e| match e {
                     ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
+                    // What the request asked that this model cannot run
+                    // (422), by the error's kind.
+                    ModelError::Request(m) => JobError::Invalid(format!("request: {m}")),
                     e => JobError::Failed(format!("{}: {e}", entry.title)),
                 })?;
             let image = match &mut l.upscaler {

@@ -434,7 +434,7 @@ pub fn with_pipeline_spread<R>(
     params: &str,
     spread: impl for<'m> FnOnce(
         &'m sdhost::manager::BackendManager<'_>,
-    ) -> sdhost_models::module::Spread<'m>,
+    ) -> sdhost_models::runtime::module::Spread<'m>,
     opts: sdhost_models::pipeline::LoadOptions<'_>,
     f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
 ) -> R {
@@ -451,7 +451,7 @@ pub fn with_pipeline_spread<R>(
     } else {
         &[]
     };
-    let d = sdhost_models::module::Devices {
+    let d = sdhost_models::runtime::module::Devices {
         runtime: m.get(runtime).unwrap(),
         params: m.get(params).unwrap(),
         cpu: m.get("cpu").unwrap(),

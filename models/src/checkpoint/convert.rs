@@ -12,9 +12,9 @@
 //! Only tensors of a known module are written (EMA copies, scheduler tables
 //! and int64 buffers are dropped); names stay as they are.
 
-use crate::blocks::nn::ModelError;
 use crate::checkpoint::gguf;
 use crate::checkpoint::{module_of, Checkpoint, TensorEntry};
+use crate::error::ModelError;
 use ggml::Type;
 use std::io::Write;
 use std::os::unix::fs::FileExt;
@@ -123,7 +123,7 @@ pub fn to_gguf(
     progress: &mut dyn FnMut(usize, usize),
     cancelled: &dyn Fn() -> bool,
 ) -> Result<Converted, ModelError> {
-    let bad = ModelError::Invalid;
+    let bad = ModelError::Io;
     let file = std::fs::File::open(&ckpt.path).map_err(|e| bad(e.to_string()))?;
     let mut stats = Converted::default();
     let wanted: Vec<&TensorEntry> = ckpt

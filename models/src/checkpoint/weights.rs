@@ -631,3 +631,14 @@ impl ModuleWeights {
         self.parts.iter().all(|p| p.buffer.is_none())
     }
 }
+
+impl From<WeightsError> for crate::error::ModelError {
+    fn from(e: WeightsError) -> Self {
+        use crate::error::ModelError;
+        match e {
+            WeightsError::NoTensors { .. } => ModelError::MissingTensor(e.to_string()),
+            WeightsError::Tensor { .. } => ModelError::Shape(e.to_string()),
+            WeightsError::Other { .. } => ModelError::Io(e.to_string()),
+        }
+    }
+}

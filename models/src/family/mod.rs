@@ -10,8 +10,12 @@ mod sd1;
 mod sd2;
 mod sdxl;
 
+use crate::autoencoders::LatentNorm;
 use crate::checkpoint::Checkpoint;
-use crate::ModelError;
+use crate::denoisers::unet::Heads;
+use crate::encoders::clip::ClipEncoder;
+use crate::error::ModelError;
+pub use crate::sampling::Prediction;
 
 /// A supported family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -45,94 +49,6 @@ impl Family {
     }
 }
 
-/// What a denoiser's output means.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Prediction {
-    /// The noise ε: x₀ = x − σ·ε.
-    Eps,
-    /// The velocity v (σ_data = 1): x₀ = x/(σ²+1) − σ·v/√(σ²+1).
-    V,
-}
-
-impl Prediction {
-    /// `eps` or `v`.
-    pub fn name(self) -> &'static str {
-        match self {
-            Prediction::Eps => "eps",
-            Prediction::V => "v",
-        }
-    }
-}
-
-impl std::str::FromStr for Prediction {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s.to_ascii_lowercase().as_str() {
-            "eps" | "epsilon" => Ok(Prediction::Eps),
-            "v" | "v_prediction" | "vpred" | "v-prediction" => Ok(Prediction::V),
-            _ => Err(format!("unknown prediction type {s:?} (eps, v)")),
-        }
-    }
-}
-
-/// Naming of a text encoder's tensors.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Naming {
-    /// Hugging Face `CLIPTextModel` (`text_model.encoder.layers.N…`,
-    /// quick-GELU).
-    Hf,
-    /// OpenCLIP (`transformer.resblocks.N…`, fused in-projection, GELU).
-    OpenClip,
-}
-
-/// Which hidden state a text encoder hands on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Layer {
-    /// The last layer's output.
-    Last,
-    /// The output of all layers but the last.
-    Penultimate,
-}
-
-/// One text encoder of a family.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Encoder {
-    /// Name prefix inside the `te` module (e.g. `transformer.`,
-    /// `embedders.1.model.`).
-    pub prefix: &'static str,
-    /// Tensor naming.
-    pub naming: Naming,
-    /// The layer whose output is used (`--clip-skip N` goes N − 1 further).
-    pub layer: Layer,
-    /// Whether the final layer norm is applied to that output.
-    pub final_norm: bool,
-    /// Padding token after `<|endoftext|>` (49407 for OpenAI's CLIP, 0 for
-    /// OpenCLIP's tokenizer).
-    pub pad: u32,
-    /// Whether the pooled, projected last-layer output at the end token is
-    /// also taken (SDXL's bigG).
-    pub pooled: bool,
-}
-
-/// How the UNet's attention heads are sized.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Heads {
-    /// A fixed count (SD 1.x: 8).
-    Count(i64),
-    /// A fixed width (SD 2.x, SDXL: 64 channels per head).
-    Width(i64),
-}
-
-impl Heads {
-    /// Heads for an attention of `inner` channels.
-    pub fn for_width(self, inner: i64) -> i64 {
-        match self {
-            Heads::Count(n) => n,
-            Heads::Width(w) => (inner / w).max(1),
-        }
-    }
-}
-
 /// A family's configuration.
 #[derive(Clone, Debug, PartialEq)]
 pub struct FamilyConfig {
@@ -141,13 +57,13 @@ pub struct FamilyConfig {
     /// Checkpoint prefix of the text encoder(s) (the `te` module).
     pub te_prefix: &'static str,
     /// The text encoders, whose hidden states are concatenated on features.
-    pub encoders: Vec<Encoder>,
+    pub encoders: Vec<ClipEncoder>,
     /// UNet attention heads.
     pub heads: Heads,
     /// Whether the UNet takes an ADM vector (SDXL: pooled text + sizes).
     pub adm: bool,
-    /// Latent scale factor of the VAE.
-    pub vae_scale: f32,
+    /// How the UNet's latents relate to the VAE's.
+    pub latent: LatentNorm,
     /// Prediction type when the checkpoint does not say.
     pub prediction: Prediction,
     /// Default image side in pixels.
@@ -166,7 +82,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
     let contains = |p: &str| ckpt.tensors.iter().any(|t| t.name.contains(p));
     let file = ckpt.path.display();
     let unsupported = |what: &str| {
-        ModelError::Invalid(format!(
+        ModelError::Unsupported(format!(
             "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x and SDXL base checkpoints"
         ))
     };
@@ -211,12 +127,12 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
     let sdxl_g = has("conditioner.embedders.1.model.");
     let family = if sdxl_l || sdxl_g {
         if !sdxl_l {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::MissingTensor(format!(
                 "{file}: SDXL checkpoint without its CLIP-L text encoder (conditioner.embedders.0.transformer.*)"
             )));
         }
         if !sdxl_g {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::MissingTensor(format!(
                 "{file}: SDXL checkpoint without its OpenCLIP bigG text encoder (conditioner.embedders.1.model.*)"
             )));
         }
@@ -226,7 +142,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
     } else if has("cond_stage_model.transformer.") {
         Family::Sd1
     } else {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::MissingTensor(format!(
             "{file}: no text encoder (neither cond_stage_model.* nor conditioner.embedders.*): a UNet alone is not a checkpoint sdhost can run"
         )));
     };
@@ -246,7 +162,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
         }
     }
     if !has(VAE_PREFIX) {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::MissingTensor(format!(
             "{file}: {} checkpoint without a VAE (first_stage_model.*); give one with --vae FILE",
             family.name()
         )));

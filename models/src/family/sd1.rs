@@ -3,13 +3,16 @@
 //! the end token), a UNet with 8 heads, ε-prediction, latent scale 0.18215,
 //! 512×512.
 
-use super::{Encoder, Family, FamilyConfig, Heads, Layer, Naming, Prediction};
+use super::{Family, FamilyConfig, Prediction};
+use crate::autoencoders::LatentNorm;
+use crate::denoisers::unet::Heads;
+use crate::encoders::clip::{ClipEncoder, Layer, Naming};
 
 pub(super) fn config() -> FamilyConfig {
     FamilyConfig {
         family: Family::Sd1,
         te_prefix: "cond_stage_model.",
-        encoders: vec![Encoder {
+        encoders: vec![ClipEncoder {
             prefix: "transformer.",
             naming: Naming::Hf,
             layer: Layer::Last,
@@ -19,7 +22,7 @@ pub(super) fn config() -> FamilyConfig {
         }],
         heads: Heads::Count(8),
         adm: false,
-        vae_scale: 0.18215,
+        latent: LatentNorm::Scale(0.18215),
         prediction: Prediction::Eps,
         default_size: 512,
     }

@@ -5,13 +5,16 @@
 //! ones v: the prediction type comes from the checkpoint where it says,
 //! else `--prediction`, else ε.
 
-use super::{Encoder, Family, FamilyConfig, Heads, Layer, Naming, Prediction};
+use super::{Family, FamilyConfig, Prediction};
+use crate::autoencoders::LatentNorm;
+use crate::denoisers::unet::Heads;
+use crate::encoders::clip::{ClipEncoder, Layer, Naming};
 
 pub(super) fn config() -> FamilyConfig {
     FamilyConfig {
         family: Family::Sd2,
         te_prefix: "cond_stage_model.",
-        encoders: vec![Encoder {
+        encoders: vec![ClipEncoder {
             prefix: "model.",
             naming: Naming::OpenClip,
             layer: Layer::Penultimate,
@@ -21,7 +24,7 @@ pub(super) fn config() -> FamilyConfig {
         }],
         heads: Heads::Width(64),
         adm: false,
-        vae_scale: 0.18215,
+        latent: LatentNorm::Scale(0.18215),
         prediction: Prediction::Eps,
         default_size: 512,
     }

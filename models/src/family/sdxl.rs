@@ -6,14 +6,17 @@
 //! 64-wide heads, transformer depth per level from the tensors, ε,
 //! latent scale 0.13025, 1024×1024.
 
-use super::{Encoder, Family, FamilyConfig, Heads, Layer, Naming, Prediction};
+use super::{Family, FamilyConfig, Prediction};
+use crate::autoencoders::LatentNorm;
+use crate::denoisers::unet::Heads;
+use crate::encoders::clip::{ClipEncoder, Layer, Naming};
 
 pub(super) fn config() -> FamilyConfig {
     FamilyConfig {
         family: Family::Sdxl,
         te_prefix: "conditioner.",
         encoders: vec![
-            Encoder {
+            ClipEncoder {
                 prefix: "embedders.0.transformer.",
                 naming: Naming::Hf,
                 layer: Layer::Penultimate,
@@ -21,7 +24,7 @@ pub(super) fn config() -> FamilyConfig {
                 pad: 49407,
                 pooled: false,
             },
-            Encoder {
+            ClipEncoder {
                 prefix: "embedders.1.model.",
                 naming: Naming::OpenClip,
                 layer: Layer::Penultimate,
@@ -32,7 +35,7 @@ pub(super) fn config() -> FamilyConfig {
         ],
         heads: Heads::Width(64),
         adm: true,
-        vae_scale: 0.13025,
+        latent: LatentNorm::Scale(0.13025),
         prediction: Prediction::Eps,
         default_size: 1024,
     }

@@ -16,8 +16,8 @@
 //! * **graph** (quantized weights, where merging would mean re-quantizing):
 //!   `down` and the scaled `up` are uploaded beside the weights as f32
 //!   tensors named `{weight}.lora.{i}.down|up` ([`LoraSet::graph_tensors`])
-//!   and the layer helpers in [`crate::blocks::nn`] add `up·(down·x)` to
-//!   the layer's output ([`crate::blocks::nn::W::lora_for`]).
+//!   and the layer helpers in [`crate::nn`] add `up·(down·x)` to
+//!   the layer's output ([`crate::nn::W::lora_for`]).
 //!
 //! Errors are one line naming the LoRA file and, for a shape that does not
 //! fit, the key; a LoRA for another family is told apart by its text
@@ -26,8 +26,8 @@
 pub mod names;
 
 use crate::checkpoint::{self, Checkpoint, TensorEntry};
+use crate::error::ModelError;
 use crate::family::{Family, FamilyConfig};
-use crate::ModelError;
 use names::{LoraKey, Target};
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::FileExt;
@@ -180,7 +180,7 @@ pub struct LoraSet {
 }
 
 fn invalid(msg: String) -> ModelError {
-    ModelError::Invalid(msg)
+    ModelError::Incompatible(msg)
 }
 
 fn shape_str(s: &[u64]) -> String {

@@ -17,7 +17,8 @@
 //! [`Target`] with a row range.
 
 use crate::checkpoint::Checkpoint;
-use crate::family::{Family, FamilyConfig, Naming, UNET_PREFIX};
+use crate::encoders::clip::Naming;
+use crate::family::{Family, FamilyConfig, UNET_PREFIX};
 use std::collections::HashMap;
 
 /// A tensor (or a block of its rows) that a LoRA key adapts.

@@ -11,8 +11,9 @@
 
 use serde_json::Value;
 
-use super::sampler::{sample, sample_f64, Sampler};
-use super::schedule::{Schedule, Scheduler};
+use super::noise::{DiscreteSchedule, NoiseSchedule};
+use super::sampler::{sample, sample_f64, NoiseRule, Sampler};
+use super::scheduler::Scheduler;
 
 const TOL: f64 = 1e-5;
 
@@ -49,7 +50,7 @@ fn toy(k: usize, x: f64, s: f64) -> f64 {
 #[test]
 fn schedules_match_k_diffusion() {
     let r = refs();
-    let schedule = Schedule::default();
+    let schedule = NoiseSchedule::Discrete(DiscreteSchedule::default());
     let mut worst = (0.0, String::new());
     let mut seen = std::collections::HashSet::new();
     for case in r["sigmas"].as_array().expect("sigmas") {
@@ -72,7 +73,7 @@ fn schedules_match_k_diffusion() {
 #[test]
 fn samplers_match_k_diffusion() {
     let r = refs();
-    let schedule = Schedule::default();
+    let schedule = NoiseSchedule::Discrete(DiscreteSchedule::default());
     let x_unit = floats(&r["x_unit"]);
     let pool: Vec<Vec<f64>> = r["noise"]
         .as_array()
@@ -113,6 +114,7 @@ fn samplers_match_k_diffusion() {
         let (mut calls, mut draws, mut done) = (0, 0, 0);
         let got = sample_f64::<()>(
             sampler,
+            NoiseRule::Variance,
             &sigmas,
             x.clone(),
             |x, s, step| {
@@ -153,6 +155,7 @@ fn samplers_match_k_diffusion() {
         let x_ref: Vec<f64> = x_unit.iter().map(|v| v * ref_sig[0]).collect();
         let got = sample_f64::<()>(
             sampler,
+            NoiseRule::Variance,
             ref_sig,
             x_ref,
             |x, s, _| Ok(x.iter().enumerate().map(|(k, &v)| toy(k, v, s)).collect()),
@@ -176,6 +179,7 @@ fn samplers_match_k_diffusion() {
         let mut draws = 0;
         let got = sample::<()>(
             sampler,
+            NoiseRule::Variance,
             &sigmas,
             x.iter().map(|&v| v as f32).collect(),
             |x, s, _| {
@@ -232,4 +236,133 @@ fn samplers_match_k_diffusion() {
         "worst sampler error, f32 API (relative to max |x|): {:.2e} ({})",
         worst32.0, worst32.1
     );
+}
+
+fn flow_refs() -> Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/flow-refs.json"
+    );
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// Every scheduler over a rectified-flow schedule, against diffusers'
+/// `FlowMatchEulerDiscreteScheduler` (float32: 1e-6) and ComfyUI's formulas
+/// (float64); the dynamic shift from the token count as diffusers'
+/// `calculate_shift` gives it.
+#[test]
+fn flow_schedules_match_diffusers_and_comfyui() {
+    use super::noise::{FlowSchedule, FlowShift};
+    let dev = FlowShift::Dynamic {
+        base_shift: 0.5,
+        max_shift: 1.15,
+        base_tokens: 256.0,
+        max_tokens: 4096.0,
+    };
+    let r = flow_refs();
+    let mut seen = std::collections::HashSet::new();
+    let mut worst = 0.0f64;
+    for case in r["sigmas"].as_array().expect("sigmas") {
+        let name = case["scheduler"].as_str().expect("name");
+        let steps = case["steps"].as_u64().expect("steps") as usize;
+        let scheduler = Scheduler::parse(name).expect(name);
+        let shift = match case["tokens"].as_u64() {
+            Some(tokens) => {
+                let alpha = dev.alpha(tokens as usize);
+                let mu = case["mu"].as_f64().expect("mu");
+                assert!((alpha.ln() - mu).abs() < 1e-12, "{tokens} tokens");
+                alpha
+            }
+            None => case["shift"].as_f64().expect("shift"),
+        };
+        let schedule = NoiseSchedule::Flow(FlowSchedule { shift });
+        let want = floats(&case["sigmas"]);
+        let got = scheduler.sigmas(&schedule, steps);
+        let tol = if case["source"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("diffusers"))
+        {
+            1e-6
+        } else {
+            1e-12
+        };
+        let err = max_abs_diff(&got, &want);
+        assert!(
+            err <= tol,
+            "{name} {steps} shift {shift}: {got:?} vs {want:?}"
+        );
+        worst = worst.max(err);
+        seen.insert(scheduler);
+    }
+    assert_eq!(seen.len(), Scheduler::ALL.len());
+    println!("worst flow sigma error {worst:.2e}");
+}
+
+/// Every sampler under the rectified-flow noise rule against diffusers'
+/// flow-match Euler (plain and stochastic, the latter being lcm's rule),
+/// k-diffusion's deterministic samplers and ComfyUI's `_RF` forms.
+#[test]
+fn flow_samplers_match_references() {
+    use super::noise::FlowSchedule;
+    let r = flow_refs();
+    let base = refs();
+    let x_unit = floats(&base["x_unit"]);
+    let pool: Vec<Vec<f64>> = base["noise"]
+        .as_array()
+        .expect("noise")
+        .iter()
+        .map(floats)
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    let mut worst = 0.0f64;
+    for case in r["cases"].as_array().expect("cases") {
+        let sampler = Sampler::parse(case["sampler"].as_str().expect("sampler")).expect("sampler");
+        let scheduler =
+            Scheduler::parse(case["scheduler"].as_str().expect("scheduler")).expect("scheduler");
+        let steps = case["steps"].as_u64().expect("steps") as usize;
+        let flow = FlowSchedule {
+            shift: case["shift"].as_f64().expect("shift"),
+        };
+        let rule = NoiseRule::RectifiedFlow {
+            first_sigma: flow.shifted(1.0 - 1e-4),
+        };
+        let sigmas = scheduler.sigmas(&NoiseSchedule::Flow(flow), steps);
+        let x: Vec<f64> = x_unit.iter().map(|v| v * sigmas[0]).collect();
+        let (mut calls, mut draws) = (0, 0);
+        let got = sample_f64::<()>(
+            sampler,
+            rule,
+            &sigmas,
+            x,
+            |x, s, _| {
+                calls += 1;
+                Ok(x.iter().enumerate().map(|(k, &v)| toy(k, v, s)).collect())
+            },
+            |_| {
+                draws += 1;
+                pool[draws - 1].clone()
+            },
+            |_| {},
+        )
+        .unwrap();
+        let label = format!("{sampler} {scheduler} (flow)");
+        assert_eq!(
+            calls,
+            case["denoise_calls"].as_u64().unwrap() as usize,
+            "{label}"
+        );
+        assert_eq!(
+            draws,
+            case["noise_calls"].as_u64().unwrap() as usize,
+            "{label}"
+        );
+        let want = floats(&case["out"]);
+        let err = max_abs_diff(&got, &want);
+        assert!(err <= TOL, "{label}: error {err:e}\n{got:?}\nvs {want:?}");
+        worst = worst.max(err);
+        seen.insert(sampler);
+    }
+    assert_eq!(seen.len(), Sampler::ALL.len());
+    println!("worst flow sampler error {worst:.2e}");
 }

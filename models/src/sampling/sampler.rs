@@ -28,7 +28,8 @@
 
 use std::collections::VecDeque;
 
-use super::schedule::Scheduler;
+use super::names::{joined, normalize};
+use super::scheduler::{scheduler_names, Scheduler};
 
 /// The samplers, by their stable-diffusion.cpp names.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -59,14 +60,6 @@ pub enum Sampler {
     Ddim,
     /// Latent consistency model sampling (for LCM-distilled models).
     Lcm,
-}
-
-/// Normalises a name: lowercase, with `-`, `_` and spaces dropped.
-pub(crate) fn normalize(s: &str) -> String {
-    s.chars()
-        .filter(|c| !matches!(c, '-' | '_' | ' '))
-        .flat_map(char::to_lowercase)
-        .collect()
 }
 
 impl Sampler {
@@ -183,8 +176,7 @@ impl std::fmt::Display for Sampler {
 }
 
 fn sampler_names() -> String {
-    let names: Vec<&str> = Sampler::ALL.iter().map(|s| s.name()).collect();
-    names.join(", ")
+    joined(Sampler::ALL.iter().map(|s| s.name()))
 }
 
 /// A `--sampler` value: a sampler, optionally with a schedule named after it
@@ -228,7 +220,7 @@ impl std::str::FromStr for SamplerChoice {
             format!(
                 "unknown sampler {s:?} ({}, optionally followed by a schedule: {})",
                 sampler_names(),
-                super::schedule::scheduler_names()
+                scheduler_names()
             )
         })
     }
@@ -243,6 +235,26 @@ impl std::fmt::Display for SamplerChoice {
     }
 }
 
+/// How a sampler's stochastic steps add noise, which depends on how the
+/// model's latents are noised.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum NoiseRule {
+    /// `x = x₀ + σ·ε` (ε and v models, σ-space): k-diffusion's rule, an
+    /// ancestral step to σ_down plus σ_up of fresh noise,
+    /// `σ_down² + σ_up² = σ_next²`.
+    Variance,
+    /// `x = (1 − σ)·x₀ + σ·ε` (rectified flow): ComfyUI's `_RF` ancestral
+    /// samplers (step to σ_down = σ_next²/σ, rescale by
+    /// (1 − σ_next)/(1 − σ_down), renoise), its half-log-SNR
+    /// `log((1 − σ)/σ)` for dpm++2m_sde, and `(1 − σ_next)·x̂₀ + σ_next·ε` for
+    /// lcm. The deterministic samplers are the same ODE in either space.
+    RectifiedFlow {
+        /// The σ log-SNR samplers start from when the schedule starts at 1
+        /// (where log-SNR is −∞): ComfyUI's `offset_first_sigma_for_snr`.
+        first_sigma: f64,
+    },
+}
+
 /// Runs `sampler` over `sigmas` (from [`Scheduler::sigmas`], ending with 0)
 /// starting from `x` (already scaled to `sigmas[0]`).
 ///
@@ -255,6 +267,7 @@ impl std::fmt::Display for SamplerChoice {
 /// loop and is returned.
 pub fn sample<E>(
     sampler: Sampler,
+    rule: NoiseRule,
     sigmas: &[f64],
     x: Vec<f32>,
     mut denoise: impl FnMut(&[f32], f64, usize) -> Result<Vec<f32>, E>,
@@ -264,6 +277,7 @@ pub fn sample<E>(
     let x = x.into_iter().map(f64::from).collect();
     let out = sample_f64(
         sampler,
+        rule,
         sigmas,
         x,
         |x, sigma, step| {
@@ -282,12 +296,16 @@ pub fn sample<E>(
 /// [`sample`] with an f64 latent and denoiser.
 pub fn sample_f64<E>(
     sampler: Sampler,
+    rule: NoiseRule,
     sigmas: &[f64],
     mut x: Vec<f64>,
     mut denoise: impl FnMut(&[f64], f64, usize) -> Result<Vec<f64>, E>,
     mut noise: impl FnMut(usize) -> Vec<f64>,
     mut step_done: impl FnMut(usize),
 ) -> Result<Vec<f64>, E> {
+    if let NoiseRule::RectifiedFlow { first_sigma } = rule {
+        return sample_flow(sampler, first_sigma, sigmas, x, denoise, noise, step_done);
+    }
     // Multistep history: the previous x̂₀ and log-σ step (dpm++2m, dpm++2m_sde)
     // and the last derivatives, newest last (lms).
     let mut old_denoised: Option<Vec<f64>> = None;
@@ -444,6 +462,139 @@ pub fn sample_f64<E>(
     Ok(x)
 }
 
+/// [`sample_f64`] under [`NoiseRule::RectifiedFlow`]: the samplers whose
+/// noise differs take ComfyUI's flow forms, the others run as in σ-space.
+fn sample_flow<E>(
+    sampler: Sampler,
+    first_sigma: f64,
+    sigmas: &[f64],
+    mut x: Vec<f64>,
+    mut denoise: impl FnMut(&[f64], f64, usize) -> Result<Vec<f64>, E>,
+    mut noise: impl FnMut(usize) -> Vec<f64>,
+    mut step_done: impl FnMut(usize),
+) -> Result<Vec<f64>, E> {
+    if !matches!(
+        sampler,
+        Sampler::EulerA | Sampler::Dpm2A | Sampler::DpmPp2sA | Sampler::DpmPp2mSde | Sampler::Lcm
+    ) {
+        return sample_f64(
+            sampler,
+            NoiseRule::Variance,
+            sigmas,
+            x,
+            denoise,
+            noise,
+            step_done,
+        );
+    }
+    // The half-log-SNR of rectified flow, log(α/σ) with α = 1 − σ.
+    let lambda = |s: f64| ((1.0 - s) / s).ln();
+    let mut sigmas = sigmas.to_vec();
+    if sampler == Sampler::DpmPp2mSde && sigmas.len() > 1 && sigmas[0] >= 1.0 {
+        sigmas[0] = first_sigma;
+    }
+    let mut old_denoised: Option<Vec<f64>> = None;
+    let mut h_last: Option<f64> = None;
+    for i in 0..sigmas.len().saturating_sub(1) {
+        let (s, s_next) = (sigmas[i], sigmas[i + 1]);
+        let den = denoise(&x, s, i)?;
+        // η = 1: σ_down = σ_next²/σ, and the rescale and renoise that keep
+        // the marginal at σ_next.
+        let s_down = s_next * (s_next / s);
+        let (a_next, a_down) = (1.0 - s_next, 1.0 - s_down);
+        let renoise = (s_next * s_next - s_down * s_down * a_next * a_next / (a_down * a_down))
+            .max(0.0)
+            .sqrt();
+        let renoised = |x: &mut Vec<f64>, noise: Vec<f64>| {
+            for (xv, n) in x.iter_mut().zip(&noise) {
+                *xv = a_next / a_down * *xv + renoise * n;
+            }
+        };
+        match sampler {
+            Sampler::EulerA => {
+                if s_next == 0.0 {
+                    x = den;
+                } else {
+                    let r = s_down / s;
+                    for (xv, d) in x.iter_mut().zip(&den) {
+                        *xv = r * *xv + (1.0 - r) * d;
+                    }
+                    renoised(&mut x, noise(i));
+                }
+            }
+            Sampler::Dpm2A => {
+                let d = to_d(&x, s, &den);
+                if s_down == 0.0 {
+                    axpy(&mut x, s_down - s, &d);
+                } else {
+                    dpm2_step(&mut x, &d, s, s_down, i, &mut denoise)?;
+                    renoised(&mut x, noise(i));
+                }
+            }
+            Sampler::DpmPp2sA => {
+                if s_next == 0.0 {
+                    let d = to_d(&x, s, &den);
+                    axpy(&mut x, s_down - s, &d);
+                } else {
+                    let s_mid = if s == 1.0 {
+                        0.9999
+                    } else {
+                        let (t, t_down) = (lambda(s), lambda(s_down));
+                        let mid = t + 0.5 * (t_down - t);
+                        1.0 / (mid.exp() + 1.0)
+                    };
+                    let r = s_mid / s;
+                    let u: Vec<f64> = x
+                        .iter()
+                        .zip(&den)
+                        .map(|(x, d)| r * x + (1.0 - r) * d)
+                        .collect();
+                    let den2 = denoise(&u, s_mid, i)?;
+                    let r = s_down / s;
+                    for (xv, d) in x.iter_mut().zip(&den2) {
+                        *xv = r * *xv + (1.0 - r) * d;
+                    }
+                    renoised(&mut x, noise(i));
+                }
+            }
+            Sampler::DpmPp2mSde => {
+                if s_next == 0.0 {
+                    x.clone_from(&den);
+                } else {
+                    let h = lambda(s_next) - lambda(s);
+                    let alpha = s_next * lambda(s_next).exp();
+                    let b = -(-2.0 * h).exp_m1();
+                    let a = s_next / s * (-h).exp();
+                    for (xv, d) in x.iter_mut().zip(&den) {
+                        *xv = a * *xv + alpha * b * d;
+                    }
+                    if let (Some(prev), Some(h_last)) = (&old_denoised, h_last) {
+                        let c = 0.5 * alpha * b * h / h_last;
+                        for ((xv, d), p) in x.iter_mut().zip(&den).zip(prev) {
+                            *xv += c * (d - p);
+                        }
+                    }
+                    axpy(&mut x, s_next * b.sqrt(), &noise(i));
+                    h_last = Some(h);
+                }
+                old_denoised = Some(den);
+            }
+            Sampler::Lcm => {
+                x = den;
+                if s_next > 0.0 {
+                    let n = noise(i);
+                    for (xv, n) in x.iter_mut().zip(&n) {
+                        *xv = (1.0 - s_next) * *xv + s_next * n;
+                    }
+                }
+            }
+            _ => unreachable!("deterministic samplers run in sigma space"),
+        }
+        step_done(i + 1);
+    }
+    Ok(x)
+}
+
 /// LMS's order (k-diffusion's default).
 const LMS_ORDER: usize = 4;
 
@@ -523,13 +674,18 @@ pub(crate) fn lms_coefficient(order: usize, sigmas: &[f64], i: usize, j: usize) 
 
 #[cfg(test)]
 mod tests {
-    use super::super::schedule::Schedule;
+    use crate::sampling::noise::{DiscreteSchedule, NoiseSchedule};
+
+    fn sd() -> NoiseSchedule {
+        NoiseSchedule::Discrete(DiscreteSchedule::default())
+    }
     use super::*;
 
     fn run(sampler: Sampler, sigmas: &[f64], x: Vec<f64>, noise: f64) -> (Vec<f64>, usize) {
         let mut calls = 0;
         let out = sample_f64::<()>(
             sampler,
+            NoiseRule::Variance,
             sigmas,
             x,
             |x, s, _| {
@@ -549,7 +705,7 @@ mod tests {
     #[test]
     fn samplers_reach_the_oracle_target() {
         for scheduler in Scheduler::ALL {
-            let sig = scheduler.sigmas(&Schedule::default(), 8);
+            let sig = scheduler.sigmas(&sd(), 8);
             let x0 = vec![0.5f32, -1.0, 2.0, 0.0];
             let start: Vec<f32> = x0
                 .iter()
@@ -560,6 +716,7 @@ mod tests {
                 let (mut calls, mut steps) = (0, Vec::new());
                 let out = sample::<()>(
                     sampler,
+                    NoiseRule::Variance,
                     &sig,
                     start.clone(),
                     |_, _, _| {
@@ -583,9 +740,59 @@ mod tests {
         }
     }
 
+    /// The same under rectified flow, on a shifted flow schedule: the flow
+    /// forms of the stochastic samplers land on x₀ too, and call the
+    /// denoiser as often as in σ-space.
+    #[test]
+    fn flow_samplers_reach_the_oracle_target() {
+        use crate::sampling::noise::FlowSchedule;
+        let flow = FlowSchedule { shift: 3.0 };
+        let rule = NoiseRule::RectifiedFlow {
+            first_sigma: flow.shifted(1.0 - 1e-4),
+        };
+        for scheduler in Scheduler::ALL {
+            let sig = scheduler.sigmas(&NoiseSchedule::Flow(flow), 6);
+            let x0 = vec![0.5f64, -1.0, 2.0];
+            let start: Vec<f64> = x0
+                .iter()
+                .zip([0.3, -0.7, 1.1])
+                .map(|(a, n)| (1.0 - sig[0]) * a + sig[0] * n)
+                .collect();
+            for sampler in Sampler::ALL {
+                let (mut calls, mut draws) = (0, 0);
+                let out = sample_f64::<()>(
+                    sampler,
+                    rule,
+                    &sig,
+                    start.clone(),
+                    |_, s, _| {
+                        assert!(s > 0.0 && s <= 1.0, "{sampler:?}: sigma {s}");
+                        calls += 1;
+                        Ok(x0.clone())
+                    },
+                    |_| {
+                        draws += 1;
+                        vec![0.5; 3]
+                    },
+                    |_| {},
+                )
+                .unwrap();
+                let two = matches!(
+                    sampler,
+                    Sampler::Heun | Sampler::Dpm2 | Sampler::Dpm2A | Sampler::DpmPp2sA
+                );
+                assert_eq!(calls, if two { 11 } else { 6 }, "{sampler:?}");
+                assert_eq!(draws > 0, sampler.is_stochastic(), "{sampler:?}");
+                for (o, t) in out.iter().zip(&x0) {
+                    assert!((o - t).abs() < 1e-9, "{sampler:?} {scheduler:?}: {out:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn only_stochastic_samplers_use_noise() {
-        let sig = Scheduler::Karras.sigmas(&Schedule::default(), 5);
+        let sig = Scheduler::Karras.sigmas(&sd(), 5);
         for sampler in Sampler::ALL {
             let (a, _) = run(sampler, &sig, vec![1.0; 3], 0.0);
             let (b, _) = run(sampler, &sig, vec![1.0; 3], 5.0);
@@ -595,7 +802,7 @@ mod tests {
 
     #[test]
     fn ddim_is_the_euler_step() {
-        let schedule = Schedule::default();
+        let schedule = sd();
         for scheduler in Scheduler::ALL {
             let sig = scheduler.sigmas(&schedule, 9);
             let x = vec![3.0, -7.5, 0.25];
@@ -609,11 +816,12 @@ mod tests {
 
     #[test]
     fn errors_stop_the_loop() {
-        let sig = Scheduler::Discrete.sigmas(&Schedule::default(), 4);
+        let sig = Scheduler::Discrete.sigmas(&sd(), 4);
         for sampler in Sampler::ALL {
             let mut calls = 0;
             let r = sample_f64(
                 sampler,
+                NoiseRule::Variance,
                 &sig,
                 vec![0.0; 2],
                 |x, _, step| {
@@ -648,7 +856,7 @@ mod tests {
         assert!((lms_coefficient(2, &sigmas, 1, 0) + 1.5).abs() < 1e-15);
         assert!((lms_coefficient(2, &sigmas, 1, 1) - 0.5).abs() < 1e-15);
         // The weights of any order sum to the step (they integrate 1).
-        let sig = Scheduler::Karras.sigmas(&Schedule::default(), 10);
+        let sig = Scheduler::Karras.sigmas(&sd(), 10);
         for i in 3..10 {
             let sum: f64 = (0..4).map(|j| lms_coefficient(4, &sig, i, j)).sum();
             let h = sig[i + 1] - sig[i];

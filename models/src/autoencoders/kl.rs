@@ -7,46 +7,41 @@
 //! convolution), group norm, SiLU and `conv_out`.
 //!
 //! Levels, blocks per level and channels come from the tensor names and
-//! shapes. Latents are divided by the family's scale factor first (0.18215
-//! for SD 1.x/2.x, 0.13025 for SDXL).
+//! shapes. Latents arrive in the autoencoder's own scale: the family's
+//! normalisation (0.18215 for SD 1.x/2.x, 0.13025 for SDXL) is undone by
+//! [`super::FirstStage`].
 //!
 //! **Encoder** (img2img, inpainting): `encoder.conv_in`, down levels
 //! (`encoder.down.N`, residual blocks and, except the last level, a stride-2
 //! convolution after padding one pixel right and bottom), the same middle,
 //! group norm, SiLU, `encoder.conv_out` to the Gaussian's mean and log
-//! variance, then `quant_conv`. The latent is the *mean* times the scale
-//! factor (the distribution's mode, as ComfyUI takes it): deterministic, and
+//! variance, then `quant_conv`. The latent is the *mean* (the
+//! distribution's mode, as ComfyUI takes it): deterministic, and
 //! the SD VAE's posterior is narrow enough that sampling it changes little.
 
-use crate::blocks::nn::{
-    attention, conv2d, group_norm, linear, norm_silu_conv2d, shortcut, ModelError, Result, W,
-};
-use crate::module::{input_f32, Built, Module};
+use crate::error::{ModelError, Result};
+use crate::nn::{attention, conv2d, group_norm, linear, norm_silu_conv2d, shortcut};
+use crate::runtime::graph::W;
+use crate::runtime::module::{input_f32, Built, Module};
 use ggml::{Context, Tensor};
 
 /// Group norm ε of the VAE.
 const EPS: f32 = 1e-6;
 
-/// Decodes `n` latents (`[n, C, h, w]`, w fastest), first divided by
-/// `scale`, into images `[n, 3, h·f, w·f]` in about −1..1 (`f` = 2^number
-/// of upsamplings).
-pub fn decode(
-    module: &mut Module<'_>,
-    z: &[f32],
-    shape: [usize; 4],
-    scale: f32,
-) -> Result<Vec<f32>> {
-    module.compute(|c, w| build(c, w, z, shape, scale))
+/// Decodes `n` latents (`[n, C, h, w]`, w fastest, in the autoencoder's
+/// own scale: [`super::LatentNorm`] undone) into images `[n, 3, h·f, w·f]`
+/// in about −1..1 (`f` = 2^number of upsamplings).
+pub fn decode(module: &mut Module<'_>, z: &[f32], shape: [usize; 4]) -> Result<Vec<f32>> {
+    module.compute(|c, w| build(c, w, z, shape))
 }
 
 /// Encodes `n` images (`[n, 3, H, W]` in −1..1, W fastest; H and W
 /// multiples of the factor) into latents `[n, C, H/f, W/f]`: the mean of the
-/// encoder's Gaussian times `scale`.
+/// encoder's Gaussian, in the autoencoder's own scale.
 pub fn encode(
     module: &mut Module<'_>,
     image: &[f32],
     shape: [usize; 4],
-    scale: f32,
 ) -> Result<(Vec<f32>, [usize; 4])> {
     let moments = module.compute(|c, w| build_encoder(c, w, image, shape))?;
     let f = downscale_factor(module)?;
@@ -55,7 +50,7 @@ pub fn encode(
     let per = lh * lw;
     let z = moments.len() / (n * per * 2).max(1);
     if moments.len() != n * 2 * z * per {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "the encoder gave {} values for {n} {wd}x{h} images",
             moments.len()
         )));
@@ -63,16 +58,14 @@ pub fn encode(
     let mut out = Vec::with_capacity(n * z * per);
     for b in 0..n {
         let mean = &moments[b * 2 * z * per..][..z * per];
-        out.extend(mean.iter().map(|v| v * scale));
+        out.extend_from_slice(mean);
     }
     Ok((out, [n, z, lh, lw]))
 }
 
-/// Whether the module holds an encoder: the KL VAE's
-/// (`encoder.conv_in.weight`) or a TAESD's (`encoder.layers.0.weight`).
+/// Whether the module holds the KL encoder (`encoder.conv_in.weight`).
 pub fn has_encoder(module: &Module<'_>) -> bool {
     module.params().contains("encoder.conv_in.weight")
-        || module.params().contains("encoder.layers.0.weight")
 }
 
 /// The encoder's downscaling factor: 2 per down level but the last.
@@ -85,7 +78,7 @@ fn downscale_factor(module: &Module<'_>) -> Result<usize> {
         })
         .count();
     if levels == 0 {
-        return Err(ModelError::Invalid(
+        return Err(ModelError::MissingTensor(
             "missing tensor encoder.down.0.block.0.conv1.weight".into(),
         ));
     }
@@ -110,7 +103,7 @@ fn build_encoder<'a>(
     let x = input_f32(c, &[width, height, ic, n], image.to_vec(), &mut inputs)?;
     let conv_in = w.ne("encoder.conv_in.weight")?;
     if conv_in[2] != ic {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "image has {ic} channels; the encoder takes {}",
             conv_in[2]
         )));
@@ -171,7 +164,7 @@ pub fn upscale_factor(w: &W<'_>) -> u32 {
 pub fn validate(module: &Module<'_>) -> Result<()> {
     module.validate(|c, w| {
         let ch = w.ne("post_quant_conv.weight")?[2] as usize;
-        build(c, w, &vec![0.0; ch], [1, ch, 1, 1], 1.0)
+        build(c, w, &vec![0.0; ch], [1, ch, 1, 1])
     })
 }
 
@@ -181,17 +174,14 @@ pub fn measure_decode(
     module: &Module<'_>,
     height: usize,
     width: usize,
-) -> Result<crate::module::ComputeBytes> {
-    if module.params().contains("decoder.layers.0.weight") {
-        return crate::blocks::taesd::measure_decode(module, height, width);
-    }
+) -> Result<crate::runtime::module::ComputeBytes> {
     let ch = module
         .params()
         .get("post_quant_conv.weight")
         .map(|t| t.ne()[2] as usize)
-        .ok_or_else(|| ModelError::Invalid("missing tensor post_quant_conv.weight".into()))?;
+        .ok_or_else(|| ModelError::MissingTensor("missing tensor post_quant_conv.weight".into()))?;
     let z = vec![0.0; ch * height * width];
-    module.measure(|c, w| build(c, w, &z, [1, ch, height, width], 1.0))
+    module.measure(|c, w| build(c, w, &z, [1, ch, height, width]))
 }
 
 /// Measures the compute buffers of encoding one `height`×`width`-pixel
@@ -200,29 +190,19 @@ pub fn measure_encode(
     module: &Module<'_>,
     height: usize,
     width: usize,
-) -> Result<crate::module::ComputeBytes> {
-    if module.params().contains("encoder.layers.0.weight") {
-        return crate::blocks::taesd::measure_encode(module, height, width);
-    }
+) -> Result<crate::runtime::module::ComputeBytes> {
     let image = vec![0.0; 3 * height * width];
     module.measure(|c, w| build_encoder(c, w, &image, [1, 3, height, width]))
 }
 
-fn build<'a>(
-    c: &'a Context,
-    w: &W<'a>,
-    z: &[f32],
-    shape: [usize; 4],
-    scale: f32,
-) -> Result<Built<'a>> {
+fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<Built<'a>> {
     let [n, zc, height, width] = shape.map(|d| d as i64);
     let mut inputs = Vec::new();
-    let scaled: Vec<f32> = z.iter().map(|v| v / scale).collect();
-    let x = input_f32(c, &[width, height, zc, n], scaled, &mut inputs)?;
+    let x = input_f32(c, &[width, height, zc, n], z.to_vec(), &mut inputs)?;
     let pq = w.ne("post_quant_conv.weight")?;
     let zch = pq[2];
     if zch != zc {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "latent has {zc} channels; the decoder takes {zch}"
         )));
     }
@@ -236,7 +216,7 @@ fn build<'a>(
         .take_while(|i| w.has(&format!("decoder.up.{i}.block.0.conv1.weight")))
         .count();
     if levels == 0 {
-        return Err(ModelError::Invalid(
+        return Err(ModelError::MissingTensor(
             "missing tensor decoder.up.0.block.0.conv1.weight".into(),
         ));
     }

@@ -25,8 +25,10 @@
 //! outputs 0..1, mapped to diffusers' −1..1 (`2x − 1`) on the host; the
 //! encoder takes −1..1 images, mapped to 0..1 on the host first.
 
-use crate::blocks::nn::{conv2d_precise, ModelError, Result, W};
-use crate::module::{input_f32, Built, Module};
+use crate::error::{ModelError, Result};
+use crate::nn::conv2d_precise;
+use crate::runtime::graph::W;
+use crate::runtime::module::{input_f32, Built, Module};
 use ggml::{Context, Tensor};
 
 /// Whether the weights (names without a module prefix) are a TAESD's.
@@ -81,12 +83,14 @@ pub fn measure_decode(
     module: &Module<'_>,
     height: usize,
     width: usize,
-) -> Result<crate::module::ComputeBytes> {
+) -> Result<crate::runtime::module::ComputeBytes> {
     let ch = module
         .params()
         .get("decoder.layers.0.weight")
         .map(|t| t.ne()[2] as usize)
-        .ok_or_else(|| ModelError::Invalid("missing tensor decoder.layers.0.weight".into()))?;
+        .ok_or_else(|| {
+            ModelError::MissingTensor("missing tensor decoder.layers.0.weight".into())
+        })?;
     let z = vec![0.0; ch * height * width];
     module.measure(|c, w| build_decoder(c, w, z.clone(), [1, ch, height, width]))
 }
@@ -97,7 +101,7 @@ pub fn measure_encode(
     module: &Module<'_>,
     height: usize,
     width: usize,
-) -> Result<crate::module::ComputeBytes> {
+) -> Result<crate::runtime::module::ComputeBytes> {
     let image = vec![0.0; 3 * height * width];
     module.measure(|c, w| build_encoder(c, w, image.clone(), [1, 3, height, width]))
 }
@@ -150,7 +154,7 @@ fn block<'a>(c: &'a Context, w: &W<'a>, p: &str, x: Tensor<'a>) -> Result<Tensor
     } else if cin == cout {
         x
     } else {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::MissingTensor(format!(
             "missing tensor {p}.skip.weight ({cin} → {cout} channels)"
         )));
     };
@@ -162,7 +166,7 @@ fn input<'a>(
     c: &'a Context,
     values: Vec<f32>,
     shape: [usize; 4],
-    inputs: &mut Vec<(Tensor<'a>, crate::module::Input)>,
+    inputs: &mut Vec<(Tensor<'a>, crate::runtime::module::Input)>,
 ) -> Result<Tensor<'a>> {
     let [n, ch, h, w] = shape.map(|d| d as i64);
     input_f32(c, &[w, h, ch, n], values, inputs)
@@ -177,7 +181,7 @@ fn build_decoder<'a>(
     let mut inputs = Vec::new();
     let first = w.ne("decoder.layers.0.weight")?;
     if shape[1] as i64 != first[2] {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "latent has {} channels; the TAESD decoder takes {}",
             shape[1], first[2]
         )));
@@ -210,7 +214,7 @@ fn build_encoder<'a>(
     let mut inputs = Vec::new();
     let first = w.ne("encoder.layers.0.weight")?;
     if shape[1] as i64 != first[2] {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "image has {} channels; the TAESD encoder takes {}",
             shape[1], first[2]
         )));
@@ -230,7 +234,7 @@ fn build_encoder<'a>(
         } else if w.has(&format!("{p}.conv.0.weight")) {
             h = block(c, w, &p, h)?;
         } else {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::MissingTensor(format!(
                 "missing tensor {p}.weight (TAESD encoder layers are all convolutions or blocks)"
             )));
         }

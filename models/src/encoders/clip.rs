@@ -12,12 +12,53 @@
 //! the layer names, MLP width from the first MLP. Heads follow CLIP's fixed
 //! head size of 64: `heads = max(1, hidden / 64)`. Which layer's output is
 //! handed on, whether the final norm applies and whether a pooled output is
-//! taken are the family's choice ([`crate::family::Encoder`]).
+//! taken are the family's choice ([`ClipEncoder`]).
 
-use crate::blocks::nn::{self, attention, layer_norm, linear, ModelError, Result, W};
-use crate::family::{Encoder, Layer, Naming};
-use crate::module::{input_i32, Built, Module};
+use crate::error::{ModelError, Result};
+use crate::nn::{self, attention, layer_norm, linear};
+use crate::runtime::graph::W;
+use crate::runtime::module::{input_i32, Built, Module};
 use ggml::{Context, Tensor};
+
+/// Naming of a text encoder's tensors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Naming {
+    /// Hugging Face `CLIPTextModel` (`text_model.encoder.layers.N…`,
+    /// quick-GELU).
+    Hf,
+    /// OpenCLIP (`transformer.resblocks.N…`, fused in-projection, GELU).
+    OpenClip,
+}
+
+/// Which hidden state a text encoder hands on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layer {
+    /// The last layer's output.
+    Last,
+    /// The output of all layers but the last.
+    Penultimate,
+}
+
+/// One CLIP text encoder of a model: where its tensors are and how its
+/// output is taken.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ClipEncoder {
+    /// Name prefix inside the `te` module (e.g. `transformer.`,
+    /// `embedders.1.model.`).
+    pub prefix: &'static str,
+    /// Tensor naming.
+    pub naming: Naming,
+    /// The layer whose output is used (`--clip-skip N` goes N − 1 further).
+    pub layer: Layer,
+    /// Whether the final layer norm is applied to that output.
+    pub final_norm: bool,
+    /// Padding token after `<|endoftext|>` (49407 for OpenAI's CLIP, 0 for
+    /// OpenCLIP's tokenizer).
+    pub pad: u32,
+    /// Whether the pooled, projected last-layer output at the end token is
+    /// also taken (SDXL's bigG).
+    pub pooled: bool,
+}
 
 /// Layer norm ε of CLIP.
 const EPS: f32 = 1e-5;
@@ -26,7 +67,7 @@ const EPS: f32 = 1e-5;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ClipConfig {
     /// How the encoder is used (prefix, naming, output layer, pooling).
-    pub encoder: Encoder,
+    pub encoder: ClipEncoder,
     /// Name prefix of the HF layers inside the encoder (`text_model.` or
     /// empty); unused for OpenCLIP.
     pub hf_prefix: String,
@@ -48,7 +89,7 @@ pub struct ClipConfig {
 
 impl ClipConfig {
     /// Reads the hyper-parameters of `encoder` off the `te` module's weights.
-    pub fn from_weights(w: &W<'_>, encoder: Encoder) -> Result<ClipConfig> {
+    pub fn from_weights(w: &W<'_>, encoder: ClipEncoder) -> Result<ClipConfig> {
         let e = encoder.prefix;
         let (hf_prefix, tok, pos, layer_prefix) = match encoder.naming {
             Naming::Hf => {
@@ -80,7 +121,7 @@ impl ClipConfig {
             .max()
             .map_or(0, |m| m + 1);
         if layers == 0 {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::MissingTensor(format!(
                 "missing tensor {layer_prefix}0.*"
             )));
         }
@@ -92,7 +133,7 @@ impl ClipConfig {
         let projection = if encoder.pooled {
             let p = w.ne(&format!("{e}text_projection"))?;
             if p[1] != hidden {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Shape(format!(
                     "{e}text_projection: shape {:?} does not take {hidden} features",
                     [p[1], p[0]]
                 )));
@@ -107,7 +148,7 @@ impl ClipConfig {
             1
         };
         if layers < min_layers {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Incompatible(format!(
                 "{e}: {layers} layer(s); this family uses the penultimate one"
             )));
         }
@@ -132,7 +173,7 @@ impl ClipConfig {
         };
         let skip = base + clip_skip.saturating_sub(1);
         if clip_skip == 0 || skip >= self.layers {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Request(format!(
                 "clip skip {clip_skip} leaves no layer of the {}-layer text encoder",
                 self.layers
             )));
@@ -173,7 +214,7 @@ pub fn encode(
             hidden: out,
             pooled: None,
         }),
-        _ => Err(ModelError::Invalid(format!(
+        _ => Err(ModelError::Shape(format!(
             "text encoder returned {} values for {} tokens",
             out.len(),
             ids.len()
@@ -196,7 +237,7 @@ pub fn measure(
     module: &Module<'_>,
     cfg: &ClipConfig,
     chunks: usize,
-) -> Result<crate::module::ComputeBytes> {
+) -> Result<crate::runtime::module::ComputeBytes> {
     let n = cfg.positions as usize;
     let ids = vec![0; n * chunks.max(1)];
     module.measure(|c, w| build(c, w, cfg, &ids, 1, n - 1))
@@ -212,19 +253,19 @@ fn build<'a>(
 ) -> Result<Built<'a>> {
     let n_pos = cfg.positions as usize;
     if ids.is_empty() || !ids.len().is_multiple_of(n_pos) {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "token ids come in chunks of {n_pos}; got {}",
             ids.len()
         )));
     }
     if let Some(bad) = ids.iter().find(|&&i| i64::from(i) >= cfg.vocab) {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "token id {bad} is outside the vocabulary of {}",
             cfg.vocab
         )));
     }
     if eos >= n_pos {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "end token position {eos} is outside the {n_pos} positions"
         )));
     }

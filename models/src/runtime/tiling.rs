@@ -16,7 +16,7 @@
 //! slightly where they overlap; the ramps hide the seams that cropping
 //! would show.
 
-use crate::blocks::nn::{ModelError, Result};
+use crate::error::{ModelError, Result};
 
 /// Tile size and overlap, in input units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +31,7 @@ impl Tiling {
     /// Checks `overlap < tile` and `tile ≥ 1`.
     pub fn new(tile: usize, overlap: usize) -> Result<Tiling> {
         if tile == 0 || overlap >= tile {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Request(format!(
                 "a tile of {tile} with an overlap of {overlap}: the overlap must be smaller than the tile"
             )));
         }
@@ -86,7 +86,7 @@ pub fn run_tiled(
 ) -> Result<Vec<f32>> {
     let (ih, iw) = (h * in_unit, w * in_unit);
     if input.len() != c * ih * iw {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "tiling: {} values for a {c}x{ih}x{iw} input",
             input.len()
         )));
@@ -111,7 +111,7 @@ pub fn run_tiled(
             let out = f(&tile, th, tw)?;
             let (toh, tow) = (th * out_unit, tw * out_unit);
             if out.len() != out_c * toh * tow {
-                return Err(ModelError::Invalid(format!(
+                return Err(ModelError::Shape(format!(
                     "tiling: a tile gave {} values where {out_c}x{toh}x{tow} were expected",
                     out.len()
                 )));

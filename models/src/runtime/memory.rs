@@ -1,6 +1,6 @@
 //! Memory accounting by measurement: what each module needs at a requested
 //! size, per phase, measured on the module's real graphs with a dry run of
-//! ggml's allocator ([`crate::module::Module::measure`]), never estimated
+//! ggml's allocator ([`crate::runtime::module::Module::measure`]), never estimated
 //! from formulas.
 //!
 //! For each module: the bytes of its weight buffer (on its params device),
@@ -17,12 +17,7 @@
 //! host knows which device each role is and adds them up per device and
 //! phase (and decides what fits).
 
-use crate::blocks::clip::{self, ClipConfig};
-use crate::blocks::nn::{ModelError, Result};
-use crate::blocks::unet::{self, UnetConfig};
-use crate::blocks::vae;
-use crate::module::{ComputeBytes, DeviceBytes, Module};
-use crate::tiling::Tiling;
+use crate::runtime::module::{ComputeBytes, DeviceBytes};
 use crate::ModuleKind;
 
 /// A phase of a generation: one module runs, and under the `free` policy
@@ -119,80 +114,4 @@ impl MemoryPlan {
         v.dedup();
         v
     }
-}
-
-/// What [`measure`] needs of a loaded pipeline.
-pub(crate) struct Parts<'p, 'b> {
-    pub te: &'p Module<'b>,
-    pub unet: &'p Module<'b>,
-    pub vae: &'p Module<'b>,
-    pub clip: &'p [ClipConfig],
-    pub unet_cfg: &'p UnetConfig,
-    /// Pixels per latent cell.
-    pub vae_factor: usize,
-    /// Pixels per side the image size must be a multiple of.
-    pub multiple: usize,
-    pub tiling: Option<Tiling>,
-    pub inpainting: bool,
-}
-
-/// Measures every module's graphs at `req`'s size.
-pub(crate) fn measure(p: Parts<'_, '_>, req: &MemoryRequest) -> Result<MemoryPlan> {
-    let m = p.multiple;
-    if req.width == 0
-        || req.height == 0
-        || !req.width.is_multiple_of(m)
-        || !req.height.is_multiple_of(m)
-    {
-        return Err(ModelError::Invalid(format!(
-            "image size {}×{} must be a positive multiple of {m} for this model",
-            req.width, req.height
-        )));
-    }
-    if !(1..=2).contains(&req.batch) || req.chunks == 0 {
-        return Err(ModelError::Invalid(format!(
-            "a UNet batch of {} with {} prompt chunks cannot be measured (batch 1 or 2, at least one chunk)",
-            req.batch, req.chunks
-        )));
-    }
-    let f = p.vae_factor;
-    let (lh, lw) = (req.height / f, req.width / f);
-    let tokens = req.chunks * clip_positions(p.clip);
-
-    let mut te = ComputeBytes::default();
-    for c in p.clip {
-        te = te.max(&clip::measure(p.te, c, req.chunks)?);
-    }
-    let sampling = unet::measure(p.unet, p.unet_cfg, req.batch, lh, lw, tokens)?;
-    // With tiling, each graph is one tile (clipped to the latent).
-    let (th, tw) = match p.tiling {
-        Some(t) => (lh.min(t.tile), lw.min(t.tile)),
-        None => (lh, lw),
-    };
-    let decode = vae::measure_decode(p.vae, th, tw)?;
-    let mut vae_phases = Vec::new();
-    if (req.encode || p.inpainting) && vae::has_encoder(p.vae) {
-        vae_phases.push((Phase::Encoding, vae::measure_encode(p.vae, th * f, tw * f)?));
-    }
-    vae_phases.push((Phase::Decoding, decode));
-    let module = |m: &Module<'_>, phases| -> Result<ModuleMemory> {
-        Ok(ModuleMemory {
-            module: m.kind(),
-            weights: m.weight_bytes(),
-            runtime_copy: m.runtime_copy_bytes()?,
-            phases,
-        })
-    };
-    Ok(MemoryPlan {
-        modules: vec![
-            module(p.te, vec![(Phase::TextEncoding, te)])?,
-            module(p.unet, vec![(Phase::Sampling, sampling)])?,
-            module(p.vae, vae_phases)?,
-        ],
-    })
-}
-
-/// Token positions per chunk (77 for every CLIP the families use).
-fn clip_positions(clip: &[ClipConfig]) -> usize {
-    clip.first().map_or(77, |c| c.positions as usize)
 }

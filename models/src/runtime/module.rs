@@ -35,8 +35,9 @@
 //! Both need the order in which the module's graphs read their weights:
 //! [`Module::validate`] records it.
 
-use crate::blocks::nn::{GraphOptions, ModelError, Result, W};
 use crate::checkpoint::weights::ModuleWeights;
+use crate::error::{ModelError, Result};
+use crate::runtime::graph::{GraphOptions, W};
 use crate::ModuleKind;
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use std::cell::RefCell;
@@ -435,7 +436,7 @@ impl<'b> Module<'b> {
     fn scheduler(&mut self) -> Result<&mut Sched<'b>> {
         if self.sched.is_none() {
             let sched = self.new_sched().map_err(|e| {
-                ModelError::Invalid(format!("{}: scheduler: {e}", self.kind.name()))
+                ModelError::Backend(format!("{}: scheduler: {e}", self.kind.name()))
             })?;
             self.sched = Some(sched);
         }
@@ -460,8 +461,7 @@ impl<'b> Module<'b> {
         let names: HashMap<usize, &str> = map.iter().map(|(n, t)| (t.id(), *n)).collect();
         let w = W::new(map.clone()).with_options(self.opts);
         let ctx = self.graph_context()?;
-        let built = build(&ctx, &w)
-            .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?;
+        let built = build(&ctx, &w).map_err(|e| e.context(self.kind.name()))?;
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
         let mut order = self.order.borrow_mut();
         let known: std::collections::HashSet<String> = order.iter().cloned().collect();
@@ -550,7 +550,7 @@ impl<'b> Module<'b> {
             Ok(self
                 .params
                 .subset_placeholders_on(self.devices.runtime, &names)
-                .map_err(|e| ModelError::Invalid(format!("{}: {e}", self.kind.name())))?
+                .map_err(|e| ModelError::Backend(format!("{}: {e}", self.kind.name())))?
                 .buffer_bytes())
         };
         // The largest prefix that fits (sizes only grow with the prefix).
@@ -588,7 +588,7 @@ impl<'b> Module<'b> {
     pub fn runtime_copy_bytes(&self) -> Result<DeviceBytes> {
         let runtime = self.devices.runtime;
         let mut out = DeviceBytes::default();
-        let invalid = |e: String| ModelError::Invalid(format!("{}: {e}", self.kind.name()));
+        let invalid = |e: String| ModelError::Backend(format!("{}: {e}", self.kind.name()));
         match &self.spread {
             Spread::Split(_) => {}
             Spread::Whole => {
@@ -616,7 +616,7 @@ impl<'b> Module<'b> {
     /// allocated): where they are when the graph runs.
     fn measuring_weights(&self) -> Result<(ModuleWeights, Option<ModuleWeights>)> {
         let invalid =
-            |e: String| ModelError::Invalid(format!("{}: measuring: {e}", self.kind.name()));
+            |e: String| ModelError::Backend(format!("{}: measuring: {e}", self.kind.name()));
         let runtime = self.devices.runtime;
         match &self.spread {
             Spread::Whole => Ok((self.params.placeholders_on(runtime).map_err(invalid)?, None)),
@@ -654,7 +654,7 @@ impl<'b> Module<'b> {
         F: for<'a> FnOnce(&'a Context, &W<'a>) -> Result<Built<'a>>,
     {
         let name = self.kind.name();
-        let invalid = |e: String| ModelError::Invalid(format!("{name}: measuring: {e}"));
+        let invalid = |e: String| ModelError::Backend(format!("{name}: measuring: {e}"));
         let (base, copy) = self.measuring_weights()?;
         let mut map = base.map();
         if let Some(c) = &copy {
@@ -662,7 +662,7 @@ impl<'b> Module<'b> {
         }
         let w = W::new(map).with_options(self.opts);
         let ctx = self.graph_context()?;
-        let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
+        let built = build(&ctx, &w).map_err(|e| e.context(name))?;
         built.output.set_output();
         for (t, _) in &built.inputs {
             t.set_input();
@@ -704,7 +704,7 @@ impl<'b> Module<'b> {
             }
         }
         .map_err(|e| {
-            ModelError::Invalid(format!(
+            ModelError::Backend(format!(
                 "{name}: copying weights to {}: {e}",
                 runtime.name()
             ))
@@ -736,7 +736,7 @@ impl<'b> Module<'b> {
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         ctx.set_amx(amx);
         ctx.set_f32_products(assisted);
-        let built = build(&ctx, &w).map_err(|e| ModelError::Invalid(format!("{name}: {e}")))?;
+        let built = build(&ctx, &w).map_err(|e| e.context(name))?;
         built.output.set_output();
         for (t, _) in &built.inputs {
             t.set_input();
@@ -745,11 +745,11 @@ impl<'b> Module<'b> {
         let built_at = started.elapsed();
         let fail = |what: &str, e: ggml::Error| match e {
             ggml::Error::Aborted => ModelError::Cancelled,
-            e => ModelError::Invalid(format!("{name}: {what}: {e}")),
+            e => ModelError::Backend(format!("{name}: {what}: {e}")),
         };
         let runtime = self.devices.runtime.name();
         sched.alloc(&graph).map_err(|e| {
-            ModelError::Invalid(format!(
+            ModelError::Backend(format!(
                 "{name}: allocating the graph on {runtime} failed, most likely not enough memory for this size ({e}; -v shows ggml's reason)"
             ))
         })?;
@@ -844,7 +844,7 @@ pub fn input_f32<'a>(
 ) -> Result<Tensor<'a>> {
     let n: i64 = ne.iter().product();
     if n as usize != values.len() {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "input of shape {ne:?} given {} values",
             values.len()
         )));

@@ -14,13 +14,30 @@
 //! embedding. The output is whatever the checkpoint predicts (ε or v); the
 //! sampler's denoiser turns it into x₀.
 
-use crate::blocks::nn::{
-    attention, conv2d, group_norm, layer_norm, linear, norm_silu_conv2d, shortcut, ModelError,
-    Result, W,
-};
-use crate::family::Heads;
-use crate::module::{input_f32, Built, Module};
+use crate::error::{ModelError, Result};
+use crate::nn::{attention, conv2d, group_norm, layer_norm, linear, norm_silu_conv2d, shortcut};
+use crate::runtime::graph::W;
+use crate::runtime::module::{input_f32, Built, Module};
 use ggml::{Context, Tensor};
+
+/// How the UNet's attention heads are sized.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Heads {
+    /// A fixed count (SD 1.x: 8).
+    Count(i64),
+    /// A fixed width (SD 2.x, SDXL: 64 channels per head).
+    Width(i64),
+}
+
+impl Heads {
+    /// Heads for an attention of `inner` channels.
+    pub fn for_width(self, inner: i64) -> i64 {
+        match self {
+            Heads::Count(n) => n,
+            Heads::Width(w) => (inner / w).max(1),
+        }
+    }
+}
 
 /// UNet hyper-parameters read off the weights.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,7 +70,9 @@ impl UnetConfig {
         let to_k = w
             .names()
             .find(|n| n.ends_with("attn2.to_k.weight"))
-            .ok_or_else(|| ModelError::Invalid("missing tensor *.attn2.to_k.weight".into()))?;
+            .ok_or_else(|| {
+                ModelError::MissingTensor("missing tensor *.attn2.to_k.weight".into())
+            })?;
         let context_dim = w.ne(to_k)?[0];
         let downsamples = w
             .names()
@@ -135,7 +154,7 @@ pub fn measure(
     height: usize,
     width: usize,
     tokens: usize,
-) -> Result<crate::module::ComputeBytes> {
+) -> Result<crate::runtime::module::ComputeBytes> {
     let ch = cfg.in_channels as usize;
     let x = vec![0.0; batch * ch * height * width];
     let context = vec![0.0; batch * tokens * cfg.context_dim as usize];
@@ -168,14 +187,14 @@ fn build<'a>(
     } = input;
     let [n, ch_in, height, width] = shape.map(|d| d as i64);
     if ch_in != cfg.in_channels {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "latent has {ch_in} channels; the model takes {}",
             cfg.in_channels
         )));
     }
     let mult = 1i64 << cfg.downsamples;
     if height % mult != 0 || width % mult != 0 {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Request(format!(
             "latent size {width}×{height} is not a multiple of {mult}"
         )));
     }
@@ -183,7 +202,7 @@ fn build<'a>(
         || context.is_empty()
         || context.len() as i64 % (n * cfg.context_dim) != 0
     {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "{} timesteps and {} context values do not fit a batch of {n} with context width {}",
             t.len(),
             context.len(),
@@ -223,7 +242,7 @@ fn build<'a>(
         }
         (None, None) => {}
         (adm, y) => {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Shape(format!(
                 "the UNet takes {} ADM values per latent; given {}",
                 adm.map_or("no".into(), |a| a.to_string()),
                 y.map_or("none".into(), |y| format!("{} for a batch of {n}", y.len()))
@@ -265,7 +284,7 @@ fn build<'a>(
             break;
         }
         let skip = skips.pop().ok_or_else(|| {
-            ModelError::Invalid(format!(
+            ModelError::Shape(format!(
                 "{p}: more output blocks than input blocks to take skips from"
             ))
         })?;
@@ -283,7 +302,7 @@ fn build<'a>(
         }
     }
     if !skips.is_empty() {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "{} skip connections left unused: missing output blocks",
             skips.len()
         )));
@@ -354,7 +373,7 @@ impl<'a> Net<'a, '_> {
             depth += 1;
         }
         if depth == 0 {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::MissingTensor(format!(
                 "missing tensor {p}.transformer_blocks.0.norm1.weight"
             )));
         }

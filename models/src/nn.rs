@@ -1,123 +1,14 @@
-//! Building blocks shared by the module graphs: named weight lookup with
-//! shape checks, linear and convolution layers, norms and attention.
+//! The layers every network is built from: linear and convolution layers,
+//! norms and attention, over a graph build's named weights
+//! ([`crate::runtime::graph::W`]).
 //!
 //! Every helper checks the shapes of the weights it is handed against what
 //! the caller expects *before* calling ggml, so a checkpoint with a wrong
 //! shape gives a one-line error naming the tensor instead of a ggml abort.
 
+use crate::error::{ModelError, Result};
+use crate::runtime::graph::{check_shape, W};
 use ggml::{Context, Tensor};
-use std::collections::HashMap;
-
-/// A model error.
-#[derive(Debug, thiserror::Error)]
-pub enum ModelError {
-    /// What is wrong, in one line, naming the tensor where one is at fault.
-    #[error("{0}")]
-    Invalid(String),
-    /// The caller's cancellation flag was raised (Ctrl-C, SIGTERM) and the
-    /// work stopped at the next check: between graph computations, or inside
-    /// one on backends that take an abort callback.
-    #[error("cancelled")]
-    Cancelled,
-}
-
-impl From<ggml::Error> for ModelError {
-    fn from(e: ggml::Error) -> Self {
-        match e {
-            // The host's abort flag stopped a computation: a cancellation.
-            ggml::Error::Aborted => ModelError::Cancelled,
-            e => ModelError::Invalid(format!("ggml: {e}")),
-        }
-    }
-}
-
-/// Result of model code.
-pub type Result<T, E = ModelError> = std::result::Result<T, E>;
-
-/// How graphs are built (beyond the weights).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct GraphOptions {
-    /// Fused attention (`ggml_flash_attn_ext`, K and V in f16) instead of
-    /// materialised `softmax(q·kᵀ)` scores; not for the causal text encoder.
-    pub flash_attn: bool,
-    /// bf16 matrix products on the AMX tile unit (`ggml::amx`) where the
-    /// processor has one and the module runs on the in-process CPU backend
-    /// alone.
-    pub amx: bool,
-}
-
-/// A module's weights by name, for one graph build, with the build options.
-pub struct W<'a> {
-    map: HashMap<&'a str, Tensor<'a>>,
-    /// Build options.
-    pub opts: GraphOptions,
-}
-
-impl<'a> W<'a> {
-    /// Wraps a name → tensor map (from [`crate::checkpoint::weights::ModuleWeights::map`]).
-    pub fn new(map: HashMap<&'a str, Tensor<'a>>) -> Self {
-        W {
-            map,
-            opts: GraphOptions::default(),
-        }
-    }
-
-    /// The same with `opts`.
-    pub fn with_options(mut self, opts: GraphOptions) -> Self {
-        self.opts = opts;
-        self
-    }
-
-    /// The tensor `name`, or a "missing tensor" error.
-    pub fn get(&self, name: &str) -> Result<Tensor<'a>> {
-        self.map
-            .get(name)
-            .copied()
-            .ok_or_else(|| ModelError::Invalid(format!("missing tensor {name}")))
-    }
-
-    /// The tensor `name` if present.
-    pub fn opt(&self, name: &str) -> Option<Tensor<'a>> {
-        self.map.get(name).copied()
-    }
-
-    /// Whether `name` is present.
-    pub fn has(&self, name: &str) -> bool {
-        self.map.contains_key(name)
-    }
-
-    /// The tensor `name`, checked to have shape `ne` (ggml order; trailing
-    /// ones may be left out).
-    pub fn shaped(&self, name: &str, ne: &[i64]) -> Result<Tensor<'a>> {
-        let t = self.get(name)?;
-        check_shape(name, t, ne)?;
-        Ok(t)
-    }
-
-    /// `ne` of tensor `name`.
-    pub fn ne(&self, name: &str) -> Result<[i64; 4]> {
-        Ok(self.get(name)?.ne())
-    }
-
-    /// Names, in no particular order.
-    pub fn names(&self) -> impl Iterator<Item = &&'a str> {
-        self.map.keys()
-    }
-
-    /// The graph-mode LoRA pairs of weight `name` (see [`crate::lora`]):
-    /// `(down, up)` with down `[inner, rank]` and up `[rank, out]` (ggml
-    /// order, the scale folded into up); empty for a weight without.
-    pub fn lora_for(&self, name: &str) -> Vec<(Tensor<'a>, Tensor<'a>)> {
-        let mut v = Vec::new();
-        while let (Some(d), Some(u)) = (
-            self.opt(&format!("{name}.lora.{}.down", v.len())),
-            self.opt(&format!("{name}.lora.{}.up", v.len())),
-        ) {
-            v.push((d, u));
-        }
-        v
-    }
-}
 
 /// `y + Σ up·(down·x)` over the graph-mode LoRAs of the matrix `name`
 /// (`x` `[n_in, …]`, `y` `[n_out, …]`); `y` itself when it has none.
@@ -131,7 +22,7 @@ pub fn add_lora<'a>(
     for (down, up) in w.lora_for(name) {
         let [inner, rank, ..] = down.ne();
         if inner != x.ne()[0] || up.ne()[0] != rank || up.ne()[1] != y.ne()[0] {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Shape(format!(
                 "LoRA of {name}: down {:?} and up {:?} do not fit {:?} → {:?}",
                 down.ne(),
                 up.ne(),
@@ -142,27 +33,6 @@ pub fn add_lora<'a>(
         y = c.add(y, c.mul_mat(up, c.mul_mat(down, x)?)?)?;
     }
     Ok(y)
-}
-
-/// Checks that `t` has shape `ne` (ggml order, trailing ones optional).
-pub fn check_shape(name: &str, t: Tensor<'_>, ne: &[i64]) -> Result<()> {
-    let mut want = [1i64; 4];
-    want[..ne.len()].copy_from_slice(ne);
-    if t.ne() != want {
-        return Err(ModelError::Invalid(format!(
-            "tensor {name}: shape {} where {} was expected",
-            torch_shape(t.ne()),
-            torch_shape(want)
-        )));
-    }
-    Ok(())
-}
-
-/// A ggml shape written outermost first, as the checkpoint states it.
-fn torch_shape(ne: [i64; 4]) -> String {
-    let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
-    let v: Vec<String> = ne[..dims].iter().rev().map(i64::to_string).collect();
-    format!("[{}]", v.join(", "))
 }
 
 /// `y = W·x + b` over `ne[0]` of `x`; the weight is `[n_out, n_in]` (or a
@@ -183,7 +53,7 @@ pub fn linear<'a>(
         check_shape(&name, weight, &[n_in, n_out])?;
     }
     if x.ne()[0] != n_in {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "{prefix}: input has {} features where {n_in} were expected",
             x.ne()[0]
         )));
@@ -246,7 +116,7 @@ fn conv2d_with<'a>(
     let name = format!("{prefix}.weight");
     let kernel = w.shaped(&name, &[k, k, c_in, c_out])?;
     if x.ne()[2] != c_in {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "{prefix}: input has {} channels where {c_in} were expected",
             x.ne()[2]
         )));
@@ -267,7 +137,7 @@ fn conv2d_with<'a>(
     for (down, up) in w.lora_for(&name) {
         let [inner, rank, ..] = down.ne();
         if inner != k * k * c_in || up.ne()[0] != rank || up.ne()[1] != c_out {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Shape(format!(
                 "LoRA of {name}: down {:?} and up {:?} do not fit a {k}×{k} kernel {c_in} → {c_out}",
                 down.ne(),
                 up.ne()
@@ -337,7 +207,7 @@ pub fn shortcut<'a>(
     } else if c_in == c_out {
         Ok(x)
     } else {
-        Err(ModelError::Invalid(format!(
+        Err(ModelError::MissingTensor(format!(
             "missing tensor {prefix}.weight ({c_in} → {c_out} channels)"
         )))
     }
@@ -367,7 +237,7 @@ pub fn norm_silu_conv2d<'a>(
     if is_f32(gamma) && is_f32(beta) && bias_ok && w.lora_for(&name).is_empty() {
         let kernel = w.shaped(&name, &[3, 3, c_in, c_out])?;
         if x.ne()[2] != c_in {
-            return Err(ModelError::Invalid(format!(
+            return Err(ModelError::Shape(format!(
                 "{conv}: input has {} channels where {c_in} were expected",
                 x.ne()[2]
             )));
@@ -436,7 +306,7 @@ pub fn attention<'a>(
     let [inner, t, n, _] = q.ne();
     let s = k.ne()[1];
     if inner % heads != 0 || k.ne()[0] != inner || v.ne() != k.ne() {
-        return Err(ModelError::Invalid(format!(
+        return Err(ModelError::Shape(format!(
             "attention: q {:?}, k {:?}, v {:?} do not fit {heads} heads",
             q.ne(),
             k.ne(),

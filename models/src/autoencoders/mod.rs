@@ -1,0 +1,288 @@
+//! First stages: the autoencoders between pixels and the latents a
+//! denoiser samples, behind one interface ([`FirstStage`]), with the latent
+//! format ([`LatentFormat`]) and normalisation ([`LatentNorm`]) the family
+//! states.
+//!
+//! * [`kl`]: the KL autoencoder of ldm (SD 1.x/2.x/XL: 4 channels with
+//!   quant convs; FLUX's: 16 channels without), in its own latent scale.
+//! * [`taesd`]: diffusers' `AutoencoderTiny`, which works on the denoiser's
+//!   latents directly (no normalisation).
+//!
+//! Which one a module holds is read off its tensor names at load; the
+//! family supplies the normalisation of its KL latents.
+
+pub mod kl;
+pub mod taesd;
+
+use crate::error::{ModelError, Result};
+use crate::runtime::graph::W;
+use crate::runtime::module::{ComputeBytes, Module};
+
+/// How a family's latents relate to its autoencoder's.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LatentNorm {
+    /// `z_model = z_ae · scale` (SD 1.x/2.x: 0.18215; SDXL: 0.13025).
+    Scale(f32),
+    /// `z_model = (z_ae − shift) · scale` (FLUX.1: 0.3611 and 0.1159).
+    ScaleShift {
+        /// The scale.
+        scale: f32,
+        /// The shift, subtracted before scaling.
+        shift: f32,
+    },
+    /// `z_model = (z_ae − mean_c) / std_c` per channel (Wan, Qwen-Image).
+    PerChannel {
+        /// Per-channel means.
+        mean: Vec<f32>,
+        /// Per-channel standard deviations.
+        std: Vec<f32>,
+    },
+    /// The latents are used as they are.
+    Identity,
+}
+
+impl LatentNorm {
+    /// Autoencoder latents (`[…, C, plane]`, C = `mean.len()` for
+    /// per-channel) to the denoiser's.
+    pub fn to_model(&self, z: &mut [f32], plane: usize) {
+        match self {
+            LatentNorm::Scale(s) => z.iter_mut().for_each(|v| *v *= s),
+            LatentNorm::ScaleShift { scale, shift } => {
+                z.iter_mut().for_each(|v| *v = (*v - shift) * scale)
+            }
+            LatentNorm::PerChannel { mean, std } => {
+                for (i, v) in z.iter_mut().enumerate() {
+                    let c = (i / plane.max(1)) % mean.len().max(1);
+                    *v = (*v - mean[c]) / std[c];
+                }
+            }
+            LatentNorm::Identity => {}
+        }
+    }
+
+    /// The denoiser's latents back to the autoencoder's.
+    pub fn to_autoencoder(&self, z: &[f32], plane: usize) -> Vec<f32> {
+        match self {
+            LatentNorm::Scale(s) => z.iter().map(|v| v / s).collect(),
+            LatentNorm::ScaleShift { scale, shift } => {
+                z.iter().map(|v| v / scale + shift).collect()
+            }
+            LatentNorm::PerChannel { mean, std } => z
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    let c = (i / plane.max(1)) % mean.len().max(1);
+                    v * std[c] + mean[c]
+                })
+                .collect(),
+            LatentNorm::Identity => z.to_vec(),
+        }
+    }
+}
+
+/// The shape of a first stage's latents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LatentFormat {
+    /// Latent channels.
+    pub channels: usize,
+    /// Pixels per latent cell along each side.
+    pub spatial: usize,
+    /// Frames per latent frame (1 for images; video VAEs compress time).
+    pub temporal: usize,
+}
+
+/// Which autoencoder a module holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Autoencoder {
+    /// ldm's KL autoencoder ([`kl`]).
+    Kl,
+    /// TAESD ([`taesd`]).
+    Taesd,
+}
+
+/// A loaded module's autoencoder with its latent format and normalisation.
+#[derive(Clone, Debug, PartialEq)]
+pub struct FirstStage {
+    kind: Autoencoder,
+    norm: LatentNorm,
+    format: LatentFormat,
+}
+
+impl FirstStage {
+    /// Reads which autoencoder `module` holds and its format off the
+    /// weights; `norm` is how the family's latents relate to a KL
+    /// autoencoder's (a TAESD takes them as they are).
+    pub fn read(module: &Module<'_>, norm: LatentNorm) -> Result<FirstStage> {
+        let w = W::new(module.params().map());
+        let (kind, first, spatial) = if taesd::is_taesd(module.params().names()) {
+            (
+                Autoencoder::Taesd,
+                "decoder.layers.0.weight",
+                taesd::upscale_factor(&w),
+            )
+        } else {
+            (
+                Autoencoder::Kl,
+                "post_quant_conv.weight",
+                kl::upscale_factor(&w),
+            )
+        };
+        let channels = module
+            .params()
+            .get(first)
+            .map(|t| t.ne()[2] as usize)
+            .ok_or_else(|| ModelError::missing(first))?;
+        let norm = match kind {
+            Autoencoder::Kl => norm,
+            Autoencoder::Taesd => LatentNorm::Identity,
+        };
+        Ok(FirstStage {
+            kind,
+            norm,
+            format: LatentFormat {
+                channels,
+                spatial: spatial as usize,
+                temporal: 1,
+            },
+        })
+    }
+
+    /// Which autoencoder it is.
+    pub fn kind(&self) -> Autoencoder {
+        self.kind
+    }
+
+    /// Its latents' shape.
+    pub fn format(&self) -> LatentFormat {
+        self.format
+    }
+
+    /// Whether `module` holds the encoder too.
+    pub fn has_encoder(&self, module: &Module<'_>) -> bool {
+        match self.kind {
+            Autoencoder::Kl => kl::has_encoder(module),
+            Autoencoder::Taesd => module.params().contains("encoder.layers.0.weight"),
+        }
+    }
+
+    /// Builds (without computing) the decoder's graph, and the encoder's
+    /// where `encoder` asks for it.
+    pub fn validate(&self, module: &Module<'_>, encoder: bool) -> Result<()> {
+        match self.kind {
+            Autoencoder::Kl => {
+                kl::validate(module)?;
+                if encoder {
+                    kl::validate_encoder(module).map_err(|e| e.context("VAE encoder"))?;
+                }
+                Ok(())
+            }
+            Autoencoder::Taesd => taesd::validate(module),
+        }
+    }
+
+    /// Decodes the denoiser's latents `[n, C, h, w]` into images
+    /// `[n, 3, h·f, w·f]` in about −1..1.
+    pub fn decode(
+        &self,
+        module: &mut Module<'_>,
+        z: &[f32],
+        shape: [usize; 4],
+    ) -> Result<Vec<f32>> {
+        match self.kind {
+            Autoencoder::Kl => {
+                let z = self.norm.to_autoencoder(z, shape[2] * shape[3]);
+                kl::decode(module, &z, shape)
+            }
+            Autoencoder::Taesd => taesd::decode(module, z, shape),
+        }
+    }
+
+    /// Encodes images `[n, 3, H, W]` in −1..1 into the denoiser's latents.
+    pub fn encode(
+        &self,
+        module: &mut Module<'_>,
+        image: &[f32],
+        shape: [usize; 4],
+    ) -> Result<Vec<f32>> {
+        match self.kind {
+            Autoencoder::Kl => {
+                let (mut z, zshape) = kl::encode(module, image, shape)?;
+                self.norm.to_model(&mut z, zshape[2] * zshape[3]);
+                Ok(z)
+            }
+            Autoencoder::Taesd => taesd::encode(module, image, shape),
+        }
+    }
+
+    /// Compute-buffer bytes of decoding one latent of `height`×`width`
+    /// cells, measured without computing.
+    pub fn measure_decode(
+        &self,
+        module: &Module<'_>,
+        height: usize,
+        width: usize,
+    ) -> Result<ComputeBytes> {
+        match self.kind {
+            Autoencoder::Kl => kl::measure_decode(module, height, width),
+            Autoencoder::Taesd => taesd::measure_decode(module, height, width),
+        }
+    }
+
+    /// Compute-buffer bytes of encoding one `height`×`width`-pixel image.
+    pub fn measure_encode(
+        &self,
+        module: &Module<'_>,
+        height: usize,
+        width: usize,
+    ) -> Result<ComputeBytes> {
+        match self.kind {
+            Autoencoder::Kl => kl::measure_encode(module, height, width),
+            Autoencoder::Taesd => taesd::measure_encode(module, height, width),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::LatentNorm;
+
+    #[test]
+    fn norms_round_trip() {
+        let z = vec![0.5f32, -1.0, 2.0, 4.0];
+        for norm in [
+            LatentNorm::Scale(0.18215),
+            LatentNorm::ScaleShift {
+                scale: 0.3611,
+                shift: 0.1159,
+            },
+            LatentNorm::PerChannel {
+                mean: vec![0.1, -0.2],
+                std: vec![2.0, 0.5],
+            },
+            LatentNorm::Identity,
+        ] {
+            let mut m = z.clone();
+            norm.to_model(&mut m, 2);
+            let back = norm.to_autoencoder(&m, 2);
+            for (a, b) in back.iter().zip(&z) {
+                assert!((a - b).abs() < 1e-5, "{norm:?}: {back:?}");
+            }
+        }
+        // FLUX's: (z − shift)·scale.
+        let mut m = vec![1.0f32];
+        LatentNorm::ScaleShift {
+            scale: 0.5,
+            shift: 0.25,
+        }
+        .to_model(&mut m, 1);
+        assert_eq!(m, vec![0.375]);
+        // Per channel: channel 1 of a 2-cell plane.
+        let mut m = vec![0.0, 0.0, 1.0, 1.0];
+        LatentNorm::PerChannel {
+            mean: vec![0.0, 1.0],
+            std: vec![1.0, 2.0],
+        }
+        .to_model(&mut m, 2);
+        assert_eq!(m, vec![0.0, 0.0, 0.0, 0.0]);
+    }
+}

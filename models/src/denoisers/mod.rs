@@ -1,0 +1,3 @@
+//! Denoisers: the networks the sampler calls once per step.
+
+pub mod unet;

@@ -1,0 +1,3 @@
+//! Text encoders, each a network that knows only its own config.
+
+pub mod clip;

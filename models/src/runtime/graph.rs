@@ -1,0 +1,113 @@
+//! What one graph build sees: a module's weights by name, with shape
+//! checks, and the options the graphs are built with. The runtime
+//! ([`super::module`]) hands them to the networks' builders.
+
+use crate::error::{ModelError, Result};
+use ggml::Tensor;
+use std::collections::HashMap;
+
+/// How graphs are built (beyond the weights).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphOptions {
+    /// Fused attention (`ggml_flash_attn_ext`, K and V in f16) instead of
+    /// materialised `softmax(q·kᵀ)` scores; not for the causal text encoder.
+    pub flash_attn: bool,
+    /// bf16 matrix products on the AMX tile unit (`ggml::amx`) where the
+    /// processor has one and the module runs on the in-process CPU backend
+    /// alone.
+    pub amx: bool,
+}
+
+/// A module's weights by name, for one graph build, with the build options.
+pub struct W<'a> {
+    map: HashMap<&'a str, Tensor<'a>>,
+    /// Build options.
+    pub opts: GraphOptions,
+}
+
+impl<'a> W<'a> {
+    /// Wraps a name → tensor map (from [`crate::checkpoint::weights::ModuleWeights::map`]).
+    pub fn new(map: HashMap<&'a str, Tensor<'a>>) -> Self {
+        W {
+            map,
+            opts: GraphOptions::default(),
+        }
+    }
+
+    /// The same with `opts`.
+    pub fn with_options(mut self, opts: GraphOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// The tensor `name`, or a "missing tensor" error.
+    pub fn get(&self, name: &str) -> Result<Tensor<'a>> {
+        self.map
+            .get(name)
+            .copied()
+            .ok_or_else(|| ModelError::missing(name))
+    }
+
+    /// The tensor `name` if present.
+    pub fn opt(&self, name: &str) -> Option<Tensor<'a>> {
+        self.map.get(name).copied()
+    }
+
+    /// Whether `name` is present.
+    pub fn has(&self, name: &str) -> bool {
+        self.map.contains_key(name)
+    }
+
+    /// The tensor `name`, checked to have shape `ne` (ggml order; trailing
+    /// ones may be left out).
+    pub fn shaped(&self, name: &str, ne: &[i64]) -> Result<Tensor<'a>> {
+        let t = self.get(name)?;
+        check_shape(name, t, ne)?;
+        Ok(t)
+    }
+
+    /// `ne` of tensor `name`.
+    pub fn ne(&self, name: &str) -> Result<[i64; 4]> {
+        Ok(self.get(name)?.ne())
+    }
+
+    /// Names, in no particular order.
+    pub fn names(&self) -> impl Iterator<Item = &&'a str> {
+        self.map.keys()
+    }
+
+    /// The graph-mode LoRA pairs of weight `name` (see [`crate::lora`]):
+    /// `(down, up)` with down `[inner, rank]` and up `[rank, out]` (ggml
+    /// order, the scale folded into up); empty for a weight without.
+    pub fn lora_for(&self, name: &str) -> Vec<(Tensor<'a>, Tensor<'a>)> {
+        let mut v = Vec::new();
+        while let (Some(d), Some(u)) = (
+            self.opt(&format!("{name}.lora.{}.down", v.len())),
+            self.opt(&format!("{name}.lora.{}.up", v.len())),
+        ) {
+            v.push((d, u));
+        }
+        v
+    }
+}
+
+/// Checks that `t` has shape `ne` (ggml order, trailing ones optional).
+pub fn check_shape(name: &str, t: Tensor<'_>, ne: &[i64]) -> Result<()> {
+    let mut want = [1i64; 4];
+    want[..ne.len()].copy_from_slice(ne);
+    if t.ne() != want {
+        return Err(ModelError::Shape(format!(
+            "tensor {name}: shape {} where {} was expected",
+            torch_shape(t.ne()),
+            torch_shape(want)
+        )));
+    }
+    Ok(())
+}
+
+/// A ggml shape written outermost first, as the checkpoint states it.
+fn torch_shape(ne: [i64; 4]) -> String {
+    let dims = ne.iter().rposition(|&d| d != 1).map_or(1, |i| i + 1);
+    let v: Vec<String> = ne[..dims].iter().rev().map(i64::to_string).collect();
+    format!("[{}]", v.join(", "))
+}
