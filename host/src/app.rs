@@ -13,17 +13,41 @@ pub use crate::session::init_logging;
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     let ok = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     match &cli.command {
-        Command::Devices(a) => ok(commands::devices::run(&Session::open(&cli)?, a)),
-        Command::Plugins(a) => ok(commands::plugins::run(&Session::open(&cli)?, a)),
-        Command::Plan(a) => ok(commands::plan::run(&Session::open(&cli)?, a)),
-        Command::Check(a) => commands::check::run(&Session::open(&cli)?, a),
-        Command::Generate(a) => ok(commands::generate::run(&Session::open(&cli)?, a)),
-        Command::Serve(a) => ok(crate::serve::run(&Session::open(&cli)?, a)),
-        Command::RpcServer(a) => ok(crate::rpc::serve(&Session::open(&cli)?, a)),
+        Command::Devices(a) => ok(commands::devices::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
+        Command::Plugins(a) => ok(commands::plugins::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
+        Command::Plan(a) => ok(commands::plan::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
+        Command::Check(a) => commands::check::run(&Session::open(&cli.session_options())?, a),
+        Command::Generate(a) => ok(commands::generate::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
+        Command::Serve(a) => ok(commands::serve::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
+        Command::RpcServer(a) => ok(commands::rpc_server::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
         Command::Convert(a) => ok(commands::convert::run(a)),
-        Command::Upscale(a) => ok(commands::upscale::run(&Session::open(&cli)?, a)),
+        Command::Upscale(a) => ok(commands::upscale::run(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
         Command::Bench(a) if a.model.is_none() => commands::bench::startup(&cli, a),
-        Command::Bench(a) => ok(commands::bench::model(&Session::open(&cli)?, a)),
+        Command::Bench(a) => ok(commands::bench::model(
+            &Session::open(&cli.session_options())?,
+            a,
+        )),
         Command::Startup => commands::probe::startup(&cli),
         Command::Probe { file } => commands::probe::probe(file),
     }

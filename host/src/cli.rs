@@ -1,6 +1,7 @@
 //! Every command-line flag, defined once (clap derive). A flag's doc comment
 //! is its help text.
 
+use crate::loader::{ComputeType, FlashAttn};
 use clap::{Args, Parser, Subcommand};
 use std::path::PathBuf;
 
@@ -68,6 +69,22 @@ pub struct Cli {
     pub command: Command,
 }
 
+impl Cli {
+    /// The global options a session is opened with.
+    pub fn session_options(&self) -> crate::session::SessionOptions {
+        crate::session::SessionOptions {
+            plugin_path: self.plugin_path.clone(),
+            config: self.config.clone(),
+            threads: self.threads,
+            plugin_probe: self.plugin_probe,
+            plugin_probe_timeout: self.plugin_probe_timeout,
+            allow_insecure_plugins: self.allow_insecure_plugins,
+            rpc: self.rpc.clone(),
+            rpc_timeout: self.rpc_timeout,
+        }
+    }
+}
+
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
@@ -82,10 +99,10 @@ pub enum Command {
     /// Generate an image from a text prompt with an SD 1.x, SD 2.x or SDXL checkpoint
     Generate(GenerateArgs),
     /// Serve the A1111 (`/sdapi/v1`) and OpenAI image APIs and a web page, with the model loaded
-    Serve(crate::serve::ServeArgs),
+    Serve(ServeArgs),
     /// Serve one device to other machines' sdhost (or any ggml RPC client of
     /// protocol 7) through ggml's RPC server; see docs/rpc.md
-    RpcServer(crate::rpc::ServerArgs),
+    RpcServer(ServerArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
     /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)
@@ -125,8 +142,8 @@ pub struct BenchArgs {
     /// next to sdhost, or a path to it), `diffusers` (bench/diffusers_peer.py, f32 and
     /// bf16); comma-separated or repeated; `--peer` alone: sdcpp
     #[arg(long, value_name = "PEER", num_args = 0..=1, default_missing_value = "sdcpp",
-          value_delimiter = ',', value_parser = crate::commands::bench::parse_peer)]
-    pub peer: Vec<crate::commands::bench::Peer>,
+          value_delimiter = ',', value_parser = parse_peer)]
+    pub peer: Vec<Peer>,
 
     /// Python with torch and diffusers for `--peer diffusers` (default:
     /// $SDHOST_DIFFUSERS_PYTHON, else python3)
@@ -193,6 +210,20 @@ pub struct PlacementArgs {
     /// Keep weights in CPU memory: --params-backend cpu (only when --params-backend is not given)
     #[arg(long = "offload-to-cpu")]
     pub offload_to_cpu: bool,
+}
+
+impl PlacementArgs {
+    /// The placement these flags ask for.
+    pub fn ask(&self) -> crate::session::PlacementAsk {
+        crate::session::PlacementAsk {
+            backend: self.backend.clone(),
+            params_backend: self.params_backend.clone(),
+            clip_on_cpu: self.clip_on_cpu,
+            vae_on_cpu: self.vae_on_cpu,
+            control_net_cpu: self.control_net_cpu,
+            offload_to_cpu: self.offload_to_cpu,
+        }
+    }
 }
 
 /// Generation settings shared by `generate` and `bench -m`.
@@ -357,18 +388,29 @@ impl LoadArgs {
         self.vae.as_deref().or(self.taesd.as_deref())
     }
 
-    /// How to load the checkpoint under these settings (`vae`: the
-    /// [`LoadArgs::vae_file`], scanned).
-    pub fn load_options<'c>(
-        &self,
+    /// What to load under these settings, resolved (`vae`: the
+    /// [`LoadArgs::vae_file`], scanned; `vae_encoder`: img2img).
+    pub fn spec<'c>(
+        &'c self,
+        ckpt: &'c sdhost_models::checkpoint::Checkpoint,
         vae: Option<&'c sdhost_models::checkpoint::Checkpoint>,
-    ) -> sdhost_models::pipeline::LoadOptions<'c> {
-        sdhost_models::pipeline::LoadOptions {
+        loras: &'c [sdhost_models::lora::LoraSpec],
+        lora_apply: sdhost_models::lora::LoraApply,
+        vae_encoder: bool,
+    ) -> anyhow::Result<crate::loader::LoadSpec<'c>> {
+        Ok(crate::loader::LoadSpec {
+            ckpt,
+            vae,
+            taesd: self.taesd.as_deref(),
             policy: self.phase_memory,
             prediction: self.prediction,
-            vae,
-            ..Default::default()
-        }
+            compute: self.compute_type,
+            flash: self.flash_attn,
+            tiling: self.vae_tiling()?,
+            vae_encoder,
+            loras,
+            lora_apply,
+        })
     }
 }
 
@@ -539,30 +581,6 @@ fn parse_type(s: &str) -> Result<ggml::Type, String> {
         .ok_or_else(|| format!("unknown type {s:?} (f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, q3_K, q4_K, q5_K, q6_K)"))
 }
 
-/// `--flash-attn WHEN`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum FlashAttn {
-    /// On for modules whose runtime device is a CPU.
-    Auto,
-    /// Everywhere.
-    On,
-    /// Nowhere.
-    Off,
-}
-
-/// `--compute-type TYPE`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
-pub enum ComputeType {
-    /// bf16 on CPUs with native bf16 kernels, the checkpoint's types elsewhere.
-    Auto,
-    /// f32 matrices everywhere.
-    F32,
-    /// f16 matrices everywhere.
-    F16,
-    /// bf16 matrices everywhere.
-    Bf16,
-}
-
 /// `sdhost plan`.
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -645,12 +663,15 @@ fn parse_on_off(s: &str) -> Result<bool, String> {
 }
 
 impl MemoryArgs {
-    /// The flags as settings (to merge over the config file's).
-    pub fn settings(&self) -> crate::memory::MemorySettings {
-        crate::memory::MemorySettings {
-            max_memory: self.max_memory.clone().unwrap_or_default(),
-            max_vram: self.max_vram,
-            reserve: self.memory_reserve,
+    /// The flags, resolved (their budgets merge over the config file's).
+    pub fn flags(&self) -> crate::memory::MemoryFlags {
+        crate::memory::MemoryFlags {
+            settings: crate::memory::MemorySettings {
+                max_memory: self.max_memory.clone().unwrap_or_default(),
+                max_vram: self.max_vram,
+                reserve: self.memory_reserve,
+            },
+            fit: self.fit,
         }
     }
 }
@@ -675,9 +696,142 @@ pub struct CheckArgs {
     pub json: bool,
 }
 
+/// A program `bench -m` times beside sdhost (`--peer`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Peer {
+    /// stable-diffusion.cpp through `sdhost-peer-sdcpp` (bench/peer-sdcpp):
+    /// the binary next to sdhost, or the one at this path.
+    SdCpp(Option<PathBuf>),
+    /// diffusers through bench/diffusers_peer.py, once in f32 and once in bf16.
+    Diffusers,
+}
+
+/// Parses one `--peer` item: `sdcpp` (also `auto`, today's bare `--peer`),
+/// `diffusers`, or a path to `sdhost-peer-sdcpp` (it must contain a `/`, so
+/// that a misspelt name is an error rather than a missing file).
+pub fn parse_peer(s: &str) -> Result<Peer, String> {
+    match s {
+        "sdcpp" | "sd.cpp" | "auto" => Ok(Peer::SdCpp(None)),
+        "diffusers" => Ok(Peer::Diffusers),
+        p if p.contains(std::path::MAIN_SEPARATOR) || p.contains('/') => {
+            Ok(Peer::SdCpp(Some(PathBuf::from(p))))
+        }
+        other => Err(format!(
+            "unknown peer `{other}`: expected sdcpp, diffusers or a path to sdhost-peer-sdcpp (with a `/`)"
+        )),
+    }
+}
+
+/// `sdhost rpc-server`.
+#[derive(Debug, Args)]
+pub struct ServerArgs {
+    /// Device to serve (as `sdhost devices` names it: cpu, vulkan0, cuda0, …)
+    #[arg(long, value_name = "NAME")]
+    pub device: String,
+
+    /// IPv4 address to listen on; anything but loopback needs --allow-remote
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// TCP port to listen on
+    #[arg(long, default_value_t = 50052, value_parser = clap::value_parser!(u16).range(1..))]
+    pub port: u16,
+
+    /// Folder where large weight tensors are cached by hash, so that a client
+    /// that sends them again uploads only the hash
+    #[arg(long, value_name = "DIR")]
+    pub cache: Option<PathBuf>,
+
+    /// Listen on a non-loopback address. ggml's RPC protocol has neither
+    /// authentication nor encryption: anyone who reaches the port can use
+    /// the device and read or write its memory
+    #[arg(long = "allow-remote")]
+    pub allow_remote: bool,
+}
+
+/// `sdhost serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Checkpoint to load at start (default: the first in --models-dir)
+    #[arg(short = 'm', long, value_name = "FILE")]
+    pub model: Option<PathBuf>,
+
+    /// Folder of checkpoints (.safetensors, .gguf) that clients may switch
+    /// to (`sd_model_checkpoint`); each loads with the same placement
+    #[arg(long = "models-dir", value_name = "DIR")]
+    pub models_dir: Option<PathBuf>,
+
+    /// Address to listen on; anything but loopback needs --api-key
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+
+    /// Port to listen on (0: any free port; the address is printed)
+    #[arg(long, default_value_t = 7860)]
+    pub port: u16,
+
+    /// Require `Authorization: Bearer KEY` on every API call
+    #[arg(
+        long = "api-key",
+        value_name = "KEY",
+        env = "SDHOST_API_KEY",
+        hide_env_values = true
+    )]
+    pub api_key: Option<String>,
+
+    /// Load the model once on each listed device and run a job on each at
+    /// once, e.g. `cpu,vulkan0` (a device may repeat); every module of a
+    /// replica runs on its device (weights as --params-backend says)
+    #[arg(long, value_name = "DEVICES", value_delimiter = ',')]
+    pub replicas: Vec<String>,
+
+    /// Jobs that may wait behind the running ones; more are refused with 503
+    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub queue: u32,
+
+    /// Seconds a running job may take to finish after SIGINT/SIGTERM before
+    /// it is cancelled
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub grace: u64,
+
+    /// Largest request body, in MiB (413 beyond)
+    #[arg(long = "max-body", value_name = "MIB", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub max_body: u32,
+
+    #[command(flatten)]
+    pub load: LoadArgs,
+
+    #[command(flatten)]
+    pub upscale: UpscaleModelArgs,
+
+    #[command(flatten)]
+    pub lora: crate::lora::LoraArgs,
+
+    #[command(flatten)]
+    pub placement: PlacementArgs,
+
+    #[command(flatten)]
+    pub memory: MemoryArgs,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_names_and_paths() {
+        assert_eq!(parse_peer("sdcpp"), Ok(Peer::SdCpp(None)));
+        assert_eq!(parse_peer("auto"), Ok(Peer::SdCpp(None)));
+        assert_eq!(parse_peer("diffusers"), Ok(Peer::Diffusers));
+        assert_eq!(
+            parse_peer("./build/sdhost-peer-sdcpp"),
+            Ok(Peer::SdCpp(Some(PathBuf::from(
+                "./build/sdhost-peer-sdcpp"
+            ))))
+        );
+        let e = parse_peer("pytorch").unwrap_err();
+        assert!(e.starts_with("unknown peer `pytorch`"), "{e}");
+    }
+
     use clap::CommandFactory;
 
     #[test]

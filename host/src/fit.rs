@@ -4,7 +4,7 @@
 //! The resolver ([`crate::placement`]) has already put every module on a
 //! device (the user's choice, else the best device by type and memory).
 //! Fit measures that placement at the request's size (a dry run on
-//! placeholder weights, [`crate::memory::measure`]) and, while some device
+//! placeholder weights, [`measure`]) and, while some device
 //! is over its budget in some phase, takes the next step of a fixed
 //! ladder, measuring again after each:
 //!
@@ -29,12 +29,17 @@
 //! A split module (`diffusion=vulkan0+cpu`) is left as it is, with shares
 //! in proportion to its devices' budgets unless the user gave them.
 
+use crate::loader::{ComputeType, FlashAttn, LoadSpec, Loaded};
 use crate::manager::BackendManager;
-use crate::memory::{human_overruns, measure, overruns, Budgets, Measure, Measured};
+use crate::memory::{
+    account, human_overruns, overruns, Budgets, MemoryFlags, MemorySettings, Usage,
+};
 use crate::placement::{DeviceType, Module, Placement};
 use crate::render::human_bytes;
 use crate::session::Session;
-use sdhost_models::runtime::memory::Phase;
+use sdhost_models::checkpoint::Checkpoint;
+use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, Phase};
+use sdhost_models::runtime::module::WeightPolicy;
 use sdhost_models::runtime::tiling::Tiling;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -132,7 +137,7 @@ pub fn fit(
 ) -> anyhow::Result<Fitted> {
     let mut p = placement;
     fill_split_shares(&mut p, budgets);
-    let cpu = crate::commands::generate::cpu_device(session, what)?;
+    let cpu = crate::loader::cpu_device(session, what)?;
     let mut tiling = m.tiling;
     let mut reasons: BTreeMap<Module, String> = BTreeMap::new();
     // The VAE's reason when fit tiled it (it names the tiles already).
@@ -324,6 +329,192 @@ pub fn fit(
         tiling,
         choices,
         measured,
+    })
+}
+
+/// What to measure: a checkpoint at a size, as `generate` would run it.
+#[derive(Clone)]
+pub struct Measure<'a> {
+    /// The checkpoint.
+    pub ckpt: &'a Checkpoint,
+    /// `--vae FILE`, scanned.
+    pub vae: Option<&'a Checkpoint>,
+    /// `-W`/`-H` (default: the init image's, rounded down to the model's
+    /// multiple, else the family's).
+    pub width: Option<usize>,
+    /// See `width`.
+    pub height: Option<usize>,
+    /// The init image's size (img2img: the VAE encoder runs).
+    pub init_size: Option<(usize, usize)>,
+    /// Prompt and negative prompt (their 77-token chunk count).
+    pub prompts: (&'a str, &'a str),
+    /// Classifier-free guidance (a UNet batch of 2).
+    pub guided: bool,
+    /// The phase-memory policy.
+    pub policy: WeightPolicy,
+    /// `--flash-attn` (changes the attention graphs' buffers).
+    pub flash: FlashAttn,
+    /// `--compute-type` (changes the weights' sizes).
+    pub compute: ComputeType,
+    /// `--vae-tiling`.
+    pub tiling: Option<Tiling>,
+}
+
+/// A measured placement: the size, the models' plan and the per-device use.
+pub struct Measured {
+    /// Width and height measured at.
+    pub size: (usize, usize),
+    /// By role, per module.
+    pub plan: MemoryPlan,
+    /// Per device and phase.
+    pub usage: Usage,
+}
+
+/// Loads `m.ckpt` as placeholders (nothing read or allocated) under
+/// `placement` and measures every graph at the requested size.
+pub fn measure(
+    session: &Session,
+    manager: &BackendManager<'_>,
+    placement: &Placement,
+    m: &Measure<'_>,
+    what: &str,
+) -> anyhow::Result<Measured> {
+    let spec = LoadSpec {
+        ckpt: m.ckpt,
+        vae: m.vae,
+        taesd: None,
+        policy: m.policy,
+        prediction: None,
+        compute: m.compute,
+        flash: m.flash,
+        tiling: m.tiling,
+        vae_encoder: m.init_size.is_some(),
+        loras: &[],
+        lora_apply: Default::default(),
+    };
+    let file = m.ckpt.path.display().to_string();
+    let sd = crate::loader::load(session, manager, placement, &spec, true, what)?.sd;
+    let mult = sd.size_multiple();
+    let default = sd.family().default_size;
+    // As `generate` sizes the request; an init image smaller than the
+    // multiple is refused later with its own message.
+    let side = |given: Option<usize>, init: Option<usize>| {
+        given.unwrap_or_else(|| init.map_or(default, |v| (v / mult * mult).max(mult)))
+    };
+    let width = side(m.width, m.init_size.map(|s| s.0));
+    let height = side(m.height, m.init_size.map(|s| s.1));
+    let mut chunks = sd.chunk_count(m.prompts.0);
+    if m.guided {
+        chunks = chunks.max(sd.chunk_count(m.prompts.1));
+    }
+    let req = MemoryRequest {
+        width,
+        height,
+        batch: if m.guided { 2 } else { 1 },
+        chunks: chunks.max(1),
+        encode: m.init_size.is_some(),
+    };
+    let plan = sd
+        .memory_plan(&req)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", crate::term::clean(&file)))?;
+    let usage = account(&plan, m.policy);
+    Ok(Measured {
+        size: (width, height),
+        plan,
+        usage,
+    })
+}
+
+/// `generate`'s step before loading: measures the placement at the
+/// request's size and fits it to the budgets ([`crate::fit`]; with
+/// `--fit off` only refuses, in one line, a device over its budget).
+pub fn fit_placement(
+    session: &Session,
+    manager: &BackendManager<'_>,
+    placement: Placement,
+    m: &Measure<'_>,
+    flags: &MemoryFlags,
+    what: &str,
+) -> anyhow::Result<Fitted> {
+    let settings = session_settings(session, flags)?;
+    let budgets = Budgets::new(&session.registry, &settings)?;
+    let on = flags.fit.or(session.config.fit).unwrap_or(true);
+    let fitted = fit(session, manager, placement, m, &budgets, on, what)?;
+    for (dev, per) in &fitted.measured.usage.devices {
+        tracing::debug!("memory on {dev}: {per:?} (budget {:?})", budgets.0.get(dev));
+    }
+    Ok(fitted)
+}
+
+/// The flags over the config file's memory settings.
+pub fn session_settings(session: &Session, flags: &MemoryFlags) -> anyhow::Result<MemorySettings> {
+    let config = session
+        .config
+        .memory()
+        .map_err(|e| anyhow::anyhow!("config file: {e}"))?;
+    Ok(MemorySettings::merge(flags.settings.clone(), config))
+}
+
+/// What [`load_fitted`] measures at: the request's size and prompts.
+pub struct Fit<'a> {
+    /// `-W`/`-H` (default: the init image's, else the family's).
+    pub width: Option<usize>,
+    /// See `width`.
+    pub height: Option<usize>,
+    /// The init image's size.
+    pub init_size: Option<(usize, usize)>,
+    /// Prompt and negative prompt.
+    pub prompts: (&'a str, &'a str),
+    /// Classifier-free guidance (a UNet batch of 2).
+    pub guided: bool,
+    /// Memory budgets and `--fit`.
+    pub memory: &'a MemoryFlags,
+}
+
+/// A pipeline loaded under a placement fitted to the memory budgets.
+pub struct FittedLoad<'m> {
+    /// The pipeline, its layout and flash attention.
+    pub loaded: Loaded<'m>,
+    /// The placement fit chose.
+    pub placement: Placement,
+    /// What fit chose for each module and why.
+    pub choices: Vec<Choice>,
+}
+
+/// Measures `spec` at `fit`'s size on placeholders, fits `placement` to the
+/// budgets (no weight is read before that), then loads it.
+pub fn load_fitted<'m>(
+    session: &Session,
+    manager: &'m BackendManager<'_>,
+    placement: Placement,
+    spec: &LoadSpec<'_>,
+    fit: &Fit<'_>,
+    what: &str,
+) -> anyhow::Result<FittedLoad<'m>> {
+    let measure = Measure {
+        ckpt: spec.ckpt,
+        vae: spec.vae,
+        width: fit.width,
+        height: fit.height,
+        init_size: fit.init_size,
+        prompts: fit.prompts,
+        guided: fit.guided,
+        policy: spec.policy,
+        flash: spec.flash,
+        compute: spec.compute,
+        tiling: spec.tiling,
+    };
+    let fitted = fit_placement(session, manager, placement, &measure, fit.memory, what)?;
+    tracing::info!("placement:\n{}", table(&fitted.choices));
+    let spec = LoadSpec {
+        tiling: fitted.tiling,
+        ..*spec
+    };
+    let loaded = crate::loader::load(session, manager, &fitted.placement, &spec, false, what)?;
+    Ok(FittedLoad {
+        loaded,
+        placement: fitted.placement,
+        choices: fitted.choices,
     })
 }
 

@@ -15,18 +15,12 @@
 //! Not done yet (issue 16): automatic fit, weight streaming and layer
 //! split; a placement that does not fit is refused with what to try.
 
-use crate::cli::FlashAttn;
-use crate::manager::BackendManager;
 use crate::placement::Placement;
 use crate::registry::Registry;
 use crate::render::human_bytes;
-use crate::session::Session;
 use ggml::DeviceType;
-use sdhost_models::checkpoint::Checkpoint;
-use sdhost_models::pipeline::{LoadOptions, Pipeline};
-use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, Phase};
+use sdhost_models::runtime::memory::{MemoryPlan, Phase};
 use sdhost_models::runtime::module::{DeviceBytes, WeightPolicy};
-use sdhost_models::runtime::tiling::Tiling;
 use std::collections::BTreeMap;
 
 /// The reserve kept free on a non-CPU device when none is given: drivers,
@@ -345,129 +339,14 @@ pub fn refusal(overruns: &[(String, Phase, u64, u64)], placement: &Placement) ->
     ))
 }
 
-/// What to measure: a checkpoint at a size, as `generate` would run it.
-#[derive(Clone)]
-pub struct Measure<'a> {
-    /// The checkpoint.
-    pub ckpt: &'a Checkpoint,
-    /// `--vae FILE`, scanned.
-    pub vae: Option<&'a Checkpoint>,
-    /// `-W`/`-H` (default: the init image's, rounded down to the model's
-    /// multiple, else the family's).
-    pub width: Option<usize>,
-    /// See `width`.
-    pub height: Option<usize>,
-    /// The init image's size (img2img: the VAE encoder runs).
-    pub init_size: Option<(usize, usize)>,
-    /// Prompt and negative prompt (their 77-token chunk count).
-    pub prompts: (&'a str, &'a str),
-    /// Classifier-free guidance (a UNet batch of 2).
-    pub guided: bool,
-    /// The phase-memory policy.
-    pub policy: WeightPolicy,
-    /// `--flash-attn` (changes the attention graphs' buffers).
-    pub flash: FlashAttn,
-    /// `--compute-type` (changes the weights' sizes).
-    pub compute: crate::cli::ComputeType,
-    /// `--vae-tiling`.
-    pub tiling: Option<Tiling>,
-}
-
-/// A measured placement: the size, the models' plan and the per-device use.
-pub struct Measured {
-    /// Width and height measured at.
-    pub size: (usize, usize),
-    /// By role, per module.
-    pub plan: MemoryPlan,
-    /// Per device and phase.
-    pub usage: Usage,
-}
-
-/// Loads `m.ckpt` as placeholders (nothing read or allocated) under
-/// `placement` and measures every graph at the requested size.
-pub fn measure(
-    session: &Session,
-    manager: &BackendManager<'_>,
-    placement: &Placement,
-    m: &Measure<'_>,
-    what: &str,
-) -> anyhow::Result<Measured> {
-    let layout = crate::commands::generate::layout(session, manager, placement, what)?;
-    let opts = LoadOptions {
-        matrix_types: crate::commands::generate::matrix_types(session, &layout, m.compute),
-        policy: m.policy,
-        prediction: None,
-        vae: m.vae,
-        vae_encoder: m.init_size.is_some(),
-        placeholders: true,
-        ..LoadOptions::default()
-    };
-    let file = m.ckpt.path.display().to_string();
-    let mut sd = Pipeline::load(m.ckpt, layout.clone(), opts)?;
-    sd.set_vae_tiling(m.tiling);
-    crate::commands::generate::apply_flash_attn(&mut sd, &layout, m.flash);
-    let mult = sd.size_multiple();
-    let default = sd.family().default_size;
-    // As `generate` sizes the request; an init image smaller than the
-    // multiple is refused later with its own message.
-    let side = |given: Option<usize>, init: Option<usize>| {
-        given.unwrap_or_else(|| init.map_or(default, |v| (v / mult * mult).max(mult)))
-    };
-    let width = side(m.width, m.init_size.map(|s| s.0));
-    let height = side(m.height, m.init_size.map(|s| s.1));
-    let mut chunks = sd.chunk_count(m.prompts.0);
-    if m.guided {
-        chunks = chunks.max(sd.chunk_count(m.prompts.1));
-    }
-    let req = MemoryRequest {
-        width,
-        height,
-        batch: if m.guided { 2 } else { 1 },
-        chunks: chunks.max(1),
-        encode: m.init_size.is_some(),
-    };
-    let plan = sd
-        .memory_plan(&req)
-        .map_err(|e| anyhow::anyhow!("{}: {e}", crate::term::clean(&file)))?;
-    let usage = account(&plan, m.policy);
-    Ok(Measured {
-        size: (width, height),
-        plan,
-        usage,
-    })
-}
-
-/// `generate`'s step before loading: measures the placement at the
-/// request's size and fits it to the budgets ([`crate::fit`]; with
-/// `--fit off` only refuses, in one line, a device over its budget).
-pub fn fit_placement(
-    session: &Session,
-    manager: &BackendManager<'_>,
-    placement: Placement,
-    m: &Measure<'_>,
-    flags: &crate::cli::MemoryArgs,
-    what: &str,
-) -> anyhow::Result<crate::fit::Fitted> {
-    let settings = session_settings(session, flags)?;
-    let budgets = Budgets::new(&session.registry, &settings)?;
-    let on = flags.fit.or(session.config.fit).unwrap_or(true);
-    let fitted = crate::fit::fit(session, manager, placement, m, &budgets, on, what)?;
-    for (dev, per) in &fitted.measured.usage.devices {
-        tracing::debug!("memory on {dev}: {per:?} (budget {:?})", budgets.0.get(dev));
-    }
-    Ok(fitted)
-}
-
-/// The flags over the config file's memory settings.
-pub fn session_settings(
-    session: &Session,
-    flags: &crate::cli::MemoryArgs,
-) -> anyhow::Result<MemorySettings> {
-    let config = session
-        .config
-        .memory()
-        .map_err(|e| anyhow::anyhow!("config file: {e}"))?;
-    Ok(MemorySettings::merge(flags.settings(), config))
+/// The memory flags of a run (`--max-memory`, `--max-vram`,
+/// `--memory-reserve`, `--fit`), resolved from the command line.
+#[derive(Clone, Debug, Default)]
+pub struct MemoryFlags {
+    /// The budgets the flags set (merged over the config file's).
+    pub settings: MemorySettings,
+    /// `--fit on|off`; `None`: the config file's, else on.
+    pub fit: Option<bool>,
 }
 
 #[cfg(test)]

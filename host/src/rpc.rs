@@ -1,7 +1,8 @@
 //! Remote devices through ggml's RPC backend: the server list
 //! (`--rpc`, `SDHOST_RPC_SERVERS`, `rpc = [...]` in the config file), the
 //! handshake check every server passes before ggml sees it, the fatal-error
-//! line for a server lost during compute, and `sdhost rpc-server`.
+//! line for a server lost during compute (the `rpc-server` command is
+//! [`crate::commands::rpc_server`]).
 //!
 //! Why the check is ours: ggml's RPC client (protocol 7.0.0 in the pinned
 //! source) aborts the whole process when a server is unreachable, answers
@@ -14,11 +15,9 @@
 //! dies mid-call) ends in one line and exit status 1, with pending output
 //! files removed (see [`install_fatal_handler`]); never a core dump.
 
-use anyhow::{anyhow, bail, Context as _};
-use clap::Args;
+use anyhow::{anyhow, bail};
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, ToSocketAddrs};
-use std::path::PathBuf;
+use std::net::{SocketAddr, SocketAddrV4, TcpStream, ToSocketAddrs};
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -207,97 +206,6 @@ fn fatal(message: &str) {
 pub fn install_fatal_handler(servers: &[String]) {
     let _ = IN_USE.set(servers.join(","));
     ggml::set_fatal_handler(fatal);
-}
-
-/// `sdhost rpc-server`.
-#[derive(Debug, Args)]
-pub struct ServerArgs {
-    /// Device to serve (as `sdhost devices` names it: cpu, vulkan0, cuda0, …)
-    #[arg(long, value_name = "NAME")]
-    pub device: String,
-
-    /// IPv4 address to listen on; anything but loopback needs --allow-remote
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-
-    /// TCP port to listen on
-    #[arg(long, default_value_t = 50052, value_parser = clap::value_parser!(u16).range(1..))]
-    pub port: u16,
-
-    /// Folder where large weight tensors are cached by hash, so that a client
-    /// that sends them again uploads only the hash
-    #[arg(long, value_name = "DIR")]
-    pub cache: Option<PathBuf>,
-
-    /// Listen on a non-loopback address. ggml's RPC protocol has neither
-    /// authentication nor encryption: anyone who reaches the port can use
-    /// the device and read or write its memory
-    #[arg(long = "allow-remote")]
-    pub allow_remote: bool,
-}
-
-/// Runs `sdhost rpc-server` (blocks while serving).
-pub fn serve(session: &crate::session::Session, args: &ServerArgs) -> anyhow::Result<()> {
-    let ip: Ipv4Addr = args.host.parse().map_err(|_| {
-        anyhow!(
-            "--host {:?}: ggml's RPC server listens on an IPv4 address (e.g. 127.0.0.1 or 0.0.0.0)",
-            args.host
-        )
-    })?;
-    if !ip.is_loopback() {
-        if !args.allow_remote {
-            bail!(
-                "--host {ip} is not a loopback address: ggml's RPC protocol has neither authentication nor encryption, so --allow-remote is needed to listen there"
-            );
-        }
-        crate::term::eprint_line(&format!(
-            "warning: listening on {ip}:{}: ggml's RPC protocol has neither authentication nor encryption; anyone who can reach this port can run computations on the device and read or write its memory",
-            args.port
-        ));
-    }
-    let entry = session.registry.device(&args.device).ok_or_else(|| {
-        let names: Vec<&str> = session
-            .registry
-            .devices
-            .iter()
-            .map(|d| d.name.as_str())
-            .collect();
-        anyhow!(
-            "--device {}: no such device (loaded: {})",
-            args.device,
-            if names.is_empty() {
-                "none".to_string()
-            } else {
-                names.join(", ")
-            }
-        )
-    })?;
-    let reg = session.registry.family_reg("rpc").ok_or_else(|| {
-        anyhow!("the rpc plugin (libsdhost_plugin_rpc.so) is not loaded; `sdhost plugins` says why")
-    })?;
-    if let Some(dir) = &args.cache {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("--cache: creating {}", dir.display()))?;
-    }
-    // A clear line for a port in use, before ggml's silent failure to bind.
-    drop(
-        std::net::TcpListener::bind((ip, args.port))
-            .with_context(|| format!("cannot listen on {ip}:{}", args.port))?,
-    );
-    let threads = session.threads.unwrap_or(1);
-    tracing::info!(
-        "serving {} ({}) on {ip}:{}",
-        entry.name,
-        entry.description,
-        args.port
-    );
-    reg.rpc_serve(
-        &format!("{ip}:{}", args.port),
-        args.cache.as_deref(),
-        threads,
-        &[entry.device],
-    )
-    .map_err(|e| anyhow!("rpc-server on {ip}:{}: {e}", args.port))
 }
 
 #[cfg(test)]

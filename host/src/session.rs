@@ -2,7 +2,6 @@
 //! the registry of plugins and devices, and the placement resolver fed from
 //! them. Every command that needs devices opens one.
 
-use crate::cli::{Cli, PlacementArgs};
 use crate::config::{self, Config};
 use crate::discovery::{search_path, Origin, SearchInputs};
 use crate::placement::{self, DeviceInfo, Placement, Request};
@@ -39,6 +38,46 @@ pub fn init_logging(verbose: u8, quiet: bool) {
     ggml::route_log_to_tracing();
 }
 
+/// What a session is opened with: the command line's global options,
+/// resolved (each falls back to the config file, then a default).
+#[derive(Clone, Debug, Default)]
+pub struct SessionOptions {
+    /// `--plugin-path` folders, searched first.
+    pub plugin_path: Vec<PathBuf>,
+    /// `--config FILE`.
+    pub config: Option<PathBuf>,
+    /// `--threads`.
+    pub threads: Option<usize>,
+    /// `--plugin-probe`.
+    pub plugin_probe: Option<ProbeMode>,
+    /// `--plugin-probe-timeout` in seconds.
+    pub plugin_probe_timeout: Option<u64>,
+    /// `--allow-insecure-plugins`.
+    pub allow_insecure_plugins: bool,
+    /// `--rpc` servers.
+    pub rpc: Option<String>,
+    /// `--rpc-timeout` in seconds.
+    pub rpc_timeout: Option<u64>,
+}
+
+/// The placement a command asks for: `--backend`, `--params-backend` and
+/// sd.cpp's compatibility flags.
+#[derive(Clone, Debug, Default)]
+pub struct PlacementAsk {
+    /// `--backend`.
+    pub backend: Option<String>,
+    /// `--params-backend`.
+    pub params_backend: Option<String>,
+    /// `--clip-on-cpu`.
+    pub clip_on_cpu: bool,
+    /// `--vae-on-cpu`.
+    pub vae_on_cpu: bool,
+    /// `--control-net-cpu`.
+    pub control_net_cpu: bool,
+    /// `--offload-to-cpu`.
+    pub offload_to_cpu: bool,
+}
+
 /// Config, search path and registry of one invocation.
 pub struct Session {
     /// The config file's contents.
@@ -56,7 +95,7 @@ pub struct Session {
 
 impl Session {
     /// Reads the config and discovers plugins.
-    pub fn open(cli: &Cli) -> anyhow::Result<Session> {
+    pub fn open(cli: &SessionOptions) -> anyhow::Result<Session> {
         let config = match &cli.config {
             Some(p) => config::load(p, true)?,
             None => match config::default_path() {
@@ -185,7 +224,7 @@ impl Session {
     }
 
     /// Resolves placement flags against the loaded devices.
-    pub fn resolve(&self, args: &PlacementArgs) -> anyhow::Result<Placement> {
+    pub fn resolve(&self, args: &PlacementAsk) -> anyhow::Result<Placement> {
         let req = Request {
             backend: args.backend.clone(),
             params_backend: args.params_backend.clone(),
@@ -229,7 +268,10 @@ impl Session {
 /// The RPC servers of this invocation that passed their check, and a line
 /// for each that did not (also logged as a warning). A malformed list is an
 /// error.
-fn rpc_servers(cli: &Cli, config: &Config) -> anyhow::Result<(Vec<String>, Vec<String>)> {
+fn rpc_servers(
+    cli: &SessionOptions,
+    config: &Config,
+) -> anyhow::Result<(Vec<String>, Vec<String>)> {
     let env = std::env::var("SDHOST_RPC_SERVERS").ok();
     let list = crate::rpc::servers(cli.rpc.as_deref(), env.as_deref(), &config.rpc)?;
     let timeout = std::time::Duration::from_secs(

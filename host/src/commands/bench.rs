@@ -13,7 +13,7 @@
 //! times the whole process. One warm-up run (which also fills the probe
 //! cache) is not counted.
 
-use crate::cli::{BenchArgs, Cli};
+use crate::cli::{BenchArgs, Cli, Peer};
 use crate::render::{self, Report};
 use anyhow::{bail, Context};
 use serde::{Deserialize, Serialize};
@@ -186,32 +186,6 @@ struct ModelRun {
     sampling: f64,
     unet_step: f64,
     vae: f64,
-}
-
-/// A program `bench -m` times beside sdhost (`--peer`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Peer {
-    /// stable-diffusion.cpp through `sdhost-peer-sdcpp` (bench/peer-sdcpp):
-    /// the binary next to sdhost, or the one at this path.
-    SdCpp(Option<PathBuf>),
-    /// diffusers through bench/diffusers_peer.py, once in f32 and once in bf16.
-    Diffusers,
-}
-
-/// Parses one `--peer` item: `sdcpp` (also `auto`, today's bare `--peer`),
-/// `diffusers`, or a path to `sdhost-peer-sdcpp` (it must contain a `/`, so
-/// that a misspelt name is an error rather than a missing file).
-pub fn parse_peer(s: &str) -> Result<Peer, String> {
-    match s {
-        "sdcpp" | "sd.cpp" | "auto" => Ok(Peer::SdCpp(None)),
-        "diffusers" => Ok(Peer::Diffusers),
-        p if p.contains(std::path::MAIN_SEPARATOR) || p.contains('/') => {
-            Ok(Peer::SdCpp(Some(PathBuf::from(p))))
-        }
-        other => Err(format!(
-            "unknown peer `{other}`: expected sdcpp, diffusers or a path to sdhost-peer-sdcpp (with a `/`)"
-        )),
-    }
 }
 
 /// What a peer prints: one JSON object (bench/peer-sdcpp, bench/diffusers_peer.py).
@@ -589,25 +563,24 @@ fn warm_page_cache(files: &[&Path]) -> anyhow::Result<(u64, f64)> {
 /// stable-diffusion.cpp and diffusers, each in a child process.
 pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result<()> {
     use crate::manager::BackendManager;
-    use sdhost_models::pipeline::Pipeline;
 
     let path = a.model.as_ref().context("no model")?;
     let runs = a.runs.unwrap_or(3);
-    let resolved = session.resolve(&a.placement)?;
+    let resolved = session.resolve(&a.placement.ask())?;
     let ckpt = sdhost_models::checkpoint::scan(path)?;
     let vae = a
         .sample
         .vae_file()
         .map(sdhost_models::checkpoint::scan)
         .transpose()?;
-    let cpu_name = crate::commands::generate::cpu_device(session, "bench")?;
+    let cpu_name = crate::loader::cpu_device(session, "bench")?;
     let manager = BackendManager::new(&session.registry, session.threads);
     // As `generate`: fitted to the budgets before anything is loaded.
-    let fitted = crate::memory::fit_placement(
+    let fitted = crate::fit::fit_placement(
         session,
         &manager,
         resolved.clone(),
-        &crate::memory::Measure {
+        &crate::fit::Measure {
             ckpt: &ckpt,
             vae: vae.as_ref(),
             width: a.sample.width.map(|v| v as usize),
@@ -620,12 +593,11 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             compute: a.sample.compute_type,
             tiling: a.sample.vae_tiling()?,
         },
-        &a.memory,
+        &a.memory.flags(),
         "bench",
     )?;
     tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
     let placement = fitted.placement;
-    let layout = crate::commands::generate::layout(session, &manager, &placement, "bench")?;
     let used: Vec<String> = placement
         .devices()
         .into_iter()
@@ -655,19 +627,15 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     };
 
     let tiling = fitted.tiling;
-    let t = Instant::now();
-    let opts = sdhost_models::pipeline::LoadOptions {
-        matrix_types: crate::commands::generate::matrix_types(
-            session,
-            &layout,
-            a.sample.compute_type,
-        ),
-        ..a.sample.load_options(vae.as_ref())
+    let spec = crate::loader::LoadSpec {
+        tiling,
+        ..a.sample
+            .spec(&ckpt, vae.as_ref(), &[], Default::default(), false)?
     };
-    let mut sd = Pipeline::load(&ckpt, layout.clone(), opts).map_err(|e| anyhow::anyhow!("{e}"))?;
-    sd.set_vae_tiling(tiling);
+    let t = Instant::now();
+    let loaded = crate::loader::load(session, &manager, &placement, &spec, false, "bench")?;
     let load_s = t.elapsed().as_secs_f64();
-    let flash = crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
+    let (mut sd, flash) = (loaded.sd, loaded.flash);
     sample_devices();
     let req = a
         .sample
@@ -687,14 +655,14 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         a.sample.seed,
         threads,
         flash,
-        crate::commands::generate::compute_type_summary(sd.matrix_types())
+        crate::loader::compute_type_summary(sd.matrix_types())
             .map(|t| match t.contains("bf16") && ggml::amx::available() {
                 true => format!("{t} (AMX where on the CPU)"),
                 false => t,
             })
             .unwrap_or_else(|| "as stored".into())
     );
-    let devices = crate::commands::generate::placement_summary(&sd, &placement);
+    let devices = crate::loader::placement_summary(&sd, &placement);
     let peak_host = peak_host_memory();
     // sdhost's weights and buffers are released before the peers run.
     drop(sd);
@@ -818,25 +786,18 @@ fn resident_column(
     runs: u32,
 ) -> Result<PeerReport, String> {
     let fail = |e: anyhow::Error| format!("failed: {}", one_line(&format!("{e:#}")));
-    let layout =
-        crate::commands::generate::layout(session, manager, placement, "bench").map_err(fail)?;
+    let spec = a
+        .sample
+        .spec(ckpt, vae, &[], Default::default(), false)
+        .map_err(fail)?;
     let t = Instant::now();
-    let opts = sdhost_models::pipeline::LoadOptions {
-        matrix_types: crate::commands::generate::matrix_types(
-            session,
-            &layout,
-            a.sample.compute_type,
-        ),
-        ..a.sample.load_options(vae)
-    };
-    let mut sd = sdhost_models::pipeline::Pipeline::load(ckpt, layout.clone(), opts)
-        .map_err(|e| fail(anyhow::anyhow!("{e}")))?;
-    sd.set_vae_tiling(a.sample.vae_tiling().map_err(fail)?);
-    crate::commands::generate::apply_flash_attn(&mut sd, &layout, a.sample.flash_attn);
+    let mut sd = crate::loader::load(session, manager, placement, &spec, false, "bench")
+        .map_err(fail)?
+        .sd;
     let load_s = t.elapsed().as_secs_f64();
     let (first_run_s, timed) =
         time_runs(&mut sd, req, runs, &ckpt.path, &mut || {}).map_err(fail)?;
-    let devices = crate::commands::generate::placement_summary(&sd, placement);
+    let devices = crate::loader::placement_summary(&sd, placement);
     Ok(PeerReport {
         system: format!("resident placement, no budgets: {devices}"),
         load_s,
@@ -921,7 +882,7 @@ impl PeerJob<'_> {
             .args(["-t", &self.threads.to_string()])
             .args(["--runs", &self.runs.to_string()]);
         // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
-        if a.sample.flash_attn == crate::cli::FlashAttn::On {
+        if a.sample.flash_attn == crate::loader::FlashAttn::On {
             c.arg("--flash-attn");
         }
         if let Some(b) = &a.placement.backend {
@@ -938,9 +899,10 @@ impl PeerJob<'_> {
     /// Runs bench/diffusers_peer.py (compiled in, given to Python on stdin)
     /// in `dtype` with the same settings; errors are reported in the table.
     fn diffusers(&self, dtype: &str) -> Result<PeerReport, String> {
-        use sdhost_models::family::Family;
+        // The families bench/diffusers_peer.py builds a pipeline for.
+        const DIFFUSERS_FAMILIES: &[&str] = &["sd1"];
         let (a, req) = (self.a, self.req);
-        if self.family != Family::Sd1 {
+        if !DIFFUSERS_FAMILIES.contains(&self.family.name()) {
             return Err(format!(
                 "not comparable: the diffusers peer runs SD 1.x checkpoints (this is {})",
                 self.family.name()
@@ -1046,21 +1008,6 @@ fn run_child(mut c: Command, what: &str, script: Option<&str>) -> Result<String,
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn peer_names_and_paths() {
-        assert_eq!(parse_peer("sdcpp"), Ok(Peer::SdCpp(None)));
-        assert_eq!(parse_peer("auto"), Ok(Peer::SdCpp(None)));
-        assert_eq!(parse_peer("diffusers"), Ok(Peer::Diffusers));
-        assert_eq!(
-            parse_peer("./build/sdhost-peer-sdcpp"),
-            Ok(Peer::SdCpp(Some(PathBuf::from(
-                "./build/sdhost-peer-sdcpp"
-            ))))
-        );
-        let e = parse_peer("pytorch").unwrap_err();
-        assert!(e.starts_with("unknown peer `pytorch`"), "{e}");
-    }
 
     const GOOD: &str = r#"{"system": "s", "load_s": 1.5, "first_run_s": 2.0, "runs": [{"total_s": 3.0, "te_s": 0.1, "sampling_s": 2.0, "vae_s": 0.5}], "peak_host_bytes": 42}"#;
 

@@ -10,4 +10,6 @@ pub mod generate;
 pub mod plan;
 pub mod plugins;
 pub mod probe;
+pub mod rpc_server;
+pub mod serve;
 pub mod upscale;

@@ -3,9 +3,11 @@
 //! memory each device needs in each phase (measured on the model's graphs at
 //! `-W`×`-H`, see [`crate::memory`]) against the device's budget.
 
-use crate::cli::{FlashAttn, PlanArgs};
+use crate::cli::PlanArgs;
+use crate::fit::{Measure, Measured};
+use crate::loader::FlashAttn;
 use crate::manager::BackendManager;
-use crate::memory::{overruns, Budget, Budgets, Measure, Measured};
+use crate::memory::{overruns, Budget, Budgets};
 use crate::placement::{Module, Placement};
 use crate::render::{human_bytes, print, table, Report};
 use crate::session::Session;
@@ -16,8 +18,8 @@ use std::collections::BTreeMap;
 
 /// Runs `plan`.
 pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
-    let placement = session.resolve(&args.placement)?;
-    let settings = crate::memory::session_settings(session, &args.memory)?;
+    let placement = session.resolve(&args.placement.ask())?;
+    let settings = crate::fit::session_settings(session, &args.memory.flags())?;
     let budgets = Budgets::new(&session.registry, &settings)?;
     let model = match &args.model {
         Some(path) => Some(
@@ -50,12 +52,12 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 compute: args.compute_type,
                 tiling,
             };
-            match crate::memory::fit_placement(
+            match crate::fit::fit_placement(
                 session,
                 &manager,
                 placement.clone(),
                 &m,
-                &args.memory,
+                &args.memory.flags(),
                 "plan",
             ) {
                 Ok(f) => Some(f),
@@ -63,7 +65,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                     // Over budget even fitted, or a checkpoint sdhost
                     // cannot run: show the placement as resolved.
                     tracing::warn!("{e:#}");
-                    match crate::memory::measure(session, &manager, &placement, &m, "plan") {
+                    match crate::fit::measure(session, &manager, &placement, &m, "plan") {
                         Ok(measured) => Some(crate::fit::Fitted {
                             placement: placement.clone(),
                             tiling,

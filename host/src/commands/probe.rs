@@ -19,7 +19,7 @@ pub fn probe(file: &Path) -> anyhow::Result<ExitCode> {
 /// Runs `__startup`: the time it took to open the session, as one JSON line.
 pub fn startup(cli: &crate::cli::Cli) -> anyhow::Result<ExitCode> {
     let started = std::time::Instant::now();
-    let session = Session::open(cli)?;
+    let session = Session::open(&cli.session_options())?;
     let report = crate::commands::bench::StartupSample {
         discover_ns: started.elapsed().as_nanos() as u64,
         plugins: session.registry.plugins.len(),

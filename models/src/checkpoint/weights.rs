@@ -18,7 +18,6 @@
 //! weights are, or to stream them to a device that asks for the op.
 
 use crate::checkpoint::{Checkpoint, TensorEntry};
-use crate::lora::LoraSet;
 use ggml::{Backend, Buffer, Context, Tensor, Type};
 use std::collections::HashMap;
 use std::os::unix::fs::FileExt;
@@ -53,6 +52,36 @@ pub enum WeightsError {
         /// Why.
         reason: String,
     },
+}
+
+/// Changes made to a module's weights as they load: LoRAs ([`crate::lora`]),
+/// merged into a tensor's values between the file read and the upload, or
+/// kept as extra tensors for the graph. A trait, so that weight loading
+/// knows nothing of LoRA files or families.
+pub trait WeightPatches {
+    /// Whether tensor `name` (full checkpoint name) is changed as it loads.
+    fn merges(&self, name: &str) -> bool;
+    /// Changes tensor `name`'s values (row-major, outermost dimension
+    /// first, as the checkpoint stores it).
+    fn merge(&self, name: &str, values: &mut [f32]) -> Result<(), String>;
+    /// Extra f32 tensors under `prefix` for the graph: `(name inside the
+    /// module, shape in ggml order, values)`.
+    fn graph_tensors(&self, prefix: &str) -> Vec<(String, Vec<i64>, Vec<f32>)>;
+}
+
+/// No changes.
+pub struct NoPatches;
+
+impl WeightPatches for NoPatches {
+    fn merges(&self, _: &str) -> bool {
+        false
+    }
+    fn merge(&self, _: &str, _: &mut [f32]) -> Result<(), String> {
+        Ok(())
+    }
+    fn graph_tensors(&self, _: &str) -> Vec<(String, Vec<i64>, Vec<f32>)> {
+        Vec::new()
+    }
 }
 
 /// One module's weights: one buffer per device they are on (one, unless
@@ -125,16 +154,7 @@ impl ModuleWeights {
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
     ) -> Result<ModuleWeights, WeightsError> {
-        ModuleWeights::create(
-            ckpt,
-            prefix,
-            keep,
-            backend,
-            &LoraSet::default(),
-            false,
-            None,
-            None,
-        )
+        ModuleWeights::create(ckpt, prefix, keep, backend, &NoPatches, false, None, None)
     }
 
     /// [`ModuleWeights::load_filtered`] with `loras` merged into the tensors
@@ -150,7 +170,7 @@ impl ModuleWeights {
         prefix: &str,
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
-        loras: &LoraSet,
+        loras: &dyn WeightPatches,
         pinned_for: Option<&Backend>,
         matrices: Option<Type>,
     ) -> Result<ModuleWeights, WeightsError> {
@@ -173,14 +193,7 @@ impl ModuleWeights {
         matrices: Option<Type>,
     ) -> Result<ModuleWeights, WeightsError> {
         ModuleWeights::create(
-            ckpt,
-            prefix,
-            keep,
-            backend,
-            &LoraSet::default(),
-            true,
-            None,
-            matrices,
+            ckpt, prefix, keep, backend, &NoPatches, true, None, matrices,
         )
     }
 
@@ -190,7 +203,7 @@ impl ModuleWeights {
         prefix: &str,
         keep: impl Fn(&str) -> bool,
         backend: &Backend,
-        loras: &LoraSet,
+        loras: &dyn WeightPatches,
         placeholders: bool,
         pinned_for: Option<&Backend>,
         matrices: Option<Type>,
@@ -362,7 +375,7 @@ impl ModuleWeights {
         ckpt: &Checkpoint,
         prefix: &str,
         keep: impl Fn(&str) -> bool,
-        loras: &LoraSet,
+        loras: &dyn WeightPatches,
         backends: &[&Backend],
         assign: impl Fn(&str) -> usize,
         placeholders: bool,

@@ -27,7 +27,7 @@ pub mod names;
 
 use crate::checkpoint::{self, Checkpoint, TensorEntry};
 use crate::error::ModelError;
-use crate::family::{Family, FamilyConfig};
+use crate::family::FamilyConfig;
 use names::{LoraKey, Target};
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::FileExt;
@@ -249,11 +249,11 @@ impl LoraSet {
         if lora.tensors.is_empty() {
             return Err(invalid(format!("{file}: the LoRA holds no tensors")));
         }
-        let sdxl = fam.family == Family::Sdxl;
+        let several = fam.encoders.len() > 1;
         let mut modules: BTreeMap<String, [Option<&TensorEntry>; 3]> = BTreeMap::new();
         let mut unsupported = Vec::new();
         for t in &lora.tensors {
-            match names::parse_key(&t.name, sdxl) {
+            match names::parse_key(&t.name, several) {
                 Some(LoraKey { module, part }) => {
                     modules.entry(module).or_default()[part as usize] = Some(t);
                 }
@@ -265,14 +265,14 @@ impl LoraSet {
             .keys()
             .any(|m| m.starts_with("lora_te1_") || m.starts_with("lora_te2_"));
         let te = modules.keys().any(|m| m.starts_with("lora_te_"));
-        if te12 && !sdxl {
+        if te12 && !several {
             return Err(invalid(format!(
                 "{file}: a LoRA for SDXL (it adapts two text encoders), but the model is {family}"
             )));
         }
-        if te && sdxl {
+        if te && several {
             return Err(invalid(format!(
-                "{file}: a LoRA for SD 1.x/2.x (it adapts one text encoder, lora_te_*), but the model is sdxl"
+                "{file}: a LoRA for SD 1.x/2.x (it adapts one text encoder, lora_te_*), but the model is {family}"
             )));
         }
         let f = std::fs::File::open(&spec.path).map_err(|e| invalid(format!("{file}: {e}")))?;
@@ -496,6 +496,20 @@ fn check_pair(
         inner: inner as usize,
         row0,
     })
+}
+
+/// LoRAs change a module's weights as it loads (see
+/// [`crate::checkpoint::weights::WeightPatches`]).
+impl crate::checkpoint::weights::WeightPatches for LoraSet {
+    fn merges(&self, name: &str) -> bool {
+        LoraSet::merges(self, name)
+    }
+    fn merge(&self, name: &str, values: &mut [f32]) -> Result<(), String> {
+        LoraSet::merge(self, name, values)
+    }
+    fn graph_tensors(&self, prefix: &str) -> Vec<(String, Vec<i64>, Vec<f32>)> {
+        LoraSet::graph_tensors(self, prefix)
+    }
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::encoders::clip::Naming;
-use crate::family::{Family, FamilyConfig, UNET_PREFIX};
+use crate::family::{FamilyConfig, UNET_PREFIX};
 use std::collections::HashMap;
 
 /// A tensor (or a block of its rows) that a LoRA key adapts.
@@ -150,12 +150,13 @@ fn resnets_per_level(ckpt: &Checkpoint) -> usize {
         .map_or(2, |b| b.saturating_sub(1).max(1))
 }
 
-/// The kohya key prefix of the text encoder with index `i` of a family.
-fn te_key_prefix(family: Family, i: usize) -> &'static str {
-    match (family, i) {
-        (Family::Sdxl, 0) => "lora_te1_",
-        (Family::Sdxl, _) => "lora_te2_",
-        _ => "lora_te_",
+/// The kohya key prefix of text encoder `i` of `count`: `lora_te_` for a
+/// model with one, `lora_te1_`, `lora_te2_`, … for several (SDXL).
+fn te_key_prefix(count: usize, i: usize) -> String {
+    if count > 1 {
+        format!("lora_te{}_", i + 1)
+    } else {
+        "lora_te_".into()
     }
 }
 
@@ -188,7 +189,7 @@ pub fn targets(ckpt: &Checkpoint, fam: &FamilyConfig) -> HashMap<String, Target>
             let Some(rel) = t.name.strip_prefix(&full) else {
                 continue;
             };
-            let kp = te_key_prefix(fam.family, i);
+            let kp = te_key_prefix(fam.encoders.len(), i);
             match enc.naming {
                 Naming::Hf => {
                     if let Some(path) = rel.strip_suffix(".weight") {
@@ -235,9 +236,10 @@ pub enum Part {
 }
 
 /// Parses a LoRA tensor name; `None` for names that are not a plain LoRA
-/// pair or alpha (LoHa, LoKr, DoRA scales, ...). `sdxl`: whether the bare
+/// pair or alpha (LoHa, LoKr, DoRA scales, ...). `several_encoders`: whether the model
+/// has several text encoders (SDXL), so that the bare
 /// `text_encoder.` prefix means SDXL's first encoder.
-pub fn parse_key(name: &str, sdxl: bool) -> Option<LoraKey> {
+pub fn parse_key(name: &str, several_encoders: bool) -> Option<LoraKey> {
     const SUFFIXES: &[(&str, Part)] = &[
         (".lora_down.weight", Part::Down),
         (".lora_up.weight", Part::Up),
@@ -257,7 +259,8 @@ pub fn parse_key(name: &str, sdxl: bool) -> Option<LoraKey> {
     } else if let Some(r) = base.strip_prefix("text_encoder_2.") {
         format!("lora_te2_{}", us(r))
     } else if let Some(r) = base.strip_prefix("text_encoder.") {
-        format!("{}{}", if sdxl { "lora_te1_" } else { "lora_te_" }, us(r))
+        let count = if several_encoders { 2 } else { 1 };
+        format!("{}{}", te_key_prefix(count, 0), us(r))
     } else {
         return None;
     };

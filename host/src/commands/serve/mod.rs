@@ -16,80 +16,15 @@ pub mod api;
 pub mod queue;
 pub mod worker;
 
-use crate::cli::{LoadArgs, MemoryArgs, PlacementArgs, UpscaleModelArgs};
+use crate::cli::{PlacementArgs, ServeArgs};
 use crate::placement::Placement;
 use crate::session::Session;
 use anyhow::{anyhow, bail, Context as _};
-use clap::Args;
+
 use std::net::ToSocketAddrs as _;
-use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use worker::{ModelEntry, ReplicaFit, Worker};
-
-/// `sdhost serve`.
-#[derive(Debug, Args)]
-pub struct ServeArgs {
-    /// Checkpoint to load at start (default: the first in --models-dir)
-    #[arg(short = 'm', long, value_name = "FILE")]
-    pub model: Option<PathBuf>,
-
-    /// Folder of checkpoints (.safetensors, .gguf) that clients may switch
-    /// to (`sd_model_checkpoint`); each loads with the same placement
-    #[arg(long = "models-dir", value_name = "DIR")]
-    pub models_dir: Option<PathBuf>,
-
-    /// Address to listen on; anything but loopback needs --api-key
-    #[arg(long, default_value = "127.0.0.1")]
-    pub host: String,
-
-    /// Port to listen on (0: any free port; the address is printed)
-    #[arg(long, default_value_t = 7860)]
-    pub port: u16,
-
-    /// Require `Authorization: Bearer KEY` on every API call
-    #[arg(
-        long = "api-key",
-        value_name = "KEY",
-        env = "SDHOST_API_KEY",
-        hide_env_values = true
-    )]
-    pub api_key: Option<String>,
-
-    /// Load the model once on each listed device and run a job on each at
-    /// once, e.g. `cpu,vulkan0` (a device may repeat); every module of a
-    /// replica runs on its device (weights as --params-backend says)
-    #[arg(long, value_name = "DEVICES", value_delimiter = ',')]
-    pub replicas: Vec<String>,
-
-    /// Jobs that may wait behind the running ones; more are refused with 503
-    #[arg(long, value_name = "N", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-    pub queue: u32,
-
-    /// Seconds a running job may take to finish after SIGINT/SIGTERM before
-    /// it is cancelled
-    #[arg(long, value_name = "SECS", default_value_t = 30)]
-    pub grace: u64,
-
-    /// Largest request body, in MiB (413 beyond)
-    #[arg(long = "max-body", value_name = "MIB", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
-    pub max_body: u32,
-
-    #[command(flatten)]
-    pub load: LoadArgs,
-
-    #[command(flatten)]
-    pub upscale: UpscaleModelArgs,
-
-    #[command(flatten)]
-    pub lora: crate::lora::LoraArgs,
-
-    #[command(flatten)]
-    pub placement: PlacementArgs,
-
-    #[command(flatten)]
-    pub memory: MemoryArgs,
-}
 
 /// The checkpoints `--models-dir` holds (sorted by file name), with `-m`'s
 /// first where it is not among them; and the one to load at start.
@@ -178,7 +113,7 @@ const MAX_REPLICAS: usize = 16;
 fn replicas(session: &Session, args: &ServeArgs) -> anyhow::Result<Vec<(String, Placement)>> {
     use crate::placement::Module as M;
     if args.replicas.is_empty() {
-        let p = session.resolve(&args.placement)?;
+        let p = session.resolve(&args.placement.ask())?;
         return Ok(vec![(p.runtime[&M::Diffusion].clone(), p)]);
     }
     if args.placement.backend.is_some() {
@@ -202,7 +137,7 @@ fn replicas(session: &Session, args: &ServeArgs) -> anyhow::Result<Vec<(String, 
                 ..args.placement.clone()
             };
             let mut p = session
-                .resolve(&flags)
+                .resolve(&flags.ask())
                 .with_context(|| format!("--replicas {d}"))?;
             for r in p.runtime.values_mut() {
                 *r = d.to_string();

@@ -15,15 +15,16 @@
 //! handlers report ([`ReplicaFit`]).
 
 use super::queue::{JobError, JobKind, Queue};
-use super::ServeArgs;
-use crate::commands::generate::{self, TextFields};
+use crate::cli::ServeArgs;
+use crate::fit::{load_fitted, Fit};
 use crate::image_io::{self, Mask};
 use crate::manager::BackendManager;
 use crate::placement::Placement;
+use crate::png::{encode_png, parameters_text_of, TextFields};
 use crate::session::Session;
 use anyhow::Context as _;
 use sdhost_models::lora::LoraSpec;
-use sdhost_models::pipeline::{Image, Init, LoadOptions, Pipeline, Request};
+use sdhost_models::pipeline::{Image, Init, Pipeline, Request};
 use sdhost_models::runtime::tiling::Tiling;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::upscale::Upscaler;
@@ -252,68 +253,35 @@ impl<'m> Worker<'_, 'm> {
             .vae_file()
             .map(sdhost_models::checkpoint::scan)
             .transpose()?;
-        let opts = LoadOptions {
-            vae_encoder: true,
-            loras,
-            lora_apply: self.args.lora.apply,
-            ..a.load_options(vae.as_ref())
-        };
-        let tiling = a.vae_tiling()?;
+        let spec = a.spec(&ckpt, vae.as_ref(), loras, self.args.lora.apply, true)?;
         let _loading = self.load_lock.lock().unwrap_or_else(|e| e.into_inner());
-        // Memory budgets (--max-memory, …), measured at the family's size.
-        let measure = crate::memory::Measure {
-            ckpt: &ckpt,
-            vae: vae.as_ref(),
+        // Memory budgets (--max-memory, …), measured at the family's size,
+        // and fitted to them as `generate` is.
+        let fit = Fit {
             width: None,
             height: None,
             init_size: None,
             prompts: ("", ""),
             guided: true,
-            policy: a.phase_memory,
-            flash: a.flash_attn,
-            compute: a.compute_type,
-            tiling,
+            memory: &self.args.memory.flags(),
         };
-        // Fitted to the budgets as `generate` is (at the family's size).
-        let fitted = crate::memory::fit_placement(
+        let started = std::time::Instant::now();
+        let fitted = load_fitted(
             self.session,
             self.manager,
             self.placement.clone(),
-            &measure,
-            &self.args.memory,
+            &spec,
+            &fit,
             "serve",
         )
         // The file name, not the path: the budget error is long, and its
         // end (the smallest budget that works) must fit the error line.
         .with_context(|| entry.title.clone())?;
-        tracing::info!("placement:\n{}", crate::fit::table(&fitted.choices));
-        let layout = generate::layout(self.session, self.manager, &fitted.placement, "serve")?;
-        let started = std::time::Instant::now();
-        let opts = LoadOptions {
-            matrix_types: generate::matrix_types(self.session, &layout, a.compute_type),
-            ..opts
-        };
-        let mut sd = Pipeline::load(&ckpt, layout.clone(), opts)
-            .with_context(|| entry.path.display().to_string())?;
-        sd.set_vae_tiling(fitted.tiling);
-        if let (Some(t), false) = (
-            &a.taesd,
-            (sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd),
-        ) {
-            anyhow::bail!(
-                "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
-                t.display()
-            );
-        }
-        let flash = generate::apply_flash_attn(&mut sd, &layout, a.flash_attn);
+        let (sd, flash) = (fitted.loaded.sd, fitted.loaded.flash);
         let upscaler = match &self.args.upscale.model {
             Some(m) => {
-                let d = crate::commands::upscale::devices(
-                    self.session,
-                    self.manager,
-                    &fitted.placement,
-                )?;
-                Some(crate::commands::upscale::load(m, d, a.phase_memory)?)
+                let d = crate::upscaler::devices(self.session, self.manager, &fitted.placement)?;
+                Some(crate::upscaler::load(m, d, a.phase_memory)?)
             }
             None => None,
         };
@@ -322,7 +290,7 @@ impl<'m> Worker<'_, 'm> {
             self.replica,
             entry.path.display(),
             started.elapsed().as_secs_f64(),
-            generate::placement_summary(&sd, &fitted.placement)
+            crate::loader::placement_summary(&sd, &fitted.placement)
         );
         if let Some(f) = self
             .fits
@@ -330,7 +298,7 @@ impl<'m> Worker<'_, 'm> {
             .unwrap_or_else(|e| e.into_inner())
             .get_mut(self.replica)
         {
-            f.placement = generate::placement_summary(&sd, &fitted.placement);
+            f.placement = crate::loader::placement_summary(&sd, &fitted.placement);
             f.tiling = sd.vae_tiling();
             f.choices = fitted.choices;
         }
@@ -526,13 +494,15 @@ impl<'m> Worker<'_, 'm> {
                 })?;
             let image = match &mut l.upscaler {
                 Some(u) => {
-                    crate::commands::upscale::apply(u, image, self.args.upscale.tuning, cancel)
-                        .map_err(|e| match e.downcast_ref::<ModelError>() {
+                    let t = self.args.upscale.tuning;
+                    crate::upscaler::apply(u, image, t.repeats, t.tile, cancel).map_err(
+                        |e| match e.downcast_ref::<ModelError>() {
                             Some(ModelError::Cancelled) => {
                                 JobError::Cancelled("interrupted".into())
                             }
                             _ => JobError::Failed(crate::term::error_line(&e)),
-                        })?
+                        },
+                    )?
                 }
                 None => image,
             };
@@ -555,12 +525,10 @@ impl<'m> Worker<'_, 'm> {
                     .as_deref()
                     .map(|p| (p, self.args.upscale.tuning.repeats)),
             };
-            let text =
-                generate::parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
-                    + &loras.fields;
+            let text = parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
+                + &loras.fields;
             let mut png = Vec::new();
-            generate::encode_png(&mut png, &image, &text)
-                .map_err(|e| JobError::Failed(e.to_string()))?;
+            encode_png(&mut png, &image, &text).map_err(|e| JobError::Failed(e.to_string()))?;
             out.images.push(png);
             out.infotexts.push(text);
             out.seeds.push(req.seed);

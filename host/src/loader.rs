@@ -1,0 +1,318 @@
+//! Loading a checkpoint for a run, the one sequence `generate`, `bench`,
+//! `serve`, `plan` and the memory measurement share ([`load`]): give each
+//! module its devices ([`layout`]), resolve `--compute-type`
+//! ([`matrix_types`]), load the pipeline (weights, or placeholders for a
+//! measurement), set the VAE tiling, check `--taesd` and apply
+//! `--flash-attn`. [`crate::fit::load_fitted`] measures and fits first.
+//!
+//! Below the commands: it takes resolved settings ([`LoadSpec`]), never
+//! command-line types.
+
+use crate::manager::BackendManager;
+use crate::placement::{Module as Place, Placement};
+use crate::session::Session;
+use anyhow::anyhow;
+use ggml::DeviceType;
+use sdhost_models::autoencoders::Autoencoder;
+use sdhost_models::checkpoint::Checkpoint;
+use sdhost_models::lora::{LoraApply, LoraSpec};
+use sdhost_models::pipeline::{Layout, LoadOptions, MatrixTypes, Pipeline, Spreads};
+use sdhost_models::runtime::graph::GraphOptions;
+use sdhost_models::runtime::module::{Devices, Share, Spread, WeightPolicy};
+use sdhost_models::runtime::tiling::Tiling;
+use sdhost_models::sampling::Prediction;
+use std::path::Path;
+
+/// `--flash-attn WHEN`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum FlashAttn {
+    /// On for modules whose runtime device is a CPU.
+    Auto,
+    /// Everywhere.
+    On,
+    /// Nowhere.
+    Off,
+}
+
+/// `--compute-type TYPE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum ComputeType {
+    /// bf16 on CPUs with native bf16 kernels, the checkpoint's types elsewhere.
+    Auto,
+    /// f32 matrices everywhere.
+    F32,
+    /// f16 matrices everywhere.
+    F16,
+    /// bf16 matrices everywhere.
+    Bf16,
+}
+
+/// What to load and how: resolved from `generate`'s, `bench`'s or
+/// `serve`'s flags.
+#[derive(Clone, Copy)]
+pub struct LoadSpec<'c> {
+    /// The checkpoint.
+    pub ckpt: &'c Checkpoint,
+    /// A VAE from another file (`--vae` or `--taesd`).
+    pub vae: Option<&'c Checkpoint>,
+    /// `--taesd FILE`: the VAE file must be a TAESD.
+    pub taesd: Option<&'c Path>,
+    /// What modules hold between phases.
+    pub policy: WeightPolicy,
+    /// `--prediction`.
+    pub prediction: Option<Prediction>,
+    /// `--compute-type`.
+    pub compute: ComputeType,
+    /// `--flash-attn`.
+    pub flash: FlashAttn,
+    /// VAE tiling asked for (fit may add it).
+    pub tiling: Option<Tiling>,
+    /// Load the VAE encoder (img2img).
+    pub vae_encoder: bool,
+    /// LoRAs and how they are applied.
+    pub loras: &'c [LoraSpec],
+    /// How LoRAs are applied.
+    pub lora_apply: LoraApply,
+}
+
+/// A loaded pipeline with how it was placed.
+pub struct Loaded<'m> {
+    /// The pipeline.
+    pub sd: Pipeline<'m>,
+    /// Each module's devices.
+    pub layout: Layout<'m>,
+    /// Where flash attention is on (`diffusion+vae`, `off`).
+    pub flash: String,
+}
+
+/// Loads `spec` under `placement` as it is (no fitting): the layout, matrix
+/// types, the pipeline (weights, or placeholders only for a measurement),
+/// VAE tiling, the `--taesd` check and flash attention.
+pub fn load<'m>(
+    session: &Session,
+    manager: &'m BackendManager<'_>,
+    placement: &Placement,
+    spec: &LoadSpec<'_>,
+    placeholders: bool,
+    what: &str,
+) -> anyhow::Result<Loaded<'m>> {
+    let layout = layout(session, manager, placement, what)?;
+    let opts = LoadOptions {
+        matrix_types: matrix_types(session, &layout, spec.compute),
+        policy: spec.policy,
+        prediction: spec.prediction,
+        vae: spec.vae,
+        vae_encoder: spec.vae_encoder,
+        loras: spec.loras,
+        lora_apply: spec.lora_apply,
+        placeholders,
+    };
+    let mut sd = Pipeline::load(spec.ckpt, layout.clone(), opts)?;
+    sd.set_vae_tiling(spec.tiling);
+    if let Some(t) = spec.taesd {
+        if sd.first_stage().kind() != Autoencoder::Taesd {
+            return Err(anyhow!(
+                "--taesd: {}: not a TAESD (no decoder.layers.0.weight)",
+                t.display()
+            ));
+        }
+    }
+    let flash = apply_flash_attn(&mut sd, &layout, spec.flash);
+    Ok(Loaded { sd, layout, flash })
+}
+
+/// The CPU device's name; `what` needs it because ggml's scheduler falls
+/// back to the CPU for ops a device lacks.
+pub fn cpu_device(session: &Session, what: &str) -> anyhow::Result<String> {
+    session
+        .registry
+        .devices
+        .iter()
+        .find(|d| d.ty == DeviceType::Cpu)
+        .map(|d| d.name.clone())
+        .ok_or_else(|| {
+            anyhow!("{what} needs the CPU plugin (ggml's scheduler falls back to it), and no CPU device is loaded")
+        })
+}
+
+/// The runtime, params and CPU backends of the SD 1.x modules under `placement`.
+pub fn layout<'m>(
+    session: &Session,
+    manager: &'m BackendManager<'_>,
+    placement: &Placement,
+    what: &str,
+) -> anyhow::Result<Layout<'m>> {
+    let cpu = manager.get(&cpu_device(session, what)?)?;
+    let assists = manager.cpu_assists()?;
+    let devices = |m: Place| -> anyhow::Result<Devices<'m>> {
+        Ok(Devices {
+            runtime: manager.get(&placement.runtime[&m])?,
+            params: manager.get(&placement.params[&m])?,
+            cpu,
+            // The VAE (and the upscaler, `upscale::devices`) only, where
+            // it was measured faster (1.5× decoding on an AVX2 build). The
+            // UNet measured 10 % slower (BLAS widens every f16 weight to
+            // f32 for each product, at every step) and the text encoders
+            // slower still (a prompt's 77 rows are too few to pay for
+            // it): docs/performance.md, "BLAS".
+            assist: if m == Place::Vae { assists } else { &[] },
+        })
+    };
+    let spread = |m: Place| -> anyhow::Result<Spread<'m>> {
+        if let Some(list) = placement.split.get(&m) {
+            let shares = list
+                .iter()
+                .map(|(d, share)| {
+                    Ok(Share {
+                        backend: manager.get(d)?,
+                        weight: share.unwrap_or(1),
+                    })
+                })
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            return Ok(Spread::Split(shares));
+        }
+        Ok(match placement.stream.get(&m) {
+            Some(&resident) => Spread::Stream { resident },
+            None => Spread::Whole,
+        })
+    };
+    Ok(Layout {
+        te: devices(Place::Te)?,
+        diffusion: devices(Place::Diffusion)?,
+        vae: devices(Place::Vae)?,
+        spread: Spreads {
+            te: spread(Place::Te)?,
+            diffusion: spread(Place::Diffusion)?,
+            vae: spread(Place::Vae)?,
+        },
+    })
+}
+
+/// Whether the loaded CPU plugin multiplies bf16 natively: its variant was
+/// built with AVX512-BF16 (a `native` build: the processor has it).
+pub fn cpu_has_native_bf16(session: &Session) -> bool {
+    session.registry.plugins.iter().any(|p| {
+        p.status == crate::registry::Status::Loaded
+            && p.manifest.as_ref().is_some_and(|m| {
+                m.family == "cpu"
+                    && (m.features.iter().any(|f| f == "avx512_bf16")
+                        || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
+            })
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn native_bf16() -> bool {
+    std::arch::is_x86_feature_detected!("avx512bf16")
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn native_bf16() -> bool {
+    false
+}
+
+/// Resolves `--compute-type` module by module (see [`ComputeType`]).
+pub fn matrix_types(session: &Session, layout: &Layout<'_>, when: ComputeType) -> MatrixTypes {
+    let on_bf16_cpu = |d: Devices<'_>| {
+        d.runtime.device().device_type() == DeviceType::Cpu && cpu_has_native_bf16(session)
+    };
+    let pick = |d| match when {
+        ComputeType::F32 => Some(ggml::Type::F32),
+        ComputeType::F16 => Some(ggml::Type::F16),
+        ComputeType::Bf16 => Some(ggml::Type::BF16),
+        ComputeType::Auto => on_bf16_cpu(d).then_some(ggml::Type::BF16),
+    };
+    MatrixTypes {
+        te: pick(layout.te),
+        diffusion: pick(layout.diffusion),
+        vae: pick(layout.vae),
+    }
+}
+
+/// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
+/// runtime device is a CPU) and says where it is on, e.g. `diffusion, vae`.
+pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
+    let mut on = Vec::new();
+    for (module, devices) in [
+        (&mut sd.te, layout.te),
+        (&mut sd.unet, layout.diffusion),
+        (&mut sd.vae, layout.vae),
+    ] {
+        let flash = match when {
+            FlashAttn::On => true,
+            FlashAttn::Off => false,
+            FlashAttn::Auto => devices.runtime.device().device_type() == DeviceType::Cpu,
+        };
+        // The text encoder's causal attention never uses it.
+        if flash && module.name() != "te" {
+            on.push(module.name());
+        }
+        // bf16 products on the AMX tile unit wherever the module runs on the
+        // CPU alone and the processor has one (`SDHOST_NO_AMX` turns it off).
+        module.set_options(GraphOptions {
+            flash_attn: flash,
+            amx: true,
+        });
+    }
+    if on.is_empty() {
+        "off".into()
+    } else {
+        on.join("+")
+    }
+}
+
+/// Where module `m` runs, with its params device where that differs:
+/// `vulkan0` or `vulkan0 (params cpu)`.
+pub fn device_of(placement: &Placement, m: Place) -> String {
+    let (r, p) = (&placement.runtime[&m], &placement.params[&m]);
+    if let Some(list) = placement.split.get(&m) {
+        let parts: Vec<String> = list
+            .iter()
+            .map(|(d, s)| format!("{d}:{}", s.unwrap_or(1)))
+            .collect();
+        return format!("split {}", parts.join("+"));
+    }
+    if placement.stream.contains_key(&m) {
+        return format!("{r} (params {p}, streamed)");
+    }
+    if r == p {
+        r.clone()
+    } else {
+        format!("{r} (params {p})")
+    }
+}
+
+/// Where each module of a pipeline runs, as `te=cpu+blas, diffusion=vulkan0
+/// (params cpu), …` (`+name`: a CPU assist takes the module's large
+/// products).
+pub fn placement_summary(sd: &Pipeline<'_>, placement: &Placement) -> String {
+    sd.assists()
+        .map(|(m, assists)| {
+            let mut d = device_of(placement, m);
+            for a in assists {
+                d.push('+');
+                d.push_str(&a);
+            }
+            format!("{}={d}", m.name())
+        })
+        .join(", ")
+}
+
+/// The converted matrix types for the parameters text: `bf16` where every
+/// module has the same, else `diffusion bf16, vae bf16`; `None` where every
+/// module keeps the checkpoint's types.
+pub fn compute_type_summary(t: MatrixTypes) -> Option<String> {
+    let all = [("te", t.te), ("diffusion", t.diffusion), ("vae", t.vae)];
+    if all.iter().all(|(_, ty)| ty.is_none()) {
+        return None;
+    }
+    if all.iter().all(|(_, ty)| *ty == t.te) {
+        return t.te.map(|ty| ty.name());
+    }
+    Some(
+        all.iter()
+            .filter_map(|(m, ty)| ty.map(|ty| format!("{m} {}", ty.name())))
+            .collect::<Vec<_>>()
+            .join(", "),
+    )
+}
