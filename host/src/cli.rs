@@ -287,9 +287,9 @@ impl SampleArgs {
         negative: &str,
         clip_skip: usize,
         default_size: usize,
-    ) -> anyhow::Result<sdhost_models::pipeline::Request> {
+    ) -> anyhow::Result<sdhost_models::request::Request> {
         let side = |v: Option<u32>| v.map_or(default_size, |v| v as usize);
-        Ok(sdhost_models::pipeline::Request {
+        Ok(sdhost_models::request::Request {
             prompt: prompt.to_string(),
             negative: negative.to_string(),
             steps: self.steps as usize,

@@ -395,7 +395,7 @@ pub fn measure(
     let file = m.ckpt.path.display().to_string();
     let sd = crate::loader::load(session, manager, placement, &spec, true, what)?.sd;
     let mult = sd.size_multiple();
-    let default = sd.family().default_size;
+    let default = sd.default_size();
     // As `generate` sizes the request; an init image smaller than the
     // multiple is refused later with its own message.
     let side = |given: Option<usize>, init: Option<usize>| {

@@ -11,7 +11,7 @@
 
 use anyhow::{anyhow, Context as _};
 use image::{DynamicImage, ImageReader, Limits};
-use sdhost_models::pipeline::Image;
+use sdhost_models::request::Image;
 use std::io::BufReader;
 use std::path::Path;
 

@@ -16,7 +16,8 @@ use ggml::DeviceType;
 use sdhost_models::autoencoders::Autoencoder;
 use sdhost_models::checkpoint::Checkpoint;
 use sdhost_models::lora::{LoraApply, LoraSpec};
-use sdhost_models::pipeline::{Layout, LoadOptions, MatrixTypes, Pipeline, Spreads};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Layout, LoadOptions, MatrixTypes};
 use sdhost_models::runtime::graph::GraphOptions;
 use sdhost_models::runtime::module::{Devices, Share, Spread, WeightPolicy};
 use sdhost_models::runtime::tiling::Tiling;
@@ -96,7 +97,8 @@ pub fn load<'m>(
     placeholders: bool,
     what: &str,
 ) -> anyhow::Result<Loaded<'m>> {
-    let layout = layout(session, manager, placement, what)?;
+    let modules = sdhost_models::family::declared_modules(spec.ckpt)?;
+    let layout = layout(session, manager, placement, &modules, what)?;
     let opts = LoadOptions {
         matrix_types: matrix_types(session, &layout, spec.compute),
         policy: spec.policy,
@@ -135,31 +137,33 @@ pub fn cpu_device(session: &Session, what: &str) -> anyhow::Result<String> {
         })
 }
 
-/// The runtime, params and CPU backends of the SD 1.x modules under `placement`.
+/// The runtime, params and CPU backends of `modules` (what the family
+/// declares) under `placement`, with how each module's weights are spread.
 pub fn layout<'m>(
     session: &Session,
     manager: &'m BackendManager<'_>,
     placement: &Placement,
+    modules: &[Place],
     what: &str,
 ) -> anyhow::Result<Layout<'m>> {
     let cpu = manager.get(&cpu_device(session, what)?)?;
     let assists = manager.cpu_assists()?;
-    let devices = |m: Place| -> anyhow::Result<Devices<'m>> {
-        Ok(Devices {
+    let mut layout = Layout::default();
+    for &m in modules {
+        let devices = Devices {
             runtime: manager.get(&placement.runtime[&m])?,
             params: manager.get(&placement.params[&m])?,
             cpu,
-            // The VAE (and the upscaler, `upscale::devices`) only, where
+            // The VAE (and the upscaler, `upscaler::devices`) only, where
             // it was measured faster (1.5× decoding on an AVX2 build). The
             // UNet measured 10 % slower (BLAS widens every f16 weight to
             // f32 for each product, at every step) and the text encoders
             // slower still (a prompt's 77 rows are too few to pay for
             // it): docs/performance.md, "BLAS".
             assist: if m == Place::Vae { assists } else { &[] },
-        })
-    };
-    let spread = |m: Place| -> anyhow::Result<Spread<'m>> {
-        if let Some(list) = placement.split.get(&m) {
+        };
+        layout.devices.insert(m, devices);
+        let spread = if let Some(list) = placement.split.get(&m) {
             let shares = list
                 .iter()
                 .map(|(d, share)| {
@@ -169,23 +173,16 @@ pub fn layout<'m>(
                     })
                 })
                 .collect::<anyhow::Result<Vec<_>>>()?;
-            return Ok(Spread::Split(shares));
-        }
-        Ok(match placement.stream.get(&m) {
-            Some(&resident) => Spread::Stream { resident },
-            None => Spread::Whole,
-        })
-    };
-    Ok(Layout {
-        te: devices(Place::Te)?,
-        diffusion: devices(Place::Diffusion)?,
-        vae: devices(Place::Vae)?,
-        spread: Spreads {
-            te: spread(Place::Te)?,
-            diffusion: spread(Place::Diffusion)?,
-            vae: spread(Place::Vae)?,
-        },
-    })
+            Spread::Split(shares)
+        } else {
+            match placement.stream.get(&m) {
+                Some(&resident) => Spread::Stream { resident },
+                None => Spread::Whole,
+            }
+        };
+        layout.spread.insert(m, spread);
+    }
+    Ok(layout)
 }
 
 /// Whether the loaded CPU plugin multiplies bf16 natively: its variant was
@@ -213,7 +210,7 @@ fn native_bf16() -> bool {
 
 /// Resolves `--compute-type` module by module (see [`ComputeType`]).
 pub fn matrix_types(session: &Session, layout: &Layout<'_>, when: ComputeType) -> MatrixTypes {
-    let on_bf16_cpu = |d: Devices<'_>| {
+    let on_bf16_cpu = |d: &Devices<'_>| {
         d.runtime.device().device_type() == DeviceType::Cpu && cpu_has_native_bf16(session)
     };
     let pick = |d| match when {
@@ -222,29 +219,31 @@ pub fn matrix_types(session: &Session, layout: &Layout<'_>, when: ComputeType) -
         ComputeType::Bf16 => Some(ggml::Type::BF16),
         ComputeType::Auto => on_bf16_cpu(d).then_some(ggml::Type::BF16),
     };
-    MatrixTypes {
-        te: pick(layout.te),
-        diffusion: pick(layout.diffusion),
-        vae: pick(layout.vae),
-    }
+    MatrixTypes(
+        layout
+            .devices
+            .iter()
+            .filter_map(|(m, d)| pick(d).map(|t| (*m, t)))
+            .collect(),
+    )
 }
 
 /// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
 /// runtime device is a CPU) and says where it is on, e.g. `diffusion, vae`.
 pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
     let mut on = Vec::new();
-    for (module, devices) in [
-        (&mut sd.te, layout.te),
-        (&mut sd.unet, layout.diffusion),
-        (&mut sd.vae, layout.vae),
-    ] {
+    for module in sd.modules_mut() {
+        let on_cpu = layout
+            .devices
+            .get(&module.kind())
+            .is_some_and(|d| d.runtime.device().device_type() == DeviceType::Cpu);
         let flash = match when {
             FlashAttn::On => true,
             FlashAttn::Off => false,
-            FlashAttn::Auto => devices.runtime.device().device_type() == DeviceType::Cpu,
+            FlashAttn::Auto => on_cpu,
         };
         // The text encoder's causal attention never uses it.
-        if flash && module.name() != "te" {
+        if flash && module.kind() != Place::Te {
             on.push(module.name());
         }
         // bf16 products on the AMX tile unit wherever the module runs on the
@@ -287,6 +286,7 @@ pub fn device_of(placement: &Placement, m: Place) -> String {
 /// products).
 pub fn placement_summary(sd: &Pipeline<'_>, placement: &Placement) -> String {
     sd.assists()
+        .into_iter()
         .map(|(m, assists)| {
             let mut d = device_of(placement, m);
             for a in assists {
@@ -295,19 +295,26 @@ pub fn placement_summary(sd: &Pipeline<'_>, placement: &Placement) -> String {
             }
             format!("{}={d}", m.name())
         })
+        .collect::<Vec<_>>()
         .join(", ")
 }
 
 /// The converted matrix types for the parameters text: `bf16` where every
 /// module has the same, else `diffusion bf16, vae bf16`; `None` where every
 /// module keeps the checkpoint's types.
-pub fn compute_type_summary(t: MatrixTypes) -> Option<String> {
-    let all = [("te", t.te), ("diffusion", t.diffusion), ("vae", t.vae)];
+pub fn compute_type_summary(sd: &Pipeline<'_>) -> Option<String> {
+    let types = sd.matrix_types();
+    let all: Vec<(&str, Option<ggml::Type>)> = sd
+        .modules()
+        .into_iter()
+        .map(|m| (m.name(), types.get(m.kind())))
+        .collect();
     if all.iter().all(|(_, ty)| ty.is_none()) {
         return None;
     }
-    if all.iter().all(|(_, ty)| *ty == t.te) {
-        return t.te.map(|ty| ty.name());
+    let first = all.first().and_then(|(_, t)| *t);
+    if all.iter().all(|(_, ty)| *ty == first) {
+        return first.map(|ty| ty.name());
     }
     Some(
         all.iter()

@@ -6,7 +6,8 @@ use crate::loader::{compute_type_summary, placement_summary};
 use crate::output::OutputFile;
 use crate::placement::Placement;
 use anyhow::Context as _;
-use sdhost_models::pipeline::{Image, Pipeline, Request};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Image, Request};
 
 /// A prompt on one line: A1111 readers take the line that starts with
 /// `Negative prompt:` and the last line as fields, so a line break inside a
@@ -75,7 +76,7 @@ pub fn parameters_text_of(
         req.height,
         req.clip_skip,
         file_name(args.model),
-        sd.family().family.name(),
+        sd.family().name(),
         sd.prediction().name(),
     ));
     if let Some(vae) = args.vae {
@@ -107,7 +108,7 @@ pub fn parameters_text_of(
             file_name(up),
         ));
     }
-    if let Some(types) = compute_type_summary(sd.matrix_types()) {
+    if let Some(types) = compute_type_summary(sd) {
         s.push_str(&format!(", Compute type: {types}"));
     }
     s.push_str(&format!(

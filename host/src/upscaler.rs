@@ -5,7 +5,7 @@
 use crate::manager::BackendManager;
 use crate::placement::{Module as Place, Placement};
 use crate::session::Session;
-use sdhost_models::pipeline::Image;
+use sdhost_models::request::Image;
 use sdhost_models::runtime::module::{Devices, WeightPolicy};
 use sdhost_models::upscale::{Tiling, Upscaler};
 use sdhost_models::ModelError;

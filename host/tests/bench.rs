@@ -11,10 +11,6 @@ use common::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-fn tiny() -> PathBuf {
-    fixture("tiny-sd1.safetensors")
-}
-
 /// `bench` on the tiny model at 64×64, 1 step, 1 run, with `extra` flags.
 fn bench_args<'a>(model: &'a Path, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![
@@ -66,7 +62,7 @@ fn fake_python(p: &Prefix, name: &str, body: &str) -> PathBuf {
 fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
     let p = Prefix::with_cpu();
     let bad = p.root().join("no/such/python3");
-    let model = tiny();
+    let model = tiny_sd1();
     let j = p
         .run(&bench_args(
             &model,
@@ -132,7 +128,7 @@ fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
 fn peer_list_parses_commas_repeats_and_bare_flag() {
     let p = Prefix::with_cpu();
     let bad = p.root().join("missing-python");
-    let model = tiny();
+    let model = tiny_sd1();
     let no_sdcpp = p.root().join("no-sdcpp-here");
     for (flags, want) in [
         (
@@ -180,7 +176,7 @@ fn peer_list_parses_commas_repeats_and_bare_flag() {
 fn with_fake(body: &str, extra: &[&str]) -> (Prefix, Value) {
     let p = Prefix::with_cpu();
     let py = fake_python(&p, "fake-python", body);
-    let model = tiny();
+    let model = tiny_sd1();
     let mut flags = vec!["--peer", "diffusers", "--json"];
     flags.extend_from_slice(extra);
     let mut c = p.cmd(&bench_args(&model, &flags));
@@ -309,7 +305,7 @@ fn real_diffusers_peer_on_the_tiny_model() {
         return;
     };
     let p = Prefix::with_cpu();
-    let model = tiny();
+    let model = tiny_sd1();
     let mut c = p.cmd(&[
         "bench",
         "-m",

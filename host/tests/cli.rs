@@ -6,18 +6,13 @@
 
 mod common;
 use common::*;
-use std::path::PathBuf;
-
-fn tiny() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
-}
 
 /// Replaces what varies between runs and machines.
 fn settings(p: &Prefix) -> insta::Settings {
     let mut s = insta::Settings::clone_current();
     s.set_prepend_module_to_snapshot(false);
     let root = p.root().display().to_string();
-    let fixtures = tiny().parent().unwrap().display().to_string();
+    let fixtures = tiny_sd1().parent().unwrap().display().to_string();
     s.add_filter(&regex_escape(&root), "[PREFIX]");
     s.add_filter(&regex_escape(&fixtures), "[FIXTURES]");
     s.add_filter(r"\d+(\.\d+)? (B|KiB|MiB|GiB|TiB)\b", "[SIZE]");
@@ -109,10 +104,13 @@ fn listings_in_text_and_json() {
         "[].memory_total" => "[N]",
     });
     insta::assert_snapshot!("plan", p.run(&["plan"]).ok().stdout);
-    insta::assert_snapshot!("plan-model", p.run(&["plan", "-m", s(&tiny())]).ok().stdout);
+    insta::assert_snapshot!(
+        "plan-model",
+        p.run(&["plan", "-m", s(&tiny_sd1())]).ok().stdout
+    );
     insta::assert_json_snapshot!(
         "plan-model-json",
-        p.run(&["plan", "-m", s(&tiny()), "--json"]).ok().json()
+        p.run(&["plan", "-m", s(&tiny_sd1()), "--json"]).ok().json()
     );
     let bare = Prefix::bare();
     let _g = settings(&bare).bind_to_scope();
@@ -125,7 +123,7 @@ fn error_lines() {
     let _g = settings(&p).bind_to_scope();
     let out = p.dir("out");
     let png = out.join("x.png");
-    let model = tiny();
+    let model = tiny_sd1();
     let gen = |extra: &[&str]| {
         let mut a = vec!["generate", "-m", s(&model), "-p", "a cat"];
         a.extend_from_slice(extra);

@@ -6,7 +6,8 @@
 
 mod common;
 use common::*;
-use sdhost_models::pipeline::{Image, LoadOptions, Pipeline, Request};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Image, LoadOptions, Request};
 use sdhost_models::runtime::module::{Share, Spread};
 use sdhost_models::sampling::{Sampler, Scheduler};
 
@@ -24,10 +25,6 @@ fn request() -> Request {
         clip_skip: 1,
         init: None,
     }
-}
-
-fn tiny() -> std::path::PathBuf {
-    fixture("tiny-sd1.safetensors")
 }
 
 fn run(sd: &mut Pipeline<'_>) -> Image {
@@ -58,13 +55,13 @@ fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
         return;
     }
     let opts = LoadOptions::default;
-    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), run);
-    let unet_bytes = with_pipeline_on(&tiny(), "cpu", "cpu", opts(), |sd| {
-        sd.unet.params().buffer_bytes()
+    let resident = with_pipeline_on(&tiny_sd1(), "vulkan0", "vulkan0", opts(), run);
+    let unet_bytes = with_pipeline_on(&tiny_sd1(), "cpu", "cpu", opts(), |sd| {
+        sd_model(sd).unet.params().buffer_bytes()
     });
     for keep in [0, unet_bytes / 2] {
         let (image, predicted, allocated, copy) = with_pipeline_spread(
-            &tiny(),
+            &tiny_sd1(),
             "vulkan0",
             "cpu",
             |_| Spread::Stream { resident: keep },
@@ -81,7 +78,7 @@ fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
                 let image = run(sd);
                 let unet = &plan.modules[1];
                 let predicted = unet.runtime_copy.get("vulkan0") + unet.phases[0].1.get("vulkan0");
-                let a = sd.unet.allocated();
+                let a = sd_model(sd).unet.allocated();
                 let allocated = a.runtime_copy.get("vulkan0") + a.compute.get("vulkan0");
                 (image, predicted, allocated, a.runtime_copy.get("vulkan0"))
             },
@@ -111,10 +108,10 @@ fn a_layer_split_holds_each_share_and_gives_the_image() {
         return;
     }
     let opts = LoadOptions::default;
-    let resident = with_pipeline_on(&tiny(), "vulkan0", "vulkan0", opts(), run);
+    let resident = with_pipeline_on(&tiny_sd1(), "vulkan0", "vulkan0", opts(), run);
     for (gpu, cpu) in [(3u64, 1u64), (1, 1)] {
         let (image, by_device, largest) = with_pipeline_spread(
-            &tiny(),
+            &tiny_sd1(),
             "vulkan0",
             "vulkan0",
             |m| {
@@ -131,8 +128,8 @@ fn a_layer_split_holds_each_share_and_gives_the_image() {
             },
             opts(),
             |sd| {
-                let by_device = sd.unet.params().buffer_bytes_by_device();
-                let largest = sd
+                let by_device = sd_model(sd).unet.params().buffer_bytes_by_device();
+                let largest = sd_model(sd)
                     .unet
                     .params()
                     .map()
@@ -175,7 +172,7 @@ fn fit_makes_a_small_budget_work_and_names_the_smallest() {
     }
     let p = Prefix::with_cpu();
     p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
-    let model = tiny();
+    let model = tiny_sd1();
     let plan = |budget: &str| {
         p.run(&[
             "plan",

@@ -5,11 +5,7 @@
 
 mod common;
 use common::*;
-use std::path::{Path, PathBuf};
-
-fn tiny() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
-}
+use std::path::Path;
 
 fn generate(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
     let mut args = vec![
@@ -36,7 +32,7 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
     let p = Prefix::with_cpu();
     let out = p.dir("out");
     let a = out.join("a.png");
-    let r = generate(&p, &tiny(), &a, &["--seed", "7", "-n", "blurry"]).ok();
+    let r = generate(&p, &tiny_sd1(), &a, &["--seed", "7", "-n", "blurry"]).ok();
     assert!(
         r.stderr.contains("diffusion"),
         "timing summary: {}",
@@ -63,12 +59,12 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
 
     // Same seed, same bytes; another seed, another image.
     let b = out.join("b.png");
-    generate(&p, &tiny(), &b, &["--seed", "7", "-n", "blurry"]).ok();
+    generate(&p, &tiny_sd1(), &b, &["--seed", "7", "-n", "blurry"]).ok();
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
     let c = out.join("c.png");
     generate(
         &p,
-        &tiny(),
+        &tiny_sd1(),
         &c,
         &["--seed", "8", "-n", "blurry", "--sampler", "dpm++2m"],
     )
@@ -86,7 +82,7 @@ fn generate_records_the_sampler_and_schedule() {
     let p = Prefix::with_cpu();
     let out = p.dir("out");
     let a = out.join("a.png");
-    generate(&p, &tiny(), &a, &["--sampler", "DPM++ 2M Karras"]).ok();
+    generate(&p, &tiny_sd1(), &a, &["--sampler", "DPM++ 2M Karras"]).ok();
     let text = png_info(&a).2;
     assert!(
         text.contains("Steps: 3, Sampler: dpm++2m, Schedule type: Karras, CFG scale: 7"),
@@ -95,7 +91,7 @@ fn generate_records_the_sampler_and_schedule() {
     let b = out.join("b.png");
     let r = generate(
         &p,
-        &tiny(),
+        &tiny_sd1(),
         &b,
         &["--sampler", "heun", "--scheduler", "exponential"],
     )
@@ -117,7 +113,7 @@ fn generate_records_the_sampler_and_schedule() {
     let x = out.join("x.png");
     let r = generate(
         &p,
-        &tiny(),
+        &tiny_sd1(),
         &x,
         &["--sampler", "dpm++2m karras", "--scheduler", "simple"],
     );
@@ -126,7 +122,7 @@ fn generate_records_the_sampler_and_schedule() {
         1,
         &["--sampler \"dpm++2m karras\" names the karras schedule but --scheduler says simple"],
     );
-    let r = generate(&p, &tiny(), &x, &["--scheduler", "ays"]);
+    let r = generate(&p, &tiny_sd1(), &x, &["--scheduler", "ays"]);
     fails(&r, 2, &["unknown scheduler \"ays\""]);
     assert_eq!(listing(&out), ["a.png", "b.png"]);
 }
@@ -141,11 +137,11 @@ fn convert_to_gguf_and_generate_from_it() {
     let p = Prefix::with_cpu();
     let out = p.dir("out");
     let st = out.join("st.png");
-    generate(&p, &tiny(), &st, &[]).ok();
+    generate(&p, &tiny_sd1(), &st, &[]).ok();
     for ty in ["f16", "q8_0", "q4_0"] {
         let g = out.join(format!("tiny-{ty}.gguf"));
         let r = p
-            .run(&["convert", "-m", s(&tiny()), "-o", s(&g), "--type", ty])
+            .run(&["convert", "-m", s(&tiny_sd1()), "-o", s(&g), "--type", ty])
             .ok();
         assert!(r.stderr.contains("536 tensors"), "{}", r.stderr);
         let img = out.join(format!("{ty}.png"));
@@ -180,7 +176,7 @@ fn convert_to_gguf_and_generate_from_it() {
     let r = p.run(&[
         "convert",
         "-m",
-        s(&tiny()),
+        s(&tiny_sd1()),
         "-o",
         s(&out.join("x.gguf")),
         "--type",
@@ -198,7 +194,7 @@ struct St {
 
 impl St {
     fn read() -> St {
-        let b = std::fs::read(tiny()).unwrap();
+        let b = std::fs::read(tiny_sd1()).unwrap();
         let n = u64::from_le_bytes(b[..8].try_into().unwrap()) as usize;
         St {
             header: serde_json::from_slice(&b[8..8 + n]).unwrap(),
@@ -309,8 +305,16 @@ fn bad_checkpoints_fail_with_one_line_and_no_output() {
 
     // A corrupt GGUF: truncated after a valid conversion.
     let g = work.join("cut.gguf");
-    p.run(&["convert", "-m", s(&tiny()), "-o", s(&g), "--type", "q8_0"])
-        .ok();
+    p.run(&[
+        "convert",
+        "-m",
+        s(&tiny_sd1()),
+        "-o",
+        s(&g),
+        "--type",
+        "q8_0",
+    ])
+    .ok();
     let b = std::fs::read(&g).unwrap();
     std::fs::write(&g, &b[..b.len() - 1000]).unwrap();
     let r = generate(&p, &g, &out_dir.join("x.png"), &[]);
@@ -336,12 +340,12 @@ fn bad_requests_fail_before_any_work() {
     let p = Prefix::with_cpu();
     let out_dir = p.dir("out");
     let x = out_dir.join("x.png");
-    let r = generate(&p, &tiny(), &p.root().join("nowhere/x.png"), &[]);
+    let r = generate(&p, &tiny_sd1(), &p.root().join("nowhere/x.png"), &[]);
     fails(&r, 1, &["--output: folder", "does not exist"]);
     let r = p.run(&[
         "generate",
         "-m",
-        s(&tiny()),
+        s(&tiny_sd1()),
         "-p",
         "x",
         "-W",
@@ -356,9 +360,9 @@ fn bad_requests_fail_before_any_work() {
         1,
         &["image size 72×64 must be a positive multiple of 16"],
     );
-    let r = generate(&p, &tiny(), &x, &["--sampler", "heun9"]);
+    let r = generate(&p, &tiny_sd1(), &x, &["--sampler", "heun9"]);
     fails(&r, 2, &["unknown sampler \"heun9\""]);
-    let r = generate(&p, &tiny(), &x, &["--backend", "cuda0"]);
+    let r = generate(&p, &tiny_sd1(), &x, &["--backend", "cuda0"]);
     fails(&r, 1, &["unknown device \"cuda0\""]);
     let r = generate(&p, &p.root().join("missing.safetensors"), &x, &[]);
     fails(&r, 1, &["missing.safetensors"]);
@@ -383,7 +387,7 @@ fn ctrl_c_stops_cleanly_without_output() {
             "generate",
             "-v",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-p",
             "a cat",
             "-W",
@@ -441,7 +445,7 @@ fn bench_times_each_stage_and_reports_a_missing_peer() {
         .run(&[
             "bench",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-W",
             "64",
             "-H",
@@ -493,7 +497,7 @@ fn bench_times_each_stage_and_reports_a_missing_peer() {
         .run(&[
             "bench",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-W",
             "64",
             "-H",

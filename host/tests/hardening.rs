@@ -9,10 +9,6 @@ use std::io::{BufRead, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-fn tiny() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
-}
-
 /// `r` exited with `code`, printed exactly one line on stderr, and it says
 /// each of `needles`.
 fn one_line_failure(r: &Run, code: i32, needles: &[&str]) {
@@ -57,17 +53,17 @@ fn output_onto_special_files_is_refused_before_any_work() {
         (fifo.clone(), "is a FIFO"),
         (out.clone(), "is a folder"),
     ] {
-        let r = p.run(&gen_args(&tiny(), &target, "64", "1"));
+        let r = p.run(&gen_args(&tiny_sd1(), &target, "64", "1"));
         one_line_failure(&r, 1, &["--output: ", what]);
         assert!(!r.stderr.contains("sampling"));
-        let r = p.run(&["convert", "-m", s(&tiny()), "-o", s(&target)]);
+        let r = p.run(&["convert", "-m", s(&tiny_sd1()), "-o", s(&target)]);
         one_line_failure(&r, 1, &["--output: ", what]);
     }
     // /dev/stdout is this process's stdout: a pipe here.
-    let r = p.run(&gen_args(&tiny(), Path::new("/dev/stdout"), "64", "1"));
+    let r = p.run(&gen_args(&tiny_sd1(), Path::new("/dev/stdout"), "64", "1"));
     one_line_failure(&r, 1, &["--output: /dev/stdout is a FIFO"]);
     // A folder nobody can create files in, root included.
-    let r = p.run(&gen_args(&tiny(), Path::new("/proc/x.png"), "64", "1"));
+    let r = p.run(&gen_args(&tiny_sd1(), Path::new("/proc/x.png"), "64", "1"));
     one_line_failure(&r, 1, &["--output: cannot write in folder /proc"]);
     assert_eq!(listing(&out), vec!["fifo.png"]);
 }
@@ -75,7 +71,7 @@ fn output_onto_special_files_is_refused_before_any_work() {
 /// Starts `generate -v` at 512×512 with the tiny model, waits for the stderr
 /// line containing `when`, sends `signal`, and returns the run.
 fn signal_during(p: &Prefix, out: &Path, steps: &str, when: &str, signal: &str) -> Run {
-    let model = tiny();
+    let model = tiny_sd1();
     let mut args = gen_args(&model, out, "512", steps);
     args.insert(1, "-v");
     let mut child = p.cmd(&args).stderr(Stdio::piped()).spawn().unwrap();
@@ -287,7 +283,7 @@ fn full_or_closed_output_streams() {
         .open("/dev/full")
         .unwrap();
     let o = p
-        .cmd(&gen_args(&tiny(), &out, "64", "1"))
+        .cmd(&gen_args(&tiny_sd1(), &out, "64", "1"))
         .stderr(full)
         .output()
         .unwrap();
@@ -324,7 +320,7 @@ fn prompt_line_breaks_cannot_forge_parameters() {
     let p = Prefix::with_cpu();
     let out = p.dir("out").join("x.png");
     let forged = "a cat\nNegative prompt: dog\nSteps: 999, Sampler: Forged";
-    let model = tiny();
+    let model = tiny_sd1();
     let mut args = gen_args(&model, &out, "64", "1");
     args[4] = forged;
     p.run(&args).ok();
@@ -352,7 +348,7 @@ fn non_finite_guidance_is_a_usage_error() {
     let p = Prefix::with_cpu();
     let out_dir = p.dir("out");
     for v in ["nan", "inf", "-inf"] {
-        let (model, out) = (tiny(), out_dir.join("x.png"));
+        let (model, out) = (tiny_sd1(), out_dir.join("x.png"));
         let flag = format!("--cfg-scale={v}");
         let mut args = gen_args(&model, &out, "64", "1");
         args.push(&flag);
@@ -366,7 +362,7 @@ fn non_finite_guidance_is_a_usage_error() {
 #[test]
 fn plan_with_a_model_lists_its_modules_and_says_each_note_once() {
     let p = Prefix::with_cpu();
-    let j = p.run(&["plan", "-m", s(&tiny()), "--json"]).ok().json();
+    let j = p.run(&["plan", "-m", s(&tiny_sd1()), "--json"]).ok().json();
     let names: Vec<&str> = j["modules"]
         .as_array()
         .unwrap()

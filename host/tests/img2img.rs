@@ -8,7 +8,8 @@
 mod common;
 use common::*;
 use sdhost::image_io;
-use sdhost_models::pipeline::{to_planes, Init, LoadOptions, Pipeline, Request};
+use sdhost_models::pipeline::{to_planes, Pipeline};
+use sdhost_models::request::{Init, LoadOptions, Request};
 use sdhost_models::runtime::module::WeightPolicy;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use std::collections::HashMap;
@@ -293,7 +294,7 @@ fn tiled_vae_stays_close_to_untiled() {
             .map(|i| ((i as f32 * 0.61).sin() + (i as f32 * 0.07).cos()) * 0.5)
             .collect();
         let whole = sd.decode(&z, [1, 4, 16, 16]).unwrap();
-        let img = sdhost_models::pipeline::Image {
+        let img = sdhost_models::request::Image {
             width: 128,
             height: 128,
             rgb: whole.rgb.clone(),

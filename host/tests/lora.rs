@@ -13,7 +13,7 @@ use common::*;
 use sdhost_models::checkpoint;
 use sdhost_models::denoisers::unet::UnetInput;
 use sdhost_models::lora::{LoraApply, LoraSpec};
-use sdhost_models::pipeline::LoadOptions;
+use sdhost_models::request::LoadOptions;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -69,9 +69,11 @@ fn outputs(
         ..LoadOptions::default()
     };
     with_pipeline_on(model, "cpu", "cpu", opts, |sd| {
-        let c = sd.encode_prompt("a photo of a cat", 1, 1).unwrap();
+        let c = sd_model(sd)
+            .encode_prompt("a photo of a cat", 1, 1)
+            .unwrap();
         let r = tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
-        let out = sd
+        let out = sd_model(sd)
             .predict(UnetInput {
                 x: &r["unet.x"],
                 shape: [1, 4, 8, 8],
@@ -200,7 +202,7 @@ fn quantized_models_take_loras_in_the_graph() {
     let e = sdhost_models::lora::LoraSet::load(
         &lora,
         &checkpoint::scan(&g).unwrap(),
-        &sdhost_models::family::Family::Sd1.config(),
+        &sdhost_models::family::Family::Sd1.config().lora_layout(),
         LoraApply::Merge,
     )
     .unwrap_err()

@@ -13,7 +13,8 @@ use sdhost::manager::BackendManager;
 use sdhost::memory::{account, Usage};
 use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
-use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline, Request};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Layout, LoadOptions, Request};
 use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
 use sdhost_models::runtime::module::{Devices, WeightPolicy};
 use sdhost_models::sampling::{Sampler, Scheduler};
@@ -37,7 +38,8 @@ fn request(width: usize, height: usize) -> Request {
 /// A plan from what the pipeline's modules really allocated: each
 /// module's largest compute buffers stand for each of its phases.
 fn actual_plan(sd: &Pipeline<'_>, predicted: &MemoryPlan) -> MemoryPlan {
-    let modules = [&sd.te, &sd.unet, &sd.vae]
+    let modules = sd
+        .modules()
         .into_iter()
         .zip(&predicted.modules)
         .map(|(m, p)| {
@@ -104,12 +106,14 @@ fn prediction_matches(
             &[]
         },
     };
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-        spread: Default::default(),
-    };
+    let layout = Layout::uniform(
+        d,
+        &[
+            sdhost_models::ModuleKind::Te,
+            sdhost_models::ModuleKind::Diffusion,
+            sdhost_models::ModuleKind::Vae,
+        ],
+    );
     let ckpt = checkpoint::scan(&fixture(fixture_name)).unwrap();
     let vae = vae.map(|v| checkpoint::scan(&fixture(v)).unwrap());
     let req = MemoryRequest {
@@ -141,7 +145,7 @@ fn prediction_matches(
     let mut gen_req = request(w, h);
     if img2img {
         let image = sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap();
-        gen_req.init = Some(sdhost_models::pipeline::Init {
+        gen_req.init = Some(sdhost_models::request::Init {
             image: sdhost::image_io::resize_rgb(image, w, h),
             strength: 0.5,
             mask: None,
@@ -257,7 +261,7 @@ fn vulkan_budgets_from_max_vram_and_the_gpu_reserve() {
                 .unwrap(),
         )
     };
-    let model = tiny();
+    let model = tiny_sd1();
     let plan = [
         "plan",
         "-m",
@@ -411,8 +415,8 @@ fn placeholders_cannot_be_computed() {
         ..LoadOptions::default()
     };
     with_pipeline_on(&fixture("tiny-sd1.safetensors"), "cpu", "cpu", opts, |sd| {
-        assert!(sd.te.params().is_placeholder());
-        let w = sd.unet.params().get("out.2.bias").unwrap();
+        assert!(sd_model(sd).te.params().is_placeholder());
+        let w = sd_model(sd).unet.params().get("out.2.bias").unwrap();
         assert!(!w.is_allocated());
         assert!(w.get_bytes().is_err() && w.set_f32(&vec![0.0; w.nelements()]).is_err());
         let e = sd
@@ -432,15 +436,20 @@ fn one_line_failure(r: &Run, code: i32, needles: &[&str]) {
     }
 }
 
-fn tiny() -> std::path::PathBuf {
-    fixture("tiny-sd1.safetensors")
-}
-
 #[test]
 fn plan_shows_each_phase_against_the_budget() {
     let p = Prefix::with_cpu();
     let j = p
-        .run(&["plan", "-m", s(&tiny()), "-W", "128", "-H", "64", "--json"])
+        .run(&[
+            "plan",
+            "-m",
+            s(&tiny_sd1()),
+            "-W",
+            "128",
+            "-H",
+            "64",
+            "--json",
+        ])
         .ok()
         .json();
     assert_eq!(
@@ -469,7 +478,7 @@ fn plan_shows_each_phase_against_the_budget() {
         .run(&[
             "plan",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-W",
             "128",
             "-H",
@@ -487,7 +496,7 @@ fn plan_shows_each_phase_against_the_budget() {
         .run(&[
             "plan",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-W",
             "128",
             "-H",
@@ -503,7 +512,16 @@ fn plan_shows_each_phase_against_the_budget() {
         "max_memory = \"{budget}\"\nmemory_reserve = \"1M\"\nfit = false\n"
     ));
     let j = p
-        .run(&["plan", "-m", s(&tiny()), "-W", "128", "-H", "64", "--json"])
+        .run(&[
+            "plan",
+            "-m",
+            s(&tiny_sd1()),
+            "-W",
+            "128",
+            "-H",
+            "64",
+            "--json",
+        ])
         .ok()
         .json();
     assert_eq!(j["devices"][0]["fits"], false);
@@ -514,7 +532,7 @@ fn plan_shows_each_phase_against_the_budget() {
         .run(&[
             "plan",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-W",
             "128",
             "-H",
@@ -532,7 +550,7 @@ fn plan_shows_each_phase_against_the_budget() {
 fn generate_refuses_a_placement_over_its_budget_before_computing() {
     let p = Prefix::with_cpu();
     let out = p.root().join("work/x.png");
-    let model = tiny();
+    let model = tiny_sd1();
     let gen = |extra: &[&str]| {
         let mut a = vec![
             "generate",
@@ -658,12 +676,14 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
         cpu,
         assist: &[],
     };
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-        spread: Default::default(),
-    };
+    let layout = Layout::uniform(
+        d,
+        &[
+            sdhost_models::ModuleKind::Te,
+            sdhost_models::ModuleKind::Diffusion,
+            sdhost_models::ModuleKind::Vae,
+        ],
+    );
     let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
     let req = MemoryRequest {
         width: 256,
@@ -685,7 +705,7 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
 
     // The CLI: a budget between the two fits only with --vae-tiling.
     let p = Prefix::with_cpu();
-    let model = tiny();
+    let model = tiny_sd1();
     let plan = |extra: &[&str]| {
         let mut a = vec!["plan", "-m", s(&model), "-W", "256", "-H", "128", "--json"];
         a.extend_from_slice(extra);

@@ -11,7 +11,8 @@
 mod common;
 use common::*;
 use sdhost_models::denoisers::unet::UnetInput;
-use sdhost_models::pipeline::{LoadOptions, MatrixTypes, Pipeline, Request};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{LoadOptions, MatrixTypes, Request};
 use sdhost_models::runtime::graph::GraphOptions;
 use sdhost_models::runtime::module::WeightPolicy;
 use sdhost_models::sampling::{DiscreteSchedule, NoiseSchedule, Sampler, Scheduler};
@@ -76,7 +77,7 @@ fn with_typed_pipeline(
     };
     let ckpt = fixture(&format!("tiny-{}.safetensors", fx.name));
     with_pipeline_on(&ckpt, runtime, params, opts, |sd| {
-        assert_eq!(sd.family().family.name(), fx.name, "family detected");
+        assert_eq!(sd.family().name(), fx.name, "family detected");
         f(sd)
     });
 }
@@ -97,7 +98,7 @@ fn unet_and_vae_match(
     label: &str,
 ) {
     // UNet: one prediction at a fractional timestep.
-    let out = sd
+    let out = sd_model(sd)
         .predict(UnetInput {
             x: &r["unet.x"],
             shape: [1, 4, 8, 8],
@@ -107,7 +108,7 @@ fn unet_and_vae_match(
         })
         .unwrap();
     check(&format!("{label}unet"), &out, &r[fx.unet_out], 1e-2);
-    sd.unet.end_phase();
+    sd_model(sd).unet.end_phase();
     let stage = sd.first_stage().clone();
     let img = stage
         .decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8])
@@ -151,86 +152,102 @@ fn typed_modules_match_references_with(
             t * tol,
         )
     };
-    let types = MatrixTypes {
-        te: ty,
-        diffusion: ty,
-        vae: ty,
-    };
-    with_typed_pipeline(fx, runtime, params, WeightPolicy::Free, types, |sd| {
-        sd.set_options(opts);
-        assert_eq!(sd.matrix_types(), types);
-        // Text encoders: our tokenizer gives the reference ids, and the
-        // hidden states (and pooled output) match for three prompts.
-        let prompts = [
-            "a photo of a cat",
-            "",
-            "A painting of a lighthouse, at dusk; oil on canvas!",
-        ];
-        for (i, p) in prompts.iter().enumerate() {
-            for (e, key) in fx.ids.iter().enumerate() {
-                let ids = sd.token_chunks(e, p, 1);
-                let want: Vec<u32> = r[&format!("{key}.{i}")].iter().map(|&v| v as u32).collect();
-                assert_eq!(ids, want, "token ids of {p:?} for encoder {e}");
-            }
-            let c = sd.encode_prompt(p, 1, 1).unwrap();
-            assert_close(
-                &format!("te prompt {i}"),
-                &c.hidden,
-                &r[&format!("te.hidden.{i}")],
-                5e-3,
-            );
-            match (c.pooled, r.get(&format!("te.pooled.{i}"))) {
-                (Some(got), Some(want)) => {
-                    assert_close(&format!("te pooled {i}"), &got, want, 5e-3)
+    let types = MatrixTypes(
+        ty.map(|ty| {
+            [
+                sdhost_models::ModuleKind::Te,
+                sdhost_models::ModuleKind::Diffusion,
+                sdhost_models::ModuleKind::Vae,
+            ]
+            .into_iter()
+            .map(|m| (m, ty))
+            .collect()
+        })
+        .unwrap_or_default(),
+    );
+    with_typed_pipeline(
+        fx,
+        runtime,
+        params,
+        WeightPolicy::Free,
+        types.clone(),
+        |sd| {
+            sd.set_options(opts);
+            assert_eq!(sd.matrix_types(), &types);
+            // Text encoders: our tokenizer gives the reference ids, and the
+            // hidden states (and pooled output) match for three prompts.
+            let prompts = [
+                "a photo of a cat",
+                "",
+                "A painting of a lighthouse, at dusk; oil on canvas!",
+            ];
+            for (i, p) in prompts.iter().enumerate() {
+                for (e, key) in fx.ids.iter().enumerate() {
+                    let ids = sd_model(sd).token_chunks(e, p, 1);
+                    let want: Vec<u32> =
+                        r[&format!("{key}.{i}")].iter().map(|&v| v as u32).collect();
+                    assert_eq!(ids, want, "token ids of {p:?} for encoder {e}");
                 }
-                (None, None) => {}
-                (got, want) => panic!("pooled output {got:?}, reference {want:?}"),
+                let c = sd_model(sd).encode_prompt(p, 1, 1).unwrap();
+                assert_close(
+                    &format!("te prompt {i}"),
+                    &c.hidden,
+                    &r[&format!("te.hidden.{i}")],
+                    5e-3,
+                );
+                match (c.pooled, r.get(&format!("te.pooled.{i}"))) {
+                    (Some(got), Some(want)) => {
+                        assert_close(&format!("te pooled {i}"), &got, want, 5e-3)
+                    }
+                    (None, None) => {}
+                    (got, want) => panic!("pooled output {got:?}, reference {want:?}"),
+                }
             }
-        }
-        if let Some(want) = r.get("te.hidden_skip2.0") {
-            let c = sd.encode_prompt(prompts[0], 1, 2).unwrap();
-            assert_close("te clip skip 2", &c.hidden, want, 5e-3);
-        }
-        sd.te.end_phase();
+            if let Some(want) = r.get("te.hidden_skip2.0") {
+                let c = sd_model(sd).encode_prompt(prompts[0], 1, 2).unwrap();
+                assert_close("te clip skip 2", &c.hidden, want, 5e-3);
+            }
+            sd_model(sd).te.end_phase();
 
-        unet_and_vae_match(fx, sd, &r, &assert_close, "");
+            unet_and_vae_match(fx, sd, &r, &assert_close, "");
 
-        // Full pipeline: Euler, 3 steps, CFG 7, explicit initial noise.
-        let sig: Vec<f32> = Scheduler::Discrete
-            .sigmas(&NoiseSchedule::Discrete(DiscreteSchedule::default()), 3)
-            .iter()
-            .map(|&s| s as f32)
-            .collect();
-        assert_close("sigmas", &sig, &r["pipe.sigmas"], 1e-6);
-        let req = Request {
-            prompt: prompts[0].into(),
-            negative: String::new(),
-            steps: 3,
-            cfg_scale: 7.0,
-            width: 64,
-            height: 64,
-            seed: 0,
-            sampler: Sampler::Euler,
-            scheduler: Scheduler::Discrete,
-            clip_skip: 1,
-            init: None,
-        };
-        let mut calls = 0;
-        let latent = sd
-            .sample_latent(
-                &req,
-                Some(r["pipe.noise"].clone()),
-                &mut |_, _| calls += 1,
-                &|| false,
-            )
-            .unwrap();
-        assert_eq!(calls, 3, "progress once per step");
-        assert_close("pipeline latent", &latent, &r["pipe.latent"], 1e-2);
-        let stage = sd.first_stage().clone();
-        let img = stage.decode(&mut sd.vae, &latent, [1, 4, 8, 8]).unwrap();
-        sd.vae.end_phase();
-        assert_close("pipeline image", &img, &r["pipe.image"], 2e-2);
-    });
+            // Full pipeline: Euler, 3 steps, CFG 7, explicit initial noise.
+            let sig: Vec<f32> = Scheduler::Discrete
+                .sigmas(&NoiseSchedule::Discrete(DiscreteSchedule::default()), 3)
+                .iter()
+                .map(|&s| s as f32)
+                .collect();
+            assert_close("sigmas", &sig, &r["pipe.sigmas"], 1e-6);
+            let req = Request {
+                prompt: prompts[0].into(),
+                negative: String::new(),
+                steps: 3,
+                cfg_scale: 7.0,
+                width: 64,
+                height: 64,
+                seed: 0,
+                sampler: Sampler::Euler,
+                scheduler: Scheduler::Discrete,
+                clip_skip: 1,
+                init: None,
+            };
+            let mut calls = 0;
+            let latent = sd
+                .sample_latent(
+                    &req,
+                    Some(r["pipe.noise"].clone()),
+                    &mut |_, _| calls += 1,
+                    &|| false,
+                )
+                .unwrap();
+            assert_eq!(calls, 3, "progress once per step");
+            assert_close("pipeline latent", &latent, &r["pipe.latent"], 1e-2);
+            let stage = sd.first_stage().clone();
+            let img = stage.decode(&mut sd.vae, &latent, [1, 4, 8, 8]).unwrap();
+            sd.vae.end_phase();
+            assert_close("pipeline image", &img, &r["pipe.image"], 2e-2);
+        },
+    );
 }
 
 #[test]
@@ -272,17 +289,20 @@ fn weight_copies_follow_the_policy() {
     }
     for (policy, kept) in [(WeightPolicy::Free, false), (WeightPolicy::Keep, true)] {
         with_sd("vulkan0", "cpu", policy, |sd| {
-            sd.encode_prompt("a cat", 1, 1).unwrap();
-            assert!(sd.te.has_runtime_copy(), "a copy is made for compute");
-            sd.te.end_phase();
-            assert_eq!(sd.te.has_runtime_copy(), kept, "{policy:?}");
-            assert!(sd.te.timing().calls == 1);
+            sd_model(sd).encode_prompt("a cat", 1, 1).unwrap();
+            assert!(
+                sd_model(sd).te.has_runtime_copy(),
+                "a copy is made for compute"
+            );
+            sd_model(sd).te.end_phase();
+            assert_eq!(sd_model(sd).te.has_runtime_copy(), kept, "{policy:?}");
+            assert!(sd_model(sd).te.timing().calls == 1);
         });
     }
     // Same device: no copy, ever.
     with_sd("cpu", "cpu", WeightPolicy::Keep, |sd| {
-        sd.encode_prompt("a cat", 1, 1).unwrap();
-        assert!(!sd.te.has_runtime_copy());
+        sd_model(sd).encode_prompt("a cat", 1, 1).unwrap();
+        assert!(!sd_model(sd).te.has_runtime_copy());
     });
 }
 

@@ -27,10 +27,6 @@ const LIMIT: Duration = Duration::from_secs(180);
 const MAX_DIFF: u32 = 2;
 const MEAN_DIFF: f64 = 0.25;
 
-fn tiny() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/tiny-sd1.safetensors")
-}
-
 fn prefix() -> Prefix {
     let p = Prefix::with_cpu();
     p.install(&built("sdhost_plugin_rpc"), "libsdhost_plugin_rpc.so");
@@ -133,7 +129,7 @@ fn hello(port: u16) -> Option<(TcpStream, [u8; 3])> {
 }
 
 fn generate(p: &Prefix, out: &Path, extra: &[&str]) -> Run {
-    let model = tiny();
+    let model = tiny_sd1();
     let mut args = vec![
         "generate",
         "-m",
@@ -319,7 +315,7 @@ fn a_server_on_vulkan() {
     let mut c = p.cmd(&[
         "generate",
         "-m",
-        s(&tiny()),
+        s(&tiny_sd1()),
         "-p",
         "a photo of a cat",
         "-W",
@@ -340,7 +336,7 @@ fn a_server_on_vulkan() {
     let mut c = p.cmd(&[
         "generate",
         "-m",
-        s(&tiny()),
+        s(&tiny_sd1()),
         "-p",
         "a photo of a cat",
         "-W",
@@ -374,7 +370,7 @@ fn a_server_killed_during_sampling_is_one_line_and_no_output() {
             "generate",
             "-v",
             "-m",
-            s(&tiny()),
+            s(&tiny_sd1()),
             "-p",
             "a cat",
             "-W",

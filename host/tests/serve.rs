@@ -1417,7 +1417,8 @@ fn env_or(name: &str, default: usize) -> usize {
 #[test]
 #[ignore = "a measurement that prints timings: run with --ignored --nocapture (docs/serve.md)"]
 fn overhead_over_the_library() {
-    use sdhost_models::pipeline::{LoadOptions, Pipeline, Request};
+    use sdhost_models::pipeline::Pipeline;
+    use sdhost_models::request::{LoadOptions, Request};
     use sdhost_models::sampling::{Sampler, Scheduler};
     let runs = env_or("SDHOST_OVERHEAD_RUNS", 10).max(1);
     let size = env_or("SDHOST_OVERHEAD_SIZE", 64);
@@ -1453,10 +1454,12 @@ fn overhead_over_the_library() {
         cpu,
         assist: &[],
     };
-    let layout = sdhost_models::pipeline::Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
+    use sdhost_models::ModuleKind;
+    let layout = sdhost_models::request::Layout {
+        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+            .into_iter()
+            .map(|k| (k, d))
+            .collect(),
         spread: Default::default(),
     };
     let ckpt = sdhost_models::checkpoint::scan(&model).unwrap();
@@ -1467,7 +1470,7 @@ fn overhead_over_the_library() {
     };
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
     // As the server's `--flash-attn auto` on the CPU.
-    for module in [&mut sd.te, &mut sd.unet, &mut sd.vae] {
+    for module in sd.modules_mut() {
         module.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: true,
             amx: true,

@@ -14,7 +14,8 @@ use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
 use sdhost_models::autoencoders::taesd;
 use sdhost_models::checkpoint::{self, weights::ModuleWeights};
-use sdhost_models::pipeline::{Layout, LoadOptions, Pipeline};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Layout, LoadOptions};
 use sdhost_models::runtime::module::{Devices, Module, WeightPolicy};
 use sdhost_models::ModuleKind;
 use std::collections::HashMap;
@@ -87,12 +88,14 @@ fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
     };
     let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
     let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
-    let layout = Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-        spread: Default::default(),
-    };
+    let layout = Layout::uniform(
+        d,
+        &[
+            sdhost_models::ModuleKind::Te,
+            sdhost_models::ModuleKind::Diffusion,
+            sdhost_models::ModuleKind::Vae,
+        ],
+    );
     let opts = LoadOptions {
         vae: Some(&tae),
         ..LoadOptions::default()

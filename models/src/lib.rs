@@ -44,6 +44,7 @@ mod kind;
 pub mod lora;
 pub mod nn;
 pub mod pipeline;
+pub mod request;
 pub mod runtime;
 pub mod sampling;
 pub mod tokenizers;

@@ -637,12 +637,10 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let load_s = t.elapsed().as_secs_f64();
     let (mut sd, flash) = (loaded.sd, loaded.flash);
     sample_devices();
-    let req = a
-        .sample
-        .request(&a.prompt, "", 1, sd.family().default_size)?;
+    let req = a.sample.request(&a.prompt, "", 1, sd.default_size())?;
     let (first_run_s, ours) = time_runs(&mut sd, &req, runs, path, &mut sample_devices)?;
     let threads = session.threads.unwrap_or(1);
-    let family = sd.family().family;
+    let family = sd.family();
     let settings = format!(
         "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}, compute type: {}",
         family.name(),
@@ -655,7 +653,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         a.sample.seed,
         threads,
         flash,
-        crate::loader::compute_type_summary(sd.matrix_types())
+        crate::loader::compute_type_summary(&sd)
             .map(|t| match t.contains("bf16") && ggml::amx::available() {
                 true => format!("{t} (AMX where on the CPU)"),
                 false => t,
@@ -739,7 +737,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
 /// modules themselves.
 fn time_runs(
     sd: &mut sdhost_models::pipeline::Pipeline<'_>,
-    req: &sdhost_models::pipeline::Request,
+    req: &sdhost_models::request::Request,
     runs: u32,
     path: &Path,
     sample: &mut dyn FnMut(),
@@ -782,7 +780,7 @@ fn resident_column(
     ckpt: &sdhost_models::checkpoint::Checkpoint,
     vae: Option<&sdhost_models::checkpoint::Checkpoint>,
     a: &BenchArgs,
-    req: &sdhost_models::pipeline::Request,
+    req: &sdhost_models::request::Request,
     runs: u32,
 ) -> Result<PeerReport, String> {
     let fail = |e: anyhow::Error| format!("failed: {}", one_line(&format!("{e:#}")));
@@ -819,7 +817,7 @@ fn resident_column(
 /// What every peer is given: sdhost's settings for this benchmark.
 struct PeerJob<'a> {
     a: &'a BenchArgs,
-    req: &'a sdhost_models::pipeline::Request,
+    req: &'a sdhost_models::request::Request,
     model: &'a Path,
     threads: usize,
     runs: u32,

@@ -15,7 +15,8 @@ use crate::png::{file_hash, parameters_text_of, write_png, TextFields};
 use crate::session::Session;
 use crate::term;
 use anyhow::{anyhow, Context as _};
-use sdhost_models::pipeline::{Image, Init, Pipeline, Request};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::ModelError;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -72,7 +73,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         &loras.prompt,
         &args.negative,
         args.clip_skip as usize,
-        sd.family().default_size,
+        sd.default_size(),
     )?;
     let mut hashes = (String::new(), None);
     if let Some(init) = init {
@@ -262,7 +263,9 @@ fn summary(
             t.weight_copy.as_secs_f64()
         ));
     }
-    let unet = sd.unet.timing().compute.as_secs_f64();
+    let unet = sd
+        .module(sdhost_models::ModuleKind::Diffusion)
+        .map_or(0.0, |m| m.timing().compute.as_secs_f64());
     s.push_str(&format!(
         "loading {:.2}s, generation {:.2}s, sampling {:.2} it/s",
         load.as_secs_f64(),

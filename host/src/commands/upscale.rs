@@ -15,7 +15,7 @@ use crate::output::OutputFile;
 use crate::session::Session;
 use crate::{term, upscaler};
 use anyhow::{anyhow, Context as _};
-use sdhost_models::pipeline::Image;
+use sdhost_models::request::Image;
 use std::path::Path;
 use std::time::Instant;
 

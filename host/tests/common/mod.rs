@@ -328,6 +328,11 @@ pub fn png_info(path: &Path) -> (u32, u32, String) {
 }
 
 /// A committed fixture file.
+/// The committed tiny SD 1.x checkpoint most tests run.
+pub fn tiny_sd1() -> PathBuf {
+    fixture("tiny-sd1.safetensors")
+}
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/fixtures")
@@ -398,7 +403,7 @@ pub fn with_pipeline_on<R>(
     ckpt: &Path,
     runtime: &str,
     params: &str,
-    opts: sdhost_models::pipeline::LoadOptions<'_>,
+    opts: sdhost_models::request::LoadOptions<'_>,
     f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
 ) -> R {
     with_pipeline_spread(ckpt, runtime, params, |_| Default::default(), opts, f)
@@ -435,7 +440,7 @@ pub fn with_pipeline_spread<R>(
     spread: impl for<'m> FnOnce(
         &'m sdhost::manager::BackendManager<'_>,
     ) -> sdhost_models::runtime::module::Spread<'m>,
-    opts: sdhost_models::pipeline::LoadOptions<'_>,
+    opts: sdhost_models::request::LoadOptions<'_>,
     f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
 ) -> R {
     let reg =
@@ -457,14 +462,13 @@ pub fn with_pipeline_spread<R>(
         cpu: m.get("cpu").unwrap(),
         assist,
     };
-    let layout = sdhost_models::pipeline::Layout {
-        te: d,
-        diffusion: d,
-        vae: d,
-        spread: sdhost_models::pipeline::Spreads {
-            diffusion: spread(&m),
-            ..Default::default()
-        },
+    use sdhost_models::ModuleKind;
+    let layout = sdhost_models::request::Layout {
+        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+            .into_iter()
+            .map(|k| (k, d))
+            .collect(),
+        spread: [(ModuleKind::Diffusion, spread(&m))].into_iter().collect(),
     };
     let ckpt = sdhost_models::checkpoint::scan(ckpt).unwrap();
     let mut sd = sdhost_models::pipeline::Pipeline::load(&ckpt, layout, opts).unwrap();
@@ -474,4 +478,12 @@ pub fn with_pipeline_spread<R>(
         }
     }
     f(&mut sd)
+}
+
+/// The SD recipe's networks of a pipeline: the reference tests run its
+/// text encoders and UNet directly.
+pub fn sd_model<'a, 'b>(
+    p: &'a mut sdhost_models::pipeline::Pipeline<'b>,
+) -> &'a mut sdhost_models::family::sd::SdModel<'b> {
+    p.model_mut().sd().expect("an SD-family model")
 }

@@ -1,7 +1,8 @@
 //! The AutoencoderKL of SD 1.x, 2.x and SDXL in the original (ldm) layout.
 //!
 //! **Decoder:**
-//! `post_quant_conv`, `decoder.conv_in`, a middle of residual–attention–
+//! `post_quant_conv` (where the file has one: SD's VAEs do, FLUX's 16-channel
+//! autoencoder does not), `decoder.conv_in`, a middle of residual–attention–
 //! residual, up levels (`decoder.up.N`, applied from the highest N down to
 //! 0, each a few residual blocks and, except level 0, a 2× upsampling
 //! convolution), group norm, SiLU and `conv_out`.
@@ -160,10 +161,22 @@ pub fn upscale_factor(w: &W<'_>) -> u32 {
     1 << n
 }
 
+/// The latent channels the decoder takes: `post_quant_conv`'s input where
+/// it has one (ldm's SD VAEs), else `decoder.conv_in`'s (FLUX's, which has
+/// no quant convs).
+pub fn latent_channels(w: &W<'_>) -> Result<usize> {
+    let first = if w.has("post_quant_conv.weight") {
+        "post_quant_conv.weight"
+    } else {
+        "decoder.conv_in.weight"
+    };
+    Ok(w.ne(first)?[2] as usize)
+}
+
 /// Checks the module's weights by building (not computing) its graph.
 pub fn validate(module: &Module<'_>) -> Result<()> {
     module.validate(|c, w| {
-        let ch = w.ne("post_quant_conv.weight")?[2] as usize;
+        let ch = latent_channels(w)?;
         build(c, w, &vec![0.0; ch], [1, ch, 1, 1])
     })
 }
@@ -175,11 +188,7 @@ pub fn measure_decode(
     height: usize,
     width: usize,
 ) -> Result<crate::runtime::module::ComputeBytes> {
-    let ch = module
-        .params()
-        .get("post_quant_conv.weight")
-        .map(|t| t.ne()[2] as usize)
-        .ok_or_else(|| ModelError::MissingTensor("missing tensor post_quant_conv.weight".into()))?;
+    let ch = latent_channels(&W::new(module.params().map()))?;
     let z = vec![0.0; ch * height * width];
     module.measure(|c, w| build(c, w, &z, [1, ch, height, width]))
 }
@@ -199,16 +208,19 @@ fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<
     let [n, zc, height, width] = shape.map(|d| d as i64);
     let mut inputs = Vec::new();
     let x = input_f32(c, &[width, height, zc, n], z.to_vec(), &mut inputs)?;
-    let pq = w.ne("post_quant_conv.weight")?;
-    let zch = pq[2];
+    let zch = latent_channels(w)? as i64;
     if zch != zc {
         return Err(ModelError::Shape(format!(
             "latent has {zc} channels; the decoder takes {zch}"
         )));
     }
-    let mut h = conv2d(c, w, "post_quant_conv", x, zc, pq[3], 1, 1, 0)?;
+    let mut h = x;
+    if w.has("post_quant_conv.weight") {
+        let out = w.ne("post_quant_conv.weight")?[3];
+        h = conv2d(c, w, "post_quant_conv", x, zc, out, 1, 1, 0)?;
+    }
     let conv_in = w.ne("decoder.conv_in.weight")?;
-    h = conv2d(c, w, "decoder.conv_in", h, pq[3], conv_in[3], 3, 1, 1)?;
+    h = conv2d(c, w, "decoder.conv_in", h, h.ne()[2], conv_in[3], 3, 1, 1)?;
     h = res_block(c, w, "decoder.mid.block_1", h)?;
     h = attn_block(c, w, "decoder.mid.attn_1", h)?;
     h = res_block(c, w, "decoder.mid.block_2", h)?;

@@ -114,24 +114,21 @@ impl FirstStage {
     /// autoencoder's (a TAESD takes them as they are).
     pub fn read(module: &Module<'_>, norm: LatentNorm) -> Result<FirstStage> {
         let w = W::new(module.params().map());
-        let (kind, first, spatial) = if taesd::is_taesd(module.params().names()) {
-            (
-                Autoencoder::Taesd,
-                "decoder.layers.0.weight",
-                taesd::upscale_factor(&w),
-            )
+        let (kind, channels, spatial) = if taesd::is_taesd(module.params().names()) {
+            let first = "decoder.layers.0.weight";
+            let channels = module
+                .params()
+                .get(first)
+                .map(|t| t.ne()[2] as usize)
+                .ok_or_else(|| ModelError::missing(first))?;
+            (Autoencoder::Taesd, channels, taesd::upscale_factor(&w))
         } else {
             (
                 Autoencoder::Kl,
-                "post_quant_conv.weight",
+                kl::latent_channels(&w)?,
                 kl::upscale_factor(&w),
             )
         };
-        let channels = module
-            .params()
-            .get(first)
-            .map(|t| t.ne()[2] as usize)
-            .ok_or_else(|| ModelError::missing(first))?;
         let norm = match kind {
             Autoencoder::Kl => norm,
             Autoencoder::Taesd => LatentNorm::Identity,

@@ -1,4 +1,5 @@
-//! The SD 1.x UNet (ε-prediction) in the original (ldm) layout.
+//! The UNet of SD 1.x, 2.x and XL in the original (ldm) layout; what it
+//! predicts (ε or v) is the model sampling's business, not the network's.
 //!
 //! The structure is read off the tensor names, not hard-coded: `input_blocks.N`
 //! hold a residual block (`.0`) and optionally a spatial transformer (`.1`), or

@@ -1,11 +1,22 @@
-//! Model families: what distinguishes SD 1.x, SD 2.x and SDXL is a
-//! configuration of the shared blocks (which text encoders and how their
-//! output is taken, how the UNet's attention heads are sized, whether it
-//! takes an ADM vector, the VAE's latent scale, the prediction type and the
-//! default size), one small file each. [`detect`] finds the family from the
-//! checkpoint's tensors — never from the file name — and names what a file
-//! is when it is not a supported family.
+//! Model families: the only place that names several networks together.
+//!
+//! A family *recipe* recognises its files, declares its modules, loads its
+//! networks and reads their configs once, conditions on a prompt and calls
+//! its denoiser; the generic pipeline ([`crate::pipeline`]) runs one
+//! sampling loop over any of them through [`Model`]. Today one recipe,
+//! [`sd`], carries three families that differ only by configuration (which
+//! text encoders and how their output is taken, how the UNet's attention
+//! heads are sized, whether it takes an ADM vector, the latent
+//! normalisation, the prediction type and the default size), one small
+//! file each. [`detect`] finds the family from the checkpoint's tensors —
+//! never from the file name — and names what a file is when it is not a
+//! supported family.
+//!
+//! A new family adds its recipe file here (and its configs), a variant of
+//! [`Model`] with its arms, and its detection in [`detect`]; its networks
+//! go to `encoders/`, `denoisers/`, `autoencoders/`, `tokenizers/`.
 
+pub mod sd;
 mod sd1;
 mod sd2;
 mod sdxl;
@@ -16,6 +27,7 @@ use crate::denoisers::unet::Heads;
 use crate::encoders::clip::ClipEncoder;
 use crate::error::ModelError;
 pub use crate::sampling::Prediction;
+use crate::ModuleKind;
 
 /// A supported family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,6 +80,214 @@ pub struct FamilyConfig {
     pub prediction: Prediction,
     /// Default image side in pixels.
     pub default_size: usize,
+}
+
+/// What a family's conditioning hands its denoiser (sd.cpp's
+/// `c_crossattn` and `c_vector`): opaque to the pipeline, batched as the
+/// denoiser takes it (the conditional pass first, then the unconditional
+/// one where guidance has two).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Conditioned {
+    /// Token context for cross-attention (or a joint sequence).
+    pub context: Vec<f32>,
+    /// A vector input (SDXL's ADM vector, pooled text).
+    pub vector: Option<Vec<f32>>,
+}
+
+/// A checkpoint's family networks, loaded: what the generic pipeline asks
+/// of a family. One variant per recipe; these arms are the only `match` on
+/// a family outside this folder's files.
+pub enum Model<'b> {
+    /// SD 1.x, 2.x or XL.
+    Sd(sd::SdModel<'b>),
+}
+
+impl<'b> Model<'b> {
+    /// Detects the family of `ckpt` and loads its networks (everything but
+    /// the first stage, which the pipeline loads).
+    pub fn load(
+        ckpt: &Checkpoint,
+        layout: &crate::request::Layout<'b>,
+        opts: &crate::request::LoadOptions<'_>,
+    ) -> Result<Model<'b>, ModelError> {
+        let family = detect(ckpt)?;
+        match family {
+            Family::Sd1 | Family::Sd2 | Family::Sdxl => {
+                Ok(Model::Sd(sd::SdModel::load(family, ckpt, layout, opts)?))
+            }
+        }
+    }
+
+    /// The family.
+    pub fn family(&self) -> Family {
+        match self {
+            Model::Sd(m) => m.config().family,
+        }
+    }
+
+    /// Default image side in pixels.
+    pub fn default_size(&self) -> usize {
+        match self {
+            Model::Sd(m) => m.config().default_size,
+        }
+    }
+
+    /// The prediction type in use.
+    pub fn prediction(&self) -> Prediction {
+        match self {
+            Model::Sd(m) => m.prediction(),
+        }
+    }
+
+    /// The parametrisation and noise schedule the sampler runs on.
+    pub fn sampling(&self) -> &crate::sampling::ModelSampling {
+        match self {
+            Model::Sd(m) => m.sampling(),
+        }
+    }
+
+    /// The guidance a request with this CFG scale gets.
+    pub fn guidance(&self, cfg_scale: f32) -> crate::sampling::Guidance {
+        match self {
+            Model::Sd(m) => m.guidance(cfg_scale),
+        }
+    }
+
+    /// How the denoiser's latents relate to a KL autoencoder's.
+    pub fn latent_norm(&self) -> LatentNorm {
+        match self {
+            Model::Sd(m) => m.latent_norm(),
+        }
+    }
+
+    /// The prefix of the first stage's tensors in `vae_ckpt` (the
+    /// checkpoint itself, or a separate VAE file).
+    pub fn first_stage_prefix(&self, vae_ckpt: &Checkpoint) -> &'static str {
+        match self {
+            Model::Sd(_) => {
+                if vae_ckpt
+                    .tensors
+                    .iter()
+                    .any(|t| t.name.starts_with(VAE_PREFIX))
+                {
+                    VAE_PREFIX
+                } else {
+                    ""
+                }
+            }
+        }
+    }
+
+    /// Latent channels the denoiser predicts.
+    pub fn latent_channels(&self) -> usize {
+        match self {
+            Model::Sd(m) => m.latent_channels(),
+        }
+    }
+
+    /// Channels the denoiser takes: the latent's, plus an inpainting
+    /// model's mask and masked-image latent.
+    pub fn input_channels(&self) -> usize {
+        match self {
+            Model::Sd(m) => m.input_channels(),
+        }
+    }
+
+    /// Times the denoiser halves the latent.
+    pub fn downsamples(&self) -> u32 {
+        match self {
+            Model::Sd(m) => m.downsamples(),
+        }
+    }
+
+    /// Units of prompt length the text encoders take a prompt in (CLIP's
+    /// 77-token chunks), for measuring.
+    pub fn prompt_chunks(&self, prompt: &str) -> usize {
+        match self {
+            Model::Sd(m) => m.chunk_count(prompt),
+        }
+    }
+
+    /// Encodes `req`'s prompts (the negative too when `guided`) into what
+    /// the denoiser takes; the text encoders' phase ends here.
+    pub fn condition(
+        &mut self,
+        req: &crate::request::Request,
+        guided: bool,
+    ) -> Result<Conditioned, ModelError> {
+        match self {
+            Model::Sd(m) => m.condition(req, guided),
+        }
+    }
+
+    /// One denoiser call on a batch of latents at timestep `t`.
+    pub fn denoise(
+        &mut self,
+        x: &[f32],
+        shape: [usize; 4],
+        t: f32,
+        cond: &Conditioned,
+    ) -> Result<Vec<f32>, ModelError> {
+        match self {
+            Model::Sd(m) => m.denoise(x, shape, t, cond),
+        }
+    }
+
+    /// Measures every module but the first stage at `req`'s size.
+    pub fn measure(
+        &self,
+        req: &crate::runtime::memory::MemoryRequest,
+        lh: usize,
+        lw: usize,
+    ) -> Result<Vec<crate::runtime::memory::ModuleMemory>, ModelError> {
+        match self {
+            Model::Sd(m) => m.measure(req, lh, lw),
+        }
+    }
+
+    /// Every module but the first stage, in the order a generation runs
+    /// them.
+    pub fn modules(&self) -> Vec<&crate::runtime::module::Module<'b>> {
+        match self {
+            Model::Sd(m) => m.modules(),
+        }
+    }
+
+    /// The same, mutably.
+    pub fn modules_mut(&mut self) -> Vec<&mut crate::runtime::module::Module<'b>> {
+        match self {
+            Model::Sd(m) => m.modules_mut(),
+        }
+    }
+
+    /// The SD recipe's networks, where this is an SD-family model.
+    pub fn sd(&mut self) -> Option<&mut sd::SdModel<'b>> {
+        match self {
+            Model::Sd(m) => Some(m),
+        }
+    }
+}
+
+/// The modules a checkpoint's family declares (beside the upscaler, which
+/// any run may add): what the host places, budgets and loads.
+pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {
+    match detect(ckpt)? {
+        Family::Sd1 | Family::Sd2 | Family::Sdxl => {
+            Ok(vec![ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae])
+        }
+    }
+}
+
+impl FamilyConfig {
+    /// Where LoRAs find this family's weights.
+    pub fn lora_layout(&self) -> crate::lora::names::LoraLayout<'_> {
+        crate::lora::names::LoraLayout {
+            model: self.family.name(),
+            unet_prefix: UNET_PREFIX,
+            te_prefix: self.te_prefix,
+            encoders: &self.encoders,
+        }
+    }
 }
 
 /// Checkpoint prefix of the UNet (all families).

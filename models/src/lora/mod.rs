@@ -27,8 +27,7 @@ pub mod names;
 
 use crate::checkpoint::{self, Checkpoint, TensorEntry};
 use crate::error::ModelError;
-use crate::family::FamilyConfig;
-use names::{LoraKey, Target};
+use names::{LoraKey, LoraLayout, Target};
 use std::collections::{BTreeMap, HashMap};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
@@ -214,7 +213,7 @@ impl LoraSet {
     pub fn load(
         specs: &[LoraSpec],
         ckpt: &Checkpoint,
-        fam: &FamilyConfig,
+        fam: &LoraLayout<'_>,
         apply: LoraApply,
     ) -> Result<LoraSet, ModelError> {
         let mut set = LoraSet::default();
@@ -235,7 +234,7 @@ impl LoraSet {
         spec: &LoraSpec,
         targets: &HashMap<String, Target>,
         entries: &HashMap<&str, &TensorEntry>,
-        fam: &FamilyConfig,
+        fam: &LoraLayout<'_>,
         apply: LoraApply,
     ) -> Result<(), ModelError> {
         let file = spec.path.display().to_string();
@@ -260,7 +259,7 @@ impl LoraSet {
                 None => unsupported.push(t.name.clone()),
             }
         }
-        let family = fam.family.name();
+        let family = fam.model;
         let te12 = modules
             .keys()
             .any(|m| m.starts_with("lora_te1_") || m.starts_with("lora_te2_"));

@@ -18,7 +18,6 @@
 
 use crate::checkpoint::Checkpoint;
 use crate::encoders::clip::Naming;
-use crate::family::{FamilyConfig, UNET_PREFIX};
 use std::collections::HashMap;
 
 /// A tensor (or a block of its rows) that a LoRA key adapts.
@@ -133,13 +132,27 @@ fn openclip_to_hf(name: &str, width: usize) -> Vec<(String, Option<(usize, usize
     }
 }
 
+/// Where a model's adaptable weights are, as LoRA matching needs to know:
+/// the family fills it in (so that LoRA matching knows no family).
+#[derive(Clone, Copy, Debug)]
+pub struct LoraLayout<'a> {
+    /// The model's name for messages (`sd1`, `sdxl`).
+    pub model: &'a str,
+    /// Checkpoint prefix of the UNet (`model.diffusion_model.`).
+    pub unet_prefix: &'a str,
+    /// Checkpoint prefix of the text encoders.
+    pub te_prefix: &'a str,
+    /// The text encoders under it.
+    pub encoders: &'a [crate::encoders::clip::ClipEncoder],
+}
+
 /// Resnets per UNet level: the index of the first downsampler minus one.
-fn resnets_per_level(ckpt: &Checkpoint) -> usize {
+fn resnets_per_level(ckpt: &Checkpoint, unet_prefix: &str) -> usize {
     ckpt.tensors
         .iter()
         .filter_map(|t| {
             t.name
-                .strip_prefix(UNET_PREFIX)?
+                .strip_prefix(unet_prefix)?
                 .strip_prefix("input_blocks.")
         })
         .filter_map(|r| {
@@ -162,8 +175,8 @@ fn te_key_prefix(count: usize, i: usize) -> String {
 
 /// Every adaptable weight of `ckpt` (matrices and convolution kernels of
 /// the UNet and the text encoders) under each normalised key that names it.
-pub fn targets(ckpt: &Checkpoint, fam: &FamilyConfig) -> HashMap<String, Target> {
-    let per_level = resnets_per_level(ckpt);
+pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Target> {
+    let per_level = resnets_per_level(ckpt, fam.unet_prefix);
     let mut map = HashMap::new();
     let whole = |t: &str| Target {
         tensor: t.to_string(),
@@ -175,7 +188,7 @@ pub fn targets(ckpt: &Checkpoint, fam: &FamilyConfig) -> HashMap<String, Target>
         }
         if let Some(path) = t
             .name
-            .strip_prefix(UNET_PREFIX)
+            .strip_prefix(fam.unet_prefix)
             .and_then(|p| p.strip_suffix(".weight"))
         {
             map.insert(format!("lora_unet_{}", us(path)), whole(&t.name));

@@ -17,7 +17,8 @@
 //! host knows which device each role is and adds them up per device and
 //! phase (and decides what fits).
 
-use crate::runtime::module::{ComputeBytes, DeviceBytes};
+use crate::error::Result;
+use crate::runtime::module::{ComputeBytes, DeviceBytes, Module};
 use crate::ModuleKind;
 
 /// A phase of a generation: one module runs, and under the `free` policy
@@ -93,6 +94,18 @@ pub struct ModuleMemory {
     pub runtime_copy: DeviceBytes,
     /// Compute buffers in each phase the module runs in.
     pub phases: Vec<(Phase, ComputeBytes)>,
+}
+
+impl ModuleMemory {
+    /// `module`'s weight and runtime-copy bytes with its measured phases.
+    pub fn of(module: &Module<'_>, phases: Vec<(Phase, ComputeBytes)>) -> Result<ModuleMemory> {
+        Ok(ModuleMemory {
+            module: module.kind(),
+            weights: module.weight_bytes(),
+            runtime_copy: module.runtime_copy_bytes()?,
+            phases,
+        })
+    }
 }
 
 /// Every module's measured memory at one size.

@@ -1,4 +1,4 @@
-//! Prompt tokenization for the CLIP text encoder of SD 1.x.
+//! Prompt tokenization for CLIP text encoders (SD 1.x, 2.x, XL).
 //!
 //! CLIP's byte-pair vocabulary (bundled with the `instant-clip-tokenizer`
 //! crate). A prompt becomes one or more 77-token chunks: `<|startoftext|>`,

@@ -770,7 +770,7 @@ async fn img2img(
     }
     let bytes = decode_b64("init_images[0]", &first)?;
     let img = decode_image("init_images[0]", &bytes)?.into_rgb8();
-    let image = sdhost_models::pipeline::Image {
+    let image = sdhost_models::request::Image {
         width: img.width() as usize,
         height: img.height() as usize,
         rgb: img.into_raw(),

@@ -24,7 +24,8 @@ use crate::png::{encode_png, parameters_text_of, TextFields};
 use crate::session::Session;
 use anyhow::Context as _;
 use sdhost_models::lora::LoraSpec;
-use sdhost_models::pipeline::{Image, Init, Pipeline, Request};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::runtime::tiling::Tiling;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::upscale::Upscaler;
@@ -304,9 +305,9 @@ impl<'m> Worker<'_, 'm> {
         }
         *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(ModelInfo {
             entry: entry.clone(),
-            family: sd.family().family.name().to_string(),
+            family: sd.family().name().to_string(),
             size_multiple: sd.size_multiple(),
-            default_size: sd.family().default_size,
+            default_size: sd.default_size(),
         });
         Ok(Loaded {
             sd,
@@ -413,7 +414,7 @@ impl<'m> Worker<'_, 'm> {
         self.ensure(loaded, &entry, &loras.specs)?;
         let l = loaded.as_mut().expect("ensure loaded it");
         let m = l.sd.size_multiple();
-        let default = l.sd.family().default_size;
+        let default = l.sd.default_size();
         let (mut w, mut h) = (default, default);
         if let Some(init) = &g.init {
             (w, h) = (init.image.width / m * m, init.image.height / m * m);

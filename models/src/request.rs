@@ -1,0 +1,137 @@
+//! What a run asks of a model: the request (prompt, size, sampler, init
+//! image and mask) and how to load it (each module's devices and matrix
+//! types, LoRAs, placeholders). Shared by the pipeline and the families,
+//! below both.
+
+use crate::checkpoint::Checkpoint;
+use crate::error::{ModelError, Result};
+use crate::lora::{LoraApply, LoraSpec};
+use crate::runtime::module::{Devices, Spread, WeightPolicy};
+use crate::sampling::Prediction;
+use crate::sampling::{Sampler, Scheduler};
+use crate::ModuleKind;
+use std::collections::BTreeMap;
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Prompt.
+    pub prompt: String,
+    /// Negative prompt.
+    pub negative: String,
+    /// Sampling steps.
+    pub steps: usize,
+    /// Classifier-free guidance scale (1 disables the negative branch).
+    pub cfg_scale: f32,
+    /// Image width in pixels.
+    pub width: usize,
+    /// Image height in pixels.
+    pub height: usize,
+    /// Seed of the initial noise (and of the ancestral sampler's noise).
+    pub seed: u64,
+    /// Sampler.
+    pub sampler: Sampler,
+    /// How the sampling σs are spread over the schedule.
+    pub scheduler: Scheduler,
+    /// CLIP skip (1 = the family's own layer).
+    pub clip_skip: usize,
+    /// img2img / inpainting input; `None` for text-to-image.
+    pub init: Option<Init>,
+}
+
+/// The image img2img starts from, with the inpainting mask.
+#[derive(Clone, Debug)]
+pub struct Init {
+    /// The init image, of the request's size.
+    pub image: Image,
+    /// How much of the schedule to run, in (0, 1]: 1 starts from pure noise
+    /// plus the image's latent at σ_max.
+    pub strength: f64,
+    /// Where to repaint: one value per pixel of the init image, 0..1
+    /// (1 = repaint), row-major.
+    pub mask: Option<Vec<f32>>,
+}
+
+/// An 8-bit RGB image.
+#[derive(Clone, Debug)]
+pub struct Image {
+    /// Width in pixels.
+    pub width: usize,
+    /// Height in pixels.
+    pub height: usize,
+    /// Row-major RGB bytes.
+    pub rgb: Vec<u8>,
+}
+
+/// Where each module goes: its devices and how its weights are spread,
+/// by role (the modules the family declares,
+/// [`crate::family::declared_modules`]).
+#[derive(Clone, Default)]
+pub struct Layout<'b> {
+    /// Each module's runtime, params and CPU backends.
+    pub devices: BTreeMap<ModuleKind, Devices<'b>>,
+    /// How each module's weights are spread (streamed, split); absent:
+    /// whole.
+    pub spread: BTreeMap<ModuleKind, Spread<'b>>,
+}
+
+impl<'b> Layout<'b> {
+    /// `modules`, each whole on `devices`.
+    pub fn uniform(devices: Devices<'b>, modules: &[ModuleKind]) -> Layout<'b> {
+        Layout {
+            devices: modules.iter().map(|&m| (m, devices)).collect(),
+            spread: BTreeMap::new(),
+        }
+    }
+
+    /// The devices of module `kind`, which the caller must have placed.
+    pub fn devices(&self, kind: ModuleKind) -> Result<Devices<'b>> {
+        self.devices.get(&kind).copied().ok_or_else(|| {
+            ModelError::Incompatible(format!("no devices were given for the {kind} module"))
+        })
+    }
+
+    /// How module `kind`'s weights are spread.
+    pub fn spread(&self, kind: ModuleKind) -> Spread<'b> {
+        self.spread.get(&kind).cloned().unwrap_or_default()
+    }
+}
+
+/// The type each module's float matrices and convolution kernels are
+/// stored and multiplied in (`--compute-type`); a module absent from the
+/// map keeps the checkpoint's types. See
+/// [`crate::checkpoint::weights::stored_type`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct MatrixTypes(pub BTreeMap<ModuleKind, ggml::Type>);
+
+impl MatrixTypes {
+    /// Module `kind`'s type, if converted.
+    pub fn get(&self, kind: ModuleKind) -> Option<ggml::Type> {
+        self.0.get(&kind).copied()
+    }
+}
+
+/// How to load.
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions<'c> {
+    /// The type of each module's matrices (empty: as stored).
+    pub matrix_types: MatrixTypes,
+    /// What modules hold between phases.
+    pub policy: WeightPolicy,
+    /// The prediction type, overriding what the checkpoint says (a
+    /// contradiction is a warning).
+    pub prediction: Option<Prediction>,
+    /// A VAE from another file (`--vae`), replacing the checkpoint's.
+    pub vae: Option<&'c Checkpoint>,
+    /// Load the VAE encoder too (img2img, inpainting); inpainting models
+    /// always get it.
+    pub vae_encoder: bool,
+    /// LoRAs to apply to the family's networks (`--lora`).
+    pub loras: &'c [LoraSpec],
+    /// How the LoRAs are applied.
+    pub lora_apply: LoraApply,
+    /// Load placeholders instead of weights (shapes only, nothing read or
+    /// allocated): the pipeline can be measured
+    /// ([`Pipeline::memory_plan`]) but not run.
+    pub placeholders: bool,
+}
