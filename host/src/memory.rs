@@ -3,7 +3,7 @@
 //! The models crate measures what each module needs at a size, by role
 //! (weights on the params device, a runtime copy and compute buffers on the
 //! runtime device, compute buffers on the CPU fallback;
-//! [`sdhost_models::memory`]). Here the roles become devices (the
+//! [`sdhost_models::runtime::memory`]). Here the roles become devices (the
 //! placement says which), the phases are added up under the phase-memory
 //! policy ([`account`]), and each device's need at each phase's peak is
 //! compared with its budget ([`Budgets`]): min(free memory − reserve,

@@ -12,7 +12,7 @@
 //! (diffusers' `StableDiffusionImg2ImgPipeline` and sd.cpp truncate the
 //! same way).
 //!
-//! **Inpainting** ([`Init::mask`], white = repaint, binarised at ½ and
+//! **Inpainting** ([`crate::request::Init::mask`], white = repaint, binarised at ½ and
 //! sampled at each latent cell's top-left pixel like diffusers' nearest
 //! resize): an inpainting denoiser (input channels: latent, mask,
 //! masked-image latent) gets the mask and the latent of the image with the

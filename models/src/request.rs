@@ -132,6 +132,6 @@ pub struct LoadOptions<'c> {
     pub lora_apply: LoraApply,
     /// Load placeholders instead of weights (shapes only, nothing read or
     /// allocated): the pipeline can be measured
-    /// ([`Pipeline::memory_plan`]) but not run.
+    /// ([`crate::pipeline::Pipeline::memory_plan`]) but not run.
     pub placeholders: bool,
 }

@@ -206,7 +206,7 @@ impl<'b> SdModel<'b> {
     /// Times the UNet halves the latent (the size multiple beyond the
     /// VAE's factor).
     pub(super) fn downsamples(&self) -> u32 {
-        self.unet_cfg.downsamples as u32
+        self.unet_cfg.downsamples
     }
 
     /// Token ids of a prompt for encoder `i`, in 77-token chunks, padded

@@ -17,7 +17,7 @@
 //!   `down` and the scaled `up` are uploaded beside the weights as f32
 //!   tensors named `{weight}.lora.{i}.down|up` ([`LoraSet::graph_tensors`])
 //!   and the layer helpers in [`crate::nn`] add `up·(down·x)` to
-//!   the layer's output ([`crate::nn::W::lora_for`]).
+//!   the layer's output ([`crate::runtime::graph::W::lora_for`]).
 //!
 //! Errors are one line naming the LoRA file and, for a shape that does not
 //! fit, the key; a LoRA for another family is told apart by its text

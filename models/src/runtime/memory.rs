@@ -10,7 +10,7 @@
 //! the runtime device and on the CPU fallback. The graphs are built over
 //! placeholder weights on the runtime device, so measuring allocates
 //! nothing and reads no weight data: a pipeline loaded with
-//! [`crate::pipeline::LoadOptions::placeholders`] measures as well as a
+//! [`crate::request::LoadOptions::placeholders`] measures as well as a
 //! loaded one.
 //!
 //! This crate reports bytes by *role* (params, runtime, CPU fallback); the

@@ -2,7 +2,7 @@
 //! noise schedules ([`noise`]), the parametrisation that turns a model's
 //! output into x̂₀ ([`model_sampling`]), how the sampling σs are picked
 //! ([`scheduler`]), the samplers ([`sampler`]), guidance ([`guidance`]) and
-//! seeded noise ([`rng`]). [`names`] is the spelling rule of their names.
+//! seeded noise ([`rng`]); `names` is the spelling rule of their names.
 
 pub mod guidance;
 pub mod model_sampling;

@@ -9,9 +9,9 @@
 //! | v (SD 2.x 768-v) | x₀ + σ·ε | 1/√(σ²+1) | x/(σ²+1) − σ·F/√(σ²+1) | DDPM table index |
 //! | flow (FLUX, Z-Image) | (1−σ)·x₀ + σ·ε | 1 | x − σ·F | σ · multiplier |
 //!
-//! These are k-diffusion's `CompVisDenoiser` / `CompVisVDenoiser` (σ_data =
-//! 1) and ComfyUI's `CONST` model sampling (rectified flow, `F` the
-//! velocity ε − x₀), which stable-diffusion.cpp's denoisers follow too.
+//! These are k-diffusion's `CompVisDenoiser` / `CompVisVDenoiser` (with
+//! σ_data = 1) and ComfyUI's `CONST` model sampling (rectified flow, `F`
+//! the velocity ε − x₀), which stable-diffusion.cpp's denoisers follow too.
 
 use super::noise::{DiscreteSchedule, FlowSchedule, NoiseSchedule};
 use super::sampler::NoiseRule;
