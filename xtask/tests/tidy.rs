@@ -52,7 +52,12 @@ impl Crate {
             let mut out = BTreeSet::new();
             for path in imported_paths(&code_of(&text), module, &children) {
                 if let Some(target) = longest_module(&modules, &path) {
-                    if &target != module && !target.is_empty() {
+                    // A module and its submodules are one unit here: its
+                    // own children (which it declares and re-exports) are
+                    // not imports that could close a circle.
+                    let own_child =
+                        !module.is_empty() && target.starts_with(&format!("{module}::"));
+                    if &target != module && !target.is_empty() && !own_child {
                         out.insert(target);
                     }
                 }
@@ -191,9 +196,21 @@ fn collect(src: &Path, dir: &Path, out: &mut BTreeMap<String, PathBuf>) {
     }
 }
 
-/// The file's code without comments, string contents and its test part.
+/// The file's code without comments, string contents and its inline test
+/// module (`#[cfg(test)] mod tests { … }`, which comes last; a
+/// `#[cfg(test)] mod tests;` declaration is kept reading past).
 fn code_of(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]") {
+    let inline_tests = text
+        .match_indices("#[cfg(test)]")
+        .map(|(i, _)| i)
+        .find(|&i| {
+            let rest = text[i + "#[cfg(test)]".len()..].trim_start();
+            rest.starts_with("mod ")
+                && rest
+                    .find(['{', ';'])
+                    .is_some_and(|j| rest.as_bytes()[j] == b'{')
+        });
+    let text = match inline_tests {
         Some(i) => &text[..i],
         None => text,
     };
@@ -513,7 +530,7 @@ fn crate_dependencies_point_one_way() {
 fn reader_sees_imports() {
     let kids = BTreeSet::from(["queue"]);
     let code = code_of(
-        "use crate::a::b::{C, D};\nuse super::x::Y; // crate::z\nuse queue::Q;\nlet s = \"crate::q\";\n#[cfg(test)]\nuse crate::t;",
+        "use crate::a::b::{C, D};\nuse super::x::Y; // crate::z\n#[cfg(test)]\nmod t;\nuse queue::Q;\nlet s = \"crate::q\";\n#[cfg(test)]\nmod tests {\nuse crate::t;\n}",
     );
     let paths = imported_paths(&code, "m::n", &kids);
     assert_eq!(paths, ["a::b", "m::x::Y", "m::n::queue::Q"]);

@@ -1,0 +1,827 @@
+//! The ops the models use, each checked first (`checks.rs`): elementwise,
+//! norms, convolutions (with the AMX forms), attention, views and reshapes.
+
+use super::*;
+
+macro_rules! unary_ops {
+    ($($(#[$m:meta])* $name:ident => $f:ident, $check:ident;)*) => {
+        impl Context {
+            $($(#[$m])* pub fn $name<'a>(&'a self, a: Tensor<'a>) -> Result<Tensor<'a>> {
+                $check(stringify!($name), &a)?;
+                self.room(1)?;
+                // SAFETY: `a` is alive for 'a (the lifetime ties it to this
+                // or an outliving context), it passed the check of what
+                // ggml aborts on, and the context has room for the result.
+                self.wrap(unsafe { sys::$f(self.raw, a.raw) }, stringify!($f))
+            })*
+        }
+    };
+}
+macro_rules! binary_ops {
+    ($($(#[$m:meta])* $name:ident => $f:ident, $check:ident;)*) => {
+        impl Context {
+            $($(#[$m])* pub fn $name<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
+                $check(&a, &b)?;
+                self.room(1)?;
+                // SAFETY: both tensors are alive for 'a, their shapes and
+                // types passed the check of what ggml aborts on, and the
+                // context has room for the result.
+                self.wrap(unsafe { sys::$f(self.raw, a.raw, b.raw) }, stringify!($f))
+            })*
+        }
+    };
+}
+
+unary_ops! {
+    /// GELU.
+    gelu => ggml_gelu, check_unary;
+    /// ReLU.
+    relu => ggml_relu, check_unary;
+    /// Hyperbolic tangent.
+    tanh => ggml_tanh, check_unary;
+    /// SiLU.
+    silu => ggml_silu, check_unary;
+    /// Softmax over `ne[0]`.
+    soft_max => ggml_soft_max, check_f32_contiguous;
+    /// Makes a contiguous copy.
+    cont => ggml_cont, check_cont;
+    /// GELU, exact (erf) form.
+    gelu_erf => ggml_gelu_erf, check_unary;
+    /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
+    gelu_quick => ggml_gelu_quick, check_unary;
+    /// GEGLU as diffusers has it: the first half of `ne[0]` times the exact
+    /// (erf) GELU of the second, in one pass (`ne[0]` halves).
+    geglu_erf => ggml_geglu_erf_swapped, check_glu;
+}
+binary_ops! {
+    /// Element-wise sum (b broadcast).
+    add => ggml_add, check_repeat;
+    /// Element-wise product (b broadcast).
+    mul => ggml_mul, check_repeat;
+    /// Rows of `a` (`[C, V]`) picked by the i32 indices in `b` (`[N]`): `[C, N]`.
+    get_rows => ggml_get_rows, check_get_rows;
+}
+
+impl Context {
+    /// Multiplies by a scalar.
+    pub fn scale<'a>(&'a self, a: Tensor<'a>, s: f32) -> Result<Tensor<'a>> {
+        if !matches!(a.ty(), Some(Type::F32 | Type::BF16)) || !contiguous(&a) {
+            return invalid(format!(
+                "scale needs a contiguous f32 or bf16 tensor, not {} {:?} with strides {:?}",
+                a.type_name(),
+                a.ne(),
+                a.nb()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous (ggml asserts a padded 1-d
+        // layout) and of a type the CPU scales; room checked.
+        self.wrap(unsafe { sys::ggml_scale(self.raw, a.raw, s) }, "ggml_scale")
+    }
+
+    /// Leaky ReLU: `x` where positive, `slope·x` elsewhere.
+    pub fn leaky_relu<'a>(&'a self, a: Tensor<'a>, slope: f32) -> Result<Tensor<'a>> {
+        check_f32_contiguous("leaky_relu", &a)?;
+        if !slope.is_finite() {
+            return invalid(format!("leaky_relu with slope {slope}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32 (the CPU asserts
+        // contiguous rows of a float type); room checked.
+        self.wrap(
+            unsafe { sys::ggml_leaky_relu(self.raw, a.raw, slope, false) },
+            "ggml_leaky_relu",
+        )
+    }
+
+    /// Layer norm over `ne[0]` (no affine part).
+    pub fn norm<'a>(&'a self, a: Tensor<'a>, eps: f32) -> Result<Tensor<'a>> {
+        check_f32_rows("norm", &a)?;
+        if eps.is_nan() || eps < 0.0 {
+            return invalid(format!("norm with eps {eps}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, f32 (the only type the CPU norms) and
+        // eps ≥ 0 (the CPU asserts it); room checked.
+        self.wrap(unsafe { sys::ggml_norm(self.raw, a.raw, eps) }, "ggml_norm")
+    }
+
+    /// Group norm over `ne[0..3]` in `groups` groups of channels (`ne[2]`).
+    pub fn group_norm<'a>(&'a self, a: Tensor<'a>, groups: i32, eps: f32) -> Result<Tensor<'a>> {
+        check_f32_rows("group_norm", &a)?;
+        if groups <= 0 || i64::from(groups) > a.ne()[2] || eps.is_nan() || eps < 0.0 {
+            return invalid(format!(
+                "group_norm of {:?} in {groups} groups with eps {eps}",
+                a.ne()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, f32 with dense rows (the CPU asserts
+        // both), 1 ≤ groups ≤ channels; room checked.
+        self.wrap(
+            unsafe { sys::ggml_group_norm(self.raw, a.raw, groups, eps) },
+            "ggml_group_norm",
+        )
+    }
+
+    /// 2-D convolution of `input` `[W, H, Cin, N]` with `kernel` `[KW, KH, Cin, Cout]`.
+    pub fn conv_2d<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        Ok(self.conv_2d_impl(kernel, input, None, stride, pad)?.0)
+    }
+
+    /// Checks a convolution's operands (an error for what ggml would
+    /// abort on) and says whether it takes the AMX path: a bf16 kernel in
+    /// an AMX context, over enough output pixels.
+    pub(crate) fn conv_2d_check(
+        &self,
+        kernel: Tensor<'_>,
+        input: Tensor<'_>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<bool> {
+        let (k, x) = (kernel.ne(), input.ne());
+        // ggml's output size, (in + 2·pad − k)/stride + 1, must be positive
+        // with a kernel that fits the padded input.
+        let fits = |i: usize| x[i] + 2 * i64::from(pad) >= k[i];
+        let bad_types = !matches!(kernel.ty(), Some(Type::F32 | Type::F16 | Type::BF16))
+            || !contiguous(&kernel)
+            || !dense_rows(&input)
+            || match kernel.ty() {
+                // im2col into f32 reads an f32 input; into f16 an f32 or f16 one.
+                Some(Type::BF16) => input.ty() != Some(Type::F32),
+                _ => !matches!(input.ty(), Some(Type::F32 | Type::F16)),
+            };
+        if k[2] != x[2] || stride < 1 || pad < 0 || !fits(0) || !fits(1) || bad_types {
+            return invalid(format!(
+                "conv_2d of a {} kernel {k:?} on a {} input {x:?}, stride {stride}, padding {pad}",
+                kernel.type_name(),
+                input.type_name()
+            ));
+        }
+        // Pixels out: the AMX path repacks the kernel in every evaluation,
+        // which pays for itself only over enough of them.
+        let pixels = ((x[0] + 2 * i64::from(pad) - k[0]) / i64::from(stride) + 1)
+            * ((x[1] + 2 * i64::from(pad) - k[1]) / i64::from(stride) + 1)
+            * x[3];
+        Ok(self.amx.get()
+            && kernel.ty() == Some(Type::BF16)
+            && stride < 1 << 15
+            && pad < 1 << 15
+            && pixels >= *crate::amx::MIN_ROWS as i64)
+    }
+
+    /// [`Context::conv_2d`], with `bias` added inside the convolution
+    /// where the AMX path takes it (then the flag is true; the caller adds
+    /// it otherwise).
+    pub(crate) fn conv_2d_impl<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<(Tensor<'a>, bool)> {
+        if self.conv_2d_check(kernel, input, stride, pad)? {
+            let added = bias.is_some();
+            return Ok((
+                self.conv_2d_amx(kernel, input, bias, stride, pad, None)?,
+                added,
+            ));
+        }
+        if kernel.ty() == Some(Type::BF16)
+            || (self.f32_products.get()
+                && kernel.ty() == Some(Type::F16)
+                && input.ty() == Some(Type::F32))
+        {
+            // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
+            // kernel, which the CPU widens to f32: an f32 GEMM. With the
+            // kernel as src0 the columns are narrowed to bf16 instead and
+            // the GEMM runs on bf16 dot products (AVX512-BF16, AMX). An f16
+            // kernel goes this way in a context whose products an f32-only
+            // backend takes (`set_f32_products`).
+            let y = self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true)?;
+            return Ok((y, false));
+        }
+        // im2col, two reshapes, mul_mat, reshape, permute, cont.
+        self.room(7)?;
+        // SAFETY: both alive for 'a; channels, types, contiguity, stride and
+        // output size checked (ggml's im2col, reshape and the CPU's im2col
+        // assert them); room for the seven tensors ggml creates checked.
+        self.wrap(
+            unsafe {
+                sys::ggml_conv_2d(
+                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1,
+                )
+            },
+            "ggml_conv_2d",
+        )
+        .map(|y| (y, false))
+    }
+
+    /// [`Context::conv_2d`] as the three custom ops of [`crate::amx`]:
+    /// packed kernel, channels-last bf16 input, implicit GEMM (no im2col).
+    /// The caller checked shapes and types (bf16 kernel, f32 input).
+    pub(crate) fn conv_2d_amx<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        stride: i32,
+        pad: i32,
+        norm: Option<[Tensor<'a>; 3]>,
+    ) -> Result<Tensor<'a>> {
+        let (k, x) = (kernel.ne(), input.ne());
+        let ud = crate::amx::conv_userdata(stride as usize, pad as usize);
+        let conv = crate::amx::Conv {
+            w: x[0] as usize,
+            h: x[1] as usize,
+            c: x[2] as usize,
+            n: x[3] as usize,
+            oc: k[3] as usize,
+            kw: k[0] as usize,
+            kh: k[1] as usize,
+            stride: stride as usize,
+            pad: pad as usize,
+        };
+        let custom = |ty, ne: [usize; 4], args: &mut [*mut sys::ggml_tensor], f| {
+            let ne = ne.map(|n| n as i64);
+            // SAFETY: every argument is alive for 'a; `f` is one of the
+            // conv ops of `crate::amx`, which read the arguments in the
+            // order given here (shapes and types checked by conv_2d_check,
+            // the norm's by conv_2d_norm_silu, its statistics made by
+            // group_stats_op for this input) and write `ne` elements of
+            // `ty`; room checked below.
+            unsafe { self.custom_op(ty, ne, args, f, ud) }
+        };
+        self.room(3)?;
+        let bf16 = sys::GGML_TYPE_BF16;
+        let packed = custom(
+            bf16,
+            [conv.packed_len(), 1, 1, 1],
+            &mut [kernel.raw, input.raw],
+            crate::amx::conv_pack_op,
+        )?;
+        let nhwc = match norm {
+            None => custom(
+                bf16,
+                conv.nhwc_ne(),
+                &mut [input.raw, kernel.raw],
+                crate::amx::nhwc_op,
+            )?,
+            Some([stats, gamma, beta]) => custom(
+                bf16,
+                conv.nhwc_ne(),
+                &mut [input.raw, kernel.raw, stats.raw, gamma.raw, beta.raw],
+                crate::amx::nhwc_norm_op,
+            )?,
+        };
+        let mut args = vec![packed.raw, nhwc.raw, kernel.raw, input.raw];
+        args.extend(bias.map(|b| b.raw));
+        custom(
+            sys::GGML_TYPE_F32,
+            [conv.ow(), conv.oh(), conv.oc, conv.n],
+            &mut args,
+            crate::amx::conv_gemm_op,
+        )
+    }
+
+    /// [`Context::conv_2d`] plus an f32 `[Cout]` bias: in an AMX context
+    /// the bias is added as the convolution writes its output (one pass
+    /// over the activations fewer), elsewhere by `ggml_add`.
+    pub fn conv_2d_bias<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let oc = kernel.ne()[3];
+        if bias.ty() != Some(Type::F32) || !contiguous(&bias) || bias.ne() != [oc, 1, 1, 1] {
+            return invalid(format!(
+                "conv_2d bias {:?} of type {} for {oc} output channels (f32, contiguous)",
+                bias.ne(),
+                bias.type_name()
+            ));
+        }
+        let (y, added) = self.conv_2d_impl(kernel, input, Some(bias), stride, pad)?;
+        if added {
+            return Ok(y);
+        }
+        self.add(y, self.reshape(bias, &[1, 1, oc, 1])?)
+    }
+
+    /// `conv_2d(kernel, silu(group_norm(input) · gamma + beta))`, plus an
+    /// optional f32 `[Cout]` bias: the group norm of ggml's
+    /// [`Context::group_norm`] (`groups` groups, `eps`) with f32 `[Cin]`
+    /// affine weights, as every ResBlock feeds its convolutions. In an
+    /// AMX context, where the convolution takes the tile path, the norm,
+    /// its weights and the SiLU are applied as the convolution's
+    /// channels-last copy is made (one statistics pass and one copy,
+    /// where ggml makes five passes over the activations); elsewhere by
+    /// ggml's ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn conv_2d_norm_silu<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        (groups, eps): (i32, f32),
+        gamma: Tensor<'a>,
+        beta: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let c = input.ne()[2];
+        for (what, t) in [("scale", gamma), ("shift", beta)] {
+            if t.ty() != Some(Type::F32) || !contiguous(&t) || t.ne() != [c, 1, 1, 1] {
+                return invalid(format!(
+                    "group norm {what} {:?} of type {} for {c} channels (f32, contiguous)",
+                    t.ne(),
+                    t.type_name()
+                ));
+            }
+        }
+        let groups_fit = groups > 0 && i64::from(groups) <= c && c % i64::from(groups) == 0;
+        if groups_fit
+            && !eps.is_nan()
+            && eps >= 0.0
+            && self.conv_2d_check(kernel, input, stride, pad)?
+        {
+            self.room(1)?;
+            let ud = crate::amx::group_norm_userdata(groups as usize, eps);
+            let ne = [2, i64::from(groups), input.ne()[3], 1];
+            // SAFETY: `input` is alive for 'a, f32 with dense rows
+            // (conv_2d_check); group_stats_op reads it and writes 2 ×
+            // groups × n f32, groups dividing the channels (checked); room
+            // checked.
+            let stats = unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    ne,
+                    &mut [input.raw],
+                    crate::amx::group_stats_op,
+                    ud,
+                )?
+            };
+            return self.conv_2d_amx(kernel, input, bias, stride, pad, Some([stats, gamma, beta]));
+        }
+        let h = self.group_norm(input, groups, eps)?;
+        let h = self.mul(h, self.reshape(gamma, &[1, 1, c, 1])?)?;
+        let h = self.silu(self.add(h, self.reshape(beta, &[1, 1, c, 1])?)?)?;
+        match bias {
+            Some(b) => self.conv_2d_bias(kernel, h, b, stride, pad),
+            None => self.conv_2d(kernel, h, stride, pad),
+        }
+    }
+
+    /// A convolution as im2col (`cols` type) and one matrix product:
+    /// `kernel_first` multiplies `kernel · cols` (result `[OC, OW·OH·N]`,
+    /// transposed back), else `cols · kernel` as ggml_conv_2d does. The
+    /// caller checked shapes, types and contiguity.
+    pub(crate) fn conv_2d_im2col<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+        cols_type: sys::ggml_type,
+        kernel_first: bool,
+    ) -> Result<Tensor<'a>> {
+        let k = kernel.ne();
+        // im2col, then reshapes, mul_mat, reshape, permute, cont below.
+        self.room(7)?;
+        // SAFETY: both alive for 'a; kernel and input types (the CPU's f32
+        // im2col reads an f32 input, its f16 one f32 or f16), channels,
+        // stride and output size checked by the callers; room checked.
+        let cols = self.wrap(
+            unsafe {
+                sys::ggml_im2col(
+                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1, true,
+                    cols_type,
+                )
+            },
+            "ggml_im2col",
+        )?;
+        // [IC·KH·KW, OW, OH, N]
+        let c = cols.ne();
+        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
+        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        if kernel_first {
+            let out = self.mul_mat(k2, cols2)?; // [OC, OW·OH·N]
+            let out = self.reshape(out, &[k[3], c[1], c[2], c[3]])?;
+            self.cont(self.permute(out, [2, 0, 1, 3])?)
+        } else {
+            let out = self.mul_mat(cols2, k2)?; // [OW·OH·N, OC]
+            let out = self.reshape(out, &[c[1], c[2], c[3], k[3]])?;
+            self.cont(self.permute(out, [0, 1, 3, 2])?)
+        }
+    }
+
+    /// [`Context::conv_2d`] computed in f32 throughout: ggml's own
+    /// `ggml_conv_2d` writes its im2col matrix in f16 (rounding activations
+    /// and weights to f16), which costs f32 checkpoints about 1e-3 relative;
+    /// here the im2col is f32 and multiplied by the f32 kernel.
+    pub fn conv_2d_f32<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let (k, x) = (kernel.ne(), input.ne());
+        let fits = |i: usize| x[i] + 2 * i64::from(pad) >= k[i];
+        if kernel.ty() != Some(Type::F32)
+            || input.ty() != Some(Type::F32)
+            || !contiguous(&kernel)
+            || !dense_rows(&input)
+            || k[2] != x[2]
+            || stride < 1
+            || pad < 0
+            || !fits(0)
+            || !fits(1)
+        {
+            return invalid(format!(
+                "conv_2d_f32 of a {} kernel {k:?} on a {} input {x:?}, stride {stride}, padding {pad} (both f32)",
+                kernel.type_name(),
+                input.type_name()
+            ));
+        }
+        self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, false)
+    }
+
+    /// Nearest-neighbour upscale of the first two dimensions by `factor` (≥ 2).
+    pub fn upscale<'a>(&'a self, a: Tensor<'a>, factor: i32) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        let grown = (ne[0].checked_mul(i64::from(factor)))
+            .zip(ne[1].checked_mul(i64::from(factor)))
+            .and_then(|(w, h)| w.checked_mul(h)?.checked_mul(ne[2])?.checked_mul(ne[3]));
+        if a.ty() != Some(Type::F32) || factor < 2 || grown.is_none() {
+            return invalid(format!(
+                "upscale of a {} tensor {ne:?} by {factor} (f32, factor ≥ 2)",
+                a.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and f32, factor > 1 (ggml asserts both)
+        // and the result's size fits; room checked.
+        self.wrap(
+            unsafe { sys::ggml_upscale(self.raw, a.raw, factor, sys::GGML_SCALE_MODE_NEAREST) },
+            "ggml_upscale",
+        )
+    }
+
+    /// Zero padding at the end of each dimension: `[W, H, C, N]` becomes
+    /// `[W + p[0], H + p[1], C + p[2], N + p[3]]` (f32; the CPU kernel
+    /// takes nothing else).
+    pub fn pad<'a>(&'a self, a: Tensor<'a>, p: [i32; 4]) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        let grown = (0..4).try_fold(1i64, |n, i| {
+            let d = ne[i].checked_add(i64::from(p[i]))?;
+            (d > 0 && d <= i64::from(i32::MAX)).then_some(())?;
+            n.checked_mul(d)
+        });
+        if a.ty() != Some(Type::F32) || p.iter().any(|&v| v < 0) || grown.is_none() {
+            return invalid(format!(
+                "pad of a {} tensor {ne:?} by {p:?} (f32, non-negative)",
+                a.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and f32 (the CPU kernel asserts it);
+        // the paddings are non-negative and the result's size fits; room
+        // checked.
+        self.wrap(
+            unsafe { sys::ggml_pad(self.raw, a.raw, p[0], p[1], p[2], p[3]) },
+            "ggml_pad",
+        )
+    }
+
+    /// Concatenation along `dim`.
+    pub fn concat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>, dim: i32) -> Result<Tensor<'a>> {
+        let (x, y) = (a.ne(), b.ne());
+        if !(0..4).contains(&dim)
+            || (0..4).any(|i| i != dim as usize && x[i] != y[i])
+            || a.ty().is_none()
+            || a.ty() != b.ty()
+        {
+            return invalid(format!(
+                "concat of {} {x:?} and {} {y:?} along {dim}",
+                a.type_name(),
+                b.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: both alive for 'a; same type, dim in range and the other
+        // dimensions equal (ggml asserts them); room checked.
+        self.wrap(
+            unsafe { sys::ggml_concat(self.raw, a.raw, b.raw, dim) },
+            "ggml_concat",
+        )
+    }
+
+    /// Axis permutation (a view; follow with [`Context::cont`]).
+    pub fn permute<'a>(&'a self, a: Tensor<'a>, axes: [i32; 4]) -> Result<Tensor<'a>> {
+        let mut seen = [false; 4];
+        for &x in &axes {
+            if !(0..4).contains(&x) || std::mem::replace(&mut seen[x as usize], true) {
+                return invalid(format!("bad permutation {axes:?}"));
+            }
+        }
+        // Quantized blocks run along the first dimension: moving it makes a
+        // view whose blocks mean nothing (and which ggml may still call
+        // contiguous).
+        if a.ty().is_some_and(|t| t.block_size() > 1) && axes[0] != 0 {
+            return invalid(format!(
+                "cannot move the first dimension of a {} tensor (cast it to f32 first)",
+                a.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a; the permutation was checked (ggml
+        // aborts otherwise); room checked.
+        self.wrap(
+            unsafe { sys::ggml_permute(self.raw, a.raw, axes[0], axes[1], axes[2], axes[3]) },
+            "ggml_permute",
+        )
+    }
+
+    /// Whether [`Context::set_amx`] turned the AMX kernels on here.
+    pub fn amx(&self) -> bool {
+        self.amx.get()
+    }
+
+    /// Multi-head attention `softmax(q·kᵀ·scale)·v` on the tile unit (see
+    /// [`crate::amx::Attn`]), in an AMX context ([`Context::set_amx`]):
+    /// `q` `[D·H, T, N]`, `k` and `v` `[D·H, S, N]`, f32 with dense rows;
+    /// the result is `[D·H, T, N]` with the heads merged.
+    pub fn attention_amx<'a>(
+        &'a self,
+        q: Tensor<'a>,
+        k: Tensor<'a>,
+        v: Tensor<'a>,
+        heads: i64,
+        scale: f32,
+    ) -> Result<Tensor<'a>> {
+        let (x, y, z) = (q.ne(), k.ne(), v.ne());
+        let f32s = [&q, &k, &v]
+            .iter()
+            .all(|t| t.ty() == Some(Type::F32) && dense_rows(t));
+        if !self.amx.get()
+            || !f32s
+            || heads <= 0
+            || heads >= 1 << 31
+            || x[0] % heads != 0
+            || y != z
+            || x[0] != y[0]
+            || x[2] != y[2]
+            || x[3] != 1
+            || y[3] != 1
+            || !scale.is_finite()
+        {
+            return invalid(format!(
+                "AMX attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, an AMX context)"
+            ));
+        }
+        self.room(1)?;
+        let ud = crate::amx::attn_userdata(heads as usize, scale);
+        // SAFETY: the three are alive for 'a, f32 with dense rows and the
+        // shapes `attn_op` reads (checked above); the result is contiguous
+        // f32 shaped like q, which it writes; room checked.
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                [x[0], x[1], x[2], 1],
+                &mut [q.raw, k.raw, v.raw],
+                crate::amx::attn_op,
+                ud,
+            )
+        }
+    }
+
+    /// Fused attention `softmax(q·kᵀ·scale)·v`; q `[D, Nq, H]`, k/v `[D, Nk, H]`
+    /// (k and v in f16). The result is `[D, H, Nq]`.
+    pub fn flash_attn<'a>(
+        &'a self,
+        q: Tensor<'a>,
+        k: Tensor<'a>,
+        v: Tensor<'a>,
+        scale: f32,
+    ) -> Result<Tensor<'a>> {
+        let (x, y, z) = (q.ne(), k.ne(), v.ne());
+        if x[0] != y[0]
+            || y[1] != z[1]
+            || y[2] != z[2]
+            || x[2] % y[2] != 0
+            || x[3] != y[3]
+            || x[3] != z[3]
+            || !dense_rows(&q)
+            || !dense_rows(&k)
+            || !dense_rows(&v)
+        {
+            return invalid(format!(
+                "flash attention of q {x:?}, k {y:?}, v {z:?} (strides {:?}, {:?}, {:?})",
+                q.nb(),
+                k.nb(),
+                v.nb()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: all three alive for 'a; a null mask means none; shapes
+        // (ggml's asserts: k·q multipliable, same ne[3]) and dense rows (the
+        // CPU's) checked; room checked.
+        self.wrap(
+            unsafe {
+                sys::ggml_flash_attn_ext(
+                    self.raw,
+                    q.raw,
+                    k.raw,
+                    v.raw,
+                    std::ptr::null_mut(),
+                    scale,
+                    0.0,
+                    0.0,
+                )
+            },
+            "ggml_flash_attn_ext",
+        )
+    }
+}
+
+impl Context {
+    /// The same data seen with shape `ne` (1–4 dimensions, same element
+    /// count); `a` must be contiguous.
+    pub fn reshape<'a>(&'a self, a: Tensor<'a>, ne: &[i64]) -> Result<Tensor<'a>> {
+        let n = ne.iter().try_fold(1i64, |n, &d| n.checked_mul(d));
+        let block = a.ty().map_or(1, |t| t.block_size() as i64);
+        if ne.is_empty()
+            || ne.len() > 4
+            || ne.iter().any(|&d| d <= 0)
+            || n != Some(a.nelements() as i64)
+            || ne[0] % block != 0
+        {
+            return invalid(format!("cannot reshape {:?} to {ne:?}", a.ne()));
+        }
+        if !contiguous(&a) {
+            return invalid("reshape of a non-contiguous tensor".into());
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and contiguous, the counts are equal and
+        // ne[0] is whole blocks (ggml asserts all three); room checked.
+        let t = unsafe {
+            match *ne {
+                [a0] => sys::ggml_reshape_1d(self.raw, a.raw, a0),
+                [a0, a1] => sys::ggml_reshape_2d(self.raw, a.raw, a0, a1),
+                [a0, a1, a2] => sys::ggml_reshape_3d(self.raw, a.raw, a0, a1, a2),
+                [a0, a1, a2, a3] => sys::ggml_reshape_4d(self.raw, a.raw, a0, a1, a2, a3),
+                _ => unreachable!("length checked above"),
+            }
+        };
+        self.wrap(t, "ggml_reshape")
+    }
+
+    /// Part `index` of `parts` equal slices of `a` along `ne[0]` (a view;
+    /// follow with [`Context::cont`] where a contiguous tensor is needed).
+    pub fn split_dim0<'a>(&'a self, a: Tensor<'a>, parts: i64, index: i64) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        let ty = a.ty();
+        let block = ty.map_or(0, |t| t.block_size() as i64);
+        if ty.is_none() || parts <= 0 || ne[0] % parts != 0 || !(0..parts).contains(&index) {
+            return invalid(format!(
+                "cannot take slice {index} of {parts} along the first dimension of {ne:?}"
+            ));
+        }
+        let w = ne[0] / parts;
+        if w % block != 0 {
+            return invalid(format!(
+                "a slice of {w} {} elements is not whole blocks",
+                a.type_name()
+            ));
+        }
+        // SAFETY: live tensor; header reads and pure size computations (whole
+        // blocks, checked above).
+        let (offset, size, base_offs, base_bytes) = unsafe {
+            let r = &*a.raw;
+            let row = sys::ggml_row_size(r.type_, w);
+            let base = if r.view_src.is_null() {
+                a.raw
+            } else {
+                r.view_src
+            };
+            (
+                sys::ggml_row_size(r.type_, index * w),
+                (row as u128) * (ne[1] * ne[2] * ne[3]) as u128,
+                if r.view_src.is_null() { 0 } else { r.view_offs },
+                sys::ggml_nbytes(base),
+            )
+        };
+        // ggml's bound for a view: its dense size past its offset into the
+        // base tensor must stay inside the base.
+        if size + (base_offs + offset) as u128 > base_bytes as u128 {
+            return invalid(format!(
+                "slice {index} of {parts} of {ne:?} would reach past its base tensor"
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a; the view stays inside `a` (offset + w
+        // elements ≤ ne[0] per row, `a`'s own strides) and inside ggml's bound
+        // checked above; room checked.
+        let t = unsafe {
+            let r = &*a.raw;
+            sys::ggml_view_4d(
+                self.raw, a.raw, w, ne[1], ne[2], ne[3], r.nb[1], r.nb[2], r.nb[3], offset,
+            )
+        };
+        self.wrap(t, "ggml_view_4d")
+    }
+
+    /// `a` converted to `ty`: between f32, f16 and bf16, f32 ↔ i32, from a
+    /// quantized type to f32, or from a float type with dense rows to a
+    /// quantized type (whole blocks).
+    pub fn cast<'a>(&'a self, a: Tensor<'a>, ty: Type) -> Result<Tensor<'a>> {
+        let float = |t: Type| matches!(t, Type::F32 | Type::F16 | Type::BF16);
+        let ok = match a.ty() {
+            None => false,
+            Some(from) if from == ty => true,
+            Some(from) if float(from) && float(ty) => true,
+            Some(Type::F32) if ty == Type::I32 => true,
+            Some(Type::I32) => ty == Type::F32,
+            Some(from) if !float(from) => ty == Type::F32,
+            // float → quantized
+            Some(_) => dense_rows(&a) && a.ne()[0] % ty.block_size() as i64 == 0,
+        };
+        if !ok {
+            return invalid(format!(
+                "cannot cast {} {:?} to {}",
+                a.type_name(),
+                a.ne(),
+                ty.name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a; ne[0] is whole blocks of `ty` (ggml
+        // asserts it) and the pair of types is one the CPU converts; room
+        // checked.
+        self.wrap(
+            unsafe { sys::ggml_cast(self.raw, a.raw, ty.raw()) },
+            "ggml_cast",
+        )
+    }
+
+    /// Sets elements above the diagonal (key index > query index + `n_past`)
+    /// to −∞: a causal attention mask on `[Nk, Nq, ...]` scores.
+    pub fn diag_mask_inf<'a>(&'a self, a: Tensor<'a>, n_past: i32) -> Result<Tensor<'a>> {
+        check_f32_contiguous("diag_mask_inf", &a)?;
+        if n_past < 0 {
+            return invalid(format!("diag_mask_inf with n_past {n_past}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32, n_past ≥ 0 (the CPU
+        // asserts all three); room checked.
+        self.wrap(
+            unsafe { sys::ggml_diag_mask_inf(self.raw, a.raw, n_past) },
+            "ggml_diag_mask_inf",
+        )
+    }
+
+    /// `softmax(a · scale)` over `ne[0]`.
+    pub fn soft_max_scaled<'a>(&'a self, a: Tensor<'a>, scale: f32) -> Result<Tensor<'a>> {
+        check_f32_contiguous("soft_max_scaled", &a)?;
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, contiguous f32 (ggml and the CPU assert
+        // it); no mask; room checked.
+        self.wrap(
+            unsafe { sys::ggml_soft_max_ext(self.raw, a.raw, std::ptr::null_mut(), scale, 0.0) },
+            "ggml_soft_max_ext",
+        )
+    }
+
+    /// Sinusoidal embedding `[cos(t·f), sin(t·f)]` of the f32 timesteps `t`
+    /// (`[N]`), `f_j = max_period^(−j/(dim/2))`: `[dim, N]`.
+    pub fn timestep_embedding<'a>(
+        &'a self,
+        t: Tensor<'a>,
+        dim: i32,
+        max_period: i32,
+    ) -> Result<Tensor<'a>> {
+        check_f32_rows("timestep_embedding", &t)?;
+        if dim <= 0 || max_period <= 0 {
+            return invalid(format!(
+                "timestep_embedding of dimension {dim}, max period {max_period}"
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `t` is alive for 'a, f32 with dense rows (the CPU asserts
+        // both), positive sizes; room checked.
+        self.wrap(
+            unsafe { sys::ggml_timestep_embedding(self.raw, t.raw, dim, max_period) },
+            "ggml_timestep_embedding",
+        )
+    }
+}

@@ -1,0 +1,158 @@
+//! Element types ([`Type`]) and their byte sizes and quantization.
+
+use super::*;
+
+/// Element types used by sdhost.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Type {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 8-bit blocks of 32 with an f16 scale.
+    Q8_0,
+    /// 4-bit blocks of 32 with an f16 scale.
+    Q4_0,
+    /// 4-bit blocks of 32 with f16 scale and min.
+    Q4_1,
+    /// 5-bit blocks of 32.
+    Q5_0,
+    /// 5-bit blocks of 32 with min.
+    Q5_1,
+    /// k-quant, 2 bits.
+    Q2K,
+    /// k-quant, 3 bits.
+    Q3K,
+    /// k-quant, 4 bits.
+    Q4K,
+    /// k-quant, 5 bits.
+    Q5K,
+    /// k-quant, 6 bits.
+    Q6K,
+    /// 32-bit integer.
+    I32,
+}
+
+/// Every [`Type`].
+pub(crate) const ALL_TYPES: [Type; 14] = [
+    Type::F32,
+    Type::F16,
+    Type::BF16,
+    Type::Q8_0,
+    Type::Q4_0,
+    Type::Q4_1,
+    Type::Q5_0,
+    Type::Q5_1,
+    Type::Q2K,
+    Type::Q3K,
+    Type::Q4K,
+    Type::Q5K,
+    Type::Q6K,
+    Type::I32,
+];
+
+impl Type {
+    pub(crate) fn raw(self) -> sys::ggml_type {
+        match self {
+            Type::F32 => sys::GGML_TYPE_F32,
+            Type::F16 => sys::GGML_TYPE_F16,
+            Type::BF16 => sys::GGML_TYPE_BF16,
+            Type::Q8_0 => sys::GGML_TYPE_Q8_0,
+            Type::Q4_0 => sys::GGML_TYPE_Q4_0,
+            Type::Q4_1 => sys::GGML_TYPE_Q4_1,
+            Type::Q5_0 => sys::GGML_TYPE_Q5_0,
+            Type::Q5_1 => sys::GGML_TYPE_Q5_1,
+            Type::Q2K => sys::GGML_TYPE_Q2_K,
+            Type::Q3K => sys::GGML_TYPE_Q3_K,
+            Type::Q4K => sys::GGML_TYPE_Q4_K,
+            Type::Q5K => sys::GGML_TYPE_Q5_K,
+            Type::Q6K => sys::GGML_TYPE_Q6_K,
+            Type::I32 => sys::GGML_TYPE_I32,
+        }
+    }
+
+    /// The type with ggml's name `name` (`f32`, `f16`, `bf16`, `q8_0`, ...).
+    pub fn from_name(name: &str) -> Option<Type> {
+        ALL_TYPES.into_iter().find(|t| t.name() == name)
+    }
+
+    /// The type with ggml's numeric id `id` (as GGUF files store it).
+    pub fn from_id(id: u32) -> Option<Type> {
+        ALL_TYPES.into_iter().find(|t| t.raw() as u32 == id)
+    }
+
+    /// ggml's numeric id.
+    pub fn id(self) -> u32 {
+        self.raw() as u32
+    }
+
+    /// Bytes of one block ([`Type::block_size`] elements).
+    pub fn block_bytes(self) -> usize {
+        // SAFETY: pure lookup in ggml's type table.
+        unsafe { sys::ggml_type_size(self.raw()) }
+    }
+
+    /// Bytes of `n` elements, `None` unless `n` is a multiple of the block size.
+    pub fn bytes_of(self, n: u64) -> Option<u64> {
+        let b = self.block_size() as u64;
+        n.is_multiple_of(b)
+            .then(|| n / b)?
+            .checked_mul(self.block_bytes() as u64)
+    }
+
+    /// Encodes f32 `values` (rows of `row_len`) as this type.
+    pub fn encode(self, values: &[f32], row_len: usize) -> Result<Vec<u8>> {
+        if row_len == 0
+            || !values.len().is_multiple_of(row_len)
+            || !row_len.is_multiple_of(self.block_size())
+        {
+            return Err(Error::Invalid(format!(
+                "{} values in rows of {row_len} cannot be encoded as {}",
+                values.len(),
+                self.name()
+            )));
+        }
+        match self {
+            Type::F32 => return Ok(values.iter().flat_map(|v| v.to_le_bytes()).collect()),
+            Type::I32 => return Err(Error::Invalid("f32 values cannot be encoded as i32".into())),
+            _ => {}
+        }
+        let n = self.bytes_of(values.len() as u64).unwrap_or(0) as usize;
+        let mut out = vec![0u8; n];
+        // SAFETY: `out` holds exactly the bytes of `values.len() / row_len`
+        // rows of `row_len` elements of this type (checked divisible above).
+        unsafe {
+            sys::ggml_quantize_chunk(
+                self.raw(),
+                values.as_ptr(),
+                out.as_mut_ptr().cast(),
+                0,
+                (values.len() / row_len) as i64,
+                row_len as i64,
+                std::ptr::null(),
+            )
+        };
+        Ok(out)
+    }
+
+    /// Elements per block (1 for plain types).
+    pub fn block_size(self) -> usize {
+        // SAFETY: pure lookup in ggml's type table.
+        unsafe { sys::ggml_blck_size(self.raw()) as usize }
+    }
+
+    /// ggml's name for the type.
+    pub fn name(self) -> String {
+        // SAFETY: pure lookup; returns a static string.
+        let p = unsafe { sys::ggml_type_name(self.raw()) };
+        if p.is_null() {
+            return String::new();
+        }
+        // SAFETY: non-null, NUL-terminated and static (ggml's type table).
+        unsafe { std::ffi::CStr::from_ptr(p) }
+            .to_string_lossy()
+            .into_owned()
+    }
+}
