@@ -44,8 +44,24 @@ use sdhost_models::runtime::tiling::Tiling;
 use serde::Serialize;
 use std::collections::BTreeMap;
 
-/// Modules in the order fit considers them: the largest first.
+/// The order fit considers a family's modules in, by role: the denoiser
+/// (the largest) first, then the first stage, then the text encoders, then
+/// any other role in the plan's order.
 const ORDER: [Module; 3] = [Module::Diffusion, Module::Vae, Module::Te];
+
+/// The measured modules in [`ORDER`].
+fn fit_order(measured: &Measured) -> Vec<Module> {
+    let mut out: Vec<Module> = ORDER
+        .into_iter()
+        .filter(|m| measured.plan.modules.iter().any(|mm| mm.module == *m))
+        .collect();
+    for mm in &measured.plan.modules {
+        if !out.contains(&mm.module) {
+            out.push(mm.module);
+        }
+    }
+    out
+}
 
 /// VAE tile sizes tried, in latent cells (overlap a quarter).
 const TILES: [usize; 3] = [32, 16, 8];
@@ -79,20 +95,28 @@ pub struct Fitted {
     pub measured: Measured,
 }
 
-/// The phases a module's graphs run in.
-fn phases_of(m: Module) -> &'static [Phase] {
-    match m {
-        Module::Te => &[Phase::TextEncoding],
-        Module::Diffusion => &[Phase::Sampling],
-        Module::Vae => &[Phase::Encoding, Phase::Decoding],
-        _ => &[],
-    }
+/// The phases module `m`'s graphs run in, as measured (the family
+/// declares them through its plan).
+fn phases_of(measured: &Measured, m: Module) -> Vec<Phase> {
+    measured
+        .plan
+        .modules
+        .iter()
+        .filter(|mm| mm.module == m)
+        .flat_map(|mm| mm.phases.iter().map(|(p, _)| *p))
+        .collect()
 }
 
 /// Whether `device` is over budget in one of `m`'s phases.
-fn over_in(over: &[(String, Phase, u64, u64)], device: &str, m: Module) -> bool {
+fn over_in(
+    measured: &Measured,
+    over: &[(String, Phase, u64, u64)],
+    device: &str,
+    m: Module,
+) -> bool {
+    let phases = phases_of(measured, m);
     over.iter()
-        .any(|(d, p, _, _)| d == device && phases_of(m).contains(p))
+        .any(|(d, p, _, _)| d == device && phases.contains(p))
 }
 
 /// The most `device` needs in `m`'s phases.
@@ -103,7 +127,7 @@ fn need_in(measured: &Measured, device: &str, m: Module) -> u64 {
         .get(device)
         .map(|per| {
             per.iter()
-                .filter(|(p, _)| phases_of(m).contains(p))
+                .filter(|(p, _)| phases_of(measured, m).contains(p))
                 .map(|(_, b)| *b)
                 .max()
                 .unwrap_or(0)
@@ -156,7 +180,7 @@ pub fn fit(
     if on && !over.is_empty() {
         // 1. Time-sharing.
         let mut changed = false;
-        for m in ORDER {
+        for m in fit_order(&measured) {
             let d = p.runtime[&m].clone();
             if d != cpu
                 && !p.split.contains_key(&m)
@@ -180,9 +204,9 @@ pub fn fit(
             over = overruns(&measured.usage, budgets);
         }
         // 2. Partial residency.
-        for m in ORDER {
+        for m in fit_order(&measured) {
             let d = p.runtime[&m].clone();
-            if d == cpu || p.split.contains_key(&m) || !over_in(&over, &d, m) {
+            if d == cpu || p.split.contains_key(&m) || !over_in(&measured, &over, &d, m) {
                 continue;
             }
             if p.params[&m] != cpu {
@@ -265,9 +289,9 @@ pub fn fit(
             }
         }
         // 4. Another device.
-        for m in ORDER {
+        for m in fit_order(&measured) {
             let d = p.runtime[&m].clone();
-            if p.fixed_runtime.contains(&m) || !over_in(&over, &d, m) {
+            if p.fixed_runtime.contains(&m) || !over_in(&measured, &over, &d, m) {
                 continue;
             }
             let mut candidates: Vec<(u8, std::cmp::Reverse<u64>, String)> = session
@@ -286,7 +310,7 @@ pub fn fit(
                 q.stream.remove(&m);
                 let mm = eval(&q, tiling)?;
                 let o = overruns(&mm.usage, budgets);
-                if !over_in(&o, &c, m) && o.len() < over.len() {
+                if !over_in(&mm, &o, &c, m) && o.len() < over.len() {
                     reasons.insert(
                         m,
                         format!(
@@ -536,8 +560,11 @@ fn choices(
     tiling: Option<Tiling>,
     tiling_reason: Option<&str>,
 ) -> Vec<Choice> {
-    [Module::Te, Module::Diffusion, Module::Vae]
-        .into_iter()
+    measured
+        .plan
+        .modules
+        .iter()
+        .map(|mm| mm.module)
         .map(|m| {
             let rt = p.runtime[&m].clone();
             let pa = &p.params[&m];

@@ -21,15 +21,16 @@ use crate::error::Result;
 use crate::runtime::module::{ComputeBytes, DeviceBytes, Module};
 use crate::ModuleKind;
 
-/// A phase of a generation: one module runs, and under the `free` policy
-/// the previous module's runtime copy and compute buffers are gone.
+/// A phase of a generation: one stage runs (the modules a family measures
+/// in it say which), and under the `free` policy the previous phase's
+/// runtime copies and compute buffers are gone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Phase {
     /// The text encoder(s) on the prompt and the negative prompt.
     TextEncoding,
     /// The VAE encoder on the init image (img2img, inpainting).
     Encoding,
-    /// The UNet, every step.
+    /// The denoiser, every step.
     Sampling,
     /// The VAE decoder.
     Decoding,
@@ -51,15 +52,6 @@ impl Phase {
             Phase::Encoding => "encode",
             Phase::Sampling => "sampling",
             Phase::Decoding => "decode",
-        }
-    }
-
-    /// The module that runs in this phase.
-    pub fn module(self) -> ModuleKind {
-        match self {
-            Phase::TextEncoding => ModuleKind::Te,
-            Phase::Sampling => ModuleKind::Diffusion,
-            Phase::Encoding | Phase::Decoding => ModuleKind::Vae,
         }
     }
 }
