@@ -43,13 +43,11 @@ pub const ROWS: usize = 32;
 /// take the AMX path (one block: below it ggml's own kernels). Both repack
 /// the weight in every evaluation; measured on SD 1.5 at 256×256, that
 /// still beats ggml's bf16 kernels at the UNet's smallest levels (8 × 8
-/// latents). `SDHOST_AMX_MIN_ROWS` overrides it, for measurements.
-pub static MIN_ROWS: std::sync::LazyLock<usize> = std::sync::LazyLock::new(|| {
-    std::env::var("SDHOST_AMX_MIN_ROWS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(ROWS)
-});
+/// latents). [`crate::Knobs::amx_min_rows`] overrides it, for
+/// measurements.
+pub fn min_rows() -> usize {
+    crate::knobs().amx_min_rows.unwrap_or(ROWS)
+}
 /// k per tile row (bf16 elements in 64 bytes).
 const TILE_K: usize = 32;
 /// Outputs per panel (one tile's columns).
@@ -62,10 +60,10 @@ fn round_up(v: usize, m: usize) -> usize {
 
 /// Whether this process may run the AMX kernels: the processor has
 /// AMX-TILE and AMX-BF16, and the kernel granted the tile state. Asked
-/// once; `SDHOST_NO_AMX` (any value) says no, for comparisons.
+/// once; [`crate::Knobs::amx`] off says no, for comparisons.
 pub fn available() -> bool {
     static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| std::env::var_os("SDHOST_NO_AMX").is_none() && request_tile_state())
+    *OK.get_or_init(|| crate::knobs().amx && request_tile_state())
 }
 
 #[cfg(all(target_arch = "x86_64", target_os = "linux"))]

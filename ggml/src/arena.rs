@@ -232,12 +232,11 @@ pub fn trim() {
     drop(idle);
 }
 
-/// Whether schedulers take their CPU compute buffers from the arena:
-/// yes unless `SDHOST_NO_ARENA=1` (for measuring it against ggml's own
-/// buffers).
+/// Whether schedulers take their CPU compute buffers from the arena: yes
+/// unless [`crate::Knobs::arena`] is off (for measuring it against ggml's
+/// own buffers).
 pub fn enabled() -> bool {
-    static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"))
+    crate::knobs().arena
 }
 
 /// The arena's buffer type: host memory, usable by any CPU backend.

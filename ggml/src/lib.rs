@@ -14,6 +14,9 @@
 //! plugin's export function, lives in this crate. Every wrapper that hands a
 //! raw pointer out or takes one in says why it is sound.
 //!
+//! **Architecture invariant:** this crate reads no environment variable:
+//! the host passes its switches down ([`Knobs`], [`configure`]).
+//!
 //! **Architecture invariant:** this crate never loads a backend. Backends come
 //! from plugins as `ggml_backend_reg_t` values, wrapped with [`Reg::from_raw`].
 
@@ -72,3 +75,41 @@ pub enum Error {
 
 /// Result with [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Process-wide switches of sdhost's own kernels and buffers. This crate
+/// reads no environment: the host reads its variables once at start
+/// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_ARENA`) and passes
+/// them down with [`configure`]; unconfigured, everything is on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Knobs {
+    /// sdhost's AMX kernels where the processor has AMX ([`amx`]).
+    pub amx: bool,
+    /// The fewest rows that take the AMX path (default [`amx::ROWS`]).
+    pub amx_min_rows: Option<usize>,
+    /// CPU compute buffers from the host arena ([`arena`]).
+    pub arena: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            amx: true,
+            amx_min_rows: None,
+            arena: true,
+        }
+    }
+}
+
+static KNOBS: std::sync::OnceLock<Knobs> = std::sync::OnceLock::new();
+
+/// Sets the process's [`Knobs`], once, before any of them is read; `false`
+/// if they were set or read already (the first values stay).
+pub fn configure(knobs: Knobs) -> bool {
+    KNOBS.set(knobs).is_ok()
+}
+
+/// The process's [`Knobs`] (the defaults where [`configure`] was not
+/// called first).
+pub(crate) fn knobs() -> Knobs {
+    *KNOBS.get_or_init(Knobs::default)
+}

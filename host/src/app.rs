@@ -9,8 +9,24 @@ use std::process::ExitCode;
 
 pub use crate::session::init_logging;
 
+/// The switches of sdhost's own kernels and buffers, read from the
+/// environment once here and passed down to `ggml` (which reads none):
+/// `SDHOST_NO_AMX` (set: no AMX kernels), `SDHOST_AMX_MIN_ROWS` (the
+/// fewest rows for the AMX path, for measurements), `SDHOST_NO_ARENA=1`
+/// (ggml's own CPU compute buffers).
+pub fn knobs_from_env() -> ggml::Knobs {
+    ggml::Knobs {
+        amx: std::env::var_os("SDHOST_NO_AMX").is_none(),
+        amx_min_rows: std::env::var("SDHOST_AMX_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+        arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),
+    }
+}
+
 /// Runs one command line.
 pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    ggml::configure(knobs_from_env());
     let ok = |r: anyhow::Result<()>| r.map(|()| ExitCode::SUCCESS);
     match &cli.command {
         Command::Devices(a) => ok(commands::devices::run(

@@ -525,6 +525,26 @@ fn crate_dependencies_point_one_way() {
     }
 }
 
+/// The environment is read in the host only: ggml and the models take
+/// what the host passes down (`ggml::Knobs`), so a variable means the same
+/// in every command and test.
+#[test]
+fn no_environment_below_the_host() {
+    let mut bad = Vec::new();
+    for dir in ["ggml/src", "models/src"] {
+        let mut files = BTreeMap::new();
+        collect(&root().join(dir), &root().join(dir), &mut files);
+        for path in files.values() {
+            let code = code_of(&std::fs::read_to_string(path).expect("readable"));
+            if code.contains("env::var") {
+                let rel = path.strip_prefix(root()).expect("in the workspace");
+                bad.push(rel.display().to_string());
+            }
+        }
+    }
+    assert_none("environment read below the host", bad);
+}
+
 /// The tidy reader itself: it finds the edges and circles it should.
 #[test]
 fn reader_sees_imports() {

@@ -173,7 +173,7 @@ impl Context {
             && kernel.ty() == Some(Type::BF16)
             && stride < 1 << 15
             && pad < 1 << 15
-            && pixels >= *crate::amx::MIN_ROWS as i64)
+            && pixels >= crate::amx::min_rows() as i64)
     }
 
     /// [`Context::conv_2d`], with `bias` added inside the convolution
