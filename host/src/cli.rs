@@ -793,6 +793,13 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub grace: u64,
 
+    /// Another name clients may address the server by (repeatable; the
+    /// loopback names and the listening address are always allowed): a
+    /// request with any other `Host` is refused, so that a web page cannot
+    /// reach the server through a name it controls (DNS rebinding)
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    pub allowed_hosts: Vec<String>,
+
     /// Largest request body, in MiB (413 beyond)
     #[arg(long = "max-body", value_name = "MIB", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_body: u32,

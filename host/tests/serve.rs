@@ -1581,3 +1581,109 @@ fn replicas_throughput() {
         );
     }
 }
+
+/// A raw request with exactly these headers (no default `Host` or
+/// `Content-Type`).
+fn raw(addr: &str, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(DEADLINE)).unwrap();
+    let mut head = format!(
+        "{method} {path} HTTP/1.1\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).unwrap();
+    s.write_all(body).unwrap();
+    read_resp(s)
+}
+
+/// What a web page the user visits could do to a server on loopback:
+/// reach it through a name it controls (DNS rebinding: another `Host`),
+/// post to it from its own origin, or send a form or `text/plain` body
+/// that needs no preflight. Each is refused before any handler runs;
+/// the server's own names, its page's origin, `--allowed-host` and JSON
+/// bodies are served. The key is compared without surrounding blanks and
+/// the scheme in any case.
+#[test]
+fn web_pages_cannot_drive_the_server() {
+    let model = fixture("tiny-sd1.safetensors");
+    let srv = Server::start(&["-m", s(&model), "--allowed-host", "Studio.Lan"]);
+    let port = srv.addr.rsplit_once(':').unwrap().1.to_string();
+    let own = srv.addr.clone();
+    let json = ("Content-Type", "application/json");
+    let ok_hosts = [
+        own.clone(),
+        format!("localhost:{port}"),
+        format!("studio.lan:{port}"),
+        "STUDIO.LAN".to_string(),
+    ];
+    for host in &ok_hosts {
+        let r = raw(&srv.addr, "GET", "/health", &[("Host", host)], b"");
+        assert_eq!(r.status, 200, "Host {host}: {}", r.text());
+    }
+    for host in [format!("evil.example:{port}"), "127.0.0.2".into()] {
+        for path in ["/", "/health", "/sdapi/v1/sd-models"] {
+            let r = raw(&srv.addr, "GET", path, &[("Host", &host)], b"");
+            assert_eq!(r.status, 403, "Host {host} {path}: {}", r.text());
+            assert_eq!(r.json()["error"], "host_not_allowed");
+            assert!(!r.text().contains(s(&model)), "no path leaks");
+        }
+    }
+    // Another site's page may not change anything; the server's own may.
+    let evil = [("Host", own.as_str()), ("Origin", "http://evil.example"), json];
+    let r = raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &evil, b"");
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(r.json()["error"], "origin_not_allowed");
+    let body = serde_json::to_vec(&json!({"sd_model_checkpoint": "x"})).unwrap();
+    let r = raw(&srv.addr, "POST", "/sdapi/v1/options", &evil, &body);
+    assert_eq!(r.status, 403, "{}", r.text());
+    let null = [("Host", own.as_str()), ("Origin", "null"), json];
+    assert_eq!(raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &null, b"").status, 403);
+    let page = format!("http://{own}");
+    let mine = [("Host", own.as_str()), ("Origin", page.as_str()), json];
+    let r = raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &mine, b"");
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Bodies a page can send anywhere without asking: 415.
+    let prompt = serde_json::to_vec(&small("a cat", 1)).unwrap();
+    for ct in [
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+    ] {
+        let h = [("Host", own.as_str()), ("Content-Type", ct)];
+        let r = raw(&srv.addr, "POST", "/sdapi/v1/txt2img", &h, &prompt);
+        assert_eq!(r.status, 415, "{ct}: {}", r.text());
+        assert_eq!(r.json()["error"], "unsupported_media_type");
+    }
+    let h = [("Host", own.as_str())];
+    assert_eq!(
+        raw(&srv.addr, "POST", "/sdapi/v1/txt2img", &h, &prompt).status,
+        415,
+        "a body without a type"
+    );
+    // An empty POST without a type (webuiapi's interrupt) and JSON pass.
+    assert_eq!(raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &h, b"").status, 200);
+    let h = [
+        ("Host", own.as_str()),
+        ("Content-Type", "application/json; charset=utf-8"),
+    ];
+    let r = raw(&srv.addr, "POST", "/sdapi/v1/txt2img", &h, &prompt);
+    assert_eq!(r.status, 200, "{}", r.text());
+    drop(srv);
+
+    // The key without surrounding blanks, the scheme in any case.
+    let srv = Server::start(&["-m", s(&model), "--api-key", " k3y "]);
+    for auth in ["Bearer k3y", "bearer k3y", "BEARER  k3y ", "Bearer  k3y"] {
+        let h = [("Host", srv.addr.as_str()), ("Authorization", auth)];
+        let r = raw(&srv.addr, "GET", "/sdapi/v1/sd-models", &h, b"");
+        assert_eq!(r.status, 200, "{auth:?}: {}", r.text());
+    }
+    for auth in ["Bearer k3", "Basic k3y", "k3y", "Bearer"] {
+        let h = [("Host", srv.addr.as_str()), ("Authorization", auth)];
+        let r = raw(&srv.addr, "GET", "/sdapi/v1/sd-models", &h, b"");
+        assert_eq!(r.status, 401, "{auth:?}");
+    }
+}

@@ -17,7 +17,7 @@ use crate::image_io::Mask;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -48,8 +48,13 @@ pub struct AppState {
     pub models: Arc<Vec<ModelEntry>>,
     /// The loaded model.
     pub current: Arc<Mutex<Option<ModelInfo>>>,
-    /// `--api-key`.
+    /// `--api-key` (trimmed).
     pub api_key: Option<Arc<str>>,
+    /// The names a request's `Host` (and a state-changing request's
+    /// `Origin`) may carry, lowercase, without port: the loopback names,
+    /// the bound address and `--allowed-host`; `None` when the server
+    /// listens on every address (behind `--api-key`).
+    pub allowed_hosts: Option<Arc<Vec<String>>>,
     /// Where each replica's modules run, as its last load fitted them.
     pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
     /// Each replica's device (`--replicas`), by replica index.
@@ -164,6 +169,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -228,15 +234,92 @@ async fn signal() {
     }
 }
 
-/// `Authorization: Bearer KEY` on every API route when `--api-key` is set.
+/// What no web page may do (DNS rebinding, cross-site requests), on every
+/// route: a `Host` that is not one of the server's names is refused (403),
+/// as is a state-changing request whose `Origin` is another site's (403)
+/// or whose body is not declared JSON (415: forms and `text/plain`, which
+/// a page may send anywhere without asking, never reach a handler).
+async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response {
+    let headers = req.headers();
+    if let Some(allowed) = &st.allowed_hosts {
+        let host = headers.get(header::HOST).and_then(|v| v.to_str().ok());
+        if let Some(h) = host {
+            if !allowed.iter().any(|a| *a == host_name(h)) {
+                return ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "host_not_allowed",
+                    "this server answers only to its own names (loopback, its address, --allowed-host)",
+                )
+                .into_response();
+            }
+        }
+        let changes = !matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+        let origin = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok());
+        if let (true, Some(o)) = (changes, origin) {
+            let name = o
+                .split_once("://")
+                .map(|(_, rest)| host_name(rest.split('/').next().unwrap_or("")));
+            if !name.is_some_and(|n| allowed.contains(&n)) {
+                return ApiError::new(
+                    StatusCode::FORBIDDEN,
+                    "origin_not_allowed",
+                    "a request from another site's page is refused",
+                )
+                .into_response();
+            }
+        }
+    }
+    if *req.method() == Method::POST {
+        let json = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
+        let has_body = headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .is_none_or(|n| n.trim() != "0");
+        match json.as_deref() {
+            Some("application/json") => {}
+            None if !has_body => {}
+            _ => {
+                return ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "unsupported_media_type",
+                    "send the body as JSON, with `Content-Type: application/json`",
+                )
+                .into_response()
+            }
+        }
+    }
+    next.run(req).await
+}
+
+/// A `Host` (or an origin's authority) without its port, lowercase:
+/// `localhost`, `127.0.0.1`, `::1` (from `[::1]:7860`).
+fn host_name(h: &str) -> String {
+    let h = h.trim();
+    let name = match h.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => match h.rsplit_once(':') {
+            Some((name, port)) if port.chars().all(|c| c.is_ascii_digit()) => name,
+            _ => h,
+        },
+    };
+    name.to_ascii_lowercase()
+}
+
+/// `Authorization: Bearer KEY` on every API route when `--api-key` is set
+/// (the scheme in any case, the key without surrounding blanks).
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .unwrap_or("");
+            .map(str::trim)
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map_or("", |(_, k)| k);
         if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
             let mut r = ApiError::new(
                 StatusCode::UNAUTHORIZED,

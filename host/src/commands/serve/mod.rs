@@ -104,6 +104,23 @@ fn bind_address(args: &ServeArgs) -> anyhow::Result<std::net::SocketAddr> {
     Ok(addr)
 }
 
+/// The names requests may address the server by (see
+/// `api::AppState::allowed_hosts`): the loopback names, the bound address
+/// and `--allowed-host`; `None` (any) for a server on every address, which
+/// needs `--api-key`.
+fn allowed_hosts(ip: std::net::IpAddr, extra: &[String]) -> Option<Vec<String>> {
+    if ip.is_unspecified() {
+        return None;
+    }
+    let mut v: Vec<String> = ["localhost", "127.0.0.1", "::1"]
+        .into_iter()
+        .map(String::from)
+        .collect();
+    v.push(ip.to_string().to_ascii_lowercase());
+    v.extend(extra.iter().map(|h| h.trim().to_ascii_lowercase()));
+    Some(v)
+}
+
 /// Most replicas `--replicas` may list.
 const MAX_REPLICAS: usize = 16;
 
@@ -182,7 +199,8 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         queue: queue.clone(),
         models: Arc::new(models),
         current: current.clone(),
-        api_key: args.api_key.clone().map(Arc::from),
+        api_key: args.api_key.as_deref().map(|k| Arc::from(k.trim())),
+        allowed_hosts: allowed_hosts(local.ip(), &args.allowed_hosts).map(Arc::new),
         fits: fits.clone(),
         replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
     };
