@@ -1633,7 +1633,11 @@ fn web_pages_cannot_drive_the_server() {
         }
     }
     // Another site's page may not change anything; the server's own may.
-    let evil = [("Host", own.as_str()), ("Origin", "http://evil.example"), json];
+    let evil = [
+        ("Host", own.as_str()),
+        ("Origin", "http://evil.example"),
+        json,
+    ];
     let r = raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &evil, b"");
     assert_eq!(r.status, 403, "{}", r.text());
     assert_eq!(r.json()["error"], "origin_not_allowed");
@@ -1641,7 +1645,10 @@ fn web_pages_cannot_drive_the_server() {
     let r = raw(&srv.addr, "POST", "/sdapi/v1/options", &evil, &body);
     assert_eq!(r.status, 403, "{}", r.text());
     let null = [("Host", own.as_str()), ("Origin", "null"), json];
-    assert_eq!(raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &null, b"").status, 403);
+    assert_eq!(
+        raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &null, b"").status,
+        403
+    );
     let page = format!("http://{own}");
     let mine = [("Host", own.as_str()), ("Origin", page.as_str()), json];
     let r = raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &mine, b"");
@@ -1665,7 +1672,10 @@ fn web_pages_cannot_drive_the_server() {
         "a body without a type"
     );
     // An empty POST without a type (webuiapi's interrupt) and JSON pass.
-    assert_eq!(raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &h, b"").status, 200);
+    assert_eq!(
+        raw(&srv.addr, "POST", "/sdapi/v1/interrupt", &h, b"").status,
+        200
+    );
     let h = [
         ("Host", own.as_str()),
         ("Content-Type", "application/json; charset=utf-8"),

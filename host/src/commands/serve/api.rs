@@ -273,7 +273,13 @@ async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response
         let json = headers
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase());
+            .map(|v| {
+                v.split(';')
+                    .next()
+                    .unwrap_or("")
+                    .trim()
+                    .to_ascii_lowercase()
+            });
         let has_body = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
