@@ -22,6 +22,8 @@ pub const MAX_SIDE: u32 = 16384;
 const MAX_ALLOC: u64 = 2 << 30;
 
 fn decode(path: &Path) -> anyhow::Result<DynamicImage> {
+    sdhost_models::checkpoint::regular_file(path)
+        .with_context(|| format!("{}: cannot open", path.display()))?;
     let file =
         std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut reader = ImageReader::new(BufReader::new(file))

@@ -143,6 +143,8 @@ pub fn encode_png(w: impl std::io::Write, image: &Image, text: &str) -> anyhow::
 /// The first 12 hex digits of a file's SHA-256 (as A1111 shortens hashes).
 pub fn file_hash(path: &std::path::Path) -> anyhow::Result<String> {
     use sha2::Digest as _;
+    sdhost_models::checkpoint::regular_file(path)
+        .with_context(|| format!("{}: cannot open", path.display()))?;
     let mut f =
         std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
     let mut h = sha2::Sha256::new();

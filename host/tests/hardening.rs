@@ -8,6 +8,7 @@ use common::*;
 use std::io::{BufRead, Write as _};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
 
 /// `r` exited with `code`, printed exactly one line on stderr, and it says
 /// each of `needles`.
@@ -390,4 +391,55 @@ fn warnings_carry_no_colour_codes_off_a_terminal() {
     let r = p.run(&["devices"]).ok();
     assert!(r.stderr.contains("rejected plugin"), "{}", r.stderr);
     assert!(!r.stderr.contains('\x1b'), "{:?}", r.stderr);
+}
+
+/// Inputs that are not regular files (a FIFO as the init image, the mask,
+/// the model, a LoRA, the image to upscale) are refused in one line before
+/// anything opens them (opening a FIFO blocks past any signal), and no
+/// output's temporary file is left.
+#[test]
+fn special_files_as_inputs_are_refused_without_blocking() {
+    let p = Prefix::with_cpu();
+    let dir = p.dir("in");
+    let out = p.dir("out");
+    let fifo = dir.join("in.png");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let lora_fifo = dir.join("l.safetensors");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&lora_fifo)
+        .status()
+        .unwrap()
+        .success());
+    let model_fifo = dir.join("m.safetensors");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&model_fifo)
+        .status()
+        .unwrap()
+        .success());
+    let png = out.join("x.png");
+    let tiny = tiny_sd1();
+    let init = fixture("init-64.png");
+    let lora = format!("{}:1", lora_fifo.display());
+    let upscaler = fixture("upscale/esrgan-new-x2.safetensors");
+    let cases: Vec<Vec<&str>> = vec![
+        [gen_args(&tiny, &png, "64", "1"), vec!["-i", s(&fifo)]].concat(),
+        [
+            gen_args(&tiny, &png, "64", "1"),
+            vec!["-i", s(&init), "--mask", s(&fifo)],
+        ]
+        .concat(),
+        gen_args(&model_fifo, &png, "64", "1"),
+        [gen_args(&tiny, &png, "64", "1"), vec!["--lora", &lora]].concat(),
+        vec!["upscale", "-m", s(&upscaler), "-i", s(&fifo), "-o", s(&png)],
+    ];
+    for args in &cases {
+        let (r, elapsed) = run_within(p.cmd(args), Duration::from_secs(120));
+        assert!(elapsed < Duration::from_secs(60), "{args:?} blocked");
+        one_line_failure(&r, 1, &["not a regular file"]);
+        assert!(listing(&out).is_empty(), "{args:?}: {:?}", listing(&out));
+    }
 }

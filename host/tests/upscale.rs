@@ -156,6 +156,21 @@ fn any_image_size_works() {
             assert!(e.contains("5 values for a 1x1 RGB image"), "{e}");
             let e = up.run(&pattern(4, 4), 4, 4, UNTILED, &|| true).unwrap_err();
             assert!(matches!(e, sdhost_models::ModelError::Cancelled));
+            // A result over the size limit is refused before any work (the
+            // input is cheap, its enlargement would not be).
+            let side = sdhost_models::upscale::MAX_OUTPUT_SIDE;
+            let wide = side / s + 1;
+            let e = up
+                .upscale_rgb8(&vec![0; 3 * wide], wide, 1, 1, Tiling::default(), &|| false)
+                .unwrap_err();
+            assert!(
+                matches!(&e, sdhost_models::ModelError::Request(m) if m.contains("pixels a side")),
+                "{e}"
+            );
+            let e = up
+                .upscale_rgb8(&[0; 3], 1, 1, 40, Tiling::default(), &|| false)
+                .unwrap_err();
+            assert!(matches!(e, sdhost_models::ModelError::Request(_)), "{e}");
         });
     }
 }

@@ -325,6 +325,10 @@ fn build<'a>(
     })
 }
 
+/// The largest side an upscaled image may have (as an input image's,
+/// `image_io::MAX_SIDE` in the host).
+pub const MAX_OUTPUT_SIDE: usize = 16384;
+
 /// A loaded upscaler.
 pub struct Upscaler<'b> {
     /// The module (weights, devices, timing).
@@ -502,6 +506,20 @@ impl<'b> Upscaler<'b> {
         tiling: Tiling,
         cancelled: &dyn Fn() -> bool,
     ) -> Result<(Vec<u8>, usize, usize)> {
+        // The result's size is known before any work: refuse what could
+        // not be held (its f32 planes are 12 bytes a pixel) in one line
+        // rather than let an allocation abort the process.
+        let s = self.scale();
+        let grow = s.checked_pow(repeats);
+        let out = grow.and_then(|g| Some((width.checked_mul(g)?, height.checked_mul(g)?)));
+        match out {
+            Some((ow, oh)) if ow <= MAX_OUTPUT_SIDE && oh <= MAX_OUTPUT_SIDE => {}
+            _ => {
+                return Err(ModelError::Request(format!(
+                    "upscale: {width}x{height} enlarged {s}x {repeats} time(s) is over {MAX_OUTPUT_SIDE} pixels a side; use a smaller image or fewer repeats"
+                )))
+            }
+        }
         let (mut rgb, mut w, mut h) = (rgb.to_vec(), width, height);
         for _ in 0..repeats {
             let n = w * h;

@@ -28,8 +28,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let cancel = crate::cancel::flag();
     let placement = session.resolve(&args.placement.ask())?;
     args.sample.scheduler()?;
-    let output = OutputFile::create(&args.output)?;
+    // Inputs first: the output's temporary file appears only once they
+    // are read.
     let init = read_init(&args.init)?;
+    let output = OutputFile::create(&args.output)?;
     let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
     let vae = args
         .sample

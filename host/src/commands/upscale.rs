@@ -14,7 +14,7 @@ use crate::manager::BackendManager;
 use crate::output::OutputFile;
 use crate::session::Session;
 use crate::{term, upscaler};
-use anyhow::{anyhow, Context as _};
+use anyhow::Context as _;
 use sdhost_models::request::Image;
 use std::path::Path;
 use std::time::Instant;
@@ -23,8 +23,10 @@ use std::time::Instant;
 pub fn run(session: &Session, args: &UpscaleArgs) -> anyhow::Result<()> {
     let cancel = crate::cancel::flag();
     let placement = session.resolve(&args.placement.ask())?;
-    let output = OutputFile::create(&args.output)?;
+    // The input first: the output's temporary file appears only once it is
+    // read.
     let image = read_image(&args.input)?;
+    let output = OutputFile::create(&args.output)?;
     let manager =
         BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
     let devices = upscaler::devices(session, &manager, &placement)?;
@@ -65,5 +67,5 @@ pub fn run(session: &Session, args: &UpscaleArgs) -> anyhow::Result<()> {
 
 /// Reads a PNG or JPEG file as 8-bit RGB (see [`crate::image_io`]).
 pub fn read_image(path: &Path) -> anyhow::Result<Image> {
-    crate::image_io::load_rgb(path).map_err(|e| anyhow!("--input: {e}"))
+    crate::image_io::load_rgb(path).context("--input")
 }

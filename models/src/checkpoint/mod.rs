@@ -109,8 +109,26 @@ impl Checkpoint {
     }
 }
 
+/// Refuses what is not a regular file (a FIFO, a device, a folder) before
+/// opening it: opening a FIFO blocks until a writer comes, past any signal.
+pub fn regular_file(path: &Path) -> std::io::Result<()> {
+    let meta = std::fs::metadata(path)?;
+    if meta.is_file() {
+        Ok(())
+    } else {
+        Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ))
+    }
+}
+
 /// Reads a checkpoint's header (no tensor data is read).
 pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    regular_file(path).map_err(|source| CheckpointError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
     let ext = path
         .extension()
         .and_then(|e| e.to_str())

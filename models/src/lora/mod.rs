@@ -147,6 +147,7 @@ pub fn prompt_tags(prompt: &str) -> Result<(String, Vec<(String, f32)>), String>
 /// the header). Computed by the caller with its hasher over
 /// [`data_range`]'s bytes.
 pub fn data_range(path: &Path) -> std::io::Result<(u64, u64)> {
+    checkpoint::regular_file(path)?;
     let f = std::fs::File::open(path)?;
     let mut n = [0u8; 8];
     f.read_exact_at(&mut n, 0)?;

@@ -697,6 +697,11 @@ async fn run_job(st: &AppState, work: Work) -> ApiResult<Output> {
     match reply {
         Ok(Ok(out)) => Ok(out),
         Ok(Err(JobError::Cancelled(m))) => Err(ApiError::new(StatusCode::CONFLICT, "cancelled", m)),
+        Ok(Err(JobError::Stopping(m))) => Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "stopping",
+            m,
+        )),
         Ok(Err(JobError::Invalid(m))) => {
             let field = m.split_once(':').map(|(f, _)| f.to_string());
             Err(ApiError {

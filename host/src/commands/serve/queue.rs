@@ -26,8 +26,10 @@ use tokio::sync::oneshot;
 /// Why a job ended without a result.
 #[derive(Debug)]
 pub enum JobError {
-    /// Interrupted, cancelled by its client, or dropped at shutdown.
+    /// Interrupted or cancelled by its client (409).
     Cancelled(String),
+    /// Still waiting when the server began to stop (503).
+    Stopping(String),
     /// The request was invalid for the loaded model (422).
     Invalid(String),
     /// Anything else (500).
@@ -318,7 +320,7 @@ impl<W: JobKind, T> Queue<W, T> {
         drop(g);
         for job in dropped {
             job.cancel.store(true, Ordering::SeqCst);
-            let _ = job.reply.send(Err(JobError::Cancelled(
+            let _ = job.reply.send(Err(JobError::Stopping(
                 "the server is shutting down".into(),
             )));
         }
@@ -349,6 +351,21 @@ mod tests {
         fn size(&self) -> (usize, usize) {
             (self.0, 1)
         }
+    }
+
+    /// Jobs still waiting when the server stops are answered "stopping"
+    /// (503), not "cancelled" (409), and no job is taken after it.
+    #[test]
+    fn closing_answers_waiting_jobs_stopping() {
+        let q: Arc<Queue<W, ()>> = Queue::new(4, vec![Arc::new(AtomicBool::new(false))]);
+        let (_t1, _r1) = q.submit(W(1)).unwrap();
+        let running = q.next(0).unwrap();
+        let (_t2, mut r2) = q.submit(W(2)).unwrap();
+        q.close();
+        assert!(matches!(r2.try_recv(), Ok(Err(JobError::Stopping(_)))));
+        assert!(q.submit(W(3)).is_err(), "a closed queue takes no job");
+        assert!(q.next(0).is_none());
+        drop(running);
     }
 
     #[test]
