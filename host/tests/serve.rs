@@ -1697,3 +1697,64 @@ fn web_pages_cannot_drive_the_server() {
         assert_eq!(r.status, 401, "{auth:?}");
     }
 }
+
+/// `GET /health` that may fail (a refused or closed connection): the
+/// status, or `None`.
+fn try_health(addr: &str) -> Option<u16> {
+    let mut s = TcpStream::connect(addr).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let req = format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).ok()?;
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).ok()?;
+    let head = String::from_utf8_lossy(&raw);
+    head.split(' ').nth(1)?.parse().ok()
+}
+
+/// Half-open connections (headers never finished, more of them than the
+/// server's connection cap) cannot take it offline: the ones over the cap
+/// are closed at once, the others after the header-read timeout, and the
+/// server answers again within it, still running.
+#[test]
+fn half_open_connections_cannot_take_the_server_down() {
+    let model = fixture("tiny-sd1.safetensors");
+    let mut srv = Server::start(&["-m", s(&model)]);
+    assert_eq!(try_health(&srv.addr), Some(200));
+    let mut held = Vec::new();
+    for _ in 0..600 {
+        let Ok(mut c) = TcpStream::connect(&srv.addr) else {
+            continue;
+        };
+        let _ = c.write_all(b"GET /health HTTP/1.1\r\nHost: ");
+        held.push(c);
+    }
+    assert!(
+        held.len() >= 520,
+        "the test opened {} connections",
+        held.len()
+    );
+    let start = Instant::now();
+    let mut answered = false;
+    while start.elapsed() < Duration::from_secs(40) {
+        if try_health(&srv.addr) == Some(200) {
+            answered = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    assert!(answered, "the server never answered again");
+    assert!(srv.child.try_wait().unwrap().is_none(), "the server exited");
+    // Every held connection has been closed by the server (over the cap at
+    // once, the others after the header timeout).
+    std::thread::sleep(Duration::from_secs(12).saturating_sub(start.elapsed()));
+    for c in &mut held {
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut rest = Vec::new();
+        let r = c.read_to_end(&mut rest);
+        assert!(
+            !matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+                || e.kind() == std::io::ErrorKind::TimedOut),
+            "a half-open connection is still held: {r:?}"
+        );
+    }
+}

@@ -174,8 +174,22 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .with_state(state)
 }
 
+/// Most connections served at once: well under the common 1,024 open-file
+/// limit, so that half-open connections cannot take the server offline
+/// (one past it is closed at once).
+pub const MAX_CONNECTIONS: usize = 512;
+
+/// How long a client may take to send a request's headers (slowloris):
+/// the connection is closed after it.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// Serves on `listener` until SIGINT or SIGTERM, then stops accepting,
 /// closes the queue and cancels the running job after `grace`.
+///
+/// The accept loop is sdhost's (hyper's HTTP/1 connection over the axum
+/// router, as `axum::serve` does) so that it can bound what one client
+/// holds: at most [`MAX_CONNECTIONS`] at once, and [`HEADER_TIMEOUT`] to
+/// send a request's headers.
 pub fn serve(
     listener: std::net::TcpListener,
     local: std::net::SocketAddr,
@@ -206,11 +220,70 @@ pub fn serve(
             });
         };
         crate::term::eprint_line(&format!("listening on http://{local}"));
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await?;
+        accept_loop(listener, app, shutdown).await;
         anyhow::Ok(())
     })
+}
+
+/// Accepts connections until `shutdown`, each served by hyper's HTTP/1
+/// with the header-read timeout, at most [`MAX_CONNECTIONS`] at once; then
+/// asks every connection to finish its request and waits for them.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    shutdown: impl std::future::Future<Output = ()>,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut conns = tokio::task::JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let stream = tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of file descriptors and the like: wait a moment.
+                Err(_) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        // Reap finished connections as new ones come.
+        while conns.try_join_next().is_some() {}
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
+        let app = app.clone();
+        let mut stop = stop_rx.clone();
+        conns.spawn(async move {
+            let _slot = slot;
+            let service =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let app = app.clone();
+                    async move {
+                        use tower::ServiceExt as _;
+                        app.oneshot(req.map(axum::body::Body::new)).await
+                    }
+                });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(stream), service);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+    }
+    let _ = stop_tx.send(true);
+    while conns.join_next().await.is_some() {}
 }
 
 async fn signal() {
