@@ -443,3 +443,29 @@ fn special_files_as_inputs_are_refused_without_blocking() {
         assert!(listing(&out).is_empty(), "{args:?}: {:?}", listing(&out));
     }
 }
+
+/// A LoRA whose scale overflows (merged into a weight, or applied in the
+/// graph) is one line and exit 1, never an all-black image with exit 0.
+#[test]
+fn overflowing_lora_scales_fail_instead_of_writing_black() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let png = out.join("x.png");
+    let lora = fixture("tiny-sd1-lora-kohya.safetensors");
+    let tiny = tiny_sd1();
+    for (w, apply) in [("3e38", "merge"), ("1e5", "merge"), ("3e38", "graph")] {
+        let spec = format!("{}:{w}", lora.display());
+        let args = [
+            gen_args(&tiny, &png, "64", "2"),
+            vec!["--lora", &spec, "--lora-apply", apply],
+        ]
+        .concat();
+        let r = p.run(&args);
+        one_line_failure(&r, 1, &["not finite"]);
+        assert!(listing(&out).is_empty(), "{w} {apply}: {:?}", listing(&out));
+    }
+    // A large but sane weight still writes its image.
+    let spec = format!("{}:4", lora.display());
+    let r = p.run(&[gen_args(&tiny, &png, "64", "2"), vec!["--lora", &spec]].concat());
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+}

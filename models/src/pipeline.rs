@@ -349,6 +349,8 @@ impl<'b> Pipeline<'b> {
         let guided = guidance.two_passes();
         check(cancelled)?;
         let cond = self.model.condition(req, guided)?;
+        finite(&cond.context, "the text encoders' output")?;
+        finite(cond.vector.as_deref().unwrap_or(&[]), "the conditioning vector")?;
         check(cancelled)?;
 
         let sampling: ModelSampling = self.model.sampling().clone();
@@ -402,6 +404,7 @@ impl<'b> Pipeline<'b> {
             }
         }
         let mut latent = result?;
+        finite(&latent, "the sampled latent")?;
         if let (Some(z0), Some(keep)) = (&z0, &keep) {
             blend(&mut latent, z0, keep);
         }
@@ -570,6 +573,7 @@ impl<'b> Pipeline<'b> {
         };
         self.vae.end_phase();
         let out = out?;
+        finite(&out, "the decoded image")?;
         let f = self.first_stage.format().spatial;
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
@@ -603,6 +607,19 @@ pub fn to_planes(image: &Image) -> Vec<f32> {
         }
     }
     planes
+}
+
+/// An error where `values` (a phase's output) hold a NaN or an infinity:
+/// an image of them would be black or noise with no sign of why (a LoRA
+/// weight too large, a broken checkpoint).
+fn finite(values: &[f32], what: &str) -> Result<()> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(ModelError::Request(format!(
+            "{what} is not finite ({} at value {i}): a LoRA or CFG scale too large, or broken weights",
+            values[i]
+        ))),
+    }
 }
 
 /// `Err(Cancelled)` once `cancelled()` says so: called between graph

@@ -410,6 +410,11 @@ impl LoraSet {
                 }
             });
         }
+        if let Some(v) = values.iter().find(|v| !v.is_finite()) {
+            return Err(format!(
+                "the LoRA makes the weight {v} (not finite): its weight or alpha is too large"
+            ));
+        }
         Ok(())
     }
 
