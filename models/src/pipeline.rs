@@ -350,7 +350,10 @@ impl<'b> Pipeline<'b> {
         check(cancelled)?;
         let cond = self.model.condition(req, guided)?;
         finite(&cond.context, "the text encoders' output")?;
-        finite(cond.vector.as_deref().unwrap_or(&[]), "the conditioning vector")?;
+        finite(
+            cond.vector.as_deref().unwrap_or(&[]),
+            "the conditioning vector",
+        )?;
         check(cancelled)?;
 
         let sampling: ModelSampling = self.model.sampling().clone();
