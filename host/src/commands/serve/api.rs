@@ -174,6 +174,10 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .with_state(state)
 }
 
+/// Image decodings at once (each may hold up to the decoder's memory
+/// limit); more wait without holding an async worker.
+static DECODES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
+
 /// Most connections served at once: well under the common 1,024 open-file
 /// limit, so that half-open connections cannot take the server offline
 /// (one past it is closed at once).
@@ -935,32 +939,52 @@ async fn img2img(
     if strength <= 0.0 {
         return Err(ApiError::field("denoising_strength", "must be above 0"));
     }
-    let bytes = decode_b64("init_images[0]", &first)?;
-    let img = decode_image("init_images[0]", &bytes)?.into_rgb8();
-    let image = sdhost_models::request::Image {
-        width: img.width() as usize,
-        height: img.height() as usize,
-        rgb: img.into_raw(),
-    };
     let invert = match f.get("inpainting_mask_invert") {
         None => false,
         Some(_) => f.boolean("inpainting_mask_invert")?.unwrap_or(false),
     };
-    let (mask, mask_hash) = match f.string("mask")? {
-        Some(m) if !m.is_empty() => {
-            let mb = decode_b64("mask", &m)?;
-            (
-                Some(mask_of(decode_image("mask", &mb)?, invert)),
-                Some(short_hash(&mb)),
-            )
-        }
-        _ => (None, None),
-    };
+    let mask_b64 = f.string("mask")?.filter(|m| !m.is_empty());
+    // Decoding (a crafted PNG may take seconds) runs on the blocking
+    // threads, two at a time, never on the async workers that answer
+    // /health, /progress and interrupt.
+    let _decoding = DECODES
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "stopping"))?;
+    let decoded = tokio::task::spawn_blocking(move || -> ApiResult<_> {
+        let bytes = decode_b64("init_images[0]", &first)?;
+        let img = decode_image("init_images[0]", &bytes)?.into_rgb8();
+        let image = sdhost_models::request::Image {
+            width: img.width() as usize,
+            height: img.height() as usize,
+            rgb: img.into_raw(),
+        };
+        let (mask, mask_hash) = match mask_b64 {
+            Some(m) => {
+                let mb = decode_b64("mask", &m)?;
+                (
+                    Some(mask_of(decode_image("mask", &mb)?, invert)),
+                    Some(short_hash(&mb)),
+                )
+            }
+            None => (None, None),
+        };
+        Ok((image, short_hash(&bytes), mask, mask_hash))
+    })
+    .await
+    .map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "decoding_failed",
+            "decoding the images failed",
+        )
+    })?;
+    let (image, hash, mask, mask_hash) = decoded?;
     work.init = Some(InitWork {
         image,
         mask,
         strength,
-        hash: short_hash(&bytes),
+        hash,
         mask_hash,
     });
     let echo = Echo::of(&work);
