@@ -66,7 +66,7 @@ pub(super) fn scan(
     let header_len = u64::from_le_bytes(n);
     if header_len > total - 8 || header_len > 100 << 20 {
         return Err(bad(format!(
-            "header length {header_len} runs past the end of the {total}-byte file"
+            "its header length runs past the end of the {total}-byte file (not a safetensors file?)"
         )));
     }
     let mut header = vec![0u8; header_len as usize];

@@ -538,8 +538,13 @@ fn seed_of(f: &Fields<'_>) -> ApiResult<u64> {
             }
             match v
                 .as_i64()
-                .or_else(|| v.as_f64().filter(|x| x.fract() == 0.0).map(|x| x as i64))
-            {
+                // A float is taken only where it is exact (up to 2^53): a
+                // larger one (1e20, 2^64) would silently saturate.
+                .or_else(|| {
+                    v.as_f64()
+                        .filter(|x| x.fract() == 0.0 && x.abs() <= 9_007_199_254_740_992.0)
+                        .map(|x| x as i64)
+                }) {
                 Some(-1) => Ok(random_seed()),
                 Some(n) if n >= 0 => Ok(n as u64),
                 _ => Err(ApiError::field(
@@ -1232,6 +1237,16 @@ mod tests {
     }
 
     #[test]
+    fn seeds_are_exact_or_refused() {
+        let seed = |v: Value| seed_of(&Fields(&fields(json!({ "seed": v })))).ok();
+        assert_eq!(seed(json!(18446744073709551615u64)), Some(u64::MAX));
+        assert_eq!(seed(json!(42.0)), Some(42));
+        assert_eq!(seed(json!(9007199254740992.0)), Some(1 << 53));
+        assert_eq!(seed(json!(1e20)), None);
+        assert_eq!(seed(json!(1.5)), None);
+    }
+
+    #[test]
     fn bad_fields_are_named() {
         let cases = [
             (json!({}), "prompt"),
@@ -1242,6 +1257,11 @@ mod tests {
             (json!({"prompt": "x", "width": 100000}), "width"),
             (json!({"prompt": "x", "cfg_scale": "high"}), "cfg_scale"),
             (json!({"prompt": "x", "seed": -2}), "seed"),
+            (json!({"prompt": "x", "seed": 1e20}), "seed"),
+            (
+                json!({"prompt": "x", "seed": 18446744073709551616.0}),
+                "seed",
+            ),
             (
                 json!({"prompt": "x", "sampler_name": "nope"}),
                 "sampler_name",
