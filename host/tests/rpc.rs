@@ -732,3 +732,66 @@ fn the_weight_cache_spares_the_second_upload() {
     assert_eq!(listing(&cache), files);
     assert!(img1 == img2, "the cached weight gave another image");
 }
+
+/// ggml's cache names (64-bit FNV-1a of a weight's bytes, in hex).
+fn fnv1a_hex(data: &[u8]) -> String {
+    let h = data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    });
+    format!("{h:016x}")
+}
+
+/// The weight cache folder is sdhost's own before ggml's server writes
+/// there: a folder others may write to (where a client could have planted
+/// links to overwrite or read any file) or a link is refused in one line;
+/// a missing one is created private; entries that are not cached weights
+/// (a link, bytes that do not hash to their name as a full disk leaves
+/// them) are removed and reported, the rest kept.
+#[test]
+fn the_weight_cache_folder_is_private_and_checked() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let p = prefix();
+    let port = free_port().to_string();
+    let refused = |cache: &Path, needle: &str| {
+        let (r, _) = run_within(
+            p.cmd(&[
+                "rpc-server",
+                "--device",
+                "cpu",
+                "--port",
+                &port,
+                "--cache",
+                s(cache),
+            ]),
+            Duration::from_secs(60),
+        );
+        assert_eq!(r.code, Some(1), "{}", r.stderr);
+        assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+        assert!(r.stderr.contains(needle), "{needle:?} not in {}", r.stderr);
+    };
+    let open = p.dir("open-cache");
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    refused(&open, "writable by group or others");
+    let link = p.root().join("link-cache");
+    std::os::unix::fs::symlink(p.dir("real-cache"), &link).unwrap();
+    refused(&link, "a symbolic link");
+
+    let fresh = p.root().join("new-cache");
+    drop(Server::start(&p, "cpu", &["--cache", s(&fresh)], &[]));
+    let mode = std::fs::metadata(&fresh).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o700, "created private");
+
+    let cache = p.dir("used-cache");
+    std::fs::set_permissions(&cache, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let good = b"a cached weight's bytes".to_vec();
+    std::fs::write(cache.join(fnv1a_hex(&good)), &good).unwrap();
+    std::fs::write(cache.join(fnv1a_hex(b"the whole weight")), b"the who").unwrap();
+    std::os::unix::fs::symlink("/etc/passwd", cache.join(fnv1a_hex(b"x"))).unwrap();
+    std::fs::write(cache.join("notes.txt"), b"hi").unwrap();
+    let server = Server::start(&p, "cpu", &["--cache", s(&cache)], &[]);
+    assert_eq!(listing(&cache), [fnv1a_hex(&good)]);
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert_eq!(log.matches("warning: --cache: removed").count(), 3, "{log}");
+    assert!(log.contains("do not hash to its name"), "{log}");
+    assert!(log.contains("a symbolic link"), "{log}");
+}

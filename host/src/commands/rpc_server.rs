@@ -6,6 +6,7 @@ use crate::cli::ServerArgs;
 use crate::session::Session;
 use anyhow::{anyhow, bail, Context as _};
 use std::net::Ipv4Addr;
+use std::path::Path;
 
 /// Runs `sdhost rpc-server` (blocks while serving).
 pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
@@ -47,8 +48,7 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
         anyhow!("the rpc plugin (libsdhost_plugin_rpc.so) is not loaded; `sdhost plugins` says why")
     })?;
     if let Some(dir) = &args.cache {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("--cache: creating {}", dir.display()))?;
+        prepare_cache(dir)?;
     }
     // A clear line for a port in use, before ggml's silent failure to bind.
     drop(
@@ -69,4 +69,93 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
         &[entry.device],
     )
     .map_err(|e| anyhow!("rpc-server on {ip}:{}: {e}", args.port))
+}
+
+/// The weight cache folder, made sdhost's own before ggml's server writes
+/// there: created 0700 where missing; refused when it is a symbolic link,
+/// not a folder, another user's, or writable by group or others (anyone
+/// who can plant a link in it could have a client overwrite or read any
+/// file the server may). An entry that is not a cached weight whose name
+/// is the FNV-1a hash of its bytes, as ggml names them (a link, a file
+/// truncated by a full disk), is removed and reported, never served.
+fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
+    let shown = crate::term::clean(&dir.display().to_string()).into_owned();
+    match std::fs::symlink_metadata(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .with_context(|| format!("--cache: creating {shown}"))?;
+        }
+        Err(e) => bail!("--cache {shown}: {e}"),
+        Ok(m) if m.file_type().is_symlink() => {
+            bail!("--cache {shown}: a symbolic link; give the folder it points to")
+        }
+        Ok(m) if !m.is_dir() => bail!("--cache {shown}: not a folder"),
+        Ok(m) if m.uid() != nix::unistd::getuid().as_raw() => {
+            bail!("--cache {shown}: owned by another user (uid {})", m.uid())
+        }
+        Ok(m) if m.mode() & 0o022 != 0 => bail!(
+            "--cache {shown}: writable by group or others, who could plant links there (chmod 700 it)"
+        ),
+        Ok(_) => {}
+    }
+    let entries = std::fs::read_dir(dir).with_context(|| format!("--cache {shown}: reading"))?;
+    for e in entries {
+        let e = e.with_context(|| format!("--cache {shown}: reading"))?;
+        let path = e.path();
+        let name = e.file_name().to_string_lossy().into_owned();
+        let meta = std::fs::symlink_metadata(&path)
+            .with_context(|| format!("--cache {shown}: reading {}", crate::term::clean(&name)))?;
+        let why = if meta.file_type().is_symlink() {
+            Some("a symbolic link")
+        } else if meta.is_dir() {
+            bail!(
+                "--cache {shown}: {} is a folder, not a cached weight; remove it",
+                crate::term::clean(&name)
+            )
+        } else if !meta.is_file() {
+            Some("not a regular file")
+        } else {
+            match u64::from_str_radix(&name, 16) {
+                Ok(want) if name.len() == 16 => {
+                    let bytes = std::fs::read(&path).with_context(|| {
+                        format!("--cache {shown}: reading {}", crate::term::clean(&name))
+                    })?;
+                    (fnv1a(&bytes) != want).then_some("its bytes do not hash to its name")
+                }
+                _ => Some("not named as a cached weight"),
+            }
+        };
+        if let Some(why) = why {
+            std::fs::remove_file(&path).with_context(|| {
+                format!("--cache {shown}: removing {}", crate::term::clean(&name))
+            })?;
+            crate::term::eprint_line(&format!(
+                "warning: --cache: removed {}: {why}",
+                crate::term::clean(&name)
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// ggml's RPC cache hash (`fnv_hash` in ggml-rpc.cpp): 64-bit FNV-1a.
+fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fnv1a_is_ggmls() {
+        // FNV-1a 64 reference values.
+        assert_eq!(super::fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(super::fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(super::fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
+    }
 }
