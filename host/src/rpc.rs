@@ -32,6 +32,16 @@ const CMD_HELLO: u8 = 14;
 const CONN_CAPS: usize = 24;
 /// The HELLO response: major, minor, patch, padding, capabilities.
 const HELLO_RESPONSE: usize = 4 + CONN_CAPS;
+/// `RPC_CMD_GET_ALIGNMENT`, `RPC_CMD_GET_MAX_SIZE`,
+/// `RPC_CMD_GET_DEVICE_MEMORY`, `RPC_CMD_DEVICE_COUNT` (protocol 7).
+const CMD_GET_ALIGNMENT: u8 = 1;
+const CMD_GET_MAX_SIZE: u8 = 2;
+const CMD_GET_DEVICE_MEMORY: u8 = 11;
+const CMD_DEVICE_COUNT: u8 = 15;
+/// The most devices one server may report (ggml sizes arrays by it).
+const MAX_DEVICES: u32 = 16;
+/// The largest buffer alignment a server may report.
+const MAX_ALIGNMENT: u64 = 1 << 30;
 
 /// Default seconds for connecting to a server and for each handshake read
 /// or write (`--rpc-timeout`, `rpc_timeout` in the config file).
@@ -133,8 +143,10 @@ pub fn servers(
     }
 }
 
-/// Connects to `e` and runs the protocol's HELLO: `Ok` when the server
-/// answers with protocol 7.x (x ≤ 0, ggml's client rule), else a reason
+/// Connects to `e` and runs the protocol's HELLO, then the queries ggml's
+/// client trusts (device count, each device's alignment, largest buffer
+/// and memory): `Ok` when the server answers with protocol 7.x (x ≤ 0,
+/// ggml's client rule) and every answer is in range, else a reason
 /// (without the server's name). `timeout` bounds the connect and each read
 /// and write.
 pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
@@ -185,6 +197,56 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
             "speaks RPC protocol {major}.{minor}.{patch}; this sdhost speaks {}.{}.{}",
             PROTOCOL.0, PROTOCOL.1, PROTOCOL.2
         ));
+    }
+    // What ggml's client takes on trust next, each answer read with the
+    // same deadline and range-checked here: it sizes arrays by the device
+    // count and divides by the alignment (0 is a SIGFPE).
+    let mut query = |cmd: u8, device: Option<u32>, want: usize| -> Result<Vec<u8>, String> {
+        let payload = device.map(u32::to_le_bytes);
+        let payload: &[u8] = payload.as_ref().map_or(&[], |p| p.as_slice());
+        let mut req = vec![cmd];
+        req.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        req.extend_from_slice(payload);
+        s.write_all(&req).map_err(io)?;
+        let mut size = [0u8; 8];
+        s.read_exact(&mut size).map_err(io)?;
+        let size = u64::from_le_bytes(size);
+        if size != want as u64 {
+            return Err(format!(
+                "answered RPC command {cmd} with {size} bytes instead of {want}: not a ggml RPC server of protocol 7"
+            ));
+        }
+        let mut out = vec![0u8; want];
+        s.read_exact(&mut out).map_err(io)?;
+        Ok(out)
+    };
+    let le64 = |b: &[u8]| u64::from_le_bytes(b[..8].try_into().unwrap_or([0; 8]));
+    let count = query(CMD_DEVICE_COUNT, None, 4)?;
+    let count = u32::from_le_bytes(count[..4].try_into().unwrap_or([0; 4]));
+    if count == 0 || count > MAX_DEVICES {
+        return Err(format!(
+            "reports {count} devices (1 to {MAX_DEVICES} expected)"
+        ));
+    }
+    for d in 0..count {
+        let align = le64(&query(CMD_GET_ALIGNMENT, Some(d), 8)?);
+        if !align.is_power_of_two() || align > MAX_ALIGNMENT {
+            return Err(format!(
+                "reports a buffer alignment of {align} for its device {d} (a power of two up to {MAX_ALIGNMENT} expected)"
+            ));
+        }
+        if le64(&query(CMD_GET_MAX_SIZE, Some(d), 8)?) == 0 {
+            return Err(format!(
+                "reports a largest buffer of 0 bytes for its device {d}"
+            ));
+        }
+        let mem = query(CMD_GET_DEVICE_MEMORY, Some(d), 16)?;
+        let (free, total) = (le64(&mem[..8]), le64(&mem[8..]));
+        if free > total {
+            return Err(format!(
+                "reports {free} bytes free of {total} for its device {d}"
+            ));
+        }
     }
     Ok(())
 }

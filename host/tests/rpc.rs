@@ -454,11 +454,35 @@ fn servers_that_fail_the_check_are_a_warning_and_no_device() {
     v6.extend_from_slice(&[0; 24]);
     let old = fake_server(v6);
     let closed = free_port();
+    // Servers that pass HELLO, then stall, or report what ggml's client
+    // would trust and die of (a device count it sizes arrays by, an
+    // alignment it divides by).
+    let mut hello7 = 28u64.to_le_bytes().to_vec();
+    hello7.extend_from_slice(&[7, 0, 0, 0]);
+    hello7.extend_from_slice(&[0; 24]);
+    let answer = |bytes: &[u8]| {
+        let mut v = (bytes.len() as u64).to_le_bytes().to_vec();
+        v.extend_from_slice(bytes);
+        v
+    };
+    let stalls = fake_server(hello7.clone());
+    let many = fake_server([hello7.clone(), answer(&u32::MAX.to_le_bytes())].concat());
+    let zero_align = fake_server(
+        [
+            hello7.clone(),
+            answer(&1u32.to_le_bytes()),
+            answer(&0u64.to_le_bytes()),
+        ]
+        .concat(),
+    );
     for (port, why) in [
         (silent, "no answer to the RPC handshake within 1 s"),
         (http, "not a ggml RPC server of protocol 7"),
         (old, "speaks RPC protocol 6.0.0; this sdhost speaks 7.0.0"),
         (closed, "cannot connect"),
+        (stalls, "no answer to the RPC handshake within 1 s"),
+        (many, "reports 4294967295 devices"),
+        (zero_align, "reports a buffer alignment of 0"),
     ] {
         let ep = format!("127.0.0.1:{port}");
         let (r, took) = run_within(
