@@ -31,6 +31,7 @@ pub mod probe;
 pub mod registry;
 pub mod render;
 pub mod rpc;
+pub mod rpc_gate;
 pub mod session;
 pub mod term;
 pub mod upscaler;

@@ -171,7 +171,7 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
         | std::io::ErrorKind::ConnectionReset
         | std::io::ErrorKind::ConnectionAborted
         | std::io::ErrorKind::BrokenPipe => {
-            "closed the connection during the RPC handshake (not a ggml RPC server of protocol 7, or it refused this client)".to_string()
+            "closed the connection during the RPC handshake (busy serving another client, not a ggml RPC server of protocol 7, or it refused this client)".to_string()
         }
         _ => format!("RPC handshake: {err}"),
     }

@@ -819,3 +819,58 @@ fn the_weight_cache_folder_is_private_and_checked() {
     assert!(log.contains("do not hash to its name"), "{log}");
     assert!(log.contains("a symbolic link"), "{log}");
 }
+
+/// What a hostile client sends reaches sdhost's gate, not ggml's server:
+/// a graph node with a custom op (a function pointer from the wire), an
+/// unknown command, a header declaring terabytes, a message that stops
+/// half-way — each closes that client's connection; the server stays up
+/// and serves the next client.
+#[test]
+fn hostile_commands_close_the_connection_not_the_server() {
+    let p = prefix();
+    let mut server = Server::start(&p, "cpu", &[], &[]);
+    let ep = server.endpoint();
+    let graph = |op: u32| {
+        let mut g = 0u32.to_le_bytes().to_vec(); // device
+        g.extend_from_slice(&1u32.to_le_bytes()); // one node
+        g.extend_from_slice(&1u64.to_le_bytes());
+        g.extend_from_slice(&1u32.to_le_bytes()); // one tensor
+        let mut t = vec![0u8; 296];
+        t[..8].copy_from_slice(&1u64.to_le_bytes());
+        t[20..24].copy_from_slice(&4u32.to_le_bytes());
+        t[52..56].copy_from_slice(&op.to_le_bytes());
+        g.extend_from_slice(&t);
+        let mut m = vec![10u8]; // RPC_CMD_GRAPH_COMPUTE
+        m.extend_from_slice(&(g.len() as u64).to_le_bytes());
+        m.extend_from_slice(&g);
+        m
+    };
+    let mut huge = vec![6u8]; // RPC_CMD_SET_TENSOR
+    huge.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    let mut unknown = vec![200u8];
+    unknown.extend_from_slice(&0u64.to_le_bytes());
+    for (what, message) in [
+        ("a custom op", graph(ggml::sys::GGML_OP_CUSTOM as u32)),
+        ("a map op", graph(ggml::sys::GGML_OP_MAP_CUSTOM1 as u32)),
+        ("an unknown op", graph(u32::MAX)),
+        ("an unknown command", unknown.clone()),
+        ("a header declaring 1 TiB", huge.clone()),
+    ] {
+        let (mut c, version) = hello(server.port).expect("the server answers");
+        assert_eq!(version, [7, 0, 0]);
+        c.write_all(&message).unwrap();
+        let mut rest = Vec::new();
+        let r = c.read_to_end(&mut rest);
+        assert!(
+            matches!(r, Ok(0)) || r.is_err(),
+            "{what}: the connection stayed open ({r:?})"
+        );
+        assert!(
+            server.child.try_wait().unwrap().is_none(),
+            "{what}: the server died"
+        );
+        // The next client is served.
+        let r = run(p.cmd(&["devices", "--json", "--rpc", &ep])).ok();
+        assert_eq!(r.device_names(), vec!["cpu", "rpc0"], "after {what}");
+    }
+}

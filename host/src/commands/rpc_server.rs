@@ -50,11 +50,13 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
     if let Some(dir) = &args.cache {
         prepare_cache(dir)?;
     }
-    // A clear line for a port in use, before ggml's silent failure to bind.
-    drop(
-        std::net::TcpListener::bind((ip, args.port))
-            .with_context(|| format!("cannot listen on {ip}:{}", args.port))?,
-    );
+    // sdhost's gate listens where the user said; ggml's server on a
+    // private loopback port behind it (see `crate::rpc_gate`).
+    let public = std::net::TcpListener::bind((ip, args.port))
+        .with_context(|| format!("cannot listen on {ip}:{}", args.port))?;
+    let private = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .context("choosing a private port for ggml's server")?;
     let threads = session.threads.unwrap_or(1);
     tracing::info!(
         "serving {} ({}) on {ip}:{}",
@@ -62,8 +64,12 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
         entry.description,
         args.port
     );
+    std::thread::Builder::new()
+        .name("rpc-gate".into())
+        .spawn(move || crate::rpc_gate::serve(public, private))
+        .context("starting the RPC gate")?;
     reg.rpc_serve(
-        &format!("{ip}:{}", args.port),
+        &private.to_string(),
         args.cache.as_deref(),
         threads,
         &[entry.device],
