@@ -20,6 +20,10 @@
 //! (7.0.0), which no crate implements; its layouts are those of
 //! `ggml-rpc.cpp` (packed structs).
 
+// ggml enums are `u32` or `i32` depending on the platform's C ABI, so casts
+// that are no-ops here are kept.
+#![allow(clippy::unnecessary_cast)]
+
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};

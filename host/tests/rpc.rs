@@ -826,6 +826,8 @@ fn the_weight_cache_folder_is_private_and_checked() {
 /// half-way — each closes that client's connection; the server stays up
 /// and serves the next client.
 #[test]
+// ggml's op enum is `u32` or `i32` by platform.
+#[allow(clippy::unnecessary_cast)]
 fn hostile_commands_close_the_connection_not_the_server() {
     let p = prefix();
     let mut server = Server::start(&p, "cpu", &[], &[]);
