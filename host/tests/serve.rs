@@ -271,6 +271,17 @@ fn apis_models_img2img_and_bad_input() {
     for f in ["tiny-sd1.safetensors", "tiny-sd2.safetensors"] {
         std::fs::copy(fixture(f), dir.join(f)).unwrap();
     }
+    // Files that are no checkpoint (a LoRA, a TAESD) are not offered.
+    std::fs::copy(
+        fixture("tiny-sd1-lora-kohya.safetensors"),
+        dir.join("a-lora.safetensors"),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixture("taesd/tiny-taesd.safetensors"),
+        dir.join("b-taesd.safetensors"),
+    )
+    .unwrap();
     let srv = Server::start_in(prefix, &["--models-dir", s(&dir)]);
 
     // The page, the OpenAPI description and the listings.
@@ -543,12 +554,14 @@ fn apis_models_img2img_and_bad_input() {
             r.text()
         );
         let j = r.json();
-        assert_eq!(j["field"], field, "{}", r.text());
-        assert!(
-            j["detail"].as_str().unwrap().starts_with(field),
-            "{}",
-            r.text()
-        );
+        // OpenAI's routes answer in OpenAI's error shape.
+        let (got_field, detail) = if path.starts_with("/v1/") {
+            (&j["error"]["param"], &j["error"]["message"])
+        } else {
+            (&j["field"], &j["detail"])
+        };
+        assert_eq!(got_field, field, "{}", r.text());
+        assert!(detail.as_str().unwrap().starts_with(field), "{}", r.text());
         if i % 8 == 7 {
             let ok = srv.post("/sdapi/v1/txt2img", small("still here", 1));
             assert_eq!(ok.status, 200, "{}", ok.text());
@@ -1757,4 +1770,61 @@ fn half_open_connections_cannot_take_the_server_down() {
             "a half-open connection is still held: {r:?}"
         );
     }
+}
+
+/// What A1111 and OpenAI clients send and read: HTTP Basic with the key as
+/// the password (A1111's `--api-auth` clients) is accepted beside Bearer,
+/// and the OpenAI routes answer errors in OpenAI's shape, so that its SDKs
+/// show the message.
+#[test]
+fn front_end_auth_and_openai_errors() {
+    let model = fixture("tiny-sd1.safetensors");
+    let srv = Server::start(&["-m", s(&model), "--api-key", "k3y"]);
+    let basic = |cred: &str| format!("Basic {}", b64(cred.as_bytes()));
+    for (auth, want) in [
+        (basic("webui:k3y"), 200),
+        (basic(":k3y"), 200),
+        (basic("webui:nope"), 401),
+        (basic("k3y"), 401),
+        ("Bearer k3y".to_string(), 200),
+    ] {
+        let r = request(
+            &srv.addr,
+            "GET",
+            "/sdapi/v1/sd-models",
+            None,
+            &[("Authorization", &auth)],
+        );
+        assert_eq!(r.status, want, "{auth}: {}", r.text());
+    }
+    let r = srv.call("GET", "/v1/models", None);
+    assert_eq!(r.status, 401);
+    let e = &r.json()["error"];
+    assert_eq!(e["code"], "invalid_api_key", "{e}");
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+    assert!(e["message"].as_str().unwrap().contains("key"), "{e}");
+    let auth = [("Authorization", "Bearer k3y")];
+    let body = serde_json::to_vec(&json!({"prompt": "a cat", "n": 0})).unwrap();
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/v1/images/generations",
+        Some(body),
+        &auth,
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    let e = &r.json()["error"];
+    assert_eq!(e["param"], "n", "{e}");
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+    assert!(!e["message"].as_str().unwrap().is_empty(), "{e}");
+    // A1111's routes keep sdhost's shape.
+    let r = request(
+        &srv.addr,
+        "POST",
+        "/sdapi/v1/txt2img",
+        Some(b"{}".to_vec()),
+        &auth,
+    );
+    assert_eq!(r.status, 422);
+    assert_eq!(r.json()["field"], "prompt");
 }

@@ -170,6 +170,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
+        .layer(axum::middleware::from_fn(openai_errors))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
@@ -391,8 +392,11 @@ fn host_name(h: &str) -> String {
     name.to_ascii_lowercase()
 }
 
-/// `Authorization: Bearer KEY` on every API route when `--api-key` is set
-/// (the scheme in any case, the key without surrounding blanks).
+/// The key on every API route when `--api-key` is set: `Authorization:
+/// Bearer KEY` (OpenAI clients), or HTTP Basic with the key as the password
+/// and any user name (what A1111's `--api-auth` clients send: webuiapi, Open
+/// WebUI, SillyTavern); the scheme in any case, the key without surrounding
+/// blanks.
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.api_key {
         let given = req
@@ -401,21 +405,74 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
             .and_then(|v| v.split_once(' '))
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map_or("", |(_, k)| k);
-        if !constant_time_eq(given.trim().as_bytes(), key.as_bytes()) {
+            .and_then(|(scheme, cred)| {
+                if scheme.eq_ignore_ascii_case("bearer") {
+                    Some(cred.trim().to_string())
+                } else if scheme.eq_ignore_ascii_case("basic") {
+                    let raw = base64::engine::general_purpose::STANDARD
+                        .decode(cred.trim())
+                        .ok()?;
+                    let text = String::from_utf8(raw).ok()?;
+                    Some(text.split_once(':')?.1.trim().to_string())
+                } else {
+                    None
+                }
+            })
+            .unwrap_or_default();
+        if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
             let mut r = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
-                "this server needs `Authorization: Bearer KEY`",
+                "this server needs its key: `Authorization: Bearer KEY`, or HTTP Basic with the key as the password",
             )
             .into_response();
-            r.headers_mut()
-                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            r.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer, Basic realm=\"sdhost\""),
+            );
             return r;
         }
     }
     next.run(req).await
+}
+
+/// Errors of the OpenAI routes (`/v1/…`) in OpenAI's shape, `{"error":
+/// {"message", "type", "param", "code"}}`, so that its SDKs show the
+/// message instead of a bare status.
+async fn openai_errors(req: Request, next: Next) -> Response {
+    let openai = req.uri().path().starts_with("/v1/");
+    let resp = next.run(req).await;
+    if !openai || resp.status().is_success() {
+        return resp;
+    }
+    let (mut parts, body) = resp.into_parts();
+    let bytes = axum::body::to_bytes(body, 1 << 20)
+        .await
+        .unwrap_or_default();
+    let ours: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let status = parts.status;
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let code = match (status, &ours["error"]) {
+        (StatusCode::UNAUTHORIZED, _) => json!("invalid_api_key"),
+        (_, Value::String(e)) => json!(e),
+        _ => Value::Null,
+    };
+    let message = match &ours["detail"] {
+        Value::String(d) => d.clone(),
+        _ => status.canonical_reason().unwrap_or("error").to_string(),
+    };
+    let body = json!({"error": {
+        "message": message,
+        "type": kind,
+        "param": ours.get("field").cloned().unwrap_or(Value::Null),
+        "code": code,
+    }});
+    parts.headers.remove(header::CONTENT_LENGTH);
+    Response::from_parts(parts, axum::body::Body::from(body.to_string()))
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {

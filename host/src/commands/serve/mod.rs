@@ -40,7 +40,23 @@ pub fn catalogue(args: &ServeArgs) -> anyhow::Result<(Vec<ModelEntry>, ModelEntr
                 .and_then(|e| e.to_str())
                 .map(str::to_ascii_lowercase);
             if p.is_file() && matches!(ext.as_deref(), Some("safetensors" | "gguf")) {
-                list.push(ModelEntry::of(&p));
+                // Only checkpoints a family takes: LoRAs, VAEs and the like
+                // in the folder would be offered to clients and fail.
+                let what = sdhost_models::checkpoint::scan(&p)
+                    .map_err(|e| e.to_string())
+                    .and_then(|c| {
+                        sdhost_models::family::detect(&c)
+                            .map(|_| ())
+                            .map_err(|e| e.to_string())
+                    });
+                match what {
+                    Ok(()) => list.push(ModelEntry::of(&p)),
+                    Err(why) => tracing::info!(
+                        "--models-dir: {} left out: {}",
+                        p.display(),
+                        crate::term::clean(&why)
+                    ),
+                }
             }
         }
         list.sort_by(|a, b| a.title.cmp(&b.title));
