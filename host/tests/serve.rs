@@ -1828,3 +1828,54 @@ fn front_end_auth_and_openai_errors() {
     assert_eq!(r.status, 422);
     assert_eq!(r.json()["field"], "prompt");
 }
+
+/// Endpoints front-ends call besides generation answer with real content
+/// (empty lists where sdhost has nothing of the kind), and img2img runs at
+/// least one step however small the strength, as A1111 does.
+#[test]
+fn front_end_endpoints_and_a1111_semantics() {
+    let prefix = Prefix::with_cpu();
+    let loras = prefix.dir("loras");
+    std::fs::copy(
+        fixture("tiny-sd1-lora-kohya.safetensors"),
+        loras.join("style.safetensors"),
+    )
+    .unwrap();
+    let model = fixture("tiny-sd1.safetensors");
+    let srv = Server::start_in(prefix, &["-m", s(&model), "--lora-dir", s(&loras)]);
+    let l = srv.get("/sdapi/v1/loras");
+    assert_eq!(l[0]["name"], "style", "{l}");
+    assert!(!l.to_string().contains(s(&loras)), "no server path: {l}");
+    assert_eq!(srv.get("/sdapi/v1/upscalers")[0]["name"], "None");
+    for empty in [
+        "/sdapi/v1/latent-upscale-modes",
+        "/sdapi/v1/sd-vae",
+        "/sdapi/v1/sd-modules",
+    ] {
+        assert_eq!(srv.get(empty), json!([]), "{empty}");
+    }
+    assert_eq!(
+        srv.get("/sdapi/v1/embeddings"),
+        json!({"loaded": {}, "skipped": {}})
+    );
+    assert_eq!(
+        srv.get("/sdapi/v1/scripts"),
+        json!({"txt2img": [], "img2img": []})
+    );
+    assert_eq!(srv.get("/internal/ping"), json!({}));
+    assert_eq!(
+        srv.get("/v1/models/tiny-sd1.safetensors")["id"],
+        "tiny-sd1.safetensors"
+    );
+    let r = srv.call("GET", "/v1/models/nope", None);
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "model_not_found");
+    // 2 steps at strength 0.1 would run none: one runs.
+    let init = b64(&std::fs::read(fixture("init-64.png")).unwrap());
+    let mut body = small("a cat", 3);
+    body["init_images"] = json!([init]);
+    body["denoising_strength"] = json!(0.1);
+    let r = srv.post("/sdapi/v1/img2img", body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["images"].as_array().unwrap().len(), 1);
+}

@@ -59,6 +59,8 @@ pub struct AppState {
     pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
     /// Each replica's device (`--replicas`), by replica index.
     pub replicas: Arc<Vec<String>>,
+    /// The LoRA files of `--lora-dir` (file stems), for `/sdapi/v1/loras`.
+    pub loras: Arc<Vec<String>>,
 }
 
 impl AppState {
@@ -160,11 +162,29 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/sdapi/v1/interrupt", post(interrupt))
         .route("/v1/images/generations", post(openai_generations))
         .route("/v1/models", get(openai_models))
+        .route("/v1/models/{id}", get(openai_model))
+        .route("/sdapi/v1/loras", get(loras))
+        .route("/sdapi/v1/upscalers", get(upscalers))
+        .route(
+            "/sdapi/v1/latent-upscale-modes",
+            get(|| async { Json(json!([])) }),
+        )
+        .route("/sdapi/v1/sd-vae", get(|| async { Json(json!([])) }))
+        .route("/sdapi/v1/sd-modules", get(|| async { Json(json!([])) }))
+        .route(
+            "/sdapi/v1/embeddings",
+            get(|| async { Json(json!({"loaded": {}, "skipped": {}})) }),
+        )
+        .route(
+            "/sdapi/v1/scripts",
+            get(|| async { Json(json!({"txt2img": [], "img2img": []})) }),
+        )
         .route("/openapi.json", get(openapi))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(health))
+        .route("/internal/ping", get(|| async { Json(json!({})) }))
         .merge(api)
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -1217,6 +1237,45 @@ async fn health(State(st): State<AppState>) -> Json<Value> {
 
 async fn openapi() -> Response {
     ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+/// One model of `/v1/models`, by its id.
+async fn openai_model(
+    State(st): State<AppState>,
+    axum::extract::Path(id): axum::extract::Path<String>,
+) -> ApiResult<Json<Value>> {
+    st.models
+        .iter()
+        .find(|m| m.title == id)
+        .map(|m| {
+            Json(json!({"id": m.title, "object": "model", "created": 0, "owned_by": "sdhost"}))
+        })
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::NOT_FOUND,
+                "model_not_found",
+                format!("no model {id:?}"),
+            )
+        })
+}
+
+/// The LoRAs a prompt may name with `<lora:NAME:WEIGHT>` (`--lora-dir`):
+/// names only, no path of the server's disk.
+async fn loras(State(st): State<AppState>) -> Json<Value> {
+    Json(Value::Array(
+        st.loras
+            .iter()
+            .map(|n| json!({"name": n, "alias": n, "path": format!("{n}.safetensors"), "metadata": {}}))
+            .collect(),
+    ))
+}
+
+/// The upscalers a request may pick: none (`--upscale-model` applies to
+/// every image), as A1111 lists its "None".
+async fn upscalers() -> Json<Value> {
+    Json(
+        json!([{"name": "None", "model_name": null, "model_path": null, "model_url": null, "scale": 1}]),
+    )
 }
 
 async fn openai_models(State(st): State<AppState>) -> Json<Value> {

@@ -137,6 +137,27 @@ fn allowed_hosts(ip: std::net::IpAddr, extra: &[String]) -> Option<Vec<String>> 
     Some(v)
 }
 
+/// The `.safetensors` LoRAs of `--lora-dir`, by file stem, sorted.
+fn lora_names(dir: Option<&std::path::Path>) -> Vec<String> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    let mut v: Vec<String> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_file()
+                && p.extension()
+                    .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
+        })
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect();
+    v.sort();
+    v
+}
+
 /// Most replicas `--replicas` may list.
 const MAX_REPLICAS: usize = 16;
 
@@ -219,6 +240,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         allowed_hosts: allowed_hosts(local.ip(), &args.allowed_hosts).map(Arc::new),
         fits: fits.clone(),
         replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
+        loras: Arc::new(lora_names(args.lora.lora_dir.as_deref())),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;

@@ -430,7 +430,9 @@ impl<'m> Worker<'_, 'm> {
         }
         let init = g.init.as_ref().map(|i| Init {
             image: image_io::resize_rgb(i.image.clone(), w, h),
-            strength: i.strength,
+            // As A1111: at least one step, however small the strength
+            // (the CLI refuses a strength that runs none instead).
+            strength: at_least_one_step(i.strength, g.steps),
             mask: i.mask.as_ref().map(|mk| {
                 image_io::resize_mask(
                     Mask {
@@ -536,5 +538,33 @@ impl<'m> Worker<'_, 'm> {
             self.queue.progress(self.replica, 0, i + 1);
         }
         Ok(out)
+    }
+}
+
+/// A1111 runs at least one step of img2img however small the strength;
+/// the pipeline runs `floor(steps * strength)`, so a strength that would
+/// run none is raised just past one step. Any other strength is kept as
+/// given (it is echoed back in the parameters text).
+fn at_least_one_step(strength: f64, steps: usize) -> f64 {
+    let steps = steps.max(1) as f64;
+    if (steps * strength).floor() < 1.0 {
+        ((1.0 + 1e-9) / steps).min(1.0)
+    } else {
+        strength
+    }
+}
+
+#[cfg(test)]
+mod step_tests {
+    use super::at_least_one_step;
+
+    #[test]
+    fn strength_kept_unless_it_runs_no_step() {
+        assert_eq!(at_least_one_step(0.5, 20), 0.5);
+        assert_eq!(at_least_one_step(0.05, 20), 0.05);
+        let raised = at_least_one_step(0.01, 20);
+        assert!(raised > 0.05 && raised < 0.0500001);
+        assert_eq!((20.0 * raised).floor(), 1.0);
+        assert_eq!(at_least_one_step(0.0, 1), 1.0);
     }
 }
