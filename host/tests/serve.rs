@@ -1878,4 +1878,10 @@ fn front_end_endpoints_and_a1111_semantics() {
     let r = srv.post("/sdapi/v1/img2img", body);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["images"].as_array().unwrap().len(), 1);
+    // An error only the model finds is 422 naming the request's field.
+    let mut body = small("a cat", 1);
+    body["clip_skip"] = json!(12);
+    let r = srv.post("/sdapi/v1/txt2img", body);
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(r.json()["field"], "clip_skip", "{}", r.text());
 }

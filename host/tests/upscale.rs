@@ -164,7 +164,7 @@ fn any_image_size_works() {
                 .upscale_rgb8(&vec![0; 3 * wide], wide, 1, 1, Tiling::default(), &|| false)
                 .unwrap_err();
             assert!(
-                matches!(&e, sdhost_models::ModelError::Request(m) if m.contains("pixels a side")),
+                matches!(&e, sdhost_models::ModelError::Request(r) if r.message.contains("pixels a side") && r.field == sdhost_models::Field::Size),
                 "{e}"
             );
             let e = up

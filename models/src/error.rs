@@ -1,5 +1,6 @@
 //! The crate's one error type. Its kinds are what callers decide on: the
-//! server answers a [`ModelError::Request`] with 422 and a
+//! server answers a [`ModelError::Request`] with 422 naming its
+//! [`Field`] and a
 //! [`ModelError::Cancelled`] as an interruption, `fit` tries tiling only
 //! where a module is over its budget, and every message is one line naming
 //! the file, module or tensor at fault.
@@ -23,9 +24,9 @@ pub enum ModelError {
     #[error("{0}")]
     Incompatible(String),
     /// A request this model cannot run as asked (its size, steps, strength,
-    /// an init image or mask of another size).
+    /// an init image or mask of another size), naming the field at fault.
     #[error("{0}")]
-    Request(String),
+    Request(RequestError),
     /// Reading or writing a file failed.
     #[error("{0}")]
     Io(String),
@@ -50,11 +51,22 @@ impl ModelError {
             MissingTensor(s) => MissingTensor(wrap(s)),
             Shape(s) => Shape(wrap(s)),
             Incompatible(s) => Incompatible(wrap(s)),
-            Request(s) => Request(wrap(s)),
+            Request(r) => Request(RequestError {
+                message: wrap(r.message),
+                ..r
+            }),
             Io(s) => Io(wrap(s)),
             Backend(s) => Backend(wrap(s)),
             Cancelled => Cancelled,
         }
+    }
+
+    /// A request error about `field`.
+    pub fn request(field: Field, message: impl Into<String>) -> ModelError {
+        ModelError::Request(RequestError {
+            field,
+            message: message.into(),
+        })
     }
 
     /// `missing tensor NAME`.
@@ -73,6 +85,62 @@ impl From<ggml::Error> for ModelError {
     }
 }
 
+/// The part of a request an error is about: what a server names in its
+/// answer (each front-end API maps it to its own field name) and what a
+/// command line maps to its flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Field {
+    /// The image's width or height.
+    Size,
+    /// The number of sampling steps.
+    Steps,
+    /// img2img's denoising strength.
+    Strength,
+    /// The init image.
+    InitImage,
+    /// The inpainting mask.
+    Mask,
+    /// How many final text-encoder layers are skipped.
+    ClipSkip,
+    /// Caller-given initial noise.
+    Noise,
+    /// VAE tiling's tile and overlap.
+    Tiling,
+    /// The denoiser's batch or prompt chunks (a measurement's shape).
+    Batch,
+    /// The scales that multiply values (CFG, LoRA weights): a non-finite
+    /// result.
+    Scale,
+}
+
+impl Field {
+    /// The field's name in sdhost's own words (`size`, `strength`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            Field::Size => "size",
+            Field::Steps => "steps",
+            Field::Strength => "strength",
+            Field::InitImage => "init_image",
+            Field::Mask => "mask",
+            Field::ClipSkip => "clip_skip",
+            Field::Noise => "noise",
+            Field::Tiling => "tiling",
+            Field::Batch => "batch",
+            Field::Scale => "scale",
+        }
+    }
+}
+
+/// A request error: its field and its line.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct RequestError {
+    /// What the error is about.
+    pub field: Field,
+    /// One line saying what is wrong.
+    pub message: String,
+}
+
 /// Result of model code.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
@@ -82,8 +150,11 @@ mod tests {
 
     #[test]
     fn context_keeps_the_kind() {
-        let e = ModelError::Request("size 65".into()).context("m.safetensors");
-        assert!(matches!(&e, ModelError::Request(s) if s == "m.safetensors: size 65"));
+        let e = ModelError::request(Field::Size, "size 65").context("m.safetensors");
+        assert!(
+            matches!(&e, ModelError::Request(r) if r.message == "m.safetensors: size 65" && r.field == Field::Size)
+        );
+        assert_eq!(e.to_string(), "m.safetensors: size 65");
         assert!(matches!(
             ModelError::Cancelled.context("x"),
             ModelError::Cancelled

@@ -50,5 +50,5 @@ pub mod sampling;
 pub mod tokenizers;
 pub mod upscale;
 
-pub use error::ModelError;
+pub use error::{Field, ModelError, RequestError};
 pub use kind::ModuleKind;

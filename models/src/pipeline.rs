@@ -28,7 +28,7 @@
 
 use crate::autoencoders::FirstStage;
 use crate::checkpoint::Checkpoint;
-use crate::error::{ModelError, Result};
+use crate::error::{Field, ModelError, Result};
 use crate::family::{Family, Model, Prediction};
 use crate::request::{Image, Layout, LoadOptions, MatrixTypes, Request};
 use crate::runtime::graph::GraphOptions;
@@ -233,13 +233,16 @@ impl<'b> Pipeline<'b> {
             || !req.width.is_multiple_of(m)
             || !req.height.is_multiple_of(m)
         {
-            return Err(ModelError::Request(format!(
-                "image size {}×{} must be a positive multiple of {m} for this model",
-                req.width, req.height
-            )));
+            return Err(ModelError::request(
+                Field::Size,
+                format!(
+                    "image size {}×{} must be a positive multiple of {m} for this model",
+                    req.width, req.height
+                ),
+            ));
         }
         if !(1..=2).contains(&req.batch) || req.chunks == 0 {
-            return Err(ModelError::Request(format!(
+            return Err(ModelError::request(Field::Batch, format!(
                 "a denoiser batch of {} with {} prompt chunks cannot be measured (batch 1 or 2, at least one chunk)",
                 req.batch, req.chunks
             )));
@@ -308,10 +311,13 @@ impl<'b> Pipeline<'b> {
             || !req.width.is_multiple_of(m)
             || !req.height.is_multiple_of(m)
         {
-            return Err(ModelError::Request(format!(
-                "image size {}×{} must be a positive multiple of {m} for this model",
-                req.width, req.height
-            )));
+            return Err(ModelError::request(
+                Field::Size,
+                format!(
+                    "image size {}×{} must be a positive multiple of {m} for this model",
+                    req.width, req.height
+                ),
+            ));
         }
         let (f, ch) = (
             self.first_stage.format().spatial,
@@ -329,7 +335,10 @@ impl<'b> Pipeline<'b> {
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
         if req.steps == 0 {
-            return Err(ModelError::Request("steps must be at least 1".into()));
+            return Err(ModelError::request(
+                Field::Steps,
+                "steps must be at least 1",
+            ));
         }
         let shape = self.latent_shape(req)?;
         let n_latent: usize = shape.iter().product();
@@ -337,10 +346,13 @@ impl<'b> Pipeline<'b> {
         let noise = match noise {
             Some(v) if v.len() == n_latent => v,
             Some(v) => {
-                return Err(ModelError::Request(format!(
-                    "initial noise has {} values; the latent has {n_latent}",
-                    v.len()
-                )))
+                return Err(ModelError::request(
+                    Field::Noise,
+                    format!(
+                        "initial noise has {} values; the latent has {n_latent}",
+                        v.len()
+                    ),
+                ))
             }
             None => rng.randn(n_latent),
         };
@@ -479,33 +491,38 @@ impl<'b> Pipeline<'b> {
             });
         };
         if !(init.strength > 0.0 && init.strength <= 1.0) {
-            return Err(ModelError::Request(format!(
-                "strength {} is outside (0, 1]",
-                init.strength
-            )));
+            return Err(ModelError::request(
+                Field::Strength,
+                format!("strength {} is outside (0, 1]", init.strength),
+            ));
         }
         if init.image.width != w || init.image.height != h || init.image.rgb.len() != 3 * w * h {
-            return Err(ModelError::Request(format!(
-                "the init image is {}x{}; the request is {w}x{h}",
-                init.image.width, init.image.height
-            )));
+            return Err(ModelError::request(
+                Field::InitImage,
+                format!(
+                    "the init image is {}x{}; the request is {w}x{h}",
+                    init.image.width, init.image.height
+                ),
+            ));
         }
         let run = ((req.steps as f64 * init.strength).floor() as usize).min(req.steps);
         if run == 0 {
-            return Err(ModelError::Request(format!(
-                "strength {} of {} steps runs no step: raise --strength or --steps",
-                init.strength, req.steps
-            )));
+            return Err(ModelError::request(
+                Field::Strength,
+                format!(
+                    "strength {} of {} steps runs no step: raise --strength or --steps",
+                    init.strength, req.steps
+                ),
+            ));
         }
         let sigmas = full[req.steps - run..].to_vec();
         // Repaint where the mask is at least ½; no mask repaints everywhere.
         let px_mask: Option<Vec<bool>> = match &init.mask {
             Some(m) if m.len() != w * h => {
-                return Err(ModelError::Request(format!(
-                    "the mask has {} pixels; the image has {}",
-                    m.len(),
-                    w * h
-                )))
+                return Err(ModelError::request(
+                    Field::Mask,
+                    format!("the mask has {} pixels; the image has {}", m.len(), w * h),
+                ))
             }
             Some(m) => Some(m.iter().map(|v| *v >= 0.5).collect()),
             None => None,
@@ -618,7 +635,7 @@ pub fn to_planes(image: &Image) -> Vec<f32> {
 fn finite(values: &[f32], what: &str) -> Result<()> {
     match values.iter().position(|v| !v.is_finite()) {
         None => Ok(()),
-        Some(i) => Err(ModelError::Request(format!(
+        Some(i) => Err(ModelError::request(Field::Scale, format!(
             "{what} is not finite ({} at value {i}): a LoRA or CFG scale too large, or broken weights",
             values[i]
         ))),

@@ -34,7 +34,7 @@
 
 use crate::checkpoint::weights::{ModuleWeights, WeightsError};
 use crate::checkpoint::Checkpoint;
-use crate::error::{ModelError, Result};
+use crate::error::{Field, ModelError, Result};
 use crate::nn::conv2d_precise;
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, Built, Devices, Module, WeightPolicy};
@@ -423,10 +423,13 @@ impl<'b> Upscaler<'b> {
             let ov = tiling.overlap.div_ceil(s);
             let tile = (tiling.tile / s).max(1);
             if tile <= 2 * ov {
-                return Err(ModelError::Request(format!(
-                    "upscale tile {} is too small for an overlap of {} on each side",
-                    tiling.tile, tiling.overlap
-                )));
+                return Err(ModelError::request(
+                    Field::Tiling,
+                    format!(
+                        "upscale tile {} is too small for an overlap of {} on each side",
+                        tiling.tile, tiling.overlap
+                    ),
+                ));
             }
             (tile - 2 * ov, ov)
         };
@@ -515,7 +518,7 @@ impl<'b> Upscaler<'b> {
         match out {
             Some((ow, oh)) if ow <= MAX_OUTPUT_SIDE && oh <= MAX_OUTPUT_SIDE => {}
             _ => {
-                return Err(ModelError::Request(format!(
+                return Err(ModelError::request(Field::Size, format!(
                     "upscale: {width}x{height} enlarged {s}x {repeats} time(s) is over {MAX_OUTPUT_SIDE} pixels a side; use a smaller image or fewer repeats"
                 )))
             }

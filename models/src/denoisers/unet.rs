@@ -15,7 +15,7 @@
 //! embedding. The output is whatever the checkpoint predicts (ε or v); the
 //! sampler's denoiser turns it into x₀.
 
-use crate::error::{ModelError, Result};
+use crate::error::{Field, ModelError, Result};
 use crate::nn::{attention, conv2d, group_norm, layer_norm, linear, norm_silu_conv2d, shortcut};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, Built, Module};
@@ -195,9 +195,10 @@ fn build<'a>(
     }
     let mult = 1i64 << cfg.downsamples;
     if height % mult != 0 || width % mult != 0 {
-        return Err(ModelError::Request(format!(
-            "latent size {width}×{height} is not a multiple of {mult}"
-        )));
+        return Err(ModelError::request(
+            Field::Size,
+            format!("latent size {width}×{height} is not a multiple of {mult}"),
+        ));
     }
     if t.len() as i64 != n
         || context.is_empty()

@@ -14,7 +14,7 @@
 //! handed on, whether the final norm applies and whether a pooled output is
 //! taken are the family's choice ([`ClipEncoder`]).
 
-use crate::error::{ModelError, Result};
+use crate::error::{Field, ModelError, Result};
 use crate::nn::{self, attention, layer_norm, linear};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_i32, Built, Module};
@@ -173,10 +173,13 @@ impl ClipConfig {
         };
         let skip = base + clip_skip.saturating_sub(1);
         if clip_skip == 0 || skip >= self.layers {
-            return Err(ModelError::Request(format!(
-                "clip skip {clip_skip} leaves no layer of the {}-layer text encoder",
-                self.layers
-            )));
+            return Err(ModelError::request(
+                Field::ClipSkip,
+                format!(
+                    "clip skip {clip_skip} leaves no layer of the {}-layer text encoder",
+                    self.layers
+                ),
+            ));
         }
         Ok(self.layers - skip)
     }

@@ -16,7 +16,7 @@
 //! slightly where they overlap; the ramps hide the seams that cropping
 //! would show.
 
-use crate::error::{ModelError, Result};
+use crate::error::{Field, ModelError, Result};
 
 /// Tile size and overlap, in input units.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -31,7 +31,7 @@ impl Tiling {
     /// Checks `overlap < tile` and `tile ≥ 1`.
     pub fn new(tile: usize, overlap: usize) -> Result<Tiling> {
         if tile == 0 || overlap >= tile {
-            return Err(ModelError::Request(format!(
+            return Err(ModelError::request(Field::Tiling, format!(
                 "a tile of {tile} with an overlap of {overlap}: the overlap must be smaller than the tile"
             )));
         }

@@ -492,7 +492,11 @@ impl<'m> Worker<'_, 'm> {
                     ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
                     // What the request asked that this model cannot run
                     // (422), by the error's kind.
-                    ModelError::Request(m) => JobError::Invalid(format!("request: {m}")),
+                    ModelError::Request(r) => match a1111_field(r.field, &g.prompt) {
+                        Some(f) => JobError::Invalid(format!("{f}: {}", r.message)),
+                        // Set by the server's flags, not by the request.
+                        None => JobError::Failed(format!("{}: {}", entry.title, r.message)),
+                    },
                     e => JobError::Failed(format!("{}: {e}", entry.title)),
                 })?;
             let image = match &mut l.upscaler {
@@ -539,6 +543,25 @@ impl<'m> Worker<'_, 'm> {
         }
         Ok(out)
     }
+}
+
+/// The request field (A1111's name) a model's request error is about, or
+/// `None` for what the server's own flags set (tiling, noise, batch).
+fn a1111_field(f: sdhost_models::Field, prompt: &str) -> Option<&'static str> {
+    use sdhost_models::Field::*;
+    Some(match f {
+        Size => "width",
+        Steps => "steps",
+        Strength => "denoising_strength",
+        InitImage => "init_images",
+        Mask => "mask",
+        ClipSkip => "clip_skip",
+        // A non-finite result: from a prompt's LoRA weights where it has
+        // any, else from the CFG scale.
+        Scale if prompt.contains("<lora:") => "prompt",
+        Scale => "cfg_scale",
+        Tiling | Noise | Batch => return None,
+    })
 }
 
 /// A1111 runs at least one step of img2img however small the strength;
