@@ -31,6 +31,37 @@ pub struct LoraArgs {
     /// `merge` or `graph` everywhere
     #[arg(long = "lora-apply", value_name = "MODE", default_value = "auto", value_parser = str::parse::<LoraApply>)]
     pub apply: LoraApply,
+
+    /// Use entries of `--lora-dir` (and serve's `--models-dir`) that are
+    /// symbolic links resolving outside their folder (refused by default:
+    /// a name a request gives must not reach other files of the disk)
+    #[arg(long = "follow-symlinks")]
+    pub follow_symlinks: bool,
+}
+
+/// Checks that `path`, an entry of the folder `dir` named by a flag
+/// (`--lora-dir`, `--models-dir`), resolves inside that folder, unless
+/// `follow` (`--follow-symlinks`). A link to a file within the folder (or
+/// one of its subfolders) is fine.
+pub fn inside_folder(flag: &str, dir: &Path, path: &Path, follow: bool) -> anyhow::Result<()> {
+    if follow {
+        return Ok(());
+    }
+    let d = dir
+        .canonicalize()
+        .with_context(|| format!("{flag} {}", dir.display()))?;
+    let p = path
+        .canonicalize()
+        .with_context(|| format!("{flag}: {}", path.display()))?;
+    if !p.starts_with(&d) {
+        bail!(
+            "{flag}: {} resolves outside {} (to {}); pass --follow-symlinks to use it",
+            path.display(),
+            dir.display(),
+            p.display()
+        );
+    }
+    Ok(())
 }
 
 /// The LoRAs of one generation.
@@ -96,6 +127,8 @@ pub fn resolve(args: &LoraArgs, prompt: &str) -> anyhow::Result<Resolved> {
         if !path.is_file() {
             bail!("<lora:{name}>: no {name}.safetensors in {}", dir.display());
         }
+        inside_folder("--lora-dir", dir, &path, args.follow_symlinks)
+            .with_context(|| format!("<lora:{name}>"))?;
         specs.push(LoraSpec {
             path,
             weight: *weight,

@@ -442,3 +442,39 @@ fn partly_matching_loras_warn_once() {
     );
     assert!(x.exists());
 }
+
+/// A `--lora-dir` entry that links out of the folder is refused unless
+/// `--follow-symlinks`; a link inside the folder is fine (issue 30).
+#[test]
+fn lora_dir_links_out_of_the_folder_are_refused() {
+    let p = Prefix::with_cpu();
+    let (dir, out, elsewhere) = (p.dir("loras"), p.dir("out"), p.dir("elsewhere"));
+    let kohya = fixture("tiny-sd1-lora-kohya.safetensors");
+    std::fs::copy(&kohya, elsewhere.join("real.safetensors")).unwrap();
+    std::fs::copy(&kohya, dir.join("inside.safetensors")).unwrap();
+    std::os::unix::fs::symlink(
+        elsewhere.join("real.safetensors"),
+        dir.join("out.safetensors"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink("inside.safetensors", dir.join("alias.safetensors")).unwrap();
+    let x = out.join("x.png");
+    let r = generate(&p, "a <lora:out:1>", &x, &["--lora-dir", s(&dir)]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    let lines: Vec<&str> = r.stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line: {}", r.stderr);
+    for w in ["<lora:out>", "resolves outside", "--follow-symlinks"] {
+        assert!(lines[0].contains(w), "{w:?} not in {}", r.stderr);
+    }
+    assert!(listing(&out).is_empty(), "no output");
+    generate(&p, "a <lora:alias:1>", &x, &["--lora-dir", s(&dir)]).ok();
+    let y = out.join("y.png");
+    generate(
+        &p,
+        "a <lora:out:1>",
+        &y,
+        &["--lora-dir", s(&dir), "--follow-symlinks"],
+    )
+    .ok();
+    assert_eq!(pixels(&x), pixels(&y), "same LoRA, same pixels");
+}

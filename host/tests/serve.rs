@@ -282,6 +282,18 @@ fn apis_models_img2img_and_bad_input() {
         dir.join("b-taesd.safetensors"),
     )
     .unwrap();
+    // Nor a link that resolves out of the folder (without --follow-symlinks).
+    let elsewhere = prefix.dir("elsewhere");
+    std::fs::copy(
+        fixture("tiny-sd1.safetensors"),
+        elsewhere.join("c.safetensors"),
+    )
+    .unwrap();
+    std::os::unix::fs::symlink(
+        elsewhere.join("c.safetensors"),
+        dir.join("c-out.safetensors"),
+    )
+    .unwrap();
     let srv = Server::start_in(prefix, &["--models-dir", s(&dir)]);
 
     // The page, the OpenAPI description and the listings.

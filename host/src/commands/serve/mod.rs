@@ -40,6 +40,12 @@ pub fn catalogue(args: &ServeArgs) -> anyhow::Result<(Vec<ModelEntry>, ModelEntr
                 .and_then(|e| e.to_str())
                 .map(str::to_ascii_lowercase);
             if p.is_file() && matches!(ext.as_deref(), Some("safetensors" | "gguf")) {
+                if let Err(e) =
+                    crate::lora::inside_folder("--models-dir", dir, &p, args.lora.follow_symlinks)
+                {
+                    tracing::warn!("{} (left out)", crate::term::error_line(&e));
+                    continue;
+                }
                 // Only checkpoints a family takes: LoRAs, VAEs and the like
                 // in the folder would be offered to clients and fail.
                 let what = sdhost_models::checkpoint::scan(&p)
@@ -137,8 +143,9 @@ fn allowed_hosts(ip: std::net::IpAddr, extra: &[String]) -> Option<Vec<String>> 
     Some(v)
 }
 
-/// The `.safetensors` LoRAs of `--lora-dir`, by file stem, sorted.
-fn lora_names(dir: Option<&std::path::Path>) -> Vec<String> {
+/// The `.safetensors` LoRAs of `--lora-dir`, by file stem, sorted (links
+/// out of the folder left out unless `--follow-symlinks`).
+fn lora_names(dir: Option<&std::path::Path>, follow: bool) -> Vec<String> {
     let Some(dir) = dir else {
         return Vec::new();
     };
@@ -149,6 +156,7 @@ fn lora_names(dir: Option<&std::path::Path>) -> Vec<String> {
         .map(|e| e.path())
         .filter(|p| {
             p.is_file()
+                && crate::lora::inside_folder("--lora-dir", dir, p, follow).is_ok()
                 && p.extension()
                     .is_some_and(|e| e.eq_ignore_ascii_case("safetensors"))
         })
@@ -240,7 +248,10 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         allowed_hosts: allowed_hosts(local.ip(), &args.allowed_hosts).map(Arc::new),
         fits: fits.clone(),
         replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
-        loras: Arc::new(lora_names(args.lora.lora_dir.as_deref())),
+        loras: Arc::new(lora_names(
+            args.lora.lora_dir.as_deref(),
+            args.lora.follow_symlinks,
+        )),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
