@@ -1745,7 +1745,29 @@ fn half_open_connections_cannot_take_the_server_down() {
     let model = fixture("tiny-sd1.safetensors");
     let mut srv = Server::start(&["-m", s(&model)]);
     assert_eq!(try_health(&srv.addr), Some(200));
-    let mut held = Vec::new();
+    // A kept-alive connection left idle after its answer is closed too.
+    let mut idle = TcpStream::connect(&srv.addr).unwrap();
+    idle.write_all(format!("GET /health HTTP/1.1\r\nHost: {}\r\n\r\n", srv.addr).as_bytes())
+        .unwrap();
+    idle.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8];
+    while !head.ends_with(b"\r\n\r\n") {
+        idle.read_exact(&mut byte).unwrap();
+        head.push(byte[0]);
+    }
+    let head = String::from_utf8(head).unwrap().to_ascii_lowercase();
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let len: usize = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .expect("a content length")
+        .trim()
+        .parse()
+        .unwrap();
+    idle.read_exact(&mut vec![0; len]).unwrap();
+    let idle_since = Instant::now();
+    let mut held = vec![idle];
     for _ in 0..600 {
         let Ok(mut c) = TcpStream::connect(&srv.addr) else {
             continue;
@@ -1770,8 +1792,13 @@ fn half_open_connections_cannot_take_the_server_down() {
     assert!(answered, "the server never answered again");
     assert!(srv.child.try_wait().unwrap().is_none(), "the server exited");
     // Every held connection has been closed by the server (over the cap at
-    // once, the others after the header timeout).
-    std::thread::sleep(Duration::from_secs(12).saturating_sub(start.elapsed()));
+    // once, the others after the header timeout, the idle one after the
+    // same time without a next request).
+    std::thread::sleep(
+        Duration::from_secs(12)
+            .saturating_sub(start.elapsed())
+            .max(Duration::from_secs(11).saturating_sub(idle_since.elapsed())),
+    );
     for c in &mut held {
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut rest = Vec::new();
