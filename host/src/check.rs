@@ -258,6 +258,17 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            // The UNet's up-sampling onto an odd skip size (sizes that are
+            // a multiple of 8 but not of the UNet's own multiple).
+            name: "upscale_to",
+            tolerance: 1e-6,
+            amx: false,
+            build: |i, c| {
+                let a = t(i, Type::F32, &[5, 3, 4, 1])?;
+                Ok((vec![a], c.upscale_to(a, 9, 5)?))
+            },
+        },
+        Case {
             name: "concat",
             tolerance: 1e-6,
             amx: false,

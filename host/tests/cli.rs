@@ -156,7 +156,7 @@ fn error_lines() {
         ),
         (
             "size-not-a-multiple",
-            gen(&["-W", "72", "-H", "64", "-o", s(&png)]),
+            gen(&["-W", "68", "-H", "64", "-o", s(&png)]),
         ),
         (
             "config-dev-zero",

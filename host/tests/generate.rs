@@ -349,7 +349,7 @@ fn bad_requests_fail_before_any_work() {
         "-p",
         "x",
         "-W",
-        "72",
+        "68",
         "-H",
         "64",
         "-o",
@@ -358,7 +358,7 @@ fn bad_requests_fail_before_any_work() {
     fails(
         &r,
         1,
-        &["image size 72×64 must be a positive multiple of 16"],
+        &["image size 68×64 must be a positive multiple of 8"],
     );
     let r = generate(&p, &tiny_sd1(), &x, &["--sampler", "heun9"]);
     fails(&r, 2, &["unknown sampler \"heun9\""]);

@@ -370,3 +370,53 @@ fn blas_assisted_modules_match_references_on_cpu() {
 
 /// bf16's tolerances, as multiples of the CPU's (docs/models.md).
 const BF16_TOLERANCE: f32 = 4.0;
+
+/// Sizes that are a multiple of 8 but not of the UNet's own multiple (a
+/// 72×56 image, a 9×7 latent): the UNet's up-sampling resizes onto its
+/// skip connection's size as diffusers does, and the VAE decodes the odd
+/// latent; both against diffusers (`tests/fixtures/make_size_refs.py`).
+fn odd_latent_matches_references(runtime: &str, tol: f32) {
+    let r = read_tensors(&fixture("sizes/tiny-sd1-72x56-ref.safetensors"));
+    with_sd(runtime, runtime, WeightPolicy::default(), |sd| {
+        assert_eq!(sd.size_multiple(), 8, "any multiple of the VAE's 8");
+        let out = sd_model(sd)
+            .predict(UnetInput {
+                x: &r["unet.x"],
+                shape: [1, 4, 7, 9],
+                t: &r["unet.t"],
+                context: &r["unet.context"],
+                y: None,
+            })
+            .unwrap();
+        assert_close(
+            &format!("{runtime} unet 9x7"),
+            &out,
+            &r["unet.eps"],
+            1e-2 * tol,
+        );
+        sd_model(sd).unet.end_phase();
+        let stage = sd.first_stage().clone();
+        let img = stage
+            .decode(&mut sd.vae, &r["vae.z"], [1, 4, 7, 9])
+            .unwrap();
+        assert_close(
+            &format!("{runtime} vae 72x56"),
+            &img,
+            &r["vae.image"],
+            1e-2 * tol,
+        );
+        sd.vae.end_phase();
+    });
+}
+
+#[test]
+fn sizes_of_any_multiple_of_8_match_references_on_cpu() {
+    odd_latent_matches_references("cpu", 1.0);
+}
+
+#[test]
+fn sizes_of_any_multiple_of_8_match_references_on_vulkan() {
+    if vulkan_enabled() {
+        odd_latent_matches_references("vulkan0", 4.0);
+    }
+}

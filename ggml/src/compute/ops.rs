@@ -477,6 +477,46 @@ impl Context {
         )
     }
 
+    /// Nearest-neighbour resize of the first two dimensions to `width` ×
+    /// `height` (f32), as PyTorch's `interpolate(mode="nearest", size=…)`:
+    /// output pixel `i` takes input pixel `floor(i · in / out)`. For an
+    /// exact factor of 2 it is [`Context::upscale`].
+    pub fn upscale_to<'a>(&'a self, a: Tensor<'a>, width: i64, height: i64) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        let size = width
+            .checked_mul(height)
+            .and_then(|n| n.checked_mul(ne[2])?.checked_mul(ne[3]));
+        if a.ty() != Some(Type::F32)
+            || width < 1
+            || height < 1
+            || size.is_none()
+            || width > i64::from(i32::MAX)
+            || height > i64::from(i32::MAX)
+        {
+            return invalid(format!(
+                "nearest resize of a {} tensor {ne:?} to {width}×{height} (f32, positive sizes)",
+                a.type_name()
+            ));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and f32, the sizes are positive and
+        // the result's size fits; room checked.
+        self.wrap(
+            unsafe {
+                sys::ggml_interpolate(
+                    self.raw,
+                    a.raw,
+                    width,
+                    height,
+                    ne[2],
+                    ne[3],
+                    sys::GGML_SCALE_MODE_NEAREST,
+                )
+            },
+            "ggml_interpolate",
+        )
+    }
+
     /// Zero padding at the end of each dimension: `[W, H, C, N]` becomes
     /// `[W + p[0], H + p[1], C + p[2], N + p[3]]` (f32; the CPU kernel
     /// takes nothing else).

@@ -147,6 +147,10 @@ fn cases() -> Vec<Case> {
         "pad" bad: |c| c.pad(t(c, Type::F16, &[4, 4, 2]), [1, 1, 0, 0]);
         "upscale" bad: |c| c.upscale(f32s(c, &[4, 4, 2]), 1);
         "upscale" bad: |c| c.upscale(t(c, Type::F16, &[4, 4, 2]), 2);
+        "upscale_to" ok: |c| c.upscale_to(f32s(c, &[5, 3, 2]), 9, 5);
+        "upscale_to" bad: |c| c.upscale_to(f32s(c, &[5, 3, 2]), 0, 5);
+        "upscale_to" bad: |c| c.upscale_to(t(c, Type::F16, &[5, 3, 2]), 9, 5);
+        "upscale_to" bad: |c| c.upscale_to(f32s(c, &[5, 3, 2]), 1 << 40, 1 << 40);
 
         "concat" ok: |c| c.concat(f32s(c, &[4, 4, 3]), f32s(c, &[4, 4, 5]), 2);
         "concat" bad: |c| c.concat(f32s(c, &[4, 4, 3]), f32s(c, &[4, 5, 3]), 2);

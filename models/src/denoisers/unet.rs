@@ -193,11 +193,13 @@ fn build<'a>(
             cfg.in_channels
         )));
     }
-    let mult = 1i64 << cfg.downsamples;
-    if height % mult != 0 || width % mult != 0 {
+    // Any latent size: a stride-2 down-sampling rounds an odd size up, and
+    // the up-sampling after it resizes onto its skip connection's size,
+    // as diffusers' `upsample_size`.
+    if height < 1 || width < 1 {
         return Err(ModelError::request(
             Field::Size,
-            format!("latent size {width}×{height} is not a multiple of {mult}"),
+            format!("latent size {width}×{height} is empty"),
         ));
     }
     if t.len() as i64 != n
@@ -300,7 +302,18 @@ fn build<'a>(
         let up = format!("{p}.{j}.conv");
         if w.has(&format!("{up}.weight")) {
             let ch = h.ne()[2];
-            h = conv2d(c, w, &up, c.upscale(h, 2)?, ch, ch, 3, 1, 1)?;
+            // Onto the next skip's size: twice this one's, or one less
+            // where the down-sampling rounded an odd size up.
+            let [hw, hh] = [h.ne()[0], h.ne()[1]];
+            let [sw, sh] = skips
+                .last()
+                .map_or([hw * 2, hh * 2], |s| [s.ne()[0], s.ne()[1]]);
+            let grown = if [sw, sh] == [hw * 2, hh * 2] {
+                c.upscale(h, 2)?
+            } else {
+                c.upscale_to(h, sw, sh)?
+            };
+            h = conv2d(c, w, &up, grown, ch, ch, 3, 1, 1)?;
         }
     }
     if !skips.is_empty() {

@@ -193,7 +193,9 @@ impl<'b> Model<'b> {
         }
     }
 
-    /// Times the denoiser halves the latent.
+    /// Times the latent's size must be halvable for the denoiser (the
+    /// size multiple beyond the first stage's factor): 0 for the UNet,
+    /// which takes any latent size.
     pub fn downsamples(&self) -> u32 {
         match self {
             Model::Sd(m) => m.downsamples(),

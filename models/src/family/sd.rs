@@ -203,10 +203,11 @@ impl<'b> SdModel<'b> {
         self.unet_cfg.in_channels as usize
     }
 
-    /// Times the UNet halves the latent (the size multiple beyond the
-    /// VAE's factor).
+    /// Times the latent's size must be halvable for the denoiser: none,
+    /// since the UNet takes any latent size (its up-sampling resizes onto
+    /// each skip connection), so an image is any multiple of the VAE's 8.
     pub(super) fn downsamples(&self) -> u32 {
-        self.unet_cfg.downsamples
+        0
     }
 
     /// Token ids of a prompt for encoder `i`, in 77-token chunks, padded
