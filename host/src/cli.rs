@@ -654,6 +654,27 @@ pub struct MemoryArgs {
 }
 
 /// `on`/`off` (also true/false, yes/no, 1/0).
+/// A web origin for `--cors-allow-origin`: `scheme://host[:port]`, http or
+/// https, no path; returned lowercase, as browsers send it.
+fn parse_origin(s: &str) -> Result<String, String> {
+    let o = s.trim().trim_end_matches('/').to_ascii_lowercase();
+    let rest = o
+        .strip_prefix("http://")
+        .or_else(|| o.strip_prefix("https://"))
+        .ok_or_else(|| {
+            format!("{s:?}: an origin is http:// or https:// and a host (e.g. https://app.example)")
+        })?;
+    if rest.is_empty()
+        || rest.contains(['/', '?', '#', '@', '*', ' '])
+        || !rest.chars().all(|c| c.is_ascii_graphic())
+    {
+        return Err(format!(
+            "{s:?}: an origin is a scheme and a host with an optional port, no path or wildcard"
+        ));
+    }
+    Ok(o)
+}
+
 fn parse_on_off(s: &str) -> Result<bool, String> {
     match s.to_ascii_lowercase().as_str() {
         "on" | "true" | "yes" | "1" => Ok(true),
@@ -799,6 +820,13 @@ pub struct ServeArgs {
     /// reach the server through a name it controls (DNS rebinding)
     #[arg(long = "allowed-host", value_name = "NAME")]
     pub allowed_hosts: Vec<String>,
+
+    /// A web origin whose pages may call the API from the browser
+    /// (`https://app.example`, `http://localhost:3000`; repeatable; none
+    /// by default): CORS preflights from it are answered and its requests
+    /// pass the Origin check (the API key, if set, is still required)
+    #[arg(long = "cors-allow-origin", value_name = "ORIGIN", value_parser = parse_origin)]
+    pub cors_origins: Vec<String>,
 
     /// Largest request body, in MiB (413 beyond)
     #[arg(long = "max-body", value_name = "MIB", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]

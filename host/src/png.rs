@@ -68,7 +68,7 @@ pub fn parameters_text_of(
     s.push_str(&format!(
         "\nSteps: {}, Sampler: {}, Schedule type: {}, CFG scale: {}, Seed: {}, Size: {}x{}, Clip skip: {}, Model: {}, Model family: {}, Prediction: {}",
         req.steps,
-        req.sampler.name(),
+        req.sampler.a1111_label(),
         req.scheduler.a1111_label(),
         req.cfg_scale,
         req.seed,

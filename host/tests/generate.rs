@@ -47,7 +47,7 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
     );
     assert!(
         text.contains(
-            "Steps: 3, Sampler: euler_a, Schedule type: Uniform, CFG scale: 7, Seed: 7, Size: 64x64"
+            "Steps: 3, Sampler: Euler a, Schedule type: Uniform, CFG scale: 7, Seed: 7, Size: 64x64"
         ),
         "{text}"
     );
@@ -70,7 +70,7 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
     )
     .ok();
     assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&c).unwrap());
-    assert!(png_info(&c).2.contains("Sampler: dpm++2m"));
+    assert!(png_info(&c).2.contains("Sampler: DPM++ 2M,"));
     assert_eq!(listing(&out), ["a.png", "b.png", "c.png"]);
 }
 
@@ -85,7 +85,7 @@ fn generate_records_the_sampler_and_schedule() {
     generate(&p, &tiny_sd1(), &a, &["--sampler", "DPM++ 2M Karras"]).ok();
     let text = png_info(&a).2;
     assert!(
-        text.contains("Steps: 3, Sampler: dpm++2m, Schedule type: Karras, CFG scale: 7"),
+        text.contains("Steps: 3, Sampler: DPM++ 2M, Schedule type: Karras, CFG scale: 7"),
         "{text}"
     );
     let b = out.join("b.png");
@@ -105,7 +105,7 @@ fn generate_records_the_sampler_and_schedule() {
     assert_eq!(calls, Some("5"), "{}", r.stderr);
     let text = png_info(&b).2;
     assert!(
-        text.contains("Sampler: heun, Schedule type: Exponential, CFG scale"),
+        text.contains("Sampler: Heun, Schedule type: Exponential, CFG scale"),
         "{text}"
     );
     assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());

@@ -341,7 +341,7 @@ fn prompt_line_breaks_cannot_forge_parameters() {
         lines[0],
         "a cat Negative prompt: dog Steps: 999, Sampler: Forged"
     );
-    assert!(lines[1].starts_with("Steps: 1, Sampler: euler_a"), "{text}");
+    assert!(lines[1].starts_with("Steps: 1, Sampler: Euler a"), "{text}");
 }
 
 #[test]

@@ -235,7 +235,7 @@ fn bad_images_masks_and_strengths_fail_with_one_line_and_no_output() {
     let small_mask = out.join("small-mask.png");
     image::GrayImage::new(32, 32).save(&small_mask).unwrap();
     let tiny_img = out.join("tiny.png");
-    image::RgbImage::new(10, 10).save(&tiny_img).unwrap();
+    image::RgbImage::new(6, 6).save(&tiny_img).unwrap();
     let missing = out.join("missing.png");
     let cases: Vec<(Vec<&str>, i32, &str)> = vec![
         (vec!["-i", s(&junk)], 1, "junk.png"),
@@ -250,7 +250,7 @@ fn bad_images_masks_and_strengths_fail_with_one_line_and_no_output() {
         (
             vec!["-i", s(&tiny_img)],
             1,
-            "smaller than this model's 16-pixel multiple",
+            "6x6, smaller than this model's 8-pixel multiple",
         ),
         (vec!["-i", s(&init), "--strength", "0"], 2, "outside (0, 1]"),
         (

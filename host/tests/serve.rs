@@ -343,7 +343,7 @@ fn apis_models_img2img_and_bad_input() {
     let (w, h, text, px) = png_of(a["images"][0].as_str().unwrap());
     assert_eq!((w, h), (64, 64));
     assert!(
-        text.starts_with("a red cube\nNegative prompt: blurry\nSteps: 2, Sampler: euler_a"),
+        text.starts_with("a red cube\nNegative prompt: blurry\nSteps: 2, Sampler: Euler a"),
         "{text}"
     );
     assert!(
@@ -1923,4 +1923,93 @@ fn front_end_endpoints_and_a1111_semantics() {
     let r = srv.post("/sdapi/v1/txt2img", body);
     assert_eq!(r.status, 422, "{}", r.text());
     assert_eq!(r.json()["field"], "clip_skip", "{}", r.text());
+}
+
+/// `--cors-allow-origin`: a listed origin's page may call the API from a
+/// browser (its preflight is answered before authentication, its requests
+/// pass the Origin check and carry its CORS headers, the key still
+/// required); any other origin gets no permission and stays refused.
+#[test]
+fn cors_for_listed_origins_only() {
+    let model = fixture("tiny-sd1.safetensors");
+    let srv = Server::start(&[
+        "-m",
+        s(&model),
+        "--api-key",
+        "k3y",
+        "--cors-allow-origin",
+        "https://App.Example/",
+    ]);
+    let own = srv.addr.clone();
+    let preflight = |origin: &str| {
+        raw(
+            &srv.addr,
+            "OPTIONS",
+            "/sdapi/v1/txt2img",
+            &[
+                ("Host", own.as_str()),
+                ("Origin", origin),
+                ("Access-Control-Request-Method", "POST"),
+                (
+                    "Access-Control-Request-Headers",
+                    "content-type,authorization",
+                ),
+            ],
+            b"",
+        )
+    };
+    let r = preflight("https://app.example");
+    assert!(r.status < 300, "{} {}", r.status, r.text());
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    let allowed = r
+        .header("access-control-allow-headers")
+        .unwrap()
+        .to_ascii_lowercase();
+    assert!(allowed.contains("authorization") && allowed.contains("content-type"));
+    let r = preflight("https://evil.example");
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        None,
+        "{:?}",
+        r.headers
+    );
+
+    let body = serde_json::to_vec(&small("a cat", 1)).unwrap();
+    let post = |origin: &str, key: Option<&str>| {
+        let auth = key.map(|k| format!("Bearer {k}"));
+        let mut h = vec![
+            ("Host", own.as_str()),
+            ("Origin", origin),
+            ("Content-Type", "application/json"),
+        ];
+        if let Some(a) = &auth {
+            h.push(("Authorization", a.as_str()));
+        }
+        raw(&srv.addr, "POST", "/sdapi/v1/txt2img", &h, &body)
+    };
+    let r = post("https://app.example", Some("k3y"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.header("access-control-allow-origin"),
+        Some("https://app.example")
+    );
+    let r = post("https://app.example", None);
+    assert_eq!(r.status, 401, "the key is still required: {}", r.text());
+    let r = post("https://evil.example", Some("k3y"));
+    assert_eq!(r.status, 403, "{}", r.text());
+    assert_eq!(r.json()["error"], "origin_not_allowed");
+
+    // A malformed origin is a usage error.
+    for bad in [
+        "https://app.example/path",
+        "app.example",
+        "https://*.example",
+    ] {
+        let r = Prefix::with_cpu().run(&["serve", "-m", s(&model), "--cors-allow-origin", bad]);
+        assert_eq!(r.code, Some(2), "{bad}: {}", r.stderr);
+        assert!(r.stderr.contains("origin"), "{bad}: {}", r.stderr);
+    }
 }

@@ -272,7 +272,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "a red lighthouse",
         "Negative prompt: blurry",
         "Steps: 3,",
-        "Sampler: euler,",
+        "Sampler: Euler,",
         "CFG scale: 5,",
         "Seed: 1234,",
         "Size: 64x64,",

@@ -55,6 +55,9 @@ pub struct AppState {
     /// the bound address and `--allowed-host`; `None` when the server
     /// listens on every address (behind `--api-key`).
     pub allowed_hosts: Option<Arc<Vec<String>>>,
+    /// The origins of `--cors-allow-origin` (lowercase, no trailing `/`):
+    /// their pages may call the API from a browser.
+    pub cors_origins: Arc<Vec<String>>,
     /// Where each replica's modules run, as its last load fitted them.
     pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
     /// Each replica's device (`--replicas`), by replica index.
@@ -189,10 +192,31 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })
+        // CORS inside the Host check: a preflight from a listed origin is
+        // answered before authentication (browsers send no key with it),
+        // and every answer to that origin carries its CORS headers.
+        .layer(cors(&state.cors_origins))
         .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .layer(axum::middleware::from_fn(openai_errors))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
+}
+
+/// CORS for the `--cors-allow-origin` origins (none by default: a
+/// preflight from any other origin is answered without permission, and the
+/// browser stops there): GET and POST with `Content-Type` and
+/// `Authorization`, preflights cached 10 minutes.
+fn cors(origins: &[String]) -> tower_http::cors::CorsLayer {
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    let list: Vec<header::HeaderValue> = origins
+        .iter()
+        .filter_map(|o| header::HeaderValue::from_str(o).ok())
+        .collect();
+    CorsLayer::new()
+        .allow_origin(AllowOrigin::list(list))
+        .allow_methods([Method::GET, Method::POST])
+        .allow_headers([header::CONTENT_TYPE, header::AUTHORIZATION])
+        .max_age(Duration::from_secs(600))
 }
 
 /// Image decodings at once (each may hold up to the decoder's memory
@@ -357,7 +381,11 @@ async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response
             let name = o
                 .split_once("://")
                 .map(|(_, rest)| host_name(rest.split('/').next().unwrap_or("")));
-            if !name.is_some_and(|n| allowed.contains(&n)) {
+            let listed = st
+                .cors_origins
+                .iter()
+                .any(|c| c.eq_ignore_ascii_case(o.trim_end_matches('/')));
+            if !listed && !name.is_some_and(|n| allowed.contains(&n)) {
                 return ApiError::new(
                     StatusCode::FORBIDDEN,
                     "origin_not_allowed",

@@ -246,6 +246,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         current: current.clone(),
         api_key: args.api_key.as_deref().map(|k| Arc::from(k.trim())),
         allowed_hosts: allowed_hosts(local.ip(), &args.allowed_hosts).map(Arc::new),
+        cors_origins: Arc::new(args.cors_origins.clone()),
         fits: fits.clone(),
         replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
         loras: Arc::new(lora_names(
