@@ -438,7 +438,7 @@ fn apis_models_img2img_and_bad_input() {
         (
             "POST",
             "/sdapi/v1/txt2img",
-            br#"{"prompt": "x", "width": 72, "height": 64, "steps": 2}"#.to_vec(),
+            br#"{"prompt": "x", "width": 68, "height": 64, "steps": 2}"#.to_vec(),
             422,
             "width",
         ),
@@ -605,6 +605,24 @@ fn apis_models_img2img_and_bad_input() {
     assert_eq!(
         r["images"], a["images"],
         "back on tiny-sd1: the first image again"
+    );
+    // ... for that request only (A1111's override_settings_restore_afterwards):
+    // the server's model is still tiny-sd2, and the next request runs on it.
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sd_model_checkpoint"],
+        "tiny-sd2.safetensors"
+    );
+    let r = srv.post("/sdapi/v1/txt2img", small("a red cube", 7)).json();
+    let text = png_of(r["images"][0].as_str().unwrap()).2;
+    assert!(text.contains("Model: tiny-sd2.safetensors"), "{text}");
+    // Unless the request asks to keep it.
+    let mut body = small("a red cube", 7);
+    body["override_settings"] = json!({"sd_model_checkpoint": "tiny-sd1"});
+    body["override_settings_restore_afterwards"] = json!(false);
+    assert_eq!(srv.post("/sdapi/v1/txt2img", body).status, 200);
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sd_model_checkpoint"],
+        "tiny-sd1.safetensors"
     );
 }
 
@@ -1917,6 +1935,14 @@ fn front_end_endpoints_and_a1111_semantics() {
     let r = srv.post("/sdapi/v1/img2img", body);
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["images"].as_array().unwrap().len(), 1);
+    // Any multiple of 8 (SillyTavern's 600x600 and 960x540 presets).
+    let mut body = small("a cat", 1);
+    body["width"] = json!(72);
+    body["height"] = json!(56);
+    let r = srv.post("/sdapi/v1/txt2img", body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (72, 56));
     // An error only the model finds is 422 naming the request's field.
     let mut body = small("a cat", 1);
     body["clip_skip"] = json!(12);

@@ -762,6 +762,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         count: (batch * n_iter) as usize,
         init: None,
         model: None,
+        keep_model: false,
     })
 }
 
@@ -1013,6 +1014,7 @@ async fn txt2img(
     let f = Fields(&body);
     let mut work = gen_work(&f, "txt2img", 50)?;
     work.model = model_override(&st, &f)?;
+    work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     let echo = Echo::of(&work);
     let out = generate(&st, work).await?;
     Ok(Json(json!({
@@ -1030,6 +1032,7 @@ async fn img2img(
     let f = Fields(&body);
     let mut work = gen_work(&f, "img2img", 50)?;
     work.model = model_override(&st, &f)?;
+    work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     let first = match f.get("init_images") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(s) => s.clone(),

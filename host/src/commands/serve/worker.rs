@@ -4,10 +4,11 @@
 //! worker per listed device, each with the model loaded on its own
 //! backends, all taking jobs from the one [`Queue`] in FIFO order:
 //! generations, and model switches (`sd_model_checkpoint`), which reload
-//! with the same placement. The model to use is the server's current one
-//! ([`ModelInfo`], set by the last load on any replica): a replica that
-//! holds another reloads before its next job, as it does for a request
-//! whose `<lora:…>` tags differ from its loaded set. Loads take a lock
+//! with the same placement. The model to use is the request's own
+//! (`override_settings`, for that job only), else the server's current one
+//! ([`ModelInfo`], set by the last switch or start-up load on any replica):
+//! a replica that holds another reloads before its next job, as it does
+//! for a request whose `<lora:…>` tags differ from its loaded set. Loads take a lock
 //! shared by the replicas, so only one checkpoint is read at a time. Each
 //! load fits the placement to the memory budgets (at the family's default
 //! size, as `generate` does at the request's); the fitted placement and
@@ -132,6 +133,10 @@ pub struct GenWork {
     pub init: Option<InitWork>,
     /// The model to run on (`override_settings`), else the loaded one.
     pub model: Option<ModelEntry>,
+    /// Whether `model` becomes the server's current model
+    /// (`override_settings_restore_afterwards: false`); by default the
+    /// current one stays, and comes back at the next job without one.
+    pub keep_model: bool,
 }
 
 /// A job for the worker.
@@ -247,7 +252,14 @@ pub struct Worker<'a, 'm> {
 }
 
 impl<'m> Worker<'_, 'm> {
-    fn load(&self, entry: &ModelEntry, loras: &[LoraSpec]) -> anyhow::Result<Loaded<'m>> {
+    /// Loads `entry` with `loras`; where `select`, it becomes the server's
+    /// current model (a per-request model does not).
+    fn load(
+        &self,
+        entry: &ModelEntry,
+        loras: &[LoraSpec],
+        select: bool,
+    ) -> anyhow::Result<Loaded<'m>> {
         let a = &self.args.load;
         let ckpt = sdhost_models::checkpoint::scan(&entry.path)?;
         let vae = a
@@ -303,42 +315,55 @@ impl<'m> Worker<'_, 'm> {
             f.tiling = sd.vae_tiling();
             f.choices = fitted.choices;
         }
-        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(ModelInfo {
-            entry: entry.clone(),
-            family: sd.family().name().to_string(),
-            size_multiple: sd.size_multiple(),
-            default_size: sd.default_size(),
-        });
-        Ok(Loaded {
+        let l = Loaded {
             sd,
             placement: fitted.placement,
             entry: entry.clone(),
             flash,
             loras: loras.to_vec(),
             upscaler,
-        })
+        };
+        if select {
+            self.select(&l);
+        }
+        Ok(l)
+    }
+
+    /// Makes the model `l` holds the server's current one.
+    fn select(&self, l: &Loaded<'m>) {
+        *self.current.lock().unwrap_or_else(|e| e.into_inner()) = Some(ModelInfo {
+            entry: l.entry.clone(),
+            family: l.sd.family().name().to_string(),
+            size_multiple: l.sd.size_multiple(),
+            default_size: l.sd.default_size(),
+        });
     }
 
     /// Loads the first model (LoRAs: `--lora` only).
     pub fn load_initial(&self, entry: &ModelEntry) -> anyhow::Result<Loaded<'m>> {
-        self.load(entry, &self.args.lora.loras)
+        self.load(entry, &self.args.lora.loras, true)
     }
 
     /// Makes `loaded` hold `entry` with `loras` (reloading where either
-    /// differs); on failure, tries to bring the previous model back.
+    /// differs; `select`: it is the server's current model from now on);
+    /// on failure, tries to bring the previous model back.
     fn ensure(
         &self,
         loaded: &mut Option<Loaded<'m>>,
         entry: &ModelEntry,
         loras: &[LoraSpec],
+        select: bool,
     ) -> Result<(), JobError> {
         if let Some(l) = loaded {
             if l.entry == *entry && l.loras == loras {
+                if select {
+                    self.select(l);
+                }
                 return Ok(());
             }
         }
         let previous = loaded.take().map(|l| (l.entry, l.loras));
-        match self.load(entry, loras) {
+        match self.load(entry, loras, select) {
             Ok(l) => {
                 *loaded = Some(l);
                 Ok(())
@@ -347,7 +372,7 @@ impl<'m> Worker<'_, 'm> {
                 let msg = crate::term::error_line(&e);
                 tracing::warn!("cannot load {}: {msg}", entry.path.display());
                 if let Some((pe, pl)) = previous {
-                    match self.load(&pe, &pl) {
+                    match self.load(&pe, &pl, false) {
                         Ok(l) => *loaded = Some(l),
                         Err(e2) => {
                             *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -372,7 +397,7 @@ impl<'m> Worker<'_, 'm> {
             let result = match job.work {
                 Work::Load(entry) => {
                     let loras = self.args.lora.loras.clone();
-                    self.ensure(loaded, &entry, &loras)
+                    self.ensure(loaded, &entry, &loras, true)
                         .map(|()| Output::Loaded(entry))
                 }
                 Work::Generate(g) => self.generate(loaded, &g, &cancel).map(Output::Images),
@@ -411,7 +436,10 @@ impl<'m> Worker<'_, 'm> {
         };
         let loras = crate::lora::resolve(&self.args.lora, &g.prompt)
             .map_err(|e| JobError::Invalid(format!("prompt: {}", crate::term::error_line(&e))))?;
-        self.ensure(loaded, &entry, &loras.specs)?;
+        // A per-request model runs this job; the current one stays the
+        // server's (A1111's `override_settings_restore_afterwards`).
+        let select = g.model.is_none() || g.keep_model;
+        self.ensure(loaded, &entry, &loras.specs, select)?;
         let l = loaded.as_mut().expect("ensure loaded it");
         let m = l.sd.size_multiple();
         let default = l.sd.default_size();
