@@ -69,7 +69,7 @@ fn check_passes_on_lavapipe_and_shows_fallback() {
     .ok();
     let rows = r.json();
     let rows = rows.as_array().unwrap();
-    assert_eq!(rows.len(), 23);
+    assert_eq!(rows.len(), 24);
     for row in rows {
         assert_eq!(row["device"], "vulkan0");
         let v = row["verdict"].as_str().unwrap();
@@ -85,6 +85,9 @@ fn check_passes_on_lavapipe_and_shows_fallback() {
     assert_eq!(bcast["verdict"], "FALLBACK", "{bcast:#}");
     let mm = rows.iter().find(|r| r["op"] == "mul_mat f16").unwrap();
     assert_eq!(mm["verdict"], "PASS", "{mm:#}");
+    // The UNet's resize onto an odd skip size runs on the device.
+    let up = rows.iter().find(|r| r["op"] == "upscale_to").unwrap();
+    assert_eq!(up["verdict"], "PASS", "{up:#}");
     // Default device set: every non-CPU device.
     let all = Run::from(
         lavapipe(&mut p.cmd(&["check", "--op", "add", "--json"]))
