@@ -799,6 +799,16 @@ pub struct ServeArgs {
     )]
     pub api_key: Option<String>,
 
+    /// Accept HTTP Basic with these credentials, as A1111's `--api-auth`
+    /// (`USER:PASS[,USER2:PASS2]`; beside or instead of `--api-key`)
+    #[arg(
+        long = "api-auth",
+        value_name = "USER:PASS[,…]",
+        env = "SDHOST_API_AUTH",
+        hide_env_values = true
+    )]
+    pub api_auth: Option<String>,
+
     /// Load the model once on each listed device and run a job on each at
     /// once, e.g. `cpu,vulkan0` (a device may repeat); every module of a
     /// replica runs on its device (weights as --params-backend says)

@@ -1884,6 +1884,34 @@ fn front_end_auth_and_openai_errors() {
     );
     assert_eq!(r.status, 422);
     assert_eq!(r.json()["field"], "prompt");
+    drop(srv);
+
+    // A1111's --api-auth: user and password pairs over HTTP Basic.
+    let srv = Server::start(&["-m", s(&model), "--api-auth", "alice:s3cret, bob:pw2"]);
+    for (auth, want) in [
+        (basic("alice:s3cret"), 200),
+        (basic("bob:pw2"), 200),
+        (basic("alice:pw2"), 401),
+        (basic("carol:s3cret"), 401),
+        ("Bearer s3cret".to_string(), 401),
+        (String::new(), 401),
+    ] {
+        let h: Vec<(&str, &str)> = if auth.is_empty() {
+            vec![]
+        } else {
+            vec![("Authorization", auth.as_str())]
+        };
+        let r = request(&srv.addr, "GET", "/sdapi/v1/sd-models", None, &h);
+        assert_eq!(r.status, want, "{auth}: {}", r.text());
+    }
+    assert_eq!(try_health(&srv.addr), Some(200), "/health needs no key");
+    for bad in ["alice", "alice:", ":pw", "alice:pw,"] {
+        let r = Prefix::with_cpu().run(&["serve", "-m", s(&model), "--api-auth", bad]);
+        assert_eq!(r.code, Some(1), "{bad}: {}", r.stderr);
+        assert!(r.stderr.contains("USER:PASS"), "{bad}: {}", r.stderr);
+        assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+        assert!(!r.stderr.contains("pw"), "no password echoed: {}", r.stderr);
+    }
 }
 
 /// Endpoints front-ends call besides generation answer with real content

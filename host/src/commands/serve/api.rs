@@ -50,6 +50,8 @@ pub struct AppState {
     pub current: Arc<Mutex<Option<ModelInfo>>>,
     /// `--api-key` (trimmed).
     pub api_key: Option<Arc<str>>,
+    /// `--api-auth`'s user and password pairs (HTTP Basic).
+    pub api_auth: Arc<Vec<(String, String)>>,
     /// The names a request's `Host` (and a state-changing request's
     /// `Origin`) may carry, lowercase, without port: the loopback names,
     /// the bound address and `--allowed-host`; `None` when the server
@@ -446,7 +448,8 @@ fn host_name(h: &str) -> String {
 /// WebUI, SillyTavern); the scheme in any case, the key without surrounding
 /// blanks.
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &st.api_key {
+    if st.api_key.is_some() || !st.api_auth.is_empty() {
+        // (user, secret): Bearer has no user.
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
@@ -455,23 +458,38 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
             .and_then(|v| v.split_once(' '))
             .and_then(|(scheme, cred)| {
                 if scheme.eq_ignore_ascii_case("bearer") {
-                    Some(cred.trim().to_string())
+                    Some((None, cred.trim().to_string()))
                 } else if scheme.eq_ignore_ascii_case("basic") {
                     let raw = base64::engine::general_purpose::STANDARD
                         .decode(cred.trim())
                         .ok()?;
                     let text = String::from_utf8(raw).ok()?;
-                    Some(text.split_once(':')?.1.trim().to_string())
+                    let (user, pass) = text.split_once(':')?;
+                    Some((Some(user.trim().to_string()), pass.trim().to_string()))
                 } else {
                     None
                 }
-            })
-            .unwrap_or_default();
-        if !constant_time_eq(given.as_bytes(), key.as_bytes()) {
+            });
+        let ok = given.is_some_and(|(user, secret)| {
+            let by_key = st
+                .api_key
+                .as_ref()
+                .is_some_and(|k| constant_time_eq(secret.as_bytes(), k.as_bytes()));
+            // Every pair compared, so the time says nothing of which matched.
+            let by_pair = user.is_some_and(|u| {
+                st.api_auth.iter().fold(false, |hit, (au, ap)| {
+                    let m = constant_time_eq(u.as_bytes(), au.as_bytes())
+                        & constant_time_eq(secret.as_bytes(), ap.as_bytes());
+                    hit | m
+                })
+            });
+            by_key | by_pair
+        });
+        if !ok {
             let mut r = ApiError::new(
                 StatusCode::UNAUTHORIZED,
                 "unauthorized",
-                "this server needs its key: `Authorization: Bearer KEY`, or HTTP Basic with the key as the password",
+                "this server needs its key (`Authorization: Bearer KEY`, or HTTP Basic with the key as the password) or a --api-auth user and password (HTTP Basic)",
             )
             .into_response();
             r.headers_mut().insert(

@@ -114,14 +114,20 @@ fn bind_address(args: &ServeArgs) -> anyhow::Result<std::net::SocketAddr> {
     let addr = *addrs
         .first()
         .ok_or_else(|| anyhow!("--host {}: no address", args.host))?;
-    if !addrs.iter().all(|a| a.ip().is_loopback()) && args.api_key.is_none() {
+    if !addrs.iter().all(|a| a.ip().is_loopback())
+        && args.api_key.is_none()
+        && args.api_auth.is_none()
+    {
         bail!(
-            "--host {}: listening on a non-loopback address needs --api-key KEY (clients then send `Authorization: Bearer KEY`)",
+            "--host {}: listening on a non-loopback address needs --api-key KEY or --api-auth USER:PASS (clients then send `Authorization: Bearer KEY` or HTTP Basic)",
             args.host
         );
     }
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("--api-key: the key is empty");
+    }
+    if let Some(a) = &args.api_auth {
+        api_auth(a)?;
     }
     Ok(addr)
 }
@@ -164,6 +170,22 @@ fn lora_names(dir: Option<&std::path::Path>, follow: bool) -> Vec<String> {
         .collect();
     v.sort();
     v
+}
+
+/// `--api-auth USER:PASS[,USER2:PASS2]`, as A1111's (a password holds no
+/// comma); blanks around each part dropped. The error never shows the
+/// value: it holds passwords.
+fn api_auth(s: &str) -> anyhow::Result<Vec<(String, String)>> {
+    s.split(',')
+        .map(|p| match p.split_once(':') {
+            Some((u, pw)) if !u.trim().is_empty() && !pw.trim().is_empty() => {
+                Ok((u.trim().to_string(), pw.trim().to_string()))
+            }
+            _ => Err(anyhow!(
+                "--api-auth: each credential is USER:PASS with neither part empty, comma-separated (the value is not shown)"
+            )),
+        })
+        .collect()
 }
 
 /// Most replicas `--replicas` may list.
@@ -245,6 +267,10 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         models: Arc::new(models),
         current: current.clone(),
         api_key: args.api_key.as_deref().map(|k| Arc::from(k.trim())),
+        api_auth: Arc::new(match &args.api_auth {
+            Some(a) => api_auth(a)?,
+            None => Vec::new(),
+        }),
         allowed_hosts: allowed_hosts(local.ip(), &args.allowed_hosts).map(Arc::new),
         cors_origins: Arc::new(args.cors_origins.clone()),
         fits: fits.clone(),
