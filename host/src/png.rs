@@ -152,3 +152,186 @@ pub fn file_hash(path: &std::path::Path) -> anyhow::Result<String> {
     let d = h.finalize();
     Ok(d.iter().take(6).map(|b| format!("{b:02x}")).collect())
 }
+
+/// Most bytes of text read from one PNG for `png-info` (each compressed
+/// chunk is inflated at most to this, so a zTXt bomb costs nothing).
+const MAX_TEXT: usize = 1 << 20;
+
+/// The text chunks of a PNG (`tEXt`, `zTXt`, `iTXt`) before its image data,
+/// as (keyword, text), without decoding a pixel.
+pub fn text_chunks(bytes: &[u8]) -> anyhow::Result<Vec<(String, String)>> {
+    let reader = png::Decoder::new(std::io::Cursor::new(bytes))
+        .read_info()
+        .map_err(|e| anyhow::anyhow!("not a PNG: {e}"))?;
+    let info = reader.info();
+    let mut out = Vec::new();
+    let mut total = 0usize;
+    let mut push = |k: &str, t: String| -> anyhow::Result<()> {
+        total += t.len();
+        if total > MAX_TEXT {
+            anyhow::bail!("the PNG holds more than {MAX_TEXT} bytes of text");
+        }
+        out.push((k.to_string(), t));
+        Ok(())
+    };
+    for c in &info.uncompressed_latin1_text {
+        push(&c.keyword, c.text.clone())?;
+    }
+    for c in &info.compressed_latin1_text {
+        let mut c = c.clone();
+        c.decompress_text_with_limit(MAX_TEXT)
+            .map_err(|e| anyhow::anyhow!("text chunk {:?}: {e}", c.keyword))?;
+        push(&c.keyword, c.get_text().unwrap_or_default())?;
+    }
+    for c in &info.utf8_text {
+        let mut c = c.clone();
+        c.decompress_text_with_limit(MAX_TEXT)
+            .map_err(|e| anyhow::anyhow!("text chunk {:?}: {e}", c.keyword))?;
+        push(&c.keyword, c.get_text().unwrap_or_default())?;
+    }
+    Ok(out)
+}
+
+/// An A1111 infotext parsed as A1111's `parse_generation_parameters`
+/// does: `Prompt`, `Negative prompt`, then each `Key: value` field of the
+/// last line (quoted values unquoted), `Size` also as `Size-1`/`Size-2`.
+/// A last line with fewer than three fields is part of the prompt.
+pub fn parse_parameters(text: &str) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::Value;
+    let mut lines: Vec<&str> = text.trim().split('\n').collect();
+    let last = lines.last().copied().unwrap_or("");
+    let fields = infotext_fields(last);
+    if fields.len() >= 3 {
+        lines.pop();
+    }
+    let (mut prompt, mut negative, mut in_negative) = (String::new(), String::new(), false);
+    for l in lines {
+        let l = l.trim();
+        if let Some(rest) = l.strip_prefix("Negative prompt:") {
+            in_negative = true;
+            negative.push_str(rest.trim());
+        } else {
+            let t = if in_negative {
+                &mut negative
+            } else {
+                &mut prompt
+            };
+            if !t.is_empty() {
+                t.push('\n');
+            }
+            t.push_str(l);
+        }
+    }
+    let mut m = serde_json::Map::new();
+    m.insert("Prompt".into(), Value::String(prompt));
+    m.insert("Negative prompt".into(), Value::String(negative));
+    if fields.len() >= 3 {
+        for (k, v) in fields {
+            if k == "Size" {
+                if let Some((w, h)) = v.split_once('x') {
+                    if let (Ok(w), Ok(h)) = (w.trim().parse::<u64>(), h.trim().parse::<u64>()) {
+                        m.insert("Size-1".into(), w.into());
+                        m.insert("Size-2".into(), h.into());
+                    }
+                }
+            }
+            m.insert(k, Value::String(v));
+        }
+    }
+    m
+}
+
+/// The `Key: value, Key: "quoted, value", …` fields of an infotext line.
+fn infotext_fields(line: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = line.trim_start();
+    while !rest.is_empty() {
+        let Some((key, after)) = rest.split_once(':') else {
+            break;
+        };
+        let key = key.trim();
+        let valid = key
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_alphanumeric() || c == '_')
+            && key
+                .chars()
+                .all(|c| c.is_alphanumeric() || matches!(c, '_' | ' ' | '-' | '/'));
+        if !valid {
+            break;
+        }
+        let after = after.trim_start();
+        let (value, next) = if let Some(q) = after.strip_prefix('"') {
+            // Up to the closing quote, `\"` and `\\` escaped.
+            let mut v = String::new();
+            let mut chars = q.char_indices();
+            let mut end = None;
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, n)) = chars.next() {
+                            v.push(n);
+                        }
+                    }
+                    '"' => {
+                        end = Some(i + 1);
+                        break;
+                    }
+                    c => v.push(c),
+                }
+            }
+            let Some(end) = end else {
+                break;
+            };
+            let tail = q[end..].trim_start();
+            (v, tail.strip_prefix(',').unwrap_or(tail))
+        } else {
+            match after.split_once(',') {
+                Some((v, tail)) => (v.trim().to_string(), tail),
+                None => (after.trim().to_string(), ""),
+            }
+        };
+        out.push((key.to_string(), value));
+        rest = next.trim_start();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn infotexts_parse_as_a1111_does() {
+        let t = "a cat,\nsitting\nNegative prompt: blurry, dark\nSteps: 4, Sampler: Euler a, Size: 72x56, Lora hashes: \"a: 1, b: 2\", Seed: 7";
+        let m = parse_parameters(t);
+        assert_eq!(m["Prompt"], "a cat,\nsitting");
+        assert_eq!(m["Negative prompt"], "blurry, dark");
+        assert_eq!(m["Steps"], "4");
+        assert_eq!(m["Sampler"], "Euler a");
+        assert_eq!(m["Size-1"], 72);
+        assert_eq!(m["Size-2"], 56);
+        assert_eq!(m["Lora hashes"], "a: 1, b: 2");
+        assert_eq!(m["Seed"], "7");
+        // A last line with fewer than three fields is prompt.
+        let m = parse_parameters("a cat\nstyle: oil");
+        assert_eq!(m["Prompt"], "a cat\nstyle: oil");
+        assert!(!m.contains_key("style"));
+    }
+
+    #[test]
+    fn text_chunks_of_a_written_png_and_of_junk() {
+        let img = Image {
+            width: 2,
+            height: 1,
+            rgb: vec![0; 6],
+        };
+        let mut buf = Vec::new();
+        encode_png(&mut buf, &img, "a cat\nSteps: 1, Sampler: Euler, Seed: 3").unwrap();
+        let chunks = text_chunks(&buf).unwrap();
+        assert!(chunks
+            .iter()
+            .any(|(k, v)| k == "parameters" && v.starts_with("a cat\n")));
+        assert!(text_chunks(b"not a png").is_err());
+    }
+}

@@ -1971,6 +1971,23 @@ fn front_end_endpoints_and_a1111_semantics() {
     assert_eq!(r.status, 200, "{}", r.text());
     let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
     assert_eq!((w, h), (72, 56));
+    // PNG Info reads what the image carries back, parsed as A1111 does.
+    let image = r.json()["images"][0].clone();
+    let info = srv.post("/sdapi/v1/png-info", json!({ "image": image }));
+    assert_eq!(info.status, 200, "{}", info.text());
+    let info = info.json();
+    let text = png_of(image.as_str().unwrap()).2;
+    assert_eq!(info["info"], json!(text));
+    let p = &info["parameters"];
+    assert_eq!(p["Prompt"], "a cat", "{info}");
+    assert_eq!(p["Sampler"], "Euler a", "{info}");
+    assert_eq!(
+        (p["Size-1"].clone(), p["Size-2"].clone()),
+        (json!(72), json!(56))
+    );
+    let bad = srv.post("/sdapi/v1/png-info", json!({"image": b64(b"not a png")}));
+    assert_eq!(bad.status, 422, "{}", bad.text());
+    assert_eq!(bad.json()["field"], "image");
     // An error only the model finds is 422 naming the request's field.
     let mut body = small("a cat", 1);
     body["clip_skip"] = json!(12);

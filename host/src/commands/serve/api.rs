@@ -169,6 +169,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/models", get(openai_models))
         .route("/v1/models/{id}", get(openai_model))
         .route("/sdapi/v1/loras", get(loras))
+        .route("/sdapi/v1/png-info", post(png_info))
         .route("/sdapi/v1/upscalers", get(upscalers))
         .route(
             "/sdapi/v1/latent-upscale-modes",
@@ -1316,6 +1317,39 @@ async fn loras(State(st): State<AppState>) -> Json<Value> {
             .iter()
             .map(|n| json!({"name": n, "alias": n, "path": format!("{n}.safetensors"), "metadata": {}}))
             .collect(),
+    ))
+}
+
+/// A1111's PNG Info: a PNG's `parameters` text (`info`), its other text
+/// chunks (`items`) and that text parsed into fields (`parameters`); the
+/// chunks are read without decoding a pixel, on a blocking thread.
+async fn png_info(body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let Some(image) = f.string("image")? else {
+        return Err(ApiError::field("image", "required"));
+    };
+    let bytes = decode_b64("image", &image)?;
+    let chunks = tokio::task::spawn_blocking(move || crate::png::text_chunks(&bytes))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(|e| ApiError::field("image", crate::term::error_line(&e)))?;
+    let mut info = String::new();
+    let mut items = serde_json::Map::new();
+    for (k, v) in chunks {
+        if k == "parameters" && info.is_empty() {
+            info = v;
+        } else {
+            items.insert(k, Value::String(v));
+        }
+    }
+    let parameters = if info.is_empty() {
+        serde_json::Map::new()
+    } else {
+        crate::png::parse_parameters(&info)
+    };
+    Ok(Json(
+        json!({"info": info, "items": items, "parameters": parameters}),
     ))
 }
 
