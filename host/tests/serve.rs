@@ -321,6 +321,35 @@ fn apis_models_img2img_and_bad_input() {
         .map(|m| m["title"].as_str().unwrap())
         .collect();
     assert_eq!(titles, ["tiny-sd1.safetensors", "tiny-sd2.safetensors"]);
+    // A checkpoint added later is offered after refresh-checkpoints.
+    std::fs::copy(
+        fixture("tiny-sdxl.safetensors"),
+        dir.join("tiny-sdxl.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(srv.get("/sdapi/v1/sd-models").as_array().unwrap().len(), 2);
+    let r = srv.post("/sdapi/v1/refresh-checkpoints", json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let titles: Vec<String> = srv
+        .get("/sdapi/v1/sd-models")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["title"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        titles,
+        [
+            "tiny-sd1.safetensors",
+            "tiny-sd2.safetensors",
+            "tiny-sdxl.safetensors"
+        ]
+    );
+    std::fs::remove_file(dir.join("tiny-sdxl.safetensors")).unwrap();
+    assert_eq!(
+        srv.post("/sdapi/v1/refresh-checkpoints", json!({})).status,
+        200
+    );
     assert!(srv
         .get("/sdapi/v1/samplers")
         .as_array()
@@ -1930,6 +1959,19 @@ fn front_end_endpoints_and_a1111_semantics() {
     let srv = Server::start_in(prefix, &["-m", s(&model), "--lora-dir", s(&loras)]);
     let l = srv.get("/sdapi/v1/loras");
     assert_eq!(l[0]["name"], "style", "{l}");
+    // A LoRA added later is listed at once (refresh-loras answers too).
+    std::fs::copy(
+        fixture("tiny-sd1-lora-kohya.safetensors"),
+        loras.join("added.safetensors"),
+    )
+    .unwrap();
+    assert_eq!(srv.post("/sdapi/v1/refresh-loras", json!({})).status, 200);
+    let l = srv.get("/sdapi/v1/loras");
+    assert_eq!(
+        (l[0]["name"].clone(), l[1]["name"].clone()),
+        (json!("added"), json!("style")),
+        "{l}"
+    );
     assert!(!l.to_string().contains(s(&loras)), "no server path: {l}");
     assert_eq!(srv.get("/sdapi/v1/upscalers")[0]["name"], "None");
     for empty in [

@@ -45,7 +45,9 @@ pub struct AppState {
     /// The job queue.
     pub queue: Arc<JobQueue>,
     /// The checkpoints that can be loaded.
-    pub models: Arc<Vec<ModelEntry>>,
+    pub models: Arc<std::sync::RwLock<Arc<Vec<ModelEntry>>>>,
+    /// Where the checkpoints come from (`refresh-checkpoints` scans again).
+    pub catalogue: Arc<super::Catalogue>,
     /// The loaded model.
     pub current: Arc<Mutex<Option<ModelInfo>>>,
     /// `--api-key` (trimmed).
@@ -64,11 +66,20 @@ pub struct AppState {
     pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
     /// Each replica's device (`--replicas`), by replica index.
     pub replicas: Arc<Vec<String>>,
-    /// The LoRA files of `--lora-dir` (file stems), for `/sdapi/v1/loras`.
-    pub loras: Arc<Vec<String>>,
+    /// `--lora-dir` and `--follow-symlinks`, for `/sdapi/v1/loras` (read
+    /// at each call: a new file is listed without a refresh).
+    pub lora_dir: Option<(Arc<std::path::PathBuf>, bool)>,
 }
 
 impl AppState {
+    /// The checkpoints that can be loaded, as last scanned.
+    fn models(&self) -> Arc<Vec<ModelEntry>> {
+        self.models
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn current(&self) -> Option<ModelInfo> {
         self.current
             .lock()
@@ -170,6 +181,11 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/models/{id}", get(openai_model))
         .route("/sdapi/v1/loras", get(loras))
         .route("/sdapi/v1/png-info", post(png_info))
+        .route("/sdapi/v1/refresh-checkpoints", post(refresh_checkpoints))
+        .route(
+            "/sdapi/v1/refresh-loras",
+            post(|| async { Json(Value::Null) }),
+        )
         .route("/sdapi/v1/upscalers", get(upscalers))
         .route(
             "/sdapi/v1/latent-upscale-modes",
@@ -681,12 +697,13 @@ fn seed_of(f: &Fields<'_>) -> ApiResult<u64> {
 }
 
 fn find_model(st: &AppState, field: &str, name: &str) -> ApiResult<ModelEntry> {
-    st.models
+    let models = st.models();
+    models
         .iter()
         .find(|m| m.matches(name))
         .cloned()
         .ok_or_else(|| {
-            let names: Vec<&str> = st.models.iter().map(|m| m.title.as_str()).collect();
+            let names: Vec<&str> = models.iter().map(|m| m.title.as_str()).collect();
             ApiError::field(
                 field,
                 format!("unknown model {name:?} (known: {})", names.join(", ")),
@@ -1132,7 +1149,7 @@ async fn img2img(
 
 async fn sd_models(State(st): State<AppState>) -> Json<Value> {
     Json(Value::Array(
-        st.models
+        st.models()
             .iter()
             .map(|m| {
                 json!({
@@ -1294,7 +1311,7 @@ async fn openai_model(
     State(st): State<AppState>,
     axum::extract::Path(id): axum::extract::Path<String>,
 ) -> ApiResult<Json<Value>> {
-    st.models
+    st.models()
         .iter()
         .find(|m| m.title == id)
         .map(|m| {
@@ -1312,12 +1329,41 @@ async fn openai_model(
 /// The LoRAs a prompt may name with `<lora:NAME:WEIGHT>` (`--lora-dir`):
 /// names only, no path of the server's disk.
 async fn loras(State(st): State<AppState>) -> Json<Value> {
+    let names = match &st.lora_dir {
+        Some((dir, follow)) => {
+            let (dir, follow) = (dir.clone(), *follow);
+            tokio::task::spawn_blocking(move || super::lora_names(Some(&dir), follow))
+                .await
+                .unwrap_or_default()
+        }
+        None => Vec::new(),
+    };
     Json(Value::Array(
-        st.loras
+        names
             .iter()
             .map(|n| json!({"name": n, "alias": n, "path": format!("{n}.safetensors"), "metadata": {}}))
             .collect(),
     ))
+}
+
+/// Scans `--models-dir` again (checkpoints added or removed since start),
+/// on a blocking thread; answers `null` as A1111 does.
+async fn refresh_checkpoints(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let cat = st.catalogue.clone();
+    let (list, _) = tokio::task::spawn_blocking(move || cat.scan())
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+        .map_err(|e| {
+            // The line names the server's folders: logged, not answered.
+            tracing::warn!("refresh-checkpoints: {}", crate::term::error_line(&e));
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "refresh_failed",
+                "cannot scan the models folder again (the server's log says why)",
+            )
+        })?;
+    *st.models.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(list);
+    Ok(Json(Value::Null))
 }
 
 /// A1111's PNG Info: a PNG's `parameters` text (`info`), its other text
@@ -1364,7 +1410,7 @@ async fn upscalers() -> Json<Value> {
 async fn openai_models(State(st): State<AppState>) -> Json<Value> {
     Json(json!({
         "object": "list",
-        "data": st.models.iter().map(|m| json!({
+        "data": st.models().iter().map(|m| json!({
             "id": m.title, "object": "model", "created": 0, "owned_by": "sdhost"
         })).collect::<Vec<_>>(),
     }))
@@ -1410,7 +1456,7 @@ async fn openai_generations(
     if let Some(m) = f.string("model")? {
         // OpenAI clients often send their own model names: only a name this
         // server knows switches the model.
-        work.model = st.models.iter().find(|e| e.matches(&m)).cloned();
+        work.model = st.models().iter().find(|e| e.matches(&m)).cloned();
     }
     let prompt = work.prompt.clone();
     let out = generate(&st, work).await?;

@@ -26,76 +26,98 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 use worker::{ModelEntry, ReplicaFit, Worker};
 
-/// The checkpoints `--models-dir` holds (sorted by file name), with `-m`'s
-/// first where it is not among them; and the one to load at start.
-pub fn catalogue(args: &ServeArgs) -> anyhow::Result<(Vec<ModelEntry>, ModelEntry)> {
-    let mut list = Vec::new();
-    if let Some(dir) = &args.models_dir {
-        let rd = std::fs::read_dir(dir)
-            .with_context(|| format!("--models-dir {}: cannot read the folder", dir.display()))?;
-        for e in rd.flatten() {
-            let p = e.path();
-            let ext = p
-                .extension()
-                .and_then(|e| e.to_str())
-                .map(str::to_ascii_lowercase);
-            if p.is_file() && matches!(ext.as_deref(), Some("safetensors" | "gguf")) {
-                if let Err(e) =
-                    crate::lora::inside_folder("--models-dir", dir, &p, args.lora.follow_symlinks)
-                {
-                    tracing::warn!("{} (left out)", crate::term::error_line(&e));
-                    continue;
-                }
-                // Only checkpoints a family takes: LoRAs, VAEs and the like
-                // in the folder would be offered to clients and fail.
-                let what = sdhost_models::checkpoint::scan(&p)
-                    .map_err(|e| e.to_string())
-                    .and_then(|c| {
-                        sdhost_models::family::detect(&c)
-                            .map(|_| ())
-                            .map_err(|e| e.to_string())
-                    });
-                match what {
-                    Ok(()) => list.push(ModelEntry::of(&p)),
-                    Err(why) => tracing::info!(
-                        "--models-dir: {} left out: {}",
-                        p.display(),
-                        crate::term::clean(&why)
-                    ),
-                }
-            }
+/// Where serve's checkpoints come from (`--models-dir`, `-m`), kept so
+/// that `refresh-checkpoints` can scan again.
+#[derive(Debug, Clone)]
+pub struct Catalogue {
+    models_dir: Option<std::path::PathBuf>,
+    model: Option<std::path::PathBuf>,
+    follow_symlinks: bool,
+}
+
+impl Catalogue {
+    /// The sources `args` name.
+    pub fn of(args: &ServeArgs) -> Catalogue {
+        Catalogue {
+            models_dir: args.models_dir.clone(),
+            model: args.model.clone(),
+            follow_symlinks: args.lora.follow_symlinks,
         }
-        list.sort_by(|a, b| a.title.cmp(&b.title));
     }
-    let first = match &args.model {
-        Some(m) => {
-            if !m.is_file() {
-                bail!("-m {}: no such file", m.display());
-            }
-            let e = ModelEntry::of(m);
-            match list.iter().find(|x| x.title == e.title) {
-                Some(x) if same_file(&x.path, m) => x.clone(),
-                Some(_) => bail!(
-                    "-m {}: --models-dir holds another file named {}",
-                    m.display(),
-                    e.title
-                ),
-                None => {
-                    list.insert(0, e.clone());
-                    e
+
+    /// The checkpoints `--models-dir` holds (sorted by file name), with `-m`'s
+    /// first where it is not among them; and the one to load at start.
+    pub fn scan(&self) -> anyhow::Result<(Vec<ModelEntry>, ModelEntry)> {
+        let args = self;
+        let mut list = Vec::new();
+        if let Some(dir) = &args.models_dir {
+            let rd = std::fs::read_dir(dir).with_context(|| {
+                format!("--models-dir {}: cannot read the folder", dir.display())
+            })?;
+            for e in rd.flatten() {
+                let p = e.path();
+                let ext = p
+                    .extension()
+                    .and_then(|e| e.to_str())
+                    .map(str::to_ascii_lowercase);
+                if p.is_file() && matches!(ext.as_deref(), Some("safetensors" | "gguf")) {
+                    if let Err(e) =
+                        crate::lora::inside_folder("--models-dir", dir, &p, args.follow_symlinks)
+                    {
+                        tracing::warn!("{} (left out)", crate::term::error_line(&e));
+                        continue;
+                    }
+                    // Only checkpoints a family takes: LoRAs, VAEs and the like
+                    // in the folder would be offered to clients and fail.
+                    let what = sdhost_models::checkpoint::scan(&p)
+                        .map_err(|e| e.to_string())
+                        .and_then(|c| {
+                            sdhost_models::family::detect(&c)
+                                .map(|_| ())
+                                .map_err(|e| e.to_string())
+                        });
+                    match what {
+                        Ok(()) => list.push(ModelEntry::of(&p)),
+                        Err(why) => tracing::info!(
+                            "--models-dir: {} left out: {}",
+                            p.display(),
+                            crate::term::clean(&why)
+                        ),
+                    }
                 }
             }
+            list.sort_by(|a, b| a.title.cmp(&b.title));
         }
-        None => match (&args.models_dir, list.first()) {
-            (_, Some(e)) => e.clone(),
-            (Some(d), None) => bail!(
-                "--models-dir {}: no .safetensors or .gguf checkpoint in it",
-                d.display()
-            ),
-            (None, None) => bail!("serve needs -m MODEL or --models-dir DIR"),
-        },
-    };
-    Ok((list, first))
+        let first = match &args.model {
+            Some(m) => {
+                if !m.is_file() {
+                    bail!("-m {}: no such file", m.display());
+                }
+                let e = ModelEntry::of(m);
+                match list.iter().find(|x| x.title == e.title) {
+                    Some(x) if same_file(&x.path, m) => x.clone(),
+                    Some(_) => bail!(
+                        "-m {}: --models-dir holds another file named {}",
+                        m.display(),
+                        e.title
+                    ),
+                    None => {
+                        list.insert(0, e.clone());
+                        e
+                    }
+                }
+            }
+            None => match (&args.models_dir, list.first()) {
+                (_, Some(e)) => e.clone(),
+                (Some(d), None) => bail!(
+                    "--models-dir {}: no .safetensors or .gguf checkpoint in it",
+                    d.display()
+                ),
+                (None, None) => bail!("serve needs -m MODEL or --models-dir DIR"),
+            },
+        };
+        Ok((list, first))
+    }
 }
 
 fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
@@ -151,7 +173,7 @@ fn allowed_hosts(ip: std::net::IpAddr, extra: &[String]) -> Option<Vec<String>> 
 
 /// The `.safetensors` LoRAs of `--lora-dir`, by file stem, sorted (links
 /// out of the folder left out unless `--follow-symlinks`).
-fn lora_names(dir: Option<&std::path::Path>, follow: bool) -> Vec<String> {
+pub fn lora_names(dir: Option<&std::path::Path>, follow: bool) -> Vec<String> {
     let Some(dir) = dir else {
         return Vec::new();
     };
@@ -234,7 +256,8 @@ fn replicas(session: &Session, args: &ServeArgs) -> anyhow::Result<Vec<(String, 
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     let addr = bind_address(args)?;
-    let (models, first) = catalogue(args)?;
+    let catalogue = Catalogue::of(args);
+    let (models, first) = catalogue.scan()?;
     args.load.vae_tiling()?;
     let replicas = replicas(session, args)?;
     let aborts: Vec<_> = replicas
@@ -264,7 +287,8 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     let local = listener.local_addr().context("reading the bound address")?;
     let state = api::AppState {
         queue: queue.clone(),
-        models: Arc::new(models),
+        models: Arc::new(std::sync::RwLock::new(Arc::new(models))),
+        catalogue: Arc::new(catalogue),
         current: current.clone(),
         api_key: args.api_key.as_deref().map(|k| Arc::from(k.trim())),
         api_auth: Arc::new(match &args.api_auth {
@@ -275,10 +299,11 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         cors_origins: Arc::new(args.cors_origins.clone()),
         fits: fits.clone(),
         replicas: Arc::new(replicas.iter().map(|(d, _)| d.clone()).collect()),
-        loras: Arc::new(lora_names(
-            args.lora.lora_dir.as_deref(),
-            args.lora.follow_symlinks,
-        )),
+        lora_dir: args
+            .lora
+            .lora_dir
+            .clone()
+            .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
