@@ -241,60 +241,26 @@ pub fn parse_parameters(text: &str) -> serde_json::Map<String, serde_json::Value
     m
 }
 
-/// The `Key: value, Key: "quoted, value", …` fields of an infotext line.
+/// The `Key: value, Key: "quoted, value", …` fields of an infotext line,
+/// by A1111's own pattern (`re_param` of its infotext module); a quoted
+/// value is unquoted as JSON, as A1111 does.
 fn infotext_fields(line: &str) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    let mut rest = line.trim_start();
-    while !rest.is_empty() {
-        let Some((key, after)) = rest.split_once(':') else {
-            break;
-        };
-        let key = key.trim();
-        let valid = key
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_alphanumeric() || c == '_')
-            && key
-                .chars()
-                .all(|c| c.is_alphanumeric() || matches!(c, '_' | ' ' | '-' | '/'));
-        if !valid {
-            break;
-        }
-        let after = after.trim_start();
-        let (value, next) = if let Some(q) = after.strip_prefix('"') {
-            // Up to the closing quote, `\"` and `\\` escaped.
-            let mut v = String::new();
-            let mut chars = q.char_indices();
-            let mut end = None;
-            while let Some((i, c)) = chars.next() {
-                match c {
-                    '\\' => {
-                        if let Some((_, n)) = chars.next() {
-                            v.push(n);
-                        }
-                    }
-                    '"' => {
-                        end = Some(i + 1);
-                        break;
-                    }
-                    c => v.push(c),
-                }
-            }
-            let Some(end) = end else {
-                break;
+    static FIELD: std::sync::LazyLock<regex::Regex> = std::sync::LazyLock::new(|| {
+        regex::Regex::new(r#"\s*(\w[\w \-/]+):\s*("(?:\\.|[^\\"])+"|[^,]*)(?:,|$)"#)
+            .expect("a valid pattern")
+    });
+    FIELD
+        .captures_iter(line)
+        .map(|c| {
+            let v = &c[2];
+            let v = if v.starts_with('"') {
+                serde_json::from_str::<String>(v).unwrap_or_else(|_| v.to_string())
+            } else {
+                v.to_string()
             };
-            let tail = q[end..].trim_start();
-            (v, tail.strip_prefix(',').unwrap_or(tail))
-        } else {
-            match after.split_once(',') {
-                Some((v, tail)) => (v.trim().to_string(), tail),
-                None => (after.trim().to_string(), ""),
-            }
-        };
-        out.push((key.to_string(), value));
-        rest = next.trim_start();
-    }
-    out
+            (c[1].trim().to_string(), v)
+        })
+        .collect()
 }
 
 #[cfg(test)]

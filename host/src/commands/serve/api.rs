@@ -242,6 +242,23 @@ fn cors(origins: &[String]) -> tower_http::cors::CorsLayer {
 /// limit); more wait without holding an async worker.
 static DECODES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(2);
 
+/// Runs `f` on a blocking thread (file reads, image and text decoding),
+/// never on the async workers that answer /health, /progress and
+/// interrupt; a panic in it is a 500 of kind `kind` saying `what` failed.
+async fn blocking<T: Send + 'static>(
+    kind: &'static str,
+    what: &'static str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> ApiResult<T> {
+    tokio::task::spawn_blocking(f).await.map_err(|_| {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            kind,
+            format!("{what} failed"),
+        )
+    })
+}
+
 /// Most connections served at once: well under the common 1,024 open-file
 /// limit, so that half-open connections cannot take the server offline
 /// (one past it is closed at once).
@@ -1100,34 +1117,31 @@ async fn img2img(
         .acquire()
         .await
         .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "stopping"))?;
-    let decoded = tokio::task::spawn_blocking(move || -> ApiResult<_> {
-        let bytes = decode_b64("init_images[0]", &first)?;
-        let img = decode_image("init_images[0]", &bytes)?.into_rgb8();
-        let image = sdhost_models::request::Image {
-            width: img.width() as usize,
-            height: img.height() as usize,
-            rgb: img.into_raw(),
-        };
-        let (mask, mask_hash) = match mask_b64 {
-            Some(m) => {
-                let mb = decode_b64("mask", &m)?;
-                (
-                    Some(mask_of(decode_image("mask", &mb)?, invert)),
-                    Some(short_hash(&mb)),
-                )
-            }
-            None => (None, None),
-        };
-        Ok((image, short_hash(&bytes), mask, mask_hash))
-    })
-    .await
-    .map_err(|_| {
-        ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "decoding_failed",
-            "decoding the images failed",
-        )
-    })?;
+    let decoded = blocking(
+        "decoding_failed",
+        "decoding the images",
+        move || -> ApiResult<_> {
+            let bytes = decode_b64("init_images[0]", &first)?;
+            let img = decode_image("init_images[0]", &bytes)?.into_rgb8();
+            let image = sdhost_models::request::Image {
+                width: img.width() as usize,
+                height: img.height() as usize,
+                rgb: img.into_raw(),
+            };
+            let (mask, mask_hash) = match mask_b64 {
+                Some(m) => {
+                    let mb = decode_b64("mask", &m)?;
+                    (
+                        Some(mask_of(decode_image("mask", &mb)?, invert)),
+                        Some(short_hash(&mb)),
+                    )
+                }
+                None => (None, None),
+            };
+            Ok((image, short_hash(&bytes), mask, mask_hash))
+        },
+    )
+    .await?;
     let (image, hash, mask, mask_hash) = decoded?;
     work.init = Some(InitWork {
         image,
@@ -1328,31 +1342,31 @@ async fn openai_model(
 
 /// The LoRAs a prompt may name with `<lora:NAME:WEIGHT>` (`--lora-dir`):
 /// names only, no path of the server's disk.
-async fn loras(State(st): State<AppState>) -> Json<Value> {
+async fn loras(State(st): State<AppState>) -> ApiResult<Json<Value>> {
     let names = match &st.lora_dir {
         Some((dir, follow)) => {
             let (dir, follow) = (dir.clone(), *follow);
-            tokio::task::spawn_blocking(move || super::lora_names(Some(&dir), follow))
-                .await
-                .unwrap_or_default()
+            blocking("internal", "listing --lora-dir", move || {
+                super::lora_names(Some(&dir), follow)
+            })
+            .await?
         }
         None => Vec::new(),
     };
-    Json(Value::Array(
+    Ok(Json(Value::Array(
         names
             .iter()
             .map(|n| json!({"name": n, "alias": n, "path": format!("{n}.safetensors"), "metadata": {}}))
             .collect(),
-    ))
+    )))
 }
 
 /// Scans `--models-dir` again (checkpoints added or removed since start),
 /// on a blocking thread; answers `null` as A1111 does.
 async fn refresh_checkpoints(State(st): State<AppState>) -> ApiResult<Json<Value>> {
     let cat = st.catalogue.clone();
-    let (list, _) = tokio::task::spawn_blocking(move || cat.scan())
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
+    let (list, _) = blocking("internal", "scanning --models-dir", move || cat.scan())
+        .await?
         .map_err(|e| {
             // The line names the server's folders: logged, not answered.
             tracing::warn!("refresh-checkpoints: {}", crate::term::error_line(&e));
@@ -1375,11 +1389,12 @@ async fn png_info(body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>>
     let Some(image) = f.string("image")? else {
         return Err(ApiError::field("image", "required"));
     };
-    let bytes = decode_b64("image", &image)?;
-    let chunks = tokio::task::spawn_blocking(move || crate::png::text_chunks(&bytes))
-        .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?
-        .map_err(|e| ApiError::field("image", crate::term::error_line(&e)))?;
+    let chunks = blocking("internal", "reading the PNG", move || {
+        let bytes = decode_b64("image", &image)?;
+        crate::png::text_chunks(&bytes)
+            .map_err(|e| ApiError::field("image", crate::term::error_line(&e)))
+    })
+    .await??;
     let mut info = String::new();
     let mut items = serde_json::Map::new();
     for (k, v) in chunks {

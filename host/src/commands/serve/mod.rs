@@ -148,9 +148,6 @@ fn bind_address(args: &ServeArgs) -> anyhow::Result<std::net::SocketAddr> {
     if args.api_key.as_deref().is_some_and(|k| k.trim().is_empty()) {
         bail!("--api-key: the key is empty");
     }
-    if let Some(a) = &args.api_auth {
-        api_auth(a)?;
-    }
     Ok(addr)
 }
 
@@ -256,6 +253,10 @@ fn replicas(session: &Session, args: &ServeArgs) -> anyhow::Result<Vec<(String, 
 /// Runs `serve` until SIGINT or SIGTERM.
 pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     let addr = bind_address(args)?;
+    let credentials = match &args.api_auth {
+        Some(a) => api_auth(a)?,
+        None => Vec::new(),
+    };
     let catalogue = Catalogue::of(args);
     let (models, first) = catalogue.scan()?;
     args.load.vae_tiling()?;
@@ -291,10 +292,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         catalogue: Arc::new(catalogue),
         current: current.clone(),
         api_key: args.api_key.as_deref().map(|k| Arc::from(k.trim())),
-        api_auth: Arc::new(match &args.api_auth {
-            Some(a) => api_auth(a)?,
-            None => Vec::new(),
-        }),
+        api_auth: Arc::new(credentials),
         allowed_hosts: allowed_hosts(local.ip(), &args.allowed_hosts).map(Arc::new),
         cors_origins: Arc::new(args.cors_origins.clone()),
         fits: fits.clone(),
