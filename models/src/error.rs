@@ -86,8 +86,7 @@ impl From<ggml::Error> for ModelError {
 }
 
 /// The part of a request an error is about: what a server names in its
-/// answer (each front-end API maps it to its own field name) and what a
-/// command line maps to its flag.
+/// answer (each front-end API maps it to its own field name).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Field {
     /// The image's width or height.
@@ -111,24 +110,6 @@ pub enum Field {
     /// The scales that multiply values (CFG, LoRA weights): a non-finite
     /// result.
     Scale,
-}
-
-impl Field {
-    /// The field's name in sdhost's own words (`size`, `strength`, …).
-    pub fn name(self) -> &'static str {
-        match self {
-            Field::Size => "size",
-            Field::Steps => "steps",
-            Field::Strength => "strength",
-            Field::InitImage => "init_image",
-            Field::Mask => "mask",
-            Field::ClipSkip => "clip_skip",
-            Field::Noise => "noise",
-            Field::Tiling => "tiling",
-            Field::Batch => "batch",
-            Field::Scale => "scale",
-        }
-    }
 }
 
 /// A request error: its field and its line.
