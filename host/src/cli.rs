@@ -229,13 +229,19 @@ impl PlacementArgs {
 /// Generation settings shared by `generate` and `bench -m`.
 #[derive(Debug, Args)]
 pub struct SampleArgs {
-    /// Sampling steps
-    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
-    pub steps: u32,
+    /// Sampling steps (default: 20; 4 for FLUX.1 schnell)
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub steps: Option<u32>,
 
-    /// Classifier-free guidance scale, a finite number (1 turns the negative prompt off)
-    #[arg(long = "cfg-scale", default_value_t = 7.0, value_parser = parse_cfg_scale)]
-    pub cfg_scale: f32,
+    /// Classifier-free guidance scale, a finite number; 1 turns the negative
+    /// prompt off (default: 7; 1 for FLUX, where another value runs true CFG)
+    #[arg(long = "cfg-scale", value_parser = parse_cfg_scale)]
+    pub cfg_scale: Option<f32>,
+
+    /// The guidance scale a guidance-distilled model takes as an input
+    /// (FLUX.1 dev); other models ignore it
+    #[arg(long, default_value_t = sdhost_models::family::flux::DEFAULT_GUIDANCE, value_parser = parse_guidance)]
+    pub guidance: f32,
 
     /// Image width in pixels, a multiple of the model's (64) (default: the
     /// family's, 512 for SD 1.x/2.x, 1024 for SDXL)
@@ -253,12 +259,13 @@ pub struct SampleArgs {
     /// Sampler: euler_a, euler, heun, dpm2, dpm2_a, dpm++2s_a, dpm++2m,
     /// dpm++2m_sde, lms, ddim or lcm; A1111 names work too ("Euler a",
     /// "DPM++ 2M"), and may end with a schedule ("DPM++ 2M Karras")
-    #[arg(long, default_value = "euler_a", value_parser = str::parse::<sdhost_models::sampling::SamplerChoice>)]
-    pub sampler: sdhost_models::sampling::SamplerChoice,
+    /// (default: euler_a; euler for FLUX)
+    #[arg(long, value_parser = str::parse::<sdhost_models::sampling::SamplerChoice>)]
+    pub sampler: Option<sdhost_models::sampling::SamplerChoice>,
 
     /// How the noise levels are spread over the steps: discrete, karras,
     /// exponential, sgm_uniform or simple (default: the one named in
-    /// --sampler, else discrete)
+    /// --sampler, else discrete; simple for FLUX)
     #[arg(long, alias = "schedule", value_name = "NAME", value_parser = str::parse::<sdhost_models::sampling::Scheduler>)]
     pub scheduler: Option<sdhost_models::sampling::Scheduler>,
 
@@ -267,38 +274,57 @@ pub struct SampleArgs {
 }
 
 impl SampleArgs {
-    /// The schedule: `--scheduler`, else the one `--sampler` names, else
-    /// discrete; an error where the two name different ones.
-    pub fn scheduler(&self) -> anyhow::Result<sdhost_models::sampling::Scheduler> {
-        match (self.scheduler, self.sampler.scheduler) {
+    /// The schedule `--scheduler` or `--sampler` names, if any; an error
+    /// where the two name different ones.
+    pub fn scheduler_asked(&self) -> anyhow::Result<Option<sdhost_models::sampling::Scheduler>> {
+        match (self.scheduler, self.sampler.and_then(|s| s.scheduler)) {
             (Some(a), Some(b)) if a != b => anyhow::bail!(
                 "--sampler {:?} names the {b} schedule but --scheduler says {a}",
-                self.sampler.to_string()
+                self.sampler.map(|s| s.to_string()).unwrap_or_default()
             ),
-            (a, b) => Ok(a.or(b).unwrap_or_default()),
+            (a, b) => Ok(a.or(b)),
         }
     }
 
-    /// The generation request these settings describe; `default_size` is
-    /// the family's side length for a size not given.
+    /// The CFG scale: `--cfg-scale`, else the family's.
+    pub fn cfg_scale(&self, defaults: &sdhost_models::family::Defaults) -> f32 {
+        self.cfg_scale.unwrap_or(defaults.cfg_scale)
+    }
+
+    /// The steps: `--steps`, else the family's.
+    pub fn steps(&self, defaults: &sdhost_models::family::Defaults) -> usize {
+        self.steps.map_or(defaults.steps, |s| s as usize)
+    }
+
+    /// The sampler: `--sampler`, else the family's.
+    pub fn sampler(
+        &self,
+        defaults: &sdhost_models::family::Defaults,
+    ) -> sdhost_models::sampling::Sampler {
+        self.sampler.map_or(defaults.sampler, |s| s.sampler)
+    }
+
+    /// The generation request these settings describe, with the family's
+    /// `defaults` for what is not given.
     pub fn request(
         &self,
         prompt: &str,
         negative: &str,
         clip_skip: usize,
-        default_size: usize,
+        defaults: &sdhost_models::family::Defaults,
     ) -> anyhow::Result<sdhost_models::request::Request> {
-        let side = |v: Option<u32>| v.map_or(default_size, |v| v as usize);
+        let side = |v: Option<u32>| v.map_or(defaults.size, |v| v as usize);
         Ok(sdhost_models::request::Request {
             prompt: prompt.to_string(),
             negative: negative.to_string(),
-            steps: self.steps as usize,
-            cfg_scale: self.cfg_scale,
+            steps: self.steps(defaults),
+            cfg_scale: self.cfg_scale(defaults),
+            guidance: self.guidance,
             width: side(self.width),
             height: side(self.height),
             seed: self.seed,
-            sampler: self.sampler.sampler,
-            scheduler: self.scheduler()?,
+            sampler: self.sampler(defaults),
+            scheduler: self.scheduler_asked()?.unwrap_or(defaults.scheduler),
             clip_skip,
             init: None,
         })
@@ -335,6 +361,16 @@ pub struct LoadArgs {
     /// `first_stage_model.*` or bare `decoder.*` names), e.g. SDXL's fp16-fix VAE
     #[arg(long, value_name = "FILE")]
     pub vae: Option<PathBuf>,
+
+    /// FLUX: the T5-XXL text encoder (`t5xxl_fp16.safetensors` and the like,
+    /// transformers' naming), beside the transformer given with -m
+    #[arg(long = "t5xxl", value_name = "FILE")]
+    pub t5xxl: Option<PathBuf>,
+
+    /// FLUX: the CLIP-L text encoder (`clip_l.safetensors`, transformers'
+    /// naming), beside the transformer given with -m
+    #[arg(long = "clip-l", value_name = "FILE")]
+    pub clip_l: Option<PathBuf>,
 
     /// Decode with this TAESD tiny autoencoder instead of the VAE (diffusers
     /// AutoencoderTiny .safetensors: taesd for SD 1.x/2.x, taesdxl for SDXL):
@@ -383,6 +419,29 @@ impl LoadArgs {
         )?))
     }
 
+    /// The model `file` with the component files given apart (`--t5xxl`,
+    /// `--clip-l`), scanned and assembled into one checkpoint.
+    pub fn open_model(
+        &self,
+        file: &std::path::Path,
+    ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
+        let model = sdhost_models::checkpoint::scan(file)?;
+        let scan = |p: &Option<PathBuf>| {
+            p.as_deref()
+                .map(sdhost_models::checkpoint::scan)
+                .transpose()
+        };
+        let (t5xxl, clip_l) = (scan(&self.t5xxl)?, scan(&self.clip_l)?);
+        let parts = sdhost_models::family::flux::Components {
+            t5xxl: t5xxl.as_ref(),
+            clip_l: clip_l.as_ref(),
+        };
+        if !parts.any() {
+            return Ok(model);
+        }
+        Ok(sdhost_models::family::flux::assemble(&model, parts)?)
+    }
+
     /// The file that replaces the checkpoint's VAE: `--vae` or `--taesd`.
     pub fn vae_file(&self) -> Option<&std::path::Path> {
         self.vae.as_deref().or(self.taesd.as_deref())
@@ -429,8 +488,15 @@ pub struct UpscaleModelArgs {
 /// `sdhost generate`.
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
-    /// Checkpoint: SD 1.x, SD 2.x or SDXL single file in the original layout (.safetensors or .gguf)
-    #[arg(short = 'm', long, value_name = "FILE")]
+    /// Checkpoint: SD 1.x, SD 2.x or SDXL single file in the original layout
+    /// (.safetensors or .gguf), or a FLUX.1 transformer (with --t5xxl,
+    /// --clip-l and --vae)
+    #[arg(
+        short = 'm',
+        long,
+        visible_alias = "diffusion-model",
+        value_name = "FILE"
+    )]
     pub model: PathBuf,
 
     /// Prompt
@@ -558,6 +624,14 @@ pub struct ConvertArgs {
     /// Type of the matrices: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q2_K … q6_K
     #[arg(long = "type", default_value = "f16", value_parser = parse_type)]
     pub ty: ggml::Type,
+}
+
+fn parse_guidance(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if v.is_finite() && (0.0..=100.0).contains(&v) => Ok(v),
+        Ok(_) => Err(format!("{s} is not a number between 0 and 100")),
+        Err(e) => Err(format!("{s}: {e}")),
+    }
 }
 
 fn parse_cfg_scale(s: &str) -> Result<f32, String> {
@@ -936,11 +1010,81 @@ mod tests {
             }
         };
         let g = parse(&[]);
-        let r = g.sample.request("p", "", 1, 1024).unwrap();
+        let r = g.sample.request("p", "", 1, &sd_defaults(1024)).unwrap();
         assert_eq!((r.width, r.height), (1024, 1024));
         let g = parse(&["-W", "768"]);
-        let r = g.sample.request("p", "", 1, 512).unwrap();
+        let r = g.sample.request("p", "", 1, &sd_defaults(512)).unwrap();
         assert_eq!((r.width, r.height), (768, 512));
+    }
+
+    fn sd_defaults(size: usize) -> sdhost_models::family::Defaults {
+        use sdhost_models::sampling::{Sampler, Scheduler};
+        sdhost_models::family::Defaults {
+            size,
+            steps: 20,
+            cfg_scale: 7.0,
+            sampler: Sampler::EulerA,
+            scheduler: Scheduler::Discrete,
+        }
+    }
+
+    #[test]
+    fn unset_settings_take_the_familys_defaults() {
+        use sdhost_models::sampling::{Sampler, Scheduler};
+        let parse = |extra: &[&str]| {
+            let mut a = vec!["sdhost", "generate", "--diffusion-model", "m", "-p", "p"];
+            a.extend_from_slice(extra);
+            match Cli::try_parse_from(a).unwrap().command {
+                Command::Generate(g) => g,
+                _ => panic!("not generate"),
+            }
+        };
+        let flux = sdhost_models::family::Defaults {
+            size: 1024,
+            steps: 4,
+            cfg_scale: 1.0,
+            sampler: Sampler::Euler,
+            scheduler: Scheduler::Simple,
+        };
+        let r = parse(&[]).sample.request("p", "", 1, &flux).unwrap();
+        assert_eq!(
+            (r.steps, r.cfg_scale, r.guidance, r.sampler, r.scheduler),
+            (4, 1.0, 3.5, Sampler::Euler, Scheduler::Simple)
+        );
+        let g = parse(&[
+            "--steps",
+            "9",
+            "--cfg-scale",
+            "2",
+            "--guidance",
+            "5",
+            "--sampler",
+            "heun",
+        ]);
+        let r = g.sample.request("p", "", 1, &flux).unwrap();
+        assert_eq!(
+            (r.steps, r.cfg_scale, r.guidance, r.sampler, r.scheduler),
+            (9, 2.0, 5.0, Sampler::Heun, Scheduler::Simple)
+        );
+        let r = parse(&[])
+            .sample
+            .request("p", "", 1, &sd_defaults(512))
+            .unwrap();
+        assert_eq!(
+            (r.steps, r.cfg_scale, r.sampler),
+            (20, 7.0, Sampler::EulerA)
+        );
+        let bad = [
+            "sdhost",
+            "generate",
+            "-m",
+            "m",
+            "-p",
+            "p",
+            "--guidance",
+            "nan",
+        ];
+        assert!(Cli::try_parse_from(bad).is_err());
     }
 
     #[test]
@@ -950,9 +1094,10 @@ mod tests {
             let mut a = vec!["sdhost", "generate", "-m", "m", "-p", "p"];
             a.extend_from_slice(extra);
             match Cli::try_parse_from(a).map(|c| c.command) {
-                Ok(Command::Generate(g)) => {
-                    g.sample.request("p", "", 1, 512).map_err(|e| e.to_string())
-                }
+                Ok(Command::Generate(g)) => g
+                    .sample
+                    .request("p", "", 1, &sd_defaults(512))
+                    .map_err(|e| e.to_string()),
                 Ok(_) => panic!("not generate"),
                 Err(e) => Err(e.to_string()),
             }

@@ -17,6 +17,7 @@ fn request() -> Request {
         negative: String::new(),
         steps: 2,
         cfg_scale: 7.0,
+        guidance: 3.5,
         width: 64,
         height: 64,
         seed: 3,

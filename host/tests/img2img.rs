@@ -38,6 +38,7 @@ fn request(steps: usize, init: Option<Init>) -> Request {
         negative: String::new(),
         steps,
         cfg_scale: 7.0,
+        guidance: 3.5,
         width: 64,
         height: 64,
         seed: 0,

@@ -202,7 +202,10 @@ fn quantized_models_take_loras_in_the_graph() {
     let e = sdhost_models::lora::LoraSet::load(
         &lora,
         &checkpoint::scan(&g).unwrap(),
-        &sdhost_models::family::Family::Sd1.config().lora_layout(),
+        &sdhost_models::family::Family::Sd1
+            .config()
+            .unwrap()
+            .lora_layout(),
         LoraApply::Merge,
     )
     .unwrap_err()

@@ -25,6 +25,7 @@ fn request(width: usize, height: usize) -> Request {
         negative: String::new(),
         steps: 2,
         cfg_scale: 7.0,
+        guidance: 3.5,
         width,
         height,
         seed: 1,

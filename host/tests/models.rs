@@ -223,6 +223,7 @@ fn typed_modules_match_references_with(
                 negative: String::new(),
                 steps: 3,
                 cfg_scale: 7.0,
+                guidance: 3.5,
                 width: 64,
                 height: 64,
                 seed: 0,

@@ -1508,6 +1508,7 @@ fn overhead_over_the_library() {
         negative: String::new(),
         steps,
         cfg_scale: 7.0,
+        guidance: 3.5,
         width: size,
         height: size,
         seed: 3,

@@ -291,6 +291,70 @@ fn affine<'a>(
     Ok(c.add(y, c.reshape(b, ne)?)?)
 }
 
+/// RMS norm over `ne[0]` times the `[C]` weight `name` (T5's layer norm,
+/// FLUX's query and key norms).
+pub fn rms_norm<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    name: &str,
+    x: Tensor<'a>,
+    channels: i64,
+    eps: f32,
+) -> Result<Tensor<'a>> {
+    let g = w.shaped(name, &[channels])?;
+    let g = if g.type_name() == "f32" {
+        g
+    } else {
+        c.cast(g, ggml::Type::F32)?
+    };
+    Ok(c.mul(c.rms_norm(x, eps)?, g)?)
+}
+
+/// Rotary position embedding of adjacent pairs (BFL's FLUX form):
+/// `x` `[D, H, L, N]`, each pair `(x₂ᵢ, x₂ᵢ₊₁)` of token `l` rotated by the
+/// angle whose cosine and sine are `cos`/`sin` `[D/2, 1, L, 1]` (the same
+/// for every head and batch entry).
+pub fn rope_pairs<'a>(
+    c: &'a Context,
+    x: Tensor<'a>,
+    cos: Tensor<'a>,
+    sin: Tensor<'a>,
+) -> Result<Tensor<'a>> {
+    let [d, h, l, n] = x.ne();
+    if d % 2 != 0 || cos.ne() != [d / 2, 1, l, 1] || sin.ne() != cos.ne() {
+        return Err(ModelError::Shape(format!(
+            "rope: x {:?} with angles {:?} / {:?}",
+            x.ne(),
+            cos.ne(),
+            sin.ne()
+        )));
+    }
+    let all = d / 2 * h * l * n;
+    let flat = c.reshape(c.cont(x)?, &[2, all])?;
+    let half = |i| -> Result<Tensor<'a>> {
+        Ok(c.reshape(c.cont(c.narrow(flat, 0, i, 1)?)?, &[d / 2, h, l, n])?)
+    };
+    let (x0, x1) = (half(0)?, half(1)?);
+    let a = c.sub(c.mul(x0, cos)?, c.mul(x1, sin)?)?;
+    let b = c.add(c.mul(x0, sin)?, c.mul(x1, cos)?)?;
+    let pairs = c.concat(c.reshape(a, &[1, all])?, c.reshape(b, &[1, all])?, 0)?;
+    Ok(c.reshape(pairs, &[d, h, l, n])?)
+}
+
+/// How [`attention_with`] weighs the scores.
+#[derive(Clone, Copy, Default)]
+pub struct Scores<'a> {
+    /// Mask out keys after each query (text encoders).
+    pub causal: bool,
+    /// Fused attention where the backend has it (K and V in f16).
+    pub flash: bool,
+    /// The scale of `q·kᵀ`; `1/√D` when `None`.
+    pub scale: Option<f32>,
+    /// Added to the scaled scores before the softmax: `[S, T, H]` (T5's
+    /// relative position bias).
+    pub bias: Option<Tensor<'a>>,
+}
+
 /// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
 /// `[D·H, T, N]`, `softmax(q·kᵀ/√D)·v` per head, optionally causal; with
 /// `flash` (and not causal) as one fused op.
@@ -303,6 +367,29 @@ pub fn attention<'a>(
     causal: bool,
     flash: bool,
 ) -> Result<Tensor<'a>> {
+    let scores = Scores {
+        causal,
+        flash,
+        ..Scores::default()
+    };
+    attention_with(c, q, k, v, heads, scores)
+}
+
+/// [`attention`] with the scores' scale and bias chosen.
+pub fn attention_with<'a>(
+    c: &'a Context,
+    q: Tensor<'a>,
+    k: Tensor<'a>,
+    v: Tensor<'a>,
+    heads: i64,
+    scores: Scores<'a>,
+) -> Result<Tensor<'a>> {
+    let Scores {
+        causal,
+        flash,
+        scale,
+        bias,
+    } = scores;
     let [inner, t, n, _] = q.ne();
     let s = k.ne()[1];
     if inner % heads != 0 || k.ne()[0] != inner || v.ne() != k.ne() {
@@ -313,9 +400,18 @@ pub fn attention<'a>(
             v.ne()
         )));
     }
+    if let Some(b) = bias {
+        if b.ne() != [s, t, heads, 1] {
+            return Err(ModelError::Shape(format!(
+                "attention bias {:?} does not fit {s} keys, {t} queries and {heads} heads",
+                b.ne()
+            )));
+        }
+    }
     let d = inner / heads;
-    let scale = 1.0 / (d as f32).sqrt();
-    if flash && !causal && c.amx() {
+    let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
+    let flash = flash && !causal && bias.is_none();
+    if flash && c.amx() {
         // The tile unit's fused attention reads the heads in place.
         let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
             true => Ok(x),
@@ -325,7 +421,7 @@ pub fn attention<'a>(
     }
     // [D, H, T, N] → [D, T, H, N]
     let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
-    if flash && !causal {
+    if flash {
         let f16 = |x: Tensor<'a>| -> Result<Tensor<'a>> {
             let x = c.permute(c.reshape(x, &[d, heads, s, n])?, [0, 2, 1, 3])?;
             Ok(c.cast(c.cont(x)?, ggml::Type::F16)?)
@@ -341,6 +437,11 @@ pub fn attention<'a>(
     if causal {
         kq = c.diag_mask_inf(c.scale(kq, scale)?, 0)?;
         kq = c.soft_max(kq)?;
+    } else if let Some(b) = bias {
+        if scale != 1.0 {
+            kq = c.scale(kq, scale)?;
+        }
+        kq = c.soft_max(c.add(kq, b)?)?;
     } else {
         kq = c.soft_max_scaled(kq, scale)?;
     }

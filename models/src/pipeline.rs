@@ -65,7 +65,7 @@ impl<'b> Pipeline<'b> {
         let inpainting = model.input_channels() != model.latent_channels();
         let vae_ckpt = opts.vae.unwrap_or(ckpt);
         let vae_file = vae_ckpt.path.display();
-        let prefix = model.first_stage_prefix(vae_ckpt);
+        let prefix = model.first_stage_prefix(vae_ckpt)?;
         let encoder = opts.vae_encoder || inpainting;
         let matrices = opts.matrix_types.get(ModuleKind::Vae);
         let vae = load_module(
@@ -368,7 +368,7 @@ impl<'b> Pipeline<'b> {
         )?;
         check(cancelled)?;
 
-        let sampling: ModelSampling = self.model.sampling().clone();
+        let sampling: ModelSampling = self.model.sampling(shape[2], shape[3]);
         let full_sigmas = req.scheduler.sigmas(sampling.schedule(), req.steps);
         let init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
         let sigmas = init.sigmas;

@@ -23,6 +23,9 @@ pub struct Request {
     pub steps: usize,
     /// Classifier-free guidance scale (1 disables the negative branch).
     pub cfg_scale: f32,
+    /// The guidance scale a guidance-distilled model takes as an input
+    /// (FLUX.1 dev's `--guidance`); unused by the others.
+    pub guidance: f32,
     /// Image width in pixels.
     pub width: usize,
     /// Image height in pixels.

@@ -58,6 +58,8 @@ binary_ops! {
     add => ggml_add, check_repeat;
     /// Element-wise product (b broadcast).
     mul => ggml_mul, check_repeat;
+    /// Element-wise difference (b broadcast).
+    sub => ggml_sub, check_repeat;
     /// Rows of `a` (`[C, V]`) picked by the i32 indices in `b` (`[N]`): `[C, N]`.
     get_rows => ggml_get_rows, check_get_rows;
 }
@@ -730,55 +732,109 @@ impl Context {
     /// follow with [`Context::cont`] where a contiguous tensor is needed).
     pub fn split_dim0<'a>(&'a self, a: Tensor<'a>, parts: i64, index: i64) -> Result<Tensor<'a>> {
         let ne = a.ne();
-        let ty = a.ty();
-        let block = ty.map_or(0, |t| t.block_size() as i64);
-        if ty.is_none() || parts <= 0 || ne[0] % parts != 0 || !(0..parts).contains(&index) {
+        if parts <= 0 || ne[0] % parts != 0 || !(0..parts).contains(&index) {
             return invalid(format!(
                 "cannot take slice {index} of {parts} along the first dimension of {ne:?}"
             ));
         }
         let w = ne[0] / parts;
-        if w % block != 0 {
+        self.narrow(a, 0, index * w, w)
+    }
+
+    /// Elements `start..start + len` of `a` along dimension `dim`, the
+    /// others whole (a view with `a`'s strides; follow with
+    /// [`Context::cont`] where a contiguous tensor is needed). Along
+    /// `ne[0]` a quantized tensor is cut at whole blocks only.
+    pub fn narrow<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        dim: usize,
+        start: i64,
+        len: i64,
+    ) -> Result<Tensor<'a>> {
+        let ne = a.ne();
+        let Some(ty) = a.ty() else {
+            return invalid(format!("cannot narrow a {} tensor", a.type_name()));
+        };
+        if dim > 3 || start < 0 || len <= 0 || start.checked_add(len).is_none_or(|e| e > ne[dim]) {
             return invalid(format!(
-                "a slice of {w} {} elements is not whole blocks",
+                "cannot take {len} elements from {start} along dimension {dim} of {ne:?}"
+            ));
+        }
+        let block = ty.block_size() as i64;
+        if dim == 0 && (start % block != 0 || len % block != 0) {
+            return invalid(format!(
+                "elements {start}..{} of a {} row are not whole blocks",
+                start + len,
                 a.type_name()
             ));
         }
+        let mut view = ne;
+        view[dim] = len;
         // SAFETY: live tensor; header reads and pure size computations (whole
         // blocks, checked above).
         let (offset, size, base_offs, base_bytes) = unsafe {
             let r = &*a.raw;
-            let row = sys::ggml_row_size(r.type_, w);
             let base = if r.view_src.is_null() {
                 a.raw
             } else {
                 r.view_src
             };
+            let offset = if dim == 0 {
+                sys::ggml_row_size(r.type_, start) as u128
+            } else {
+                start as u128 * r.nb[dim] as u128
+            };
             (
-                sys::ggml_row_size(r.type_, index * w),
-                (row as u128) * (ne[1] * ne[2] * ne[3]) as u128,
+                offset,
+                sys::ggml_row_size(r.type_, view[0]) as u128
+                    * (view[1] * view[2] * view[3]) as u128,
                 if r.view_src.is_null() { 0 } else { r.view_offs },
                 sys::ggml_nbytes(base),
             )
         };
         // ggml's bound for a view: its dense size past its offset into the
         // base tensor must stay inside the base.
-        if size + (base_offs + offset) as u128 > base_bytes as u128 {
+        if size + offset + base_offs as u128 > base_bytes as u128 {
             return invalid(format!(
-                "slice {index} of {parts} of {ne:?} would reach past its base tensor"
+                "{len} elements from {start} along dimension {dim} of {ne:?} would reach past its base tensor"
             ));
         }
         self.room(1)?;
-        // SAFETY: `a` is alive for 'a; the view stays inside `a` (offset + w
-        // elements ≤ ne[0] per row, `a`'s own strides) and inside ggml's bound
-        // checked above; room checked.
+        // SAFETY: `a` is alive for 'a; the view stays inside `a` (start + len
+        // ≤ ne[dim], `a`'s own strides) and inside ggml's bound checked
+        // above; room checked.
         let t = unsafe {
             let r = &*a.raw;
             sys::ggml_view_4d(
-                self.raw, a.raw, w, ne[1], ne[2], ne[3], r.nb[1], r.nb[2], r.nb[3], offset,
+                self.raw,
+                a.raw,
+                view[0],
+                view[1],
+                view[2],
+                view[3],
+                r.nb[1],
+                r.nb[2],
+                r.nb[3],
+                offset as usize,
             )
         };
         self.wrap(t, "ggml_view_4d")
+    }
+
+    /// RMS norm over `ne[0]`: `x / √(mean(x²) + eps)` (no weight).
+    pub fn rms_norm<'a>(&'a self, a: Tensor<'a>, eps: f32) -> Result<Tensor<'a>> {
+        check_f32_rows("rms_norm", &a)?;
+        if eps.is_nan() || eps < 0.0 {
+            return invalid(format!("rms_norm with eps {eps}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, f32 rows (the only type the CPU
+        // norms) and eps ≥ 0 (the CPU asserts it); room checked.
+        self.wrap(
+            unsafe { sys::ggml_rms_norm(self.raw, a.raw, eps) },
+            "ggml_rms_norm",
+        )
     }
 
     /// `a` converted to `ty`: between f32, f16 and bf16, f32 ↔ i32, from a

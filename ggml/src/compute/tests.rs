@@ -57,6 +57,19 @@ fn cases() -> Vec<Case> {
         "cont" bad: |c| c.cont(c.permute(t(c, Type::Q8_0, &[32, 4, 2]), [0, 2, 1, 3]).unwrap());
         "permute" bad: |c| c.permute(t(c, Type::Q8_0, &[64, 32]), [1, 0, 2, 3]);
 
+        "narrow" ok: |c| c.narrow(f32s(c, &[8, 4, 3]), 1, 1, 3);
+        "narrow" ok: |c| c.narrow(f32s(c, &[2, 12]), 0, 1, 1);
+        "narrow" ok: |c| c.narrow(t(c, Type::Q8_0, &[64, 4]), 0, 32, 32);
+        "narrow" bad: |c| c.narrow(f32s(c, &[8, 4]), 1, 2, 3);
+        "narrow" bad: |c| c.narrow(f32s(c, &[8, 4]), 4, 0, 1);
+        "narrow" bad: |c| c.narrow(f32s(c, &[8, 4]), 0, 0, 0);
+        "narrow" bad: |c| c.narrow(f32s(c, &[8, 4]), 0, i64::MAX, 2);
+        "narrow" bad: |c| c.narrow(t(c, Type::Q8_0, &[64, 4]), 0, 16, 32);
+        "rms_norm" ok: |c| c.rms_norm(f32s(c, &[8, 4]), 1e-6);
+        "rms_norm" bad: |c| c.rms_norm(f32s(c, &[8, 4]), -1.0);
+        "rms_norm" bad: |c| c.rms_norm(t(c, Type::F16, &[8, 4]), 1e-6);
+        "sub" ok: |c| c.sub(f32s(c, &[8, 4]), f32s(c, &[8, 1]));
+        "sub" bad: |c| c.sub(f32s(c, &[8, 4]), f32s(c, &[3, 4]));
         "soft_max" ok: |c| c.soft_max(f32s(c, &[8, 4]));
         "soft_max" bad: |c| c.soft_max(transposed(c, Type::F32, &[8, 4]));
         "soft_max" bad: |c| c.soft_max(t(c, Type::F16, &[8, 4]));

@@ -567,7 +567,9 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let path = a.model.as_ref().context("no model")?;
     let runs = a.runs.unwrap_or(3);
     let resolved = session.resolve(&a.placement.ask())?;
-    let ckpt = sdhost_models::checkpoint::scan(path)?;
+    let ckpt = a.sample.open_model(path)?;
+    let defaults =
+        sdhost_models::family::defaults_of(&ckpt).with_context(|| path.display().to_string())?;
     let vae = a
         .sample
         .vae_file()
@@ -587,7 +589,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             height: a.sample.height.map(|v| v as usize),
             init_size: None,
             prompts: (&a.prompt, ""),
-            guided: a.sample.cfg_scale != 1.0,
+            guided: a.sample.cfg_scale(&defaults) != 1.0,
             policy: a.sample.phase_memory,
             flash: a.sample.flash_attn,
             compute: a.sample.compute_type,
@@ -637,7 +639,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let load_s = t.elapsed().as_secs_f64();
     let (mut sd, flash) = (loaded.sd, loaded.flash);
     sample_devices();
-    let req = a.sample.request(&a.prompt, "", 1, sd.default_size())?;
+    let req = a.sample.request(&a.prompt, "", 1, &defaults)?;
     let (first_run_s, ours) = time_runs(&mut sd, &req, runs, path, &mut sample_devices)?;
     let threads = session.threads.unwrap_or(1);
     let family = sd.family();
@@ -646,10 +648,10 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         family.name(),
         req.width,
         req.height,
-        a.sample.steps,
+        req.steps,
         req.sampler,
         req.scheduler,
-        a.sample.cfg_scale,
+        req.cfg_scale,
         a.sample.seed,
         threads,
         flash,
@@ -727,7 +729,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         device_used,
         peers,
         warm,
-        steps: a.sample.steps,
+        steps: req.steps as u32,
     };
     render::print(&report, a.json)?;
     Ok(())
@@ -873,10 +875,10 @@ impl PeerJob<'_> {
             .arg(self.model)
             .args(["-p", &a.prompt])
             .args(["-W", &req.width.to_string(), "-H", &req.height.to_string()])
-            .args(["--steps", &a.sample.steps.to_string()])
-            .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
+            .args(["--steps", &req.steps.to_string()])
+            .args(["--cfg-scale", &req.cfg_scale.to_string()])
             .args(["--seed", &a.sample.seed.to_string()])
-            .args(["--sampler", a.sample.sampler.sampler.name()])
+            .args(["--sampler", req.sampler.name()])
             .args(["-t", &self.threads.to_string()])
             .args(["--runs", &self.runs.to_string()]);
         // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
@@ -929,8 +931,8 @@ impl PeerJob<'_> {
             .args(["--prompt", &a.prompt])
             .args(["--width", &req.width.to_string()])
             .args(["--height", &req.height.to_string()])
-            .args(["--steps", &a.sample.steps.to_string()])
-            .args(["--cfg-scale", &a.sample.cfg_scale.to_string()])
+            .args(["--steps", &req.steps.to_string()])
+            .args(["--cfg-scale", &req.cfg_scale.to_string()])
             .args(["--seed", &a.sample.seed.to_string()])
             .args(["--sampler", req.sampler.name()])
             .args(["--scheduler", req.scheduler.name()])

@@ -27,12 +27,14 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     // computations, or inside one on the CPU) and leaves no output file.
     let cancel = crate::cancel::flag();
     let placement = session.resolve(&args.placement.ask())?;
-    args.sample.scheduler()?;
+    args.sample.scheduler_asked()?;
     // Inputs first: the output's temporary file appears only once they
     // are read.
     let init = read_init(&args.init)?;
     let output = OutputFile::create(&args.output)?;
-    let ckpt = sdhost_models::checkpoint::scan(&args.model)?;
+    let ckpt = args.sample.open_model(&args.model)?;
+    let defaults = sdhost_models::family::defaults_of(&ckpt)
+        .with_context(|| args.model.display().to_string())?;
     let vae = args
         .sample
         .vae_file()
@@ -56,7 +58,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         height: args.sample.height.map(|v| v as usize),
         init_size: init.as_ref().map(|i| (i.image.width, i.image.height)),
         prompts: (&args.prompt, &args.negative),
-        guided: args.sample.cfg_scale != 1.0,
+        guided: args.sample.cfg_scale(&defaults) != 1.0,
         memory: &args.memory.flags(),
     };
     let fitted = load_fitted(session, &manager, placement, &spec, &fit, "generate")?;
@@ -75,7 +77,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         &loras.prompt,
         &args.negative,
         args.clip_skip as usize,
-        sd.default_size(),
+        &defaults,
     )?;
     let mut hashes = (String::new(), None);
     if let Some(init) = init {

@@ -185,6 +185,7 @@ pub fn scan_with_metadata(
             bytes,
             shape: ne.into_iter().rev().collect(),
             offset: Some(start),
+            file: None,
         });
     }
     let mut sorted: Vec<&TensorEntry> = out.iter().collect();

@@ -30,6 +30,9 @@ pub struct TensorEntry {
     pub shape: Vec<u64>,
     /// Absolute file offset of the data.
     pub offset: Option<u64>,
+    /// The file holding the data, where it is not the checkpoint's own (a
+    /// checkpoint assembled from component files, [`Checkpoint::assemble`]).
+    pub file: Option<std::sync::Arc<Path>>,
 }
 
 /// What a checkpoint holds.
@@ -41,6 +44,37 @@ pub struct Checkpoint {
     pub tensors: Vec<TensorEntry>,
     /// String metadata: safetensors' `__metadata__`, GGUF's string keys.
     pub metadata: BTreeMap<String, String>,
+}
+
+impl Checkpoint {
+    /// The file holding `t`'s data.
+    pub fn file_of<'c>(&'c self, t: &'c TensorEntry) -> &'c Path {
+        t.file.as_deref().unwrap_or(&self.path)
+    }
+
+    /// One checkpoint over several files: each part `(prefix, packed,
+    /// checkpoint)`'s tensors renamed to `prefix` + the name without
+    /// `packed` (where it starts so), read from its own file. The first part
+    /// names the whole; metadata is the first part's.
+    pub fn assemble(parts: &[(&str, &str, &Checkpoint)]) -> Checkpoint {
+        let mut out = Checkpoint {
+            path: parts.first().map(|p| p.2.path.clone()).unwrap_or_default(),
+            tensors: Vec::new(),
+            metadata: parts
+                .first()
+                .map(|p| p.2.metadata.clone())
+                .unwrap_or_default(),
+        };
+        for (prefix, packed, part) in parts {
+            let own: std::sync::Arc<Path> = part.path.as_path().into();
+            out.tensors.extend(part.tensors.iter().map(|t| TensorEntry {
+                name: format!("{prefix}{}", t.name.strip_prefix(packed).unwrap_or(&t.name)),
+                file: Some(t.file.clone().unwrap_or_else(|| own.clone())),
+                ..t.clone()
+            }));
+        }
+        out
+    }
 }
 
 /// Errors reading a checkpoint; each names the file.
@@ -257,6 +291,7 @@ mod tests {
                     bytes: 10,
                     shape: Vec::new(),
                     offset: None,
+                    file: None,
                 },
                 TensorEntry {
                     name: "first_stage_model.y".into(),
@@ -264,6 +299,7 @@ mod tests {
                     bytes: 5,
                     shape: Vec::new(),
                     offset: None,
+                    file: None,
                 },
                 TensorEntry {
                     name: "cond_stage_model.z".into(),
@@ -271,6 +307,7 @@ mod tests {
                     bytes: 7,
                     shape: Vec::new(),
                     offset: None,
+                    file: None,
                 },
                 TensorEntry {
                     name: "model_ema.decay".into(),
@@ -278,6 +315,7 @@ mod tests {
                     bytes: 4,
                     shape: Vec::new(),
                     offset: None,
+                    file: None,
                 },
             ],
             metadata: BTreeMap::new(),

@@ -691,6 +691,7 @@ pub(super) fn scan(
             bytes,
             shape: t.shape.clone(),
             offset: Some(start + first),
+            file: None,
         });
     }
     if out.is_empty() {

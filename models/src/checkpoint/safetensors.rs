@@ -128,6 +128,7 @@ pub(super) fn scan(
                 bytes: end - start,
                 shape,
                 offset: Some(8 + header_len + start),
+                file: None,
             },
         ));
     }

@@ -221,7 +221,7 @@ impl ModuleWeights {
             });
         }
         let tensor_err = |t: &TensorEntry, reason: String| WeightsError::Tensor {
-            file: file.clone(),
+            file: ckpt.file_of(t).to_path_buf(),
             tensor: t.name.clone(),
             reason,
         };
@@ -296,7 +296,8 @@ impl ModuleWeights {
         let buffer = ctx
             .alloc_weights(backend, pinned_for)
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
-        let f = std::fs::File::open(&file).map_err(|e| other(e.to_string()))?;
+        // An assembled checkpoint reads from several files.
+        let mut files: HashMap<&std::path::Path, std::fs::File> = HashMap::new();
         let tensors = ctx.tensors();
         let mut bytes = 0;
         // One read buffer and one conversion buffer for every tensor: new
@@ -307,6 +308,13 @@ impl ModuleWeights {
         for (t, dst) in entries.iter().zip(&tensors) {
             read.resize(t.bytes as usize, 0);
             let data = &mut read;
+            let path = ckpt.file_of(t);
+            let f = match files.entry(path) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                    std::fs::File::open(path).map_err(|err| tensor_err(t, err.to_string()))?,
+                ),
+            };
             f.read_exact_at(data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
             let data: &[u8] = if loras.merges(&t.name) {

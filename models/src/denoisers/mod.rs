@@ -1,3 +1,4 @@
 //! Denoisers: the networks the sampler calls once per step.
 
+pub mod flux;
 pub mod unet;

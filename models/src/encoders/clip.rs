@@ -55,9 +55,20 @@ pub struct ClipEncoder {
     /// Padding token after `<|endoftext|>` (49407 for OpenAI's CLIP, 0 for
     /// OpenCLIP's tokenizer).
     pub pad: u32,
-    /// Whether the pooled, projected last-layer output at the end token is
-    /// also taken (SDXL's bigG).
-    pub pooled: bool,
+    /// Whether the last layer's normed output at the end token is also
+    /// taken, and how.
+    pub pooled: Pooled,
+}
+
+/// The pooled output an encoder hands on beside its hidden states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Pooled {
+    /// None.
+    No,
+    /// Times the text projection (SDXL's bigG).
+    Projected,
+    /// As it is (`pooler_output`: FLUX's CLIP-L).
+    Raw,
 }
 
 /// Layer norm ε of CLIP.
@@ -83,7 +94,8 @@ pub struct ClipConfig {
     pub vocab: i64,
     /// Context length (77).
     pub positions: i64,
-    /// Width of the pooled output (the text projection's), when pooled.
+    /// Width of the pooled output (the text projection's, or the hidden
+    /// size for a raw one), when pooled.
     pub projection: Option<i64>,
 }
 
@@ -130,7 +142,9 @@ impl ClipConfig {
             Naming::OpenClip => w.ne(&format!("{layer_prefix}0.mlp.c_fc.weight"))?,
         };
         let hidden = tok[0];
-        let projection = if encoder.pooled {
+        let projection = if encoder.pooled == Pooled::Raw {
+            Some(hidden)
+        } else if encoder.pooled == Pooled::Projected {
             let p = w.ne(&format!("{e}text_projection"))?;
             if p[1] != hidden {
                 return Err(ModelError::Shape(format!(
@@ -335,6 +349,13 @@ fn build<'a>(
             let flat = c.reshape(last, &[h, cfg.positions * chunks])?;
             let at = input_i32(c, vec![eos as i32], &mut inputs)?;
             let pooled = c.get_rows(flat, at)?; // [h, 1]
+            let hidden = c.reshape(c.cont(hidden)?, &[h * cfg.positions * chunks])?;
+            if cfg.encoder.pooled == Pooled::Raw {
+                return Ok(Built {
+                    output: c.concat(hidden, c.reshape(pooled, &[h])?, 0)?,
+                    inputs,
+                });
+            }
             let p = w.shaped(&format!("{e}text_projection"), &[proj, h])?;
             // Transposed to [h, proj]; a quantized projection (some
             // converters quantize every matrix) is widened first, because
@@ -345,7 +366,6 @@ fn build<'a>(
             };
             let pt = c.cont(c.permute(p, [1, 0, 2, 3])?)?; // [h, proj]
             let pooled = c.mul_mat(pt, pooled)?; // [proj, 1]
-            let hidden = c.reshape(c.cont(hidden)?, &[h * cfg.positions * chunks])?;
             c.concat(hidden, c.reshape(pooled, &[proj])?, 0)?
         }
     };

@@ -16,6 +16,7 @@
 //! [`Model`] with its arms, and its detection in [`detect`]; its networks
 //! go to `encoders/`, `denoisers/`, `autoencoders/`, `tokenizers/`.
 
+pub mod flux;
 pub mod sd;
 mod sd1;
 mod sd2;
@@ -39,24 +40,28 @@ pub enum Family {
     /// Stable Diffusion XL base and its fine-tunes (CLIP-L + OpenCLIP bigG,
     /// ADM size conditioning).
     Sdxl,
+    /// FLUX.1 dev or schnell (T5-XXL + CLIP-L, a flow transformer).
+    Flux,
 }
 
 impl Family {
-    /// The family's name as users write it (`sd1`, `sd2`, `sdxl`).
+    /// The family's name as users write it (`sd1`, `sd2`, `sdxl`, `flux`).
     pub fn name(self) -> &'static str {
         match self {
             Family::Sd1 => "sd1",
             Family::Sd2 => "sd2",
             Family::Sdxl => "sdxl",
+            Family::Flux => "flux",
         }
     }
 
-    /// Its configuration.
-    pub fn config(self) -> FamilyConfig {
+    /// The SD recipe's configuration of an SD family (`None` for FLUX).
+    pub fn config(self) -> Option<FamilyConfig> {
         match self {
-            Family::Sd1 => sd1::config(),
-            Family::Sd2 => sd2::config(),
-            Family::Sdxl => sdxl::config(),
+            Family::Sd1 => Some(sd1::config()),
+            Family::Sd2 => Some(sd2::config()),
+            Family::Sdxl => Some(sdxl::config()),
+            Family::Flux => None,
         }
     }
 }
@@ -92,6 +97,23 @@ pub struct Conditioned {
     pub context: Vec<f32>,
     /// A vector input (SDXL's ADM vector, pooled text).
     pub vector: Option<Vec<f32>>,
+    /// The guidance scale a guidance-distilled network takes (FLUX.1 dev).
+    pub guidance: Option<f32>,
+}
+
+/// What a family runs with where a request does not say.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Defaults {
+    /// Image side in pixels.
+    pub size: usize,
+    /// Sampling steps.
+    pub steps: usize,
+    /// Classifier-free guidance scale (1: no negative pass).
+    pub cfg_scale: f32,
+    /// Sampler.
+    pub sampler: crate::sampling::Sampler,
+    /// Schedule.
+    pub scheduler: crate::sampling::Scheduler,
 }
 
 /// A checkpoint's family networks, loaded: what the generic pipeline asks
@@ -100,6 +122,8 @@ pub struct Conditioned {
 pub enum Model<'b> {
     /// SD 1.x, 2.x or XL.
     Sd(sd::SdModel<'b>),
+    /// FLUX.1.
+    Flux(flux::FluxModel<'b>),
 }
 
 impl<'b> Model<'b> {
@@ -115,6 +139,7 @@ impl<'b> Model<'b> {
             Family::Sd1 | Family::Sd2 | Family::Sdxl => {
                 Ok(Model::Sd(sd::SdModel::load(family, ckpt, layout, opts)?))
             }
+            Family::Flux => Ok(Model::Flux(flux::FluxModel::load(ckpt, layout, opts)?)),
         }
     }
 
@@ -122,6 +147,7 @@ impl<'b> Model<'b> {
     pub fn family(&self) -> Family {
         match self {
             Model::Sd(m) => m.config().family,
+            Model::Flux(_) => Family::Flux,
         }
     }
 
@@ -129,6 +155,7 @@ impl<'b> Model<'b> {
     pub fn default_size(&self) -> usize {
         match self {
             Model::Sd(m) => m.config().default_size,
+            Model::Flux(_) => 1024,
         }
     }
 
@@ -136,13 +163,16 @@ impl<'b> Model<'b> {
     pub fn prediction(&self) -> Prediction {
         match self {
             Model::Sd(m) => m.prediction(),
+            Model::Flux(_) => Prediction::Flow,
         }
     }
 
-    /// The parametrisation and noise schedule the sampler runs on.
-    pub fn sampling(&self) -> &crate::sampling::ModelSampling {
+    /// The parametrisation and noise schedule the sampler runs on, for a
+    /// latent of `lh`×`lw` cells (FLUX.1 dev's shift follows the size).
+    pub fn sampling(&self, lh: usize, lw: usize) -> crate::sampling::ModelSampling {
         match self {
-            Model::Sd(m) => m.sampling(),
+            Model::Sd(m) => m.sampling().clone(),
+            Model::Flux(m) => m.sampling(lh, lw),
         }
     }
 
@@ -150,6 +180,7 @@ impl<'b> Model<'b> {
     pub fn guidance(&self, cfg_scale: f32) -> crate::sampling::Guidance {
         match self {
             Model::Sd(m) => m.guidance(cfg_scale),
+            Model::Flux(m) => m.guidance(cfg_scale),
         }
     }
 
@@ -157,31 +188,36 @@ impl<'b> Model<'b> {
     pub fn latent_norm(&self) -> LatentNorm {
         match self {
             Model::Sd(m) => m.latent_norm(),
+            Model::Flux(_) => flux::LATENT,
         }
     }
 
     /// The prefix of the first stage's tensors in `vae_ckpt` (the
     /// checkpoint itself, or a separate VAE file).
-    pub fn first_stage_prefix(&self, vae_ckpt: &Checkpoint) -> &'static str {
-        match self {
-            Model::Sd(_) => {
-                if vae_ckpt
-                    .tensors
-                    .iter()
-                    .any(|t| t.name.starts_with(VAE_PREFIX))
-                {
-                    VAE_PREFIX
-                } else {
-                    ""
-                }
-            }
+    pub fn first_stage_prefix(&self, vae_ckpt: &Checkpoint) -> Result<&'static str, ModelError> {
+        let has = |p: &str| vae_ckpt.tensors.iter().any(|t| t.name.starts_with(p));
+        let packed: &[&'static str] = match self {
+            Model::Sd(_) => &[VAE_PREFIX],
+            Model::Flux(_) => &flux::VAE_PREFIXES,
+        };
+        if let Some(p) = packed.iter().find(|p| has(p)) {
+            return Ok(p);
         }
+        if has("decoder.") {
+            return Ok("");
+        }
+        Err(ModelError::MissingTensor(format!(
+            "{}: no autoencoder (no decoder.* tensors); give the {} VAE with --vae FILE",
+            vae_ckpt.path.display(),
+            self.family().name()
+        )))
     }
 
     /// Latent channels the denoiser predicts.
     pub fn latent_channels(&self) -> usize {
         match self {
             Model::Sd(m) => m.latent_channels(),
+            Model::Flux(m) => m.latent_channels(),
         }
     }
 
@@ -190,6 +226,7 @@ impl<'b> Model<'b> {
     pub fn input_channels(&self) -> usize {
         match self {
             Model::Sd(m) => m.input_channels(),
+            Model::Flux(m) => m.latent_channels(),
         }
     }
 
@@ -199,6 +236,8 @@ impl<'b> Model<'b> {
     pub fn downsamples(&self) -> u32 {
         match self {
             Model::Sd(m) => m.downsamples(),
+            // 2×2 patches.
+            Model::Flux(_) => 1,
         }
     }
 
@@ -207,6 +246,8 @@ impl<'b> Model<'b> {
     pub fn prompt_chunks(&self, prompt: &str) -> usize {
         match self {
             Model::Sd(m) => m.chunk_count(prompt),
+            // T5 and CLIP-L cut the prompt to their lengths.
+            Model::Flux(_) => 1,
         }
     }
 
@@ -219,6 +260,7 @@ impl<'b> Model<'b> {
     ) -> Result<Conditioned, ModelError> {
         match self {
             Model::Sd(m) => m.condition(req, guided),
+            Model::Flux(m) => m.condition(req, guided),
         }
     }
 
@@ -232,6 +274,7 @@ impl<'b> Model<'b> {
     ) -> Result<Vec<f32>, ModelError> {
         match self {
             Model::Sd(m) => m.denoise(x, shape, t, cond),
+            Model::Flux(m) => m.denoise(x, shape, t, cond),
         }
     }
 
@@ -244,6 +287,7 @@ impl<'b> Model<'b> {
     ) -> Result<Vec<crate::runtime::memory::ModuleMemory>, ModelError> {
         match self {
             Model::Sd(m) => m.measure(req, lh, lw),
+            Model::Flux(m) => m.measure(req, lh, lw),
         }
     }
 
@@ -252,6 +296,7 @@ impl<'b> Model<'b> {
     pub fn modules(&self) -> Vec<&crate::runtime::module::Module<'b>> {
         match self {
             Model::Sd(m) => m.modules(),
+            Model::Flux(m) => m.modules(),
         }
     }
 
@@ -259,6 +304,7 @@ impl<'b> Model<'b> {
     pub fn modules_mut(&mut self) -> Vec<&mut crate::runtime::module::Module<'b>> {
         match self {
             Model::Sd(m) => m.modules_mut(),
+            Model::Flux(m) => m.modules_mut(),
         }
     }
 
@@ -266,15 +312,53 @@ impl<'b> Model<'b> {
     pub fn sd(&mut self) -> Option<&mut sd::SdModel<'b>> {
         match self {
             Model::Sd(m) => Some(m),
+            Model::Flux(_) => None,
         }
     }
+
+    /// The FLUX recipe's networks, where this is a FLUX model.
+    pub fn flux(&mut self) -> Option<&mut flux::FluxModel<'b>> {
+        match self {
+            Model::Flux(m) => Some(m),
+            Model::Sd(_) => None,
+        }
+    }
+}
+
+/// What `ckpt`'s family runs with where a request does not say, known
+/// before anything is loaded (fit measures with it).
+pub fn defaults_of(ckpt: &Checkpoint) -> Result<Defaults, ModelError> {
+    use crate::sampling::{Sampler, Scheduler};
+    let family = detect(ckpt)?;
+    Ok(match family.config() {
+        Some(cfg) => Defaults {
+            size: cfg.default_size,
+            steps: 20,
+            cfg_scale: 7.0,
+            sampler: Sampler::EulerA,
+            scheduler: Scheduler::Discrete,
+        },
+        None => {
+            let dev = ckpt.tensors.iter().any(|t| {
+                t.name
+                    .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
+            });
+            Defaults {
+                size: 1024,
+                steps: if dev { 20 } else { 4 },
+                cfg_scale: 1.0,
+                sampler: Sampler::Euler,
+                scheduler: Scheduler::Simple,
+            }
+        }
+    })
 }
 
 /// The modules a checkpoint's family declares (beside the upscaler, which
 /// any run may add): what the host places, budgets and loads.
 pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {
     match detect(ckpt)? {
-        Family::Sd1 | Family::Sd2 | Family::Sdxl => {
+        Family::Sd1 | Family::Sd2 | Family::Sdxl | Family::Flux => {
             Ok(vec![ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae])
         }
     }
@@ -305,7 +389,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
     let file = ckpt.path.display();
     let unsupported = |what: &str| {
         ModelError::Unsupported(format!(
-            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x and SDXL base checkpoints"
+            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x, SDXL base and FLUX.1 checkpoints"
         ))
     };
     if contains("lora_up.")
@@ -324,8 +408,23 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
             "Stable Diffusion 3 (MMDiT), which is not supported",
         ));
     }
-    if contains("double_blocks.") && contains("single_blocks.") {
-        return Err(unsupported("a Flux model, which is not supported"));
+    if has("double_blocks.") && has("single_blocks.") {
+        return Err(ModelError::MissingTensor(format!(
+            "{file}: a FLUX transformer alone; give its text encoders with --t5xxl FILE and --clip-l FILE, and its autoencoder with --vae FILE"
+        )));
+    }
+    if has(&format!("{}double_blocks.", flux::DIT_PREFIX)) {
+        for (at, flag, what) in [
+            ("text_encoders.t5xxl.", "--t5xxl", "T5-XXL"),
+            ("text_encoders.clip_l.", "--clip-l", "CLIP-L"),
+        ] {
+            if !has(at) {
+                return Err(ModelError::MissingTensor(format!(
+                    "{file}: a FLUX transformer without its {what} text encoder; give one with {flag} FILE"
+                )));
+            }
+        }
+        return Ok(Family::Flux);
     }
     if has("control_model.") || contains("input_hint_block.") {
         return Err(unsupported("a ControlNet, which is not supported"));
@@ -429,6 +528,7 @@ mod tests {
                         vec![1]
                     },
                     offset: Some(0),
+                    file: None,
                 })
                 .collect(),
             metadata: Default::default(),
@@ -474,7 +574,7 @@ mod tests {
             &["model.diffusion_model.joint_blocks.0.x"],
             "Stable Diffusion 3",
         );
-        err(&["double_blocks.0.x", "single_blocks.0.x"], "Flux");
+        err(&["double_blocks.0.x", "single_blocks.0.x"], "--t5xxl FILE");
         err(&["lora_unet_down_blocks_0.lora_up.weight"], "a LoRA");
         err(
             &["decoder.conv_in.weight", "encoder.conv_in.weight"],

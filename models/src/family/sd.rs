@@ -57,7 +57,12 @@ impl<'b> SdModel<'b> {
         layout: &Layout<'b>,
         opts: &LoadOptions<'_>,
     ) -> Result<Self> {
-        let fam = family.config();
+        let fam = family.config().ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "{} is not a Stable Diffusion family",
+                family.name()
+            ))
+        })?;
         let file = ckpt.path.display();
         let prediction = match (opts.prediction, super::stated_prediction(ckpt)) {
             (Some(wanted), Some(stated)) if wanted != stated => {
@@ -311,7 +316,11 @@ impl<'b> SdModel<'b> {
                 y.extend(self.adm_vector(p, req.width, req.height)?);
             }
         }
-        Ok(Conditioned { context, vector })
+        Ok(Conditioned {
+            context,
+            vector,
+            guidance: None,
+        })
     }
 
     /// Runs the UNet once: its raw output (ε or v).

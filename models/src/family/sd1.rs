@@ -6,7 +6,7 @@
 use super::{Family, FamilyConfig, Prediction};
 use crate::autoencoders::LatentNorm;
 use crate::denoisers::unet::Heads;
-use crate::encoders::clip::{ClipEncoder, Layer, Naming};
+use crate::encoders::clip::{ClipEncoder, Layer, Naming, Pooled};
 
 pub(super) fn config() -> FamilyConfig {
     FamilyConfig {
@@ -18,7 +18,7 @@ pub(super) fn config() -> FamilyConfig {
             layer: Layer::Last,
             final_norm: true,
             pad: 49407,
-            pooled: false,
+            pooled: Pooled::No,
         }],
         heads: Heads::Count(8),
         adm: false,

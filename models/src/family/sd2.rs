@@ -8,7 +8,7 @@
 use super::{Family, FamilyConfig, Prediction};
 use crate::autoencoders::LatentNorm;
 use crate::denoisers::unet::Heads;
-use crate::encoders::clip::{ClipEncoder, Layer, Naming};
+use crate::encoders::clip::{ClipEncoder, Layer, Naming, Pooled};
 
 pub(super) fn config() -> FamilyConfig {
     FamilyConfig {
@@ -20,7 +20,7 @@ pub(super) fn config() -> FamilyConfig {
             layer: Layer::Penultimate,
             final_norm: true,
             pad: 0,
-            pooled: false,
+            pooled: Pooled::No,
         }],
         heads: Heads::Width(64),
         adm: false,

@@ -9,7 +9,7 @@
 use super::{Family, FamilyConfig, Prediction};
 use crate::autoencoders::LatentNorm;
 use crate::denoisers::unet::Heads;
-use crate::encoders::clip::{ClipEncoder, Layer, Naming};
+use crate::encoders::clip::{ClipEncoder, Layer, Naming, Pooled};
 
 pub(super) fn config() -> FamilyConfig {
     FamilyConfig {
@@ -22,7 +22,7 @@ pub(super) fn config() -> FamilyConfig {
                 layer: Layer::Penultimate,
                 final_norm: false,
                 pad: 49407,
-                pooled: false,
+                pooled: Pooled::No,
             },
             ClipEncoder {
                 prefix: "embedders.1.model.",
@@ -30,7 +30,7 @@ pub(super) fn config() -> FamilyConfig {
                 layer: Layer::Penultimate,
                 final_norm: false,
                 pad: 0,
-                pooled: true,
+                pooled: Pooled::Projected,
             },
         ],
         heads: Heads::Width(64),

@@ -2,3 +2,4 @@
 //! the binary (nothing is downloaded at run time).
 
 pub mod clip;
+pub mod t5;

@@ -734,6 +734,12 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
     let negative = f.string("negative_prompt")?.unwrap_or_default();
     let steps = f.int("steps", 1, 1000)?.unwrap_or(default_steps) as usize;
     let cfg_scale = f.float("cfg_scale", -1000.0, 1000.0)?.unwrap_or(7.0) as f32;
+    // FLUX.1 dev's distilled guidance: Forge's name, then sdhost's.
+    let guidance = match f.float("distilled_cfg_scale", 0.0, 100.0)? {
+        Some(g) => Some(g),
+        None => f.float("guidance", 0.0, 100.0)?,
+    }
+    .map_or(sdhost_models::family::flux::DEFAULT_GUIDANCE, |g| g as f32);
     let width = f.int("width", 8, MAX_SIDE)?.map(|v| v as usize);
     let height = f.int("height", 8, MAX_SIDE)?.map(|v| v as usize);
     let seed = seed_of(f)?;
@@ -806,6 +812,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         negative,
         steps,
         cfg_scale,
+        guidance,
         width,
         height,
         seed,

@@ -115,6 +115,8 @@ pub struct GenWork {
     pub steps: usize,
     /// CFG scale.
     pub cfg_scale: f32,
+    /// Distilled guidance (FLUX.1 dev).
+    pub guidance: f32,
     /// Width, or the init image's / the family's.
     pub width: Option<usize>,
     /// Height, likewise.
@@ -501,6 +503,7 @@ impl<'m> Worker<'_, 'm> {
                 negative: g.negative.clone(),
                 steps: g.steps,
                 cfg_scale: g.cfg_scale,
+                guidance: g.guidance,
                 width: w,
                 height: h,
                 seed: g.seed.wrapping_add(i as u64),

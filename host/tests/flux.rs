@@ -1,0 +1,243 @@
+//! FLUX.1 (dev and schnell) against references computed by diffusers and
+//! transformers (`tests/fixtures/make_flux_fixtures.py`) on committed tiny
+//! random models: the T5 tokenizer and encoder, CLIP-L's pooled output, the
+//! transformer, and a 3-step pipeline with its decoded image, on the CPU and
+//! (SDHOST_TEST_VULKAN=1) on lavapipe's vulkan0. The model comes as its
+//! parts (transformer, T5, CLIP-L, autoencoder), as people have it: dev in
+//! BFL's bare names and BF16, schnell in ComfyUI's packing and F16.
+//!
+//! Tolerances (docs/models.md): the weights are f16/bf16 and ggml feeds
+//! them with f16 activations, the references are f32 throughout; each
+//! comparison allows a stated fraction of the reference's largest
+//! magnitude.
+
+mod common;
+use common::*;
+use sdhost::manager::BackendManager;
+use sdhost::registry::Registry;
+use sdhost_models::checkpoint::{self, Checkpoint};
+use sdhost_models::denoisers::flux::{self, FluxInput};
+use sdhost_models::family::flux::{assemble, Components, FluxModel, Variant};
+use sdhost_models::family::Family;
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Layout, LoadOptions, Request};
+use sdhost_models::runtime::module::Devices;
+use sdhost_models::sampling::{Sampler, Scheduler};
+use sdhost_models::ModuleKind;
+use std::collections::HashMap;
+
+fn refs() -> HashMap<String, Vec<f32>> {
+    read_tensors(&fixture("flux/tiny-flux-ref.safetensors"))
+}
+
+fn scan(name: &str) -> Checkpoint {
+    checkpoint::scan(&fixture(name)).unwrap()
+}
+
+/// The tiny FLUX `variant` ("dev", "schnell") assembled from its parts.
+fn parts(variant: &str) -> Checkpoint {
+    let model = scan(&format!("flux/tiny-flux-{variant}.safetensors"));
+    let (t5, clip) = (
+        scan("flux/tiny-t5.safetensors"),
+        scan("flux/tiny-clip-l.safetensors"),
+    );
+    assemble(
+        &model,
+        Components {
+            t5xxl: Some(&t5),
+            clip_l: Some(&clip),
+        },
+    )
+    .unwrap()
+}
+
+/// Runs `f` on the tiny FLUX `variant` with every module on `runtime` and
+/// its weights on `params`.
+fn with_flux(variant: &str, runtime: &str, params: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
+    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let d = Devices {
+        runtime: m.get(runtime).unwrap(),
+        params: m.get(params).unwrap(),
+        cpu: m.get("cpu").unwrap(),
+        assist: &[],
+    };
+    let layout = Layout {
+        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+            .into_iter()
+            .map(|k| (k, d))
+            .collect(),
+        spread: Default::default(),
+    };
+    let ckpt = parts(variant);
+    let vae = scan("ae16/tiny-ae16.safetensors");
+    let opts = LoadOptions {
+        vae: Some(&vae),
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    assert_eq!(sd.family(), Family::Flux);
+    f(&mut sd)
+}
+
+fn flux_model<'a, 'b>(p: &'a mut Pipeline<'b>) -> &'a mut FluxModel<'b> {
+    p.model_mut().flux().expect("a FLUX model")
+}
+
+/// `got` within `tol` × the reference's largest magnitude.
+fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let e = max_abs_diff(got, want);
+    eprintln!("{what}: max abs error {e:.2e} (reference up to {scale:.2})");
+    assert!(e <= tol * scale, "{what}: error {e} > {tol} × {scale}");
+}
+
+fn ids(r: &HashMap<String, Vec<f32>>, key: &str) -> Vec<u32> {
+    r[key].iter().map(|&v| v as u32).collect()
+}
+
+const PROMPTS: [&str; 3] = [
+    "a photo of a cat",
+    "",
+    "A painting of a lighthouse, at dusk; oil on canvas!",
+];
+
+fn modules_match(runtime: &str, params: &str, tol: f32) {
+    let r = refs();
+    for variant in ["dev", "schnell"] {
+        with_flux(variant, runtime, params, |sd| {
+            let m = flux_model(sd);
+            let (want_variant, tokens) = match variant {
+                "dev" => (Variant::Dev, 512),
+                _ => (Variant::Schnell, 256),
+            };
+            assert_eq!((m.variant(), m.t5_tokens()), (want_variant, tokens));
+            for (i, p) in PROMPTS.iter().enumerate() {
+                let want = ids(&r, &format!("t5.ids{tokens}.{i}"));
+                assert_eq!(m.t5_ids(p).unwrap(), want, "T5 ids of {p:?}");
+                let (clip_ids, _) = m.clip_ids(p);
+                assert_eq!(
+                    clip_ids,
+                    ids(&r, &format!("clip.ids.{i}")),
+                    "CLIP ids of {p:?}"
+                );
+                let pooled = m.encode_pooled(p).unwrap();
+                close(
+                    &format!("CLIP-L pooled {i}"),
+                    &pooled,
+                    &r[&format!("clip.pooled.{i}")],
+                    tol * 5e-3,
+                );
+                if variant == "schnell" {
+                    let hidden = m.encode_t5(p).unwrap();
+                    close(
+                        &format!("T5 hidden {i}"),
+                        &hidden,
+                        &r[&format!("t5.hidden.{i}")],
+                        tol * 5e-3,
+                    );
+                }
+            }
+            m.te.end_phase();
+            let cfg = m.config().clone();
+            let input = FluxInput {
+                x: &r[&format!("{variant}.x")],
+                shape: [1, 16, 8, 8],
+                t: 750.0,
+                guidance: cfg.guidance.then_some(3.5),
+                context: &r[&format!("{variant}.txt")],
+                y: &r["clip.pooled.0"],
+            };
+            let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+            m.dit.end_phase();
+            close(
+                &format!("{variant} transformer"),
+                &out,
+                &r[&format!("{variant}.out")],
+                tol * 5e-3,
+            );
+
+            // The pipeline: 3 steps of Euler on the simple schedule, 64×64,
+            // no negative pass, dev at guidance 3.5.
+            let req = Request {
+                prompt: PROMPTS[0].into(),
+                negative: String::new(),
+                steps: 3,
+                cfg_scale: 1.0,
+                guidance: 3.5,
+                width: 64,
+                height: 64,
+                seed: 0,
+                sampler: Sampler::Euler,
+                scheduler: Scheduler::Simple,
+                clip_skip: 1,
+                init: None,
+            };
+            let sampling = sd.model().sampling(8, 8);
+            let sigmas: Vec<f32> = Scheduler::Simple
+                .sigmas(sampling.schedule(), 3)
+                .iter()
+                .map(|&s| s as f32)
+                .collect();
+            close(
+                &format!("{variant} sigmas"),
+                &sigmas,
+                &r[&format!("{variant}.pipe.sigmas")],
+                1e-6,
+            );
+            let noise = r[&format!("{variant}.pipe.noise")].clone();
+            let latent = sd
+                .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
+                .unwrap();
+            close(
+                &format!("{variant} pipeline latent"),
+                &latent,
+                &r[&format!("{variant}.pipe.latent")],
+                tol * 1e-2,
+            );
+            let stage = sd.first_stage().clone();
+            let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
+            sd.vae.end_phase();
+            close(
+                &format!("{variant} pipeline image"),
+                &image,
+                &r[&format!("{variant}.pipe.image")],
+                tol * 2e-2,
+            );
+        });
+    }
+}
+
+#[test]
+fn flux_modules_and_pipelines_match_references_on_cpu() {
+    modules_match("cpu", "cpu", 1.0);
+}
+
+#[test]
+fn flux_modules_and_pipelines_match_references_on_vulkan() {
+    if vulkan_enabled() {
+        modules_match("vulkan0", "vulkan0", 2.0);
+        modules_match("vulkan0", "cpu", 2.0);
+    }
+}
+
+#[test]
+fn t5_tokenizer_matches_transformers_on_hard_prompts() {
+    let r = refs();
+    with_flux("schnell", "cpu", "cpu", |sd| {
+        let m = flux_model(sd);
+        let extra = [
+            "  héllo   wörld ﬁ ①",
+            &"x".repeat(600),
+            "<pad> a </s> b <unk>",
+        ];
+        for (i, p) in extra.iter().enumerate() {
+            assert_eq!(
+                m.t5_ids(p).unwrap(),
+                ids(&r, &format!("t5.extra_ids.{i}")),
+                "{p:?}"
+            );
+        }
+    });
+}

@@ -1,0 +1,543 @@
+//! The FLUX.1 transformer (BFL's `Flux`, as `flux1-dev.safetensors` and
+//! `flux1-schnell.safetensors` name it): 2×2 patches of a 16-channel latent
+//! and T5 tokens run through double-stream blocks (image and text each with
+//! their own weights, attending jointly), then single-stream blocks over the
+//! joined sequence (attention and MLP in parallel), with 3-axis RoPE over
+//! (t, h, w) position ids and adaLN modulation from one vector: the
+//! timestep's, the distilled guidance's (dev) and the pooled CLIP text's
+//! embeddings summed.
+//!
+//! Hyper-parameters come from the weights ([`FluxConfig::from_weights`]):
+//! width from `img_in`, head size from the query norm, block counts from the
+//! names, guidance from `guidance_in`. The RoPE axes are FLUX.1's split of
+//! the head, `[d/8, 7d/16, 7d/16]` (16, 56, 56 for d = 128), θ = 10000.
+//! Patching and the position angles are computed on the host, both small.
+
+use crate::error::{ModelError, Result};
+use crate::nn::{attention_with, linear, rms_norm, rope_pairs, Scores};
+use crate::runtime::graph::W;
+use crate::runtime::module::{input_f32, Built, ComputeBytes, Module};
+use ggml::{Context, Tensor};
+
+/// Layer/RMS norm ε of FLUX.
+const EPS: f32 = 1e-6;
+/// RoPE base.
+const THETA: f64 = 10000.0;
+/// Patch side.
+pub const PATCH: usize = 2;
+/// Width of the sinusoidal timestep and guidance embeddings.
+const TIME_DIM: i32 = 256;
+
+/// FLUX transformer hyper-parameters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FluxConfig {
+    /// Model width.
+    pub hidden: i64,
+    /// Attention heads.
+    pub heads: i64,
+    /// Head size.
+    pub head_dim: i64,
+    /// Patch features in (latent channels × 4).
+    pub in_features: i64,
+    /// Patch features out.
+    pub out_features: i64,
+    /// Text token width (the T5's).
+    pub context: i64,
+    /// Pooled text width (CLIP-L's).
+    pub vec_in: i64,
+    /// MLP width.
+    pub mlp: i64,
+    /// Double-stream blocks.
+    pub double: usize,
+    /// Single-stream blocks.
+    pub single: usize,
+    /// Whether the network takes a distilled guidance scale (dev).
+    pub guidance: bool,
+    /// RoPE pairs per axis (t, h, w) times 2.
+    pub axes: [i64; 3],
+}
+
+impl FluxConfig {
+    /// Reads the hyper-parameters off the transformer's weights.
+    pub fn from_weights(w: &W<'_>) -> Result<FluxConfig> {
+        let [in_features, hidden, ..] = w.ne("img_in.weight")?;
+        let [context, _, ..] = w.ne("txt_in.weight")?;
+        let [vec_in, _, ..] = w.ne("vector_in.in_layer.weight")?;
+        let head_dim = w.ne("double_blocks.0.img_attn.norm.query_norm.scale")?[0];
+        let mlp = w.ne("double_blocks.0.img_mlp.0.weight")?[1];
+        let out_features = w.ne("final_layer.linear.weight")?[1];
+        let count = |p: &str| {
+            w.names()
+                .filter_map(|n| n.strip_prefix(p))
+                .filter_map(|rest| rest.split('.').next()?.parse::<usize>().ok())
+                .max()
+                .map_or(0, |m| m + 1)
+        };
+        let (double, single) = (count("double_blocks."), count("single_blocks."));
+        if head_dim <= 0 || head_dim % 32 != 0 || hidden % head_dim != 0 {
+            return Err(ModelError::Shape(format!(
+                "a head size of {head_dim} in a width of {hidden}: FLUX heads are a multiple of 32 wide"
+            )));
+        }
+        if in_features % (PATCH * PATCH) as i64 != 0 || out_features != in_features {
+            return Err(ModelError::Shape(format!(
+                "img_in takes {in_features} and final_layer gives {out_features} patch features"
+            )));
+        }
+        let d = head_dim;
+        Ok(FluxConfig {
+            hidden,
+            heads: hidden / head_dim,
+            head_dim,
+            in_features,
+            out_features,
+            context,
+            vec_in,
+            mlp,
+            double,
+            single,
+            guidance: w.has("guidance_in.in_layer.weight"),
+            axes: [d / 8, 7 * d / 16, 7 * d / 16],
+        })
+    }
+
+    /// Latent channels (patch features ÷ 4).
+    pub fn latent_channels(&self) -> usize {
+        self.in_features as usize / (PATCH * PATCH)
+    }
+}
+
+/// One transformer call.
+pub struct FluxInput<'i> {
+    /// Latents `[N, C, H, W]` (row-major), H and W even.
+    pub x: &'i [f32],
+    /// Their shape.
+    pub shape: [usize; 4],
+    /// Timestep input per batch entry (1000·σ).
+    pub t: f32,
+    /// Distilled guidance scale, for a network that takes one.
+    pub guidance: Option<f32>,
+    /// T5 tokens `[N × len × context]`.
+    pub context: &'i [f32],
+    /// Pooled text `[N × vec_in]`.
+    pub y: &'i [f32],
+}
+
+/// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]`: token
+/// `r·W/2 + c`, feature `ch·4 + dy·2 + dx` (diffusers' `_pack_latents`).
+pub fn patchify(x: &[f32], [n, ch, h, w]: [usize; 4]) -> Vec<f32> {
+    let (ph, pw) = (h / PATCH, w / PATCH);
+    let mut out = Vec::with_capacity(x.len());
+    for b in 0..n {
+        for r in 0..ph {
+            for c in 0..pw {
+                for k in 0..ch {
+                    for dy in 0..PATCH {
+                        for dx in 0..PATCH {
+                            let (y, xx) = (r * PATCH + dy, c * PATCH + dx);
+                            out.push(x[((b * ch + k) * h + y) * w + xx]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The inverse of [`patchify`].
+pub fn unpatchify(t: &[f32], [n, ch, h, w]: [usize; 4]) -> Vec<f32> {
+    let mut out = vec![0.0; t.len()];
+    let (ph, pw) = (h / PATCH, w / PATCH);
+    let mut i = 0;
+    for b in 0..n {
+        for r in 0..ph {
+            for c in 0..pw {
+                for k in 0..ch {
+                    for dy in 0..PATCH {
+                        for dx in 0..PATCH {
+                            let (y, xx) = (r * PATCH + dy, c * PATCH + dx);
+                            out[((b * ch + k) * h + y) * w + xx] = t[i];
+                            i += 1;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Position ids (t, h, w) of `txt` text tokens (all zero) followed by a
+/// `ph`×`pw` grid of image patches (0, row, column).
+pub fn position_ids(txt: usize, ph: usize, pw: usize) -> Vec<[f64; 3]> {
+    let mut ids = vec![[0.0; 3]; txt];
+    for r in 0..ph {
+        for c in 0..pw {
+            ids.push([0.0, r as f64, c as f64]);
+        }
+    }
+    ids
+}
+
+/// Cosines and sines of every token's RoPE pairs, `[L][D/2]` flattened:
+/// axis `a`'s pair `j` turns by `pos_a / θ^(2j/d_a)` (computed in f64, as
+/// diffusers does).
+pub fn rope_angles(ids: &[[f64; 3]], axes: [i64; 3]) -> (Vec<f32>, Vec<f32>) {
+    let (mut cos, mut sin) = (Vec::new(), Vec::new());
+    for id in ids {
+        for (a, &d) in axes.iter().enumerate() {
+            for j in 0..d / 2 {
+                let omega = 1.0 / THETA.powf(2.0 * j as f64 / d as f64);
+                let angle = id[a] * omega;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+    }
+    (cos, sin)
+}
+
+/// Runs the transformer once: the velocity for `input.x`, in its shape.
+pub fn predict(
+    module: &mut Module<'_>,
+    cfg: &FluxConfig,
+    input: FluxInput<'_>,
+) -> Result<Vec<f32>> {
+    let tokens = patchify(input.x, input.shape);
+    let out = module.compute(|c, w| build(c, w, cfg, &input, &tokens))?;
+    if out.len() != input.x.len() {
+        return Err(ModelError::Shape(format!(
+            "the FLUX transformer returned {} values for a latent of {}",
+            out.len(),
+            input.x.len()
+        )));
+    }
+    Ok(unpatchify(&out, input.shape))
+}
+
+/// Checks the module's weights by building (not computing) a graph.
+pub fn validate(module: &Module<'_>, cfg: &FluxConfig) -> Result<()> {
+    module.validate(|c, w| zero_call(c, w, cfg, [1, cfg.latent_channels(), 4, 4], 4))
+}
+
+/// Measures the compute buffers of one call at a `lh`×`lw` latent with
+/// `txt` text tokens, batch `batch`.
+pub fn measure(
+    module: &Module<'_>,
+    cfg: &FluxConfig,
+    batch: usize,
+    lh: usize,
+    lw: usize,
+    txt: usize,
+) -> Result<ComputeBytes> {
+    let shape = [batch.max(1), cfg.latent_channels(), lh, lw];
+    module.measure(|c, w| zero_call(c, w, cfg, shape, txt.max(1)))
+}
+
+/// A call on zeros, for building without computing.
+fn zero_call<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &FluxConfig,
+    shape: [usize; 4],
+    txt: usize,
+) -> Result<Built<'a>> {
+    let x = vec![0.0; shape.iter().product()];
+    let context = vec![0.0; shape[0] * txt * cfg.context as usize];
+    let y = vec![0.0; shape[0] * cfg.vec_in as usize];
+    let input = FluxInput {
+        x: &x,
+        shape,
+        t: 0.0,
+        guidance: cfg.guidance.then_some(0.0),
+        context: &context,
+        y: &y,
+    };
+    build(c, w, cfg, &input, &x)
+}
+
+fn build<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &FluxConfig,
+    input: &FluxInput<'_>,
+    tokens: &[f32],
+) -> Result<Built<'a>> {
+    let [n, ch, lh, lw] = input.shape;
+    if ch as i64 * (PATCH * PATCH) as i64 != cfg.in_features
+        || lh % PATCH != 0
+        || lw % PATCH != 0
+        || n == 0
+    {
+        return Err(ModelError::Shape(format!(
+            "the FLUX transformer takes a {}-channel latent of even sides, not {:?}",
+            cfg.latent_channels(),
+            input.shape
+        )));
+    }
+    let (ph, pw) = (lh / PATCH, lw / PATCH);
+    let li = (ph * pw) as i64;
+    let h = cfg.hidden;
+    let nb = n as i64;
+    let ctx_len = input.context.len() / (n * cfg.context as usize);
+    let lt = ctx_len as i64;
+    if ctx_len == 0
+        || input.context.len() != n * ctx_len * cfg.context as usize
+        || input.y.len() != n * cfg.vec_in as usize
+    {
+        return Err(ModelError::Shape(format!(
+            "FLUX conditioning of {} text values and {} pooled values does not fit a batch of {n} ({} and {} wide)",
+            input.context.len(),
+            input.y.len(),
+            cfg.context,
+            cfg.vec_in
+        )));
+    }
+    let mut inputs = Vec::new();
+    let img = input_f32(c, &[cfg.in_features, li, nb], tokens.to_vec(), &mut inputs)?;
+    let txt = input_f32(
+        c,
+        &[cfg.context, lt, nb],
+        input.context.to_vec(),
+        &mut inputs,
+    )?;
+    let y = input_f32(c, &[cfg.vec_in, nb], input.y.to_vec(), &mut inputs)?;
+    let t = input_f32(c, &[nb], vec![input.t; n], &mut inputs)?;
+    let ids = position_ids(ctx_len, ph, pw);
+    let (cos, sin) = rope_angles(&ids, cfg.axes);
+    let l = lt + li;
+    let half = cfg.head_dim / 2;
+    let cos = input_f32(c, &[half, 1, l, 1], cos, &mut inputs)?;
+    let sin = input_f32(c, &[half, 1, l, 1], sin, &mut inputs)?;
+
+    let embed = |name: &str, x: Tensor<'a>, n_in: i64| -> Result<Tensor<'a>> {
+        let x = linear(c, w, &format!("{name}.in_layer"), x, n_in, h)?;
+        linear(c, w, &format!("{name}.out_layer"), c.silu(x)?, h, h)
+    };
+    let mut vec = embed(
+        "time_in",
+        c.timestep_embedding(t, TIME_DIM, 10000)?,
+        TIME_DIM as i64,
+    )?;
+    if cfg.guidance {
+        let g = input.guidance.ok_or_else(|| {
+            ModelError::Incompatible("this FLUX transformer takes a guidance scale".into())
+        })?;
+        let g = input_f32(c, &[nb], vec![g * 1000.0; n], &mut inputs)?;
+        let g = c.timestep_embedding(g, TIME_DIM, 10000)?;
+        vec = c.add(vec, embed("guidance_in", g, TIME_DIM as i64)?)?;
+    }
+    vec = c.add(vec, embed("vector_in", y, cfg.vec_in)?)?;
+    let vec = c.silu(vec)?; // every modulation reads silu(vec)
+
+    let mut img = linear(c, w, "img_in", img, cfg.in_features, h)?;
+    let mut txt = linear(c, w, "txt_in", txt, cfg.context, h)?;
+    let rope = Rope { cos, sin };
+    for i in 0..cfg.double {
+        (img, txt) = double_block(c, w, cfg, i, img, txt, vec, &rope)?;
+    }
+    let mut x = c.concat(txt, img, 1)?; // [h, lt + li, n]
+    for i in 0..cfg.single {
+        x = single_block(c, w, cfg, i, x, vec, &rope)?;
+    }
+    let x = c.cont(c.narrow(x, 1, lt, li)?)?;
+    let m = modulation(c, w, "final_layer.adaLN_modulation.1", vec, h, 2)?;
+    let x = modulate(c, x, m[0], m[1])?;
+    let output = linear(c, w, "final_layer.linear", x, h, cfg.out_features)?;
+    Ok(Built { output, inputs })
+}
+
+/// The angles every attention in a call rotates by.
+struct Rope<'a> {
+    cos: Tensor<'a>,
+    sin: Tensor<'a>,
+}
+
+/// `lin(silu(vec))` cut into `parts` vectors `[h, 1, N]` (shift, scale,
+/// gate, …).
+fn modulation<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    name: &str,
+    vec: Tensor<'a>,
+    h: i64,
+    parts: i64,
+) -> Result<Vec<Tensor<'a>>> {
+    let m = linear(c, w, name, vec, h, parts * h)?; // [parts·h, N]
+    let n = m.ne()[1];
+    (0..parts)
+        .map(|i| Ok(c.reshape(c.cont(c.narrow(m, 0, i * h, h)?)?, &[h, 1, n])?))
+        .collect()
+}
+
+/// `LayerNorm(x)·(1 + scale) + shift` (no affine part).
+fn modulate<'a>(
+    c: &'a Context,
+    x: Tensor<'a>,
+    shift: Tensor<'a>,
+    scale: Tensor<'a>,
+) -> Result<Tensor<'a>> {
+    let n = c.norm(x, EPS)?;
+    Ok(c.add(c.add(n, c.mul(n, scale)?)?, shift)?)
+}
+
+/// Query, key and value `[D, H, L, N]` from a `[3h, L, N]` projection (q
+/// and k RMS-normed per head), at feature `at` of `qkv`.
+fn heads<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &FluxConfig,
+    norm: &str,
+    qkv: Tensor<'a>,
+) -> Result<[Tensor<'a>; 3]> {
+    let (h, d) = (cfg.hidden, cfg.head_dim);
+    let [_, l, n, _] = qkv.ne();
+    let part = |i: i64| -> Result<Tensor<'a>> {
+        Ok(c.reshape(c.cont(c.narrow(qkv, 0, i * h, h)?)?, &[d, cfg.heads, l, n])?)
+    };
+    let q = rms_norm(c, w, &format!("{norm}.query_norm.scale"), part(0)?, d, EPS)?;
+    let k = rms_norm(c, w, &format!("{norm}.key_norm.scale"), part(1)?, d, EPS)?;
+    Ok([q, k, part(2)?])
+}
+
+/// Joint attention over `[D, H, L, N]` queries, keys and values (RoPE on
+/// q and k): `[h, L, N]`.
+fn attend<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &FluxConfig,
+    [q, k, v]: [Tensor<'a>; 3],
+    rope: &Rope<'a>,
+) -> Result<Tensor<'a>> {
+    let [d, hh, l, n] = q.ne();
+    let q = rope_pairs(c, q, rope.cos, rope.sin)?;
+    let k = rope_pairs(c, k, rope.cos, rope.sin)?;
+    let flat = |x: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(x, &[d * hh, l, n])?) };
+    let scores = Scores {
+        flash: w.opts.flash_attn,
+        ..Scores::default()
+    };
+    attention_with(c, flat(q)?, flat(k)?, flat(v)?, cfg.heads, scores)
+}
+
+fn mlp<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    p: &str,
+    x: Tensor<'a>,
+    h: i64,
+    m: i64,
+) -> Result<Tensor<'a>> {
+    let x = c.gelu(linear(c, w, &format!("{p}.0"), x, h, m)?)?;
+    linear(c, w, &format!("{p}.2"), x, m, h)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn double_block<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &FluxConfig,
+    i: usize,
+    img: Tensor<'a>,
+    txt: Tensor<'a>,
+    vec: Tensor<'a>,
+    rope: &Rope<'a>,
+) -> Result<(Tensor<'a>, Tensor<'a>)> {
+    let h = cfg.hidden;
+    let p = format!("double_blocks.{i}");
+    let im = modulation(c, w, &format!("{p}.img_mod.lin"), vec, h, 6)?;
+    let tm = modulation(c, w, &format!("{p}.txt_mod.lin"), vec, h, 6)?;
+    let qkv = |x: Tensor<'a>, m: &[Tensor<'a>], s: &str| -> Result<[Tensor<'a>; 3]> {
+        let x = modulate(c, x, m[0], m[1])?;
+        let x = linear(c, w, &format!("{p}.{s}_attn.qkv"), x, h, 3 * h)?;
+        heads(c, w, cfg, &format!("{p}.{s}_attn.norm"), x)
+    };
+    let [iq, ik, iv] = qkv(img, &im, "img")?;
+    let [tq, tk, tv] = qkv(txt, &tm, "txt")?;
+    let joint = [
+        c.concat(tq, iq, 2)?,
+        c.concat(tk, ik, 2)?,
+        c.concat(tv, iv, 2)?,
+    ];
+    let att = attend(c, w, cfg, joint, rope)?; // [h, lt + li, n]
+    let lt = txt.ne()[1];
+    let li = img.ne()[1];
+    let t_att = c.cont(c.narrow(att, 1, 0, lt)?)?;
+    let i_att = c.cont(c.narrow(att, 1, lt, li)?)?;
+    let stream = |x: Tensor<'a>, a: Tensor<'a>, m: &[Tensor<'a>], s: &str| -> Result<Tensor<'a>> {
+        let a = linear(c, w, &format!("{p}.{s}_attn.proj"), a, h, h)?;
+        let x = c.add(x, c.mul(a, m[2])?)?;
+        let f = mlp(
+            c,
+            w,
+            &format!("{p}.{s}_mlp"),
+            modulate(c, x, m[3], m[4])?,
+            h,
+            cfg.mlp,
+        )?;
+        Ok(c.add(x, c.mul(f, m[5])?)?)
+    };
+    Ok((
+        stream(img, i_att, &im, "img")?,
+        stream(txt, t_att, &tm, "txt")?,
+    ))
+}
+
+fn single_block<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &FluxConfig,
+    i: usize,
+    x: Tensor<'a>,
+    vec: Tensor<'a>,
+    rope: &Rope<'a>,
+) -> Result<Tensor<'a>> {
+    let h = cfg.hidden;
+    let p = format!("single_blocks.{i}");
+    let m = modulation(c, w, &format!("{p}.modulation.lin"), vec, h, 3)?;
+    let xm = modulate(c, x, m[0], m[1])?;
+    let lin = linear(c, w, &format!("{p}.linear1"), xm, h, 3 * h + cfg.mlp)?;
+    let qkv = c.narrow(lin, 0, 0, 3 * h)?;
+    let att = attend(
+        c,
+        w,
+        cfg,
+        heads(c, w, cfg, &format!("{p}.norm"), qkv)?,
+        rope,
+    )?;
+    let act = c.gelu(c.cont(c.narrow(lin, 0, 3 * h, cfg.mlp)?)?)?;
+    let out = linear(
+        c,
+        w,
+        &format!("{p}.linear2"),
+        c.concat(att, act, 0)?,
+        h + cfg.mlp,
+        h,
+    )?;
+    Ok(c.add(x, c.mul(out, m[2])?)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patching_round_trips_in_diffusers_order() {
+        let shape = [1, 2, 4, 6];
+        let x: Vec<f32> = (0..48).map(|i| i as f32).collect();
+        let t = patchify(&x, shape);
+        // Token 0 holds channel 0's top-left 2×2, then channel 1's.
+        assert_eq!(&t[..8], &[0.0, 1.0, 6.0, 7.0, 24.0, 25.0, 30.0, 31.0]);
+        assert_eq!(unpatchify(&t, shape), x);
+    }
+
+    #[test]
+    fn rope_angles_follow_the_axes() {
+        let (cos, sin) = rope_angles(&[[0.0, 2.0, 3.0]], [4, 14, 14]);
+        assert_eq!(cos.len(), 16);
+        assert_eq!((cos[0], sin[0]), (1.0, 0.0)); // t = 0
+        assert!((cos[2] - 2f32.cos()).abs() < 1e-7); // h = 2, first pair
+        assert!((sin[9] - 3f32.sin()).abs() < 1e-7); // w = 3, first pair
+    }
+}

@@ -1,0 +1,403 @@
+//! The FLUX.1 recipe (dev, schnell): T5-XXL tokens as the transformer's
+//! text stream and CLIP-L's pooled output in its modulation vector, both in
+//! one `te` module; the FLUX transformer as the `diffusion` module, on
+//! rectified flow (schnell: no shift; dev: BFL's resolution-dependent
+//! shift) with dev's distilled guidance as an input and no negative pass
+//! unless true CFG is asked for (`cfg_scale` ≠ 1).
+//!
+//! Its files come apart (the transformer, `t5xxl_*.safetensors`,
+//! `clip_l.safetensors`, `ae.safetensors`) or in ComfyUI's one-file
+//! packing; [`assemble`] puts the parts under the names of the latter:
+//! `model.diffusion_model.*`, `text_encoders.t5xxl.transformer.*`,
+//! `text_encoders.clip_l.transformer.*`.
+
+use super::Conditioned;
+use crate::autoencoders::LatentNorm;
+use crate::checkpoint::weights::NoPatches;
+use crate::checkpoint::Checkpoint;
+use crate::denoisers::flux::{self, FluxConfig, FluxInput, PATCH};
+use crate::encoders::clip::{self, ClipConfig, ClipEncoder, Layer, Naming, Pooled};
+use crate::encoders::t5::{self, T5Config};
+use crate::error::{ModelError, Result};
+use crate::request::{Layout, LoadOptions, Request};
+use crate::runtime::graph::W;
+use crate::runtime::load::{load_module, split_weights, How};
+use crate::runtime::memory::{MemoryRequest, ModuleMemory, Phase};
+use crate::runtime::module::Module;
+use crate::sampling::{FlowShift, Guidance, ModelSampling, Prediction};
+use crate::tokenizers::clip::{ClipTokenizer, CONTEXT};
+use crate::tokenizers::t5::T5Tokenizer;
+use crate::ModuleKind;
+
+/// Prefix of the transformer's tensors.
+pub const DIT_PREFIX: &str = "model.diffusion_model.";
+/// Prefix of the text encoders' tensors (the `te` module).
+pub const TE_PREFIX: &str = "text_encoders.";
+/// The T5's prefix inside the `te` module.
+const T5_PREFIX: &str = "t5xxl.transformer.";
+/// The CLIP-L's prefix inside the `te` module.
+const CLIP_PREFIX: &str = "clip_l.transformer.";
+/// Prefixes a one-file FLUX checkpoint keeps its autoencoder under.
+pub const VAE_PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
+
+/// CLIP-L as FLUX takes it: the pooled output of the last layer, unprojected.
+const CLIP_L: ClipEncoder = ClipEncoder {
+    prefix: CLIP_PREFIX,
+    naming: Naming::Hf,
+    layer: Layer::Last,
+    final_norm: true,
+    pad: 49407,
+    pooled: Pooled::Raw,
+};
+
+/// FLUX.1's latent normalisation (its autoencoder's scale and shift).
+pub const LATENT: LatentNorm = LatentNorm::ScaleShift {
+    scale: 0.3611,
+    shift: 0.1159,
+};
+
+/// dev's guidance when none is asked for.
+pub const DEFAULT_GUIDANCE: f32 = 3.5;
+
+/// Which FLUX.1.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// Guidance-distilled (takes a guidance scale), shifted schedule.
+    Dev,
+    /// Timestep-distilled: few steps, no shift, no guidance input.
+    Schnell,
+}
+
+/// The component files of a model given apart, each scanned.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Components<'c> {
+    /// T5-XXL (`--t5xxl`).
+    pub t5xxl: Option<&'c Checkpoint>,
+    /// CLIP-L (`--clip-l`).
+    pub clip_l: Option<&'c Checkpoint>,
+}
+
+impl Components<'_> {
+    /// Whether any component is given.
+    pub fn any(&self) -> bool {
+        self.t5xxl.is_some() || self.clip_l.is_some()
+    }
+}
+
+fn has(ckpt: &Checkpoint, prefix: &str) -> bool {
+    ckpt.tensors.iter().any(|t| t.name.starts_with(prefix))
+}
+
+/// One checkpoint from a FLUX transformer (bare BFL names or ComfyUI's
+/// `model.diffusion_model.*`) and its text encoders given apart, under the
+/// one-file names. A component replaces what `model` holds under its
+/// prefix. Errors name the file that is not what its flag says.
+pub fn assemble(model: &Checkpoint, parts: Components<'_>) -> Result<Checkpoint> {
+    let bare = has(model, "double_blocks.") && has(model, "single_blocks.");
+    let packed = has(model, "model.diffusion_model.double_blocks.");
+    if !bare && !packed {
+        let what = if has(model, "model.diffusion_model.input_blocks.") {
+            "a Stable Diffusion checkpoint"
+        } else if has(model, "transformer_blocks.") && has(model, "single_transformer_blocks.") {
+            "a FLUX transformer in diffusers' naming, which is not supported yet (give BFL's single file)"
+        } else {
+            "not a FLUX transformer"
+        };
+        return Err(ModelError::Unsupported(format!(
+            "{}: {what}; --t5xxl and --clip-l go with a FLUX.1 transformer",
+            model.path.display()
+        )));
+    }
+    let check = |c: &Checkpoint, marker: &str, what: &str| -> Result<()> {
+        if c.tensors.iter().any(|t| t.name.contains(marker)) {
+            Ok(())
+        } else {
+            Err(ModelError::Unsupported(format!(
+                "{}: not {what} (no {marker}* tensors)",
+                c.path.display()
+            )))
+        }
+    };
+    let t5_at = format!("{TE_PREFIX}{T5_PREFIX}");
+    let clip_at = format!("{TE_PREFIX}{CLIP_PREFIX}");
+    let mut base = model.clone();
+    if let Some(t5) = parts.t5xxl {
+        check(t5, "encoder.block.", "a T5 encoder")?;
+        base.tensors.retain(|t| !t.name.starts_with(&t5_at));
+    }
+    if let Some(cl) = parts.clip_l {
+        check(
+            cl,
+            "text_model.",
+            "a CLIP text encoder in transformers' naming",
+        )?;
+        base.tensors.retain(|t| !t.name.starts_with(&clip_at));
+    }
+    let mut list = vec![(if bare { DIT_PREFIX } else { "" }, "", &base)];
+    if let Some(t5) = parts.t5xxl {
+        list.push((t5_at.as_str(), t5_at.as_str(), t5));
+    }
+    if let Some(cl) = parts.clip_l {
+        list.push((clip_at.as_str(), clip_at.as_str(), cl));
+    }
+    Ok(Checkpoint::assemble(&list))
+}
+
+/// A FLUX checkpoint's text encoders and transformer, loaded, with every
+/// hyper-parameter read once.
+pub struct FluxModel<'b> {
+    /// T5-XXL and CLIP-L.
+    pub te: Module<'b>,
+    /// The transformer.
+    pub dit: Module<'b>,
+    t5: T5Config,
+    clip: ClipConfig,
+    cfg: FluxConfig,
+    variant: Variant,
+    t5_tokens: usize,
+    shift: FlowShift,
+    clip_tokenizer: ClipTokenizer,
+    t5_tokenizer: T5Tokenizer,
+}
+
+impl<'b> FluxModel<'b> {
+    /// Loads the `te` and `diffusion` modules of `ckpt`, reads every
+    /// hyper-parameter and builds every graph once, uncomputed.
+    pub(super) fn load(
+        ckpt: &Checkpoint,
+        layout: &Layout<'b>,
+        opts: &LoadOptions<'_>,
+    ) -> Result<Self> {
+        let file = ckpt.path.display();
+        if !opts.loras.is_empty() {
+            return Err(ModelError::Unsupported(format!(
+                "{file}: LoRAs on FLUX models are not supported yet"
+            )));
+        }
+        if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: FLUX predicts a flow velocity; --prediction does not apply"
+            )));
+        }
+        let how = |kind| How {
+            spread: layout.spread(kind),
+            policy: opts.policy,
+            encoder: false,
+            loras: &NoPatches,
+            placeholders: opts.placeholders,
+            matrices: opts.matrix_types.get(kind),
+        };
+        let te = load_module(
+            ckpt,
+            ModuleKind::Te,
+            TE_PREFIX,
+            layout.devices(ModuleKind::Te)?,
+            how(ModuleKind::Te),
+        )?;
+        let dit = load_module(
+            ckpt,
+            ModuleKind::Diffusion,
+            DIT_PREFIX,
+            layout.devices(ModuleKind::Diffusion)?,
+            how(ModuleKind::Diffusion),
+        )?;
+        let cfg = FluxConfig::from_weights(&W::new(dit.params().map()))
+            .map_err(|e| e.context(format!("{file}: diffusion")))?;
+        let te_w = W::new(te.params().map());
+        let t5 = T5Config::from_weights(&te_w, T5_PREFIX)
+            .map_err(|e| e.context(format!("{file}: T5")))?;
+        let clip = ClipConfig::from_weights(&te_w, CLIP_L)
+            .map_err(|e| e.context(format!("{file}: CLIP-L")))?;
+        drop(te_w);
+        if t5.d_model != cfg.context {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: the T5 is {} wide; the FLUX transformer takes {}-wide text tokens",
+                t5.d_model, cfg.context
+            )));
+        }
+        if clip.hidden != cfg.vec_in {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: the CLIP text encoder is {} wide; the FLUX transformer takes a {}-wide pooled vector",
+                clip.hidden, cfg.vec_in
+            )));
+        }
+        t5::validate(&te, &t5).map_err(|e| e.context(&file))?;
+        clip::validate(&te, &clip).map_err(|e| e.context(&file))?;
+        flux::validate(&dit, &cfg).map_err(|e| e.context(&file))?;
+        let (mut te, mut dit) = (te, dit);
+        let types = &opts.matrix_types;
+        split_weights(
+            &mut te,
+            ckpt,
+            TE_PREFIX,
+            false,
+            &NoPatches,
+            opts.placeholders,
+            types.get(ModuleKind::Te),
+        )?;
+        split_weights(
+            &mut dit,
+            ckpt,
+            DIT_PREFIX,
+            false,
+            &NoPatches,
+            opts.placeholders,
+            types.get(ModuleKind::Diffusion),
+        )?;
+        let variant = if cfg.guidance {
+            Variant::Dev
+        } else {
+            Variant::Schnell
+        };
+        let (t5_tokens, shift) = match variant {
+            Variant::Dev => (
+                512,
+                FlowShift::Dynamic {
+                    base_shift: 0.5,
+                    max_shift: 1.15,
+                    base_tokens: 256.0,
+                    max_tokens: 4096.0,
+                },
+            ),
+            Variant::Schnell => (256, FlowShift::Fixed(1.0)),
+        };
+        Ok(FluxModel {
+            te,
+            dit,
+            t5,
+            clip,
+            cfg,
+            variant,
+            t5_tokens,
+            shift,
+            clip_tokenizer: ClipTokenizer::default(),
+            t5_tokenizer: T5Tokenizer::new()?,
+        })
+    }
+
+    /// dev or schnell.
+    pub fn variant(&self) -> Variant {
+        self.variant
+    }
+
+    /// The transformer's hyper-parameters.
+    pub fn config(&self) -> &FluxConfig {
+        &self.cfg
+    }
+
+    /// T5 tokens a prompt is padded or cut to (dev 512, schnell 256).
+    pub fn t5_tokens(&self) -> usize {
+        self.t5_tokens
+    }
+
+    /// The sampling σ schedule for a latent of `lh`×`lw` cells: the shift
+    /// follows the image's token count.
+    pub(super) fn sampling(&self, lh: usize, lw: usize) -> ModelSampling {
+        let tokens = (lh / PATCH) * (lw / PATCH);
+        ModelSampling::flow(self.shift.schedule(tokens), 1000.0)
+    }
+
+    /// True CFG only where asked for (`cfg_scale` ≠ 1).
+    pub(super) fn guidance(&self, cfg_scale: f32) -> Guidance {
+        Guidance::Cfg { scale: cfg_scale }
+    }
+
+    /// The T5 tokens of a prompt, padded or cut to the variant's length.
+    pub fn t5_ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        self.t5_tokenizer.encode_padded(prompt, self.t5_tokens)
+    }
+
+    /// CLIP-L's 77 ids of a prompt (cut to one chunk) and the end token's
+    /// position.
+    pub fn clip_ids(&self, prompt: &str) -> (Vec<u32>, usize) {
+        let chunk = self.clip_tokenizer.chunks_padded(prompt, CLIP_L.pad)[0];
+        let len = self.clip_tokenizer.encode(prompt).len().min(CONTEXT - 2);
+        (chunk.to_vec(), len + 1)
+    }
+
+    /// The T5 hidden states `[len × width]` of a prompt.
+    pub fn encode_t5(&mut self, prompt: &str) -> Result<Vec<f32>> {
+        let ids = self.t5_ids(prompt)?;
+        t5::encode(&mut self.te, &self.t5, &ids)
+    }
+
+    /// CLIP-L's pooled output of a prompt.
+    pub fn encode_pooled(&mut self, prompt: &str) -> Result<Vec<f32>> {
+        let (ids, eos) = self.clip_ids(prompt);
+        let out = clip::encode(&mut self.te, &self.clip, &ids, 1, eos)?;
+        out.pooled
+            .ok_or_else(|| ModelError::Shape("CLIP-L gave no pooled output".into()))
+    }
+
+    /// The transformer's text tokens, pooled vector and guidance for `req`
+    /// (and the negative prompt's, batched after, with true CFG). The text
+    /// encoders' phase ends here.
+    pub(super) fn condition(&mut self, req: &Request, guided: bool) -> Result<Conditioned> {
+        let encoded = (|| -> Result<Conditioned> {
+            let mut context = self.encode_t5(&req.prompt)?;
+            let mut vector = self.encode_pooled(&req.prompt)?;
+            if guided {
+                context.extend(self.encode_t5(&req.negative)?);
+                vector.extend(self.encode_pooled(&req.negative)?);
+            }
+            Ok(Conditioned {
+                context,
+                vector: Some(vector),
+                guidance: self.cfg.guidance.then_some(req.guidance),
+            })
+        })();
+        self.te.end_phase();
+        encoded
+    }
+
+    /// One transformer call on a batch of latents at timestep `t`.
+    pub(super) fn denoise(
+        &mut self,
+        x: &[f32],
+        shape: [usize; 4],
+        t: f32,
+        cond: &Conditioned,
+    ) -> Result<Vec<f32>> {
+        let y = cond.vector.as_deref().unwrap_or(&[]);
+        let input = FluxInput {
+            x,
+            shape,
+            t,
+            guidance: cond.guidance,
+            context: &cond.context,
+            y,
+        };
+        flux::predict(&mut self.dit, &self.cfg, input)
+    }
+
+    /// Latent channels.
+    pub(super) fn latent_channels(&self) -> usize {
+        self.cfg.latent_channels()
+    }
+
+    /// Measures the text encoders and the transformer at `req`'s size.
+    pub(super) fn measure(
+        &self,
+        req: &MemoryRequest,
+        lh: usize,
+        lw: usize,
+    ) -> Result<Vec<ModuleMemory>> {
+        let te = t5::measure(&self.te, &self.t5, self.t5_tokens)?
+            .max(&clip::measure(&self.te, &self.clip, 1)?);
+        let sampling = flux::measure(&self.dit, &self.cfg, req.batch, lh, lw, self.t5_tokens)?;
+        Ok(vec![
+            ModuleMemory::of(&self.te, vec![(Phase::TextEncoding, te)])?,
+            ModuleMemory::of(&self.dit, vec![(Phase::Sampling, sampling)])?,
+        ])
+    }
+
+    /// The modules, in the order a generation runs them.
+    pub(super) fn modules(&self) -> Vec<&Module<'b>> {
+        vec![&self.te, &self.dit]
+    }
+
+    /// The modules, mutably.
+    pub(super) fn modules_mut(&mut self) -> Vec<&mut Module<'b>> {
+        vec![&mut self.te, &mut self.dit]
+    }
+}
