@@ -362,15 +362,8 @@ pub struct LoadArgs {
     #[arg(long, value_name = "FILE")]
     pub vae: Option<PathBuf>,
 
-    /// FLUX: the T5-XXL text encoder (`t5xxl_fp16.safetensors` and the like,
-    /// transformers' naming), beside the transformer given with -m
-    #[arg(long = "t5xxl", value_name = "FILE")]
-    pub t5xxl: Option<PathBuf>,
-
-    /// FLUX: the CLIP-L text encoder (`clip_l.safetensors`, transformers'
-    /// naming), beside the transformer given with -m
-    #[arg(long = "clip-l", value_name = "FILE")]
-    pub clip_l: Option<PathBuf>,
+    #[command(flatten)]
+    pub components: ComponentArgs,
 
     /// Decode with this TAESD tiny autoencoder instead of the VAE (diffusers
     /// AutoencoderTiny .safetensors: taesd for SD 1.x/2.x, taesdxl for SDXL):
@@ -419,27 +412,13 @@ impl LoadArgs {
         )?))
     }
 
-    /// The model `file` with the component files given apart (`--t5xxl`,
-    /// `--clip-l`), scanned and assembled into one checkpoint.
+    /// The model `file` with the component files given apart, scanned and
+    /// assembled into one checkpoint ([`ComponentArgs::open_model`]).
     pub fn open_model(
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
-        let model = sdhost_models::checkpoint::scan(file)?;
-        let scan = |p: &Option<PathBuf>| {
-            p.as_deref()
-                .map(sdhost_models::checkpoint::scan)
-                .transpose()
-        };
-        let (t5xxl, clip_l) = (scan(&self.t5xxl)?, scan(&self.clip_l)?);
-        let parts = sdhost_models::family::flux::Components {
-            t5xxl: t5xxl.as_ref(),
-            clip_l: clip_l.as_ref(),
-        };
-        if !parts.any() {
-            return Ok(model);
-        }
-        Ok(sdhost_models::family::flux::assemble(&model, parts)?)
+        self.components.open_model(file)
     }
 
     /// The file that replaces the checkpoint's VAE: `--vae` or `--taesd`.
@@ -470,6 +449,59 @@ impl LoadArgs {
             loras,
             lora_apply,
         })
+    }
+}
+
+/// A model's parts given apart from its transformer (FLUX), shared by
+/// every command that loads a model.
+#[derive(Clone, Debug, Default, Args)]
+pub struct ComponentArgs {
+    /// FLUX: the T5-XXL text encoder (`t5xxl_fp16.safetensors` and the like,
+    /// transformers' naming), beside the transformer given with -m
+    #[arg(long = "t5xxl", value_name = "FILE")]
+    pub t5xxl: Option<PathBuf>,
+
+    /// FLUX: the CLIP-L text encoder (`clip_l.safetensors`, transformers'
+    /// naming), beside the transformer given with -m
+    #[arg(long = "clip-l", value_name = "FILE")]
+    pub clip_l: Option<PathBuf>,
+}
+
+impl ComponentArgs {
+    /// The model `file` with the component files given apart (`--t5xxl`,
+    /// `--clip-l`), scanned and assembled into one checkpoint.
+    pub fn open_model(
+        &self,
+        file: &std::path::Path,
+    ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
+        let model = sdhost_models::checkpoint::scan(file)?;
+        let scan = |p: &Option<PathBuf>| {
+            p.as_deref()
+                .map(sdhost_models::checkpoint::scan)
+                .transpose()
+        };
+        let (t5xxl, clip_l) = (scan(&self.t5xxl)?, scan(&self.clip_l)?);
+        let parts = sdhost_models::family::flux::Components {
+            t5xxl: t5xxl.as_ref(),
+            clip_l: clip_l.as_ref(),
+        };
+        if !parts.any() {
+            return Ok(model);
+        }
+        Ok(sdhost_models::family::flux::assemble(&model, parts)?)
+    }
+
+    /// [`ComponentArgs::open_model`] where `file` is a FLUX transformer,
+    /// else the file alone (`serve`, whose models folder may mix families).
+    pub fn open_if_parts(
+        &self,
+        file: &std::path::Path,
+    ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
+        let model = sdhost_models::checkpoint::scan(file)?;
+        match sdhost_models::family::flux::is_transformer(&model) {
+            true => self.open_model(file),
+            false => Ok(model),
+        }
     }
 }
 
@@ -664,8 +696,21 @@ pub struct PlanArgs {
     /// Checkpoint (.safetensors or .gguf): also show each module's weight
     /// bytes and the memory each device needs in each phase, measured at
     /// -W x -H (batch 2 for guidance, one 77-token chunk), against its budget
-    #[arg(short = 'm', long, value_name = "FILE")]
+    #[arg(
+        short = 'm',
+        long,
+        visible_alias = "diffusion-model",
+        value_name = "FILE"
+    )]
     pub model: Option<PathBuf>,
+
+    #[command(flatten)]
+    pub components: ComponentArgs,
+
+    /// The VAE to measure instead of the checkpoint's (FLUX: its
+    /// `ae.safetensors`)
+    #[arg(long, value_name = "FILE")]
+    pub vae: Option<PathBuf>,
 
     /// Image width to measure at (default: the family's)
     #[arg(short = 'W', long, value_parser = clap::value_parser!(u32).range(8..=8192))]

@@ -79,6 +79,10 @@ pub fn parameters_text_of(
         sd.family().name(),
         sd.prediction().name(),
     ));
+    if sd.model().takes_guidance() {
+        // Forge's label, which A1111-style readers know.
+        s.push_str(&format!(", Distilled CFG Scale: {}", req.guidance));
+    }
     if let Some(vae) = args.vae {
         s.push_str(&format!(", VAE: {}", file_name(vae)));
     }

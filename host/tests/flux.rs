@@ -241,3 +241,164 @@ fn t5_tokenizer_matches_transformers_on_hard_prompts() {
         }
     });
 }
+
+fn generate_args<'a>(model: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec![
+        "generate",
+        "--diffusion-model",
+        model,
+        "-p",
+        "a photo of a cat",
+        "-o",
+        out,
+    ];
+    a.extend_from_slice(extra);
+    a
+}
+
+#[test]
+fn generate_writes_a_flux_image_from_its_parts() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out").join("flux.png");
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let dev = fixture("flux/tiny-flux-dev.safetensors");
+    let parts = [
+        "--t5xxl",
+        s(&t5),
+        "--clip-l",
+        s(&clip),
+        "--vae",
+        s(&ae),
+        "-W",
+        "64",
+        "-H",
+        "48",
+        "--steps",
+        "2",
+        "--guidance",
+        "4.5",
+    ];
+    p.run(&generate_args(s(&dev), s(&out), &parts)).ok();
+    let (w, h, text) = png_info(&out);
+    assert_eq!((w, h), (64, 48));
+    for want in [
+        "Steps: 2",
+        "Sampler: Euler,",
+        "Schedule type: Simple",
+        "CFG scale: 1,",
+        "Model family: flux",
+        "Prediction: flow",
+        "Distilled CFG Scale: 4.5",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text:?}");
+    }
+    // The same seed and settings give the same image.
+    let again = p.dir("again").join("flux.png");
+    p.run(&generate_args(s(&dev), s(&again), &parts)).ok();
+    assert_eq!(pixels(&out), pixels(&again));
+}
+
+#[test]
+fn flux_inputs_that_do_not_fit_are_one_line_errors_without_output() {
+    let p = Prefix::with_cpu();
+    let dir = p.dir("out");
+    let out = dir.join("x.png");
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
+    let sd1 = tiny_sd1();
+    let all = |vae: &std::path::Path| -> Vec<String> {
+        [
+            "--t5xxl",
+            s(&t5),
+            "--clip-l",
+            s(&clip),
+            "--vae",
+            s(vae),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "1",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let cases: Vec<(Vec<String>, &str, &str)> = vec![
+        (vec![], s(&schnell), "--t5xxl FILE"),
+        (
+            ["--clip-l", s(&clip), "--vae", s(&ae)]
+                .map(String::from)
+                .to_vec(),
+            s(&schnell),
+            "without its T5-XXL text encoder; give one with --t5xxl FILE",
+        ),
+        (
+            [
+                "--t5xxl",
+                s(&t5),
+                "--clip-l",
+                s(&clip),
+                "-W",
+                "64",
+                "-H",
+                "64",
+            ]
+            .map(String::from)
+            .to_vec(),
+            s(&schnell),
+            "no autoencoder",
+        ),
+        (all(&sd1), s(&schnell), "the VAE has 4 latent channels"),
+        (
+            ["--t5xxl", s(&clip), "--clip-l", s(&clip)]
+                .map(String::from)
+                .to_vec(),
+            s(&schnell),
+            "not a T5 encoder",
+        ),
+        (all(&ae), s(&sd1), "a Stable Diffusion checkpoint"),
+        (
+            [
+                "--t5xxl",
+                s(&t5),
+                "--clip-l",
+                s(&clip),
+                "--vae",
+                s(&ae),
+                "-W",
+                "72",
+                "-H",
+                "64",
+            ]
+            .map(String::from)
+            .to_vec(),
+            s(&schnell),
+            "multiple of 16",
+        ),
+    ];
+    for (extra, model, want) in &cases {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        let r = p.run(&generate_args(model, s(&out), &extra));
+        assert_eq!(r.code, Some(1), "{extra:?}: {}", r.stderr);
+        let line = r.stderr.trim();
+        assert!(
+            line.contains(want),
+            "{extra:?}: {line:?} does not say {want:?}"
+        );
+        assert_eq!(line.lines().count(), 1, "{line}");
+        assert!(
+            listing(&dir).is_empty(),
+            "{extra:?} left {:?}",
+            listing(&dir)
+        );
+    }
+}

@@ -568,8 +568,8 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let runs = a.runs.unwrap_or(3);
     let resolved = session.resolve(&a.placement.ask())?;
     let ckpt = a.sample.open_model(path)?;
-    let defaults =
-        sdhost_models::family::defaults_of(&ckpt).with_context(|| path.display().to_string())?;
+    // Its errors name the file.
+    let defaults = sdhost_models::family::defaults_of(&ckpt)?;
     let vae = a
         .sample
         .vae_file()

@@ -33,8 +33,8 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let init = read_init(&args.init)?;
     let output = OutputFile::create(&args.output)?;
     let ckpt = args.sample.open_model(&args.model)?;
-    let defaults = sdhost_models::family::defaults_of(&ckpt)
-        .with_context(|| args.model.display().to_string())?;
+    // Its errors name the file.
+    let defaults = sdhost_models::family::defaults_of(&ckpt)?;
     let vae = args
         .sample
         .vae_file()

@@ -23,11 +23,17 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     let budgets = Budgets::new(&session.registry, &settings)?;
     let model = match &args.model {
         Some(path) => Some(
-            sdhost_models::checkpoint::scan(path)
+            args.components
+                .open_model(path)
                 .with_context(|| format!("reading checkpoint {}", path.display()))?,
         ),
         None => None,
     };
+    let vae = args
+        .vae
+        .as_deref()
+        .map(sdhost_models::checkpoint::scan)
+        .transpose()?;
     let manager = BackendManager::new(&session.registry, session.threads);
     let tiling = if args.vae_tiling {
         Some(sdhost_models::runtime::tiling::Tiling::new(
@@ -39,14 +45,16 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     };
     let fitted = match &model {
         Some(ckpt) => {
+            // Guidance as the family runs by default (FLUX: one pass).
+            let defaults = sdhost_models::family::defaults_of(ckpt)?;
             let m = Measure {
                 ckpt,
-                vae: None,
+                vae: vae.as_ref(),
                 width: args.width.map(|v| v as usize),
                 height: args.height.map(|v| v as usize),
                 init_size: None,
                 prompts: ("", ""),
-                guided: true,
+                guided: defaults.cfg_scale != 1.0,
                 policy: args.phase_memory,
                 flash: FlashAttn::Auto,
                 compute: args.compute_type,

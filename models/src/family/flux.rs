@@ -88,6 +88,12 @@ fn has(ckpt: &Checkpoint, prefix: &str) -> bool {
     ckpt.tensors.iter().any(|t| t.name.starts_with(prefix))
 }
 
+/// Whether `ckpt` holds a FLUX transformer (bare or packed).
+pub fn is_transformer(ckpt: &Checkpoint) -> bool {
+    (has(ckpt, "double_blocks.") && has(ckpt, "single_blocks."))
+        || has(ckpt, "model.diffusion_model.double_blocks.")
+}
+
 /// One checkpoint from a FLUX transformer (bare BFL names or ComfyUI's
 /// `model.diffusion_model.*`) and its text encoders given apart, under the
 /// one-file names. A component replaces what `model` holds under its

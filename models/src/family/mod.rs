@@ -159,6 +159,22 @@ impl<'b> Model<'b> {
         }
     }
 
+    /// What the family runs with where a request does not say.
+    pub fn defaults(&self) -> Defaults {
+        match self {
+            Model::Sd(_) => sd_defaults(self.default_size()),
+            Model::Flux(m) => flux_defaults(m.variant() == flux::Variant::Dev),
+        }
+    }
+
+    /// Whether the denoiser takes a distilled guidance scale (FLUX.1 dev).
+    pub fn takes_guidance(&self) -> bool {
+        match self {
+            Model::Sd(_) => false,
+            Model::Flux(m) => m.config().guidance,
+        }
+    }
+
     /// The prediction type in use.
     pub fn prediction(&self) -> Prediction {
         match self {
@@ -328,30 +344,37 @@ impl<'b> Model<'b> {
 /// What `ckpt`'s family runs with where a request does not say, known
 /// before anything is loaded (fit measures with it).
 pub fn defaults_of(ckpt: &Checkpoint) -> Result<Defaults, ModelError> {
-    use crate::sampling::{Sampler, Scheduler};
     let family = detect(ckpt)?;
     Ok(match family.config() {
-        Some(cfg) => Defaults {
-            size: cfg.default_size,
-            steps: 20,
-            cfg_scale: 7.0,
-            sampler: Sampler::EulerA,
-            scheduler: Scheduler::Discrete,
-        },
-        None => {
-            let dev = ckpt.tensors.iter().any(|t| {
-                t.name
-                    .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
-            });
-            Defaults {
-                size: 1024,
-                steps: if dev { 20 } else { 4 },
-                cfg_scale: 1.0,
-                sampler: Sampler::Euler,
-                scheduler: Scheduler::Simple,
-            }
-        }
+        Some(cfg) => sd_defaults(cfg.default_size),
+        None => flux_defaults(ckpt.tensors.iter().any(|t| {
+            t.name
+                .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
+        })),
     })
+}
+
+/// The SD families' defaults: 20 steps of Euler a, CFG 7.
+fn sd_defaults(size: usize) -> Defaults {
+    Defaults {
+        size,
+        steps: 20,
+        cfg_scale: 7.0,
+        sampler: crate::sampling::Sampler::EulerA,
+        scheduler: crate::sampling::Scheduler::Discrete,
+    }
+}
+
+/// FLUX.1's defaults (dev: 20 steps; schnell: 4): 1024², no CFG, Euler on
+/// the simple schedule.
+fn flux_defaults(dev: bool) -> Defaults {
+    Defaults {
+        size: 1024,
+        steps: if dev { 20 } else { 4 },
+        cfg_scale: 1.0,
+        sampler: crate::sampling::Sampler::Euler,
+        scheduler: crate::sampling::Scheduler::Simple,
+    }
 }
 
 /// The modules a checkpoint's family declares (beside the upscaler, which

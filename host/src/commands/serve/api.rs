@@ -733,7 +733,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
     let prompt = f.prompt()?;
     let negative = f.string("negative_prompt")?.unwrap_or_default();
     let steps = f.int("steps", 1, 1000)?.unwrap_or(default_steps) as usize;
-    let cfg_scale = f.float("cfg_scale", -1000.0, 1000.0)?.unwrap_or(7.0) as f32;
+    let cfg_scale = f.float("cfg_scale", -1000.0, 1000.0)?.map(|v| v as f32);
     // FLUX.1 dev's distilled guidance: Forge's name, then sdhost's.
     let guidance = match f.float("distilled_cfg_scale", 0.0, 100.0)? {
         Some(g) => Some(g),
@@ -990,7 +990,6 @@ struct Echo {
     prompt: String,
     negative: String,
     steps: usize,
-    cfg_scale: f32,
     sampler: Sampler,
     scheduler: Scheduler,
     clip_skip: usize,
@@ -1002,7 +1001,6 @@ impl Echo {
             prompt: w.prompt.clone(),
             negative: w.negative.clone(),
             steps: w.steps,
-            cfg_scale: w.cfg_scale,
             sampler: w.sampler,
             scheduler: w.scheduler,
             clip_skip: w.clip_skip,
@@ -1026,7 +1024,7 @@ fn info_json(w: &Echo, out: &GenOutput, strength: Option<f64>) -> String {
         "height": out.height,
         "sampler_name": w.sampler.a1111_label(),
         "scheduler": w.scheduler.a1111_label(),
-        "cfg_scale": w.cfg_scale,
+        "cfg_scale": out.cfg_scale,
         "steps": w.steps,
         "batch_size": 1,
         "n_iter": out.images.len(),
@@ -1058,7 +1056,7 @@ fn parameters(body: &Map<String, Value>, w: &Echo, out: &GenOutput) -> Value {
     p.insert("negative_prompt".into(), json!(w.negative));
     p.insert("seed".into(), json!(out.seeds.first()));
     p.insert("steps".into(), json!(w.steps));
-    p.insert("cfg_scale".into(), json!(w.cfg_scale));
+    p.insert("cfg_scale".into(), json!(out.cfg_scale));
     p.insert("width".into(), json!(out.width));
     p.insert("height".into(), json!(out.height));
     p.insert("sampler_name".into(), json!(w.sampler.a1111_label()));
@@ -1563,7 +1561,7 @@ mod tests {
         assert!(w.seed < 1 << 32);
         let m = fields(json!({"prompt": "p"}));
         let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
-        assert_eq!((w.steps, w.cfg_scale), (50, 7.0));
+        assert_eq!((w.steps, w.cfg_scale), (50, None));
         assert_eq!((w.sampler, w.width), (Sampler::EulerA, None));
     }
 

@@ -33,6 +33,7 @@ pub struct Catalogue {
     models_dir: Option<std::path::PathBuf>,
     model: Option<std::path::PathBuf>,
     follow_symlinks: bool,
+    components: crate::cli::ComponentArgs,
 }
 
 impl Catalogue {
@@ -42,6 +43,7 @@ impl Catalogue {
             models_dir: args.models_dir.clone(),
             model: args.model.clone(),
             follow_symlinks: args.lora.follow_symlinks,
+            components: args.load.components.clone(),
         }
     }
 
@@ -69,8 +71,10 @@ impl Catalogue {
                     }
                     // Only checkpoints a family takes: LoRAs, VAEs and the like
                     // in the folder would be offered to clients and fail.
-                    let what = sdhost_models::checkpoint::scan(&p)
-                        .map_err(|e| e.to_string())
+                    let what = args
+                        .components
+                        .open_if_parts(&p)
+                        .map_err(|e| format!("{e:#}"))
                         .and_then(|c| {
                             sdhost_models::family::detect(&c)
                                 .map(|_| ())

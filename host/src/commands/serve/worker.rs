@@ -113,8 +113,8 @@ pub struct GenWork {
     pub negative: String,
     /// Steps.
     pub steps: usize,
-    /// CFG scale.
-    pub cfg_scale: f32,
+    /// CFG scale, else the family's (7; FLUX 1).
+    pub cfg_scale: Option<f32>,
     /// Distilled guidance (FLUX.1 dev).
     pub guidance: f32,
     /// Width, or the init image's / the family's.
@@ -173,6 +173,8 @@ pub struct GenOutput {
     pub infotexts: Vec<String>,
     /// Each image's seed.
     pub seeds: Vec<u64>,
+    /// The CFG scale as run (the family's where the request gave none).
+    pub cfg_scale: f32,
     /// The request as run (size resolved).
     pub width: usize,
     /// Height.
@@ -263,7 +265,7 @@ impl<'m> Worker<'_, 'm> {
         select: bool,
     ) -> anyhow::Result<Loaded<'m>> {
         let a = &self.args.load;
-        let ckpt = sdhost_models::checkpoint::scan(&entry.path)?;
+        let ckpt = a.components.open_if_parts(&entry.path)?;
         let vae = a
             .vae_file()
             .map(sdhost_models::checkpoint::scan)
@@ -277,7 +279,7 @@ impl<'m> Worker<'_, 'm> {
             height: None,
             init_size: None,
             prompts: ("", ""),
-            guided: true,
+            guided: sdhost_models::family::defaults_of(&ckpt).map_or(true, |d| d.cfg_scale != 1.0),
             memory: &self.args.memory.flags(),
         };
         let started = std::time::Instant::now();
@@ -481,10 +483,14 @@ impl<'m> Worker<'_, 'm> {
             .as_ref()
             .map(|i| (i.hash.clone(), i.mask_hash.clone()))
             .unwrap_or_default();
+        let cfg_scale = g
+            .cfg_scale
+            .unwrap_or_else(|| l.sd.model().defaults().cfg_scale);
         let mut out = GenOutput {
             images: Vec::new(),
             infotexts: Vec::new(),
             seeds: Vec::new(),
+            cfg_scale,
             width: w,
             height: h,
             model: entry.clone(),
@@ -502,7 +508,7 @@ impl<'m> Worker<'_, 'm> {
                 prompt: loras.prompt.clone(),
                 negative: g.negative.clone(),
                 steps: g.steps,
-                cfg_scale: g.cfg_scale,
+                cfg_scale,
                 guidance: g.guidance,
                 width: w,
                 height: h,
