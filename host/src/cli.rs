@@ -243,8 +243,8 @@ pub struct SampleArgs {
     #[arg(long, default_value_t = sdhost_models::family::flux::DEFAULT_GUIDANCE, value_parser = parse_guidance)]
     pub guidance: f32,
 
-    /// Image width in pixels, a multiple of the model's (64) (default: the
-    /// family's, 512 for SD 1.x/2.x, 1024 for SDXL)
+    /// Image width in pixels, a multiple of the model's (8; 16 for FLUX)
+    /// (default: the family's, 512 for SD 1.x/2.x, 1024 for SDXL and FLUX)
     #[arg(short = 'W', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
     pub width: Option<u32>,
 
