@@ -72,7 +72,7 @@ fn files_of_other_kinds_are_named_in_one_line() {
                 "double_blocks.0.img_attn.qkv.weight",
                 "single_blocks.0.linear1.weight",
             ],
-            "this looks like a Flux model",
+            "a FLUX transformer alone; give its text encoders with --t5xxl FILE and --clip-l FILE",
         ),
         (
             "lora",

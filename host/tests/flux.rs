@@ -36,24 +36,36 @@ fn scan(name: &str) -> Checkpoint {
 
 /// The tiny FLUX `variant` ("dev", "schnell") assembled from its parts.
 fn parts(variant: &str) -> Checkpoint {
-    let model = scan(&format!("flux/tiny-flux-{variant}.safetensors"));
-    let (t5, clip) = (
-        scan("flux/tiny-t5.safetensors"),
-        scan("flux/tiny-clip-l.safetensors"),
-    );
-    assemble(
-        &model,
-        Components {
-            t5xxl: Some(&t5),
-            clip_l: Some(&clip),
-        },
+    parts_of(
+        &format!("flux/tiny-flux-{variant}.safetensors"),
+        "flux/tiny-t5.safetensors",
+        "flux/tiny-clip-l.safetensors",
     )
-    .unwrap()
+}
+
+/// A transformer, T5 and CLIP-L (fixture names) assembled.
+fn parts_of(model: &str, t5: &str, clip: &str) -> Checkpoint {
+    let (model, t5, clip) = (scan(model), scan(t5), scan(clip));
+    let parts = Components {
+        t5xxl: Some(&t5),
+        clip_l: Some(&clip),
+    };
+    assemble(&model, parts).unwrap()
 }
 
 /// Runs `f` on the tiny FLUX `variant` with every module on `runtime` and
 /// its weights on `params`.
 fn with_flux(variant: &str, runtime: &str, params: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
+    with_checkpoint(parts(variant), runtime, params, f)
+}
+
+/// Runs `f` on an assembled FLUX checkpoint.
+fn with_checkpoint(
+    ckpt: Checkpoint,
+    runtime: &str,
+    params: &str,
+    f: impl FnOnce(&mut Pipeline<'_>),
+) {
     let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
     let m = BackendManager::new(&reg, None);
     let d = Devices {
@@ -69,7 +81,6 @@ fn with_flux(variant: &str, runtime: &str, params: &str, f: impl FnOnce(&mut Pip
             .collect(),
         spread: Default::default(),
     };
-    let ckpt = parts(variant);
     let vae = scan("ae16/tiny-ae16.safetensors");
     let opts = LoadOptions {
         vae: Some(&vae),
@@ -400,5 +411,112 @@ fn flux_inputs_that_do_not_fit_are_one_line_errors_without_output() {
             "{extra:?} left {:?}",
             listing(&dir)
         );
+    }
+}
+
+/// fp8 files as people have them (t5xxl_fp8_e4m3fn, a CLIP in e5m2,
+/// ComfyUI's scaled-fp8 transformer) against references computed from
+/// their dequantized weights, and within a bound of the f16 files' results.
+#[test]
+fn fp8_parts_match_their_dequantized_references() {
+    let r = refs();
+    let ckpt = parts_of(
+        "flux/tiny-flux-schnell-fp8-scaled.safetensors",
+        "flux/tiny-t5-fp8-e4m3fn.safetensors",
+        "flux/tiny-clip-l-fp8-e5m2.safetensors",
+    );
+    assert!(ckpt.tensors.iter().any(|t| t.dtype == "F8_E4M3"));
+    assert!(ckpt.tensors.iter().any(|t| t.dtype == "F8_E5M2"));
+    assert!(ckpt
+        .tensors
+        .iter()
+        .any(|t| t.name.ends_with(".scale_weight")));
+    with_checkpoint(ckpt, "cpu", "cpu", |sd| {
+        let m = flux_model(sd);
+        let pooled = m.encode_pooled(PROMPTS[0]).unwrap();
+        close("fp8 CLIP-L pooled", &pooled, &r["fp8.clip.pooled.0"], 5e-3);
+        close(
+            "fp8 CLIP-L pooled against f16's",
+            &pooled,
+            &r["clip.pooled.0"],
+            0.2,
+        );
+        let hidden = m.encode_t5(PROMPTS[0]).unwrap();
+        close("fp8 T5 hidden", &hidden, &r["fp8.t5.hidden.0"], 5e-3);
+        close(
+            "fp8 T5 hidden against f16's",
+            &hidden,
+            &r["t5.hidden.0"],
+            0.2,
+        );
+        m.te.end_phase();
+        let cfg = m.config().clone();
+        let input = FluxInput {
+            x: &r["schnell.x"],
+            shape: [1, 16, 8, 8],
+            t: 750.0,
+            guidance: None,
+            context: &r["schnell.txt"],
+            y: &r["clip.pooled.0"],
+        };
+        let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+        close("scaled-fp8 transformer", &out, &r["fp8.schnell.out"], 5e-3);
+        close(
+            "scaled-fp8 transformer against f16's",
+            &out,
+            &r["schnell.out"],
+            0.2,
+        );
+    });
+}
+
+#[test]
+fn a_malformed_fp8_scale_is_one_line_naming_it() {
+    let p = Prefix::with_cpu();
+    let dir = p.dir("in");
+    let out_dir = p.dir("out");
+    let src = fixture("flux/tiny-flux-schnell-fp8-scaled.safetensors");
+    let ckpt = checkpoint::scan(&src).unwrap();
+    let scale = ckpt
+        .tensors
+        .iter()
+        .find(|t| {
+            t.name
+                .ends_with("double_blocks.0.img_attn.qkv.scale_weight")
+        })
+        .unwrap();
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    for (name, value) in [("nan", f32::NAN), ("zero", 0.0)] {
+        let bad = dir.join(format!("{name}.safetensors"));
+        let mut bytes = std::fs::read(&src).unwrap();
+        let at = scale.offset.unwrap() as usize;
+        bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
+        std::fs::write(&bad, bytes).unwrap();
+        let out = out_dir.join("x.png");
+        let extra = [
+            "--t5xxl",
+            s(&t5),
+            "--clip-l",
+            s(&clip),
+            "--vae",
+            s(&ae),
+            "-W",
+            "64",
+            "-H",
+            "64",
+        ];
+        let r = p.run(&generate_args(s(&bad), s(&out), &extra));
+        assert_eq!(r.code, Some(1), "{name}: {}", r.stderr);
+        let line = r.stderr.trim();
+        assert_eq!(line.lines().count(), 1, "{line}");
+        assert!(
+            line.contains("malformed fp8 scale") && line.contains("qkv.scale_weight"),
+            "{line}"
+        );
+        assert!(listing(&out_dir).is_empty());
     }
 }

@@ -22,13 +22,42 @@ pub fn encode_f32(dtype: &str, values: &[f32]) -> Option<Vec<u8>> {
     Some(out)
 }
 
-/// Bytes per element of the float types [`convert_into`] knows.
+/// Bytes per element of the float types [`convert_into`] writes.
 fn float_size(dtype: &str) -> Option<usize> {
     match dtype.to_ascii_lowercase().as_str() {
         "f32" => Some(4),
         "f16" | "bf16" => Some(2),
         _ => None,
     }
+}
+
+/// Bytes per element of the float types [`convert_into`] reads: those it
+/// writes and the 8-bit floats of fp8 checkpoints (safetensors'
+/// `F8_E4M3`, the "e4m3fn" of PyTorch, and `F8_E5M2`).
+fn source_size(dtype: &str) -> Option<usize> {
+    match dtype.to_ascii_lowercase().as_str() {
+        "f8_e4m3" | "f8_e5m2" => Some(1),
+        other => float_size(other),
+    }
+}
+
+/// The value of an e4m3fn byte (no infinities; `S.1111.111` is NaN).
+pub fn e4m3fn(b: u8) -> f32 {
+    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
+    let exp = i32::from((b >> 3) & 0xf);
+    let mant = f32::from(b & 7);
+    if exp == 15 && b & 7 == 7 {
+        return f32::NAN;
+    }
+    sign * match exp {
+        0 => mant / 8.0 * 2f32.powi(-6),
+        e => (1.0 + mant / 8.0) * 2f32.powi(e - 7),
+    }
+}
+
+/// The value of an e5m2 byte: the high byte of an f16.
+pub fn e5m2(b: u8) -> f32 {
+    half::f16::from_bits(u16::from(b) << 8).to_f32()
 }
 
 /// Elements per step of [`convert_into`]: the f32 staging rows stay in the
@@ -45,7 +74,7 @@ const CHUNK: usize = 2048;
 pub fn convert_into(src: &str, data: &[u8], dst: &str, out: &mut Vec<u8>) -> Option<()> {
     use half::slice::HalfFloatSliceExt;
     let (src, dst) = (src.to_ascii_lowercase(), dst.to_ascii_lowercase());
-    let (ss, ds) = (float_size(&src)?, float_size(&dst)?);
+    let (ss, ds) = (source_size(&src)?, float_size(&dst)?);
     let n = data.len() / ss;
     out.clear();
     out.reserve(n * ds);
@@ -66,6 +95,16 @@ pub fn convert_into(src: &str, data: &[u8], dst: &str, out: &mut Vec<u8>) -> Opt
                     *x = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]]));
                 }
                 h[..m].convert_to_f32_slice(f);
+            }
+            "f8_e4m3" => {
+                for (x, &b) in f.iter_mut().zip(chunk) {
+                    *x = e4m3fn(b);
+                }
+            }
+            "f8_e5m2" => {
+                for (x, &b) in f.iter_mut().zip(chunk) {
+                    *x = e5m2(b);
+                }
             }
             _ => {
                 for (x, b) in f.iter_mut().zip(chunk.chunks_exact(2)) {
@@ -100,6 +139,25 @@ pub fn convert_into(src: &str, data: &[u8], dst: &str, out: &mut Vec<u8>) -> Opt
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fp8_bytes_decode_as_pytorch_does() {
+        // torch: tensor([0.1, 1.5, -300, 448]).to(float8_e4m3fn).view(uint8)
+        // = [29, 60, 249, 126] → [0.1015625, 1.5, -288, 448].
+        let got: Vec<f32> = [29u8, 60, 249, 126].iter().map(|&b| e4m3fn(b)).collect();
+        assert_eq!(got, [0.1015625, 1.5, -288.0, 448.0]);
+        assert!(e4m3fn(0x7f).is_nan() && e4m3fn(0xff).is_nan());
+        assert_eq!(e4m3fn(1), 2f32.powi(-9)); // the smallest subnormal
+                                              // float8_e5m2: [0.1, 1.5, -300] → bytes [46, 62, 221].
+        let got: Vec<f32> = [46u8, 62, 221].iter().map(|&b| e5m2(b)).collect();
+        assert_eq!(got, [0.09375, 1.5, -320.0]);
+        let f16 = decode_f32("F8_E4M3", &[60, 249]).unwrap();
+        assert_eq!(f16, [1.5, -288.0]);
+        assert!(
+            encode_f32("F8_E4M3", &[1.0]).is_none(),
+            "fp8 is read, never written"
+        );
+    }
 
     /// An independent reference: one element at a time through `half`'s
     /// scalar conversions (round to nearest even).

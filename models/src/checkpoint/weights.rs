@@ -111,9 +111,61 @@ fn ggml_type(dtype: &str) -> Option<Type> {
         "F32" => Some(Type::F32),
         "F16" => Some(Type::F16),
         "BF16" => Some(Type::BF16),
+        // Every e4m3 and e5m2 value is an f16 (ggml has no 8-bit float).
+        "F8_E4M3" | "F8_E5M2" => Some(Type::F16),
         "i32" => None,
         other => Type::from_name(other),
     }
+}
+
+/// The tensors of ComfyUI's "scaled fp8" checkpoints that are no weights:
+/// each matrix's scale and input scale, and the format's marker.
+fn is_fp8_scale(name: &str) -> bool {
+    name.ends_with(".scale_weight") || name.ends_with(".scale_input") || name == "scaled_fp8"
+}
+
+/// The scale of each weight in `entries` that has a `.scale_weight`
+/// sibling (ComfyUI's scaled fp8: the value is the stored one times the
+/// scale), read from the file; a scale that is not one finite, non-zero
+/// float is an error naming it.
+fn fp8_scales<'c>(
+    ckpt: &'c Checkpoint,
+    entries: &[&'c TensorEntry],
+) -> Result<HashMap<&'c str, f32>, (&'c TensorEntry, String)> {
+    let by_name: HashMap<&str, &TensorEntry> = ckpt
+        .tensors
+        .iter()
+        .filter(|t| t.name.ends_with(".scale_weight"))
+        .map(|t| (t.name.as_str(), t))
+        .collect();
+    let mut out = HashMap::new();
+    if by_name.is_empty() {
+        return Ok(out);
+    }
+    for t in entries {
+        let Some(base) = t.name.strip_suffix(".weight") else {
+            continue;
+        };
+        let Some(st) = by_name.get(format!("{base}.scale_weight").as_str()) else {
+            continue;
+        };
+        let bad = |why: String| (*st, format!("malformed fp8 scale: {why}"));
+        if st.shape.iter().product::<u64>() != 1 {
+            return Err(bad(format!("shape {:?}, not one value", st.shape)));
+        }
+        let mut data = vec![0u8; st.bytes as usize];
+        let f = std::fs::File::open(ckpt.file_of(st)).map_err(|e| bad(e.to_string()))?;
+        f.read_exact_at(&mut data, st.offset.unwrap_or(0))
+            .map_err(|e| bad(e.to_string()))?;
+        let v = crate::checkpoint::dtype::decode_f32(&st.dtype, &data)
+            .and_then(|v| v.first().copied())
+            .ok_or_else(|| bad(format!("{} is not a float type", st.dtype)))?;
+        if !v.is_finite() || v == 0.0 {
+            return Err(bad(format!("{v}")));
+        }
+        out.insert(t.name.as_str(), v);
+    }
+    Ok(out)
 }
 
 /// The type a tensor of checkpoint type `ty` and `shape` is stored in.
@@ -212,7 +264,7 @@ impl ModuleWeights {
         let entries: Vec<&TensorEntry> = ckpt
             .tensors
             .iter()
-            .filter(|t| t.name.starts_with(prefix) && keep(&t.name))
+            .filter(|t| t.name.starts_with(prefix) && keep(&t.name) && !is_fp8_scale(&t.name))
             .collect();
         if entries.is_empty() {
             return Err(WeightsError::NoTensors {
@@ -298,6 +350,7 @@ impl ModuleWeights {
             .map_err(|e| other(format!("allocating weights on {}: {e}", backend.name())))?;
         // An assembled checkpoint reads from several files.
         let mut files: HashMap<&std::path::Path, std::fs::File> = HashMap::new();
+        let scales = fp8_scales(ckpt, &entries).map_err(|(t, reason)| tensor_err(t, reason))?;
         let tensors = ctx.tensors();
         let mut bytes = 0;
         // One read buffer and one conversion buffer for every tensor: new
@@ -317,14 +370,33 @@ impl ModuleWeights {
             };
             f.read_exact_at(data, t.offset.unwrap_or(0))
                 .map_err(|e| tensor_err(t, format!("reading data: {e}")))?;
-            let data: &[u8] = if loras.merges(&t.name) {
+            let scale = scales.get(t.name.as_str()).copied();
+            let data: &[u8] = if loras.merges(&t.name) || scale.is_some() {
                 let mut values =
                     crate::checkpoint::dtype::decode_f32(&t.dtype, data).ok_or_else(|| {
                         tensor_err(t, format!("a LoRA cannot be merged into {}", t.dtype))
                     })?;
-                loras
-                    .merge(&t.name, &mut values)
-                    .map_err(|e| tensor_err(t, format!("merging a LoRA: {e}")))?;
+                if let Some(s) = scale {
+                    values.iter_mut().for_each(|v| *v *= s);
+                    let limit = match dst.type_name().as_str() {
+                        "f16" => 65504.0,
+                        _ => f32::MAX,
+                    };
+                    if values.iter().any(|v| !v.is_finite() || v.abs() > limit) {
+                        return Err(tensor_err(
+                            t,
+                            format!(
+                                "scaled by {s}, its values leave the range of {}",
+                                dst.type_name()
+                            ),
+                        ));
+                    }
+                }
+                if loras.merges(&t.name) {
+                    loras
+                        .merge(&t.name, &mut values)
+                        .map_err(|e| tensor_err(t, format!("merging a LoRA: {e}")))?;
+                }
                 converted = crate::checkpoint::dtype::encode_f32(&dst.type_name(), &values)
                     .ok_or_else(|| {
                         tensor_err(
