@@ -520,3 +520,63 @@ fn a_malformed_fp8_scale_is_one_line_naming_it() {
         assert!(listing(&out_dir).is_empty());
     }
 }
+
+/// `sdhost convert` writes FLUX transformers as GGUF (names kept, the
+/// input and output layers in f16 when quantizing), and the q8_0 files run
+/// within a bound of the f16 result: schnell in ComfyUI's packing, dev in
+/// BFL's bare names.
+#[test]
+fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
+    let p = Prefix::with_cpu();
+    let r = refs();
+    for (variant, prefix) in [("schnell", "model.diffusion_model."), ("dev", "")] {
+        let out = p.dir("gguf").join(format!("{variant}-q8_0.gguf"));
+        let src = fixture(&format!("flux/tiny-flux-{variant}.safetensors"));
+        p.run(&["convert", "-m", s(&src), "-o", s(&out), "--type", "q8_0"])
+            .ok();
+        let g = checkpoint::scan(&out).unwrap();
+        let ty = |n: &str| {
+            let name = format!("{prefix}{n}");
+            let t = g.tensors.iter().find(|t| t.name == name);
+            t.unwrap_or_else(|| panic!("{name} not in the GGUF"))
+                .dtype
+                .to_ascii_lowercase()
+        };
+        assert_eq!(ty("double_blocks.0.img_attn.qkv.weight"), "q8_0");
+        assert_eq!(ty("single_blocks.1.linear1.weight"), "q8_0");
+        assert_eq!(ty("img_in.weight"), "f16");
+        assert_eq!(ty("final_layer.linear.weight"), "f16");
+        assert_eq!(ty("double_blocks.0.img_attn.norm.query_norm.scale"), "f32");
+        assert_eq!(
+            g.metadata.get("general.architecture").map(String::as_str),
+            Some("flux")
+        );
+        let (t5, clip) = (
+            scan("flux/tiny-t5.safetensors"),
+            scan("flux/tiny-clip-l.safetensors"),
+        );
+        let parts = Components {
+            t5xxl: Some(&t5),
+            clip_l: Some(&clip),
+        };
+        with_checkpoint(assemble(&g, parts).unwrap(), "cpu", "cpu", |sd| {
+            let m = flux_model(sd);
+            let cfg = m.config().clone();
+            let input = FluxInput {
+                x: &r[&format!("{variant}.x")],
+                shape: [1, 16, 8, 8],
+                t: 750.0,
+                guidance: cfg.guidance.then_some(3.5),
+                context: &r[&format!("{variant}.txt")],
+                y: &r["clip.pooled.0"],
+            };
+            let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+            close(
+                &format!("{variant} q8_0 transformer against f16's"),
+                &out,
+                &r[&format!("{variant}.out")],
+                0.05,
+            );
+        });
+    }
+}

@@ -45,8 +45,10 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     };
     let fitted = match &model {
         Some(ckpt) => {
-            // Guidance as the family runs by default (FLUX: one pass).
-            let defaults = sdhost_models::family::defaults_of(ckpt)?;
+            // Guidance as the family runs by default (FLUX: one pass; a
+            // file of no family is measured as far as it goes, with two).
+            let guided =
+                sdhost_models::family::defaults_of(ckpt).map_or(true, |d| d.cfg_scale != 1.0);
             let m = Measure {
                 ckpt,
                 vae: vae.as_ref(),
@@ -54,7 +56,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 height: args.height.map(|v| v as usize),
                 init_size: None,
                 prompts: ("", ""),
-                guided: defaults.cfg_scale != 1.0,
+                guided,
                 policy: args.phase_memory,
                 flash: FlashAttn::Auto,
                 compute: args.compute_type,

@@ -10,10 +10,12 @@
 //! * vectors (biases, norm weights): f32.
 //!
 //! Only tensors of a known module are written (EMA copies, scheduler tables
-//! and int64 buffers are dropped); names stay as they are.
+//! and int64 buffers are dropped); names stay as they are. A family may
+//! keep more in f16 ([`crate::family::conversion_rule`]: FLUX's input and
+//! output layers).
 
 use crate::checkpoint::gguf;
-use crate::checkpoint::{module_of, Checkpoint, TensorEntry};
+use crate::checkpoint::{Checkpoint, TensorEntry};
 use crate::error::ModelError;
 use ggml::Type;
 use std::io::Write;
@@ -76,6 +78,7 @@ fn float_size(dtype: &str) -> Option<u64> {
     match dtype.to_ascii_lowercase().as_str() {
         "f32" => Some(4),
         "f16" | "bf16" => Some(2),
+        "f8_e4m3" | "f8_e5m2" => Some(1),
         _ => None,
     }
 }
@@ -126,18 +129,28 @@ pub fn to_gguf(
     let bad = ModelError::Io;
     let file = std::fs::File::open(&ckpt.path).map_err(|e| bad(e.to_string()))?;
     let mut stats = Converted::default();
-    let wanted: Vec<&TensorEntry> = ckpt
+    if ckpt
         .tensors
         .iter()
-        .filter(|t| module_of(&t.name).is_some())
+        .any(|t| t.name.ends_with(".scale_weight"))
+    {
+        return Err(ModelError::Unsupported(format!(
+            "{}: a scaled-fp8 checkpoint; convert its f16/bf16 original instead",
+            ckpt.path.display()
+        )));
+    }
+    let rule = crate::family::conversion_rule(ckpt);
+    let wanted: Vec<(&TensorEntry, Type)> = ckpt
+        .tensors
+        .iter()
+        .filter_map(|t| rule(&t.name, &t.shape, requested).map(|ty| (t, ty)))
         .collect();
     stats.skipped = ckpt.tensors.len() - wanted.len();
     let mut plan = Vec::new();
-    for t in wanted {
+    for (t, ty) in wanted {
         let offset = t
             .offset
             .ok_or_else(|| bad(format!("tensor {}: no data offset", t.name)))?;
-        let ty = target_type(&t.name, &t.shape, requested);
         let shape = if t.shape.is_empty() {
             vec![1]
         } else {
@@ -172,7 +185,13 @@ pub fn to_gguf(
         });
     }
     // A file of no supported family (a VAE alone, for `--vae`) converts too.
-    let architecture = crate::family::detect(ckpt).map_or("unknown", |f| f.name());
+    let architecture = crate::family::detect(ckpt).map_or(
+        match crate::family::flux::is_transformer(ckpt) {
+            true => "flux",
+            false => "unknown",
+        },
+        |f| f.name(),
+    );
     let file_type = requested.name();
     let mut kv: Vec<(&str, &str)> = vec![
         ("general.architecture", architecture),

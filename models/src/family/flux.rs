@@ -88,6 +88,35 @@ fn has(ckpt: &Checkpoint, prefix: &str) -> bool {
     ckpt.tensors.iter().any(|t| t.name.starts_with(prefix))
 }
 
+/// The type `sdhost convert` writes a FLUX file's tensor in: the general
+/// rule ([`crate::checkpoint::convert::target_type`]), except that a
+/// quantized conversion keeps the transformer's input embeddings
+/// (`img_in`, `txt_in`, `time_in`, `vector_in`, `guidance_in`), its final
+/// layer and T5's position-bias table in f16: they are small, and every
+/// token passes through them.
+pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Option<ggml::Type> {
+    use ggml::Type;
+    let inner = name.strip_prefix(DIT_PREFIX).unwrap_or(name);
+    let sensitive = [
+        "img_in.",
+        "txt_in.",
+        "time_in.",
+        "vector_in.",
+        "guidance_in.",
+        "final_layer.",
+    ]
+    .iter()
+    .any(|p| inner.starts_with(p))
+        || inner.contains("relative_attention_bias");
+    let quantized = !matches!(requested, Type::F32 | Type::F16 | Type::BF16);
+    let ty = crate::checkpoint::convert::target_type(name, shape, requested);
+    Some(match ty {
+        Type::F32 => Type::F32,
+        _ if quantized && sensitive => Type::F16,
+        ty => ty,
+    })
+}
+
 /// Whether `ckpt` holds a FLUX transformer (bare or packed).
 pub fn is_transformer(ckpt: &Checkpoint) -> bool {
     (has(ckpt, "double_blocks.") && has(ckpt, "single_blocks."))

@@ -377,6 +377,22 @@ fn flux_defaults(dev: bool) -> Defaults {
     }
 }
 
+/// The type `sdhost convert` writes each tensor of `ckpt` in when
+/// `requested` is asked for, `None` for a tensor left out: the SD families
+/// keep their modules' tensors by the general rule
+/// ([`crate::checkpoint::convert::target_type`]); a FLUX transformer keeps
+/// every tensor, its small input and output layers in f16.
+pub fn conversion_rule(ckpt: &Checkpoint) -> fn(&str, &[u64], ggml::Type) -> Option<ggml::Type> {
+    use crate::checkpoint::convert::target_type;
+    if flux::is_transformer(ckpt) {
+        flux::converted_type
+    } else {
+        |name, shape, requested| {
+            crate::checkpoint::module_of(name).map(|_| target_type(name, shape, requested))
+        }
+    }
+}
+
 /// The modules a checkpoint's family declares (beside the upscaler, which
 /// any run may add): what the host places, budgets and loads.
 pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {
