@@ -327,6 +327,7 @@ impl SampleArgs {
             scheduler: self.scheduler_asked()?.unwrap_or(defaults.scheduler),
             clip_skip,
             init: None,
+            reference: Vec::new(),
         })
     }
 }
@@ -584,6 +585,12 @@ pub struct InitArgs {
     /// Inpainting mask, the init image's size (white = repaint, black = keep)
     #[arg(long, value_name = "FILE", requires = "init_img")]
     pub mask: Option<PathBuf>,
+
+    /// FLUX.1 Kontext: an image the prompt edits or draws from (PNG or JPEG;
+    /// repeatable). Each is used at its own size rounded down to a multiple
+    /// of 16; without -W/-H (and -i) the output takes the first one's
+    #[arg(short = 'r', long = "ref-image", value_name = "FILE")]
+    pub ref_image: Vec<PathBuf>,
 }
 
 fn parse_strength(s: &str) -> Result<f64, String> {

@@ -42,6 +42,8 @@ pub struct TextFields<'a> {
     pub taesd: Option<&'a std::path::Path>,
     /// The upscaler and its repeats.
     pub upscaler: Option<(&'a std::path::Path, u32)>,
+    /// Reference images (FLUX.1 Kontext).
+    pub references: &'a [std::path::PathBuf],
 }
 
 /// A1111-style parameters text; `hashes` are the init image's and mask's.
@@ -102,6 +104,10 @@ pub fn parameters_text_of(
         if sd.is_inpainting() {
             s.push_str(", Inpainting model: yes");
         }
+    }
+    if !args.references.is_empty() {
+        let names: Vec<String> = args.references.iter().map(|p| file_name(p)).collect();
+        s.push_str(&format!(", Reference images: {}", names.join(" + ")));
     }
     if let Some(t) = args.taesd {
         s.push_str(&format!(", TAESD: {}", file_name(t)));

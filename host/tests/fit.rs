@@ -25,6 +25,7 @@ fn request() -> Request {
         scheduler: Scheduler::Discrete,
         clip_skip: 1,
         init: None,
+        reference: Vec::new(),
     }
 }
 

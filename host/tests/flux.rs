@@ -66,6 +66,17 @@ fn with_checkpoint(
     params: &str,
     f: impl FnOnce(&mut Pipeline<'_>),
 ) {
+    with_checkpoint_encoding(ckpt, runtime, params, false, f)
+}
+
+/// [`with_checkpoint`], with the VAE encoder loaded where `encoder`.
+fn with_checkpoint_encoding(
+    ckpt: Checkpoint,
+    runtime: &str,
+    params: &str,
+    encoder: bool,
+    f: impl FnOnce(&mut Pipeline<'_>),
+) {
     let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
     let m = BackendManager::new(&reg, None);
     let d = Devices {
@@ -84,6 +95,7 @@ fn with_checkpoint(
     let vae = scan("ae16/tiny-ae16.safetensors");
     let opts = LoadOptions {
         vae: Some(&vae),
+        vae_encoder: encoder,
         ..LoadOptions::default()
     };
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
@@ -159,6 +171,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 guidance: cfg.guidance.then_some(3.5),
                 context: &r[&format!("{variant}.txt")],
                 y: &r["clip.pooled.0"],
+                reference: &[],
             };
             let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
             m.dit.end_phase();
@@ -184,6 +197,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 scheduler: Scheduler::Simple,
                 clip_skip: 1,
                 init: None,
+                reference: Vec::new(),
             };
             let sampling = sd.model().sampling(8, 8);
             let sigmas: Vec<f32> = Scheduler::Simple
@@ -458,6 +472,7 @@ fn fp8_parts_match_their_dequantized_references() {
             guidance: None,
             context: &r["schnell.txt"],
             y: &r["clip.pooled.0"],
+            reference: &[],
         };
         let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
         close("scaled-fp8 transformer", &out, &r["fp8.schnell.out"], 5e-3);
@@ -569,6 +584,7 @@ fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
                 guidance: cfg.guidance.then_some(3.5),
                 context: &r[&format!("{variant}.txt")],
                 y: &r["clip.pooled.0"],
+                reference: &[],
             };
             let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
             close(
@@ -579,4 +595,132 @@ fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
             );
         });
     }
+}
+
+fn init_image() -> sdhost_models::request::Image {
+    sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap()
+}
+
+/// img2img (schnell, 4 steps at strength 0.5: the last two) and Kontext
+/// (dev's weights with init-64.png as the reference image, 3 steps at
+/// guidance 3.5) against diffusers (`make_flux_fixtures.py`).
+fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
+    let r = refs();
+    let base = Request {
+        prompt: PROMPTS[0].into(),
+        negative: String::new(),
+        steps: 3,
+        cfg_scale: 1.0,
+        guidance: 3.5,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Simple,
+        clip_skip: 1,
+        init: None,
+        reference: Vec::new(),
+    };
+    with_checkpoint_encoding(parts("schnell"), runtime, params, true, |sd| {
+        let req = Request {
+            steps: 4,
+            init: Some(sdhost_models::request::Init {
+                image: init_image(),
+                strength: 0.5,
+                mask: None,
+            }),
+            ..base.clone()
+        };
+        let noise = r["img2img.noise"].clone();
+        let mut calls = 0;
+        let latent = sd
+            .sample_latent(&req, Some(noise), &mut |_, _| calls += 1, &|| false)
+            .unwrap();
+        assert_eq!(calls, 2, "strength 0.5 of 4 steps runs 2");
+        close("img2img latent", &latent, &r["img2img.latent"], tol * 1e-2);
+    });
+    with_checkpoint_encoding(parts("dev"), runtime, params, true, |sd| {
+        let req = Request {
+            reference: vec![init_image()],
+            ..base.clone()
+        };
+        let noise = r["kontext.noise"].clone();
+        let latent = sd
+            .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
+            .unwrap();
+        close("Kontext latent", &latent, &r["kontext.latent"], tol * 1e-2);
+        let stage = sd.first_stage().clone();
+        let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
+        sd.vae.end_phase();
+        close("Kontext image", &image, &r["kontext.image"], tol * 2e-2);
+    });
+}
+
+#[test]
+fn img2img_and_kontext_match_references_on_cpu() {
+    img2img_and_kontext_match("cpu", "cpu", 1.0);
+}
+
+#[test]
+fn img2img_and_kontext_match_references_on_vulkan() {
+    if vulkan_enabled() {
+        img2img_and_kontext_match("vulkan0", "vulkan0", 2.0);
+    }
+}
+
+#[test]
+fn generate_edits_with_a_reference_image() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out").join("edit.png");
+    let (t5, clip, ae, dev, init) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+        fixture("flux/tiny-flux-dev.safetensors"),
+        fixture("init-64.png"),
+    );
+    let parts = [
+        "--t5xxl",
+        s(&t5),
+        "--clip-l",
+        s(&clip),
+        "--vae",
+        s(&ae),
+        "--steps",
+        "2",
+        "-r",
+        s(&init),
+    ];
+    p.run(&generate_args(s(&dev), s(&out), &parts)).ok();
+    let (w, h, text) = png_info(&out);
+    assert_eq!((w, h), (64, 64), "the output takes the reference's size");
+    assert!(text.contains("Reference images: init-64.png"), "{text}");
+    // An SD model takes no reference image: one line, no output.
+    let bad = p.dir("bad").join("x.png");
+    let sd1 = tiny_sd1();
+    let r = p.run(&[
+        "generate",
+        "-m",
+        s(&sd1),
+        "-p",
+        "x",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+        "-r",
+        s(&init),
+        "-o",
+        s(&bad),
+    ]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("takes no reference images"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+    assert!(!bad.exists());
 }

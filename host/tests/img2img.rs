@@ -46,6 +46,7 @@ fn request(steps: usize, init: Option<Init>) -> Request {
         scheduler: Scheduler::Discrete,
         clip_skip: 1,
         init,
+        reference: Vec::new(),
     }
 }
 

@@ -33,6 +33,7 @@ fn request(width: usize, height: usize) -> Request {
         scheduler: Scheduler::Discrete,
         clip_skip: 1,
         init: None,
+        reference: Vec::new(),
     }
 }
 

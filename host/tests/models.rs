@@ -231,6 +231,7 @@ fn typed_modules_match_references_with(
                 scheduler: Scheduler::Discrete,
                 clip_skip: 1,
                 init: None,
+                reference: Vec::new(),
             };
             let mut calls = 0;
             let latent = sd

@@ -1516,6 +1516,7 @@ fn overhead_over_the_library() {
         scheduler: Scheduler::default(),
         clip_skip: 1,
         init: None,
+        reference: Vec::new(),
     };
     let reg =
         sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);

@@ -99,6 +99,8 @@ pub enum Field {
     InitImage,
     /// The inpainting mask.
     Mask,
+    /// A reference image (FLUX.1 Kontext).
+    Reference,
     /// How many final text-encoder layers are skipped.
     ClipSkip,
     /// Caller-given initial noise.

@@ -360,7 +360,8 @@ impl<'b> Pipeline<'b> {
         let guidance = self.model.guidance(req.cfg_scale);
         let guided = guidance.two_passes();
         check(cancelled)?;
-        let cond = self.model.condition(req, guided)?;
+        let mut cond = self.model.condition(req, guided)?;
+        cond.reference = self.encode_references(req, cancelled)?;
         finite(&cond.context, "the text encoders' output")?;
         finite(
             cond.vector.as_deref().unwrap_or(&[]),
@@ -455,6 +456,55 @@ impl<'b> Pipeline<'b> {
             tiling,
             |tile, th, tw| stage.encode(module, tile, [1, 3, th * f, tw * f]),
         )
+    }
+
+    /// The latents of `req`'s reference images (FLUX.1 Kontext), each at
+    /// its own size; the VAE's phase ends here.
+    fn encode_references(
+        &mut self,
+        req: &Request,
+        cancelled: &dyn Fn() -> bool,
+    ) -> Result<Vec<(Vec<f32>, [usize; 4])>> {
+        if req.reference.is_empty() {
+            return Ok(Vec::new());
+        }
+        if !self.model.takes_references() {
+            return Err(ModelError::request(
+                Field::Reference,
+                format!(
+                    "a {} model takes no reference images",
+                    self.model.family().name()
+                ),
+            ));
+        }
+        if !self.has_vae_encoder() {
+            return Err(ModelError::Incompatible(
+                "the VAE encoder was not loaded (load with vae_encoder)".into(),
+            ));
+        }
+        let multiple = self.size_multiple();
+        let (format, mut out) = (self.first_stage.format(), Vec::new());
+        let encoded = (|| -> Result<()> {
+            for (i, image) in req.reference.iter().enumerate() {
+                let (w, h) = (image.width, image.height);
+                if w == 0 || h == 0 || w % multiple != 0 || h % multiple != 0 {
+                    return Err(ModelError::request(
+                        Field::Reference,
+                        format!(
+                            "reference image {} is {w}×{h}; its sides must be positive multiples of {multiple}",
+                            i + 1
+                        ),
+                    ));
+                }
+                check(cancelled)?;
+                let z = self.encode_image(&to_planes(image), w, h)?;
+                let shape = [1, format.channels, h / format.spatial, w / format.spatial];
+                out.push((z, shape));
+            }
+            Ok(())
+        })();
+        self.vae.end_phase();
+        encoded.map(|()| out)
     }
 
     /// The σ to run and the latents img2img and inpainting need.

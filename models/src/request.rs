@@ -40,6 +40,9 @@ pub struct Request {
     pub clip_skip: usize,
     /// img2img / inpainting input; `None` for text-to-image.
     pub init: Option<Init>,
+    /// Reference images the model attends to (FLUX.1 Kontext's
+    /// `--ref-image`), each at its own size, a multiple of the model's.
+    pub reference: Vec<Image>,
 }
 
 /// The image img2img starts from, with the inpainting mask.

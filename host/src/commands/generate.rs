@@ -31,6 +31,12 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     // Inputs first: the output's temporary file appears only once they
     // are read.
     let init = read_init(&args.init)?;
+    let references = args
+        .init
+        .ref_image
+        .iter()
+        .map(|p| image_io::load_rgb(p))
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let output = OutputFile::create(&args.output)?;
     let ckpt = args.sample.open_model(&args.model)?;
     // Its errors name the file.
@@ -50,7 +56,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         vae.as_ref(),
         &loras.specs,
         args.lora.apply,
-        init.is_some(),
+        init.is_some() || !references.is_empty(),
     )?;
     // Memory budgets: measured on placeholders before any weight is read.
     let fit = Fit {
@@ -80,10 +86,12 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         &defaults,
     )?;
     let mut hashes = (String::new(), None);
+    let sized_by_init = init.is_some();
     if let Some(init) = init {
         hashes = (init.image_hash.clone(), init.mask_hash.clone());
         init.apply(args, &sd, &mut req)?;
     }
+    apply_references(args, &sd, references, sized_by_init, &mut req)?;
 
     tracing::info!(
         "sampling {} steps with {} at {}x{}",
@@ -218,6 +226,41 @@ impl InitInput {
     }
 }
 
+/// Kontext's reference images, each rounded down to the model's size
+/// multiple (resized to it); without -W/-H (and an init image) the output
+/// takes the first one's size.
+fn apply_references(
+    args: &GenerateArgs,
+    sd: &Pipeline<'_>,
+    references: Vec<Image>,
+    sized_by_init: bool,
+    req: &mut Request,
+) -> anyhow::Result<()> {
+    let m = sd.size_multiple();
+    for (i, (image, path)) in references.into_iter().zip(&args.init.ref_image).enumerate() {
+        let (iw, ih) = (image.width, image.height);
+        let (w, h) = (iw / m * m, ih / m * m);
+        if w == 0 || h == 0 {
+            return Err(anyhow!(
+                "{}: the reference image is {iw}x{ih}, smaller than this model's {m}-pixel multiple",
+                term::clean(&path.display().to_string())
+            ));
+        }
+        if i == 0 && !sized_by_init {
+            req.width = args.sample.width.map_or(w, |v| v as usize);
+            req.height = args.sample.height.map_or(h, |v| v as usize);
+        }
+        if (w, h) != (iw, ih) {
+            tracing::info!(
+                "resizing reference image {} from {iw}x{ih} to {w}x{h}",
+                i + 1
+            );
+        }
+        req.reference.push(image_io::resize_rgb(image, w, h));
+    }
+    Ok(())
+}
+
 /// A1111-style parameters text.
 fn parameters_text(
     args: &GenerateArgs,
@@ -241,6 +284,7 @@ fn parameters_text(
             .model
             .as_deref()
             .map(|p| (p, args.upscale.tuning.repeats)),
+        references: &args.init.ref_image,
     };
     parameters_text_of(&fields, req, sd, placement, flash, hashes)
 }

@@ -121,6 +121,10 @@ pub struct FluxInput<'i> {
     pub context: &'i [f32],
     /// Pooled text `[N × vec_in]`.
     pub y: &'i [f32],
+    /// Reference latents (Kontext), each `[1, C, H, W]` with even sides:
+    /// their patches follow the latent's in every batch entry, with
+    /// position ids (1, row, column); the output is the latent's alone.
+    pub reference: &'i [(Vec<f32>, [usize; 4])],
 }
 
 /// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]`: token
@@ -172,12 +176,36 @@ pub fn unpatchify(t: &[f32], [n, ch, h, w]: [usize; 4]) -> Vec<f32> {
 /// `ph`×`pw` grid of image patches (0, row, column).
 pub fn position_ids(txt: usize, ph: usize, pw: usize) -> Vec<[f64; 3]> {
     let mut ids = vec![[0.0; 3]; txt];
+    grid(&mut ids, 0.0, ph, pw, 0, 0);
+    ids
+}
+
+fn grid(ids: &mut Vec<[f64; 3]>, index: f64, ph: usize, pw: usize, h0: usize, w0: usize) {
     for r in 0..ph {
         for c in 0..pw {
-            ids.push([0.0, r as f64, c as f64]);
+            ids.push([index, (h0 + r) as f64, (w0 + c) as f64]);
         }
     }
-    ids
+}
+
+/// Position ids of reference latents of `sizes` (latent cells `(h, w)`),
+/// appended to `ids`: each a grid of patches with index 1, placed beside
+/// the ones before (to the right where the whole so far is taller than
+/// wide, else below, offset by latent cells), as stable-diffusion.cpp
+/// places them; one reference sits at (1, row, column), as diffusers'
+/// FluxKontextPipeline has it.
+pub fn reference_ids(ids: &mut Vec<[f64; 3]>, sizes: &[(usize, usize)]) {
+    let (mut cur_h, mut cur_w) = (0, 0);
+    for &(h, w) in sizes {
+        let (h0, w0) = if h + cur_h > w + cur_w {
+            (0, cur_w)
+        } else {
+            (cur_h, 0)
+        };
+        grid(ids, 1.0, h / PATCH, w / PATCH, h0, w0);
+        cur_h = cur_h.max(h + h0);
+        cur_w = cur_w.max(w + w0);
+    }
 }
 
 /// Cosines and sines of every token's RoPE pairs, `[L][D/2]` flattened:
@@ -204,7 +232,32 @@ pub fn predict(
     cfg: &FluxConfig,
     input: FluxInput<'_>,
 ) -> Result<Vec<f32>> {
-    let tokens = patchify(input.x, input.shape);
+    let [n, ch, h, w] = input.shape;
+    let per = ch * h * w;
+    if input.x.len() != n * per {
+        return Err(ModelError::Shape(format!(
+            "{} latent values for a shape of {:?}",
+            input.x.len(),
+            input.shape
+        )));
+    }
+    let mut tokens = Vec::with_capacity(input.x.len());
+    for b in 0..n {
+        tokens.extend(patchify(&input.x[b * per..(b + 1) * per], [1, ch, h, w]));
+        for (r, shape) in input.reference {
+            if shape[0] != 1
+                || shape[1] != ch
+                || shape[2] % PATCH != 0
+                || shape[3] % PATCH != 0
+                || r.len() != shape.iter().product::<usize>()
+            {
+                return Err(ModelError::Shape(format!(
+                    "a reference latent of shape {shape:?} does not go with a {ch}-channel latent"
+                )));
+            }
+            tokens.extend(patchify(r, *shape));
+        }
+    }
     let out = module.compute(|c, w| build(c, w, cfg, &input, &tokens))?;
     if out.len() != input.x.len() {
         return Err(ModelError::Shape(format!(
@@ -253,6 +306,7 @@ fn zero_call<'a>(
         guidance: cfg.guidance.then_some(0.0),
         context: &context,
         y: &y,
+        reference: &[],
     };
     build(c, w, cfg, &input, &x)
 }
@@ -278,6 +332,11 @@ fn build<'a>(
     }
     let (ph, pw) = (lh / PATCH, lw / PATCH);
     let li = (ph * pw) as i64;
+    let sizes: Vec<(usize, usize)> = input.reference.iter().map(|(_, s)| (s[2], s[3])).collect();
+    let lr: i64 = sizes
+        .iter()
+        .map(|(h, w)| (h / PATCH * (w / PATCH)) as i64)
+        .sum();
     let h = cfg.hidden;
     let nb = n as i64;
     let ctx_len = input.context.len() / (n * cfg.context as usize);
@@ -295,7 +354,12 @@ fn build<'a>(
         )));
     }
     let mut inputs = Vec::new();
-    let img = input_f32(c, &[cfg.in_features, li, nb], tokens.to_vec(), &mut inputs)?;
+    let img = input_f32(
+        c,
+        &[cfg.in_features, li + lr, nb],
+        tokens.to_vec(),
+        &mut inputs,
+    )?;
     let txt = input_f32(
         c,
         &[cfg.context, lt, nb],
@@ -304,9 +368,10 @@ fn build<'a>(
     )?;
     let y = input_f32(c, &[cfg.vec_in, nb], input.y.to_vec(), &mut inputs)?;
     let t = input_f32(c, &[nb], vec![input.t; n], &mut inputs)?;
-    let ids = position_ids(ctx_len, ph, pw);
+    let mut ids = position_ids(ctx_len, ph, pw);
+    reference_ids(&mut ids, &sizes);
     let (cos, sin) = rope_angles(&ids, cfg.axes);
-    let l = lt + li;
+    let l = lt + li + lr;
     let half = cfg.head_dim / 2;
     let cos = input_f32(c, &[half, 1, l, 1], cos, &mut inputs)?;
     let sin = input_f32(c, &[half, 1, l, 1], sin, &mut inputs)?;

@@ -379,6 +379,7 @@ impl<'b> FluxModel<'b> {
                 context,
                 vector: Some(vector),
                 guidance: self.cfg.guidance.then_some(req.guidance),
+                reference: Vec::new(),
             })
         })();
         self.te.end_phase();
@@ -401,6 +402,7 @@ impl<'b> FluxModel<'b> {
             guidance: cond.guidance,
             context: &cond.context,
             y,
+            reference: &cond.reference,
         };
         flux::predict(&mut self.dit, &self.cfg, input)
     }

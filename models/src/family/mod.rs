@@ -99,6 +99,9 @@ pub struct Conditioned {
     pub vector: Option<Vec<f32>>,
     /// The guidance scale a guidance-distilled network takes (FLUX.1 dev).
     pub guidance: Option<f32>,
+    /// Reference latents the denoiser attends to (FLUX.1 Kontext), each
+    /// with its shape `[1, C, H, W]`; the pipeline encodes them.
+    pub reference: Vec<(Vec<f32>, [usize; 4])>,
 }
 
 /// What a family runs with where a request does not say.
@@ -165,6 +168,13 @@ impl<'b> Model<'b> {
             Model::Sd(_) => sd_defaults(self.default_size()),
             Model::Flux(m) => flux_defaults(m.variant() == flux::Variant::Dev),
         }
+    }
+
+    /// Whether the denoiser attends to reference images (FLUX: Kontext's
+    /// editing; the architecture is the same as dev's, so any FLUX
+    /// transformer takes them, only a Kontext one was trained to).
+    pub fn takes_references(&self) -> bool {
+        matches!(self, Model::Flux(_))
     }
 
     /// Whether the denoiser takes a distilled guidance scale (FLUX.1 dev).

@@ -320,6 +320,7 @@ impl<'b> SdModel<'b> {
             context,
             vector,
             guidance: None,
+            reference: Vec::new(),
         })
     }
 

@@ -517,6 +517,7 @@ impl<'m> Worker<'_, 'm> {
                 scheduler: g.scheduler,
                 clip_skip: g.clip_skip,
                 init: init.clone(),
+                reference: Vec::new(),
             };
             let image =
                 l.sd.generate(
@@ -568,6 +569,7 @@ impl<'m> Worker<'_, 'm> {
                     .model
                     .as_deref()
                     .map(|p| (p, self.args.upscale.tuning.repeats)),
+                references: &[],
             };
             let text = parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
                 + &loras.fields;
@@ -592,6 +594,7 @@ fn a1111_field(f: sdhost_models::Field, prompt: &str) -> Option<&'static str> {
         Strength => "denoising_strength",
         InitImage => "init_images",
         Mask => "mask",
+        Reference => "reference_images",
         ClipSkip => "clip_skip",
         // A non-finite result: from a prompt's LoRA weights where it has
         // any, else from the CFG scale.
