@@ -591,7 +591,7 @@ fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
                 &format!("{variant} q8_0 transformer against f16's"),
                 &out,
                 &r[&format!("{variant}.out")],
-                0.05,
+                1e-2,
             );
         });
     }

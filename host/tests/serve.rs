@@ -2128,3 +2128,148 @@ fn cors_for_listed_origins_only() {
         assert!(r.stderr.contains("origin"), "{bad}: {}", r.stderr);
     }
 }
+
+/// A multipart/form-data body of text fields and files.
+fn form(fields: &[(&str, &str)], files: &[(&str, &[u8])]) -> (String, Vec<u8>) {
+    let boundary = "sdhost-test-boundary-7d1f";
+    let mut body = Vec::new();
+    for (k, v) in fields {
+        body.extend(
+            format!("--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n")
+                .as_bytes(),
+        );
+    }
+    for (k, data) in files {
+        body.extend(
+            format!(
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"{k}\"; filename=\"{k}.png\"\r\nContent-Type: image/png\r\n\r\n"
+            )
+            .as_bytes(),
+        );
+        body.extend_from_slice(data);
+        body.extend(b"\r\n");
+    }
+    body.extend(format!("--{boundary}--\r\n").as_bytes());
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+/// POSTs a form body (only its own Content-Type).
+fn post_form(addr: &str, path: &str, ct: &str, body: &[u8], extra: &[(&str, &str)]) -> Resp {
+    let mut headers = vec![("Host", addr), ("Content-Type", ct)];
+    headers.extend_from_slice(extra);
+    raw(addr, "POST", path, &headers, body)
+}
+
+/// FLUX through the servers: txt2img with Forge's `distilled_cfg_scale`
+/// (CFG 1 by default), Kontext through `reference_images` and through
+/// OpenAI's `/v1/images/edits` form upload; an SD model edits by
+/// inpainting; a form from another site's page is refused.
+#[test]
+fn flux_and_edits_through_the_apis() {
+    let f = |n: &str| fixture(n);
+    let (dev, t5, clip, ae) = (
+        f("flux/tiny-flux-dev.safetensors"),
+        f("flux/tiny-t5.safetensors"),
+        f("flux/tiny-clip-l.safetensors"),
+        f("ae16/tiny-ae16.safetensors"),
+    );
+    let srv = Server::start(&[
+        "-m",
+        s(&dev),
+        "--t5xxl",
+        s(&t5),
+        "--clip-l",
+        s(&clip),
+        "--vae",
+        s(&ae),
+    ]);
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "a cat", "steps": 2, "width": 64, "height": 48, "distilled_cfg_scale": 4.5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let (w, h, text, _) = png_of(v["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 48));
+    assert!(
+        text.contains("Distilled CFG Scale: 4.5") && text.contains("CFG scale: 1,"),
+        "{text}"
+    );
+    assert_eq!(v["parameters"]["cfg_scale"], json!(1.0));
+
+    let init = std::fs::read(f("init-64.png")).unwrap();
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "make it night", "steps": 2, "reference_images": [b64(&init)]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 64), "the size of the reference image");
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "reference_images": ["not base64!"]}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("reference_images[0]"), "{}", r.text());
+
+    let (ct, body) = form(
+        &[("prompt", "make it night"), ("steps", "2")],
+        &[("image", &init)],
+    );
+    let r = post_form(&srv.addr, "/v1/images/edits", &ct, &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    let (w, h, text, _) = png_of(v["data"][0]["b64_json"].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    assert!(text.contains("Model family: flux"), "{text}");
+
+    let (ct, body) = form(&[("prompt", "x")], &[]);
+    let r = post_form(&srv.addr, "/v1/images/edits", &ct, &body, &[]);
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("image"), "{}", r.text());
+    let (ct, body) = form(&[("prompt", "x"), ("steps", "0")], &[("image", &init)]);
+    let r = post_form(&srv.addr, "/v1/images/edits", &ct, &body, &[]);
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("steps"), "{}", r.text());
+    let (ct, body) = form(&[("prompt", "x")], &[("image", b"not an image")]);
+    let r = post_form(&srv.addr, "/v1/images/edits", &ct, &body, &[]);
+    assert_eq!(r.status, 422, "{}", r.text());
+    // Another site's page cannot post the form.
+    let (ct, body) = form(&[("prompt", "x")], &[("image", &init)]);
+    let r = post_form(
+        &srv.addr,
+        "/v1/images/edits",
+        &ct,
+        &body,
+        &[("Origin", "http://evil.example")],
+    );
+    assert_eq!(r.status, 403, "{}", r.text());
+    // A form goes to the edits endpoint only.
+    let (ct, body) = form(&[("prompt", "x")], &[]);
+    let r = post_form(&srv.addr, "/sdapi/v1/txt2img", &ct, &body, &[]);
+    assert_eq!(r.status, 415, "{}", r.text());
+    drop(srv);
+
+    // An SD model edits by img2img, inpainting where the mask is
+    // transparent.
+    let srv = Server::start(&["-m", s(&tiny_sd1())]);
+    let mask = std::fs::read(f("mask-64.png")).unwrap();
+    let (ct, body) = form(
+        &[("prompt", "x"), ("steps", "2"), ("strength", "0.5")],
+        &[("image", &init), ("mask", &mask)],
+    );
+    let r = post_form(&srv.addr, "/v1/images/edits", &ct, &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, text, _) = png_of(r.json()["data"][0]["b64_json"].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    assert!(
+        text.contains("Denoising strength: 0.5") && text.contains("Mask"),
+        "{text}"
+    );
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "reference_images": [b64(&init)]}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("reference_images"), "{}", r.text());
+}

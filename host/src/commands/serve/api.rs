@@ -23,6 +23,7 @@ use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use base64::Engine as _;
+use sdhost_models::request::Image;
 use sdhost_models::sampling::Scheduler;
 use sdhost_models::sampling::{Sampler, SamplerChoice};
 use serde_json::{json, Map, Value};
@@ -177,6 +178,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/sdapi/v1/progress", get(progress))
         .route("/sdapi/v1/interrupt", post(interrupt))
         .route("/v1/images/generations", post(openai_generations))
+        .route("/v1/images/edits", post(openai_edits))
         .route("/v1/models", get(openai_models))
         .route("/v1/models/{id}", get(openai_model))
         .route("/sdapi/v1/loras", get(loras))
@@ -446,8 +448,12 @@ async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .is_none_or(|n| n.trim() != "0");
+        // OpenAI's edits take a form upload; a page of another site that
+        // sends one is stopped by the Origin check above.
+        let form = req.uri().path() == "/v1/images/edits";
         match json.as_deref() {
             Some("application/json") => {}
+            Some("multipart/form-data") if form => {}
             None if !has_body => {}
             _ => {
                 return ApiError::new(
@@ -821,6 +827,8 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         clip_skip,
         count: (batch * n_iter) as usize,
         init: None,
+        reference: Vec::new(),
+        edit: false,
         model: None,
         keep_model: false,
     })
@@ -912,6 +920,76 @@ fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
         width: la.width() as usize,
         height: la.height() as usize,
         values,
+    }
+}
+
+/// sdhost's `reference_images` (FLUX.1 Kontext): base64 images the model
+/// attends to, decoded off the async workers.
+async fn reference_images(f: &Fields<'_>) -> ApiResult<Vec<Image>> {
+    let list = match f.get("reference_images") {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .enumerate()
+            .map(|(i, v)| match v {
+                Value::String(s) => Ok((format!("reference_images[{i}]"), s.clone())),
+                _ => Err(ApiError::field(
+                    &format!("reference_images[{i}]"),
+                    "expected a base64 string",
+                )),
+            })
+            .collect::<ApiResult<Vec<_>>>()?,
+        Some(_) => {
+            return Err(ApiError::field(
+                "reference_images",
+                "expected an array of base64 images",
+            ))
+        }
+    };
+    if list.len() > MAX_REFERENCES {
+        return Err(ApiError::field(
+            "reference_images",
+            format!("at most {MAX_REFERENCES} images"),
+        ));
+    }
+    let _decoding = DECODES
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "stopping"))?;
+    blocking("decoding_failed", "decoding the images", move || {
+        list.iter()
+            .map(|(field, s)| Ok(rgb_of(decode_image(field, &decode_b64(field, s)?)?)))
+            .collect::<ApiResult<Vec<_>>>()
+    })
+    .await?
+}
+
+/// Reference images one request may give.
+const MAX_REFERENCES: usize = 4;
+
+fn rgb_of(img: image::DynamicImage) -> Image {
+    let img = img.into_rgb8();
+    Image {
+        width: img.width() as usize,
+        height: img.height() as usize,
+        rgb: img.into_raw(),
+    }
+}
+
+/// OpenAI's edit mask: fully transparent pixels are the ones to repaint; a
+/// mask without alpha is read as A1111's (white = repaint).
+fn openai_mask(img: image::DynamicImage) -> Mask {
+    if !img.color().has_alpha() {
+        return mask_of(img, false);
+    }
+    let la = img.into_luma_alpha16();
+    Mask {
+        width: la.width() as usize,
+        height: la.height() as usize,
+        values: la
+            .pixels()
+            .map(|p| 1.0 - f32::from(p.0[1]) / 65535.0)
+            .collect(),
     }
 }
 
@@ -1073,6 +1151,7 @@ async fn txt2img(
     let mut work = gen_work(&f, "txt2img", 50)?;
     work.model = model_override(&st, &f)?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
+    work.reference = reference_images(&f).await?;
     let echo = Echo::of(&work);
     let out = generate(&st, work).await?;
     Ok(Json(json!({
@@ -1091,6 +1170,7 @@ async fn img2img(
     let mut work = gen_work(&f, "img2img", 50)?;
     work.model = model_override(&st, &f)?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
+    work.reference = reference_images(&f).await?;
     let first = match f.get("init_images") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(s) => s.clone(),
@@ -1448,21 +1528,7 @@ async fn openai_generations(
     }
     work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
     if let Some(size) = f.string("size")? {
-        if size != "auto" {
-            let parsed = size
-                .split_once(['x', 'X'])
-                .and_then(|(w, h)| {
-                    Some((w.trim().parse::<i64>().ok()?, h.trim().parse::<i64>().ok()?))
-                })
-                .filter(|&(w, h)| (8..=MAX_SIDE).contains(&w) && (8..=MAX_SIDE).contains(&h));
-            let (w, h) = parsed.ok_or_else(|| {
-                ApiError::field(
-                    "size",
-                    format!("{size:?} is not WIDTHxHEIGHT with sides 8..={MAX_SIDE}"),
-                )
-            })?;
-            (work.width, work.height) = (Some(w as usize), Some(h as usize));
-        }
+        (work.width, work.height) = openai_size(&size)?;
     }
     match f.string("response_format")?.as_deref() {
         None | Some("b64_json") => {}
@@ -1488,6 +1554,142 @@ async fn openai_generations(
         "data": out.images.iter().map(|p| json!({"b64_json": b64(p), "revised_prompt": prompt})).collect::<Vec<_>>(),
         "output_format": "png",
     })))
+}
+
+/// OpenAI's `/v1/images/edits` (a form upload: `image` or `image[]`,
+/// repeatable; `prompt`; `mask`; `model`, `n`, `size`, `response_format`,
+/// and sdhost's `steps`, `seed`, `cfg_scale`, `guidance`, `strength`): a
+/// FLUX model edits with the images as references (Kontext); another family
+/// runs img2img from the first image (strength 0.75 unless given), and
+/// inpainting where a mask is given (transparent = repaint).
+async fn openai_edits(
+    State(st): State<AppState>,
+    form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
+) -> ApiResult<Json<Value>> {
+    let mut form = form.map_err(|e| ApiError::new(e.status(), "bad_body", e.body_text()))?;
+    let bad = |e: axum::extract::multipart::MultipartError| {
+        let status = e.status();
+        let kind = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "body_too_large"
+        } else {
+            "bad_body"
+        };
+        ApiError::new(status, kind, e.body_text())
+    };
+    let mut fields = Map::new();
+    let (mut images, mut mask) = (Vec::new(), None);
+    while let Some(part) = form.next_field().await.map_err(bad)? {
+        let name = part.name().unwrap_or("").to_string();
+        match name.as_str() {
+            "image" | "image[]" => images.push(part.bytes().await.map_err(bad)?),
+            "mask" => mask = Some(part.bytes().await.map_err(bad)?),
+            "prompt" | "model" | "size" | "response_format" | "n" | "steps" | "seed"
+            | "cfg_scale" | "guidance" | "strength" | "negative_prompt" | "quality" | "user"
+            | "background" | "input_fidelity" | "output_format" => {
+                let text = part.text().await.map_err(bad)?;
+                // Numbers as numbers, so the JSON endpoints' checks apply.
+                let value = match name.as_str() {
+                    "n" | "steps" | "seed" | "cfg_scale" | "guidance" | "strength" => text
+                        .trim()
+                        .parse::<serde_json::Number>()
+                        .map_or(Value::String(text), Value::Number),
+                    _ => Value::String(text),
+                };
+                fields.insert(name, value);
+            }
+            other => return Err(ApiError::field(other, "not a field of /v1/images/edits")),
+        }
+    }
+    if images.is_empty() {
+        return Err(ApiError::field("image", "required: the image to edit"));
+    }
+    if images.len() > MAX_REFERENCES {
+        return Err(ApiError::field(
+            "image",
+            format!("at most {MAX_REFERENCES} images"),
+        ));
+    }
+    if let Some(g) = fields.remove("guidance") {
+        fields.insert("distilled_cfg_scale".into(), g);
+    }
+    let f = Fields(&fields);
+    let mut work = gen_work(&f, "img2img", 20)?;
+    work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
+    if let Some(size) = f.string("size")? {
+        (work.width, work.height) = openai_size(&size)?;
+    }
+    match f.string("response_format")?.as_deref() {
+        None | Some("b64_json") => {}
+        Some(other) => {
+            return Err(ApiError::field(
+                "response_format",
+                format!("{other:?} is not supported; use b64_json"),
+            ))
+        }
+    }
+    if let Some(m) = f.string("model")? {
+        work.model = st.models().iter().find(|e| e.matches(&m)).cloned();
+    }
+    let strength = f.float("strength", 0.0, 1.0)?.unwrap_or(0.75);
+    if strength <= 0.0 {
+        return Err(ApiError::field("strength", "must be above 0"));
+    }
+    let _decoding = DECODES
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "stopping"))?;
+    let decoded = blocking("decoding_failed", "decoding the images", move || {
+        let refs = images
+            .iter()
+            .enumerate()
+            .map(|(i, b)| Ok(rgb_of(decode_image(&format!("image[{i}]"), b)?)))
+            .collect::<ApiResult<Vec<_>>>()?;
+        let mask = match &mask {
+            Some(b) => Some((openai_mask(decode_image("mask", b)?), short_hash(b))),
+            None => None,
+        };
+        Ok::<_, ApiError>((refs, short_hash(&images[0]), mask))
+    })
+    .await?;
+    let (refs, hash, mask) = decoded?;
+    let (mask, mask_hash) = mask.map_or((None, None), |(m, h)| (Some(m), Some(h)));
+    work.init = Some(InitWork {
+        image: refs[0].clone(),
+        mask,
+        strength,
+        hash,
+        mask_hash,
+    });
+    work.reference = refs;
+    work.edit = true;
+    let prompt = work.prompt.clone();
+    let out = generate(&st, work).await?;
+    let created = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Ok(Json(json!({
+        "created": created,
+        "data": out.images.iter().map(|p| json!({"b64_json": b64(p), "revised_prompt": prompt})).collect::<Vec<_>>(),
+        "output_format": "png",
+    })))
+}
+
+/// OpenAI's `size`: `WIDTHxHEIGHT`, or `auto` (the image's or the family's).
+fn openai_size(size: &str) -> ApiResult<(Option<usize>, Option<usize>)> {
+    if size == "auto" {
+        return Ok((None, None));
+    }
+    let parsed = size
+        .split_once(['x', 'X'])
+        .and_then(|(w, h)| Some((w.trim().parse::<i64>().ok()?, h.trim().parse::<i64>().ok()?)))
+        .filter(|&(w, h)| (8..=MAX_SIDE).contains(&w) && (8..=MAX_SIDE).contains(&h));
+    let (w, h) = parsed.ok_or_else(|| {
+        ApiError::field(
+            "size",
+            format!("{size:?} is not WIDTHxHEIGHT with sides 8..={MAX_SIDE}"),
+        )
+    })?;
+    Ok((Some(w as usize), Some(h as usize)))
 }
 
 #[cfg(test)]

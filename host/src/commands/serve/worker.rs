@@ -133,6 +133,13 @@ pub struct GenWork {
     pub count: usize,
     /// img2img input.
     pub init: Option<InitWork>,
+    /// Reference images (FLUX.1 Kontext), any size (rounded down to the
+    /// model's size multiple).
+    pub reference: Vec<Image>,
+    /// An edit (`/v1/images/edits`): the images are references where the
+    /// model takes them (`reference`), else the first is img2img's `init`
+    /// (inpainting with the mask); the worker drops the other.
+    pub edit: bool,
     /// The model to run on (`override_settings`), else the loaded one.
     pub model: Option<ModelEntry>,
     /// Whether `model` becomes the server's current model
@@ -448,8 +455,28 @@ impl<'m> Worker<'_, 'm> {
         let m = l.sd.size_multiple();
         let default = l.sd.default_size();
         let (mut w, mut h) = (default, default);
-        if let Some(init) = &g.init {
+        let takes_references = l.sd.model().takes_references();
+        let (g_init, g_refs) = match (g.edit, takes_references) {
+            (true, true) => (None, &g.reference[..]),
+            (true, false) => (g.init.as_ref(), &[][..]),
+            (false, _) => (g.init.as_ref(), &g.reference[..]),
+        };
+        if let Some(r) = g_refs.first() {
+            (w, h) = (r.width / m * m, r.height / m * m);
+        }
+        if let Some(init) = g_init {
             (w, h) = (init.image.width / m * m, init.image.height / m * m);
+        }
+        let mut reference = Vec::new();
+        for (i, r) in g_refs.iter().enumerate() {
+            let (rw, rh) = (r.width / m * m, r.height / m * m);
+            if rw == 0 || rh == 0 {
+                return Err(JobError::Invalid(format!(
+                    "reference_images[{i}]: {}x{} is smaller than this model's {m}-pixel multiple",
+                    r.width, r.height
+                )));
+            }
+            reference.push(image_io::resize_rgb(r.clone(), rw, rh));
         }
         let w = g.width.unwrap_or(w);
         let h = g.height.unwrap_or(h);
@@ -460,7 +487,7 @@ impl<'m> Worker<'_, 'm> {
                 )));
             }
         }
-        let init = g.init.as_ref().map(|i| Init {
+        let init = g_init.map(|i| Init {
             image: image_io::resize_rgb(i.image.clone(), w, h),
             // As A1111: at least one step, however small the strength
             // (the CLI refuses a strength that runs none instead).
@@ -478,9 +505,7 @@ impl<'m> Worker<'_, 'm> {
                 .values
             }),
         });
-        let hashes = g
-            .init
-            .as_ref()
+        let hashes = g_init
             .map(|i| (i.hash.clone(), i.mask_hash.clone()))
             .unwrap_or_default();
         let cfg_scale = g
@@ -495,9 +520,7 @@ impl<'m> Worker<'_, 'm> {
             height: h,
             model: entry.clone(),
         };
-        let mask_name = g
-            .init
-            .as_ref()
+        let mask_name = g_init
             .and_then(|i| i.mask.as_ref())
             .map(|_| Path::new("mask"));
         // The tiling fit chose at load (or --vae-tiling's), as generate
@@ -517,7 +540,7 @@ impl<'m> Worker<'_, 'm> {
                 scheduler: g.scheduler,
                 clip_skip: g.clip_skip,
                 init: init.clone(),
-                reference: Vec::new(),
+                reference: reference.clone(),
             };
             let image =
                 l.sd.generate(
@@ -560,7 +583,7 @@ impl<'m> Worker<'_, 'm> {
                 model: &entry.path,
                 vae: self.args.load.vae.as_deref(),
                 tiling,
-                init: g.init.as_ref().map(|_| Path::new("init_images[0]")),
+                init: g_init.map(|_| Path::new("init_images[0]")),
                 mask: mask_name,
                 taesd: self.args.load.taesd.as_deref(),
                 upscaler: self
