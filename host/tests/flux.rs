@@ -19,6 +19,7 @@ use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::flux::{self, FluxInput};
 use sdhost_models::family::flux::{assemble, Components, FluxModel, Variant};
 use sdhost_models::family::Family;
+use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, Request};
 use sdhost_models::runtime::module::Devices;
@@ -77,6 +78,19 @@ fn with_checkpoint_encoding(
     encoder: bool,
     f: impl FnOnce(&mut Pipeline<'_>),
 ) {
+    with_loras(ckpt, runtime, params, encoder, &[], LoraApply::Auto, f)
+}
+
+/// [`with_checkpoint_encoding`] with LoRAs.
+fn with_loras(
+    ckpt: Checkpoint,
+    runtime: &str,
+    params: &str,
+    encoder: bool,
+    loras: &[LoraSpec],
+    lora_apply: LoraApply,
+    f: impl FnOnce(&mut Pipeline<'_>),
+) {
     let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
     let m = BackendManager::new(&reg, None);
     let d = Devices {
@@ -96,6 +110,8 @@ fn with_checkpoint_encoding(
     let opts = LoadOptions {
         vae: Some(&vae),
         vae_encoder: encoder,
+        loras,
+        lora_apply,
         ..LoadOptions::default()
     };
     let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
@@ -723,4 +739,94 @@ fn generate_edits_with_a_reference_image() {
     );
     assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
     assert!(!bad.exists());
+}
+
+/// FLUX LoRAs as trainers write them, diffusers/PEFT's names (ai-toolkit:
+/// q, k and v apart) and kohya's (BFL's fused qkv and linear1), merged and
+/// in the graph, against the LoRA'd transformer in diffusers/PEFT; an SD
+/// LoRA on FLUX is one line.
+#[test]
+fn flux_loras_match_peft() {
+    let r = refs();
+    for (file, apply) in [
+        (
+            "flux/tiny-flux-lora-diffusers.safetensors",
+            LoraApply::Merge,
+        ),
+        (
+            "flux/tiny-flux-lora-diffusers.safetensors",
+            LoraApply::Graph,
+        ),
+        ("flux/tiny-flux-lora-kohya.safetensors", LoraApply::Merge),
+        ("flux/tiny-flux-lora-kohya.safetensors", LoraApply::Graph),
+    ] {
+        let spec = LoraSpec {
+            path: fixture(file),
+            weight: 1.0,
+        };
+        with_loras(
+            parts("schnell"),
+            "cpu",
+            "cpu",
+            false,
+            &[spec],
+            apply,
+            |sd| {
+                let m = flux_model(sd);
+                let cfg = m.config().clone();
+                let input = FluxInput {
+                    x: &r["schnell.x"],
+                    shape: [1, 16, 8, 8],
+                    t: 750.0,
+                    guidance: None,
+                    context: &r["schnell.txt"],
+                    y: &r["clip.pooled.0"],
+                    reference: &[],
+                };
+                let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+                let what = format!("{file} ({apply:?})");
+                close(&what, &out, &r["lora.schnell.out"], 5e-3);
+                assert!(
+                    max_abs_diff(&out, &r["schnell.out"]) > 0.05,
+                    "{what} changes the output"
+                );
+            },
+        );
+    }
+    // An SD LoRA on FLUX: one line, exit 1, no output.
+    let p = Prefix::with_cpu();
+    let dir = p.dir("out");
+    let out = dir.join("x.png");
+    let (t5, clip, ae, schnell) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+        fixture("flux/tiny-flux-schnell.safetensors"),
+    );
+    for lora in [
+        "tiny-sd1-lora-kohya.safetensors",
+        "tiny-sdxl-lora.safetensors",
+    ] {
+        let l = fixture(lora);
+        let extra = [
+            "--t5xxl",
+            s(&t5),
+            "--clip-l",
+            s(&clip),
+            "--vae",
+            s(&ae),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--lora",
+            s(&l),
+        ];
+        let r = p.run(&generate_args(s(&schnell), s(&out), &extra));
+        assert_eq!(r.code, Some(1), "{lora}: {}", r.stderr);
+        let line = r.stderr.trim();
+        assert_eq!(line.lines().count(), 1, "{line}");
+        assert!(line.contains(lora), "{line}");
+        assert!(listing(&dir).is_empty());
+    }
 }

@@ -17,6 +17,7 @@ pub fn run(args: &crate::cli::ConvertArgs) -> anyhow::Result<()> {
         let s = sdhost_models::checkpoint::convert::to_gguf(
             &ckpt,
             args.ty,
+            &sdhost_models::family::conversion(&ckpt),
             w,
             &mut |i, n| {
                 bar.set_length(n as u64);

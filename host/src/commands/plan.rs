@@ -43,12 +43,9 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     } else {
         None
     };
+    let guided = guided(model.as_ref());
     let fitted = match &model {
         Some(ckpt) => {
-            // Guidance as the family runs by default (FLUX: one pass; a
-            // file of no family is measured as far as it goes, with two).
-            let guided =
-                sdhost_models::family::defaults_of(ckpt).map_or(true, |d| d.cfg_scale != 1.0);
             let m = Measure {
                 ckpt,
                 vae: vae.as_ref(),
@@ -188,7 +185,7 @@ pub struct PlanMemory {
     pub width: usize,
     /// Image height measured at.
     pub height: usize,
-    /// UNet batch (2: guidance).
+    /// Denoiser batch (2: classifier-free guidance).
     pub batch: usize,
     /// The phase-memory policy accounted for.
     pub policy: &'static str,
@@ -211,6 +208,12 @@ pub struct PlanReport {
     pub notes: Vec<String>,
     /// What automatic fit chose for each module, and why (with `-m`).
     pub fit: Vec<crate::fit::Choice>,
+}
+
+/// Whether the model's family guides with two passes by default (FLUX: one;
+/// a file of no family is measured as far as it goes, with two).
+fn guided(model: Option<&Checkpoint>) -> bool {
+    model.is_none_or(|c| sdhost_models::family::defaults_of(c).map_or(true, |d| d.cfg_scale != 1.0))
 }
 
 impl PlanReport {
@@ -306,7 +309,7 @@ impl PlanReport {
             PlanMemory {
                 width: m.size.0,
                 height: m.size.1,
-                batch: 2,
+                batch: if guided(model) { 2 } else { 1 },
                 policy: policy.name(),
                 modules: m
                     .plan
@@ -374,7 +377,7 @@ impl Report for PlanReport {
             .unwrap_or_default();
         if let Some(m) = &self.memory {
             out.push_str(&format!(
-                "memory at {}x{} (UNet batch {}, one prompt chunk, --phase-memory {}), per phase:\n",
+                "memory at {}x{} (denoiser batch {}, one prompt chunk, --phase-memory {}), per phase:\n",
                 m.width, m.height, m.batch, m.policy
             ));
         }

@@ -12,7 +12,7 @@
 //! Only tensors of a known module are written (EMA copies, scheduler tables
 //! and int64 buffers are dropped); names stay as they are. A family may
 //! keep more in f16 ([`crate::family::conversion_rule`]: FLUX's input and
-//! output layers).
+//! output layers), which the caller passes in ([`Conversion`]).
 
 use crate::checkpoint::gguf;
 use crate::checkpoint::{Checkpoint, TensorEntry};
@@ -55,6 +55,17 @@ pub fn target_type(name: &str, shape: &[u64], requested: Type) -> Type {
     } else {
         Type::F16
     }
+}
+
+/// What the family decides of a conversion ([`crate::family::conversion`]).
+#[derive(Clone, Copy, Debug)]
+pub struct Conversion {
+    /// The type each tensor is written in when a type is requested
+    /// (`None`: left out).
+    pub rule: fn(&str, &[u64], Type) -> Option<Type>,
+    /// `general.architecture`: the family's name, `unknown` for a file of
+    /// none (a VAE alone converts too).
+    pub architecture: &'static str,
 }
 
 /// Bytes read from the checkpoint per piece: conversion holds one piece of
@@ -122,6 +133,7 @@ fn pieces(n: u64, row: u64, block: u64, max: u64) -> Vec<(u64, u64, u64)> {
 pub fn to_gguf(
     ckpt: &Checkpoint,
     requested: Type,
+    family: &Conversion,
     out: &mut impl Write,
     progress: &mut dyn FnMut(usize, usize),
     cancelled: &dyn Fn() -> bool,
@@ -139,7 +151,7 @@ pub fn to_gguf(
             ckpt.path.display()
         )));
     }
-    let rule = crate::family::conversion_rule(ckpt);
+    let rule = family.rule;
     let wanted: Vec<(&TensorEntry, Type)> = ckpt
         .tensors
         .iter()
@@ -185,13 +197,7 @@ pub fn to_gguf(
         });
     }
     // A file of no supported family (a VAE alone, for `--vae`) converts too.
-    let architecture = crate::family::detect(ckpt).map_or(
-        match crate::family::flux::is_transformer(ckpt) {
-            true => "flux",
-            false => "unknown",
-        },
-        |f| f.name(),
-    );
+    let architecture = family.architecture;
     let file_type = requested.name();
     let mut kv: Vec<(&str, &str)> = vec![
         ("general.architecture", architecture),

@@ -13,12 +13,12 @@
 
 use super::Conditioned;
 use crate::autoencoders::LatentNorm;
-use crate::checkpoint::weights::NoPatches;
 use crate::checkpoint::Checkpoint;
 use crate::denoisers::flux::{self, FluxConfig, FluxInput, PATCH};
 use crate::encoders::clip::{self, ClipConfig, ClipEncoder, Layer, Naming, Pooled};
 use crate::encoders::t5::{self, T5Config};
 use crate::error::{ModelError, Result};
+use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::load::{load_module, split_weights, How};
@@ -86,6 +86,100 @@ impl Components<'_> {
 
 fn has(ckpt: &Checkpoint, prefix: &str) -> bool {
     ckpt.tensors.iter().any(|t| t.name.starts_with(prefix))
+}
+
+/// Where LoRAs find FLUX's weights: the transformer under
+/// `model.diffusion_model.` (kohya's `lora_unet_double_blocks_0_img_attn_qkv`
+/// follow from the names; diffusers' names from [`lora_aliases`]), CLIP-L
+/// as `lora_te1_` / `text_encoder.`.
+pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
+    crate::lora::names::LoraLayout {
+        model: "flux",
+        unet_prefix: DIT_PREFIX,
+        te_prefix: TE_PREFIX,
+        encoders: &[CLIP_L],
+        numbered_te: true,
+        denoiser_aliases: lora_aliases,
+    }
+}
+
+/// diffusers' `FluxTransformer2DModel` names of a BFL transformer weight
+/// (path without `.weight`, shape outermost first), each with the rows it
+/// covers: the fused `qkv` of a double block is diffusers' `to_q`, `to_k`,
+/// `to_v` (`add_*_proj` for text), a single block's `linear1` is `to_q`,
+/// `to_k`, `to_v` and `proj_mlp`. The final modulation is left out: its
+/// halves are swapped in diffusers, which one row range cannot say.
+pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<(String, Option<(usize, usize)>)> {
+    let rows = shape.first().copied().unwrap_or(0) as usize;
+    let width = shape.get(1).copied().unwrap_or(0) as usize;
+    let one = |s: &str| vec![(s.to_string(), None)];
+    let parts = |names: &[String], sizes: &[usize]| {
+        let mut at = 0;
+        names
+            .iter()
+            .zip(sizes)
+            .map(|(n, &len)| {
+                let r = (n.clone(), Some((at, len)));
+                at += len;
+                r
+            })
+            .collect::<Vec<_>>()
+    };
+    let p: Vec<&str> = path.split('.').collect();
+    match p.as_slice() {
+        ["img_in"] => one("x_embedder"),
+        ["txt_in"] => one("context_embedder"),
+        ["final_layer", "linear"] => one("proj_out"),
+        [e @ ("time_in" | "vector_in" | "guidance_in"), layer] => {
+            let emb = match *e {
+                "time_in" => "timestep_embedder",
+                "vector_in" => "text_embedder",
+                _ => "guidance_embedder",
+            };
+            let lin = match *layer {
+                "in_layer" => "linear_1",
+                _ => "linear_2",
+            };
+            one(&format!("time_text_embed.{emb}.{lin}"))
+        }
+        ["double_blocks", i, s, rest @ ..] => {
+            let b = format!("transformer_blocks.{i}");
+            let third = rows / 3;
+            match (*s, rest) {
+                ("img_mod", ["lin"]) => one(&format!("{b}.norm1.linear")),
+                ("txt_mod", ["lin"]) => one(&format!("{b}.norm1_context.linear")),
+                ("img_attn", ["qkv"]) => parts(
+                    &["to_q", "to_k", "to_v"].map(|x| format!("{b}.attn.{x}")),
+                    &[third; 3],
+                ),
+                ("txt_attn", ["qkv"]) => parts(
+                    &["add_q_proj", "add_k_proj", "add_v_proj"].map(|x| format!("{b}.attn.{x}")),
+                    &[third; 3],
+                ),
+                ("img_attn", ["proj"]) => one(&format!("{b}.attn.to_out.0")),
+                ("txt_attn", ["proj"]) => one(&format!("{b}.attn.to_add_out")),
+                ("img_mlp", ["0"]) => one(&format!("{b}.ff.net.0.proj")),
+                ("img_mlp", ["2"]) => one(&format!("{b}.ff.net.2")),
+                ("txt_mlp", ["0"]) => one(&format!("{b}.ff_context.net.0.proj")),
+                ("txt_mlp", ["2"]) => one(&format!("{b}.ff_context.net.2")),
+                _ => Vec::new(),
+            }
+        }
+        ["single_blocks", i, rest @ ..] => {
+            let b = format!("single_transformer_blocks.{i}");
+            match rest {
+                ["linear1"] if rows > 3 * width => parts(
+                    &["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]
+                        .map(|x| format!("{b}.{x}")),
+                    &[width, width, width, rows - 3 * width],
+                ),
+                ["linear2"] => one(&format!("{b}.proj_out")),
+                ["modulation", "lin"] => one(&format!("{b}.norm.linear")),
+                _ => Vec::new(),
+            }
+        }
+        _ => Vec::new(),
+    }
 }
 
 /// The type `sdhost convert` writes a FLUX file's tensor in: the general
@@ -204,11 +298,7 @@ impl<'b> FluxModel<'b> {
         opts: &LoadOptions<'_>,
     ) -> Result<Self> {
         let file = ckpt.path.display();
-        if !opts.loras.is_empty() {
-            return Err(ModelError::Unsupported(format!(
-                "{file}: LoRAs on FLUX models are not supported yet"
-            )));
-        }
+        let loras = LoraSet::load(opts.loras, ckpt, &lora_layout(), opts.lora_apply)?;
         if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
             return Err(ModelError::Incompatible(format!(
                 "{file}: FLUX predicts a flow velocity; --prediction does not apply"
@@ -218,7 +308,7 @@ impl<'b> FluxModel<'b> {
             spread: layout.spread(kind),
             policy: opts.policy,
             encoder: false,
-            loras: &NoPatches,
+            loras: &loras,
             placeholders: opts.placeholders,
             matrices: opts.matrix_types.get(kind),
         };
@@ -266,7 +356,7 @@ impl<'b> FluxModel<'b> {
             ckpt,
             TE_PREFIX,
             false,
-            &NoPatches,
+            &loras,
             opts.placeholders,
             types.get(ModuleKind::Te),
         )?;
@@ -275,7 +365,7 @@ impl<'b> FluxModel<'b> {
             ckpt,
             DIT_PREFIX,
             false,
-            &NoPatches,
+            &loras,
             opts.placeholders,
             types.get(ModuleKind::Diffusion),
         )?;

@@ -387,19 +387,24 @@ fn flux_defaults(dev: bool) -> Defaults {
     }
 }
 
-/// The type `sdhost convert` writes each tensor of `ckpt` in when
-/// `requested` is asked for, `None` for a tensor left out: the SD families
-/// keep their modules' tensors by the general rule
+/// How `sdhost convert` writes `ckpt`: the type of each tensor (`None`:
+/// left out) and the architecture it records. The SD families keep their
+/// modules' tensors by the general rule
 /// ([`crate::checkpoint::convert::target_type`]); a FLUX transformer keeps
 /// every tensor, its small input and output layers in f16.
-pub fn conversion_rule(ckpt: &Checkpoint) -> fn(&str, &[u64], ggml::Type) -> Option<ggml::Type> {
-    use crate::checkpoint::convert::target_type;
+pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
+    use crate::checkpoint::convert::{target_type, Conversion};
     if flux::is_transformer(ckpt) {
-        flux::converted_type
-    } else {
-        |name, shape, requested| {
+        return Conversion {
+            rule: flux::converted_type,
+            architecture: Family::Flux.name(),
+        };
+    }
+    Conversion {
+        rule: |name, shape, requested| {
             crate::checkpoint::module_of(name).map(|_| target_type(name, shape, requested))
-        }
+        },
+        architecture: detect(ckpt).map_or("unknown", |f| f.name()),
     }
 }
 
@@ -421,6 +426,8 @@ impl FamilyConfig {
             unet_prefix: UNET_PREFIX,
             te_prefix: self.te_prefix,
             encoders: &self.encoders,
+            numbered_te: false,
+            denoiser_aliases: crate::lora::names::no_aliases,
         }
     }
 }

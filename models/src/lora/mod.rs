@@ -249,7 +249,7 @@ impl LoraSet {
         if lora.tensors.is_empty() {
             return Err(invalid(format!("{file}: the LoRA holds no tensors")));
         }
-        let several = fam.encoders.len() > 1;
+        let several = fam.several_te();
         let mut modules: BTreeMap<String, [Option<&TensorEntry>; 3]> = BTreeMap::new();
         let mut unsupported = Vec::new();
         for t in &lora.tensors {
@@ -340,6 +340,17 @@ impl LoraSet {
                 .or_default()
                 .push(patch);
             matched += 1;
+        }
+        let denoiser = |m: &String| m.starts_with("lora_unet_");
+        if matched > 0
+            && modules.keys().any(denoiser)
+            && !modules
+                .keys()
+                .any(|m| denoiser(m) && targets.contains_key(m))
+        {
+            return Err(invalid(format!(
+                "{file}: none of its denoiser weights is this {family} model's (a LoRA for another family?)"
+            )));
         }
         if matched == 0 {
             let first: Vec<&str> = unmatched.iter().take(3).map(String::as_str).collect();

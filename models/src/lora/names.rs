@@ -144,6 +144,27 @@ pub struct LoraLayout<'a> {
     pub te_prefix: &'a str,
     /// The text encoders under it.
     pub encoders: &'a [crate::encoders::clip::ClipEncoder],
+    /// Whether LoRAs number the text encoders (`lora_te1_`, `text_encoder`
+    /// and `text_encoder_2`) even where `encoders` lists one: FLUX's CLIP-L
+    /// is `lora_te1_`, its T5 (which LoRAs rarely adapt) `lora_te2_`.
+    pub numbered_te: bool,
+    /// More names of a denoiser weight (its path without prefix and
+    /// `.weight`, and its shape) in LoRA files, each with the rows it
+    /// covers: diffusers' names of a family whose checkpoints use others.
+    pub denoiser_aliases: fn(&str, &[u64]) -> Vec<(String, Option<(usize, usize)>)>,
+}
+
+impl LoraLayout<'_> {
+    /// Whether LoRA keys number the text encoders.
+    pub fn several_te(&self) -> bool {
+        self.numbered_te || self.encoders.len() > 1
+    }
+}
+
+/// No aliases (the SD families: their diffusers names follow from the ldm
+/// paths by rule).
+pub fn no_aliases(_: &str, _: &[u64]) -> Vec<(String, Option<(usize, usize)>)> {
+    Vec::new()
 }
 
 /// Resnets per UNet level: the index of the first downsampler minus one.
@@ -195,6 +216,13 @@ pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Targe
             if let Some(d) = unet_ldm_to_diffusers(path, per_level) {
                 map.insert(format!("lora_unet_{}", us(&d)), whole(&t.name));
             }
+            for (alias, rows) in (fam.denoiser_aliases)(path, &t.shape) {
+                let target = Target {
+                    tensor: t.name.clone(),
+                    rows,
+                };
+                map.insert(format!("lora_unet_{}", us(&alias)), target);
+            }
             continue;
         }
         for (i, enc) in fam.encoders.iter().enumerate() {
@@ -202,7 +230,12 @@ pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Targe
             let Some(rel) = t.name.strip_prefix(&full) else {
                 continue;
             };
-            let kp = te_key_prefix(fam.encoders.len(), i);
+            let count = if fam.several_te() {
+                fam.encoders.len().max(2)
+            } else {
+                1
+            };
+            let kp = te_key_prefix(count, i);
             match enc.naming {
                 Naming::Hf => {
                     if let Some(path) = rel.strip_suffix(".weight") {
@@ -267,7 +300,11 @@ pub fn parse_key(name: &str, several_encoders: bool) -> Option<LoraKey> {
         .find_map(|(s, p)| name.strip_suffix(s).map(|b| (b, *p)))?;
     let module = if base.starts_with("lora_unet_") || base.starts_with("lora_te") {
         base.to_string()
-    } else if let Some(r) = base.strip_prefix("unet.") {
+    } else if let Some(r) = base
+        .strip_prefix("unet.")
+        .or_else(|| base.strip_prefix("transformer."))
+        .or_else(|| base.strip_prefix("diffusion_model."))
+    {
         format!("lora_unet_{}", us(r))
     } else if let Some(r) = base.strip_prefix("text_encoder_2.") {
         format!("lora_te2_{}", us(r))
