@@ -830,3 +830,32 @@ fn flux_loras_match_peft() {
         assert!(listing(&dir).is_empty());
     }
 }
+
+/// A T5 as a GGUF in llama.cpp's names (city96's encoder GGUFs:
+/// `enc.blk.N.attn_q.weight`, `token_embd.weight`), its matrices q8_0,
+/// against the T5 run on its dequantized weights.
+#[test]
+fn a_llama_named_q8_0_t5_gguf_matches_its_reference() {
+    let r = refs();
+    let ckpt = parts_of(
+        "flux/tiny-flux-schnell.safetensors",
+        "flux/tiny-t5-q8_0.gguf",
+        "flux/tiny-clip-l.safetensors",
+    );
+    assert!(ckpt.tensors.iter().any(|t| t.name
+        == "text_encoders.t5xxl.transformer.encoder.block.1.layer.1.DenseReluDense.wi_0.weight"
+        && t.dtype.eq_ignore_ascii_case("q8_0")));
+    with_checkpoint(ckpt, "cpu", "cpu", |sd| {
+        let m = flux_model(sd);
+        let hidden = m.encode_t5(PROMPTS[0]).unwrap();
+        // ggml multiplies q8_0 weights by activations it rounds to q8_0
+        // too: about 1 % off where f16 weights are 0.06 %.
+        close("q8_0 GGUF T5 hidden", &hidden, &r["gguf.t5.hidden.0"], 2e-2);
+        close(
+            "q8_0 GGUF T5 hidden against f16's",
+            &hidden,
+            &r["t5.hidden.0"],
+            5e-2,
+        );
+    });
+}

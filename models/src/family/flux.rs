@@ -211,6 +211,43 @@ pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Optio
     })
 }
 
+/// llama.cpp's names of a T5 encoder (city96's `t5-v1_1-xxl-encoder`
+/// GGUFs) → transformers' (stable-diffusion.cpp's table).
+const LLAMA_T5: [(&str, &str); 14] = [
+    ("enc.", "encoder."),
+    ("blk.", "block."),
+    ("output_norm.", "final_layer_norm."),
+    ("attn_q.", "layer.0.SelfAttention.q."),
+    ("attn_k.", "layer.0.SelfAttention.k."),
+    ("attn_v.", "layer.0.SelfAttention.v."),
+    ("attn_o.", "layer.0.SelfAttention.o."),
+    ("attn_norm.", "layer.0.layer_norm."),
+    ("ffn_norm.", "layer.1.layer_norm."),
+    ("ffn_up.", "layer.1.DenseReluDense.wi_1."),
+    ("ffn_down.", "layer.1.DenseReluDense.wo."),
+    ("ffn_gate.", "layer.1.DenseReluDense.wi_0."),
+    (
+        "attn_rel_b.",
+        "layer.0.SelfAttention.relative_attention_bias.",
+    ),
+    ("token_embd.", "shared."),
+];
+
+/// A T5 checkpoint under transformers' names: llama.cpp's renamed, others
+/// as they are.
+fn transformers_names(t5: &Checkpoint) -> Checkpoint {
+    let mut out = t5.clone();
+    if !t5.tensors.iter().any(|t| t.name.starts_with("enc.blk.")) {
+        return out;
+    }
+    for t in &mut out.tensors {
+        for (from, to) in LLAMA_T5 {
+            t.name = t.name.replace(from, to);
+        }
+    }
+    out
+}
+
 /// Whether `ckpt` holds a FLUX transformer (bare or packed).
 pub fn is_transformer(ckpt: &Checkpoint) -> bool {
     (has(ckpt, "double_blocks.") && has(ckpt, "single_blocks."))
@@ -246,6 +283,11 @@ pub fn assemble(model: &Checkpoint, parts: Components<'_>) -> Result<Checkpoint>
                 c.path.display()
             )))
         }
+    };
+    let t5_renamed = parts.t5xxl.map(transformers_names);
+    let parts = Components {
+        t5xxl: t5_renamed.as_ref(),
+        ..parts
     };
     let t5_at = format!("{TE_PREFIX}{T5_PREFIX}");
     let clip_at = format!("{TE_PREFIX}{CLIP_PREFIX}");
