@@ -700,6 +700,30 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             continue;
         }
         seen.push(key);
+        // The peers are wired for single-file SD checkpoints: a model given
+        // as parts gets no column it cannot fill.
+        let parts = a.sample.components.t5xxl.is_some() || a.sample.components.clip_l.is_some();
+        if family == sdhost_models::family::Family::Flux || parts {
+            let why = || {
+                Err(format!(
+                    "unavailable: the {} peer is not wired for {} models yet",
+                    match p {
+                        Peer::SdCpp(_) => "stable-diffusion.cpp",
+                        Peer::Diffusers => "diffusers",
+                    },
+                    family.name()
+                ))
+            };
+            peers.push(PeerColumn {
+                name: match p {
+                    Peer::SdCpp(_) => "sd.cpp",
+                    Peer::Diffusers => "diffusers",
+                },
+                deferred_load: false,
+                result: why(),
+            });
+            continue;
+        }
         match p {
             Peer::SdCpp(exe) => peers.push(PeerColumn {
                 name: "sd.cpp",

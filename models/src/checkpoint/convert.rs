@@ -11,7 +11,7 @@
 //!
 //! Only tensors of a known module are written (EMA copies, scheduler tables
 //! and int64 buffers are dropped); names stay as they are. A family may
-//! keep more in f16 ([`crate::family::conversion_rule`]: FLUX's input and
+//! keep more in f16 ([`crate::family::conversion`]: FLUX's input and
 //! output layers), which the caller passes in ([`Conversion`]).
 
 use crate::checkpoint::gguf;

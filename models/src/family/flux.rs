@@ -109,7 +109,7 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
 /// `to_v` (`add_*_proj` for text), a single block's `linear1` is `to_q`,
 /// `to_k`, `to_v` and `proj_mlp`. The final modulation is left out: its
 /// halves are swapped in diffusers, which one row range cannot say.
-pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<(String, Option<(usize, usize)>)> {
+pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias> {
     let rows = shape.first().copied().unwrap_or(0) as usize;
     let width = shape.get(1).copied().unwrap_or(0) as usize;
     let one = |s: &str| vec![(s.to_string(), None)];

@@ -151,8 +151,11 @@ pub struct LoraLayout<'a> {
     /// More names of a denoiser weight (its path without prefix and
     /// `.weight`, and its shape) in LoRA files, each with the rows it
     /// covers: diffusers' names of a family whose checkpoints use others.
-    pub denoiser_aliases: fn(&str, &[u64]) -> Vec<(String, Option<(usize, usize)>)>,
+    pub denoiser_aliases: fn(&str, &[u64]) -> Vec<Alias>,
 }
+
+/// Another name of a weight in LoRA files, with the rows it covers.
+pub type Alias = (String, Option<(usize, usize)>);
 
 impl LoraLayout<'_> {
     /// Whether LoRA keys number the text encoders.
@@ -163,7 +166,7 @@ impl LoraLayout<'_> {
 
 /// No aliases (the SD families: their diffusers names follow from the ldm
 /// paths by rule).
-pub fn no_aliases(_: &str, _: &[u64]) -> Vec<(String, Option<(usize, usize)>)> {
+pub fn no_aliases(_: &str, _: &[u64]) -> Vec<Alias> {
     Vec::new()
 }
 
