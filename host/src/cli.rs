@@ -475,10 +475,10 @@ impl ComponentArgs {
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
-        let model = sdhost_models::checkpoint::scan(file)?;
+        let model = sdhost_models::checkpoint::scan_model(file)?;
         let scan = |p: &Option<PathBuf>| {
             p.as_deref()
-                .map(sdhost_models::checkpoint::scan)
+                .map(sdhost_models::checkpoint::scan_model)
                 .transpose()
         };
         let (t5xxl, clip_l) = (scan(&self.t5xxl)?, scan(&self.clip_l)?);
@@ -498,7 +498,7 @@ impl ComponentArgs {
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
-        let model = sdhost_models::checkpoint::scan(file)?;
+        let model = sdhost_models::checkpoint::scan_model(file)?;
         match sdhost_models::family::flux::is_transformer(&model) {
             true => self.open_model(file),
             false => Ok(model),

@@ -856,3 +856,95 @@ fn a_llama_named_q8_0_t5_gguf_matches_its_reference() {
         );
     });
 }
+
+/// A transformer in diffusers' naming, as its `transformer/` folder (two
+/// shards and their index), runs as the BFL file does, and takes a
+/// diffusers LoRA; `generate` takes the folder.
+#[test]
+fn a_diffusers_transformer_folder_runs_as_the_bfl_file() {
+    let r = refs();
+    let folder = fixture("flux/tiny-flux-schnell-diffusers");
+    let model = checkpoint::scan_model(&folder).unwrap();
+    assert!(model
+        .tensors
+        .iter()
+        .any(|t| t.name == "single_transformer_blocks.1.proj_mlp.weight"));
+    let (t5, clip) = (
+        scan("flux/tiny-t5.safetensors"),
+        scan("flux/tiny-clip-l.safetensors"),
+    );
+    let parts = Components {
+        t5xxl: Some(&t5),
+        clip_l: Some(&clip),
+    };
+    let ckpt = assemble(&model, parts).unwrap();
+    let lora = LoraSpec {
+        path: fixture("flux/tiny-flux-lora-diffusers.safetensors"),
+        weight: 1.0,
+    };
+    for (loras, want) in [(vec![], "schnell.out"), (vec![lora], "lora.schnell.out")] {
+        with_loras(
+            ckpt.clone(),
+            "cpu",
+            "cpu",
+            false,
+            &loras,
+            LoraApply::Merge,
+            |sd| {
+                let m = flux_model(sd);
+                let cfg = m.config().clone();
+                let input = FluxInput {
+                    x: &r["schnell.x"],
+                    shape: [1, 16, 8, 8],
+                    t: 750.0,
+                    guidance: None,
+                    context: &r["schnell.txt"],
+                    y: &r["clip.pooled.0"],
+                    reference: &[],
+                };
+                let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+                close(
+                    &format!("diffusers-named transformer ({want})"),
+                    &out,
+                    &r[want],
+                    5e-3,
+                );
+            },
+        );
+    }
+    let p = Prefix::with_cpu();
+    let out = p.dir("out").join("d.png");
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let extra = [
+        "--t5xxl",
+        s(&t5),
+        "--clip-l",
+        s(&clip),
+        "--vae",
+        s(&ae),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "1",
+    ];
+    p.run(&generate_args(s(&folder), s(&out), &extra)).ok();
+    assert_eq!(png_info(&out).0, 64);
+    // A folder of several files and no index names the problem.
+    let dir = p.dir("two");
+    for n in ["a.safetensors", "b.safetensors"] {
+        std::fs::copy(fixture("flux/tiny-t5.safetensors"), dir.join(n)).unwrap();
+    }
+    let r = p.run(&generate_args(s(&dir), s(&out), &extra));
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("2 .safetensors files and no index"),
+        "{}",
+        r.stderr
+    );
+}

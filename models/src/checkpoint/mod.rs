@@ -103,6 +103,14 @@ pub enum CheckpointError {
     /// The GGUF header is invalid.
     #[error("{0}")]
     Gguf(String),
+    /// A model folder whose files cannot be told.
+    #[error("{path}: {message}")]
+    Folder {
+        /// The folder.
+        path: PathBuf,
+        /// What is wrong.
+        message: String,
+    },
     /// The PyTorch checkpoint is invalid or asks for more than tensor data.
     #[error("{path}: {message}")]
     Pth {
@@ -155,6 +163,97 @@ pub fn regular_file(path: &Path) -> std::io::Result<()> {
             "not a regular file",
         ))
     }
+}
+
+/// [`scan`], or for a folder, a diffusers/transformers model folder
+/// (`transformer/`, `text_encoder_2/`): the shards its
+/// `*.safetensors.index.json` names, as one checkpoint, else its one
+/// `.safetensors` file.
+pub fn scan_model(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    if !path.is_dir() {
+        return scan(path);
+    }
+    let bad = |message: String| CheckpointError::Folder {
+        path: path.to_path_buf(),
+        message,
+    };
+    let io = |e: std::io::Error| bad(e.to_string());
+    let mut names: Vec<String> = std::fs::read_dir(path)
+        .map_err(io)?
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    let indexes: Vec<&String> = names
+        .iter()
+        .filter(|n| n.ends_with(".safetensors.index.json"))
+        .collect();
+    let shards: Vec<String> = match indexes.as_slice() {
+        [index] => {
+            let text = std::fs::read_to_string(path.join(index)).map_err(io)?;
+            let v: serde_json::Value =
+                serde_json::from_str(&text).map_err(|e| bad(format!("{index}: not JSON: {e}")))?;
+            let map = v["weight_map"]
+                .as_object()
+                .ok_or_else(|| bad(format!("{index}: no weight_map")))?;
+            let mut files: Vec<String> = Vec::new();
+            for f in map.values() {
+                let f = f
+                    .as_str()
+                    .filter(|f| {
+                        !f.contains(['/', '\\']) && *f != ".." && f.ends_with(".safetensors")
+                    })
+                    .ok_or_else(|| {
+                        bad(format!("{index}: {f} is not a .safetensors file beside it"))
+                    })?;
+                if !files.iter().any(|x| x == f) {
+                    files.push(f.to_string());
+                }
+            }
+            files.sort();
+            files
+        }
+        [] => {
+            let files: Vec<String> = names
+                .iter()
+                .filter(|n| n.ends_with(".safetensors"))
+                .cloned()
+                .collect();
+            if files.len() != 1 {
+                return Err(bad(format!(
+                    "{} .safetensors files and no index: give the file",
+                    files.len()
+                )));
+            }
+            files
+        }
+        several => {
+            return Err(bad(format!(
+                "{} shard indexes ({}): give the one file or index to use",
+                several.len(),
+                several
+                    .iter()
+                    .map(|s| s.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )))
+        }
+    };
+    let parts = shards
+        .iter()
+        .map(|f| scan(&path.join(f)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut seen = std::collections::HashSet::new();
+    for p in &parts {
+        for t in &p.tensors {
+            if !seen.insert(t.name.as_str()) {
+                return Err(bad(format!("tensor {} is in two shards", t.name)));
+            }
+        }
+    }
+    let list: Vec<(&str, &str, &Checkpoint)> = parts.iter().map(|c| ("", "", c)).collect();
+    let mut out = Checkpoint::assemble(&list);
+    out.path = path.to_path_buf();
+    Ok(out)
 }
 
 /// Reads a checkpoint's header (no tensor data is read).

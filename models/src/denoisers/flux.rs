@@ -407,8 +407,14 @@ fn build<'a>(
         x = single_block(c, w, cfg, i, x, vec, &rope)?;
     }
     let x = c.cont(c.narrow(x, 1, lt, li)?)?;
-    let m = modulation(c, w, "final_layer.adaLN_modulation.1", vec, h, 2)?;
-    let x = modulate(c, x, m[0], m[1])?;
+    // BFL's final modulation is (shift, scale); diffusers' (scale, shift).
+    let x = if w.has("final_layer.adaLN_modulation.1.weight") {
+        let m = modulation(c, w, "final_layer.adaLN_modulation.1", vec, h, 2)?;
+        modulate(c, x, m[0], m[1])?
+    } else {
+        let m = modulation(c, w, "final_layer.norm_out", vec, h, 2)?;
+        modulate(c, x, m[1], m[0])?
+    };
     let output = linear(c, w, "final_layer.linear", x, h, cfg.out_features)?;
     Ok(Built { output, inputs })
 }
@@ -447,23 +453,23 @@ fn modulate<'a>(
     Ok(c.add(c.add(n, c.mul(n, scale)?)?, shift)?)
 }
 
-/// Query, key and value `[D, H, L, N]` from a `[3h, L, N]` projection (q
-/// and k RMS-normed per head), at feature `at` of `qkv`.
+/// Query, key and value `[D, H, L, N]` from their `[h, L, N]` projections
+/// (views of a fused one allowed), q and k RMS-normed per head.
 fn heads<'a>(
     c: &'a Context,
     w: &W<'a>,
     cfg: &FluxConfig,
     norm: &str,
-    qkv: Tensor<'a>,
+    qkv: [Tensor<'a>; 3],
 ) -> Result<[Tensor<'a>; 3]> {
-    let (h, d) = (cfg.hidden, cfg.head_dim);
-    let [_, l, n, _] = qkv.ne();
-    let part = |i: i64| -> Result<Tensor<'a>> {
-        Ok(c.reshape(c.cont(c.narrow(qkv, 0, i * h, h)?)?, &[d, cfg.heads, l, n])?)
-    };
-    let q = rms_norm(c, w, &format!("{norm}.query_norm.scale"), part(0)?, d, EPS)?;
-    let k = rms_norm(c, w, &format!("{norm}.key_norm.scale"), part(1)?, d, EPS)?;
-    Ok([q, k, part(2)?])
+    let d = cfg.head_dim;
+    let [q, k, v] = qkv.map(|x| {
+        let [_, l, n, _] = x.ne();
+        Ok::<_, ModelError>(c.reshape(c.cont(x)?, &[d, cfg.heads, l, n])?)
+    });
+    let q = rms_norm(c, w, &format!("{norm}.query_norm.scale"), q?, d, EPS)?;
+    let k = rms_norm(c, w, &format!("{norm}.key_norm.scale"), k?, d, EPS)?;
+    Ok([q, k, v?])
 }
 
 /// Joint attention over `[D, H, L, N]` queries, keys and values (RoPE on
@@ -515,8 +521,20 @@ fn double_block<'a>(
     let tm = modulation(c, w, &format!("{p}.txt_mod.lin"), vec, h, 6)?;
     let qkv = |x: Tensor<'a>, m: &[Tensor<'a>], s: &str| -> Result<[Tensor<'a>; 3]> {
         let x = modulate(c, x, m[0], m[1])?;
-        let x = linear(c, w, &format!("{p}.{s}_attn.qkv"), x, h, 3 * h)?;
-        heads(c, w, cfg, &format!("{p}.{s}_attn.norm"), x)
+        let fused = format!("{p}.{s}_attn.qkv");
+        let [q, k, v] = if w.has(&format!("{fused}.weight")) {
+            let y = linear(c, w, &fused, x, h, 3 * h)?;
+            [
+                c.narrow(y, 0, 0, h)?,
+                c.narrow(y, 0, h, h)?,
+                c.narrow(y, 0, 2 * h, h)?,
+            ]
+        } else {
+            // diffusers' naming: q, k and v apart.
+            let one = |n: &str| linear(c, w, &format!("{p}.{s}_attn.{n}"), x, h, h);
+            [one("q")?, one("k")?, one("v")?]
+        };
+        heads(c, w, cfg, &format!("{p}.{s}_attn.norm"), [q, k, v])
     };
     let [iq, ik, iv] = qkv(img, &im, "img")?;
     let [tq, tk, tv] = qkv(txt, &tm, "txt")?;
@@ -562,8 +580,22 @@ fn single_block<'a>(
     let p = format!("single_blocks.{i}");
     let m = modulation(c, w, &format!("{p}.modulation.lin"), vec, h, 3)?;
     let xm = modulate(c, x, m[0], m[1])?;
-    let lin = linear(c, w, &format!("{p}.linear1"), xm, h, 3 * h + cfg.mlp)?;
-    let qkv = c.narrow(lin, 0, 0, 3 * h)?;
+    let fused = format!("{p}.linear1");
+    let (qkv, mlp_in) = if w.has(&format!("{fused}.weight")) {
+        let lin = linear(c, w, &fused, xm, h, 3 * h + cfg.mlp)?;
+        let part = |i: i64| c.narrow(lin, 0, i * h, h);
+        (
+            [part(0)?, part(1)?, part(2)?],
+            c.narrow(lin, 0, 3 * h, cfg.mlp)?,
+        )
+    } else {
+        // diffusers' naming: q, k, v and the MLP's input apart.
+        let one = |n: &str, out: i64| linear(c, w, &format!("{p}.{n}"), xm, h, out);
+        (
+            [one("attn_q", h)?, one("attn_k", h)?, one("attn_v", h)?],
+            one("mlp_in", cfg.mlp)?,
+        )
+    };
     let att = attend(
         c,
         w,
@@ -571,7 +603,7 @@ fn single_block<'a>(
         heads(c, w, cfg, &format!("{p}.norm"), qkv)?,
         rope,
     )?;
-    let act = c.gelu(c.cont(c.narrow(lin, 0, 3 * h, cfg.mlp)?)?)?;
+    let act = c.gelu(c.cont(mlp_in)?)?;
     let out = linear(
         c,
         w,

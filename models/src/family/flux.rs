@@ -130,6 +130,7 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
         ["img_in"] => one("x_embedder"),
         ["txt_in"] => one("context_embedder"),
         ["final_layer", "linear"] => one("proj_out"),
+        ["final_layer", "norm_out"] => one("norm_out.linear"),
         [e @ ("time_in" | "vector_in" | "guidance_in"), layer] => {
             let emb = match *e {
                 "time_in" => "timestep_embedder",
@@ -156,6 +157,8 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
                     &["add_q_proj", "add_k_proj", "add_v_proj"].map(|x| format!("{b}.attn.{x}")),
                     &[third; 3],
                 ),
+                ("img_attn", [x @ ("q" | "k" | "v")]) => one(&format!("{b}.attn.to_{x}")),
+                ("txt_attn", [x @ ("q" | "k" | "v")]) => one(&format!("{b}.attn.add_{x}_proj")),
                 ("img_attn", ["proj"]) => one(&format!("{b}.attn.to_out.0")),
                 ("txt_attn", ["proj"]) => one(&format!("{b}.attn.to_add_out")),
                 ("img_mlp", ["0"]) => one(&format!("{b}.ff.net.0.proj")),
@@ -173,6 +176,8 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
                         .map(|x| format!("{b}.{x}")),
                     &[width, width, width, rows - 3 * width],
                 ),
+                [a @ ("attn_q" | "attn_k" | "attn_v")] => one(&format!("{b}.attn.to_{}", &a[5..])),
+                ["mlp_in"] => one(&format!("{b}.proj_mlp")),
                 ["linear2"] => one(&format!("{b}.proj_out")),
                 ["modulation", "lin"] => one(&format!("{b}.norm.linear")),
                 _ => Vec::new(),
@@ -248,10 +253,108 @@ fn transformers_names(t5: &Checkpoint) -> Checkpoint {
     out
 }
 
-/// Whether `ckpt` holds a FLUX transformer (bare or packed).
+/// Whether `ckpt` holds a FLUX transformer (BFL's names bare or packed,
+/// or diffusers').
 pub fn is_transformer(ckpt: &Checkpoint) -> bool {
     (has(ckpt, "double_blocks.") && has(ckpt, "single_blocks."))
         || has(ckpt, "model.diffusion_model.double_blocks.")
+        || is_diffusers(ckpt)
+}
+
+/// Whether `ckpt` is a FLUX transformer in diffusers' naming
+/// (`FluxTransformer2DModel`: `transformer_blocks.N.attn.to_q`, …).
+fn is_diffusers(ckpt: &Checkpoint) -> bool {
+    has(ckpt, "single_transformer_blocks.") && has(ckpt, "transformer_blocks.0.attn.add_q_proj.")
+}
+
+/// diffusers' name of a FLUX transformer tensor → BFL's, where diffusers
+/// keeps apart what BFL fuses named after their parts (`img_attn.q`,
+/// `txt_attn.k`, a single block's `attn_q` … `mlp_in`), and the final
+/// modulation, whose halves diffusers swaps, as `final_layer.norm_out`.
+fn bfl_name(name: &str) -> Option<String> {
+    let (base, leaf) = name.rsplit_once('.')?;
+    let p: Vec<&str> = base.split('.').collect();
+    let path = match p.as_slice() {
+        ["x_embedder"] => "img_in".to_string(),
+        ["context_embedder"] => "txt_in".to_string(),
+        ["proj_out"] => "final_layer.linear".to_string(),
+        ["norm_out", "linear"] => "final_layer.norm_out".to_string(),
+        ["time_text_embed", e, l] => {
+            let e = match *e {
+                "timestep_embedder" => "time_in",
+                "text_embedder" => "vector_in",
+                "guidance_embedder" => "guidance_in",
+                _ => return None,
+            };
+            let l = match *l {
+                "linear_1" => "in_layer",
+                "linear_2" => "out_layer",
+                _ => return None,
+            };
+            format!("{e}.{l}")
+        }
+        ["transformer_blocks", i, rest @ ..] => {
+            let b = format!("double_blocks.{i}");
+            let (path, norm_leaf) = match rest {
+                ["norm1", "linear"] => ("img_mod.lin", false),
+                ["norm1_context", "linear"] => ("txt_mod.lin", false),
+                ["attn", "to_q"] => ("img_attn.q", false),
+                ["attn", "to_k"] => ("img_attn.k", false),
+                ["attn", "to_v"] => ("img_attn.v", false),
+                ["attn", "add_q_proj"] => ("txt_attn.q", false),
+                ["attn", "add_k_proj"] => ("txt_attn.k", false),
+                ["attn", "add_v_proj"] => ("txt_attn.v", false),
+                ["attn", "norm_q"] => ("img_attn.norm.query_norm", true),
+                ["attn", "norm_k"] => ("img_attn.norm.key_norm", true),
+                ["attn", "norm_added_q"] => ("txt_attn.norm.query_norm", true),
+                ["attn", "norm_added_k"] => ("txt_attn.norm.key_norm", true),
+                ["attn", "to_out", "0"] => ("img_attn.proj", false),
+                ["attn", "to_add_out"] => ("txt_attn.proj", false),
+                ["ff", "net", "0", "proj"] => ("img_mlp.0", false),
+                ["ff", "net", "2"] => ("img_mlp.2", false),
+                ["ff_context", "net", "0", "proj"] => ("txt_mlp.0", false),
+                ["ff_context", "net", "2"] => ("txt_mlp.2", false),
+                _ => return None,
+            };
+            if norm_leaf {
+                return Some(format!("{b}.{path}.scale"));
+            }
+            format!("{b}.{path}")
+        }
+        ["single_transformer_blocks", i, rest @ ..] => {
+            let b = format!("single_blocks.{i}");
+            let path = match rest {
+                ["norm", "linear"] => "modulation.lin",
+                ["attn", "to_q"] => "attn_q",
+                ["attn", "to_k"] => "attn_k",
+                ["attn", "to_v"] => "attn_v",
+                ["proj_mlp"] => "mlp_in",
+                ["proj_out"] => "linear2",
+                ["attn", "norm_q"] => return Some(format!("{b}.norm.query_norm.scale")),
+                ["attn", "norm_k"] => return Some(format!("{b}.norm.key_norm.scale")),
+                _ => return None,
+            };
+            format!("{b}.{path}")
+        }
+        _ => return None,
+    };
+    Some(format!("{path}.{leaf}"))
+}
+
+/// A diffusers-named transformer under BFL's names ([`bfl_name`]); a
+/// tensor of no known name is an error naming it.
+fn bfl_names(ckpt: &Checkpoint) -> Result<Checkpoint> {
+    let mut out = ckpt.clone();
+    for t in &mut out.tensors {
+        t.name = bfl_name(&t.name).ok_or_else(|| {
+            ModelError::Unsupported(format!(
+                "{}: {} is not a tensor of diffusers' FluxTransformer2DModel",
+                ckpt.path.display(),
+                t.name
+            ))
+        })?;
+    }
+    Ok(out)
 }
 
 /// One checkpoint from a FLUX transformer (bare BFL names or ComfyUI's
@@ -259,13 +362,18 @@ pub fn is_transformer(ckpt: &Checkpoint) -> bool {
 /// one-file names. A component replaces what `model` holds under its
 /// prefix. Errors name the file that is not what its flag says.
 pub fn assemble(model: &Checkpoint, parts: Components<'_>) -> Result<Checkpoint> {
+    let renamed;
+    let model = if is_diffusers(model) {
+        renamed = bfl_names(model)?;
+        &renamed
+    } else {
+        model
+    };
     let bare = has(model, "double_blocks.") && has(model, "single_blocks.");
     let packed = has(model, "model.diffusion_model.double_blocks.");
     if !bare && !packed {
         let what = if has(model, "model.diffusion_model.input_blocks.") {
             "a Stable Diffusion checkpoint"
-        } else if has(model, "transformer_blocks.") && has(model, "single_transformer_blocks.") {
-            "a FLUX transformer in diffusers' naming, which is not supported yet (give BFL's single file)"
         } else {
             "not a FLUX transformer"
         };

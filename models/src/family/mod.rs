@@ -464,7 +464,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
             "Stable Diffusion 3 (MMDiT), which is not supported",
         ));
     }
-    if has("double_blocks.") && has("single_blocks.") {
+    if flux::is_transformer(ckpt) && !has(&format!("{}double_blocks.", flux::DIT_PREFIX)) {
         return Err(ModelError::MissingTensor(format!(
             "{file}: a FLUX transformer alone; give its text encoders with --t5xxl FILE and --clip-l FILE, and its autoencoder with --vae FILE"
         )));
