@@ -948,3 +948,33 @@ fn a_diffusers_transformer_folder_runs_as_the_bfl_file() {
         r.stderr
     );
 }
+
+/// True CFG on dev (CFG 2, the empty negative prompt, guidance 3.5, 2
+/// steps: the negative pass batched with the positive one) against
+/// diffusers' `true_cfg_scale`.
+#[test]
+fn true_cfg_matches_diffusers() {
+    let r = refs();
+    with_flux("dev", "cpu", "cpu", |sd| {
+        let req = Request {
+            prompt: PROMPTS[0].into(),
+            negative: String::new(),
+            steps: 2,
+            cfg_scale: 2.0,
+            guidance: 3.5,
+            width: 64,
+            height: 64,
+            seed: 0,
+            sampler: Sampler::Euler,
+            scheduler: Scheduler::Simple,
+            clip_skip: 1,
+            init: None,
+            reference: Vec::new(),
+        };
+        let noise = r["truecfg.noise"].clone();
+        let latent = sd
+            .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
+            .unwrap();
+        close("true CFG latent", &latent, &r["truecfg.latent"], 1e-2);
+    });
+}
