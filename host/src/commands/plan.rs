@@ -93,6 +93,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
     let mut report = PlanReport::new(
         shown,
         model.as_ref(),
+        vae.as_ref(),
         fitted.as_ref().map(|f| &f.measured),
         &budgets,
         args.phase_memory,
@@ -222,11 +223,16 @@ impl PlanReport {
     pub fn new(
         p: &Placement,
         model: Option<&Checkpoint>,
+        vae: Option<&Checkpoint>,
         measured: Option<&Measured>,
         budgets: &Budgets,
         policy: sdhost_models::runtime::module::WeightPolicy,
     ) -> Self {
-        let bytes = model.map(|m| m.module_bytes());
+        let mut bytes = model.map(|m| m.module_bytes());
+        // A VAE given apart (`--vae`) replaces the checkpoint's.
+        if let (Some(b), Some(v)) = (bytes.as_mut(), vae) {
+            b.insert(Module::Vae, v.tensors.iter().map(|t| t.bytes).sum());
+        }
         // With a checkpoint, only the modules it has.
         let modules: Vec<PlanRow> = Module::ALL
             .iter()
