@@ -559,6 +559,9 @@ pub struct GenerateArgs {
     pub upscale: UpscaleModelArgs,
 
     #[command(flatten)]
+    pub hires: HiresArgs,
+
+    #[command(flatten)]
     pub init: InitArgs,
 
     #[command(flatten)]
@@ -566,6 +569,32 @@ pub struct GenerateArgs {
 
     #[command(flatten)]
     pub memory: MemoryArgs,
+}
+
+/// Hires fix: a second, img2img pass at a larger size.
+#[derive(Debug, Args)]
+pub struct HiresArgs {
+    /// Hires fix: generate, enlarge the image this many times (Lanczos; each
+    /// side rounded down to the model's multiple), and run img2img at that
+    /// size from it, 1 to 8
+    #[arg(id = "hires_scale", long = "hires-scale", value_name = "SCALE", value_parser = parse_hires_scale)]
+    pub scale: Option<f64>,
+
+    /// Steps of the hires pass (default: --steps); it runs steps × strength
+    #[arg(id = "hires_steps", long = "hires-steps", value_name = "N", requires = "hires_scale", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub steps: Option<u32>,
+
+    /// Denoising strength of the hires pass, in (0, 1]
+    #[arg(id = "hires_strength", long = "hires-strength", value_name = "S", default_value_t = 0.55, requires = "hires_scale", value_parser = parse_strength)]
+    pub strength: f64,
+}
+
+fn parse_hires_scale(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (1.0..=8.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is outside 1..=8")),
+        Err(_) => Err(format!("{s:?} is not a number")),
+    }
 }
 
 /// img2img and inpainting.

@@ -18,6 +18,7 @@ pub mod commands;
 pub mod config;
 pub mod discovery;
 pub mod fit;
+pub mod hires;
 pub mod image_io;
 pub mod loader;
 pub mod lora;

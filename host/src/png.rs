@@ -44,6 +44,8 @@ pub struct TextFields<'a> {
     pub upscaler: Option<(&'a std::path::Path, u32)>,
     /// Reference images (FLUX.1 Kontext).
     pub references: &'a [std::path::PathBuf],
+    /// The hires pass.
+    pub hires: Option<&'a crate::hires::Hires>,
 }
 
 /// A1111-style parameters text; `hashes` are the init image's and mask's.
@@ -104,6 +106,12 @@ pub fn parameters_text_of(
         if sd.is_inpainting() {
             s.push_str(", Inpainting model: yes");
         }
+    }
+    if let Some(h) = args.hires {
+        s.push_str(&format!(
+            ", Denoising strength: {}, Hires resize: {}x{}, Hires steps: {}, Hires upscaler: Lanczos",
+            h.strength, h.width, h.height, h.steps
+        ));
     }
     if !args.references.is_empty() {
         let names: Vec<String> = args.references.iter().map(|p| file_name(p)).collect();

@@ -525,3 +525,92 @@ fn bench_times_each_stage_and_reports_a_missing_peer() {
         r.stderr
     );
 }
+
+/// Hires fix is exactly a generation followed by img2img from its image at
+/// the larger size with the same seed (the image enlarged with Lanczos);
+/// the PNG records both sizes. A hires pass that would run no step is one
+/// line before anything runs.
+#[test]
+fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
+    let p = Prefix::with_cpu();
+    let d = p.dir("out");
+    let m = tiny_sd1();
+    let (hires, first, second) = (
+        d.join("hires.png"),
+        d.join("first.png"),
+        d.join("second.png"),
+    );
+    let base = [
+        "-m",
+        s(&m),
+        "-p",
+        "a cat",
+        "--steps",
+        "4",
+        "-s",
+        "5",
+        "--sampler",
+        "euler",
+    ];
+    let run = |extra: &[&str]| {
+        let mut a = vec!["generate"];
+        a.extend_from_slice(&base);
+        a.extend_from_slice(extra);
+        p.run(&a)
+    };
+    run(&[
+        "-W",
+        "64",
+        "-H",
+        "48",
+        "--hires-scale",
+        "2",
+        "--hires-strength",
+        "0.5",
+        "-o",
+        s(&hires),
+    ])
+    .ok();
+    run(&["-W", "64", "-H", "48", "-o", s(&first)]).ok();
+    run(&[
+        "-W",
+        "128",
+        "-H",
+        "96",
+        "-i",
+        s(&first),
+        "--strength",
+        "0.5",
+        "-o",
+        s(&second),
+    ])
+    .ok();
+    let (w, h, text) = png_info(&hires);
+    assert_eq!((w, h), (128, 96));
+    assert_eq!(pixels(&hires), pixels(&second));
+    for want in [
+        "Size: 64x48",
+        "Hires resize: 128x96",
+        "Hires steps: 4",
+        "Denoising strength: 0.5",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text:?}");
+    }
+    let bad = d.join("bad.png");
+    let r = run(&[
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--hires-scale",
+        "2",
+        "--hires-strength",
+        "0.1",
+        "-o",
+        s(&bad),
+    ]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(r.stderr.contains("runs no step"), "{}", r.stderr);
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+    assert!(!bad.exists());
+}

@@ -56,7 +56,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         vae.as_ref(),
         &loras.specs,
         args.lora.apply,
-        init.is_some() || !references.is_empty(),
+        init.is_some() || !references.is_empty() || args.hires.scale.is_some(),
     )?;
     // Memory budgets: measured on placeholders before any weight is read.
     let fit = Fit {
@@ -92,6 +92,22 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         init.apply(args, &sd, &mut req)?;
     }
     apply_references(args, &sd, references, sized_by_init, &mut req)?;
+    let hires = match args.hires.scale {
+        Some(scale) => {
+            let steps = args.hires.steps.map_or(0, |s| s as usize);
+            Some(
+                crate::hires::Hires::scaled(
+                    (req.width, req.height, req.steps),
+                    scale,
+                    steps,
+                    args.hires.strength,
+                    sd.size_multiple(),
+                )
+                .map_err(|e| anyhow!("--hires-scale: {e}"))?,
+            )
+        }
+        None => None,
+    };
 
     tracing::info!(
         "sampling {} steps with {} at {}x{}",
@@ -100,7 +116,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         req.width,
         req.height
     );
-    let bar = indicatif::ProgressBar::new(req.steps as u64);
+    let total = hires
+        .as_ref()
+        .map_or(req.steps, |h| h.total_steps(req.steps));
+    let bar = indicatif::ProgressBar::new(total as u64);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
             "sampling {bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {per_sec}",
@@ -108,9 +127,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let sampling = Instant::now();
-    let image = sd.generate(
+    let image = crate::hires::generate(
+        &mut sd,
         &req,
-        None,
+        hires.as_ref(),
         &mut |step, _| bar.set_position(step as u64),
         &|| cancel.load(Ordering::SeqCst),
     );
@@ -129,7 +149,8 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let text = parameters_text(args, &req, &sd, &placement, &flash, &hashes) + &loras.fields;
+    let text = parameters_text(args, &req, &sd, &placement, &flash, &hashes, hires.as_ref())
+        + &loras.fields;
     write_png(output, &image, &text)?;
     term::eprint_line(&summary(
         &sd,
@@ -269,6 +290,7 @@ fn parameters_text(
     placement: &Placement,
     flash: &str,
     hashes: &(String, Option<String>),
+    hires: Option<&crate::hires::Hires>,
 ) -> String {
     let fields = TextFields {
         prompt: &args.prompt,
@@ -285,6 +307,7 @@ fn parameters_text(
             .as_deref()
             .map(|p| (p, args.upscale.tuning.repeats)),
         references: &args.init.ref_image,
+        hires,
     };
     parameters_text_of(&fields, req, sd, placement, flash, hashes)
 }

@@ -797,9 +797,10 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
             ),
         ));
     }
-    if f.boolean("enable_hr")? == Some(true) {
-        return Err(ApiError::field("enable_hr", "hires fix is not supported"));
-    }
+    let hires = match f.boolean("enable_hr")? {
+        Some(true) if kind == "txt2img" => Some(hires_ask(f)?),
+        _ => None,
+    };
     let overrides = match f.get("override_settings") {
         None => Map::new(),
         Some(Value::Object(m)) => m.clone(),
@@ -828,6 +829,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         count: (batch * n_iter) as usize,
         init: None,
         reference: Vec::new(),
+        hires,
         edit: false,
         model: None,
         keep_model: false,
@@ -921,6 +923,35 @@ fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
         height: la.height() as usize,
         values,
     }
+}
+
+/// A1111's hires fix fields: `hr_scale` (2), or `hr_resize_x` and
+/// `hr_resize_y`; `hr_second_pass_steps` (0: the steps);
+/// `denoising_strength` (0.7); `hr_upscaler` `Lanczos` or `None` (both
+/// Lanczos: the image is enlarged, not its latent).
+fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
+    match f.string("hr_upscaler")?.as_deref() {
+        None | Some("Lanczos" | "lanczos" | "None" | "none") => {}
+        Some(other) => {
+            return Err(ApiError::field(
+                "hr_upscaler",
+                format!("{other:?} is not supported; Lanczos is (latent upscalers are not yet)"),
+            ))
+        }
+    }
+    let scale = f.float("hr_scale", 1.0, 8.0)?.unwrap_or(2.0);
+    let x = f.int("hr_resize_x", 0, MAX_SIDE)?.unwrap_or(0) as usize;
+    let y = f.int("hr_resize_y", 0, MAX_SIDE)?.unwrap_or(0) as usize;
+    let strength = f.float("denoising_strength", 0.0, 1.0)?.unwrap_or(0.7);
+    if strength <= 0.0 {
+        return Err(ApiError::field("denoising_strength", "must be above 0"));
+    }
+    Ok(super::worker::HiresAsk {
+        scale,
+        resize: (x > 0 && y > 0).then_some((x, y)),
+        steps: f.int("hr_second_pass_steps", 0, 1000)?.unwrap_or(0) as usize,
+        strength,
+    })
 }
 
 /// sdhost's `reference_images` (FLUX.1 Kontext): base64 images the model
@@ -1738,7 +1769,10 @@ mod tests {
                 json!({"prompt": "x", "batch_size": 8, "n_iter": 8}),
                 "n_iter",
             ),
-            (json!({"prompt": "x", "enable_hr": true}), "enable_hr"),
+            (
+                json!({"prompt": "x", "enable_hr": true, "hr_upscaler": "Latent"}),
+                "hr_upscaler",
+            ),
         ];
         for (body, field) in cases {
             let m = fields(body.clone());

@@ -103,6 +103,20 @@ pub struct InitWork {
     pub mask_hash: Option<String>,
 }
 
+/// What `enable_hr` asks: a scale or a size, the steps (0: the first
+/// pass's) and the strength.
+#[derive(Clone, Copy, Debug)]
+pub struct HiresAsk {
+    /// `hr_scale`.
+    pub scale: f64,
+    /// `hr_resize_x` × `hr_resize_y`, where both are given.
+    pub resize: Option<(usize, usize)>,
+    /// `hr_second_pass_steps`.
+    pub steps: usize,
+    /// `denoising_strength`.
+    pub strength: f64,
+}
+
 /// A generation.
 pub struct GenWork {
     /// `txt2img` or `img2img`.
@@ -136,6 +150,8 @@ pub struct GenWork {
     /// Reference images (FLUX.1 Kontext), any size (rounded down to the
     /// model's size multiple).
     pub reference: Vec<Image>,
+    /// Hires fix (`enable_hr`), resolved against the image's size.
+    pub hires: Option<HiresAsk>,
     /// An edit (`/v1/images/edits`): the images are references where the
     /// model takes them (`reference`), else the first is img2img's `init`
     /// (inpainting with the mask); the worker drops the other.
@@ -511,6 +527,24 @@ impl<'m> Worker<'_, 'm> {
         let cfg_scale = g
             .cfg_scale
             .unwrap_or_else(|| l.sd.model().defaults().cfg_scale);
+        let hires = match &g.hires {
+            None => None,
+            Some(a) => Some(
+                match a.resize {
+                    Some(size) => {
+                        crate::hires::Hires::sized((w, h, g.steps), size, a.steps, a.strength)
+                    }
+                    None => crate::hires::Hires::scaled(
+                        (w, h, g.steps),
+                        a.scale,
+                        a.steps,
+                        a.strength,
+                        m,
+                    ),
+                }
+                .map_err(|e| JobError::Invalid(format!("enable_hr: {e}")))?,
+            ),
+        };
         let mut out = GenOutput {
             images: Vec::new(),
             infotexts: Vec::new(),
@@ -542,24 +576,24 @@ impl<'m> Worker<'_, 'm> {
                 init: init.clone(),
                 reference: reference.clone(),
             };
-            let image =
-                l.sd.generate(
-                    &req,
-                    None,
-                    &mut |step, _| self.queue.progress(self.replica, step, i),
-                    &cancelled,
-                )
-                .map_err(|e| match e {
-                    ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
-                    // What the request asked that this model cannot run
-                    // (422), by the error's kind.
-                    ModelError::Request(r) => match a1111_field(r.field, &g.prompt) {
-                        Some(f) => JobError::Invalid(format!("{f}: {}", r.message)),
-                        // Set by the server's flags, not by the request.
-                        None => JobError::Failed(format!("{}: {}", entry.title, r.message)),
-                    },
-                    e => JobError::Failed(format!("{}: {e}", entry.title)),
-                })?;
+            let image = crate::hires::generate(
+                &mut l.sd,
+                &req,
+                hires.as_ref(),
+                &mut |step, _| self.queue.progress(self.replica, step, i),
+                &cancelled,
+            )
+            .map_err(|e| match e {
+                ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
+                // What the request asked that this model cannot run
+                // (422), by the error's kind.
+                ModelError::Request(r) => match a1111_field(r.field, &g.prompt) {
+                    Some(f) => JobError::Invalid(format!("{f}: {}", r.message)),
+                    // Set by the server's flags, not by the request.
+                    None => JobError::Failed(format!("{}: {}", entry.title, r.message)),
+                },
+                e => JobError::Failed(format!("{}: {e}", entry.title)),
+            })?;
             let image = match &mut l.upscaler {
                 Some(u) => {
                     let t = self.args.upscale.tuning;
@@ -593,6 +627,7 @@ impl<'m> Worker<'_, 'm> {
                     .as_deref()
                     .map(|p| (p, self.args.upscale.tuning.repeats)),
                 references: &[],
+                hires: hires.as_ref(),
             };
             let text = parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
                 + &loras.fields;
