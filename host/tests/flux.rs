@@ -978,3 +978,63 @@ fn true_cfg_matches_diffusers() {
         close("true CFG latent", &latent, &r["truecfg.latent"], 1e-2);
     });
 }
+
+/// `sdhost convert` quantizes a T5 and a CLIP-L given apart (names kept,
+/// T5's position-bias table f16), and the q8_0 files run within a bound of
+/// the f16 ones.
+#[test]
+fn q8_0_text_encoders_converted_by_sdhost_run_within_a_bound() {
+    let p = Prefix::with_cpu();
+    let r = refs();
+    let dir = p.dir("gguf");
+    let (t5, clip) = (dir.join("t5-q8_0.gguf"), dir.join("clip-q8_0.gguf"));
+    for (src, out) in [
+        ("flux/tiny-t5.safetensors", &t5),
+        ("flux/tiny-clip-l.safetensors", &clip),
+    ] {
+        p.run(&[
+            "convert",
+            "-m",
+            s(&fixture(src)),
+            "-o",
+            s(out),
+            "--type",
+            "q8_0",
+        ])
+        .ok();
+    }
+    let g = checkpoint::scan(&t5).unwrap();
+    let ty = |n: &str| {
+        g.tensors
+            .iter()
+            .find(|t| t.name == n)
+            .unwrap()
+            .dtype
+            .to_ascii_lowercase()
+    };
+    assert_eq!(
+        ty("encoder.block.0.layer.1.DenseReluDense.wi_0.weight"),
+        "q8_0"
+    );
+    assert_eq!(
+        ty("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
+        "f16"
+    );
+    assert_eq!(
+        g.metadata.get("general.architecture").map(String::as_str),
+        Some("t5encoder")
+    );
+    let ckpt = parts_of("flux/tiny-flux-schnell.safetensors", s(&t5), s(&clip));
+    with_checkpoint(ckpt, "cpu", "cpu", |sd| {
+        let m = flux_model(sd);
+        let hidden = m.encode_t5(PROMPTS[0]).unwrap();
+        close("q8_0 T5 against f16's", &hidden, &r["t5.hidden.0"], 5e-2);
+        let pooled = m.encode_pooled(PROMPTS[0]).unwrap();
+        close(
+            "q8_0 CLIP-L against f16's",
+            &pooled,
+            &r["clip.pooled.0"],
+            5e-2,
+        );
+    });
+}

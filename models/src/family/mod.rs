@@ -400,6 +400,21 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
             architecture: Family::Flux.name(),
         };
     }
+    // A text encoder given apart (`--t5xxl`, `--clip-l`): every tensor,
+    // by FLUX's rule (T5's position-bias table stays f16).
+    let has = |p: &str| ckpt.tensors.iter().any(|t| t.name.starts_with(p));
+    if has("encoder.block.") && (has("shared.") || has("encoder.embed_tokens.")) {
+        return Conversion {
+            rule: flux::converted_type,
+            architecture: "t5encoder",
+        };
+    }
+    if has("text_model.encoder.layers.") && !has("model.diffusion_model.") {
+        return Conversion {
+            rule: flux::converted_type,
+            architecture: "clip",
+        };
+    }
     Conversion {
         rule: |name, shape, requested| {
             crate::checkpoint::module_of(name).map(|_| target_type(name, shape, requested))
