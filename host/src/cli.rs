@@ -584,6 +584,17 @@ pub struct HiresArgs {
     #[arg(id = "hires_steps", long = "hires-steps", value_name = "N", requires = "hires_scale", value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub steps: Option<u32>,
 
+    /// What is enlarged: the image (`lanczos`) or the latent (`latent`:
+    /// bilinear, A1111's "Latent"; `latent-nearest`; `latent-nearest-exact`)
+    #[arg(
+        id = "hires_upscaler",
+        long = "hires-upscaler",
+        value_name = "HOW",
+        default_value = "lanczos",
+        requires = "hires_scale"
+    )]
+    pub upscaler: crate::hires::Upscaler,
+
     /// Denoising strength of the hires pass, in (0, 1]
     #[arg(id = "hires_strength", long = "hires-strength", value_name = "S", default_value_t = 0.55, requires = "hires_scale", value_parser = parse_strength)]
     pub strength: f64,

@@ -1,12 +1,94 @@
-//! Hires fix: generate at the requested size, enlarge the image, and run
-//! img2img at the larger size from it (A1111's "Hires. fix", with an image
-//! upscaler): the composition of the small image, the detail of the large.
-//! Shared by `generate --hires-scale` and serve's `enable_hr`.
+//! Hires fix: generate at the requested size, enlarge the image (Lanczos)
+//! or the latent (A1111's "Latent" upscalers: bilinear, nearest,
+//! nearest-exact, as torch's `interpolate`), and run img2img at the larger
+//! size from it (A1111's "Hires. fix"): the composition of the small image,
+//! the detail of the large. Shared by `generate --hires-scale` and serve's
+//! `enable_hr`. The latent interpolation is written here: ten lines of
+//! index arithmetic that must match torch's exactly.
 
 use crate::image_io;
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::ModelError;
+
+/// How the first pass is enlarged.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum Upscaler {
+    /// The image, Lanczos 3.
+    #[default]
+    Lanczos,
+    /// The latent, bilinear (A1111's "Latent").
+    Latent,
+    /// The latent, nearest (A1111's "Latent (nearest)").
+    LatentNearest,
+    /// The latent, nearest-exact (A1111's "Latent (nearest-exact)").
+    LatentNearestExact,
+}
+
+impl Upscaler {
+    /// A1111's name.
+    pub fn a1111_name(self) -> &'static str {
+        match self {
+            Upscaler::Lanczos => "Lanczos",
+            Upscaler::Latent => "Latent",
+            Upscaler::LatentNearest => "Latent (nearest)",
+            Upscaler::LatentNearestExact => "Latent (nearest-exact)",
+        }
+    }
+
+    /// The upscaler A1111 names `name` (`None` is Lanczos: a plain resize).
+    pub fn from_a1111(name: &str) -> Option<Upscaler> {
+        Some(match name.to_ascii_lowercase().as_str() {
+            "lanczos" | "none" => Upscaler::Lanczos,
+            "latent" => Upscaler::Latent,
+            "latent (nearest)" => Upscaler::LatentNearest,
+            "latent (nearest-exact)" => Upscaler::LatentNearestExact,
+            _ => return None,
+        })
+    }
+}
+
+/// `[C, H, W]` planes resized to `h`×`w` as torch's `interpolate` does
+/// (`align_corners=False`, no antialiasing).
+pub fn resize_latent(
+    z: &[f32],
+    [c, ih, iw]: [usize; 3],
+    h: usize,
+    w: usize,
+    up: Upscaler,
+) -> Vec<f32> {
+    let (sy, sx) = (ih as f64 / h as f64, iw as f64 / w as f64);
+    let mut out = Vec::with_capacity(c * h * w);
+    // Source index and weight of the next one, per output row or column.
+    let axis = |n: usize, s: f64, len: usize| -> Vec<(usize, usize, f32)> {
+        (0..n)
+            .map(|d| match up {
+                Upscaler::LatentNearest => (((d as f64 * s) as usize).min(len - 1), 0, 0.0),
+                Upscaler::LatentNearestExact => {
+                    ((((d as f64 + 0.5) * s) as usize).min(len - 1), 0, 0.0)
+                }
+                _ => {
+                    let src = ((d as f64 + 0.5) * s - 0.5).max(0.0);
+                    let i0 = (src as usize).min(len - 1);
+                    ((i0), (i0 + 1).min(len - 1), (src - i0 as f64) as f32)
+                }
+            })
+            .collect()
+    };
+    let (ys, xs) = (axis(h, sy, ih), axis(w, sx, iw));
+    for ch in 0..c {
+        let plane = &z[ch * ih * iw..(ch + 1) * ih * iw];
+        for &(y0, y1, wy) in &ys {
+            for &(x0, x1, wx) in &xs {
+                let at = |y: usize, x: usize| plane[y * iw + x];
+                let top = at(y0, x0) * (1.0 - wx) + at(y0, x1) * wx;
+                let bottom = at(y1, x0) * (1.0 - wx) + at(y1, x1) * wx;
+                out.push(top * (1.0 - wy) + bottom * wy);
+            }
+        }
+    }
+    out
+}
 
 /// The second pass.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -19,6 +101,8 @@ pub struct Hires {
     pub steps: usize,
     /// Its denoising strength, in (0, 1].
     pub strength: f64,
+    /// How the first pass is enlarged.
+    pub upscaler: Upscaler,
 }
 
 impl Hires {
@@ -66,6 +150,7 @@ impl Hires {
             height,
             steps,
             strength,
+            upscaler: Upscaler::Lanczos,
         })
     }
 
@@ -74,17 +159,28 @@ impl Hires {
         first + ((self.steps as f64 * self.strength).floor() as usize).max(1)
     }
 
+    /// The same with another upscaler.
+    pub fn with_upscaler(self, upscaler: Upscaler) -> Hires {
+        Hires { upscaler, ..self }
+    }
+
     /// The second pass's request: `req` at the hires size from `image`
-    /// (Lanczos-enlarged to it), with the same seed and prompts.
-    pub fn request(&self, req: &Request, image: Image) -> Request {
+    /// (Lanczos-enlarged to it), or from `latent` (already enlarged; the
+    /// image is then empty), with the same seed and prompts.
+    pub fn request(&self, req: &Request, image: Image, latent: Option<Vec<f32>>) -> Request {
+        let image = match latent {
+            Some(_) => image,
+            None => image_io::resize_rgb(image, self.width, self.height),
+        };
         Request {
             width: self.width,
             height: self.height,
             steps: self.steps,
             init: Some(Init {
-                image: image_io::resize_rgb(image, self.width, self.height),
+                image,
                 strength: self.strength,
                 mask: None,
+                latent,
             }),
             ..req.clone()
         }
@@ -104,12 +200,58 @@ pub fn generate(
         return sd.generate(req, None, progress, cancelled);
     };
     let total = h.total_steps(req.steps);
-    let first = sd.generate(req, None, &mut |done, _| progress(done, total), cancelled)?;
-    let second = h.request(req, first);
+    let second = if h.upscaler == Upscaler::Lanczos {
+        let first = sd.generate(req, None, &mut |done, _| progress(done, total), cancelled)?;
+        h.request(req, first, None)
+    } else {
+        let z = sd.sample_latent(req, None, &mut |done, _| progress(done, total), cancelled)?;
+        let f = sd.first_stage().format().spatial;
+        let c = z.len() / ((req.height / f) * (req.width / f)).max(1);
+        let shape = [c, req.height / f, req.width / f];
+        let up = resize_latent(&z, shape, h.height / f, h.width / f, h.upscaler);
+        let empty = Image {
+            width: 0,
+            height: 0,
+            rgb: Vec::new(),
+        };
+        h.request(req, empty, Some(up))
+    };
     sd.generate(
         &second,
         None,
         &mut |done, _| progress(req.steps + done, total),
         cancelled,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latent_resizes_match_torch_interpolate() {
+        // torch.nn.functional.interpolate of [[1, 2, 4], [3, 5, 9]] to 4×5.
+        let z = [1.0, 2.0, 4.0, 3.0, 5.0, 9.0];
+        let got = |up| resize_latent(&z, [1, 2, 3], 4, 5, up);
+        let bilinear = [
+            1.0, 1.4, 2.0, 3.2, 4.0, 1.5, 2.0, 2.75, 4.25, 5.25, 2.5, 3.2, 4.25, 6.35, 7.75, 3.0,
+            3.8, 5.0, 7.4, 9.0,
+        ];
+        for (g, w) in got(Upscaler::Latent).iter().zip(bilinear) {
+            assert!((g - w).abs() < 1e-5, "{g} {w}");
+        }
+        assert_eq!(
+            got(Upscaler::LatentNearest),
+            [1., 1., 2., 2., 4., 1., 1., 2., 2., 4., 3., 3., 5., 5., 9., 3., 3., 5., 5., 9.]
+        );
+        assert_eq!(
+            got(Upscaler::LatentNearestExact),
+            [1., 1., 2., 4., 4., 1., 1., 2., 4., 4., 3., 3., 5., 9., 9., 3., 3., 5., 9., 9.]
+        );
+        assert_eq!(
+            Upscaler::from_a1111("Latent (nearest-exact)"),
+            Some(Upscaler::LatentNearestExact)
+        );
+        assert_eq!(Upscaler::from_a1111("Latent (bicubic)"), None);
+    }
 }

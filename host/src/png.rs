@@ -109,8 +109,12 @@ pub fn parameters_text_of(
     }
     if let Some(h) = args.hires {
         s.push_str(&format!(
-            ", Denoising strength: {}, Hires resize: {}x{}, Hires steps: {}, Hires upscaler: Lanczos",
-            h.strength, h.width, h.height, h.steps
+            ", Denoising strength: {}, Hires resize: {}x{}, Hires steps: {}, Hires upscaler: {}",
+            h.strength,
+            h.width,
+            h.height,
+            h.steps,
+            h.upscaler.a1111_name()
         ));
     }
     if !args.references.is_empty() {

@@ -648,6 +648,7 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
                 image: init_image(),
                 strength: 0.5,
                 mask: None,
+                latent: None,
             }),
             ..base.clone()
         };

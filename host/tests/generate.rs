@@ -596,6 +596,28 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
     ] {
         assert!(text.contains(want), "{want:?} not in {text:?}");
     }
+    // A1111's "Latent": the first pass's latent enlarged (bilinear) is where
+    // the second starts; its image differs from the Lanczos one.
+    let latent = d.join("latent.png");
+    run(&[
+        "-W",
+        "64",
+        "-H",
+        "48",
+        "--hires-scale",
+        "2",
+        "--hires-strength",
+        "0.5",
+        "--hires-upscaler",
+        "latent",
+        "-o",
+        s(&latent),
+    ])
+    .ok();
+    let (w, h, text) = png_info(&latent);
+    assert_eq!((w, h), (128, 96));
+    assert!(text.contains("Hires upscaler: Latent"), "{text}");
+    assert_ne!(pixels(&latent), pixels(&hires));
     let bad = d.join("bad.png");
     let r = run(&[
         "-W",

@@ -55,6 +55,7 @@ fn init(strength: f64, mask: bool) -> Init {
         image: image_io::load_rgb(&fixture("init-64.png")).unwrap(),
         strength,
         mask: mask.then(|| image_io::load_mask(&fixture("mask-64.png")).unwrap().values),
+        latent: None,
     }
 }
 

@@ -151,6 +151,7 @@ fn prediction_matches(
             image: sdhost::image_io::resize_rgb(image, w, h),
             strength: 0.5,
             mask: None,
+            latent: None,
         });
     }
     sd.generate(&gen_req, None, &mut |_, _| {}, &|| false)

@@ -2278,7 +2278,16 @@ fn flux_and_edits_through_the_apis() {
     assert!(text.contains("Hires resize: 128x96"), "{text}");
     let r = srv.post(
         "/sdapi/v1/txt2img",
-        json!({"prompt": "x", "steps": 2, "enable_hr": true, "hr_upscaler": "Latent"}),
+        json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
+               "hr_resize_x": 96, "hr_resize_y": 80, "hr_upscaler": "Latent"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (96, 80));
+    assert!(text.contains("Hires upscaler: Latent"), "{text}");
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "enable_hr": true, "hr_upscaler": "R-ESRGAN 4x+"}),
     );
     assert_eq!(r.status, 422, "{}", r.text());
     assert!(r.text().contains("hr_upscaler"), "{}", r.text());

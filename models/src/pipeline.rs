@@ -546,6 +546,33 @@ impl<'b> Pipeline<'b> {
                 format!("strength {} is outside (0, 1]", init.strength),
             ));
         }
+        let run = ((req.steps as f64 * init.strength).floor() as usize).min(req.steps);
+        if let Some(z0) = &init.latent {
+            if inpainting || init.mask.is_some() {
+                return Err(ModelError::request(
+                    Field::InitImage,
+                    "a latent init is not for inpainting",
+                ));
+            }
+            if z0.len() != shape.iter().product::<usize>() || run == 0 {
+                return Err(ModelError::request(
+                    Field::InitImage,
+                    format!(
+                        "a latent init of {} values for a {:?} latent at {} steps × strength {}",
+                        z0.len(),
+                        shape,
+                        req.steps,
+                        init.strength
+                    ),
+                ));
+            }
+            return Ok(Prepared {
+                sigmas: full[req.steps - run..].to_vec(),
+                z0: Some(z0.clone()),
+                repaint: None,
+                extra: None,
+            });
+        }
         if init.image.width != w || init.image.height != h || init.image.rgb.len() != 3 * w * h {
             return Err(ModelError::request(
                 Field::InitImage,
@@ -555,7 +582,6 @@ impl<'b> Pipeline<'b> {
                 ),
             ));
         }
-        let run = ((req.steps as f64 * init.strength).floor() as usize).min(req.steps);
         if run == 0 {
             return Err(ModelError::request(
                 Field::Strength,

@@ -56,6 +56,11 @@ pub struct Init {
     /// Where to repaint: one value per pixel of the init image, 0..1
     /// (1 = repaint), row-major.
     pub mask: Option<Vec<f32>>,
+    /// A latent to start from instead of the image's (the hires fix's
+    /// latent upscale), `[1, C, H/f, W/f]` of the request's size, already
+    /// normalised as the denoiser takes it; the image is then unused (it may
+    /// be empty). Not for inpainting models.
+    pub latent: Option<Vec<f32>>,
 }
 
 /// An 8-bit RGB image.

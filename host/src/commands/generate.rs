@@ -103,6 +103,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
                     args.hires.strength,
                     sd.size_multiple(),
                 )
+                .map(|h| h.with_upscaler(args.hires.upscaler))
                 .map_err(|e| anyhow!("--hires-scale: {e}"))?,
             )
         }
@@ -242,6 +243,7 @@ impl InitInput {
             image: image_io::resize_rgb(self.image, w, h),
             strength: args.init.strength,
             mask: self.mask.map(|m| image_io::resize_mask(m, w, h).values),
+            latent: None,
         });
         Ok(())
     }

@@ -927,18 +927,21 @@ fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
 
 /// A1111's hires fix fields: `hr_scale` (2), or `hr_resize_x` and
 /// `hr_resize_y`; `hr_second_pass_steps` (0: the steps);
-/// `denoising_strength` (0.7); `hr_upscaler` `Lanczos` or `None` (both
-/// Lanczos: the image is enlarged, not its latent).
+/// `denoising_strength` (0.7); `hr_upscaler` (`Lanczos`, `None`: the image
+/// enlarged; `Latent`, `Latent (nearest)`, `Latent (nearest-exact)`: the
+/// latent).
 fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
-    match f.string("hr_upscaler")?.as_deref() {
-        None | Some("Lanczos" | "lanczos" | "None" | "none") => {}
-        Some(other) => {
-            return Err(ApiError::field(
+    let upscaler = match f.string("hr_upscaler")?.as_deref() {
+        None => crate::hires::Upscaler::Lanczos,
+        Some(name) => crate::hires::Upscaler::from_a1111(name).ok_or_else(|| {
+            ApiError::field(
                 "hr_upscaler",
-                format!("{other:?} is not supported; Lanczos is (latent upscalers are not yet)"),
-            ))
-        }
-    }
+                format!(
+                    "{name:?} is not supported; Lanczos, None, Latent, Latent (nearest) and Latent (nearest-exact) are"
+                ),
+            )
+        })?,
+    };
     let scale = f.float("hr_scale", 1.0, 8.0)?.unwrap_or(2.0);
     let x = f.int("hr_resize_x", 0, MAX_SIDE)?.unwrap_or(0) as usize;
     let y = f.int("hr_resize_y", 0, MAX_SIDE)?.unwrap_or(0) as usize;
@@ -951,6 +954,7 @@ fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
         resize: (x > 0 && y > 0).then_some((x, y)),
         steps: f.int("hr_second_pass_steps", 0, 1000)?.unwrap_or(0) as usize,
         strength,
+        upscaler,
     })
 }
 
@@ -1770,7 +1774,7 @@ mod tests {
                 "n_iter",
             ),
             (
-                json!({"prompt": "x", "enable_hr": true, "hr_upscaler": "Latent"}),
+                json!({"prompt": "x", "enable_hr": true, "hr_upscaler": "Latent (bicubic)"}),
                 "hr_upscaler",
             ),
         ];

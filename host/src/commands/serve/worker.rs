@@ -115,6 +115,8 @@ pub struct HiresAsk {
     pub steps: usize,
     /// `denoising_strength`.
     pub strength: f64,
+    /// `hr_upscaler`.
+    pub upscaler: crate::hires::Upscaler,
 }
 
 /// A generation.
@@ -520,6 +522,7 @@ impl<'m> Worker<'_, 'm> {
                 )
                 .values
             }),
+            latent: None,
         });
         let hashes = g_init
             .map(|i| (i.hash.clone(), i.mask_hash.clone()))
@@ -542,7 +545,8 @@ impl<'m> Worker<'_, 'm> {
                         m,
                     ),
                 }
-                .map_err(|e| JobError::Invalid(format!("enable_hr: {e}")))?,
+                .map_err(|e| JobError::Invalid(format!("enable_hr: {e}")))?
+                .with_upscaler(a.upscaler),
             ),
         };
         let mut out = GenOutput {
