@@ -591,7 +591,8 @@ pub struct HiresArgs {
         long = "hires-upscaler",
         value_name = "HOW",
         default_value = "lanczos",
-        requires = "hires_scale"
+        requires = "hires_scale",
+        value_parser = str::parse::<crate::hires::Upscaler>
     )]
     pub upscaler: crate::hires::Upscaler,
 

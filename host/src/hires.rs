@@ -12,7 +12,7 @@ use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::ModelError;
 
 /// How the first pass is enlarged.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Upscaler {
     /// The image, Lanczos 3.
     #[default]
@@ -23,6 +23,25 @@ pub enum Upscaler {
     LatentNearest,
     /// The latent, nearest-exact (A1111's "Latent (nearest-exact)").
     LatentNearestExact,
+}
+
+impl std::str::FromStr for Upscaler {
+    type Err = String;
+
+    /// `lanczos`, `latent`, `latent-nearest`, `latent-nearest-exact`.
+    fn from_str(s: &str) -> Result<Upscaler, String> {
+        Ok(match s {
+            "lanczos" => Upscaler::Lanczos,
+            "latent" => Upscaler::Latent,
+            "latent-nearest" => Upscaler::LatentNearest,
+            "latent-nearest-exact" => Upscaler::LatentNearestExact,
+            _ => {
+                return Err(format!(
+                    "{s:?}: expected lanczos, latent, latent-nearest or latent-nearest-exact"
+                ))
+            }
+        })
+    }
 }
 
 impl Upscaler {
