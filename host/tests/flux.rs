@@ -119,6 +119,47 @@ fn with_loras(
     f(&mut sd)
 }
 
+/// The transformer's output on `variant`'s reference input: its latent, its
+/// T5 tokens, prompt 0's pooled CLIP-L, σ 0.75, guidance 3.5 where the
+/// model takes one.
+fn transformer_out(
+    m: &mut FluxModel<'_>,
+    r: &HashMap<String, Vec<f32>>,
+    variant: &str,
+) -> Vec<f32> {
+    let cfg = m.config().clone();
+    let input = FluxInput {
+        x: &r[&format!("{variant}.x")],
+        shape: [1, 16, 8, 8],
+        t: 750.0,
+        guidance: cfg.guidance.then_some(3.5),
+        context: &r[&format!("{variant}.txt")],
+        y: &r["clip.pooled.0"],
+        reference: &[],
+    };
+    flux::predict(&mut m.dit, &cfg, input).unwrap()
+}
+
+/// A 64×64 request for prompt 0 of `steps` Euler steps on the simple
+/// schedule at CFG `cfg_scale`, guidance 3.5.
+fn request(steps: usize, cfg_scale: f32) -> Request {
+    Request {
+        prompt: PROMPTS[0].into(),
+        negative: String::new(),
+        steps,
+        cfg_scale,
+        guidance: 3.5,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Simple,
+        clip_skip: 1,
+        init: None,
+        reference: Vec::new(),
+    }
+}
+
 fn flux_model<'a, 'b>(p: &'a mut Pipeline<'b>) -> &'a mut FluxModel<'b> {
     p.model_mut().flux().expect("a FLUX model")
 }
@@ -179,17 +220,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 }
             }
             m.te.end_phase();
-            let cfg = m.config().clone();
-            let input = FluxInput {
-                x: &r[&format!("{variant}.x")],
-                shape: [1, 16, 8, 8],
-                t: 750.0,
-                guidance: cfg.guidance.then_some(3.5),
-                context: &r[&format!("{variant}.txt")],
-                y: &r["clip.pooled.0"],
-                reference: &[],
-            };
-            let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+            let out = transformer_out(m, &r, variant);
             m.dit.end_phase();
             close(
                 &format!("{variant} transformer"),
@@ -200,21 +231,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
 
             // The pipeline: 3 steps of Euler on the simple schedule, 64×64,
             // no negative pass, dev at guidance 3.5.
-            let req = Request {
-                prompt: PROMPTS[0].into(),
-                negative: String::new(),
-                steps: 3,
-                cfg_scale: 1.0,
-                guidance: 3.5,
-                width: 64,
-                height: 64,
-                seed: 0,
-                sampler: Sampler::Euler,
-                scheduler: Scheduler::Simple,
-                clip_skip: 1,
-                init: None,
-                reference: Vec::new(),
-            };
+            let req = request(3, 1.0);
             let sampling = sd.model().sampling(8, 8);
             let sigmas: Vec<f32> = Scheduler::Simple
                 .sigmas(sampling.schedule(), 3)
@@ -484,17 +501,7 @@ fn fp8_parts_match_their_dequantized_references() {
             0.2,
         );
         m.te.end_phase();
-        let cfg = m.config().clone();
-        let input = FluxInput {
-            x: &r["schnell.x"],
-            shape: [1, 16, 8, 8],
-            t: 750.0,
-            guidance: None,
-            context: &r["schnell.txt"],
-            y: &r["clip.pooled.0"],
-            reference: &[],
-        };
-        let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+        let out = transformer_out(m, &r, "schnell");
         close("scaled-fp8 transformer", &out, &r["fp8.schnell.out"], 5e-3);
         close(
             "scaled-fp8 transformer against f16's",
@@ -596,17 +603,7 @@ fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
         };
         with_checkpoint(assemble(&g, parts).unwrap(), "cpu", "cpu", |sd| {
             let m = flux_model(sd);
-            let cfg = m.config().clone();
-            let input = FluxInput {
-                x: &r[&format!("{variant}.x")],
-                shape: [1, 16, 8, 8],
-                t: 750.0,
-                guidance: cfg.guidance.then_some(3.5),
-                context: &r[&format!("{variant}.txt")],
-                y: &r["clip.pooled.0"],
-                reference: &[],
-            };
-            let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+            let out = transformer_out(m, &r, variant);
             close(
                 &format!("{variant} q8_0 transformer against f16's"),
                 &out,
@@ -626,21 +623,7 @@ fn init_image() -> sdhost_models::request::Image {
 /// guidance 3.5) against diffusers (`make_flux_fixtures.py`).
 fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
     let r = refs();
-    let base = Request {
-        prompt: PROMPTS[0].into(),
-        negative: String::new(),
-        steps: 3,
-        cfg_scale: 1.0,
-        guidance: 3.5,
-        width: 64,
-        height: 64,
-        seed: 0,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Simple,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
-    };
+    let base = request(3, 1.0);
     with_checkpoint_encoding(parts("schnell"), runtime, params, true, |sd| {
         let req = Request {
             steps: 4,
@@ -771,17 +754,7 @@ fn flux_loras_match_peft() {
             apply,
             |sd| {
                 let m = flux_model(sd);
-                let cfg = m.config().clone();
-                let input = FluxInput {
-                    x: &r["schnell.x"],
-                    shape: [1, 16, 8, 8],
-                    t: 750.0,
-                    guidance: None,
-                    context: &r["schnell.txt"],
-                    y: &r["clip.pooled.0"],
-                    reference: &[],
-                };
-                let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+                let out = transformer_out(m, &r, "schnell");
                 let what = format!("{file} ({apply:?})");
                 close(&what, &out, &r["lora.schnell.out"], 5e-3);
                 assert!(
@@ -893,17 +866,7 @@ fn a_diffusers_transformer_folder_runs_as_the_bfl_file() {
             LoraApply::Merge,
             |sd| {
                 let m = flux_model(sd);
-                let cfg = m.config().clone();
-                let input = FluxInput {
-                    x: &r["schnell.x"],
-                    shape: [1, 16, 8, 8],
-                    t: 750.0,
-                    guidance: None,
-                    context: &r["schnell.txt"],
-                    y: &r["clip.pooled.0"],
-                    reference: &[],
-                };
-                let out = flux::predict(&mut m.dit, &cfg, input).unwrap();
+                let out = transformer_out(m, &r, "schnell");
                 close(
                     &format!("diffusers-named transformer ({want})"),
                     &out,
@@ -957,21 +920,7 @@ fn a_diffusers_transformer_folder_runs_as_the_bfl_file() {
 fn true_cfg_matches_diffusers() {
     let r = refs();
     with_flux("dev", "cpu", "cpu", |sd| {
-        let req = Request {
-            prompt: PROMPTS[0].into(),
-            negative: String::new(),
-            steps: 2,
-            cfg_scale: 2.0,
-            guidance: 3.5,
-            width: 64,
-            height: 64,
-            seed: 0,
-            sampler: Sampler::Euler,
-            scheduler: Scheduler::Simple,
-            clip_skip: 1,
-            init: None,
-            reference: Vec::new(),
-        };
+        let req = request(2, 2.0);
         let noise = r["truecfg.noise"].clone();
         let latent = sd
             .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)

@@ -127,47 +127,31 @@ pub struct FluxInput<'i> {
     pub reference: &'i [(Vec<f32>, [usize; 4])],
 }
 
-/// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]`: token
-/// `r·W/2 + c`, feature `ch·4 + dy·2 + dx` (diffusers' `_pack_latents`).
-pub fn patchify(x: &[f32], [n, ch, h, w]: [usize; 4]) -> Vec<f32> {
+/// The latent index of each token feature in order: token `r·W/2 + c`,
+/// feature `ch·4 + dy·2 + dx` (diffusers' `_pack_latents`).
+fn patch_order([n, ch, h, w]: [usize; 4]) -> impl Iterator<Item = usize> {
     let (ph, pw) = (h / PATCH, w / PATCH);
-    let mut out = Vec::with_capacity(x.len());
-    for b in 0..n {
-        for r in 0..ph {
-            for c in 0..pw {
-                for k in 0..ch {
-                    for dy in 0..PATCH {
-                        for dx in 0..PATCH {
-                            let (y, xx) = (r * PATCH + dy, c * PATCH + dx);
-                            out.push(x[((b * ch + k) * h + y) * w + xx]);
-                        }
-                    }
-                }
-            }
-        }
-    }
-    out
+    (0..n).flat_map(move |b| {
+        (0..ph * pw).flat_map(move |rc| {
+            let (r, c) = (rc / pw, rc % pw);
+            (0..ch * PATCH * PATCH).map(move |f| {
+                let (k, dy, dx) = (f / (PATCH * PATCH), f / PATCH % PATCH, f % PATCH);
+                ((b * ch + k) * h + r * PATCH + dy) * w + c * PATCH + dx
+            })
+        })
+    })
+}
+
+/// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]` ([`patch_order`]).
+pub fn patchify(x: &[f32], shape: [usize; 4]) -> Vec<f32> {
+    patch_order(shape).map(|i| x[i]).collect()
 }
 
 /// The inverse of [`patchify`].
-pub fn unpatchify(t: &[f32], [n, ch, h, w]: [usize; 4]) -> Vec<f32> {
+pub fn unpatchify(t: &[f32], shape: [usize; 4]) -> Vec<f32> {
     let mut out = vec![0.0; t.len()];
-    let (ph, pw) = (h / PATCH, w / PATCH);
-    let mut i = 0;
-    for b in 0..n {
-        for r in 0..ph {
-            for c in 0..pw {
-                for k in 0..ch {
-                    for dy in 0..PATCH {
-                        for dx in 0..PATCH {
-                            let (y, xx) = (r * PATCH + dy, c * PATCH + dx);
-                            out[((b * ch + k) * h + y) * w + xx] = t[i];
-                            i += 1;
-                        }
-                    }
-                }
-            }
-        }
+    for (v, i) in t.iter().zip(patch_order(shape)) {
+        out[i] = *v;
     }
     out
 }

@@ -1561,34 +1561,8 @@ async fn openai_generations(
     if f.get("batch_size").is_some() || f.get("n_iter").is_some() {
         return Err(ApiError::field("n", "give the number of images as n"));
     }
-    work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
-    if let Some(size) = f.string("size")? {
-        (work.width, work.height) = openai_size(&size)?;
-    }
-    match f.string("response_format")?.as_deref() {
-        None | Some("b64_json") => {}
-        Some(other) => {
-            return Err(ApiError::field(
-                "response_format",
-                format!("{other:?} is not supported; use b64_json"),
-            ))
-        }
-    }
-    if let Some(m) = f.string("model")? {
-        // OpenAI clients often send their own model names: only a name this
-        // server knows switches the model.
-        work.model = st.models().iter().find(|e| e.matches(&m)).cloned();
-    }
-    let prompt = work.prompt.clone();
-    let out = generate(&st, work).await?;
-    let created = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    Ok(Json(json!({
-        "created": created,
-        "data": out.images.iter().map(|p| json!({"b64_json": b64(p), "revised_prompt": prompt})).collect::<Vec<_>>(),
-        "output_format": "png",
-    })))
+    openai_fields(&st, &f, &mut work)?;
+    openai_images(&st, work).await
 }
 
 /// OpenAI's `/v1/images/edits` (a form upload: `image` or `image[]`,
@@ -1649,22 +1623,7 @@ async fn openai_edits(
     }
     let f = Fields(&fields);
     let mut work = gen_work(&f, "img2img", 20)?;
-    work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
-    if let Some(size) = f.string("size")? {
-        (work.width, work.height) = openai_size(&size)?;
-    }
-    match f.string("response_format")?.as_deref() {
-        None | Some("b64_json") => {}
-        Some(other) => {
-            return Err(ApiError::field(
-                "response_format",
-                format!("{other:?} is not supported; use b64_json"),
-            ))
-        }
-    }
-    if let Some(m) = f.string("model")? {
-        work.model = st.models().iter().find(|e| e.matches(&m)).cloned();
-    }
+    openai_fields(&st, &f, &mut work)?;
     let strength = f.float("strength", 0.0, 1.0)?.unwrap_or(0.75);
     if strength <= 0.0 {
         return Err(ApiError::field("strength", "must be above 0"));
@@ -1697,8 +1656,37 @@ async fn openai_edits(
     });
     work.reference = refs;
     work.edit = true;
+    openai_images(&st, work).await
+}
+
+/// The fields OpenAI's image endpoints share: `n`, `size`,
+/// `response_format` (`b64_json` only) and `model` (OpenAI clients often
+/// send their own model names: only a name this server knows switches the
+/// model).
+fn openai_fields(st: &AppState, f: &Fields<'_>, work: &mut GenWork) -> ApiResult<()> {
+    work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
+    if let Some(size) = f.string("size")? {
+        (work.width, work.height) = openai_size(&size)?;
+    }
+    match f.string("response_format")?.as_deref() {
+        None | Some("b64_json") => {}
+        Some(other) => {
+            return Err(ApiError::field(
+                "response_format",
+                format!("{other:?} is not supported; use b64_json"),
+            ))
+        }
+    }
+    if let Some(m) = f.string("model")? {
+        work.model = st.models().iter().find(|e| e.matches(&m)).cloned();
+    }
+    Ok(())
+}
+
+/// Runs `work` and answers as OpenAI's image endpoints do.
+async fn openai_images(st: &AppState, work: GenWork) -> ApiResult<Json<Value>> {
     let prompt = work.prompt.clone();
-    let out = generate(&st, work).await?;
+    let out = generate(st, work).await?;
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
