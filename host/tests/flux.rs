@@ -26,6 +26,7 @@ use sdhost_models::runtime::module::Devices;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::ModuleKind;
 use std::collections::HashMap;
+use std::path::Path;
 
 fn refs() -> HashMap<String, Vec<f32>> {
     read_tensors(&fixture("flux/tiny-flux-ref.safetensors"))
@@ -304,6 +305,20 @@ fn t5_tokenizer_matches_transformers_on_hard_prompts() {
     });
 }
 
+/// `generate` of `model` into `out` with the tiny parts (`--t5xxl`,
+/// `--clip-l`, `--vae`), then `extra`.
+fn generate_with_parts(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let mut a = generate_args(s(model), s(out), &["--t5xxl", s(&t5), "--clip-l", s(&clip)]);
+    a.extend_from_slice(&["--vae", s(&ae)]);
+    a.extend_from_slice(extra);
+    p.run(&a)
+}
+
 fn generate_args<'a>(model: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![
         "generate",
@@ -322,29 +337,9 @@ fn generate_args<'a>(model: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a
 fn generate_writes_a_flux_image_from_its_parts() {
     let p = Prefix::with_cpu();
     let out = p.dir("out").join("flux.png");
-    let (t5, clip, ae) = (
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
     let dev = fixture("flux/tiny-flux-dev.safetensors");
-    let parts = [
-        "--t5xxl",
-        s(&t5),
-        "--clip-l",
-        s(&clip),
-        "--vae",
-        s(&ae),
-        "-W",
-        "64",
-        "-H",
-        "48",
-        "--steps",
-        "2",
-        "--guidance",
-        "4.5",
-    ];
-    p.run(&generate_args(s(&dev), s(&out), &parts)).ok();
+    let parts = ["-W", "64", "-H", "48", "--steps", "2", "--guidance", "4.5"];
+    generate_with_parts(&p, &dev, &out, &parts).ok();
     let (w, h, text) = png_info(&out);
     assert_eq!((w, h), (64, 48));
     for want in [
@@ -360,7 +355,7 @@ fn generate_writes_a_flux_image_from_its_parts() {
     }
     // The same seed and settings give the same image.
     let again = p.dir("again").join("flux.png");
-    p.run(&generate_args(s(&dev), s(&again), &parts)).ok();
+    generate_with_parts(&p, &dev, &again, &parts).ok();
     assert_eq!(pixels(&out), pixels(&again));
 }
 
@@ -527,11 +522,6 @@ fn a_malformed_fp8_scale_is_one_line_naming_it() {
                 .ends_with("double_blocks.0.img_attn.qkv.scale_weight")
         })
         .unwrap();
-    let (t5, clip, ae) = (
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
     for (name, value) in [("nan", f32::NAN), ("zero", 0.0)] {
         let bad = dir.join(format!("{name}.safetensors"));
         let mut bytes = std::fs::read(&src).unwrap();
@@ -539,19 +529,8 @@ fn a_malformed_fp8_scale_is_one_line_naming_it() {
         bytes[at..at + 4].copy_from_slice(&value.to_le_bytes());
         std::fs::write(&bad, bytes).unwrap();
         let out = out_dir.join("x.png");
-        let extra = [
-            "--t5xxl",
-            s(&t5),
-            "--clip-l",
-            s(&clip),
-            "--vae",
-            s(&ae),
-            "-W",
-            "64",
-            "-H",
-            "64",
-        ];
-        let r = p.run(&generate_args(s(&bad), s(&out), &extra));
+        let extra = ["-W", "64", "-H", "64"];
+        let r = generate_with_parts(&p, &bad, &out, &extra);
         assert_eq!(r.code, Some(1), "{name}: {}", r.stderr);
         let line = r.stderr.trim();
         assert_eq!(line.lines().count(), 1, "{line}");
@@ -669,26 +648,12 @@ fn img2img_and_kontext_match_references_on_cpu() {
 fn generate_edits_with_a_reference_image() {
     let p = Prefix::with_cpu();
     let out = p.dir("out").join("edit.png");
-    let (t5, clip, ae, dev, init) = (
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
+    let (dev, init) = (
         fixture("flux/tiny-flux-dev.safetensors"),
         fixture("init-64.png"),
     );
-    let parts = [
-        "--t5xxl",
-        s(&t5),
-        "--clip-l",
-        s(&clip),
-        "--vae",
-        s(&ae),
-        "--steps",
-        "2",
-        "-r",
-        s(&init),
-    ];
-    p.run(&generate_args(s(&dev), s(&out), &parts)).ok();
+    let parts = ["--steps", "2", "-r", s(&init)];
+    generate_with_parts(&p, &dev, &out, &parts).ok();
     let (w, h, text) = png_info(&out);
     assert_eq!((w, h), (64, 64), "the output takes the reference's size");
     assert!(text.contains("Reference images: init-64.png"), "{text}");
@@ -768,32 +733,14 @@ fn flux_loras_match_peft() {
     let p = Prefix::with_cpu();
     let dir = p.dir("out");
     let out = dir.join("x.png");
-    let (t5, clip, ae, schnell) = (
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-        fixture("flux/tiny-flux-schnell.safetensors"),
-    );
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
     for lora in [
         "tiny-sd1-lora-kohya.safetensors",
         "tiny-sdxl-lora.safetensors",
     ] {
         let l = fixture(lora);
-        let extra = [
-            "--t5xxl",
-            s(&t5),
-            "--clip-l",
-            s(&clip),
-            "--vae",
-            s(&ae),
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--lora",
-            s(&l),
-        ];
-        let r = p.run(&generate_args(s(&schnell), s(&out), &extra));
+        let extra = ["-W", "64", "-H", "64", "--lora", s(&l)];
+        let r = generate_with_parts(&p, &schnell, &out, &extra);
         assert_eq!(r.code, Some(1), "{lora}: {}", r.stderr);
         let line = r.stderr.trim();
         assert_eq!(line.lines().count(), 1, "{line}");
@@ -878,33 +825,15 @@ fn a_diffusers_transformer_folder_runs_as_the_bfl_file() {
     }
     let p = Prefix::with_cpu();
     let out = p.dir("out").join("d.png");
-    let (t5, clip, ae) = (
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
-    let extra = [
-        "--t5xxl",
-        s(&t5),
-        "--clip-l",
-        s(&clip),
-        "--vae",
-        s(&ae),
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-    ];
-    p.run(&generate_args(s(&folder), s(&out), &extra)).ok();
+    let extra = ["-W", "64", "-H", "64", "--steps", "1"];
+    generate_with_parts(&p, &folder, &out, &extra).ok();
     assert_eq!(png_info(&out).0, 64);
     // A folder of several files and no index names the problem.
     let dir = p.dir("two");
     for n in ["a.safetensors", "b.safetensors"] {
         std::fs::copy(fixture("flux/tiny-t5.safetensors"), dir.join(n)).unwrap();
     }
-    let r = p.run(&generate_args(s(&dir), s(&out), &extra));
+    let r = generate_with_parts(&p, &dir, &out, &extra);
     assert_eq!(r.code, Some(1), "{}", r.stderr);
     assert!(
         r.stderr.contains("2 .safetensors files and no index"),
