@@ -22,7 +22,7 @@ use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::load::{load_module, split_weights, How};
-use crate::runtime::memory::{MemoryRequest, ModuleMemory, Phase};
+use crate::runtime::memory::{MemoryRequest, ModuleMemory};
 use crate::runtime::module::Module;
 use crate::sampling::{FlowShift, Guidance, ModelSampling, Prediction};
 use crate::tokenizers::clip::{ClipTokenizer, CONTEXT};
@@ -662,10 +662,7 @@ impl<'b> FluxModel<'b> {
         let te = t5::measure(&self.te, &self.t5, self.t5_tokens)?
             .max(&clip::measure(&self.te, &self.clip, 1)?);
         let sampling = flux::measure(&self.dit, &self.cfg, req.batch, lh, lw, self.t5_tokens)?;
-        Ok(vec![
-            ModuleMemory::of(&self.te, vec![(Phase::TextEncoding, te)])?,
-            ModuleMemory::of(&self.dit, vec![(Phase::Sampling, sampling)])?,
-        ])
+        super::encoders_and_denoiser(&self.te, te, &self.dit, sampling)
     }
 
     /// The modules, in the order a generation runs them.

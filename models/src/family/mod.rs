@@ -104,6 +104,21 @@ pub struct Conditioned {
     pub reference: Vec<(Vec<f32>, [usize; 4])>,
 }
 
+/// The memory of a recipe's two modules: its text encoders' phase and its
+/// denoiser's.
+fn encoders_and_denoiser(
+    te: &crate::runtime::module::Module<'_>,
+    encoding: crate::runtime::module::ComputeBytes,
+    denoiser: &crate::runtime::module::Module<'_>,
+    sampling: crate::runtime::module::ComputeBytes,
+) -> Result<Vec<crate::runtime::memory::ModuleMemory>, ModelError> {
+    use crate::runtime::memory::{ModuleMemory, Phase};
+    Ok(vec![
+        ModuleMemory::of(te, vec![(Phase::TextEncoding, encoding)])?,
+        ModuleMemory::of(denoiser, vec![(Phase::Sampling, sampling)])?,
+    ])
+}
+
 /// What a family runs with where a request does not say.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Defaults {

@@ -17,7 +17,7 @@ use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::load::{load_module, split_weights, How};
-use crate::runtime::memory::{MemoryRequest, ModuleMemory, Phase};
+use crate::runtime::memory::{MemoryRequest, ModuleMemory};
 use crate::runtime::module::{ComputeBytes, Module};
 use crate::sampling::{DiscreteSchedule, Guidance, ModelSampling};
 use crate::tokenizers::clip::{ClipTokenizer, CONTEXT};
@@ -364,10 +364,7 @@ impl<'b> SdModel<'b> {
             te = te.max(&clip::measure(&self.te, c, req.chunks)?);
         }
         let sampling = unet::measure(&self.unet, &self.unet_cfg, req.batch, lh, lw, tokens)?;
-        Ok(vec![
-            ModuleMemory::of(&self.te, vec![(Phase::TextEncoding, te)])?,
-            ModuleMemory::of(&self.unet, vec![(Phase::Sampling, sampling)])?,
-        ])
+        super::encoders_and_denoiser(&self.te, te, &self.unet, sampling)
     }
 
     /// The modules, in the order a generation runs them.
