@@ -47,7 +47,7 @@ use std::collections::BTreeMap;
 /// The order fit considers a family's modules in, by role: the denoiser
 /// (the largest) first, then the first stage, then the text encoders, then
 /// any other role in the plan's order.
-const ORDER: [Module; 3] = [Module::Diffusion, Module::Vae, Module::Te];
+const ORDER: [Module; 4] = [Module::Diffusion, Module::Vae, Module::TeT5xxl, Module::Te];
 
 /// The measured modules in [`ORDER`].
 fn fit_order(measured: &Measured) -> Vec<Module> {

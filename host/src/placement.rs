@@ -237,9 +237,13 @@ pub struct Spec {
 }
 
 impl Spec {
-    /// The entry that applies to `m`: its own, else the default, else none.
+    /// The entry that applies to `m`: its own, else its parent's
+    /// (`te.t5xxl` goes where `te` goes), else the default, else none.
     pub fn device_for(&self, m: Module) -> Option<&DeviceRef> {
-        self.modules.get(&m).or(self.default.as_ref())
+        self.modules
+            .get(&m)
+            .or_else(|| m.parent().and_then(|p| self.modules.get(&p)))
+            .or(self.default.as_ref())
     }
 }
 
@@ -651,6 +655,7 @@ pub fn resolve(req: &Request, devices: &[DeviceInfo]) -> Result<Placement, Place
 
     let compat = [
         (req.clip_on_cpu, SRC_CLIP_ON_CPU, Module::Te),
+        (req.clip_on_cpu, SRC_CLIP_ON_CPU, Module::TeT5xxl),
         (req.vae_on_cpu, SRC_VAE_ON_CPU, Module::Vae),
         (req.control_net_cpu, SRC_CONTROL_NET_CPU, Module::ControlNet),
     ];
@@ -659,9 +664,11 @@ pub fn resolve(req: &Request, devices: &[DeviceInfo]) -> Result<Placement, Place
             continue;
         }
         if req.backend.is_some() {
-            notes.push(format!(
-                "{flag} ignored because {SRC_BACKEND} is set; use {SRC_BACKEND} {module}=cpu instead"
-            ));
+            if module.parent().is_none() {
+                notes.push(format!(
+                    "{flag} ignored because {SRC_BACKEND} is set; use {SRC_BACKEND} {module}=cpu instead"
+                ));
+            }
         } else {
             rt_refs.insert(module, (DeviceRef::Named("cpu".to_string()), Some(flag)));
         }
@@ -822,9 +829,11 @@ mod tests {
     }
 
     /// Expands "base mod=dev ..." into a full module map: `base` applies to
-    /// every module, `mod=dev` (canonical names) overrides one.
+    /// every module, `mod=dev` (canonical names) overrides one (and the
+    /// modules that follow it, `te.t5xxl` after `te`, unless named too).
     fn expand(s: &str) -> BTreeMap<Module, String> {
         let mut map = BTreeMap::new();
+        let mut named = BTreeSet::new();
         for tok in s.split_whitespace() {
             match tok.split_once('=') {
                 None => {
@@ -838,7 +847,17 @@ mod tests {
                         .find(|m| m.name() == k)
                         .unwrap_or_else(|| panic!("bad module {k:?} in expectation"));
                     map.insert(m, v.to_string());
+                    named.insert(m);
                 }
+            }
+        }
+        for m in Module::ALL {
+            if let Some(p) = m
+                .parent()
+                .filter(|p| named.contains(p) && !named.contains(&m))
+            {
+                let v = map[&p].clone();
+                map.insert(m, v);
             }
         }
         assert_eq!(map.len(), Module::ALL.len(), "expectation {s:?} incomplete");
@@ -867,6 +886,38 @@ mod tests {
     }
 
     const NONE: &[&str] = &[];
+
+    /// FLUX's T5 goes where `te` goes unless its own name places it; its
+    /// aliases name it; `--clip-on-cpu` moves both text encoders.
+    #[test]
+    fn the_t5_follows_te_unless_placed_itself() {
+        let d = std4();
+        let p = resolve(&r().backend("te=cuda0").0, &d).unwrap();
+        assert_eq!(p.runtime[&Module::TeT5xxl], "cuda0");
+        assert!(p.fixed_runtime.contains(&Module::TeT5xxl));
+        for spec in [
+            "te=cuda0,te.t5xxl=cpu",
+            "te=cuda0,t5=cpu",
+            "te.clip_l=cuda0,t5xxl=cpu",
+        ] {
+            let p = resolve(&r().backend(spec).0, &d).unwrap();
+            assert_eq!(p.runtime[&Module::Te], "cuda0", "{spec}");
+            assert_eq!(p.runtime[&Module::TeT5xxl], "cpu", "{spec}");
+        }
+        let p = resolve(&r().backend("cuda1").params("te.t5xxl=cpu").0, &d).unwrap();
+        assert_eq!(p.params[&Module::TeT5xxl], "cpu");
+        assert_eq!(p.params[&Module::Te], "cuda1");
+        let mut req = r().0;
+        req.clip_on_cpu = true;
+        let p = resolve(&req, &d).unwrap();
+        assert_eq!(
+            (
+                p.runtime[&Module::Te].as_str(),
+                p.runtime[&Module::TeT5xxl].as_str()
+            ),
+            ("cpu", "cpu")
+        );
+    }
 
     #[test]
     fn splits_resolve_with_shares_and_refuse_bad_lists() {
@@ -1032,7 +1083,7 @@ mod tests {
                 "unknown module",
                 r().backend("foo=cpu"),
                 Err(
-                    "--backend: unknown module \"foo\"; valid modules: diffusion, te, clip_vision, vae, controlnet, photomaker, upscaler",
+                    "--backend: unknown module \"foo\"; valid modules: diffusion, te, te.t5xxl, clip_vision, vae, controlnet, photomaker, upscaler",
                 ),
             ),
             (
@@ -1051,9 +1102,9 @@ mod tests {
             ),
             (
                 "module twice via two aliases",
-                r().backend("t5 = cpu,LLM=cpu"),
+                r().backend("clip_l = cpu,LLM=cpu"),
                 Err(
-                    "--backend: module te assigned twice (\"t5 = cpu\" and \"LLM=cpu\"); assign each module once",
+                    "--backend: module te assigned twice (\"clip_l = cpu\" and \"LLM=cpu\"); assign each module once",
                 ),
             ),
             (
@@ -1169,8 +1220,14 @@ mod tests {
             ("conditioner", "te"),
             ("cond", "te"),
             ("llm", "te"),
-            ("t5", "te"),
-            ("t5xxl", "te"),
+            ("te.clip_l", "te"),
+            ("te.clipl", "te"),
+            ("clip_l", "te"),
+            ("clipl", "te"),
+            ("t5", "te.t5xxl"),
+            ("t5xxl", "te.t5xxl"),
+            ("te.t5xxl", "te.t5xxl"),
+            ("te.t5", "te.t5xxl"),
             ("clip_vision", "clip_vision"),
             ("clipvision", "clip_vision"),
             ("clip-vision", "clip_vision"),
@@ -1191,7 +1248,7 @@ mod tests {
             // case and -/_ insensitivity
             ("CLIP-Vision", "clip_vision"),
             ("Text_Encoder", "te"),
-            ("T5-XXL", "te"),
+            ("T5-XXL", "te.t5xxl"),
             ("first_stage", "vae"),
             ("Photo-Maker_ID", "photomaker"),
             ("Control_Net", "controlnet"),
@@ -1521,7 +1578,7 @@ mod tests {
                 "config params error labelled",
                 r().cfg_params("vea=cpu"),
                 Err(
-                    "config params_backend: unknown module \"vea\"; valid modules: diffusion, te, clip_vision, vae, controlnet, photomaker, upscaler",
+                    "config params_backend: unknown module \"vea\"; valid modules: diffusion, te, te.t5xxl, clip_vision, vae, controlnet, photomaker, upscaler",
                 ),
             ),
             (

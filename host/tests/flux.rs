@@ -101,10 +101,15 @@ fn with_loras(
         assist: &[],
     };
     let layout = Layout {
-        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
-            .into_iter()
-            .map(|k| (k, d))
-            .collect(),
+        devices: [
+            ModuleKind::Te,
+            ModuleKind::TeT5xxl,
+            ModuleKind::Diffusion,
+            ModuleKind::Vae,
+        ]
+        .into_iter()
+        .map(|k| (k, d))
+        .collect(),
         spread: Default::default(),
     };
     let vae = scan("ae16/tiny-ae16.safetensors");
@@ -221,6 +226,8 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 }
             }
             m.te.end_phase();
+            m.te_t5.end_phase();
+            m.te_t5.end_phase();
             let out = transformer_out(m, &r, variant);
             m.dit.end_phase();
             close(
@@ -350,6 +357,7 @@ fn generate_writes_a_flux_image_from_its_parts() {
         "Model family: flux",
         "Prediction: flow",
         "Distilled CFG Scale: 4.5",
+        "te=cpu, te.t5xxl=cpu, diffusion=cpu",
     ] {
         assert!(text.contains(want), "{want:?} not in {text:?}");
     }
@@ -496,6 +504,7 @@ fn fp8_parts_match_their_dequantized_references() {
             0.2,
         );
         m.te.end_phase();
+        m.te_t5.end_phase();
         let out = transformer_out(m, &r, "schnell");
         close("scaled-fp8 transformer", &out, &r["fp8.schnell.out"], 5e-3);
         close(
@@ -916,4 +925,68 @@ fn q8_0_text_encoders_converted_by_sdhost_run_within_a_bound() {
             5e-2,
         );
     });
+}
+
+/// T5-XXL is its own module, `te.t5xxl`: `plan` counts and places it apart
+/// from CLIP-L (`te`), and it follows `te` unless named.
+#[test]
+fn the_t5_is_planned_apart() {
+    let p = Prefix::with_cpu();
+    let (schnell, t5, clip, ae) = (
+        fixture("flux/tiny-flux-schnell.safetensors"),
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let r = p
+        .run(&[
+            "plan",
+            "-m",
+            s(&schnell),
+            "--t5xxl",
+            s(&t5),
+            "--clip-l",
+            s(&clip),
+            "--vae",
+            s(&ae),
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--backend",
+            "te=cpu",
+            "--json",
+        ])
+        .ok();
+    let v = r.json();
+    let row = |name: &str| {
+        v["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["module"] == name)
+            .unwrap_or_else(|| panic!("no {name} row in {v}"))
+            .clone()
+    };
+    let (te, t5row) = (row("te"), row("te.t5xxl"));
+    assert_eq!(t5row["runtime"], "cpu");
+    let bytes = |m: &serde_json::Value| m["weight_bytes"].as_u64().unwrap();
+    let file_bytes = |f: &str| -> u64 { scan(f).tensors.iter().map(|t| t.bytes).sum() };
+    assert_eq!(
+        bytes(&t5row),
+        file_bytes("flux/tiny-t5.safetensors"),
+        "{t5row}"
+    );
+    assert_eq!(
+        bytes(&te),
+        file_bytes("flux/tiny-clip-l.safetensors"),
+        "{te}"
+    );
+    let phases: Vec<String> = v["memory"]["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["module"].as_str().unwrap().to_string())
+        .collect();
+    assert!(phases.contains(&"te.t5xxl".to_string()), "{phases:?}");
 }

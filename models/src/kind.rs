@@ -6,8 +6,11 @@
 pub enum ModuleKind {
     /// The denoiser (UNet, DiT).
     Diffusion,
-    /// Text encoder(s) / conditioner.
+    /// Text encoder(s) / conditioner (for FLUX: CLIP-L, `te.clip_l`).
     Te,
+    /// FLUX's T5-XXL, placed apart from the other text encoder; where no
+    /// placement names it, it goes where `te` goes.
+    TeT5xxl,
     /// CLIP vision encoder.
     ClipVision,
     /// VAE or TAE (first stage).
@@ -22,9 +25,10 @@ pub enum ModuleKind {
 
 impl ModuleKind {
     /// Every module, in canonical order.
-    pub const ALL: [ModuleKind; 7] = [
+    pub const ALL: [ModuleKind; 8] = [
         ModuleKind::Diffusion,
         ModuleKind::Te,
+        ModuleKind::TeT5xxl,
         ModuleKind::ClipVision,
         ModuleKind::Vae,
         ModuleKind::ControlNet,
@@ -37,6 +41,7 @@ impl ModuleKind {
         match self {
             ModuleKind::Diffusion => "diffusion",
             ModuleKind::Te => "te",
+            ModuleKind::TeT5xxl => "te.t5xxl",
             ModuleKind::ClipVision => "clip_vision",
             ModuleKind::Vae => "vae",
             ModuleKind::ControlNet => "controlnet",
@@ -58,15 +63,29 @@ impl ModuleKind {
                 "conditioner",
                 "cond",
                 "llm",
-                "t5",
-                "t5xxl",
+                "te.clipl",
+                "clipl",
             ],
+            ModuleKind::TeT5xxl => &["te.t5xxl", "t5xxl", "t5", "te.t5"],
             ModuleKind::ClipVision => &["clipvision", "vision"],
             ModuleKind::Vae => &["vae", "firststage", "autoencoder", "tae"],
             ModuleKind::ControlNet => &["controlnet", "control"],
             ModuleKind::PhotoMaker => &["photomaker", "photomakerid", "pmid", "photo"],
             ModuleKind::Upscaler => &["upscaler", "esrgan", "hires"],
         }
+    }
+
+    /// The module whose placement this one takes where none names it.
+    pub fn parent(self) -> Option<ModuleKind> {
+        match self {
+            ModuleKind::TeT5xxl => Some(ModuleKind::Te),
+            _ => None,
+        }
+    }
+
+    /// Whether it encodes the prompt (its time is the text encoding's).
+    pub fn is_text_encoder(self) -> bool {
+        matches!(self, ModuleKind::Te | ModuleKind::TeT5xxl)
     }
 
     /// The module whose alias is `key` (already lowercase, without `-`/`_`).

@@ -778,17 +778,32 @@ fn time_runs(
         let total = t.elapsed().as_secs_f64();
         sample();
         let after = sd.timings();
-        let d = |k: usize| (after[k].1.compute - before[k].1.compute).as_secs_f64();
-        let calls = after[1].1.calls - before[1].1.calls;
+        // Each role's compute time (the text encoders together).
+        use sdhost_models::ModuleKind;
+        let role = |pick: &dyn Fn(ModuleKind) -> bool| -> (f64, u64) {
+            before
+                .iter()
+                .zip(&after)
+                .filter(|((k, _), _)| pick(*k))
+                .fold((0.0, 0), |(s, c), ((_, b), (_, a))| {
+                    (
+                        s + (a.compute - b.compute).as_secs_f64(),
+                        c + (a.calls - b.calls) as u64,
+                    )
+                })
+        };
+        let (te, _) = role(&|k| k.is_text_encoder());
+        let (sampling, calls) = role(&|k| k == ModuleKind::Diffusion);
+        let (vae, _) = role(&|k| k == ModuleKind::Vae);
         if i == 0 {
             first_run_s = total;
         } else {
             ours.push(ModelRun {
                 total,
-                te: d(0),
-                sampling: d(1),
-                unet_step: d(1) / f64::from(calls.max(1)),
-                vae: d(2),
+                te,
+                sampling,
+                unet_step: sampling / calls.max(1) as f64,
+                vae,
             });
         }
     }

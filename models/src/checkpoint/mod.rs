@@ -128,6 +128,7 @@ pub fn module_of(name: &str) -> Option<ModuleKind> {
         ("model.diffusion_model.", ModuleKind::Diffusion),
         ("cond_stage_model.", ModuleKind::Te),
         ("conditioner.", ModuleKind::Te),
+        ("text_encoders.t5xxl.", ModuleKind::TeT5xxl),
         ("text_encoders.", ModuleKind::Te),
         ("first_stage_model.", ModuleKind::Vae),
         ("control_model.", ModuleKind::ControlNet),

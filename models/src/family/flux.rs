@@ -31,18 +31,18 @@ use crate::ModuleKind;
 
 /// Prefix of the transformer's tensors.
 pub const DIT_PREFIX: &str = "model.diffusion_model.";
-/// Prefix of the text encoders' tensors (the `te` module).
+/// Prefix of the text encoders' tensors.
 pub const TE_PREFIX: &str = "text_encoders.";
-/// The T5's prefix inside the `te` module.
-const T5_PREFIX: &str = "t5xxl.transformer.";
-/// The CLIP-L's prefix inside the `te` module.
-const CLIP_PREFIX: &str = "clip_l.transformer.";
+/// Prefix of the T5's tensors (the `te.t5xxl` module).
+const T5_MODULE: &str = "text_encoders.t5xxl.transformer.";
+/// Prefix of CLIP-L's tensors (the `te` module).
+const CLIP_MODULE: &str = "text_encoders.clip_l.transformer.";
 /// Prefixes a one-file FLUX checkpoint keeps its autoencoder under.
 pub const VAE_PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
 
 /// CLIP-L as FLUX takes it: the pooled output of the last layer, unprojected.
 const CLIP_L: ClipEncoder = ClipEncoder {
-    prefix: CLIP_PREFIX,
+    prefix: "",
     naming: Naming::Hf,
     layer: Layer::Last,
     final_norm: true,
@@ -96,7 +96,7 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
     crate::lora::names::LoraLayout {
         model: "flux",
         unet_prefix: DIT_PREFIX,
-        te_prefix: TE_PREFIX,
+        te_prefix: CLIP_MODULE,
         encoders: &[CLIP_L],
         numbered_te: true,
         denoiser_aliases: lora_aliases,
@@ -397,8 +397,7 @@ pub fn assemble(model: &Checkpoint, parts: Components<'_>) -> Result<Checkpoint>
         t5xxl: t5_renamed.as_ref(),
         ..parts
     };
-    let t5_at = format!("{TE_PREFIX}{T5_PREFIX}");
-    let clip_at = format!("{TE_PREFIX}{CLIP_PREFIX}");
+    let (t5_at, clip_at) = (T5_MODULE.to_string(), CLIP_MODULE.to_string());
     let mut base = model.clone();
     if let Some(t5) = parts.t5xxl {
         check(t5, "encoder.block.", "a T5 encoder")?;
@@ -425,8 +424,10 @@ pub fn assemble(model: &Checkpoint, parts: Components<'_>) -> Result<Checkpoint>
 /// A FLUX checkpoint's text encoders and transformer, loaded, with every
 /// hyper-parameter read once.
 pub struct FluxModel<'b> {
-    /// T5-XXL and CLIP-L.
+    /// CLIP-L (`te`).
     pub te: Module<'b>,
+    /// T5-XXL (`te.t5xxl`).
+    pub te_t5: Module<'b>,
     /// The transformer.
     pub dit: Module<'b>,
     t5: T5Config,
@@ -440,8 +441,8 @@ pub struct FluxModel<'b> {
 }
 
 impl<'b> FluxModel<'b> {
-    /// Loads the `te` and `diffusion` modules of `ckpt`, reads every
-    /// hyper-parameter and builds every graph once, uncomputed.
+    /// Loads the `te`, `te.t5xxl` and `diffusion` modules of `ckpt`, reads
+    /// every hyper-parameter and builds every graph once, uncomputed.
     pub(super) fn load(
         ckpt: &Checkpoint,
         layout: &Layout<'b>,
@@ -465,9 +466,16 @@ impl<'b> FluxModel<'b> {
         let te = load_module(
             ckpt,
             ModuleKind::Te,
-            TE_PREFIX,
+            CLIP_MODULE,
             layout.devices(ModuleKind::Te)?,
             how(ModuleKind::Te),
+        )?;
+        let te_t5 = load_module(
+            ckpt,
+            ModuleKind::TeT5xxl,
+            T5_MODULE,
+            layout.devices(ModuleKind::TeT5xxl)?,
+            how(ModuleKind::TeT5xxl),
         )?;
         let dit = load_module(
             ckpt,
@@ -478,12 +486,10 @@ impl<'b> FluxModel<'b> {
         )?;
         let cfg = FluxConfig::from_weights(&W::new(dit.params().map()))
             .map_err(|e| e.context(format!("{file}: diffusion")))?;
-        let te_w = W::new(te.params().map());
-        let t5 = T5Config::from_weights(&te_w, T5_PREFIX)
+        let t5 = T5Config::from_weights(&W::new(te_t5.params().map()), "")
             .map_err(|e| e.context(format!("{file}: T5")))?;
-        let clip = ClipConfig::from_weights(&te_w, CLIP_L)
+        let clip = ClipConfig::from_weights(&W::new(te.params().map()), CLIP_L)
             .map_err(|e| e.context(format!("{file}: CLIP-L")))?;
-        drop(te_w);
         if t5.d_model != cfg.context {
             return Err(ModelError::Incompatible(format!(
                 "{file}: the T5 is {} wide; the FLUX transformer takes {}-wide text tokens",
@@ -496,20 +502,23 @@ impl<'b> FluxModel<'b> {
                 clip.hidden, cfg.vec_in
             )));
         }
-        t5::validate(&te, &t5).map_err(|e| e.context(&file))?;
+        t5::validate(&te_t5, &t5).map_err(|e| e.context(&file))?;
         clip::validate(&te, &clip).map_err(|e| e.context(&file))?;
         flux::validate(&dit, &cfg).map_err(|e| e.context(&file))?;
-        let (mut te, mut dit) = (te, dit);
+        let (mut te, mut te_t5, mut dit) = (te, te_t5, dit);
         let types = &opts.matrix_types;
-        split_weights(
-            &mut te,
-            ckpt,
-            TE_PREFIX,
-            false,
-            &loras,
-            opts.placeholders,
-            types.get(ModuleKind::Te),
-        )?;
+        for (m, prefix) in [(&mut te, CLIP_MODULE), (&mut te_t5, T5_MODULE)] {
+            let kind = m.kind();
+            split_weights(
+                m,
+                ckpt,
+                prefix,
+                false,
+                &loras,
+                opts.placeholders,
+                types.get(kind),
+            )?;
+        }
         split_weights(
             &mut dit,
             ckpt,
@@ -538,6 +547,7 @@ impl<'b> FluxModel<'b> {
         };
         Ok(FluxModel {
             te,
+            te_t5,
             dit,
             t5,
             clip,
@@ -593,7 +603,7 @@ impl<'b> FluxModel<'b> {
     /// The T5 hidden states `[len × width]` of a prompt.
     pub fn encode_t5(&mut self, prompt: &str) -> Result<Vec<f32>> {
         let ids = self.t5_ids(prompt)?;
-        t5::encode(&mut self.te, &self.t5, &ids)
+        t5::encode(&mut self.te_t5, &self.t5, &ids)
     }
 
     /// CLIP-L's pooled output of a prompt.
@@ -623,6 +633,7 @@ impl<'b> FluxModel<'b> {
             })
         })();
         self.te.end_phase();
+        self.te_t5.end_phase();
         encoded
     }
 
@@ -659,19 +670,27 @@ impl<'b> FluxModel<'b> {
         lh: usize,
         lw: usize,
     ) -> Result<Vec<ModuleMemory>> {
-        let te = t5::measure(&self.te, &self.t5, self.t5_tokens)?
-            .max(&clip::measure(&self.te, &self.clip, 1)?);
+        let t5 = t5::measure(&self.te_t5, &self.t5, self.t5_tokens)?;
+        let te = clip::measure(&self.te, &self.clip, 1)?;
         let sampling = flux::measure(&self.dit, &self.cfg, req.batch, lh, lw, self.t5_tokens)?;
-        super::encoders_and_denoiser(&self.te, te, &self.dit, sampling)
+        let mut out = super::encoders_and_denoiser(&self.te, te, &self.dit, sampling)?;
+        out.insert(
+            1,
+            ModuleMemory::of(
+                &self.te_t5,
+                vec![(crate::runtime::memory::Phase::TextEncoding, t5)],
+            )?,
+        );
+        Ok(out)
     }
 
     /// The modules, in the order a generation runs them.
     pub(super) fn modules(&self) -> Vec<&Module<'b>> {
-        vec![&self.te, &self.dit]
+        vec![&self.te, &self.te_t5, &self.dit]
     }
 
     /// The modules, mutably.
     pub(super) fn modules_mut(&mut self) -> Vec<&mut Module<'b>> {
-        vec![&mut self.te, &mut self.dit]
+        vec![&mut self.te, &mut self.te_t5, &mut self.dit]
     }
 }

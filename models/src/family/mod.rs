@@ -442,9 +442,15 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
 /// any run may add): what the host places, budgets and loads.
 pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {
     match detect(ckpt)? {
-        Family::Sd1 | Family::Sd2 | Family::Sdxl | Family::Flux => {
+        Family::Sd1 | Family::Sd2 | Family::Sdxl => {
             Ok(vec![ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae])
         }
+        Family::Flux => Ok(vec![
+            ModuleKind::Te,
+            ModuleKind::TeT5xxl,
+            ModuleKind::Diffusion,
+            ModuleKind::Vae,
+        ]),
     }
 }
 

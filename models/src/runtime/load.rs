@@ -10,12 +10,14 @@ use crate::runtime::module::{Devices, Module, Spread, WeightPolicy};
 use crate::ModuleKind;
 
 /// Tensors of a module that are not weights (int64 buffers some exporters
-/// keep) and, unless `encoder`, tensors text-to-image never runs (the VAE
-/// encoder), by their name inside the module.
-fn loaded(name: &str, encoder: bool) -> bool {
+/// keep) and, for a VAE unless `encoder`, tensors text-to-image never runs
+/// (its encoder), by their name inside the module.
+fn loaded(kind: ModuleKind, name: &str, encoder: bool) -> bool {
     !name.ends_with("position_ids")
         && !name.ends_with("logit_scale")
-        && (encoder || (!name.starts_with("encoder.") && !name.starts_with("quant_conv.")))
+        && (kind != ModuleKind::Vae
+            || encoder
+            || (!name.starts_with("encoder.") && !name.starts_with("quant_conv.")))
 }
 
 /// What of a module to load and how: the policy, the VAE encoder too,
@@ -52,7 +54,7 @@ pub fn load_module<'b>(
         placeholders,
         matrices,
     } = how;
-    let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
+    let keep = |name: &str| loaded(kind, &name[prefix.len()..], encoder);
     // A split module is loaded as placeholders first: its split follows
     // the order its graphs read the weights, known once they are built
     // (`split_weights`).
@@ -92,7 +94,8 @@ pub fn split_weights(
     let assign = m.split_assignment(&shares);
     let backends: Vec<&ggml::Backend> = shares.iter().map(|s| s.backend).collect();
     let last = backends.len().saturating_sub(1);
-    let keep = |name: &str| loaded(&name[prefix.len()..], encoder);
+    let kind = m.kind();
+    let keep = |name: &str| loaded(kind, &name[prefix.len()..], encoder);
     let w = ModuleWeights::load_split(
         ckpt,
         prefix,
