@@ -137,6 +137,9 @@ pub struct Defaults {
 /// A checkpoint's family networks, loaded: what the generic pipeline asks
 /// of a family. One variant per recipe; these arms are the only `match` on
 /// a family outside this folder's files.
+// One `Model` per loaded pipeline, never in a collection: the variants'
+// sizes (a few KiB of configs) do not matter, boxing would only add a hop.
+#[allow(clippy::large_enum_variant)]
 pub enum Model<'b> {
     /// SD 1.x, 2.x or XL.
     Sd(sd::SdModel<'b>),
