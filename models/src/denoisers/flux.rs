@@ -142,7 +142,8 @@ fn patch_order([n, ch, h, w]: [usize; 4]) -> impl Iterator<Item = usize> {
     })
 }
 
-/// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]` ([`patch_order`]).
+/// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]`: token
+/// `r·W/2 + c`, feature `ch·4 + dy·2 + dx` (diffusers' `_pack_latents`).
 pub fn patchify(x: &[f32], shape: [usize; 4]) -> Vec<f32> {
     patch_order(shape).map(|i| x[i]).collect()
 }
