@@ -16,7 +16,7 @@ fn plan_resolves_against_loaded_devices() {
         .ok();
     let j = r.json();
     let modules = j["modules"].as_array().unwrap();
-    assert_eq!(modules.len(), 7);
+    assert_eq!(modules.len(), 8);
     for m in modules {
         assert_eq!(m["runtime"], "cpu");
         assert_eq!(m["params"], "cpu");
