@@ -990,3 +990,89 @@ fn the_t5_is_planned_apart() {
         .collect();
     assert!(phases.contains(&"te.t5xxl".to_string()), "{phases:?}");
 }
+
+/// Under a vulkan0 budget smaller than the model, fit time-shares the
+/// transformer and streams the text encoders (`te` and `te.t5xxl` each
+/// decided on its own) and the VAE, and `generate` runs so.
+#[test]
+fn fit_streams_flux_under_a_small_budget() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let (schnell, t5, clip, ae) = (
+        fixture("flux/tiny-flux-schnell.safetensors"),
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let parts = [
+        "--t5xxl",
+        s(&t5),
+        "--clip-l",
+        s(&clip),
+        "--vae",
+        s(&ae),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--backend",
+        "vulkan0",
+        "--max-memory",
+        "vulkan0=4M",
+    ];
+    let mut plan = vec!["plan", "-m", s(&schnell), "--json"];
+    plan.extend_from_slice(&parts);
+    let j = p.run(&plan).ok().json();
+    let why = |m: &str| {
+        j["fit"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["module"] == m)
+            .map(|c| c["reason"].as_str().unwrap().to_string())
+            .unwrap_or_else(|| panic!("no fit row for {m}: {j}"))
+    };
+    assert!(
+        why("diffusion").contains("time-shared"),
+        "{}",
+        why("diffusion")
+    );
+    for m in ["te", "te.t5xxl", "vae"] {
+        let w = j["fit"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["module"] == m)
+            .unwrap();
+        assert!(
+            w["weights"].as_str().unwrap_or("").contains("streamed")
+                || w.to_string().contains("streamed"),
+            "{m}: {w}"
+        );
+    }
+    let vulkan = j["devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["device"] == "vulkan0")
+        .unwrap();
+    assert_eq!(vulkan["fits"], true, "{vulkan}");
+    let out = p.dir("out").join("fit.png");
+    let mut gen = vec![
+        "generate",
+        "-m",
+        s(&schnell),
+        "-p",
+        "a cat",
+        "--steps",
+        "1",
+        "-o",
+        s(&out),
+    ];
+    gen.extend_from_slice(&parts);
+    p.run(&gen).ok();
+    assert_eq!(png_info(&out).0, 64);
+}
