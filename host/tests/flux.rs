@@ -312,14 +312,19 @@ fn t5_tokenizer_matches_transformers_on_hard_prompts() {
     });
 }
 
-/// `generate` of `model` into `out` with the tiny parts (`--t5xxl`,
-/// `--clip-l`, `--vae`), then `extra`.
-fn generate_with_parts(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
-    let (t5, clip, ae) = (
+/// The tiny parts' files: T5, CLIP-L, autoencoder.
+fn part_files() -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    (
         fixture("flux/tiny-t5.safetensors"),
         fixture("flux/tiny-clip-l.safetensors"),
         fixture("ae16/tiny-ae16.safetensors"),
-    );
+    )
+}
+
+/// `generate` of `model` into `out` with the tiny parts (`--t5xxl`,
+/// `--clip-l`, `--vae`), then `extra`.
+fn generate_with_parts(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
+    let (t5, clip, ae) = part_files();
     let mut a = generate_args(s(model), s(out), &["--t5xxl", s(&t5), "--clip-l", s(&clip)]);
     a.extend_from_slice(&["--vae", s(&ae)]);
     a.extend_from_slice(extra);
@@ -372,11 +377,7 @@ fn flux_inputs_that_do_not_fit_are_one_line_errors_without_output() {
     let p = Prefix::with_cpu();
     let dir = p.dir("out");
     let out = dir.join("x.png");
-    let (t5, clip, ae) = (
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
+    let (t5, clip, ae) = part_files();
     let schnell = fixture("flux/tiny-flux-schnell.safetensors");
     let sd1 = tiny_sd1();
     let all = |vae: &std::path::Path| -> Vec<String> {
@@ -932,12 +933,8 @@ fn q8_0_text_encoders_converted_by_sdhost_run_within_a_bound() {
 #[test]
 fn the_t5_is_planned_apart() {
     let p = Prefix::with_cpu();
-    let (schnell, t5, clip, ae) = (
-        fixture("flux/tiny-flux-schnell.safetensors"),
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
+    let (t5, clip, ae) = part_files();
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
     let r = p
         .run(&[
             "plan",
@@ -1001,12 +998,8 @@ fn fit_streams_flux_under_a_small_budget() {
     }
     let p = Prefix::with_cpu();
     p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
-    let (schnell, t5, clip, ae) = (
-        fixture("flux/tiny-flux-schnell.safetensors"),
-        fixture("flux/tiny-t5.safetensors"),
-        fixture("flux/tiny-clip-l.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
+    let (t5, clip, ae) = part_files();
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
     let parts = [
         "--t5xxl",
         s(&t5),
