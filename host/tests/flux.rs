@@ -1069,3 +1069,78 @@ fn fit_streams_flux_under_a_small_budget() {
     p.run(&gen).ok();
     assert_eq!(png_info(&out).0, 64);
 }
+
+/// A safetensors file of zero F16 tensors of these names and shapes.
+fn zero_safetensors(path: &Path, tensors: &[(String, Vec<usize>)]) {
+    let mut header = serde_json::Map::new();
+    let mut at = 0;
+    for (name, shape) in tensors {
+        let bytes = 2 * shape.iter().product::<usize>();
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": "F16", "shape": shape, "data_offsets": [at, at + bytes]}),
+        );
+        at += bytes;
+    }
+    let h = serde_json::to_vec(&header).unwrap();
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    out.resize(out.len() + at, 0);
+    std::fs::write(path, out).unwrap();
+}
+
+/// A T5 narrower than the transformer's text width is one line naming the
+/// widths, exit 1, no output.
+#[test]
+fn a_t5_of_the_wrong_width_is_one_line() {
+    let p = Prefix::with_cpu();
+    let dir = p.dir("in");
+    let out_dir = p.dir("out");
+    let d = 16;
+    let mut t = vec![("shared.weight".to_string(), vec![32128, d])];
+    for i in 0..2 {
+        let b = format!("encoder.block.{i}.layer");
+        for x in "qkvo".chars() {
+            t.push((format!("{b}.0.SelfAttention.{x}.weight"), vec![d, d]));
+        }
+        t.push((format!("{b}.0.layer_norm.weight"), vec![d]));
+        t.push((format!("{b}.1.DenseReluDense.wi_0.weight"), vec![2 * d, d]));
+        t.push((format!("{b}.1.DenseReluDense.wi_1.weight"), vec![2 * d, d]));
+        t.push((format!("{b}.1.DenseReluDense.wo.weight"), vec![d, 2 * d]));
+        t.push((format!("{b}.1.layer_norm.weight"), vec![d]));
+    }
+    t.push((
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight".into(),
+        vec![32, 4],
+    ));
+    t.push(("encoder.final_layer_norm.weight".into(), vec![d]));
+    let narrow = dir.join("t5-narrow.safetensors");
+    zero_safetensors(&narrow, &t);
+    let (_, clip, ae) = part_files();
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
+    let out = out_dir.join("x.png");
+    let r = p.run(&generate_args(
+        s(&schnell),
+        s(&out),
+        &[
+            "--t5xxl",
+            s(&narrow),
+            "--clip-l",
+            s(&clip),
+            "--vae",
+            s(&ae),
+            "-W",
+            "64",
+            "-H",
+            "64",
+        ],
+    ));
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    let line = r.stderr.trim();
+    assert_eq!(line.lines().count(), 1, "{line}");
+    assert!(
+        line.contains("the T5 is 16 wide; the FLUX transformer takes 32-wide text tokens"),
+        "{line}"
+    );
+    assert!(listing(&out_dir).is_empty());
+}
