@@ -2298,3 +2298,59 @@ fn flux_and_edits_through_the_apis() {
     assert_eq!(r.status, 422, "{}", r.text());
     assert!(r.text().contains("reference_images"), "{}", r.text());
 }
+
+/// One models folder with a FLUX transformer and an SD checkpoint, served
+/// with FLUX's parts and its 16-channel `--vae`: both are offered and both
+/// run (the SD checkpoint keeps its own VAE, which `--vae` does not fit).
+#[test]
+fn a_models_folder_can_mix_flux_and_sd() {
+    let prefix = Prefix::with_cpu();
+    let dir = prefix.dir("models");
+    for f in ["tiny-sd1.safetensors", "flux/tiny-flux-schnell.safetensors"] {
+        let name = std::path::Path::new(f).file_name().unwrap();
+        std::fs::copy(fixture(f), dir.join(name)).unwrap();
+    }
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5.safetensors"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let srv = Server::start_in(
+        prefix,
+        &[
+            "--models-dir",
+            s(&dir),
+            "--t5xxl",
+            s(&t5),
+            "--clip-l",
+            s(&clip),
+            "--vae",
+            s(&ae),
+        ],
+    );
+    let titles: Vec<String> = srv
+        .get("/sdapi/v1/sd-models")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["title"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        titles,
+        ["tiny-flux-schnell.safetensors", "tiny-sd1.safetensors"]
+    );
+    for (model, family) in [
+        ("tiny-sd1.safetensors", "sd1"),
+        ("tiny-flux-schnell.safetensors", "flux"),
+    ] {
+        let r = srv.post(
+            "/sdapi/v1/txt2img",
+            json!({"prompt": "x", "steps": 1, "width": 64, "height": 64,
+                   "override_settings": {"sd_model_checkpoint": model}}),
+        );
+        assert_eq!(r.status, 200, "{model}: {}", r.text());
+        let (_, _, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+        assert!(text.contains(&format!("Model family: {family}")), "{text}");
+        assert_eq!(text.contains("VAE: tiny-ae16"), family == "flux", "{text}");
+    }
+}

@@ -441,6 +441,22 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
     }
 }
 
+/// Whether the VAE file `vae` fits `ckpt`'s family (its latent channels,
+/// read off the decoder's first convolution: 4 for the SD families, 16 for
+/// FLUX). `None` where either cannot be told.
+pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
+    let channels = vae
+        .tensors
+        .iter()
+        .find(|t| t.name.ends_with("decoder.conv_in.weight"))
+        .and_then(|t| t.shape.get(1).copied())?;
+    let want = match detect(ckpt).ok()? {
+        Family::Sd1 | Family::Sd2 | Family::Sdxl => 4,
+        Family::Flux => 16,
+    };
+    Some(channels == want)
+}
+
 /// The modules a checkpoint's family declares (beside the upscaler, which
 /// any run may add): what the host places, budgets and loads.
 pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {

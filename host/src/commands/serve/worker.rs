@@ -255,6 +255,8 @@ pub struct Loaded<'m> {
     flash: String,
     loras: Vec<LoraSpec>,
     upscaler: Option<Upscaler<'m>>,
+    /// Whether `--vae` replaced the model's VAE (the PNGs record it).
+    own_vae: bool,
 }
 
 /// A replica worker's fixed settings.
@@ -291,10 +293,25 @@ impl<'m> Worker<'_, 'm> {
     ) -> anyhow::Result<Loaded<'m>> {
         let a = &self.args.load;
         let ckpt = a.components.open_if_parts(&entry.path)?;
-        let vae = a
+        let mut vae = a
             .vae_file()
             .map(sdhost_models::checkpoint::scan)
             .transpose()?;
+        // A models folder may mix families: `--vae` goes to the models it
+        // fits; one with its own VAE keeps it where `--vae` does not fit
+        // (FLUX's 16-channel autoencoder beside SD checkpoints).
+        if let Some(v) = &vae {
+            let own = sdhost_models::family::detect(&ckpt).is_ok_and(|f| f.config().is_some());
+            if own && sdhost_models::family::vae_fits(&ckpt, v) == Some(false) {
+                tracing::info!(
+                    "{}: --vae {} does not fit it; it keeps its own VAE",
+                    entry.title,
+                    crate::term::clean(&v.path.display().to_string())
+                );
+                vae = None;
+            }
+        }
+        let own_vae = vae.is_none();
         let spec = a.spec(&ckpt, vae.as_ref(), loras, self.args.lora.apply, true)?;
         let _loading = self.load_lock.lock().unwrap_or_else(|e| e.into_inner());
         // Memory budgets (--max-memory, …), measured at the family's size,
@@ -351,6 +368,7 @@ impl<'m> Worker<'_, 'm> {
             flash,
             loras: loras.to_vec(),
             upscaler,
+            own_vae,
         };
         if select {
             self.select(&l);
@@ -619,7 +637,7 @@ impl<'m> Worker<'_, 'm> {
                 prompt: &g.prompt,
                 negative: &g.negative,
                 model: &entry.path,
-                vae: self.args.load.vae.as_deref(),
+                vae: self.args.load.vae.as_deref().filter(|_| !l.own_vae),
                 tiling,
                 init: g_init.map(|_| Path::new("init_images[0]")),
                 mask: mask_name,
