@@ -607,7 +607,8 @@ fn init_image() -> sdhost_models::request::Image {
     sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap()
 }
 
-/// img2img (schnell, 4 steps at strength 0.5: the last two) and Kontext
+/// img2img (schnell, 4 steps at strength 0.5: the last two), inpainting
+/// (schnell, mask-64.png, strength 0.75) and Kontext
 /// (dev's weights with init-64.png as the reference image, 3 steps at
 /// guidance 3.5) against diffusers (`make_flux_fixtures.py`).
 fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
@@ -631,6 +632,28 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
             .unwrap();
         assert_eq!(calls, 2, "strength 0.5 of 4 steps runs 2");
         close("img2img latent", &latent, &r["img2img.latent"], tol * 1e-2);
+        // Inpainting: repaint where mask-64.png is white, 3 of 4 steps.
+        let mask = sdhost::image_io::load_mask(&fixture("mask-64.png")).unwrap();
+        let req = Request {
+            steps: 4,
+            init: Some(sdhost_models::request::Init {
+                image: init_image(),
+                strength: 0.75,
+                mask: Some(mask.values),
+                latent: None,
+            }),
+            ..base.clone()
+        };
+        let noise = r["inpaint.noise"].clone();
+        let latent = sd
+            .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
+            .unwrap();
+        close(
+            "inpainting latent",
+            &latent,
+            &r["inpaint.latent"],
+            tol * 1e-2,
+        );
     });
     with_checkpoint_encoding(parts("dev"), runtime, params, true, |sd| {
         let req = Request {
