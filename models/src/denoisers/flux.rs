@@ -12,6 +12,10 @@
 //! names, guidance from `guidance_in`. The RoPE axes are FLUX.1's split of
 //! the head, `[d/8, 7d/16, 7d/16]` (16, 56, 56 for d = 128), θ = 10000.
 //! Patching and the position angles are computed on the host, both small.
+//! Fused projections (BFL's `qkv`, `linear1`) or apart (diffusers' q, k, v
+//! and MLP input, renamed by the recipe) both build; Kontext's reference
+//! latents are patched after the image's with position ids (1, row,
+//! column), and only the image's tokens come out.
 
 use crate::error::{ModelError, Result};
 use crate::nn::{attention_with, linear, rms_norm, rope_pairs, Scores};

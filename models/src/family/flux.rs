@@ -1,15 +1,19 @@
-//! The FLUX.1 recipe (dev, schnell): T5-XXL tokens as the transformer's
-//! text stream and CLIP-L's pooled output in its modulation vector, both in
-//! one `te` module; the FLUX transformer as the `diffusion` module, on
-//! rectified flow (schnell: no shift; dev: BFL's resolution-dependent
-//! shift) with dev's distilled guidance as an input and no negative pass
-//! unless true CFG is asked for (`cfg_scale` ≠ 1).
+//! The FLUX.1 recipe (dev, schnell, Kontext): T5-XXL tokens (the
+//! `te.t5xxl` module) as the transformer's text stream and CLIP-L's pooled
+//! output (the `te` module) in its modulation vector; the FLUX transformer
+//! as the `diffusion` module, on rectified flow (schnell: no shift; dev:
+//! BFL's resolution-dependent shift) with dev's distilled guidance as an
+//! input and no negative pass unless true CFG is asked for (`cfg_scale` ≠
+//! 1); Kontext's reference latents, which the pipeline encodes, join the
+//! image tokens.
 //!
 //! Its files come apart (the transformer, `t5xxl_*.safetensors`,
 //! `clip_l.safetensors`, `ae.safetensors`) or in ComfyUI's one-file
 //! packing; [`assemble`] puts the parts under the names of the latter:
 //! `model.diffusion_model.*`, `text_encoders.t5xxl.transformer.*`,
-//! `text_encoders.clip_l.transformer.*`.
+//! `text_encoders.clip_l.transformer.*` (a diffusers-named transformer and
+//! a llama.cpp-named T5 renamed on the way). Also here: the LoRA layout and
+//! diffusers' LoRA names, and the conversion rule.
 
 use super::Conditioned;
 use crate::autoencoders::LatentNorm;
