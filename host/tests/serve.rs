@@ -2183,6 +2183,12 @@ fn flux_and_edits_through_the_apis() {
         "--vae",
         s(&ae),
     ]);
+    // The family's defaults, which the web page takes.
+    let opts = srv.get("/sdapi/v1/options");
+    assert_eq!(opts["sdhost_default_cfg_scale"], json!(1.0), "{opts}");
+    assert_eq!(opts["sdhost_default_steps"], json!(20), "{opts}");
+    assert_eq!(opts["sdhost_default_sampler"], json!("Euler"), "{opts}");
+    assert_eq!(opts["sdhost_takes_guidance"], json!(true), "{opts}");
     let r = srv.post(
         "/sdapi/v1/txt2img",
         json!({"prompt": "a cat", "steps": 2, "width": 64, "height": 48, "distilled_cfg_scale": 4.5}),

@@ -1329,6 +1329,10 @@ async fn get_options(State(st): State<AppState>) -> Json<Value> {
         "sdhost_model_family": cur.as_ref().map(|c| c.family.clone()),
         "sdhost_size_multiple": cur.as_ref().map(|c| c.size_multiple),
         "sdhost_default_size": cur.as_ref().map(|c| c.default_size),
+        "sdhost_default_steps": cur.as_ref().map(|c| c.defaults.steps),
+        "sdhost_default_cfg_scale": cur.as_ref().map(|c| c.defaults.cfg_scale),
+        "sdhost_default_sampler": cur.as_ref().map(|c| c.defaults.sampler.a1111_label()),
+        "sdhost_takes_guidance": cur.as_ref().map(|c| c.takes_guidance),
     }))
 }
 

@@ -87,6 +87,10 @@ pub struct ModelInfo {
     pub size_multiple: usize,
     /// The family's default side.
     pub default_size: usize,
+    /// The family's defaults for what a request does not say.
+    pub defaults: sdhost_models::family::Defaults,
+    /// Whether the model takes a distilled guidance scale (FLUX.1 dev).
+    pub takes_guidance: bool,
 }
 
 /// The init image of an img2img job.
@@ -383,6 +387,8 @@ impl<'m> Worker<'_, 'm> {
             family: l.sd.family().name().to_string(),
             size_multiple: l.sd.size_multiple(),
             default_size: l.sd.default_size(),
+            defaults: l.sd.model().defaults(),
+            takes_guidance: l.sd.model().takes_guidance(),
         });
     }
 
