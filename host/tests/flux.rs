@@ -1167,3 +1167,71 @@ fn a_t5_of_the_wrong_width_is_one_line() {
     );
     assert!(listing(&out_dir).is_empty());
 }
+
+/// Model folders that cannot be read as one model are one line naming the
+/// folder: a malformed index, an index naming a file outside the folder or
+/// a missing one, two indexes, a tensor in two shards.
+#[test]
+fn bad_model_folders_are_one_line() {
+    let p = Prefix::with_cpu();
+    let out_dir = p.dir("out");
+    let out = out_dir.join("x.png");
+    let src = fixture("flux/tiny-flux-schnell-diffusers");
+    let shard = "diffusion_pytorch_model-00001-of-00002.safetensors";
+    let cases: &[(&str, &[(&str, &str)], &str)] = &[
+        (
+            "malformed",
+            &[("m.safetensors.index.json", "{not json")],
+            "not JSON",
+        ),
+        (
+            "outside",
+            &[(
+                "m.safetensors.index.json",
+                r#"{"weight_map": {"a": "../x.safetensors"}}"#,
+            )],
+            "is not a .safetensors file beside it",
+        ),
+        (
+            "missing",
+            &[(
+                "m.safetensors.index.json",
+                r#"{"weight_map": {"a": "gone.safetensors"}}"#,
+            )],
+            "gone.safetensors",
+        ),
+        (
+            "two-indexes",
+            &[
+                ("a.safetensors.index.json", "{}"),
+                ("b.safetensors.index.json", "{}"),
+            ],
+            "2 shard indexes",
+        ),
+        (
+            "twice",
+            &[(
+                "m.safetensors.index.json",
+                r#"{"weight_map": {"a": "diffusion_pytorch_model-00001-of-00002.safetensors", "b": "copy.safetensors"}}"#,
+            )],
+            "is in two shards",
+        ),
+    ];
+    for (name, files, want) in cases {
+        let dir = p.dir(name);
+        std::fs::copy(src.join(shard), dir.join(shard)).unwrap();
+        std::fs::copy(src.join(shard), dir.join("copy.safetensors")).unwrap();
+        for (f, text) in *files {
+            std::fs::write(dir.join(f), text).unwrap();
+        }
+        let r = generate_with_parts(&p, &dir, &out, &["-W", "64", "-H", "64"]);
+        assert_eq!(r.code, Some(1), "{name}: {}", r.stderr);
+        let line = r.stderr.trim();
+        assert_eq!(line.lines().count(), 1, "{name}: {line}");
+        assert!(
+            line.contains(want),
+            "{name}: {line:?} does not say {want:?}"
+        );
+        assert!(listing(&out_dir).is_empty(), "{name}");
+    }
+}
