@@ -1178,7 +1178,9 @@ fn bad_model_folders_are_one_line() {
     let out = out_dir.join("x.png");
     let src = fixture("flux/tiny-flux-schnell-diffusers");
     let shard = "diffusion_pytorch_model-00001-of-00002.safetensors";
-    let cases: &[(&str, &[(&str, &str)], &str)] = &[
+    // (case, files written into the folder beside a shard, what the line says)
+    type Case<'a> = (&'a str, &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Case] = &[
         (
             "malformed",
             &[("m.safetensors.index.json", "{not json")],
