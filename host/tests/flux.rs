@@ -321,14 +321,32 @@ fn part_files() -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) 
     )
 }
 
-/// `generate` of `model` into `out` with the tiny parts (`--t5xxl`,
-/// `--clip-l`, `--vae`), then `extra`.
-fn generate_with_parts(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
+/// `sdhost` `head` (a command and its model) with the tiny parts
+/// (`--t5xxl`, `--clip-l`, `--vae`), then `extra`.
+fn run_with_parts(p: &Prefix, head: &[&str], extra: &[&str]) -> Run {
     let (t5, clip, ae) = part_files();
-    let mut a = generate_args(s(model), s(out), &["--t5xxl", s(&t5), "--clip-l", s(&clip)]);
-    a.extend_from_slice(&["--vae", s(&ae)]);
+    let mut a = head.to_vec();
+    a.extend_from_slice(&["--t5xxl", s(&t5), "--clip-l", s(&clip), "--vae", s(&ae)]);
     a.extend_from_slice(extra);
     p.run(&a)
+}
+
+/// `generate` of `model` into `out` with the tiny parts, then `extra`.
+fn generate_with_parts(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> Run {
+    run_with_parts(p, &generate_args(s(model), s(out), &[]), extra)
+}
+
+/// The entry of the JSON array `v[list]` whose `key` is `name`.
+fn json_row<'v>(
+    v: &'v serde_json::Value,
+    list: &str,
+    key: &str,
+    name: &str,
+) -> &'v serde_json::Value {
+    v[list]
+        .as_array()
+        .and_then(|a| a.iter().find(|m| m[key] == name))
+        .unwrap_or_else(|| panic!("no {name} in {list}: {v}"))
 }
 
 fn generate_args<'a>(model: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
@@ -956,38 +974,12 @@ fn q8_0_text_encoders_converted_by_sdhost_run_within_a_bound() {
 #[test]
 fn the_t5_is_planned_apart() {
     let p = Prefix::with_cpu();
-    let (t5, clip, ae) = part_files();
     let schnell = fixture("flux/tiny-flux-schnell.safetensors");
-    let r = p
-        .run(&[
-            "plan",
-            "-m",
-            s(&schnell),
-            "--t5xxl",
-            s(&t5),
-            "--clip-l",
-            s(&clip),
-            "--vae",
-            s(&ae),
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--backend",
-            "te=cpu",
-            "--json",
-        ])
-        .ok();
-    let v = r.json();
-    let row = |name: &str| {
-        v["modules"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|m| m["module"] == name)
-            .unwrap_or_else(|| panic!("no {name} row in {v}"))
-            .clone()
-    };
+    let extra = ["-W", "64", "-H", "64", "--backend", "te=cpu", "--json"];
+    let v = run_with_parts(&p, &["plan", "-m", s(&schnell)], &extra)
+        .ok()
+        .json();
+    let row = |name: &str| json_row(&v, "modules", "module", name).clone();
     let (te, t5row) = (row("te"), row("te.t5xxl"));
     assert_eq!(t5row["runtime"], "cpu");
     let bytes = |m: &serde_json::Value| m["weight_bytes"].as_u64().unwrap();
@@ -1021,15 +1013,8 @@ fn fit_streams_flux_under_a_small_budget() {
     }
     let p = Prefix::with_cpu();
     p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
-    let (t5, clip, ae) = part_files();
     let schnell = fixture("flux/tiny-flux-schnell.safetensors");
-    let parts = [
-        "--t5xxl",
-        s(&t5),
-        "--clip-l",
-        s(&clip),
-        "--vae",
-        s(&ae),
+    let budget = [
         "-W",
         "64",
         "-H",
@@ -1039,57 +1024,26 @@ fn fit_streams_flux_under_a_small_budget() {
         "--max-memory",
         "vulkan0=4M",
     ];
-    let mut plan = vec!["plan", "-m", s(&schnell), "--json"];
-    plan.extend_from_slice(&parts);
-    let j = p.run(&plan).ok().json();
-    let why = |m: &str| {
-        j["fit"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["module"] == m)
-            .map(|c| c["reason"].as_str().unwrap().to_string())
-            .unwrap_or_else(|| panic!("no fit row for {m}: {j}"))
-    };
+    let plan = ["plan", "-m", s(&schnell), "--json"];
+    let j = run_with_parts(&p, &plan, &budget).ok().json();
+    let diffusion = json_row(&j, "fit", "module", "diffusion");
     assert!(
-        why("diffusion").contains("time-shared"),
-        "{}",
-        why("diffusion")
+        diffusion["reason"]
+            .as_str()
+            .unwrap()
+            .contains("time-shared"),
+        "{diffusion}"
     );
     for m in ["te", "te.t5xxl", "vae"] {
-        let w = j["fit"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|c| c["module"] == m)
-            .unwrap();
-        assert!(
-            w["weights"].as_str().unwrap_or("").contains("streamed")
-                || w.to_string().contains("streamed"),
-            "{m}: {w}"
-        );
+        let w = json_row(&j, "fit", "module", m);
+        assert!(w.to_string().contains("streamed"), "{m}: {w}");
     }
-    let vulkan = j["devices"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|d| d["device"] == "vulkan0")
-        .unwrap();
+    let vulkan = json_row(&j, "devices", "device", "vulkan0");
     assert_eq!(vulkan["fits"], true, "{vulkan}");
     let out = p.dir("out").join("fit.png");
-    let mut gen = vec![
-        "generate",
-        "-m",
-        s(&schnell),
-        "-p",
-        "a cat",
-        "--steps",
-        "1",
-        "-o",
-        s(&out),
-    ];
-    gen.extend_from_slice(&parts);
-    p.run(&gen).ok();
+    let mut budget_steps = budget.to_vec();
+    budget_steps.extend_from_slice(&["--steps", "1"]);
+    generate_with_parts(&p, &schnell, &out, &budget_steps).ok();
     assert_eq!(png_info(&out).0, 64);
 }
 

@@ -2272,25 +2272,27 @@ fn flux_and_edits_through_the_apis() {
         text.contains("Denoising strength: 0.5") && text.contains("Mask"),
         "{text}"
     );
-    // A1111's hires fix.
-    let r = srv.post(
-        "/sdapi/v1/txt2img",
-        json!({"prompt": "x", "steps": 2, "width": 64, "height": 48, "enable_hr": true,
-               "hr_scale": 2, "denoising_strength": 0.5, "hr_upscaler": "Lanczos"}),
-    );
-    assert_eq!(r.status, 200, "{}", r.text());
-    let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
-    assert_eq!((w, h), (128, 96));
-    assert!(text.contains("Hires resize: 128x96"), "{text}");
-    let r = srv.post(
-        "/sdapi/v1/txt2img",
-        json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
-               "hr_resize_x": 96, "hr_resize_y": 80, "hr_upscaler": "Latent"}),
-    );
-    assert_eq!(r.status, 200, "{}", r.text());
-    let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
-    assert_eq!((w, h), (96, 80));
-    assert!(text.contains("Hires upscaler: Latent"), "{text}");
+    // A1111's hires fix: (request, size, what its PNG says).
+    for (body, size, says) in [
+        (
+            json!({"prompt": "x", "steps": 2, "width": 64, "height": 48, "enable_hr": true,
+                   "hr_scale": 2, "denoising_strength": 0.5, "hr_upscaler": "Lanczos"}),
+            (128, 96),
+            "Hires resize: 128x96",
+        ),
+        (
+            json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
+                   "hr_resize_x": 96, "hr_resize_y": 80, "hr_upscaler": "Latent"}),
+            (96, 80),
+            "Hires upscaler: Latent",
+        ),
+    ] {
+        let r = srv.post("/sdapi/v1/txt2img", body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+        assert_eq!((w, h), size);
+        assert!(text.contains(says), "{text}");
+    }
     let r = srv.post(
         "/sdapi/v1/txt2img",
         json!({"prompt": "x", "steps": 2, "enable_hr": true, "hr_upscaler": "R-ESRGAN 4x+"}),

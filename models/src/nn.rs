@@ -302,12 +302,16 @@ pub fn rms_norm<'a>(
     eps: f32,
 ) -> Result<Tensor<'a>> {
     let g = w.shaped(name, &[channels])?;
-    let g = if g.type_name() == "f32" {
-        g
-    } else {
-        c.cast(g, ggml::Type::F32)?
-    };
-    Ok(c.mul(c.rms_norm(x, eps)?, g)?)
+    Ok(c.mul(c.rms_norm(x, eps)?, as_f32(c, g)?)?)
+}
+
+/// `t` as f32: itself, or widened (a weight that is added to or multiplies
+/// f32 activations, or is looked up by rows, in a checkpoint's other type).
+pub fn as_f32<'a>(c: &'a Context, t: Tensor<'a>) -> Result<Tensor<'a>> {
+    Ok(match t.type_name().as_str() {
+        "f32" => t,
+        _ => c.cast(t, ggml::Type::F32)?,
+    })
 }
 
 /// Rotary position embedding of adjacent pairs (BFL's FLUX form):

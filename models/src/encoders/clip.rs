@@ -308,12 +308,7 @@ fn build<'a>(
     let tok = w.shaped(&tok, &[h, cfg.vocab])?;
     let pos = w.shaped(&pos, &[h, cfg.positions])?;
     let x = c.reshape(c.get_rows(tok, ids_t)?, &[h, cfg.positions, chunks])?;
-    let pos = if pos.type_name() == "f32" {
-        pos
-    } else {
-        c.cast(pos, ggml::Type::F32)?
-    };
-    let mut x = c.add(x, pos)?;
+    let mut x = c.add(x, nn::as_f32(c, pos)?)?;
     // The hidden output is taken after `run` layers; a pooled encoder goes
     // on to the last layer.
     let total = if cfg.projection.is_some() {

@@ -14,7 +14,7 @@
 //! bucketing's maximum distance, 128, is every T5's.
 
 use crate::error::{ModelError, Result};
-use crate::nn::{attention_with, linear, rms_norm, Scores};
+use crate::nn::{as_f32, attention_with, linear, rms_norm, Scores};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_i32, Built, ComputeBytes, Module};
 use ggml::{Context, Tensor};
@@ -154,12 +154,7 @@ fn build<'a>(c: &'a Context, w: &W<'a>, cfg: &T5Config, ids: &[u32]) -> Result<B
         &format!("{p}encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"),
         &[cfg.heads, cfg.buckets],
     )?;
-    let rel = if rel.type_name() == "f32" {
-        rel
-    } else {
-        c.cast(rel, ggml::Type::F32)?
-    };
-    let bias = c.get_rows(rel, input_i32(c, table, &mut inputs)?)?;
+    let bias = c.get_rows(as_f32(c, rel)?, input_i32(c, table, &mut inputs)?)?;
     let bias = c.reshape(bias, &[cfg.heads, len, len])?;
     let bias = c.cont(c.permute(bias, [2, 0, 1, 3])?)?;
     for l in 0..cfg.layers {

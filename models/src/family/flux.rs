@@ -25,7 +25,6 @@ use crate::error::{ModelError, Result};
 use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
-use crate::runtime::load::{load_module, split_weights, How};
 use crate::runtime::memory::{MemoryRequest, ModuleMemory};
 use crate::runtime::module::Module;
 use crate::sampling::{FlowShift, Guidance, ModelSampling, Prediction};
@@ -459,34 +458,15 @@ impl<'b> FluxModel<'b> {
                 "{file}: FLUX predicts a flow velocity; --prediction does not apply"
             )));
         }
-        let how = |kind| How {
-            spread: layout.spread(kind),
-            policy: opts.policy,
-            encoder: false,
-            loras: &loras,
-            placeholders: opts.placeholders,
-            matrices: opts.matrix_types.get(kind),
-        };
-        let te = load_module(
-            ckpt,
-            ModuleKind::Te,
-            CLIP_MODULE,
-            layout.devices(ModuleKind::Te)?,
-            how(ModuleKind::Te),
-        )?;
-        let te_t5 = load_module(
-            ckpt,
-            ModuleKind::TeT5xxl,
-            T5_MODULE,
-            layout.devices(ModuleKind::TeT5xxl)?,
-            how(ModuleKind::TeT5xxl),
-        )?;
-        let dit = load_module(
+        let te = super::load_part(ckpt, ModuleKind::Te, CLIP_MODULE, layout, opts, &loras)?;
+        let te_t5 = super::load_part(ckpt, ModuleKind::TeT5xxl, T5_MODULE, layout, opts, &loras)?;
+        let dit = super::load_part(
             ckpt,
             ModuleKind::Diffusion,
             DIT_PREFIX,
-            layout.devices(ModuleKind::Diffusion)?,
-            how(ModuleKind::Diffusion),
+            layout,
+            opts,
+            &loras,
         )?;
         let cfg = FluxConfig::from_weights(&W::new(dit.params().map()))
             .map_err(|e| e.context(format!("{file}: diffusion")))?;
@@ -510,28 +490,9 @@ impl<'b> FluxModel<'b> {
         clip::validate(&te, &clip).map_err(|e| e.context(&file))?;
         flux::validate(&dit, &cfg).map_err(|e| e.context(&file))?;
         let (mut te, mut te_t5, mut dit) = (te, te_t5, dit);
-        let types = &opts.matrix_types;
-        for (m, prefix) in [(&mut te, CLIP_MODULE), (&mut te_t5, T5_MODULE)] {
-            let kind = m.kind();
-            split_weights(
-                m,
-                ckpt,
-                prefix,
-                false,
-                &loras,
-                opts.placeholders,
-                types.get(kind),
-            )?;
-        }
-        split_weights(
-            &mut dit,
-            ckpt,
-            DIT_PREFIX,
-            false,
-            &loras,
-            opts.placeholders,
-            types.get(ModuleKind::Diffusion),
-        )?;
+        super::split_part(&mut te, ckpt, CLIP_MODULE, opts, &loras)?;
+        super::split_part(&mut te_t5, ckpt, T5_MODULE, opts, &loras)?;
+        super::split_part(&mut dit, ckpt, DIT_PREFIX, opts, &loras)?;
         let variant = if cfg.guidance {
             Variant::Dev
         } else {

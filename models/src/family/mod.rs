@@ -104,6 +104,42 @@ pub struct Conditioned {
     pub reference: Vec<(Vec<f32>, [usize; 4])>,
 }
 
+/// Loads the tensors under `prefix` of `ckpt` as a recipe's module `kind`
+/// (never the VAE), on the devices and spread `layout` gives it, with
+/// `opts`' policy, placeholders and matrix type and the recipe's LoRAs.
+fn load_part<'b>(
+    ckpt: &Checkpoint,
+    kind: ModuleKind,
+    prefix: &str,
+    layout: &crate::request::Layout<'b>,
+    opts: &crate::request::LoadOptions<'_>,
+    loras: &crate::lora::LoraSet,
+) -> Result<crate::runtime::module::Module<'b>, ModelError> {
+    let how = crate::runtime::load::How {
+        spread: layout.spread(kind),
+        policy: opts.policy,
+        encoder: false,
+        loras,
+        placeholders: opts.placeholders,
+        matrices: opts.matrix_types.get(kind),
+    };
+    crate::runtime::load::load_module(ckpt, kind, prefix, layout.devices(kind)?, how)
+}
+
+/// A recipe module's weights spread over its devices once its graphs are
+/// validated ([`crate::runtime::load::split_weights`]; nothing for a
+/// module that is not split).
+fn split_part(
+    m: &mut crate::runtime::module::Module<'_>,
+    ckpt: &Checkpoint,
+    prefix: &str,
+    opts: &crate::request::LoadOptions<'_>,
+    loras: &crate::lora::LoraSet,
+) -> Result<(), ModelError> {
+    let matrices = opts.matrix_types.get(m.kind());
+    crate::runtime::load::split_weights(m, ckpt, prefix, false, loras, opts.placeholders, matrices)
+}
+
 /// The memory of a recipe's two modules: its text encoders' phase and its
 /// denoiser's.
 fn encoders_and_denoiser(

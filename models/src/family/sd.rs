@@ -16,7 +16,6 @@ use crate::error::{ModelError, Result};
 use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
-use crate::runtime::load::{load_module, split_weights, How};
 use crate::runtime::memory::{MemoryRequest, ModuleMemory};
 use crate::runtime::module::{ComputeBytes, Module};
 use crate::sampling::{DiscreteSchedule, Guidance, ModelSampling};
@@ -78,29 +77,14 @@ impl<'b> SdModel<'b> {
             (None, None) => fam.prediction,
         };
         let loras = LoraSet::load(opts.loras, ckpt, &fam.lora_layout(), opts.lora_apply)?;
-        let how = |kind| -> Result<How<'_, 'b>> {
-            Ok(How {
-                spread: layout.spread(kind),
-                policy: opts.policy,
-                encoder: false,
-                loras: &loras,
-                placeholders: opts.placeholders,
-                matrices: opts.matrix_types.get(kind),
-            })
-        };
-        let te = load_module(
-            ckpt,
-            ModuleKind::Te,
-            fam.te_prefix,
-            layout.devices(ModuleKind::Te)?,
-            how(ModuleKind::Te)?,
-        )?;
-        let unet = load_module(
+        let te = super::load_part(ckpt, ModuleKind::Te, fam.te_prefix, layout, opts, &loras)?;
+        let unet = super::load_part(
             ckpt,
             ModuleKind::Diffusion,
             UNET_PREFIX,
-            layout.devices(ModuleKind::Diffusion)?,
-            how(ModuleKind::Diffusion)?,
+            layout,
+            opts,
+            &loras,
         )?;
         let unet_cfg = UnetConfig::from_weights(&W::new(unet.params().map()), fam.heads)
             .map_err(|e| e.context(format!("{file}: diffusion")))?;
@@ -140,27 +124,8 @@ impl<'b> SdModel<'b> {
         }
         unet::validate(&unet, &unet_cfg).map_err(|e| e.context(&file))?;
         let (mut te, mut unet) = (te, unet);
-        let (placeholders, types) = (opts.placeholders, &opts.matrix_types);
-        let te_type = types.get(ModuleKind::Te);
-        split_weights(
-            &mut te,
-            ckpt,
-            fam.te_prefix,
-            false,
-            &loras,
-            placeholders,
-            te_type,
-        )?;
-        let unet_type = types.get(ModuleKind::Diffusion);
-        split_weights(
-            &mut unet,
-            ckpt,
-            UNET_PREFIX,
-            false,
-            &loras,
-            placeholders,
-            unet_type,
-        )?;
+        super::split_part(&mut te, ckpt, fam.te_prefix, opts, &loras)?;
+        super::split_part(&mut unet, ckpt, UNET_PREFIX, opts, &loras)?;
         Ok(SdModel {
             te,
             unet,
