@@ -1191,3 +1191,102 @@ fn bad_model_folders_are_one_line() {
         assert!(listing(&out_dir).is_empty(), "{name}");
     }
 }
+
+#[test]
+fn bench_gives_the_sdcpp_peer_flux_in_parts() {
+    use std::os::unix::fs::PermissionsExt;
+    let p = Prefix::with_cpu();
+    // A stand-in for sdhost-peer-sdcpp that keeps its arguments and reports
+    // fixed times: 2 sampling steps in 6 s.
+    let peer = p.root().join("fake-peer-sdcpp");
+    let argv = p.root().join("peer-args");
+    std::fs::write(
+        &peer,
+        format!(
+            "#!/bin/sh\necho \"$@\" > '{}'\necho '{{\"system\": \"fake sd.cpp\", \"load_s\": 1.0, \"first_run_s\": 9.0, \"runs\": [{{\"total_s\": 9.0, \"te_s\": 1.0, \"sampling_s\": 6.0, \"vae_s\": 2.0}}], \"peak_host_bytes\": 1048576}}'\n",
+            argv.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let model = fixture("flux/tiny-flux-dev.safetensors");
+    let r = run_with_parts(
+        &p,
+        &[
+            "bench",
+            "-m",
+            s(&model),
+            "-W",
+            "32",
+            "-H",
+            "32",
+            "--steps",
+            "2",
+            "--runs",
+            "1",
+        ],
+        &[
+            "--guidance",
+            "4.5",
+            "--peer",
+            s(&peer),
+            "--peer",
+            "diffusers",
+            "--json",
+        ],
+    );
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    let sdcpp = &j["peers"][0];
+    assert_eq!(sdcpp["name"], "sd.cpp");
+    assert!(sdcpp["error"].is_null(), "{sdcpp}");
+    assert_eq!(sdcpp["system"], "fake sd.cpp");
+    // The diffusers peer says why it has no column for FLUX.
+    let diffusers = j["peers"][1]["error"].as_str().unwrap();
+    assert!(diffusers.contains("not wired for flux"), "{diffusers}");
+    let (t5, clip, ae) = part_files();
+    let args = std::fs::read_to_string(&argv).unwrap();
+    for want in [
+        format!("--diffusion-model {}", model.display()),
+        format!("--t5xxl {}", t5.display()),
+        format!("--clip-l {}", clip.display()),
+        format!("--vae {}", ae.display()),
+        "-W 32 -H 32 --steps 2 --cfg-scale 1 ".into(),
+        "--sampler euler --scheduler simple --guidance 4.5 ".into(),
+    ] {
+        assert!(args.contains(&want), "{want}: {args}");
+    }
+    // sd.cpp's per-step time is its sampling time over the steps.
+    let step = &j["stages"]["transformer step"]["peers"]["sd.cpp"]["s"]["median"];
+    assert_eq!(step.as_f64(), Some(3.0), "{}", j["stages"]);
+}
+
+/// A T5 GGUF that carries its own vocabulary (llama.cpp's
+/// `tokenizer.ggml.*`; here the shipped pieces cut to 2,000) is tokenized
+/// with it, as transformers' T5TokenizerFast does over the same pieces.
+#[test]
+fn a_t5_gguf_is_tokenized_with_its_own_vocabulary() {
+    let r = refs();
+    let info: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("flux/tiny-flux-ref.json")).unwrap())
+            .unwrap();
+    let prompts = info["gguf_vocab_prompts"].as_array().unwrap();
+    let ckpt = parts_of(
+        "flux/tiny-flux-schnell.safetensors",
+        "flux/tiny-t5-q8_0-vocab.gguf",
+        "flux/tiny-clip-l.safetensors",
+    );
+    let shipped = sdhost_models::tokenizers::t5::T5Tokenizer::new().unwrap();
+    with_checkpoint(ckpt, "cpu", "cpu", |sd| {
+        let m = flux_model(sd);
+        let mut differ = 0;
+        for (i, p) in prompts.iter().enumerate() {
+            let p = p.as_str().unwrap();
+            let got = m.t5_ids(p).unwrap();
+            assert_eq!(got, ids(&r, &format!("gguf_vocab.t5.ids.{i}")), "{p:?}");
+            differ += usize::from(got != shipped.encode_padded(p, got.len()).unwrap());
+        }
+        // The file's vocabulary, not the shipped one, made these ids.
+        assert!(differ >= 3, "only {differ} prompts split differently");
+    });
+}

@@ -3,6 +3,9 @@
 //! Prints one JSON object: model load time and, per measured run, the
 //! stage times sd.cpp logs (text encoding, sampling, VAE decode, total).
 //!
+//! A model in parts (FLUX: `--diffusion-model` with `--t5xxl`, `--clip-l`,
+//! `--vae`) is given to sd.cpp the same way its own CLI takes it.
+//!
 //! Not part of CI: building sd.cpp takes minutes. See docs/performance.md.
 
 use clap::Parser;
@@ -15,9 +18,27 @@ use std::time::Instant;
 /// Runs stable-diffusion.cpp like `sdhost bench` does and prints JSON.
 #[derive(Parser, Debug)]
 struct Args {
-    /// Checkpoint
-    #[arg(short = 'm', long)]
-    model: String,
+    /// Checkpoint (one file holding every module)
+    #[arg(short = 'm', long, required_unless_present = "diffusion_model")]
+    model: Option<String>,
+    /// The denoiser alone (FLUX), with its other parts given below
+    #[arg(long = "diffusion-model")]
+    diffusion_model: Option<String>,
+    /// T5-XXL text encoder
+    #[arg(long)]
+    t5xxl: Option<String>,
+    /// CLIP-L text encoder
+    #[arg(long = "clip-l")]
+    clip_l: Option<String>,
+    /// VAE
+    #[arg(long)]
+    vae: Option<String>,
+    /// Distilled guidance (FLUX dev)
+    #[arg(long, default_value_t = 3.5)]
+    guidance: f32,
+    /// discrete or simple
+    #[arg(long, default_value = "discrete")]
+    scheduler: String,
     /// Prompt
     #[arg(short = 'p', long, default_value = "a photo of a cat")]
     prompt: String,
@@ -126,6 +147,14 @@ fn sampler(name: &str) -> Result<sys::sample_method_t, String> {
     })
 }
 
+fn scheduler(name: &str) -> Result<sys::scheduler_t, String> {
+    Ok(match name {
+        "discrete" => sys::scheduler_t::DISCRETE_SCHEDULER,
+        "simple" => sys::scheduler_t::SIMPLE_SCHEDULER,
+        s => return Err(format!("unknown scheduler {s:?}")),
+    })
+}
+
 fn cstr(s: &str) -> CString {
     CString::new(s).unwrap_or_default()
 }
@@ -143,7 +172,15 @@ fn main() {
 
 fn run(a: &Args) -> Result<Report, String> {
     let method = sampler(&a.sampler)?;
-    let model = cstr(&a.model);
+    let schedule = scheduler(&a.scheduler)?;
+    let opt = |s: &Option<String>| s.as_deref().map(cstr);
+    let (model, diffusion_model) = (opt(&a.model), opt(&a.diffusion_model));
+    let (t5xxl, clip_l, vae) = (opt(&a.t5xxl), opt(&a.clip_l), opt(&a.vae));
+    let shown = a
+        .model
+        .as_deref()
+        .or(a.diffusion_model.as_deref())
+        .unwrap_or_default();
     let backend = a.backend.as_deref().map(cstr);
     let params_backend = a.params_backend.as_deref().map(cstr);
     let prompt = cstr(&a.prompt);
@@ -158,7 +195,12 @@ fn run(a: &Args) -> Result<Report, String> {
             .to_string();
         let mut p: sys::sd_ctx_params_t = std::mem::zeroed();
         sys::sd_ctx_params_init(&mut p);
-        p.model_path = model.as_ptr();
+        let ptr = |s: &Option<CString>| s.as_ref().map_or(std::ptr::null(), |s| s.as_ptr());
+        p.model_path = ptr(&model);
+        p.diffusion_model_path = ptr(&diffusion_model);
+        p.t5xxl_path = ptr(&t5xxl);
+        p.clip_l_path = ptr(&clip_l);
+        p.vae_path = ptr(&vae);
         p.n_threads = a
             .threads
             .unwrap_or_else(|| sys::sd_get_num_physical_cores());
@@ -179,10 +221,7 @@ fn run(a: &Args) -> Result<Report, String> {
         let ctx = sys::new_sd_ctx(&p);
         let load_s = t.elapsed().as_secs_f64();
         if ctx.is_null() {
-            return Err(format!(
-                "sd.cpp could not load {} (see its log above)",
-                a.model
-            ));
+            return Err(format!("sd.cpp could not load {shown} (see its log above)"));
         }
         let mut runs = Vec::new();
         let mut first_run_s = 0.0;
@@ -197,9 +236,10 @@ fn run(a: &Args) -> Result<Report, String> {
             g.batch_count = 1;
             g.clip_skip = -1;
             g.sample_params.sample_method = method;
-            g.sample_params.scheduler = sys::scheduler_t::DISCRETE_SCHEDULER;
+            g.sample_params.scheduler = schedule;
             g.sample_params.sample_steps = a.steps;
             g.sample_params.guidance.txt_cfg = a.cfg_scale;
+            g.sample_params.guidance.distilled_guidance = a.guidance;
             if let Ok(mut l) = LOG.lock() {
                 l.clear();
             }

@@ -294,6 +294,7 @@ struct ModelReport {
     peers: Vec<PeerColumn>,
     warm: WarmCache,
     steps: u32,
+    family: sdhost_models::family::Family,
 }
 
 /// One row of the stage table: how to read it off an sdhost run and off a
@@ -337,6 +338,14 @@ const STAGES: [Stage; 5] = [
 ];
 
 impl ModelReport {
+    /// The row's name: a transformer family's denoiser is no UNet.
+    fn label(&self, stage: &Stage) -> &'static str {
+        match (stage.name, self.family) {
+            ("UNet step", sdhost_models::family::Family::Flux) => "transformer step",
+            (name, _) => name,
+        }
+    }
+
     /// sdhost's spread for `stage`, and each peer's where it was measured.
     fn spreads(&self, stage: &Stage, steps: f64) -> (Spread, Vec<Option<Spread>>) {
         let ours: Vec<f64> = self.ours.iter().map(stage.ours).collect();
@@ -420,7 +429,7 @@ impl Report for ModelReport {
         for stage in &STAGES {
             let (s, peers) = self.spreads(stage, steps);
             let mut row = vec![
-                stage.name.to_string(),
+                self.label(stage).to_string(),
                 format!("{} [{} – {}]", secs(s.median), secs(s.min), secs(s.max)),
             ];
             for (c, p) in self.peers.iter().zip(peers) {
@@ -509,7 +518,7 @@ impl ModelReport {
                     })
                     .collect();
                 let o = json!({ "sdhost_s": ours, "peers": peers });
-                (stage.name.to_string(), o)
+                (self.label(stage).to_string(), o)
             })
             .collect();
         let peers: Vec<Value> = self
@@ -618,7 +627,10 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
 
     // Every program starts from a warm page cache: "load + first image"
     // then compares loading, not the disk.
+    let components = &a.sample.components;
     let files: Vec<&Path> = std::iter::once(path.as_path())
+        .chain(components.t5xxl.as_deref())
+        .chain(components.clip_l.as_deref())
         .chain(a.sample.vae_file())
         .collect();
     let (bytes, first_read_s) = warm_page_cache(&files)?;
@@ -700,27 +712,18 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             continue;
         }
         seen.push(key);
-        // The peers are wired for single-file SD checkpoints: a model given
-        // as parts gets no column it cannot fill.
+        // The diffusers peer is wired for single-file SD 1.x checkpoints
+        // (it says so itself); the sd.cpp peer takes FLUX in parts too.
         let parts = a.sample.components.t5xxl.is_some() || a.sample.components.clip_l.is_some();
-        if family == sdhost_models::family::Family::Flux || parts {
-            let why = || {
-                Err(format!(
-                    "unavailable: the {} peer is not wired for {} models yet",
-                    match p {
-                        Peer::SdCpp(_) => "stable-diffusion.cpp",
-                        Peer::Diffusers => "diffusers",
-                    },
-                    family.name()
-                ))
-            };
+        if matches!(p, Peer::Diffusers) && (family == sdhost_models::family::Family::Flux || parts)
+        {
             peers.push(PeerColumn {
-                name: match p {
-                    Peer::SdCpp(_) => "sd.cpp",
-                    Peer::Diffusers => "diffusers",
-                },
+                name: "diffusers",
                 deferred_load: false,
-                result: why(),
+                result: Err(format!(
+                    "unavailable: the diffusers peer is not wired for {} models yet",
+                    family.name()
+                )),
             });
             continue;
         }
@@ -754,6 +757,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         peers,
         warm,
         steps: req.steps as u32,
+        family,
     };
     render::print(&report, a.json)?;
     Ok(())
@@ -884,17 +888,20 @@ impl PeerJob<'_> {
         // would time a different computation, so it is not run at all.
         use sdhost_models::sampling::{Sampler, Scheduler};
         let (a, req) = (self.a, self.req);
+        let flux = self.family == sdhost_models::family::Family::Flux;
         if !matches!(
             req.sampler,
             Sampler::EulerA | Sampler::Euler | Sampler::DpmPp2m
-        ) || req.scheduler != Scheduler::Discrete
+        ) || !matches!(req.scheduler, Scheduler::Discrete | Scheduler::Simple)
             || a.sample.vae_tiling
+            || a.sample.taesd.is_some()
         {
             return Err(format!(
-                "not comparable: the sd.cpp peer runs euler_a, euler or dpm++2m with the discrete schedule and no VAE tiling (asked: {} {}{})",
+                "not comparable: the sd.cpp peer runs euler_a, euler or dpm++2m with the discrete or simple schedule, the full VAE and no VAE tiling (asked: {} {}{}{})",
                 req.sampler,
                 req.scheduler,
-                if a.sample.vae_tiling { ", VAE tiling" } else { "" }
+                if a.sample.vae_tiling { ", VAE tiling" } else { "" },
+                if a.sample.taesd.is_some() { ", TAESD" } else { "" }
             ));
         }
         let exe = match exe {
@@ -910,14 +917,27 @@ impl PeerJob<'_> {
             ));
         }
         let mut c = Command::new(&exe);
-        c.arg("-m")
-            .arg(self.model)
-            .args(["-p", &a.prompt])
+        // FLUX comes as parts: sd.cpp takes them as its own CLI does.
+        c.arg(if flux { "--diffusion-model" } else { "-m" })
+            .arg(self.model);
+        let components = &a.sample.components;
+        for (flag, file) in [
+            ("--t5xxl", components.t5xxl.as_deref()),
+            ("--clip-l", components.clip_l.as_deref()),
+            ("--vae", a.sample.vae.as_deref()),
+        ] {
+            if let Some(f) = file {
+                c.arg(flag).arg(f);
+            }
+        }
+        c.args(["-p", &a.prompt])
             .args(["-W", &req.width.to_string(), "-H", &req.height.to_string()])
             .args(["--steps", &req.steps.to_string()])
             .args(["--cfg-scale", &req.cfg_scale.to_string()])
             .args(["--seed", &a.sample.seed.to_string()])
             .args(["--sampler", req.sampler.name()])
+            .args(["--scheduler", req.scheduler.name()])
+            .args(["--guidance", &req.guidance.to_string()])
             .args(["-t", &self.threads.to_string()])
             .args(["--runs", &self.runs.to_string()]);
         // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.

@@ -16,6 +16,17 @@ use std::path::Path;
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: u64 = 32;
 
+/// The size of a fixed-size GGUF value type.
+fn fixed_size(ty: u32) -> Option<u64> {
+    match ty {
+        0 | 1 | 7 => Some(1),
+        2 | 3 => Some(2),
+        4..=6 => Some(4),
+        10..=12 => Some(8),
+        _ => None,
+    }
+}
+
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -49,58 +60,142 @@ impl Reader<'_> {
     /// Skips a value of GGUF type `ty`, returning it when it is a u32
     /// (for `general.alignment`).
     fn value(&mut self, ty: u32, what: &str, depth: u32) -> Result<Option<u64>, String> {
-        let fixed = |ty| match ty {
-            0 | 1 | 7 => Some(1),
-            2 | 3 => Some(2),
-            4..=6 => Some(4),
-            10..=12 => Some(8),
-            _ => None,
-        };
         match ty {
             4 => Ok(Some(u64::from(self.u32(what)?))),
             8 => self.string(what).map(|_| None),
             9 => {
-                if depth > 2 {
-                    return Err(format!("{what}: arrays nested too deep"));
-                }
                 let et = self.u32(what)?;
                 let n = self.u64(what)?;
-                if let Some(sz) = fixed(et) {
-                    self.take(n.checked_mul(sz).ok_or("array too long")?, what)?;
-                } else {
-                    for _ in 0..n {
-                        self.value(et, what, depth + 1)?;
-                    }
-                }
-                Ok(None)
+                self.skip_elements(et, n, what, depth).map(|_| None)
             }
-            t => match fixed(t) {
+            t => match fixed_size(t) {
                 Some(sz) => self.take(sz, what).map(|_| None),
                 None => Err(format!("{what}: unknown value type {t}")),
             },
         }
     }
+    /// Skips `n` array elements of type `et` (arrays nest at most 3 deep).
+    fn skip_elements(&mut self, et: u32, n: u64, what: &str, depth: u32) -> Result<(), String> {
+        if depth > 2 {
+            return Err(format!("{what}: arrays nested too deep"));
+        }
+        if let Some(sz) = fixed_size(et) {
+            self.take(n.checked_mul(sz).ok_or("array too long")?, what)?;
+        } else {
+            for _ in 0..n {
+                self.value(et, what, depth + 1)?;
+            }
+        }
+        Ok(())
+    }
 }
 
-/// Reads the tensor table of a GGUF file. Shapes are outermost first (as in
-/// safetensors), dtypes are ggml's type names, offsets absolute.
-pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
-    scan_with_metadata(path).map(|(t, _)| t)
+/// A GGUF's own tokenizer, as llama.cpp's converters write it under
+/// `tokenizer.ggml.*`: the model kind (`t5`, `gpt2`, `llama`), the pieces
+/// with their scores and types, BPE merges, SentencePiece's precompiled
+/// character map, and the special token ids (`eos_token_id` → `eos`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Vocabulary {
+    /// `tokenizer.ggml.model`.
+    pub model: String,
+    /// `tokenizer.ggml.pre`, where written.
+    pub pre: Option<String>,
+    /// The pieces, by id.
+    pub tokens: Vec<String>,
+    /// Unigram log-probabilities, by id (empty where not written).
+    pub scores: Vec<f32>,
+    /// llama.cpp's token types (1 normal, 2 unknown, 3 control, 4 user
+    /// defined, 5 unused, 6 byte), by id (empty where not written).
+    pub types: Vec<i32>,
+    /// BPE merges, `"a b"` each.
+    pub merges: Vec<String>,
+    /// SentencePiece's precompiled normalization map (empty where not written).
+    pub charsmap: Vec<u8>,
+    /// `tokenizer.ggml.<name>_token_id` → id, keyed by `<name>` (`eos`, `unknown`, …).
+    pub special: BTreeMap<String, u32>,
 }
 
-/// [`scan`], plus the file's string-valued metadata keys.
-pub fn scan_with_metadata(
-    path: &Path,
-) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>), String> {
+/// One typed GGUF array of the kinds a vocabulary uses.
+enum Array {
+    Strings(Vec<String>),
+    F32(Vec<f32>),
+    I32(Vec<i32>),
+    U8(Vec<u8>),
+    Other,
+}
+
+impl Reader<'_> {
+    /// A GGUF array (after its type tag 9): strings, f32, i32 or u8 are
+    /// kept, any other element type skipped. The count is checked against
+    /// the bytes left before anything is sized from it.
+    fn array(&mut self, what: &str) -> Result<Array, String> {
+        let et = self.u32(what)?;
+        let n = self.u64(what)?;
+        let left = (self.buf.len() - self.pos) as u64;
+        // Each element takes at least `size` bytes.
+        let fits = |size: u64| match n.checked_mul(size).is_some_and(|b| b <= left) {
+            true => Ok(()),
+            false => Err(format!("header truncated in {what}")),
+        };
+        Ok(match et {
+            8 => {
+                fits(8)?;
+                let mut v = Vec::with_capacity(n as usize);
+                for _ in 0..n {
+                    v.push(self.string(what)?);
+                }
+                Array::Strings(v)
+            }
+            6 => Array::F32(
+                {
+                    fits(4)?;
+                    self.take(n * 4, what)?
+                }
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            ),
+            5 => Array::I32(
+                {
+                    fits(4)?;
+                    self.take(n * 4, what)?
+                }
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            ),
+            0 | 1 => Array::U8(
+                {
+                    fits(1)?;
+                    self.take(n * 1, what)?
+                }
+                .to_vec(),
+            ),
+            _ => {
+                self.skip_elements(et, n, what, 0)?;
+                Array::Other
+            }
+        })
+    }
+}
+
+/// Reads the header into memory (up to 64 MiB) and checks magic, version
+/// and counts: the buffer, the file size, and the tensor and metadata counts.
+fn header(path: &Path) -> Result<(Vec<u8>, u64), String> {
     let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
     let total = f.metadata().map_err(|e| e.to_string())?.len();
-    // The header is read whole, up to 64 MiB (SD checkpoints need far less).
+    // The header is read whole, up to 64 MiB (an LLM's vocabulary of
+    // 151 k pieces and merges takes about 6 MiB).
     let mut buf = Vec::new();
     Read::by_ref(&mut f)
         .take(total.min(64 << 20))
         .read_to_end(&mut buf)
         .map_err(|e| e.to_string())?;
-    let mut r = Reader { buf: &buf, pos: 0 };
+    Ok((buf, total))
+}
+
+/// The counts after magic and version: (tensors, metadata entries).
+fn counts(r: &mut Reader<'_>, total: u64) -> Result<(u64, u64), String> {
     if r.take(4, "magic").ok() != Some(&MAGIC[..]) {
         return Err("not a GGUF file (bad magic)".into());
     }
@@ -115,6 +210,89 @@ pub fn scan_with_metadata(
             "{n_tensors} tensors and {n_kv} metadata entries cannot fit in {total} bytes"
         ));
     }
+    Ok((n_tensors, n_kv))
+}
+
+/// The file's own tokenizer (`tokenizer.ggml.*`), if it has one: `None`
+/// when no `tokenizer.ggml.tokens` is written. A key of the wrong type, or
+/// scores/types whose count differs from the pieces', is one line.
+pub fn vocabulary(path: &Path) -> Result<Option<Vocabulary>, String> {
+    let (buf, total) = header(path)?;
+    let mut r = Reader { buf: &buf, pos: 0 };
+    let (_, n_kv) = counts(&mut r, total)?;
+    let mut v = Vocabulary::default();
+    let wrong = |key: &str| format!("{key} has the wrong type");
+    for i in 0..n_kv {
+        let key = r.string(&format!("metadata key {i}"))?;
+        let ty = r.u32(&key)?;
+        let Some(name) = key.strip_prefix("tokenizer.ggml.") else {
+            r.value(ty, &key, 0)?;
+            continue;
+        };
+        match (name, ty) {
+            ("model", 8) => v.model = r.string(&key)?,
+            ("pre", 8) => v.pre = Some(r.string(&key)?),
+            (_, 9) => match (name, r.array(&key)?) {
+                ("tokens", Array::Strings(t)) => v.tokens = t,
+                ("merges", Array::Strings(m)) => v.merges = m,
+                ("scores", Array::F32(s)) => v.scores = s,
+                ("token_type", Array::I32(t)) => v.types = t,
+                ("precompiled_charsmap", Array::U8(c)) => v.charsmap = c,
+                ("tokens" | "merges" | "scores" | "token_type" | "precompiled_charsmap", _) => {
+                    return Err(wrong(&key))
+                }
+                _ => {}
+            },
+            (n, 4) if n.ends_with("_token_id") => {
+                let id = r.u32(&key)?;
+                v.special
+                    .insert(n.trim_end_matches("_token_id").to_string(), id);
+            }
+            ("model" | "pre" | "tokens" | "merges" | "scores" | "token_type", _) => {
+                return Err(wrong(&key))
+            }
+            _ => {
+                r.value(ty, &key, 0)?;
+            }
+        }
+    }
+    if v.tokens.is_empty() {
+        return Ok(None);
+    }
+    for (what, n) in [("scores", v.scores.len()), ("token_type", v.types.len())] {
+        if n != 0 && n != v.tokens.len() {
+            return Err(format!(
+                "tokenizer.ggml.{what} has {n} entries for {} tokens",
+                v.tokens.len()
+            ));
+        }
+    }
+    if let Some((name, id)) = v
+        .special
+        .iter()
+        .find(|(_, id)| **id as usize >= v.tokens.len())
+    {
+        return Err(format!(
+            "tokenizer.ggml.{name}_token_id {id} is past the {} tokens",
+            v.tokens.len()
+        ));
+    }
+    Ok(Some(v))
+}
+
+/// Reads the tensor table of a GGUF file. Shapes are outermost first (as in
+/// safetensors), dtypes are ggml's type names, offsets absolute.
+pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
+    scan_with_metadata(path).map(|(t, _)| t)
+}
+
+/// [`scan`], plus the file's string-valued metadata keys.
+pub fn scan_with_metadata(
+    path: &Path,
+) -> Result<(Vec<TensorEntry>, BTreeMap<String, String>), String> {
+    let (buf, total) = header(path)?;
+    let mut r = Reader { buf: &buf, pos: 0 };
+    let (n_tensors, n_kv) = counts(&mut r, total)?;
     let mut alignment = DEFAULT_ALIGNMENT;
     let mut metadata = BTreeMap::new();
     for i in 0..n_kv {
@@ -323,6 +501,104 @@ mod tests {
         let mut out = Vec::new();
         write(&mut out, &[("general.architecture", "sd1")], tensors).unwrap();
         out
+    }
+
+    /// A GGUF with no tensors and the metadata `kv` (each value already
+    /// encoded after its key: type tag and payload).
+    fn with_kv(kv: &[(&str, Vec<u8>)]) -> Vec<u8> {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+        out.extend((kv.len() as u64).to_le_bytes());
+        for (k, v) in kv {
+            out.extend((k.len() as u64).to_le_bytes());
+            out.extend(k.as_bytes());
+            out.extend(v);
+        }
+        out.resize(out.len() + 64, 0);
+        out
+    }
+
+    fn gguf_str(s: &str) -> Vec<u8> {
+        let mut v = (s.len() as u64).to_le_bytes().to_vec();
+        v.extend(s.as_bytes());
+        v
+    }
+
+    fn strings(items: &[&str]) -> Vec<u8> {
+        let mut v = [9u32.to_le_bytes(), 8u32.to_le_bytes()].concat();
+        v.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|s| v.extend(gguf_str(s)));
+        v
+    }
+
+    fn f32s(items: &[f32]) -> Vec<u8> {
+        let mut v = [9u32.to_le_bytes(), 6u32.to_le_bytes()].concat();
+        v.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|x| v.extend(x.to_le_bytes()));
+        v
+    }
+
+    fn id(n: u32) -> Vec<u8> {
+        [4u32.to_le_bytes(), n.to_le_bytes()].concat()
+    }
+
+    #[test]
+    fn a_vocabulary_is_read_and_its_faults_are_one_line() {
+        let model = [8u32.to_le_bytes().to_vec(), gguf_str("t5")].concat();
+        let tokens = strings(&["<pad>", "</s>", "▁a"]);
+        let f = file(&with_kv(&[
+            (
+                "general.name",
+                [8u32.to_le_bytes().to_vec(), gguf_str("x")].concat(),
+            ),
+            ("tokenizer.ggml.model", model.clone()),
+            ("tokenizer.ggml.tokens", tokens.clone()),
+            ("tokenizer.ggml.scores", f32s(&[0.0, 0.0, -1.5])),
+            ("tokenizer.ggml.eos_token_id", id(1)),
+        ]));
+        let v = vocabulary(f.path()).unwrap().unwrap();
+        assert_eq!(v.model, "t5");
+        assert_eq!(v.tokens, ["<pad>", "</s>", "▁a"]);
+        assert_eq!(v.scores, [0.0, 0.0, -1.5]);
+        assert_eq!(v.special["eos"], 1);
+        assert!(v.types.is_empty() && v.charsmap.is_empty());
+        // No tokens: no vocabulary.
+        let f = file(&with_kv(&[("tokenizer.ggml.model", model.clone())]));
+        assert_eq!(vocabulary(f.path()).unwrap(), None);
+        for (kv, want) in [
+            (
+                vec![
+                    ("tokenizer.ggml.tokens", tokens.clone()),
+                    ("tokenizer.ggml.scores", f32s(&[0.0])),
+                ],
+                "tokenizer.ggml.scores has 1 entries for 3 tokens",
+            ),
+            (
+                vec![
+                    ("tokenizer.ggml.tokens", tokens.clone()),
+                    ("tokenizer.ggml.eos_token_id", id(3)),
+                ],
+                "tokenizer.ggml.eos_token_id 3 is past the 3 tokens",
+            ),
+            (
+                vec![("tokenizer.ggml.tokens", f32s(&[1.0]))],
+                "tokenizer.ggml.tokens has the wrong type",
+            ),
+            (
+                vec![("tokenizer.ggml.model", id(1))],
+                "tokenizer.ggml.model has the wrong type",
+            ),
+        ] {
+            let f = file(&with_kv(&kv));
+            assert_eq!(vocabulary(f.path()).unwrap_err(), want);
+        }
+        // A count larger than the file is refused before anything is sized.
+        let mut huge = [9u32.to_le_bytes(), 8u32.to_le_bytes()].concat();
+        huge.extend(u64::MAX.to_le_bytes());
+        let f = file(&with_kv(&[("tokenizer.ggml.tokens", huge)]));
+        let e = vocabulary(f.path()).unwrap_err();
+        assert!(e.contains("header truncated"), "{e}");
     }
 
     #[test]

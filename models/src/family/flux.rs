@@ -443,6 +443,25 @@ pub struct FluxModel<'b> {
     t5_tokenizer: T5Tokenizer,
 }
 
+/// The T5's own vocabulary where its file is a GGUF that carries one
+/// (llama.cpp's converters write it), else the shipped one.
+fn t5_tokenizer(ckpt: &Checkpoint) -> Result<T5Tokenizer> {
+    let Some(t) = ckpt.tensors.iter().find(|t| t.name.starts_with(T5_MODULE)) else {
+        return T5Tokenizer::new();
+    };
+    let file = ckpt.file_of(t);
+    if file.extension().and_then(|e| e.to_str()) != Some("gguf") {
+        return T5Tokenizer::new();
+    }
+    let shown = file.display();
+    match crate::checkpoint::gguf::vocabulary(file)
+        .map_err(|e| ModelError::Unsupported(format!("{shown}: {e}")))?
+    {
+        Some(v) => T5Tokenizer::from_vocabulary(&v).map_err(|e| e.context(&shown)),
+        None => T5Tokenizer::new(),
+    }
+}
+
 impl<'b> FluxModel<'b> {
     /// Loads the `te`, `te.t5xxl` and `diffusion` modules of `ckpt`, reads
     /// every hyper-parameter and builds every graph once, uncomputed.
@@ -521,7 +540,7 @@ impl<'b> FluxModel<'b> {
             t5_tokens,
             shift,
             clip_tokenizer: ClipTokenizer::default(),
-            t5_tokenizer: T5Tokenizer::new()?,
+            t5_tokenizer: t5_tokenizer(ckpt)?,
         })
     }
 
