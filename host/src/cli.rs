@@ -453,7 +453,7 @@ impl LoadArgs {
     }
 }
 
-/// A model's parts given apart from its transformer (FLUX), shared by
+/// A model's parts given apart from its transformer (FLUX.1, Z-Image), shared by
 /// every command that loads a model.
 #[derive(Clone, Debug, Default, Args)]
 pub struct ComponentArgs {
@@ -466,43 +466,79 @@ pub struct ComponentArgs {
     /// naming), beside the transformer given with -m
     #[arg(long = "clip-l", value_name = "FILE")]
     pub clip_l: Option<PathBuf>,
+
+    /// Z-Image: the Qwen3 text encoder (`qwen_3_4b.safetensors`,
+    /// transformers' naming, or a llama.cpp GGUF), beside the transformer
+    /// given with -m
+    #[arg(long = "llm", value_name = "FILE")]
+    pub llm: Option<PathBuf>,
 }
 
 impl ComponentArgs {
     /// The model `file` with the component files given apart (`--t5xxl`,
-    /// `--clip-l`), scanned and assembled into one checkpoint.
+    /// `--clip-l` for FLUX.1, `--llm` for Z-Image), scanned and assembled
+    /// into one checkpoint; a flag of another family is one line.
     pub fn open_model(
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
+        use sdhost_models::family::{flux, zimage};
         let model = sdhost_models::checkpoint::scan_model(file)?;
         let scan = |p: &Option<PathBuf>| {
             p.as_deref()
                 .map(sdhost_models::checkpoint::scan_model)
                 .transpose()
         };
-        let (t5xxl, clip_l) = (scan(&self.t5xxl)?, scan(&self.clip_l)?);
-        let parts = sdhost_models::family::flux::Components {
+        let (t5xxl, clip_l, llm) = (scan(&self.t5xxl)?, scan(&self.clip_l)?, scan(&self.llm)?);
+        let parts = flux::Components {
             t5xxl: t5xxl.as_ref(),
             clip_l: clip_l.as_ref(),
         };
+        if zimage::is_transformer(&model) {
+            if parts.any() {
+                anyhow::bail!(
+                    "{}: a Z-Image transformer; --t5xxl and --clip-l go with FLUX.1, Z-Image takes its text encoder with --llm FILE",
+                    file.display()
+                );
+            }
+            return Ok(zimage::assemble(&model, llm.as_ref())?);
+        }
+        if llm.is_some() {
+            anyhow::bail!(
+                "{}: not a Z-Image transformer; --llm gives Z-Image its Qwen3 text encoder",
+                file.display()
+            );
+        }
         if !parts.any() {
             return Ok(model);
         }
-        Ok(sdhost_models::family::flux::assemble(&model, parts)?)
+        Ok(flux::assemble(&model, parts)?)
     }
 
-    /// [`ComponentArgs::open_model`] where `file` is a FLUX transformer,
-    /// else the file alone (`serve`, whose models folder may mix families).
+    /// [`ComponentArgs::open_model`] where `file` is a transformer that
+    /// takes parts (FLUX.1, Z-Image), else the file alone (`serve`, whose
+    /// models folder may mix families).
     pub fn open_if_parts(
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
+        use sdhost_models::family::{flux, zimage};
         let model = sdhost_models::checkpoint::scan_model(file)?;
-        match sdhost_models::family::flux::is_transformer(&model) {
-            true => self.open_model(file),
-            false => Ok(model),
-        }
+        // Each family gets only its own flags.
+        let parts = if zimage::is_transformer(&model) {
+            ComponentArgs {
+                llm: self.llm.clone(),
+                ..ComponentArgs::default()
+            }
+        } else if flux::is_transformer(&model) {
+            ComponentArgs {
+                llm: None,
+                ..self.clone()
+            }
+        } else {
+            return Ok(model);
+        };
+        parts.open_model(file)
     }
 }
 

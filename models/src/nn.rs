@@ -355,8 +355,12 @@ pub struct Scores<'a> {
     /// The scale of `q·kᵀ`; `1/√D` when `None`.
     pub scale: Option<f32>,
     /// Added to the scaled scores before the softmax: `[S, T, H]` (T5's
-    /// relative position bias).
+    /// relative position bias) or `[S, T]` for every head (a mask of
+    /// `-∞` where a query may not see a key).
     pub bias: Option<Tensor<'a>>,
+    /// Grouped-query attention: `k` and `v` carry this many heads, each
+    /// shared by `heads / kv_heads` consecutive query heads (Qwen3's).
+    pub kv_heads: Option<i64>,
 }
 
 /// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
@@ -393,19 +397,26 @@ pub fn attention_with<'a>(
         flash,
         scale,
         bias,
+        kv_heads,
     } = scores;
     let [inner, t, n, _] = q.ne();
     let s = k.ne()[1];
-    if inner % heads != 0 || k.ne()[0] != inner || v.ne() != k.ne() {
+    let kvh = kv_heads.unwrap_or(heads);
+    if inner % heads != 0
+        || kvh <= 0
+        || heads % kvh != 0
+        || k.ne()[0] != inner / heads * kvh
+        || v.ne() != k.ne()
+    {
         return Err(ModelError::Shape(format!(
-            "attention: q {:?}, k {:?}, v {:?} do not fit {heads} heads",
+            "attention: q {:?}, k {:?}, v {:?} do not fit {heads} heads over {kvh}",
             q.ne(),
             k.ne(),
             v.ne()
         )));
     }
     if let Some(b) = bias {
-        if b.ne() != [s, t, heads, 1] {
+        if b.ne() != [s, t, heads, 1] && b.ne() != [s, t, 1, 1] {
             return Err(ModelError::Shape(format!(
                 "attention bias {:?} does not fit {s} keys, {t} queries and {heads} heads",
                 b.ne()
@@ -415,7 +426,7 @@ pub fn attention_with<'a>(
     let d = inner / heads;
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
     let flash = flash && !causal && bias.is_none();
-    if flash && c.amx() {
+    if flash && c.amx() && kvh == heads {
         // The tile unit's fused attention reads the heads in place.
         let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
             true => Ok(x),
@@ -427,16 +438,18 @@ pub fn attention_with<'a>(
     let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
     if flash {
         let f16 = |x: Tensor<'a>| -> Result<Tensor<'a>> {
-            let x = c.permute(c.reshape(x, &[d, heads, s, n])?, [0, 2, 1, 3])?;
+            let x = c.permute(c.reshape(x, &[d, kvh, s, n])?, [0, 2, 1, 3])?;
             Ok(c.cast(c.cont(x)?, ggml::Type::F16)?)
         };
         // Result [D, H, T, N]: heads already merged.
         let out = c.flash_attn(q, f16(k)?, f16(v)?, scale)?;
         return Ok(c.reshape(out, &[inner, t, n])?);
     }
-    let k = c.cont(c.permute(c.reshape(k, &[d, heads, s, n])?, [0, 2, 1, 3])?)?;
+    // K and V keep their own head count: the products broadcast each of
+    // their heads over its group of query heads.
+    let k = c.cont(c.permute(c.reshape(k, &[d, kvh, s, n])?, [0, 2, 1, 3])?)?;
     // [D, H, S, N] → [S, D, H, N]
-    let vt = c.cont(c.permute(c.reshape(v, &[d, heads, s, n])?, [1, 2, 0, 3])?)?;
+    let vt = c.cont(c.permute(c.reshape(v, &[d, kvh, s, n])?, [1, 2, 0, 3])?)?;
     let mut kq = c.mul_mat(k, q)?; // [S, T, H, N]
     if causal {
         kq = c.diag_mask_inf(c.scale(kq, scale)?, 0)?;

@@ -4,7 +4,8 @@
 //! stage times sd.cpp logs (text encoding, sampling, VAE decode, total).
 //!
 //! A model in parts (FLUX: `--diffusion-model` with `--t5xxl`, `--clip-l`,
-//! `--vae`) is given to sd.cpp the same way its own CLI takes it.
+//! `--vae`; Z-Image: with `--llm`, `--vae`) is given to sd.cpp the same way
+//! its own CLI takes it.
 //!
 //! Not part of CI: building sd.cpp takes minutes. See docs/performance.md.
 
@@ -30,6 +31,9 @@ struct Args {
     /// CLIP-L text encoder
     #[arg(long = "clip-l")]
     clip_l: Option<String>,
+    /// Qwen3 text encoder (Z-Image)
+    #[arg(long)]
+    llm: Option<String>,
     /// VAE
     #[arg(long)]
     vae: Option<String>,
@@ -176,6 +180,7 @@ fn run(a: &Args) -> Result<Report, String> {
     let opt = |s: &Option<String>| s.as_deref().map(cstr);
     let (model, diffusion_model) = (opt(&a.model), opt(&a.diffusion_model));
     let (t5xxl, clip_l, vae) = (opt(&a.t5xxl), opt(&a.clip_l), opt(&a.vae));
+    let llm = opt(&a.llm);
     let shown = a
         .model
         .as_deref()
@@ -201,6 +206,7 @@ fn run(a: &Args) -> Result<Report, String> {
         p.t5xxl_path = ptr(&t5xxl);
         p.clip_l_path = ptr(&clip_l);
         p.vae_path = ptr(&vae);
+        p.llm_path = ptr(&llm);
         p.n_threads = a
             .threads
             .unwrap_or_else(|| sys::sd_get_num_physical_cores());

@@ -341,7 +341,7 @@ impl ModelReport {
     /// The row's name: a transformer family's denoiser is no UNet.
     fn label(&self, stage: &Stage) -> &'static str {
         match (stage.name, self.family) {
-            ("UNet step", sdhost_models::family::Family::Flux) => "transformer step",
+            ("UNet step", f) if f.config().is_none() => "transformer step",
             (name, _) => name,
         }
     }
@@ -631,6 +631,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let files: Vec<&Path> = std::iter::once(path.as_path())
         .chain(components.t5xxl.as_deref())
         .chain(components.clip_l.as_deref())
+        .chain(components.llm.as_deref())
         .chain(a.sample.vae_file())
         .collect();
     let (bytes, first_read_s) = warm_page_cache(&files)?;
@@ -714,9 +715,9 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         seen.push(key);
         // The diffusers peer is wired for single-file SD 1.x checkpoints
         // (it says so itself); the sd.cpp peer takes FLUX in parts too.
-        let parts = a.sample.components.t5xxl.is_some() || a.sample.components.clip_l.is_some();
-        if matches!(p, Peer::Diffusers) && (family == sdhost_models::family::Family::Flux || parts)
-        {
+        let c = &a.sample.components;
+        let parts = c.t5xxl.is_some() || c.clip_l.is_some() || c.llm.is_some();
+        if matches!(p, Peer::Diffusers) && (family.config().is_none() || parts) {
             peers.push(PeerColumn {
                 name: "diffusers",
                 deferred_load: false,
@@ -888,7 +889,8 @@ impl PeerJob<'_> {
         // would time a different computation, so it is not run at all.
         use sdhost_models::sampling::{Sampler, Scheduler};
         let (a, req) = (self.a, self.req);
-        let flux = self.family == sdhost_models::family::Family::Flux;
+        // The transformer families come as parts.
+        let parts = self.family.config().is_none();
         if !matches!(
             req.sampler,
             Sampler::EulerA | Sampler::Euler | Sampler::DpmPp2m
@@ -917,13 +919,15 @@ impl PeerJob<'_> {
             ));
         }
         let mut c = Command::new(&exe);
-        // FLUX comes as parts: sd.cpp takes them as its own CLI does.
-        c.arg(if flux { "--diffusion-model" } else { "-m" })
+        // FLUX.1 and Z-Image come as parts: sd.cpp takes them as its own
+        // CLI does.
+        c.arg(if parts { "--diffusion-model" } else { "-m" })
             .arg(self.model);
         let components = &a.sample.components;
         for (flag, file) in [
             ("--t5xxl", components.t5xxl.as_deref()),
             ("--clip-l", components.clip_l.as_deref()),
+            ("--llm", components.llm.as_deref()),
             ("--vae", a.sample.vae.as_deref()),
         ] {
             if let Some(f) = file {

@@ -2,3 +2,4 @@
 
 pub mod flux;
 pub mod unet;
+pub mod zimage;

@@ -1,4 +1,5 @@
 //! Text encoders, each a network that knows only its own config.
 
 pub mod clip;
+pub mod qwen3;
 pub mod t5;

@@ -611,6 +611,7 @@ impl<'b> FluxModel<'b> {
             }
             Ok(Conditioned {
                 context,
+                context_rows: Vec::new(),
                 vector: Some(vector),
                 guidance: self.cfg.guidance.then_some(req.guidance),
                 reference: Vec::new(),

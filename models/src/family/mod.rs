@@ -21,6 +21,7 @@ pub mod sd;
 mod sd1;
 mod sd2;
 mod sdxl;
+pub mod zimage;
 
 use crate::autoencoders::LatentNorm;
 use crate::checkpoint::Checkpoint;
@@ -42,6 +43,9 @@ pub enum Family {
     Sdxl,
     /// FLUX.1 dev or schnell (T5-XXL + CLIP-L, a flow transformer).
     Flux,
+    /// Z-Image Turbo or Base (a Qwen3 text encoder, a single-stream flow
+    /// transformer, FLUX.1's autoencoder).
+    ZImage,
 }
 
 impl Family {
@@ -52,16 +56,18 @@ impl Family {
             Family::Sd2 => "sd2",
             Family::Sdxl => "sdxl",
             Family::Flux => "flux",
+            Family::ZImage => "zimage",
         }
     }
 
-    /// The SD recipe's configuration of an SD family (`None` for FLUX).
+    /// The SD recipe's configuration of an SD family (`None` for the
+    /// transformer families).
     pub fn config(self) -> Option<FamilyConfig> {
         match self {
             Family::Sd1 => Some(sd1::config()),
             Family::Sd2 => Some(sd2::config()),
             Family::Sdxl => Some(sdxl::config()),
-            Family::Flux => None,
+            Family::Flux | Family::ZImage => None,
         }
     }
 }
@@ -95,6 +101,9 @@ pub struct FamilyConfig {
 pub struct Conditioned {
     /// Token context for cross-attention (or a joint sequence).
     pub context: Vec<f32>,
+    /// Rows of `context` per batch entry where the prompts keep their own
+    /// lengths (Z-Image); empty where every entry has the same.
+    pub context_rows: Vec<usize>,
     /// A vector input (SDXL's ADM vector, pooled text).
     pub vector: Option<Vec<f32>>,
     /// The guidance scale a guidance-distilled network takes (FLUX.1 dev).
@@ -181,6 +190,8 @@ pub enum Model<'b> {
     Sd(sd::SdModel<'b>),
     /// FLUX.1.
     Flux(flux::FluxModel<'b>),
+    /// Z-Image.
+    ZImage(zimage::ZImageModel<'b>),
 }
 
 impl<'b> Model<'b> {
@@ -197,6 +208,9 @@ impl<'b> Model<'b> {
                 Ok(Model::Sd(sd::SdModel::load(family, ckpt, layout, opts)?))
             }
             Family::Flux => Ok(Model::Flux(flux::FluxModel::load(ckpt, layout, opts)?)),
+            Family::ZImage => Ok(Model::ZImage(zimage::ZImageModel::load(
+                ckpt, layout, opts,
+            )?)),
         }
     }
 
@@ -205,6 +219,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.config().family,
             Model::Flux(_) => Family::Flux,
+            Model::ZImage(_) => Family::ZImage,
         }
     }
 
@@ -213,6 +228,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.config().default_size,
             Model::Flux(_) => 1024,
+            Model::ZImage(_) => zimage::defaults().size,
         }
     }
 
@@ -221,6 +237,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(_) => sd_defaults(self.default_size()),
             Model::Flux(m) => flux_defaults(m.variant() == flux::Variant::Dev),
+            Model::ZImage(_) => zimage::defaults(),
         }
     }
 
@@ -236,6 +253,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(_) => false,
             Model::Flux(m) => m.config().guidance,
+            Model::ZImage(_) => false,
         }
     }
 
@@ -244,6 +262,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.prediction(),
             Model::Flux(_) => Prediction::Flow,
+            Model::ZImage(_) => Prediction::Flow,
         }
     }
 
@@ -253,6 +272,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.sampling().clone(),
             Model::Flux(m) => m.sampling(lh, lw),
+            Model::ZImage(m) => m.sampling(),
         }
     }
 
@@ -261,6 +281,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.guidance(cfg_scale),
             Model::Flux(m) => m.guidance(cfg_scale),
+            Model::ZImage(m) => m.guidance(cfg_scale),
         }
     }
 
@@ -269,6 +290,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.latent_norm(),
             Model::Flux(_) => flux::LATENT,
+            Model::ZImage(_) => zimage::LATENT,
         }
     }
 
@@ -279,6 +301,7 @@ impl<'b> Model<'b> {
         let packed: &[&'static str] = match self {
             Model::Sd(_) => &[VAE_PREFIX],
             Model::Flux(_) => &flux::VAE_PREFIXES,
+            Model::ZImage(_) => &zimage::VAE_PREFIXES,
         };
         if let Some(p) = packed.iter().find(|p| has(p)) {
             return Ok(p);
@@ -298,6 +321,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.latent_channels(),
             Model::Flux(m) => m.latent_channels(),
+            Model::ZImage(m) => m.latent_channels(),
         }
     }
 
@@ -307,6 +331,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.input_channels(),
             Model::Flux(m) => m.latent_channels(),
+            Model::ZImage(m) => m.latent_channels(),
         }
     }
 
@@ -317,7 +342,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.downsamples(),
             // 2×2 patches.
-            Model::Flux(_) => 1,
+            Model::Flux(_) | Model::ZImage(_) => 1,
         }
     }
 
@@ -328,6 +353,8 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.chunk_count(prompt),
             // T5 and CLIP-L cut the prompt to their lengths.
             Model::Flux(_) => 1,
+            // Qwen3 takes up to 512 tokens at once.
+            Model::ZImage(_) => 1,
         }
     }
 
@@ -341,6 +368,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.condition(req, guided),
             Model::Flux(m) => m.condition(req, guided),
+            Model::ZImage(m) => m.condition(req, guided),
         }
     }
 
@@ -355,6 +383,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.denoise(x, shape, t, cond),
             Model::Flux(m) => m.denoise(x, shape, t, cond),
+            Model::ZImage(m) => m.denoise(x, shape, t, cond),
         }
     }
 
@@ -368,6 +397,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.measure(req, lh, lw),
             Model::Flux(m) => m.measure(req, lh, lw),
+            Model::ZImage(m) => m.measure(req, lh, lw),
         }
     }
 
@@ -377,6 +407,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.modules(),
             Model::Flux(m) => m.modules(),
+            Model::ZImage(m) => m.modules(),
         }
     }
 
@@ -385,6 +416,7 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.modules_mut(),
             Model::Flux(m) => m.modules_mut(),
+            Model::ZImage(m) => m.modules_mut(),
         }
     }
 
@@ -392,7 +424,7 @@ impl<'b> Model<'b> {
     pub fn sd(&mut self) -> Option<&mut sd::SdModel<'b>> {
         match self {
             Model::Sd(m) => Some(m),
-            Model::Flux(_) => None,
+            Model::Flux(_) | Model::ZImage(_) => None,
         }
     }
 
@@ -400,7 +432,7 @@ impl<'b> Model<'b> {
     pub fn flux(&mut self) -> Option<&mut flux::FluxModel<'b>> {
         match self {
             Model::Flux(m) => Some(m),
-            Model::Sd(_) => None,
+            Model::Sd(_) | Model::ZImage(_) => None,
         }
     }
 }
@@ -411,6 +443,7 @@ pub fn defaults_of(ckpt: &Checkpoint) -> Result<Defaults, ModelError> {
     let family = detect(ckpt)?;
     Ok(match family.config() {
         Some(cfg) => sd_defaults(cfg.default_size),
+        None if family == Family::ZImage => zimage::defaults(),
         None => flux_defaults(ckpt.tensors.iter().any(|t| {
             t.name
                 .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
@@ -479,7 +512,7 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
 
 /// Whether the VAE file `vae` fits `ckpt`'s family (its latent channels,
 /// read off the decoder's first convolution: 4 for the SD families, 16 for
-/// FLUX). `None` where either cannot be told.
+/// FLUX and Z-Image). `None` where either cannot be told.
 pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
     let channels = vae
         .tensors
@@ -488,7 +521,7 @@ pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
         .and_then(|t| t.shape.get(1).copied())?;
     let want = match detect(ckpt).ok()? {
         Family::Sd1 | Family::Sd2 | Family::Sdxl => 4,
-        Family::Flux => 16,
+        Family::Flux | Family::ZImage => 16,
     };
     Some(channels == want)
 }
@@ -497,7 +530,7 @@ pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
 /// any run may add): what the host places, budgets and loads.
 pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {
     match detect(ckpt)? {
-        Family::Sd1 | Family::Sd2 | Family::Sdxl => {
+        Family::Sd1 | Family::Sd2 | Family::Sdxl | Family::ZImage => {
             Ok(vec![ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae])
         }
         Family::Flux => Ok(vec![
@@ -536,7 +569,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
     let file = ckpt.path.display();
     let unsupported = |what: &str| {
         ModelError::Unsupported(format!(
-            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x, SDXL base and FLUX.1 checkpoints"
+            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x, SDXL base, FLUX.1 and Z-Image checkpoints"
         ))
     };
     if contains("lora_up.")
@@ -554,6 +587,19 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
         return Err(unsupported(
             "Stable Diffusion 3 (MMDiT), which is not supported",
         ));
+    }
+    if zimage::is_transformer(ckpt) {
+        if !has(&format!("{}cap_embedder.", zimage::DIT_PREFIX)) {
+            return Err(ModelError::MissingTensor(format!(
+                "{file}: a Z-Image transformer alone; give its Qwen3 text encoder with --llm FILE and its autoencoder with --vae FILE"
+            )));
+        }
+        if !has(zimage::LLM_MODULE) {
+            return Err(ModelError::MissingTensor(format!(
+                "{file}: a Z-Image transformer without its Qwen3 text encoder; give one with --llm FILE"
+            )));
+        }
+        return Ok(Family::ZImage);
     }
     if flux::is_transformer(ckpt) && !has(&format!("{}double_blocks.", flux::DIT_PREFIX)) {
         return Err(ModelError::MissingTensor(format!(

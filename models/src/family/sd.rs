@@ -283,6 +283,7 @@ impl<'b> SdModel<'b> {
         }
         Ok(Conditioned {
             context,
+            context_rows: Vec::new(),
             vector,
             guidance: None,
             reference: Vec::new(),

@@ -2,4 +2,5 @@
 //! the binary (nothing is downloaded at run time).
 
 pub mod clip;
+pub mod qwen;
 pub mod t5;

@@ -1,0 +1,261 @@
+//! The Z-Image transformer against diffusers' `ZImageTransformer2DModel`
+//! on the tiny random model of `tests/fixtures/make_zimage_fixtures.py`:
+//! latents whose token counts need padding and not, in the original naming
+//! (fused q/k/v, ComfyUI's prefix) and in diffusers' (renamed by
+//! `original_name`, q/k/v apart); and 3-step `ZImagePipeline` runs (no CFG,
+//! and CFG with a negative prompt of another length) from given noise to
+//! the decoded image; on the CPU, and on lavapipe where enabled (one test:
+//! Vulkan pipelines set up concurrently in one process abort in ggml).
+
+mod common;
+use common::*;
+use sdhost::manager::BackendManager;
+use sdhost::registry::Registry;
+use sdhost_models::checkpoint::{self, Checkpoint};
+use sdhost_models::denoisers::zimage::{self, ZImageConfig, ZImageInput};
+use sdhost_models::family::Family;
+use sdhost_models::lora::LoraSet;
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
+use sdhost_models::runtime::graph::W;
+use sdhost_models::runtime::load::{load_module, How};
+use sdhost_models::runtime::module::{Devices, Module};
+use sdhost_models::sampling::{Sampler, Scheduler};
+use sdhost_models::ModuleKind;
+
+/// Runs `f` on the transformer of `ckpt` (names under `prefix`) on `device`.
+fn with_dit(
+    ckpt: &Checkpoint,
+    prefix: &str,
+    device: &str,
+    wide: bool,
+    f: impl FnOnce(&mut Module<'_>, &ZImageConfig),
+) {
+    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let d = Devices {
+        runtime: m.get(device).unwrap(),
+        params: m.get(device).unwrap(),
+        cpu: m.get("cpu").unwrap(),
+        assist: &[],
+    };
+    let loras = LoraSet::default();
+    let how = How {
+        spread: Default::default(),
+        policy: Default::default(),
+        encoder: false,
+        loras: &loras,
+        placeholders: false,
+        matrices: wide.then_some(ggml::Type::F32),
+    };
+    let mut module = load_module(ckpt, ModuleKind::Diffusion, prefix, d, how).unwrap();
+    let cfg = ZImageConfig::from_weights(&W::new(module.params().map())).unwrap();
+    zimage::validate(&module, &cfg).unwrap();
+    f(&mut module, &cfg)
+}
+
+/// The largest difference over the reference's largest magnitude.
+fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
+    let err = got
+        .iter()
+        .zip(want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
+        / scale;
+    println!("{what}: {err:.2e}");
+    assert!(err <= tol, "{what}: error {err:.2e} over {tol:.0e}");
+}
+
+/// `wide`: matrices in f32, so that the arithmetic is checked apart from
+/// ggml's bf16 products (which round the activations to bf16 too).
+fn outputs_match(ckpt: &Checkpoint, prefix: &str, device: &str, wide: bool, tol: f32) {
+    let r = read_tensors(&fixture("zimage/tiny-zimage-ref.safetensors"));
+    let info: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("zimage/tiny-zimage-ref.json")).unwrap(),
+    )
+    .unwrap();
+    with_dit(ckpt, prefix, device, wide, |m, cfg| {
+        assert_eq!(
+            (
+                cfg.dim,
+                cfg.heads,
+                cfg.layers,
+                cfg.noise_refiners,
+                cfg.context_refiners
+            ),
+            (64, 2, 2, 1, 1)
+        );
+        assert_eq!(cfg.axes, [8, 12, 12]);
+        for (i, case) in info["cases"].as_array().unwrap().iter().enumerate() {
+            let s: Vec<usize> = case[0]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect();
+            let input = ZImageInput {
+                x: &r[&format!("case.{i}.x")],
+                shape: [1, s[0], s[1], s[2]],
+                caption: &r[&format!("case.{i}.caption")],
+                t: case[2].as_f64().unwrap() as f32,
+            };
+            let v = zimage::predict(m, cfg, input).unwrap();
+            // predict returns the velocity: the network's output negated.
+            let raw: Vec<f32> = v.iter().map(|x| -x).collect();
+            close(
+                &format!("{device} {prefix:?} (f32: {wide}) case {i}"),
+                &raw,
+                &r[&format!("case.{i}.out")],
+                tol,
+            );
+        }
+        // A latent of the wrong channel count is an error, not an abort.
+        let x = vec![0.0; 4 * 4 * 4];
+        let bad = ZImageInput {
+            x: &x,
+            shape: [1, 4, 4, 4],
+            caption: &r["case.0.caption"],
+            t: 0.5,
+        };
+        assert!(zimage::predict(m, cfg, bad).is_err());
+    });
+}
+
+/// The diffusers-named file under the original names (q/k/v stay apart).
+fn diffusers_renamed() -> Checkpoint {
+    let mut ckpt = checkpoint::scan(&fixture("zimage/tiny-zimage-diffusers.safetensors")).unwrap();
+    for t in &mut ckpt.tensors {
+        t.name = zimage::original_name(&t.name);
+    }
+    ckpt
+}
+
+#[test]
+fn the_transformer_matches_diffusers_on_cpu() {
+    let ckpt = checkpoint::scan(&fixture("zimage/tiny-zimage.safetensors")).unwrap();
+    outputs_match(&ckpt, "model.diffusion_model.", "cpu", true, 5e-5);
+    outputs_match(&ckpt, "model.diffusion_model.", "cpu", false, 2e-2);
+    outputs_match(&diffusers_renamed(), "", "cpu", true, 5e-5);
+}
+
+#[test]
+fn the_transformer_matches_diffusers_on_vulkan() {
+    if !vulkan_enabled() {
+        eprintln!("SKIPPED the_transformer_matches_diffusers_on_vulkan: set SDHOST_TEST_VULKAN=1");
+        return;
+    }
+    let ckpt = checkpoint::scan(&fixture("zimage/tiny-zimage.safetensors")).unwrap();
+    outputs_match(&ckpt, "model.diffusion_model.", "vulkan0", false, 3e-2);
+    pipelines_match("vulkan0", false, 4e-2, 8e-2);
+}
+
+/// The tiny Z-Image pipeline: the transformer, the Qwen3 of
+/// `qwen3/tiny-qwen3-bf16.gguf` (its own cut vocabulary), the 16-channel
+/// autoencoder; every module on `device`, the matrices of the text encoder
+/// and the transformer as stored or widened to f32 (`wide`).
+fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
+    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let d = Devices {
+        runtime: m.get(device).unwrap(),
+        params: m.get(device).unwrap(),
+        cpu: m.get("cpu").unwrap(),
+        assist: &[],
+    };
+    let layout = Layout {
+        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+            .into_iter()
+            .map(|k| (k, d))
+            .collect(),
+        spread: Default::default(),
+    };
+    let dit = checkpoint::scan(&fixture("zimage/tiny-zimage.safetensors")).unwrap();
+    let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
+    let ckpt = sdhost_models::family::zimage::assemble(&dit, Some(&llm)).unwrap();
+    let vae = checkpoint::scan(&fixture("ae16/tiny-ae16.safetensors")).unwrap();
+    let matrix_types = match wide {
+        true => MatrixTypes(
+            [ModuleKind::Te, ModuleKind::Diffusion]
+                .into_iter()
+                .map(|k| (k, ggml::Type::F32))
+                .collect(),
+        ),
+        false => MatrixTypes::default(),
+    };
+    let opts = LoadOptions {
+        vae: Some(&vae),
+        matrix_types,
+        ..LoadOptions::default()
+    };
+    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    assert_eq!(sd.family(), Family::ZImage);
+    f(&mut sd)
+}
+
+/// `tol` for the latent, `image_tol` for the image (the autoencoder's
+/// convolutions run in f16 on every device).
+fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
+    let r = read_tensors(&fixture("zimage/tiny-zimage-ref.safetensors"));
+    let info: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("zimage/tiny-zimage-ref.json")).unwrap(),
+    )
+    .unwrap();
+    with_pipeline(device, wide, |sd| {
+        for (name, p) in info["pipes"].as_object().unwrap() {
+            let req = Request {
+                prompt: p["prompt"].as_str().unwrap().into(),
+                negative: p["negative"].as_str().unwrap().into(),
+                steps: p["steps"].as_u64().unwrap() as usize,
+                cfg_scale: p["cfg_scale"].as_f64().unwrap() as f32,
+                guidance: 0.0,
+                width: 64,
+                height: 64,
+                seed: 0,
+                sampler: Sampler::Euler,
+                scheduler: Scheduler::Simple,
+                clip_skip: 1,
+                init: None,
+                reference: Vec::new(),
+            };
+            let sampling = sd.model().sampling(8, 8);
+            let sigmas: Vec<f32> = Scheduler::Simple
+                .sigmas(sampling.schedule(), req.steps)
+                .iter()
+                .map(|&s| s as f32)
+                .collect();
+            let want: Vec<f32> = p["sigmas"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            close(&format!("{name} sigmas"), &sigmas, &want, 1e-6);
+            let noise = r[&format!("{name}.noise")].clone();
+            let latent = sd
+                .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
+                .unwrap();
+            close(
+                &format!("{device} (f32: {wide}) {name} pipeline latent"),
+                &latent,
+                &r[&format!("{name}.latent")],
+                tol,
+            );
+            let stage = sd.first_stage().clone();
+            let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
+            sd.vae.end_phase();
+            close(
+                &format!("{device} (f32: {wide}) {name} pipeline image"),
+                &image,
+                &r[&format!("{name}.image")],
+                image_tol,
+            );
+        }
+    });
+}
+
+#[test]
+fn pipelines_match_diffusers_on_cpu() {
+    pipelines_match("cpu", true, 1e-4, 5e-3);
+    pipelines_match("cpu", false, 2e-2, 4e-2);
+}

@@ -1,0 +1,323 @@
+//! The Z-Image recipe (Z-Image-Turbo and Base): a Qwen3 text encoder's
+//! second-to-last hidden states (the prompt in Qwen3's chat template, no
+//! padding), the Z-Image transformer, and FLUX.1's 16-channel autoencoder,
+//! on rectified flow with a fixed shift of 3.
+//!
+//! Files as people have them: the transformer alone (`z_image_turbo_bf16.safetensors`,
+//! bare or under ComfyUI's `model.diffusion_model.`, or diffusers'
+//! naming), the text encoder apart (`--llm qwen_3_4b.safetensors`,
+//! transformers' naming, or a llama.cpp GGUF, whose own vocabulary is then
+//! used), the autoencoder apart (`--vae ae.safetensors`). [`assemble`] puts
+//! them under one checkpoint's names: the transformer under
+//! `model.diffusion_model.`, the text encoder under `text_encoders.llm.`.
+//!
+//! Turbo and Base share every tensor name and shape, so the defaults are
+//! Turbo's (8 steps, no CFG); Base takes `--steps` and `--cfg-scale`.
+//! CFG here is the usual `u + s·(c − u)`: diffusers' `guidance_scale` g is
+//! a scale of g + 1. The conditional and unconditional prompts are encoded
+//! to their own lengths and run through the transformer one at a time.
+
+use super::{Conditioned, Defaults};
+use crate::autoencoders::LatentNorm;
+use crate::checkpoint::Checkpoint;
+use crate::denoisers::zimage::{self, ZImageConfig, ZImageInput};
+use crate::encoders::qwen3::{self, Qwen3Config};
+use crate::error::{ModelError, Result};
+use crate::lora::LoraSet;
+use crate::request::{Layout, LoadOptions, Request};
+use crate::runtime::graph::W;
+use crate::runtime::memory::{MemoryRequest, ModuleMemory};
+use crate::runtime::module::Module;
+use crate::sampling::{FlowShift, Guidance, ModelSampling, Prediction, Sampler, Scheduler};
+use crate::tokenizers::qwen::QwenTokenizer;
+use crate::ModuleKind;
+
+/// Prefix of the transformer's tensors.
+pub const DIT_PREFIX: &str = "model.diffusion_model.";
+/// Prefix of the text encoder's tensors (the `te` module).
+pub const LLM_MODULE: &str = "text_encoders.llm.";
+/// Prefixes a one-file checkpoint keeps its autoencoder under.
+pub const VAE_PREFIXES: [&str; 2] = ["first_stage_model.", "vae."];
+/// FLUX.1's autoencoder, and its latent normalisation.
+pub const LATENT: LatentNorm = super::flux::LATENT;
+/// The most prompt tokens, chat template included (diffusers' 512).
+pub const MAX_TOKENS: usize = 512;
+/// The flow shift of Z-Image's schedule.
+pub const SHIFT: f64 = 3.0;
+
+/// What Z-Image runs with where a request does not say (Turbo's).
+pub fn defaults() -> Defaults {
+    Defaults {
+        size: 1024,
+        steps: 8,
+        cfg_scale: 1.0,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Simple,
+    }
+}
+
+/// A prompt in Qwen3's chat template as Z-Image wraps it (a user turn,
+/// then the assistant's turn opened; thinking left on, so no think block).
+pub fn chat_template(prompt: &str) -> String {
+    format!("<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n")
+}
+
+fn has(ckpt: &Checkpoint, prefix: &str) -> bool {
+    ckpt.tensors.iter().any(|t| t.name.starts_with(prefix))
+}
+
+/// Whether `ckpt` is a Z-Image transformer in diffusers' naming.
+fn is_diffusers(ckpt: &Checkpoint) -> bool {
+    has(ckpt, "all_x_embedder.2-1.") && has(ckpt, "layers.0.adaLN_modulation.0.")
+}
+
+/// Whether `ckpt` holds a Z-Image transformer (bare, packed under
+/// `model.diffusion_model.`, or diffusers'): a caption embedder and blocks
+/// modulated by one linear layer (Lumina 2's have SiLU first, at `.1`).
+pub fn is_transformer(ckpt: &Checkpoint) -> bool {
+    ["", DIT_PREFIX].iter().any(|p| {
+        has(ckpt, &format!("{p}cap_embedder.0."))
+            && has(ckpt, &format!("{p}layers.0.adaLN_modulation.0."))
+    }) || is_diffusers(ckpt)
+}
+
+/// One checkpoint from a Z-Image transformer and its text encoder given
+/// apart (`llm`), under the one-file names. Errors name the file that is
+/// not what its flag says.
+pub fn assemble(model: &Checkpoint, llm: Option<&Checkpoint>) -> Result<Checkpoint> {
+    let mut base = model.clone();
+    if is_diffusers(model) {
+        for t in &mut base.tensors {
+            t.name = format!("{DIT_PREFIX}{}", zimage::original_name(&t.name));
+        }
+    } else if !has(model, DIT_PREFIX) {
+        for t in &mut base.tensors {
+            t.name = format!("{DIT_PREFIX}{}", t.name);
+        }
+    }
+    let Some(llm) = llm else {
+        return Ok(base);
+    };
+    let encoder = qwen3::encoder_tensors(llm).ok_or_else(|| {
+        ModelError::Unsupported(format!(
+            "{}: not a Qwen3 text encoder (no model.layers.N.self_attn.q_norm or blk.N.attn_q_norm tensors)",
+            llm.path.display()
+        ))
+    })?;
+    base.tensors.retain(|t| !t.name.starts_with(LLM_MODULE));
+    Ok(Checkpoint::assemble(&[
+        ("", "", &base),
+        (LLM_MODULE, "", &encoder),
+    ]))
+}
+
+/// The tokenizer of the text encoder's own file where it is a GGUF that
+/// carries a vocabulary, else the shipped one.
+fn tokenizer(ckpt: &Checkpoint) -> Result<QwenTokenizer> {
+    let Some(t) = ckpt.tensors.iter().find(|t| t.name.starts_with(LLM_MODULE)) else {
+        return QwenTokenizer::new();
+    };
+    let file = ckpt.file_of(t);
+    if file.extension().and_then(|e| e.to_str()) != Some("gguf") {
+        return QwenTokenizer::new();
+    }
+    let shown = file.display();
+    match crate::checkpoint::gguf::vocabulary(file)
+        .map_err(|e| ModelError::Unsupported(format!("{shown}: {e}")))?
+    {
+        Some(v) => QwenTokenizer::from_vocabulary(&v).map_err(|e| e.context(&shown)),
+        None => QwenTokenizer::new(),
+    }
+}
+
+/// A Z-Image checkpoint's text encoder and transformer, loaded, with every
+/// hyper-parameter read once.
+pub struct ZImageModel<'b> {
+    /// Qwen3 (`te`).
+    pub te: Module<'b>,
+    /// The transformer.
+    pub dit: Module<'b>,
+    qwen: Qwen3Config,
+    cfg: ZImageConfig,
+    tokenizer: QwenTokenizer,
+}
+
+impl<'b> ZImageModel<'b> {
+    /// Loads the `te` and `diffusion` modules of `ckpt`, reads every
+    /// hyper-parameter and builds every graph once, uncomputed.
+    pub(super) fn load(
+        ckpt: &Checkpoint,
+        layout: &Layout<'b>,
+        opts: &LoadOptions<'_>,
+    ) -> Result<Self> {
+        let file = ckpt.path.display();
+        if !opts.loras.is_empty() {
+            return Err(ModelError::Unsupported(format!(
+                "{file}: LoRAs on Z-Image are not supported yet"
+            )));
+        }
+        if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: Z-Image predicts a flow velocity; --prediction does not apply"
+            )));
+        }
+        let loras = LoraSet::default();
+        let te = super::load_part(ckpt, ModuleKind::Te, LLM_MODULE, layout, opts, &loras)?;
+        let dit = super::load_part(
+            ckpt,
+            ModuleKind::Diffusion,
+            DIT_PREFIX,
+            layout,
+            opts,
+            &loras,
+        )?;
+        let cfg = ZImageConfig::from_weights(&W::new(dit.params().map()))
+            .map_err(|e| e.context(format!("{file}: diffusion")))?;
+        let qwen = Qwen3Config::from_weights(&W::new(te.params().map()), "")
+            .map_err(|e| e.context(format!("{file}: Qwen3")))?;
+        if qwen.hidden != cfg.caption {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: the text encoder is {} wide; the Z-Image transformer takes {}-wide text",
+                qwen.hidden, cfg.caption
+            )));
+        }
+        if qwen.layers < 2 {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: a Qwen3 of {} layers; Z-Image takes the second-to-last",
+                qwen.layers
+            )));
+        }
+        qwen3::validate(&te, &qwen).map_err(|e| e.context(&file))?;
+        zimage::validate(&dit, &cfg).map_err(|e| e.context(&file))?;
+        let (mut te, mut dit) = (te, dit);
+        super::split_part(&mut te, ckpt, LLM_MODULE, opts, &loras)?;
+        super::split_part(&mut dit, ckpt, DIT_PREFIX, opts, &loras)?;
+        Ok(ZImageModel {
+            te,
+            dit,
+            qwen,
+            cfg,
+            tokenizer: tokenizer(ckpt)?,
+        })
+    }
+
+    /// The transformer's hyper-parameters.
+    pub fn config(&self) -> &ZImageConfig {
+        &self.cfg
+    }
+
+    /// The σ schedule: rectified flow, shifted by 3 whatever the size.
+    pub(super) fn sampling(&self) -> ModelSampling {
+        ModelSampling::flow(FlowShift::Fixed(SHIFT).schedule(0), 1000.0)
+    }
+
+    /// CFG only where asked for (`cfg_scale` ≠ 1).
+    pub(super) fn guidance(&self, cfg_scale: f32) -> Guidance {
+        Guidance::Cfg { scale: cfg_scale }
+    }
+
+    /// The ids of a prompt in the chat template, cut to [`MAX_TOKENS`].
+    pub fn ids(&self, prompt: &str) -> Result<Vec<u32>> {
+        let mut ids = self.tokenizer.encode(&chat_template(prompt))?;
+        ids.truncate(MAX_TOKENS);
+        Ok(ids)
+    }
+
+    /// The text encoder's hidden states `[len × width]` of a prompt: the
+    /// second-to-last layer's, over the prompt's own tokens.
+    pub fn encode(&mut self, prompt: &str) -> Result<Vec<f32>> {
+        let ids = self.ids(prompt)?;
+        qwen3::encode(
+            &mut self.te,
+            &self.qwen,
+            &ids,
+            ids.len(),
+            &[self.qwen.layers - 1],
+        )
+    }
+
+    /// The hidden states of `req`'s prompt (and its negative, after, with
+    /// CFG), each at its own length. The text encoder's phase ends here.
+    pub(super) fn condition(&mut self, req: &Request, guided: bool) -> Result<Conditioned> {
+        let encoded = (|| -> Result<Conditioned> {
+            let mut context = self.encode(&req.prompt)?;
+            let mut rows = vec![context.len() / self.qwen.hidden as usize];
+            if guided {
+                let negative = self.encode(&req.negative)?;
+                rows.push(negative.len() / self.qwen.hidden as usize);
+                context.extend(negative);
+            }
+            Ok(Conditioned {
+                context,
+                context_rows: rows,
+                vector: None,
+                guidance: None,
+                reference: Vec::new(),
+            })
+        })();
+        self.te.end_phase();
+        encoded
+    }
+
+    /// One transformer call per latent of the batch at timestep `t`
+    /// (σ·1000): the velocity.
+    pub(super) fn denoise(
+        &mut self,
+        x: &[f32],
+        shape: [usize; 4],
+        t: f32,
+        cond: &Conditioned,
+    ) -> Result<Vec<f32>> {
+        let [n, ch, h, w] = shape;
+        let per = ch * h * w;
+        let width = self.qwen.hidden as usize;
+        if cond.context_rows.len() != n || x.len() != n * per {
+            return Err(ModelError::Shape(format!(
+                "Z-Image: {} prompts for a batch of {n}",
+                cond.context_rows.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(x.len());
+        let mut at = 0;
+        for (b, rows) in cond.context_rows.iter().enumerate() {
+            let caption = &cond.context[at..at + rows * width];
+            at += rows * width;
+            let input = ZImageInput {
+                x: &x[b * per..(b + 1) * per],
+                shape: [1, ch, h, w],
+                caption,
+                t: (1000.0 - t) / 1000.0,
+            };
+            out.extend(zimage::predict(&mut self.dit, &self.cfg, input)?);
+        }
+        Ok(out)
+    }
+
+    /// Latent channels.
+    pub(super) fn latent_channels(&self) -> usize {
+        self.cfg.latent_channels()
+    }
+
+    /// Measures the text encoder and the transformer at `req`'s size (the
+    /// longest prompt: [`MAX_TOKENS`]).
+    pub(super) fn measure(
+        &self,
+        _req: &MemoryRequest,
+        lh: usize,
+        lw: usize,
+    ) -> Result<Vec<ModuleMemory>> {
+        let te = qwen3::measure(&self.te, &self.qwen, MAX_TOKENS, &[self.qwen.layers - 1])?;
+        let sampling = zimage::measure(&self.dit, &self.cfg, lh, lw, MAX_TOKENS)?;
+        super::encoders_and_denoiser(&self.te, te, &self.dit, sampling)
+    }
+
+    /// The modules, in the order a generation runs them.
+    pub(super) fn modules(&self) -> Vec<&Module<'b>> {
+        vec![&self.te, &self.dit]
+    }
+
+    /// The modules, mutably.
+    pub(super) fn modules_mut(&mut self) -> Vec<&mut Module<'b>> {
+        vec![&mut self.te, &mut self.dit]
+    }
+}
