@@ -2362,3 +2362,46 @@ fn a_models_folder_can_mix_flux_and_sd() {
         assert_eq!(text.contains("VAE: tiny-ae16"), family == "flux", "{text}");
     }
 }
+
+#[test]
+fn zimage_through_the_apis() {
+    let f = |n: &str| fixture(n);
+    let (dit, llm, ae) = (
+        f("zimage/tiny-zimage.safetensors"),
+        f("qwen3/tiny-qwen3-bf16.gguf"),
+        f("ae16/tiny-ae16.safetensors"),
+    );
+    let srv = Server::start(&["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae)]);
+    // Turbo's defaults, which the web page takes; no guidance input.
+    let opts = srv.get("/sdapi/v1/options");
+    assert_eq!(opts["sdhost_default_cfg_scale"], json!(1.0), "{opts}");
+    assert_eq!(opts["sdhost_default_steps"], json!(8), "{opts}");
+    assert_eq!(opts["sdhost_default_sampler"], json!("Euler"), "{opts}");
+    assert_eq!(opts["sdhost_takes_guidance"], json!(false), "{opts}");
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "a cat", "steps": 2, "width": 64, "height": 48, "cfg_scale": 3, "negative_prompt": "blurry"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 48));
+    assert!(
+        text.contains("Model family: zimage") && text.contains("CFG scale: 3,"),
+        "{text}"
+    );
+    let init = std::fs::read(f("init-64.png")).unwrap();
+    let r = srv.post(
+        "/sdapi/v1/img2img",
+        json!({"prompt": "a cat at night", "steps": 4, "denoising_strength": 0.5, "init_images": [b64(&init)]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    // Z-Image takes no reference images: a 4xx naming the field.
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "reference_images": [b64(&init)]}),
+    );
+    assert!((400..500).contains(&r.status), "{}", r.text());
+    assert!(r.text().contains("reference"), "{}", r.text());
+}

@@ -259,3 +259,116 @@ fn pipelines_match_diffusers_on_cpu() {
     pipelines_match("cpu", true, 1e-4, 5e-3);
     pipelines_match("cpu", false, 2e-2, 4e-2);
 }
+
+/// `sdhost generate` of the tiny Z-Image into `out` with `extra` flags.
+fn generate(p: &Prefix, out: &std::path::Path, extra: &[&str]) -> Run {
+    let mut a = vec!["generate", "-p", "a photo of a cat", "-o", s(out)];
+    a.extend_from_slice(extra);
+    p.run(&a)
+}
+
+#[test]
+fn generate_writes_a_zimage_image_and_bad_parts_are_one_line() {
+    let p = Prefix::with_cpu();
+    let dit = fixture("zimage/tiny-zimage.safetensors");
+    let diffusers = fixture("zimage/tiny-zimage-diffusers.safetensors");
+    let llm = fixture("qwen3/tiny-qwen3-bf16.gguf");
+    let ae = fixture("ae16/tiny-ae16.safetensors");
+    let out = p.dir("out").join("z.png");
+    let parts = [
+        "--llm",
+        s(&llm),
+        "--vae",
+        s(&ae),
+        "--steps",
+        "2",
+        "-W",
+        "64",
+        "-H",
+        "48",
+    ];
+    let mut a = vec!["-m", s(&dit)];
+    a.extend_from_slice(&parts);
+    generate(&p, &out, &a).ok();
+    let (w, h, text) = png_info(&out);
+    assert_eq!((w, h), (64, 48));
+    for want in [
+        "Steps: 2",
+        "Sampler: Euler,",
+        "Schedule type: Simple",
+        "CFG scale: 1,",
+        "Model family: zimage",
+        "Prediction: flow",
+        "te=cpu, diffusion=cpu",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text:?}");
+    }
+    // diffusers' naming gives the same image.
+    let again = p.dir("again").join("z.png");
+    let mut a = vec!["--diffusion-model", s(&diffusers)];
+    a.extend_from_slice(&parts);
+    generate(&p, &again, &a).ok();
+    assert_eq!(pixels(&out), pixels(&again));
+
+    let dir = p.dir("bad");
+    let bad = dir.join("x.png");
+    let t5 = fixture("flux/tiny-t5.safetensors");
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
+    let sd1 = tiny_sd1();
+    let lora = fixture("flux/tiny-flux-lora-kohya.safetensors");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["-m", s(&dit), "--vae", s(&ae)],
+            "give one with --llm FILE",
+        ),
+        (
+            vec!["-m", s(&dit), "--llm", s(&llm), "--t5xxl", s(&t5)],
+            "--t5xxl and --clip-l go with FLUX.1",
+        ),
+        (
+            vec!["-m", s(&schnell), "--llm", s(&llm)],
+            "not a Z-Image transformer",
+        ),
+        (
+            vec!["-m", s(&dit), "--llm", s(&t5), "--vae", s(&ae)],
+            "not a Qwen3 text encoder",
+        ),
+        (
+            vec!["-m", s(&dit), "--llm", s(&llm), "--vae", s(&sd1)],
+            "the VAE has 4 latent channels",
+        ),
+        (vec!["-m", s(&dit), "--llm", s(&llm)], "no autoencoder"),
+        (
+            vec!["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae), "-W", "72"],
+            "multiple of 16",
+        ),
+        (
+            vec![
+                "-m",
+                s(&dit),
+                "--llm",
+                s(&llm),
+                "--vae",
+                s(&ae),
+                "--lora",
+                s(&lora),
+            ],
+            "LoRAs on Z-Image are not supported yet",
+        ),
+    ];
+    for (extra, want) in &cases {
+        let r = generate(&p, &bad, extra);
+        assert_eq!(r.code, Some(1), "{extra:?}: {}", r.stderr);
+        let line = r.stderr.trim();
+        assert!(
+            line.contains(want),
+            "{extra:?}: {line:?} does not say {want:?}"
+        );
+        assert_eq!(line.lines().count(), 1, "{line}");
+        assert!(
+            listing(&dir).is_empty(),
+            "{extra:?} left {:?}",
+            listing(&dir)
+        );
+    }
+}
