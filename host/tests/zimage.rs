@@ -185,6 +185,7 @@ fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
     };
     let opts = LoadOptions {
         vae: Some(&vae),
+        vae_encoder: true,
         matrix_types,
         ..LoadOptions::default()
     };
@@ -251,6 +252,42 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 image_tol,
             );
         }
+        // img2img: 4 steps at strength 0.5 run the last 2.
+        let i2i = &info["img2img"];
+        let req = Request {
+            prompt: i2i["prompt"].as_str().unwrap().into(),
+            negative: String::new(),
+            steps: 4,
+            cfg_scale: 1.0,
+            guidance: 0.0,
+            width: 64,
+            height: 64,
+            seed: 0,
+            sampler: Sampler::Euler,
+            scheduler: Scheduler::Simple,
+            clip_skip: 1,
+            init: Some(sdhost_models::request::Init {
+                image: sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap(),
+                strength: 0.5,
+                mask: None,
+                latent: None,
+            }),
+            reference: Vec::new(),
+        };
+        let noise = r["img2img.noise"].clone();
+        let mut calls = 0;
+        let latent = sd
+            .sample_latent(&req, Some(noise), &mut |_, _| calls += 1, &|| false)
+            .unwrap();
+        assert_eq!(calls, 2, "strength 0.5 of 4 steps runs 2");
+        close(
+            &format!("{device} (f32: {wide}) img2img latent"),
+            &latent,
+            &r["img2img.latent"],
+            // The init image's latent comes through the VAE encoder's f16
+            // convolutions.
+            tol.max(5e-4),
+        );
     });
 }
 
