@@ -167,7 +167,7 @@ impl Reader<'_> {
             0 | 1 => Array::U8(
                 {
                     fits(1)?;
-                    self.take(n * 1, what)?
+                    self.take(n, what)?
                 }
                 .to_vec(),
             ),
