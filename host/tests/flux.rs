@@ -171,18 +171,6 @@ fn flux_model<'a, 'b>(p: &'a mut Pipeline<'b>) -> &'a mut FluxModel<'b> {
 }
 
 /// `got` within `tol` × the reference's largest magnitude.
-fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let e = max_abs_diff(got, want);
-    eprintln!("{what}: max abs error {e:.2e} (reference up to {scale:.2})");
-    assert!(e <= tol * scale, "{what}: error {e} > {tol} × {scale}");
-}
-
-fn ids(r: &HashMap<String, Vec<f32>>, key: &str) -> Vec<u32> {
-    r[key].iter().map(|&v| v as u32).collect()
-}
-
 const PROMPTS: [&str; 3] = [
     "a photo of a cat",
     "",
@@ -200,16 +188,16 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
             };
             assert_eq!((m.variant(), m.t5_tokens()), (want_variant, tokens));
             for (i, p) in PROMPTS.iter().enumerate() {
-                let want = ids(&r, &format!("t5.ids{tokens}.{i}"));
+                let want = ids_of(&r, &format!("t5.ids{tokens}.{i}"));
                 assert_eq!(m.t5_ids(p).unwrap(), want, "T5 ids of {p:?}");
                 let (clip_ids, _) = m.clip_ids(p);
                 assert_eq!(
                     clip_ids,
-                    ids(&r, &format!("clip.ids.{i}")),
+                    ids_of(&r, &format!("clip.ids.{i}")),
                     "CLIP ids of {p:?}"
                 );
                 let pooled = m.encode_pooled(p).unwrap();
-                close(
+                assert_close(
                     &format!("CLIP-L pooled {i}"),
                     &pooled,
                     &r[&format!("clip.pooled.{i}")],
@@ -217,7 +205,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 );
                 if variant == "schnell" {
                     let hidden = m.encode_t5(p).unwrap();
-                    close(
+                    assert_close(
                         &format!("T5 hidden {i}"),
                         &hidden,
                         &r[&format!("t5.hidden.{i}")],
@@ -230,7 +218,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
             m.te_t5.end_phase();
             let out = transformer_out(m, &r, variant);
             m.dit.end_phase();
-            close(
+            assert_close(
                 &format!("{variant} transformer"),
                 &out,
                 &r[&format!("{variant}.out")],
@@ -246,7 +234,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 .iter()
                 .map(|&s| s as f32)
                 .collect();
-            close(
+            assert_close(
                 &format!("{variant} sigmas"),
                 &sigmas,
                 &r[&format!("{variant}.pipe.sigmas")],
@@ -256,7 +244,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
             let latent = sd
                 .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
                 .unwrap();
-            close(
+            assert_close(
                 &format!("{variant} pipeline latent"),
                 &latent,
                 &r[&format!("{variant}.pipe.latent")],
@@ -265,7 +253,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
             let stage = sd.first_stage().clone();
             let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
             sd.vae.end_phase();
-            close(
+            assert_close(
                 &format!("{variant} pipeline image"),
                 &image,
                 &r[&format!("{variant}.pipe.image")],
@@ -305,7 +293,7 @@ fn t5_tokenizer_matches_transformers_on_hard_prompts() {
         for (i, p) in extra.iter().enumerate() {
             assert_eq!(
                 m.t5_ids(p).unwrap(),
-                ids(&r, &format!("t5.extra_ids.{i}")),
+                ids_of(&r, &format!("t5.extra_ids.{i}")),
                 "{p:?}"
             );
         }
@@ -507,16 +495,16 @@ fn fp8_parts_match_their_dequantized_references() {
     with_checkpoint(ckpt, "cpu", "cpu", |sd| {
         let m = flux_model(sd);
         let pooled = m.encode_pooled(PROMPTS[0]).unwrap();
-        close("fp8 CLIP-L pooled", &pooled, &r["fp8.clip.pooled.0"], 5e-3);
-        close(
+        assert_close("fp8 CLIP-L pooled", &pooled, &r["fp8.clip.pooled.0"], 5e-3);
+        assert_close(
             "fp8 CLIP-L pooled against f16's",
             &pooled,
             &r["clip.pooled.0"],
             0.2,
         );
         let hidden = m.encode_t5(PROMPTS[0]).unwrap();
-        close("fp8 T5 hidden", &hidden, &r["fp8.t5.hidden.0"], 5e-3);
-        close(
+        assert_close("fp8 T5 hidden", &hidden, &r["fp8.t5.hidden.0"], 5e-3);
+        assert_close(
             "fp8 T5 hidden against f16's",
             &hidden,
             &r["t5.hidden.0"],
@@ -525,8 +513,8 @@ fn fp8_parts_match_their_dequantized_references() {
         m.te.end_phase();
         m.te_t5.end_phase();
         let out = transformer_out(m, &r, "schnell");
-        close("scaled-fp8 transformer", &out, &r["fp8.schnell.out"], 5e-3);
-        close(
+        assert_close("scaled-fp8 transformer", &out, &r["fp8.schnell.out"], 5e-3);
+        assert_close(
             "scaled-fp8 transformer against f16's",
             &out,
             &r["schnell.out"],
@@ -611,7 +599,7 @@ fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
         with_checkpoint(assemble(&g, parts).unwrap(), "cpu", "cpu", |sd| {
             let m = flux_model(sd);
             let out = transformer_out(m, &r, variant);
-            close(
+            assert_close(
                 &format!("{variant} q8_0 transformer against f16's"),
                 &out,
                 &r[&format!("{variant}.out")],
@@ -649,7 +637,7 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
             .sample_latent(&req, Some(noise), &mut |_, _| calls += 1, &|| false)
             .unwrap();
         assert_eq!(calls, 2, "strength 0.5 of 4 steps runs 2");
-        close("img2img latent", &latent, &r["img2img.latent"], tol * 1e-2);
+        assert_close("img2img latent", &latent, &r["img2img.latent"], tol * 1e-2);
         // Inpainting: repaint where mask-64.png is white, 3 of 4 steps.
         let mask = sdhost::image_io::load_mask(&fixture("mask-64.png")).unwrap();
         let req = Request {
@@ -666,7 +654,7 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
         let latent = sd
             .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
             .unwrap();
-        close(
+        assert_close(
             "inpainting latent",
             &latent,
             &r["inpaint.latent"],
@@ -682,11 +670,11 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
         let latent = sd
             .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
             .unwrap();
-        close("Kontext latent", &latent, &r["kontext.latent"], tol * 1e-2);
+        assert_close("Kontext latent", &latent, &r["kontext.latent"], tol * 1e-2);
         let stage = sd.first_stage().clone();
         let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
         sd.vae.end_phase();
-        close("Kontext image", &image, &r["kontext.image"], tol * 2e-2);
+        assert_close("Kontext image", &image, &r["kontext.image"], tol * 2e-2);
     });
 }
 
@@ -772,7 +760,7 @@ fn flux_loras_match_peft() {
                 let m = flux_model(sd);
                 let out = transformer_out(m, &r, "schnell");
                 let what = format!("{file} ({apply:?})");
-                close(&what, &out, &r["lora.schnell.out"], 5e-3);
+                assert_close(&what, &out, &r["lora.schnell.out"], 5e-3);
                 assert!(
                     max_abs_diff(&out, &r["schnell.out"]) > 0.05,
                     "{what} changes the output"
@@ -819,8 +807,8 @@ fn a_llama_named_q8_0_t5_gguf_matches_its_reference() {
         let hidden = m.encode_t5(PROMPTS[0]).unwrap();
         // ggml multiplies q8_0 weights by activations it rounds to q8_0
         // too: about 1 % off where f16 weights are 0.06 %.
-        close("q8_0 GGUF T5 hidden", &hidden, &r["gguf.t5.hidden.0"], 2e-2);
-        close(
+        assert_close("q8_0 GGUF T5 hidden", &hidden, &r["gguf.t5.hidden.0"], 2e-2);
+        assert_close(
             "q8_0 GGUF T5 hidden against f16's",
             &hidden,
             &r["t5.hidden.0"],
@@ -865,7 +853,7 @@ fn a_diffusers_transformer_folder_runs_as_the_bfl_file() {
             |sd| {
                 let m = flux_model(sd);
                 let out = transformer_out(m, &r, "schnell");
-                close(
+                assert_close(
                     &format!("diffusers-named transformer ({want})"),
                     &out,
                     &r[want],
@@ -905,7 +893,7 @@ fn true_cfg_matches_diffusers() {
         let latent = sd
             .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
             .unwrap();
-        close("true CFG latent", &latent, &r["truecfg.latent"], 1e-2);
+        assert_close("true CFG latent", &latent, &r["truecfg.latent"], 1e-2);
     });
 }
 
@@ -958,9 +946,9 @@ fn q8_0_text_encoders_converted_by_sdhost_run_within_a_bound() {
     with_checkpoint(ckpt, "cpu", "cpu", |sd| {
         let m = flux_model(sd);
         let hidden = m.encode_t5(PROMPTS[0]).unwrap();
-        close("q8_0 T5 against f16's", &hidden, &r["t5.hidden.0"], 5e-2);
+        assert_close("q8_0 T5 against f16's", &hidden, &r["t5.hidden.0"], 5e-2);
         let pooled = m.encode_pooled(PROMPTS[0]).unwrap();
-        close(
+        assert_close(
             "q8_0 CLIP-L against f16's",
             &pooled,
             &r["clip.pooled.0"],
@@ -1283,7 +1271,7 @@ fn a_t5_gguf_is_tokenized_with_its_own_vocabulary() {
         for (i, p) in prompts.iter().enumerate() {
             let p = p.as_str().unwrap();
             let got = m.t5_ids(p).unwrap();
-            assert_eq!(got, ids(&r, &format!("gguf_vocab.t5.ids.{i}")), "{p:?}");
+            assert_eq!(got, ids_of(&r, &format!("gguf_vocab.t5.ids.{i}")), "{p:?}");
             differ += usize::from(got != shipped.encode_padded(p, got.len()).unwrap());
         }
         // The file's vocabulary, not the shipped one, made these ids.

@@ -7,14 +7,12 @@
 
 mod common;
 use common::*;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::checkpoint::{self, gguf};
 use sdhost_models::encoders::qwen3::{self, Qwen3Config};
 use sdhost_models::lora::LoraSet;
 use sdhost_models::runtime::graph::W;
 use sdhost_models::runtime::load::{load_module, How};
-use sdhost_models::runtime::module::{Devices, Module};
+use sdhost_models::runtime::module::Module;
 use sdhost_models::tokenizers::qwen::QwenTokenizer;
 use sdhost_models::ModuleKind;
 use std::collections::HashMap;
@@ -28,34 +26,9 @@ fn info() -> serde_json::Value {
         .unwrap()
 }
 
-fn ids(r: &HashMap<String, Vec<f32>>, key: &str) -> Vec<u32> {
-    r[key].iter().map(|&v| v as u32).collect()
-}
-
-/// The largest difference over the reference's largest magnitude.
-fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-        / scale;
-    println!("{what}: {err:.2e}");
-    assert!(err <= tol, "{what}: error {err:.2e} over {tol:.0e}");
-}
-
 /// Runs `f` on the Qwen3 of fixture `file` loaded on `device`, its
 /// matrices as stored or widened to f32 (`wide`).
 fn with_qwen3(file: &str, device: &str, wide: bool, f: impl FnOnce(&mut Module<'_>, &Qwen3Config)) {
-    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let d = Devices {
-        runtime: m.get(device).unwrap(),
-        params: m.get(device).unwrap(),
-        cpu: m.get("cpu").unwrap(),
-        assist: &[],
-    };
     let ckpt = checkpoint::scan(&fixture(file)).unwrap();
     let ckpt = qwen3::encoder_tensors(&ckpt).expect("Qwen3 blocks");
     assert!(ckpt.tensors.iter().all(|t| t.name.starts_with("model.")));
@@ -68,10 +41,12 @@ fn with_qwen3(file: &str, device: &str, wide: bool, f: impl FnOnce(&mut Module<'
         placeholders: false,
         matrices: wide.then_some(ggml::Type::F32),
     };
-    let mut module = load_module(&ckpt, ModuleKind::Te, "", d, how).unwrap();
-    let cfg = Qwen3Config::from_weights(&W::new(module.params().map()), "").unwrap();
-    qwen3::validate(&module, &cfg).unwrap();
-    f(&mut module, &cfg)
+    with_devices(device, |d| {
+        let mut module = load_module(&ckpt, ModuleKind::Te, "", d, how).unwrap();
+        let cfg = Qwen3Config::from_weights(&W::new(module.params().map()), "").unwrap();
+        qwen3::validate(&module, &cfg).unwrap();
+        f(&mut module, &cfg)
+    })
 }
 
 /// The tokenizer prompts of the fixture: the hard ones, then the prompts
@@ -100,7 +75,7 @@ fn the_shipped_tokenizer_matches_transformers_on_hard_prompts() {
     for (i, p) in prompts().iter().enumerate() {
         assert_eq!(
             t.encode(p).unwrap(),
-            ids(&r, &format!("tok.full.{i}")),
+            ids_of(&r, &format!("tok.full.{i}")),
             "{p:?}"
         );
     }
@@ -120,9 +95,9 @@ fn a_gguf_is_tokenized_with_its_own_vocabulary() {
     let prompts = prompts();
     let mut differ = 0;
     for (i, p) in prompts.iter().enumerate() {
-        let want = ids(&r, &format!("tok.cut.{i}"));
+        let want = ids_of(&r, &format!("tok.cut.{i}"));
         assert_eq!(t.encode(p).unwrap(), want, "{p:?}");
-        differ += usize::from(want != ids(&r, &format!("tok.full.{i}")));
+        differ += usize::from(want != ids_of(&r, &format!("tok.full.{i}")));
     }
     // The file's 2,000 merges, not the shipped 151,387, made these ids.
     assert!(
@@ -156,10 +131,10 @@ fn hidden_states_match(device: &str, wide: bool, tol: f32) {
             (3, 4, 2, 16, 64)
         );
         for i in 0..2 {
-            let ids = ids(&r, &format!("ids.{i}"));
+            let ids = ids_of(&r, &format!("ids.{i}"));
             for k in 0..=cfg.layers {
                 let got = qwen3::encode(m, cfg, &ids, ids.len(), &[k]).unwrap();
-                close(
+                assert_close(
                     &format!("{device} (f32: {wide}) prompt {i} hidden_states[{k}]"),
                     &got,
                     &r[&format!("hidden.{i}.{k}")],
@@ -169,10 +144,10 @@ fn hidden_states_match(device: &str, wide: bool, tol: f32) {
         }
         // Right padding no query sees; three layers side by side per token
         // (FLUX.2 klein's form).
-        let padded = ids(&r, "padded.ids");
+        let padded = ids_of(&r, "padded.ids");
         let valid = r["padded.valid"][0] as usize;
         let got = qwen3::encode(m, cfg, &padded, valid, &[1, 2, 3]).unwrap();
-        close(
+        assert_close(
             &format!("{device} (f32: {wide}) padded, layers 1-3"),
             &got,
             &r["padded.hidden"],
@@ -204,15 +179,15 @@ fn hidden_states_match_transformers_on_vulkan() {
 fn a_llama_named_q8_0_gguf_matches_its_reference() {
     let r = refs();
     with_qwen3("qwen3/tiny-qwen3-q8_0.gguf", "cpu", false, |m, cfg| {
-        let ids = ids(&r, "ids.0");
+        let ids = ids_of(&r, "ids.0");
         let got = qwen3::encode(m, cfg, &ids, ids.len(), &[cfg.layers - 1]).unwrap();
         // q8_0 weights times activations ggml rounds to q8_0 too.
-        close(
+        assert_close(
             "q8_0 GGUF hidden_states[-2]",
             &got,
             &r["gguf.hidden.0"],
             2e-2,
         );
-        close("q8_0 GGUF against bf16", &got, &r["hidden.0.2"], 5e-2);
+        assert_close("q8_0 GGUF against bf16", &got, &r["hidden.0.2"], 5e-2);
     });
 }

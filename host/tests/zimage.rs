@@ -9,8 +9,6 @@
 
 mod common;
 use common::*;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::zimage::{self, ZImageConfig, ZImageInput};
 use sdhost_models::family::Family;
@@ -19,7 +17,7 @@ use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
 use sdhost_models::runtime::graph::W;
 use sdhost_models::runtime::load::{load_module, How};
-use sdhost_models::runtime::module::{Devices, Module};
+use sdhost_models::runtime::module::Module;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::ModuleKind;
 
@@ -31,14 +29,6 @@ fn with_dit(
     wide: bool,
     f: impl FnOnce(&mut Module<'_>, &ZImageConfig),
 ) {
-    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let d = Devices {
-        runtime: m.get(device).unwrap(),
-        params: m.get(device).unwrap(),
-        cpu: m.get("cpu").unwrap(),
-        assist: &[],
-    };
     let loras = LoraSet::default();
     let how = How {
         spread: Default::default(),
@@ -48,23 +38,12 @@ fn with_dit(
         placeholders: false,
         matrices: wide.then_some(ggml::Type::F32),
     };
-    let mut module = load_module(ckpt, ModuleKind::Diffusion, prefix, d, how).unwrap();
-    let cfg = ZImageConfig::from_weights(&W::new(module.params().map())).unwrap();
-    zimage::validate(&module, &cfg).unwrap();
-    f(&mut module, &cfg)
-}
-
-/// The largest difference over the reference's largest magnitude.
-fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
-    assert_eq!(got.len(), want.len(), "{what}: length");
-    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs())).max(1e-6);
-    let err = got
-        .iter()
-        .zip(want)
-        .fold(0f32, |m, (a, b)| m.max((a - b).abs()))
-        / scale;
-    println!("{what}: {err:.2e}");
-    assert!(err <= tol, "{what}: error {err:.2e} over {tol:.0e}");
+    with_devices(device, |d| {
+        let mut module = load_module(ckpt, ModuleKind::Diffusion, prefix, d, how).unwrap();
+        let cfg = ZImageConfig::from_weights(&W::new(module.params().map())).unwrap();
+        zimage::validate(&module, &cfg).unwrap();
+        f(&mut module, &cfg)
+    })
 }
 
 /// `wide`: matrices in f32, so that the arithmetic is checked apart from
@@ -103,7 +82,7 @@ fn outputs_match(ckpt: &Checkpoint, prefix: &str, device: &str, wide: bool, tol:
             let v = zimage::predict(m, cfg, input).unwrap();
             // predict returns the velocity: the network's output negated.
             let raw: Vec<f32> = v.iter().map(|x| -x).collect();
-            close(
+            assert_close(
                 &format!("{device} {prefix:?} (f32: {wide}) case {i}"),
                 &raw,
                 &r[&format!("case.{i}.out")],
@@ -155,21 +134,6 @@ fn the_transformer_matches_diffusers_on_vulkan() {
 /// autoencoder; every module on `device`, the matrices of the text encoder
 /// and the transformer as stored or widened to f32 (`wide`).
 fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
-    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let d = Devices {
-        runtime: m.get(device).unwrap(),
-        params: m.get(device).unwrap(),
-        cpu: m.get("cpu").unwrap(),
-        assist: &[],
-    };
-    let layout = Layout {
-        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
-            .into_iter()
-            .map(|k| (k, d))
-            .collect(),
-        spread: Default::default(),
-    };
     let dit = checkpoint::scan(&fixture("zimage/tiny-zimage.safetensors")).unwrap();
     let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
     let ckpt = sdhost_models::family::zimage::assemble(&dit, Some(&llm)).unwrap();
@@ -189,9 +153,18 @@ fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
         matrix_types,
         ..LoadOptions::default()
     };
-    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    assert_eq!(sd.family(), Family::ZImage);
-    f(&mut sd)
+    with_devices(device, |d| {
+        let layout = Layout {
+            devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+                .into_iter()
+                .map(|k| (k, d))
+                .collect(),
+            spread: Default::default(),
+        };
+        let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+        assert_eq!(sd.family(), Family::ZImage);
+        f(&mut sd)
+    })
 }
 
 /// `tol` for the latent, `image_tol` for the image (the autoencoder's
@@ -231,12 +204,12 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 .iter()
                 .map(|v| v.as_f64().unwrap() as f32)
                 .collect();
-            close(&format!("{name} sigmas"), &sigmas, &want, 1e-6);
+            assert_close(&format!("{name} sigmas"), &sigmas, &want, 1e-6);
             let noise = r[&format!("{name}.noise")].clone();
             let latent = sd
                 .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
                 .unwrap();
-            close(
+            assert_close(
                 &format!("{device} (f32: {wide}) {name} pipeline latent"),
                 &latent,
                 &r[&format!("{name}.latent")],
@@ -245,7 +218,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
             let stage = sd.first_stage().clone();
             let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
             sd.vae.end_phase();
-            close(
+            assert_close(
                 &format!("{device} (f32: {wide}) {name} pipeline image"),
                 &image,
                 &r[&format!("{name}.image")],
@@ -280,7 +253,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
             .sample_latent(&req, Some(noise), &mut |_, _| calls += 1, &|| false)
             .unwrap();
         assert_eq!(calls, 2, "strength 0.5 of 4 steps runs 2");
-        close(
+        assert_close(
             &format!("{device} (f32: {wide}) img2img latent"),
             &latent,
             &r["img2img.latent"],

@@ -345,6 +345,33 @@ pub fn rope_pairs<'a>(
     Ok(c.reshape(pairs, &[d, h, l, n])?)
 }
 
+/// Rotary position embedding of each head's halves (NeoX's form, Qwen's
+/// `rotate_half`): `x` `[D, H, L, N]`, `(x₁, x₂)` = the first and second
+/// half of each head become `(x₁·cos − x₂·sin, x₂·cos + x₁·sin)` with
+/// `cos`/`sin` `[D/2, 1, L, 1]`.
+pub fn rope_halves<'a>(
+    c: &'a Context,
+    x: Tensor<'a>,
+    cos: Tensor<'a>,
+    sin: Tensor<'a>,
+) -> Result<Tensor<'a>> {
+    let [d, h, l, n] = x.ne();
+    if d % 2 != 0 || cos.ne() != [d / 2, 1, l, 1] || sin.ne() != cos.ne() {
+        return Err(ModelError::Shape(format!(
+            "rope: x {:?} with angles {:?} / {:?}",
+            x.ne(),
+            cos.ne(),
+            sin.ne()
+        )));
+    }
+    let half = d / 2;
+    let x1 = c.cont(c.narrow(x, 0, 0, half)?)?;
+    let x2 = c.cont(c.narrow(x, 0, half, half)?)?;
+    let a = c.sub(c.mul(x1, cos)?, c.mul(x2, sin)?)?;
+    let b = c.add(c.mul(x2, cos)?, c.mul(x1, sin)?)?;
+    Ok(c.reshape(c.concat(a, b, 0)?, &[d, h, l, n])?)
+}
+
 /// How [`attention_with`] weighs the scores.
 #[derive(Clone, Copy, Default)]
 pub struct Scores<'a> {

@@ -396,6 +396,28 @@ pub fn assert_close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert!(e <= tol, "{what}: relative error {e} exceeds {tol}");
 }
 
+/// The ids stored as floats under `key` of a reference file.
+pub fn ids_of(r: &std::collections::HashMap<String, Vec<f32>>, key: &str) -> Vec<u32> {
+    r[key].iter().map(|&v| v as u32).collect()
+}
+
+/// Runs `f` with `device` as the runtime and params device (the CPU as the
+/// scheduler's fallback), from the workspace's built plugins.
+pub fn with_devices<R>(
+    device: &str,
+    f: impl FnOnce(sdhost_models::runtime::module::Devices<'_>) -> R,
+) -> R {
+    let reg =
+        sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
+    let m = sdhost::manager::BackendManager::new(&reg, None);
+    f(sdhost_models::runtime::module::Devices {
+        runtime: m.get(device).unwrap(),
+        params: m.get(device).unwrap(),
+        cpu: m.get("cpu").unwrap(),
+        assist: &[],
+    })
+}
+
 /// Loads the checkpoint `ckpt` with every module on `runtime` and its
 /// weights on `params` (the CPU as the scheduler's fallback), from the
 /// workspace's built plugins, and runs `f` on the pipeline.

@@ -24,7 +24,7 @@
 
 use crate::checkpoint::{Checkpoint, TensorEntry};
 use crate::error::{ModelError, Result};
-use crate::nn::{attention_with, linear, rms_norm, Scores};
+use crate::nn::{attention_with, linear, rms_norm, rope_halves, Scores};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, input_i32, Built, ComputeBytes, Module};
 use ggml::{Context, Tensor};
@@ -198,24 +198,6 @@ fn angles(len: usize, head_dim: i64, theta: f32) -> (Vec<f32>, Vec<f32>) {
         }
     }
     (cos, sin)
-}
-
-/// NeoX rotation of `x` `[D, H, L, 1]`: each head's halves `(x₁, x₂)`
-/// become `(x₁·cos − x₂·sin, x₂·cos + x₁·sin)` (transformers'
-/// `rotate_half`).
-fn rope_halves<'a>(
-    c: &'a Context,
-    x: Tensor<'a>,
-    cos: Tensor<'a>,
-    sin: Tensor<'a>,
-) -> Result<Tensor<'a>> {
-    let [d, h, l, n] = x.ne();
-    let half = d / 2;
-    let x1 = c.cont(c.narrow(x, 0, 0, half)?)?;
-    let x2 = c.cont(c.narrow(x, 0, half, half)?)?;
-    let a = c.sub(c.mul(x1, cos)?, c.mul(x2, sin)?)?;
-    let b = c.add(c.mul(x2, cos)?, c.mul(x1, sin)?)?;
-    Ok(c.reshape(c.concat(a, b, 0)?, &[d, h, l, n])?)
 }
 
 fn build<'a>(

@@ -446,18 +446,8 @@ pub struct FluxModel<'b> {
 /// The T5's own vocabulary where its file is a GGUF that carries one
 /// (llama.cpp's converters write it), else the shipped one.
 fn t5_tokenizer(ckpt: &Checkpoint) -> Result<T5Tokenizer> {
-    let Some(t) = ckpt.tensors.iter().find(|t| t.name.starts_with(T5_MODULE)) else {
-        return T5Tokenizer::new();
-    };
-    let file = ckpt.file_of(t);
-    if file.extension().and_then(|e| e.to_str()) != Some("gguf") {
-        return T5Tokenizer::new();
-    }
-    let shown = file.display();
-    match crate::checkpoint::gguf::vocabulary(file)
-        .map_err(|e| ModelError::Unsupported(format!("{shown}: {e}")))?
-    {
-        Some(v) => T5Tokenizer::from_vocabulary(&v).map_err(|e| e.context(&shown)),
+    match super::gguf_vocabulary(ckpt, T5_MODULE)? {
+        Some((v, file)) => T5Tokenizer::from_vocabulary(&v).map_err(|e| e.context(file)),
         None => T5Tokenizer::new(),
     }
 }

@@ -149,6 +149,27 @@ fn split_part(
     crate::runtime::load::split_weights(m, ckpt, prefix, false, loras, opts.placeholders, matrices)
 }
 
+/// The vocabulary of the GGUF file holding `ckpt`'s tensors under `prefix`
+/// (a text encoder's), if that file is a GGUF and carries one; its errors
+/// name the file.
+fn gguf_vocabulary(
+    ckpt: &Checkpoint,
+    prefix: &str,
+) -> Result<Option<(crate::checkpoint::gguf::Vocabulary, String)>, ModelError> {
+    let Some(t) = ckpt.tensors.iter().find(|t| t.name.starts_with(prefix)) else {
+        return Ok(None);
+    };
+    let file = ckpt.file_of(t);
+    if file.extension().and_then(|e| e.to_str()) != Some("gguf") {
+        return Ok(None);
+    }
+    let shown = file.display().to_string();
+    match crate::checkpoint::gguf::vocabulary(file) {
+        Ok(v) => Ok(v.map(|v| (v, shown))),
+        Err(e) => Err(ModelError::Unsupported(format!("{shown}: {e}"))),
+    }
+}
+
 /// The memory of a recipe's two modules: its text encoders' phase and its
 /// denoiser's.
 fn encoders_and_denoiser(

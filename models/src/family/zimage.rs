@@ -114,18 +114,8 @@ pub fn assemble(model: &Checkpoint, llm: Option<&Checkpoint>) -> Result<Checkpoi
 /// The tokenizer of the text encoder's own file where it is a GGUF that
 /// carries a vocabulary, else the shipped one.
 fn tokenizer(ckpt: &Checkpoint) -> Result<QwenTokenizer> {
-    let Some(t) = ckpt.tensors.iter().find(|t| t.name.starts_with(LLM_MODULE)) else {
-        return QwenTokenizer::new();
-    };
-    let file = ckpt.file_of(t);
-    if file.extension().and_then(|e| e.to_str()) != Some("gguf") {
-        return QwenTokenizer::new();
-    }
-    let shown = file.display();
-    match crate::checkpoint::gguf::vocabulary(file)
-        .map_err(|e| ModelError::Unsupported(format!("{shown}: {e}")))?
-    {
-        Some(v) => QwenTokenizer::from_vocabulary(&v).map_err(|e| e.context(&shown)),
+    match super::gguf_vocabulary(ckpt, LLM_MODULE)? {
+        Some((v, file)) => QwenTokenizer::from_vocabulary(&v).map_err(|e| e.context(file)),
         None => QwenTokenizer::new(),
     }
 }
