@@ -3,6 +3,22 @@
 
 use super::*;
 
+/// The largest im2col matrix a "same" convolution builds at once, in bytes
+/// (256 MiB, or `SDHOST_CONV_BAND_MIB` MiB where set: a tuning knob the
+/// tests use to make small images take the banded path); larger ones are
+/// computed in bands of output rows (`Context::conv_2d_bands`).
+fn band_bytes() -> i64 {
+    static BYTES: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
+    *BYTES.get_or_init(|| {
+        std::env::var("SDHOST_CONV_BAND_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse::<i64>().ok())
+            .filter(|m| (1..=1 << 20).contains(m))
+            .unwrap_or(256)
+            << 20
+    })
+}
+
 macro_rules! unary_ops {
     ($($(#[$m:meta])* $name:ident => $f:ident, $check:ident;)*) => {
         impl Context {
@@ -196,6 +212,24 @@ impl Context {
                 added,
             ));
         }
+        if let Some(rows) = self.band_rows(kernel, input, stride, pad) {
+            return Ok((self.conv_2d_bands(kernel, input, pad, rows)?, false));
+        }
+        Ok((
+            self.conv_2d_im2col_whole(kernel, input, stride, pad)?,
+            false,
+        ))
+    }
+
+    /// [`Context::conv_2d`] through one im2col matrix (no AMX, no bands);
+    /// shapes and types checked by the caller.
+    fn conv_2d_im2col_whole<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
         if kernel.ty() == Some(Type::BF16)
             || (self.f32_products.get()
                 && kernel.ty() == Some(Type::F16)
@@ -207,8 +241,7 @@ impl Context {
             // the GEMM runs on bf16 dot products (AVX512-BF16, AMX). An f16
             // kernel goes this way in a context whose products an f32-only
             // backend takes (`set_f32_products`).
-            let y = self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true)?;
-            return Ok((y, false));
+            return self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true);
         }
         // im2col, two reshapes, mul_mat, reshape, permute, cont.
         self.room(7)?;
@@ -223,7 +256,65 @@ impl Context {
             },
             "ggml_conv_2d",
         )
-        .map(|y| (y, false))
+    }
+
+    /// Output rows per band where a "same" convolution (stride 1, an odd
+    /// square kernel of side `2·pad + 1`) would build an im2col matrix
+    /// above [`band_bytes`]; `None` where it is computed whole. A 3×3
+    /// convolution of 256 channels at 1024×1024 is a 4.5 GiB matrix whole.
+    fn band_rows(
+        &self,
+        kernel: Tensor<'_>,
+        input: Tensor<'_>,
+        stride: i32,
+        pad: i32,
+    ) -> Option<i64> {
+        let (k, x) = (kernel.ne(), input.ne());
+        let p = i64::from(pad);
+        if stride != 1 || k[1] != 2 * p + 1 || k[0] != 2 * p + 1 {
+            return None;
+        }
+        // Bytes of one output row's columns: width × batch × IC·KH·KW,
+        // each f32 at most.
+        let row = x[0]
+            .checked_mul(x[3])?
+            .checked_mul(k[0] * k[1] * k[2])?
+            .checked_mul(4)?;
+        let whole = row.checked_mul(x[1])?;
+        // A band's input is its rows and `pad` more on each side.
+        let limit = band_bytes();
+        (whole > limit && x[1] > 1).then(|| (limit / row.max(1) - 2 * p).clamp(1, x[1] - 1))
+    }
+
+    /// A "same" convolution computed in bands of `rows` output rows: each
+    /// band convolves its input rows and `pad` rows either side (zero
+    /// padding only where the image ends), keeps its own rows, and the
+    /// bands are joined. Every output value is the same dot product as the
+    /// whole convolution's; only the im2col matrix is a band's at a time.
+    fn conv_2d_bands<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        pad: i32,
+        rows: i64,
+    ) -> Result<Tensor<'a>> {
+        let h = input.ne()[1];
+        let p = i64::from(pad);
+        let mut out: Option<Tensor<'a>> = None;
+        let mut r0 = 0;
+        while r0 < h {
+            let r1 = (r0 + rows).min(h);
+            let (a, b) = ((r0 - p).max(0), (r1 + p).min(h));
+            let slice = self.cont(self.narrow(input, 1, a, b - a)?)?;
+            let band = self.conv_2d_im2col_whole(kernel, slice, 1, pad)?;
+            let band = self.cont(self.narrow(band, 1, r0 - a, r1 - r0)?)?;
+            out = Some(match out {
+                None => band,
+                Some(o) => self.concat(o, band, 1)?,
+            });
+            r0 = r1;
+        }
+        out.ok_or_else(|| Error::Invalid("conv_2d of an empty input".into()))
     }
 
     /// [`Context::conv_2d`] as the three custom ops of [`crate::amx`]:
