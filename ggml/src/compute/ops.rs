@@ -274,12 +274,18 @@ impl Context {
         if stride != 1 || k[1] != 2 * p + 1 || k[0] != 2 * p + 1 {
             return None;
         }
-        // Bytes of one output row's columns: width × batch × IC·KH·KW,
-        // each f32 at most.
+        // Bytes of one output row's columns: width × batch × IC·KH·KW, in
+        // the type `conv_2d_im2col_whole` builds them in (f32 on its bf16
+        // and f32-product paths, f16 on ggml's own).
+        let f32_cols = kernel.ty() == Some(Type::BF16)
+            || (self.f32_products.get()
+                && kernel.ty() == Some(Type::F16)
+                && input.ty() == Some(Type::F32));
+        let elem = if f32_cols { 4 } else { 2 };
         let row = x[0]
             .checked_mul(x[3])?
             .checked_mul(k[0] * k[1] * k[2])?
-            .checked_mul(4)?;
+            .checked_mul(elem)?;
         let whole = row.checked_mul(x[1])?;
         // A band's input is its rows and `pad` more on each side.
         let limit = band_bytes();
