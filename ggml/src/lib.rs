@@ -88,6 +88,9 @@ pub struct Knobs {
     pub amx_min_rows: Option<usize>,
     /// CPU compute buffers from the host arena ([`arena`]).
     pub arena: bool,
+    /// The largest im2col matrix a "same" convolution builds at once, in
+    /// MiB (default 256); larger ones run in bands of output rows.
+    pub conv_band_mib: Option<i64>,
 }
 
 impl Default for Knobs {
@@ -96,6 +99,7 @@ impl Default for Knobs {
             amx: true,
             amx_min_rows: None,
             arena: true,
+            conv_band_mib: None,
         }
     }
 }

@@ -13,7 +13,8 @@ pub use crate::session::init_logging;
 /// environment once here and passed down to `ggml` (which reads none):
 /// `SDHOST_NO_AMX` (set: no AMX kernels), `SDHOST_AMX_MIN_ROWS` (the
 /// fewest rows for the AMX path, for measurements), `SDHOST_NO_ARENA=1`
-/// (ggml's own CPU compute buffers).
+/// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest
+/// im2col matrix a convolution builds at once; the tests make it small).
 pub fn knobs_from_env() -> ggml::Knobs {
     ggml::Knobs {
         amx: std::env::var_os("SDHOST_NO_AMX").is_none(),
@@ -21,6 +22,9 @@ pub fn knobs_from_env() -> ggml::Knobs {
             .ok()
             .and_then(|v| v.parse().ok()),
         arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),
+        conv_band_mib: std::env::var("SDHOST_CONV_BAND_MIB")
+            .ok()
+            .and_then(|v| v.trim().parse().ok()),
     }
 }
 

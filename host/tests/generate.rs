@@ -671,4 +671,20 @@ fn convolutions_in_bands_give_the_same_image() {
         pixels(&out)
     };
     assert_eq!(run("whole", None), run("bands", Some("1")));
+    // The knob did take the banded path: its decode plans other buffers.
+    let decode = |band: Option<&str>| {
+        let mut c = p.cmd(&["plan", "-m", s(&model), "-W", "128", "-H", "128", "--json"]);
+        if let Some(b) = band {
+            c.env("SDHOST_CONV_BAND_MIB", b);
+        }
+        let j = Run::from(c.output().unwrap()).ok().json();
+        j["devices"][0]["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|ph| ph["phase"] == "decode")
+            .map(|ph| ph["bytes"].as_u64().unwrap())
+            .unwrap()
+    };
+    assert_ne!(decode(None), decode(Some("1")));
 }

@@ -4,19 +4,14 @@
 use super::*;
 
 /// The largest im2col matrix a "same" convolution builds at once, in bytes
-/// (256 MiB, or `SDHOST_CONV_BAND_MIB` MiB where set: a tuning knob the
-/// tests use to make small images take the banded path); larger ones are
+/// (256 MiB unless [`crate::Knobs::conv_band_mib`] says); larger ones are
 /// computed in bands of output rows (`Context::conv_2d_bands`).
 fn band_bytes() -> i64 {
-    static BYTES: std::sync::OnceLock<i64> = std::sync::OnceLock::new();
-    *BYTES.get_or_init(|| {
-        std::env::var("SDHOST_CONV_BAND_MIB")
-            .ok()
-            .and_then(|v| v.trim().parse::<i64>().ok())
-            .filter(|m| (1..=1 << 20).contains(m))
-            .unwrap_or(256)
-            << 20
-    })
+    crate::knobs()
+        .conv_band_mib
+        .filter(|m| (1..=1 << 20).contains(m))
+        .unwrap_or(256)
+        << 20
 }
 
 macro_rules! unary_ops {
