@@ -9,9 +9,7 @@ mod common;
 use common::*;
 use sdhost_models::checkpoint::{self, gguf};
 use sdhost_models::encoders::qwen3::{self, Qwen3Config};
-use sdhost_models::lora::LoraSet;
 use sdhost_models::runtime::graph::W;
-use sdhost_models::runtime::load::{load_module, How};
 use sdhost_models::runtime::module::Module;
 use sdhost_models::tokenizers::qwen::QwenTokenizer;
 use sdhost_models::ModuleKind;
@@ -32,20 +30,10 @@ fn with_qwen3(file: &str, device: &str, wide: bool, f: impl FnOnce(&mut Module<'
     let ckpt = checkpoint::scan(&fixture(file)).unwrap();
     let ckpt = qwen3::encoder_tensors(&ckpt).expect("Qwen3 blocks");
     assert!(ckpt.tensors.iter().all(|t| t.name.starts_with("model.")));
-    let loras = LoraSet::default();
-    let how = How {
-        spread: Default::default(),
-        policy: Default::default(),
-        encoder: false,
-        loras: &loras,
-        placeholders: false,
-        matrices: wide.then_some(ggml::Type::F32),
-    };
-    with_devices(device, |d| {
-        let mut module = load_module(&ckpt, ModuleKind::Te, "", d, how).unwrap();
+    with_module(&ckpt, ModuleKind::Te, "", device, wide, |module| {
         let cfg = Qwen3Config::from_weights(&W::new(module.params().map()), "").unwrap();
-        qwen3::validate(&module, &cfg).unwrap();
-        f(&mut module, &cfg)
+        qwen3::validate(module, &cfg).unwrap();
+        f(module, &cfg)
     })
 }
 

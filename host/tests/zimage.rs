@@ -12,11 +12,9 @@ use common::*;
 use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::zimage::{self, ZImageConfig, ZImageInput};
 use sdhost_models::family::Family;
-use sdhost_models::lora::LoraSet;
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
 use sdhost_models::runtime::graph::W;
-use sdhost_models::runtime::load::{load_module, How};
 use sdhost_models::runtime::module::Module;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::ModuleKind;
@@ -29,21 +27,18 @@ fn with_dit(
     wide: bool,
     f: impl FnOnce(&mut Module<'_>, &ZImageConfig),
 ) {
-    let loras = LoraSet::default();
-    let how = How {
-        spread: Default::default(),
-        policy: Default::default(),
-        encoder: false,
-        loras: &loras,
-        placeholders: false,
-        matrices: wide.then_some(ggml::Type::F32),
-    };
-    with_devices(device, |d| {
-        let mut module = load_module(ckpt, ModuleKind::Diffusion, prefix, d, how).unwrap();
-        let cfg = ZImageConfig::from_weights(&W::new(module.params().map())).unwrap();
-        zimage::validate(&module, &cfg).unwrap();
-        f(&mut module, &cfg)
-    })
+    with_module(
+        ckpt,
+        ModuleKind::Diffusion,
+        prefix,
+        device,
+        wide,
+        |module| {
+            let cfg = ZImageConfig::from_weights(&W::new(module.params().map())).unwrap();
+            zimage::validate(module, &cfg).unwrap();
+            f(module, &cfg)
+        },
+    )
 }
 
 /// `wide`: matrices in f32, so that the arithmetic is checked apart from

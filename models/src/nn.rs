@@ -314,6 +314,20 @@ pub fn as_f32<'a>(c: &'a Context, t: Tensor<'a>) -> Result<Tensor<'a>> {
     })
 }
 
+/// The angles `[D/2, 1, L, 1]` of a rotation of `x` `[D, H, L, N]`.
+fn check_rope(x: Tensor<'_>, cos: Tensor<'_>, sin: Tensor<'_>) -> Result<()> {
+    let [d, _, l, _] = x.ne();
+    if d % 2 != 0 || cos.ne() != [d / 2, 1, l, 1] || sin.ne() != cos.ne() {
+        return Err(ModelError::Shape(format!(
+            "rope: x {:?} with angles {:?} / {:?}",
+            x.ne(),
+            cos.ne(),
+            sin.ne()
+        )));
+    }
+    Ok(())
+}
+
 /// Rotary position embedding of adjacent pairs (BFL's FLUX form):
 /// `x` `[D, H, L, N]`, each pair `(x₂ᵢ, x₂ᵢ₊₁)` of token `l` rotated by the
 /// angle whose cosine and sine are `cos`/`sin` `[D/2, 1, L, 1]` (the same
@@ -325,14 +339,7 @@ pub fn rope_pairs<'a>(
     sin: Tensor<'a>,
 ) -> Result<Tensor<'a>> {
     let [d, h, l, n] = x.ne();
-    if d % 2 != 0 || cos.ne() != [d / 2, 1, l, 1] || sin.ne() != cos.ne() {
-        return Err(ModelError::Shape(format!(
-            "rope: x {:?} with angles {:?} / {:?}",
-            x.ne(),
-            cos.ne(),
-            sin.ne()
-        )));
-    }
+    check_rope(x, cos, sin)?;
     let all = d / 2 * h * l * n;
     let flat = c.reshape(c.cont(x)?, &[2, all])?;
     let half = |i| -> Result<Tensor<'a>> {
@@ -356,14 +363,7 @@ pub fn rope_halves<'a>(
     sin: Tensor<'a>,
 ) -> Result<Tensor<'a>> {
     let [d, h, l, n] = x.ne();
-    if d % 2 != 0 || cos.ne() != [d / 2, 1, l, 1] || sin.ne() != cos.ne() {
-        return Err(ModelError::Shape(format!(
-            "rope: x {:?} with angles {:?} / {:?}",
-            x.ne(),
-            cos.ne(),
-            sin.ne()
-        )));
-    }
+    check_rope(x, cos, sin)?;
     let half = d / 2;
     let x1 = c.cont(c.narrow(x, 0, 0, half)?)?;
     let x2 = c.cont(c.narrow(x, 0, half, half)?)?;

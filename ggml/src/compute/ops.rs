@@ -216,6 +216,16 @@ impl Context {
         ))
     }
 
+    /// Whether [`Context::conv_2d_im2col_whole`] builds its matrix in f32
+    /// with the kernel first: a bf16 kernel, or an f16 one in a context
+    /// whose products an f32-only backend takes (`set_f32_products`).
+    fn f32_cols(&self, kernel: Tensor<'_>, input: Tensor<'_>) -> bool {
+        kernel.ty() == Some(Type::BF16)
+            || (self.f32_products.get()
+                && kernel.ty() == Some(Type::F16)
+                && input.ty() == Some(Type::F32))
+    }
+
     /// [`Context::conv_2d`] through one im2col matrix (no AMX, no bands);
     /// shapes and types checked by the caller.
     fn conv_2d_im2col_whole<'a>(
@@ -225,11 +235,7 @@ impl Context {
         stride: i32,
         pad: i32,
     ) -> Result<Tensor<'a>> {
-        if kernel.ty() == Some(Type::BF16)
-            || (self.f32_products.get()
-                && kernel.ty() == Some(Type::F16)
-                && input.ty() == Some(Type::F32))
-        {
+        if self.f32_cols(kernel, input) {
             // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
             // kernel, which the CPU widens to f32: an f32 GEMM. With the
             // kernel as src0 the columns are narrowed to bf16 instead and
@@ -272,11 +278,7 @@ impl Context {
         // Bytes of one output row's columns: width × batch × IC·KH·KW, in
         // the type `conv_2d_im2col_whole` builds them in (f32 on its bf16
         // and f32-product paths, f16 on ggml's own).
-        let f32_cols = kernel.ty() == Some(Type::BF16)
-            || (self.f32_products.get()
-                && kernel.ty() == Some(Type::F16)
-                && input.ty() == Some(Type::F32));
-        let elem = if f32_cols { 4 } else { 2 };
+        let elem = if self.f32_cols(kernel, input) { 4 } else { 2 };
         let row = x[0]
             .checked_mul(x[3])?
             .checked_mul(k[0] * k[1] * k[2])?

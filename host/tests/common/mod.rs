@@ -418,6 +418,33 @@ pub fn with_devices<R>(
     })
 }
 
+/// Loads the tensors under `prefix` of `ckpt` as one module `kind` on
+/// `device` (its matrices as stored, or widened to f32 where `wide`) and
+/// runs `f` on it.
+pub fn with_module<R>(
+    ckpt: &sdhost_models::checkpoint::Checkpoint,
+    kind: sdhost_models::ModuleKind,
+    prefix: &str,
+    device: &str,
+    wide: bool,
+    f: impl FnOnce(&mut sdhost_models::runtime::module::Module<'_>) -> R,
+) -> R {
+    let loras = sdhost_models::lora::LoraSet::default();
+    let how = sdhost_models::runtime::load::How {
+        spread: Default::default(),
+        policy: Default::default(),
+        encoder: false,
+        loras: &loras,
+        placeholders: false,
+        matrices: wide.then_some(ggml::Type::F32),
+    };
+    with_devices(device, |d| {
+        let mut module =
+            sdhost_models::runtime::load::load_module(ckpt, kind, prefix, d, how).unwrap();
+        f(&mut module)
+    })
+}
+
 /// Loads the checkpoint `ckpt` with every module on `runtime` and its
 /// weights on `params` (the CPU as the scheduler's fallback), from the
 /// workspace's built plugins, and runs `f` on the pipeline.
