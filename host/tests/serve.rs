@@ -2311,10 +2311,14 @@ fn flux_and_edits_through_the_apis() {
 /// with FLUX's parts and its 16-channel `--vae`: both are offered and both
 /// run (the SD checkpoint keeps its own VAE, which `--vae` does not fit).
 #[test]
-fn a_models_folder_can_mix_flux_and_sd() {
+fn a_models_folder_can_mix_flux_zimage_and_sd() {
     let prefix = Prefix::with_cpu();
     let dir = prefix.dir("models");
-    for f in ["tiny-sd1.safetensors", "flux/tiny-flux-schnell.safetensors"] {
+    for f in [
+        "tiny-sd1.safetensors",
+        "flux/tiny-flux-schnell.safetensors",
+        "zimage/tiny-zimage.safetensors",
+    ] {
         let name = std::path::Path::new(f).file_name().unwrap();
         std::fs::copy(fixture(f), dir.join(name)).unwrap();
     }
@@ -2332,6 +2336,8 @@ fn a_models_folder_can_mix_flux_and_sd() {
             s(&t5),
             "--clip-l",
             s(&clip),
+            "--llm",
+            s(&fixture("qwen3/tiny-qwen3-bf16.gguf")),
             "--vae",
             s(&ae),
         ],
@@ -2345,11 +2351,16 @@ fn a_models_folder_can_mix_flux_and_sd() {
         .collect();
     assert_eq!(
         titles,
-        ["tiny-flux-schnell.safetensors", "tiny-sd1.safetensors"]
+        [
+            "tiny-flux-schnell.safetensors",
+            "tiny-sd1.safetensors",
+            "tiny-zimage.safetensors"
+        ]
     );
     for (model, family) in [
         ("tiny-sd1.safetensors", "sd1"),
         ("tiny-flux-schnell.safetensors", "flux"),
+        ("tiny-zimage.safetensors", "zimage"),
     ] {
         let r = srv.post(
             "/sdapi/v1/txt2img",
@@ -2359,7 +2370,7 @@ fn a_models_folder_can_mix_flux_and_sd() {
         assert_eq!(r.status, 200, "{model}: {}", r.text());
         let (_, _, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
         assert!(text.contains(&format!("Model family: {family}")), "{text}");
-        assert_eq!(text.contains("VAE: tiny-ae16"), family == "flux", "{text}");
+        assert_eq!(text.contains("VAE: tiny-ae16"), family != "sd1", "{text}");
     }
 }
 
