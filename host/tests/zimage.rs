@@ -12,6 +12,7 @@ use common::*;
 use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::zimage::{self, ZImageConfig, ZImageInput};
 use sdhost_models::family::Family;
+use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
 use sdhost_models::runtime::graph::W;
@@ -129,6 +130,17 @@ fn the_transformer_matches_diffusers_on_vulkan() {
 /// autoencoder; every module on `device`, the matrices of the text encoder
 /// and the transformer as stored or widened to f32 (`wide`).
 fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
+    with_loras(device, wide, &[], LoraApply::Auto, f)
+}
+
+/// [`with_pipeline`] with LoRAs applied as `apply` says.
+fn with_loras(
+    device: &str,
+    wide: bool,
+    loras: &[LoraSpec],
+    apply: LoraApply,
+    f: impl FnOnce(&mut Pipeline<'_>),
+) {
     let dit = checkpoint::scan(&fixture("zimage/tiny-zimage.safetensors")).unwrap();
     let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
     let ckpt = sdhost_models::family::zimage::assemble(&dit, Some(&llm)).unwrap();
@@ -146,6 +158,8 @@ fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
         vae: Some(&vae),
         vae_encoder: true,
         matrix_types,
+        loras,
+        lora_apply: apply,
         ..LoadOptions::default()
     };
     with_devices(device, |d| {
@@ -314,13 +328,21 @@ fn generate_writes_a_zimage_image_and_bad_parts_are_one_line() {
     a.extend_from_slice(&parts);
     generate(&p, &again, &a).ok();
     assert_eq!(pixels(&out), pixels(&again));
+    // A Z-Image LoRA (kohya's names) changes the image.
+    let lora_out = p.dir("lora").join("z.png");
+    let kohya = fixture("zimage/tiny-zimage-lora-kohya.safetensors");
+    let spec = format!("{}:0.7", kohya.display());
+    let mut a = vec!["-m", s(&dit), "--lora", &spec];
+    a.extend_from_slice(&parts);
+    generate(&p, &lora_out, &a).ok();
+    assert_ne!(pixels(&out), pixels(&lora_out));
 
     let dir = p.dir("bad");
     let bad = dir.join("x.png");
     let t5 = fixture("flux/tiny-t5.safetensors");
     let schnell = fixture("flux/tiny-flux-schnell.safetensors");
     let sd1 = tiny_sd1();
-    let lora = fixture("flux/tiny-flux-lora-kohya.safetensors");
+    let lora = fixture("tiny-sd1-lora-kohya.safetensors");
     let cases: Vec<(Vec<&str>, &str)> = vec![
         (
             vec!["-m", s(&dit), "--vae", s(&ae)],
@@ -358,7 +380,7 @@ fn generate_writes_a_zimage_image_and_bad_parts_are_one_line() {
                 "--lora",
                 s(&lora),
             ],
-            "LoRAs on Z-Image are not supported yet",
+            "none of the LoRA's",
         ),
     ];
     for (extra, want) in &cases {
@@ -376,4 +398,50 @@ fn generate_writes_a_zimage_image_and_bad_parts_are_one_line() {
             listing(&dir)
         );
     }
+}
+
+/// LoRAs in diffusers'/ai-toolkit's names (q, k, v apart, under
+/// `diffusion_model.`) and kohya's (the fused qkv), merged and in the
+/// graph, against the transformer with the same adapters merged by the
+/// LoRA formula (`make_zimage_fixtures.py`); without the LoRA the output
+/// is far from it.
+#[test]
+fn loras_match_their_merged_reference() {
+    let r = read_tensors(&fixture("zimage/tiny-zimage-ref.safetensors"));
+    let x = &r["case.0.x"];
+    let run = |lora: Option<&str>, apply: LoraApply| {
+        let specs: Vec<LoraSpec> = lora
+            .map(|f| LoraSpec {
+                path: fixture(f),
+                weight: 1.0,
+            })
+            .into_iter()
+            .collect();
+        let mut out = Vec::new();
+        with_loras("cpu", true, &specs, apply, |sd| {
+            let m = sd.model_mut().zimage().expect("a Z-Image model");
+            let cfg = m.config().clone();
+            let input = ZImageInput {
+                x,
+                shape: [1, 16, 8, 6],
+                caption: &r["case.0.caption"],
+                t: 0.3,
+            };
+            out = zimage::predict(&mut m.dit, &cfg, input).unwrap();
+        });
+        // The network's output, as the reference has it.
+        out.iter().map(|v| -v).collect::<Vec<f32>>()
+    };
+    let want = &r["lora.out"];
+    for file in [
+        "zimage/tiny-zimage-lora-diffusers.safetensors",
+        "zimage/tiny-zimage-lora-kohya.safetensors",
+    ] {
+        for apply in [LoraApply::Merge, LoraApply::Graph] {
+            let got = run(Some(file), apply);
+            assert_close(&format!("{file} {apply:?}"), &got, want, 1e-4);
+        }
+    }
+    let plain = run(None, LoraApply::Auto);
+    assert!(rel_err(&plain, want) > 1e-2, "the LoRA changes the output");
 }

@@ -449,6 +449,14 @@ impl<'b> Model<'b> {
         }
     }
 
+    /// The Z-Image recipe's networks, where this is a Z-Image model.
+    pub fn zimage(&mut self) -> Option<&mut zimage::ZImageModel<'b>> {
+        match self {
+            Model::ZImage(m) => Some(m),
+            Model::Sd(_) | Model::Flux(_) => None,
+        }
+    }
+
     /// The FLUX recipe's networks, where this is a FLUX model.
     pub fn flux(&mut self) -> Option<&mut flux::FluxModel<'b>> {
         match self {

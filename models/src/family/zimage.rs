@@ -11,6 +11,9 @@
 //! them under one checkpoint's names: the transformer under
 //! `model.diffusion_model.`, the text encoder under `text_encoders.llm.`.
 //!
+//! LoRAs apply to the transformer in kohya's names and in diffusers' or
+//! ai-toolkit's (q, k and v apart, merged into the fused `qkv`'s rows).
+//!
 //! Turbo and Base share every tensor name and shape, so the defaults are
 //! Turbo's (8 steps, no CFG); Base takes `--steps` and `--cfg-scale`.
 //! CFG here is the usual `u + s·(c − u)`: diffusers' `guidance_scale` g is
@@ -120,6 +123,46 @@ fn tokenizer(ckpt: &Checkpoint) -> Result<QwenTokenizer> {
     }
 }
 
+/// Where LoRAs find Z-Image's weights: the transformer under
+/// `model.diffusion_model.` (kohya's `lora_unet_layers_0_attention_qkv`
+/// follow from the names; diffusers' and ai-toolkit's, with q, k and v
+/// apart, from [`lora_aliases`]). The Qwen3 text encoder takes none.
+pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
+    crate::lora::names::LoraLayout {
+        model: "zimage",
+        unet_prefix: DIT_PREFIX,
+        te_prefix: LLM_MODULE,
+        encoders: &[],
+        numbered_te: false,
+        denoiser_aliases: lora_aliases,
+    }
+}
+
+/// diffusers' names of a Z-Image transformer weight (its original path
+/// without `.weight`), each with the rows it covers: the fused `qkv`'s
+/// thirds are `to_q`, `to_k`, `to_v`.
+pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias> {
+    let third = shape.first().copied().unwrap_or(0) as usize / 3;
+    let one = |s: String| vec![(s, None)];
+    if path == "x_embedder" {
+        return one("all_x_embedder.2-1".into());
+    }
+    if let Some(rest) = path.strip_prefix("final_layer.") {
+        return one(format!("all_final_layer.2-1.{rest}"));
+    }
+    if let Some(block) = path.strip_suffix(".attention.qkv") {
+        return ["to_q", "to_k", "to_v"]
+            .iter()
+            .enumerate()
+            .map(|(i, x)| (format!("{block}.attention.{x}"), Some((i * third, third))))
+            .collect();
+    }
+    if let Some(block) = path.strip_suffix(".attention.out") {
+        return one(format!("{block}.attention.to_out.0"));
+    }
+    Vec::new()
+}
+
 /// A Z-Image checkpoint's text encoder and transformer, loaded, with every
 /// hyper-parameter read once.
 pub struct ZImageModel<'b> {
@@ -141,17 +184,12 @@ impl<'b> ZImageModel<'b> {
         opts: &LoadOptions<'_>,
     ) -> Result<Self> {
         let file = ckpt.path.display();
-        if !opts.loras.is_empty() {
-            return Err(ModelError::Unsupported(format!(
-                "{file}: LoRAs on Z-Image are not supported yet"
-            )));
-        }
+        let loras = LoraSet::load(opts.loras, ckpt, &lora_layout(), opts.lora_apply)?;
         if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
             return Err(ModelError::Incompatible(format!(
                 "{file}: Z-Image predicts a flow velocity; --prediction does not apply"
             )));
         }
-        let loras = LoraSet::default();
         let te = super::load_part(ckpt, ModuleKind::Te, LLM_MODULE, layout, opts, &loras)?;
         let dit = super::load_part(
             ckpt,
