@@ -666,7 +666,7 @@ fn convolutions_in_bands_give_the_same_image() {
         if let Some(b) = band {
             c.env("SDHOST_CONV_BAND_MIB", b);
         }
-        let r = Run::from(c.output().unwrap());
+        let r = Run::from(output(&mut c));
         assert_eq!(r.code, Some(0), "{}", r.stderr);
         pixels(&out)
     };
@@ -677,7 +677,7 @@ fn convolutions_in_bands_give_the_same_image() {
         if let Some(b) = band {
             c.env("SDHOST_CONV_BAND_MIB", b);
         }
-        let j = Run::from(c.output().unwrap()).ok().json();
+        let j = Run::from(output(&mut c)).ok().json();
         j["devices"][0]["phases"]
             .as_array()
             .unwrap()

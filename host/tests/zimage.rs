@@ -270,6 +270,33 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
             // convolutions.
             tol.max(5e-4),
         );
+        // Inpainting: repaint where mask-64.png is white, 3 of 4 steps.
+        let mask = sdhost::image_io::load_mask(&fixture("mask-64.png")).unwrap();
+        let req = Request {
+            init: Some(sdhost_models::request::Init {
+                image: sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap(),
+                strength: 0.75,
+                mask: Some(mask.values),
+                latent: None,
+            }),
+            ..req
+        };
+        let latent = sd
+            .sample_latent(
+                &req,
+                Some(r["inpaint.noise"].clone()),
+                &mut |_, _| {},
+                &|| false,
+            )
+            .unwrap();
+        assert_close(
+            &format!("{device} (f32: {wide}) inpainting latent"),
+            &latent,
+            &r["inpaint.latent"],
+            // The VAE encoder's f16 convolutions, and the mask brought to
+            // the latent's size.
+            tol.max(2e-3),
+        );
     });
 }
 

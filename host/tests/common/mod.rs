@@ -108,7 +108,7 @@ impl Prefix {
     }
 
     pub fn run(&self, args: &[&str]) -> Run {
-        Run::from(self.cmd(args).output().unwrap())
+        Run::from(output(&mut self.cmd(args)))
     }
 
     pub fn write_config(&self, text: &str) {
@@ -121,17 +121,36 @@ impl Prefix {
     }
 }
 
+/// Runs `cmd` to its end and returns its output. A binary just copied into
+/// a prefix can be "busy" (ETXTBSY) for a moment: another test thread that
+/// forked while the copy was open holds its write handle until it execs.
+/// That is retried; any other error fails the test.
+pub fn output(cmd: &mut Command) -> Output {
+    spawn_retrying(|| cmd.output())
+}
+
+/// Calls `f` until it does not fail with "text file busy" (up to 5 s).
+fn spawn_retrying<T>(mut f: impl FnMut() -> std::io::Result<T>) -> T {
+    for _ in 0..250 {
+        match f() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            r => return r.unwrap(),
+        }
+    }
+    f().unwrap()
+}
+
 /// Runs `cmd` to its end, killing it and failing the test if it takes
 /// longer than `limit` (a hang must not hang the test suite); also returns
 /// how long it took.
 pub fn run_within(mut cmd: Command, limit: Duration) -> (Run, Duration) {
     let started = Instant::now();
-    let child = cmd
-        .stdin(Stdio::null())
+    cmd.stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    let child = spawn_retrying(|| cmd.spawn());
     let pid = child.id();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
