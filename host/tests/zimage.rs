@@ -472,3 +472,62 @@ fn loras_match_their_merged_reference() {
     let plain = run(None, LoraApply::Auto);
     assert!(rel_err(&plain, want) > 1e-2, "the LoRA changes the output");
 }
+
+#[test]
+fn bench_gives_the_sdcpp_peer_zimage_in_parts() {
+    use std::os::unix::fs::PermissionsExt;
+    let p = Prefix::with_cpu();
+    // A stand-in for sdhost-peer-sdcpp that keeps its arguments.
+    let peer = p.root().join("fake-peer-sdcpp");
+    let argv = p.root().join("peer-args");
+    std::fs::write(
+        &peer,
+        format!(
+            "#!/bin/sh\necho \"$@\" > '{}'\necho '{{\"system\": \"fake sd.cpp\", \"load_s\": 1.0, \"first_run_s\": 5.0, \"runs\": [{{\"total_s\": 5.0, \"te_s\": 1.0, \"sampling_s\": 2.0, \"vae_s\": 2.0}}], \"peak_host_bytes\": 1048576}}'\n",
+            argv.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (dit, llm, ae) = (
+        fixture("zimage/tiny-zimage.safetensors"),
+        fixture("qwen3/tiny-qwen3-bf16.gguf"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let r = p.run(&[
+        "bench",
+        "-m",
+        s(&dit),
+        "--llm",
+        s(&llm),
+        "--vae",
+        s(&ae),
+        "-W",
+        "32",
+        "-H",
+        "32",
+        "--steps",
+        "2",
+        "--runs",
+        "1",
+        "--peer",
+        s(&peer),
+        "--json",
+    ]);
+    assert_eq!(r.code, Some(0), "{}", r.stderr);
+    let j: serde_json::Value = serde_json::from_str(&r.stdout).unwrap();
+    assert!(j["peers"][0]["error"].is_null(), "{}", j["peers"][0]);
+    let args = std::fs::read_to_string(&argv).unwrap();
+    for want in [
+        format!("--diffusion-model {}", dit.display()),
+        format!("--llm {}", llm.display()),
+        format!("--vae {}", ae.display()),
+        "--steps 2 --cfg-scale 1 ".into(),
+        "--sampler euler --scheduler simple ".into(),
+    ] {
+        assert!(args.contains(&want), "{want}: {args}");
+    }
+    assert!(!args.contains("--t5xxl"), "{args}");
+    let step = &j["stages"]["transformer step"]["peers"]["sd.cpp"]["s"]["median"];
+    assert_eq!(step.as_f64(), Some(1.0), "{}", j["stages"]);
+}
