@@ -460,18 +460,7 @@ fn flux_inputs_that_do_not_fit_are_one_line_errors_without_output() {
     for (extra, model, want) in &cases {
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let r = p.run(&generate_args(model, s(&out), &extra));
-        assert_eq!(r.code, Some(1), "{extra:?}: {}", r.stderr);
-        let line = r.stderr.trim();
-        assert!(
-            line.contains(want),
-            "{extra:?}: {line:?} does not say {want:?}"
-        );
-        assert_eq!(line.lines().count(), 1, "{line}");
-        assert!(
-            listing(&dir).is_empty(),
-            "{extra:?} left {:?}",
-            listing(&dir)
-        );
+        assert_one_line_failure(&r, want, &dir, &format!("{extra:?}"));
     }
 }
 
@@ -1169,34 +1158,15 @@ fn bad_model_folders_are_one_line() {
             std::fs::write(dir.join(f), text).unwrap();
         }
         let r = generate_with_parts(&p, &dir, &out, &["-W", "64", "-H", "64"]);
-        assert_eq!(r.code, Some(1), "{name}: {}", r.stderr);
-        let line = r.stderr.trim();
-        assert_eq!(line.lines().count(), 1, "{name}: {line}");
-        assert!(
-            line.contains(want),
-            "{name}: {line:?} does not say {want:?}"
-        );
-        assert!(listing(&out_dir).is_empty(), "{name}");
+        assert_one_line_failure(&r, want, &out_dir, name);
     }
 }
 
 #[test]
 fn bench_gives_the_sdcpp_peer_flux_in_parts() {
-    use std::os::unix::fs::PermissionsExt;
     let p = Prefix::with_cpu();
-    // A stand-in for sdhost-peer-sdcpp that keeps its arguments and reports
-    // fixed times: 2 sampling steps in 6 s.
-    let peer = p.root().join("fake-peer-sdcpp");
-    let argv = p.root().join("peer-args");
-    std::fs::write(
-        &peer,
-        format!(
-            "#!/bin/sh\necho \"$@\" > '{}'\necho '{{\"system\": \"fake sd.cpp\", \"load_s\": 1.0, \"first_run_s\": 9.0, \"runs\": [{{\"total_s\": 9.0, \"te_s\": 1.0, \"sampling_s\": 6.0, \"vae_s\": 2.0}}], \"peak_host_bytes\": 1048576}}'\n",
-            argv.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // A stand-in peer: 6.0 s of sampling over 2 steps.
+    let (peer, argv) = fake_sdcpp_peer(&p, 6.0);
     let model = fixture("flux/tiny-flux-dev.safetensors");
     let r = run_with_parts(
         &p,

@@ -646,38 +646,30 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
 fn convolutions_in_bands_give_the_same_image() {
     let p = Prefix::with_cpu();
     let model = tiny_sd1();
-    let run = |name: &str, band: Option<&str>| {
-        let out = p.dir(name).join("x.png");
-        let mut c = p.cmd(&[
-            "generate",
-            "-m",
-            s(&model),
-            "-p",
-            "a cat",
-            "-W",
-            "128",
-            "-H",
-            "128",
-            "--steps",
-            "2",
-            "-o",
-            s(&out),
-        ]);
+    // `sdhost COMMAND` with `args` at 128×128, the band bound `band` MiB
+    // if given.
+    let run = |command: &str, args: &[&str], band: Option<&str>| {
+        let mut a = vec![command, "-m", s(&model), "-W", "128", "-H", "128"];
+        a.extend_from_slice(args);
+        let mut c = p.cmd(&a);
         if let Some(b) = band {
             c.env("SDHOST_CONV_BAND_MIB", b);
         }
-        let r = Run::from(output(&mut c));
-        assert_eq!(r.code, Some(0), "{}", r.stderr);
+        Run::from(output(&mut c)).ok()
+    };
+    let image = |name: &str, band: Option<&str>| {
+        let out = p.dir(name).join("x.png");
+        run(
+            "generate",
+            &["-p", "a cat", "--steps", "2", "-o", s(&out)],
+            band,
+        );
         pixels(&out)
     };
-    assert_eq!(run("whole", None), run("bands", Some("1")));
+    assert_eq!(image("whole", None), image("bands", Some("1")));
     // The knob did take the banded path: its decode plans other buffers.
     let decode = |band: Option<&str>| {
-        let mut c = p.cmd(&["plan", "-m", s(&model), "-W", "128", "-H", "128", "--json"]);
-        if let Some(b) = band {
-            c.env("SDHOST_CONV_BAND_MIB", b);
-        }
-        let j = Run::from(output(&mut c)).ok().json();
+        let j = run("plan", &["--json"], band).json();
         j["devices"][0]["phases"]
             .as_array()
             .unwrap()

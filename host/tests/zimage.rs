@@ -176,6 +176,26 @@ fn with_loras(
     })
 }
 
+/// A 64×64 request for `prompt`: Euler on the simple schedule, `steps`
+/// steps, CFG 1, seed 0.
+fn request(prompt: &str, steps: usize) -> Request {
+    Request {
+        prompt: prompt.into(),
+        negative: String::new(),
+        steps,
+        cfg_scale: 1.0,
+        guidance: 0.0,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Simple,
+        clip_skip: 1,
+        init: None,
+        reference: Vec::new(),
+    }
+}
+
 /// `tol` for the latent, `image_tol` for the image (the autoencoder's
 /// convolutions run in f16 on every device).
 fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
@@ -187,19 +207,12 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
     with_pipeline(device, wide, |sd| {
         for (name, p) in info["pipes"].as_object().unwrap() {
             let req = Request {
-                prompt: p["prompt"].as_str().unwrap().into(),
                 negative: p["negative"].as_str().unwrap().into(),
-                steps: p["steps"].as_u64().unwrap() as usize,
                 cfg_scale: p["cfg_scale"].as_f64().unwrap() as f32,
-                guidance: 0.0,
-                width: 64,
-                height: 64,
-                seed: 0,
-                sampler: Sampler::Euler,
-                scheduler: Scheduler::Simple,
-                clip_skip: 1,
-                init: None,
-                reference: Vec::new(),
+                ..request(
+                    p["prompt"].as_str().unwrap(),
+                    p["steps"].as_u64().unwrap() as usize,
+                )
             };
             let sampling = sd.model().sampling(8, 8);
             let sigmas: Vec<f32> = Scheduler::Simple
@@ -237,24 +250,13 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
         // img2img: 4 steps at strength 0.5 run the last 2.
         let i2i = &info["img2img"];
         let req = Request {
-            prompt: i2i["prompt"].as_str().unwrap().into(),
-            negative: String::new(),
-            steps: 4,
-            cfg_scale: 1.0,
-            guidance: 0.0,
-            width: 64,
-            height: 64,
-            seed: 0,
-            sampler: Sampler::Euler,
-            scheduler: Scheduler::Simple,
-            clip_skip: 1,
             init: Some(sdhost_models::request::Init {
                 image: sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap(),
                 strength: 0.5,
                 mask: None,
                 latent: None,
             }),
-            reference: Vec::new(),
+            ..request(i2i["prompt"].as_str().unwrap(), 4)
         };
         let noise = r["img2img.noise"].clone();
         let mut calls = 0;
@@ -412,18 +414,7 @@ fn generate_writes_a_zimage_image_and_bad_parts_are_one_line() {
     ];
     for (extra, want) in &cases {
         let r = generate(&p, &bad, extra);
-        assert_eq!(r.code, Some(1), "{extra:?}: {}", r.stderr);
-        let line = r.stderr.trim();
-        assert!(
-            line.contains(want),
-            "{extra:?}: {line:?} does not say {want:?}"
-        );
-        assert_eq!(line.lines().count(), 1, "{line}");
-        assert!(
-            listing(&dir).is_empty(),
-            "{extra:?} left {:?}",
-            listing(&dir)
-        );
+        assert_one_line_failure(&r, want, &dir, &format!("{extra:?}"));
     }
 }
 
@@ -475,20 +466,9 @@ fn loras_match_their_merged_reference() {
 
 #[test]
 fn bench_gives_the_sdcpp_peer_zimage_in_parts() {
-    use std::os::unix::fs::PermissionsExt;
     let p = Prefix::with_cpu();
-    // A stand-in for sdhost-peer-sdcpp that keeps its arguments.
-    let peer = p.root().join("fake-peer-sdcpp");
-    let argv = p.root().join("peer-args");
-    std::fs::write(
-        &peer,
-        format!(
-            "#!/bin/sh\necho \"$@\" > '{}'\necho '{{\"system\": \"fake sd.cpp\", \"load_s\": 1.0, \"first_run_s\": 5.0, \"runs\": [{{\"total_s\": 5.0, \"te_s\": 1.0, \"sampling_s\": 2.0, \"vae_s\": 2.0}}], \"peak_host_bytes\": 1048576}}'\n",
-            argv.display()
-        ),
-    )
-    .unwrap();
-    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    // A stand-in peer: 2.0 s of sampling over 2 steps.
+    let (peer, argv) = fake_sdcpp_peer(&p, 2.0);
     let (dit, llm, ae) = (
         fixture("zimage/tiny-zimage.safetensors"),
         fixture("qwen3/tiny-qwen3-bf16.gguf"),

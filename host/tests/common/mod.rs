@@ -121,6 +121,37 @@ impl Prefix {
     }
 }
 
+/// Asserts that `r` failed with exit 1 and one line saying `want`, and
+/// left nothing in `dir` (`what` names the case in messages).
+pub fn assert_one_line_failure(r: &Run, want: &str, dir: &Path, what: &str) {
+    assert_eq!(r.code, Some(1), "{what}: {}", r.stderr);
+    let line = r.stderr.trim();
+    assert!(
+        line.contains(want),
+        "{what}: {line:?} does not say {want:?}"
+    );
+    assert_eq!(line.lines().count(), 1, "{what}: {line}");
+    assert!(listing(dir).is_empty(), "{what} left {:?}", listing(dir));
+}
+
+/// A stand-in for `sdhost-peer-sdcpp` in the prefix: it writes its
+/// arguments to the returned file and reports fixed times, `sampling_s` of
+/// sampling among them. Returns (the peer, its arguments' file).
+pub fn fake_sdcpp_peer(p: &Prefix, sampling_s: f64) -> (PathBuf, PathBuf) {
+    let peer = p.root().join("fake-peer-sdcpp");
+    let argv = p.root().join("peer-args");
+    std::fs::write(
+        &peer,
+        format!(
+            "#!/bin/sh\necho \"$@\" > '{}'\necho '{{\"system\": \"fake sd.cpp\", \"load_s\": 1.0, \"first_run_s\": 9.0, \"runs\": [{{\"total_s\": 9.0, \"te_s\": 1.0, \"sampling_s\": {sampling_s:?}, \"vae_s\": 2.0}}], \"peak_host_bytes\": 1048576}}'\n",
+            argv.display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&peer, std::fs::Permissions::from_mode(0o755)).unwrap();
+    (peer, argv)
+}
+
 /// Runs `cmd` to its end and returns its output. A binary just copied into
 /// a prefix can be "busy" (ETXTBSY) for a moment: another test thread that
 /// forked while the copy was open holds its write handle until it execs.

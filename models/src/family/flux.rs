@@ -22,12 +22,11 @@ use crate::denoisers::flux::{self, FluxConfig, FluxInput, PATCH};
 use crate::encoders::clip::{self, ClipConfig, ClipEncoder, Layer, Naming, Pooled};
 use crate::encoders::t5::{self, T5Config};
 use crate::error::{ModelError, Result};
-use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::memory::{MemoryRequest, ModuleMemory};
 use crate::runtime::module::Module;
-use crate::sampling::{FlowShift, Guidance, ModelSampling, Prediction};
+use crate::sampling::{FlowShift, Guidance, ModelSampling};
 use crate::tokenizers::clip::{ClipTokenizer, CONTEXT};
 use crate::tokenizers::t5::T5Tokenizer;
 use crate::ModuleKind;
@@ -461,12 +460,7 @@ impl<'b> FluxModel<'b> {
         opts: &LoadOptions<'_>,
     ) -> Result<Self> {
         let file = ckpt.path.display();
-        let loras = LoraSet::load(opts.loras, ckpt, &lora_layout(), opts.lora_apply)?;
-        if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
-            return Err(ModelError::Incompatible(format!(
-                "{file}: FLUX predicts a flow velocity; --prediction does not apply"
-            )));
-        }
+        let loras = super::flow_loras(ckpt, opts, &lora_layout(), "FLUX")?;
         let te = super::load_part(ckpt, ModuleKind::Te, CLIP_MODULE, layout, opts, &loras)?;
         let te_t5 = super::load_part(ckpt, ModuleKind::TeT5xxl, T5_MODULE, layout, opts, &loras)?;
         let dit = super::load_part(

@@ -149,6 +149,25 @@ fn split_part(
     crate::runtime::load::split_weights(m, ckpt, prefix, false, loras, opts.placeholders, matrices)
 }
 
+/// A flow-matching recipe's LoRAs for `ckpt` (laid out as `layout` says),
+/// after refusing a `--prediction` other than flow (`name`: the family's
+/// name in the message).
+fn flow_loras(
+    ckpt: &Checkpoint,
+    opts: &crate::request::LoadOptions<'_>,
+    layout: &crate::lora::names::LoraLayout<'_>,
+    name: &str,
+) -> Result<crate::lora::LoraSet, ModelError> {
+    let loras = crate::lora::LoraSet::load(opts.loras, ckpt, layout, opts.lora_apply)?;
+    if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
+        return Err(ModelError::Incompatible(format!(
+            "{}: {name} predicts a flow velocity; --prediction does not apply",
+            ckpt.path.display()
+        )));
+    }
+    Ok(loras)
+}
+
 /// The vocabulary of the GGUF file holding `ckpt`'s tensors under `prefix`
 /// (a text encoder's), if that file is a GGUF and carries one; its errors
 /// name the file.

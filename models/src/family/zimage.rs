@@ -26,12 +26,11 @@ use crate::checkpoint::Checkpoint;
 use crate::denoisers::zimage::{self, ZImageConfig, ZImageInput};
 use crate::encoders::qwen3::{self, Qwen3Config};
 use crate::error::{ModelError, Result};
-use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::memory::{MemoryRequest, ModuleMemory};
 use crate::runtime::module::Module;
-use crate::sampling::{FlowShift, Guidance, ModelSampling, Prediction, Sampler, Scheduler};
+use crate::sampling::{FlowShift, Guidance, ModelSampling, Sampler, Scheduler};
 use crate::tokenizers::qwen::QwenTokenizer;
 use crate::ModuleKind;
 
@@ -184,12 +183,7 @@ impl<'b> ZImageModel<'b> {
         opts: &LoadOptions<'_>,
     ) -> Result<Self> {
         let file = ckpt.path.display();
-        let loras = LoraSet::load(opts.loras, ckpt, &lora_layout(), opts.lora_apply)?;
-        if opts.prediction.is_some_and(|p| p != Prediction::Flow) {
-            return Err(ModelError::Incompatible(format!(
-                "{file}: Z-Image predicts a flow velocity; --prediction does not apply"
-            )));
-        }
+        let loras = super::flow_loras(ckpt, opts, &lora_layout(), "Z-Image")?;
         let te = super::load_part(ckpt, ModuleKind::Te, LLM_MODULE, layout, opts, &loras)?;
         let dit = super::load_part(
             ckpt,
