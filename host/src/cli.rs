@@ -467,22 +467,22 @@ pub struct ComponentArgs {
     #[arg(long = "clip-l", value_name = "FILE")]
     pub clip_l: Option<PathBuf>,
 
-    /// Z-Image: the Qwen3 text encoder (`qwen_3_4b.safetensors`,
-    /// transformers' naming, or a llama.cpp GGUF), beside the transformer
-    /// given with -m
+    /// Z-Image and FLUX.2 klein: the Qwen3 text encoder
+    /// (`qwen_3_4b.safetensors`, transformers' naming, or a llama.cpp GGUF),
+    /// beside the transformer given with -m
     #[arg(long = "llm", value_name = "FILE")]
     pub llm: Option<PathBuf>,
 }
 
 impl ComponentArgs {
     /// The model `file` with the component files given apart (`--t5xxl`,
-    /// `--clip-l` for FLUX.1, `--llm` for Z-Image), scanned and assembled
-    /// into one checkpoint; a flag of another family is one line.
+    /// `--clip-l` for FLUX.1, `--llm` for Z-Image and FLUX.2), scanned and
+    /// assembled into one checkpoint; a flag of another family is one line.
     pub fn open_model(
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
-        use sdhost_models::family::{flux, zimage};
+        use sdhost_models::family::{flux, flux2, zimage};
         let model = sdhost_models::checkpoint::scan_model(file)?;
         let scan = |p: &Option<PathBuf>| {
             p.as_deref()
@@ -494,6 +494,15 @@ impl ComponentArgs {
             t5xxl: t5xxl.as_ref(),
             clip_l: clip_l.as_ref(),
         };
+        if flux2::is_transformer(&model) {
+            if parts.any() {
+                anyhow::bail!(
+                    "{}: a FLUX.2 transformer; --t5xxl and --clip-l go with FLUX.1, FLUX.2 takes its text encoder with --llm FILE",
+                    file.display()
+                );
+            }
+            return Ok(flux2::assemble(&model, llm.as_ref())?);
+        }
         if zimage::is_transformer(&model) {
             if parts.any() {
                 anyhow::bail!(
@@ -505,7 +514,7 @@ impl ComponentArgs {
         }
         if llm.is_some() {
             anyhow::bail!(
-                "{}: not a Z-Image transformer; --llm gives Z-Image its Qwen3 text encoder",
+                "{}: neither a Z-Image nor a FLUX.2 transformer; --llm gives those their Qwen3 text encoder",
                 file.display()
             );
         }
@@ -516,16 +525,16 @@ impl ComponentArgs {
     }
 
     /// [`ComponentArgs::open_model`] where `file` is a transformer that
-    /// takes parts (FLUX.1, Z-Image), else the file alone (`serve`, whose
-    /// models folder may mix families).
+    /// takes parts (FLUX.1, Z-Image, FLUX.2), else the file alone (`serve`,
+    /// whose models folder may mix families).
     pub fn open_if_parts(
         &self,
         file: &std::path::Path,
     ) -> anyhow::Result<sdhost_models::checkpoint::Checkpoint> {
-        use sdhost_models::family::{flux, zimage};
+        use sdhost_models::family::{flux, flux2, zimage};
         let model = sdhost_models::checkpoint::scan_model(file)?;
         // Each family gets only its own flags.
-        let parts = if zimage::is_transformer(&model) {
+        let parts = if zimage::is_transformer(&model) || flux2::is_transformer(&model) {
             ComponentArgs {
                 llm: self.llm.clone(),
                 ..ComponentArgs::default()

@@ -228,7 +228,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
             // The pipeline: 3 steps of Euler on the simple schedule, 64×64,
             // no negative pass, dev at guidance 3.5.
             let req = request(3, 1.0);
-            let sampling = sd.model().sampling(8, 8);
+            let sampling = sd.model().sampling(8, 8, 3);
             let sigmas: Vec<f32> = Scheduler::Simple
                 .sigmas(sampling.schedule(), 3)
                 .iter()

@@ -214,7 +214,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                     p["steps"].as_u64().unwrap() as usize,
                 )
             };
-            let sampling = sd.model().sampling(8, 8);
+            let sampling = sd.model().sampling(8, 8, req.steps);
             let sigmas: Vec<f32> = Scheduler::Simple
                 .sigmas(sampling.schedule(), req.steps)
                 .iter()

@@ -369,7 +369,7 @@ impl<'b> Pipeline<'b> {
         )?;
         check(cancelled)?;
 
-        let sampling: ModelSampling = self.model.sampling(shape[2], shape[3]);
+        let sampling: ModelSampling = self.model.sampling(shape[2], shape[3], req.steps);
         let full_sigmas = req.scheduler.sigmas(sampling.schedule(), req.steps);
         let init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
         let sigmas = init.sigmas;

@@ -63,6 +63,11 @@ unary_ops! {
     /// GEGLU as diffusers has it: the first half of `ne[0]` times the exact
     /// (erf) GELU of the second, in one pass (`ne[0]` halves).
     geglu_erf => ggml_geglu_erf_swapped, check_glu;
+    /// SwiGLU with the gate first, as FLUX.2 fuses it: SiLU of the first
+    /// half of `ne[0]` times the second half, in one pass (`ne[0]` halves).
+    swiglu => ggml_swiglu, check_glu;
+    /// Element-wise square root.
+    sqrt => ggml_sqrt, check_unary;
 }
 binary_ops! {
     /// Element-wise sum (b broadcast).
@@ -71,6 +76,8 @@ binary_ops! {
     mul => ggml_mul, check_repeat;
     /// Element-wise difference (b broadcast).
     sub => ggml_sub, check_repeat;
+    /// Element-wise quotient (b broadcast).
+    div => ggml_div, check_repeat;
     /// Rows of `a` (`[C, V]`) picked by the i32 indices in `b` (`[N]`): `[C, N]`.
     get_rows => ggml_get_rows, check_get_rows;
 }
@@ -90,6 +97,21 @@ impl Context {
         // SAFETY: `a` is alive for 'a, contiguous (ggml asserts a padded 1-d
         // layout) and of a type the CPU scales; room checked.
         self.wrap(unsafe { sys::ggml_scale(self.raw, a.raw, s) }, "ggml_scale")
+    }
+
+    /// `a·s + b` for scalars `s` and `b`.
+    pub fn scale_bias<'a>(&'a self, a: Tensor<'a>, s: f32, b: f32) -> Result<Tensor<'a>> {
+        check_f32_contiguous("scale_bias", &a)?;
+        if !s.is_finite() || !b.is_finite() {
+            return invalid(format!("scale_bias by {s} plus {b}"));
+        }
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a and contiguous f32 (ggml asserts a
+        // padded 1-d layout); room checked.
+        self.wrap(
+            unsafe { sys::ggml_scale_bias(self.raw, a.raw, s, b) },
+            "ggml_scale_bias",
+        )
     }
 
     /// Leaky ReLU: `x` where positive, `slope·x` elsewhere.

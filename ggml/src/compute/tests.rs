@@ -142,6 +142,14 @@ fn cases() -> Vec<Case> {
         "geglu_erf" ok: |c| c.geglu_erf(f32s(c, &[16, 3]));
         "geglu_erf" bad: |c| c.geglu_erf(f32s(c, &[15, 3]));
         "geglu_erf" bad: |c| c.geglu_erf(transposed(c, Type::F32, &[16, 3]));
+        "swiglu" ok: |c| c.swiglu(f32s(c, &[16, 3]));
+        "swiglu" bad: |c| c.swiglu(f32s(c, &[15, 3]));
+        "sqrt" ok: |c| c.sqrt(f32s(c, &[8]));
+        "sqrt" bad: |c| c.sqrt(t(c, Type::Q8_0, &[32]));
+        "div" ok: |c| c.div(f32s(c, &[8, 4]), f32s(c, &[8, 1]));
+        "div" bad: |c| c.div(f32s(c, &[8, 4]), f32s(c, &[3, 1]));
+        "scale_bias" ok: |c| c.scale_bias(f32s(c, &[8, 4]), 2.0, 1.0);
+        "scale_bias" bad: |c| c.scale_bias(f32s(c, &[8]), f32::NAN, 1.0);
         "conv_2d_norm_silu" ok: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), f32s(c, &[64]), 1, 1);
         "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[32]), f32s(c, &[64]), 1, 1);
         "conv_2d_norm_silu" bad: |c| c.conv_2d_norm_silu(t(c, Type::BF16, &[3, 3, 64, 16]), f32s(c, &[16, 16, 64, 1]), None, (32, 1e-5), f32s(c, &[64]), t(c, Type::F16, &[64]), 1, 1);

@@ -19,6 +19,16 @@
 //! variance, then `quant_conv`. The latent is the *mean* (the
 //! distribution's mode, as ComfyUI takes it): deterministic, and
 //! the SD VAE's posterior is narrow enough that sampling it changes little.
+//!
+//! **FLUX.2's autoencoder** is the same network with 32 latent channels,
+//! its quant convs inside the encoder and decoder as BFL names them
+//! (`encoder.quant_conv`, `decoder.post_quant_conv`; ldm's top-level names
+//! are read too) and a BatchNorm's running statistics (`bn.running_mean`,
+//! `bn.running_var`) over the 2×2-patched latent. Where a file has them the
+//! latents this module takes and gives are FLUX.2's: the mean patched into
+//! 4× the channels at half the side (channel `4c + 2dy + dx`, diffusers'
+//! `_patchify_latents`) and normalised by those statistics,
+//! `(z − mean) / √(var + 1e-4)`, all in the graph.
 
 use crate::error::{ModelError, Result};
 use crate::nn::{attention, conv2d, group_norm, linear, norm_silu_conv2d, shortcut};
@@ -28,6 +38,55 @@ use ggml::{Context, Tensor};
 
 /// Group norm ε of the VAE.
 const EPS: f32 = 1e-6;
+/// BatchNorm ε of FLUX.2's patched latent statistics.
+const BN_EPS: f32 = 1e-4;
+
+/// Whether the weights are FLUX.2's (BatchNorm statistics of a patched
+/// latent).
+fn patched(w: &W<'_>) -> bool {
+    w.has("bn.running_mean")
+}
+
+/// The name a quant conv has in this file: ldm's top-level `name`, or
+/// BFL's FLUX.2 one inside `part`; `None` where it has neither.
+fn quant_conv(w: &W<'_>, part: &str, name: &str) -> Option<String> {
+    [name.to_string(), format!("{part}.{name}")]
+        .into_iter()
+        .find(|n| w.has(&format!("{n}.weight")))
+}
+
+/// `[W, H, C, N]` → `[W/2, H/2, 4C, N]`, channel `4c + 2dy + dx`.
+fn patchify<'a>(c: &'a Context, x: Tensor<'a>) -> Result<Tensor<'a>> {
+    let [w, h, ch, n] = x.ne();
+    let (pw, ph) = (w / 2, h / 2);
+    let x = c.reshape(x, &[2, pw, 2, ph * ch * n])?; // [dx, j, dy, (i c n)]
+    let x = c.cont(c.permute(x, [0, 2, 1, 3])?)?; // [dx, dy, j, (i c n)]
+    let x = c.reshape(x, &[4, pw * ph, ch, n])?;
+    let x = c.cont(c.permute(x, [1, 0, 2, 3])?)?; // [(j i), (dx dy), c, n]
+    Ok(c.reshape(x, &[pw, ph, 4 * ch, n])?)
+}
+
+/// The inverse of [`patchify`].
+fn unpatchify<'a>(c: &'a Context, x: Tensor<'a>) -> Result<Tensor<'a>> {
+    let [pw, ph, ch4, n] = x.ne();
+    let ch = ch4 / 4;
+    let x = c.reshape(x, &[pw * ph, 4, ch, n])?;
+    let x = c.cont(c.permute(x, [1, 0, 2, 3])?)?; // [(dx dy), (j i), c, n]
+    let x = c.reshape(x, &[2, 2, pw, ph * ch * n])?; // [dx, dy, j, (i c n)]
+    let x = c.cont(c.permute(x, [0, 2, 1, 3])?)?; // [dx, j, dy, (i c n)]
+    Ok(c.reshape(x, &[2 * pw, 2 * ph, ch, n])?)
+}
+
+/// The BatchNorm statistics as `[1, 1, 4C, 1]` mean and standard deviation.
+fn latent_stats<'a>(c: &'a Context, w: &W<'a>, ch: i64) -> Result<(Tensor<'a>, Tensor<'a>)> {
+    let mean = w.shaped("bn.running_mean", &[ch])?;
+    let var = w.shaped("bn.running_var", &[ch])?;
+    let std = c.sqrt(c.scale_bias(var, 1.0, BN_EPS)?)?;
+    Ok((
+        c.reshape(mean, &[1, 1, ch, 1])?,
+        c.reshape(std, &[1, 1, ch, 1])?,
+    ))
+}
 
 /// Decodes `n` latents (`[n, C, h, w]`, w fastest, in the autoencoder's
 /// own scale: [`super::LatentNorm`] undone) into images `[n, 3, h·f, w·f]`
@@ -49,6 +108,17 @@ pub fn encode(
     let [n, _, h, wd] = shape;
     let (lh, lw) = (h / f, wd / f);
     let per = lh * lw;
+    if module.params().contains("bn.running_mean") {
+        // FLUX.2: the graph gives the patched, normalised mean.
+        let z = moments.len() / (n * per).max(1);
+        if moments.len() != n * z * per {
+            return Err(ModelError::Shape(format!(
+                "the encoder gave {} values for {n} {wd}x{h} images",
+                moments.len()
+            )));
+        }
+        return Ok((moments, [n, z, lh, lw]));
+    }
     let z = moments.len() / (n * per * 2).max(1);
     if moments.len() != n * 2 * z * per {
         return Err(ModelError::Shape(format!(
@@ -69,8 +139,14 @@ pub fn has_encoder(module: &Module<'_>) -> bool {
     module.params().contains("encoder.conv_in.weight")
 }
 
-/// The encoder's downscaling factor: 2 per down level but the last.
+/// The encoder's downscaling factor: 2 per down level but the last (and
+/// 2 more for FLUX.2's patching).
 fn downscale_factor(module: &Module<'_>) -> Result<usize> {
+    let patch = if module.params().contains("bn.running_mean") {
+        2
+    } else {
+        1
+    };
     let levels = (0..)
         .take_while(|i| {
             module
@@ -83,7 +159,7 @@ fn downscale_factor(module: &Module<'_>) -> Result<usize> {
             "missing tensor encoder.down.0.block.0.conv1.weight".into(),
         ));
     }
-    Ok(1 << (levels - 1))
+    Ok(patch << (levels - 1))
 }
 
 /// Checks the encoder's weights by building (not computing) its graph on a
@@ -141,36 +217,50 @@ fn build_encoder<'a>(
         out_ch,
         EPS,
     )?;
-    let out = if w.has("quant_conv.weight") {
-        conv2d(c, w, "quant_conv", h, out_ch, out_ch, 1, 1, 0)?
-    } else {
-        h
+    let mut out = match quant_conv(w, "encoder", "quant_conv") {
+        Some(q) => conv2d(c, w, &q, h, out_ch, out_ch, 1, 1, 0)?,
+        None => h,
     };
+    if patched(w) {
+        // FLUX.2: the mean, patched and normalised.
+        let [ow, oh, _, on] = out.ne();
+        if ow % 2 != 0 || oh % 2 != 0 {
+            return Err(ModelError::Shape(format!(
+                "FLUX.2's autoencoder patches 2×2 latent cells; the image gives {ow}×{oh}"
+            )));
+        }
+        let z = out_ch / 2;
+        let mean = c.cont(c.narrow(out, 2, 0, z)?)?;
+        let (m, s) = latent_stats(c, w, 4 * z)?;
+        out = c.div(c.sub(patchify(c, mean)?, m)?, s)?;
+        debug_assert_eq!(out.ne(), [ow / 2, oh / 2, 4 * z, on]);
+    }
     Ok(Built {
         output: out,
         inputs,
     })
 }
 
-/// The decoder's upscaling factor (8 for SD 1.x), read off the weights.
+/// The decoder's upscaling factor (8 for SD 1.x; 16 for FLUX.2, whose
+/// latent cells are 2×2 patches), read off the weights.
 pub fn upscale_factor(w: &W<'_>) -> u32 {
     let n = w
         .names()
         .filter(|n| n.starts_with("decoder.up.") && n.ends_with(".upsample.conv.weight"))
         .count();
-    1 << n
+    (if patched(w) { 2 } else { 1 }) << n
 }
 
 /// The latent channels the decoder takes: `post_quant_conv`'s input where
 /// it has one (ldm's SD VAEs), else `decoder.conv_in`'s (FLUX's, which has
-/// no quant convs).
+/// no quant convs); 4× that for FLUX.2's patched latent.
 pub fn latent_channels(w: &W<'_>) -> Result<usize> {
-    let first = if w.has("post_quant_conv.weight") {
-        "post_quant_conv.weight"
-    } else {
-        "decoder.conv_in.weight"
-    };
-    Ok(w.ne(first)?[2] as usize)
+    let first = quant_conv(w, "decoder", "post_quant_conv")
+        .map_or("decoder.conv_in.weight".to_string(), |q| {
+            format!("{q}.weight")
+        });
+    let ch = w.ne(&first)?[2] as usize;
+    Ok(if patched(w) { 4 * ch } else { ch })
 }
 
 /// Checks the module's weights by building (not computing) its graph.
@@ -215,9 +305,14 @@ fn build<'a>(c: &'a Context, w: &W<'a>, z: &[f32], shape: [usize; 4]) -> Result<
         )));
     }
     let mut h = x;
-    if w.has("post_quant_conv.weight") {
-        let out = w.ne("post_quant_conv.weight")?[3];
-        h = conv2d(c, w, "post_quant_conv", x, zc, out, 1, 1, 0)?;
+    if patched(w) {
+        // FLUX.2: the normalisation undone, the patches unpacked.
+        let (m, s) = latent_stats(c, w, zc)?;
+        h = unpatchify(c, c.add(c.mul(h, s)?, m)?)?;
+    }
+    if let Some(q) = quant_conv(w, "decoder", "post_quant_conv") {
+        let [_, _, cin, out] = w.ne(&format!("{q}.weight"))?;
+        h = conv2d(c, w, &q, h, cin, out, 1, 1, 0)?;
     }
     let conv_in = w.ne("decoder.conv_in.weight")?;
     h = conv2d(c, w, "decoder.conv_in", h, h.ne()[2], conv_in[3], 3, 1, 1)?;

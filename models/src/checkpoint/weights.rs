@@ -124,6 +124,12 @@ fn is_fp8_scale(name: &str) -> bool {
     name.ends_with(".scale_weight") || name.ends_with(".scale_input") || name == "scaled_fp8"
 }
 
+/// PyTorch's bookkeeping tensors, which no network reads: a BatchNorm's
+/// count of batches seen (an int64, FLUX.2's autoencoder has one).
+fn is_bookkeeping(name: &str) -> bool {
+    name.ends_with(".num_batches_tracked")
+}
+
 /// The scale of each weight in `entries` that has a `.scale_weight`
 /// sibling (ComfyUI's scaled fp8: the value is the stored one times the
 /// scale), read from the file; a scale that is not one finite, non-zero
@@ -264,7 +270,12 @@ impl ModuleWeights {
         let entries: Vec<&TensorEntry> = ckpt
             .tensors
             .iter()
-            .filter(|t| t.name.starts_with(prefix) && keep(&t.name) && !is_fp8_scale(&t.name))
+            .filter(|t| {
+                t.name.starts_with(prefix)
+                    && keep(&t.name)
+                    && !is_fp8_scale(&t.name)
+                    && !is_bookkeeping(&t.name)
+            })
             .collect();
         if entries.is_empty() {
             return Err(WeightsError::NoTensors {

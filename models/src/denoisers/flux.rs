@@ -16,6 +16,17 @@
 //! and MLP input, renamed by the recipe) both build; Kontext's reference
 //! latents are patched after the image's with position ids (1, row,
 //! column), and only the image's tokens come out.
+//!
+//! **FLUX.2** (klein: `flux-2-klein-4b.safetensors`) is the same stream
+//! layout with four changes, each read off the weights: the adaLN
+//! modulations are shared by every block (`double_stream_modulation_img`,
+//! `…_txt`, `single_stream_modulation`) instead of one per block; the MLPs
+//! are SwiGLU (the gate first) with no biases anywhere; there is no pooled
+//! text vector; and the latent arrives already patched (128 channels of
+//! 2×2 cells from its autoencoder), so its tokens are single cells. Its
+//! RoPE has four axes of `d/4` (t, h, w, l), θ = 2000: text tokens sit at
+//! (0, 0, 0, l), the image's at (0, row, column, 0), reference image `i`'s
+//! at (10 + 10i, row, column, 0).
 
 use crate::error::{ModelError, Result};
 use crate::nn::{attention_with, linear, rms_norm, rope_pairs, Scores};
@@ -25,9 +36,11 @@ use ggml::{Context, Tensor};
 
 /// Layer/RMS norm ε of FLUX.
 const EPS: f32 = 1e-6;
-/// RoPE base.
+/// RoPE base of FLUX.1.
 const THETA: f64 = 10000.0;
-/// Patch side.
+/// RoPE base of FLUX.2.
+const THETA_2: f64 = 2000.0;
+/// Patch side of FLUX.1 (FLUX.2's latent comes patched: 1).
 pub const PATCH: usize = 2;
 /// Width of the sinusoidal timestep and guidance embeddings.
 const TIME_DIM: i32 = 256;
@@ -57,8 +70,13 @@ pub struct FluxConfig {
     pub single: usize,
     /// Whether the network takes a distilled guidance scale (dev).
     pub guidance: bool,
-    /// RoPE pairs per axis (t, h, w) times 2.
-    pub axes: [i64; 3],
+    /// RoPE pairs per axis (t, h, w; FLUX.2: and l) times 2.
+    pub axes: Vec<i64>,
+    /// FLUX.2's architecture (shared modulations, SwiGLU, patch 1, 4-axis
+    /// RoPE), else FLUX.1's.
+    pub flux2: bool,
+    /// Latent cells per token side (2 for FLUX.1, 1 for FLUX.2).
+    pub patch: usize,
 }
 
 impl FluxConfig {
@@ -66,9 +84,16 @@ impl FluxConfig {
     pub fn from_weights(w: &W<'_>) -> Result<FluxConfig> {
         let [in_features, hidden, ..] = w.ne("img_in.weight")?;
         let [context, _, ..] = w.ne("txt_in.weight")?;
-        let [vec_in, _, ..] = w.ne("vector_in.in_layer.weight")?;
+        let flux2 = w.has("double_stream_modulation_img.lin.weight");
+        let vec_in = if flux2 {
+            0
+        } else {
+            w.ne("vector_in.in_layer.weight")?[0]
+        };
         let head_dim = w.ne("double_blocks.0.img_attn.norm.query_norm.scale")?[0];
-        let mlp = w.ne("double_blocks.0.img_mlp.0.weight")?[1];
+        // FLUX.2's SwiGLU input projection gives the gate and the value.
+        let mlp = w.ne("double_blocks.0.img_mlp.0.weight")?[1] / if flux2 { 2 } else { 1 };
+        let patch = if flux2 { 1 } else { PATCH };
         let out_features = w.ne("final_layer.linear.weight")?[1];
         let count = |p: &str| {
             w.names()
@@ -83,7 +108,7 @@ impl FluxConfig {
                 "a head size of {head_dim} in a width of {hidden}: FLUX heads are a multiple of 32 wide"
             )));
         }
-        if in_features % (PATCH * PATCH) as i64 != 0 || out_features != in_features {
+        if in_features % (patch * patch) as i64 != 0 || out_features != in_features {
             return Err(ModelError::Shape(format!(
                 "img_in takes {in_features} and final_layer gives {out_features} patch features"
             )));
@@ -101,13 +126,28 @@ impl FluxConfig {
             double,
             single,
             guidance: w.has("guidance_in.in_layer.weight"),
-            axes: [d / 8, 7 * d / 16, 7 * d / 16],
+            axes: if flux2 {
+                vec![d / 4; 4]
+            } else {
+                vec![d / 8, 7 * d / 16, 7 * d / 16]
+            },
+            flux2,
+            patch,
         })
     }
 
-    /// Latent channels (patch features ÷ 4).
+    /// Latent channels (patch features ÷ patch cells).
     pub fn latent_channels(&self) -> usize {
-        self.in_features as usize / (PATCH * PATCH)
+        self.in_features as usize / (self.patch * self.patch)
+    }
+
+    /// The RoPE base.
+    fn theta(&self) -> f64 {
+        if self.flux2 {
+            THETA_2
+        } else {
+            THETA
+        }
     }
 }
 
@@ -123,57 +163,72 @@ pub struct FluxInput<'i> {
     pub guidance: Option<f32>,
     /// T5 tokens `[N × len × context]`.
     pub context: &'i [f32],
-    /// Pooled text `[N × vec_in]`.
+    /// Pooled text `[N × vec_in]` (FLUX.1; empty for FLUX.2).
     pub y: &'i [f32],
-    /// Reference latents (Kontext), each `[1, C, H, W]` with even sides:
-    /// their patches follow the latent's in every batch entry, with
-    /// position ids (1, row, column); the output is the latent's alone.
+    /// Reference latents (Kontext, FLUX.2 editing), each `[1, C, H, W]`
+    /// with sides a multiple of the patch: their patches follow the
+    /// latent's in every batch entry, with position ids (1, row, column)
+    /// (FLUX.2: (10 + 10i, row, column, 0)); the output is the latent's
+    /// alone.
     pub reference: &'i [(Vec<f32>, [usize; 4])],
 }
 
-/// The latent index of each token feature in order: token `r·W/2 + c`,
-/// feature `ch·4 + dy·2 + dx` (diffusers' `_pack_latents`).
-fn patch_order([n, ch, h, w]: [usize; 4]) -> impl Iterator<Item = usize> {
-    let (ph, pw) = (h / PATCH, w / PATCH);
+/// The latent index of each token feature in order, for `p`×`p` patches:
+/// token `r·W/p + c`, feature `ch·p² + dy·p + dx` (diffusers'
+/// `_pack_latents`).
+fn patch_order([n, ch, h, w]: [usize; 4], p: usize) -> impl Iterator<Item = usize> {
+    let (ph, pw) = (h / p, w / p);
     (0..n).flat_map(move |b| {
         (0..ph * pw).flat_map(move |rc| {
             let (r, c) = (rc / pw, rc % pw);
-            (0..ch * PATCH * PATCH).map(move |f| {
-                let (k, dy, dx) = (f / (PATCH * PATCH), f / PATCH % PATCH, f % PATCH);
-                ((b * ch + k) * h + r * PATCH + dy) * w + c * PATCH + dx
+            (0..ch * p * p).map(move |f| {
+                let (k, dy, dx) = (f / (p * p), f / p % p, f % p);
+                ((b * ch + k) * h + r * p + dy) * w + c * p + dx
             })
         })
     })
 }
 
-/// Patches `[N, C, H, W]` into tokens `[N, (H/2)(W/2), C·4]`: token
-/// `r·W/2 + c`, feature `ch·4 + dy·2 + dx` (diffusers' `_pack_latents`).
-pub fn patchify(x: &[f32], shape: [usize; 4]) -> Vec<f32> {
-    patch_order(shape).map(|i| x[i]).collect()
+/// Patches `[N, C, H, W]` into tokens `[N, (H/p)(W/p), C·p²]`: token
+/// `r·W/p + c`, feature `ch·p² + dy·p + dx` (diffusers' `_pack_latents`).
+pub fn patchify(x: &[f32], shape: [usize; 4], p: usize) -> Vec<f32> {
+    patch_order(shape, p).map(|i| x[i]).collect()
 }
 
 /// The inverse of [`patchify`].
-pub fn unpatchify(t: &[f32], shape: [usize; 4]) -> Vec<f32> {
+pub fn unpatchify(t: &[f32], shape: [usize; 4], p: usize) -> Vec<f32> {
     let mut out = vec![0.0; t.len()];
-    for (v, i) in t.iter().zip(patch_order(shape)) {
+    for (v, i) in t.iter().zip(patch_order(shape, p)) {
         out[i] = *v;
     }
     out
 }
 
-/// Position ids (t, h, w) of `txt` text tokens (all zero) followed by a
-/// `ph`×`pw` grid of image patches (0, row, column).
-pub fn position_ids(txt: usize, ph: usize, pw: usize) -> Vec<[f64; 3]> {
-    let mut ids = vec![[0.0; 3]; txt];
+/// Position ids (t, h, w, l) of `txt` text tokens followed by a `ph`×`pw`
+/// grid of image patches (0, row, column, 0). FLUX.1's text is all zero
+/// (its RoPE reads the first three); FLUX.2's counts its tokens on l.
+pub fn position_ids(txt: usize, ph: usize, pw: usize, flux2: bool) -> Vec<[f64; 4]> {
+    let mut ids: Vec<[f64; 4]> = (0..txt)
+        .map(|l| [0.0, 0.0, 0.0, if flux2 { l as f64 } else { 0.0 }])
+        .collect();
     grid(&mut ids, 0.0, ph, pw, 0, 0);
     ids
 }
 
-fn grid(ids: &mut Vec<[f64; 3]>, index: f64, ph: usize, pw: usize, h0: usize, w0: usize) {
+fn grid(ids: &mut Vec<[f64; 4]>, index: f64, ph: usize, pw: usize, h0: usize, w0: usize) {
     for r in 0..ph {
         for c in 0..pw {
-            ids.push([index, (h0 + r) as f64, (w0 + c) as f64]);
+            ids.push([index, (h0 + r) as f64, (w0 + c) as f64, 0.0]);
         }
+    }
+}
+
+/// FLUX.2's position ids of reference latents of `sizes` (tokens
+/// `(h, w)`), appended to `ids`: reference `i` a grid at index 10 + 10i
+/// (diffusers' `_prepare_image_ids`).
+pub fn reference_ids_2(ids: &mut Vec<[f64; 4]>, sizes: &[(usize, usize)]) {
+    for (i, &(h, w)) in sizes.iter().enumerate() {
+        grid(ids, 10.0 + 10.0 * i as f64, h, w, 0, 0);
     }
 }
 
@@ -183,7 +238,7 @@ fn grid(ids: &mut Vec<[f64; 3]>, index: f64, ph: usize, pw: usize, h0: usize, w0
 /// wide, else below, offset by latent cells), as stable-diffusion.cpp
 /// places them; one reference sits at (1, row, column), as diffusers'
 /// FluxKontextPipeline has it.
-pub fn reference_ids(ids: &mut Vec<[f64; 3]>, sizes: &[(usize, usize)]) {
+pub fn reference_ids(ids: &mut Vec<[f64; 4]>, sizes: &[(usize, usize)]) {
     let (mut cur_h, mut cur_w) = (0, 0);
     for &(h, w) in sizes {
         let (h0, w0) = if h + cur_h > w + cur_w {
@@ -200,12 +255,12 @@ pub fn reference_ids(ids: &mut Vec<[f64; 3]>, sizes: &[(usize, usize)]) {
 /// Cosines and sines of every token's RoPE pairs, `[L][D/2]` flattened:
 /// axis `a`'s pair `j` turns by `pos_a / θ^(2j/d_a)` (computed in f64, as
 /// diffusers does).
-pub fn rope_angles(ids: &[[f64; 3]], axes: [i64; 3]) -> (Vec<f32>, Vec<f32>) {
+pub fn rope_angles(ids: &[[f64; 4]], axes: &[i64], theta: f64) -> (Vec<f32>, Vec<f32>) {
     let (mut cos, mut sin) = (Vec::new(), Vec::new());
     for id in ids {
         for (a, &d) in axes.iter().enumerate() {
             for j in 0..d / 2 {
-                let omega = 1.0 / THETA.powf(2.0 * j as f64 / d as f64);
+                let omega = 1.0 / theta.powf(2.0 * j as f64 / d as f64);
                 let angle = id[a] * omega;
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);
@@ -230,21 +285,22 @@ pub fn predict(
             input.shape
         )));
     }
+    let p = cfg.patch;
     let mut tokens = Vec::with_capacity(input.x.len());
     for b in 0..n {
-        tokens.extend(patchify(&input.x[b * per..(b + 1) * per], [1, ch, h, w]));
+        tokens.extend(patchify(&input.x[b * per..(b + 1) * per], [1, ch, h, w], p));
         for (r, shape) in input.reference {
             if shape[0] != 1
                 || shape[1] != ch
-                || shape[2] % PATCH != 0
-                || shape[3] % PATCH != 0
+                || shape[2] % p != 0
+                || shape[3] % p != 0
                 || r.len() != shape.iter().product::<usize>()
             {
                 return Err(ModelError::Shape(format!(
                     "a reference latent of shape {shape:?} does not go with a {ch}-channel latent"
                 )));
             }
-            tokens.extend(patchify(r, *shape));
+            tokens.extend(patchify(r, *shape, p));
         }
     }
     let out = module.compute(|c, w| build(c, w, cfg, &input, &tokens))?;
@@ -255,7 +311,7 @@ pub fn predict(
             input.x.len()
         )));
     }
-    Ok(unpatchify(&out, input.shape))
+    Ok(unpatchify(&out, input.shape, p))
 }
 
 /// Checks the module's weights by building (not computing) a graph.
@@ -308,24 +364,18 @@ fn build<'a>(
     tokens: &[f32],
 ) -> Result<Built<'a>> {
     let [n, ch, lh, lw] = input.shape;
-    if ch as i64 * (PATCH * PATCH) as i64 != cfg.in_features
-        || lh % PATCH != 0
-        || lw % PATCH != 0
-        || n == 0
-    {
+    let p = cfg.patch;
+    if ch * p * p != cfg.in_features as usize || lh % p != 0 || lw % p != 0 || n == 0 {
         return Err(ModelError::Shape(format!(
-            "the FLUX transformer takes a {}-channel latent of even sides, not {:?}",
+            "the FLUX transformer takes a {}-channel latent with sides a multiple of {p}, not {:?}",
             cfg.latent_channels(),
             input.shape
         )));
     }
-    let (ph, pw) = (lh / PATCH, lw / PATCH);
+    let (ph, pw) = (lh / p, lw / p);
     let li = (ph * pw) as i64;
     let sizes: Vec<(usize, usize)> = input.reference.iter().map(|(_, s)| (s[2], s[3])).collect();
-    let lr: i64 = sizes
-        .iter()
-        .map(|(h, w)| (h / PATCH * (w / PATCH)) as i64)
-        .sum();
+    let lr: i64 = sizes.iter().map(|(h, w)| (h / p * (w / p)) as i64).sum();
     let h = cfg.hidden;
     let nb = n as i64;
     let ctx_len = input.context.len() / (n * cfg.context as usize);
@@ -355,11 +405,15 @@ fn build<'a>(
         input.context.to_vec(),
         &mut inputs,
     )?;
-    let y = input_f32(c, &[cfg.vec_in, nb], input.y.to_vec(), &mut inputs)?;
     let t = input_f32(c, &[nb], vec![input.t; n], &mut inputs)?;
-    let mut ids = position_ids(ctx_len, ph, pw);
-    reference_ids(&mut ids, &sizes);
-    let (cos, sin) = rope_angles(&ids, cfg.axes);
+    let mut ids = position_ids(ctx_len, ph, pw, cfg.flux2);
+    if cfg.flux2 {
+        let tokens: Vec<(usize, usize)> = sizes.iter().map(|(h, w)| (h / p, w / p)).collect();
+        reference_ids_2(&mut ids, &tokens);
+    } else {
+        reference_ids(&mut ids, &sizes);
+    }
+    let (cos, sin) = rope_angles(&ids, &cfg.axes, cfg.theta());
     let l = lt + li + lr;
     let half = cfg.head_dim / 2;
     let cos = input_f32(c, &[half, 1, l, 1], cos, &mut inputs)?;
@@ -382,18 +436,51 @@ fn build<'a>(
         let g = c.timestep_embedding(g, TIME_DIM, 10000)?;
         vec = c.add(vec, embed("guidance_in", g, TIME_DIM as i64)?)?;
     }
-    vec = c.add(vec, embed("vector_in", y, cfg.vec_in)?)?;
+    if cfg.vec_in > 0 {
+        let y = input_f32(c, &[cfg.vec_in, nb], input.y.to_vec(), &mut inputs)?;
+        vec = c.add(vec, embed("vector_in", y, cfg.vec_in)?)?;
+    }
     let vec = c.silu(vec)?; // every modulation reads silu(vec)
 
     let mut img = linear(c, w, "img_in", img, cfg.in_features, h)?;
     let mut txt = linear(c, w, "txt_in", txt, cfg.context, h)?;
     let rope = Rope { cos, sin };
+    // FLUX.2's modulations, shared by every block.
+    let shared = |name: &str, parts: i64| -> Result<Option<Vec<Tensor<'a>>>> {
+        cfg.flux2
+            .then(|| modulation(c, w, &format!("{name}.lin"), vec, h, parts))
+            .transpose()
+    };
+    let double_mods =
+        shared("double_stream_modulation_img", 6)?.zip(shared("double_stream_modulation_txt", 6)?);
+    let single_mods = shared("single_stream_modulation", 3)?;
     for i in 0..cfg.double {
-        (img, txt) = double_block(c, w, cfg, i, img, txt, vec, &rope)?;
+        let mods = match &double_mods {
+            Some((im, tm)) => (im.clone(), tm.clone()),
+            None => {
+                let p = format!("double_blocks.{i}");
+                (
+                    modulation(c, w, &format!("{p}.img_mod.lin"), vec, h, 6)?,
+                    modulation(c, w, &format!("{p}.txt_mod.lin"), vec, h, 6)?,
+                )
+            }
+        };
+        (img, txt) = double_block(c, w, cfg, i, img, txt, &mods, &rope)?;
     }
     let mut x = c.concat(txt, img, 1)?; // [h, lt + li, n]
     for i in 0..cfg.single {
-        x = single_block(c, w, cfg, i, x, vec, &rope)?;
+        let m = match &single_mods {
+            Some(m) => m.clone(),
+            None => modulation(
+                c,
+                w,
+                &format!("single_blocks.{i}.modulation.lin"),
+                vec,
+                h,
+                3,
+            )?,
+        };
+        x = single_block(c, w, cfg, i, x, &m, &rope)?;
     }
     let x = c.cont(c.narrow(x, 1, lt, li)?)?;
     // BFL's final modulation is (shift, scale); diffusers' (scale, shift).
@@ -481,15 +568,20 @@ fn attend<'a>(
     attention_with(c, flat(q)?, flat(k)?, flat(v)?, cfg.heads, scores)
 }
 
+/// The block MLP: GELU (FLUX.1) or SwiGLU, gate first (FLUX.2).
 fn mlp<'a>(
     c: &'a Context,
     w: &W<'a>,
+    cfg: &FluxConfig,
     p: &str,
     x: Tensor<'a>,
-    h: i64,
-    m: i64,
 ) -> Result<Tensor<'a>> {
-    let x = c.gelu(linear(c, w, &format!("{p}.0"), x, h, m)?)?;
+    let (h, m) = (cfg.hidden, cfg.mlp);
+    let x = if cfg.flux2 {
+        c.swiglu(linear(c, w, &format!("{p}.0"), x, h, 2 * m)?)?
+    } else {
+        c.gelu(linear(c, w, &format!("{p}.0"), x, h, m)?)?
+    };
     linear(c, w, &format!("{p}.2"), x, m, h)
 }
 
@@ -501,13 +593,11 @@ fn double_block<'a>(
     i: usize,
     img: Tensor<'a>,
     txt: Tensor<'a>,
-    vec: Tensor<'a>,
+    (im, tm): &(Vec<Tensor<'a>>, Vec<Tensor<'a>>),
     rope: &Rope<'a>,
 ) -> Result<(Tensor<'a>, Tensor<'a>)> {
     let h = cfg.hidden;
     let p = format!("double_blocks.{i}");
-    let im = modulation(c, w, &format!("{p}.img_mod.lin"), vec, h, 6)?;
-    let tm = modulation(c, w, &format!("{p}.txt_mod.lin"), vec, h, 6)?;
     let qkv = |x: Tensor<'a>, m: &[Tensor<'a>], s: &str| -> Result<[Tensor<'a>; 3]> {
         let x = modulate(c, x, m[0], m[1])?;
         let fused = format!("{p}.{s}_attn.qkv");
@@ -525,8 +615,8 @@ fn double_block<'a>(
         };
         heads(c, w, cfg, &format!("{p}.{s}_attn.norm"), [q, k, v])
     };
-    let [iq, ik, iv] = qkv(img, &im, "img")?;
-    let [tq, tk, tv] = qkv(txt, &tm, "txt")?;
+    let [iq, ik, iv] = qkv(img, im, "img")?;
+    let [tq, tk, tv] = qkv(txt, tm, "txt")?;
     let joint = [
         c.concat(tq, iq, 2)?,
         c.concat(tk, ik, 2)?,
@@ -543,16 +633,15 @@ fn double_block<'a>(
         let f = mlp(
             c,
             w,
+            cfg,
             &format!("{p}.{s}_mlp"),
             modulate(c, x, m[3], m[4])?,
-            h,
-            cfg.mlp,
         )?;
         Ok(c.add(x, c.mul(f, m[5])?)?)
     };
     Ok((
-        stream(img, i_att, &im, "img")?,
-        stream(txt, t_att, &tm, "txt")?,
+        stream(img, i_att, im, "img")?,
+        stream(txt, t_att, tm, "txt")?,
     ))
 }
 
@@ -562,20 +651,21 @@ fn single_block<'a>(
     cfg: &FluxConfig,
     i: usize,
     x: Tensor<'a>,
-    vec: Tensor<'a>,
+    m: &[Tensor<'a>],
     rope: &Rope<'a>,
 ) -> Result<Tensor<'a>> {
     let h = cfg.hidden;
     let p = format!("single_blocks.{i}");
-    let m = modulation(c, w, &format!("{p}.modulation.lin"), vec, h, 3)?;
     let xm = modulate(c, x, m[0], m[1])?;
     let fused = format!("{p}.linear1");
+    // FLUX.2's MLP input is SwiGLU's gate and value.
+    let mlp_width = if cfg.flux2 { 2 * cfg.mlp } else { cfg.mlp };
     let (qkv, mlp_in) = if w.has(&format!("{fused}.weight")) {
-        let lin = linear(c, w, &fused, xm, h, 3 * h + cfg.mlp)?;
+        let lin = linear(c, w, &fused, xm, h, 3 * h + mlp_width)?;
         let part = |i: i64| c.narrow(lin, 0, i * h, h);
         (
             [part(0)?, part(1)?, part(2)?],
-            c.narrow(lin, 0, 3 * h, cfg.mlp)?,
+            c.narrow(lin, 0, 3 * h, mlp_width)?,
         )
     } else {
         // diffusers' naming: q, k, v and the MLP's input apart.
@@ -592,7 +682,11 @@ fn single_block<'a>(
         heads(c, w, cfg, &format!("{p}.norm"), qkv)?,
         rope,
     )?;
-    let act = c.gelu(c.cont(mlp_in)?)?;
+    let act = if cfg.flux2 {
+        c.swiglu(c.cont(mlp_in)?)?
+    } else {
+        c.gelu(c.cont(mlp_in)?)?
+    };
     let out = linear(
         c,
         w,
@@ -612,15 +706,19 @@ mod tests {
     fn patching_round_trips_in_diffusers_order() {
         let shape = [1, 2, 4, 6];
         let x: Vec<f32> = (0..48).map(|i| i as f32).collect();
-        let t = patchify(&x, shape);
+        let t = patchify(&x, shape, PATCH);
         // Token 0 holds channel 0's top-left 2×2, then channel 1's.
         assert_eq!(&t[..8], &[0.0, 1.0, 6.0, 7.0, 24.0, 25.0, 30.0, 31.0]);
-        assert_eq!(unpatchify(&t, shape), x);
+        assert_eq!(unpatchify(&t, shape, PATCH), x);
+        // Patches of one cell: channels last, a transpose.
+        let t = patchify(&x, shape, 1);
+        assert_eq!(&t[..2], &[0.0, 24.0]);
+        assert_eq!(unpatchify(&t, shape, 1), x);
     }
 
     #[test]
     fn rope_angles_follow_the_axes() {
-        let (cos, sin) = rope_angles(&[[0.0, 2.0, 3.0]], [4, 14, 14]);
+        let (cos, sin) = rope_angles(&[[0.0, 2.0, 3.0, 0.0]], &[4, 14, 14], THETA);
         assert_eq!(cos.len(), 16);
         assert_eq!((cos[0], sin[0]), (1.0, 0.0)); // t = 0
         assert!((cos[2] - 2f32.cos()).abs() < 1e-7); // h = 2, first pair

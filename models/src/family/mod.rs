@@ -17,6 +17,7 @@
 //! go to `encoders/`, `denoisers/`, `autoencoders/`, `tokenizers/`.
 
 pub mod flux;
+pub mod flux2;
 pub mod sd;
 mod sd1;
 mod sd2;
@@ -46,6 +47,9 @@ pub enum Family {
     /// Z-Image Turbo or Base (a Qwen3 text encoder, a single-stream flow
     /// transformer, FLUX.1's autoencoder).
     ZImage,
+    /// FLUX.2 klein, distilled or base (a Qwen3 text encoder, the FLUX.2
+    /// transformer and autoencoder).
+    Flux2,
 }
 
 impl Family {
@@ -57,6 +61,7 @@ impl Family {
             Family::Sdxl => "sdxl",
             Family::Flux => "flux",
             Family::ZImage => "zimage",
+            Family::Flux2 => "flux2",
         }
     }
 
@@ -67,7 +72,7 @@ impl Family {
             Family::Sd1 => Some(sd1::config()),
             Family::Sd2 => Some(sd2::config()),
             Family::Sdxl => Some(sdxl::config()),
-            Family::Flux | Family::ZImage => None,
+            Family::Flux | Family::ZImage | Family::Flux2 => None,
         }
     }
 }
@@ -108,7 +113,7 @@ pub struct Conditioned {
     pub vector: Option<Vec<f32>>,
     /// The guidance scale a guidance-distilled network takes (FLUX.1 dev).
     pub guidance: Option<f32>,
-    /// Reference latents the denoiser attends to (FLUX.1 Kontext), each
+    /// Reference latents the denoiser attends to (FLUX.1 Kontext, FLUX.2), each
     /// with its shape `[1, C, H, W]`; the pipeline encodes them.
     pub reference: Vec<(Vec<f32>, [usize; 4])>,
 }
@@ -232,6 +237,8 @@ pub enum Model<'b> {
     Flux(flux::FluxModel<'b>),
     /// Z-Image.
     ZImage(zimage::ZImageModel<'b>),
+    /// FLUX.2 klein.
+    Flux2(flux2::Flux2Model<'b>),
 }
 
 impl<'b> Model<'b> {
@@ -251,6 +258,7 @@ impl<'b> Model<'b> {
             Family::ZImage => Ok(Model::ZImage(zimage::ZImageModel::load(
                 ckpt, layout, opts,
             )?)),
+            Family::Flux2 => Ok(Model::Flux2(flux2::Flux2Model::load(ckpt, layout, opts)?)),
         }
     }
 
@@ -260,6 +268,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.config().family,
             Model::Flux(_) => Family::Flux,
             Model::ZImage(_) => Family::ZImage,
+            Model::Flux2(_) => Family::Flux2,
         }
     }
 
@@ -269,6 +278,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.config().default_size,
             Model::Flux(_) => 1024,
             Model::ZImage(_) => zimage::defaults().size,
+            Model::Flux2(_) => flux2::defaults().size,
         }
     }
 
@@ -278,14 +288,16 @@ impl<'b> Model<'b> {
             Model::Sd(_) => sd_defaults(self.default_size()),
             Model::Flux(m) => flux_defaults(m.variant() == flux::Variant::Dev),
             Model::ZImage(_) => zimage::defaults(),
+            Model::Flux2(_) => flux2::defaults(),
         }
     }
 
-    /// Whether the denoiser attends to reference images (FLUX: Kontext's
+    /// Whether the denoiser attends to reference images (FLUX.1: Kontext's
     /// editing; the architecture is the same as dev's, so any FLUX
-    /// transformer takes them, only a Kontext one was trained to).
+    /// transformer takes them, only a Kontext one was trained to; FLUX.2
+    /// edits natively).
     pub fn takes_references(&self) -> bool {
-        matches!(self, Model::Flux(_))
+        matches!(self, Model::Flux(_) | Model::Flux2(_))
     }
 
     /// Whether the denoiser takes a distilled guidance scale (FLUX.1 dev).
@@ -294,6 +306,7 @@ impl<'b> Model<'b> {
             Model::Sd(_) => false,
             Model::Flux(m) => m.config().guidance,
             Model::ZImage(_) => false,
+            Model::Flux2(m) => m.config().guidance,
         }
     }
 
@@ -301,18 +314,19 @@ impl<'b> Model<'b> {
     pub fn prediction(&self) -> Prediction {
         match self {
             Model::Sd(m) => m.prediction(),
-            Model::Flux(_) => Prediction::Flow,
-            Model::ZImage(_) => Prediction::Flow,
+            Model::Flux(_) | Model::ZImage(_) | Model::Flux2(_) => Prediction::Flow,
         }
     }
 
     /// The parametrisation and noise schedule the sampler runs on, for a
-    /// latent of `lh`×`lw` cells (FLUX.1 dev's shift follows the size).
-    pub fn sampling(&self, lh: usize, lw: usize) -> crate::sampling::ModelSampling {
+    /// latent of `lh`×`lw` cells sampled in `steps` steps (FLUX.1 dev's
+    /// shift follows the size, FLUX.2's the size and the steps).
+    pub fn sampling(&self, lh: usize, lw: usize, steps: usize) -> crate::sampling::ModelSampling {
         match self {
             Model::Sd(m) => m.sampling().clone(),
             Model::Flux(m) => m.sampling(lh, lw),
             Model::ZImage(m) => m.sampling(),
+            Model::Flux2(m) => m.sampling(lh, lw, steps),
         }
     }
 
@@ -322,6 +336,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.guidance(cfg_scale),
             Model::Flux(m) => m.guidance(cfg_scale),
             Model::ZImage(m) => m.guidance(cfg_scale),
+            Model::Flux2(m) => m.guidance(cfg_scale),
         }
     }
 
@@ -331,6 +346,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.latent_norm(),
             Model::Flux(_) => flux::LATENT,
             Model::ZImage(_) => zimage::LATENT,
+            Model::Flux2(_) => flux2::LATENT,
         }
     }
 
@@ -342,6 +358,7 @@ impl<'b> Model<'b> {
             Model::Sd(_) => &[VAE_PREFIX],
             Model::Flux(_) => &flux::VAE_PREFIXES,
             Model::ZImage(_) => &zimage::VAE_PREFIXES,
+            Model::Flux2(_) => &flux2::VAE_PREFIXES,
         };
         if let Some(p) = packed.iter().find(|p| has(p)) {
             return Ok(p);
@@ -362,6 +379,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.latent_channels(),
             Model::Flux(m) => m.latent_channels(),
             Model::ZImage(m) => m.latent_channels(),
+            Model::Flux2(m) => m.latent_channels(),
         }
     }
 
@@ -372,6 +390,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.input_channels(),
             Model::Flux(m) => m.latent_channels(),
             Model::ZImage(m) => m.latent_channels(),
+            Model::Flux2(m) => m.latent_channels(),
         }
     }
 
@@ -383,6 +402,8 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.downsamples(),
             // 2×2 patches.
             Model::Flux(_) | Model::ZImage(_) => 1,
+            // The first stage patches.
+            Model::Flux2(_) => 0,
         }
     }
 
@@ -394,7 +415,7 @@ impl<'b> Model<'b> {
             // T5 and CLIP-L cut the prompt to their lengths.
             Model::Flux(_) => 1,
             // Qwen3 takes up to 512 tokens at once.
-            Model::ZImage(_) => 1,
+            Model::ZImage(_) | Model::Flux2(_) => 1,
         }
     }
 
@@ -409,6 +430,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.condition(req, guided),
             Model::Flux(m) => m.condition(req, guided),
             Model::ZImage(m) => m.condition(req, guided),
+            Model::Flux2(m) => m.condition(req, guided),
         }
     }
 
@@ -424,6 +446,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.denoise(x, shape, t, cond),
             Model::Flux(m) => m.denoise(x, shape, t, cond),
             Model::ZImage(m) => m.denoise(x, shape, t, cond),
+            Model::Flux2(m) => m.denoise(x, shape, t, cond),
         }
     }
 
@@ -438,6 +461,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.measure(req, lh, lw),
             Model::Flux(m) => m.measure(req, lh, lw),
             Model::ZImage(m) => m.measure(req, lh, lw),
+            Model::Flux2(m) => m.measure(req, lh, lw),
         }
     }
 
@@ -448,6 +472,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.modules(),
             Model::Flux(m) => m.modules(),
             Model::ZImage(m) => m.modules(),
+            Model::Flux2(m) => m.modules(),
         }
     }
 
@@ -457,6 +482,7 @@ impl<'b> Model<'b> {
             Model::Sd(m) => m.modules_mut(),
             Model::Flux(m) => m.modules_mut(),
             Model::ZImage(m) => m.modules_mut(),
+            Model::Flux2(m) => m.modules_mut(),
         }
     }
 
@@ -464,7 +490,7 @@ impl<'b> Model<'b> {
     pub fn sd(&mut self) -> Option<&mut sd::SdModel<'b>> {
         match self {
             Model::Sd(m) => Some(m),
-            Model::Flux(_) | Model::ZImage(_) => None,
+            Model::Flux(_) | Model::ZImage(_) | Model::Flux2(_) => None,
         }
     }
 
@@ -472,7 +498,7 @@ impl<'b> Model<'b> {
     pub fn zimage(&mut self) -> Option<&mut zimage::ZImageModel<'b>> {
         match self {
             Model::ZImage(m) => Some(m),
-            Model::Sd(_) | Model::Flux(_) => None,
+            Model::Sd(_) | Model::Flux(_) | Model::Flux2(_) => None,
         }
     }
 
@@ -480,7 +506,15 @@ impl<'b> Model<'b> {
     pub fn flux(&mut self) -> Option<&mut flux::FluxModel<'b>> {
         match self {
             Model::Flux(m) => Some(m),
-            Model::Sd(_) | Model::ZImage(_) => None,
+            Model::Sd(_) | Model::ZImage(_) | Model::Flux2(_) => None,
+        }
+    }
+
+    /// The FLUX.2 recipe's networks, where this is a FLUX.2 klein model.
+    pub fn flux2(&mut self) -> Option<&mut flux2::Flux2Model<'b>> {
+        match self {
+            Model::Flux2(m) => Some(m),
+            Model::Sd(_) | Model::Flux(_) | Model::ZImage(_) => None,
         }
     }
 }
@@ -492,6 +526,7 @@ pub fn defaults_of(ckpt: &Checkpoint) -> Result<Defaults, ModelError> {
     Ok(match family.config() {
         Some(cfg) => sd_defaults(cfg.default_size),
         None if family == Family::ZImage => zimage::defaults(),
+        None if family == Family::Flux2 => flux2::defaults(),
         None => flux_defaults(ckpt.tensors.iter().any(|t| {
             t.name
                 .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
@@ -529,6 +564,12 @@ fn flux_defaults(dev: bool) -> Defaults {
 /// every tensor, its small input and output layers in f16.
 pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
     use crate::checkpoint::convert::{target_type, Conversion};
+    if flux2::is_transformer(ckpt) {
+        return Conversion {
+            rule: flux::converted_type,
+            architecture: Family::Flux2.name(),
+        };
+    }
     if flux::is_transformer(ckpt) {
         return Conversion {
             rule: flux::converted_type,
@@ -560,7 +601,7 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
 
 /// Whether the VAE file `vae` fits `ckpt`'s family (its latent channels,
 /// read off the decoder's first convolution: 4 for the SD families, 16 for
-/// FLUX and Z-Image). `None` where either cannot be told.
+/// FLUX.1 and Z-Image, 32 for FLUX.2). `None` where either cannot be told.
 pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
     let channels = vae
         .tensors
@@ -570,6 +611,7 @@ pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
     let want = match detect(ckpt).ok()? {
         Family::Sd1 | Family::Sd2 | Family::Sdxl => 4,
         Family::Flux | Family::ZImage => 16,
+        Family::Flux2 => flux2::AE_CHANNELS,
     };
     Some(channels == want)
 }
@@ -578,7 +620,7 @@ pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
 /// any run may add): what the host places, budgets and loads.
 pub fn declared_modules(ckpt: &Checkpoint) -> Result<Vec<ModuleKind>, ModelError> {
     match detect(ckpt)? {
-        Family::Sd1 | Family::Sd2 | Family::Sdxl | Family::ZImage => {
+        Family::Sd1 | Family::Sd2 | Family::Sdxl | Family::ZImage | Family::Flux2 => {
             Ok(vec![ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae])
         }
         Family::Flux => Ok(vec![
@@ -617,7 +659,7 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
     let file = ckpt.path.display();
     let unsupported = |what: &str| {
         ModelError::Unsupported(format!(
-            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x, SDXL base, FLUX.1 and Z-Image checkpoints"
+            "{file}: this looks like {what}; sdhost supports SD 1.x, SD 2.x, SDXL base, FLUX.1, FLUX.2 klein and Z-Image checkpoints"
         ))
     };
     if contains("lora_up.")
@@ -635,6 +677,22 @@ pub fn detect(ckpt: &Checkpoint) -> Result<Family, ModelError> {
         return Err(unsupported(
             "Stable Diffusion 3 (MMDiT), which is not supported",
         ));
+    }
+    if flux2::is_transformer(ckpt) {
+        if !has(&format!(
+            "{}double_stream_modulation_img.",
+            flux2::DIT_PREFIX
+        )) {
+            return Err(ModelError::MissingTensor(format!(
+                "{file}: a FLUX.2 transformer alone; give its Qwen3 text encoder with --llm FILE and its autoencoder with --vae FILE"
+            )));
+        }
+        if !has(flux2::LLM_MODULE) {
+            return Err(ModelError::MissingTensor(format!(
+                "{file}: a FLUX.2 transformer without its Qwen3 text encoder; give one with --llm FILE"
+            )));
+        }
+        return Ok(Family::Flux2);
     }
     if zimage::is_transformer(ckpt) {
         if !has(&format!("{}cap_embedder.", zimage::DIT_PREFIX)) {

@@ -1,0 +1,358 @@
+//! FLUX.2 klein against diffusers on the tiny random model of
+//! `tests/fixtures/make_klein_fixtures.py`: the autoencoder (its latent
+//! patched and normalised by its BatchNorm statistics, in the graph), the
+//! transformer (BFL's names bare and diffusers' renamed by `bfl_name`; two
+//! latents and text lengths, and one with a reference latent), and 3-step
+//! `Flux2KleinPipeline` runs (distilled, base with CFG, an edit with a
+//! reference image) from given noise to the decoded image; on the CPU, and
+//! on lavapipe where enabled (one test: Vulkan pipelines set up
+//! concurrently in one process abort in ggml).
+
+mod common;
+use common::*;
+use sdhost_models::checkpoint::{self, Checkpoint};
+use sdhost_models::denoisers::flux::{self, FluxConfig, FluxInput};
+use sdhost_models::family::{flux2, Family};
+use sdhost_models::pipeline::Pipeline;
+use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
+use sdhost_models::runtime::graph::W;
+use sdhost_models::sampling::{Sampler, Scheduler};
+use sdhost_models::ModuleKind;
+
+fn refs() -> std::collections::HashMap<String, Vec<f32>> {
+    read_tensors(&fixture("klein/tiny-klein-ref.safetensors"))
+}
+
+fn info() -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture("klein/tiny-klein-ref.json")).unwrap())
+        .unwrap()
+}
+
+/// The autoencoder's decode of a patched, normalised latent and its
+/// encode of an image (the mean, patched and normalised).
+fn autoencoder_matches(device: &str, tol: f32) {
+    let r = refs();
+    with_pipeline(device, false, |sd| {
+        let stage = sd.first_stage().clone();
+        let f = stage.format();
+        assert_eq!((f.channels, f.spatial), (32, 16));
+        let image = stage
+            .decode(&mut sd.vae, &r["ae.decode.z"], [1, 32, 4, 4])
+            .unwrap();
+        assert_close(
+            &format!("{device} decode"),
+            &image,
+            &r["ae.decode.image"],
+            tol,
+        );
+        let z = stage
+            .encode(&mut sd.vae, &r["ae.encode.image"], [1, 3, 64, 64])
+            .unwrap();
+        assert_close(&format!("{device} encode"), &z, &r["ae.encode.z"], tol);
+        sd.vae.end_phase();
+    });
+}
+
+#[test]
+fn the_autoencoder_matches_diffusers_on_cpu() {
+    autoencoder_matches("cpu", 5e-3);
+}
+
+/// The transformer of `ckpt` (names under `prefix`) on `device`, its
+/// matrices widened to f32 where `wide`, against diffusers' outputs.
+fn outputs_match(ckpt: &Checkpoint, prefix: &str, device: &str, wide: bool, tol: f32) {
+    let r = refs();
+    let info = info();
+    with_module(ckpt, ModuleKind::Diffusion, prefix, device, wide, |m| {
+        let cfg = FluxConfig::from_weights(&W::new(m.params().map())).unwrap();
+        flux::validate(m, &cfg).unwrap();
+        assert!(cfg.flux2 && !cfg.guidance);
+        assert_eq!(
+            (cfg.hidden, cfg.heads, cfg.double, cfg.single, cfg.mlp),
+            (64, 2, 2, 2, 192)
+        );
+        assert_eq!((cfg.context, cfg.latent_channels()), (192, 32));
+        assert_eq!(cfg.axes, [8, 8, 8, 8]);
+        let run = |m: &mut _, i: usize, shape: [usize; 4], sigma: f32, reference: &[_]| {
+            let input = FluxInput {
+                x: &r[&format!("case.{i}.x")],
+                shape,
+                t: sigma * 1000.0,
+                guidance: None,
+                context: &r[&format!("case.{i}.context")],
+                y: &[],
+                reference,
+            };
+            flux::predict(m, &cfg, input).unwrap()
+        };
+        for (i, case) in info["cases"].as_array().unwrap().iter().enumerate() {
+            let s: Vec<usize> = case[0]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_u64().unwrap() as usize)
+                .collect();
+            let sigma = case[2].as_f64().unwrap() as f32;
+            let out = run(m, i, [1, s[0], s[1], s[2]], sigma, &[]);
+            assert_close(
+                &format!("{device} {prefix:?} (f32: {wide}) case {i}"),
+                &out,
+                &r[&format!("case.{i}.out")],
+                tol,
+            );
+        }
+        // A reference latent after the image's, at time index 10.
+        let reference = vec![(r["reference.latent"].clone(), [1, 32, 4, 2])];
+        let sigma = info["cases"][0][2].as_f64().unwrap() as f32;
+        let out = run(m, 0, [1, 32, 3, 5], sigma, &reference);
+        assert_close(
+            &format!("{device} {prefix:?} (f32: {wide}) with a reference"),
+            &out,
+            &r["reference.out"],
+            tol,
+        );
+        // A latent of the wrong channel count is an error, not an abort.
+        let x = vec![0.0; 16 * 4 * 4];
+        let bad = FluxInput {
+            x: &x,
+            shape: [1, 16, 4, 4],
+            t: 500.0,
+            guidance: None,
+            context: &r["case.0.context"],
+            y: &[],
+            reference: &[],
+        };
+        assert!(flux::predict(m, &cfg, bad).is_err());
+    });
+}
+
+/// The diffusers-named file under BFL's names (q/k/v stay apart).
+fn diffusers_renamed() -> Checkpoint {
+    let mut ckpt = checkpoint::scan(&fixture("klein/tiny-klein-diffusers.safetensors")).unwrap();
+    for t in &mut ckpt.tensors {
+        t.name = flux2::bfl_name(&t.name).unwrap_or_else(|| panic!("{}", t.name));
+    }
+    ckpt
+}
+
+#[test]
+fn the_transformer_matches_diffusers_on_cpu() {
+    let ckpt = checkpoint::scan(&fixture("klein/tiny-klein.safetensors")).unwrap();
+    outputs_match(&ckpt, "", "cpu", true, 5e-5);
+    outputs_match(&ckpt, "", "cpu", false, 2e-2);
+    outputs_match(&diffusers_renamed(), "", "cpu", true, 5e-5);
+}
+
+#[test]
+fn klein_matches_diffusers_on_vulkan() {
+    if !vulkan_enabled() {
+        eprintln!("SKIPPED klein_matches_diffusers_on_vulkan: set SDHOST_TEST_VULKAN=1");
+        return;
+    }
+    autoencoder_matches("vulkan0", 1e-2);
+    let ckpt = checkpoint::scan(&fixture("klein/tiny-klein.safetensors")).unwrap();
+    outputs_match(&ckpt, "", "vulkan0", false, 3e-2);
+    pipelines_match("vulkan0", false, 4e-2, 8e-2);
+}
+
+/// The tiny klein pipeline: the transformer, the Qwen3 of
+/// `qwen3/tiny-qwen3-bf16.gguf` (its own cut vocabulary), the autoencoder;
+/// every module on `device`, the matrices of the text encoder and the
+/// transformer as stored or widened to f32 (`wide`).
+fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
+    let dit = checkpoint::scan(&fixture("klein/tiny-klein.safetensors")).unwrap();
+    let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
+    let ckpt = flux2::assemble(&dit, Some(&llm)).unwrap();
+    let vae = checkpoint::scan(&fixture("klein/tiny-klein-ae.safetensors")).unwrap();
+    let matrix_types = match wide {
+        true => MatrixTypes(
+            [ModuleKind::Te, ModuleKind::Diffusion]
+                .into_iter()
+                .map(|k| (k, ggml::Type::F32))
+                .collect(),
+        ),
+        false => MatrixTypes::default(),
+    };
+    let opts = LoadOptions {
+        vae: Some(&vae),
+        vae_encoder: true,
+        matrix_types,
+        ..LoadOptions::default()
+    };
+    with_devices(device, |d| {
+        let layout = Layout {
+            devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+                .into_iter()
+                .map(|k| (k, d))
+                .collect(),
+            spread: Default::default(),
+        };
+        let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+        assert_eq!(sd.family(), Family::Flux2);
+        f(&mut sd)
+    })
+}
+
+/// `tol` for the latent, `image_tol` for the image (the autoencoder's
+/// convolutions run in f16 on every device).
+fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
+    let r = refs();
+    let info = info();
+    with_pipeline(device, wide, |sd| {
+        for (name, p) in info["pipes"].as_object().unwrap() {
+            let steps = p["steps"].as_u64().unwrap() as usize;
+            let reference = match p["edit"].as_bool().unwrap() {
+                true => vec![sdhost::image_io::load_rgb(&fixture("init-64.png")).unwrap()],
+                false => Vec::new(),
+            };
+            let req = Request {
+                prompt: p["prompt"].as_str().unwrap().into(),
+                negative: String::new(),
+                steps,
+                cfg_scale: p["cfg_scale"].as_f64().unwrap() as f32,
+                guidance: 0.0,
+                width: 64,
+                height: 64,
+                seed: 0,
+                sampler: Sampler::Euler,
+                scheduler: Scheduler::Simple,
+                clip_skip: 1,
+                init: None,
+                reference,
+            };
+            let sampling = sd.model().sampling(4, 4, steps);
+            let sigmas: Vec<f32> = Scheduler::Simple
+                .sigmas(sampling.schedule(), steps)
+                .iter()
+                .map(|&s| s as f32)
+                .collect();
+            let want: Vec<f32> = p["sigmas"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_f64().unwrap() as f32)
+                .collect();
+            assert_close(&format!("{name} sigmas"), &sigmas, &want, 1e-5);
+            let noise = r[&format!("{name}.noise")].clone();
+            let latent = sd
+                .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
+                .unwrap();
+            assert_close(
+                &format!("{device} (f32: {wide}) {name} pipeline latent"),
+                &latent,
+                &r[&format!("{name}.latent")],
+                tol,
+            );
+            let stage = sd.first_stage().clone();
+            let image = stage.decode(&mut sd.vae, &latent, [1, 32, 4, 4]).unwrap();
+            sd.vae.end_phase();
+            assert_close(
+                &format!("{device} (f32: {wide}) {name} pipeline image"),
+                &image,
+                &r[&format!("{name}.image")],
+                image_tol,
+            );
+        }
+    });
+}
+
+#[test]
+fn pipelines_match_diffusers_on_cpu() {
+    pipelines_match("cpu", true, 1e-3, 5e-3);
+    pipelines_match("cpu", false, 2e-2, 4e-2);
+}
+
+/// `sdhost generate` of the tiny klein into `out` with `extra` flags.
+fn generate(p: &Prefix, out: &std::path::Path, extra: &[&str]) -> Run {
+    let mut a = vec!["generate", "-p", "a photo of a cat", "-o", s(out)];
+    a.extend_from_slice(extra);
+    p.run(&a)
+}
+
+#[test]
+fn generate_writes_a_klein_image_and_bad_parts_are_one_line() {
+    let p = Prefix::with_cpu();
+    let dit = fixture("klein/tiny-klein.safetensors");
+    let diffusers = fixture("klein/tiny-klein-diffusers.safetensors");
+    let llm = fixture("qwen3/tiny-qwen3-bf16.gguf");
+    let ae = fixture("klein/tiny-klein-ae.safetensors");
+    let init = fixture("init-64.png");
+    let out = p.dir("out").join("k.png");
+    let parts = [
+        "--llm",
+        s(&llm),
+        "--vae",
+        s(&ae),
+        "--steps",
+        "2",
+        "-W",
+        "64",
+        "-H",
+        "48",
+    ];
+    let mut a = vec!["-m", s(&dit)];
+    a.extend_from_slice(&parts);
+    generate(&p, &out, &a).ok();
+    let (w, h, text) = png_info(&out);
+    assert_eq!((w, h), (64, 48));
+    for want in [
+        "Steps: 2",
+        "Sampler: Euler,",
+        "Schedule type: Simple",
+        "CFG scale: 1,",
+        "Model family: flux2",
+        "Prediction: flow",
+        "te=cpu, diffusion=cpu",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text:?}");
+    }
+    // diffusers' naming gives the same image.
+    let again = p.dir("again").join("k.png");
+    let mut a = vec!["--diffusion-model", s(&diffusers)];
+    a.extend_from_slice(&parts);
+    generate(&p, &again, &a).ok();
+    assert_eq!(pixels(&out), pixels(&again));
+    // A reference image changes it.
+    let edited = p.dir("edit").join("k.png");
+    let mut a = vec!["-m", s(&dit), "--ref-image", s(&init)];
+    a.extend_from_slice(&parts);
+    generate(&p, &edited, &a).ok();
+    assert_ne!(pixels(&out), pixels(&edited));
+
+    let dir = p.dir("bad");
+    let bad = dir.join("x.png");
+    let t5 = fixture("flux/tiny-t5.safetensors");
+    let zimage = fixture("zimage/tiny-zimage.safetensors");
+    let ae16 = fixture("ae16/tiny-ae16.safetensors");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec!["-m", s(&dit), "--vae", s(&ae)],
+            "give one with --llm FILE",
+        ),
+        (
+            vec!["-m", s(&dit), "--llm", s(&llm), "--t5xxl", s(&t5)],
+            "--t5xxl and --clip-l go with FLUX.1",
+        ),
+        (
+            vec!["-m", s(&dit), "--llm", s(&t5), "--vae", s(&ae)],
+            "not a Qwen3 text encoder",
+        ),
+        (
+            vec!["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae16)],
+            "the VAE has 16 latent channels",
+        ),
+        (
+            vec!["-m", s(&zimage), "--llm", s(&llm), "--vae", s(&ae)],
+            "the VAE has 32 latent channels; this zimage model samples 16",
+        ),
+        (vec!["-m", s(&dit), "--llm", s(&llm)], "no autoencoder"),
+        (
+            vec!["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae), "-W", "72"],
+            "multiple of 16",
+        ),
+    ];
+    for (extra, want) in &cases {
+        let r = generate(&p, &bad, extra);
+        assert_one_line_failure(&r, want, &dir, &format!("{extra:?}"));
+    }
+}
