@@ -2416,3 +2416,70 @@ fn zimage_through_the_apis() {
     assert!((400..500).contains(&r.status), "{}", r.text());
     assert!(r.text().contains("reference"), "{}", r.text());
 }
+
+/// FLUX.2 klein through the servers: the distilled model's defaults,
+/// txt2img with CFG and a negative prompt (base klein's way), editing
+/// through `reference_images` and OpenAI's `/v1/images/edits`.
+#[test]
+fn klein_through_the_apis() {
+    let f = |n: &str| fixture(n);
+    let (dit, llm, ae) = (
+        f("klein/tiny-klein.safetensors"),
+        f("qwen3/tiny-qwen3-bf16.gguf"),
+        f("klein/tiny-klein-ae.safetensors"),
+    );
+    let srv = Server::start(&["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae)]);
+    let opts = srv.get("/sdapi/v1/options");
+    assert_eq!(opts["sdhost_default_cfg_scale"], json!(1.0), "{opts}");
+    assert_eq!(opts["sdhost_default_steps"], json!(4), "{opts}");
+    assert_eq!(opts["sdhost_default_sampler"], json!("Euler"), "{opts}");
+    assert_eq!(opts["sdhost_takes_guidance"], json!(false), "{opts}");
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "a cat", "steps": 2, "width": 64, "height": 48, "cfg_scale": 3, "negative_prompt": "blurry"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 48));
+    assert!(
+        text.contains("Model family: flux2") && text.contains("CFG scale: 3,"),
+        "{text}"
+    );
+    let init = std::fs::read(f("init-64.png")).unwrap();
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "make it night", "steps": 2, "reference_images": [b64(&init)]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 64), "the size of the reference image");
+    let (ct, body) = form(
+        &[("prompt", "make it night"), ("steps", "2")],
+        &[("image", &init)],
+    );
+    let r = post_form(&srv.addr, "/v1/images/edits", &ct, &body, &[]);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (_, _, text, _) = png_of(r.json()["data"][0]["b64_json"].as_str().unwrap());
+    assert!(text.contains("Model family: flux2"), "{text}");
+    // A reference image of sides no multiple of 16 is cut to one.
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "reference_images": [b64(&png_bytes(40, 40))]}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (32, 32));
+}
+
+/// A grey RGB PNG of `w`×`h`.
+fn png_bytes(w: u32, h: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut e = png::Encoder::new(&mut out, w, h);
+    e.set_color(png::ColorType::Rgb);
+    e.set_depth(png::BitDepth::Eight);
+    let mut wr = e.write_header().unwrap();
+    wr.write_image_data(&vec![128; (w * h * 3) as usize])
+        .unwrap();
+    wr.finish().unwrap();
+    out
+}
