@@ -260,3 +260,64 @@ fn bad_splits_are_one_line_errors() {
     let r = p.run(&["plan", "--fit", "maybe"]);
     assert_eq!(r.code, Some(2), "{}", r.stderr);
 }
+
+/// FLUX.2 klein under a vulkan0 budget smaller than its Qwen3 text
+/// encoder: fit streams the encoder (and time-shares the rest), and the
+/// generation runs within it.
+#[test]
+fn fit_streams_klein_s_text_encoder_under_a_small_budget() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let (dit, llm, ae) = (
+        fixture("klein/tiny-klein.safetensors"),
+        fixture("qwen3/tiny-qwen3-bf16.gguf"),
+        fixture("klein/tiny-klein-ae.safetensors"),
+    );
+    let parts = ["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae)];
+    let size = ["-W", "64", "-H", "64", "--backend", "vulkan0"];
+    let plan = |budget: Option<&str>| {
+        let mut a = vec!["plan"];
+        a.extend_from_slice(&parts);
+        a.extend_from_slice(&size);
+        a.push("--json");
+        if let Some(b) = budget {
+            a.extend_from_slice(&["--max-memory", b]);
+        }
+        p.run(&a).ok().json()
+    };
+    // A budget that holds the encoder's compute buffers and half its
+    // weights (at 64×64 the buffers of its 512 tokens outweigh its
+    // weights).
+    let j = plan(None);
+    let te = j["memory"]["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["module"] == "te")
+        .unwrap()
+        .clone();
+    let weights = te["weights"]["vulkan0"].as_u64().unwrap();
+    let compute = te["compute"][0]["devices"]["vulkan0"].as_u64().unwrap();
+    let budget = format!("vulkan0={}K", (compute + weights / 2) / 1024);
+    let j = plan(Some(&budget));
+    let te_fit = j["fit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["module"] == "te")
+        .unwrap_or_else(|| panic!("{}", j["fit"]));
+    assert!(
+        te_fit["reason"].as_str().unwrap().contains("streamed"),
+        "{te_fit}"
+    );
+    let out = p.root().join("k.png");
+    let mut a = vec!["generate", "-p", "a cat", "--steps", "1", "-o", s(&out)];
+    a.extend_from_slice(&parts);
+    a.extend_from_slice(&size);
+    a.extend_from_slice(&["--max-memory", &budget]);
+    p.run(&a).ok();
+    assert_eq!(png_info(&out).0, 64);
+}

@@ -217,6 +217,22 @@ impl<'b> Pipeline<'b> {
         self.first_stage.format().spatial << self.model.downsamples()
     }
 
+    /// The size a reference image of `width`×`height` is resized to: down
+    /// to the size multiple, and for FLUX.2 first down to at most
+    /// 1024×1024 pixels of area, its aspect kept (as diffusers'
+    /// `Flux2KleinPipeline` does). `(0, _)` or `(_, 0)` where the image is
+    /// smaller than the multiple.
+    pub fn reference_size(&self, width: usize, height: usize) -> (usize, usize) {
+        let m = self.size_multiple();
+        let (mut w, mut h) = (width, height);
+        const AREA: f64 = 1024.0 * 1024.0;
+        if self.model.family() == crate::family::Family::Flux2 && (w * h) as f64 > AREA {
+            let scale = (AREA / (w * h) as f64).sqrt();
+            (w, h) = ((w as f64 * scale) as usize, (h as f64 * scale) as usize);
+        }
+        (w / m * m, h / m * m)
+    }
+
     /// Units of prompt length (CLIP's 77-token chunks) a prompt needs.
     pub fn chunk_count(&self, prompt: &str) -> usize {
         self.model.prompt_chunks(prompt)

@@ -249,9 +249,9 @@ impl InitInput {
     }
 }
 
-/// Kontext's reference images, each rounded down to the model's size
-/// multiple (resized to it); without -W/-H (and an init image) the output
-/// takes the first one's size.
+/// Reference images (Kontext, FLUX.2), each resized down to the model's
+/// size multiple ([`Pipeline::reference_size`]); without -W/-H (and an
+/// init image) the output takes the first one's size.
 fn apply_references(
     args: &GenerateArgs,
     sd: &Pipeline<'_>,
@@ -262,7 +262,7 @@ fn apply_references(
     let m = sd.size_multiple();
     for (i, (image, path)) in references.into_iter().zip(&args.init.ref_image).enumerate() {
         let (iw, ih) = (image.width, image.height);
-        let (w, h) = (iw / m * m, ih / m * m);
+        let (w, h) = sd.reference_size(iw, ih);
         if w == 0 || h == 0 {
             return Err(anyhow!(
                 "{}: the reference image is {iw}x{ih}, smaller than this model's {m}-pixel multiple",

@@ -230,8 +230,8 @@ fn tokenizer(ckpt: &Checkpoint) -> Result<QwenTokenizer> {
 
 /// Where LoRAs find klein's weights: the transformer under
 /// `model.diffusion_model.` in BFL's names (kohya's
-/// `lora_unet_double_blocks_0_img_attn_qkv` follow from them). The Qwen3
-/// text encoder takes none.
+/// `lora_unet_double_blocks_0_img_attn_qkv` follow from them; diffusers'
+/// from [`lora_aliases`]). The Qwen3 text encoder takes none.
 pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
     crate::lora::names::LoraLayout {
         model: "flux2",
@@ -239,7 +239,69 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
         te_prefix: LLM_MODULE,
         encoders: &[],
         numbered_te: false,
-        denoiser_aliases: crate::lora::names::no_aliases,
+        denoiser_aliases: lora_aliases,
+    }
+}
+
+/// diffusers' `Flux2Transformer2DModel` names of a BFL klein weight (path
+/// without `.weight`, shape outermost first), each with the rows it
+/// covers: a double block's fused `qkv` is `to_q`, `to_k`, `to_v`
+/// (`add_*_proj` for text); a single block's `linear1` is diffusers' fused
+/// `to_qkv_mlp_proj` as it is. The final modulation is left out: its
+/// halves are swapped in diffusers, which one row range cannot say.
+pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias> {
+    let third = shape.first().copied().unwrap_or(0) as usize / 3;
+    let one = |s: String| vec![(s, None)];
+    let thirds = |names: [String; 3]| {
+        names
+            .into_iter()
+            .enumerate()
+            .map(|(i, n)| (n, Some((i * third, third))))
+            .collect()
+    };
+    let p: Vec<&str> = path.split('.').collect();
+    match p.as_slice() {
+        ["img_in"] => one("x_embedder".into()),
+        ["txt_in"] => one("context_embedder".into()),
+        ["final_layer", "linear"] => one("proj_out".into()),
+        ["time_in", l] => one(format!(
+            "time_guidance_embed.timestep_embedder.{}",
+            if *l == "in_layer" {
+                "linear_1"
+            } else {
+                "linear_2"
+            }
+        )),
+        [m, "lin"] if m.ends_with("_modulation") || m.contains("_modulation_") => {
+            one(format!("{m}.linear"))
+        }
+        ["double_blocks", i, s, rest @ ..] => {
+            let b = format!("transformer_blocks.{i}");
+            match (*s, rest) {
+                ("img_attn", ["qkv"]) => {
+                    thirds(["to_q", "to_k", "to_v"].map(|x| format!("{b}.attn.{x}")))
+                }
+                ("txt_attn", ["qkv"]) => thirds(
+                    ["add_q_proj", "add_k_proj", "add_v_proj"].map(|x| format!("{b}.attn.{x}")),
+                ),
+                ("img_attn", [x @ ("q" | "k" | "v")]) => one(format!("{b}.attn.to_{x}")),
+                ("txt_attn", [x @ ("q" | "k" | "v")]) => one(format!("{b}.attn.add_{x}_proj")),
+                ("img_attn", ["proj"]) => one(format!("{b}.attn.to_out.0")),
+                ("txt_attn", ["proj"]) => one(format!("{b}.attn.to_add_out")),
+                ("img_mlp", ["0"]) => one(format!("{b}.ff.linear_in")),
+                ("img_mlp", ["2"]) => one(format!("{b}.ff.linear_out")),
+                ("txt_mlp", ["0"]) => one(format!("{b}.ff_context.linear_in")),
+                ("txt_mlp", ["2"]) => one(format!("{b}.ff_context.linear_out")),
+                _ => Vec::new(),
+            }
+        }
+        ["single_blocks", i, "linear1"] => one(format!(
+            "single_transformer_blocks.{i}.attn.to_qkv_mlp_proj"
+        )),
+        ["single_blocks", i, "linear2"] => {
+            one(format!("single_transformer_blocks.{i}.attn.to_out"))
+        }
+        _ => Vec::new(),
     }
 }
 

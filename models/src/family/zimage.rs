@@ -238,10 +238,17 @@ impl<'b> ZImageModel<'b> {
         Guidance::Cfg { scale: cfg_scale }
     }
 
-    /// The ids of a prompt in the chat template, cut to [`MAX_TOKENS`].
+    /// The ids of a prompt in the chat template, cut to [`MAX_TOKENS`]
+    /// (with a warning).
     pub fn ids(&self, prompt: &str) -> Result<Vec<u32>> {
         let mut ids = self.tokenizer.encode(&chat_template(prompt))?;
-        ids.truncate(MAX_TOKENS);
+        if ids.len() > MAX_TOKENS {
+            tracing::warn!(
+                "the prompt is {} tokens in its chat template; Z-Image takes {MAX_TOKENS}, the rest is left out",
+                ids.len()
+            );
+            ids.truncate(MAX_TOKENS);
+        }
         Ok(ids)
     }
 

@@ -504,14 +504,14 @@ impl<'m> Worker<'_, 'm> {
             (false, _) => (g.init.as_ref(), &g.reference[..]),
         };
         if let Some(r) = g_refs.first() {
-            (w, h) = (r.width / m * m, r.height / m * m);
+            (w, h) = l.sd.reference_size(r.width, r.height);
         }
         if let Some(init) = g_init {
             (w, h) = (init.image.width / m * m, init.image.height / m * m);
         }
         let mut reference = Vec::new();
         for (i, r) in g_refs.iter().enumerate() {
-            let (rw, rh) = (r.width / m * m, r.height / m * m);
+            let (rw, rh) = l.sd.reference_size(r.width, r.height);
             if rw == 0 || rh == 0 {
                 return Err(JobError::Invalid(format!(
                     "reference_images[{i}]: {}x{} is smaller than this model's {m}-pixel multiple",
