@@ -568,7 +568,8 @@ pub struct UpscaleModelArgs {
 pub struct GenerateArgs {
     /// Checkpoint: SD 1.x, SD 2.x or SDXL single file in the original layout
     /// (.safetensors or .gguf), or a FLUX.1 transformer (with --t5xxl,
-    /// --clip-l and --vae)
+    /// --clip-l and --vae), or a Z-Image or FLUX.2 klein transformer (with
+    /// --llm and --vae)
     #[arg(
         short = 'm',
         long,
@@ -672,9 +673,10 @@ pub struct InitArgs {
     #[arg(long, value_name = "FILE", requires = "init_img")]
     pub mask: Option<PathBuf>,
 
-    /// FLUX.1 Kontext: an image the prompt edits or draws from (PNG or JPEG;
-    /// repeatable). Each is used at its own size rounded down to a multiple
-    /// of 16; without -W/-H (and -i) the output takes the first one's
+    /// FLUX.1 Kontext and FLUX.2 klein: an image the prompt edits or draws
+    /// from (PNG or JPEG; repeatable). Each is used at its own size rounded
+    /// down to a multiple of 16 (FLUX.2: at most 1024×1024 of area);
+    /// without -W/-H (and -i) the output takes the first one's size
     #[arg(short = 'r', long = "ref-image", value_name = "FILE")]
     pub ref_image: Vec<PathBuf>,
 }
