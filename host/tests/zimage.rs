@@ -383,7 +383,7 @@ fn generate_writes_a_zimage_image_and_bad_parts_are_one_line() {
         ),
         (
             vec!["-m", s(&schnell), "--llm", s(&llm)],
-            "not a Z-Image transformer",
+            "neither a Z-Image nor a FLUX.2 transformer",
         ),
         (
             vec!["-m", s(&dit), "--llm", s(&t5), "--vae", s(&ae)],
