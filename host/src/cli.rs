@@ -996,6 +996,14 @@ pub struct ServeArgs {
     #[arg(long = "models-dir", value_name = "DIR")]
     pub models_dir: Option<PathBuf>,
 
+    /// Autoencoders to choose from (.safetensors or .gguf files holding a
+    /// decoder; A1111's `--vae-dir`): listed under `/sdapi/v1/sd-vae` and
+    /// picked by `sd_vae`; by default (`Automatic`) each model gets `--vae`
+    /// or the first of them that fits its latent channels, so one models
+    /// folder can mix families
+    #[arg(long = "vae-dir", value_name = "DIR")]
+    pub vae_dir: Option<PathBuf>,
+
     /// Address to listen on; anything but loopback needs --api-key
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,

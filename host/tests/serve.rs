@@ -2483,3 +2483,116 @@ fn png_bytes(w: u32, h: u32) -> Vec<u8> {
     wr.finish().unwrap();
     out
 }
+
+/// `--vae-dir`: one models folder with FLUX.1, Z-Image, FLUX.2 klein and
+/// SD checkpoints, their autoencoders in a VAE folder. `Automatic` gives
+/// each model the first that fits (the SD checkpoint keeps its own);
+/// `sd-vae` lists them by name; `sd_vae` picks one per request or for the
+/// server, and a name that is not there is a 422 naming the field.
+#[test]
+fn a_vae_folder_serves_every_family_of_a_models_folder() {
+    let prefix = Prefix::with_cpu();
+    let dir = prefix.dir("models");
+    for f in [
+        "tiny-sd1.safetensors",
+        "flux/tiny-flux-schnell.safetensors",
+        "zimage/tiny-zimage.safetensors",
+        "klein/tiny-klein.safetensors",
+    ] {
+        let name = std::path::Path::new(f).file_name().unwrap();
+        std::fs::copy(fixture(f), dir.join(name)).unwrap();
+    }
+    let vaes = prefix.dir("vae");
+    for f in [
+        "ae16/tiny-ae16.safetensors",
+        "klein/tiny-klein-ae.safetensors",
+    ] {
+        let name = std::path::Path::new(f).file_name().unwrap();
+        std::fs::copy(fixture(f), vaes.join(name)).unwrap();
+    }
+    // Not an autoencoder: left out of the list.
+    std::fs::copy(
+        fixture("tiny-sd1-lora-kohya.safetensors"),
+        vaes.join("lora.safetensors"),
+    )
+    .unwrap();
+    let srv = Server::start_in(
+        prefix,
+        &[
+            "--models-dir",
+            s(&dir),
+            "--vae-dir",
+            s(&vaes),
+            "--t5xxl",
+            s(&fixture("flux/tiny-t5.safetensors")),
+            "--clip-l",
+            s(&fixture("flux/tiny-clip-l.safetensors")),
+            "--llm",
+            s(&fixture("qwen3/tiny-qwen3-bf16.gguf")),
+        ],
+    );
+    let names: Vec<String> = srv
+        .get("/sdapi/v1/sd-vae")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["model_name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        ["tiny-ae16.safetensors", "tiny-klein-ae.safetensors"]
+    );
+    assert_eq!(srv.get("/sdapi/v1/options")["sd_vae"], json!("Automatic"));
+    let run = |model: &str, vae: Option<&str>| {
+        let mut o = json!({"sd_model_checkpoint": model});
+        if let Some(v) = vae {
+            o["sd_vae"] = json!(v);
+        }
+        srv.post(
+            "/sdapi/v1/txt2img",
+            json!({"prompt": "x", "steps": 1, "width": 64, "height": 64, "override_settings": o}),
+        )
+    };
+    for (model, family, vae) in [
+        ("tiny-sd1.safetensors", "sd1", None),
+        ("tiny-flux-schnell.safetensors", "flux", Some("tiny-ae16")),
+        ("tiny-zimage.safetensors", "zimage", Some("tiny-ae16")),
+        ("tiny-klein.safetensors", "flux2", Some("tiny-klein-ae")),
+    ] {
+        let r = run(model, None);
+        assert_eq!(r.status, 200, "{model}: {}", r.text());
+        let (_, _, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+        assert!(text.contains(&format!("Model family: {family}")), "{text}");
+        match vae {
+            Some(v) => assert!(text.contains(&format!("VAE: {v}")), "{text}"),
+            None => assert!(!text.contains("VAE: "), "{text}"),
+        }
+    }
+    // A per-request VAE that does not fit the model: a 4xx saying why.
+    let r = run("tiny-klein.safetensors", Some("tiny-ae16.safetensors"));
+    assert!((400..500).contains(&r.status), "{}", r.text());
+    assert!(r.text().contains("latent channels"), "{}", r.text());
+    assert!(!r.text().contains(s(&vaes)), "a server path: {}", r.text());
+    // One that is not in the folder: 422 naming the field.
+    let r = run("tiny-klein.safetensors", Some("lora.safetensors"));
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(
+        r.text().contains("override_settings.sd_vae"),
+        "{}",
+        r.text()
+    );
+    // The server's sd_vae.
+    let r = srv.post("/sdapi/v1/options", json!({"sd_vae": "nope"}));
+    assert_eq!(r.status, 422, "{}", r.text());
+    let r = srv.post(
+        "/sdapi/v1/options",
+        json!({"sd_vae": "tiny-klein-ae.safetensors"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sd_vae"],
+        json!("tiny-klein-ae.safetensors")
+    );
+    let r = run("tiny-klein.safetensors", None);
+    assert_eq!(r.status, 200, "{}", r.text());
+}

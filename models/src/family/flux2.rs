@@ -52,8 +52,6 @@ pub const LATENT: LatentNorm = LatentNorm::Identity;
 pub const TOKENS: usize = 512;
 /// The token that pads the prompt (Qwen's `<|endoftext|>`).
 const PAD: &str = "<|endoftext|>";
-/// The autoencoder's latent channels (32), as its decoder takes them.
-pub const AE_CHANNELS: u64 = 32;
 
 /// What klein runs with where a request does not say (the distilled
 /// model's).

@@ -601,7 +601,9 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
 
 /// Whether the VAE file `vae` fits `ckpt`'s family (its latent channels,
 /// read off the decoder's first convolution: 4 for the SD families, 16 for
-/// FLUX.1 and Z-Image, 32 for FLUX.2). `None` where either cannot be told.
+/// FLUX.1 and Z-Image; for FLUX.2 a quarter of the transformer's input
+/// features, 32, with the BatchNorm statistics of FLUX.2's autoencoder).
+/// `None` where either cannot be told.
 pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
     let channels = vae
         .tensors
@@ -611,7 +613,22 @@ pub fn vae_fits(ckpt: &Checkpoint, vae: &Checkpoint) -> Option<bool> {
     let want = match detect(ckpt).ok()? {
         Family::Sd1 | Family::Sd2 | Family::Sdxl => 4,
         Family::Flux | Family::ZImage => 16,
-        Family::Flux2 => flux2::AE_CHANNELS,
+        Family::Flux2 => {
+            let img_in = format!("{}img_in.weight", flux2::DIT_PREFIX);
+            let features = ckpt
+                .tensors
+                .iter()
+                .find(|t| t.name == img_in)
+                .and_then(|t| t.shape.get(1).copied())?;
+            if !vae
+                .tensors
+                .iter()
+                .any(|t| t.name.ends_with("bn.running_mean"))
+            {
+                return Some(false);
+            }
+            features / 4
+        }
     };
     Some(channels == want)
 }

@@ -70,6 +70,12 @@ pub struct AppState {
     /// `--lora-dir` and `--follow-symlinks`, for `/sdapi/v1/loras` (read
     /// at each call: a new file is listed without a refresh).
     pub lora_dir: Option<(Arc<std::path::PathBuf>, bool)>,
+    /// `--vae-dir` and `--follow-symlinks`, for `/sdapi/v1/sd-vae` and
+    /// `sd_vae` (read at each call).
+    pub vae_dir: Option<(Arc<std::path::PathBuf>, bool)>,
+    /// The server's `sd_vae` (`POST /sdapi/v1/options`), which the workers
+    /// read at each job.
+    pub vae_choice: Arc<Mutex<String>>,
 }
 
 impl AppState {
@@ -193,7 +199,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             "/sdapi/v1/latent-upscale-modes",
             get(|| async { Json(json!([])) }),
         )
-        .route("/sdapi/v1/sd-vae", get(|| async { Json(json!([])) }))
+        .route("/sdapi/v1/sd-vae", get(sd_vae))
         .route("/sdapi/v1/sd-modules", get(|| async { Json(json!([])) }))
         .route(
             "/sdapi/v1/embeddings",
@@ -833,7 +839,74 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         edit: false,
         model: None,
         keep_model: false,
+        vae: None,
     })
+}
+
+/// The autoencoders `sd_vae` may name: `--vae-dir`'s files, by name.
+async fn vae_names(st: &AppState) -> ApiResult<Vec<String>> {
+    Ok(match &st.vae_dir {
+        Some((dir, follow)) => {
+            let (dir, follow) = (dir.clone(), *follow);
+            blocking("internal", "listing --vae-dir", move || {
+                super::vae_files(Some(&dir), follow)
+            })
+            .await?
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect()
+        }
+        None => Vec::new(),
+    })
+}
+
+/// `/sdapi/v1/sd-vae`: the `--vae-dir` autoencoders (names only, no path
+/// of the server's disk).
+async fn sd_vae(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let names = vae_names(&st).await?;
+    Ok(Json(Value::Array(
+        names
+            .iter()
+            .map(|n| json!({"model_name": n, "filename": n}))
+            .collect(),
+    )))
+}
+
+/// An `sd_vae` value (`field` names where it came from): `Automatic`,
+/// `None`, or a `--vae-dir` file name; anything else is a 422 listing them.
+async fn vae_choice(st: &AppState, field: &str, v: &Value) -> ApiResult<String> {
+    let Value::String(name) = v else {
+        return Err(ApiError::field(field, "expected a string"));
+    };
+    if name == super::worker::VAE_AUTOMATIC || name == super::worker::VAE_NONE {
+        return Ok(name.clone());
+    }
+    let names = vae_names(st).await?;
+    if names.iter().any(|n| n == name) {
+        return Ok(name.clone());
+    }
+    let mut known = vec![
+        super::worker::VAE_AUTOMATIC.to_string(),
+        super::worker::VAE_NONE.to_string(),
+    ];
+    known.extend(names);
+    Err(ApiError::field(
+        field,
+        format!("unknown VAE {name:?} (known: {})", known.join(", ")),
+    ))
+}
+
+/// `override_settings.sd_vae`: the autoencoder a request runs with.
+async fn vae_override(st: &AppState, f: &Fields<'_>) -> ApiResult<Option<String>> {
+    let Some(Value::Object(o)) = f.get("override_settings") else {
+        return Ok(None);
+    };
+    match o.get("sd_vae") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => vae_choice(st, "override_settings.sd_vae", v)
+            .await
+            .map(Some),
+    }
 }
 
 /// `override_settings.sd_model_checkpoint`: the model a request runs on.
@@ -1185,6 +1258,7 @@ async fn txt2img(
     let f = Fields(&body);
     let mut work = gen_work(&f, "txt2img", 50)?;
     work.model = model_override(&st, &f)?;
+    work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     work.reference = reference_images(&f).await?;
     let echo = Echo::of(&work);
@@ -1204,6 +1278,7 @@ async fn img2img(
     let f = Fields(&body);
     let mut work = gen_work(&f, "img2img", 50)?;
     work.model = model_override(&st, &f)?;
+    work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     work.reference = reference_images(&f).await?;
     let first = match f.get("init_images") {
@@ -1322,6 +1397,7 @@ async fn get_options(State(st): State<AppState>) -> Json<Value> {
     Json(json!({
         "sd_model_checkpoint": cur.as_ref().map(|c| c.entry.title.clone()),
         "sd_checkpoint_hash": null,
+        "sd_vae": st.vae_choice.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         "CLIP_stop_at_last_layers": 1,
         "samples_format": "png",
         "sdhost_placement": st.placement(),
@@ -1342,6 +1418,12 @@ async fn set_options(
 ) -> ApiResult<Json<Value>> {
     let body = json_body(body)?;
     let f = Fields(&body);
+    // `sd_vae` takes effect at the next job (which reloads the model with
+    // it where it differs).
+    if let Some(v) = f.get("sd_vae") {
+        let choice = vae_choice(&st, "sd_vae", v).await?;
+        *st.vae_choice.lock().unwrap_or_else(|e| e.into_inner()) = choice;
+    }
     if let Some(name) = f.string("sd_model_checkpoint")? {
         let entry = find_model(&st, "sd_model_checkpoint", &name)?;
         let loaded = st.current().map(|c| c.entry);

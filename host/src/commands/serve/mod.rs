@@ -195,6 +195,54 @@ pub fn lora_names(dir: Option<&std::path::Path>, follow: bool) -> Vec<String> {
     v
 }
 
+/// The autoencoders of `--vae-dir` (sorted by file name): `.safetensors`
+/// and `.gguf` files inside the folder whose tensors hold a KL decoder or
+/// TAESD's (bare, `first_stage_model.` or `vae.`), with their paths. A
+/// file that cannot be read is left out with a log line.
+pub fn vae_files(dir: Option<&std::path::Path>, follow: bool) -> Vec<(String, std::path::PathBuf)> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    let mut v: Vec<(String, std::path::PathBuf)> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_file()
+                && crate::lora::inside_folder("--vae-dir", dir, p, follow).is_ok()
+                && p.extension().is_some_and(|e| {
+                    e.eq_ignore_ascii_case("safetensors") || e.eq_ignore_ascii_case("gguf")
+                })
+        })
+        .filter(|p| match sdhost_models::checkpoint::scan(p) {
+            Ok(c) => {
+                c.tensors.iter().any(|t| {
+                    ["", "first_stage_model.", "vae."].iter().any(|pre| {
+                        t.name.strip_prefix(pre).is_some_and(|n| {
+                            n.starts_with("decoder.conv_in.") || n.starts_with("decoder.layers.")
+                        })
+                    })
+                }) && !c
+                    .tensors
+                    .iter()
+                    .any(|t| t.name.starts_with("model.diffusion_model."))
+            }
+            Err(e) => {
+                tracing::info!(
+                    "--vae-dir: {} left out: {}",
+                    p.display(),
+                    crate::term::clean(&e.to_string())
+                );
+                false
+            }
+        })
+        .filter_map(|p| Some((p.file_name()?.to_string_lossy().into_owned(), p)))
+        .collect();
+    v.sort();
+    v
+}
+
 /// `--api-auth USER:PASS[,USER2:PASS2]`, as A1111's (a password holds no
 /// comma); blanks around each part dropped. The error never shows the
 /// value: it holds passwords.
@@ -290,6 +338,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         .set_nonblocking(true)
         .context("configuring the socket")?;
     let local = listener.local_addr().context("reading the bound address")?;
+    let vae_choice = Arc::new(Mutex::new(worker::VAE_AUTOMATIC.to_string()));
     let state = api::AppState {
         queue: queue.clone(),
         models: Arc::new(std::sync::RwLock::new(Arc::new(models))),
@@ -306,6 +355,11 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
             .lora_dir
             .clone()
             .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
+        vae_dir: args
+            .vae_dir
+            .clone()
+            .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
+        vae_choice: vae_choice.clone(),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
@@ -316,6 +370,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         for (i, (_, placement)) in replicas.iter().enumerate() {
             let (ready, queue, current) = (ready_tx.clone(), queue.clone(), current.clone());
+            let vae_choice = vae_choice.clone();
             let fits = fits.clone();
             let (abort, first, load_lock) = (aborts[i].clone(), &first, &load_lock);
             std::thread::Builder::new()
@@ -334,6 +389,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
                         queue,
                         current,
                         fits,
+                        vae_choice,
                     };
                     let started = worker.load_initial(first).map(|loaded| (worker, loaded));
                     match started {

@@ -123,6 +123,12 @@ pub struct HiresAsk {
     pub upscaler: crate::hires::Upscaler,
 }
 
+/// `sd_vae`: each model gets `--vae` or the first `--vae-dir` file that
+/// fits it (else its own).
+pub const VAE_AUTOMATIC: &str = "Automatic";
+/// `sd_vae`: the checkpoint's own autoencoder.
+pub const VAE_NONE: &str = "None";
+
 /// A generation.
 pub struct GenWork {
     /// `txt2img` or `img2img`.
@@ -168,6 +174,10 @@ pub struct GenWork {
     /// (`override_settings_restore_afterwards: false`); by default the
     /// current one stays, and comes back at the next job without one.
     pub keep_model: bool,
+    /// The autoencoder to run with (`override_settings.sd_vae`: a
+    /// `--vae-dir` file name, [`VAE_AUTOMATIC`] or [`VAE_NONE`]), else the
+    /// server's `sd_vae`.
+    pub vae: Option<String>,
 }
 
 /// A job for the worker.
@@ -259,8 +269,11 @@ pub struct Loaded<'m> {
     flash: String,
     loras: Vec<LoraSpec>,
     upscaler: Option<Upscaler<'m>>,
-    /// Whether `--vae` replaced the model's VAE (the PNGs record it).
-    own_vae: bool,
+    /// The autoencoder file that replaced the model's VAE (the PNGs
+    /// record it; not `--taesd`'s).
+    vae_path: Option<std::path::PathBuf>,
+    /// The `sd_vae` it was loaded under.
+    vae_choice: String,
 }
 
 /// A replica worker's fixed settings.
@@ -284,6 +297,8 @@ pub struct Worker<'a, 'm> {
     /// Each replica's fitted placement, by replica index (this one's is
     /// set at each load).
     pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
+    /// The server's `sd_vae` (`POST /sdapi/v1/options`).
+    pub vae_choice: Arc<Mutex<String>>,
 }
 
 impl<'m> Worker<'_, 'm> {
@@ -294,28 +309,15 @@ impl<'m> Worker<'_, 'm> {
         entry: &ModelEntry,
         loras: &[LoraSpec],
         select: bool,
+        vae_choice: &str,
     ) -> anyhow::Result<Loaded<'m>> {
         let a = &self.args.load;
         let ckpt = a.components.open_if_parts(&entry.path)?;
-        let mut vae = a
-            .vae_file()
-            .map(sdhost_models::checkpoint::scan)
-            .transpose()?;
-        // A models folder may mix families: `--vae` goes to the models it
-        // fits; one with its own VAE keeps it where `--vae` does not fit
-        // (FLUX's 16-channel autoencoder beside SD checkpoints).
-        if let Some(v) = &vae {
-            let own = sdhost_models::family::detect(&ckpt).is_ok_and(|f| f.config().is_some());
-            if own && sdhost_models::family::vae_fits(&ckpt, v) == Some(false) {
-                tracing::info!(
-                    "{}: --vae {} does not fit it; it keeps its own VAE",
-                    entry.title,
-                    crate::term::clean(&v.path.display().to_string())
-                );
-                vae = None;
-            }
-        }
-        let own_vae = vae.is_none();
+        let vae = self.pick_vae(&ckpt, entry, vae_choice)?;
+        let vae_path = vae
+            .as_ref()
+            .map(|c| c.path.clone())
+            .filter(|p| Some(p.as_path()) != a.taesd.as_deref());
         let spec = a.spec(&ckpt, vae.as_ref(), loras, self.args.lora.apply, true)?;
         let _loading = self.load_lock.lock().unwrap_or_else(|e| e.into_inner());
         // Memory budgets (--max-memory, …), measured at the family's size,
@@ -372,12 +374,109 @@ impl<'m> Worker<'_, 'm> {
             flash,
             loras: loras.to_vec(),
             upscaler,
-            own_vae,
+            vae_path,
+            vae_choice: vae_choice.to_string(),
         };
         if select {
             self.select(&l);
         }
         Ok(l)
+    }
+
+    /// The autoencoder `ckpt` runs with under `sd_vae` = `choice` (`None`:
+    /// its own). Automatic: `--vae` (or `--taesd`), then the `--vae-dir`
+    /// files, the first that fits the model's latent channels; a model
+    /// with its own VAE keeps it where none fits, one without gets the
+    /// first candidate (whose load then says why it does not fit). A
+    /// folder may so mix families (FLUX.1's 16-channel autoencoder, FLUX.2's
+    /// 32-channel one, SD checkpoints with their own).
+    fn pick_vae(
+        &self,
+        ckpt: &sdhost_models::checkpoint::Checkpoint,
+        entry: &ModelEntry,
+        choice: &str,
+    ) -> anyhow::Result<Option<sdhost_models::checkpoint::Checkpoint>> {
+        let scan = sdhost_models::checkpoint::scan;
+        let dir = super::vae_files(self.args.vae_dir.as_deref(), self.args.lora.follow_symlinks);
+        match choice {
+            VAE_NONE => return Ok(None),
+            VAE_AUTOMATIC => {}
+            name => {
+                let (_, path) = dir
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .ok_or_else(|| anyhow::anyhow!("sd_vae: no {name:?} in --vae-dir"))?;
+                return Ok(Some(scan(path)?));
+            }
+        }
+        let mut candidates = Vec::new();
+        if let Some(v) = self.args.load.vae_file() {
+            candidates.push(scan(v)?);
+        }
+        for (_, path) in &dir {
+            candidates.push(scan(path)?);
+        }
+        let fits = |v: &sdhost_models::checkpoint::Checkpoint| {
+            sdhost_models::family::vae_fits(ckpt, v) != Some(false)
+        };
+        if let Some(i) = candidates.iter().position(fits) {
+            return Ok(Some(candidates.swap_remove(i)));
+        }
+        let own = sdhost_models::family::detect(ckpt).is_ok_and(|f| f.config().is_some());
+        if own {
+            if let Some(v) = candidates.first() {
+                tracing::info!(
+                    "{}: {} does not fit it; it keeps its own VAE",
+                    entry.title,
+                    crate::term::clean(&v.path.display().to_string())
+                );
+            }
+            return Ok(None);
+        }
+        Ok(candidates.into_iter().next())
+    }
+
+    /// `msg` with the folders of serve's files cut from their paths (a
+    /// client sees file names, never where they are on the server's disk).
+    fn without_folders(&self, msg: &str) -> String {
+        let (a, l) = (&self.args.load, &self.args.load.components);
+        let mut dirs: Vec<std::path::PathBuf> = [&self.args.models_dir, &self.args.vae_dir]
+            .into_iter()
+            .flatten()
+            .cloned()
+            .collect();
+        for f in [
+            &self.args.model,
+            &a.vae,
+            &a.taesd,
+            &l.t5xxl,
+            &l.clip_l,
+            &l.llm,
+        ]
+        .into_iter()
+        .flatten()
+        {
+            if let Some(d) = f.parent() {
+                dirs.push(d.to_path_buf());
+            }
+        }
+        let mut out = msg.to_string();
+        for d in dirs {
+            let path = d.display().to_string();
+            let shown = crate::term::clean(&path);
+            if !shown.is_empty() {
+                out = out.replace(&format!("{shown}/"), "");
+            }
+        }
+        out
+    }
+
+    /// The server's `sd_vae`.
+    fn server_vae(&self) -> String {
+        self.vae_choice
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Makes the model `l` holds the server's current one.
@@ -394,7 +493,7 @@ impl<'m> Worker<'_, 'm> {
 
     /// Loads the first model (LoRAs: `--lora` only).
     pub fn load_initial(&self, entry: &ModelEntry) -> anyhow::Result<Loaded<'m>> {
-        self.load(entry, &self.args.lora.loras, true)
+        self.load(entry, &self.args.lora.loras, true, &self.server_vae())
     }
 
     /// Makes `loaded` hold `entry` with `loras` (reloading where either
@@ -406,17 +505,18 @@ impl<'m> Worker<'_, 'm> {
         entry: &ModelEntry,
         loras: &[LoraSpec],
         select: bool,
+        vae: &str,
     ) -> Result<(), JobError> {
         if let Some(l) = loaded {
-            if l.entry == *entry && l.loras == loras {
+            if l.entry == *entry && l.loras == loras && l.vae_choice == vae {
                 if select {
                     self.select(l);
                 }
                 return Ok(());
             }
         }
-        let previous = loaded.take().map(|l| (l.entry, l.loras));
-        match self.load(entry, loras, select) {
+        let previous = loaded.take().map(|l| (l.entry, l.loras, l.vae_choice));
+        match self.load(entry, loras, select, vae) {
             Ok(l) => {
                 *loaded = Some(l);
                 Ok(())
@@ -424,8 +524,9 @@ impl<'m> Worker<'_, 'm> {
             Err(e) => {
                 let msg = crate::term::error_line(&e);
                 tracing::warn!("cannot load {}: {msg}", entry.path.display());
-                if let Some((pe, pl)) = previous {
-                    match self.load(&pe, &pl, false) {
+                let msg = self.without_folders(&msg);
+                if let Some((pe, pl, pv)) = previous {
+                    match self.load(&pe, &pl, false, &pv) {
                         Ok(l) => *loaded = Some(l),
                         Err(e2) => {
                             *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -450,7 +551,7 @@ impl<'m> Worker<'_, 'm> {
             let result = match job.work {
                 Work::Load(entry) => {
                     let loras = self.args.lora.loras.clone();
-                    self.ensure(loaded, &entry, &loras, true)
+                    self.ensure(loaded, &entry, &loras, true, &self.server_vae())
                         .map(|()| Output::Loaded(entry))
                 }
                 Work::Generate(g) => self.generate(loaded, &g, &cancel).map(Output::Images),
@@ -492,7 +593,8 @@ impl<'m> Worker<'_, 'm> {
         // A per-request model runs this job; the current one stays the
         // server's (A1111's `override_settings_restore_afterwards`).
         let select = g.model.is_none() || g.keep_model;
-        self.ensure(loaded, &entry, &loras.specs, select)?;
+        let vae = g.vae.clone().unwrap_or_else(|| self.server_vae());
+        self.ensure(loaded, &entry, &loras.specs, select, &vae)?;
         let l = loaded.as_mut().expect("ensure loaded it");
         let m = l.sd.size_multiple();
         let default = l.sd.default_size();
@@ -643,7 +745,7 @@ impl<'m> Worker<'_, 'm> {
                 prompt: &g.prompt,
                 negative: &g.negative,
                 model: &entry.path,
-                vae: self.args.load.vae.as_deref().filter(|_| !l.own_vae),
+                vae: l.vae_path.as_deref(),
                 tiling,
                 init: g_init.map(|_| Path::new("init_images[0]")),
                 mask: mask_name,
