@@ -494,23 +494,27 @@ impl ComponentArgs {
             t5xxl: t5xxl.as_ref(),
             clip_l: clip_l.as_ref(),
         };
-        if flux2::is_transformer(&model) {
+        // The Qwen3 families: FLUX.2 first (its block names are FLUX.1's).
+        type Assemble = fn(
+            &sdhost_models::checkpoint::Checkpoint,
+            Option<&sdhost_models::checkpoint::Checkpoint>,
+        )
+            -> sdhost_models::error::Result<sdhost_models::checkpoint::Checkpoint>;
+        let qwen: Option<(&str, Assemble)> = if flux2::is_transformer(&model) {
+            Some(("FLUX.2", flux2::assemble))
+        } else if zimage::is_transformer(&model) {
+            Some(("Z-Image", zimage::assemble))
+        } else {
+            None
+        };
+        if let Some((name, assemble)) = qwen {
             if parts.any() {
                 anyhow::bail!(
-                    "{}: a FLUX.2 transformer; --t5xxl and --clip-l go with FLUX.1, FLUX.2 takes its text encoder with --llm FILE",
+                    "{}: a {name} transformer; --t5xxl and --clip-l go with FLUX.1, {name} takes its text encoder with --llm FILE",
                     file.display()
                 );
             }
-            return Ok(flux2::assemble(&model, llm.as_ref())?);
-        }
-        if zimage::is_transformer(&model) {
-            if parts.any() {
-                anyhow::bail!(
-                    "{}: a Z-Image transformer; --t5xxl and --clip-l go with FLUX.1, Z-Image takes its text encoder with --llm FILE",
-                    file.display()
-                );
-            }
-            return Ok(zimage::assemble(&model, llm.as_ref())?);
+            return Ok(assemble(&model, llm.as_ref())?);
         }
         if llm.is_some() {
             anyhow::bail!(

@@ -201,29 +201,7 @@ pub fn assemble(model: &Checkpoint, llm: Option<&Checkpoint>) -> Result<Checkpoi
             t.name = format!("{DIT_PREFIX}{}", t.name);
         }
     }
-    let Some(llm) = llm else {
-        return Ok(base);
-    };
-    let encoder = qwen3::encoder_tensors(llm).ok_or_else(|| {
-        ModelError::Unsupported(format!(
-            "{}: not a Qwen3 text encoder (no model.layers.N.self_attn.q_norm or blk.N.attn_q_norm tensors)",
-            llm.path.display()
-        ))
-    })?;
-    base.tensors.retain(|t| !t.name.starts_with(LLM_MODULE));
-    Ok(Checkpoint::assemble(&[
-        ("", "", &base),
-        (LLM_MODULE, "", &encoder),
-    ]))
-}
-
-/// The tokenizer of the text encoder's own file where it is a GGUF that
-/// carries a vocabulary, else the shipped one.
-fn tokenizer(ckpt: &Checkpoint) -> Result<QwenTokenizer> {
-    match super::gguf_vocabulary(ckpt, LLM_MODULE)? {
-        Some((v, file)) => QwenTokenizer::from_vocabulary(&v).map_err(|e| e.context(file)),
-        None => QwenTokenizer::new(),
-    }
+    super::with_qwen3(base, llm)
 }
 
 /// Where LoRAs find klein's weights: the transformer under
@@ -360,7 +338,7 @@ impl<'b> Flux2Model<'b> {
         }
         qwen3::validate(&te, &qwen).map_err(|e| e.context(&file))?;
         dit::validate(&dit, &cfg).map_err(|e| e.context(&file))?;
-        let tokenizer = tokenizer(ckpt)?;
+        let tokenizer = super::qwen_tokenizer(ckpt)?;
         let pad = tokenizer.id(PAD).ok_or_else(|| {
             ModelError::Unsupported(format!("{file}: the Qwen3 vocabulary has no {PAD}"))
         })?;

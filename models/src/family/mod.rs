@@ -194,6 +194,40 @@ fn gguf_vocabulary(
     }
 }
 
+/// `base` with the Qwen3 text encoder of `llm` (`--llm`: transformers' or
+/// llama.cpp's names) under [`zimage::LLM_MODULE`], in place of any it
+/// held; `base` alone without one. The error names a file that is no
+/// Qwen3.
+fn with_qwen3(base: Checkpoint, llm: Option<&Checkpoint>) -> Result<Checkpoint, ModelError> {
+    let Some(llm) = llm else {
+        return Ok(base);
+    };
+    let encoder = crate::encoders::qwen3::encoder_tensors(llm).ok_or_else(|| {
+        ModelError::Unsupported(format!(
+            "{}: not a Qwen3 text encoder (no model.layers.N.self_attn.q_norm or blk.N.attn_q_norm tensors)",
+            llm.path.display()
+        ))
+    })?;
+    let mut base = base;
+    base.tensors
+        .retain(|t| !t.name.starts_with(zimage::LLM_MODULE));
+    Ok(Checkpoint::assemble(&[
+        ("", "", &base),
+        (zimage::LLM_MODULE, "", &encoder),
+    ]))
+}
+
+/// The Qwen tokenizer of the text encoder under [`zimage::LLM_MODULE`]:
+/// its own file's vocabulary where that is a GGUF carrying one, else the
+/// shipped one.
+fn qwen_tokenizer(ckpt: &Checkpoint) -> Result<crate::tokenizers::qwen::QwenTokenizer, ModelError> {
+    use crate::tokenizers::qwen::QwenTokenizer;
+    match gguf_vocabulary(ckpt, zimage::LLM_MODULE)? {
+        Some((v, file)) => QwenTokenizer::from_vocabulary(&v).map_err(|e| e.context(file)),
+        None => QwenTokenizer::new(),
+    }
+}
+
 /// The memory of a recipe's two modules: its text encoders' phase and its
 /// denoiser's.
 fn encoders_and_denoiser(

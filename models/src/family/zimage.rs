@@ -97,29 +97,7 @@ pub fn assemble(model: &Checkpoint, llm: Option<&Checkpoint>) -> Result<Checkpoi
             t.name = format!("{DIT_PREFIX}{}", t.name);
         }
     }
-    let Some(llm) = llm else {
-        return Ok(base);
-    };
-    let encoder = qwen3::encoder_tensors(llm).ok_or_else(|| {
-        ModelError::Unsupported(format!(
-            "{}: not a Qwen3 text encoder (no model.layers.N.self_attn.q_norm or blk.N.attn_q_norm tensors)",
-            llm.path.display()
-        ))
-    })?;
-    base.tensors.retain(|t| !t.name.starts_with(LLM_MODULE));
-    Ok(Checkpoint::assemble(&[
-        ("", "", &base),
-        (LLM_MODULE, "", &encoder),
-    ]))
-}
-
-/// The tokenizer of the text encoder's own file where it is a GGUF that
-/// carries a vocabulary, else the shipped one.
-fn tokenizer(ckpt: &Checkpoint) -> Result<QwenTokenizer> {
-    match super::gguf_vocabulary(ckpt, LLM_MODULE)? {
-        Some((v, file)) => QwenTokenizer::from_vocabulary(&v).map_err(|e| e.context(file)),
-        None => QwenTokenizer::new(),
-    }
+    super::with_qwen3(base, llm)
 }
 
 /// Where LoRAs find Z-Image's weights: the transformer under
@@ -219,7 +197,7 @@ impl<'b> ZImageModel<'b> {
             dit,
             qwen,
             cfg,
-            tokenizer: tokenizer(ckpt)?,
+            tokenizer: super::qwen_tokenizer(ckpt)?,
         })
     }
 
