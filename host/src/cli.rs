@@ -392,7 +392,8 @@ pub struct LoadArgs {
     #[arg(long = "vae-tiling")]
     pub vae_tiling: bool,
 
-    /// Tile side for --vae-tiling, in latent cells (8 pixels each)
+    /// Tile side for --vae-tiling, in latent cells (8 pixels each; 16 for
+    /// FLUX.2)
     #[arg(long = "vae-tile-size", value_name = "CELLS", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub vae_tile_size: u32,
 

@@ -346,6 +346,21 @@ fn generate_writes_a_klein_image_and_bad_parts_are_one_line() {
     generate(&p, &edited, &a).ok();
     assert_ne!(pixels(&out), pixels(&edited));
 
+    // img2img, inpainting and a tiled decode run through the generic
+    // paths (64×64: init-64.png's size).
+    let mask = fixture("mask-64.png");
+    for (name, extra) in [
+        ("i2i", vec!["-i", s(&init), "--strength", "0.5"]),
+        ("inpaint", vec!["-i", s(&init), "--mask", s(&mask)]),
+        ("tiled", vec!["--vae-tiling", "--vae-tile-size", "2", "--vae-tile-overlap", "1"]),
+    ] {
+        let o = p.dir(name).join("k.png");
+        let mut a = vec!["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae), "--steps", "2"];
+        a.extend_from_slice(&extra);
+        generate(&p, &o, &a).ok();
+        assert_eq!(png_info(&o).0, 64, "{name}");
+    }
+
     // A prompt past 512 tokens is cut, with a warning.
     let long = p.dir("long").join("k.png");
     let prompt = "a cat ".repeat(400);
