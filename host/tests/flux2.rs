@@ -352,10 +352,32 @@ fn generate_writes_a_klein_image_and_bad_parts_are_one_line() {
     for (name, extra) in [
         ("i2i", vec!["-i", s(&init), "--strength", "0.5"]),
         ("inpaint", vec!["-i", s(&init), "--mask", s(&mask)]),
-        ("tiled", vec!["--vae-tiling", "--vae-tile-size", "2", "--vae-tile-overlap", "1"]),
+        (
+            "tiled",
+            vec![
+                "--vae-tiling",
+                "--vae-tile-size",
+                "2",
+                "--vae-tile-overlap",
+                "1",
+                "-W",
+                "64",
+                "-H",
+                "64",
+            ],
+        ),
     ] {
         let o = p.dir(name).join("k.png");
-        let mut a = vec!["-m", s(&dit), "--llm", s(&llm), "--vae", s(&ae), "--steps", "2"];
+        let mut a = vec![
+            "-m",
+            s(&dit),
+            "--llm",
+            s(&llm),
+            "--vae",
+            s(&ae),
+            "--steps",
+            "2",
+        ];
         a.extend_from_slice(&extra);
         generate(&p, &o, &a).ok();
         assert_eq!(png_info(&o).0, 64, "{name}");
