@@ -2595,4 +2595,19 @@ fn a_vae_folder_serves_every_family_of_a_models_folder() {
     );
     let r = run("tiny-klein.safetensors", None);
     assert_eq!(r.status, 200, "{}", r.text());
+    // A --vae-dir that is not a folder: one line, exit 1, before serving.
+    let r = Prefix::with_cpu().run(&[
+        "serve",
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--vae-dir",
+        "/no/such/folder",
+    ]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("--vae-dir /no/such/folder: not a folder"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
 }

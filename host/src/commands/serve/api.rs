@@ -849,7 +849,7 @@ async fn vae_names(st: &AppState) -> ApiResult<Vec<String>> {
         Some((dir, follow)) => {
             let (dir, follow) = (dir.clone(), *follow);
             blocking("internal", "listing --vae-dir", move || {
-                super::vae_files(Some(&dir), follow)
+                super::folders::vae_files(Some(&dir), follow)
             })
             .await?
             .into_iter()
@@ -1553,7 +1553,7 @@ async fn loras(State(st): State<AppState>) -> ApiResult<Json<Value>> {
         Some((dir, follow)) => {
             let (dir, follow) = (dir.clone(), *follow);
             blocking("internal", "listing --lora-dir", move || {
-                super::lora_names(Some(&dir), follow)
+                super::folders::lora_names(Some(&dir), follow)
             })
             .await?
         }

@@ -397,7 +397,8 @@ impl<'m> Worker<'_, 'm> {
         choice: &str,
     ) -> anyhow::Result<Option<sdhost_models::checkpoint::Checkpoint>> {
         let scan = sdhost_models::checkpoint::scan;
-        let dir = super::vae_files(self.args.vae_dir.as_deref(), self.args.lora.follow_symlinks);
+        let dir =
+            super::folders::vae_files(self.args.vae_dir.as_deref(), self.args.lora.follow_symlinks);
         match choice {
             VAE_NONE => return Ok(None),
             VAE_AUTOMATIC => {}

@@ -1,0 +1,78 @@
+//! The folders serve lists for clients: `--lora-dir`'s LoRAs and
+//! `--vae-dir`'s autoencoders, read at each call (a new file is listed
+//! without a refresh), names only to clients.
+
+/// The files of `dir` (named by `flag`) whose extension is one of `exts`
+/// (any case), sorted; links out of the folder left out unless `follow`.
+fn folder_files(
+    dir: &std::path::Path,
+    flag: &str,
+    follow: bool,
+    exts: &[&str],
+) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_file()
+                && crate::lora::inside_folder(flag, dir, p, follow).is_ok()
+                && p.extension()
+                    .is_some_and(|e| exts.iter().any(|x| e.eq_ignore_ascii_case(x)))
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// The `.safetensors` LoRAs of `--lora-dir`, by file stem, sorted (links
+/// out of the folder left out unless `--follow-symlinks`).
+pub fn lora_names(dir: Option<&std::path::Path>, follow: bool) -> Vec<String> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    folder_files(dir, "--lora-dir", follow, &["safetensors"])
+        .into_iter()
+        .filter_map(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .collect()
+}
+
+/// The autoencoders of `--vae-dir` (sorted by file name): `.safetensors`
+/// and `.gguf` files inside the folder whose tensors hold a KL decoder or
+/// TAESD's (bare, `first_stage_model.` or `vae.`) and no diffusion model,
+/// with their paths. A file that cannot be read is left out with a log
+/// line.
+pub fn vae_files(dir: Option<&std::path::Path>, follow: bool) -> Vec<(String, std::path::PathBuf)> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    let decoder = |n: &str| {
+        ["", "first_stage_model.", "vae."].iter().any(|pre| {
+            n.strip_prefix(pre).is_some_and(|n| {
+                n.starts_with("decoder.conv_in.") || n.starts_with("decoder.layers.")
+            })
+        })
+    };
+    folder_files(dir, "--vae-dir", follow, &["safetensors", "gguf"])
+        .into_iter()
+        .filter(|p| match sdhost_models::checkpoint::scan(p) {
+            Ok(c) => {
+                c.tensors.iter().any(|t| decoder(&t.name))
+                    && !c
+                        .tensors
+                        .iter()
+                        .any(|t| t.name.starts_with("model.diffusion_model."))
+            }
+            Err(e) => {
+                tracing::info!(
+                    "--vae-dir: {} left out: {}",
+                    p.display(),
+                    crate::term::clean(&e.to_string())
+                );
+                false
+            }
+        })
+        .filter_map(|p| Some((p.file_name()?.to_string_lossy().into_owned(), p)))
+        .collect()
+}
