@@ -15,9 +15,9 @@ use sdhost_models::denoisers::flux::{self, FluxConfig, FluxInput};
 use sdhost_models::family::{flux2, Family};
 use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::pipeline::Pipeline;
-use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
+use sdhost_models::request::Request;
 use sdhost_models::runtime::graph::W;
-use sdhost_models::sampling::{Sampler, Scheduler};
+use sdhost_models::sampling::Scheduler;
 use sdhost_models::ModuleKind;
 
 fn refs() -> std::collections::HashMap<String, Vec<f32>> {
@@ -189,34 +189,9 @@ fn with_loras(
     let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
     let ckpt = flux2::assemble(&dit, Some(&llm)).unwrap();
     let vae = checkpoint::scan(&fixture("klein/tiny-klein-ae.safetensors")).unwrap();
-    let matrix_types = match wide {
-        true => MatrixTypes(
-            [ModuleKind::Te, ModuleKind::Diffusion]
-                .into_iter()
-                .map(|k| (k, ggml::Type::F32))
-                .collect(),
-        ),
-        false => MatrixTypes::default(),
-    };
-    let opts = LoadOptions {
-        vae: Some(&vae),
-        vae_encoder: true,
-        matrix_types,
-        loras,
-        lora_apply: apply,
-        ..LoadOptions::default()
-    };
-    with_devices(device, |d| {
-        let layout = Layout {
-            devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
-                .into_iter()
-                .map(|k| (k, d))
-                .collect(),
-            spread: Default::default(),
-        };
-        let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    with_parts_pipeline(&ckpt, &vae, device, wide, loras, apply, |sd| {
         assert_eq!(sd.family(), Family::Flux2);
-        f(&mut sd)
+        f(sd)
     })
 }
 
@@ -233,19 +208,9 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 false => Vec::new(),
             };
             let req = Request {
-                prompt: p["prompt"].as_str().unwrap().into(),
-                negative: String::new(),
-                steps,
                 cfg_scale: p["cfg_scale"].as_f64().unwrap() as f32,
-                guidance: 0.0,
-                width: 64,
-                height: 64,
-                seed: 0,
-                sampler: Sampler::Euler,
-                scheduler: Scheduler::Simple,
-                clip_skip: 1,
-                init: None,
                 reference,
+                ..euler_request(p["prompt"].as_str().unwrap(), steps)
             };
             let sampling = sd.model().sampling(4, 4, steps);
             let sigmas: Vec<f32> = Scheduler::Simple

@@ -14,10 +14,10 @@ use sdhost_models::denoisers::zimage::{self, ZImageConfig, ZImageInput};
 use sdhost_models::family::Family;
 use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::pipeline::Pipeline;
-use sdhost_models::request::{Layout, LoadOptions, MatrixTypes, Request};
+use sdhost_models::request::Request;
 use sdhost_models::runtime::graph::W;
 use sdhost_models::runtime::module::Module;
-use sdhost_models::sampling::{Sampler, Scheduler};
+use sdhost_models::sampling::Scheduler;
 use sdhost_models::ModuleKind;
 
 /// Runs `f` on the transformer of `ckpt` (names under `prefix`) on `device`.
@@ -145,55 +145,10 @@ fn with_loras(
     let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
     let ckpt = sdhost_models::family::zimage::assemble(&dit, Some(&llm)).unwrap();
     let vae = checkpoint::scan(&fixture("ae16/tiny-ae16.safetensors")).unwrap();
-    let matrix_types = match wide {
-        true => MatrixTypes(
-            [ModuleKind::Te, ModuleKind::Diffusion]
-                .into_iter()
-                .map(|k| (k, ggml::Type::F32))
-                .collect(),
-        ),
-        false => MatrixTypes::default(),
-    };
-    let opts = LoadOptions {
-        vae: Some(&vae),
-        vae_encoder: true,
-        matrix_types,
-        loras,
-        lora_apply: apply,
-        ..LoadOptions::default()
-    };
-    with_devices(device, |d| {
-        let layout = Layout {
-            devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
-                .into_iter()
-                .map(|k| (k, d))
-                .collect(),
-            spread: Default::default(),
-        };
-        let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+    with_parts_pipeline(&ckpt, &vae, device, wide, loras, apply, |sd| {
         assert_eq!(sd.family(), Family::ZImage);
-        f(&mut sd)
+        f(sd)
     })
-}
-
-/// A 64×64 request for `prompt`: Euler on the simple schedule, `steps`
-/// steps, CFG 1, seed 0.
-fn request(prompt: &str, steps: usize) -> Request {
-    Request {
-        prompt: prompt.into(),
-        negative: String::new(),
-        steps,
-        cfg_scale: 1.0,
-        guidance: 0.0,
-        width: 64,
-        height: 64,
-        seed: 0,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Simple,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
-    }
 }
 
 /// `tol` for the latent, `image_tol` for the image (the autoencoder's
@@ -209,7 +164,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
             let req = Request {
                 negative: p["negative"].as_str().unwrap().into(),
                 cfg_scale: p["cfg_scale"].as_f64().unwrap() as f32,
-                ..request(
+                ..euler_request(
                     p["prompt"].as_str().unwrap(),
                     p["steps"].as_u64().unwrap() as usize,
                 )
@@ -256,7 +211,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 mask: None,
                 latent: None,
             }),
-            ..request(i2i["prompt"].as_str().unwrap(), 4)
+            ..euler_request(i2i["prompt"].as_str().unwrap(), 4)
         };
         let noise = r["img2img.noise"].clone();
         let mut calls = 0;

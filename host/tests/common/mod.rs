@@ -586,3 +586,69 @@ pub fn sd_model<'a, 'b>(
 ) -> &'a mut sdhost_models::family::sd::SdModel<'b> {
     p.model_mut().sd().expect("an SD-family model")
 }
+
+/// Loads `ckpt`, a recipe of a text encoder and a denoiser (Z-Image,
+/// FLUX.2 klein), with the autoencoder `vae` (its encoder too), every
+/// module on `device`, the text encoder's and denoiser's matrices as
+/// stored or widened to f32 (`wide`: checks the arithmetic apart from
+/// ggml's bf16 products), with `loras` applied as `apply` says; runs `f`.
+pub fn with_parts_pipeline<R>(
+    ckpt: &sdhost_models::checkpoint::Checkpoint,
+    vae: &sdhost_models::checkpoint::Checkpoint,
+    device: &str,
+    wide: bool,
+    loras: &[sdhost_models::lora::LoraSpec],
+    apply: sdhost_models::lora::LoraApply,
+    f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>) -> R,
+) -> R {
+    use sdhost_models::request::{Layout, LoadOptions, MatrixTypes};
+    use sdhost_models::ModuleKind;
+    let matrix_types = match wide {
+        true => MatrixTypes(
+            [ModuleKind::Te, ModuleKind::Diffusion]
+                .into_iter()
+                .map(|k| (k, ggml::Type::F32))
+                .collect(),
+        ),
+        false => MatrixTypes::default(),
+    };
+    let opts = LoadOptions {
+        vae: Some(vae),
+        vae_encoder: true,
+        matrix_types,
+        loras,
+        lora_apply: apply,
+        ..LoadOptions::default()
+    };
+    with_devices(device, |d| {
+        let layout = Layout {
+            devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
+                .into_iter()
+                .map(|k| (k, d))
+                .collect(),
+            spread: Default::default(),
+        };
+        let mut sd = sdhost_models::pipeline::Pipeline::load(ckpt, layout, opts).unwrap();
+        f(&mut sd)
+    })
+}
+
+/// A 64×64 request for `prompt`: Euler on the simple schedule, `steps`
+/// steps, CFG 1, no guidance, seed 0.
+pub fn euler_request(prompt: &str, steps: usize) -> sdhost_models::request::Request {
+    sdhost_models::request::Request {
+        prompt: prompt.into(),
+        negative: String::new(),
+        steps,
+        cfg_scale: 1.0,
+        guidance: 0.0,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: sdhost_models::sampling::Sampler::Euler,
+        scheduler: sdhost_models::sampling::Scheduler::Simple,
+        clip_skip: 1,
+        init: None,
+        reference: Vec::new(),
+    }
+}
