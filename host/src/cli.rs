@@ -137,6 +137,12 @@ pub struct BenchArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub runs: Option<u32>,
 
+    /// Measure the first run too instead of warming up with it, for models
+    /// where one run takes many minutes (its figures then include what a
+    /// first run costs, for sdhost and every peer alike)
+    #[arg(long = "no-warm-up", conflicts_with = "startup")]
+    pub no_warm_up: bool,
+
     /// Also run other programs with the same settings and print ratios (peer ÷ sdhost):
     /// `sdcpp` (stable-diffusion.cpp: the `sdhost-peer-sdcpp` binary from bench/peer-sdcpp
     /// next to sdhost, or a path to it), `diffusers` (bench/diffusers_peer.py, f32 and

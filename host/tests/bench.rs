@@ -349,3 +349,30 @@ fn real_diffusers_peer_on_the_tiny_model() {
     let sys = j["peers"][1]["system"].as_str().unwrap();
     assert!(sys.contains("bf16") && sys.contains("2 threads"), "{sys}");
 }
+
+/// `--no-warm-up` measures the first run (sdhost's end to end is then its
+/// first run) and asks every peer to do the same.
+#[test]
+fn no_warm_up_measures_the_first_run_and_tells_the_peers() {
+    let body = r#"echo "$@" > "$FAKE_DIR/args"
+cat >/dev/null
+echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 20.0, "runs": [{"total_s": 20.0, "te_s": 1.0, "sampling_s": 8.0, "vae_s": 10.0, "unet_calls": 2}], "peak_host_bytes": null}'"#;
+    let (p, j) = with_fake(body, &["--no-warm-up"]);
+    assert_eq!(j["warm_up"], false, "{j}");
+    let end_to_end = j["stages"]["end to end"]["sdhost_s"]["median"]
+        .as_f64()
+        .unwrap();
+    assert_eq!(j["first_run_s"].as_f64(), Some(end_to_end), "{j}");
+    let args = std::fs::read_to_string(p.root().join("args")).unwrap();
+    assert!(args.contains("--runs 1 --no-warm-up"), "{args}");
+
+    // Without it: a warm-up first, and the peers are not told otherwise.
+    let (p, j) = with_fake(body, &[]);
+    assert_eq!(j["warm_up"], true, "{j}");
+    let args = std::fs::read_to_string(p.root().join("args")).unwrap();
+    assert!(!args.contains("warm"), "{args}");
+
+    // It is a flag of the model benchmark only.
+    let r = Prefix::with_cpu().run(&["bench", "--startup", "--no-warm-up"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+}

@@ -82,6 +82,9 @@ struct Args {
     /// Measured runs after one warm-up
     #[arg(long, default_value_t = 3)]
     runs: u32,
+    /// Measure the first run too instead of warming up with it
+    #[arg(long = "no-warm-up")]
+    no_warm_up: bool,
 }
 
 #[derive(Serialize, Default, Debug)]
@@ -231,7 +234,8 @@ fn run(a: &Args) -> Result<Report, String> {
         }
         let mut runs = Vec::new();
         let mut first_run_s = 0.0;
-        for i in 0..=a.runs {
+        let first = u32::from(a.no_warm_up);
+        for i in first..=a.runs {
             let mut g: sys::sd_img_gen_params_t = std::mem::zeroed();
             sys::sd_img_gen_params_init(&mut g);
             g.prompt = prompt.as_ptr();
@@ -261,9 +265,10 @@ fn run(a: &Args) -> Result<Report, String> {
             }
             libc_free(img.cast());
             let lines = LOG.lock().map(|l| l.clone()).unwrap_or_default();
-            if i == 0 {
+            if i == first {
                 first_run_s = total_s;
-            } else {
+            }
+            if i > 0 {
                 runs.push(Run {
                     total_s,
                     te_s: stage(&lines, "get_learned_condition completed"),

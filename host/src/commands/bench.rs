@@ -286,6 +286,8 @@ struct ModelReport {
     settings: String,
     devices: String,
     runs: u32,
+    /// Whether a warm-up run came before the measured ones.
+    warm_up: bool,
     load_s: f64,
     first_run_s: f64,
     ours: Vec<ModelRun>,
@@ -383,8 +385,15 @@ fn ratio(peer: f64, ours: f64) -> String {
 impl Report for ModelReport {
     fn text(&self) -> String {
         let mut out = format!(
-            "model {} — {} — {}\n{} measured runs after one warm-up; median [min – max]\n",
-            self.model, self.settings, self.devices, self.runs
+            "model {} — {} — {}\n{} measured runs {}; median [min – max]\n",
+            self.model,
+            self.settings,
+            self.devices,
+            self.runs,
+            match self.warm_up {
+                true => "after one warm-up",
+                false => "without a warm-up (the first run measured too)",
+            }
         );
         let mut header = vec!["STAGE".to_string(), "SDHOST".to_string()];
         for c in &self.peers {
@@ -535,7 +544,7 @@ impl ModelReport {
             .collect();
         json!({
             "model": self.model, "settings": self.settings, "devices": self.devices,
-            "runs": self.runs, "load_s": self.load_s, "first_run_s": self.first_run_s,
+            "runs": self.runs, "warm_up": self.warm_up, "load_s": self.load_s, "first_run_s": self.first_run_s,
             "stages": stages, "peak_host_bytes": self.peak_host,
             "device_used_bytes": self.device_used.iter().map(|(d, b)| json!({"device": d, "bytes": b})).collect::<Vec<_>>(),
             "page_cache": self.warm, "peers": peers,
@@ -597,6 +606,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             width: a.sample.width.map(|v| v as usize),
             height: a.sample.height.map(|v| v as usize),
             init_size: None,
+            references: &[],
             prompts: (&a.prompt, ""),
             guided: a.sample.cfg_scale(&defaults) != 1.0,
             policy: a.sample.phase_memory,
@@ -653,7 +663,8 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let (mut sd, flash) = (loaded.sd, loaded.flash);
     sample_devices();
     let req = a.sample.request(&a.prompt, "", 1, &defaults)?;
-    let (first_run_s, ours) = time_runs(&mut sd, &req, runs, path, &mut sample_devices)?;
+    let warm_up = !a.no_warm_up;
+    let (first_run_s, ours) = time_runs(&mut sd, &req, runs, warm_up, path, &mut sample_devices)?;
     let threads = session.threads.unwrap_or(1);
     let family = sd.family();
     let settings = format!(
@@ -685,6 +696,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         model: path,
         threads,
         runs,
+        warm_up,
         family,
         gpu: used.first().map(String::as_str),
         files: &files,
@@ -703,6 +715,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
                 a,
                 &req,
                 runs,
+                warm_up,
             ),
         });
     }
@@ -750,6 +763,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         settings,
         devices,
         runs,
+        warm_up,
         load_s,
         first_run_s,
         ours,
@@ -764,18 +778,21 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     Ok(())
 }
 
-/// One warm-up run, then `runs` measured runs, each stage timed by the
+/// One warm-up run (unless `warm_up` is false: then the first run is
+/// measured too), then `runs` measured runs, each stage timed by the
 /// modules themselves.
 fn time_runs(
     sd: &mut sdhost_models::pipeline::Pipeline<'_>,
     req: &sdhost_models::request::Request,
     runs: u32,
+    warm_up: bool,
     path: &Path,
     sample: &mut dyn FnMut(),
 ) -> anyhow::Result<(f64, Vec<ModelRun>)> {
     let mut ours = Vec::new();
     let mut first_run_s = 0.0;
-    for i in 0..=runs {
+    let first = u32::from(!warm_up);
+    for i in first..=runs {
         let before = sd.timings();
         let t = Instant::now();
         sd.generate(req, None, &mut |_, _| sample(), &|| false)
@@ -800,9 +817,10 @@ fn time_runs(
         let (te, _) = role(&|k| k.is_text_encoder());
         let (sampling, calls) = role(&|k| k == ModuleKind::Diffusion);
         let (vae, _) = role(&|k| k == ModuleKind::Vae);
-        if i == 0 {
+        if i == first {
             first_run_s = total;
-        } else {
+        }
+        if i > 0 {
             ours.push(ModelRun {
                 total,
                 te,
@@ -828,6 +846,7 @@ fn resident_column(
     a: &BenchArgs,
     req: &sdhost_models::request::Request,
     runs: u32,
+    warm_up: bool,
 ) -> Result<PeerReport, String> {
     let fail = |e: anyhow::Error| format!("failed: {}", one_line(&format!("{e:#}")));
     let spec = a
@@ -840,7 +859,7 @@ fn resident_column(
         .sd;
     let load_s = t.elapsed().as_secs_f64();
     let (first_run_s, timed) =
-        time_runs(&mut sd, req, runs, &ckpt.path, &mut || {}).map_err(fail)?;
+        time_runs(&mut sd, req, runs, warm_up, &ckpt.path, &mut || {}).map_err(fail)?;
     let devices = crate::loader::placement_summary(&sd, placement);
     Ok(PeerReport {
         system: format!("resident placement, no budgets: {devices}"),
@@ -867,6 +886,8 @@ struct PeerJob<'a> {
     model: &'a Path,
     threads: usize,
     runs: u32,
+    /// Whether the peer warms up with one run first.
+    warm_up: bool,
     family: sdhost_models::family::Family,
     /// The first non-CPU device sdhost ran on, if any.
     gpu: Option<&'a str>,
@@ -944,6 +965,9 @@ impl PeerJob<'_> {
             .args(["--guidance", &req.guidance.to_string()])
             .args(["-t", &self.threads.to_string()])
             .args(["--runs", &self.runs.to_string()]);
+        if !self.warm_up {
+            c.arg("--no-warm-up");
+        }
         // sd.cpp's fused attention is an opt-in flag; `auto` leaves it at its default.
         if a.sample.flash_attn == crate::loader::FlashAttn::On {
             c.arg("--flash-attn");
@@ -1002,6 +1026,7 @@ impl PeerJob<'_> {
             .args(["--threads", &self.threads.to_string()])
             .args(["--dtype", dtype])
             .args(["--runs", &self.runs.to_string()])
+            .args((!self.warm_up).then_some("--no-warm-up"))
             // No hub access, ever: the script builds every config itself.
             .env("HF_HUB_OFFLINE", "1");
         self.warm()?;
