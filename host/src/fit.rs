@@ -370,6 +370,11 @@ pub struct Measure<'a> {
     pub height: Option<usize>,
     /// The init image's size (img2img: the VAE encoder runs).
     pub init_size: Option<(usize, usize)>,
+    /// The reference images' sizes (FLUX.1 Kontext, FLUX.2: the VAE
+    /// encoder runs on each and their tokens join the denoiser's; the
+    /// first sizes the output where neither `-W`/`-H` nor an init image
+    /// does).
+    pub references: &'a [(usize, usize)],
     /// Prompt and negative prompt (their 77-token chunk count).
     pub prompts: (&'a str, &'a str),
     /// Classifier-free guidance (a UNet batch of 2).
@@ -412,7 +417,7 @@ pub fn measure(
         compute: m.compute,
         flash: m.flash,
         tiling: m.tiling,
-        vae_encoder: m.init_size.is_some(),
+        vae_encoder: m.init_size.is_some() || !m.references.is_empty(),
         loras: &[],
         lora_apply: Default::default(),
     };
@@ -425,8 +430,16 @@ pub fn measure(
     let side = |given: Option<usize>, init: Option<usize>| {
         given.unwrap_or_else(|| init.map_or(default, |v| (v / mult * mult).max(mult)))
     };
-    let width = side(m.width, m.init_size.map(|s| s.0));
-    let height = side(m.height, m.init_size.map(|s| s.1));
+    // Without an init image, the first reference sizes the output as
+    // `generate` resizes it.
+    let sized_by = m.init_size.or_else(|| {
+        m.references
+            .first()
+            .map(|&(w, h)| sd.reference_size(w, h))
+            .filter(|&(w, h)| w > 0 && h > 0)
+    });
+    let width = side(m.width, sized_by.map(|s| s.0));
+    let height = side(m.height, sized_by.map(|s| s.1));
     let mut chunks = sd.chunk_count(m.prompts.0);
     if m.guided {
         chunks = chunks.max(sd.chunk_count(m.prompts.1));
@@ -437,6 +450,7 @@ pub fn measure(
         batch: if m.guided { 2 } else { 1 },
         chunks: chunks.max(1),
         encode: m.init_size.is_some(),
+        references: m.references.to_vec(),
     };
     let plan = sd
         .memory_plan(&req)
@@ -487,6 +501,8 @@ pub struct Fit<'a> {
     pub height: Option<usize>,
     /// The init image's size.
     pub init_size: Option<(usize, usize)>,
+    /// The reference images' sizes.
+    pub references: &'a [(usize, usize)],
     /// Prompt and negative prompt.
     pub prompts: (&'a str, &'a str),
     /// Classifier-free guidance (a UNet batch of 2).
@@ -521,6 +537,7 @@ pub fn load_fitted<'m>(
         width: fit.width,
         height: fit.height,
         init_size: fit.init_size,
+        references: fit.references,
         prompts: fit.prompts,
         guided: fit.guided,
         policy: spec.policy,

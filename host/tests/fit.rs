@@ -75,6 +75,7 @@ fn streamed_weights_give_the_resident_image_within_the_predicted_memory() {
                     batch: 2,
                     chunks: 1,
                     encode: false,
+                    references: Vec::new(),
                 };
                 let plan = sd.memory_plan(&req).unwrap();
                 let image = run(sd);

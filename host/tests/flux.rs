@@ -713,6 +713,47 @@ fn generate_edits_with_a_reference_image() {
     );
     assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
     assert!(!bad.exists());
+
+    // Kontext has dev's tensors; its name tells it apart. Without a
+    // reference image it is one line, exit 1, no output; with one it edits,
+    // with Kontext's 28 steps by default.
+    let kontext = p.dir("models").join("flux1-kontext-dev-tiny.safetensors");
+    std::fs::copy(&dev, &kontext).unwrap();
+    let r = generate_with_parts(&p, &kontext, &bad, &[]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("Kontext") && r.stderr.contains("reference image"),
+        "{}",
+        r.stderr
+    );
+    assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
+    assert!(!bad.exists());
+    let edit = p.dir("out").join("kontext.png");
+    generate_with_parts(&p, &kontext, &edit, &["-r", s(&init)]).ok();
+    let (_, _, text) = png_info(&edit);
+    assert!(text.contains("Steps: 28,"), "{text}");
+    // `convert` keeps the name (in `general.name`), so the converted file,
+    // whatever it is called, is still Kontext.
+    let converted = p.dir("models").join("converted.gguf");
+    p.run(&[
+        "convert",
+        "-m",
+        s(&kontext),
+        "-o",
+        s(&converted),
+        "--type",
+        "q8_0",
+    ])
+    .ok();
+    let gguf = checkpoint::scan(&converted).unwrap();
+    assert_eq!(
+        gguf.metadata.get("general.name").map(String::as_str),
+        Some("flux1-kontext-dev-tiny")
+    );
+    let r = generate_with_parts(&p, &converted, &bad, &[]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(r.stderr.contains("Kontext"), "{}", r.stderr);
+    assert!(!bad.exists());
 }
 
 /// FLUX LoRAs as trainers write them, diffusers/PEFT's names (ai-toolkit:
@@ -774,6 +815,59 @@ fn flux_loras_match_peft() {
         assert_eq!(line.lines().count(), 1, "{line}");
         assert!(line.contains(lora), "{line}");
         assert!(listing(&dir).is_empty());
+    }
+}
+
+/// A LoRA key that reaches several tensors or swapped halves, in both
+/// namings of the transformer: kohya's fused `img_attn_qkv` / `linear1` on
+/// diffusers' q, k, v and MLP input kept apart; the final modulation,
+/// whose halves diffusers (`norm_out.linear`: scale, shift) and BFL
+/// (`final_layer.adaLN_modulation.1`: shift, scale) order the other way
+/// round, from either convention onto either checkpoint; merged and in
+/// the graph, against diffusers/PEFT.
+#[test]
+fn loras_reach_fused_and_swapped_layers_in_either_naming() {
+    let r = refs();
+    let folder = fixture("flux/tiny-flux-schnell-diffusers");
+    let (t5, clip) = (
+        scan("flux/tiny-t5.safetensors"),
+        scan("flux/tiny-clip-l.safetensors"),
+    );
+    let components = Components {
+        t5xxl: Some(&t5),
+        clip_l: Some(&clip),
+    };
+    let diffusers = assemble(&checkpoint::scan_model(&folder).unwrap(), components).unwrap();
+    let norm_out_changes = max_abs_diff(&r["lora.norm_out.schnell.out"], &r["schnell.out"]);
+    assert!(norm_out_changes > 0.05, "{norm_out_changes}");
+    for (naming, ckpt) in [("BFL", parts("schnell")), ("diffusers", diffusers)] {
+        for (file, want) in [
+            ("flux/tiny-flux-lora-kohya.safetensors", "lora.schnell.out"),
+            (
+                "flux/tiny-flux-lora-diffusers.safetensors",
+                "lora.schnell.out",
+            ),
+            (
+                "flux/tiny-flux-lora-norm-out-diffusers.safetensors",
+                "lora.norm_out.schnell.out",
+            ),
+            (
+                "flux/tiny-flux-lora-norm-out-kohya.safetensors",
+                "lora.norm_out.schnell.out",
+            ),
+        ] {
+            for apply in [LoraApply::Merge, LoraApply::Graph] {
+                let spec = LoraSpec {
+                    path: fixture(file),
+                    weight: 1.0,
+                };
+                with_loras(ckpt.clone(), "cpu", "cpu", false, &[spec], apply, |sd| {
+                    let out = transformer_out(flux_model(sd), &r, "schnell");
+                    let what = format!("{file} on the {naming}-named transformer ({apply:?})");
+                    assert_close(&what, &out, &r[want], 5e-3);
+                });
+            }
+        }
     }
 }
 

@@ -174,18 +174,27 @@ fn klein_matches_diffusers_on_vulkan() {
 /// every module on `device`, the matrices of the text encoder and the
 /// transformer as stored or widened to f32 (`wide`).
 fn with_pipeline(device: &str, wide: bool, f: impl FnOnce(&mut Pipeline<'_>)) {
-    with_loras(device, wide, &[], LoraApply::Auto, f)
+    with_loras_on(
+        "klein/tiny-klein.safetensors",
+        device,
+        wide,
+        &[],
+        LoraApply::Auto,
+        f,
+    )
 }
 
-/// [`with_pipeline`] with LoRAs applied as `apply` says.
-fn with_loras(
+/// [`with_pipeline`] with the transformer of fixture file `dit` and LoRAs
+/// applied as `apply` says.
+fn with_loras_on(
+    dit: &str,
     device: &str,
     wide: bool,
     loras: &[LoraSpec],
     apply: LoraApply,
     f: impl FnOnce(&mut Pipeline<'_>),
 ) {
-    let dit = checkpoint::scan(&fixture("klein/tiny-klein.safetensors")).unwrap();
+    let dit = checkpoint::scan(&fixture(dit)).unwrap();
     let llm = checkpoint::scan(&fixture("qwen3/tiny-qwen3-bf16.gguf")).unwrap();
     let ckpt = flux2::assemble(&dit, Some(&llm)).unwrap();
     let vae = checkpoint::scan(&fixture("klein/tiny-klein-ae.safetensors")).unwrap();
@@ -400,13 +409,15 @@ fn generate_writes_a_klein_image_and_bad_parts_are_one_line() {
 }
 
 /// LoRAs in diffusers' names (q, k, v apart, under `transformer.`) and
-/// kohya's (BFL's fused names), merged and in the graph, against the
-/// transformer with the same adapters merged by the LoRA formula
-/// (`make_klein_fixtures.py`); without the LoRA the output is far from it.
+/// kohya's (BFL's fused names), merged and in the graph, on the BFL-named
+/// transformer and on the diffusers-named one (where kohya's fused `qkv`
+/// reaches q, k and v apart), against the transformer with the same
+/// adapters merged by the LoRA formula (`make_klein_fixtures.py`); without
+/// the LoRA the output is far from it.
 #[test]
 fn loras_match_their_merged_reference() {
     let r = refs();
-    let run = |lora: Option<&str>, apply: LoraApply| {
+    let run = |dit: &str, lora: Option<&str>, apply: LoraApply| {
         let specs: Vec<LoraSpec> = lora
             .map(|f| LoraSpec {
                 path: fixture(f),
@@ -415,7 +426,7 @@ fn loras_match_their_merged_reference() {
             .into_iter()
             .collect();
         let mut out = Vec::new();
-        with_loras("cpu", true, &specs, apply, |sd| {
+        with_loras_on(dit, "cpu", true, &specs, apply, |sd| {
             let m = sd.model_mut().flux2().expect("a FLUX.2 model");
             let cfg = m.config().clone();
             let input = FluxInput {
@@ -432,15 +443,103 @@ fn loras_match_their_merged_reference() {
         out
     };
     let want = &r["lora.out"];
-    for file in [
-        "klein/tiny-klein-lora-diffusers.safetensors",
-        "klein/tiny-klein-lora-kohya.safetensors",
+    for dit in [
+        "klein/tiny-klein.safetensors",
+        "klein/tiny-klein-diffusers.safetensors",
     ] {
-        for apply in [LoraApply::Merge, LoraApply::Graph] {
-            let got = run(Some(file), apply);
-            assert_close(&format!("{file} {apply:?}"), &got, want, 1e-4);
+        for file in [
+            "klein/tiny-klein-lora-diffusers.safetensors",
+            "klein/tiny-klein-lora-kohya.safetensors",
+        ] {
+            for apply in [LoraApply::Merge, LoraApply::Graph] {
+                let got = run(dit, Some(file), apply);
+                assert_close(&format!("{file} on {dit} ({apply:?})"), &got, want, 1e-4);
+            }
         }
     }
-    let plain = run(None, LoraApply::Auto);
+    let plain = run("klein/tiny-klein.safetensors", None, LoraApply::Auto);
     assert!(rel_err(&plain, want) > 1e-2, "the LoRA changes the output");
+}
+
+/// Distilled and base klein have the same tensors: a checkpoint whose
+/// name says base gets base's defaults (diffusers' `Flux2KleinPipeline`:
+/// 50 steps, CFG 4), others the distilled model's (4 steps, no CFG).
+#[test]
+fn a_base_checkpoint_gets_base_defaults() {
+    let p = Prefix::with_cpu();
+    let models = p.dir("models");
+    let (llm, ae) = (
+        fixture("qwen3/tiny-qwen3-bf16.gguf"),
+        fixture("klein/tiny-klein-ae.safetensors"),
+    );
+    for (name, want) in [
+        (
+            "flux-2-klein-4b-tiny.safetensors",
+            "Steps: 4, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
+        ),
+        (
+            "flux-2-klein-base-4b-tiny.safetensors",
+            "Steps: 50, Sampler: Euler, Schedule type: Simple, CFG scale: 4,",
+        ),
+    ] {
+        let dit = models.join(name);
+        std::fs::copy(fixture("klein/tiny-klein.safetensors"), &dit).unwrap();
+        let out = p.dir("out").join(format!("{name}.png"));
+        let a = [
+            "-m",
+            s(&dit),
+            "--llm",
+            s(&llm),
+            "--vae",
+            s(&ae),
+            "-W",
+            "32",
+            "-H",
+            "32",
+        ];
+        generate(&p, &out, &a).ok();
+        let (_, _, text) = png_info(&out);
+        assert!(text.contains(want), "{name}: {want:?} not in {text:?}");
+    }
+}
+
+/// The memory plan counts reference images: their tokens join the
+/// transformer's (a larger sampling buffer) and the VAE encoder runs on
+/// each (sized by the largest); a reference smaller than the model's size
+/// multiple (refused when generating) adds nothing.
+#[test]
+fn the_memory_plan_counts_reference_images() {
+    use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, Phase};
+    with_pipeline("cpu", false, |sd| {
+        let plan = |references: Vec<(usize, usize)>| {
+            sd.memory_plan(&MemoryRequest {
+                width: 64,
+                height: 64,
+                batch: 1,
+                chunks: 1,
+                encode: false,
+                references,
+            })
+            .unwrap()
+        };
+        let phase = |p: &MemoryPlan, kind: ModuleKind, phase: Phase| {
+            p.modules
+                .iter()
+                .find(|m| m.module == kind)
+                .and_then(|m| m.phases.iter().find(|(ph, _)| *ph == phase))
+                .map(|(_, c)| c.total())
+        };
+        let sampling = |p: &MemoryPlan| phase(p, ModuleKind::Diffusion, Phase::Sampling).unwrap();
+        let encoding = |p: &MemoryPlan| phase(p, ModuleKind::Vae, Phase::Encoding);
+        let none = plan(vec![]);
+        let one = plan(vec![(64, 64)]);
+        let large = plan(vec![(64, 64), (128, 96)]);
+        assert_eq!(encoding(&none), None);
+        assert!(sampling(&one) > sampling(&none));
+        assert!(sampling(&large) > sampling(&one));
+        assert!(encoding(&large).unwrap() > encoding(&one).unwrap());
+        let tiny = plan(vec![(8, 8)]);
+        assert_eq!(sampling(&tiny), sampling(&none));
+        assert_eq!(encoding(&tiny), None);
+    });
 }

@@ -124,6 +124,7 @@ fn prediction_matches(
         batch: 2,
         chunks: 1,
         encode: img2img,
+        references: Vec::new(),
     };
     let opts = LoadOptions {
         placeholders: true,
@@ -375,6 +376,7 @@ fn the_measurement_grows_with_the_size_and_img2img_adds_an_encode_phase() {
                 batch,
                 chunks: 1,
                 encode,
+                references: Vec::new(),
             })
             .unwrap()
         };
@@ -403,6 +405,7 @@ fn the_measurement_grows_with_the_size_and_img2img_adds_an_encode_phase() {
                     batch,
                     chunks,
                     encode: false,
+                    references: Vec::new(),
                 })
                 .unwrap_err()
                 .to_string();
@@ -694,6 +697,7 @@ fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
         batch: 2,
         chunks: 1,
         encode: false,
+        references: Vec::new(),
     };
     let mut sd = Pipeline::load(&ckpt, layout, LoadOptions::default()).unwrap();
     let decode = |p: &MemoryPlan| p.modules[2].phases[0].1.get("cpu");

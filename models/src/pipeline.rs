@@ -265,18 +265,38 @@ impl<'b> Pipeline<'b> {
         }
         let f = self.first_stage.format().spatial;
         let (lh, lw) = (req.height / f, req.width / f);
-        let mut modules = self.model.measure(req, lh, lw)?;
-        // With tiling, each graph is one tile (clipped to the latent).
-        let (th, tw) = match self.vae_tiling {
-            Some(t) => (lh.min(t.tile), lw.min(t.tile)),
-            None => (lh, lw),
+        // The reference latents' sizes, as `encode_references` makes them.
+        let references: Vec<[usize; 2]> = match self.model.takes_references() {
+            true => req
+                .references
+                .iter()
+                .map(|&(w, h)| self.reference_size(w, h))
+                .filter(|&(w, h)| w > 0 && h > 0)
+                .map(|(w, h)| [h / f, w / f])
+                .collect(),
+            false => Vec::new(),
         };
+        let mut modules = self.model.measure(req, lh, lw, &references)?;
+        // With tiling, each graph is one tile (clipped to the latent).
+        let tile = |h: usize, w: usize| match self.vae_tiling {
+            Some(t) => (h.min(t.tile), w.min(t.tile)),
+            None => (h, w),
+        };
+        let (th, tw) = tile(lh, lw);
         let decode = self.first_stage.measure_decode(&self.vae, th, tw)?;
         let mut vae_phases = Vec::new();
-        if (req.encode || self.is_inpainting()) && self.has_vae_encoder() {
+        // The encoder runs on the init image and on each reference: the
+        // largest of them sizes its buffers.
+        let mut encoded: Vec<(usize, usize)> =
+            references.iter().map(|r| tile(r[0], r[1])).collect();
+        if req.encode || self.is_inpainting() {
+            encoded.push((th, tw));
+        }
+        let largest = encoded.into_iter().max_by_key(|(h, w)| h * w);
+        if let Some((eh, ew)) = largest.filter(|_| self.has_vae_encoder()) {
             vae_phases.push((
                 Phase::Encoding,
-                self.first_stage.measure_encode(&self.vae, th * f, tw * f)?,
+                self.first_stage.measure_encode(&self.vae, eh * f, ew * f)?,
             ));
         }
         vae_phases.push((Phase::Decoding, decode));
@@ -357,6 +377,12 @@ impl<'b> Pipeline<'b> {
             ));
         }
         let shape = self.latent_shape(req)?;
+        if req.reference.is_empty() && self.model.needs_references() {
+            return Err(ModelError::request(
+                Field::Reference,
+                "this FLUX.1 Kontext model (its name says Kontext) edits a reference image: give it one",
+            ));
+        }
         let n_latent: usize = shape.iter().product();
         let mut rng = Philox::new(req.seed);
         let noise = match noise {

@@ -59,10 +59,13 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         init.is_some() || !references.is_empty() || args.hires.scale.is_some(),
     )?;
     // Memory budgets: measured on placeholders before any weight is read.
+    let reference_sizes: Vec<(usize, usize)> =
+        references.iter().map(|r| (r.width, r.height)).collect();
     let fit = Fit {
         width: args.sample.width.map(|v| v as usize),
         height: args.sample.height.map(|v| v as usize),
         init_size: init.as_ref().map(|i| (i.image.width, i.image.height)),
+        references: &reference_sizes,
         prompts: (&args.prompt, &args.negative),
         guided: args.sample.cfg_scale(&defaults) != 1.0,
         memory: &args.memory.flags(),

@@ -52,6 +52,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 width: args.width.map(|v| v as usize),
                 height: args.height.map(|v| v as usize),
                 init_size: None,
+                references: &[],
                 prompts: ("", ""),
                 guided,
                 policy: args.phase_memory,

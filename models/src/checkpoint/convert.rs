@@ -207,12 +207,28 @@ pub fn to_gguf(
             concat!("sdhost ", env!("CARGO_PKG_VERSION")),
         ),
     ];
-    // What the source says of itself survives the conversion.
+    // What the source says of itself survives the conversion: its
+    // prediction type, and its name, which alone tells editions with the
+    // same tensors apart (`crate::family::Named`); a source that names
+    // itself nowhere is named by its file.
     for key in ["modelspec.prediction_type", "prediction_type"] {
         if let Some(v) = ckpt.metadata.get(key) {
             kv.push((key, v));
         }
     }
+    let stem = ckpt
+        .path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let named: Vec<(&str, &str)> = super::NAME_KEYS
+        .iter()
+        .filter_map(|k| ckpt.metadata.get(*k).map(|v| (*k, v.as_str())))
+        .collect();
+    if named.is_empty() && !stem.is_empty() {
+        kv.push(("general.name", stem.as_str()));
+    }
+    kv.extend(named);
     let io = |e: std::io::Error| bad(e.to_string());
     let infos: Vec<gguf::OutInfo> = plan
         .iter()

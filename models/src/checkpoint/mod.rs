@@ -17,6 +17,16 @@ use crate::ModuleKind;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+/// The metadata keys under which a file names the model it holds
+/// (safetensors' ModelSpec, GGUF's `general.*`).
+pub const NAME_KEYS: [&str; 5] = [
+    "modelspec.title",
+    "modelspec.architecture",
+    "general.name",
+    "general.basename",
+    "general.finetune",
+];
+
 /// One tensor's entry.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TensorEntry {

@@ -316,7 +316,7 @@ pub fn predict(
 
 /// Checks the module's weights by building (not computing) a graph.
 pub fn validate(module: &Module<'_>, cfg: &FluxConfig) -> Result<()> {
-    module.validate(|c, w| zero_call(c, w, cfg, [1, cfg.latent_channels(), 4, 4], 4))
+    module.validate(|c, w| zero_call(c, w, cfg, [1, cfg.latent_channels(), 4, 4], 4, &[]))
 }
 
 /// Measures the compute buffers of one call at a `lh`×`lw` latent with
@@ -325,12 +325,19 @@ pub fn measure(
     module: &Module<'_>,
     cfg: &FluxConfig,
     batch: usize,
-    lh: usize,
-    lw: usize,
+    [lh, lw]: [usize; 2],
     txt: usize,
+    references: &[[usize; 2]],
 ) -> Result<ComputeBytes> {
     let shape = [batch.max(1), cfg.latent_channels(), lh, lw];
-    module.measure(|c, w| zero_call(c, w, cfg, shape, txt.max(1)))
+    let reference: Vec<(Vec<f32>, [usize; 4])> = references
+        .iter()
+        .map(|&[h, w]| {
+            let s = [1, cfg.latent_channels(), h, w];
+            (vec![0.0; s.iter().product()], s)
+        })
+        .collect();
+    module.measure(|c, w| zero_call(c, w, cfg, shape, txt.max(1), &reference))
 }
 
 /// A call on zeros, for building without computing.
@@ -340,6 +347,7 @@ fn zero_call<'a>(
     cfg: &FluxConfig,
     shape: [usize; 4],
     txt: usize,
+    reference: &[(Vec<f32>, [usize; 4])],
 ) -> Result<Built<'a>> {
     let x = vec![0.0; shape.iter().product()];
     let context = vec![0.0; shape[0] * txt * cfg.context as usize];
@@ -351,9 +359,12 @@ fn zero_call<'a>(
         guidance: cfg.guidance.then_some(0.0),
         context: &context,
         y: &y,
-        reference: &[],
+        reference,
     };
-    build(c, w, cfg, &input, &x)
+    // The patched tokens of each latent and its references, all zeros.
+    let refs: usize = reference.iter().map(|(r, _)| r.len()).sum();
+    let tokens = vec![0.0; x.len() + shape[0] * refs];
+    build(c, w, cfg, &input, &tokens)
 }
 
 fn build<'a>(

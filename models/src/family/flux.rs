@@ -22,6 +22,7 @@ use crate::denoisers::flux::{self, FluxConfig, FluxInput, PATCH};
 use crate::encoders::clip::{self, ClipConfig, ClipEncoder, Layer, Naming, Pooled};
 use crate::encoders::t5::{self, T5Config};
 use crate::error::{ModelError, Result};
+use crate::lora::names::Alias;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::memory::{MemoryRequest, ModuleMemory};
@@ -68,6 +69,19 @@ pub enum Variant {
     Dev,
     /// Timestep-distilled: few steps, no shift, no guidance input.
     Schnell,
+    /// Kontext dev: dev's tensors, trained to edit a reference image; told
+    /// apart by its name ([`super::Named`]), it needs a reference image.
+    Kontext,
+}
+
+/// Which FLUX.1 a transformer is: `guidance` whether it has a guidance
+/// input, the rest from `ckpt`'s names.
+pub fn variant_of(guidance: bool, ckpt: &Checkpoint) -> Variant {
+    match guidance {
+        false => Variant::Schnell,
+        true if super::Named::of(ckpt).kontext => Variant::Kontext,
+        true => Variant::Dev,
+    }
 }
 
 /// The component files of a model given apart, each scanned.
@@ -105,34 +119,50 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
     }
 }
 
-/// diffusers' `FluxTransformer2DModel` names of a BFL transformer weight
-/// (path without `.weight`, shape outermost first), each with the rows it
-/// covers: the fused `qkv` of a double block is diffusers' `to_q`, `to_k`,
-/// `to_v` (`add_*_proj` for text), a single block's `linear1` is `to_q`,
-/// `to_k`, `to_v` and `proj_mlp`. The final modulation is left out: its
-/// halves are swapped in diffusers, which one row range cannot say.
-pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias> {
+/// The LoRA names of a FLUX transformer weight (its path without
+/// `.weight` and its shape, outermost first) other than its own:
+///
+/// * in a BFL-named checkpoint, diffusers' `FluxTransformer2DModel` names,
+///   each with the rows it covers: the fused `qkv` of a double block is
+///   diffusers' `to_q`, `to_k`, `to_v` (`add_*_proj` for text), a single
+///   block's `linear1` is `to_q`, `to_k`, `to_v` and `proj_mlp`, and the
+///   final modulation is `norm_out.linear` with its halves swapped;
+/// * in a diffusers-named checkpoint (loaded under BFL's names with the
+///   parts apart, [`bfl_name`]), the fused layers kohya's LoRAs adapt:
+///   `img_attn.q` is the first third of `img_attn.qkv`'s LoRA, a single
+///   block's `attn_q` … `mlp_in` are blocks of `linear1`'s, and
+///   `final_layer.norm_out` is BFL's `adaLN_modulation.1` swapped.
+pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<Alias> {
     let rows = shape.first().copied().unwrap_or(0) as usize;
     let width = shape.get(1).copied().unwrap_or(0) as usize;
-    let one = |s: &str| vec![(s.to_string(), None)];
+    let one = |s: &str| vec![Alias::whole(s)];
     let parts = |names: &[String], sizes: &[usize]| {
         let mut at = 0;
         names
             .iter()
             .zip(sizes)
             .map(|(n, &len)| {
-                let r = (n.clone(), Some((at, len)));
+                let r = Alias::rows(n.clone(), at, len);
                 at += len;
                 r
             })
             .collect::<Vec<_>>()
     };
+    let qkv = |x: &str| "qkv".find(x).unwrap_or(0);
     let p: Vec<&str> = path.split('.').collect();
     match p.as_slice() {
         ["img_in"] => one("x_embedder"),
         ["txt_in"] => one("context_embedder"),
         ["final_layer", "linear"] => one("proj_out"),
-        ["final_layer", "norm_out"] => one("norm_out.linear"),
+        ["final_layer", "adaLN_modulation", "1"] => Alias::swapped_halves("norm_out.linear", rows),
+        ["final_layer", "norm_out"] => {
+            let mut v = one("norm_out.linear");
+            v.extend(Alias::swapped_halves(
+                "final_layer.adaLN_modulation.1",
+                rows,
+            ));
+            v
+        }
         [e @ ("time_in" | "vector_in" | "guidance_in"), layer] => {
             let emb = match *e {
                 "time_in" => "timestep_embedder",
@@ -148,6 +178,15 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
         ["double_blocks", i, s, rest @ ..] => {
             let b = format!("transformer_blocks.{i}");
             let third = rows / 3;
+            let fused = |x: &str| {
+                vec![
+                    Alias::whole(match *s {
+                        "img_attn" => format!("{b}.attn.to_{x}"),
+                        _ => format!("{b}.attn.add_{x}_proj"),
+                    }),
+                    Alias::part_of(format!("double_blocks.{i}.{s}.qkv"), qkv(x) * rows, rows),
+                ]
+            };
             match (*s, rest) {
                 ("img_mod", ["lin"]) => one(&format!("{b}.norm1.linear")),
                 ("txt_mod", ["lin"]) => one(&format!("{b}.norm1_context.linear")),
@@ -159,8 +198,7 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
                     &["add_q_proj", "add_k_proj", "add_v_proj"].map(|x| format!("{b}.attn.{x}")),
                     &[third; 3],
                 ),
-                ("img_attn", [x @ ("q" | "k" | "v")]) => one(&format!("{b}.attn.to_{x}")),
-                ("txt_attn", [x @ ("q" | "k" | "v")]) => one(&format!("{b}.attn.add_{x}_proj")),
+                ("img_attn" | "txt_attn", [x @ ("q" | "k" | "v")]) => fused(x),
                 ("img_attn", ["proj"]) => one(&format!("{b}.attn.to_out.0")),
                 ("txt_attn", ["proj"]) => one(&format!("{b}.attn.to_add_out")),
                 ("img_mlp", ["0"]) => one(&format!("{b}.ff.net.0.proj")),
@@ -172,14 +210,21 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
         }
         ["single_blocks", i, rest @ ..] => {
             let b = format!("single_transformer_blocks.{i}");
+            let linear1 = format!("single_blocks.{i}.linear1");
             match rest {
                 ["linear1"] if rows > 3 * width => parts(
                     &["attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"]
                         .map(|x| format!("{b}.{x}")),
                     &[width, width, width, rows - 3 * width],
                 ),
-                [a @ ("attn_q" | "attn_k" | "attn_v")] => one(&format!("{b}.attn.to_{}", &a[5..])),
-                ["mlp_in"] => one(&format!("{b}.proj_mlp")),
+                [a @ ("attn_q" | "attn_k" | "attn_v")] => vec![
+                    Alias::whole(format!("{b}.attn.to_{}", &a[5..])),
+                    Alias::part_of(linear1, qkv(&a[5..]) * rows, rows),
+                ],
+                ["mlp_in"] => vec![
+                    Alias::whole(format!("{b}.proj_mlp")),
+                    Alias::part_of(linear1, 3 * width, rows),
+                ],
                 ["linear2"] => one(&format!("{b}.proj_out")),
                 ["modulation", "lin"] => one(&format!("{b}.norm.linear")),
                 _ => Vec::new(),
@@ -496,13 +541,9 @@ impl<'b> FluxModel<'b> {
         super::split_part(&mut te, ckpt, CLIP_MODULE, opts, &loras)?;
         super::split_part(&mut te_t5, ckpt, T5_MODULE, opts, &loras)?;
         super::split_part(&mut dit, ckpt, DIT_PREFIX, opts, &loras)?;
-        let variant = if cfg.guidance {
-            Variant::Dev
-        } else {
-            Variant::Schnell
-        };
+        let variant = variant_of(cfg.guidance, ckpt);
         let (t5_tokens, shift) = match variant {
-            Variant::Dev => (
+            Variant::Dev | Variant::Kontext => (
                 512,
                 FlowShift::Dynamic {
                     base_shift: 0.5,
@@ -528,7 +569,7 @@ impl<'b> FluxModel<'b> {
         })
     }
 
-    /// dev or schnell.
+    /// dev, schnell or Kontext.
     pub fn variant(&self) -> Variant {
         self.variant
     }
@@ -632,16 +673,25 @@ impl<'b> FluxModel<'b> {
         self.cfg.latent_channels()
     }
 
-    /// Measures the text encoders and the transformer at `req`'s size.
+    /// Measures the text encoders and the transformer at `req`'s size,
+    /// with Kontext's reference latents of `references` (`[h, w]`).
     pub(super) fn measure(
         &self,
         req: &MemoryRequest,
         lh: usize,
         lw: usize,
+        references: &[[usize; 2]],
     ) -> Result<Vec<ModuleMemory>> {
         let t5 = t5::measure(&self.te_t5, &self.t5, self.t5_tokens)?;
         let te = clip::measure(&self.te, &self.clip, 1)?;
-        let sampling = flux::measure(&self.dit, &self.cfg, req.batch, lh, lw, self.t5_tokens)?;
+        let sampling = flux::measure(
+            &self.dit,
+            &self.cfg,
+            req.batch,
+            [lh, lw],
+            self.t5_tokens,
+            references,
+        )?;
         let mut out = super::encoders_and_denoiser(&self.te, te, &self.dit, sampling)?;
         out.insert(
             1,

@@ -32,6 +32,7 @@ use crate::checkpoint::Checkpoint;
 use crate::denoisers::flux::{self as dit, FluxConfig, FluxInput};
 use crate::encoders::qwen3::{self, Qwen3Config};
 use crate::error::{ModelError, Result};
+use crate::lora::names::Alias;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
 use crate::runtime::memory::{MemoryRequest, ModuleMemory};
@@ -53,13 +54,15 @@ pub const TOKENS: usize = 512;
 /// The token that pads the prompt (Qwen's `<|endoftext|>`).
 const PAD: &str = "<|endoftext|>";
 
-/// What klein runs with where a request does not say (the distilled
-/// model's).
-pub fn defaults() -> Defaults {
+/// What klein runs with where a request does not say: the distilled
+/// model's 4 steps without CFG, or for a base model (`base`, by its name:
+/// [`super::Named`]) diffusers' `Flux2KleinPipeline` defaults, 50 steps
+/// at CFG 4.
+pub fn defaults(base: bool) -> Defaults {
     Defaults {
         size: 1024,
-        steps: 4,
-        cfg_scale: 1.0,
+        steps: if base { 50 } else { 4 },
+        cfg_scale: if base { 4.0 } else { 1.0 },
         sampler: Sampler::Euler,
         scheduler: Scheduler::Simple,
     }
@@ -219,20 +222,26 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
     }
 }
 
-/// diffusers' `Flux2Transformer2DModel` names of a BFL klein weight (path
-/// without `.weight`, shape outermost first), each with the rows it
-/// covers: a double block's fused `qkv` is `to_q`, `to_k`, `to_v`
-/// (`add_*_proj` for text); a single block's `linear1` is diffusers' fused
-/// `to_qkv_mlp_proj` as it is. The final modulation is left out: its
-/// halves are swapped in diffusers, which one row range cannot say.
-pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias> {
-    let third = shape.first().copied().unwrap_or(0) as usize / 3;
-    let one = |s: String| vec![(s, None)];
+/// The LoRA names of a klein transformer weight (its path without
+/// `.weight` and its shape, outermost first) other than its own:
+///
+/// * in a BFL-named checkpoint, diffusers' `Flux2Transformer2DModel`
+///   names, each with the rows it covers: a double block's fused `qkv` is
+///   `to_q`, `to_k`, `to_v` (`add_*_proj` for text); a single block's
+///   `linear1` is diffusers' fused `to_qkv_mlp_proj` as it is; the final
+///   modulation is `norm_out.linear` with its halves swapped;
+/// * in a diffusers-named checkpoint (loaded with q, k and v apart), the
+///   fused `qkv` kohya's LoRAs adapt (`img_attn.q` is its first third),
+///   and BFL's final `adaLN_modulation.1`, swapped.
+pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<Alias> {
+    let rows = shape.first().copied().unwrap_or(0) as usize;
+    let third = rows / 3;
+    let one = |s: String| vec![Alias::whole(s)];
     let thirds = |names: [String; 3]| {
         names
             .into_iter()
             .enumerate()
-            .map(|(i, n)| (n, Some((i * third, third))))
+            .map(|(i, n)| Alias::rows(n, i * third, third))
             .collect()
     };
     let p: Vec<&str> = path.split('.').collect();
@@ -240,6 +249,15 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
         ["img_in"] => one("x_embedder".into()),
         ["txt_in"] => one("context_embedder".into()),
         ["final_layer", "linear"] => one("proj_out".into()),
+        ["final_layer", "adaLN_modulation", "1"] => Alias::swapped_halves("norm_out.linear", rows),
+        ["final_layer", "norm_out"] => {
+            let mut v = one("norm_out.linear".into());
+            v.extend(Alias::swapped_halves(
+                "final_layer.adaLN_modulation.1",
+                rows,
+            ));
+            v
+        }
         ["time_in", l] => one(format!(
             "time_guidance_embed.timestep_embedder.{}",
             if *l == "in_layer" {
@@ -260,8 +278,17 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
                 ("txt_attn", ["qkv"]) => thirds(
                     ["add_q_proj", "add_k_proj", "add_v_proj"].map(|x| format!("{b}.attn.{x}")),
                 ),
-                ("img_attn", [x @ ("q" | "k" | "v")]) => one(format!("{b}.attn.to_{x}")),
-                ("txt_attn", [x @ ("q" | "k" | "v")]) => one(format!("{b}.attn.add_{x}_proj")),
+                ("img_attn" | "txt_attn", [x @ ("q" | "k" | "v")]) => vec![
+                    Alias::whole(match *s {
+                        "img_attn" => format!("{b}.attn.to_{x}"),
+                        _ => format!("{b}.attn.add_{x}_proj"),
+                    }),
+                    Alias::part_of(
+                        format!("double_blocks.{i}.{s}.qkv"),
+                        "qkv".find(x).unwrap_or(0) * rows,
+                        rows,
+                    ),
+                ],
                 ("img_attn", ["proj"]) => one(format!("{b}.attn.to_out.0")),
                 ("txt_attn", ["proj"]) => one(format!("{b}.attn.to_add_out")),
                 ("img_mlp", ["0"]) => one(format!("{b}.ff.linear_in")),
@@ -293,6 +320,7 @@ pub struct Flux2Model<'b> {
     layers: [usize; 3],
     tokenizer: QwenTokenizer,
     pad: u32,
+    base: bool,
 }
 
 impl<'b> Flux2Model<'b> {
@@ -353,7 +381,13 @@ impl<'b> Flux2Model<'b> {
             cfg,
             tokenizer,
             pad,
+            base: super::Named::of(ckpt).base,
         })
+    }
+
+    /// Whether the checkpoint is a base (undistilled) klein, by its name.
+    pub fn base(&self) -> bool {
+        self.base
     }
 
     /// The transformer's hyper-parameters.
@@ -441,15 +475,24 @@ impl<'b> Flux2Model<'b> {
         self.cfg.latent_channels()
     }
 
-    /// Measures the text encoder and the transformer at `req`'s size.
+    /// Measures the text encoder and the transformer at `req`'s size,
+    /// with reference latents of `references` (`[h, w]`).
     pub(super) fn measure(
         &self,
         req: &MemoryRequest,
         lh: usize,
         lw: usize,
+        references: &[[usize; 2]],
     ) -> Result<Vec<ModuleMemory>> {
         let te = qwen3::measure(&self.te, &self.qwen, TOKENS, &self.layers)?;
-        let sampling = dit::measure(&self.dit, &self.cfg, req.batch, lh, lw, TOKENS)?;
+        let sampling = dit::measure(
+            &self.dit,
+            &self.cfg,
+            req.batch,
+            [lh, lw],
+            TOKENS,
+            references,
+        )?;
         super::encoders_and_denoiser(&self.te, te, &self.dit, sampling)
     }
 

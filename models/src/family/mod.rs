@@ -311,8 +311,8 @@ impl<'b> Model<'b> {
         match self {
             Model::Sd(m) => m.config().default_size,
             Model::Flux(_) => 1024,
-            Model::ZImage(_) => zimage::defaults().size,
-            Model::Flux2(_) => flux2::defaults().size,
+            Model::ZImage(m) => zimage::defaults(m.base()).size,
+            Model::Flux2(m) => flux2::defaults(m.base()).size,
         }
     }
 
@@ -320,9 +320,9 @@ impl<'b> Model<'b> {
     pub fn defaults(&self) -> Defaults {
         match self {
             Model::Sd(_) => sd_defaults(self.default_size()),
-            Model::Flux(m) => flux_defaults(m.variant() == flux::Variant::Dev),
-            Model::ZImage(_) => zimage::defaults(),
-            Model::Flux2(_) => flux2::defaults(),
+            Model::Flux(m) => flux_defaults(m.variant()),
+            Model::ZImage(m) => zimage::defaults(m.base()),
+            Model::Flux2(m) => flux2::defaults(m.base()),
         }
     }
 
@@ -332,6 +332,12 @@ impl<'b> Model<'b> {
     /// edits natively).
     pub fn takes_references(&self) -> bool {
         matches!(self, Model::Flux(_) | Model::Flux2(_))
+    }
+
+    /// Whether the model edits and so needs a reference image (FLUX.1
+    /// Kontext, by its name: [`Named`]).
+    pub fn needs_references(&self) -> bool {
+        matches!(self, Model::Flux(m) if m.variant() == flux::Variant::Kontext)
     }
 
     /// Whether the denoiser takes a distilled guidance scale (FLUX.1 dev).
@@ -484,18 +490,21 @@ impl<'b> Model<'b> {
         }
     }
 
-    /// Measures every module but the first stage at `req`'s size.
+    /// Measures every module but the first stage at `req`'s size, with
+    /// reference latents of `references` (`[h, w]` cells) where the model
+    /// takes them.
     pub fn measure(
         &self,
         req: &crate::runtime::memory::MemoryRequest,
         lh: usize,
         lw: usize,
+        references: &[[usize; 2]],
     ) -> Result<Vec<crate::runtime::memory::ModuleMemory>, ModelError> {
         match self {
             Model::Sd(m) => m.measure(req, lh, lw),
-            Model::Flux(m) => m.measure(req, lh, lw),
+            Model::Flux(m) => m.measure(req, lh, lw, references),
             Model::ZImage(m) => m.measure(req, lh, lw),
-            Model::Flux2(m) => m.measure(req, lh, lw),
+            Model::Flux2(m) => m.measure(req, lh, lw, references),
         }
     }
 
@@ -559,13 +568,76 @@ pub fn defaults_of(ckpt: &Checkpoint) -> Result<Defaults, ModelError> {
     let family = detect(ckpt)?;
     Ok(match family.config() {
         Some(cfg) => sd_defaults(cfg.default_size),
-        None if family == Family::ZImage => zimage::defaults(),
-        None if family == Family::Flux2 => flux2::defaults(),
-        None => flux_defaults(ckpt.tensors.iter().any(|t| {
-            t.name
-                .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
-        })),
+        None if family == Family::ZImage => zimage::defaults(Named::of(ckpt).base),
+        None if family == Family::Flux2 => flux2::defaults(Named::of(ckpt).base),
+        None => flux_defaults(flux::variant_of(
+            ckpt.tensors.iter().any(|t| {
+                t.name
+                    .starts_with(&format!("{}guidance_in.", flux::DIT_PREFIX))
+            }),
+            ckpt,
+        )),
     })
+}
+
+/// What a checkpoint says it is, where the tensors cannot tell: Z-Image
+/// Turbo and Base, FLUX.2 klein distilled and base, FLUX.1 dev and Kontext
+/// dev have the same tensors. Read from the names it carries (safetensors'
+/// `modelspec.title` and `modelspec.architecture`, GGUF's `general.name`,
+/// `general.basename` and `general.finetune`) and its file name (with its
+/// folder's, for a diffusers `transformer/` folder or shard): the words
+/// `base` and `kontext`, as the released files are named
+/// (`flux-2-klein-base-4b.safetensors`, `flux1-kontext-dev.safetensors`,
+/// `Z-Image-Base`). A name that says neither is the distilled model, the
+/// one most people have; `--steps` and `--cfg-scale` override either way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Named {
+    /// An undistilled base model (CFG, many steps), not its Turbo or
+    /// distilled sibling.
+    pub base: bool,
+    /// FLUX.1 Kontext: an editing model.
+    pub kontext: bool,
+}
+
+impl Named {
+    /// What `ckpt`'s names say.
+    pub fn of(ckpt: &Checkpoint) -> Named {
+        let mut text: Vec<String> = crate::checkpoint::NAME_KEYS
+            .iter()
+            .filter_map(|k| ckpt.metadata.get(*k))
+            .map(|v| v.to_lowercase())
+            .collect();
+        // The file's name; a generic one (a diffusers folder's, a shard's)
+        // names nothing, so its folder's too, up to the model's.
+        for part in ckpt.path.iter().rev() {
+            let p = part.to_string_lossy().to_lowercase();
+            let stem = p.split('.').next().unwrap_or("");
+            let generic = matches!(stem, "model" | "transformer" | "diffusion_pytorch_model")
+                || stem.starts_with("diffusion_pytorch_model-")
+                || stem.starts_with("model-");
+            text.push(p);
+            if !generic {
+                break;
+            }
+        }
+        Self::of_names(&text)
+    }
+
+    /// What these names (lowercase) say: `kontext` anywhere in one, `base`
+    /// as a word (between non-letters), unless `turbo` is there too.
+    fn of_names(names: &[String]) -> Named {
+        let word = |w: &str| {
+            names.iter().any(|n| {
+                n.split(|c: char| !c.is_ascii_alphabetic())
+                    .any(|part| part == w)
+            })
+        };
+        let turbo = names.iter().any(|n| n.contains("turbo"));
+        Named {
+            base: word("base") && !turbo,
+            kontext: names.iter().any(|n| n.contains("kontext")),
+        }
+    }
 }
 
 /// The SD families' defaults: 20 steps of Euler a, CFG 7.
@@ -579,12 +651,16 @@ fn sd_defaults(size: usize) -> Defaults {
     }
 }
 
-/// FLUX.1's defaults (dev: 20 steps; schnell: 4): 1024², no CFG, Euler on
-/// the simple schedule.
-fn flux_defaults(dev: bool) -> Defaults {
+/// FLUX.1's defaults (dev: 20 steps; Kontext: 28, as diffusers' Kontext
+/// pipeline; schnell: 4): 1024², no CFG, Euler on the simple schedule.
+fn flux_defaults(variant: flux::Variant) -> Defaults {
     Defaults {
         size: 1024,
-        steps: if dev { 20 } else { 4 },
+        steps: match variant {
+            flux::Variant::Dev => 20,
+            flux::Variant::Kontext => 28,
+            flux::Variant::Schnell => 4,
+        },
         cfg_scale: 1.0,
         sampler: crate::sampling::Sampler::Euler,
         scheduler: crate::sampling::Scheduler::Simple,
@@ -952,5 +1028,54 @@ mod tests {
         assert_eq!(stated_prediction(&c), Some(Prediction::V));
         let c = ckpt(&["v_pred"]);
         assert_eq!(stated_prediction(&c), Some(Prediction::V));
+    }
+
+    #[test]
+    fn names_tell_same_tensor_editions_apart() {
+        let named = |path: &str, meta: &[(&str, &str)]| {
+            Named::of(&Checkpoint {
+                path: path.into(),
+                metadata: meta
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+                ..Default::default()
+            })
+        };
+        let base = Named {
+            base: true,
+            kontext: false,
+        };
+        let kontext = Named {
+            base: false,
+            kontext: true,
+        };
+        for (path, meta, want) in [
+            ("/m/flux-2-klein-base-4b.safetensors", &[][..], base),
+            ("/m/flux-2-klein-4b.safetensors", &[], Named::default()),
+            ("/m/z_image_turbo_bf16.safetensors", &[], Named::default()),
+            ("/m/Z-Image-Base-Q8_0.gguf", &[], base),
+            ("/m/x.gguf", &[("general.finetune", "Base")], base),
+            // "base" only as a word; a Turbo file is never the base.
+            ("/m/database-turbo.gguf", &[], Named::default()),
+            ("/m/z-image-turbo-base-merge.gguf", &[], Named::default()),
+            ("/m/flux1-kontext-dev-Q4_K_M.gguf", &[], kontext),
+            (
+                "/m/x.safetensors",
+                &[("modelspec.title", "FLUX.1 Kontext [dev]")],
+                kontext,
+            ),
+            // A diffusers folder: the model's folder names it.
+            (
+                "/m/FLUX.1-Kontext-dev/transformer/diffusion_pytorch_model.safetensors",
+                &[],
+                kontext,
+            ),
+            ("/m/flux1-dev.safetensors", &[], Named::default()),
+            // Folders above a named file say nothing.
+            ("/home/base/kontext/z_image.gguf", &[], Named::default()),
+        ] {
+            assert_eq!(named(path, meta), want, "{path} {meta:?}");
+        }
     }
 }

@@ -47,12 +47,15 @@ pub const MAX_TOKENS: usize = 512;
 /// The flow shift of Z-Image's schedule.
 pub const SHIFT: f64 = 3.0;
 
-/// What Z-Image runs with where a request does not say (Turbo's).
-pub fn defaults() -> Defaults {
+/// What Z-Image runs with where a request does not say: Turbo's 8 steps
+/// without CFG, or for Base (`base`, by its name: [`super::Named`]) 50
+/// steps at CFG 5, the middle of Base's recommended range (diffusers'
+/// `guidance_scale` 4: its scale is sdhost's minus one).
+pub fn defaults(base: bool) -> Defaults {
     Defaults {
         size: 1024,
-        steps: 8,
-        cfg_scale: 1.0,
+        steps: if base { 50 } else { 8 },
+        cfg_scale: if base { 5.0 } else { 1.0 },
         sampler: Sampler::Euler,
         scheduler: Scheduler::Simple,
     }
@@ -119,8 +122,9 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
 /// without `.weight`), each with the rows it covers: the fused `qkv`'s
 /// thirds are `to_q`, `to_k`, `to_v`.
 pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias> {
+    use crate::lora::names::Alias;
     let third = shape.first().copied().unwrap_or(0) as usize / 3;
-    let one = |s: String| vec![(s, None)];
+    let one = |s: String| vec![Alias::whole(s)];
     if path == "x_embedder" {
         return one("all_x_embedder.2-1".into());
     }
@@ -131,7 +135,7 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<crate::lora::names::Alias>
         return ["to_q", "to_k", "to_v"]
             .iter()
             .enumerate()
-            .map(|(i, x)| (format!("{block}.attention.{x}"), Some((i * third, third))))
+            .map(|(i, x)| Alias::rows(format!("{block}.attention.{x}"), i * third, third))
             .collect();
     }
     if let Some(block) = path.strip_suffix(".attention.out") {
@@ -150,6 +154,7 @@ pub struct ZImageModel<'b> {
     qwen: Qwen3Config,
     cfg: ZImageConfig,
     tokenizer: QwenTokenizer,
+    base: bool,
 }
 
 impl<'b> ZImageModel<'b> {
@@ -198,12 +203,18 @@ impl<'b> ZImageModel<'b> {
             qwen,
             cfg,
             tokenizer: super::qwen_tokenizer(ckpt)?,
+            base: super::Named::of(ckpt).base,
         })
     }
 
     /// The transformer's hyper-parameters.
     pub fn config(&self) -> &ZImageConfig {
         &self.cfg
+    }
+
+    /// Whether the checkpoint is Z-Image Base (by its name), not Turbo.
+    pub fn base(&self) -> bool {
+        self.base
     }
 
     /// The σ schedule: rectified flow, shifted by 3 whatever the size.

@@ -233,7 +233,7 @@ impl LoraSet {
     fn add(
         &mut self,
         spec: &LoraSpec,
-        targets: &HashMap<String, Target>,
+        targets: &HashMap<String, Vec<Target>>,
         entries: &HashMap<&str, &TensorEntry>,
         fam: &LoraLayout<'_>,
         apply: LoraApply,
@@ -279,7 +279,7 @@ impl LoraSet {
         let mut unmatched = unsupported;
         let mut matched = 0;
         for (module, [down, up, alpha]) in &modules {
-            let Some(target) = targets.get(module) else {
+            let Some(list) = targets.get(module) else {
                 unmatched.push(module.clone());
                 continue;
             };
@@ -294,9 +294,13 @@ impl LoraSet {
                     if down.is_some() { "its up" } else { "its down" },
                 )));
             };
-            let entry = entries[target.tensor.as_str()];
-            let patch = check_pair(&file, module, down, up, target, entry)?;
-            let mut patch = patch;
+            let entry_of = |t: &Target| entries[t.tensor.as_str()];
+            let patches = list
+                .iter()
+                .map(|t| check_pair(&file, module, down, up, t, entry_of(t)))
+                .collect::<Result<Vec<_>, _>>()?;
+            check_blocks(&file, module, up, list)?;
+            let rank = patches[0].rank;
             let alpha = match alpha {
                 Some(a) => {
                     let v = read_f32(&f, &file, a)?;
@@ -310,35 +314,41 @@ impl LoraSet {
                         }
                     }
                 }
-                None => patch.rank as f32,
+                None => rank as f32,
             };
-            let scale = spec.weight * alpha / patch.rank as f32;
-            patch.down = read_f32(&f, &file, down)?;
-            patch.up = read_f32(&f, &file, up)?;
-            if patch.down.iter().chain(&patch.up).any(|v| !v.is_finite()) {
+            let scale = spec.weight * alpha / rank as f32;
+            let down_values = read_f32(&f, &file, down)?;
+            let mut up_values = read_f32(&f, &file, up)?;
+            if down_values.iter().chain(&up_values).any(|v| !v.is_finite()) {
                 return Err(invalid(format!(
                     "{file}: {module}: the LoRA holds values that are not finite"
                 )));
             }
-            patch.up.iter_mut().for_each(|v| *v *= scale);
-            let graph = match apply {
-                LoraApply::Graph => true,
-                LoraApply::Auto => !is_float(&entry.dtype),
-                LoraApply::Merge if is_float(&entry.dtype) => false,
-                LoraApply::Merge => {
-                    return Err(invalid(format!(
-                        "{}: tensor {} is {}: a LoRA cannot be merged into quantized weights (--lora-apply graph or auto applies it in the graph)",
-                        file, entry.name, entry.dtype
-                    )))
+            up_values.iter_mut().for_each(|v| *v *= scale);
+            for (target, mut patch) in list.iter().zip(patches) {
+                let entry = entry_of(target);
+                let graph = match apply {
+                    LoraApply::Graph => true,
+                    LoraApply::Auto => !is_float(&entry.dtype),
+                    LoraApply::Merge if is_float(&entry.dtype) => false,
+                    LoraApply::Merge => {
+                        return Err(invalid(format!(
+                            "{}: tensor {} is {}: a LoRA cannot be merged into quantized weights (--lora-apply graph or auto applies it in the graph)",
+                            file, entry.name, entry.dtype
+                        )))
+                    }
+                };
+                let (first, count) = target.from.unwrap_or((0, patch.out));
+                patch.up = up_values[first * rank..(first + count) * rank].to_vec();
+                patch.down = down_values.clone();
+                if graph {
+                    self.graph.insert(entry.name.clone(), entry.shape.clone());
                 }
-            };
-            if graph {
-                self.graph.insert(entry.name.clone(), entry.shape.clone());
+                self.patches
+                    .entry(target.tensor.clone())
+                    .or_default()
+                    .push(patch);
             }
-            self.patches
-                .entry(target.tensor.clone())
-                .or_default()
-                .push(patch);
             matched += 1;
         }
         let denoiser = |m: &String| m.starts_with("lora_unet_");
@@ -492,7 +502,13 @@ fn check_pair(
     let t_inner: u64 = ts[1..].iter().product();
     // A kernel larger than 1×1 must be the weight's kernel.
     let kernel_ok = ds.len() == 2 || ds[2..].iter().all(|&d| d == 1) || ts.get(2..) == ds.get(2..);
-    if out != rows || inner != t_inner || !kernel_ok {
+    // A target taking a block of the LoRA's rows: that block must exist
+    // (that the blocks tile the rows is checked by `check_blocks`).
+    let (out, block_ok) = match target.from {
+        Some((start, count)) => (count, start + count <= out),
+        None => (out, true),
+    };
+    if out != rows || inner != t_inner || !kernel_ok || !block_ok {
         let slice = target
             .rows
             .map_or(String::new(), |(a, n)| format!(" rows {a}..{}", a + n));
@@ -512,6 +528,39 @@ fn check_pair(
         inner: inner as usize,
         row0,
     })
+}
+
+/// Where a key reaches several targets, each taking a block of its rows:
+/// the blocks must cover the LoRA's rows exactly once (else the LoRA is
+/// for a layer of another size).
+fn check_blocks(
+    file: &str,
+    module: &str,
+    up: &TensorEntry,
+    list: &[Target],
+) -> Result<(), ModelError> {
+    let mut blocks: Vec<(usize, usize)> = list.iter().filter_map(|t| t.from).collect();
+    if blocks.is_empty() {
+        return Ok(());
+    }
+    blocks.sort_unstable();
+    let mut at = 0;
+    for &(start, count) in &blocks {
+        if start != at {
+            break;
+        }
+        at += count;
+    }
+    let rows = up.shape.first().copied().unwrap_or(0) as usize;
+    if blocks.len() != list.len() || at != rows {
+        let tensors: Vec<&str> = list.iter().map(|t| t.tensor.as_str()).collect();
+        return Err(invalid(format!(
+            "{file}: {module}: LoRA up {} does not fit {} (a LoRA for another model?)",
+            shape_str(&up.shape),
+            tensors.join(" + ")
+        )));
+    }
+    Ok(())
 }
 
 /// LoRAs change a module's weights as it loads (see
@@ -552,6 +601,39 @@ mod tests {
             .contains("<lora:a:b>"));
         assert!(prompt_tags("<lora::1>").is_err());
         assert_eq!(prompt_tags("no <lora: end").unwrap().0, "no <lora: end");
+    }
+
+    #[test]
+    fn the_blocks_of_a_key_must_tile_its_rows() {
+        let up = |rows: u64| TensorEntry {
+            name: "k.lora_up.weight".into(),
+            dtype: "F32".into(),
+            bytes: rows * 2 * 4,
+            shape: vec![rows, 2],
+            offset: Some(0),
+            file: None,
+        };
+        let part = |t: &str, from| Target {
+            tensor: t.into(),
+            rows: None,
+            from,
+        };
+        let qkv = [
+            part("q", Some((0, 4))),
+            part("k", Some((4, 4))),
+            part("v", Some((8, 4))),
+        ];
+        assert!(check_blocks("f", "k", &up(12), &qkv).is_ok());
+        // Rows left over, a block missing, a target taking all of them.
+        let e = check_blocks("f", "k", &up(16), &qkv)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("up [16, 2] does not fit q + k + v"), "{e}");
+        assert!(check_blocks("f", "k", &up(12), &qkv[..2]).is_err());
+        let mixed = [part("q", Some((0, 4))), part("w", None)];
+        assert!(check_blocks("f", "k", &up(4), &mixed).is_err());
+        // One target of the whole: nothing to tile.
+        assert!(check_blocks("f", "k", &up(7), &[part("w", None)]).is_ok());
     }
 
     #[test]

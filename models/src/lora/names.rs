@@ -14,7 +14,11 @@
 //! normalised kohya spelling (diffusers path and, for the UNet, the ldm path
 //! too), and a LoRA key is normalised into that spelling and looked up. A
 //! slice of a fused tensor (the q, k or v third of `in_proj_weight`) is a
-//! [`Target`] with a row range.
+//! [`Target`] with a row range. One key may reach several targets, each
+//! taking a block of the LoRA's output rows: a fused layer (kohya's FLUX
+//! `img_attn_qkv`) on a checkpoint that keeps q, k and v apart (diffusers'
+//! names), or a modulation whose two halves the LoRA's convention orders
+//! the other way round (diffusers' `norm_out` on BFL's final layer).
 
 use crate::checkpoint::Checkpoint;
 use crate::encoders::clip::Naming;
@@ -28,6 +32,70 @@ pub struct Target {
     /// The rows (outermost dimension) the key covers, for fused tensors:
     /// `(start, count)`.
     pub rows: Option<(usize, usize)>,
+    /// The block of the LoRA's output rows (of its `up` matrix) that goes
+    /// to these rows, `(start, count)`, where the key reaches several
+    /// targets; `None`: all of them.
+    pub from: Option<(usize, usize)>,
+}
+
+/// Another name of a weight in LoRA files ([`LoraLayout::denoiser_aliases`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Alias {
+    /// The module path in the LoRA's convention (no `.weight`).
+    pub name: String,
+    /// The weight's rows it covers (`None`: all).
+    pub rows: Option<(usize, usize)>,
+    /// The block of that module's LoRA output rows these rows take
+    /// (`None`: all): see [`Target::from`].
+    pub from: Option<(usize, usize)>,
+}
+
+impl Alias {
+    /// The whole weight is the module `name`.
+    pub fn whole(name: impl Into<String>) -> Alias {
+        Alias {
+            name: name.into(),
+            rows: None,
+            from: None,
+        }
+    }
+
+    /// Rows `start..start + count` of the weight are the module `name`
+    /// (a part of a fused weight).
+    pub fn rows(name: impl Into<String>, start: usize, count: usize) -> Alias {
+        Alias {
+            rows: Some((start, count)),
+            ..Alias::whole(name)
+        }
+    }
+
+    /// The whole weight is output rows `start..start + count` of the
+    /// fused module `name` (a part kept apart, the fused layer's LoRA).
+    pub fn part_of(name: impl Into<String>, start: usize, count: usize) -> Alias {
+        Alias {
+            from: Some((start, count)),
+            ..Alias::whole(name)
+        }
+    }
+
+    /// The module `name` is this weight of `rows` rows with its two halves
+    /// swapped (an adaLN modulation that one convention orders shift,
+    /// scale and the other scale, shift).
+    pub fn swapped_halves(name: &str, rows: usize) -> Vec<Alias> {
+        let half = rows / 2;
+        vec![
+            Alias {
+                rows: Some((half, half)),
+                from: Some((0, half)),
+                ..Alias::whole(name)
+            },
+            Alias {
+                rows: Some((0, half)),
+                from: Some((half, half)),
+                ..Alias::whole(name)
+            },
+        ]
+    }
 }
 
 /// `a.b.c` → `a_b_c`.
@@ -154,9 +222,6 @@ pub struct LoraLayout<'a> {
     pub denoiser_aliases: fn(&str, &[u64]) -> Vec<Alias>,
 }
 
-/// Another name of a weight in LoRA files, with the rows it covers.
-pub type Alias = (String, Option<(usize, usize)>);
-
 impl LoraLayout<'_> {
     /// Whether LoRA keys number the text encoders.
     pub fn several_te(&self) -> bool {
@@ -198,13 +263,17 @@ fn te_key_prefix(count: usize, i: usize) -> String {
 }
 
 /// Every adaptable weight of `ckpt` (matrices and convolution kernels of
-/// the UNet and the text encoders) under each normalised key that names it.
-pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Target> {
+/// the UNet and the text encoders) under each normalised key that names
+/// it; a key that reaches several weights (or row blocks) has them all.
+pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Vec<Target>> {
     let per_level = resnets_per_level(ckpt, fam.unet_prefix);
-    let mut map = HashMap::new();
-    let whole = |t: &str| Target {
-        tensor: t.to_string(),
-        rows: None,
+    let mut map: HashMap<String, Vec<Target>> = HashMap::new();
+    let whole = |t: &str| {
+        vec![Target {
+            tensor: t.to_string(),
+            rows: None,
+            from: None,
+        }]
     };
     for t in &ckpt.tensors {
         if t.shape.iter().filter(|&&d| d > 1).count() < 2 {
@@ -219,12 +288,19 @@ pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Targe
             if let Some(d) = unet_ldm_to_diffusers(path, per_level) {
                 map.insert(format!("lora_unet_{}", us(&d)), whole(&t.name));
             }
-            for (alias, rows) in (fam.denoiser_aliases)(path, &t.shape) {
+            for alias in (fam.denoiser_aliases)(path, &t.shape) {
                 let target = Target {
                     tensor: t.name.clone(),
-                    rows,
+                    rows: alias.rows,
+                    from: alias.from,
                 };
-                map.insert(format!("lora_unet_{}", us(&alias)), target);
+                let key = format!("lora_unet_{}", us(&alias.name));
+                let list = map.entry(key).or_default();
+                // A whole-module alias replaces; parts gather.
+                if target.from.is_none() {
+                    list.clear();
+                }
+                list.push(target);
             }
             continue;
         }
@@ -250,10 +326,11 @@ pub fn targets(ckpt: &Checkpoint, fam: &LoraLayout<'_>) -> HashMap<String, Targe
                     for (path, rows) in openclip_to_hf(rel, width) {
                         map.insert(
                             format!("{kp}{}", us(&path)),
-                            Target {
+                            vec![Target {
                                 tensor: t.name.clone(),
                                 rows,
-                            },
+                                from: None,
+                            }],
                         );
                     }
                 }

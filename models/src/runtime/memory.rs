@@ -57,7 +57,7 @@ impl Phase {
 }
 
 /// The size to measure at.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryRequest {
     /// Image width in pixels.
     pub width: usize,
@@ -70,6 +70,10 @@ pub struct MemoryRequest {
     /// Whether the VAE encoder runs (img2img); an inpainting UNet always
     /// runs it.
     pub encode: bool,
+    /// The reference images' sizes in pixels, as given (FLUX.1 Kontext,
+    /// FLUX.2): the pipeline resizes them as it would, the VAE encoder
+    /// runs on each, and their tokens join the denoiser's.
+    pub references: Vec<(usize, usize)>,
 }
 
 /// One module's measured memory.

@@ -326,6 +326,7 @@ impl<'m> Worker<'_, 'm> {
             width: None,
             height: None,
             init_size: None,
+            references: &[],
             prompts: ("", ""),
             guided: sdhost_models::family::defaults_of(&ckpt).map_or(true, |d| d.cfg_scale != 1.0),
             memory: &self.args.memory.flags(),
