@@ -128,7 +128,7 @@ pub fn lora_layout() -> crate::lora::names::LoraLayout<'static> {
 ///   block's `linear1` is `to_q`, `to_k`, `to_v` and `proj_mlp`, and the
 ///   final modulation is `norm_out.linear` with its halves swapped;
 /// * in a diffusers-named checkpoint (loaded under BFL's names with the
-///   parts apart, [`bfl_name`]), the fused layers kohya's LoRAs adapt:
+///   parts apart, `bfl_name`), the fused layers kohya's LoRAs adapt:
 ///   `img_attn.q` is the first third of `img_attn.qkv`'s LoRA, a single
 ///   block's `attn_q` … `mlp_in` are blocks of `linear1`'s, and
 ///   `final_layer.norm_out` is BFL's `adaLN_modulation.1` swapped.
