@@ -466,41 +466,22 @@ fn loras_match_their_merged_reference() {
 /// 50 steps, CFG 4), others the distilled model's (4 steps, no CFG).
 #[test]
 fn a_base_checkpoint_gets_base_defaults() {
-    let p = Prefix::with_cpu();
-    let models = p.dir("models");
-    let (llm, ae) = (
-        fixture("qwen3/tiny-qwen3-bf16.gguf"),
-        fixture("klein/tiny-klein-ae.safetensors"),
+    defaults_follow_the_name(
+        "klein/tiny-klein.safetensors",
+        "klein/tiny-klein-ae.safetensors",
+        &[
+            (
+                "flux-2-klein-4b-tiny.safetensors",
+                &[],
+                "Steps: 4, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
+            ),
+            (
+                "flux-2-klein-base-4b-tiny.safetensors",
+                &[],
+                "Steps: 50, Sampler: Euler, Schedule type: Simple, CFG scale: 4,",
+            ),
+        ],
     );
-    for (name, want) in [
-        (
-            "flux-2-klein-4b-tiny.safetensors",
-            "Steps: 4, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
-        ),
-        (
-            "flux-2-klein-base-4b-tiny.safetensors",
-            "Steps: 50, Sampler: Euler, Schedule type: Simple, CFG scale: 4,",
-        ),
-    ] {
-        let dit = models.join(name);
-        std::fs::copy(fixture("klein/tiny-klein.safetensors"), &dit).unwrap();
-        let out = p.dir("out").join(format!("{name}.png"));
-        let a = [
-            "-m",
-            s(&dit),
-            "--llm",
-            s(&llm),
-            "--vae",
-            s(&ae),
-            "-W",
-            "32",
-            "-H",
-            "32",
-        ];
-        generate(&p, &out, &a).ok();
-        let (_, _, text) = png_info(&out);
-        assert!(text.contains(want), "{name}: {want:?} not in {text:?}");
-    }
 }
 
 /// The memory plan counts reference images: their tokens join the

@@ -472,52 +472,25 @@ fn bench_gives_the_sdcpp_peer_zimage_in_parts() {
 /// others Turbo's (8 steps, no CFG); flags override either.
 #[test]
 fn a_base_checkpoint_gets_base_defaults() {
-    let p = Prefix::with_cpu();
-    let models = p.dir("models");
-    let (llm, ae) = (
-        fixture("qwen3/tiny-qwen3-bf16.gguf"),
-        fixture("ae16/tiny-ae16.safetensors"),
+    defaults_follow_the_name(
+        "zimage/tiny-zimage.safetensors",
+        "ae16/tiny-ae16.safetensors",
+        &[
+            (
+                "z_image_turbo-tiny.safetensors",
+                &[],
+                "Steps: 8, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
+            ),
+            (
+                "Z-Image-Base-tiny.safetensors",
+                &[],
+                "Steps: 50, Sampler: Euler, Schedule type: Simple, CFG scale: 5,",
+            ),
+            (
+                "Z-Image-Base-tiny.safetensors",
+                &["--steps", "3", "--cfg-scale", "1"],
+                "Steps: 3, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
+            ),
+        ],
     );
-    for (name, extra, want) in [
-        (
-            "z_image_turbo-tiny.safetensors",
-            &[][..],
-            "Steps: 8, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
-        ),
-        (
-            "Z-Image-Base-tiny.safetensors",
-            &[],
-            "Steps: 50, Sampler: Euler, Schedule type: Simple, CFG scale: 5,",
-        ),
-        (
-            "Z-Image-Base-tiny.safetensors",
-            &["--steps", "3", "--cfg-scale", "1"],
-            "Steps: 3, Sampler: Euler, Schedule type: Simple, CFG scale: 1,",
-        ),
-    ] {
-        let dit = models.join(name);
-        if !dit.exists() {
-            std::fs::copy(fixture("zimage/tiny-zimage.safetensors"), &dit).unwrap();
-        }
-        let out = p.dir("out").join(format!("{name}-{}.png", extra.len()));
-        let mut a = vec![
-            "-m",
-            s(&dit),
-            "--llm",
-            s(&llm),
-            "--vae",
-            s(&ae),
-            "-W",
-            "32",
-            "-H",
-            "32",
-        ];
-        a.extend_from_slice(extra);
-        generate(&p, &out, &a).ok();
-        let (_, _, text) = png_info(&out);
-        assert!(
-            text.contains(want),
-            "{name} {extra:?}: {want:?} not in {text:?}"
-        );
-    }
 }

@@ -652,3 +652,44 @@ pub fn euler_request(prompt: &str, steps: usize) -> sdhost_models::request::Requ
         reference: Vec::new(),
     }
 }
+
+/// For each case `(file name, flags, text)`: `sdhost generate` at 32×32 of
+/// the Qwen3-encoded transformer fixture `dit` copied under that file name
+/// (with the tiny Qwen3 and the autoencoder fixture `ae`) writes an image
+/// whose parameters hold `text`: the defaults a checkpoint's name chooses.
+pub fn defaults_follow_the_name(dit: &str, ae: &str, cases: &[(&str, &[&str], &str)]) {
+    let p = Prefix::with_cpu();
+    let models = p.dir("models");
+    let (llm, ae) = (fixture("qwen3/tiny-qwen3-bf16.gguf"), fixture(ae));
+    for (i, (name, extra, want)) in cases.iter().enumerate() {
+        let file = models.join(name);
+        if !file.exists() {
+            std::fs::copy(fixture(dit), &file).unwrap();
+        }
+        let out = p.dir("out").join(format!("{i}.png"));
+        let mut a = vec![
+            "generate",
+            "-p",
+            "a photo of a cat",
+            "-o",
+            s(&out),
+            "-m",
+            s(&file),
+            "--llm",
+            s(&llm),
+            "--vae",
+            s(&ae),
+            "-W",
+            "32",
+            "-H",
+            "32",
+        ];
+        a.extend_from_slice(extra);
+        p.run(&a).ok();
+        let (_, _, text) = png_info(&out);
+        assert!(
+            text.contains(want),
+            "{name} {extra:?}: {want:?} not in {text:?}"
+        );
+    }
+}
