@@ -64,6 +64,19 @@ pub struct Cli {
     #[arg(long = "rpc-timeout", value_name = "SECS", global = true, value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub rpc_timeout: Option<u64>,
 
+    /// Pre-shared key for RPC: a client proves it to each --rpc server, and
+    /// `rpc-server` requires it of every client (needed to listen off
+    /// loopback). At least 16 characters; prefer the environment variable,
+    /// which other users cannot read in the process list
+    #[arg(
+        long = "rpc-key",
+        value_name = "KEY",
+        global = true,
+        env = "SDHOST_RPC_KEY",
+        hide_env_values = true
+    )]
+    pub rpc_key: Option<String>,
+
     /// What to do
     #[command(subcommand)]
     pub command: Command,
@@ -81,6 +94,7 @@ impl Cli {
             allow_insecure_plugins: self.allow_insecure_plugins,
             rpc: self.rpc.clone(),
             rpc_timeout: self.rpc_timeout,
+            rpc_key: self.rpc_key.clone(),
         }
     }
 }
@@ -975,7 +989,7 @@ pub struct ServerArgs {
     #[arg(long, value_name = "NAME")]
     pub device: String,
 
-    /// IPv4 address to listen on; anything but loopback needs --allow-remote
+    /// IPv4 address to listen on; anything but loopback needs --rpc-key
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
 
@@ -988,11 +1002,14 @@ pub struct ServerArgs {
     #[arg(long, value_name = "DIR")]
     pub cache: Option<PathBuf>,
 
-    /// Listen on a non-loopback address. ggml's RPC protocol has neither
-    /// authentication nor encryption: anyone who reaches the port can use
-    /// the device and read or write its memory
-    #[arg(long = "allow-remote")]
+    /// No longer needed: a non-loopback address needs --rpc-key instead
+    #[arg(long = "allow-remote", hide = true)]
     pub allow_remote: bool,
+
+    /// Internal: run ggml's server itself on this private address (the
+    /// worker behind the gate)
+    #[arg(long = "worker-listen", value_name = "ADDR", hide = true)]
+    pub worker_listen: Option<std::net::SocketAddr>,
 }
 
 /// `sdhost serve`.

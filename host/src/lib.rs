@@ -33,6 +33,7 @@ pub mod registry;
 pub mod render;
 pub mod rpc;
 pub mod rpc_gate;
+pub mod rpc_key;
 pub mod session;
 pub mod term;
 pub mod upscaler;

@@ -376,7 +376,7 @@ impl Registry {
                     name,
                     ty: d.device_type(),
                     ggml_name: d.name(),
-                    description: d.description(),
+                    description: crate::rpc::shown(&d.description()),
                     device_id: d.device_id(),
                     memory_free: free,
                     memory_total: total,

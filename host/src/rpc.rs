@@ -15,10 +15,13 @@
 //! dies mid-call) ends in one line and exit status 1, with pending output
 //! files removed (see [`install_fatal_handler`]); never a core dump.
 
+use crate::rpc_key::Key;
 use anyhow::{anyhow, bail};
+use std::collections::HashMap;
 use std::io::{Read, Write};
+use std::net::TcpListener;
 use std::net::{SocketAddr, SocketAddrV4, TcpStream, ToSocketAddrs};
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 use std::time::Duration;
 
 /// The protocol version of the pinned `ggml-rpc.h`; the `rpc` plugin's
@@ -149,7 +152,7 @@ pub fn servers(
 /// ggml's client rule) and every answer is in range, else a reason
 /// (without the server's name). `timeout` bounds the connect and each read
 /// and write.
-pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
+pub fn check(e: &Endpoint, timeout: Duration, key: Option<&Key>) -> Result<(), String> {
     let secs = timeout.as_secs_f64();
     let mut s = TcpStream::connect_timeout(&SocketAddr::V4(e.addr), timeout).map_err(|err| {
         if err.kind() == std::io::ErrorKind::TimedOut {
@@ -162,6 +165,9 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
         .and_then(|()| s.set_write_timeout(Some(timeout)))
         .map_err(|err| format!("socket setup: {err}"))?;
     let _ = s.set_nodelay(true);
+    if let Some(key) = key {
+        crate::rpc_key::client(&mut s, key)?;
+    }
     let io = |err: std::io::Error| {
         match err.kind() {
         std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => format!(
@@ -171,7 +177,7 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
         | std::io::ErrorKind::ConnectionReset
         | std::io::ErrorKind::ConnectionAborted
         | std::io::ErrorKind::BrokenPipe => {
-            "closed the connection during the RPC handshake (busy serving another client, not a ggml RPC server of protocol 7, or it refused this client)".to_string()
+            "closed the connection during the RPC handshake (busy serving another client, not a ggml RPC server of protocol 7, or it refused this client: a server started with --rpc-key needs the key here too)".to_string()
         }
         _ => format!("RPC handshake: {err}"),
     }
@@ -251,6 +257,116 @@ pub fn check(e: &Endpoint, timeout: Duration) -> Result<(), String> {
     Ok(())
 }
 
+/// The local end of each tunnel, and the server it leads to.
+static TUNNELS: Mutex<Option<HashMap<String, String>>> = Mutex::new(None);
+
+/// The server an endpoint names: the server itself for a tunnel's local
+/// end (ggml's client and its device descriptions see that), else the
+/// endpoint as it is.
+pub fn shown(endpoint: &str) -> String {
+    TUNNELS
+        .lock()
+        .ok()
+        .and_then(|t| t.as_ref()?.get(endpoint).cloned())
+        .unwrap_or_else(|| endpoint.to_string())
+}
+
+/// Starts a tunnel to the keyed server `e` and returns its local end
+/// (`127.0.0.1:PORT`), for ggml's client: each connection made to it from
+/// this process is carried to the server after the key exchange
+/// ([`crate::rpc_key`]); connections from other processes are closed.
+pub fn tunnel(e: &Endpoint, key: Key, timeout: Duration) -> anyhow::Result<String> {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .map_err(|err| anyhow!("--rpc {}: a local tunnel: {err}", e.text))?;
+    let local = listener.local_addr()?.to_string();
+    if let Ok(mut t) = TUNNELS.lock() {
+        t.get_or_insert_with(HashMap::new)
+            .insert(local.clone(), e.text.clone());
+    }
+    let (server, name) = (SocketAddr::V4(e.addr), e.text.clone());
+    std::thread::Builder::new()
+        .name("rpc-tunnel".into())
+        .spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(conn) = conn else { continue };
+                if !conn.peer_addr().is_ok_and(own_connection) {
+                    let _ = conn.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let (key, name) = (key.clone(), name.clone());
+                std::thread::spawn(move || {
+                    if let Err(why) = carry(conn, server, &key, timeout) {
+                        tracing::warn!("RPC server {name}: {why}");
+                    }
+                });
+            }
+        })?;
+    Ok(local)
+}
+
+/// One tunnelled connection: the key exchange with the server, then bytes
+/// both ways until either side closes.
+fn carry(local: TcpStream, server: SocketAddr, key: &Key, timeout: Duration) -> Result<(), String> {
+    let mut remote =
+        TcpStream::connect_timeout(&server, timeout).map_err(|e| format!("cannot connect: {e}"))?;
+    let _ = remote.set_nodelay(true);
+    let _ = local.set_nodelay(true);
+    remote
+        .set_read_timeout(Some(timeout))
+        .and_then(|()| remote.set_write_timeout(Some(timeout)))
+        .map_err(|e| format!("socket setup: {e}"))?;
+    crate::rpc_key::client(&mut remote, key)?;
+    let _ = remote.set_read_timeout(None);
+    let _ = remote.set_write_timeout(None);
+    let pump = |mut from: TcpStream, mut to: TcpStream| {
+        let _ = std::io::copy(&mut from, &mut to);
+        let _ = to.shutdown(std::net::Shutdown::Write);
+    };
+    let (l2, r2) = (
+        local.try_clone().map_err(|e| e.to_string())?,
+        remote.try_clone().map_err(|e| e.to_string())?,
+    );
+    let up = std::thread::spawn(move || pump(l2, r2));
+    pump(remote, local);
+    let _ = up.join();
+    Ok(())
+}
+
+/// Whether the connection from `peer` (a loopback address) was made by
+/// this process: its socket is one of this process's open files (Linux's
+/// /proc). Another local user must not ride a tunnel that proves our key.
+#[cfg(target_os = "linux")]
+fn own_connection(peer: SocketAddr) -> bool {
+    let SocketAddr::V4(peer) = peer else {
+        return false;
+    };
+    let want = format!(
+        "{:08X}:{:04X}",
+        u32::from_le_bytes(peer.ip().octets()),
+        peer.port()
+    );
+    let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
+        return false;
+    };
+    let Some(inode) = table.lines().skip(1).find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.get(1) == Some(&want.as_str())).then(|| f.get(9).map(|s| s.to_string()))?
+    }) else {
+        return false;
+    };
+    let socket = format!("socket:[{inode}]");
+    std::fs::read_dir("/proc/self/fd").is_ok_and(|fds| {
+        fds.flatten()
+            .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l.as_os_str() == socket.as_str()))
+    })
+}
+
+/// Elsewhere no such check is made: the tunnel listens on loopback only.
+#[cfg(not(target_os = "linux"))]
+fn own_connection(_peer: SocketAddr) -> bool {
+    true
+}
+
 /// The servers of the running process, for the fatal-error line.
 static IN_USE: OnceLock<String> = OnceLock::new();
 
@@ -266,7 +382,8 @@ fn fatal(message: &str) {
 /// Makes ggml's aborts one line and exit status 1 (pending output files
 /// removed) for a process that uses the RPC servers `servers`.
 pub fn install_fatal_handler(servers: &[String]) {
-    let _ = IN_USE.set(servers.join(","));
+    let shown: Vec<String> = servers.iter().map(|s| shown(s)).collect();
+    let _ = IN_USE.set(shown.join(","));
     ggml::set_fatal_handler(fatal);
 }
 

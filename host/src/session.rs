@@ -58,6 +58,8 @@ pub struct SessionOptions {
     pub rpc: Option<String>,
     /// `--rpc-timeout` in seconds.
     pub rpc_timeout: Option<u64>,
+    /// `--rpc-key` (or `SDHOST_RPC_KEY`), unchecked until used.
+    pub rpc_key: Option<String>,
 }
 
 /// The placement a command asks for: `--backend`, `--params-backend` and
@@ -91,6 +93,8 @@ pub struct Session {
     /// RPC servers that failed their check, with the reason (their devices
     /// are missing; named again when a placement cannot be resolved).
     pub rpc_failures: Vec<String>,
+    /// `--rpc-key`, unchecked until used ([`Session::rpc_key`]).
+    rpc_key: Option<String>,
 }
 
 impl Session {
@@ -182,7 +186,13 @@ impl Session {
             registry,
             threads,
             rpc_failures,
+            rpc_key: cli.rpc_key.clone(),
         })
+    }
+
+    /// The RPC pre-shared key given to this invocation, if any.
+    pub fn rpc_key(&self) -> anyhow::Result<Option<crate::rpc_key::Key>> {
+        rpc_key(self.rpc_key.as_deref())
     }
 
     /// The registry's devices as the placement resolver sees them: every
@@ -265,6 +275,12 @@ impl Session {
     }
 }
 
+fn rpc_key(text: Option<&str>) -> anyhow::Result<Option<crate::rpc_key::Key>> {
+    text.map(|t| crate::rpc_key::Key::parse(t, "--rpc-key (or SDHOST_RPC_KEY)"))
+        .transpose()
+        .map_err(anyhow::Error::msg)
+}
+
 /// The RPC servers of this invocation that passed their check, and a line
 /// for each that did not (also logged as a warning). A malformed list is an
 /// error.
@@ -280,10 +296,20 @@ fn rpc_servers(
             .unwrap_or(crate::rpc::DEFAULT_TIMEOUT_S)
             .max(1),
     );
+    let key = if list.is_empty() {
+        None
+    } else {
+        rpc_key(cli.rpc_key.as_deref())?
+    };
     let (mut ok, mut failed) = (Vec::new(), Vec::new());
     for e in list {
-        match crate::rpc::check(&e, timeout) {
-            Ok(()) => ok.push(e.text),
+        match crate::rpc::check(&e, timeout, key.as_ref()) {
+            // With a key, ggml's client reaches the server through a local
+            // tunnel that proves the key on each connection.
+            Ok(()) => ok.push(match &key {
+                Some(k) => crate::rpc::tunnel(&e, k.clone(), timeout)?,
+                None => e.text,
+            }),
             Err(why) => {
                 tracing::warn!("RPC server {} left out: {why}", e.text);
                 failed.push(format!("{}: {why}", e.text));

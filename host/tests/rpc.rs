@@ -46,11 +46,15 @@ fn run(c: Command) -> Run {
     run_within(c, LIMIT).0
 }
 
+/// A pre-shared key for the keyed servers.
+const KEY: &str = "test-key-0123456789abcdef";
+
 /// `sdhost rpc-server` as a child, killed on drop.
 struct Server {
     child: Child,
     port: u16,
     log: PathBuf,
+    key: Option<String>,
 }
 
 impl Server {
@@ -71,7 +75,22 @@ impl Server {
             .stderr(f)
             .spawn()
             .unwrap();
-        let mut s = Server { child, port, log };
+        let key = env
+            .iter()
+            .find(|(k, _)| *k == "SDHOST_RPC_KEY")
+            .map(|(_, v)| v.to_string())
+            .or_else(|| {
+                extra
+                    .iter()
+                    .position(|a| *a == "--rpc-key")
+                    .map(|i| extra[i + 1].to_string())
+            });
+        let mut s = Server {
+            child,
+            port,
+            log,
+            key,
+        };
         s.wait_ready();
         s
     }
@@ -82,7 +101,7 @@ impl Server {
     fn wait_ready(&mut self) {
         let started = Instant::now();
         loop {
-            if hello(self.port).is_some() {
+            if hello_with(self.port, self.key.as_deref()).is_some() {
                 return;
             }
             let text = std::fs::read_to_string(&self.log).unwrap_or_default();
@@ -116,8 +135,17 @@ impl Drop for Server {
 /// Connects and runs the protocol's HELLO; the open connection and the
 /// version bytes when the server answered.
 fn hello(port: u16) -> Option<(TcpStream, [u8; 3])> {
+    hello_with(port, None)
+}
+
+/// [`hello`], after proving `key` when given.
+fn hello_with(port: u16, key: Option<&str>) -> Option<(TcpStream, [u8; 3])> {
     let mut c = TcpStream::connect(("127.0.0.1", port)).ok()?;
     c.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    if let Some(k) = key {
+        let k = sdhost::rpc_key::Key::parse(k, "test").ok()?;
+        sdhost::rpc_key::client(&mut c, &k).ok()?;
+    }
     let mut req = vec![14u8];
     req.extend_from_slice(&24u64.to_le_bytes());
     req.extend_from_slice(&[0; 24]);
@@ -537,12 +565,34 @@ fn a_second_client_while_the_server_is_busy() {
 }
 
 #[test]
-fn rpc_server_binds_loopback_unless_allowed() {
+fn rpc_server_binds_loopback_unless_keyed() {
     let p = prefix();
     let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--host", "0.0.0.0"]));
-    one_line_failure(
-        &r,
-        &["--allow-remote", "neither authentication nor encryption"],
+    one_line_failure(&r, &["not a loopback address", "--rpc-key"]);
+    // The old flag alone is no longer enough.
+    let r = run(p.cmd(&[
+        "rpc-server",
+        "--device",
+        "cpu",
+        "--host",
+        "0.0.0.0",
+        "--allow-remote",
+    ]));
+    one_line_failure(&r, &["--rpc-key"]);
+    let r = run(p.cmd(&[
+        "rpc-server",
+        "--device",
+        "cpu",
+        "--host",
+        "0.0.0.0",
+        "--rpc-key",
+        "short",
+    ]));
+    one_line_failure(&r, &["at least 16 characters"]);
+    assert!(
+        !r.stderr.contains("short"),
+        "the key is shown: {}",
+        r.stderr
     );
     let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--host", "localhost"]));
     one_line_failure(&r, &["--host \"localhost\"", "IPv4"]);
@@ -553,14 +603,25 @@ fn rpc_server_binds_loopback_unless_allowed() {
     let port = busy.local_addr().unwrap().port().to_string();
     let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--port", &port]));
     one_line_failure(&r, &["cannot listen on 127.0.0.1:"]);
-    // With --allow-remote it serves, after the warning.
-    let server = Server::start(&p, "cpu", &["--host", "0.0.0.0", "--allow-remote"], &[]);
-    let log = std::fs::read_to_string(&server.log).unwrap();
-    assert!(
-        log.contains("neither authentication nor encryption"),
-        "{log}"
+    // With a key it serves off loopback, after the warning, to clients that
+    // hold the key.
+    let server = Server::start(
+        &p,
+        "cpu",
+        &["--host", "0.0.0.0"],
+        &[("SDHOST_RPC_KEY", KEY)],
     );
-    let r = run(p.cmd(&["devices", "--json", "--rpc", &server.endpoint()])).ok();
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(log.contains("not encrypted"), "{log}");
+    let r = run(p.cmd(&[
+        "devices",
+        "--json",
+        "--rpc",
+        &server.endpoint(),
+        "--rpc-key",
+        KEY,
+    ]))
+    .ok();
     assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
 }
 
@@ -820,59 +881,883 @@ fn the_weight_cache_folder_is_private_and_checked() {
     assert!(log.contains("a symbolic link"), "{log}");
 }
 
+/// A raw protocol client for the hostile and fuzzing tests.
+struct Raw {
+    s: TcpStream,
+}
+
+/// `rpc_tensor` fields for [`wire_tensor`].
+#[derive(Clone, Copy)]
+struct T {
+    id: u64,
+    ty: u32,
+    buffer: u64,
+    ne: [u32; 4],
+    nb: [u32; 4],
+    op: u32,
+    params: [i32; 4],
+    src: [u64; 3],
+    view_src: u64,
+    view_offs: u64,
+    data: u64,
+}
+
+impl T {
+    /// A packed f32 leaf of shape `ne` at `data` in `buffer`.
+    fn f32(id: u64, ne: [u32; 4], buffer: u64, data: u64) -> T {
+        let mut nb = [4u32; 4];
+        for d in 1..4 {
+            nb[d] = nb[d - 1].wrapping_mul(ne[d - 1]);
+        }
+        T {
+            id,
+            ty: 0,
+            buffer,
+            ne,
+            nb,
+            op: 0,
+            params: [0; 4],
+            src: [0; 3],
+            view_src: 0,
+            view_offs: 0,
+            data,
+        }
+    }
+
+    fn wire(&self) -> Vec<u8> {
+        let mut t = vec![0u8; 296];
+        t[..8].copy_from_slice(&self.id.to_le_bytes());
+        t[8..12].copy_from_slice(&self.ty.to_le_bytes());
+        t[12..20].copy_from_slice(&self.buffer.to_le_bytes());
+        for d in 0..4 {
+            t[20 + 4 * d..24 + 4 * d].copy_from_slice(&self.ne[d].to_le_bytes());
+            t[36 + 4 * d..40 + 4 * d].copy_from_slice(&self.nb[d].to_le_bytes());
+            t[56 + 4 * d..60 + 4 * d].copy_from_slice(&self.params[d].to_le_bytes());
+        }
+        t[52..56].copy_from_slice(&self.op.to_le_bytes());
+        for i in 0..3 {
+            t[124 + 8 * i..132 + 8 * i].copy_from_slice(&self.src[i].to_le_bytes());
+        }
+        t[204..212].copy_from_slice(&self.view_src.to_le_bytes());
+        t[212..220].copy_from_slice(&self.view_offs.to_le_bytes());
+        t[220..228].copy_from_slice(&self.data.to_le_bytes());
+        t
+    }
+}
+
+/// A GRAPH_COMPUTE payload computing `nodes` over `tensors`.
+fn wire_graph(nodes: &[u64], tensors: &[T]) -> Vec<u8> {
+    let mut g = 0u32.to_le_bytes().to_vec();
+    g.extend_from_slice(&(nodes.len() as u32).to_le_bytes());
+    for n in nodes {
+        g.extend_from_slice(&n.to_le_bytes());
+    }
+    g.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
+    for t in tensors {
+        g.extend_from_slice(&t.wire());
+    }
+    g
+}
+
+impl Raw {
+    /// A session past HELLO, or `None` when the server does not answer.
+    fn open(port: u16, key: Option<&str>) -> Option<Raw> {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).ok()?;
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+        s.set_nodelay(true).ok()?;
+        if let Some(k) = key {
+            let k = sdhost::rpc_key::Key::parse(k, "test").ok()?;
+            sdhost::rpc_key::client(&mut s, &k).ok()?;
+        }
+        let mut c = Raw { s };
+        let a = c.call(14, &[0; 24])?;
+        (a.len() == 28).then_some(c)
+    }
+
+    fn send(&mut self, cmd: u8, payload: &[u8]) -> bool {
+        let mut m = vec![cmd];
+        m.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        m.extend_from_slice(payload);
+        self.s.write_all(&m).is_ok()
+    }
+
+    /// An answer, or `None` when the connection closed instead.
+    fn answer(&mut self) -> Option<Vec<u8>> {
+        let mut size = [0u8; 8];
+        self.s.read_exact(&mut size).ok()?;
+        let mut out = vec![0u8; u64::from_le_bytes(size).min(1 << 26) as usize];
+        self.s.read_exact(&mut out).ok()?;
+        Some(out)
+    }
+
+    fn call(&mut self, cmd: u8, payload: &[u8]) -> Option<Vec<u8>> {
+        if !self.send(cmd, payload) {
+            return None;
+        }
+        self.answer()
+    }
+
+    /// Whether the session still answers (DEVICE_COUNT).
+    fn alive(&mut self) -> bool {
+        self.call(15, &[]).is_some_and(|a| a.len() == 4)
+    }
+
+    /// A buffer of `size` bytes on device 0: its handle and base.
+    fn alloc(&mut self, size: u64) -> Option<(u64, u64)> {
+        let mut p = 0u32.to_le_bytes().to_vec();
+        p.extend_from_slice(&size.to_le_bytes());
+        let a = self.call(0, &p)?;
+        let handle = u64::from_le_bytes(a[..8].try_into().ok()?);
+        let base = self.call(3, &handle.to_le_bytes())?;
+        Some((handle, u64::from_le_bytes(base[..8].try_into().ok()?)))
+    }
+}
+
+/// The lines of the server's log that say ggml's server (the worker)
+/// stopped.
+fn worker_stops(server: &Server) -> usize {
+    std::fs::read_to_string(&server.log)
+        .unwrap_or_default()
+        .matches("ggml's server stopped")
+        .count()
+}
+
 /// What a hostile client sends reaches sdhost's gate, not ggml's server:
-/// a graph node with a custom op (a function pointer from the wire), an
-/// unknown command, a header declaring terabytes, a message that stops
-/// half-way — each closes that client's connection; the server stays up
-/// and serves the next client.
+/// each case of the probe that crashed ggml's own server (a transfer past
+/// its tensor, a tensor outside its buffer, `ne` of 2³²−1, an unknown op,
+/// a mismatched add, huge strides, nodes without data, a 150,000-deep
+/// chain), a custom op (a function pointer from the wire), an unknown
+/// command, a header declaring a terabyte — each closes that client's
+/// connection; the gate never forwards it, so ggml's server never stops,
+/// and the next client is served.
 #[test]
 // ggml's op enum is `u32` or `i32` by platform.
 #[allow(clippy::unnecessary_cast)]
 fn hostile_commands_close_the_connection_not_the_server() {
+    use ggml::sys as s;
     let p = prefix();
     let mut server = Server::start(&p, "cpu", &[], &[]);
     let ep = server.endpoint();
-    let graph = |op: u32| {
-        let mut g = 0u32.to_le_bytes().to_vec(); // device
-        g.extend_from_slice(&1u32.to_le_bytes()); // one node
-        g.extend_from_slice(&1u64.to_le_bytes());
-        g.extend_from_slice(&1u32.to_le_bytes()); // one tensor
-        let mut t = vec![0u8; 296];
-        t[..8].copy_from_slice(&1u64.to_le_bytes());
-        t[20..24].copy_from_slice(&4u32.to_le_bytes());
-        t[52..56].copy_from_slice(&op.to_le_bytes());
-        g.extend_from_slice(&t);
-        let mut m = vec![10u8]; // RPC_CMD_GRAPH_COMPUTE
-        m.extend_from_slice(&(g.len() as u64).to_le_bytes());
-        m.extend_from_slice(&g);
-        m
+    let set_tensor = |t: T, bytes: usize| {
+        let mut m = t.wire();
+        m.push(0);
+        m.extend_from_slice(&0u64.to_le_bytes());
+        m.extend_from_slice(&vec![1u8; bytes]);
+        (6u8, m)
     };
-    let mut huge = vec![6u8]; // RPC_CMD_SET_TENSOR
-    huge.extend_from_slice(&(1u64 << 40).to_le_bytes());
-    let mut unknown = vec![200u8];
-    unknown.extend_from_slice(&0u64.to_le_bytes());
-    for (what, message) in [
-        ("a custom op", graph(ggml::sys::GGML_OP_CUSTOM as u32)),
-        ("a map op", graph(ggml::sys::GGML_OP_MAP_CUSTOM1 as u32)),
-        ("an unknown op", graph(u32::MAX)),
-        ("an unknown command", unknown.clone()),
-        ("a header declaring 1 TiB", huge.clone()),
-    ] {
-        let (mut c, version) = hello(server.port).expect("the server answers");
-        assert_eq!(version, [7, 0, 0]);
-        c.write_all(&message).unwrap();
-        let mut rest = Vec::new();
-        let r = c.read_to_end(&mut rest);
-        assert!(
-            matches!(r, Ok(0)) || r.is_err(),
-            "{what}: the connection stayed open ({r:?})"
-        );
+    let get_tensor = |t: T, offset: u64, size: u64| {
+        let mut m = t.wire();
+        m.extend_from_slice(&offset.to_le_bytes());
+        m.extend_from_slice(&size.to_le_bytes());
+        (8u8, m)
+    };
+    let add = s::GGML_OP_ADD as u32;
+    type Case = Box<dyn Fn(u64, u64) -> (u8, Vec<u8>)>;
+    let cases: Vec<(&str, Case)> = vec![
+        (
+            "64 bytes into a 4-byte tensor at the buffer's end",
+            Box::new(move |b, base| set_tensor(T::f32(1, [1, 1, 1, 1], b, base + 4092), 64)),
+        ),
+        (
+            "a read of 64 bytes from a 4-byte tensor at the end",
+            Box::new(move |b, base| get_tensor(T::f32(1, [1, 1, 1, 1], b, base + 4092), 0, 64)),
+        ),
+        (
+            "a tensor outside its buffer",
+            Box::new(move |b, base| set_tensor(T::f32(1, [4, 1, 1, 1], b, base + (1 << 20)), 16)),
+        ),
+        (
+            "ne of 2^32-1",
+            Box::new(move |b, base| set_tensor(T::f32(1, [u32::MAX, 1, 1, 1], b, base), 16)),
+        ),
+        (
+            "huge strides",
+            Box::new(move |b, base| {
+                let mut t = T::f32(1, [2, 2, 1, 1], b, base);
+                t.nb = [4, u32::MAX, 4, 4];
+                set_tensor(t, 4)
+            }),
+        ),
+        (
+            "a buffer it did not allocate",
+            Box::new(move |_, base| set_tensor(T::f32(1, [1, 1, 1, 1], 0xdead_0000, base), 4)),
+        ),
+        (
+            "a graph with an unknown op",
+            Box::new(move |b, base| {
+                let mut n = T::f32(1, [4, 1, 1, 1], b, base);
+                n.op = u32::MAX;
+                (10, wire_graph(&[1], &[n]))
+            }),
+        ),
+        (
+            "a custom op (a function pointer)",
+            Box::new(move |b, base| {
+                let mut n = T::f32(1, [4, 1, 1, 1], b, base);
+                n.op = s::GGML_OP_CUSTOM as u32;
+                (10, wire_graph(&[1], &[n]))
+            }),
+        ),
+        (
+            "a mismatched add",
+            Box::new(move |b, base| {
+                let x = T::f32(1, [16, 4, 1, 1], b, base);
+                let y = T::f32(2, [3, 1, 1, 1], b, base + 256);
+                let mut z = T::f32(3, [16, 4, 1, 1], b, base + 512);
+                z.op = add;
+                z.src = [1, 2, 0];
+                (10, wire_graph(&[3], &[x, y, z]))
+            }),
+        ),
+        (
+            "nodes without data",
+            Box::new(move |b, base| {
+                let x = T::f32(1, [4, 1, 1, 1], 0, 0);
+                let y = T::f32(2, [4, 1, 1, 1], b, base);
+                let mut z = T::f32(3, [4, 1, 1, 1], 0, 0);
+                z.op = add;
+                z.src = [1, 2, 0];
+                (10, wire_graph(&[3], &[x, y, z]))
+            }),
+        ),
+        (
+            "a 150,000-deep chain",
+            Box::new(move |b, base| {
+                let mut ts = vec![T::f32(1, [1, 1, 1, 1], b, base)];
+                for id in 2..=150_000u64 {
+                    let mut t = T::f32(id, [1, 1, 1, 1], b, base + 4 * (id % 1000));
+                    t.op = s::GGML_OP_SCALE as u32;
+                    t.src = [id - 1, 0, 0];
+                    ts.push(t);
+                }
+                (10, wire_graph(&[150_000], &ts))
+            }),
+        ),
+        ("an unknown command", Box::new(|_, _| (200, Vec::new()))),
+        ("a second HELLO", Box::new(|_, _| (14, vec![0; 24]))),
+        (
+            "a HELLO of the wrong size",
+            Box::new(|_, _| (14, vec![0; 25])),
+        ),
+        (
+            "a free of a buffer it did not allocate",
+            Box::new(|_, _| (4, 0xdead_0000u64.to_le_bytes().to_vec())),
+        ),
+        (
+            "a buffer larger than the machine",
+            Box::new(|_, _| {
+                let mut m = 0u32.to_le_bytes().to_vec();
+                m.extend_from_slice(&(1u64 << 60).to_le_bytes());
+                (0, m)
+            }),
+        ),
+    ];
+    for (what, case) in &cases {
+        let mut c = Raw::open(server.port, None).expect("the server answers");
+        let (b, base) = c.alloc(4096).expect("a buffer");
+        let (cmd, payload) = case(b, base);
+        let _ = c.send(cmd, &payload);
+        let _ = c.s.set_read_timeout(Some(Duration::from_secs(20)));
+        assert!(!c.alive(), "{what}: the connection stayed open");
         assert!(
             server.child.try_wait().unwrap().is_none(),
             "{what}: the server died"
         );
-        // The next client is served.
-        let r = run(p.cmd(&["devices", "--json", "--rpc", &ep])).ok();
-        assert_eq!(r.device_names(), vec!["cpu", "rpc0"], "after {what}");
     }
+    // A header declaring a terabyte, then nothing.
+    let mut c = Raw::open(server.port, None).unwrap();
+    let mut huge = vec![6u8];
+    huge.extend_from_slice(&(1u64 << 40).to_le_bytes());
+    c.s.write_all(&huge).unwrap();
+    let mut rest = Vec::new();
+    let r = c.s.read_to_end(&mut rest);
+    assert!(matches!(r, Ok(0)) || r.is_err(), "a 1 TiB header: {r:?}");
+    // The next client is served, and ggml's server never saw any of it.
+    let r = run(p.cmd(&["devices", "--json", "--rpc", &ep])).ok();
+    assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
+    assert_eq!(
+        worker_stops(&server),
+        0,
+        "{}",
+        std::fs::read_to_string(&server.log).unwrap()
+    );
+}
+
+/// Should ggml's server stop in the middle of a client's session (here
+/// its worker process is killed, as an assertion inside ggml would end
+/// it), that client's connection closes, the gate says so, starts a new
+/// worker and serves the next client.
+#[test]
+fn a_worker_that_stops_is_replaced() {
+    let p = prefix();
+    let mut server = Server::start(&p, "cpu", &[], &[]);
+    let mut c = Raw::open(server.port, None).unwrap();
+    assert!(c.alloc(4096).is_some());
+    let pid = server.child.id();
+    let workers = || -> Vec<i32> {
+        let mut out = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .flatten()
+        {
+            let kids = std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+            out.extend(
+                kids.split_whitespace()
+                    .filter_map(|k| k.parse::<i32>().ok()),
+            );
+        }
+        out
+    };
+    let before = workers();
+    assert_eq!(before.len(), 1, "one worker: {before:?}");
+    Command::new("kill")
+        .args(["-9", &before[0].to_string()])
+        .status()
+        .unwrap();
+    let _ = c.s.set_read_timeout(Some(Duration::from_secs(60)));
+    assert!(!c.alive(), "the connection stayed open");
+    let started = Instant::now();
+    while worker_stops(&server) == 0 && started.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert_eq!(worker_stops(&server), 1, "{log}");
+    assert!(log.contains("starting a new one"), "{log}");
+    assert!(
+        server.child.try_wait().unwrap().is_none(),
+        "the server died"
+    );
+    let r = run(p.cmd(&["devices", "--json", "--rpc", &server.endpoint()])).ok();
+    assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
+    let after = workers();
+    assert!(
+        after.len() == 1 && after != before,
+        "{before:?} then {after:?}"
+    );
+}
+
+/// A row index past its table lives in the tensor's data, where ggml's
+/// kernel reads it unchecked (it would read past the table): the gate
+/// reads the indices before the graph runs and closes the connection.
+#[test]
+#[allow(clippy::unnecessary_cast)]
+fn row_indices_are_read_before_the_graph_runs() {
+    let p = prefix();
+    let server = Server::start(&p, "cpu", &[], &[]);
+    for (index, ok) in [(1i32, true), (1000, false), (-1, false)] {
+        let mut c = Raw::open(server.port, None).unwrap();
+        let (b, base) = c.alloc(4096).unwrap();
+        let mut idx = T::f32(2, [1, 1, 1, 1], b, base + 64);
+        idx.ty = ggml::Type::I32.id();
+        let mut m = idx.wire();
+        m.push(0);
+        m.extend_from_slice(&0u64.to_le_bytes());
+        m.extend_from_slice(&index.to_le_bytes());
+        assert!(c.send(6, &m));
+        let table = T::f32(1, [4, 2, 1, 1], b, base);
+        let mut rows = T::f32(3, [4, 1, 1, 1], b, base + 128);
+        rows.op = ggml::sys::GGML_OP_GET_ROWS as u32;
+        rows.src = [1, 2, 0];
+        assert!(c.send(10, &wire_graph(&[3], &[table, idx, rows])));
+        let _ = c.s.set_read_timeout(Some(Duration::from_secs(60)));
+        assert_eq!(c.alive(), ok, "index {index}");
+    }
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.contains("a row index 1000 into a table of 2 rows"),
+        "{log}"
+    );
+    assert_eq!(worker_stops(&server), 0, "{log}");
+}
+
+/// The fuzzer's view of one session: its buffers, and a generator of
+/// messages that are mostly well formed (so that sessions reach deep into
+/// the protocol: transfers, copies and graphs that compute) with one field
+/// at a time pushed to an edge.
+struct Fuzz {
+    rng: rand::rngs::StdRng,
+    /// (handle, base, size) of each live buffer.
+    bufs: Vec<(u64, u64, u64)>,
+}
+
+impl Fuzz {
+    fn pick<T: Copy>(&mut self, from: &[T]) -> T {
+        use rand::Rng;
+        from[self.rng.random_range(0..from.len())]
+    }
+
+    fn chance(&mut self, p: f64) -> bool {
+        use rand::Rng;
+        self.rng.random_bool(p)
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        use rand::Rng;
+        self.rng.random_range(0..n.max(1))
+    }
+
+    fn any<T>(&mut self) -> T
+    where
+        rand::distr::StandardUniform: rand::distr::Distribution<T>,
+    {
+        use rand::Rng;
+        self.rng.random()
+    }
+
+    /// A packed f32 tensor of shape `ne` inside a live buffer, then maybe
+    /// one field pushed to an edge.
+    fn tensor(&mut self, id: u64, ne: [u32; 4]) -> T {
+        self.tensor_or_edge(id, ne, 0.1)
+    }
+
+    /// [`Fuzz::tensor`] with one field at an edge with probability `p`.
+    fn tensor_or_edge(&mut self, id: u64, ne: [u32; 4], p: f64) -> T {
+        let (h, base, size) = self.pick(&self.bufs.clone());
+        let bytes = ne.iter().fold(4u64, |b, &n| b.saturating_mul(n as u64));
+        let room = size.saturating_sub(bytes) / 4;
+        let mut t = T::f32(id, ne, h, base + 4 * self.below(room + 1));
+        if self.chance(p) {
+            match self.below(8) {
+                0 => {
+                    let i = self.below(4) as usize;
+                    t.ne[i] = {
+                        let r = self.any();
+                        self.pick(&[0, 2, u32::MAX, 1 << 20, r])
+                    }
+                }
+                1 => t.data = base + size - self.below(8),
+                2 => {
+                    t.data = {
+                        let r = self.any();
+                        self.pick(&[0, base - 4, r, base + size])
+                    }
+                }
+                3 => {
+                    t.buffer = {
+                        let r = self.any();
+                        self.pick(&[0, h ^ 8, r])
+                    }
+                }
+                4 => t.ty = self.pick(&[1, 2, 8, 12, 26, 30, 39, 40, u32::MAX]),
+                5 => {
+                    let i = self.below(4) as usize;
+                    t.nb[i] = {
+                        let r = self.any();
+                        self.pick(&[0, 1, 2, 8, u32::MAX, r])
+                    }
+                }
+                6 => {
+                    t.view_src = {
+                        let r = self.any();
+                        self.pick(&[id, id + 1, r])
+                    }
+                }
+                _ => t.view_offs = self.any(),
+            }
+        }
+        t
+    }
+
+    fn shape(&mut self) -> [u32; 4] {
+        [
+            1 + self.below(8) as u32,
+            1 + self.below(4) as u32,
+            1 + self.below(2) as u32,
+            1,
+        ]
+    }
+
+    /// A graph of up to eight nodes: mostly ops sdhost uses, shaped as
+    /// their constructors shape them; sometimes any op, any shape.
+    fn graph(&mut self) -> Vec<u8> {
+        use ggml::sys as s;
+        let n = 1 + self.below(8);
+        let leaves = 2u64;
+        let mut ts: Vec<T> = Vec::new();
+        for id in 1..=leaves {
+            let ne = self.shape();
+            ts.push(self.tensor_or_edge(id, ne, 0.04));
+        }
+        let mut nodes = Vec::new();
+        let mut id = leaves;
+        for _ in 0..n {
+            id += 1;
+            let a = ts[self.below(ts.len() as u64) as usize];
+            if self.chance(0.85) {
+                // An op sdhost uses, over sources shaped as it needs.
+                let (op, src1, ne, param) = match self.below(8) {
+                    0 => (s::GGML_OP_ADD, a.id, a.ne, 0),
+                    1 => (s::GGML_OP_MUL, a.id, a.ne, 0),
+                    2 => (s::GGML_OP_SCALE, 0, a.ne, 0x3f80_0000),
+                    3 => (s::GGML_OP_RMS_NORM, 0, a.ne, 0),
+                    4 => (s::GGML_OP_SOFT_MAX, 0, a.ne, 0),
+                    5 => (
+                        s::GGML_OP_UNARY,
+                        0,
+                        a.ne,
+                        self.below(s::GGML_UNARY_OP_COUNT as u64) as i32,
+                    ),
+                    6 => (s::GGML_OP_SUM_ROWS, 0, [1, a.ne[1], a.ne[2], a.ne[3]], 0),
+                    _ => {
+                        let rhs = [a.ne[0], 1 + self.below(4) as u32, a.ne[2], a.ne[3]];
+                        let b = self.tensor_or_edge(id, rhs, 0.04);
+                        ts.push(b);
+                        id += 1;
+                        (
+                            s::GGML_OP_MUL_MAT,
+                            b.id,
+                            [a.ne[1], rhs[1], rhs[2], rhs[3]],
+                            0,
+                        )
+                    }
+                };
+                let mut t = self.tensor_or_edge(id, ne, 0.04);
+                t.op = op as u32;
+                t.src = [a.id, src1, 0];
+                t.params[0] = param;
+                ts.push(t);
+                nodes.push(id);
+                continue;
+            }
+            let b = ts[self.below(ts.len() as u64) as usize];
+            let op = self.pick(&[
+                s::GGML_OP_ADD,
+                s::GGML_OP_MUL,
+                s::GGML_OP_SCALE,
+                s::GGML_OP_CONT,
+                s::GGML_OP_CPY,
+                s::GGML_OP_NORM,
+                s::GGML_OP_RMS_NORM,
+                s::GGML_OP_SOFT_MAX,
+                s::GGML_OP_UNARY,
+                s::GGML_OP_GLU,
+                s::GGML_OP_MUL_MAT,
+                s::GGML_OP_CONCAT,
+                s::GGML_OP_PAD,
+                s::GGML_OP_GET_ROWS,
+                s::GGML_OP_SUM_ROWS,
+                s::GGML_OP_REPEAT,
+                s::GGML_OP_UPSCALE,
+                s::GGML_OP_IM2COL,
+                s::GGML_OP_FLASH_ATTN_EXT,
+                s::GGML_OP_VIEW,
+                s::GGML_OP_PERMUTE,
+            ]) as u32;
+            let ne = match op as s::ggml_op {
+                s::GGML_OP_MUL_MAT => [a.ne[1], b.ne[1], b.ne[2], b.ne[3]],
+                s::GGML_OP_CONCAT => [a.ne[0].wrapping_add(b.ne[0]), a.ne[1], a.ne[2], a.ne[3]],
+                s::GGML_OP_SUM_ROWS => [1, a.ne[1], a.ne[2], a.ne[3]],
+                s::GGML_OP_GLU => [(a.ne[0] / 2).max(1), a.ne[1], a.ne[2], a.ne[3]],
+                s::GGML_OP_PAD | s::GGML_OP_UPSCALE | s::GGML_OP_REPEAT => {
+                    [a.ne[0].wrapping_mul(2), a.ne[1], a.ne[2], a.ne[3]]
+                }
+                _ => a.ne,
+            };
+            let mut t = self.tensor_or_edge(id, ne, 0.04);
+            t.op = if self.chance(0.03) {
+                self.below(s::GGML_OP_COUNT as u64 + 2) as u32
+            } else {
+                op
+            };
+            t.src = [a.id, b.id, 0];
+            t.params = match op as s::ggml_op {
+                s::GGML_OP_PAD => [0, a.ne[0] as i32, 0, 0],
+                s::GGML_OP_UNARY => [self.below(24) as i32, 0, 0, 0],
+                s::GGML_OP_GLU => [self.below(8) as i32, 0, 0, 0],
+                s::GGML_OP_SCALE => [0x3f80_0000, 0, 0, 0],
+                _ => [self.below(4) as i32, self.below(3) as i32, 1, 1],
+            };
+            if self.chance(0.03) {
+                let i = self.below(3) as usize;
+                t.src[i] = {
+                    let r = self.any();
+                    self.pick(&[0, id, id + 7, r])
+                };
+            }
+            ts.push(t);
+            nodes.push(id);
+        }
+        let mut g = wire_graph(&nodes, &ts);
+        if self.chance(0.03) {
+            let cut = self.below(g.len() as u64) as usize;
+            g.truncate(cut);
+        }
+        if self.chance(0.03) {
+            g[4..8].copy_from_slice(&self.pick(&[0u32, 1 << 20, u32::MAX]).to_le_bytes());
+        }
+        g
+    }
+
+    /// A transfer header: a tensor and an offset and size within it
+    /// (or not).
+    fn transfer(&mut self) -> (T, u64, u64) {
+        let ne = self.shape();
+        let t = self.tensor(1, ne);
+        let bytes = 4 * ne.iter().map(|&n| n as u64).product::<u64>();
+        let off = self.below(bytes);
+        let size = if self.chance(0.92) {
+            self.below(bytes - off + 1)
+        } else {
+            {
+                let r = self.any();
+                self.pick(&[bytes + 1, u64::MAX, r])
+            }
+        };
+        (t, off, size)
+    }
+
+    /// The next command: its id, payload, and whether it is answered.
+    fn command(&mut self) -> (u8, Vec<u8>, bool) {
+        match self.below(16) {
+            0..=2 => {
+                let (t, off, size) = self.transfer();
+                let mut m = t.wire();
+                m.push(self.below(2) as u8);
+                m.extend_from_slice(&off.to_le_bytes());
+                let mut data = vec![0u8; size.min(4096) as usize];
+                use rand::RngCore;
+                self.rng.fill_bytes(&mut data);
+                m.extend_from_slice(&data);
+                (6, m, false)
+            }
+            3 => {
+                let (t, off, size) = self.transfer();
+                let mut m = t.wire();
+                m.extend_from_slice(&off.to_le_bytes());
+                m.extend_from_slice(&size.to_le_bytes());
+                (8, m, true)
+            }
+            4 => {
+                let (t, off, size) = self.transfer();
+                let mut m = t.wire();
+                m.extend_from_slice(&off.to_le_bytes());
+                m.extend_from_slice(&size.to_le_bytes());
+                m.push(self.any());
+                (17, m, false)
+            }
+            5 => {
+                let ne = self.shape();
+                let mut m = self.tensor(1, ne).wire();
+                let ne2 = if self.chance(0.8) { ne } else { self.shape() };
+                m.extend_from_slice(&self.tensor(2, ne2).wire());
+                (9, m, true)
+            }
+            6 => {
+                let ne = self.shape();
+                (12, self.tensor(1, ne).wire(), false)
+            }
+            7..=11 => (10, self.graph(), false),
+            12 => {
+                // Buffer commands on its own handles and on strangers.
+                let own = self.pick(&self.bufs.clone()).0;
+                let h = if self.chance(0.9) { own } else { self.any() };
+                let c = self.pick(&[3u8, 5, 4]);
+                let mut m = h.to_le_bytes().to_vec();
+                if c == 5 {
+                    m.push(self.any());
+                }
+                if c == 4 && self.bufs.len() > 1 {
+                    self.bufs.retain(|b| b.0 != h);
+                } else if c == 4 {
+                    return (3, m, true);
+                }
+                (c, m, c == 3)
+            }
+            13 => {
+                let d = if self.chance(0.9) { 0 } else { self.any() };
+                let mut m = (d as u32).to_le_bytes().to_vec();
+                let (small, r): (u64, u64) = (self.below(1 << 16), self.any());
+                let size = if self.chance(0.85) {
+                    small
+                } else {
+                    self.pick(&[1 << 40, r])
+                };
+                m.extend_from_slice(&size.to_le_bytes());
+                (0, m, true)
+            }
+            14 => {
+                let c = self.pick(&[1u8, 2, 11, 16, 13, 7]);
+                let mut m = match c {
+                    13 => vec![0u8; 4 + 296 * 11],
+                    7 => vec![0u8; 296 + 16],
+                    _ => vec![0u8; 4],
+                };
+                if c == 7 || c == 13 {
+                    let at = if c == 13 { 4 } else { 0 };
+                    let ne = self.shape();
+                    m[at..at + 296].copy_from_slice(&self.tensor(1, ne).wire());
+                }
+                if self.chance(0.1) {
+                    m[0] = self.any();
+                }
+                (c, m, c != 16)
+            }
+            _ => {
+                let mut m = vec![0u8; self.below(64) as usize];
+                use rand::RngCore;
+                self.rng.fill_bytes(&mut m);
+                (self.any(), m, false)
+            }
+        }
+    }
+}
+
+/// A structure-aware fuzzer over the protocol ([`Fuzz`]): sessions of
+/// commands from the protocol's own shapes (transfers, copies, buffer
+/// commands, graphs of up to eight nodes over the ops sdhost uses and any
+/// other), most well formed, some with one field pushed to an edge, some
+/// bytes at random; each session runs until its connection closes. The
+/// count is `SDHOST_RPC_FUZZ_MESSAGES` (default 20,000) from seed
+/// `SDHOST_RPC_FUZZ_SEED` (default 1): the server must stay up and answer
+/// every new client, and ggml's server (the worker) must never stop —
+/// every malformed message is refused by the gate first.
+#[test]
+fn fuzzed_protocol_never_stops_the_server() {
+    use rand::SeedableRng;
+    let messages: u64 = std::env::var("SDHOST_RPC_FUZZ_MESSAGES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
+    let seed: u64 = std::env::var("SDHOST_RPC_FUZZ_SEED")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1);
+    let mut f = Fuzz {
+        rng: rand::rngs::StdRng::seed_from_u64(seed),
+        bufs: Vec::new(),
+    };
+    let p = prefix();
+    let mut server = Server::start(&p, "cpu", &[], &[]);
+    let (mut sent, mut sessions, mut accepted) = (0u64, 0u64, 0u64);
+    let started = Instant::now();
+    while sent < messages {
+        let Some(mut c) = Raw::open(server.port, None) else {
+            std::thread::sleep(Duration::from_secs(1));
+            panic!(
+                "no answer to a new client after {sent} messages:\n{}",
+                std::fs::read_to_string(&server.log).unwrap()
+            );
+        };
+        let _ = c.s.set_read_timeout(Some(Duration::from_secs(60)));
+        sessions += 1;
+        f.bufs.clear();
+        for _ in 0..1 + f.below(3) {
+            let size = f.pick(&[256u64, 4096, 65536]);
+            if let Some((h, base)) = c.alloc(size) {
+                f.bufs.push((h, base, size));
+            }
+        }
+        sent += 2 * f.bufs.len() as u64;
+        assert!(!f.bufs.is_empty(), "no buffer");
+        while sent < messages {
+            sent += 1;
+            let (cmd, payload, answers) = f.command();
+            let open = c.send(cmd, &payload)
+                && if answers {
+                    c.answer().is_some()
+                } else {
+                    c.alive()
+                };
+            if !open {
+                break;
+            }
+            accepted += 1;
+        }
+        assert!(
+            server.child.try_wait().unwrap().is_none(),
+            "the server died after {sent} messages"
+        );
+    }
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    eprintln!(
+        "fuzz: seed {seed}, {sent} messages in {sessions} sessions, {accepted} accepted, {:.1} s",
+        started.elapsed().as_secs_f64()
+    );
+    // Why the gate closed the connections, most frequent first.
+    let mut why: std::collections::BTreeMap<String, u32> = Default::default();
+    for l in log.lines() {
+        if let Some((_, r)) = l.split_once("closed the connection of ") {
+            let r = r.split_once(": ").map_or(r, |x| x.1);
+            let r: String = r
+                .split(|c: char| c == ' ' || c == ',')
+                .map(|w| {
+                    if w.chars().any(|c| c.is_ascii_digit()) {
+                        "#"
+                    } else {
+                        w
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(" ");
+            *why.entry(r).or_default() += 1;
+        }
+    }
+    let mut why: Vec<_> = why.into_iter().collect();
+    why.sort_by_key(|(_, n)| std::cmp::Reverse(*n));
+    for (r, n) in why.iter().take(12) {
+        eprintln!("fuzz: {n:6} {r}");
+    }
+    for l in log.lines().filter(|l| l.contains("did not answer")).take(8) {
+        eprintln!("fuzz: {l}");
+    }
+    assert_eq!(worker_stops(&server), 0, "ggml's server stopped:\n{log}");
+    let r = run(p.cmd(&["devices", "--json", "--rpc", &server.endpoint()])).ok();
+    assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
+}
+
+/// A keyed server: clients without the key, or with another, are refused
+/// (a warning and no device), a keyed client is served through its tunnel
+/// (its device shows the server's address) and renders the same image as
+/// without a key; a keyed client of an unkeyed server is told so.
+#[test]
+fn a_keyed_server_serves_only_clients_that_prove_the_key() {
+    let p = prefix();
+    let keyed = Server::start(&p, "cpu", &[], &[("SDHOST_RPC_KEY", KEY)]);
+    let ep = keyed.endpoint();
+    let r = run(p.cmd(&["devices", "--json", "--rpc", &ep]));
+    assert!(r.stderr.contains("--rpc-key"), "{}", r.stderr);
+    assert_eq!(r.ok().device_names(), vec!["cpu"]);
+    let r = run(p.cmd(&[
+        "devices",
+        "--json",
+        "--rpc",
+        &ep,
+        "--rpc-key",
+        "another-key-0123456789",
+    ]));
+    assert!(r.stderr.contains("key exchange"), "{}", r.stderr);
+    assert_eq!(r.ok().device_names(), vec!["cpu"]);
+    let mut c = p.cmd(&["devices", "--json", "--rpc", &ep]);
+    c.env("SDHOST_RPC_KEY", KEY);
+    let r = run(c).ok();
+    assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
+    assert_eq!(
+        r.json()[1]["description"].as_str().unwrap(),
+        ep,
+        "the device names its server"
+    );
+    // Through the tunnel the image is the one a plain server gives.
+    let out = p.dir("out");
+    let (a, b) = (out.join("keyed.png"), out.join("plain.png"));
+    let off = [
+        "--seed",
+        "3",
+        "--flash-attn",
+        "off",
+        "--backend",
+        "diffusion=rpc0",
+    ];
+    let mut args = vec!["--rpc", &ep, "--rpc-key", KEY];
+    args.extend_from_slice(&off);
+    generate(&p, &a, &args).ok();
+    let plain = Server::start(&p, "cpu", &[], &[]);
+    let pe = plain.endpoint();
+    let mut args = vec!["--rpc", &pe];
+    args.extend_from_slice(&off);
+    generate(&p, &b, &args).ok();
+    assert!(pixels(&a) == pixels(&b), "not bit for bit");
+    // A key offered to a server that has none.
+    let r = run(p.cmd(&["devices", "--json", "--rpc", &pe, "--rpc-key", KEY]));
+    assert!(r.stderr.contains("without --rpc-key"), "{}", r.stderr);
+    assert_eq!(r.ok().device_names(), vec!["cpu"]);
 }

@@ -10,23 +10,6 @@ use std::path::Path;
 
 /// Runs `sdhost rpc-server` (blocks while serving).
 pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
-    let ip: Ipv4Addr = args.host.parse().map_err(|_| {
-        anyhow!(
-            "--host {:?}: ggml's RPC server listens on an IPv4 address (e.g. 127.0.0.1 or 0.0.0.0)",
-            args.host
-        )
-    })?;
-    if !ip.is_loopback() {
-        if !args.allow_remote {
-            bail!(
-                "--host {ip} is not a loopback address: ggml's RPC protocol has neither authentication nor encryption, so --allow-remote is needed to listen there"
-            );
-        }
-        crate::term::eprint_line(&format!(
-            "warning: listening on {ip}:{}: ggml's RPC protocol has neither authentication nor encryption; anyone who can reach this port can run computations on the device and read or write its memory",
-            args.port
-        ));
-    }
     let entry = session.registry.device(&args.device).ok_or_else(|| {
         let names: Vec<&str> = session
             .registry
@@ -47,34 +30,121 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
     let reg = session.registry.family_reg("rpc").ok_or_else(|| {
         anyhow!("the rpc plugin (libsdhost_plugin_rpc.so) is not loaded; `sdhost plugins` says why")
     })?;
+    let threads = session.threads.unwrap_or(1);
+    if let Some(private) = args.worker_listen {
+        return worker(reg, entry.device, private, args.cache.as_deref(), threads);
+    }
+    let ip: Ipv4Addr = args.host.parse().map_err(|_| {
+        anyhow!(
+            "--host {:?}: ggml's RPC server listens on an IPv4 address (e.g. 127.0.0.1 or 0.0.0.0)",
+            args.host
+        )
+    })?;
+    let key = session.rpc_key()?;
+    if !ip.is_loopback() {
+        if key.is_none() {
+            bail!(
+                "--host {ip} is not a loopback address: give --rpc-key (or SDHOST_RPC_KEY) so that only clients that hold the key may use the device"
+            );
+        }
+        crate::term::eprint_line(&format!(
+            "warning: listening on {ip}:{}: clients must prove the key, but ggml's RPC protocol is not encrypted: use it on a private network or through a tunnel",
+            args.port
+        ));
+    }
     if let Some(dir) = &args.cache {
         prepare_cache(dir)?;
     }
-    // sdhost's gate listens where the user said; ggml's server on a
-    // private loopback port behind it (see `crate::rpc_gate`).
+    // sdhost's gate listens where the user said; ggml's server runs in a
+    // worker process on a private loopback port behind it (see
+    // `crate::rpc_gate`).
     let public = std::net::TcpListener::bind((ip, args.port))
         .with_context(|| format!("cannot listen on {ip}:{}", args.port))?;
-    let private = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .and_then(|l| l.local_addr())
-        .context("choosing a private port for ggml's server")?;
-    let threads = session.threads.unwrap_or(1);
+    let spawn: crate::rpc_gate::Spawn = Box::new(spawn_worker);
+    let mut first = spawn_worker().map_err(|e| anyhow!("rpc-server: {e}"))?;
+    // The worker is ready once ggml's server accepts a connection.
+    crate::rpc_gate::connect(&mut first)
+        .map_err(|e| anyhow!("rpc-server on {}: {e}", args.device))?;
     tracing::info!(
-        "serving {} ({}) on {ip}:{}",
+        "serving {} ({}) on {ip}:{}{}",
         entry.name,
         entry.description,
-        args.port
+        args.port,
+        if key.is_some() {
+            ", clients must prove the key"
+        } else {
+            ""
+        }
     );
-    std::thread::Builder::new()
-        .name("rpc-gate".into())
-        .spawn(move || crate::rpc_gate::serve(public, private))
-        .context("starting the RPC gate")?;
-    reg.rpc_serve(
-        &private.to_string(),
-        args.cache.as_deref(),
-        threads,
-        &[entry.device],
+    crate::rpc_gate::serve(
+        public,
+        first,
+        spawn,
+        crate::rpc_gate::Options {
+            cache: args.cache.clone(),
+            key,
+        },
+    );
+    bail!(
+        "rpc-server on {ip}:{}: stopped accepting connections",
+        args.port
     )
-    .map_err(|e| anyhow!("rpc-server on {ip}:{}: {e}", args.port))
+}
+
+/// Starts ggml's server in a worker: this program again, with the same
+/// arguments and `--worker-listen` on a free loopback port. Its stdin is a
+/// pipe from this process, so it ends when this process does.
+fn spawn_worker() -> Result<crate::rpc_gate::Worker, String> {
+    let addr = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .and_then(|l| l.local_addr())
+        .map_err(|e| format!("choosing a private port for ggml's server: {e}"))?;
+    let exe = std::env::current_exe().map_err(|e| format!("finding sdhost itself: {e}"))?;
+    let child = std::process::Command::new(exe)
+        .args(std::env::args_os().skip(1))
+        .arg("--worker-listen")
+        .arg(addr.to_string())
+        .env("GGML_NO_BACKTRACE", "1")
+        .stdin(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting ggml's server: {e}"))?;
+    Ok(crate::rpc_gate::Worker { child, addr })
+}
+
+/// The worker: ggml's server on `private`, on a thread with room for deep
+/// graphs (`rpc_gate::graph::MAX_DEPTH`), until stdin closes (the gate
+/// ended). A ggml abort is one line and exit 1 (no core dump); the gate
+/// starts another worker.
+fn worker(
+    reg: ggml::Reg,
+    device: ggml::Device,
+    private: std::net::SocketAddr,
+    cache: Option<&Path>,
+    threads: usize,
+) -> anyhow::Result<()> {
+    if !private.ip().is_loopback() {
+        bail!("--worker-listen {private}: not a loopback address");
+    }
+    let _ = nix::sys::resource::setrlimit(nix::sys::resource::Resource::RLIMIT_CORE, 0, 0);
+    ggml::set_fatal_handler(|m| {
+        crate::term::eprint_line(&format!(
+            "rpc-server: ggml stopped on a client's command: {}",
+            crate::term::clean(m)
+        ))
+    });
+    std::thread::spawn(|| {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        std::process::exit(0);
+    });
+    let cache = cache.map(Path::to_path_buf);
+    let serving = std::thread::Builder::new()
+        .name("rpc-worker".into())
+        .stack_size(1 << 30)
+        .spawn(move || reg.rpc_serve(&private.to_string(), cache.as_deref(), threads, &[device]))
+        .context("starting ggml's server")?;
+    serving
+        .join()
+        .map_err(|_| anyhow!("ggml's server thread failed"))?
+        .map_err(|e| anyhow!("rpc-server worker on {private}: {e}"))
 }
 
 /// The weight cache folder, made sdhost's own before ggml's server writes
@@ -130,7 +200,8 @@ fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
                     let bytes = std::fs::read(&path).with_context(|| {
                         format!("--cache {shown}: reading {}", crate::term::clean(&name))
                     })?;
-                    (fnv1a(&bytes) != want).then_some("its bytes do not hash to its name")
+                    (crate::rpc_gate::fnv1a(&bytes) != want)
+                        .then_some("its bytes do not hash to its name")
                 }
                 _ => Some("not named as a cached weight"),
             }
@@ -146,22 +217,4 @@ fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// ggml's RPC cache hash (`fnv_hash` in ggml-rpc.cpp): 64-bit FNV-1a.
-fn fnv1a(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0000_0100_0000_01b3)
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn fnv1a_is_ggmls() {
-        // FNV-1a 64 reference values.
-        assert_eq!(super::fnv1a(b""), 0xcbf2_9ce4_8422_2325);
-        assert_eq!(super::fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
-        assert_eq!(super::fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
-    }
 }
