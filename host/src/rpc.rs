@@ -278,18 +278,26 @@ pub fn shown(endpoint: &str) -> String {
 pub fn tunnel(e: &Endpoint, key: Key, timeout: Duration) -> anyhow::Result<String> {
     let listener = TcpListener::bind("127.0.0.1:0")
         .map_err(|err| anyhow!("--rpc {}: a local tunnel: {err}", e.text))?;
-    let local = listener.local_addr()?.to_string();
+    let local_addr = match listener.local_addr()? {
+        SocketAddr::V4(a) => a,
+        SocketAddr::V6(_) => bail!("--rpc {}: a local tunnel on IPv6", e.text),
+    };
+    let local = local_addr.to_string();
     if let Ok(mut t) = TUNNELS.lock() {
         t.get_or_insert_with(HashMap::new)
             .insert(local.clone(), e.text.clone());
     }
     let (server, name) = (SocketAddr::V4(e.addr), e.text.clone());
+    let local_addr = local_addr;
     std::thread::Builder::new()
         .name("rpc-tunnel".into())
         .spawn(move || {
             for conn in listener.incoming() {
                 let Ok(conn) = conn else { continue };
-                if !conn.peer_addr().is_ok_and(own_connection) {
+                let own = conn
+                    .peer_addr()
+                    .is_ok_and(|p| own_connection(p, SocketAddr::V4(local_addr)));
+                if !own {
                     let _ = conn.shutdown(std::net::Shutdown::Both);
                     continue;
                 }
@@ -332,25 +340,34 @@ fn carry(local: TcpStream, server: SocketAddr, key: &Key, timeout: Duration) -> 
     Ok(())
 }
 
-/// Whether the connection from `peer` (a loopback address) was made by
-/// this process: its socket is one of this process's open files (Linux's
-/// /proc). Another local user must not ride a tunnel that proves our key.
+/// Whether the connection from `peer` to `to` (loopback addresses) was
+/// made by this process: its socket is one of this process's open files
+/// (Linux's /proc). Another local user must not ride a tunnel that proves
+/// our key.
 #[cfg(target_os = "linux")]
-fn own_connection(peer: SocketAddr) -> bool {
-    let SocketAddr::V4(peer) = peer else {
+fn own_connection(peer: SocketAddr, to: SocketAddr) -> bool {
+    let hex = |a: SocketAddr| match a {
+        SocketAddr::V4(a) => Some(format!(
+            "{:08X}:{:04X}",
+            u32::from_le_bytes(a.ip().octets()),
+            a.port()
+        )),
+        SocketAddr::V6(_) => None,
+    };
+    let (Some(from), Some(to)) = (hex(peer), hex(to)) else {
         return false;
     };
-    let want = format!(
-        "{:08X}:{:04X}",
-        u32::from_le_bytes(peer.ip().octets()),
-        peer.port()
-    );
     let Ok(table) = std::fs::read_to_string("/proc/net/tcp") else {
         return false;
     };
+    // The connecting socket's line (connections closed earlier on the same
+    // port linger with inode 0).
     let Some(inode) = table.lines().skip(1).find_map(|l| {
         let f: Vec<&str> = l.split_whitespace().collect();
-        (f.get(1) == Some(&want.as_str())).then(|| f.get(9).map(|s| s.to_string()))?
+        (f.get(1) == Some(&from.as_str())
+            && f.get(2) == Some(&to.as_str())
+            && f.get(9) != Some(&"0"))
+        .then(|| f.get(9).map(|s| s.to_string()))?
     }) else {
         return false;
     };
@@ -363,7 +380,7 @@ fn own_connection(peer: SocketAddr) -> bool {
 
 /// Elsewhere no such check is made: the tunnel listens on loopback only.
 #[cfg(not(target_os = "linux"))]
-fn own_connection(_peer: SocketAddr) -> bool {
+fn own_connection(_peer: SocketAddr, _to: SocketAddr) -> bool {
     true
 }
 
@@ -414,6 +431,28 @@ mod tests {
             assert!(e.starts_with("--rpc: server"), "{bad}: {e}");
             assert!(!e.contains('\n'), "{e}");
         }
+    }
+
+    /// A tunnel carries only this process's connections: one from another
+    /// process (a shell's /dev/tcp) is told apart.
+    #[test]
+    #[cfg(target_os = "linux")]
+    fn tunnels_know_their_own_connections() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let to = l.local_addr().unwrap();
+        let _mine = TcpStream::connect(to).unwrap();
+        let (a, peer) = l.accept().unwrap();
+        assert!(own_connection(peer, to));
+        drop(a);
+        let mut other = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(format!("exec 3<>/dev/tcp/127.0.0.1/{}; sleep 5", to.port()))
+            .spawn()
+            .unwrap();
+        let (_b, peer) = l.accept().unwrap();
+        assert!(!own_connection(peer, to));
+        let _ = other.kill();
+        let _ = other.wait();
     }
 
     #[test]

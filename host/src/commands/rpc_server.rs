@@ -52,9 +52,13 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
             args.port
         ));
     }
-    if let Some(dir) = &args.cache {
-        prepare_cache(dir)?;
-    }
+    let cache = match &args.cache {
+        Some(dir) => Some(crate::rpc_gate::Cache::new(
+            dir.clone(),
+            &prepare_cache(dir)?,
+        )),
+        None => None,
+    };
     // sdhost's gate listens where the user said; ggml's server runs in a
     // worker process on a private loopback port behind it (see
     // `crate::rpc_gate`).
@@ -80,10 +84,7 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
         public,
         first,
         spawn,
-        crate::rpc_gate::Options {
-            cache: args.cache.clone(),
-            key,
-        },
+        crate::rpc_gate::Options { cache, key },
     );
     bail!(
         "rpc-server on {ip}:{}: stopped accepting connections",
@@ -154,7 +155,8 @@ fn worker(
 /// file the server may). An entry that is not a cached weight whose name
 /// is the FNV-1a hash of its bytes, as ggml names them (a link, a file
 /// truncated by a full disk), is removed and reported, never served.
-fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
+/// Returns the good entries (hash, bytes).
+fn prepare_cache(dir: &Path) -> anyhow::Result<Vec<(u64, u64)>> {
     use std::os::unix::fs::{DirBuilderExt as _, MetadataExt as _};
     let shown = crate::term::clean(&dir.display().to_string()).into_owned();
     match std::fs::symlink_metadata(dir) {
@@ -179,6 +181,7 @@ fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
         Ok(_) => {}
     }
     let entries = std::fs::read_dir(dir).with_context(|| format!("--cache {shown}: reading"))?;
+    let mut good = Vec::new();
     for e in entries {
         let e = e.with_context(|| format!("--cache {shown}: reading"))?;
         let path = e.path();
@@ -200,8 +203,12 @@ fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
                     let bytes = std::fs::read(&path).with_context(|| {
                         format!("--cache {shown}: reading {}", crate::term::clean(&name))
                     })?;
-                    (crate::rpc_gate::fnv1a(&bytes) != want)
-                        .then_some("its bytes do not hash to its name")
+                    if crate::rpc_gate::fnv1a(&bytes) == want {
+                        good.push((want, bytes.len() as u64));
+                        None
+                    } else {
+                        Some("its bytes do not hash to its name")
+                    }
                 }
                 _ => Some("not named as a cached weight"),
             }
@@ -216,5 +223,5 @@ fn prepare_cache(dir: &Path) -> anyhow::Result<()> {
             ));
         }
     }
-    Ok(())
+    Ok(good)
 }

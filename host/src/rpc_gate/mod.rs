@@ -39,7 +39,7 @@ use crate::rpc_key::Key;
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Child;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -57,8 +57,8 @@ pub const HANDSHAKE: Duration = Duration::from_secs(10);
 
 /// What the gate serves with.
 pub struct Options {
-    /// The weight cache folder, already checked private.
-    pub cache: Option<PathBuf>,
+    /// The weight cache, its folder already checked private.
+    pub cache: Option<Cache>,
     /// The key clients must prove, if any.
     pub key: Option<Key>,
 }
@@ -226,7 +226,7 @@ fn open_session(
         devices: 0,
         memory: HashMap::new(),
         stored: Default::default(),
-        cache: options.cache.as_deref(),
+        cache: options.cache.as_ref(),
     };
     let result = s.run(first[0]);
     *worker_failed = s.worker_failed;
@@ -251,7 +251,7 @@ struct Session<'a> {
     /// The devices whose last graph ggml's server keeps (GRAPH_RECOMPUTE
     /// reruns it; freeing any buffer drops them all).
     stored: std::collections::HashSet<u32>,
-    cache: Option<&'a Path>,
+    cache: Option<&'a Cache>,
 }
 
 impl Session<'_> {
@@ -447,8 +447,8 @@ impl Session<'_> {
                 let data = &p[TENSOR + 9..];
                 wire::check_range(&t, &self.buffers, offset, data.len() as u64)?;
                 if p[TENSOR] != 0 {
-                    if let Some(dir) = self.cache {
-                        cache_store(dir, data);
+                    if let Some(cache) = self.cache {
+                        cache.store(data);
                     }
                     // ggml's server would write the file itself, through
                     // links and in place.
@@ -458,8 +458,8 @@ impl Session<'_> {
             cmd::SET_TENSOR_HASH => {
                 let t = self.tensor(p, Data::Required)?;
                 let (offset, hash) = (u64_at(p, TENSOR), u64_at(p, TENSOR + 8));
-                if let Some(dir) = self.cache {
-                    if let Some(len) = cache_check(dir, hash) {
+                if let Some(cache) = self.cache {
+                    if let Some(len) = cache.check(hash) {
                         wire::check_range(&t, &self.buffers, offset, len)?;
                     }
                 }
@@ -545,48 +545,95 @@ impl Session<'_> {
     }
 }
 
-/// Stores a weight in the cache as `dir/<hash>`: written to a new file in
-/// `dir`, its size checked, then renamed over the name, so that a full
-/// disk leaves no short entry and a link planted in `dir` is replaced,
-/// not followed. A failure is a warning: the cache is an optimisation.
-fn cache_store(dir: &Path, data: &[u8]) {
-    let name = format!("{:016x}", fnv1a(data));
-    let result = (|| -> std::io::Result<()> {
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".partial-")
-            .tempfile_in(dir)?;
-        tmp.write_all(data)?;
-        tmp.as_file().sync_all()?;
-        if tmp.as_file().metadata()?.len() != data.len() as u64 {
-            return Err(std::io::Error::other("short write"));
-        }
-        tmp.persist(dir.join(&name)).map_err(|e| e.error)?;
-        Ok(())
-    })();
-    if let Err(e) = result {
-        tracing::warn!("rpc-server: --cache: not stored {name}: {e}");
-    }
+/// The weight cache (`--cache DIR`): files named by the FNV-1a hash of
+/// their bytes, as ggml's server reads them. The gate writes them and
+/// checks each before ggml may load it; a file whose hash the gate checked
+/// (or wrote) is not hashed again while its size and time stay the same.
+pub struct Cache {
+    dir: PathBuf,
+    known: Mutex<HashMap<u64, (u64, std::time::SystemTime)>>,
 }
 
-/// The size of the cached weight `hash`, when `dir` holds a good one; an
-/// entry that is a link, not a file, or whose bytes do not hash to its
-/// name is removed (ggml's server then asks the client for the data).
-fn cache_check(dir: &Path, hash: u64) -> Option<u64> {
-    let name = format!("{hash:016x}");
-    let path = dir.join(&name);
-    let meta = std::fs::symlink_metadata(&path).ok()?;
-    let why = if !meta.file_type().is_file() {
-        "not a regular file"
-    } else {
-        match std::fs::read(&path) {
-            Ok(bytes) if fnv1a(&bytes) == hash => return Some(bytes.len() as u64),
-            Ok(_) => "its bytes do not hash to its name",
-            Err(_) => "unreadable",
+impl Cache {
+    /// The cache in `dir`, whose entries `known` (hash → bytes) were
+    /// checked already.
+    pub fn new(dir: PathBuf, known: &[(u64, u64)]) -> Cache {
+        let c = Cache {
+            dir,
+            known: Mutex::new(HashMap::new()),
+        };
+        for &(hash, _) in known {
+            c.remember(hash);
         }
-    };
-    let _ = std::fs::remove_file(&path);
-    tracing::warn!("rpc-server: --cache: removed {name}: {why}");
-    None
+        c
+    }
+
+    fn path(&self, hash: u64) -> PathBuf {
+        self.dir.join(format!("{hash:016x}"))
+    }
+
+    fn remember(&self, hash: u64) {
+        if let Ok(m) = std::fs::symlink_metadata(self.path(hash)) {
+            if let (true, Ok(t), Ok(mut k)) = (m.is_file(), m.modified(), self.known.lock()) {
+                k.insert(hash, (m.len(), t));
+            }
+        }
+    }
+
+    /// Stores a weight as `dir/<hash>`: written to a new file in `dir`,
+    /// its size checked, then renamed over the name, so that a full disk
+    /// leaves no short entry and a link planted in `dir` is replaced, not
+    /// followed. A failure is a warning: the cache is an optimisation.
+    pub fn store(&self, data: &[u8]) {
+        let hash = fnv1a(data);
+        let result = (|| -> std::io::Result<()> {
+            let mut tmp = tempfile::Builder::new()
+                .prefix(".partial-")
+                .tempfile_in(&self.dir)?;
+            tmp.write_all(data)?;
+            tmp.as_file().sync_all()?;
+            if tmp.as_file().metadata()?.len() != data.len() as u64 {
+                return Err(std::io::Error::other("short write"));
+            }
+            tmp.persist(self.path(hash)).map_err(|e| e.error)?;
+            Ok(())
+        })();
+        match result {
+            Ok(()) => self.remember(hash),
+            Err(e) => tracing::warn!("rpc-server: --cache: not stored {hash:016x}: {e}"),
+        }
+    }
+
+    /// The size of the cached weight `hash`, when the cache holds a good
+    /// one; an entry that is a link, not a file, or whose bytes do not hash
+    /// to its name is removed (ggml's server then asks the client for the
+    /// data).
+    pub fn check(&self, hash: u64) -> Option<u64> {
+        let path = self.path(hash);
+        let meta = std::fs::symlink_metadata(&path).ok()?;
+        let why = if !meta.file_type().is_file() {
+            "not a regular file"
+        } else {
+            let seen = self.known.lock().ok().and_then(|k| k.get(&hash).copied());
+            if seen.is_some() && seen == meta.modified().ok().map(|t| (meta.len(), t)) {
+                return Some(meta.len());
+            }
+            match std::fs::read(&path) {
+                Ok(bytes) if fnv1a(&bytes) == hash => {
+                    self.remember(hash);
+                    return Some(bytes.len() as u64);
+                }
+                Ok(_) => "its bytes do not hash to its name",
+                Err(_) => "unreadable",
+            }
+        };
+        let _ = std::fs::remove_file(&path);
+        if let Ok(mut k) = self.known.lock() {
+            k.remove(&hash);
+        }
+        tracing::warn!("rpc-server: --cache: removed {hash:016x}: {why}");
+        None
+    }
 }
 
 /// ggml's RPC cache hash (`fnv_hash` in ggml-rpc.cpp): 64-bit FNV-1a.
@@ -609,24 +656,37 @@ mod tests {
     #[test]
     fn cache_entries_are_written_whole_and_checked() {
         let dir = tempfile::tempdir().unwrap();
+        let cache = super::Cache::new(dir.path().to_path_buf(), &[]);
         let data = vec![7u8; 1000];
-        super::cache_store(dir.path(), &data);
+        cache.store(&data);
         let h = super::fnv1a(&data);
-        assert_eq!(super::cache_check(dir.path(), h), Some(1000));
+        assert_eq!(cache.check(h), Some(1000));
         let path = dir.path().join(format!("{h:016x}"));
         std::fs::write(&path, &data[..64]).unwrap();
-        assert_eq!(super::cache_check(dir.path(), h), None);
+        assert_eq!(cache.check(h), None);
         assert!(!path.exists(), "a short entry is removed");
         // A link planted under the name is replaced, not written through.
         let target = dir.path().join("target");
         std::fs::write(&target, b"keep").unwrap();
         std::os::unix::fs::symlink(&target, &path).unwrap();
-        super::cache_store(dir.path(), &data);
+        cache.store(&data);
         assert_eq!(std::fs::read(&target).unwrap(), b"keep");
-        assert_eq!(super::cache_check(dir.path(), h), Some(1000));
+        assert_eq!(cache.check(h), Some(1000));
         std::fs::remove_file(&path).unwrap();
         std::os::unix::fs::symlink(&target, &path).unwrap();
-        assert_eq!(super::cache_check(dir.path(), h), None);
+        assert_eq!(cache.check(h), None);
+        assert_eq!(std::fs::read(&target).unwrap(), b"keep");
+        // A file changed behind the cache's back is hashed again.
+        cache.store(&data);
+        std::fs::write(&path, vec![8u8; 1000]).unwrap();
+        let t = std::time::SystemTime::now() + std::time::Duration::from_secs(5);
+        std::fs::File::options()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_modified(t)
+            .unwrap();
+        assert_eq!(cache.check(h), None);
         assert_eq!(std::fs::read(&target).unwrap(), b"keep");
     }
 }
