@@ -1785,6 +1785,81 @@ fn try_health(addr: &str) -> Option<u16> {
     head.split(' ').nth(1)?.parse().ok()
 }
 
+/// A decompression bomb: a small PNG (zeros compress ~1000:1) that
+/// declares `side`² pixels.
+fn bomb_png(side: u32) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut enc = png::Encoder::new(&mut out, side, side);
+    enc.set_color(png::ColorType::Grayscale);
+    enc.set_compression(png::Compression::Fast);
+    let mut w = enc.write_header().unwrap();
+    let mut stream = w.stream_writer().unwrap();
+    let row = vec![0u8; side as usize];
+    for _ in 0..side {
+        stream.write_all(&row).unwrap();
+    }
+    stream.finish().unwrap();
+    drop(w);
+    out
+}
+
+/// Four decompression bombs posted at once are decoded on blocking
+/// threads, two at a time, while /health and interrupt go on answering at
+/// once (decoding on the async workers stalled them 2–3.7 s).
+#[test]
+fn decompression_bombs_do_not_stall_the_server() {
+    let bomb = bomb_png(10_000);
+    assert!(bomb.len() < 1 << 20, "{} bytes", bomb.len());
+    let b64 = base64::engine::general_purpose::STANDARD.encode(&bomb);
+    let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors"))]);
+    let posts: Vec<_> = (0..4)
+        .map(|_| {
+            let addr = srv.addr.clone();
+            let body = serde_json::to_vec(&json!({
+                "init_images": [b64],
+                "prompt": "x",
+                "width": 64,
+                "height": 64,
+                "steps": 1,
+                // Refused once the image is decoded: the decode is what
+                // this test is about, not a generation at 10,000².
+                "mask": "not base64 ***",
+            }))
+            .unwrap();
+            std::thread::spawn(move || {
+                let started = Instant::now();
+                let r = raw(
+                    &addr,
+                    "POST",
+                    "/sdapi/v1/img2img",
+                    &[("Host", &addr), ("Content-Type", "application/json")],
+                    &body,
+                );
+                (r.status, started.elapsed())
+            })
+        })
+        .collect();
+    let started = Instant::now();
+    let (mut probes, mut slowest) = (0, Duration::ZERO);
+    while posts.iter().any(|p| !p.is_finished()) && started.elapsed() < DEADLINE {
+        let t = Instant::now();
+        let path = if probes % 2 == 0 { "/health" } else { "/internal/ping" };
+        let r = raw(&srv.addr, "GET", path, &[("Host", &srv.addr)], b"");
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        slowest = slowest.max(t.elapsed());
+        probes += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let answers: Vec<(u16, Duration)> = posts.into_iter().map(|p| p.join().unwrap()).collect();
+    let busy = answers.iter().map(|a| a.1).max().unwrap();
+    eprintln!("bombs: answers {answers:?}; {probes} probes while busy, slowest {slowest:?}");
+    assert!(probes >= 5, "the bombs took {busy:?}: too short to probe");
+    assert!(slowest < Duration::from_millis(500), "a probe took {slowest:?}");
+    for (status, _) in answers {
+        assert_eq!(status, 422);
+    }
+}
+
 /// Half-open connections (headers never finished, more of them than the
 /// server's connection cap) cannot take it offline: the ones over the cap
 /// are closed at once, the others after the header-read timeout, and the
