@@ -50,6 +50,11 @@ use std::path::Path;
 
 /// Largest `data.pkl` read: state dicts of the largest models are a few MiB.
 const MAX_PICKLE: u64 = 64 << 20;
+/// The most memory the pickle machine may hold (objects, stack, strings,
+/// container items). Opcodes of one byte build objects of dozens, so the
+/// file-size limit alone let 64 MiB of pickle take gigabytes; a state dict
+/// of thousands of tensors needs a few MiB.
+const MAX_MEMORY: usize = 256 << 20;
 
 /// The safetensors dtype name and element size of a torch storage class.
 fn storage_dtype(name: &str) -> Option<(&'static str, u64)> {
@@ -165,6 +170,7 @@ fn unpickle(data: &[u8]) -> Result<Pickle, String> {
         objs: Vec::new(),
         stack: Vec::new(),
         memo: HashMap::new(),
+        used: 0,
     };
     let root = m.run()?;
     Ok(Pickle { objs: m.objs, root })
@@ -176,9 +182,15 @@ struct Machine<'d> {
     objs: Vec<Obj>,
     stack: Vec<Slot>,
     memo: HashMap<u32, usize>,
+    /// Bytes the machine has allocated (never less: the arena only grows).
+    used: usize,
 }
 
 impl Machine<'_> {
+    /// Counts `bytes` more of memory held.
+    fn charge(&mut self, bytes: usize) {
+        self.used = self.used.saturating_add(bytes);
+    }
     fn take(&mut self, n: usize) -> Result<&[u8], String> {
         let end = self
             .pos
@@ -225,6 +237,13 @@ impl Machine<'_> {
     }
 
     fn push(&mut self, o: Obj) {
+        let heap = match &o {
+            Obj::Str(s) => s.len(),
+            Obj::Tuple(v) | Obj::List(v) => v.len() * std::mem::size_of::<usize>(),
+            Obj::Dict(v) => v.len() * std::mem::size_of::<(usize, usize)>(),
+            _ => 0,
+        };
+        self.charge(std::mem::size_of::<Obj>() + std::mem::size_of::<Slot>() + heap);
         self.objs.push(o);
         self.stack.push(Slot::Obj(self.objs.len() - 1));
     }
@@ -378,6 +397,12 @@ impl Machine<'_> {
 
     fn run(&mut self) -> Result<usize, String> {
         loop {
+            if self.used > MAX_MEMORY {
+                return Err(format!(
+                    "pickle needs more than {} MiB of memory to read (a state dict needs a few)",
+                    MAX_MEMORY >> 20
+                ));
+            }
             let at = self.pos;
             let op = self.u8()?;
             match op {
@@ -394,7 +419,10 @@ impl Machine<'_> {
                 b'}' => self.push(Obj::Dict(Vec::new())),
                 b']' => self.push(Obj::List(Vec::new())),
                 b')' => self.push(Obj::Tuple(Vec::new())),
-                b'(' => self.stack.push(Slot::Mark),
+                b'(' => {
+                    self.charge(std::mem::size_of::<Slot>());
+                    self.stack.push(Slot::Mark);
+                }
                 b'X' => {
                     let n = self.u32()?;
                     let s = self.string(n.into())?;
@@ -476,6 +504,7 @@ impl Machine<'_> {
                     for kv in items.chunks_exact(2) {
                         entries.push((kv[0], kv[1]));
                     }
+                    self.charge(items.len() * std::mem::size_of::<usize>());
                 }
                 b'a' | b'e' => {
                     let items = if op == b'a' {
@@ -487,7 +516,9 @@ impl Machine<'_> {
                     let Obj::List(list) = &mut self.objs[l] else {
                         return Err(format!("pickle appends to {}", self.objs[l].kind()));
                     };
+                    let n = items.len();
                     list.extend(items);
+                    self.charge(n * std::mem::size_of::<usize>());
                 }
                 b'q' => {
                     let k = self.u8()?;
@@ -550,6 +581,7 @@ impl Machine<'_> {
                 }
                 b'2' => {
                     let t = self.top()?;
+                    self.charge(std::mem::size_of::<Slot>());
                     self.stack.push(Slot::Obj(t));
                 }
                 b'.' => return self.pop(),
@@ -812,6 +844,23 @@ mod tests {
             }
             let _ = run(&good[..i]);
         }
+    }
+
+    /// Pickles that build objects byte by byte (empty lists, marks, DUPs)
+    /// stop at the memory budget, long before gigabytes.
+    #[test]
+    fn memory_is_budgeted_not_only_file_size() {
+        for op in [b']', b'(', b'N', b'}'] {
+            let mut p = vec![0x80, 2];
+            p.extend(std::iter::repeat_n(op, 20 << 20));
+            p.push(b'.');
+            let e = unpickle(&p).err().unwrap();
+            assert!(e.contains("MiB of memory"), "{}: {e}", op as char);
+        }
+        let mut p = vec![0x80, 2, b']'];
+        p.extend(std::iter::repeat_n(b'2', 20 << 20));
+        let e = unpickle(&p).err().unwrap();
+        assert!(e.contains("MiB of memory"), "DUP: {e}");
     }
 
     #[test]
