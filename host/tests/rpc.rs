@@ -1236,6 +1236,46 @@ fn a_worker_that_stops_is_replaced() {
     );
 }
 
+/// The worker's private port serves only the gate: the gate holds ggml's
+/// one connection for the worker's life, so another process that connects
+/// there (past the gate and its key) is never answered, while clients of
+/// the gate are.
+#[test]
+fn the_workers_port_serves_only_the_gate() {
+    let p = prefix();
+    let server = Server::start(&p, "cpu", &[], &[("SDHOST_RPC_KEY", KEY)]);
+    let pid = server.child.id();
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let worker: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let cmdline = std::fs::read(format!("/proc/{worker}/cmdline")).unwrap();
+    let args: Vec<String> = cmdline
+        .split(|&b| b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let at = args.iter().position(|a| a == "--worker-listen").unwrap();
+    let private: std::net::SocketAddr = args[at + 1].parse().unwrap();
+    let mut sneak = TcpStream::connect(private).unwrap();
+    sneak
+        .set_read_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let mut req = vec![14u8];
+    req.extend_from_slice(&24u64.to_le_bytes());
+    req.extend_from_slice(&[0; 24]);
+    sneak.write_all(&req).unwrap();
+    let mut b = [0u8; 8];
+    let r = sneak.read(&mut b);
+    assert!(
+        matches!(&r, Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut),
+        "the private port answered: {r:?}"
+    );
+    // The gate's clients are served meanwhile.
+    let mut c = Raw::open(server.port, Some(KEY)).unwrap();
+    assert!(c.alloc(4096).is_some());
+    drop(c);
+    let mut c = Raw::open(server.port, Some(KEY)).unwrap();
+    assert!(c.alive());
+}
+
 /// A row index past its table lives in the tensor's data, where ggml's
 /// kernel reads it unchecked (it would read past the table): the gate
 /// reads the indices before the graph runs and closes the connection.

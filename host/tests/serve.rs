@@ -1843,7 +1843,11 @@ fn decompression_bombs_do_not_stall_the_server() {
     let (mut probes, mut slowest) = (0, Duration::ZERO);
     while posts.iter().any(|p| !p.is_finished()) && started.elapsed() < DEADLINE {
         let t = Instant::now();
-        let path = if probes % 2 == 0 { "/health" } else { "/internal/ping" };
+        let path = if probes % 2 == 0 {
+            "/health"
+        } else {
+            "/internal/ping"
+        };
         let r = raw(&srv.addr, "GET", path, &[("Host", &srv.addr)], b"");
         assert_eq!(r.status, 200, "{path}: {}", r.text());
         slowest = slowest.max(t.elapsed());
@@ -1854,7 +1858,10 @@ fn decompression_bombs_do_not_stall_the_server() {
     let busy = answers.iter().map(|a| a.1).max().unwrap();
     eprintln!("bombs: answers {answers:?}; {probes} probes while busy, slowest {slowest:?}");
     assert!(probes >= 5, "the bombs took {busy:?}: too short to probe");
-    assert!(slowest < Duration::from_millis(500), "a probe took {slowest:?}");
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a probe took {slowest:?}"
+    );
     for (status, _) in answers {
         assert_eq!(status, 422);
     }

@@ -65,10 +65,8 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
     let public = std::net::TcpListener::bind((ip, args.port))
         .with_context(|| format!("cannot listen on {ip}:{}", args.port))?;
     let spawn: crate::rpc_gate::Spawn = Box::new(spawn_worker);
-    let mut first = spawn_worker().map_err(|e| anyhow!("rpc-server: {e}"))?;
-    // The worker is ready once ggml's server accepts a connection.
-    crate::rpc_gate::connect(&mut first)
-        .map_err(|e| anyhow!("rpc-server on {}: {e}", args.device))?;
+    // Ready once ggml's server answers the gate.
+    let first = spawn_worker().map_err(|e| anyhow!("rpc-server on {}: {e}", args.device))?;
     tracing::info!(
         "serving {} ({}) on {ip}:{}{}",
         entry.name,
@@ -93,8 +91,9 @@ pub fn run(session: &Session, args: &ServerArgs) -> anyhow::Result<()> {
 }
 
 /// Starts ggml's server in a worker: this program again, with the same
-/// arguments and `--worker-listen` on a free loopback port. Its stdin is a
-/// pipe from this process, so it ends when this process does.
+/// arguments and `--worker-listen` on a free loopback port, and opens the
+/// gate's connection to it. Its stdin is a pipe from this process, so it
+/// ends when this process does.
 fn spawn_worker() -> Result<crate::rpc_gate::Worker, String> {
     let addr = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
         .and_then(|l| l.local_addr())
@@ -108,7 +107,7 @@ fn spawn_worker() -> Result<crate::rpc_gate::Worker, String> {
         .stdin(std::process::Stdio::piped())
         .spawn()
         .map_err(|e| format!("starting ggml's server: {e}"))?;
-    Ok(crate::rpc_gate::Worker { child, addr })
+    crate::rpc_gate::Worker::open(child, addr)
 }
 
 /// The worker: ggml's server on `private`, on a thread with room for deep

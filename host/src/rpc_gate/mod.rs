@@ -63,32 +63,90 @@ pub struct Options {
     pub key: Option<Key>,
 }
 
-/// A running worker: ggml's server in a child process on `addr`.
+/// A running worker: ggml's server in a child process on `addr`, and the
+/// gate's one connection to it, opened when it starts and kept for its
+/// life. ggml's server serves one connection at a time, so while the gate
+/// holds this one, nobody else reaching the private port is ever served;
+/// each client's session runs over it (the gate frees what a client
+/// allocated when it leaves). The process is killed when this is dropped.
 pub struct Worker {
-    pub child: Child,
-    pub addr: SocketAddr,
+    child: Child,
+    conn: TcpStream,
+    /// ggml's HELLO answer (its version), given to each client.
+    hello: Vec<u8>,
+    devices: u32,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.conn.shutdown(Shutdown::Both);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 /// Starts a worker (ggml's server in a child process).
 pub type Spawn = Box<dyn Fn() -> Result<Worker, String> + Send + Sync>;
 
-/// Connects to the worker, waiting while it starts.
-pub fn connect(worker: &mut Worker) -> Result<TcpStream, String> {
-    let mut last = String::new();
-    for _ in 0..1200 {
-        if let Ok(Some(st)) = worker.child.try_wait() {
-            return Err(format!("ggml's server ended as it started ({st})"));
+impl Worker {
+    /// Connects to the worker `child` listening on `addr` (waiting while
+    /// it starts), says HELLO and asks its device count.
+    pub fn open(mut child: Child, addr: SocketAddr) -> Result<Worker, String> {
+        let mut last = String::new();
+        let mut conn = None;
+        for _ in 0..1200 {
+            if let Ok(Some(st)) = child.try_wait() {
+                return Err(format!("ggml's server ended as it started ({st})"));
+            }
+            match TcpStream::connect_timeout(&addr, Duration::from_secs(5)) {
+                Ok(s) => {
+                    conn = Some(s);
+                    break;
+                }
+                Err(e) => last = e.to_string(),
+            }
+            std::thread::sleep(Duration::from_millis(50));
         }
-        match TcpStream::connect_timeout(&worker.addr, Duration::from_secs(5)) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e.to_string(),
-        }
-        std::thread::sleep(Duration::from_millis(50));
+        let Some(conn) = conn else {
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(format!("ggml's server does not answer: {last}"));
+        };
+        let _ = conn.set_nodelay(true);
+        let mut w = Worker {
+            child,
+            conn,
+            hello: Vec::new(),
+            devices: 0,
+        };
+        let mut m = vec![cmd::HELLO];
+        m.extend_from_slice(&24u64.to_le_bytes());
+        m.extend_from_slice(&[0u8; 24]);
+        let talk = |w: &mut Worker, m: &[u8], want: usize| -> Result<Vec<u8>, String> {
+            w.conn.write_all(m).map_err(|e| e.to_string())?;
+            let mut size = [0u8; 8];
+            w.conn.read_exact(&mut size).map_err(|e| e.to_string())?;
+            if u64::from_le_bytes(size) != want as u64 {
+                return Err(format!("an answer of {} bytes", u64::from_le_bytes(size)));
+            }
+            let mut out = vec![0u8; want];
+            w.conn.read_exact(&mut out).map_err(|e| e.to_string())?;
+            Ok(out)
+        };
+        let hello = talk(&mut w, &m, 28).map_err(|e| format!("ggml's server HELLO: {e}"))?;
+        let mut m = vec![cmd::DEVICE_COUNT];
+        m.extend_from_slice(&0u64.to_le_bytes());
+        let count = talk(&mut w, &m, 4).map_err(|e| format!("ggml's server device count: {e}"))?;
+        w.devices = u32_at(&count, 0);
+        // The client's connection to the gate is plain TCP: no transport
+        // capabilities are offered.
+        w.hello = hello[..4].to_vec();
+        w.hello.resize(28, 0);
+        Ok(w)
     }
-    Err(format!("ggml's server does not answer: {last}"))
 }
 
-/// Serves clients on `public` through `worker` (restarted by `spawn`
+/// Serves clients on `public` through `worker` (replaced by `spawn`
 /// whenever it stops), one client at a time, until the process ends.
 pub fn serve(public: TcpListener, worker: Worker, spawn: Spawn, options: Options) {
     let busy = Arc::new(AtomicBool::new(false));
@@ -138,28 +196,34 @@ pub fn serve(public: TcpListener, worker: Worker, spawn: Spawn, options: Options
                 if let Err(why) = result {
                     tracing::warn!("rpc-server: closed the connection of {peer}: {why}");
                 }
-                // A worker that stopped on this client's commands is
-                // reported and replaced before the next client.
-                let mut ended = w.child.try_wait().ok().flatten();
-                for _ in 0..if worker_failed { 20 } else { 0 } {
-                    if ended.is_some() {
-                        break;
+                // A worker that stopped, or stopped answering (ggml's
+                // server closes the connection on a command it refuses),
+                // on this client's commands is reported and replaced; the
+                // gate never connects to it again, as another process
+                // could be waiting on that port.
+                let next = if worker_failed {
+                    let mut ended = w.child.try_wait().ok().flatten();
+                    for _ in 0..20 {
+                        if ended.is_some() {
+                            break;
+                        }
+                        std::thread::sleep(Duration::from_millis(25));
+                        ended = w.child.try_wait().ok().flatten();
                     }
-                    std::thread::sleep(Duration::from_millis(25));
-                    ended = w.child.try_wait().ok().flatten();
-                }
-                let next = match ended {
-                    None => Some(w),
-                    Some(st) => {
-                        tracing::warn!(
+                    match ended {
+                        Some(st) => tracing::warn!(
                             "rpc-server: ggml's server stopped on the commands of {peer} ({st}); starting a new one"
-                        );
-                        spawn()
-                            .map_err(|e| {
-                                tracing::error!("rpc-server: cannot start ggml's server: {e}")
-                            })
-                            .ok()
+                        ),
+                        None => tracing::warn!(
+                            "rpc-server: ggml's server stopped answering on the commands of {peer} (it refused one); starting a new one"
+                        ),
                     }
+                    drop(w);
+                    spawn()
+                        .map_err(|e| tracing::error!("rpc-server: cannot start ggml's server: {e}"))
+                        .ok()
+                } else {
+                    Some(w)
                 };
                 if let Ok(mut s) = slot.lock() {
                     *s = next;
@@ -215,23 +279,42 @@ fn open_session(
     if first[0] != cmd::HELLO {
         return Err(format!("command {} before HELLO", first[0]));
     }
-    let server = connect(worker).inspect_err(|_| *worker_failed = true)?;
-    let _ = server.set_nodelay(true);
+    let server = worker.conn.try_clone().map_err(|e| {
+        *worker_failed = true;
+        format!("the connection to ggml's server: {e}")
+    })?;
     let mut s = Session {
         worker_failed: false,
         unanswered: None,
         client,
         server,
         buffers: HashMap::new(),
-        devices: 0,
+        devices: worker.devices,
+        hello: worker.hello.clone(),
         memory: HashMap::new(),
         stored: Default::default(),
         cache: options.cache.as_ref(),
     };
     let result = s.run(first[0]);
-    *worker_failed = s.worker_failed;
-    let _ = s.server.shutdown(Shutdown::Both);
     let _ = s.client.shutdown(Shutdown::Both);
+    if !s.worker_failed {
+        // What the client left allocated is freed; the connection must
+        // still answer.
+        let handles: Vec<u64> = s.buffers.keys().copied().collect();
+        for h in handles {
+            let mut m = vec![cmd::FREE_BUFFER];
+            m.extend_from_slice(&8u64.to_le_bytes());
+            m.extend_from_slice(&h.to_le_bytes());
+            if s.server.write_all(&m).is_err() {
+                s.worker_failed = true;
+                break;
+            }
+        }
+        if !s.worker_failed {
+            let _ = s.ask(cmd::DEVICE_COUNT, &[], 4);
+        }
+    }
+    *worker_failed = s.worker_failed;
     result
 }
 
@@ -246,6 +329,8 @@ struct Session<'a> {
     /// This client's buffers, by the handle ggml's server gave.
     buffers: HashMap<u64, Buffer>,
     devices: u32,
+    /// The HELLO answer given to the client.
+    hello: Vec<u8>,
     /// Each device's total memory, asked when first allocated on.
     memory: HashMap<u32, u64>,
     /// The devices whose last graph ggml's server keeps (GRAPH_RECOMPUTE
@@ -284,6 +369,15 @@ impl Session<'_> {
                     format!("command {c} before HELLO")
                 });
             }
+            if c == cmd::HELLO {
+                // ggml's server had its HELLO when the worker started.
+                self.client
+                    .write_all(&(self.hello.len() as u64).to_le_bytes())
+                    .and_then(|()| self.client.write_all(&self.hello))
+                    .map_err(|e| format!("answering: {e}"))?;
+                hello = true;
+                continue;
+            }
             let answer = self.check(c, &mut message)?;
             if let Err(e) = self.server.write_all(&message) {
                 self.worker_failed = true;
@@ -300,11 +394,6 @@ impl Session<'_> {
                 self.after(c, &message[9..], &[])?;
             }
             self.unanswered = answer.is_none().then_some(c);
-            if c == cmd::HELLO {
-                hello = true;
-                let count = self.ask(cmd::DEVICE_COUNT, &[], 4)?;
-                self.devices = u32_at(&count, 0);
-            }
         }
     }
 
