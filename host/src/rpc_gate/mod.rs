@@ -41,7 +41,6 @@ use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::Child;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use wire::{cmd, u32_at, u64_at, Buffer, Data, Tensor, TENSOR};
@@ -149,21 +148,27 @@ impl Worker {
 /// Serves clients on `public` through `worker` (replaced by `spawn`
 /// whenever it stops), one client at a time, until the process ends.
 pub fn serve(public: TcpListener, worker: Worker, spawn: Spawn, options: Options) {
-    let busy = Arc::new(AtomicBool::new(false));
+    // Whether a client is being served, and a wake-up when it leaves.
+    let busy = Arc::new((Mutex::new(false), std::sync::Condvar::new()));
     let slot = Arc::new(Mutex::new(Some(worker)));
     let spawn = Arc::new(spawn);
     let options = Arc::new(options);
     for client in public.incoming() {
         let Ok(client) = client else { continue };
-        // A client that just left frees the slot within a moment.
-        let mut free = !busy.swap(true, Ordering::SeqCst);
-        for _ in 0..400 {
-            if free {
-                break;
+        // A client that is just leaving frees the slot within a moment.
+        let free = {
+            let (lock, left) = &*busy;
+            let taken = lock.lock().ok().and_then(|g| {
+                left.wait_timeout_while(g, Duration::from_secs(2), |b| *b).ok()
+            });
+            match taken {
+                Some((mut g, _)) if !*g => {
+                    *g = true;
+                    true
+                }
+                _ => false,
             }
-            std::thread::sleep(Duration::from_millis(5));
-            free = !busy.swap(true, Ordering::SeqCst);
-        }
+        };
         if !free {
             // ggml's server would leave it waiting, unanswered.
             if let Ok(peer) = client.peer_addr() {
@@ -229,7 +234,11 @@ pub fn serve(public: TcpListener, worker: Worker, spawn: Spawn, options: Options
                     *s = next;
                 }
             }
-            busy.store(false, Ordering::SeqCst);
+            let (lock, left) = &*busy;
+            if let Ok(mut g) = lock.lock() {
+                *g = false;
+            }
+            left.notify_all();
         });
     }
 }
