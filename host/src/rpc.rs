@@ -288,7 +288,6 @@ pub fn tunnel(e: &Endpoint, key: Key, timeout: Duration) -> anyhow::Result<Strin
             .insert(local.clone(), e.text.clone());
     }
     let (server, name) = (SocketAddr::V4(e.addr), e.text.clone());
-    let local_addr = local_addr;
     std::thread::Builder::new()
         .name("rpc-tunnel".into())
         .spawn(move || {

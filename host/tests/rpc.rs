@@ -1320,6 +1320,8 @@ struct Fuzz {
     bufs: Vec<(u64, u64, u64)>,
 }
 
+// ggml's op enum is `u32` or `i32` by platform.
+#[allow(clippy::unnecessary_cast)]
 impl Fuzz {
     fn pick<T: Copy>(&mut self, from: &[T]) -> T {
         use rand::Rng;
@@ -1719,7 +1721,7 @@ fn fuzzed_protocol_never_stops_the_server() {
         if let Some((_, r)) = l.split_once("closed the connection of ") {
             let r = r.split_once(": ").map_or(r, |x| x.1);
             let r: String = r
-                .split(|c: char| c == ' ' || c == ',')
+                .split([' ', ','])
                 .map(|w| {
                     if w.chars().any(|c| c.is_ascii_digit()) {
                         "#"

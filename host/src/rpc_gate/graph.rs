@@ -289,7 +289,7 @@ fn same(a: &Tensor, b: &Tensor) -> bool {
 
 /// `b` broadcasts into `a` (ggml_can_repeat).
 fn repeats(b: &Tensor, a: &Tensor) -> bool {
-    (0..4).all(|d| b.ne[d] != 0 && a.ne[d] % b.ne[d] == 0)
+    (0..4).all(|d| b.ne[d] != 0 && a.ne[d].is_multiple_of(b.ne[d]))
 }
 
 /// The shape rules of ggml's constructor for `t`'s op, over its sources.

@@ -159,7 +159,8 @@ pub fn serve(public: TcpListener, worker: Worker, spawn: Spawn, options: Options
         let free = {
             let (lock, left) = &*busy;
             let taken = lock.lock().ok().and_then(|g| {
-                left.wait_timeout_while(g, Duration::from_secs(2), |b| *b).ok()
+                left.wait_timeout_while(g, Duration::from_secs(2), |b| *b)
+                    .ok()
             });
             match taken {
                 Some((mut g, _)) if !*g => {
@@ -470,7 +471,7 @@ impl Session<'_> {
     /// and returns the size of the answer the worker will send, if any.
     fn check(&mut self, c: u8, message: &mut [u8]) -> Result<Option<Option<usize>>, String> {
         let p = &message[9..];
-        let answer = wire::sizes(c).map_or(None, |(_, a)| a);
+        let answer = wire::sizes(c).and_then(|(_, a)| a);
         match c {
             cmd::HELLO | cmd::DEVICE_COUNT => {}
             cmd::GET_ALIGNMENT | cmd::GET_MAX_SIZE | cmd::GET_DEVICE_MEMORY => {

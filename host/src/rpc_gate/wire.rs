@@ -210,7 +210,7 @@ pub fn check_tensor(t: &Tensor, buffers: &HashMap<u64, Buffer>, data: Data) -> R
             t.ty
         ));
     };
-    if t.ne[0] % ty.block_size() as u64 != 0 {
+    if !t.ne[0].is_multiple_of(ty.block_size() as u64) {
         return Err(format!(
             "a {} tensor whose first dimension {} is not whole blocks of {}",
             ty.name(),
