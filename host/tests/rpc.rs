@@ -562,6 +562,22 @@ fn a_second_client_while_the_server_is_busy() {
     // Free again: the server serves the next client.
     let r = run(p.cmd(&["devices", "--json", "--rpc", &ep])).ok();
     assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
+    // A connection that never says HELLO holds the server 10 s at most
+    // (it used to hold it for ever).
+    let idle = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    let started = Instant::now();
+    let mut served = false;
+    while started.elapsed() < Duration::from_secs(30) {
+        if hello(server.port).is_some() {
+            served = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    let waited = started.elapsed();
+    assert!(served, "not served within {waited:?}");
+    assert!(waited > Duration::from_secs(5), "served after {waited:?}");
+    drop(idle);
 }
 
 #[test]
