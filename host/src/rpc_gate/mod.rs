@@ -564,7 +564,14 @@ impl Session<'_> {
                 }
             }
             cmd::GRAPH_COMPUTE => {
-                for (at, index, rows) in graph::check_graph(p, &self.buffers, self.devices)? {
+                let started = std::time::Instant::now();
+                let lookups = graph::check_graph(p, &self.buffers, self.devices)?;
+                tracing::debug!(
+                    "rpc-server: a graph of {} bytes checked in {:.2} ms",
+                    p.len(),
+                    started.elapsed().as_secs_f64() * 1e3
+                );
+                for (at, index, rows) in lookups {
                     let n = index.nbytes().ok_or("row indices whose size overflows")?;
                     let mut q = p[at..at + TENSOR].to_vec();
                     q.extend_from_slice(&0u64.to_le_bytes());
