@@ -7,7 +7,7 @@
 //! index arithmetic that must match torch's exactly.
 
 use crate::image_io;
-use sdhost_models::pipeline::Pipeline;
+use sdhost_models::pipeline::{Pipeline, Stop};
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::ModelError;
 
@@ -207,26 +207,33 @@ impl Hires {
 }
 
 /// Generates `req`, then where `hires` says, its second pass; `progress`
-/// counts the steps of both passes.
+/// counts the steps of both passes. `stop` is asked between steps: told to
+/// finish during the first pass, the first pass's image is the answer.
 pub fn generate(
     sd: &mut Pipeline<'_>,
     req: &Request,
     hires: Option<&Hires>,
     progress: &mut dyn FnMut(usize, usize),
-    cancelled: &dyn Fn() -> bool,
+    stop: &dyn Fn() -> Stop,
 ) -> Result<Image, ModelError> {
     let Some(h) = hires else {
-        return sd.generate(req, None, progress, cancelled);
+        return sd.generate_until(req, None, progress, stop);
     };
     let total = h.total_steps(req.steps);
     let second = if h.upscaler == Upscaler::Lanczos {
-        let first = sd.generate(req, None, &mut |done, _| progress(done, total), cancelled)?;
+        let first = sd.generate_until(req, None, &mut |done, _| progress(done, total), stop)?;
+        if stop() == Stop::Finish {
+            return Ok(first);
+        }
         h.request(req, first, None)
     } else {
-        let z = sd.sample_latent(req, None, &mut |done, _| progress(done, total), cancelled)?;
+        let z = sd.sample_latent_until(req, None, &mut |done, _| progress(done, total), stop)?;
         let f = sd.first_stage().format().spatial;
         let c = z.len() / ((req.height / f) * (req.width / f)).max(1);
         let shape = [c, req.height / f, req.width / f];
+        if stop() == Stop::Finish {
+            return sd.decode(&z, [1, shape[0], shape[1], shape[2]]);
+        }
         let up = resize_latent(&z, shape, h.height / f, h.width / f, h.upscaler);
         let empty = Image {
             width: 0,
@@ -235,11 +242,11 @@ pub fn generate(
         };
         h.request(req, empty, Some(up))
     };
-    sd.generate(
+    sd.generate_until(
         &second,
         None,
         &mut |done, _| progress(req.steps + done, total),
-        cancelled,
+        stop,
     )
 }
 

@@ -332,11 +332,26 @@ impl<'b> Pipeline<'b> {
         progress: &mut dyn FnMut(usize, usize),
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Image> {
-        let latent = self.sample_latent(req, noise, progress, cancelled)?;
+        self.generate_until(req, noise, progress, &|| Stop::abort_if(cancelled()))
+    }
+
+    /// [`Pipeline::generate`] told between steps whether to go on, to
+    /// finish early with what the steps so far made (A1111's interrupt: the
+    /// last step's denoised estimate is decoded), or to stop
+    /// ([`ModelError::Cancelled`]).
+    pub fn generate_until(
+        &mut self,
+        req: &Request,
+        noise: Option<Vec<f32>>,
+        progress: &mut dyn FnMut(usize, usize),
+        stop: &dyn Fn() -> Stop,
+    ) -> Result<Image> {
+        let cancelled = || stop() == Stop::Abort;
+        let latent = self.sample_latent_until(req, noise, progress, stop)?;
         let shape = self.latent_shape(req)?;
-        check(cancelled)?;
+        check(&cancelled)?;
         let image = self.decode(&latent, shape)?;
-        check(cancelled)?;
+        check(&cancelled)?;
         Ok(image)
     }
 
@@ -370,6 +385,20 @@ impl<'b> Pipeline<'b> {
         progress: &mut dyn FnMut(usize, usize),
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
+        self.sample_latent_until(req, noise, progress, &|| Stop::abort_if(cancelled()))
+    }
+
+    /// [`Pipeline::sample_latent`] told between steps what to do
+    /// ([`Stop`]); on [`Stop::Finish`] after at least one step, the last
+    /// step's denoised estimate is the latent.
+    pub fn sample_latent_until(
+        &mut self,
+        req: &Request,
+        noise: Option<Vec<f32>>,
+        progress: &mut dyn FnMut(usize, usize),
+        stop: &dyn Fn() -> Stop,
+    ) -> Result<Vec<f32>> {
+        let cancelled = &|| stop() == Stop::Abort;
         if req.steps == 0 {
             return Err(ModelError::request(
                 Field::Steps,
@@ -420,13 +449,24 @@ impl<'b> Pipeline<'b> {
         let batch = if guided { 2 } else { 1 };
         let steps = sigmas.len() - 1;
         let model = &mut self.model;
+        // The last denoised estimate, and whether sampling finished early
+        // on it.
+        let mut last: Option<Vec<f32>> = None;
+        let mut finished = false;
         let result: Result<Vec<f32>> = sample(
             req.sampler,
             sampling.noise_rule(),
             &sigmas,
             x,
             |x, sigma, _step| {
-                check(cancelled)?;
+                match stop() {
+                    Stop::Abort => return Err(ModelError::Cancelled),
+                    Stop::Finish if last.is_some() => {
+                        finished = true;
+                        return Err(ModelError::Cancelled);
+                    }
+                    _ => {}
+                }
                 let c_in = sampling.c_in(sigma);
                 let mut x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
                 let mut shape_b = shape;
@@ -451,6 +491,7 @@ impl<'b> Pipeline<'b> {
                 if let (Some(z0), Some(keep)) = (&z0, &keep) {
                     blend(&mut d, z0, keep);
                 }
+                last = Some(d.clone());
                 Ok(d)
             },
             |_| rng.randn(n_latent),
@@ -461,7 +502,10 @@ impl<'b> Pipeline<'b> {
                 m.end_phase();
             }
         }
-        let mut latent = result?;
+        let mut latent = match (result, last) {
+            (Err(ModelError::Cancelled), Some(d)) if finished => d,
+            (r, _) => r?,
+        };
         finite(&latent, "the sampled latent")?;
         if let (Some(z0), Some(keep)) = (&z0, &keep) {
             blend(&mut latent, z0, keep);
@@ -757,6 +801,28 @@ fn finite(values: &[f32], what: &str) -> Result<()> {
             "{what} is not finite ({} at value {i}): a LoRA or CFG scale too large, or broken weights",
             values[i]
         ))),
+    }
+}
+
+/// What a running generation is told between sampling steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// Go on.
+    Go,
+    /// Finish now with what the steps so far made (after at least one).
+    Finish,
+    /// Stop with [`ModelError::Cancelled`].
+    Abort,
+}
+
+impl Stop {
+    /// [`Stop::Abort`] when `cancelled`, else [`Stop::Go`].
+    pub fn abort_if(cancelled: bool) -> Stop {
+        if cancelled {
+            Stop::Abort
+        } else {
+            Stop::Go
+        }
     }
 }
 

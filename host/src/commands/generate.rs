@@ -136,7 +136,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         &req,
         hires.as_ref(),
         &mut |step, _| bar.set_position(step as u64),
-        &|| cancel.load(Ordering::SeqCst),
+        &|| sdhost_models::pipeline::Stop::abort_if(cancel.load(Ordering::SeqCst)),
     );
     bar.finish_and_clear();
     let sampling_time = sampling.elapsed();

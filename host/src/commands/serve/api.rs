@@ -183,6 +183,7 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/sdapi/v1/options", get(get_options).post(set_options))
         .route("/sdapi/v1/progress", get(progress))
         .route("/sdapi/v1/interrupt", post(interrupt))
+        .route("/sdapi/v1/skip", post(skip))
         .route("/v1/images/generations", post(openai_generations))
         .route("/v1/images/edits", post(openai_edits))
         .route("/v1/models", get(openai_models))
@@ -305,7 +306,7 @@ pub fn serve(
             queue.close();
             tokio::spawn(async move {
                 tokio::time::sleep(grace).await;
-                for id in queue.interrupt() {
+                for id in queue.cancel_running() {
                     crate::term::eprint_line(&format!(
                         "job {id}: still running after the grace period; cancelled"
                     ));
@@ -1219,6 +1220,7 @@ fn info_json(w: &Echo, out: &GenOutput, strength: Option<f64>) -> String {
         "sd_model_hash": null,
         "seed_resize_from_w": -1,
         "seed_resize_from_h": -1,
+        "sdhost_interrupted": out.interrupted,
         "denoising_strength": strength,
         "clip_skip": w.clip_skip,
         "infotexts": out.infotexts,
@@ -1502,10 +1504,18 @@ async fn progress(State(st): State<AppState>) -> Json<Value> {
     }))
 }
 
+/// A1111's interrupt: each running job (one per busy replica) finishes
+/// after its current step and answers 200 with what it made.
 async fn interrupt(State(st): State<AppState>) -> Json<Value> {
-    // Every running job: with several replicas, one per busy device.
     let ids = st.queue.interrupt();
     Json(json!({"interrupted": ids.first(), "sdhost_interrupted": ids}))
+}
+
+/// A1111's skip: each running job finishes its current image after the
+/// current step and goes on with the next of its batch.
+async fn skip(State(st): State<AppState>) -> Json<Value> {
+    let ids = st.queue.skip();
+    Json(json!({"skipped": ids.first(), "sdhost_skipped": ids}))
 }
 
 async fn health(State(st): State<AppState>) -> Json<Value> {

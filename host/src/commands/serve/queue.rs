@@ -47,6 +47,11 @@ pub struct Job<W, T> {
     pub work: W,
     /// Set when the job is cancelled.
     pub cancel: Arc<AtomicBool>,
+    /// Set by A1111's interrupt: finish with what is made so far.
+    pub interrupt: Arc<AtomicBool>,
+    /// Set by A1111's skip: finish the current image with what is made so
+    /// far and go on with the next (the worker clears it).
+    pub skip: Arc<AtomicBool>,
     /// Where the result goes (the handler may be gone).
     pub reply: oneshot::Sender<Reply<T>>,
 }
@@ -77,6 +82,8 @@ pub struct Running {
     /// Wall-clock start, seconds since the epoch (A1111's job_timestamp).
     pub timestamp: u64,
     cancel: Arc<AtomicBool>,
+    interrupt: Arc<AtomicBool>,
+    skip: Arc<AtomicBool>,
 }
 
 impl Running {
@@ -204,6 +211,8 @@ impl<W: JobKind, T> Queue<W, T> {
             id,
             work,
             cancel: Arc::new(AtomicBool::new(false)),
+            interrupt: Arc::new(AtomicBool::new(false)),
+            skip: Arc::new(AtomicBool::new(false)),
             reply: tx,
         });
         drop(g);
@@ -241,6 +250,8 @@ impl<W: JobKind, T> Queue<W, T> {
                     started: Instant::now(),
                     timestamp: now,
                     cancel: job.cancel.clone(),
+                    interrupt: job.interrupt.clone(),
+                    skip: job.skip.clone(),
                 });
                 g.running.sort_by_key(|r| r.id);
                 self.aborts[replica].store(false, Ordering::SeqCst);
@@ -300,8 +311,30 @@ impl<W: JobKind, T> Queue<W, T> {
         }
     }
 
-    /// Cancels every running job (A1111's interrupt); their ids.
+    /// A1111's interrupt: every running job finishes after its current
+    /// step with what it has made (its images so far, the current one from
+    /// its last denoised estimate); their ids.
     pub fn interrupt(&self) -> Vec<u64> {
+        let g = self.lock();
+        for r in &g.running {
+            r.interrupt.store(true, Ordering::SeqCst);
+        }
+        g.running.iter().map(|r| r.id).collect()
+    }
+
+    /// A1111's skip: every running job finishes its current image after
+    /// the current step and goes on with the next; their ids.
+    pub fn skip(&self) -> Vec<u64> {
+        let g = self.lock();
+        for r in &g.running {
+            r.skip.store(true, Ordering::SeqCst);
+        }
+        g.running.iter().map(|r| r.id).collect()
+    }
+
+    /// Cancels every running job at once (shutdown after its grace
+    /// period); their ids.
+    pub fn cancel_running(&self) -> Vec<u64> {
         let g = self.lock();
         for r in &g.running {
             r.cancel.store(true, Ordering::SeqCst);
@@ -311,7 +344,7 @@ impl<W: JobKind, T> Queue<W, T> {
     }
 
     /// Refuses new jobs and cancels the waiting ones; the running ones go
-    /// on (see [`Queue::interrupt`]). [`Queue::next`] returns `None` after.
+    /// on (see [`Queue::cancel_running`]). [`Queue::next`] returns `None` after.
     pub fn close(&self) {
         let mut g = self.lock();
         g.closed = true;
@@ -383,8 +416,15 @@ mod tests {
         // A dropped ticket of a waiting job removes it and answers it.
         drop(t2);
         assert!(matches!(r2.try_recv(), Ok(Err(JobError::Cancelled(_)))));
-        // Interrupting hits the running job only, and its abort flag.
+        // Interrupting asks the running job only to finish early (no
+        // abort of the step it is in); skipping, its current image.
         assert_eq!(q.interrupt(), vec![j1.id]);
+        assert!(j1.interrupt.load(Ordering::SeqCst) && !j1.cancel.load(Ordering::SeqCst));
+        assert!(!abort.load(Ordering::SeqCst));
+        assert_eq!(q.skip(), vec![j1.id]);
+        assert!(j1.skip.load(Ordering::SeqCst));
+        // Cancelling the running jobs (shutdown) stops the step too.
+        assert_eq!(q.cancel_running(), vec![j1.id]);
         assert!(j1.cancel.load(Ordering::SeqCst) && abort.load(Ordering::SeqCst));
         q.finished(0, false, true);
         t1.finish();
@@ -431,8 +471,10 @@ mod tests {
         assert_eq!(c.work.0, 3);
         assert!(!aborts[0].load(Ordering::SeqCst));
         assert_eq!(q.snapshot().0.len(), 2);
-        // Interrupt stops both.
+        // Interrupt reaches both; cancelling the running ones stops both.
         assert_eq!(q.interrupt(), vec![a.id, c.id]);
+        assert!(a.interrupt.load(Ordering::SeqCst) && c.interrupt.load(Ordering::SeqCst));
+        assert_eq!(q.cancel_running(), vec![a.id, c.id]);
         assert!(aborts[0].load(Ordering::SeqCst) && aborts[1].load(Ordering::SeqCst));
         q.finished(1, false, true);
         q.finished(0, false, true);

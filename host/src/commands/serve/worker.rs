@@ -25,7 +25,7 @@ use crate::png::{encode_png, parameters_text_of, TextFields};
 use crate::session::Session;
 use anyhow::Context as _;
 use sdhost_models::lora::LoraSpec;
-use sdhost_models::pipeline::Pipeline;
+use sdhost_models::pipeline::{Pipeline, Stop};
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::runtime::tiling::Tiling;
 use sdhost_models::sampling::{Sampler, Scheduler};
@@ -34,6 +34,13 @@ use sdhost_models::ModelError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// A running job's flags (see [`super::queue::Job`]).
+struct Signals {
+    cancel: Arc<AtomicBool>,
+    interrupt: Arc<AtomicBool>,
+    skip: Arc<AtomicBool>,
+}
 
 /// A checkpoint the server can load.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -220,6 +227,9 @@ pub struct GenOutput {
     pub height: usize,
     /// The model used.
     pub model: ModelEntry,
+    /// Ended early by A1111's interrupt (the last image from its last
+    /// denoised estimate).
+    pub interrupted: bool,
 }
 
 /// A job's result.
@@ -556,7 +566,17 @@ impl<'m> Worker<'_, 'm> {
                     self.ensure(loaded, &entry, &loras, true, &self.server_vae())
                         .map(|()| Output::Loaded(entry))
                 }
-                Work::Generate(g) => self.generate(loaded, &g, &cancel).map(Output::Images),
+                Work::Generate(g) => self
+                    .generate(
+                        loaded,
+                        &g,
+                        &Signals {
+                            cancel: cancel.clone(),
+                            interrupt: job.interrupt.clone(),
+                            skip: job.skip.clone(),
+                        },
+                    )
+                    .map(Output::Images),
             };
             let (ok, was_cancelled) = match &result {
                 Ok(_) => (true, false),
@@ -575,9 +595,22 @@ impl<'m> Worker<'_, 'm> {
         &self,
         loaded: &mut Option<Loaded<'m>>,
         g: &GenWork,
-        cancel: &Arc<AtomicBool>,
+        signals: &Signals,
     ) -> Result<GenOutput, JobError> {
+        let cancel = &signals.cancel;
         let cancelled = || cancel.load(Ordering::SeqCst);
+        let interrupted = || signals.interrupt.load(Ordering::SeqCst);
+        // Between steps: cancelled (client gone, shutdown) stops; an
+        // interrupt or a skip finishes the current image with what it has.
+        let stop = || {
+            if cancelled() {
+                Stop::Abort
+            } else if interrupted() || signals.skip.load(Ordering::SeqCst) {
+                Stop::Finish
+            } else {
+                Stop::Go
+            }
+        };
         let current = self
             .current
             .lock()
@@ -685,6 +718,7 @@ impl<'m> Worker<'_, 'm> {
             width: w,
             height: h,
             model: entry.clone(),
+            interrupted: false,
         };
         let mask_name = g_init
             .and_then(|i| i.mask.as_ref())
@@ -693,6 +727,7 @@ impl<'m> Worker<'_, 'm> {
         // records it.
         let tiling = l.sd.vae_tiling();
         for i in 0..g.count {
+            signals.skip.store(false, Ordering::SeqCst);
             let req = Request {
                 prompt: loras.prompt.clone(),
                 negative: g.negative.clone(),
@@ -713,7 +748,7 @@ impl<'m> Worker<'_, 'm> {
                 &req,
                 hires.as_ref(),
                 &mut |step, _| self.queue.progress(self.replica, step, i),
-                &cancelled,
+                &stop,
             )
             .map_err(|e| match e {
                 ModelError::Cancelled => JobError::Cancelled("interrupted".into()),
@@ -769,6 +804,10 @@ impl<'m> Worker<'_, 'm> {
             out.infotexts.push(text);
             out.seeds.push(req.seed);
             self.queue.progress(self.replica, 0, i + 1);
+            if interrupted() {
+                out.interrupted = true;
+                break;
+            }
         }
         Ok(out)
     }
