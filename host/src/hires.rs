@@ -206,28 +206,30 @@ impl Hires {
     }
 }
 
-/// Generates `req`, then where `hires` says, its second pass; `progress`
-/// counts the steps of both passes. `stop` is asked between steps: told to
-/// finish during the first pass, the first pass's image is the answer.
+/// Generates `req` (from `noise` where given: variation seeds), then where
+/// `hires` says, its second pass; `progress` counts the steps of both
+/// passes. `stop` is asked between steps: told to finish during the first
+/// pass, the first pass's image is the answer.
 pub fn generate(
     sd: &mut Pipeline<'_>,
     req: &Request,
+    noise: Option<Vec<f32>>,
     hires: Option<&Hires>,
     progress: &mut dyn FnMut(usize, usize),
     stop: &dyn Fn() -> Stop,
 ) -> Result<Image, ModelError> {
     let Some(h) = hires else {
-        return sd.generate_until(req, None, progress, stop);
+        return sd.generate_until(req, noise, progress, stop);
     };
     let total = h.total_steps(req.steps);
     let second = if h.upscaler == Upscaler::Lanczos {
-        let first = sd.generate_until(req, None, &mut |done, _| progress(done, total), stop)?;
+        let first = sd.generate_until(req, noise, &mut |done, _| progress(done, total), stop)?;
         if stop() == Stop::Finish {
             return Ok(first);
         }
         h.request(req, first, None)
     } else {
-        let z = sd.sample_latent_until(req, None, &mut |done, _| progress(done, total), stop)?;
+        let z = sd.sample_latent_until(req, noise, &mut |done, _| progress(done, total), stop)?;
         let f = sd.first_stage().format().spatial;
         let c = z.len() / ((req.height / f) * (req.width / f)).max(1);
         let shape = [c, req.height / f, req.width / f];

@@ -58,6 +58,7 @@ pub fn load_rgb(path: &Path) -> anyhow::Result<Image> {
 
 /// A mask: `(width, height, values)`, one value per pixel in 0..1
 /// (1 = repaint), row-major.
+#[derive(Clone, Debug)]
 pub struct Mask {
     /// Width in pixels.
     pub width: usize,

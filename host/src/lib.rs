@@ -20,6 +20,7 @@ pub mod discovery;
 pub mod fit;
 pub mod hires;
 pub mod image_io;
+pub mod inpaint;
 pub mod loader;
 pub mod lora;
 pub mod manager;

@@ -1819,6 +1819,109 @@ fn try_health(addr: &str) -> Option<u16> {
     head.split(' ').nth(1)?.parse().ok()
 }
 
+/// A1111's img2img image fields and variation seeds change the image as
+/// A1111's do, and what sdhost does not offer is a 422 naming the field:
+/// the original is pasted back outside the mask (exactly, without
+/// feathering), also around an `inpaint_full_res` crop; the resize modes
+/// give different images of the requested size; `subseed_strength` 0 is
+/// the seed's image and above it another, recorded in the infotext.
+#[test]
+fn a1111_image_fields_change_the_image_or_are_refused() {
+    let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors"))]);
+    let init = std::fs::read(fixture("init-64.png")).unwrap();
+    let mask = std::fs::read(fixture("mask-64.png")).unwrap();
+    let init_px = image::load_from_memory(&init).unwrap().to_rgb8().into_raw();
+    let masked: Vec<bool> = image::load_from_memory(&mask)
+        .unwrap()
+        .to_luma8()
+        .pixels()
+        .map(|p| p.0[0] > 0)
+        .collect();
+    assert!(masked.iter().any(|&m| m) && masked.iter().any(|&m| !m));
+    let inpaint = |extra: Value| {
+        let mut body = small("a red ball", 3);
+        body["init_images"] = json!([b64(&init)]);
+        body["mask"] = json!(b64(&mask));
+        body["denoising_strength"] = json!(0.75);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        srv.post("/sdapi/v1/img2img", body)
+    };
+    for (what, extra) in [
+        ("whole image", json!({"mask_blur": 0, "inpainting_fill": 1, "inpaint_full_res": false})),
+        ("full-res crop", json!({"mask_blur": 0, "inpaint_full_res": true, "inpaint_full_res_padding": 4})),
+    ] {
+        let r = inpaint(extra);
+        assert_eq!(r.status, 200, "{what}: {}", r.text());
+        let (w, h, _, px) = png_of(r.json()["images"][0].as_str().unwrap());
+        assert_eq!((w, h), (64, 64));
+        let kept = (0..64 * 64).filter(|&i| !masked[i]).all(|i| px[3 * i..3 * i + 3] == init_px[3 * i..3 * i + 3]);
+        assert!(kept, "{what}: the original is not kept outside the mask");
+        let changed = (0..64 * 64).any(|i| masked[i] && px[3 * i..3 * i + 3] != init_px[3 * i..3 * i + 3]);
+        assert!(changed, "{what}: nothing repainted");
+    }
+    // A1111's defaults (feathered, filled, full-res crop) run too.
+    let r = inpaint(json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Resize modes: another aspect, three different images.
+    let mut by_mode = Vec::new();
+    for mode in 0..3 {
+        let mut body = small("a blue cube", 3);
+        body["init_images"] = json!([b64(&init)]);
+        body["width"] = json!(64);
+        body["height"] = json!(32);
+        body["resize_mode"] = json!(mode);
+        let r = srv.post("/sdapi/v1/img2img", body);
+        assert_eq!(r.status, 200, "resize_mode {mode}: {}", r.text());
+        let (w, h, _, px) = png_of(r.json()["images"][0].as_str().unwrap());
+        assert_eq!((w, h), (64, 32));
+        by_mode.push(px);
+    }
+    assert!(by_mode[0] != by_mode[1] && by_mode[1] != by_mode[2] && by_mode[0] != by_mode[2]);
+    // Refused, naming the field.
+    for (field, extra) in [
+        ("resize_mode", json!({"resize_mode": 3})),
+        ("inpainting_fill", json!({"inpainting_fill": 2})),
+        ("mask_blur_y", json!({"mask_blur_x": 2, "mask_blur_y": 3})),
+    ] {
+        let r = inpaint(extra);
+        assert_eq!(r.status, 422, "{field}: {}", r.text());
+        assert!(r.text().contains(field), "{}", r.text());
+    }
+    for (field, extra) in [
+        ("tiling", json!({"tiling": true})),
+        ("seed_resize_from_w", json!({"seed_resize_from_w": 128})),
+    ] {
+        let mut body = small("x", 1);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = srv.post("/sdapi/v1/txt2img", body);
+        assert_eq!(r.status, 422, "{field}: {}", r.text());
+        assert!(r.text().contains(field), "{}", r.text());
+    }
+    // Variation seeds.
+    let image = |extra: Value| {
+        let mut body = small("a cat", 7);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let r = srv.post("/sdapi/v1/txt2img", body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()
+    };
+    let base = image(json!({}));
+    let zero = image(json!({"subseed": 5, "subseed_strength": 0}));
+    let half = image(json!({"subseed": 5, "subseed_strength": 0.5}));
+    assert_eq!(base["images"], zero["images"]);
+    assert_ne!(base["images"], half["images"]);
+    let (_, _, text, _) = png_of(half["images"][0].as_str().unwrap());
+    assert!(text.contains("Variation seed: 5, Variation seed strength: 0.5"), "{text}");
+    let info: Value = serde_json::from_str(half["info"].as_str().unwrap()).unwrap();
+    assert_eq!((info["subseed"].clone(), info["subseed_strength"].clone()), (json!(5), json!(0.5)));
+}
+
 /// A decompression bomb: a small PNG (zeros compress ~1000:1) that
 /// declares `side`² pixels.
 fn bomb_png(side: u32) -> Vec<u8> {

@@ -134,6 +134,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let image = crate::hires::generate(
         &mut sd,
         &req,
+        None,
         hires.as_ref(),
         &mut |step, _| bar.set_position(step as u64),
         &|| sdhost_models::pipeline::Stop::abort_if(cancel.load(Ordering::SeqCst)),

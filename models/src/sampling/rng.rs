@@ -64,9 +64,51 @@ impl Philox {
     }
 }
 
+/// A1111's variation seeds: the initial noise of `seed` moved towards that
+/// of `subseed` by `strength` (0: `seed`'s, 1: `subseed`'s), by spherical
+/// interpolation over the whole latent (A1111's `slerp`, which keeps the
+/// noise's norm; it falls back to a straight line where the two are
+/// almost parallel).
+pub fn variation_noise(seed: u64, subseed: u64, strength: f32, n: usize) -> Vec<f32> {
+    let a = Philox::new(seed).randn(n);
+    let b = Philox::new(subseed).randn(n);
+    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt().max(1e-12);
+    let (na, nb) = (norm(&a), norm(&b));
+    let dot: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>() / (na * nb);
+    let t = f64::from(strength);
+    if dot.abs() > 0.9995 {
+        return a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| ((1.0 - t) * f64::from(*x) + t * f64::from(*y)) as f32)
+            .collect();
+    }
+    let omega = dot.clamp(-1.0, 1.0).acos();
+    let so = omega.sin();
+    let (ka, kb) = (((1.0 - t) * omega).sin() / so, (t * omega).sin() / so);
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| (ka * f64::from(*x) + kb * f64::from(*y)) as f32)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn variation_runs_from_one_seed_to_the_other() {
+        let n = 4096;
+        assert_eq!(variation_noise(1, 2, 0.0, n), Philox::new(1).randn(n));
+        let end = variation_noise(1, 2, 1.0, n);
+        let b = Philox::new(2).randn(n);
+        assert!(end.iter().zip(&b).all(|(x, y)| (x - y).abs() < 1e-4));
+        // Halfway keeps the norm (a straight line would shrink it by √2).
+        let mid = variation_noise(1, 2, 0.5, n);
+        let norm = |v: &[f32]| v.iter().map(|x| x * x).sum::<f32>().sqrt();
+        let ratio = norm(&mid) / norm(&Philox::new(1).randn(n));
+        assert!((ratio - 1.0).abs() < 0.05, "{ratio}");
+    }
 
     #[test]
     fn deterministic_per_seed_and_call() {

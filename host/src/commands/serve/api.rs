@@ -700,7 +700,13 @@ fn random_seed() -> u64 {
 }
 
 fn seed_of(f: &Fields<'_>) -> ApiResult<u64> {
-    match f.get("seed") {
+    seed_field(f, "seed")
+}
+
+/// A seed field (`seed`, `subseed`): a whole number ≥ 0, or -1 (or none)
+/// for a random one.
+fn seed_field(f: &Fields<'_>, field: &str) -> ApiResult<u64> {
+    match f.get(field) {
         None => Ok(random_seed()),
         Some(v) => {
             if let Some(u) = v.as_u64() {
@@ -718,7 +724,7 @@ fn seed_of(f: &Fields<'_>) -> ApiResult<u64> {
                 Some(-1) => Ok(random_seed()),
                 Some(n) if n >= 0 => Ok(n as u64),
                 _ => Err(ApiError::field(
-                    "seed",
+                    field,
                     "expected a whole number ≥ 0, or -1 for a random seed",
                 )),
             }
@@ -808,6 +814,26 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         Some(true) if kind == "txt2img" => Some(hires_ask(f)?),
         _ => None,
     };
+    // Fields that would change the image: honoured, or refused naming them
+    // (never a silent 200).
+    if f.boolean("tiling")? == Some(true) {
+        return Err(ApiError::field(
+            "tiling",
+            "seamless tiling is not supported by sdhost (leave it false)",
+        ));
+    }
+    for field in ["seed_resize_from_w", "seed_resize_from_h"] {
+        if f.int(field, -1, MAX_SIDE)?.is_some_and(|v| v > 0) {
+            return Err(ApiError::field(
+                field,
+                "resizing the seed's noise is not supported by sdhost (leave it -1)",
+            ));
+        }
+    }
+    let variation = match f.float("subseed_strength", 0.0, 1.0)? {
+        Some(s) if s > 0.0 => Some((seed_field(f, "subseed")?, s as f32)),
+        _ => None,
+    };
     let overrides = match f.get("override_settings") {
         None => Map::new(),
         Some(Value::Object(m)) => m.clone(),
@@ -841,6 +867,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         model: None,
         keep_model: false,
         vae: None,
+        variation,
     })
 }
 
@@ -997,6 +1024,56 @@ fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
         height: la.height() as usize,
         values,
     }
+}
+
+/// A1111's img2img image fields, with A1111's defaults: `resize_mode` (0),
+/// `mask_blur` (4; or `mask_blur_x` and `mask_blur_y`, equal),
+/// `inpainting_fill` (0, fill), `inpaint_full_res` (true) and
+/// `inpaint_full_res_padding` (0). What sdhost does not offer is a 422
+/// naming the field.
+fn a1111_inpaint(f: &Fields<'_>) -> ApiResult<crate::inpaint::Options> {
+    use crate::inpaint::{Fill, Options, ResizeMode};
+    let resize = match f.int("resize_mode", 0, 3)? {
+        None => ResizeMode::Stretch,
+        Some(n) => ResizeMode::from_a1111(n).ok_or_else(|| {
+            ApiError::field(
+                "resize_mode",
+                "3 (just resize, latent upscale) is not supported by sdhost: 0 just resize, 1 crop and resize, 2 resize and fill",
+            )
+        })?,
+    };
+    let blur = f.float("mask_blur", 0.0, 256.0)?;
+    let (bx, by) = (
+        f.float("mask_blur_x", 0.0, 256.0)?,
+        f.float("mask_blur_y", 0.0, 256.0)?,
+    );
+    let mask_blur = match (blur, bx, by) {
+        (Some(b), _, _) => b,
+        (None, Some(x), Some(y)) if x != y => {
+            return Err(ApiError::field(
+                "mask_blur_y",
+                "a vertical blur unlike the horizontal one is not supported by sdhost",
+            ))
+        }
+        (None, x, y) => x.or(y).unwrap_or(4.0),
+    };
+    let fill = match f.int("inpainting_fill", 0, 3)? {
+        None | Some(0) => Fill::Surroundings,
+        Some(1) => Fill::Original,
+        Some(_) => {
+            return Err(ApiError::field(
+                "inpainting_fill",
+                "2 (latent noise) and 3 (latent nothing) are not supported by sdhost: 0 fill, 1 original",
+            ))
+        }
+    };
+    Ok(Options {
+        resize,
+        mask_blur: mask_blur as f32,
+        fill,
+        full_res: f.boolean("inpaint_full_res")?.unwrap_or(true),
+        padding: f.int("inpaint_full_res_padding", 0, MAX_SIDE)?.unwrap_or(0) as usize,
+    })
 }
 
 /// A1111's hires fix fields: `hr_scale` (2), or `hr_resize_x` and
@@ -1180,6 +1257,7 @@ struct Echo {
     sampler: Sampler,
     scheduler: Scheduler,
     clip_skip: usize,
+    variation: Option<(u64, f32)>,
 }
 
 impl Echo {
@@ -1191,6 +1269,7 @@ impl Echo {
             sampler: w.sampler,
             scheduler: w.scheduler,
             clip_skip: w.clip_skip,
+            variation: w.variation,
         }
     }
 }
@@ -1204,9 +1283,11 @@ fn info_json(w: &Echo, out: &GenOutput, strength: Option<f64>) -> String {
         "all_negative_prompts": vec![&w.negative; out.images.len()],
         "seed": out.seeds.first(),
         "all_seeds": out.seeds,
-        "subseed": -1,
-        "all_subseeds": vec![-1; out.images.len()],
-        "subseed_strength": 0,
+        "subseed": w.variation.map_or(-1, |v| v.0 as i64),
+        "all_subseeds": (0..out.images.len() as u64)
+            .map(|i| w.variation.map_or(-1, |v| v.0.wrapping_add(i) as i64))
+            .collect::<Vec<_>>(),
+        "subseed_strength": w.variation.map_or(0.0, |v| v.1),
         "width": out.width,
         "height": out.height,
         "sampler_name": w.sampler.a1111_label(),
@@ -1307,6 +1388,7 @@ async fn img2img(
         Some(_) => f.boolean("inpainting_mask_invert")?.unwrap_or(false),
     };
     let mask_b64 = f.string("mask")?.filter(|m| !m.is_empty());
+    let options = a1111_inpaint(&f)?;
     // Decoding (a crafted PNG may take seconds) runs on the blocking
     // threads, two at a time, never on the async workers that answer
     // /health, /progress and interrupt.
@@ -1346,6 +1428,7 @@ async fn img2img(
         strength,
         hash,
         mask_hash,
+        options,
     });
     let echo = Echo::of(&work);
     let out = generate(&st, work).await?;
@@ -1749,6 +1832,8 @@ async fn openai_edits(
         strength,
         hash,
         mask_hash,
+        // OpenAI's edit: the image as given, the transparent area repainted.
+        options: crate::inpaint::Options::plain(),
     });
     work.reference = refs;
     work.edit = true;

@@ -28,6 +28,7 @@ use sdhost_models::lora::LoraSpec;
 use sdhost_models::pipeline::{Pipeline, Stop};
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::runtime::tiling::Tiling;
+use sdhost_models::sampling::rng::variation_noise;
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::upscale::Upscaler;
 use sdhost_models::ModelError;
@@ -112,6 +113,8 @@ pub struct InitWork {
     pub hash: String,
     /// Short SHA-256 of the mask's bytes.
     pub mask_hash: Option<String>,
+    /// A1111's resize, feathering, fill and full-resolution crop.
+    pub options: crate::inpaint::Options,
 }
 
 /// What `enable_hr` asks: a scale or a size, the steps (0: the first
@@ -181,6 +184,8 @@ pub struct GenWork {
     /// (`override_settings_restore_afterwards: false`); by default the
     /// current one stays, and comes back at the next job without one.
     pub keep_model: bool,
+    /// A1111's variation seeds: `subseed` and `subseed_strength` (> 0).
+    pub variation: Option<(u64, f32)>,
     /// The autoencoder to run with (`override_settings.sd_vae`: a
     /// `--vae-dir` file name, [`VAE_AUTOMATIC`] or [`VAE_NONE`]), else the
     /// server's `sd_vae`.
@@ -666,23 +671,50 @@ impl<'m> Worker<'_, 'm> {
                 )));
             }
         }
-        let init = g_init.map(|i| Init {
-            image: image_io::resize_rgb(i.image.clone(), w, h),
+        // The init image at the request's size (A1111's resize_mode), its
+        // mask feathered; with inpaint_full_res, the crop around the mask
+        // is what the model sees, and its output goes back into the image.
+        let prepared = g_init.map(|i| {
+            let o = i.options;
+            let base = crate::inpaint::resize_image(&i.image, w, h, o.resize);
+            let mask = i.mask.as_ref().map(|mk| {
+                let m = crate::inpaint::resize_mask(mk, w, h, o.resize);
+                crate::inpaint::blur_mask(&m, o.mask_blur)
+            });
+            let region = match (&mask, o.full_res) {
+                (Some(m), true) => crate::inpaint::crop_region(m, o.padding, w, h),
+                _ => None,
+            };
+            let (mut image, model_mask) = match (region, &mask) {
+                (Some(r), Some(m)) => (
+                    crate::inpaint::resize_image(
+                        &crate::inpaint::crop_image(&base, r),
+                        w,
+                        h,
+                        crate::inpaint::ResizeMode::Stretch,
+                    ),
+                    Some(crate::inpaint::resize_mask(
+                        &crate::inpaint::crop_mask(m, r),
+                        w,
+                        h,
+                        crate::inpaint::ResizeMode::Stretch,
+                    )),
+                ),
+                _ => (base.clone(), mask.clone()),
+            };
+            if let (Some(m), crate::inpaint::Fill::Surroundings) = (&model_mask, o.fill) {
+                image = crate::inpaint::fill_masked(&image, m);
+            }
+            let paste = mask.map(|m| (base, m, region.unwrap_or((0, 0, w, h))));
+            (image, model_mask, paste, i.strength)
+        });
+        let paste = prepared.as_ref().and_then(|p| p.2.clone());
+        let init = prepared.map(|(image, mask, _, strength)| Init {
+            image,
             // As A1111: at least one step, however small the strength
             // (the CLI refuses a strength that runs none instead).
-            strength: at_least_one_step(i.strength, g.steps),
-            mask: i.mask.as_ref().map(|mk| {
-                image_io::resize_mask(
-                    Mask {
-                        width: mk.width,
-                        height: mk.height,
-                        values: mk.values.clone(),
-                    },
-                    w,
-                    h,
-                )
-                .values
-            }),
+            strength: at_least_one_step(strength, g.steps),
+            mask: mask.map(|m| m.values),
             latent: None,
         });
         let hashes = g_init
@@ -743,9 +775,17 @@ impl<'m> Worker<'_, 'm> {
                 init: init.clone(),
                 reference: reference.clone(),
             };
+            // Variation seeds: this image's noise moved towards its
+            // subseed's (A1111 counts both up per image).
+            let noise = g.variation.map(|(sub, strength)| {
+                let f = l.sd.first_stage().format().spatial;
+                let n = l.sd.model().latent_channels() * (h / f) * (w / f);
+                variation_noise(req.seed, sub.wrapping_add(i as u64), strength, n)
+            });
             let image = crate::hires::generate(
                 &mut l.sd,
                 &req,
+                noise,
                 hires.as_ref(),
                 &mut |step, _| self.queue.progress(self.replica, step, i),
                 &stop,
@@ -761,6 +801,11 @@ impl<'m> Worker<'_, 'm> {
                 },
                 e => JobError::Failed(format!("{}: {e}", entry.title)),
             })?;
+            // The original outside the mask, as A1111 pastes it back.
+            let image = match &paste {
+                Some((base, m, region)) => crate::inpaint::paste_back(base, &image, m, *region),
+                None => image,
+            };
             let image = match &mut l.upscaler {
                 Some(u) => {
                     let t = self.args.upscale.tuning;
@@ -796,8 +841,15 @@ impl<'m> Worker<'_, 'm> {
                 references: &[],
                 hires: hires.as_ref(),
             };
-            let text = parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
-                + &loras.fields;
+            let mut text =
+                parameters_text_of(&fields, &req, &l.sd, &l.placement, &l.flash, &hashes)
+                    + &loras.fields;
+            if let Some((sub, strength)) = g.variation {
+                text += &format!(
+                    ", Variation seed: {}, Variation seed strength: {strength}",
+                    sub.wrapping_add(i as u64)
+                );
+            }
             let mut png = Vec::new();
             encode_png(&mut png, &image, &text).map_err(|e| JobError::Failed(e.to_string()))?;
             out.images.push(png);
