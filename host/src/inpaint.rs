@@ -75,7 +75,13 @@ impl Options {
 
 type Buf<P> = ImageBuffer<P, Vec<<P as Pixel>::Subpixel>>;
 
-fn resize_as<P: Pixel + 'static>(buf: &Buf<P>, w: u32, h: u32, mode: ResizeMode, filter: FilterType) -> Buf<P> {
+fn resize_as<P: Pixel + 'static>(
+    buf: &Buf<P>,
+    w: u32,
+    h: u32,
+    mode: ResizeMode,
+    filter: FilterType,
+) -> Buf<P> {
     let (iw, ih) = (buf.width() as f64, buf.height() as f64);
     if (buf.width(), buf.height()) == (w, h) {
         return buf.clone();
@@ -84,7 +90,10 @@ fn resize_as<P: Pixel + 'static>(buf: &Buf<P>, w: u32, h: u32, mode: ResizeMode,
         ResizeMode::Stretch => imageops::resize(buf, w, h, filter),
         ResizeMode::Crop => {
             let s = (w as f64 / iw).max(h as f64 / ih);
-            let (rw, rh) = (((iw * s).round() as u32).max(w), ((ih * s).round() as u32).max(h));
+            let (rw, rh) = (
+                ((iw * s).round() as u32).max(w),
+                ((ih * s).round() as u32).max(h),
+            );
             let r = imageops::resize(buf, rw, rh, filter);
             imageops::crop_imm(&r, (rw - w) / 2, (rh - h) / 2, w, h).to_image()
         }
@@ -133,12 +142,24 @@ fn mask_of(b: Buf<Luma<f32>>) -> Mask {
 
 /// `img` brought to `w`×`h` as `mode` says (Lanczos 3).
 pub fn resize_image(img: &Image, w: usize, h: usize, mode: ResizeMode) -> Image {
-    image_of(resize_as(&rgb_buf(img), w as u32, h as u32, mode, FilterType::Lanczos3))
+    image_of(resize_as(
+        &rgb_buf(img),
+        w as u32,
+        h as u32,
+        mode,
+        FilterType::Lanczos3,
+    ))
 }
 
 /// `m` brought to `w`×`h` as `mode` says (bilinear).
 pub fn resize_mask(m: &Mask, w: usize, h: usize, mode: ResizeMode) -> Mask {
-    mask_of(resize_as(&mask_buf(m), w as u32, h as u32, mode, FilterType::Triangle))
+    mask_of(resize_as(
+        &mask_buf(m),
+        w as u32,
+        h as u32,
+        mode,
+        FilterType::Triangle,
+    ))
 }
 
 /// `m` feathered by a Gaussian of σ = `sigma` pixels.
@@ -158,7 +179,11 @@ pub fn blur_mask(m: &Mask, sigma: f32) -> Mask {
 /// narrow, the narrowest that reaches a pixel winning (A1111's "fill").
 pub fn fill_masked(img: &Image, m: &Mask) -> Image {
     let (w, h) = (img.width, img.height);
-    let keep: Vec<f32> = m.values.iter().map(|&v| if v > 0.5 { 0.0 } else { 1.0 }).collect();
+    let keep: Vec<f32> = m
+        .values
+        .iter()
+        .map(|&v| if v > 0.5 { 0.0 } else { 1.0 })
+        .collect();
     if keep.iter().all(|&k| k == 1.0) || keep.iter().all(|&k| k == 0.0) {
         return img.clone();
     }
@@ -167,7 +192,8 @@ pub fn fill_masked(img: &Image, m: &Mask) -> Image {
         let k = keep[i];
         Rgb([0, 1, 2].map(|c| f32::from(img.rgb[3 * i + c]) * k))
     });
-    let weight: Buf<Luma<f32>> = ImageBuffer::from_raw(w as u32, h as u32, keep.clone()).expect("sized");
+    let weight: Buf<Luma<f32>> =
+        ImageBuffer::from_raw(w as u32, h as u32, keep.clone()).expect("sized");
     let mut out = img.rgb.clone();
     let mut done = vec![false; w * h];
     let big = w.max(h) as f32;
@@ -194,7 +220,12 @@ pub fn fill_masked(img: &Image, m: &Mask) -> Image {
 /// A1111's crop for `inpaint_full_res`: the box around the mask (values >
 /// 0), grown by `padding`, then to the aspect of `w`×`h` within the image;
 /// `(x, y, width, height)`, `None` when nothing is masked.
-pub fn crop_region(m: &Mask, padding: usize, w: usize, h: usize) -> Option<(usize, usize, usize, usize)> {
+pub fn crop_region(
+    m: &Mask,
+    padding: usize,
+    w: usize,
+    h: usize,
+) -> Option<(usize, usize, usize, usize)> {
     let (mw, mh) = (m.width, m.height);
     let (mut x0, mut y0, mut x1, mut y1) = (mw, mh, 0, 0);
     for y in 0..mh {
@@ -241,7 +272,12 @@ pub fn paste_back(orig: &Image, made: &Image, m: &Mask, at: (usize, usize, usize
     let made = if (made.width, made.height) == (rw, rh) {
         made.clone()
     } else {
-        image_of(imageops::resize(&rgb_buf(made), rw as u32, rh as u32, FilterType::Lanczos3))
+        image_of(imageops::resize(
+            &rgb_buf(made),
+            rw as u32,
+            rh as u32,
+            FilterType::Lanczos3,
+        ))
     };
     let mut out = orig.clone();
     for y in 0..rh {
@@ -269,7 +305,11 @@ mod tests {
                 rgb.extend_from_slice(&[(x * 255 / w) as u8, (y * 255 / h) as u8, 128]);
             }
         }
-        Image { width: w, height: h, rgb }
+        Image {
+            width: w,
+            height: h,
+            rgb,
+        }
     }
 
     #[test]
@@ -300,9 +340,16 @@ mod tests {
                 values[y * w + x] = 1.0;
             }
         }
-        let m = Mask { width: w, height: h, values };
+        let m = Mask {
+            width: w,
+            height: h,
+            values,
+        };
         let b = blur_mask(&m, 4.0);
-        assert!(b.values[25 * w + 38] > 0.05 && b.values[25 * w + 38] < 0.6, "feathered edge");
+        assert!(
+            b.values[25 * w + 38] > 0.05 && b.values[25 * w + 38] < 0.6,
+            "feathered edge"
+        );
         assert!(b.values[5 * w + 5] < 1e-3);
         // Fill: the masked square takes the colours around it.
         let img = gradient(w, h);
@@ -318,11 +365,30 @@ mod tests {
         assert_eq!(&f.rgb[..30], &holed.rgb[..30], "unmasked pixels stay");
         // The crop holds the mask, padded, at the request's aspect.
         let (x, y, cw, ch) = crop_region(&m, 4, 64, 32).unwrap();
-        assert!(x <= 36 && y <= 16 && x + cw >= 54 && y + ch >= 34, "{x} {y} {cw} {ch}");
+        assert!(
+            x <= 36 && y <= 16 && x + cw >= 54 && y + ch >= 34,
+            "{x} {y} {cw} {ch}"
+        );
         assert!(((cw as f64 / ch as f64) - 2.0).abs() < 0.1, "{cw}×{ch}");
-        assert_eq!(crop_region(&Mask { width: 4, height: 4, values: vec![0.0; 16] }, 0, 4, 4), None);
+        assert_eq!(
+            crop_region(
+                &Mask {
+                    width: 4,
+                    height: 4,
+                    values: vec![0.0; 16]
+                },
+                0,
+                4,
+                4
+            ),
+            None
+        );
         // Paste-back: outside the mask the original, inside the made image.
-        let made = Image { width: w, height: h, rgb: vec![0; w * h * 3] };
+        let made = Image {
+            width: w,
+            height: h,
+            rgb: vec![0; w * h * 3],
+        };
         let p = paste_back(&img, &made, &m, (0, 0, w, h));
         assert_eq!(&p.rgb[..30], &img.rgb[..30]);
         assert_eq!(&p.rgb[3 * (25 * w + 45)..3 * (25 * w + 45) + 3], &[0, 0, 0]);

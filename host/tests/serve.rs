@@ -1849,16 +1849,25 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
         srv.post("/sdapi/v1/img2img", body)
     };
     for (what, extra) in [
-        ("whole image", json!({"mask_blur": 0, "inpainting_fill": 1, "inpaint_full_res": false})),
-        ("full-res crop", json!({"mask_blur": 0, "inpaint_full_res": true, "inpaint_full_res_padding": 4})),
+        (
+            "whole image",
+            json!({"mask_blur": 0, "inpainting_fill": 1, "inpaint_full_res": false}),
+        ),
+        (
+            "full-res crop",
+            json!({"mask_blur": 0, "inpaint_full_res": true, "inpaint_full_res_padding": 4}),
+        ),
     ] {
         let r = inpaint(extra);
         assert_eq!(r.status, 200, "{what}: {}", r.text());
         let (w, h, _, px) = png_of(r.json()["images"][0].as_str().unwrap());
         assert_eq!((w, h), (64, 64));
-        let kept = (0..64 * 64).filter(|&i| !masked[i]).all(|i| px[3 * i..3 * i + 3] == init_px[3 * i..3 * i + 3]);
+        let kept = (0..64 * 64)
+            .filter(|&i| !masked[i])
+            .all(|i| px[3 * i..3 * i + 3] == init_px[3 * i..3 * i + 3]);
         assert!(kept, "{what}: the original is not kept outside the mask");
-        let changed = (0..64 * 64).any(|i| masked[i] && px[3 * i..3 * i + 3] != init_px[3 * i..3 * i + 3]);
+        let changed =
+            (0..64 * 64).any(|i| masked[i] && px[3 * i..3 * i + 3] != init_px[3 * i..3 * i + 3]);
         assert!(changed, "{what}: nothing repainted");
     }
     // A1111's defaults (feathered, filled, full-res crop) run too.
@@ -1917,9 +1926,15 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
     assert_eq!(base["images"], zero["images"]);
     assert_ne!(base["images"], half["images"]);
     let (_, _, text, _) = png_of(half["images"][0].as_str().unwrap());
-    assert!(text.contains("Variation seed: 5, Variation seed strength: 0.5"), "{text}");
+    assert!(
+        text.contains("Variation seed: 5, Variation seed strength: 0.5"),
+        "{text}"
+    );
     let info: Value = serde_json::from_str(half["info"].as_str().unwrap()).unwrap();
-    assert_eq!((info["subseed"].clone(), info["subseed_strength"].clone()), (json!(5), json!(0.5)));
+    assert_eq!(
+        (info["subseed"].clone(), info["subseed_strength"].clone()),
+        (json!(5), json!(0.5))
+    );
 }
 
 /// A decompression bomb: a small PNG (zeros compress ~1000:1) that

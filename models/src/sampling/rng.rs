@@ -72,9 +72,20 @@ impl Philox {
 pub fn variation_noise(seed: u64, subseed: u64, strength: f32, n: usize) -> Vec<f32> {
     let a = Philox::new(seed).randn(n);
     let b = Philox::new(subseed).randn(n);
-    let norm = |v: &[f32]| v.iter().map(|x| f64::from(*x).powi(2)).sum::<f64>().sqrt().max(1e-12);
+    let norm = |v: &[f32]| {
+        v.iter()
+            .map(|x| f64::from(*x).powi(2))
+            .sum::<f64>()
+            .sqrt()
+            .max(1e-12)
+    };
     let (na, nb) = (norm(&a), norm(&b));
-    let dot: f64 = a.iter().zip(&b).map(|(x, y)| f64::from(*x) * f64::from(*y)).sum::<f64>() / (na * nb);
+    let dot: f64 = a
+        .iter()
+        .zip(&b)
+        .map(|(x, y)| f64::from(*x) * f64::from(*y))
+        .sum::<f64>()
+        / (na * nb);
     let t = f64::from(strength);
     if dot.abs() > 0.9995 {
         return a
