@@ -626,6 +626,15 @@ pub struct GenerateArgs {
     #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
     pub output: PathBuf,
 
+    /// Variation seed (A1111's): the initial noise moves from --seed's
+    /// towards this seed's by --subseed-strength
+    #[arg(long, value_name = "SEED", requires = "subseed_strength")]
+    pub subseed: Option<u64>,
+
+    /// How far the noise moves towards --subseed's, in (0, 1]
+    #[arg(long = "subseed-strength", value_name = "S", requires = "subseed", value_parser = parse_strength)]
+    pub subseed_strength: Option<f64>,
+
     #[command(flatten)]
     pub upscale: UpscaleModelArgs,
 

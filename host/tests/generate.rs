@@ -71,7 +71,31 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
     .ok();
     assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&c).unwrap());
     assert!(png_info(&c).2.contains("Sampler: DPM++ 2M,"));
-    assert_eq!(listing(&out), ["a.png", "b.png", "c.png"]);
+    // A variation seed moves the image away from the seed's, and is
+    // recorded; it needs its strength.
+    let v = out.join("v.png");
+    let var = [
+        "--seed",
+        "7",
+        "-n",
+        "blurry",
+        "--subseed",
+        "5",
+        "--subseed-strength",
+        "0.5",
+    ];
+    generate(&p, &tiny_sd1(), &v, &var).ok();
+    assert_ne!(pixels(&a), pixels(&v));
+    assert!(
+        png_info(&v)
+            .2
+            .contains("Variation seed: 5, Variation seed strength: 0.5"),
+        "{}",
+        png_info(&v).2
+    );
+    let r = generate(&p, &tiny_sd1(), &out.join("x.png"), &["--subseed", "5"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert_eq!(listing(&out), ["a.png", "b.png", "c.png", "v.png"]);
 }
 
 /// Sampler and schedule names as people write them reach the PNG's

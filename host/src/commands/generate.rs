@@ -131,10 +131,17 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
     let sampling = Instant::now();
+    // Variation seeds: the noise moved towards --subseed's.
+    let variation = args.subseed.zip(args.subseed_strength);
+    let noise = variation.map(|(sub, strength)| {
+        let f = sd.first_stage().format().spatial;
+        let n = sd.model().latent_channels() * (req.height / f) * (req.width / f);
+        sdhost_models::sampling::rng::variation_noise(req.seed, sub, strength as f32, n)
+    });
     let image = crate::hires::generate(
         &mut sd,
         &req,
-        None,
+        noise,
         hires.as_ref(),
         &mut |step, _| bar.set_position(step as u64),
         &|| sdhost_models::pipeline::Stop::abort_if(cancel.load(Ordering::SeqCst)),
@@ -154,8 +161,11 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let text = parameters_text(args, &req, &sd, &placement, &flash, &hashes, hires.as_ref())
+    let mut text = parameters_text(args, &req, &sd, &placement, &flash, &hashes, hires.as_ref())
         + &loras.fields;
+    if let Some((sub, strength)) = variation {
+        text += &format!(", Variation seed: {sub}, Variation seed strength: {strength}");
+    }
     write_png(output, &image, &text)?;
     term::eprint_line(&summary(
         &sd,
