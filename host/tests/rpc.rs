@@ -1564,6 +1564,16 @@ impl Fuzz {
         (t, off, size)
     }
 
+    /// A tensor, an offset and a size (GET_TENSOR's and MEMSET_TENSOR's
+    /// head).
+    fn ranged(&mut self) -> Vec<u8> {
+        let (t, off, size) = self.transfer();
+        let mut m = t.wire();
+        m.extend_from_slice(&off.to_le_bytes());
+        m.extend_from_slice(&size.to_le_bytes());
+        m
+    }
+
     /// The next command: its id, payload, and whether it is answered.
     fn command(&mut self) -> (u8, Vec<u8>, bool) {
         match self.below(16) {
@@ -1578,18 +1588,9 @@ impl Fuzz {
                 m.extend_from_slice(&data);
                 (6, m, false)
             }
-            3 => {
-                let (t, off, size) = self.transfer();
-                let mut m = t.wire();
-                m.extend_from_slice(&off.to_le_bytes());
-                m.extend_from_slice(&size.to_le_bytes());
-                (8, m, true)
-            }
+            3 => (8, self.ranged(), true),
             4 => {
-                let (t, off, size) = self.transfer();
-                let mut m = t.wire();
-                m.extend_from_slice(&off.to_le_bytes());
-                m.extend_from_slice(&size.to_le_bytes());
+                let mut m = self.ranged();
                 m.push(self.any());
                 (17, m, false)
             }
