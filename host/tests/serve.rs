@@ -2437,6 +2437,13 @@ fn flux_and_edits_through_the_apis() {
         "{text}"
     );
     assert_eq!(v["parameters"]["cfg_scale"], json!(1.0));
+    // No sampler named: the family's (Euler, the simple schedule), not
+    // SD's Euler a.
+    assert!(
+        text.contains("Sampler: Euler, Schedule type: Simple"),
+        "{text}"
+    );
+    assert_eq!(v["parameters"]["sampler_name"], json!("Euler"));
 
     let init = std::fs::read(f("init-64.png")).unwrap();
     let r = srv.post(

@@ -775,10 +775,13 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
             )
         })?,
         None => SamplerChoice {
+            // The family's own (Euler a for SD, Euler for the flow
+            // families), resolved by the worker once the model is known.
             sampler: Sampler::EulerA,
             scheduler: None,
         },
     };
+    let sampler = name.as_ref().map(|_| choice.sampler);
     let scheduler = match f.string("scheduler")? {
         None => None,
         Some(s) if s.eq_ignore_ascii_case("automatic") => None,
@@ -797,7 +800,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
                 format!("{a} contradicts the sampler name's schedule {b}"),
             ))
         }
-        (a, b) => a.or(b).unwrap_or_default(),
+        (a, b) => a.or(b),
     };
     let batch = f.int("batch_size", 1, MAX_IMAGES)?.unwrap_or(1);
     let n_iter = f.int("n_iter", 1, MAX_IMAGES)?.unwrap_or(1);
@@ -856,7 +859,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         width,
         height,
         seed,
-        sampler: choice.sampler,
+        sampler,
         scheduler,
         clip_skip,
         count: (batch * n_iter) as usize,
@@ -1254,8 +1257,6 @@ struct Echo {
     prompt: String,
     negative: String,
     steps: usize,
-    sampler: Sampler,
-    scheduler: Scheduler,
     clip_skip: usize,
     variation: Option<(u64, f32)>,
 }
@@ -1266,8 +1267,6 @@ impl Echo {
             prompt: w.prompt.clone(),
             negative: w.negative.clone(),
             steps: w.steps,
-            sampler: w.sampler,
-            scheduler: w.scheduler,
             clip_skip: w.clip_skip,
             variation: w.variation,
         }
@@ -1290,8 +1289,8 @@ fn info_json(w: &Echo, out: &GenOutput, strength: Option<f64>) -> String {
         "subseed_strength": w.variation.map_or(0.0, |v| v.1),
         "width": out.width,
         "height": out.height,
-        "sampler_name": w.sampler.a1111_label(),
-        "scheduler": w.scheduler.a1111_label(),
+        "sampler_name": out.sampler.a1111_label(),
+        "scheduler": out.scheduler.a1111_label(),
         "cfg_scale": out.cfg_scale,
         "steps": w.steps,
         "batch_size": 1,
@@ -1328,8 +1327,8 @@ fn parameters(body: &Map<String, Value>, w: &Echo, out: &GenOutput) -> Value {
     p.insert("cfg_scale".into(), json!(out.cfg_scale));
     p.insert("width".into(), json!(out.width));
     p.insert("height".into(), json!(out.height));
-    p.insert("sampler_name".into(), json!(w.sampler.a1111_label()));
-    p.insert("scheduler".into(), json!(w.scheduler.a1111_label()));
+    p.insert("sampler_name".into(), json!(out.sampler.a1111_label()));
+    p.insert("scheduler".into(), json!(out.scheduler.a1111_label()));
     Value::Object(p)
 }
 
@@ -1964,14 +1963,15 @@ mod tests {
             "override_settings": {"CLIP_stop_at_last_layers": 2}, "steps": 20.0}),
         );
         let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
-        assert_eq!(w.sampler, Sampler::DpmPp2m);
-        assert_eq!(w.scheduler, Scheduler::Karras);
+        assert_eq!(w.sampler, Some(Sampler::DpmPp2m));
+        assert_eq!(w.scheduler, Some(Scheduler::Karras));
         assert_eq!((w.steps, w.clip_skip, w.count), (20, 2, 1));
         assert!(w.seed < 1 << 32);
         let m = fields(json!({"prompt": "p"}));
         let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
         assert_eq!((w.steps, w.cfg_scale), (50, None));
-        assert_eq!((w.sampler, w.width), (Sampler::EulerA, None));
+        // No sampler or schedule: the family's, once the model is known.
+        assert_eq!((w.sampler, w.scheduler, w.width), (None, None, None));
     }
 
     #[test]

@@ -160,9 +160,11 @@ pub struct GenWork {
     /// Seed of the first image (the others count up).
     pub seed: u64,
     /// Sampler.
-    pub sampler: Sampler,
+    /// `None`: the family's.
+    pub sampler: Option<Sampler>,
     /// Schedule.
-    pub scheduler: Scheduler,
+    /// `None`: the family's.
+    pub scheduler: Option<Scheduler>,
     /// CLIP skip.
     pub clip_skip: usize,
     /// Images to make.
@@ -235,6 +237,10 @@ pub struct GenOutput {
     /// Ended early by A1111's interrupt (the last image from its last
     /// denoised estimate).
     pub interrupted: bool,
+    /// The sampler and schedule as run (the family's where the request
+    /// named none).
+    pub sampler: Sampler,
+    pub scheduler: Scheduler,
 }
 
 /// A job's result.
@@ -751,6 +757,8 @@ impl<'m> Worker<'_, 'm> {
             height: h,
             model: entry.clone(),
             interrupted: false,
+            sampler: g.sampler.unwrap_or(l.sd.model().defaults().sampler),
+            scheduler: g.scheduler.unwrap_or(l.sd.model().defaults().scheduler),
         };
         let mask_name = g_init
             .and_then(|i| i.mask.as_ref())
@@ -769,8 +777,8 @@ impl<'m> Worker<'_, 'm> {
                 width: w,
                 height: h,
                 seed: g.seed.wrapping_add(i as u64),
-                sampler: g.sampler,
-                scheduler: g.scheduler,
+                sampler: out.sampler,
+                scheduler: out.scheduler,
                 clip_skip: g.clip_skip,
                 init: init.clone(),
                 reference: reference.clone(),
