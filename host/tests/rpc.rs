@@ -583,33 +583,23 @@ fn a_second_client_while_the_server_is_busy() {
 #[test]
 fn rpc_server_binds_loopback_unless_keyed() {
     let p = prefix();
-    let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--host", "0.0.0.0"]));
-    one_line_failure(&r, &["not a loopback address", "--rpc-key"]);
-    // The old flag alone is no longer enough.
-    let r = run(p.cmd(&[
-        "rpc-server",
-        "--device",
-        "cpu",
-        "--host",
-        "0.0.0.0",
-        "--allow-remote",
-    ]));
-    one_line_failure(&r, &["--rpc-key"]);
-    let r = run(p.cmd(&[
-        "rpc-server",
-        "--device",
-        "cpu",
-        "--host",
-        "0.0.0.0",
-        "--rpc-key",
-        "short",
-    ]));
-    one_line_failure(&r, &["at least 16 characters"]);
-    assert!(
-        !r.stderr.contains("short"),
-        "the key is shown: {}",
-        r.stderr
-    );
+    // Off loopback without a key, with the old flag alone, or with a key
+    // too short: one line each, never showing the key.
+    for (extra, needles) in [
+        (&[][..], &["not a loopback address", "--rpc-key"][..]),
+        (&["--allow-remote"][..], &["--rpc-key"][..]),
+        (&["--rpc-key", "short"][..], &["at least 16 characters"][..]),
+    ] {
+        let mut args = vec!["rpc-server", "--device", "cpu", "--host", "0.0.0.0"];
+        args.extend_from_slice(extra);
+        let r = run(p.cmd(&args));
+        one_line_failure(&r, needles);
+        assert!(
+            !r.stderr.contains("short"),
+            "the key is shown: {}",
+            r.stderr
+        );
+    }
     let r = run(p.cmd(&["rpc-server", "--device", "cpu", "--host", "localhost"]));
     one_line_failure(&r, &["--host \"localhost\"", "IPv4"]);
     let r = run(p.cmd(&["rpc-server", "--device", "nosuch"]));
