@@ -1242,6 +1242,46 @@ fn a_worker_that_stops_is_replaced() {
     );
 }
 
+/// A worker stuck in a command (here stopped with SIGSTOP, as ggml-vulkan
+/// spins on some malformed graphs the checks let through) does not hold
+/// the server once its client leaves: the gate sees the client go, replaces
+/// the worker and serves the next client.
+#[test]
+fn a_stuck_worker_is_replaced_when_its_client_leaves() {
+    let p = prefix();
+    let server = Server::start(&p, "cpu", &[], &[]);
+    let pid = server.child.id();
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let worker: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
+    let mut c = Raw::open(server.port, None).unwrap();
+    assert!(c.alloc(4096).is_some());
+    Command::new("kill")
+        .args(["-STOP", &worker.to_string()])
+        .status()
+        .unwrap();
+    let _ = c.s.set_read_timeout(Some(Duration::from_secs(2)));
+    assert!(!c.alive(), "a stopped worker answered");
+    drop(c);
+    let started = Instant::now();
+    while worker_stops(&server) == 0 && started.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = std::fs::read_to_string(&server.log).unwrap();
+    assert!(
+        log.contains("the client left while ggml's server ran command"),
+        "{log}"
+    );
+    assert_eq!(worker_stops(&server), 1, "{log}");
+    let r = run(p.cmd(&["devices", "--json", "--rpc", &server.endpoint()])).ok();
+    assert_eq!(r.device_names(), vec!["cpu", "rpc0"]);
+    assert!(
+        !std::path::Path::new(&format!("/proc/{worker}")).exists()
+            || std::fs::read_to_string(format!("/proc/{worker}/stat"))
+                .is_ok_and(|s| s.contains(" Z ")),
+        "the stuck worker is gone"
+    );
+}
+
 /// The worker's private port serves only the gate: the gate holds ggml's
 /// one connection for the worker's life, so another process that connects
 /// there (past the gate and its key) is never answered, while clients of
@@ -1657,7 +1697,8 @@ impl Fuzz {
 /// other), most well formed, some with one field pushed to an edge, some
 /// bytes at random; each session runs until its connection closes. The
 /// count is `SDHOST_RPC_FUZZ_MESSAGES` (default 20,000) from seed
-/// `SDHOST_RPC_FUZZ_SEED` (default 1): the server must stay up and answer
+/// `SDHOST_RPC_FUZZ_SEED` (default 1), on `SDHOST_RPC_FUZZ_DEVICE` (default
+/// cpu): the server must stay up and answer
 /// every new client, and ggml's server (the worker) must never stop —
 /// every malformed message is refused by the gate first.
 #[test]
@@ -1676,11 +1717,25 @@ fn fuzzed_protocol_never_stops_the_server() {
         bufs: Vec::new(),
     };
     let p = prefix();
-    let mut server = Server::start(&p, "cpu", &[], &[]);
+    // `SDHOST_RPC_FUZZ_DEVICE=vulkan0` fuzzes a server on lavapipe (slow:
+    // each new kernel compiles); CI fuzzes the CPU.
+    let device = std::env::var("SDHOST_RPC_FUZZ_DEVICE").unwrap_or_else(|_| "cpu".into());
+    if device != "cpu" {
+        p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    }
+    let mut server = Server::start(&p, &device, &[], &[("GGML_VK_VISIBLE_DEVICES", "0")]);
     let (mut sent, mut sessions, mut accepted) = (0u64, 0u64, 0u64);
     let started = Instant::now();
     while sent < messages {
-        let Some(mut c) = Raw::open(server.port, None) else {
+        // The previous session may still be finishing its last graph
+        // (on lavapipe, compiling a kernel): the server refuses meanwhile.
+        let began = Instant::now();
+        let mut opened = Raw::open(server.port, None);
+        while opened.is_none() && began.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(200));
+            opened = Raw::open(server.port, None);
+        }
+        let Some(mut c) = opened else {
             std::thread::sleep(Duration::from_secs(1));
             panic!(
                 "no answer to a new client after {sent} messages:\n{}",

@@ -53,6 +53,23 @@ const MAX_GRAPH: u64 = 256 << 20;
 pub const STALL: Duration = Duration::from_secs(60);
 /// How long a new client has for the key exchange and HELLO.
 pub const HANDSHAKE: Duration = Duration::from_secs(10);
+/// How long the worker may take to answer once a client has left (what
+/// it was computing for that client is not waited for longer).
+const CLEAN_UP: Duration = Duration::from_secs(30);
+
+/// Whether `client` closed its connection (a non-blocking peek sees the
+/// end; data it sent, or nothing yet, means it is still there).
+fn client_left(client: &TcpStream) -> bool {
+    if client.set_nonblocking(true).is_err() {
+        return false;
+    }
+    let left = match client.peek(&mut [0u8; 1]) {
+        Ok(n) => n == 0,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    };
+    let _ = client.set_nonblocking(false);
+    left
+}
 
 /// What the gate serves with.
 pub struct Options {
@@ -295,6 +312,7 @@ fn open_session(
     })?;
     let mut s = Session {
         worker_failed: false,
+        ended: false,
         unanswered: None,
         client,
         server,
@@ -307,6 +325,7 @@ fn open_session(
     };
     let result = s.run(first[0]);
     let _ = s.client.shutdown(Shutdown::Both);
+    s.ended = true;
     if !s.worker_failed {
         // What the client left allocated is freed; the connection must
         // still answer.
@@ -331,6 +350,8 @@ fn open_session(
 struct Session<'a> {
     /// Set when the worker stopped answering.
     worker_failed: bool,
+    /// Set once the client's part is over (the gate is cleaning up).
+    ended: bool,
     /// The last command forwarded, when it has no answer (ggml's server
     /// may have refused it and closed the connection).
     unanswered: Option<u8>,
@@ -592,6 +613,7 @@ impl Session<'_> {
         });
         let gone =
             |e: std::io::Error| format!("ggml's server did not answer command {c}{before}: {e}");
+        self.await_worker(c)?;
         let mut size = [0u8; 8];
         if let Err(e) = self.server.read_exact(&mut size) {
             self.worker_failed = true;
@@ -609,6 +631,44 @@ impl Session<'_> {
             return Err(gone(e));
         }
         Ok(out)
+    }
+
+    /// Waits until the worker's answer to command `c` starts. While it
+    /// computes, the client must stay: a client that leaves (or, once the
+    /// session is over, a worker that does not answer within
+    /// [`CLEAN_UP`]) ends the wait, and the worker, which may be stuck in a
+    /// graph the checks let through, is replaced.
+    fn await_worker(&mut self, c: u8) -> Result<(), String> {
+        let started = std::time::Instant::now();
+        let _ = self.server.set_read_timeout(Some(Duration::from_secs(1)));
+        let result = loop {
+            match self.server.peek(&mut [0u8; 1]) {
+                Ok(_) => break Ok(()),
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) => {}
+                Err(e) => break Err(format!("ggml's server: {e}")),
+            }
+            if self.ended && started.elapsed() > CLEAN_UP {
+                break Err(format!(
+                    "ggml's server did not answer command {c} within {} s after the client left",
+                    CLEAN_UP.as_secs()
+                ));
+            }
+            if !self.ended && client_left(&self.client) {
+                break Err(format!(
+                    "the client left while ggml's server ran command {c} ({:.0} s)",
+                    started.elapsed().as_secs_f64()
+                ));
+            }
+        };
+        let _ = self.server.set_read_timeout(None);
+        if result.is_err() {
+            self.worker_failed = true;
+        }
+        result
     }
 
     /// Sends command `c` of the gate's own to the worker and reads its
