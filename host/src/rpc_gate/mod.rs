@@ -238,7 +238,7 @@ pub fn serve(public: TcpListener, worker: Worker, spawn: Spawn, options: Options
                             "rpc-server: ggml's server stopped on the commands of {peer} ({st}); starting a new one"
                         ),
                         None => tracing::warn!(
-                            "rpc-server: ggml's server stopped answering on the commands of {peer} (it refused one); starting a new one"
+                            "rpc-server: ggml's server stopped answering on the commands of {peer}; starting a new one"
                         ),
                     }
                     drop(w);
