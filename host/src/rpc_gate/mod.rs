@@ -490,9 +490,13 @@ impl Session<'_> {
 
     /// Checks command `c` (its whole message, which the cache may rewrite)
     /// and returns the size of the answer the worker will send, if any.
-    fn check(&mut self, c: u8, message: &mut [u8]) -> Result<Option<Option<usize>>, String> {
+    fn check(&mut self, c: u8, message: &mut [u8]) -> Result<Option<usize>, String> {
         let p = &message[9..];
-        let answer = wire::sizes(c).and_then(|(_, a)| a);
+        let answer = match wire::sizes(c) {
+            Some((_, wire::Answer::Fixed(n))) => Some(n),
+            // GET_TENSOR's size is its request's, returned below.
+            _ => None,
+        };
         match c {
             cmd::HELLO | cmd::DEVICE_COUNT => {}
             cmd::GET_ALIGNMENT | cmd::GET_MAX_SIZE | cmd::GET_DEVICE_MEMORY => {
@@ -549,7 +553,7 @@ impl Session<'_> {
                 let (offset, size) = (u64_at(p, TENSOR), u64_at(p, TENSOR + 8));
                 wire::check_range(&t, &self.buffers, offset, size)?;
                 if c == cmd::GET_TENSOR {
-                    return Ok(Some(Some(size as usize)));
+                    return Ok(Some(size as usize));
                 }
             }
             cmd::COPY_TENSOR => {
@@ -606,8 +610,8 @@ impl Session<'_> {
         Ok(answer)
     }
 
-    /// The worker's answer to command `c`, of `want` bytes when known.
-    fn reply(&mut self, c: u8, want: Option<usize>) -> Result<Vec<u8>, String> {
+    /// The worker's answer to command `c`, of `want` bytes.
+    fn reply(&mut self, c: u8, want: usize) -> Result<Vec<u8>, String> {
         let before = self.unanswered.map_or(String::new(), |u| {
             format!(", after command {u}, which has no answer")
         });
@@ -620,7 +624,7 @@ impl Session<'_> {
             return Err(gone(e));
         }
         let size = u64::from_le_bytes(size);
-        if want.is_some_and(|w| w as u64 != size) || size > MAX_DATA {
+        if want as u64 != size {
             return Err(format!(
                 "ggml's server answered command {c} with {size} bytes"
             ));
@@ -681,7 +685,7 @@ impl Session<'_> {
             self.worker_failed = true;
             return Err(format!("asking ggml's server: {e}"));
         }
-        self.reply(c, Some(want))
+        self.reply(c, want)
     }
 
     /// What the gate records of a command once the worker has it.

@@ -38,27 +38,37 @@ pub const TENSOR: usize = 296;
 /// `GGML_MAX_SRC`.
 pub const MAX_SRC: usize = 10;
 
-/// The exact payload size of each fixed-size request, and of its answer
-/// (`None`: the command has no answer; `Some(None)`: an answer whose size
-/// the request gives, GET_TENSOR's).
-pub fn sizes(c: u8) -> Option<(usize, Option<Option<usize>>)> {
+/// What the worker answers a command with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// Nothing.
+    None,
+    /// This many bytes.
+    Fixed(usize),
+    /// As many bytes as the request asks for (GET_TENSOR).
+    Requested,
+}
+
+/// The exact payload size of each fixed-size request, and its answer.
+pub fn sizes(c: u8) -> Option<(usize, Answer)> {
     use cmd::*;
+    use Answer::{Fixed, Requested};
     Some(match c {
-        ALLOC_BUFFER => (12, Some(Some(16))),
-        GET_ALIGNMENT | GET_MAX_SIZE => (4, Some(Some(8))),
-        BUFFER_GET_BASE => (8, Some(Some(8))),
-        FREE_BUFFER => (8, None),
-        BUFFER_CLEAR => (9, None),
-        SET_TENSOR_HASH => (TENSOR + 16, Some(Some(1))),
-        GET_TENSOR => (TENSOR + 16, Some(None)),
-        COPY_TENSOR => (2 * TENSOR, Some(Some(1))),
-        GET_DEVICE_MEMORY => (4, Some(Some(16))),
-        INIT_TENSOR => (TENSOR, None),
-        GET_ALLOC_SIZE => (4 + TENSOR * (1 + MAX_SRC), Some(Some(8))),
-        HELLO => (24, Some(Some(28))),
-        DEVICE_COUNT => (0, Some(Some(4))),
-        GRAPH_RECOMPUTE => (4, None),
-        MEMSET_TENSOR => (TENSOR + 17, None),
+        ALLOC_BUFFER => (12, Fixed(16)),
+        GET_ALIGNMENT | GET_MAX_SIZE => (4, Fixed(8)),
+        BUFFER_GET_BASE => (8, Fixed(8)),
+        FREE_BUFFER => (8, Answer::None),
+        BUFFER_CLEAR => (9, Answer::None),
+        SET_TENSOR_HASH => (TENSOR + 16, Fixed(1)),
+        GET_TENSOR => (TENSOR + 16, Requested),
+        COPY_TENSOR => (2 * TENSOR, Fixed(1)),
+        GET_DEVICE_MEMORY => (4, Fixed(16)),
+        INIT_TENSOR => (TENSOR, Answer::None),
+        GET_ALLOC_SIZE => (4 + TENSOR * (1 + MAX_SRC), Fixed(8)),
+        HELLO => (24, Fixed(28)),
+        DEVICE_COUNT => (0, Fixed(4)),
+        GRAPH_RECOMPUTE => (4, Answer::None),
+        MEMSET_TENSOR => (TENSOR + 17, Answer::None),
         _ => return None,
     })
 }
