@@ -2,7 +2,8 @@
 """diffusers run with the settings `sdhost bench --peer diffusers` gives it, for side-by-side timings.
 
 sdhost runs this script in a child process (`python - ARGS`, the script on stdin; it is compiled
-into the sdhost binary) once per precision (f32, bf16).  It prints ONE JSON object on stdout,
+into the sdhost binary) once per precision: f32 and bf16 on the CPU, f16 and bf16 on a CUDA GPU
+(`--device cuda`, when sdhost ran on a cudaN device).  It prints ONE JSON object on stdout,
 the same shape as bench/peer-sdcpp prints:
 
   {"system": str, "load_s": float, "first_run_s": float, "peak_host_bytes": int|null,
@@ -82,7 +83,9 @@ def parse_args():
     p.add_argument("--sampler", default="euler_a")
     p.add_argument("--scheduler", default="discrete")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--dtype", choices=["f32", "bf16"], default="f32")
+    p.add_argument("--dtype", choices=["f32", "f16", "bf16"], default="f32")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="where the models run; on cuda every timing point waits for the GPU")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-warm-up", action="store_true", help="measure the first run too")
     return p.parse_args()
@@ -302,8 +305,17 @@ def main():
     sched_kwargs = {k: v for k, v in dict(SD1_SCHEDULE, **extra).items() if k in sig}
 
     torch.set_num_threads(args.threads)
-    dtype = {"f32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    clock = time.perf_counter
+    dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            fail(EXIT_UNAVAILABLE, "unavailable: torch sees no CUDA device")
+
+        def clock():
+            # Kernels run asynchronously: a stage ends when the GPU is done with it.
+            torch.cuda.synchronize()
+            return time.perf_counter()
+    else:
+        clock = time.perf_counter
 
     with safe_open(args.model, framework="pt") as f:
         shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -330,7 +342,7 @@ def main():
     pipe = StableDiffusionPipeline(
         vae=vae, text_encoder=te, tokenizer=clip_tokenizer(), unet=unet, scheduler=cls(**sched_kwargs),
         safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    )
+    ).to(args.device)
     pipe.set_progress_bar_config(disable=True)
     load_s = clock() - t
 
@@ -373,7 +385,9 @@ def main():
         runs = [generate() for _ in range(args.runs)]
 
     system = (f"diffusers {diffusers.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
-              f"{args.dtype} weights and compute, {torch.get_num_threads()} threads, {cls_name}, "
+              f"{args.dtype} weights and compute, "
+              + (f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else f"{torch.get_num_threads()} threads, ")
+              + f"{cls_name}, "
               f"attention {type(unet.attn_processors[next(iter(unet.attn_processors))]).__name__}")
     json.dump({"system": system, "load_s": load_s, "first_run_s": first_run_s, "runs": runs,
                "peak_host_bytes": peak_host_bytes()}, sys.stdout)

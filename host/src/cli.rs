@@ -160,7 +160,7 @@ pub struct BenchArgs {
     /// Also run other programs with the same settings and print ratios (peer ÷ sdhost):
     /// `sdcpp` (stable-diffusion.cpp: the `sdhost-peer-sdcpp` binary from bench/peer-sdcpp
     /// next to sdhost, or a path to it), `diffusers` (bench/diffusers_peer.py, f32 and
-    /// bf16); comma-separated or repeated; `--peer` alone: sdcpp
+    /// bf16; f16 and bf16 on the GPU when sdhost runs on a cudaN device); comma-separated or repeated; `--peer` alone: sdcpp
     #[arg(long, value_name = "PEER", num_args = 0..=1, default_missing_value = "sdcpp",
           value_delimiter = ',', value_parser = parse_peer)]
     pub peer: Vec<Peer>,

@@ -748,7 +748,14 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
                 result: job.sdcpp(exe.as_deref()),
             }),
             Peer::Diffusers => {
-                for (name, dtype) in [("diffusers-f32", "f32"), ("diffusers-bf16", "bf16")] {
+                // On a CUDA GPU diffusers runs there too, in the precisions
+                // people use there; elsewhere on the CPU.
+                let dtypes = if job.gpu.is_some_and(|d| d.starts_with("cuda")) {
+                    [("diffusers-f16", "f16"), ("diffusers-bf16", "bf16")]
+                } else {
+                    [("diffusers-f32", "f32"), ("diffusers-bf16", "bf16")]
+                };
+                for (name, dtype) in dtypes {
                     peers.push(PeerColumn {
                         name,
                         deferred_load: false,
@@ -995,11 +1002,15 @@ impl PeerJob<'_> {
                 self.family.name()
             ));
         }
-        if let Some(d) = self.gpu {
-            return Err(format!(
-                "not comparable: the diffusers peer runs on the CPU, sdhost ran on {d}"
-            ));
-        }
+        let device = match self.gpu {
+            None => "cpu",
+            Some(d) if d.starts_with("cuda") => "cuda",
+            Some(d) => {
+                return Err(format!(
+                    "not comparable: the diffusers peer runs on the CPU or a CUDA GPU, sdhost ran on {d}"
+                ))
+            }
+        };
         if a.sample.vae_tiling || a.sample.vae_file().is_some() {
             return Err(
                 "not comparable: the diffusers peer decodes with the checkpoint's own VAE, untiled"
@@ -1025,6 +1036,7 @@ impl PeerJob<'_> {
             .args(["--scheduler", req.scheduler.name()])
             .args(["--threads", &self.threads.to_string()])
             .args(["--dtype", dtype])
+            .args(["--device", device])
             .args(["--runs", &self.runs.to_string()])
             .args((!self.warm_up).then_some("--no-warm-up"))
             // No hub access, ever: the script builds every config itself.
