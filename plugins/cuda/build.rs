@@ -65,7 +65,11 @@ fn main() {
         &[
             ("GGML_CPU", "OFF"),
             ("GGML_CUDA", "ON"),
-            ("GGML_CUDA_GRAPHS", "ON"),
+            // CUDA graphs off: on an H100 they made SD 1.5's UNet step slower
+            // (50.5 ms against 40.0 ms with GGML_CUDA_DISABLE_GRAPHS=1, and
+            // SDXL's 222.7 against 200.7 ms): sdhost builds each step's graph
+            // afresh, so ggml re-captures it every time (docs/performance.md).
+            ("GGML_CUDA_GRAPHS", "OFF"),
             ("GGML_CUDA_NCCL", "OFF"),
             ("GGML_CUDA_NO_VMM", if no_vmm { "ON" } else { "OFF" }),
             ("CMAKE_CUDA_ARCHITECTURES", &archs),
