@@ -289,6 +289,62 @@ pub fn cases() -> Vec<Case> {
                 Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
             },
         },
+        // The ops the transformer families (FLUX.1, Z-Image, FLUX.2 klein)
+        // and their text encoders (T5, Qwen3) add.
+        Case {
+            name: "rms_norm",
+            tolerance: 1e-3,
+            amx: false,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![x], c.rms_norm(x, 1e-6)?))
+            },
+        },
+        Case {
+            name: "swiglu",
+            tolerance: 1e-3,
+            amx: false,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[128, 16])?;
+                Ok((vec![x], c.swiglu(x)?))
+            },
+        },
+        Case {
+            name: "geglu (erf)",
+            tolerance: 1e-3,
+            amx: false,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[128, 16])?;
+                Ok((vec![x], c.geglu_erf(x)?))
+            },
+        },
+        Case {
+            name: "gelu (erf)",
+            tolerance: 1e-3,
+            amx: false,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![x], c.gelu_erf(x)?))
+            },
+        },
+        Case {
+            name: "gelu (quick)",
+            tolerance: 1e-3,
+            amx: false,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![x], c.gelu_quick(x)?))
+            },
+        },
+        Case {
+            name: "tanh",
+            tolerance: 1e-3,
+            amx: false,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 16])?;
+                Ok((vec![x], c.tanh(x)?))
+            },
+        },
         Case {
             name: "mul_mat bf16 (AMX)",
             tolerance: 1e-2,

@@ -1097,6 +1097,14 @@ pub struct ServeArgs {
     #[arg(long = "cors-allow-origin", value_name = "ORIGIN", value_parser = parse_origin)]
     pub cors_origins: Vec<String>,
 
+    /// Make a live preview of the running image every N sampling steps
+    /// (`current_image` in `/sdapi/v1/progress`, shown by the page); 0 turns
+    /// them off. A preview maps each latent cell to a pixel with a linear
+    /// map fitted on the images this model decoded, so a freshly loaded
+    /// model shows previews from its second image on
+    #[arg(long = "preview-every", value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u32).range(0..=100_000))]
+    pub preview_every: u32,
+
     /// Largest request body, in MiB (413 beyond)
     #[arg(long = "max-body", value_name = "MIB", default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub max_body: u32,

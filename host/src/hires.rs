@@ -8,6 +8,7 @@
 
 use crate::image_io;
 use sdhost_models::pipeline::{Pipeline, Stop};
+use sdhost_models::preview::Progress;
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::ModelError;
 
@@ -215,7 +216,7 @@ pub fn generate(
     req: &Request,
     noise: Option<Vec<f32>>,
     hires: Option<&Hires>,
-    progress: &mut dyn FnMut(usize, usize),
+    progress: &mut dyn Progress,
     stop: &dyn Fn() -> Stop,
 ) -> Result<Image, ModelError> {
     let Some(h) = hires else {
@@ -223,13 +224,15 @@ pub fn generate(
     };
     let total = h.total_steps(req.steps);
     let second = if h.upscaler == Upscaler::Lanczos {
-        let first = sd.generate_until(req, noise, &mut |done, _| progress(done, total), stop)?;
+        let mut counted = Counted::new(progress, 0, total);
+        let first = sd.generate_until(req, noise, &mut counted, stop)?;
         if stop() == Stop::Finish {
             return Ok(first);
         }
         h.request(req, first, None)
     } else {
-        let z = sd.sample_latent_until(req, noise, &mut |done, _| progress(done, total), stop)?;
+        let mut counted = Counted::new(progress, 0, total);
+        let z = sd.sample_latent_until(req, noise, &mut counted, stop)?;
         let f = sd.first_stage().format().spatial;
         let c = z.len() / ((req.height / f) * (req.width / f)).max(1);
         let shape = [c, req.height / f, req.width / f];
@@ -247,9 +250,35 @@ pub fn generate(
     sd.generate_until(
         &second,
         None,
-        &mut |done, _| progress(req.steps + done, total),
+        &mut Counted::new(progress, req.steps, total),
         stop,
     )
+}
+
+/// One pass's steps counted from `base` of both passes' `total`, its
+/// previews passed on under the same count.
+struct Counted<'a> {
+    inner: &'a mut dyn Progress,
+    base: usize,
+    total: usize,
+}
+
+impl<'a> Counted<'a> {
+    fn new(inner: &'a mut dyn Progress, base: usize, total: usize) -> Self {
+        Counted { inner, base, total }
+    }
+}
+
+impl Progress for Counted<'_> {
+    fn step(&mut self, done: usize, _steps: usize) {
+        self.inner.step(self.base + done, self.total)
+    }
+    fn wants_preview(&self, step: usize) -> bool {
+        self.inner.wants_preview(self.base + step)
+    }
+    fn preview(&mut self, step: usize, image: Image) {
+        self.inner.preview(self.base + step, image)
+    }
 }
 
 #[cfg(test)]

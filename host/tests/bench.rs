@@ -251,7 +251,7 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
             "--width 64 --height 64 --steps 1 ",
             "--seed 7 ",
             "--sampler euler_a --scheduler discrete --threads 2 ",
-            &format!("--dtype {dtype} --runs 1"),
+            &format!("--dtype {dtype} --device cpu --runs 1"),
         ] {
             assert!(args.contains(want), "{want}: {args}");
         }

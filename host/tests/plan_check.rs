@@ -98,7 +98,7 @@ fn check_on_cpu_passes_every_op() {
     let p = Prefix::with_cpu();
     let j = p.run(&["check", "--device", "cpu", "--json"]).ok().json();
     let rows = j.as_array().unwrap();
-    assert_eq!(rows.len(), 24);
+    assert_eq!(rows.len(), 30);
     for r in rows {
         assert_eq!(r["verdict"], "PASS", "{r:#}");
         // The AMX rows compare sdhost's tile kernels with ggml's where the

@@ -655,6 +655,137 @@ fn apis_models_img2img_and_bad_input() {
     );
 }
 
+/// Live previews: none before the model has decoded an image (the
+/// latent → RGB map is fitted on its own images), then `current_image` in
+/// `/progress` every `--preview-every` steps, one pixel per latent cell,
+/// left out when the client asks (`skip_current_image`).
+#[test]
+fn progress_shows_live_previews() {
+    let srv = Server::start(&[
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--preview-every",
+        "2",
+    ]);
+    let slow_until_interrupted = |srv: &Server| {
+        let addr = srv.addr.clone();
+        let body = serde_json::to_vec(&slow()).unwrap();
+        std::thread::spawn(move || request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]))
+    };
+    // A fresh model has nothing to preview with.
+    let first = slow_until_interrupted(&srv);
+    let p = srv.wait_progress("the first slow job past step 4", |p| {
+        p["state"]["sampling_steps"] == 1000 && p["state"]["sampling_step"].as_u64() >= Some(4)
+    });
+    assert!(p["current_image"].is_null(), "{p}");
+    srv.post("/sdapi/v1/interrupt", json!({}));
+    let r = first.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+
+    // Its (interrupted) image fitted the map: the next job shows previews.
+    let second = slow_until_interrupted(&srv);
+    let p = srv.wait_progress("a preview", |p| p["current_image"].is_string());
+    let (w, h, _, px) = png_of(p["current_image"].as_str().unwrap());
+    assert_eq!((w, h), (8, 8), "one pixel per latent cell of 64x64");
+    assert!(px.iter().any(|&v| v != px[0]), "a blank preview");
+    assert_eq!(p["state"]["sdhost_running"][0]["has_preview"], true);
+    let p = srv.get("/sdapi/v1/progress?skip_current_image=true");
+    assert!(p["current_image"].is_null(), "{p}");
+    assert_eq!(p["state"]["sdhost_running"][0]["has_preview"], true);
+    srv.post("/sdapi/v1/interrupt", json!({}));
+    assert_eq!(second.join().unwrap().status, 200);
+    // Nothing runs: no preview.
+    assert!(srv.get("/sdapi/v1/progress")["current_image"].is_null());
+}
+
+/// The events of a server-sent-events body: `(event, data as JSON)`.
+fn sse_events(body: &str) -> Vec<(String, Value)> {
+    body.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let field = |name: &str| {
+                e.lines()
+                    .filter_map(|l| l.strip_prefix(name))
+                    .map(str::trim_start)
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            };
+            let data = field("data:");
+            (
+                field("event:"),
+                serde_json::from_str(&data).unwrap_or_else(|e| panic!("{e}: {data}")),
+            )
+        })
+        .collect()
+}
+
+/// OpenAI's `stream: true`: server-sent events, the live previews as
+/// `partial_image` events (none before the model decoded an image), then
+/// one `completed` event per image; bad streaming fields are refused.
+#[test]
+fn openai_streams_partial_images() {
+    let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors"))]);
+    let gen = |extra: Value| {
+        let mut body = json!({"prompt": "a cat", "size": "64x64", "steps": 300, "seed": 3});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        srv.post("/v1/images/generations", body)
+    };
+    let stream = json!({"stream": true, "partial_images": 2});
+    // A fresh model: no preview yet, the image still arrives.
+    let r = gen(stream.clone());
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r
+        .header("content-type")
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let events = sse_events(&r.text());
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["image_generation.completed"], "{names:?}");
+    let (w, h, _, _) = png_of(events[0].1["b64_json"].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    assert_eq!(events[0].1["size"], "64x64");
+
+    // Now previews come first, at most `partial_images`, numbered.
+    let r = gen(json!({"stream": true, "partial_images": 2, "n": 2}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = sse_events(&r.text());
+    let partial: Vec<&Value> = events
+        .iter()
+        .filter(|(n, _)| n == "image_generation.partial_image")
+        .map(|(_, d)| d)
+        .collect();
+    assert!((1..=2).contains(&partial.len()), "{events:?}");
+    for (i, p) in partial.iter().enumerate() {
+        assert_eq!(p["partial_image_index"], i);
+        assert_eq!(p["type"], "image_generation.partial_image");
+        let (w, h, _, _) = png_of(p["b64_json"].as_str().unwrap());
+        assert_eq!((w, h), (8, 8), "one pixel per latent cell");
+    }
+    let done: Vec<&str> = events
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .skip_while(|n| *n == "image_generation.partial_image")
+        .collect();
+    assert_eq!(done, ["image_generation.completed"; 2], "{events:?}");
+
+    // partial_images without stream, a stream that is not a boolean,
+    // partial_images out of range: refused, naming the field.
+    for (extra, param) in [
+        (json!({"partial_images": 1}), "partial_images"),
+        (json!({"stream": "yes"}), "stream"),
+        (
+            json!({"stream": true, "partial_images": 4}),
+            "partial_images",
+        ),
+    ] {
+        let r = gen(extra.clone());
+        assert!(matches!(r.status, 400 | 422), "{extra}: {}", r.text());
+        assert_eq!(r.json()["error"]["param"], param, "{extra}: {}", r.text());
+    }
+}
+
 #[test]
 fn queue_bound_interrupt_and_disconnect() {
     let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors")), "--queue", "1"]);

@@ -44,6 +44,7 @@ mod kind;
 pub mod lora;
 pub mod nn;
 pub mod pipeline;
+pub mod preview;
 pub mod request;
 pub mod runtime;
 pub mod sampling;

@@ -30,6 +30,7 @@ use crate::autoencoders::FirstStage;
 use crate::checkpoint::Checkpoint;
 use crate::error::{Field, ModelError, Result};
 use crate::family::{Family, Model, Prediction};
+use crate::preview::{LatentProjection, Progress};
 use crate::request::{Image, Layout, LoadOptions, MatrixTypes, Request};
 use crate::runtime::graph::GraphOptions;
 use crate::runtime::load::{load_module, split_weights, How};
@@ -53,6 +54,8 @@ pub struct Pipeline<'b> {
     first_stage: FirstStage,
     /// VAE tiling (in latent cells), or none.
     vae_tiling: Option<Tiling>,
+    /// The latent → RGB preview map, fitted on the images decoded so far.
+    preview: Option<LatentProjection>,
 }
 
 impl<'b> Pipeline<'b> {
@@ -119,6 +122,7 @@ impl<'b> Pipeline<'b> {
             vae,
             first_stage,
             vae_tiling: None,
+            preview: None,
         })
     }
 
@@ -329,10 +333,10 @@ impl<'b> Pipeline<'b> {
         &mut self,
         req: &Request,
         noise: Option<Vec<f32>>,
-        progress: &mut dyn FnMut(usize, usize),
+        mut progress: &mut dyn FnMut(usize, usize),
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Image> {
-        self.generate_until(req, noise, progress, &|| Stop::abort_if(cancelled()))
+        self.generate_until(req, noise, &mut progress, &|| Stop::abort_if(cancelled()))
     }
 
     /// [`Pipeline::generate`] told between steps whether to go on, to
@@ -343,7 +347,7 @@ impl<'b> Pipeline<'b> {
         &mut self,
         req: &Request,
         noise: Option<Vec<f32>>,
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &mut dyn Progress,
         stop: &dyn Fn() -> Stop,
     ) -> Result<Image> {
         let cancelled = || stop() == Stop::Abort;
@@ -351,6 +355,7 @@ impl<'b> Pipeline<'b> {
         let shape = self.latent_shape(req)?;
         check(&cancelled)?;
         let image = self.decode(&latent, shape)?;
+        self.learn_preview(&latent, shape, &image);
         check(&cancelled)?;
         Ok(image)
     }
@@ -382,10 +387,10 @@ impl<'b> Pipeline<'b> {
         &mut self,
         req: &Request,
         noise: Option<Vec<f32>>,
-        progress: &mut dyn FnMut(usize, usize),
+        mut progress: &mut dyn FnMut(usize, usize),
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Vec<f32>> {
-        self.sample_latent_until(req, noise, progress, &|| Stop::abort_if(cancelled()))
+        self.sample_latent_until(req, noise, &mut progress, &|| Stop::abort_if(cancelled()))
     }
 
     /// [`Pipeline::sample_latent`] told between steps what to do
@@ -395,7 +400,7 @@ impl<'b> Pipeline<'b> {
         &mut self,
         req: &Request,
         noise: Option<Vec<f32>>,
-        progress: &mut dyn FnMut(usize, usize),
+        progress: &mut dyn Progress,
         stop: &dyn Fn() -> Stop,
     ) -> Result<Vec<f32>> {
         let cancelled = &|| stop() == Stop::Abort;
@@ -449,6 +454,10 @@ impl<'b> Pipeline<'b> {
         let batch = if guided { 2 } else { 1 };
         let steps = sigmas.len() - 1;
         let model = &mut self.model;
+        let projection = self.preview.as_ref();
+        // Both the denoiser (previews) and the step counter report to it.
+        let progress = std::cell::RefCell::new(progress);
+        let mut previewed = None;
         // The last denoised estimate, and whether sampling finished early
         // on it.
         let mut last: Option<Vec<f32>> = None;
@@ -458,7 +467,7 @@ impl<'b> Pipeline<'b> {
             sampling.noise_rule(),
             &sigmas,
             x,
-            |x, sigma, _step| {
+            |x, sigma, step| {
                 match stop() {
                     Stop::Abort => return Err(ModelError::Cancelled),
                     Stop::Finish if last.is_some() => {
@@ -491,11 +500,17 @@ impl<'b> Pipeline<'b> {
                 if let (Some(z0), Some(keep)) = (&z0, &keep) {
                     blend(&mut d, z0, keep);
                 }
+                if previewed != Some(step) && progress.borrow().wants_preview(step) {
+                    previewed = Some(step);
+                    if let Some(image) = projection.and_then(|p| p.render(&d, shape)) {
+                        progress.borrow_mut().preview(step, image);
+                    }
+                }
                 last = Some(d.clone());
                 Ok(d)
             },
             |_| rng.randn(n_latent),
-            |done| progress(done, steps),
+            |done| progress.borrow_mut().step(done, steps),
         );
         for m in self.model.modules_mut() {
             if m.kind() == ModuleKind::Diffusion {
@@ -759,6 +774,22 @@ impl<'b> Pipeline<'b> {
         let f = self.first_stage.format().spatial;
         let (w, h) = (shape[3] * f, shape[2] * f);
         Ok(to_rgb(&out, w, h))
+    }
+
+    /// Adds a decoded image to the preview fit (module preview).
+    fn learn_preview(&mut self, latent: &[f32], shape: [usize; 4], image: &Image) {
+        let f = self.first_stage.format().spatial;
+        let p = match &mut self.preview {
+            Some(p) if p.channels() == shape[1] => p,
+            slot => slot.insert(LatentProjection::new(shape[1])),
+        };
+        p.observe(latent, shape, image, f);
+    }
+
+    /// Whether sampling can show previews yet: the fit needs a decoded
+    /// image first (module preview).
+    pub fn previews_ready(&self) -> bool {
+        self.preview.as_ref().is_some_and(LatentProjection::ready)
     }
 }
 

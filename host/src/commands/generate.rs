@@ -143,7 +143,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         &req,
         noise,
         hires.as_ref(),
-        &mut |step, _| bar.set_position(step as u64),
+        &mut |step: usize, _: usize| bar.set_position(step as u64),
         &|| sdhost_models::pipeline::Stop::abort_if(cancel.load(Ordering::SeqCst)),
     );
     bar.finish_and_clear();

@@ -16,7 +16,7 @@ use super::worker::{
 use crate::image_io::Mask;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Query, Request, State};
 use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
@@ -871,6 +871,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         keep_model: false,
         vae: None,
         variation,
+        preview_every: None,
     })
 }
 
@@ -1184,7 +1185,20 @@ fn openai_mask(img: image::DynamicImage) -> Mask {
 
 /// Submits `work` and awaits it; a dropped future cancels the job.
 async fn run_job(st: &AppState, work: Work) -> ApiResult<Output> {
-    let (ticket, rx) = st.queue.submit(work).map_err(|Full| {
+    let (ticket, rx) = submit(st, work)?;
+    let reply = rx.await;
+    ticket.finish();
+    output_of(reply)
+}
+
+/// A queued job's handle: dropped before its reply, it cancels the job.
+type JobTicket = super::queue::Ticket<Work, Output>;
+/// Where a queued job's reply arrives.
+type JobReply = tokio::sync::oneshot::Receiver<super::queue::Reply<Output>>;
+
+/// Queues `work`: 503 (with Retry-After) when the queue is full.
+fn submit(st: &AppState, work: Work) -> ApiResult<(JobTicket, JobReply)> {
+    st.queue.submit(work).map_err(|Full| {
         let (running, waiting, _) = st.queue.snapshot();
         // When the first replica is likely to be free.
         let eta = running
@@ -1206,9 +1220,13 @@ async fn run_job(st: &AppState, work: Work) -> ApiResult<Output> {
                 ),
             )
         }
-    })?;
-    let reply = rx.await;
-    ticket.finish();
+    })
+}
+
+/// A job's reply as the API answers it.
+fn output_of(
+    reply: Result<super::queue::Reply<Output>, tokio::sync::oneshot::error::RecvError>,
+) -> ApiResult<Output> {
     match reply {
         Ok(Ok(out)) => Ok(out),
         Ok(Err(JobError::Cancelled(m))) => Err(ApiError::new(StatusCode::CONFLICT, "cancelled", m)),
@@ -1531,8 +1549,21 @@ fn eta_of(r: &Running) -> f64 {
 /// A1111's progress fields describe one job: the oldest running one.
 /// `state.sdhost_running` lists every running job (one per busy replica)
 /// with the device it runs on.
-async fn progress(State(st): State<AppState>) -> Json<Value> {
+/// `/sdapi/v1/progress`'s query: A1111's `skip_current_image`.
+#[derive(serde::Deserialize, Default)]
+struct ProgressQuery {
+    #[serde(default)]
+    skip_current_image: bool,
+}
+
+async fn progress(State(st): State<AppState>, Query(q): Query<ProgressQuery>) -> Json<Value> {
+    let skip_image = q.skip_current_image;
     let (running, waiting, counters) = st.queue.snapshot();
+    // The first running job's latest preview (A1111 shows one job).
+    let current_image = running
+        .first()
+        .and_then(|r| r.preview.clone())
+        .filter(|_| !skip_image);
     let (p, eta, step, steps, job, ts, id) = match running.first() {
         Some(r) => (
             r.fraction(),
@@ -1560,6 +1591,7 @@ async fn progress(State(st): State<AppState>) -> Json<Value> {
                 "sampling_steps": r.steps,
                 "job_no": r.images_done,
                 "job_images": r.images,
+                "has_preview": r.preview.is_some(),
             })
         })
         .collect();
@@ -1581,7 +1613,7 @@ async fn progress(State(st): State<AppState>) -> Json<Value> {
             "sdhost_waiting": waiting,
             "sdhost_jobs": counters,
         },
-        "current_image": null,
+        "current_image": current_image.as_deref(),
         "textinfo": null,
     }))
 }
@@ -1732,7 +1764,7 @@ async fn openai_models(State(st): State<AppState>) -> Json<Value> {
 async fn openai_generations(
     State(st): State<AppState>,
     body: Result<Bytes, BytesRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     let body = json_body(body)?;
     let f = Fields(&body);
     let mut work = gen_work(&f, "txt2img", 20)?;
@@ -1740,7 +1772,130 @@ async fn openai_generations(
         return Err(ApiError::field("n", "give the number of images as n"));
     }
     openai_fields(&st, &f, &mut work)?;
-    openai_images(&st, work).await
+    match openai_streaming(&f)? {
+        Some(partial) => openai_stream(&st, work, partial, "image_generation"),
+        None => Ok(openai_images(&st, work).await?.into_response()),
+    }
+}
+
+/// OpenAI's `stream` and `partial_images` (0–3): `Some(partial images)`
+/// when the answer is to be streamed.
+fn openai_streaming(f: &Fields<'_>) -> ApiResult<Option<usize>> {
+    let stream = match f.get("stream") {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+        Some(Value::Bool(true)) => true,
+        // A form upload's fields are text.
+        Some(Value::String(s)) if s == "true" || s == "false" => s == "true",
+        Some(_) => return Err(ApiError::field("stream", "must be true or false")),
+    };
+    let partial = f.int("partial_images", 0, 3)?;
+    match (stream, partial) {
+        (false, Some(p)) if p > 0 => Err(ApiError::field(
+            "partial_images",
+            "partial images are streamed: set stream to true",
+        )),
+        (false, _) => Ok(None),
+        (true, p) => Ok(Some(p.unwrap_or(0) as usize)),
+    }
+}
+
+/// OpenAI's image streaming: server-sent events, up to `partial` live
+/// previews (`{kind}.partial_image`, one pixel per latent cell, spread over
+/// the steps) while the job runs, then one `{kind}.completed` per image, or
+/// an `error` event. A client that goes away cancels the job.
+fn openai_stream(
+    st: &AppState,
+    mut work: GenWork,
+    partial: usize,
+    kind: &'static str,
+) -> ApiResult<Response> {
+    use axum::response::sse::{Event, Sse};
+    work.preview_every = Some(match partial {
+        0 => 0,
+        p => (work.steps / (p + 1)).max(1),
+    });
+    let size = match (work.width, work.height) {
+        (Some(w), Some(h)) => format!("{w}x{h}"),
+        _ => "auto".to_string(),
+    };
+    let prompt = work.prompt.clone();
+    let (ticket, rx) = submit(st, Work::Generate(Box::new(work)))?;
+    let queue = st.queue.clone();
+    let (tx, events) = tokio::sync::mpsc::channel::<Event>(4);
+    let event = |name: String, data: Value| Event::default().event(name).data(data.to_string());
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs())
+    };
+    tokio::spawn(async move {
+        let id = ticket.id();
+        let mut rx = rx;
+        let mut tick = tokio::time::interval(std::time::Duration::from_millis(20));
+        let (mut sent, mut last) = (0, None::<Arc<str>>);
+        let reply = loop {
+            tokio::select! {
+                r = &mut rx => break r,
+                // The client went away: dropping the ticket cancels the job.
+                _ = tx.closed() => return,
+                _ = tick.tick() => {
+                    let Some((png, _)) = queue.preview_of(id).filter(|_| sent < partial) else {
+                        continue;
+                    };
+                    if last.as_deref() == Some(&*png) {
+                        continue;
+                    }
+                    let name = format!("{kind}.partial_image");
+                    let data = json!({
+                        "type": name, "b64_json": &*png, "created_at": now(), "size": size,
+                        "quality": "auto", "background": "opaque", "output_format": "png",
+                        "partial_image_index": sent,
+                    });
+                    if tx.send(event(name, data)).await.is_err() {
+                        return;
+                    }
+                    sent += 1;
+                    last = Some(png);
+                }
+            }
+        };
+        ticket.finish();
+        match output_of(reply) {
+            Ok(Output::Images(out)) => {
+                let name = format!("{kind}.completed");
+                for png in &out.images {
+                    let data = json!({
+                        "type": name, "b64_json": b64(png), "created_at": now(),
+                        "size": format!("{}x{}", out.width, out.height), "quality": "auto",
+                        "background": "opaque", "output_format": "png", "revised_prompt": prompt,
+                        "usage": {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+                                  "input_tokens_details": {"image_tokens": 0, "text_tokens": 0}},
+                    });
+                    if tx.send(event(name.clone(), data)).await.is_err() {
+                        return;
+                    }
+                }
+            }
+            Ok(Output::Loaded(_)) => {}
+            Err(e) => {
+                let kind = if e.status.is_server_error() {
+                    "server_error"
+                } else {
+                    "invalid_request_error"
+                };
+                let data = json!({"type": "error", "error": {
+                    "message": e.detail, "type": kind, "param": e.field, "code": e.error,
+                }});
+                let _ = tx.send(event("error".into(), data)).await;
+            }
+        }
+    });
+    let stream = futures_util::stream::unfold(events, |mut rx| async move {
+        rx.recv()
+            .await
+            .map(|e| (Ok::<_, std::convert::Infallible>(e), rx))
+    });
+    Ok(Sse::new(stream).into_response())
 }
 
 /// OpenAI's `/v1/images/edits` (a form upload: `image` or `image[]`,
@@ -1752,7 +1907,7 @@ async fn openai_generations(
 async fn openai_edits(
     State(st): State<AppState>,
     form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
-) -> ApiResult<Json<Value>> {
+) -> ApiResult<Response> {
     let mut form = form.map_err(|e| ApiError::new(e.status(), "bad_body", e.body_text()))?;
     let bad = |e: axum::extract::multipart::MultipartError| {
         let status = e.status();
@@ -1772,11 +1927,12 @@ async fn openai_edits(
             "mask" => mask = Some(part.bytes().await.map_err(bad)?),
             "prompt" | "model" | "size" | "response_format" | "n" | "steps" | "seed"
             | "cfg_scale" | "guidance" | "strength" | "negative_prompt" | "quality" | "user"
-            | "background" | "input_fidelity" | "output_format" => {
+            | "background" | "input_fidelity" | "output_format" | "stream" | "partial_images" => {
                 let text = part.text().await.map_err(bad)?;
                 // Numbers as numbers, so the JSON endpoints' checks apply.
                 let value = match name.as_str() {
-                    "n" | "steps" | "seed" | "cfg_scale" | "guidance" | "strength" => text
+                    "n" | "steps" | "seed" | "cfg_scale" | "guidance" | "strength"
+                    | "partial_images" => text
                         .trim()
                         .parse::<serde_json::Number>()
                         .map_or(Value::String(text), Value::Number),
@@ -1802,6 +1958,7 @@ async fn openai_edits(
     let f = Fields(&fields);
     let mut work = gen_work(&f, "img2img", 20)?;
     openai_fields(&st, &f, &mut work)?;
+    let streaming = openai_streaming(&f)?;
     let strength = f.float("strength", 0.0, 1.0)?.unwrap_or(0.75);
     if strength <= 0.0 {
         return Err(ApiError::field("strength", "must be above 0"));
@@ -1836,7 +1993,10 @@ async fn openai_edits(
     });
     work.reference = refs;
     work.edit = true;
-    openai_images(&st, work).await
+    match streaming {
+        Some(partial) => openai_stream(&st, work, partial, "image_edit"),
+        None => Ok(openai_images(&st, work).await?.into_response()),
+    }
 }
 
 /// The fields OpenAI's image endpoints share: `n`, `size`,

@@ -81,6 +81,8 @@ pub struct Running {
     pub started: Instant,
     /// Wall-clock start, seconds since the epoch (A1111's job_timestamp).
     pub timestamp: u64,
+    /// The latest live preview, a base64 PNG (A1111's `current_image`).
+    pub preview: Option<Arc<str>>,
     cancel: Arc<AtomicBool>,
     interrupt: Arc<AtomicBool>,
     skip: Arc<AtomicBool>,
@@ -249,6 +251,7 @@ impl<W: JobKind, T> Queue<W, T> {
                     images,
                     started: Instant::now(),
                     timestamp: now,
+                    preview: None,
                     cancel: job.cancel.clone(),
                     interrupt: job.interrupt.clone(),
                     skip: job.skip.clone(),
@@ -288,6 +291,25 @@ impl<W: JobKind, T> Queue<W, T> {
             r.step = step;
             r.images_done = images_done;
         }
+    }
+
+    /// A live preview of `replica`'s running job (a base64 PNG).
+    pub fn set_preview(&self, replica: usize, png_base64: Arc<str>) {
+        if let Some(r) = self
+            .lock()
+            .running
+            .iter_mut()
+            .find(|r| r.replica == replica)
+        {
+            r.preview = Some(png_base64);
+        }
+    }
+
+    /// Running job `id`'s latest live preview and the images it finished.
+    pub fn preview_of(&self, id: u64) -> Option<(Arc<str>, usize)> {
+        let g = self.lock();
+        let r = g.running.iter().find(|r| r.id == id)?;
+        Some((r.preview.clone()?, r.images_done))
     }
 
     /// Cancels job `id`, waiting or running; whether it was found.

@@ -26,6 +26,7 @@ use crate::session::Session;
 use anyhow::Context as _;
 use sdhost_models::lora::LoraSpec;
 use sdhost_models::pipeline::{Pipeline, Stop};
+use sdhost_models::preview::Progress;
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::runtime::tiling::Tiling;
 use sdhost_models::sampling::rng::variation_noise;
@@ -192,6 +193,9 @@ pub struct GenWork {
     /// `--vae-dir` file name, [`VAE_AUTOMATIC`] or [`VAE_NONE`]), else the
     /// server's `sd_vae`.
     pub vae: Option<String>,
+    /// Live previews every this many steps (0: none), else the server's
+    /// `--preview-every` (OpenAI's `partial_images` spreads its own).
+    pub preview_every: Option<usize>,
 }
 
 /// A job for the worker.
@@ -795,7 +799,12 @@ impl<'m> Worker<'_, 'm> {
                 &req,
                 noise,
                 hires.as_ref(),
-                &mut |step, _| self.queue.progress(self.replica, step, i),
+                &mut Reporter {
+                    queue: &self.queue,
+                    replica: self.replica,
+                    images_done: i,
+                    every: g.preview_every.unwrap_or(self.args.preview_every as usize),
+                },
                 &stop,
             )
             .map_err(|e| match e {
@@ -870,6 +879,32 @@ impl<'m> Worker<'_, 'm> {
             }
         }
         Ok(out)
+    }
+}
+
+/// Reports a job's steps to the queue, and every `every` steps (0: never)
+/// a live preview.
+struct Reporter<'q> {
+    queue: &'q JobQueue,
+    replica: usize,
+    images_done: usize,
+    every: usize,
+}
+
+impl Progress for Reporter<'_> {
+    fn step(&mut self, done: usize, _steps: usize) {
+        self.queue.progress(self.replica, done, self.images_done);
+    }
+    fn wants_preview(&self, step: usize) -> bool {
+        self.every > 0 && (step + 1).is_multiple_of(self.every)
+    }
+    fn preview(&mut self, _step: usize, image: Image) {
+        use base64::Engine as _;
+        let mut png = Vec::new();
+        if encode_png(&mut png, &image, "").is_ok() {
+            let b64 = base64::engine::general_purpose::STANDARD.encode(&png);
+            self.queue.set_preview(self.replica, b64.into());
+        }
     }
 }
 
