@@ -578,10 +578,16 @@ async fn openai_errors(req: Request, next: Next) -> Response {
         Value::String(d) => d.clone(),
         _ => status.canonical_reason().unwrap_or("error").to_string(),
     };
+    // OpenAI clients send one `size`; the checks name its two halves.
+    let param = match ours.get("field") {
+        Some(Value::String(f)) if f == "width" || f == "height" => json!("size"),
+        Some(f) => f.clone(),
+        None => Value::Null,
+    };
     let body = json!({"error": {
         "message": message,
         "type": kind,
-        "param": ours.get("field").cloned().unwrap_or(Value::Null),
+        "param": param,
         "code": code,
     }});
     parts.headers.remove(header::CONTENT_LENGTH);
