@@ -847,6 +847,50 @@ fn real_clients_openai_sdk_and_webuiapi() {
     assert!(stdout.contains("all clients ok"), "{stdout}\n{stderr}");
 }
 
+/// A1111's `memory` (the host's, every device's, `cuda` only with a CUDA
+/// device) and `cmd-flags` (the command line, secrets hidden, no paths).
+#[test]
+fn memory_and_cmd_flags() {
+    let key = "sk-memory-test-0123456789";
+    let srv = Server::start(&[
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--api-key",
+        key,
+        "--preview-every",
+        "3",
+    ]);
+    let auth = format!("Bearer {key}");
+    let get = |path: &str| {
+        let r = request(&srv.addr, "GET", path, None, &[("Authorization", &auth)]);
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        r.json()
+    };
+    let m = get("/sdapi/v1/memory");
+    let ram = &m["ram"];
+    assert!(ram["total"].as_u64().unwrap() > 0, "{m}");
+    assert!(ram["free"].as_u64().unwrap() <= ram["total"].as_u64().unwrap());
+    let cpu = m["sdhost_devices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "cpu")
+        .unwrap_or_else(|| panic!("{m}"));
+    assert!(cpu["total"].as_u64().unwrap() > 0, "{m}");
+    assert!(m["cuda"]["error"].is_string(), "{m}");
+    let f = get("/sdapi/v1/cmd-flags");
+    assert_eq!(f["api_key"], "<hidden>", "{f}");
+    assert_eq!(f["preview_every"], "3", "{f}");
+    let text = f.to_string();
+    assert!(
+        !text.contains(key) && !text.contains("/tests/fixtures"),
+        "{f}"
+    );
+    assert!(text.contains("tiny-sd1.safetensors"), "{f}");
+    // Both need the key.
+    assert_eq!(srv.call("GET", "/sdapi/v1/memory", None).status, 401);
+}
+
 #[test]
 fn queue_bound_interrupt_and_disconnect() {
     let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors")), "--queue", "1"]);

@@ -76,6 +76,10 @@ pub struct AppState {
     /// The server's `sd_vae` (`POST /sdapi/v1/options`), which the workers
     /// read at each job.
     pub vae_choice: Arc<Mutex<String>>,
+    /// Every device's memory, as the workers last sampled it.
+    pub device_memory: Arc<Mutex<Vec<super::worker::DeviceMemory>>>,
+    /// The command line as `/sdapi/v1/cmd-flags` shows it (secrets hidden).
+    pub cmd_flags: Arc<Value>,
 }
 
 impl AppState {
@@ -201,6 +205,11 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             get(|| async { Json(json!([])) }),
         )
         .route("/sdapi/v1/sd-vae", get(sd_vae))
+        .route("/sdapi/v1/memory", get(memory))
+        .route(
+            "/sdapi/v1/cmd-flags",
+            get(|State(st): State<AppState>| async move { Json((*st.cmd_flags).clone()) }),
+        )
         .route("/sdapi/v1/sd-modules", get(|| async { Json(json!([])) }))
         .route(
             "/sdapi/v1/embeddings",
@@ -1622,6 +1631,80 @@ async fn progress(State(st): State<AppState>, Query(q): Query<ProgressQuery>) ->
         "current_image": current_image.as_deref(),
         "textinfo": null,
     }))
+}
+
+/// A1111's `/sdapi/v1/memory`: the host's memory (`ram`, from
+/// /proc/meminfo: available counts as free), A1111's `cuda.system` for the
+/// first CUDA device, and every device (`sdhost_devices`, sampled after each
+/// job).
+async fn memory(State(st): State<AppState>) -> Json<Value> {
+    let devices = st
+        .device_memory
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let ram = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            let kib = |key: &str| {
+                m.lines()
+                    .find_map(|l| l.strip_prefix(key))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                    .map(|k| k * 1024)
+            };
+            let (total, free) = (kib("MemTotal:")?, kib("MemAvailable:")?);
+            Some(json!({"free": free, "used": total.saturating_sub(free), "total": total}))
+        })
+        .unwrap_or_else(|| json!({"error": "the host's memory cannot be read here"}));
+    let cuda = match devices.iter().find(|d| d.name.starts_with("cuda")) {
+        Some(d) => json!({"system": {
+            "free": d.free, "used": d.total.saturating_sub(d.free), "total": d.total,
+        }}),
+        None => json!({"error": "no CUDA device; every device is in sdhost_devices"}),
+    };
+    Json(json!({"ram": ram, "cuda": cuda, "sdhost_devices": devices}))
+}
+
+/// The command line as A1111's `/sdapi/v1/cmd-flags` shows its flags:
+/// `--name value` and `--name=value` as `name: value`, a bare `--name` as
+/// `true`, the model and other values as given; keys, passwords and the
+/// API's credentials as `"<hidden>"`.
+pub fn cmd_flags(args: impl Iterator<Item = String>) -> Value {
+    const SECRET: [&str; 3] = ["api_key", "api_auth", "rpc_key"];
+    let mut flags = Map::new();
+    let mut args = args.peekable();
+    while let Some(a) = args.next() {
+        let Some(name) = a.strip_prefix("--") else {
+            let shown = match std::path::Path::new(&a).file_name() {
+                Some(n) if a.contains('/') => n.to_string_lossy().into_owned(),
+                _ => a,
+            };
+            if let Value::Array(v) = flags.entry("sdhost_args").or_insert_with(|| json!([])) {
+                v.push(json!(shown));
+            }
+            continue;
+        };
+        let (name, value) = match name.split_once('=') {
+            Some((n, v)) => (n.replace('-', "_"), json!(v)),
+            None => {
+                let n = name.replace('-', "_");
+                match args.peek() {
+                    Some(v) if !v.starts_with("--") => (n, json!(args.next())),
+                    _ => (n, json!(true)),
+                }
+            }
+        };
+        let value = match value {
+            _ if SECRET.contains(&name.as_str()) => json!("<hidden>"),
+            // No path of the server's disk: a file or folder by its name.
+            Value::String(v) if v.contains('/') => json!(std::path::Path::new(&v)
+                .file_name()
+                .map_or(String::new(), |n| n.to_string_lossy().into_owned())),
+            v => v,
+        };
+        flags.insert(name, value);
+    }
+    Value::Object(flags)
 }
 
 /// A1111's interrupt: each running job (one per busy replica) finishes

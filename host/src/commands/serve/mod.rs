@@ -277,6 +277,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         .context("configuring the socket")?;
     let local = listener.local_addr().context("reading the bound address")?;
     let vae_choice = Arc::new(Mutex::new(worker::VAE_AUTOMATIC.to_string()));
+    let device_memory = Arc::new(Mutex::new(worker::DeviceMemory::sample(session)));
     let state = api::AppState {
         queue: queue.clone(),
         models: Arc::new(std::sync::RwLock::new(Arc::new(models))),
@@ -298,6 +299,8 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
             .clone()
             .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
         vae_choice: vae_choice.clone(),
+        device_memory: device_memory.clone(),
+        cmd_flags: Arc::new(api::cmd_flags(std::env::args().skip(1))),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
@@ -309,6 +312,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         for (i, (_, placement)) in replicas.iter().enumerate() {
             let (ready, queue, current) = (ready_tx.clone(), queue.clone(), current.clone());
             let vae_choice = vae_choice.clone();
+            let device_memory = device_memory.clone();
             let fits = fits.clone();
             let (abort, first, load_lock) = (aborts[i].clone(), &first, &load_lock);
             std::thread::Builder::new()
@@ -328,6 +332,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
                         current,
                         fits,
                         vae_choice,
+                        device_memory,
                     };
                     let started = worker.load_initial(first).map(|loaded| (worker, loaded));
                     match started {

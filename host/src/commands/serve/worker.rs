@@ -198,6 +198,36 @@ pub struct GenWork {
     pub preview_every: Option<usize>,
 }
 
+/// A device's memory as last sampled (bytes).
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceMemory {
+    /// The device's name (`cpu`, `cuda0`, …).
+    pub name: String,
+    /// Free now.
+    pub free: u64,
+    /// In all.
+    pub total: u64,
+}
+
+impl DeviceMemory {
+    /// Every registered device's memory, asked of its backend now.
+    pub fn sample(session: &Session) -> Vec<DeviceMemory> {
+        session
+            .registry
+            .devices
+            .iter()
+            .map(|d| {
+                let (free, total) = d.device.memory();
+                DeviceMemory {
+                    name: d.name.clone(),
+                    free,
+                    total,
+                }
+            })
+            .collect()
+    }
+}
+
 /// A job for the worker.
 pub enum Work {
     /// Make images.
@@ -324,6 +354,8 @@ pub struct Worker<'a, 'm> {
     pub fits: Arc<Mutex<Vec<ReplicaFit>>>,
     /// The server's `sd_vae` (`POST /sdapi/v1/options`).
     pub vae_choice: Arc<Mutex<String>>,
+    /// Every device's memory, sampled after each job (`/sdapi/v1/memory`).
+    pub device_memory: Arc<Mutex<Vec<DeviceMemory>>>,
 }
 
 impl<'m> Worker<'_, 'm> {
@@ -602,6 +634,8 @@ impl<'m> Worker<'_, 'm> {
                 tracing::info!("job {}: {e:?}", job.id);
             }
             self.queue.finished(self.replica, ok, was_cancelled);
+            *self.device_memory.lock().unwrap_or_else(|e| e.into_inner()) =
+                DeviceMemory::sample(self.session);
             let _ = job.reply.send(result);
         }
     }
