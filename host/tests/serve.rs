@@ -667,13 +667,8 @@ fn progress_shows_live_previews() {
         "--preview-every",
         "2",
     ]);
-    let slow_until_interrupted = |srv: &Server| {
-        let addr = srv.addr.clone();
-        let body = serde_json::to_vec(&slow()).unwrap();
-        std::thread::spawn(move || request(&addr, "POST", "/sdapi/v1/txt2img", Some(body), &[]))
-    };
     // A fresh model has nothing to preview with.
-    let first = slow_until_interrupted(&srv);
+    let first = srv.post_bg(&slow());
     let p = srv.wait_progress("the first slow job past step 4", |p| {
         p["state"]["sampling_steps"] == 1000 && p["state"]["sampling_step"].as_u64() >= Some(4)
     });
@@ -683,7 +678,7 @@ fn progress_shows_live_previews() {
     assert_eq!(r.status, 200, "{}", r.text());
 
     // Its (interrupted) image fitted the map: the next job shows previews.
-    let second = slow_until_interrupted(&srv);
+    let second = srv.post_bg(&slow());
     let p = srv.wait_progress("a preview", |p| p["current_image"].is_string());
     let (w, h, _, px) = png_of(p["current_image"].as_str().unwrap());
     assert_eq!((w, h), (8, 8), "one pixel per latent cell of 64x64");
