@@ -842,6 +842,68 @@ fn real_clients_openai_sdk_and_webuiapi() {
     assert!(stdout.contains("all clients ok"), "{stdout}\n{stderr}");
 }
 
+/// `POST /sdapi/v1/options`: the options sdhost honours change later
+/// requests; one that would change the images but cannot be honoured is a
+/// 422 naming it (nothing changes then); the others are kept, read back
+/// and listed as ignored.
+#[test]
+fn options_are_honoured_refused_or_listed() {
+    let srv = Server::start(&["-m", s(&fixture("tiny-sd1.safetensors"))]);
+    let text_of = |srv: &Server| {
+        let r = srv.post("/sdapi/v1/txt2img", small("a red cube", 7)).json();
+        png_of(r["images"][0].as_str().unwrap()).2
+    };
+    assert!(text_of(&srv).contains("Clip skip: 1"));
+    let set = |body: Value| srv.post("/sdapi/v1/options", body);
+    assert_eq!(set(json!({"CLIP_stop_at_last_layers": 2})).status, 200);
+    assert_eq!(srv.get("/sdapi/v1/options")["CLIP_stop_at_last_layers"], 2);
+    assert!(text_of(&srv).contains("Clip skip: 2"));
+    for (body, field) in [
+        (
+            json!({"eta_noise_seed_delta": 31337}),
+            "eta_noise_seed_delta",
+        ),
+        (json!({"randn_source": "CPU"}), "randn_source"),
+        (json!({"samples_format": "jpg"}), "samples_format"),
+        (json!({"s_noise": 0.9}), "s_noise"),
+        (
+            json!({"CLIP_stop_at_last_layers": 13}),
+            "CLIP_stop_at_last_layers",
+        ),
+        (
+            json!({"live_previews_enable": "no"}),
+            "live_previews_enable",
+        ),
+        // Refused whole: the honoured option beside it is not applied.
+        (
+            json!({"CLIP_stop_at_last_layers": 3, "img2img_fix_steps": true}),
+            "img2img_fix_steps",
+        ),
+    ] {
+        let r = set(body.clone());
+        assert_eq!(r.status, 422, "{body}: {}", r.text());
+        assert_eq!(r.json()["field"], field, "{body}: {}", r.text());
+    }
+    assert_eq!(srv.get("/sdapi/v1/options")["CLIP_stop_at_last_layers"], 2);
+    // The values sdhost runs with are accepted.
+    let r = set(json!({"eta_noise_seed_delta": 0, "randn_source": "GPU", "s_noise": 1.0}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    // Options without effect on the images: kept, read back, listed.
+    let r =
+        set(json!({"save_images": false, "outdir_samples": "out", "live_previews_enable": false}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let o = srv.get("/sdapi/v1/options");
+    assert_eq!(o["outdir_samples"], "out", "{o}");
+    assert_eq!(o["live_previews_enable"], false, "{o}");
+    let ignored: Vec<&str> = o["sdhost_ignored_options"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap())
+        .collect();
+    assert_eq!(ignored, ["outdir_samples", "save_images"], "{o}");
+}
+
 /// A1111's `memory` (the host's, every device's, `cuda` only with a CUDA
 /// device) and `cmd-flags` (the command line, secrets hidden, no paths).
 #[test]

@@ -80,9 +80,70 @@ pub struct AppState {
     pub device_memory: Arc<Mutex<Vec<super::worker::DeviceMemory>>>,
     /// The command line as `/sdapi/v1/cmd-flags` shows it (secrets hidden).
     pub cmd_flags: Arc<Value>,
+    /// What `POST /sdapi/v1/options` set that requests use.
+    pub options: Arc<Mutex<ServerOptions>>,
 }
 
+/// The A1111 options a server keeps (`POST /sdapi/v1/options`): those it
+/// honours, and the others as given (echoed by `GET`, listed as ignored).
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// `CLIP_stop_at_last_layers`: a request's CLIP skip unless it gives one.
+    pub clip_skip: usize,
+    /// `live_previews_enable`.
+    pub previews: bool,
+    /// `show_progress_every_n_steps` (`--preview-every` at start; 0: none).
+    pub preview_every: usize,
+    /// Options stored without effect on the images, as given.
+    pub ignored: Map<String, Value>,
+}
+
+impl ServerOptions {
+    /// The options at start: previews every `preview_every` steps.
+    pub fn new(preview_every: usize) -> Self {
+        ServerOptions {
+            clip_skip: 1,
+            previews: preview_every > 0,
+            preview_every,
+            ignored: Map::new(),
+        }
+    }
+
+    /// Live previews every this many steps (0: none).
+    fn previews_every(&self) -> usize {
+        if self.previews {
+            self.preview_every
+        } else {
+            0
+        }
+    }
+}
+
+/// A1111 options that change the images and that sdhost cannot honour,
+/// with the value it does run with: another value is a 422 naming the
+/// option (never a silent `true`).
+const FIXED_OPTIONS: &[(&str, &str)] = &[
+    ("eta_noise_seed_delta", "0"),
+    ("randn_source", "\"GPU\""),
+    ("img2img_fix_steps", "false"),
+    ("samples_format", "\"png\""),
+    ("live_previews_image_format", "\"png\""),
+    ("eta_ancestral", "1"),
+    ("s_noise", "1"),
+    ("s_churn", "0"),
+    ("use_old_emphasis_implementation", "false"),
+    ("use_old_karras_scheduler_sigmas", "false"),
+];
+
 impl AppState {
+    /// The options requests take their defaults from.
+    fn options(&self) -> ServerOptions {
+        self.options
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     /// The checkpoints that can be loaded, as last scanned.
     fn models(&self) -> Arc<Vec<ModelEntry>> {
         self.models
@@ -763,7 +824,12 @@ fn find_model(st: &AppState, field: &str, name: &str) -> ApiResult<ModelEntry> {
 }
 
 /// The generation settings shared by txt2img, img2img and OpenAI's API.
-fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult<GenWork> {
+fn gen_work(
+    f: &Fields<'_>,
+    kind: &'static str,
+    default_steps: i64,
+    opts: &ServerOptions,
+) -> ApiResult<GenWork> {
     let prompt = f.prompt()?;
     let negative = f.string("negative_prompt")?.unwrap_or_default();
     let steps = f.int("steps", 1, 1000)?.unwrap_or(default_steps) as usize;
@@ -862,7 +928,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         None => Fields(&overrides)
             .int("CLIP_stop_at_last_layers", 1, 12)
             .map_err(|e| ApiError::field("override_settings.CLIP_stop_at_last_layers", e.detail))?
-            .unwrap_or(1),
+            .unwrap_or(opts.clip_skip as i64),
     } as usize;
     Ok(GenWork {
         kind,
@@ -886,7 +952,7 @@ fn gen_work(f: &Fields<'_>, kind: &'static str, default_steps: i64) -> ApiResult
         keep_model: false,
         vae: None,
         variation,
-        preview_every: None,
+        preview_every: Some(opts.previews_every()),
     })
 }
 
@@ -1371,7 +1437,7 @@ async fn txt2img(
 ) -> ApiResult<Json<Value>> {
     let body = json_body(body)?;
     let f = Fields(&body);
-    let mut work = gen_work(&f, "txt2img", 50)?;
+    let mut work = gen_work(&f, "txt2img", 50, &st.options())?;
     work.model = model_override(&st, &f)?;
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
@@ -1391,7 +1457,7 @@ async fn img2img(
 ) -> ApiResult<Json<Value>> {
     let body = json_body(body)?;
     let f = Fields(&body);
-    let mut work = gen_work(&f, "img2img", 50)?;
+    let mut work = gen_work(&f, "img2img", 50, &st.options())?;
     work.model = model_override(&st, &f)?;
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
@@ -1511,11 +1577,14 @@ async fn schedulers() -> Json<Value> {
 
 async fn get_options(State(st): State<AppState>) -> Json<Value> {
     let cur = st.current();
-    Json(json!({
+    let opts = st.options();
+    let mut answer = json!({
         "sd_model_checkpoint": cur.as_ref().map(|c| c.entry.title.clone()),
         "sd_checkpoint_hash": null,
         "sd_vae": st.vae_choice.lock().unwrap_or_else(|e| e.into_inner()).clone(),
-        "CLIP_stop_at_last_layers": 1,
+        "CLIP_stop_at_last_layers": opts.clip_skip,
+        "live_previews_enable": opts.previews,
+        "show_progress_every_n_steps": opts.preview_every,
         "samples_format": "png",
         "sdhost_placement": st.placement(),
         "sdhost_fit": st.fit_json(),
@@ -1526,7 +1595,15 @@ async fn get_options(State(st): State<AppState>) -> Json<Value> {
         "sdhost_default_cfg_scale": cur.as_ref().map(|c| c.defaults.cfg_scale),
         "sdhost_default_sampler": cur.as_ref().map(|c| c.defaults.sampler.a1111_label()),
         "sdhost_takes_guidance": cur.as_ref().map(|c| c.takes_guidance),
-    }))
+        "sdhost_ignored_options": opts.ignored.keys().collect::<Vec<_>>(),
+    });
+    // What a client set without effect reads back as it set it.
+    if let Value::Object(a) = &mut answer {
+        for (k, v) in &opts.ignored {
+            a.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+    Json(answer)
 }
 
 async fn set_options(
@@ -1535,6 +1612,55 @@ async fn set_options(
 ) -> ApiResult<Json<Value>> {
     let body = json_body(body)?;
     let f = Fields(&body);
+    // Everything is checked before anything changes.
+    for (key, runs) in FIXED_OPTIONS {
+        let Some(v) = f.get(key) else { continue };
+        let runs: Value = serde_json::from_str(runs).expect("a JSON literal");
+        let same = match (v, &runs) {
+            (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
+            (a, b) => a == b,
+        };
+        if !same {
+            return Err(ApiError::field(
+                key,
+                format!("sdhost runs with {runs} only; another value would change the images"),
+            ));
+        }
+    }
+    let clip_skip = f.int("CLIP_stop_at_last_layers", 1, 12)?;
+    let previews = f.boolean("live_previews_enable")?;
+    // A1111: -1 shows only the end (no live previews here).
+    let every = f.int("show_progress_every_n_steps", -1, 100_000)?;
+    const HONOURED: [&str; 5] = [
+        "sd_model_checkpoint",
+        "sd_vae",
+        "CLIP_stop_at_last_layers",
+        "live_previews_enable",
+        "show_progress_every_n_steps",
+    ];
+    let ignored: Vec<(String, Value)> = body
+        .iter()
+        .filter(|(k, _)| !HONOURED.contains(&k.as_str()))
+        .filter(|(k, _)| !FIXED_OPTIONS.iter().any(|(f, _)| f == k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    // What is kept without effect stays small: at most 1024 options of at
+    // most 4 KiB each.
+    if let Some((k, _)) = ignored.iter().find(|(_, v)| v.to_string().len() > 4096) {
+        return Err(ApiError::field(k, "an option's value is at most 4 KiB"));
+    }
+    let kept = st.options().ignored;
+    let new = ignored
+        .iter()
+        .filter(|(k, _)| !kept.contains_key(k))
+        .count();
+    if kept.len() + new > 1024 {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "too_many_options",
+            "the server keeps at most 1024 options it does not use",
+        ));
+    }
     // `sd_vae` takes effect at the next job (which reloads the model with
     // it where it differs).
     if let Some(v) = f.get("sd_vae") {
@@ -1548,6 +1674,24 @@ async fn set_options(
             run_job(&st, Work::Load(entry)).await?;
         }
     }
+    let mut opts = st.options.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(c) = clip_skip {
+        opts.clip_skip = c as usize;
+    }
+    if let Some(p) = previews {
+        opts.previews = p;
+    }
+    if let Some(n) = every {
+        opts.preview_every = n.max(0) as usize;
+    }
+    if !ignored.is_empty() {
+        let names: Vec<&str> = ignored.iter().map(|(k, _)| k.as_str()).collect();
+        tracing::info!(
+            "options stored without effect on the images: {}",
+            crate::term::clean(&names.join(", "))
+        );
+    }
+    opts.ignored.extend(ignored);
     Ok(Json(Value::Bool(true)))
 }
 
@@ -1561,9 +1705,6 @@ fn eta_of(r: &Running) -> f64 {
     }
 }
 
-/// A1111's progress fields describe one job: the oldest running one.
-/// `state.sdhost_running` lists every running job (one per busy replica)
-/// with the device it runs on.
 /// `/sdapi/v1/progress`'s query: A1111's `skip_current_image`.
 #[derive(serde::Deserialize, Default)]
 struct ProgressQuery {
@@ -1571,6 +1712,9 @@ struct ProgressQuery {
     skip_current_image: bool,
 }
 
+/// A1111's progress fields describe one job: the oldest running one.
+/// `state.sdhost_running` lists every running job (one per busy replica)
+/// with the device it runs on.
 async fn progress(State(st): State<AppState>, Query(q): Query<ProgressQuery>) -> Json<Value> {
     let skip_image = q.skip_current_image;
     let (running, waiting, counters) = st.queue.snapshot();
@@ -1856,7 +2000,7 @@ async fn openai_generations(
 ) -> ApiResult<Response> {
     let body = json_body(body)?;
     let f = Fields(&body);
-    let mut work = gen_work(&f, "txt2img", 20)?;
+    let mut work = gen_work(&f, "txt2img", 20, &st.options())?;
     if f.get("batch_size").is_some() || f.get("n_iter").is_some() {
         return Err(ApiError::field("n", "give the number of images as n"));
     }
@@ -2045,7 +2189,7 @@ async fn openai_edits(
         fields.insert("distilled_cfg_scale".into(), g);
     }
     let f = Fields(&fields);
-    let mut work = gen_work(&f, "img2img", 20)?;
+    let mut work = gen_work(&f, "img2img", 20, &st.options())?;
     openai_fields(&st, &f, &mut work)?;
     let streaming = openai_streaming(&f)?;
     let strength = f.float("strength", 0.0, 1.0)?.unwrap_or(0.75);
@@ -2197,7 +2341,7 @@ mod tests {
         ];
         for (body, field) in cases {
             let m = fields(body.clone());
-            let Err(e) = gen_work(&Fields(&m), "txt2img", 20) else {
+            let Err(e) = gen_work(&Fields(&m), "txt2img", 20, &ServerOptions::new(5)) else {
                 panic!("{body} was accepted")
             };
             assert_eq!(e.field.as_deref(), Some(field), "{body}: {e:?}");
@@ -2211,13 +2355,13 @@ mod tests {
             json!({"prompt": "p", "sampler_name": "DPM++ 2M Karras", "seed": -1,
             "override_settings": {"CLIP_stop_at_last_layers": 2}, "steps": 20.0}),
         );
-        let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
+        let w = gen_work(&Fields(&m), "txt2img", 50, &ServerOptions::new(5)).unwrap();
         assert_eq!(w.sampler, Some(Sampler::DpmPp2m));
         assert_eq!(w.scheduler, Some(Scheduler::Karras));
         assert_eq!((w.steps, w.clip_skip, w.count), (20, 2, 1));
         assert!(w.seed < 1 << 32);
         let m = fields(json!({"prompt": "p"}));
-        let w = gen_work(&Fields(&m), "txt2img", 50).unwrap();
+        let w = gen_work(&Fields(&m), "txt2img", 50, &ServerOptions::new(5)).unwrap();
         assert_eq!((w.steps, w.cfg_scale), (50, None));
         // No sampler or schedule: the family's, once the model is known.
         assert_eq!((w.sampler, w.scheduler, w.width), (None, None, None));

@@ -301,6 +301,9 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         vae_choice: vae_choice.clone(),
         device_memory: device_memory.clone(),
         cmd_flags: Arc::new(api::cmd_flags(std::env::args().skip(1))),
+        options: Arc::new(Mutex::new(api::ServerOptions::new(
+            args.preview_every as usize,
+        ))),
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
