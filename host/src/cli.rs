@@ -622,6 +622,12 @@ pub struct GenerateArgs {
     #[arg(long = "clip-skip", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=12))]
     pub clip_skip: u32,
 
+    /// Seamless image (A1111's tiling): every convolution of the UNet and the
+    /// VAE pads circularly, so the image tiles without seams (SD 1.x, 2.x,
+    /// XL; not with --vae-tiling)
+    #[arg(long)]
+    pub tiling: bool,
+
     /// Output PNG, written only once the image is complete
     #[arg(short = 'o', long, default_value = "output.png", value_name = "FILE")]
     pub output: PathBuf,

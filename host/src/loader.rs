@@ -251,6 +251,7 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
         module.set_options(GraphOptions {
             flash_attn: flash,
             amx: true,
+            ..module.options()
         });
     }
     if on.is_empty() {

@@ -93,6 +93,9 @@ pub fn parameters_text_of(
     if let Some(t) = args.tiling {
         s.push_str(&format!(", VAE tiling: {}/{}", t.tile, t.overlap));
     }
+    if sd.seamless() {
+        s.push_str(", Tiling: True");
+    }
     if let (Some(init), Some(path)) = (&req.init, args.init) {
         s.push_str(&format!(
             ", Denoising strength: {}, Init image: {}, Init image hash: {}",

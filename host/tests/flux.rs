@@ -456,6 +456,11 @@ fn flux_inputs_that_do_not_fit_are_one_line_errors_without_output() {
             s(&schnell),
             "multiple of 16",
         ),
+        (
+            [all(&ae), vec!["--tiling".to_string()]].concat(),
+            s(&schnell),
+            "--tiling: seamless tiling needs a convolutional (SD 1.x, 2.x or XL) model",
+        ),
     ];
     for (extra, model, want) in &cases {
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();

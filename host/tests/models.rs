@@ -316,6 +316,7 @@ fn flash_attention_matches_references_on_cpu() {
         sd.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: true,
             amx: false,
+            ..Default::default()
         });
         unet_and_vae_match(SD1, sd, &r, &assert_close, "flash ");
     });
@@ -343,6 +344,7 @@ fn amx_kernels_match_references_on_cpu() {
     let opts = GraphOptions {
         flash_attn: true,
         amx: true,
+        ..Default::default()
     };
     for fx in [SD1, SDXL] {
         typed_modules_match_references_with(
@@ -421,4 +423,59 @@ fn sizes_of_any_multiple_of_8_match_references_on_vulkan() {
     if vulkan_enabled() {
         odd_latent_matches_references("vulkan0", 4.0);
     }
+}
+
+/// Seamless tiling (A1111's `tiling`, circular padding): the UNet and the
+/// VAE see the image as a torus, so rolling the initial noise by 8 latent
+/// cells rolls the image by 64 pixels, to rounding. With zero padding the
+/// edges break that, which is what makes this test able to fail.
+#[test]
+fn seamless_images_roll_with_their_noise() {
+    with_sd("cpu", "cpu", WeightPolicy::Free, |sd| {
+        let mut req = euler_request("a brick wall", 3);
+        (req.width, req.height) = (128, 128);
+        let (c, h, w, shift) = (4, 16, 16, 8);
+        let noise = sdhost_models::sampling::rng::Philox::new(3).randn(c * h * w);
+        let mut rolled = vec![0.0; noise.len()];
+        for ch in 0..c {
+            for y in 0..h {
+                for x in 0..w {
+                    rolled[(ch * h + y) * w + (x + shift) % w] = noise[(ch * h + y) * w + x];
+                }
+            }
+        }
+        // Mean absolute difference (8-bit levels) between `b` and `a`
+        // rolled by the same shift in pixels.
+        let gap = |sd: &mut Pipeline<'_>| {
+            let mut run = |n: &[f32]| {
+                sd.generate(&req, Some(n.to_vec()), &mut |_, _| {}, &|| false)
+                    .unwrap()
+            };
+            let (a, b) = (run(&noise), run(&rolled));
+            let px = shift * 8;
+            let (iw, ih) = (a.width, a.height);
+            let mut sum = 0u64;
+            for y in 0..ih {
+                for x in 0..iw {
+                    for k in 0..3 {
+                        let va = a.rgb[(y * iw + x) * 3 + k];
+                        let vb = b.rgb[(y * iw + (x + px) % iw) * 3 + k];
+                        sum += u64::from(va.abs_diff(vb));
+                    }
+                }
+            }
+            sum as f64 / (iw * ih * 3) as f64
+        };
+        sd.set_seamless(true).unwrap();
+        assert!(sd.seamless());
+        let seamless = gap(sd);
+        sd.set_seamless(false).unwrap();
+        let plain = gap(sd);
+        eprintln!("mean gap: seamless {seamless:.3} levels, zero padding {plain:.3}");
+        assert!(seamless < 0.5, "seamless: mean gap {seamless:.3} levels");
+        assert!(
+            plain > 4.0 * seamless.max(0.25),
+            "zero padding: {plain:.3} levels"
+        );
+    });
 }

@@ -1876,6 +1876,7 @@ fn overhead_over_the_library() {
         module.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: true,
             amx: true,
+            ..Default::default()
         });
     }
     let serve = || {
@@ -2192,10 +2193,20 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
         assert_eq!(r.status, 422, "{field}: {}", r.text());
         assert!(r.text().contains(field), "{}", r.text());
     }
-    for (field, extra) in [
-        ("tiling", json!({"tiling": true})),
-        ("seed_resize_from_w", json!({"seed_resize_from_w": 128})),
-    ] {
+    // Tiling: a seamless image (the next job is plain again).
+    let seamless = |tiling: bool| {
+        let mut body = small("bricks", 2);
+        body["tiling"] = json!(tiling);
+        let r = srv.post("/sdapi/v1/txt2img", body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        png_of(r.json()["images"][0].as_str().unwrap())
+    };
+    let (plain, tiled, again) = (seamless(false), seamless(true), seamless(false));
+    assert!(tiled.2.contains(", Tiling: True"), "{}", tiled.2);
+    assert!(!plain.2.contains("Tiling") && !again.2.contains("Tiling"));
+    assert_ne!(plain.3, tiled.3);
+    assert_eq!(plain.3, again.3);
+    for (field, extra) in [("seed_resize_from_w", json!({"seed_resize_from_w": 128}))] {
         let mut body = small("x", 1);
         for (k, v) in extra.as_object().unwrap() {
             body[k] = v.clone();

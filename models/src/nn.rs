@@ -122,6 +122,10 @@ fn conv2d_with<'a>(
         )));
     }
     let precise = precise && kernel.ty() == Some(ggml::Type::F32);
+    let (x, pad) = match (w.opts.circular, pad) {
+        (true, p) if p > 0 => (circular_pad(c, x, p as i64)?, 0),
+        _ => (x, pad),
+    };
     if !precise {
         if let Some(b) = fusable_bias(c, w, prefix, &name, c_out)? {
             return Ok(c.conv_2d_bias(kernel, x, b, stride, pad)?);
@@ -148,6 +152,25 @@ fn conv2d_with<'a>(
         y = c.add(y, h)?;
     }
     add_bias(c, w, prefix, y, c_out, &[1, 1, c_out, 1])
+}
+
+/// `x` (`[W, H, C, N]`) padded by `p` on every side with its own opposite
+/// edges, as PyTorch's `padding_mode="circular"`: a convolution over it
+/// sees the image as a torus.
+pub fn circular_pad<'a>(c: &'a Context, x: Tensor<'a>, p: i64) -> Result<Tensor<'a>> {
+    let [w, h, ..] = x.ne();
+    if p > w || p > h {
+        return Err(ModelError::Shape(format!(
+            "circular padding of {p} around a {w}×{h} map"
+        )));
+    }
+    let wrap = |x: Tensor<'a>, dim: usize, n: i64| -> Result<Tensor<'a>> {
+        let before = c.cont(c.narrow(x, dim, n - p, p)?)?;
+        let after = c.cont(c.narrow(x, dim, 0, p)?)?;
+        Ok(c.concat(c.concat(before, x, dim as i32)?, after, dim as i32)?)
+    };
+    let x = wrap(x, 0, w)?;
+    wrap(x, 1, h)
 }
 
 /// The `[n]` bias `{prefix}.bias` of the weight `name` when the product
@@ -234,7 +257,9 @@ pub fn norm_silu_conv2d<'a>(
     let beta = w.shaped(&format!("{norm}.bias"), &[c_in])?;
     let is_f32 = |t: Tensor<'_>| t.ty() == Some(ggml::Type::F32);
     let bias_ok = w.opt(&format!("{conv}.bias")).is_none_or(is_f32);
-    if is_f32(gamma) && is_f32(beta) && bias_ok && w.lora_for(&name).is_empty() {
+    let fused = is_f32(gamma) && is_f32(beta) && bias_ok && w.lora_for(&name).is_empty();
+    // The fused kernel pads with zeros.
+    if fused && !w.opts.circular {
         let kernel = w.shaped(&name, &[3, 3, c_in, c_out])?;
         if x.ne()[2] != c_in {
             return Err(ModelError::Shape(format!(

@@ -216,6 +216,38 @@ impl<'b> Pipeline<'b> {
         }
     }
 
+    /// Seamless images (A1111's `tiling`): every convolution of the
+    /// denoiser and the first stage pads circularly. Only a convolutional
+    /// denoiser (SD 1.x, 2.x, XL) can, and not with a tiled VAE decode,
+    /// whose tiles would wrap onto themselves.
+    pub fn set_seamless(&mut self, on: bool) -> Result<()> {
+        if on && !self.model.convolutional() {
+            return Err(ModelError::request(
+                Field::Tiling,
+                "seamless tiling needs a convolutional (SD 1.x, 2.x or XL) model; this one's transformer has no padding to wrap",
+            ));
+        }
+        if on && self.vae_tiling.is_some() {
+            return Err(ModelError::request(
+                Field::Tiling,
+                "seamless tiling cannot run with a tiled VAE decode (--vae-tiling or fit's): the tiles would wrap onto themselves",
+            ));
+        }
+        for m in self.modules_mut() {
+            if matches!(m.kind(), ModuleKind::Diffusion | ModuleKind::Vae) {
+                let mut o = m.options();
+                o.circular = on;
+                m.set_options(o);
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether images are made seamless ([`Pipeline::set_seamless`]).
+    pub fn seamless(&self) -> bool {
+        self.vae.options().circular
+    }
+
     /// Pixels per side the image size must be a multiple of.
     pub fn size_multiple(&self) -> usize {
         self.first_stage.format().spatial << self.model.downsamples()

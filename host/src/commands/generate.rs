@@ -95,6 +95,8 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         init.apply(args, &sd, &mut req)?;
     }
     apply_references(args, &sd, references, sized_by_init, &mut req)?;
+    sd.set_seamless(args.tiling)
+        .map_err(|e| anyhow!("--tiling: {e}"))?;
     let hires = match args.hires.scale {
         Some(scale) => {
             let steps = args.hires.steps.map_or(0, |s| s as usize);

@@ -434,6 +434,13 @@ impl<'b> Model<'b> {
         }
     }
 
+    /// Whether the denoiser is convolutional (a UNet), so that circular
+    /// padding makes its images seamless; a transformer's patches have
+    /// no padding to wrap.
+    pub fn convolutional(&self) -> bool {
+        matches!(self, Model::Sd(_))
+    }
+
     /// Times the latent's size must be halvable for the denoiser (the
     /// size multiple beyond the first stage's factor): 0 for the UNet,
     /// which takes any latent size.

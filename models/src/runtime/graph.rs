@@ -16,6 +16,9 @@ pub struct GraphOptions {
     /// processor has one and the module runs on the in-process CPU backend
     /// alone.
     pub amx: bool,
+    /// Convolutions pad circularly instead of with zeros, so that the image
+    /// wraps around at its edges (A1111's `tiling`: seamless textures).
+    pub circular: bool,
 }
 
 /// A module's weights by name, for one graph build, with the build options.

@@ -316,6 +316,11 @@ impl<'b> Module<'b> {
         self.opts = opts;
     }
 
+    /// How its graphs are built.
+    pub fn options(&self) -> GraphOptions {
+        self.opts
+    }
+
     /// A context for one of this module's graphs: AMX matrix products
     /// ([`GraphOptions::amx`]) only where the in-process CPU backend runs
     /// the whole module (custom ops run nowhere else).

@@ -900,12 +900,6 @@ fn gen_work(
     };
     // Fields that would change the image: honoured, or refused naming them
     // (never a silent 200).
-    if f.boolean("tiling")? == Some(true) {
-        return Err(ApiError::field(
-            "tiling",
-            "seamless tiling is not supported by sdhost (leave it false)",
-        ));
-    }
     for field in ["seed_resize_from_w", "seed_resize_from_h"] {
         if f.int(field, -1, MAX_SIDE)?.is_some_and(|v| v > 0) {
             return Err(ApiError::field(
@@ -953,6 +947,7 @@ fn gen_work(
         vae: None,
         variation,
         preview_every: Some(opts.previews_every()),
+        tiling: f.boolean("tiling")?.unwrap_or(false),
     })
 }
 

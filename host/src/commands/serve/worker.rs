@@ -196,6 +196,8 @@ pub struct GenWork {
     /// Live previews every this many steps (0: none), else the server's
     /// `--preview-every` (OpenAI's `partial_images` spreads its own).
     pub preview_every: Option<usize>,
+    /// A1111's `tiling`: a seamless image (circular padding).
+    pub tiling: bool,
 }
 
 /// A device's memory as last sampled (bytes).
@@ -804,6 +806,11 @@ impl<'m> Worker<'_, 'm> {
         // The tiling fit chose at load (or --vae-tiling's), as generate
         // records it.
         let tiling = l.sd.vae_tiling();
+        // Seamless for this job only.
+        l.sd.set_seamless(g.tiling).map_err(|e| match e {
+            ModelError::Request(r) => JobError::Invalid(format!("tiling: {}", r.message)),
+            e => JobError::Failed(e.to_string()),
+        })?;
         for i in 0..g.count {
             signals.skip.store(false, Ordering::SeqCst);
             let req = Request {
