@@ -281,6 +281,12 @@ fn the_page_generates_an_image_in_headless_chromium() {
         assert!(params.contains(want), "parameters lack {want:?}: {params}");
     }
     assert_eq!(r["history"], 1, "{r}");
+    // Without an init image its painting area takes no room.
+    let paint = eval_json(
+        &tab,
+        r#"JSON.stringify(document.getElementById("paint").getBoundingClientRect().height)"#,
+    );
+    assert_eq!(paint, 0, "the img2img area shows without an init image");
 
     let shot = build_dir().parent().unwrap().join("serve-browser.png");
     let png = tab
@@ -305,6 +311,130 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "{r}"
     );
     assert_eq!((&r["width"], &r["history"]), (&64.into(), &1.into()), "{r}");
+
+    // The schedule picker is filled; a batch of two lands in the history,
+    // the download link holds the image shown.
+    let schedules = eval_json(
+        &tab,
+        r#"JSON.stringify([...document.getElementById("scheduler").options].map(o => o.value))"#,
+    );
+    assert!(
+        schedules
+            .as_array()
+            .unwrap()
+            .contains(&Value::from("karras")),
+        "{schedules}"
+    );
+    type_into(&tab, "#prompt", "a green field");
+    type_into(&tab, "#count", "2");
+    tab.evaluate(
+        "document.getElementById('scheduler').value = 'karras'",
+        false,
+    )
+    .unwrap();
+    tab.wait_for_element("#go").unwrap().click().unwrap();
+    let done = "document.getElementById('status').textContent.startsWith('done') \
+         || document.getElementById('status').className === 'err'";
+    wait_for(&tab, "the batch", done);
+    let r = eval_json(&tab, RESULT_JS);
+    assert_eq!(r["status"], "done: seed 1234, 2 images", "{r}");
+    assert_eq!(r["history"], 3, "{r}");
+    assert!(
+        r["params"]
+            .as_str()
+            .unwrap()
+            .contains("Schedule type: Karras"),
+        "{r}"
+    );
+    let download = eval_json(
+        &tab,
+        r#"JSON.stringify(document.getElementById("download").href === document.getElementById("image").src)"#,
+    );
+    assert_eq!(download, true);
+
+    // A reload keeps the history (browser storage).
+    tab.reload(false, None)
+        .unwrap()
+        .wait_until_navigated()
+        .unwrap();
+    wait_for(
+        &tab,
+        "the page ready again",
+        "document.getElementById('status').textContent === 'ready'",
+    );
+    assert_eq!(eval_json(&tab, RESULT_JS)["history"], 3);
+    let devices = eval_json(
+        &tab,
+        r#"JSON.stringify(document.getElementById("devices").textContent)"#,
+    );
+    assert!(devices.as_str().unwrap().contains("cpu "), "{devices}");
+
+    // Inpainting: the newest image as the init image, a stroke painted
+    // over its middle with the pointer.
+    tab.evaluate(
+        r##"showInit(document.querySelector("#history img").src)"##,
+        false,
+    )
+    .unwrap();
+    wait_for(
+        &tab,
+        "the mask canvas sized",
+        "document.getElementById('mask').width === 64",
+    );
+    tab.evaluate(
+        r#"(() => {
+          const c = document.getElementById("mask"), r = c.getBoundingClientRect();
+          const at = (type, fx, fy) => c.dispatchEvent(new PointerEvent(type, {
+            bubbles: true, pointerId: 1, clientX: r.left + fx * r.width, clientY: r.top + fy * r.height }));
+          at("pointerdown", 0.3, 0.5); at("pointermove", 0.5, 0.5); at("pointermove", 0.7, 0.5); at("pointerup", 0.7, 0.5);
+        })()"#,
+        false,
+    )
+    .unwrap();
+    // (A reload starts the form afresh.)
+    for (field, value) in [
+        ("#count", "1"),
+        ("#prompt", "a yellow sun"),
+        ("#width", "64"),
+        ("#height", "64"),
+        ("#steps", "3"),
+    ] {
+        type_into(&tab, field, value);
+    }
+    tab.wait_for_element("#go").unwrap().click().unwrap();
+    wait_for(&tab, "the inpainted image", done);
+    let r = eval_json(&tab, RESULT_JS);
+    let params = r["params"].as_str().unwrap();
+    assert!(r["status"].as_str().unwrap().starts_with("done"), "{r}");
+    assert!(
+        params.contains("Denoising strength: 0.75") && params.contains("Mask: mask"),
+        "{params}"
+    );
+    assert_eq!(r["history"], 4, "{r}");
+
+    // A narrow screen: one column, nothing wider than the window.
+    tab.set_bounds(headless_chrome::types::Bounds::Normal {
+        left: None,
+        top: None,
+        width: Some(420.0),
+        height: Some(900.0),
+    })
+    .unwrap();
+    wait_for(&tab, "the narrow layout", "window.innerWidth <= 420");
+    let fits = eval_json(
+        &tab,
+        "JSON.stringify(document.documentElement.scrollWidth <= window.innerWidth)",
+    );
+    assert_eq!(fits, true, "horizontal scrolling at 420 px");
+    let narrow = tab
+        .capture_screenshot(CaptureScreenshotFormatOption::Png, None, None, true)
+        .unwrap();
+    let shot = build_dir()
+        .parent()
+        .unwrap()
+        .join("serve-browser-narrow.png");
+    std::fs::write(&shot, &narrow).unwrap();
+    eprintln!("screenshot of the narrow page: {}", shot.display());
     drop(tab);
     drop(browser);
     drop(srv);
