@@ -201,6 +201,7 @@ impl Hires {
                 strength: self.strength,
                 mask: None,
                 latent,
+                fill: Default::default(),
             }),
             ..req.clone()
         }

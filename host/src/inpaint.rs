@@ -57,6 +57,8 @@ pub struct Options {
     pub full_res: bool,
     /// Pixels around the mask in that crop.
     pub padding: usize,
+    /// What the masked area's latent starts from (`inpainting_fill` 2, 3).
+    pub latent: sdhost_models::request::LatentFill,
 }
 
 impl Options {
@@ -69,6 +71,7 @@ impl Options {
             fill: Fill::Original,
             full_res: false,
             padding: 0,
+            latent: sdhost_models::request::LatentFill::Image,
         }
     }
 }

@@ -622,6 +622,7 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
                 strength: 0.5,
                 mask: None,
                 latent: None,
+                fill: Default::default(),
             }),
             ..base.clone()
         };
@@ -641,6 +642,7 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
                 strength: 0.75,
                 mask: Some(mask.values),
                 latent: None,
+                fill: Default::default(),
             }),
             ..base.clone()
         };

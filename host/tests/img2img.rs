@@ -56,6 +56,7 @@ fn init(strength: f64, mask: bool) -> Init {
         strength,
         mask: mask.then(|| image_io::load_mask(&fixture("mask-64.png")).unwrap().values),
         latent: None,
+        fill: Default::default(),
     }
 }
 

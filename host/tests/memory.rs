@@ -153,6 +153,7 @@ fn prediction_matches(
             strength: 0.5,
             mask: None,
             latent: None,
+            fill: Default::default(),
         });
     }
     sd.generate(&gen_req, None, &mut |_, _| {}, &|| false)

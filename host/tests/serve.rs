@@ -2184,9 +2184,19 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
     }
     assert!(by_mode[0] != by_mode[1] && by_mode[1] != by_mode[2] && by_mode[0] != by_mode[2]);
     // Refused, naming the field.
+    // Latent noise (2) and latent nothing (3): the masked area's latent
+    // starts elsewhere, so three different images from 1 (original).
+    let by_fill: Vec<Vec<u8>> = (1..=3)
+        .map(|fill| {
+            let r = inpaint(json!({"inpainting_fill": fill, "mask_blur": 0}));
+            assert_eq!(r.status, 200, "inpainting_fill {fill}: {}", r.text());
+            png_of(r.json()["images"][0].as_str().unwrap()).3
+        })
+        .collect();
+    assert!(by_fill[0] != by_fill[1] && by_fill[1] != by_fill[2] && by_fill[0] != by_fill[2]);
     for (field, extra) in [
         ("resize_mode", json!({"resize_mode": 3})),
-        ("inpainting_fill", json!({"inpainting_fill": 2})),
+        ("inpainting_fill", json!({"inpainting_fill": 4})),
         ("mask_blur_y", json!({"mask_blur_x": 2, "mask_blur_y": 3})),
     ] {
         let r = inpaint(extra);

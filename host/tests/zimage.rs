@@ -210,6 +210,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 strength: 0.5,
                 mask: None,
                 latent: None,
+                fill: Default::default(),
             }),
             ..euler_request(i2i["prompt"].as_str().unwrap(), 4)
         };
@@ -235,6 +236,7 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 strength: 0.75,
                 mask: Some(mask.values),
                 latent: None,
+                fill: Default::default(),
             }),
             ..req
         };

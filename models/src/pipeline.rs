@@ -31,7 +31,7 @@ use crate::checkpoint::Checkpoint;
 use crate::error::{Field, ModelError, Result};
 use crate::family::{Family, Model, Prediction};
 use crate::preview::{LatentProjection, Progress};
-use crate::request::{Image, Layout, LoadOptions, MatrixTypes, Request};
+use crate::request::{Image, LatentFill, Layout, LoadOptions, MatrixTypes, Request};
 use crate::runtime::graph::GraphOptions;
 use crate::runtime::load::{load_module, split_weights, How};
 use crate::runtime::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
@@ -479,7 +479,9 @@ impl<'b> Pipeline<'b> {
 
         let sampling: ModelSampling = self.model.sampling(shape[2], shape[3], req.steps);
         let full_sigmas = req.scheduler.sigmas(sampling.schedule(), req.steps);
-        let init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
+        let mut init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
+        let fill = req.init.as_ref().map_or(LatentFill::Image, |i| i.fill);
+        fill_masked_latent(&mut init, fill, &noise, n_latent);
         let sigmas = init.sigmas;
         let x = sampling.noise_scaling(sigmas[0], &noise, init.z0.as_deref());
         let (z0, keep, extra) = (init.z0, init.repaint, init.extra);
@@ -835,6 +837,34 @@ struct Prepared {
     extra: Option<Vec<f32>>,
 }
 
+/// A1111's latent fills: where the mask repaints, the init latent becomes
+/// the initial noise or zeros (an inpainting model's mask is its extra
+/// input's first channel).
+fn fill_masked_latent(p: &mut Prepared, fill: LatentFill, noise: &[f32], n_latent: usize) {
+    let Some(z0) = p.z0.as_mut() else { return };
+    if fill == LatentFill::Image || z0.len() != n_latent {
+        return;
+    }
+    let repaint: Vec<f32> = match (&p.repaint, &p.extra) {
+        (Some(m), _) => m.clone(),
+        (None, Some(extra)) => {
+            let cells = extra.len().saturating_sub(n_latent);
+            if cells == 0 || n_latent % cells != 0 {
+                return;
+            }
+            extra[..cells].repeat(n_latent / cells)
+        }
+        (None, None) => return,
+    };
+    for ((z, m), n) in z0.iter_mut().zip(&repaint).zip(noise) {
+        let filled = match fill {
+            LatentFill::Noise => *n,
+            _ => 0.0,
+        };
+        *z = *z * (1.0 - m) + filled * m;
+    }
+}
+
 /// `x ← m·x + (1 − m)·z₀`: keeps z₀ where `m` is 0.
 fn blend(x: &mut [f32], z0: &[f32], m: &[f32]) {
     for ((x, z), m) in x.iter_mut().zip(z0).zip(m) {
@@ -911,4 +941,48 @@ pub fn to_rgb(planes: &[f32], width: usize, height: usize) -> Image {
         }
     }
     Image { width, height, rgb }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A1111's latent fills act where the mask repaints only, with the
+    /// mask of an ordinary UNet or an inpainting model's first extra channel.
+    #[test]
+    fn latent_fills_replace_the_masked_latent() {
+        let prepared = |repaint: Option<Vec<f32>>, extra: Option<Vec<f32>>| Prepared {
+            sigmas: vec![1.0],
+            z0: Some(vec![1.0; 4]),
+            repaint,
+            extra,
+        };
+        let noise = [5.0, 6.0, 7.0, 8.0];
+        let filled = |mut p: Prepared, fill| {
+            fill_masked_latent(&mut p, fill, &noise, 4);
+            p.z0.unwrap()
+        };
+        let mask = Some(vec![0.0, 1.0, 0.0, 1.0]);
+        assert_eq!(
+            filled(prepared(mask.clone(), None), LatentFill::Image),
+            [1.0; 4]
+        );
+        assert_eq!(
+            filled(prepared(mask.clone(), None), LatentFill::Noise),
+            [1.0, 6.0, 1.0, 8.0]
+        );
+        assert_eq!(
+            filled(prepared(mask, None), LatentFill::Zero),
+            [1.0, 0.0, 1.0, 0.0]
+        );
+        // An inpainting model: two latent cells of two channels; the mask
+        // is the extra input's first channel, then the masked image's latent.
+        let extra = Some(vec![0.0, 1.0, 9.0, 9.0, 9.0, 9.0]);
+        assert_eq!(
+            filled(prepared(None, extra), LatentFill::Noise),
+            [1.0, 6.0, 1.0, 8.0]
+        );
+        // No mask: nothing to fill.
+        assert_eq!(filled(prepared(None, None), LatentFill::Zero), [1.0; 4]);
+    }
 }

@@ -61,6 +61,22 @@ pub struct Init {
     /// normalised as the denoiser takes it; the image is then unused (it may
     /// be empty). Not for inpainting models.
     pub latent: Option<Vec<f32>>,
+    /// What the masked area of the image's latent starts from.
+    pub fill: LatentFill,
+}
+
+/// What the area to repaint starts from in the init latent (A1111's
+/// `inpainting_fill` 2 and 3); outside the mask the image's latent stays.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LatentFill {
+    /// The image's own latent (A1111's fill modes 0 and 1, which act on
+    /// the pixels before encoding).
+    #[default]
+    Image,
+    /// The request's initial noise (A1111's "latent noise").
+    Noise,
+    /// Zeros (A1111's "latent nothing").
+    Zero,
 }
 
 /// An 8-bit RGB image.

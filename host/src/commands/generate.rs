@@ -260,6 +260,7 @@ impl InitInput {
             strength: args.init.strength,
             mask: self.mask.map(|m| image_io::resize_mask(m, w, h).values),
             latent: None,
+            fill: Default::default(),
         });
         Ok(())
     }

@@ -1137,15 +1137,14 @@ fn a1111_inpaint(f: &Fields<'_>) -> ApiResult<crate::inpaint::Options> {
         }
         (None, x, y) => x.or(y).unwrap_or(4.0),
     };
-    let fill = match f.int("inpainting_fill", 0, 3)? {
-        None | Some(0) => Fill::Surroundings,
-        Some(1) => Fill::Original,
-        Some(_) => {
-            return Err(ApiError::field(
-                "inpainting_fill",
-                "2 (latent noise) and 3 (latent nothing) are not supported by sdhost: 0 fill, 1 original",
-            ))
-        }
+    // 2 and 3 start the masked area's latent from noise or zeros, from
+    // the original image's pixels.
+    use sdhost_models::request::LatentFill;
+    let (fill, latent) = match f.int("inpainting_fill", 0, 3)? {
+        None | Some(0) => (Fill::Surroundings, LatentFill::Image),
+        Some(1) => (Fill::Original, LatentFill::Image),
+        Some(2) => (Fill::Original, LatentFill::Noise),
+        Some(_) => (Fill::Original, LatentFill::Zero),
     };
     Ok(Options {
         resize,
@@ -1153,6 +1152,7 @@ fn a1111_inpaint(f: &Fields<'_>) -> ApiResult<crate::inpaint::Options> {
         fill,
         full_res: f.boolean("inpaint_full_res")?.unwrap_or(true),
         padding: f.int("inpaint_full_res_padding", 0, MAX_SIDE)?.unwrap_or(0) as usize,
+        latent,
     })
 }
 

@@ -762,6 +762,7 @@ impl<'m> Worker<'_, 'm> {
             strength: at_least_one_step(strength, g.steps),
             mask: mask.map(|m| m.values),
             latent: None,
+            fill: g_init.map_or(Default::default(), |i| i.options.latent),
         });
         let hashes = g_init
             .map(|i| (i.hash.clone(), i.mask_hash.clone()))
