@@ -849,7 +849,7 @@ fn fill_masked_latent(p: &mut Prepared, fill: LatentFill, noise: &[f32], n_laten
         (Some(m), _) => m.clone(),
         (None, Some(extra)) => {
             let cells = extra.len().saturating_sub(n_latent);
-            if cells == 0 || n_latent % cells != 0 {
+            if cells == 0 || !n_latent.is_multiple_of(cells) {
                 return;
             }
             extra[..cells].repeat(n_latent / cells)
