@@ -348,6 +348,7 @@ impl SampleArgs {
             clip_skip,
             init: None,
             reference: Vec::new(),
+            controls: Vec::new(),
         })
     }
 }
@@ -470,6 +471,7 @@ impl LoadArgs {
             vae_encoder,
             loras,
             lora_apply,
+            control_nets: &[],
         })
     }
 }
@@ -651,6 +653,9 @@ pub struct GenerateArgs {
     pub init: InitArgs,
 
     #[command(flatten)]
+    pub control: ControlArgs,
+
+    #[command(flatten)]
     pub placement: PlacementArgs,
 
     #[command(flatten)]
@@ -692,6 +697,153 @@ fn parse_hires_scale(s: &str) -> Result<f64, String> {
         Ok(v) if v.is_finite() && (1.0..=8.0).contains(&v) => Ok(v),
         Ok(v) => Err(format!("{v} is outside 1..=8")),
         Err(_) => Err(format!("{s:?} is not a number")),
+    }
+}
+
+/// ControlNet: a control image steers the composition.
+#[derive(Debug, Default, Args)]
+pub struct ControlArgs {
+    /// ControlNet for SD 1.x, 2.x or XL (original or diffusers layout;
+    /// repeatable, each with its --control-image): the control image steers
+    /// the composition (edges, depth, pose)
+    #[arg(
+        id = "control_net",
+        long = "control-net",
+        value_name = "FILE",
+        requires = "control_image"
+    )]
+    pub nets: Vec<PathBuf>,
+
+    /// The control image of each --control-net, in the same order (PNG or
+    /// JPEG); brought to the output's size as --control-resize says
+    #[arg(
+        id = "control_image",
+        long = "control-image",
+        value_name = "FILE",
+        requires = "control_net"
+    )]
+    pub images: Vec<PathBuf>,
+
+    /// How much each ControlNet counts, 0 to 2 (one value for all, or one
+    /// per --control-net)
+    #[arg(long = "control-strength", value_name = "W", requires = "control_net", value_parser = parse_control_strength)]
+    pub strengths: Vec<f32>,
+
+    /// The fraction of the steps before a ControlNet starts acting, 0 to 1
+    /// (one value for all, or one per --control-net)
+    #[arg(long = "control-start", value_name = "F", requires = "control_net", value_parser = parse_fraction)]
+    pub starts: Vec<f32>,
+
+    /// The fraction of the steps after which a ControlNet stops, 0 to 1
+    /// (one value for all, or one per --control-net)
+    #[arg(long = "control-end", value_name = "F", requires = "control_net", value_parser = parse_fraction)]
+    pub ends: Vec<f32>,
+
+    /// Preprocess each control image: `none` (it already is a control map)
+    /// or `canny` (edges of a photo, thresholds 100 and 200); one value for
+    /// all, or one per --control-net
+    #[arg(long = "control-preprocess", value_name = "HOW", requires = "control_net", value_parser = parse_preprocess)]
+    pub preprocess: Vec<crate::control::Preprocess>,
+
+    /// How a control image of another size is brought to the output's:
+    /// `crop` (cover it, the middle kept: the ControlNet extension's
+    /// default), `stretch` or `fill` (fit inside, the edges stretched)
+    #[arg(long = "control-resize", value_name = "HOW", default_value = "crop", value_parser = parse_resize)]
+    pub resize: crate::inpaint::ResizeMode,
+}
+
+fn parse_control_strength(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if (0.0..=2.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is outside [0, 2]")),
+        Err(_) => Err(format!("{s:?} is not a number")),
+    }
+}
+
+fn parse_fraction(s: &str) -> Result<f32, String> {
+    match s.parse::<f32>() {
+        Ok(v) if (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is outside [0, 1]")),
+        Err(_) => Err(format!("{s:?} is not a number")),
+    }
+}
+
+fn parse_preprocess(s: &str) -> Result<crate::control::Preprocess, String> {
+    crate::control::Preprocess::from_name(s, None, None).ok_or_else(|| {
+        format!(
+            "{:?} is not a preprocessor; sdhost has {}",
+            s,
+            crate::control::Preprocess::NAMES.join(", ")
+        )
+    })
+}
+
+fn parse_resize(s: &str) -> Result<crate::inpaint::ResizeMode, String> {
+    crate::inpaint::ResizeMode::from_name(s)
+        .ok_or_else(|| format!("{s:?} is not a resize mode; use crop, stretch or fill"))
+}
+
+impl ControlArgs {
+    /// The ControlNet files, scanned, and each one's input with its image
+    /// read; one line naming the flag where counts do not match.
+    pub fn read(
+        &self,
+    ) -> anyhow::Result<(
+        Vec<sdhost_models::checkpoint::Checkpoint>,
+        Vec<crate::control::ControlAsk>,
+    )> {
+        let n = self.nets.len();
+        if self.images.len() != n {
+            anyhow::bail!(
+                "--control-image: {} given for {n} --control-net; give one per ControlNet, in the same order",
+                self.images.len()
+            );
+        }
+        fn each<T: Copy>(flag: &str, v: &[T], n: usize, default: T) -> anyhow::Result<Vec<T>> {
+            match v.len() {
+                0 => Ok(vec![default; n]),
+                1 => Ok(vec![v[0]; n]),
+                k if k == n => Ok(v.to_vec()),
+                k => anyhow::bail!(
+                    "{flag}: {k} values for {n} --control-net; give one for all or one each"
+                ),
+            }
+        }
+        let strengths = each("--control-strength", &self.strengths, n, 1.0)?;
+        let starts = each("--control-start", &self.starts, n, 0.0)?;
+        let ends = each("--control-end", &self.ends, n, 1.0)?;
+        let pre = each(
+            "--control-preprocess",
+            &self.preprocess,
+            n,
+            crate::control::Preprocess::None,
+        )?;
+        let nets = self
+            .nets
+            .iter()
+            .map(|p| Ok(sdhost_models::checkpoint::scan(p)?))
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let mut asks = Vec::new();
+        for i in 0..n {
+            if starts[i] > ends[i] {
+                anyhow::bail!(
+                    "--control-start {} is after --control-end {} (ControlNet {})",
+                    starts[i],
+                    ends[i],
+                    i + 1
+                );
+            }
+            asks.push(crate::control::ControlAsk {
+                net: i,
+                image: crate::image_io::load_rgb(&self.images[i])?,
+                preprocess: pre[i],
+                resize: self.resize,
+                strength: strengths[i],
+                start: starts[i],
+                end: ends[i],
+            });
+        }
+        Ok((nets, asks))
     }
 }
 
@@ -1046,6 +1198,13 @@ pub struct ServeArgs {
     /// folder can mix families
     #[arg(long = "vae-dir", value_name = "DIR")]
     pub vae_dir: Option<PathBuf>,
+
+    /// ControlNets clients may use (.safetensors or .gguf files holding an
+    /// SD 1.x, 2.x or XL ControlNet; the ControlNet extension's models
+    /// folder): listed under `/controlnet/model_list` and picked by name in
+    /// `alwayson_scripts.controlnet`
+    #[arg(long = "controlnet-dir", value_name = "DIR")]
+    pub controlnet_dir: Option<PathBuf>,
 
     /// Address to listen on; anything but loopback needs --api-key
     #[arg(long, default_value = "127.0.0.1")]

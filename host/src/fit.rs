@@ -387,6 +387,8 @@ pub struct Measure<'a> {
     pub compute: ComputeType,
     /// `--vae-tiling`.
     pub tiling: Option<Tiling>,
+    /// ControlNets beside the denoiser.
+    pub control_nets: &'a [Checkpoint],
 }
 
 /// A measured placement: the size, the models' plan and the per-device use.
@@ -418,6 +420,7 @@ pub fn measure(
         flash: m.flash,
         tiling: m.tiling,
         vae_encoder: m.init_size.is_some() || !m.references.is_empty(),
+        control_nets: m.control_nets,
         loras: &[],
         lora_apply: Default::default(),
     };
@@ -544,6 +547,7 @@ pub fn load_fitted<'m>(
         flash: spec.flash,
         compute: spec.compute,
         tiling: spec.tiling,
+        control_nets: spec.control_nets,
     };
     let fitted = fit_placement(session, manager, placement, &measure, fit.memory, what)?;
     tracing::info!("placement:\n{}", table(&fitted.choices));

@@ -192,6 +192,22 @@ impl Hires {
             Some(_) => image,
             None => image_io::resize_rgb(image, self.width, self.height),
         };
+        // The control images follow the image to its new size (the
+        // aspect is kept, so a stretch is the ControlNet extension's
+        // resize of them for the hires pass).
+        let controls = req
+            .controls
+            .iter()
+            .map(|c| sdhost_models::request::Control {
+                image: crate::inpaint::resize_image(
+                    &c.image,
+                    self.width,
+                    self.height,
+                    crate::inpaint::ResizeMode::Stretch,
+                ),
+                ..c.clone()
+            })
+            .collect();
         Request {
             width: self.width,
             height: self.height,
@@ -203,6 +219,7 @@ impl Hires {
                 latent,
                 fill: Default::default(),
             }),
+            controls,
             ..req.clone()
         }
     }

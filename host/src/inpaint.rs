@@ -33,6 +33,34 @@ impl ResizeMode {
             _ => None,
         }
     }
+
+    /// The ControlNet extension's name (its `resize_mode` as a string,
+    /// and the infotext's).
+    pub fn a1111_name(self) -> &'static str {
+        match self {
+            ResizeMode::Stretch => "Just Resize",
+            ResizeMode::Crop => "Crop and Resize",
+            ResizeMode::Fill => "Resize and Fill",
+        }
+    }
+
+    /// The mode of an A1111 name ([`ResizeMode::a1111_name`]) or of the
+    /// CLI's `stretch`, `crop`, `fill`.
+    pub fn from_name(s: &str) -> Option<ResizeMode> {
+        let s = s.trim().to_ascii_lowercase();
+        [ResizeMode::Stretch, ResizeMode::Crop, ResizeMode::Fill]
+            .into_iter()
+            .find(|m| m.a1111_name().eq_ignore_ascii_case(&s) || m.cli_name() == s)
+    }
+
+    /// The CLI's name.
+    pub fn cli_name(self) -> &'static str {
+        match self {
+            ResizeMode::Stretch => "stretch",
+            ResizeMode::Crop => "crop",
+            ResizeMode::Fill => "fill",
+        }
+    }
 }
 
 /// A1111's `inpainting_fill` 0–1 (2 and 3, latent noise and latent

@@ -16,6 +16,7 @@ pub mod check;
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod control;
 pub mod discovery;
 pub mod fit;
 pub mod hires;

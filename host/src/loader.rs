@@ -74,6 +74,8 @@ pub struct LoadSpec<'c> {
     pub loras: &'c [LoraSpec],
     /// How LoRAs are applied.
     pub lora_apply: LoraApply,
+    /// ControlNets (`--control-net`), scanned.
+    pub control_nets: &'c [Checkpoint],
 }
 
 /// A loaded pipeline with how it was placed.
@@ -97,7 +99,10 @@ pub fn load<'m>(
     placeholders: bool,
     what: &str,
 ) -> anyhow::Result<Loaded<'m>> {
-    let modules = sdhost_models::family::declared_modules(spec.ckpt)?;
+    let mut modules = sdhost_models::family::declared_modules(spec.ckpt)?;
+    if !spec.control_nets.is_empty() {
+        modules.push(Place::ControlNet);
+    }
     let layout = layout(session, manager, placement, &modules, what)?;
     let opts = LoadOptions {
         matrix_types: matrix_types(session, &layout, spec.compute),
@@ -107,6 +112,7 @@ pub fn load<'m>(
         vae_encoder: spec.vae_encoder,
         loras: spec.loras,
         lora_apply: spec.lora_apply,
+        control_nets: spec.control_nets,
         placeholders,
     };
     let mut sd = Pipeline::load(spec.ckpt, layout.clone(), opts)?;

@@ -46,6 +46,9 @@ pub struct TextFields<'a> {
     pub references: &'a [std::path::PathBuf],
     /// The hires pass.
     pub hires: Option<&'a crate::hires::Hires>,
+    /// The ControlNets, each as the infotext names it (file name and
+    /// short hash), with its input.
+    pub controls: &'a [(String, crate::control::ControlAsk)],
 }
 
 /// A1111-style parameters text; `hashes` are the init image's and mask's.
@@ -118,6 +121,19 @@ pub fn parameters_text_of(
             h.height,
             h.steps,
             h.upscaler.a1111_name()
+        ));
+    }
+    for (i, (model, c)) in args.controls.iter().enumerate() {
+        // The ControlNet extension's unit, quoted; a quote or comma in a
+        // file name would end it early, so they become spaces.
+        let model = model.replace(['"', ','], " ");
+        s.push_str(&format!(
+            ", ControlNet {i}: \"Module: {}, Model: {model}, Weight: {}, Resize Mode: {}, Guidance Start: {}, Guidance End: {}\"",
+            c.preprocess.name(),
+            c.strength,
+            c.resize.a1111_name(),
+            c.start,
+            c.end
         ));
     }
     if !args.references.is_empty() {

@@ -26,6 +26,7 @@ fn request() -> Request {
         clip_skip: 1,
         init: None,
         reference: Vec::new(),
+        controls: Vec::new(),
     }
 }
 

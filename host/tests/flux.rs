@@ -163,6 +163,7 @@ fn request(steps: usize, cfg_scale: f32) -> Request {
         clip_skip: 1,
         init: None,
         reference: Vec::new(),
+        controls: Vec::new(),
     }
 }
 

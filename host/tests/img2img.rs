@@ -47,6 +47,7 @@ fn request(steps: usize, init: Option<Init>) -> Request {
         clip_skip: 1,
         init,
         reference: Vec::new(),
+        controls: Vec::new(),
     }
 }
 

@@ -34,6 +34,7 @@ fn request(width: usize, height: usize) -> Request {
         clip_skip: 1,
         init: None,
         reference: Vec::new(),
+        controls: Vec::new(),
     }
 }
 

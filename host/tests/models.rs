@@ -232,6 +232,7 @@ fn typed_modules_match_references_with(
                 clip_skip: 1,
                 init: None,
                 reference: Vec::new(),
+                controls: Vec::new(),
             };
             let mut calls = 0;
             let latent = sd

@@ -1845,6 +1845,7 @@ fn overhead_over_the_library() {
         clip_skip: 1,
         init: None,
         reference: Vec::new(),
+        controls: Vec::new(),
     };
     let reg =
         sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);

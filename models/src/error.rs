@@ -101,6 +101,8 @@ pub enum Field {
     Mask,
     /// A reference image (FLUX.1 Kontext).
     Reference,
+    /// A ControlNet's input (image, strength, start, end).
+    Control,
     /// How many final text-encoder layers are skipped.
     ClipSkip,
     /// Caller-given initial noise.

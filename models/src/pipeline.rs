@@ -523,7 +523,8 @@ impl<'b> Pipeline<'b> {
                     xb.extend_from_slice(&x_in);
                 }
                 shape_b[0] = batch;
-                let out = model.denoise(&xb, shape_b, sampling.timestep(sigma), &cond)?;
+                let out =
+                    model.denoise(&xb, shape_b, sampling.timestep(sigma), &cond, (step, steps))?;
                 let out = if batch == 2 {
                     let (c, u) = out.split_at(n_latent);
                     guidance.combine(c, Some(u))
@@ -547,7 +548,7 @@ impl<'b> Pipeline<'b> {
             |done| progress.borrow_mut().step(done, steps),
         );
         for m in self.model.modules_mut() {
-            if m.kind() == ModuleKind::Diffusion {
+            if matches!(m.kind(), ModuleKind::Diffusion | ModuleKind::ControlNet) {
                 m.end_phase();
             }
         }

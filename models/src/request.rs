@@ -43,6 +43,61 @@ pub struct Request {
     /// Reference images the model attends to (FLUX.1 Kontext's
     /// `--ref-image`), each at its own size, a multiple of the model's.
     pub reference: Vec<Image>,
+    /// ControlNet inputs, each for one of the loaded ControlNets
+    /// ([`LoadOptions::control_nets`]).
+    pub controls: Vec<Control>,
+}
+
+/// What one ControlNet gets for a request.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Control {
+    /// Which loaded ControlNet ([`LoadOptions::control_nets`]' order).
+    pub net: usize,
+    /// The control image (edges, depth, pose; already preprocessed), of the
+    /// request's size.
+    pub image: Image,
+    /// How much its residuals count, in [0, 2].
+    pub strength: f32,
+    /// The fraction of the steps run after which it starts acting, in
+    /// [0, 1].
+    pub start: f32,
+    /// The fraction of the steps run after which it stops, in
+    /// [`Control::start`], 1].
+    pub end: f32,
+}
+
+impl Control {
+    /// Whether it acts at step `index` of `count` (diffusers' rule: not
+    /// where `index / count < start` or `(index + 1) / count > end`).
+    pub fn acts_at(&self, index: usize, count: usize) -> bool {
+        let count = count.max(1) as f64;
+        !((index as f64 / count) < self.start as f64
+            || ((index + 1) as f64 / count) > self.end as f64)
+    }
+
+    /// Checks strength, start and end: one line naming the value out of
+    /// range.
+    pub fn check(&self) -> Result<(), String> {
+        if !(0.0..=2.0).contains(&self.strength) {
+            return Err(format!(
+                "a control strength of {} is outside [0, 2]",
+                self.strength
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.start) || !(0.0..=1.0).contains(&self.end) {
+            return Err(format!(
+                "control start {} and end {} must lie in [0, 1]",
+                self.start, self.end
+            ));
+        }
+        if self.start > self.end {
+            return Err(format!(
+                "control start {} is after its end {}",
+                self.start, self.end
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The image img2img starts from, with the inpainting mask.
@@ -80,7 +135,7 @@ pub enum LatentFill {
 }
 
 /// An 8-bit RGB image.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Image {
     /// Width in pixels.
     pub width: usize,
@@ -157,6 +212,9 @@ pub struct LoadOptions<'c> {
     pub loras: &'c [LoraSpec],
     /// How the LoRAs are applied.
     pub lora_apply: LoraApply,
+    /// ControlNets to load beside the denoiser (`--control-net`), in the
+    /// order [`Control::net`] counts them.
+    pub control_nets: &'c [Checkpoint],
     /// Load placeholders instead of weights (shapes only, nothing read or
     /// allocated): the pipeline can be measured
     /// ([`crate::pipeline::Pipeline::memory_plan`]) but not run.

@@ -613,6 +613,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             flash: a.sample.flash_attn,
             compute: a.sample.compute_type,
             tiling: a.sample.vae_tiling()?,
+            control_nets: &[],
         },
         &a.memory.flags(),
         "bench",

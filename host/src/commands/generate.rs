@@ -37,6 +37,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .iter()
         .map(|p| image_io::load_rgb(p))
         .collect::<anyhow::Result<Vec<_>>>()?;
+    let (control_nets, control_asks) = args.control.read()?;
     let output = OutputFile::create(&args.output)?;
     let ckpt = args.sample.open_model(&args.model)?;
     // Its errors name the file.
@@ -51,13 +52,16 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         BackendManager::new(&session.registry, session.threads).with_abort_flag(cancel.clone());
     let loras = crate::lora::resolve(&args.lora, &args.prompt)?;
     let loading = Instant::now();
-    let spec = args.sample.spec(
-        &ckpt,
-        vae.as_ref(),
-        &loras.specs,
-        args.lora.apply,
-        init.is_some() || !references.is_empty() || args.hires.scale.is_some(),
-    )?;
+    let spec = crate::loader::LoadSpec {
+        control_nets: &control_nets,
+        ..args.sample.spec(
+            &ckpt,
+            vae.as_ref(),
+            &loras.specs,
+            args.lora.apply,
+            init.is_some() || !references.is_empty() || args.hires.scale.is_some(),
+        )?
+    };
     // Memory budgets: measured on placeholders before any weight is read.
     let reference_sizes: Vec<(usize, usize)> =
         references.iter().map(|r| (r.width, r.height)).collect();
@@ -95,6 +99,24 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         init.apply(args, &sd, &mut req)?;
     }
     apply_references(args, &sd, references, sized_by_init, &mut req)?;
+    req.controls = control_asks
+        .iter()
+        .map(|c| c.resolve(req.width, req.height))
+        .collect::<Result<_, _>>()
+        .map_err(|e| anyhow!("--control-net: {e}"))?;
+    let controls: Vec<(String, crate::control::ControlAsk)> = args
+        .control
+        .nets
+        .iter()
+        .zip(control_asks)
+        .map(|(p, c)| {
+            let name = p.file_name().map_or_else(
+                || p.display().to_string(),
+                |n| n.to_string_lossy().into_owned(),
+            );
+            (name, c)
+        })
+        .collect();
     sd.set_seamless(args.tiling)
         .map_err(|e| anyhow!("--tiling: {e}"))?;
     let hires = match args.hires.scale {
@@ -163,8 +185,16 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let mut text = parameters_text(args, &req, &sd, &placement, &flash, &hashes, hires.as_ref())
-        + &loras.fields;
+    let mut text = parameters_text(
+        args,
+        &req,
+        &sd,
+        &placement,
+        &flash,
+        &hashes,
+        hires.as_ref(),
+        &controls,
+    ) + &loras.fields;
     if let Some((sub, strength)) = variation {
         text += &format!(", Variation seed: {sub}, Variation seed strength: {strength}");
     }
@@ -310,6 +340,7 @@ fn parameters_text(
     flash: &str,
     hashes: &(String, Option<String>),
     hires: Option<&crate::hires::Hires>,
+    controls: &[(String, crate::control::ControlAsk)],
 ) -> String {
     let fields = TextFields {
         prompt: &args.prompt,
@@ -327,6 +358,7 @@ fn parameters_text(
             .map(|p| (p, args.upscale.tuning.repeats)),
         references: &args.init.ref_image,
         hires,
+        controls,
     };
     parameters_text_of(&fields, req, sd, placement, flash, hashes)
 }

@@ -59,6 +59,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 flash: FlashAttn::Auto,
                 compute: args.compute_type,
                 tiling,
+                control_nets: &[],
             };
             match crate::fit::fit_placement(
                 session,

@@ -563,10 +563,15 @@ pub fn with_pipeline_spread<R>(
     };
     use sdhost_models::ModuleKind;
     let layout = sdhost_models::request::Layout {
-        devices: [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae]
-            .into_iter()
-            .map(|k| (k, d))
-            .collect(),
+        devices: [
+            ModuleKind::Te,
+            ModuleKind::Diffusion,
+            ModuleKind::ControlNet,
+            ModuleKind::Vae,
+        ]
+        .into_iter()
+        .map(|k| (k, d))
+        .collect(),
         spread: [(ModuleKind::Diffusion, spread(&m))].into_iter().collect(),
     };
     let ckpt = sdhost_models::checkpoint::scan(ckpt).unwrap();
@@ -650,6 +655,7 @@ pub fn euler_request(prompt: &str, steps: usize) -> sdhost_models::request::Requ
         clip_skip: 1,
         init: None,
         reference: Vec::new(),
+        controls: Vec::new(),
     }
 }
 

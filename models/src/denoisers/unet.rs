@@ -65,8 +65,15 @@ impl UnetConfig {
     /// Reads the hyper-parameters off the weights; `heads` is the family's
     /// rule.
     pub fn from_weights(w: &W<'_>, heads: Heads) -> Result<UnetConfig> {
+        let out_channels = w.ne("out.2.weight")?[3];
+        UnetConfig::encoder_from_weights(w, heads, out_channels)
+    }
+
+    /// The hyper-parameters of a network with the UNet's time embedding,
+    /// input blocks and middle block (a ControlNet, which has no output
+    /// convolution: `out_channels` is the caller's).
+    pub fn encoder_from_weights(w: &W<'_>, heads: Heads, out_channels: i64) -> Result<UnetConfig> {
         let conv_in = w.ne("input_blocks.0.0.weight")?;
-        let conv_out = w.ne("out.2.weight")?;
         let time = w.ne("time_embed.0.weight")?;
         let to_k = w
             .names()
@@ -86,7 +93,7 @@ impl UnetConfig {
         };
         Ok(UnetConfig {
             in_channels: conv_in[2],
-            out_channels: conv_out[3],
+            out_channels,
             model_channels: conv_in[3],
             time_dim: time[1],
             context_dim,
@@ -112,6 +119,9 @@ pub struct UnetInput<'x> {
     pub context: &'x [f32],
     /// ADM vectors (SDXL), `None` otherwise.
     pub y: Option<&'x [f32]>,
+    /// What the skip connections and the middle block get added (a
+    /// ControlNet's residuals).
+    pub control: Residuals<'x>,
 }
 
 /// Runs the UNet: its raw output (ε or v, as the checkpoint predicts), the
@@ -139,6 +149,7 @@ pub fn validate(module: &Module<'_>, cfg: &UnetConfig) -> Result<()> {
             t: &[0.0],
             context: &ctx,
             y: y.as_deref(),
+            control: Residuals::None,
         };
         build(c, w, cfg, input)
     })
@@ -147,7 +158,9 @@ pub fn validate(module: &Module<'_>, cfg: &UnetConfig) -> Result<()> {
 /// Measures the compute buffers of one UNet call on `batch` latents of
 /// `height`×`width` cells (the input channels of the checkpoint, so an
 /// inpainting UNet's extra channels count) with `tokens` context tokens,
-/// without computing ([`Module::measure`]).
+/// without computing ([`Module::measure`]); `controlled`: with a
+/// ControlNet's residuals as inputs.
+#[allow(clippy::too_many_arguments)]
 pub fn measure(
     module: &Module<'_>,
     cfg: &UnetConfig,
@@ -155,6 +168,7 @@ pub fn measure(
     height: usize,
     width: usize,
     tokens: usize,
+    controlled: bool,
 ) -> Result<crate::runtime::module::ComputeBytes> {
     let ch = cfg.in_channels as usize;
     let x = vec![0.0; batch * ch * height * width];
@@ -168,24 +182,54 @@ pub fn measure(
             t: &t,
             context: &context,
             y: y.as_deref(),
+            control: match controlled {
+                true => Residuals::Zeros,
+                false => Residuals::None,
+            },
         };
         build(c, w, cfg, input)
     })
 }
 
-fn build<'a>(
+/// What a UNet call adds to its skip connections and middle block (a
+/// ControlNet's residuals).
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Residuals<'x> {
+    /// Nothing.
+    #[default]
+    None,
+    /// One residual per skip connection, in the order the input blocks make
+    /// them, then the middle block's: each of that tensor's shape
+    /// (`[n, C, H, W]`, W fastest), already scaled.
+    Given(&'x [Vec<f32>]),
+    /// Zeros of those shapes (a measurement of the graph with a ControlNet).
+    Zeros,
+}
+
+/// The latent, timestep and context inputs of a UNet-shaped graph (the
+/// UNet's, a ControlNet's) after their checks, with the time embedding
+/// (plus the ADM vector's, where the network takes one).
+pub(crate) struct Prepared<'a> {
+    pub(crate) x: Tensor<'a>,
+    pub(crate) emb: Tensor<'a>,
+    pub(crate) ctx: Tensor<'a>,
+    pub(crate) inputs: Vec<(Tensor<'a>, crate::runtime::module::Input)>,
+}
+
+pub(crate) fn prepare<'a>(
     c: &'a Context,
     w: &W<'a>,
     cfg: &UnetConfig,
-    input: UnetInput<'_>,
-) -> Result<Built<'a>> {
+    input: &UnetInput<'_>,
+) -> Result<Prepared<'a>> {
     let UnetInput {
         x,
         shape,
         t,
         context,
         y,
-    } = input;
+        ..
+    } = *input;
     let [n, ch_in, height, width] = shape.map(|d| d as i64);
     if ch_in != cfg.in_channels {
         return Err(ModelError::Shape(format!(
@@ -253,7 +297,26 @@ fn build<'a>(
             )))
         }
     }
+    Ok(Prepared {
+        x: xt,
+        emb,
+        ctx,
+        inputs,
+    })
+}
 
+fn build<'a>(
+    c: &'a Context,
+    w: &W<'a>,
+    cfg: &UnetConfig,
+    input: UnetInput<'_>,
+) -> Result<Built<'a>> {
+    let Prepared {
+        x: xt,
+        emb,
+        ctx,
+        mut inputs,
+    } = prepare(c, w, cfg, &input)?;
     let net = Net {
         c,
         w,
@@ -261,27 +324,38 @@ fn build<'a>(
         emb,
         ctx,
     };
-    let mut h = conv2d(c, w, "input_blocks.0.0", xt, ch_in, mc, 3, 1, 1)?;
-    let mut skips = vec![h];
-    for i in 1.. {
-        let p = format!("input_blocks.{i}");
-        if !w.has(&format!("{p}.0.op.weight")) && !w.has(&format!("{p}.0.in_layers.2.weight")) {
-            break;
+    let (mut h, mut skips) = net.encode(xt, None)?;
+    // A ControlNet's residuals: the middle block's output and each skip
+    // connection take theirs (ldm's `cldm.ControlledUnetModel`).
+    let n_skips = skips.len();
+    if let Residuals::Given(r) = input.control {
+        if r.len() != n_skips + 1 {
+            return Err(ModelError::Shape(format!(
+                "{} control residuals for a UNet with {n_skips} skip connections and a middle block",
+                r.len()
+            )));
         }
-        let ch = h.ne()[2];
-        if w.has(&format!("{p}.0.op.weight")) {
-            h = conv2d(c, w, &format!("{p}.0.op"), h, ch, ch, 3, 2, 1)?;
-        } else {
-            h = net.res_block(&format!("{p}.0"), h)?;
-            if w.has(&format!("{p}.1.proj_in.weight")) {
-                h = net.transformer(&format!("{p}.1"), h)?;
-            }
-        }
-        skips.push(h);
     }
-    h = net.res_block("middle_block.0", h)?;
-    h = net.transformer("middle_block.1", h)?;
-    h = net.res_block("middle_block.2", h)?;
+    let mut add_residual = |t: Tensor<'a>, i: usize| -> Result<Tensor<'a>> {
+        let ne = t.ne();
+        let values: Vec<f32> = match input.control {
+            Residuals::None => return Ok(t),
+            Residuals::Zeros => vec![0.0; ne.iter().product::<i64>() as usize],
+            Residuals::Given(r) => r[i].clone(),
+        };
+        let r = input_f32(c, &ne, values, &mut inputs).map_err(|e| {
+            let what = match i == n_skips {
+                true => "the middle block".to_string(),
+                false => format!("skip connection {i}"),
+            };
+            e.context(format!("the control residual of {what}"))
+        })?;
+        Ok(c.add(t, r)?)
+    };
+    h = add_residual(h, n_skips)?;
+    for (i, s) in skips.iter_mut().enumerate() {
+        *s = add_residual(*s, i)?;
+    }
     for i in 0.. {
         let p = format!("output_blocks.{i}");
         if !w.has(&format!("{p}.0.in_layers.2.weight")) {
@@ -330,15 +404,55 @@ fn build<'a>(
     })
 }
 
-struct Net<'a, 'w> {
-    c: &'a Context,
-    w: &'w W<'a>,
-    cfg: &'w UnetConfig,
-    emb: Tensor<'a>,
-    ctx: Tensor<'a>,
+/// A UNet-shaped network's weights and the tensors every block reads.
+pub(crate) struct Net<'a, 'w> {
+    pub(crate) c: &'a Context,
+    pub(crate) w: &'w W<'a>,
+    pub(crate) cfg: &'w UnetConfig,
+    pub(crate) emb: Tensor<'a>,
+    pub(crate) ctx: Tensor<'a>,
 }
 
 impl<'a> Net<'a, '_> {
+    /// The input blocks and the middle block: the middle block's output and
+    /// every input block's (the skip connections, in order). `hint` (a
+    /// ControlNet's embedded control image) is added to the first block's
+    /// output.
+    pub(crate) fn encode(
+        &self,
+        x: Tensor<'a>,
+        hint: Option<Tensor<'a>>,
+    ) -> Result<(Tensor<'a>, Vec<Tensor<'a>>)> {
+        let (c, w) = (self.c, self.w);
+        let ch_in = x.ne()[2];
+        let mc = self.cfg.model_channels;
+        let mut h = conv2d(c, w, "input_blocks.0.0", x, ch_in, mc, 3, 1, 1)?;
+        if let Some(hint) = hint {
+            h = c.add(h, hint)?;
+        }
+        let mut skips = vec![h];
+        for i in 1.. {
+            let p = format!("input_blocks.{i}");
+            if !w.has(&format!("{p}.0.op.weight")) && !w.has(&format!("{p}.0.in_layers.2.weight")) {
+                break;
+            }
+            let ch = h.ne()[2];
+            if w.has(&format!("{p}.0.op.weight")) {
+                h = conv2d(c, w, &format!("{p}.0.op"), h, ch, ch, 3, 2, 1)?;
+            } else {
+                h = self.res_block(&format!("{p}.0"), h)?;
+                if w.has(&format!("{p}.1.proj_in.weight")) {
+                    h = self.transformer(&format!("{p}.1"), h)?;
+                }
+            }
+            skips.push(h);
+        }
+        h = self.res_block("middle_block.0", h)?;
+        h = self.transformer("middle_block.1", h)?;
+        h = self.res_block("middle_block.2", h)?;
+        Ok((h, skips))
+    }
+
     /// ldm `ResBlock`: norm–SiLU–conv, plus the projected time embedding,
     /// norm–SiLU–conv, plus the (1×1-projected where channels change) input.
     fn res_block(&self, p: &str, x: Tensor<'a>) -> Result<Tensor<'a>> {

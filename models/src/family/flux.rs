@@ -640,6 +640,7 @@ impl<'b> FluxModel<'b> {
                 vector: Some(vector),
                 guidance: self.cfg.guidance.then_some(req.guidance),
                 reference: Vec::new(),
+                controls: Vec::new(),
             })
         })();
         self.te.end_phase();

@@ -444,6 +444,7 @@ impl<'b> Flux2Model<'b> {
                 vector: None,
                 guidance: None,
                 reference: Vec::new(),
+                controls: Vec::new(),
             })
         })();
         self.te.end_phase();

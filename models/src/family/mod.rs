@@ -116,6 +116,9 @@ pub struct Conditioned {
     /// Reference latents the denoiser attends to (FLUX.1 Kontext, FLUX.2), each
     /// with its shape `[1, C, H, W]`; the pipeline encodes them.
     pub reference: Vec<(Vec<f32>, [usize; 4])>,
+    /// The request's ControlNet inputs, checked, with each control image
+    /// as `[3, H, W]` planes in 0..1.
+    pub controls: Vec<(crate::request::Control, Vec<f32>)>,
 }
 
 /// Loads the tensors under `prefix` of `ckpt` as a recipe's module `kind`
@@ -284,6 +287,14 @@ impl<'b> Model<'b> {
         opts: &crate::request::LoadOptions<'_>,
     ) -> Result<Model<'b>, ModelError> {
         let family = detect(ckpt)?;
+        if let (Some(net), None) = (opts.control_nets.first(), family.config()) {
+            return Err(ModelError::Incompatible(format!(
+                "{}: ControlNets work with SD 1.x, 2.x and XL models; {} is a {} model",
+                net.path.display(),
+                ckpt.path.display(),
+                family.name()
+            )));
+        }
         match family {
             Family::Sd1 | Family::Sd2 | Family::Sdxl => {
                 Ok(Model::Sd(sd::SdModel::load(family, ckpt, layout, opts)?))
@@ -481,16 +492,18 @@ impl<'b> Model<'b> {
         }
     }
 
-    /// One denoiser call on a batch of latents at timestep `t`.
+    /// One denoiser call on a batch of latents at timestep `t`, for step
+    /// `at.0` of the `at.1` run (a ControlNet acts on some steps only).
     pub fn denoise(
         &mut self,
         x: &[f32],
         shape: [usize; 4],
         t: f32,
         cond: &Conditioned,
+        at: (usize, usize),
     ) -> Result<Vec<f32>, ModelError> {
         match self {
-            Model::Sd(m) => m.denoise(x, shape, t, cond),
+            Model::Sd(m) => m.denoise(x, shape, t, cond, at),
             Model::Flux(m) => m.denoise(x, shape, t, cond),
             Model::ZImage(m) => m.denoise(x, shape, t, cond),
             Model::Flux2(m) => m.denoise(x, shape, t, cond),

@@ -10,9 +10,10 @@
 use super::{Conditioned, Family, FamilyConfig, Prediction, UNET_PREFIX};
 use crate::autoencoders::LatentNorm;
 use crate::checkpoint::Checkpoint;
-use crate::denoisers::unet::{self, UnetConfig, UnetInput};
+use crate::denoisers::controlnet::{self, ControlConfig, ControlInput};
+use crate::denoisers::unet::{self, Residuals, UnetConfig, UnetInput};
 use crate::encoders::clip::{self, ClipConfig};
-use crate::error::{ModelError, Result};
+use crate::error::{Field, ModelError, Result};
 use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
 use crate::runtime::graph::W;
@@ -44,6 +45,16 @@ pub struct SdModel<'b> {
     tokenizer: ClipTokenizer,
     clip: Vec<ClipConfig>,
     unet_cfg: UnetConfig,
+    /// ControlNets (`--control-net`), each with its file's name.
+    controls: Vec<ControlNet<'b>>,
+}
+
+/// A loaded ControlNet.
+pub struct ControlNet<'b> {
+    /// Its network.
+    pub module: Module<'b>,
+    /// Its hyper-parameters.
+    pub cfg: ControlConfig,
 }
 
 impl<'b> SdModel<'b> {
@@ -123,10 +134,16 @@ impl<'b> SdModel<'b> {
             clip::validate(&te, c).map_err(|e| e.context(&file))?;
         }
         unet::validate(&unet, &unet_cfg).map_err(|e| e.context(&file))?;
+        let controls = opts
+            .control_nets
+            .iter()
+            .map(|c| load_control(c, layout, opts, &unet, &unet_cfg, fam.heads))
+            .collect::<Result<Vec<_>>>()?;
         let (mut te, mut unet) = (te, unet);
         super::split_part(&mut te, ckpt, fam.te_prefix, opts, &loras)?;
         super::split_part(&mut unet, ckpt, UNET_PREFIX, opts, &loras)?;
         Ok(SdModel {
+            controls,
             te,
             unet,
             sampling: ModelSampling::discrete(prediction, DiscreteSchedule::default()),
@@ -287,6 +304,7 @@ impl<'b> SdModel<'b> {
             vector,
             guidance: None,
             reference: Vec::new(),
+            controls: self.control_inputs(req)?,
         })
     }
 
@@ -295,23 +313,131 @@ impl<'b> SdModel<'b> {
         unet::predict(&mut self.unet, &self.unet_cfg, input)
     }
 
+    /// The request's ControlNet inputs, checked against the loaded
+    /// ControlNets and the request's size, each with its image as planes
+    /// in 0..1.
+    fn control_inputs(&self, req: &Request) -> Result<Vec<(crate::request::Control, Vec<f32>)>> {
+        req.controls
+            .iter()
+            .map(|c| {
+                if c.net >= self.controls.len() {
+                    return Err(ModelError::request(
+                        Field::Control,
+                        format!(
+                            "control input {} is for ControlNet {}; {} are loaded",
+                            c.net + 1,
+                            c.net + 1,
+                            self.controls.len()
+                        ),
+                    ));
+                }
+                c.check().map_err(|e| ModelError::request(Field::Control, e))?;
+                let (w, h) = (c.image.width, c.image.height);
+                if (w, h) != (req.width, req.height) || c.image.rgb.len() != w * h * 3 {
+                    return Err(ModelError::request(
+                        Field::Control,
+                        format!(
+                            "a control image of {w}×{h} for a {}×{} image: resize it to the image's size",
+                            req.width, req.height
+                        ),
+                    ));
+                }
+                let plane = w * h;
+                let mut planes = vec![0.0f32; 3 * plane];
+                for (i, px) in c.image.rgb.chunks_exact(3).enumerate() {
+                    for (ch, v) in px.iter().enumerate() {
+                        planes[ch * plane + i] = *v as f32 / 255.0;
+                    }
+                }
+                Ok((c.clone(), planes))
+            })
+            .collect()
+    }
+
     /// One denoiser call on a batch of `shape[0]` latents (`x`, already
-    /// scaled by c_in, extra channels appended) at timestep `t`.
+    /// scaled by c_in, extra channels appended) at timestep `t`, step
+    /// `at.0` of `at.1`: the ControlNets acting at that step first, their
+    /// residuals scaled by their strengths and summed (diffusers'
+    /// `MultiControlNetModel`), then the UNet with them.
     pub(super) fn denoise(
         &mut self,
         x: &[f32],
         shape: [usize; 4],
         t: f32,
         cond: &Conditioned,
+        at: (usize, usize),
     ) -> Result<Vec<f32>> {
+        let ts = vec![t; shape[0]];
+        let mut residuals: Option<Vec<Vec<f32>>> = None;
+        for (control, planes) in &cond.controls {
+            if !control.acts_at(at.0, at.1) || control.strength == 0.0 {
+                continue;
+            }
+            let net = &mut self.controls[control.net];
+            // The ControlNet reads the latent's own channels (not an
+            // inpainting UNet's mask and masked image).
+            let [n, ch, h, w] = shape;
+            let cin = (net.cfg.unet.in_channels as usize).min(ch);
+            let xc: Vec<f32> = match cin == ch {
+                true => x.to_vec(),
+                false => x
+                    .chunks_exact(ch * h * w)
+                    .flat_map(|b| b[..cin * h * w].iter().copied())
+                    .collect(),
+            };
+            let hint: Vec<f32> = std::iter::repeat_n(planes.as_slice(), n)
+                .flatten()
+                .copied()
+                .collect();
+            let out = controlnet::predict(
+                &mut net.module,
+                &net.cfg,
+                ControlInput {
+                    unet: UnetInput {
+                        x: &xc,
+                        shape: [n, cin, h, w],
+                        t: &ts,
+                        context: &cond.context,
+                        y: cond.vector.as_deref(),
+                        control: Residuals::None,
+                    },
+                    hint: &hint,
+                },
+            )?;
+            let s = control.strength;
+            match residuals.as_mut() {
+                None => {
+                    residuals = Some(
+                        out.into_iter()
+                            .map(|r| r.into_iter().map(|v| v * s).collect())
+                            .collect(),
+                    )
+                }
+                Some(sum) => {
+                    for (a, b) in sum.iter_mut().zip(out) {
+                        for (a, b) in a.iter_mut().zip(b) {
+                            *a += b * s;
+                        }
+                    }
+                }
+            }
+        }
         let input = UnetInput {
             x,
             shape,
-            t: &vec![t; shape[0]],
+            t: &ts,
             context: &cond.context,
             y: cond.vector.as_deref(),
+            control: residuals
+                .as_deref()
+                .map_or(Residuals::None, Residuals::Given),
         };
         unet::predict(&mut self.unet, &self.unet_cfg, input)
+    }
+
+    /// The loaded ControlNets.
+    pub fn control_nets(&mut self) -> &mut [ControlNet<'b>] {
+        &mut self.controls
     }
 
     /// Measures the text encoders and the UNet at `req`'s size (`lh`×`lw`
@@ -329,24 +455,95 @@ impl<'b> SdModel<'b> {
         for c in &self.clip {
             te = te.max(&clip::measure(&self.te, c, req.chunks)?);
         }
-        let sampling = unet::measure(&self.unet, &self.unet_cfg, req.batch, lh, lw, tokens)?;
-        super::encoders_and_denoiser(&self.te, te, &self.unet, sampling)
+        let controlled = !self.controls.is_empty();
+        let sampling = unet::measure(
+            &self.unet,
+            &self.unet_cfg,
+            req.batch,
+            lh,
+            lw,
+            tokens,
+            controlled,
+        )?;
+        let mut out = super::encoders_and_denoiser(&self.te, te, &self.unet, sampling)?;
+        for c in &self.controls {
+            let bytes = controlnet::measure(&c.module, &c.cfg, req.batch, lh, lw, tokens)?;
+            out.push(ModuleMemory::of(
+                &c.module,
+                vec![(crate::runtime::memory::Phase::Sampling, bytes)],
+            )?);
+        }
+        Ok(out)
     }
 
     /// The modules, in the order a generation runs them.
     pub(super) fn modules(&self) -> Vec<&Module<'b>> {
-        vec![&self.te, &self.unet]
+        let mut v = vec![&self.te];
+        v.extend(self.controls.iter().map(|c| &c.module));
+        v.push(&self.unet);
+        v
     }
 
     /// The modules, mutably.
     pub(super) fn modules_mut(&mut self) -> Vec<&mut Module<'b>> {
-        vec![&mut self.te, &mut self.unet]
+        let mut v = vec![&mut self.te];
+        v.extend(self.controls.iter_mut().map(|c| &mut c.module));
+        v.push(&mut self.unet);
+        v
     }
 
     /// The prediction type in use.
     pub(super) fn prediction(&self) -> Prediction {
         self.sampling.prediction()
     }
+}
+
+/// Loads the ControlNet of `ckpt` (any layout) as a `controlnet` module,
+/// reads its hyper-parameters, checks that it fits `unet` and builds its
+/// graph once; errors name its file.
+fn load_control<'b>(
+    ckpt: &Checkpoint,
+    layout: &Layout<'b>,
+    opts: &LoadOptions<'_>,
+    unet: &Module<'b>,
+    unet_cfg: &UnetConfig,
+    heads: unet::Heads,
+) -> Result<ControlNet<'b>> {
+    let file = ckpt.path.display();
+    let renamed = controlnet::ldm_tensors(ckpt)?;
+    let how = crate::runtime::load::How {
+        spread: layout.spread(ModuleKind::ControlNet),
+        policy: opts.policy,
+        encoder: false,
+        loras: &crate::checkpoint::weights::NoPatches,
+        placeholders: opts.placeholders,
+        matrices: opts.matrix_types.get(ModuleKind::ControlNet),
+    };
+    let mut module = crate::runtime::load::load_module(
+        &renamed,
+        ModuleKind::ControlNet,
+        controlnet::PREFIX,
+        layout.devices(ModuleKind::ControlNet)?,
+        how,
+    )?;
+    let cfg = ControlConfig::from_weights(&W::new(module.params().map()), heads)
+        .map_err(|e| e.context(format!("{file}: controlnet")))?;
+    if let Some(why) = cfg.mismatch(&W::new(unet.params().map()), unet_cfg) {
+        return Err(ModelError::Incompatible(format!(
+            "{file}: a ControlNet for another model: {why}"
+        )));
+    }
+    controlnet::validate(&module, &cfg).map_err(|e| e.context(&file))?;
+    crate::runtime::load::split_weights(
+        &mut module,
+        &renamed,
+        controlnet::PREFIX,
+        false,
+        &crate::checkpoint::weights::NoPatches,
+        opts.placeholders,
+        opts.matrix_types.get(ModuleKind::ControlNet),
+    )?;
+    Ok(ControlNet { module, cfg })
 }
 
 fn pooled_width(clip: &[ClipConfig]) -> Option<i64> {

@@ -271,6 +271,7 @@ impl<'b> ZImageModel<'b> {
                 vector: None,
                 guidance: None,
                 reference: Vec::new(),
+                controls: Vec::new(),
             })
         })();
         self.te.end_phase();

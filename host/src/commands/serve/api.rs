@@ -73,6 +73,10 @@ pub struct AppState {
     /// `--vae-dir` and `--follow-symlinks`, for `/sdapi/v1/sd-vae` and
     /// `sd_vae` (read at each call).
     pub vae_dir: Option<(Arc<std::path::PathBuf>, bool)>,
+    /// `--controlnet-dir` and `--follow-symlinks`, for
+    /// `/controlnet/model_list` and `alwayson_scripts.controlnet` (read at
+    /// each call).
+    pub controlnet_dir: Option<(Arc<std::path::PathBuf>, bool)>,
     /// The server's `sd_vae` (`POST /sdapi/v1/options`), which the workers
     /// read at each job.
     pub vae_choice: Arc<Mutex<String>>,
@@ -266,6 +270,15 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             get(|| async { Json(json!([])) }),
         )
         .route("/sdapi/v1/sd-vae", get(sd_vae))
+        .route("/controlnet/model_list", get(controlnet_models))
+        .route(
+            "/controlnet/module_list",
+            get(|| async { Json(json!({"module_list": crate::control::Preprocess::NAMES})) }),
+        )
+        .route(
+            "/controlnet/version",
+            get(|| async { Json(json!({"version": 2})) }),
+        )
         .route("/sdapi/v1/memory", get(memory))
         .route(
             "/sdapi/v1/cmd-flags",
@@ -940,6 +953,7 @@ fn gen_work(
         count: (batch * n_iter) as usize,
         init: None,
         reference: Vec::new(),
+        controls: Vec::new(),
         hires,
         edit: false,
         model: None,
@@ -1233,6 +1247,252 @@ async fn reference_images(f: &Fields<'_>) -> ApiResult<Vec<Image>> {
 /// Reference images one request may give.
 const MAX_REFERENCES: usize = 4;
 
+/// ControlNet units one request may enable.
+const MAX_CONTROL_UNITS: usize = 4;
+
+/// The ControlNets of `--controlnet-dir`, by name, on a blocking thread.
+async fn controlnet_list(st: &AppState) -> ApiResult<Vec<(String, std::path::PathBuf)>> {
+    let Some((dir, follow)) = st.controlnet_dir.clone() else {
+        return Ok(Vec::new());
+    };
+    blocking("internal", "listing --controlnet-dir", move || {
+        super::folders::controlnet_files(Some(&dir), follow)
+    })
+    .await
+}
+
+/// `/controlnet/model_list`: the ControlNet extension's shape, names only.
+async fn controlnet_models(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let names: Vec<String> = controlnet_list(&st)
+        .await?
+        .into_iter()
+        .map(|n| n.0)
+        .collect();
+    Ok(Json(json!({ "model_list": names })))
+}
+
+/// The ControlNet extension's units (`alwayson_scripts.controlnet.args`,
+/// as SillyTavern, Open WebUI and the extension's own API examples send
+/// them): enabled units with a model, their images decoded. A unit
+/// without an image takes the init image (img2img), as the extension
+/// does. What sdhost does not offer (another preprocessor, a control mode
+/// other than Balanced) is a 422 naming the field.
+async fn control_units(
+    st: &AppState,
+    f: &Fields<'_>,
+) -> ApiResult<Vec<super::worker::ControlWork>> {
+    let Some(scripts) = f.get("alwayson_scripts") else {
+        return Ok(Vec::new());
+    };
+    let Value::Object(scripts) = scripts else {
+        return Err(ApiError::field("alwayson_scripts", "expected an object"));
+    };
+    for name in scripts
+        .keys()
+        .filter(|k| !k.eq_ignore_ascii_case("controlnet"))
+    {
+        tracing::info!(
+            "alwayson_scripts.{}: sdhost has no such script; ignored",
+            crate::term::clean(name)
+        );
+    }
+    let Some(cn) = scripts
+        .iter()
+        .find(|(k, _)| k.eq_ignore_ascii_case("controlnet"))
+        .map(|(_, v)| v)
+    else {
+        return Ok(Vec::new());
+    };
+    let units = match cn.get("args") {
+        Some(Value::Array(a)) => a,
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(_) => {
+            return Err(ApiError::field(
+                "alwayson_scripts.controlnet.args",
+                "expected an array of units",
+            ))
+        }
+    };
+    let available = controlnet_list(st).await?;
+    let mut out: Vec<(String, std::path::PathBuf, String, Option<String>)> = Vec::new();
+    let mut asks = Vec::new();
+    for (i, unit) in units.iter().enumerate() {
+        let at = format!("alwayson_scripts.controlnet.args[{i}]");
+        let Value::Object(u) = unit else {
+            return Err(ApiError::field(&at, "expected an object"));
+        };
+        let u = Fields(u);
+        let field = |k: &str| format!("{at}.{k}");
+        fn named<T>(r: ApiResult<T>, at: &str, _k: &str) -> ApiResult<T> {
+            r.map_err(|e| match e.field {
+                Some(f) => {
+                    let detail = e
+                        .detail
+                        .strip_prefix(&format!("{f}: "))
+                        .unwrap_or(&e.detail);
+                    ApiError::field(&format!("{at}.{f}"), detail)
+                }
+                None => e,
+            })
+        }
+        if named(u.boolean("enabled"), &at, "enabled")? == Some(false) {
+            continue;
+        }
+        let model = named(u.string("model"), &at, "model")?.unwrap_or_default();
+        // The extension's names carry a hash: `control_v11p_sd15_canny [d14c016b]`.
+        let stem = match model.rsplit_once(" [") {
+            Some((s, h)) if h.ends_with(']') => s.trim(),
+            _ => model.trim(),
+        };
+        if stem.is_empty() || stem.eq_ignore_ascii_case("none") {
+            continue;
+        }
+        let (name, path) = available
+            .iter()
+            .find(|(n, _)| n == stem)
+            .or_else(|| available.iter().find(|(n, _)| n.eq_ignore_ascii_case(stem)))
+            .cloned()
+            .ok_or_else(|| {
+                let names: Vec<&str> = available.iter().map(|n| n.0.as_str()).collect();
+                ApiError::field(
+                    &field("model"),
+                    match st.controlnet_dir {
+                        None => "the server has no ControlNets (start it with --controlnet-dir)"
+                            .to_string(),
+                        Some(_) => format!(
+                            "no ControlNet {:?} in --controlnet-dir ({})",
+                            crate::term::clean(stem),
+                            names.join(", ")
+                        ),
+                    },
+                )
+            })?;
+        let low = named(u.float("threshold_a", -1.0, 1000.0), &at, "threshold_a")?
+            .filter(|v| *v >= 0.0)
+            .map(|v| v as f32);
+        let high = named(u.float("threshold_b", -1.0, 1000.0), &at, "threshold_b")?
+            .filter(|v| *v >= 0.0)
+            .map(|v| v as f32);
+        let module = named(u.string("module"), &at, "module")?.unwrap_or_default();
+        let preprocess = crate::control::Preprocess::from_name(&module, low, high).ok_or_else(|| {
+            ApiError::field(
+                &field("module"),
+                format!(
+                    "sdhost has no preprocessor {:?} ({}); send a ready control map with module \"none\"",
+                    crate::term::clean(&module),
+                    crate::control::Preprocess::NAMES.join(", ")
+                ),
+            )
+        })?;
+        let resize = match u.get("resize_mode") {
+            None => crate::inpaint::ResizeMode::Crop,
+            Some(Value::String(s)) => {
+                crate::inpaint::ResizeMode::from_name(s).ok_or_else(|| {
+                    ApiError::field(
+                        &field("resize_mode"),
+                        "expected \"Just Resize\", \"Crop and Resize\" or \"Resize and Fill\"",
+                    )
+                })?
+            }
+            Some(_) => {
+                let n = named(u.int("resize_mode", 0, 2), &at, "resize_mode")?.unwrap_or(1);
+                crate::inpaint::ResizeMode::from_a1111(n).unwrap_or_default()
+            }
+        };
+        match u.get("control_mode") {
+            None => {}
+            Some(Value::String(s)) if s.eq_ignore_ascii_case("balanced") => {}
+            Some(Value::Number(n)) if n.as_i64() == Some(0) => {}
+            Some(_) => {
+                return Err(ApiError::field(
+                    &field("control_mode"),
+                    "sdhost runs the Balanced control mode only",
+                ))
+            }
+        }
+        let weight = named(u.float("weight", 0.0, 2.0), &at, "weight")?.unwrap_or(1.0) as f32;
+        let start = named(u.float("guidance_start", 0.0, 1.0), &at, "guidance_start")?
+            .unwrap_or(0.0) as f32;
+        let end =
+            named(u.float("guidance_end", 0.0, 1.0), &at, "guidance_end")?.unwrap_or(1.0) as f32;
+        if start > end {
+            return Err(ApiError::field(
+                &field("guidance_start"),
+                format!("{start} is after guidance_end {end}"),
+            ));
+        }
+        // The image: a base64 string, or the older `{"image": …}` object
+        // (`input_image` in older clients still).
+        let image = match u.get("image").or_else(|| u.get("input_image")) {
+            None => None,
+            Some(Value::String(s)) if s.is_empty() => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(Value::Object(o)) => match o.get("image") {
+                Some(Value::String(s)) => Some(s.clone()),
+                _ => return Err(ApiError::field(&field("image"), "expected a base64 image")),
+            },
+            Some(_) => return Err(ApiError::field(&field("image"), "expected a base64 image")),
+        };
+        if out.len() == MAX_CONTROL_UNITS {
+            return Err(ApiError::field(
+                "alwayson_scripts.controlnet.args",
+                format!("at most {MAX_CONTROL_UNITS} enabled units"),
+            ));
+        }
+        out.push((name, path, field("image"), image));
+        asks.push((preprocess, resize, weight, start, end));
+    }
+    if out.is_empty() {
+        return Ok(Vec::new());
+    }
+    let _decoding = DECODES
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "stopping"))?;
+    let decoded = blocking(
+        "decoding_failed",
+        "decoding the control images",
+        move || {
+            out.into_iter()
+                .map(|(name, path, field, b64)| {
+                    let image = match b64 {
+                        Some(s) => Some(rgb_of(decode_image(&field, &decode_b64(&field, &s)?)?)),
+                        None => None,
+                    };
+                    Ok((name, path, image))
+                })
+                .collect::<ApiResult<Vec<_>>>()
+        },
+    )
+    .await??;
+    Ok(decoded
+        .into_iter()
+        .zip(asks)
+        .map(
+            |((name, path, image), (preprocess, resize, strength, start, end))| {
+                super::worker::ControlWork {
+                    from_init: image.is_none(),
+                    ask: crate::control::ControlAsk {
+                        net: 0,
+                        image: image.unwrap_or(Image {
+                            width: 0,
+                            height: 0,
+                            rgb: Vec::new(),
+                        }),
+                        preprocess,
+                        resize,
+                        strength,
+                        start,
+                        end,
+                    },
+                    name,
+                    path,
+                }
+            },
+        )
+        .collect())
+}
+
 fn rgb_of(img: image::DynamicImage) -> Image {
     let img = img.into_rgb8();
     Image {
@@ -1437,6 +1697,13 @@ async fn txt2img(
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     work.reference = reference_images(&f).await?;
+    work.controls = control_units(&st, &f).await?;
+    if let Some(i) = work.controls.iter().position(|c| c.from_init) {
+        return Err(ApiError::field(
+            &format!("alwayson_scripts.controlnet.args[{i}].image"),
+            "required for txt2img (img2img uses the init image where a unit has none)",
+        ));
+    }
     let echo = Echo::of(&work);
     let out = generate(&st, work).await?;
     Ok(Json(json!({
@@ -1457,6 +1724,7 @@ async fn img2img(
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     work.reference = reference_images(&f).await?;
+    work.controls = control_units(&st, &f).await?;
     let first = match f.get("init_images") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(s) => s.clone(),

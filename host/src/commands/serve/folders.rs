@@ -76,3 +76,34 @@ pub fn vae_files(dir: Option<&std::path::Path>, follow: bool) -> Vec<(String, st
         .filter_map(|p| Some((p.file_name()?.to_string_lossy().into_owned(), p)))
         .collect()
 }
+
+/// The ControlNets of `--controlnet-dir` (sorted by file name), by file
+/// stem: `.safetensors` and `.gguf` files inside the folder whose tensors
+/// hold a ControlNet's hint block (original or diffusers names), with
+/// their paths. A file that cannot be read is left out with a log line.
+pub fn controlnet_files(
+    dir: Option<&std::path::Path>,
+    follow: bool,
+) -> Vec<(String, std::path::PathBuf)> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    let hint = |n: &str| {
+        n.contains("input_hint_block.0.") || n.starts_with("controlnet_cond_embedding.conv_in.")
+    };
+    folder_files(dir, "--controlnet-dir", follow, &["safetensors", "gguf"])
+        .into_iter()
+        .filter(|p| match sdhost_models::checkpoint::scan(p) {
+            Ok(c) => c.tensors.iter().any(|t| hint(&t.name)),
+            Err(e) => {
+                tracing::info!(
+                    "--controlnet-dir: {} left out: {}",
+                    p.display(),
+                    crate::term::clean(&e.to_string())
+                );
+                false
+            }
+        })
+        .filter_map(|p| Some((p.file_stem()?.to_string_lossy().into_owned(), p)))
+        .collect()
+}

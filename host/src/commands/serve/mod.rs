@@ -239,12 +239,17 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         Some(a) => api_auth(a)?,
         None => Vec::new(),
     };
-    if let Some(d) = &args.vae_dir {
-        if !d.is_dir() {
-            bail!(
-                "--vae-dir {}: not a folder",
-                crate::term::clean(&d.display().to_string())
-            );
+    for (flag, dir) in [
+        ("--vae-dir", &args.vae_dir),
+        ("--controlnet-dir", &args.controlnet_dir),
+    ] {
+        if let Some(d) = dir {
+            if !d.is_dir() {
+                bail!(
+                    "{flag} {}: not a folder",
+                    crate::term::clean(&d.display().to_string())
+                );
+            }
         }
     }
     let catalogue = Catalogue::of(args);
@@ -296,6 +301,10 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
             .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
         vae_dir: args
             .vae_dir
+            .clone()
+            .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
+        controlnet_dir: args
+            .controlnet_dir
             .clone()
             .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
         vae_choice: vae_choice.clone(),

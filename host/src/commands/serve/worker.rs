@@ -102,6 +102,20 @@ pub struct ModelInfo {
     pub takes_guidance: bool,
 }
 
+/// One ControlNet unit of a job.
+#[derive(Clone, Debug)]
+pub struct ControlWork {
+    /// The ControlNet file.
+    pub path: PathBuf,
+    /// Its name (the file's stem), as the infotext records it.
+    pub name: String,
+    /// Its input (`net` is set by the worker); the image is empty where
+    /// the unit gave none.
+    pub ask: crate::control::ControlAsk,
+    /// Whether it takes the init image (the unit gave none).
+    pub from_init: bool,
+}
+
 /// The init image of an img2img job.
 pub struct InitWork {
     /// Decoded image.
@@ -177,6 +191,8 @@ pub struct GenWork {
     pub reference: Vec<Image>,
     /// Hires fix (`enable_hr`), resolved against the image's size.
     pub hires: Option<HiresAsk>,
+    /// ControlNet units (`alwayson_scripts.controlnet`).
+    pub controls: Vec<ControlWork>,
     /// An edit (`/v1/images/edits`): the images are references where the
     /// model takes them (`reference`), else the first is img2img's `init`
     /// (inpainting with the mask); the worker drops the other.
@@ -325,6 +341,8 @@ pub struct Loaded<'m> {
     entry: ModelEntry,
     flash: String,
     loras: Vec<LoraSpec>,
+    /// The ControlNet files loaded beside it, in `Control::net` order.
+    controls: Vec<PathBuf>,
     upscaler: Option<Upscaler<'m>>,
     /// The autoencoder file that replaced the model's VAE (the PNGs
     /// record it; not `--taesd`'s).
@@ -367,6 +385,7 @@ impl<'m> Worker<'_, 'm> {
         &self,
         entry: &ModelEntry,
         loras: &[LoraSpec],
+        controls: &[PathBuf],
         select: bool,
         vae_choice: &str,
     ) -> anyhow::Result<Loaded<'m>> {
@@ -377,7 +396,14 @@ impl<'m> Worker<'_, 'm> {
             .as_ref()
             .map(|c| c.path.clone())
             .filter(|p| Some(p.as_path()) != a.taesd.as_deref());
-        let spec = a.spec(&ckpt, vae.as_ref(), loras, self.args.lora.apply, true)?;
+        let control_nets = controls
+            .iter()
+            .map(|p| sdhost_models::checkpoint::scan(p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let spec = crate::loader::LoadSpec {
+            control_nets: &control_nets,
+            ..a.spec(&ckpt, vae.as_ref(), loras, self.args.lora.apply, true)?
+        };
         let _loading = self.load_lock.lock().unwrap_or_else(|e| e.into_inner());
         // Memory budgets (--max-memory, …), measured at the family's size,
         // and fitted to them as `generate` is.
@@ -433,6 +459,7 @@ impl<'m> Worker<'_, 'm> {
             entry: entry.clone(),
             flash,
             loras: loras.to_vec(),
+            controls: controls.to_vec(),
             upscaler,
             vae_path,
             vae_choice: vae_choice.to_string(),
@@ -554,7 +581,7 @@ impl<'m> Worker<'_, 'm> {
 
     /// Loads the first model (LoRAs: `--lora` only).
     pub fn load_initial(&self, entry: &ModelEntry) -> anyhow::Result<Loaded<'m>> {
-        self.load(entry, &self.args.lora.loras, true, &self.server_vae())
+        self.load(entry, &self.args.lora.loras, &[], true, &self.server_vae())
     }
 
     /// Makes `loaded` hold `entry` with `loras` (reloading where either
@@ -565,19 +592,26 @@ impl<'m> Worker<'_, 'm> {
         loaded: &mut Option<Loaded<'m>>,
         entry: &ModelEntry,
         loras: &[LoraSpec],
+        controls: &[PathBuf],
         select: bool,
         vae: &str,
     ) -> Result<(), JobError> {
         if let Some(l) = loaded {
-            if l.entry == *entry && l.loras == loras && l.vae_choice == vae {
+            if l.entry == *entry
+                && l.loras == loras
+                && l.controls == controls
+                && l.vae_choice == vae
+            {
                 if select {
                     self.select(l);
                 }
                 return Ok(());
             }
         }
-        let previous = loaded.take().map(|l| (l.entry, l.loras, l.vae_choice));
-        match self.load(entry, loras, select, vae) {
+        let previous = loaded
+            .take()
+            .map(|l| (l.entry, l.loras, l.controls, l.vae_choice));
+        match self.load(entry, loras, controls, select, vae) {
             Ok(l) => {
                 *loaded = Some(l);
                 Ok(())
@@ -586,8 +620,8 @@ impl<'m> Worker<'_, 'm> {
                 let msg = crate::term::error_line(&e);
                 tracing::warn!("cannot load {}: {msg}", entry.path.display());
                 let msg = self.without_folders(&msg);
-                if let Some((pe, pl, pv)) = previous {
-                    match self.load(&pe, &pl, false, &pv) {
+                if let Some((pe, pl, pc, pv)) = previous {
+                    match self.load(&pe, &pl, &pc, false, &pv) {
                         Ok(l) => *loaded = Some(l),
                         Err(e2) => {
                             *self.current.lock().unwrap_or_else(|e| e.into_inner()) = None;
@@ -612,7 +646,7 @@ impl<'m> Worker<'_, 'm> {
             let result = match job.work {
                 Work::Load(entry) => {
                     let loras = self.args.lora.loras.clone();
-                    self.ensure(loaded, &entry, &loras, true, &self.server_vae())
+                    self.ensure(loaded, &entry, &loras, &[], true, &self.server_vae())
                         .map(|()| Output::Loaded(entry))
                 }
                 Work::Generate(g) => self
@@ -680,7 +714,14 @@ impl<'m> Worker<'_, 'm> {
         // server's (A1111's `override_settings_restore_afterwards`).
         let select = g.model.is_none() || g.keep_model;
         let vae = g.vae.clone().unwrap_or_else(|| self.server_vae());
-        self.ensure(loaded, &entry, &loras.specs, select, &vae)?;
+        // The ControlNet files, each once, in the order of their first unit.
+        let mut nets: Vec<PathBuf> = Vec::new();
+        for c in &g.controls {
+            if !nets.contains(&c.path) {
+                nets.push(c.path.clone());
+            }
+        }
+        self.ensure(loaded, &entry, &loras.specs, &nets, select, &vae)?;
         let l = loaded.as_mut().expect("ensure loaded it");
         let m = l.sd.size_multiple();
         let default = l.sd.default_size();
@@ -717,6 +758,26 @@ impl<'m> Worker<'_, 'm> {
                 )));
             }
         }
+        // The ControlNet units at the image's size (a unit without an
+        // image takes the init image, as the extension does).
+        let mut controls: Vec<(String, crate::control::ControlAsk)> = Vec::new();
+        for (i, c) in g.controls.iter().enumerate() {
+            let mut ask = c.ask.clone();
+            ask.net = nets.iter().position(|p| *p == c.path).unwrap_or(0);
+            if c.from_init {
+                ask.image = g_init.map(|i| i.image.clone()).ok_or_else(|| {
+                    JobError::Invalid(format!(
+                        "alwayson_scripts.controlnet.args[{i}].image: required without an init image"
+                    ))
+                })?;
+            }
+            controls.push((c.name.clone(), ask));
+        }
+        let control_inputs = controls
+            .iter()
+            .map(|(_, a)| a.resolve(w, h))
+            .collect::<Result<Vec<_>, String>>()
+            .map_err(|e| JobError::Invalid(format!("alwayson_scripts.controlnet: {e}")))?;
         // The init image at the request's size (A1111's resize_mode), its
         // mask feathered; with inpaint_full_res, the crop around the mask
         // is what the model sees, and its output goes back into the image.
@@ -828,6 +889,7 @@ impl<'m> Worker<'_, 'm> {
                 clip_skip: g.clip_skip,
                 init: init.clone(),
                 reference: reference.clone(),
+                controls: control_inputs.clone(),
             };
             // Variation seeds: this image's noise moved towards its
             // subseed's (A1111 counts both up per image).
@@ -883,6 +945,7 @@ impl<'m> Worker<'_, 'm> {
                 return Err(JobError::Cancelled("interrupted".into()));
             }
             let fields = TextFields {
+                controls: &controls,
                 prompt: &g.prompt,
                 negative: &g.negative,
                 model: &entry.path,
@@ -961,6 +1024,7 @@ fn a1111_field(f: sdhost_models::Field, prompt: &str) -> Option<&'static str> {
         InitImage => "init_images",
         Mask => "mask",
         Reference => "reference_images",
+        Control => "alwayson_scripts.controlnet",
         ClipSkip => "clip_skip",
         // A non-finite result: from a prompt's LoRA weights where it has
         // any, else from the CFG scale.

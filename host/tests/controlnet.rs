@@ -1,0 +1,262 @@
+//! ControlNet against references computed with diffusers
+//! (`tests/fixtures/make_controlnet_fixtures.py`) on the tiny SD1
+//! checkpoint: one ControlNet call from the diffusers-layout file and from
+//! the original (cldm) layout, and 3-step pipelines with the ControlNet
+//! over every step and over the last one only (`control_guidance_start`),
+//! on the CPU. Then `generate --control-net` end to end, and bad input.
+
+mod common;
+use common::*;
+use sdhost::image_io;
+use sdhost_models::checkpoint::{scan, Checkpoint};
+use sdhost_models::denoisers::controlnet::{self, ControlInput};
+use sdhost_models::denoisers::unet::{Residuals, UnetInput};
+use sdhost_models::request::{Control, LoadOptions, Request};
+use sdhost_models::runtime::module::WeightPolicy;
+use sdhost_models::sampling::{Sampler, Scheduler};
+use std::collections::HashMap;
+
+/// Relative to the reference's largest magnitude: f16 weights against
+/// f32 references, as in tests/img2img.rs.
+const TOL: f32 = 1e-2;
+
+fn refs() -> HashMap<String, Vec<f32>> {
+    read_tensors(&fixture("tiny-controlnet-ref.safetensors"))
+}
+
+fn with_control_pipeline(
+    nets: &[Checkpoint],
+    device: &str,
+    f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>),
+) {
+    let opts = LoadOptions {
+        policy: WeightPolicy::Free,
+        control_nets: nets,
+        ..LoadOptions::default()
+    };
+    with_pipeline_on(&fixture("tiny-sd1.safetensors"), device, device, opts, f);
+}
+
+fn request(controls: Vec<Control>) -> Request {
+    Request {
+        prompt: "a photo of a cat".into(),
+        negative: String::new(),
+        steps: 3,
+        cfg_scale: 7.0,
+        guidance: 3.5,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: Sampler::Euler,
+        scheduler: Scheduler::Discrete,
+        clip_skip: 1,
+        init: None,
+        reference: Vec::new(),
+        controls,
+    }
+}
+
+fn control(strength: f32, start: f32) -> Control {
+    Control {
+        net: 0,
+        image: image_io::load_rgb(&fixture("control-64.png")).unwrap(),
+        strength,
+        start,
+        end: 1.0,
+    }
+}
+
+#[test]
+fn controlnet_module_matches_diffusers_in_both_layouts() {
+    let r = refs();
+    for file in [
+        "tiny-sd1-controlnet.safetensors",
+        "tiny-sd1-controlnet-ldm.safetensors",
+    ] {
+        let nets = [scan(&fixture(file)).unwrap()];
+        with_control_pipeline(&nets, "cpu", |sd| {
+            let net = &mut sd_model(sd).control_nets()[0];
+            let out = controlnet::predict(
+                &mut net.module,
+                &net.cfg,
+                ControlInput {
+                    unet: UnetInput {
+                        x: &r["cn.x"],
+                        shape: [1, 4, 8, 8],
+                        t: &[537.25],
+                        context: &r["cn.context"],
+                        y: None,
+                        control: Residuals::None,
+                    },
+                    hint: &r["cn.hint"],
+                },
+            )
+            .unwrap();
+            assert_eq!(out.len(), 7, "six skip connections and the middle block");
+            for (i, got) in out.iter().enumerate() {
+                let key = match i {
+                    6 => "cn.mid".to_string(),
+                    i => format!("cn.down.{i}"),
+                };
+                assert_close(&format!("{file} {key}"), got, &r[&key], TOL);
+            }
+        });
+    }
+}
+
+fn latent(
+    sd: &mut sdhost_models::pipeline::Pipeline<'_>,
+    req: &Request,
+    noise: &[f32],
+) -> Vec<f32> {
+    sd.sample_latent(req, Some(noise.to_vec()), &mut |_, _| {}, &|| false)
+        .unwrap()
+}
+
+/// The 3-step pipelines on `device`.
+pub fn pipelines_match_on(device: &str) {
+    let r = refs();
+    let nets = [scan(&fixture("tiny-sd1-controlnet.safetensors")).unwrap()];
+    with_control_pipeline(&nets, device, |sd| {
+        let noise = &r["pipe.noise"];
+        let got = latent(sd, &request(vec![control(0.8, 0.0)]), noise);
+        assert_close(
+            &format!("{device} controlled latent"),
+            &got,
+            &r["pipe.latent"],
+            TOL,
+        );
+        let late = latent(sd, &request(vec![control(0.8, 0.34)]), noise);
+        assert_close(
+            &format!("{device} late-controlled latent"),
+            &late,
+            &r["pipe.late.latent"],
+            TOL,
+        );
+        // Strength 0 is the plain pipeline; two ControlNets of half the
+        // strength are one of the whole.
+        let plain = latent(sd, &request(vec![control(0.0, 0.0)]), noise);
+        let without = latent(sd, &request(Vec::new()), noise);
+        assert_eq!(plain, without);
+        assert!(
+            rel_err(&plain, &got) > 0.05,
+            "the ControlNet changes the latent"
+        );
+        let halves = latent(
+            sd,
+            &request(vec![control(0.4, 0.0), control(0.4, 0.0)]),
+            noise,
+        );
+        assert_close("two halves", &halves, &got, 1e-4);
+    });
+}
+
+#[test]
+fn controlled_pipelines_match_diffusers() {
+    pipelines_match_on("cpu");
+}
+
+#[test]
+fn bad_control_inputs_are_request_errors() {
+    let nets = [scan(&fixture("tiny-sd1-controlnet.safetensors")).unwrap()];
+    with_control_pipeline(&nets, "cpu", |sd| {
+        let noise = vec![0.0; 256];
+        let mut cases: Vec<(Control, &str)> = Vec::new();
+        let mut c = control(2.5, 0.0);
+        cases.push((c.clone(), "outside [0, 2]"));
+        c = control(1.0, 0.8);
+        c.end = 0.5;
+        cases.push((c, "after its end"));
+        let mut c = control(1.0, 0.0);
+        c.net = 1;
+        cases.push((c, "1 are loaded"));
+        let mut c = control(1.0, 0.0);
+        c.image = sdhost_models::request::Image {
+            width: 32,
+            height: 32,
+            rgb: vec![0; 32 * 32 * 3],
+        };
+        cases.push((c, "a control image of 32×32 for a 64×64 image"));
+        for (c, want) in cases {
+            let e = sd
+                .sample_latent(
+                    &request(vec![c]),
+                    Some(noise.clone()),
+                    &mut |_, _| {},
+                    &|| false,
+                )
+                .unwrap_err();
+            assert!(
+                matches!(&e, sdhost_models::error::ModelError::Request(r) if r.field == sdhost_models::error::Field::Control),
+                "{e}"
+            );
+            assert!(e.to_string().contains(want), "{e}");
+        }
+    });
+}
+
+#[test]
+fn controlnets_that_do_not_fit_are_refused_at_load() {
+    let reg =
+        sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
+    let m = sdhost::manager::BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = sdhost_models::runtime::module::Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+        assist: &[],
+    };
+    use sdhost_models::ModuleKind;
+    let layout = sdhost_models::request::Layout::uniform(
+        d,
+        &[
+            ModuleKind::Te,
+            ModuleKind::Diffusion,
+            ModuleKind::ControlNet,
+            ModuleKind::Vae,
+        ],
+    );
+    let load_ckpt = |ckpt: &Checkpoint, net: &str| {
+        let nets = [scan(&fixture(net)).unwrap()];
+        let opts = LoadOptions {
+            control_nets: &nets,
+            placeholders: true,
+            ..LoadOptions::default()
+        };
+        sdhost_models::pipeline::Pipeline::load(ckpt, layout.clone(), opts)
+            .err()
+            .map(|e| e.to_string())
+    };
+    let load = |model: &str, net: &str| load_ckpt(&scan(&fixture(model)).unwrap(), net);
+    // An SDXL UNet's context is 64 wide here, SD1's 32.
+    let e = load("tiny-sdxl.safetensors", "tiny-sd1-controlnet.safetensors").unwrap();
+    assert!(
+        e.contains("tiny-sd1-controlnet.safetensors: a ControlNet for another model"),
+        "{e}"
+    );
+    // Not a ControlNet at all.
+    let e = load("tiny-sd1.safetensors", "tiny-sd1-lora-kohya.safetensors").unwrap();
+    assert!(e.contains("not a ControlNet"), "{e}");
+    // A FLUX model takes none.
+    let (flux, t5, clip) = (
+        scan(&fixture("flux/tiny-flux-schnell.safetensors")).unwrap(),
+        scan(&fixture("flux/tiny-t5.safetensors")).unwrap(),
+        scan(&fixture("flux/tiny-clip-l.safetensors")).unwrap(),
+    );
+    let parts = sdhost_models::family::flux::Components {
+        t5xxl: Some(&t5),
+        clip_l: Some(&clip),
+    };
+    let flux = sdhost_models::family::flux::assemble(&flux, parts).unwrap();
+    let e = load_ckpt(&flux, "tiny-sd1-controlnet.safetensors").unwrap();
+    assert!(
+        e.contains("ControlNets work with SD 1.x, 2.x and XL models"),
+        "{e}"
+    );
+    assert!(load(
+        "tiny-sd1.safetensors",
+        "tiny-sd1-controlnet-ldm.safetensors"
+    )
+    .is_none());
+}
