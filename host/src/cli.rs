@@ -999,6 +999,11 @@ pub struct PlanArgs {
     #[arg(long, value_name = "FILE")]
     pub vae: Option<PathBuf>,
 
+    /// ControlNets to measure beside the denoiser (as `generate
+    /// --control-net`; repeatable)
+    #[arg(long = "control-net", value_name = "FILE", requires = "model")]
+    pub control_nets: Vec<PathBuf>,
+
     /// Image width to measure at (default: the family's)
     #[arg(short = 'W', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
     pub width: Option<u32>,

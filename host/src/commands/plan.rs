@@ -34,6 +34,11 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         .as_deref()
         .map(sdhost_models::checkpoint::scan)
         .transpose()?;
+    let control_nets = args
+        .control_nets
+        .iter()
+        .map(|p| sdhost_models::checkpoint::scan(p))
+        .collect::<Result<Vec<_>, _>>()?;
     let manager = BackendManager::new(&session.registry, session.threads);
     let tiling = if args.vae_tiling {
         Some(sdhost_models::runtime::tiling::Tiling::new(
@@ -59,7 +64,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 flash: FlashAttn::Auto,
                 compute: args.compute_type,
                 tiling,
-                control_nets: &[],
+                control_nets: &control_nets,
             };
             match crate::fit::fit_placement(
                 session,
@@ -96,6 +101,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         shown,
         model.as_ref(),
         vae.as_ref(),
+        &control_nets,
         fitted.as_ref().map(|f| &f.measured),
         &budgets,
         args.phase_memory,
@@ -226,6 +232,7 @@ impl PlanReport {
         p: &Placement,
         model: Option<&Checkpoint>,
         vae: Option<&Checkpoint>,
+        control_nets: &[Checkpoint],
         measured: Option<&Measured>,
         budgets: &Budgets,
         policy: sdhost_models::runtime::module::WeightPolicy,
@@ -234,6 +241,14 @@ impl PlanReport {
         // A VAE given apart (`--vae`) replaces the checkpoint's.
         if let (Some(b), Some(v)) = (bytes.as_mut(), vae) {
             b.insert(Module::Vae, v.tensors.iter().map(|t| t.bytes).sum());
+        }
+        if let (Some(b), false) = (bytes.as_mut(), control_nets.is_empty()) {
+            let sum = control_nets
+                .iter()
+                .flat_map(|c| &c.tensors)
+                .map(|t| t.bytes)
+                .sum();
+            b.insert(Module::ControlNet, sum);
         }
         // With a checkpoint, only the modules it has.
         let modules: Vec<PlanRow> = Module::ALL
