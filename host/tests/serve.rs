@@ -3168,3 +3168,145 @@ fn a_vae_folder_serves_every_family_of_a_models_folder() {
     );
     assert_eq!(r.stderr.trim().lines().count(), 1, "{}", r.stderr);
 }
+
+/// The ControlNet extension's API: `--controlnet-dir` listed under
+/// `/controlnet/model_list`, units in `alwayson_scripts.controlnet.args`
+/// as SillyTavern and the extension's examples send them (a model name
+/// with its hash, a base64 image, a resize mode by name or number), the
+/// unit recorded in the infotext; img2img's unit without an image takes
+/// the init image; what sdhost does not run is a 422 naming the field.
+#[test]
+fn controlnet_units_as_the_extension_sends_them() {
+    let prefix = Prefix::with_cpu();
+    let nets = prefix.dir("controlnet");
+    std::fs::copy(
+        fixture("tiny-sd1-controlnet.safetensors"),
+        nets.join("control_tiny_canny.safetensors"),
+    )
+    .unwrap();
+    // A file that is no ControlNet is not listed.
+    std::fs::copy(
+        fixture("tiny-sd1-lora-kohya.safetensors"),
+        nets.join("a_lora.safetensors"),
+    )
+    .unwrap();
+    let model = fixture("tiny-sd1.safetensors");
+    let srv = Server::start_in(prefix, &["-m", s(&model), "--controlnet-dir", s(&nets)]);
+    assert_eq!(
+        srv.get("/controlnet/model_list"),
+        json!({"model_list": ["control_tiny_canny"]})
+    );
+    assert_eq!(
+        srv.get("/controlnet/module_list")["module_list"],
+        json!(["none", "canny"])
+    );
+    assert_eq!(srv.get("/controlnet/version")["version"], 2);
+    let control = b64(&std::fs::read(fixture("control-64.png")).unwrap());
+    let photo = b64(&std::fs::read(fixture("init-64.png")).unwrap());
+    let with_units = |base: Value, units: Value| {
+        let mut b = base;
+        b["alwayson_scripts"] = json!({"controlnet": {"args": units}, "ADetailer": {"args": []}});
+        b
+    };
+    let plain = srv.post("/sdapi/v1/txt2img", small("a cat", 7));
+    assert_eq!(plain.status, 200, "{}", plain.text());
+    let unit = json!({"enabled": true, "module": "none", "model": "control_tiny_canny [0a1b2c3d]",
+                      "weight": 0.8, "image": control, "resize_mode": "Crop and Resize",
+                      "guidance_start": 0.0, "guidance_end": 1.0, "control_mode": "Balanced",
+                      "pixel_perfect": true, "processor_res": 512, "threshold_a": -1, "threshold_b": -1});
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        with_units(small("a cat", 7), json!([unit.clone()])),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, text, pixels) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (64, 64));
+    assert!(
+        text.contains("ControlNet 0: \"Module: none, Model: control_tiny_canny, Weight: 0.8, Resize Mode: Crop and Resize, Guidance Start: 0, Guidance End: 1\""),
+        "{text}"
+    );
+    let (_, _, _, plain_pixels) = png_of(plain.json()["images"][0].as_str().unwrap());
+    assert_ne!(pixels, plain_pixels, "the ControlNet changes the image");
+    // A disabled unit, or one with model "None", is no ControlNet.
+    let off = json!([
+        {"enabled": false, "model": "control_tiny_canny", "image": control},
+        {"model": "None", "image": control}
+    ]);
+    let r = srv.post("/sdapi/v1/txt2img", with_units(small("a cat", 7), off));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        png_of(r.json()["images"][0].as_str().unwrap()).3,
+        plain_pixels
+    );
+    // img2img: a Canny unit without an image runs on the init image; a
+    // resize mode by number.
+    let mut i2i = small("a cat", 7);
+    i2i["init_images"] = json!([photo]);
+    i2i["denoising_strength"] = json!(0.9);
+    let canny = json!([{"module": "canny", "model": "control_tiny_canny", "resize_mode": 0,
+                        "threshold_a": 100, "threshold_b": 200}]);
+    let r = srv.post("/sdapi/v1/img2img", with_units(i2i, canny));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (_, _, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert!(
+        text.contains(
+            "Module: canny, Model: control_tiny_canny, Weight: 1, Resize Mode: Just Resize"
+        ),
+        "{text}"
+    );
+    // Refused, naming the field.
+    let bad = [
+        (
+            json!({"model": "missing_net", "image": control}),
+            "args[0].model",
+            "no ControlNet",
+        ),
+        (
+            json!({"model": "control_tiny_canny", "module": "depth_midas", "image": control}),
+            "args[0].module",
+            "no preprocessor",
+        ),
+        (
+            json!({"model": "control_tiny_canny", "image": control, "control_mode": 2}),
+            "args[0].control_mode",
+            "Balanced",
+        ),
+        (
+            json!({"model": "control_tiny_canny", "image": control, "weight": 3}),
+            "args[0].weight",
+            "outside",
+        ),
+        (
+            json!({"model": "control_tiny_canny", "image": control, "guidance_start": 0.9, "guidance_end": 0.1}),
+            "args[0].guidance_start",
+            "after",
+        ),
+        (
+            json!({"model": "control_tiny_canny"}),
+            "args[0].image",
+            "required for txt2img",
+        ),
+        (
+            json!({"model": "control_tiny_canny", "image": "not base64!"}),
+            "args[0].image",
+            "base64",
+        ),
+        (json!("a string"), "args[0]", "expected an object"),
+    ];
+    for (unit, field, needle) in bad {
+        let r = srv.post(
+            "/sdapi/v1/txt2img",
+            with_units(small("a cat", 7), json!([unit])),
+        );
+        assert_eq!(r.status, 422, "{unit}: {}", r.text());
+        let j = r.json();
+        let text = j.to_string();
+        assert!(
+            text.contains(&format!("alwayson_scripts.controlnet.{field}")),
+            "{unit}: {text}"
+        );
+        assert!(text.contains(needle), "{unit}: {text}");
+    }
+    // The server still answers.
+    assert_eq!(srv.post("/sdapi/v1/txt2img", small("a cat", 7)).status, 200);
+}
