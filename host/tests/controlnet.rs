@@ -104,6 +104,53 @@ fn controlnet_module_matches_diffusers_in_both_layouts() {
     }
 }
 
+/// An SDXL ControlNet (diffusers layout: the ADM input, 64-wide heads,
+/// linear projections, transformer depth 2) on the tiny SDXL model.
+#[test]
+fn sdxl_controlnet_module_matches_diffusers() {
+    let r = refs();
+    let nets = [scan(&fixture("tiny-sdxl-controlnet.safetensors")).unwrap()];
+    let opts = LoadOptions {
+        policy: WeightPolicy::Free,
+        control_nets: &nets,
+        ..LoadOptions::default()
+    };
+    with_pipeline_on(
+        &fixture("tiny-sdxl.safetensors"),
+        "cpu",
+        "cpu",
+        opts,
+        |sd| {
+            let net = &mut sd_model(sd).control_nets()[0];
+            assert_eq!(net.cfg.unet.adm_in, Some(112));
+            let out = controlnet::predict(
+                &mut net.module,
+                &net.cfg,
+                ControlInput {
+                    unet: UnetInput {
+                        x: &r["xl.x"],
+                        shape: [1, 4, 8, 8],
+                        t: &[537.25],
+                        context: &r["xl.context"],
+                        y: Some(&r["xl.y"]),
+                        control: Residuals::None,
+                    },
+                    hint: &r["xl.hint"],
+                },
+            )
+            .unwrap();
+            assert_eq!(out.len(), 5, "four skip connections and the middle block");
+            for (i, got) in out.iter().enumerate() {
+                let key = match i {
+                    4 => "xl.mid".to_string(),
+                    i => format!("xl.down.{i}"),
+                };
+                assert_close(&format!("sdxl {key}"), got, &r[&key], TOL);
+            }
+        },
+    );
+}
+
 fn latent(
     sd: &mut sdhost_models::pipeline::Pipeline<'_>,
     req: &Request,
