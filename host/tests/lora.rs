@@ -80,6 +80,7 @@ fn outputs(
                 t: &r["unet.t"],
                 context: &r["unet.context"],
                 y: r.get("unet.y").map(Vec::as_slice),
+                control: Default::default(),
             })
             .unwrap();
         (c.hidden, c.pooled, out)

@@ -105,6 +105,7 @@ fn unet_and_vae_match(
             t: &r["unet.t"],
             context: &r["unet.context"],
             y: r.get("unet.y").map(Vec::as_slice),
+            control: Default::default(),
         })
         .unwrap();
     check(&format!("{label}unet"), &out, &r[fx.unet_out], 1e-2);
@@ -391,6 +392,7 @@ fn odd_latent_matches_references(runtime: &str, tol: f32) {
                 t: &r["unet.t"],
                 context: &r["unet.context"],
                 y: None,
+                control: Default::default(),
             })
             .unwrap();
         assert_close(

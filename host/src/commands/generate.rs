@@ -185,16 +185,12 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     if crate::cancel::requested() {
         return Err(ModelError::Cancelled.into());
     }
-    let mut text = parameters_text(
-        args,
-        &req,
-        &sd,
-        &placement,
-        &flash,
-        &hashes,
-        hires.as_ref(),
-        &controls,
-    ) + &loras.fields;
+    let ran = Ran {
+        hashes: &hashes,
+        hires: hires.as_ref(),
+        controls: &controls,
+    };
+    let mut text = parameters_text(args, &req, &sd, &placement, &flash, &ran) + &loras.fields;
     if let Some((sub, strength)) = variation {
         text += &format!(", Variation seed: {sub}, Variation seed strength: {strength}");
     }
@@ -332,16 +328,27 @@ fn apply_references(
 }
 
 /// A1111-style parameters text.
+/// What a run used beyond its flags, for the parameters text: the init
+/// image's and mask's hashes, the hires pass, the ControlNets by name.
+struct Ran<'a> {
+    hashes: &'a (String, Option<String>),
+    hires: Option<&'a crate::hires::Hires>,
+    controls: &'a [(String, crate::control::ControlAsk)],
+}
+
 fn parameters_text(
     args: &GenerateArgs,
     req: &Request,
     sd: &Pipeline<'_>,
     placement: &Placement,
     flash: &str,
-    hashes: &(String, Option<String>),
-    hires: Option<&crate::hires::Hires>,
-    controls: &[(String, crate::control::ControlAsk)],
+    ran: &Ran<'_>,
 ) -> String {
+    let Ran {
+        hashes,
+        hires,
+        controls,
+    } = *ran;
     let fields = TextFields {
         prompt: &args.prompt,
         negative: &args.negative,
