@@ -389,6 +389,8 @@ pub struct Measure<'a> {
     pub tiling: Option<Tiling>,
     /// ControlNets beside the denoiser.
     pub control_nets: &'a [Checkpoint],
+    /// An IP-Adapter and its vision encoder.
+    pub ip_adapter: Option<(&'a Checkpoint, &'a Checkpoint)>,
 }
 
 /// A measured placement: the size, the models' plan and the per-device use.
@@ -421,6 +423,7 @@ pub fn measure(
         tiling: m.tiling,
         vae_encoder: m.init_size.is_some() || !m.references.is_empty(),
         control_nets: m.control_nets,
+        ip_adapter: m.ip_adapter,
         loras: &[],
         lora_apply: Default::default(),
     };
@@ -548,6 +551,7 @@ pub fn load_fitted<'m>(
         compute: spec.compute,
         tiling: spec.tiling,
         control_nets: spec.control_nets,
+        ip_adapter: spec.ip_adapter,
     };
     let fitted = fit_placement(session, manager, placement, &measure, fit.memory, what)?;
     tracing::info!("placement:\n{}", table(&fitted.choices));

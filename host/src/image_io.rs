@@ -111,6 +111,114 @@ pub fn resize_rgb(image: Image, width: usize, height: usize) -> Image {
     }
 }
 
+/// `image` as CLIP's image processor prepares it for a vision encoder of
+/// `side` pixels: the shorter side resized to `side` (bicubic), the middle
+/// `side`×`side` cut out.
+pub fn clip_square(image: &Image, side: usize) -> Image {
+    let (w, h) = (image.width.max(1), image.height.max(1));
+    let (rw, rh) = match w <= h {
+        // transformers rounds the longer side as `int(side * long / short)`.
+        true => (side, (side * h / w).max(side)),
+        false => ((side * w / h).max(side), side),
+    };
+    let resized = match (rw, rh) == (w, h) {
+        true => image.clone(),
+        false => pil_bicubic(image, rw, rh),
+    };
+    let r = image::RgbImage::from_raw(rw as u32, rh as u32, resized.rgb)
+        .expect("an Image holds width·height·3 bytes");
+    let (x, y) = ((rw - side) / 2, (rh - side) / 2);
+    let out =
+        image::imageops::crop_imm(&r, x as u32, y as u32, side as u32, side as u32).to_image();
+    Image {
+        width: side,
+        height: side,
+        rgb: out.into_raw(),
+    }
+}
+
+/// `image` resized to `width`×`height` as Pillow's `Image.resize(…,
+/// BICUBIC)` does it, which CLIP's image processor uses: the horizontal
+/// pass, then the vertical one, each with the cubic kernel (a = −0.5)
+/// widened when shrinking, its weights in 22-bit fixed point, and the
+/// image between the passes rounded and clipped to 8 bits. Written here
+/// because the `image` crate keeps floats between its passes: at a sharp
+/// edge the overshoot Pillow clips makes a dozen levels of difference.
+pub fn pil_bicubic(image: &Image, width: usize, height: usize) -> Image {
+    const BITS: u32 = 22;
+    fn cubic(x: f64) -> f64 {
+        let (a, x) = (-0.5, x.abs());
+        if x < 1.0 {
+            ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+        } else if x < 2.0 {
+            (((x - 5.0) * x + 8.0) * x - 4.0) * a
+        } else {
+            0.0
+        }
+    }
+    // Per output position: the first input index and the fixed-point
+    // weights (Pillow's `precompute_coeffs` and `normalize_coeffs_8bpc`).
+    fn coeffs(input: usize, output: usize) -> Vec<(usize, Vec<i64>)> {
+        let scale = input as f64 / output as f64;
+        let filterscale = scale.max(1.0);
+        let support = 2.0 * filterscale;
+        (0..output)
+            .map(|xx| {
+                let center = (xx as f64 + 0.5) * scale;
+                let xmin = ((center - support + 0.5) as i64).max(0) as usize;
+                let xmax = ((center + support + 0.5) as i64).min(input as i64) as usize;
+                let k: Vec<f64> = (xmin..xmax)
+                    .map(|x| cubic((x as f64 - center + 0.5) / filterscale))
+                    .collect();
+                let ww: f64 = k.iter().sum();
+                let fixed = k
+                    .iter()
+                    .map(|&v| {
+                        let v = if ww != 0.0 { v / ww } else { v } * (1u64 << BITS) as f64;
+                        (if v < 0.0 { v - 0.5 } else { v + 0.5 }) as i64
+                    })
+                    .collect();
+                (xmin, fixed)
+            })
+            .collect()
+    }
+    let clip8 = |ss: i64| -> u8 { (ss >> BITS).clamp(0, 255) as u8 };
+    let (w, h) = (image.width, image.height);
+    // Horizontal pass.
+    let mut mid = vec![0u8; width * h * 3];
+    let hc = coeffs(w, width);
+    for y in 0..h {
+        for (xx, (xmin, k)) in hc.iter().enumerate() {
+            for c in 0..3 {
+                let mut ss: i64 = 1 << (BITS - 1);
+                for (i, kv) in k.iter().enumerate() {
+                    ss += image.rgb[(y * w + xmin + i) * 3 + c] as i64 * kv;
+                }
+                mid[(y * width + xx) * 3 + c] = clip8(ss);
+            }
+        }
+    }
+    // Vertical pass.
+    let mut out = vec![0u8; width * height * 3];
+    let vc = coeffs(h, height);
+    for (yy, (ymin, k)) in vc.iter().enumerate() {
+        for x in 0..width {
+            for c in 0..3 {
+                let mut ss: i64 = 1 << (BITS - 1);
+                for (i, kv) in k.iter().enumerate() {
+                    ss += mid[((ymin + i) * width + x) * 3 + c] as i64 * kv;
+                }
+                out[(yy * width + x) * 3 + c] = clip8(ss);
+            }
+        }
+    }
+    Image {
+        width,
+        height,
+        rgb: out,
+    }
+}
+
 /// `mask` resized to `width`×`height` (bilinear), or itself at that size.
 pub fn resize_mask(mask: Mask, width: usize, height: usize) -> Mask {
     if mask.width == width && mask.height == height {

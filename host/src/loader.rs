@@ -76,6 +76,8 @@ pub struct LoadSpec<'c> {
     pub lora_apply: LoraApply,
     /// ControlNets (`--control-net`), scanned.
     pub control_nets: &'c [Checkpoint],
+    /// An IP-Adapter and its CLIP vision encoder, scanned.
+    pub ip_adapter: Option<(&'c Checkpoint, &'c Checkpoint)>,
 }
 
 /// A loaded pipeline with how it was placed.
@@ -103,6 +105,9 @@ pub fn load<'m>(
     if !spec.control_nets.is_empty() {
         modules.push(Place::ControlNet);
     }
+    if spec.ip_adapter.is_some() {
+        modules.push(Place::ClipVision);
+    }
     let layout = layout(session, manager, placement, &modules, what)?;
     let opts = LoadOptions {
         matrix_types: matrix_types(session, &layout, spec.compute),
@@ -113,6 +118,7 @@ pub fn load<'m>(
         loras: spec.loras,
         lora_apply: spec.lora_apply,
         control_nets: spec.control_nets,
+        ip_adapter: spec.ip_adapter,
         placeholders,
     };
     let mut sd = Pipeline::load(spec.ckpt, layout.clone(), opts)?;

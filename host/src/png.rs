@@ -49,6 +49,9 @@ pub struct TextFields<'a> {
     /// The ControlNets, each as the infotext names it (file name and
     /// short hash), with its input.
     pub controls: &'a [(String, crate::control::ControlAsk)],
+    /// The IP-Adapter (its file's name) and the image prompt's (the scale
+    /// is the request's).
+    pub ip_adapter: Option<(&'a str, &'a str)>,
 }
 
 /// A1111-style parameters text; `hashes` are the init image's and mask's.
@@ -134,6 +137,14 @@ pub fn parameters_text_of(
             c.resize.a1111_name(),
             c.start,
             c.end
+        ));
+    }
+    if let (Some((adapter, image)), Some(ip)) = (args.ip_adapter, &req.ip) {
+        s.push_str(&format!(
+            ", IP-Adapter: {}, IP-Adapter image: {}, IP-Adapter scale: {}",
+            one_line_prompt(adapter).replace(',', " "),
+            one_line_prompt(image).replace(',', " "),
+            ip.scale
         ));
     }
     if !args.references.is_empty() {

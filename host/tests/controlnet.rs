@@ -53,6 +53,7 @@ fn request(controls: Vec<Control>) -> Request {
         init: None,
         reference: Vec::new(),
         controls,
+        ip: None,
     }
 }
 

@@ -27,6 +27,7 @@ fn request() -> Request {
         init: None,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
     }
 }
 

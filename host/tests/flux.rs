@@ -164,6 +164,7 @@ fn request(steps: usize, cfg_scale: f32) -> Request {
         init: None,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
     }
 }
 

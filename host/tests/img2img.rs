@@ -48,6 +48,7 @@ fn request(steps: usize, init: Option<Init>) -> Request {
         init,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
     }
 }
 

@@ -35,6 +35,7 @@ fn request(width: usize, height: usize) -> Request {
         init: None,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
     }
 }
 

@@ -234,6 +234,7 @@ fn typed_modules_match_references_with(
                 init: None,
                 reference: Vec::new(),
                 controls: Vec::new(),
+                ip: None,
             };
             let mut calls = 0;
             let latent = sd

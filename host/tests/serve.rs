@@ -1846,6 +1846,7 @@ fn overhead_over_the_library() {
         init: None,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
     };
     let reg =
         sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);

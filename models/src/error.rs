@@ -103,6 +103,8 @@ pub enum Field {
     Reference,
     /// A ControlNet's input (image, strength, start, end).
     Control,
+    /// An IP-Adapter's image prompt.
+    IpImage,
     /// How many final text-encoder layers are skipped.
     ClipSkip,
     /// Caller-given initial noise.

@@ -269,6 +269,15 @@ impl<'b> Pipeline<'b> {
         (w / m * m, h / m * m)
     }
 
+    /// The side of the square image the loaded IP-Adapter's vision encoder
+    /// takes (`None` without one).
+    pub fn ip_image_size(&self) -> Option<usize> {
+        match &self.model {
+            Model::Sd(m) => m.ip_image_size(),
+            _ => None,
+        }
+    }
+
     /// Units of prompt length (CLIP's 77-token chunks) a prompt needs.
     pub fn chunk_count(&self, prompt: &str) -> usize {
         self.model.prompt_chunks(prompt)

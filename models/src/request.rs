@@ -46,6 +46,20 @@ pub struct Request {
     /// ControlNet inputs, each for one of the loaded ControlNets
     /// ([`LoadOptions::control_nets`]).
     pub controls: Vec<Control>,
+    /// The image prompt of the loaded IP-Adapter ([`LoadOptions::ip_adapter`]).
+    pub ip: Option<IpImage>,
+}
+
+/// An IP-Adapter's image prompt.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IpImage {
+    /// The image, square, at the vision encoder's size
+    /// ([`crate::pipeline::Pipeline::ip_image_size`]; the caller crops and
+    /// resizes it as CLIP's processor does).
+    pub image: Image,
+    /// How much the image's tokens count, in [0, 2] (diffusers'
+    /// `set_ip_adapter_scale`).
+    pub scale: f32,
 }
 
 /// What one ControlNet gets for a request.
@@ -215,6 +229,9 @@ pub struct LoadOptions<'c> {
     /// ControlNets to load beside the denoiser (`--control-net`), in the
     /// order [`Control::net`] counts them.
     pub control_nets: &'c [Checkpoint],
+    /// An IP-Adapter (`--ip-adapter`) and the CLIP vision encoder it reads
+    /// (`--clip-vision`).
+    pub ip_adapter: Option<(&'c Checkpoint, &'c Checkpoint)>,
     /// Load placeholders instead of weights (shapes only, nothing read or
     /// allocated): the pipeline can be measured
     /// ([`crate::pipeline::Pipeline::memory_plan`]) but not run.

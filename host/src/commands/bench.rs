@@ -614,6 +614,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             compute: a.sample.compute_type,
             tiling: a.sample.vae_tiling()?,
             control_nets: &[],
+            ip_adapter: None,
         },
         &a.memory.flags(),
         "bench",

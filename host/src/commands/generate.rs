@@ -38,6 +38,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .map(|p| image_io::load_rgb(p))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let (control_nets, control_asks) = args.control.read()?;
+    let ip = args.ip.read()?;
     let output = OutputFile::create(&args.output)?;
     let ckpt = args.sample.open_model(&args.model)?;
     // Its errors name the file.
@@ -54,6 +55,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let loading = Instant::now();
     let spec = crate::loader::LoadSpec {
         control_nets: &control_nets,
+        ip_adapter: ip.as_ref().map(|(a, v, _)| (a, v)),
         ..args.sample.spec(
             &ckpt,
             vae.as_ref(),
@@ -104,6 +106,12 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .map(|c| c.resolve(req.width, req.height))
         .collect::<Result<_, _>>()
         .map_err(|e| anyhow!("--control-net: {e}"))?;
+    if let (Some((_, _, image)), Some(side)) = (&ip, sd.ip_image_size()) {
+        req.ip = Some(sdhost_models::request::IpImage {
+            image: image_io::clip_square(image, side),
+            scale: args.ip.scale,
+        });
+    }
     let controls: Vec<(String, crate::control::ControlAsk)> = args
         .control
         .nets
@@ -349,6 +357,18 @@ fn parameters_text(
         hires,
         controls,
     } = *ran;
+    let name = |p: &std::path::Path| {
+        p.file_name().map_or_else(
+            || p.display().to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        )
+    };
+    let ip_names = args
+        .ip
+        .adapter
+        .as_deref()
+        .zip(args.ip.image.as_deref())
+        .map(|(a, i)| (name(a), name(i)));
     let fields = TextFields {
         prompt: &args.prompt,
         negative: &args.negative,
@@ -366,6 +386,7 @@ fn parameters_text(
         references: &args.init.ref_image,
         hires,
         controls,
+        ip_adapter: ip_names.as_ref().map(|(a, i)| (a.as_str(), i.as_str())),
     };
     parameters_text_of(&fields, req, sd, placement, flash, hashes)
 }

@@ -65,6 +65,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 compute: args.compute_type,
                 tiling,
                 control_nets: &control_nets,
+                ip_adapter: None,
             };
             match crate::fit::fit_placement(
                 session,

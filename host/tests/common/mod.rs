@@ -567,6 +567,7 @@ pub fn with_pipeline_spread<R>(
             ModuleKind::Te,
             ModuleKind::Diffusion,
             ModuleKind::ControlNet,
+            ModuleKind::ClipVision,
             ModuleKind::Vae,
         ]
         .into_iter()
@@ -656,6 +657,7 @@ pub fn euler_request(prompt: &str, steps: usize) -> sdhost_models::request::Requ
         init: None,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
     }
 }
 

@@ -390,6 +390,7 @@ impl Example {
                 context: &self.ctx,
                 y: self.y.as_deref(),
                 control: unet::Residuals::None,
+                ip: None,
             },
             hint: &self.hint,
         }
@@ -430,6 +431,7 @@ fn build<'a>(
         emb,
         ctx,
         mut inputs,
+        ..
     } = unet::prepare(c, w, &cfg.unet, &input.unet)?;
     let [n, _, lh, lw] = input.unet.shape;
     let s = cfg.hint_scale();
@@ -476,6 +478,7 @@ fn build<'a>(
         cfg: &cfg.unet,
         emb,
         ctx,
+        ip: None,
     };
     let (mid, skips) = net.encode(x, Some(h))?;
     if skips.len() + 1 != cfg.residuals.len() {

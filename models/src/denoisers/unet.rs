@@ -122,6 +122,23 @@ pub struct UnetInput<'x> {
     /// What the skip connections and the middle block get added (a
     /// ControlNet's residuals).
     pub control: Residuals<'x>,
+    /// An IP-Adapter's image tokens, read by the cross-attentions that have
+    /// its `to_k_ip`/`to_v_ip` weights.
+    pub ip: Option<IpTokens<'x>>,
+}
+
+/// An IP-Adapter's image tokens for one UNet call: `[n, count, width]`
+/// (one set per latent of the batch), and the scale of the attention on
+/// them (diffusers' decoupled cross-attention: `attn(q, k, v) + scale ·
+/// attn(q, k_ip, v_ip)`).
+#[derive(Clone, Copy, Debug)]
+pub struct IpTokens<'x> {
+    /// The tokens.
+    pub tokens: &'x [f32],
+    /// Tokens per latent.
+    pub count: usize,
+    /// The scale.
+    pub scale: f32,
 }
 
 /// Runs the UNet: its raw output (ε or v, as the checkpoint predicts), the
@@ -150,6 +167,7 @@ pub fn validate(module: &Module<'_>, cfg: &UnetConfig) -> Result<()> {
             context: &ctx,
             y: y.as_deref(),
             control: Residuals::None,
+            ip: None,
         };
         build(c, w, cfg, input)
     })
@@ -186,6 +204,7 @@ pub fn measure(
                 true => Residuals::Zeros,
                 false => Residuals::None,
             },
+            ip: None,
         };
         build(c, w, cfg, input)
     })
@@ -213,6 +232,8 @@ pub(crate) struct Prepared<'a> {
     pub(crate) x: Tensor<'a>,
     pub(crate) emb: Tensor<'a>,
     pub(crate) ctx: Tensor<'a>,
+    /// The IP-Adapter's tokens, `[width, count, n]`, with their scale.
+    pub(crate) ip: Option<(Tensor<'a>, f32)>,
     pub(crate) inputs: Vec<(Tensor<'a>, crate::runtime::module::Input)>,
 }
 
@@ -297,10 +318,31 @@ pub(crate) fn prepare<'a>(
             )))
         }
     }
+    let ip = match input.ip {
+        None => None,
+        Some(ip) => {
+            let width = cfg.context_dim;
+            if ip.count == 0 || ip.tokens.len() as i64 != n * ip.count as i64 * width {
+                return Err(ModelError::Shape(format!(
+                    "{} image-token values for {n} latents of {} tokens {width} wide",
+                    ip.tokens.len(),
+                    ip.count
+                )));
+            }
+            let t = input_f32(
+                c,
+                &[width, ip.count as i64, n],
+                ip.tokens.to_vec(),
+                &mut inputs,
+            )?;
+            Some((t, ip.scale))
+        }
+    };
     Ok(Prepared {
         x: xt,
         emb,
         ctx,
+        ip,
         inputs,
     })
 }
@@ -315,6 +357,7 @@ fn build<'a>(
         x: xt,
         emb,
         ctx,
+        ip,
         mut inputs,
     } = prepare(c, w, cfg, &input)?;
     let net = Net {
@@ -323,6 +366,7 @@ fn build<'a>(
         cfg,
         emb,
         ctx,
+        ip,
     };
     let (mut h, mut skips) = net.encode(xt, None)?;
     // A ControlNet's residuals: the middle block's output and each skip
@@ -411,6 +455,8 @@ pub(crate) struct Net<'a, 'w> {
     pub(crate) cfg: &'w UnetConfig,
     pub(crate) emb: Tensor<'a>,
     pub(crate) ctx: Tensor<'a>,
+    /// An IP-Adapter's tokens and scale.
+    pub(crate) ip: Option<(Tensor<'a>, f32)>,
 }
 
 impl<'a> Net<'a, '_> {
@@ -543,7 +589,16 @@ impl<'a> Net<'a, '_> {
             let k = linear(c, w, &format!("{pa}.to_k"), kv, kv_dim, inner)?;
             let v = linear(c, w, &format!("{pa}.to_v"), kv, kv_dim, inner)?;
             let heads = self.cfg.heads.for_width(inner);
-            let a = attention(c, q, k, v, heads, false, w.opts.flash_attn)?;
+            let mut a = attention(c, q, k, v, heads, false, w.opts.flash_attn)?;
+            // An IP-Adapter's decoupled cross-attention on the image tokens.
+            if let (Some((tokens, scale)), Some(_)) = (self.ip, ctx) {
+                if w.has(&format!("{pa}.to_k_ip.weight")) {
+                    let k = linear(c, w, &format!("{pa}.to_k_ip"), tokens, cd, inner)?;
+                    let v = linear(c, w, &format!("{pa}.to_v_ip"), tokens, cd, inner)?;
+                    let b = attention(c, q, k, v, heads, false, w.opts.flash_attn)?;
+                    a = c.add(a, c.scale(b, scale)?)?;
+                }
+            }
             linear(c, w, &format!("{pa}.to_out.0"), a, inner, inner)
         };
         let n = layer_norm(c, w, &format!("{p}.norm1"), x, inner, 1e-5)?;

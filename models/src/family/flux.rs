@@ -641,6 +641,7 @@ impl<'b> FluxModel<'b> {
                 guidance: self.cfg.guidance.then_some(req.guidance),
                 reference: Vec::new(),
                 controls: Vec::new(),
+                ip: None,
             })
         })();
         self.te.end_phase();

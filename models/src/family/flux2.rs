@@ -445,6 +445,7 @@ impl<'b> Flux2Model<'b> {
                 guidance: None,
                 reference: Vec::new(),
                 controls: Vec::new(),
+                ip: None,
             })
         })();
         self.te.end_phase();

@@ -119,6 +119,9 @@ pub struct Conditioned {
     /// The request's ControlNet inputs, checked, with each control image
     /// as `[3, H, W]` planes in 0..1.
     pub controls: Vec<(crate::request::Control, Vec<f32>)>,
+    /// An IP-Adapter's image tokens for the batch (`[n, count, width]`),
+    /// with the count and the scale.
+    pub ip: Option<(Vec<f32>, usize, f32)>,
 }
 
 /// Loads the tensors under `prefix` of `ckpt` as a recipe's module `kind`
@@ -287,6 +290,14 @@ impl<'b> Model<'b> {
         opts: &crate::request::LoadOptions<'_>,
     ) -> Result<Model<'b>, ModelError> {
         let family = detect(ckpt)?;
+        if let (Some((ip, _)), None) = (opts.ip_adapter, family.config()) {
+            return Err(ModelError::Incompatible(format!(
+                "{}: IP-Adapters work with SD 1.x, 2.x and XL models; {} is a {} model",
+                ip.path.display(),
+                ckpt.path.display(),
+                family.name()
+            )));
+        }
         if let (Some(net), None) = (opts.control_nets.first(), family.config()) {
             return Err(ModelError::Incompatible(format!(
                 "{}: ControlNets work with SD 1.x, 2.x and XL models; {} is a {} model",

@@ -11,8 +11,9 @@ use super::{Conditioned, Family, FamilyConfig, Prediction, UNET_PREFIX};
 use crate::autoencoders::LatentNorm;
 use crate::checkpoint::Checkpoint;
 use crate::denoisers::controlnet::{self, ControlConfig, ControlInput};
-use crate::denoisers::unet::{self, Residuals, UnetConfig, UnetInput};
+use crate::denoisers::unet::{self, IpTokens, Residuals, UnetConfig, UnetInput};
 use crate::encoders::clip::{self, ClipConfig};
+use crate::encoders::clip_vision::{self, ImageProjection, VisionConfig};
 use crate::error::{Field, ModelError, Result};
 use crate::lora::LoraSet;
 use crate::request::{Layout, LoadOptions, Request};
@@ -47,7 +48,27 @@ pub struct SdModel<'b> {
     unet_cfg: UnetConfig,
     /// ControlNets (`--control-net`), each with its file's name.
     controls: Vec<ControlNet<'b>>,
+    /// An IP-Adapter's image side (`--ip-adapter`).
+    ip: Option<IpAdapter<'b>>,
 }
+
+/// A loaded IP-Adapter: its CLIP vision encoder and image projection (the
+/// `clip_vision` module); its `to_k_ip`/`to_v_ip` weights are in the UNet.
+pub struct IpAdapter<'b> {
+    /// The vision encoder and the image projection.
+    pub module: Module<'b>,
+    /// The encoder's hyper-parameters.
+    pub vision: VisionConfig,
+    /// The projection.
+    pub proj: ImageProjection,
+}
+
+/// Where the `clip_vision` module's tensors are in the checkpoint it is
+/// loaded from, and (without that prefix) where the encoder and the
+/// projection are in the module.
+const MODULE_PREFIX: &str = "clip_vision.";
+const VISION_PREFIX: &str = "";
+const PROJ_PREFIX: &str = "image_proj.";
 
 /// A loaded ControlNet.
 pub struct ControlNet<'b> {
@@ -89,8 +110,19 @@ impl<'b> SdModel<'b> {
         };
         let loras = LoraSet::load(opts.loras, ckpt, &fam.lora_layout(), opts.lora_apply)?;
         let te = super::load_part(ckpt, ModuleKind::Te, fam.te_prefix, layout, opts, &loras)?;
+        // An IP-Adapter's key and value maps go into the UNet, beside the
+        // cross-attentions they serve.
+        let with_ip;
+        let unet_ckpt = match opts.ip_adapter {
+            Some((ip, _)) => {
+                with_ip =
+                    Checkpoint::assemble(&[("", "", ckpt), ("", "", &ip_unet_tensors(ckpt, ip)?)]);
+                &with_ip
+            }
+            None => ckpt,
+        };
         let unet = super::load_part(
-            ckpt,
+            unet_ckpt,
             ModuleKind::Diffusion,
             UNET_PREFIX,
             layout,
@@ -139,11 +171,16 @@ impl<'b> SdModel<'b> {
             .iter()
             .map(|c| load_control(c, layout, opts, &unet, &unet_cfg, fam.heads))
             .collect::<Result<Vec<_>>>()?;
+        let ip = match opts.ip_adapter {
+            Some((adapter, vision)) => Some(load_ip(adapter, vision, layout, opts, &unet_cfg)?),
+            None => None,
+        };
         let (mut te, mut unet) = (te, unet);
         super::split_part(&mut te, ckpt, fam.te_prefix, opts, &loras)?;
-        super::split_part(&mut unet, ckpt, UNET_PREFIX, opts, &loras)?;
+        super::split_part(&mut unet, unet_ckpt, UNET_PREFIX, opts, &loras)?;
         Ok(SdModel {
             controls,
+            ip,
             te,
             unet,
             sampling: ModelSampling::discrete(prediction, DiscreteSchedule::default()),
@@ -305,6 +342,7 @@ impl<'b> SdModel<'b> {
             guidance: None,
             reference: Vec::new(),
             controls: self.control_inputs(req)?,
+            ip: self.ip_tokens(req, guided)?,
         })
     }
 
@@ -400,6 +438,7 @@ impl<'b> SdModel<'b> {
                         context: &cond.context,
                         y: cond.vector.as_deref(),
                         control: Residuals::None,
+                        ip: None,
                     },
                     hint: &hint,
                 },
@@ -431,6 +470,11 @@ impl<'b> SdModel<'b> {
             control: residuals
                 .as_deref()
                 .map_or(Residuals::None, Residuals::Given),
+            ip: cond.ip.as_ref().map(|(tokens, count, scale)| IpTokens {
+                tokens,
+                count: *count,
+                scale: *scale,
+            }),
         };
         unet::predict(&mut self.unet, &self.unet_cfg, input)
     }
@@ -438,6 +482,70 @@ impl<'b> SdModel<'b> {
     /// The loaded ControlNets.
     pub fn control_nets(&mut self) -> &mut [ControlNet<'b>] {
         &mut self.controls
+    }
+
+    /// The loaded IP-Adapter.
+    pub fn ip_adapter(&mut self) -> Option<&mut IpAdapter<'b>> {
+        self.ip.as_mut()
+    }
+
+    /// The side of the square image the IP-Adapter's vision encoder takes.
+    pub fn ip_image_size(&self) -> Option<usize> {
+        self.ip.as_ref().map(|ip| ip.vision.image_size as usize)
+    }
+
+    /// The IP-Adapter's tokens for `req`'s image prompt (the image's, then
+    /// with guidance the unconditional ones); its phase ends here.
+    fn ip_tokens(&mut self, req: &Request, guided: bool) -> Result<Option<(Vec<f32>, usize, f32)>> {
+        let Some(image) = &req.ip else {
+            return Ok(None);
+        };
+        let Some(ip) = self.ip.as_mut() else {
+            return Err(ModelError::request(
+                Field::IpImage,
+                "an image prompt needs an IP-Adapter, and none is loaded",
+            ));
+        };
+        if !(0.0..=2.0).contains(&image.scale) {
+            return Err(ModelError::request(
+                Field::IpImage,
+                format!("an IP-Adapter scale of {} is outside [0, 2]", image.scale),
+            ));
+        }
+        let side = ip.vision.image_size as usize;
+        let (w, h) = (image.image.width, image.image.height);
+        if (w, h) != (side, side) {
+            return Err(ModelError::request(
+                Field::IpImage,
+                format!("an image prompt of {w}×{h}; the vision encoder takes {side}×{side}"),
+            ));
+        }
+        let planes = clip_vision::pixels(&image.image.rgb, side)?;
+        let run = (|| -> Result<Vec<f32>> {
+            let (v, p) = (&ip.vision, &ip.proj);
+            let mut t = clip_vision::image_tokens(
+                &mut ip.module,
+                v,
+                p,
+                VISION_PREFIX,
+                PROJ_PREFIX,
+                Some(&planes),
+            )?;
+            if guided {
+                t.extend(clip_vision::image_tokens(
+                    &mut ip.module,
+                    v,
+                    p,
+                    VISION_PREFIX,
+                    PROJ_PREFIX,
+                    None,
+                )?);
+            }
+            Ok(t)
+        })();
+        ip.module.end_phase();
+        let count = ip.proj.tokens().0 as usize;
+        Ok(Some((run?, count, image.scale)))
     }
 
     /// Measures the text encoders and the UNet at `req`'s size (`lh`×`lw`
@@ -466,6 +574,14 @@ impl<'b> SdModel<'b> {
             controlled,
         )?;
         let mut out = super::encoders_and_denoiser(&self.te, te, &self.unet, sampling)?;
+        if let Some(ip) = &self.ip {
+            let bytes =
+                clip_vision::measure(&ip.module, &ip.vision, &ip.proj, VISION_PREFIX, PROJ_PREFIX)?;
+            out.push(ModuleMemory::of(
+                &ip.module,
+                vec![(crate::runtime::memory::Phase::TextEncoding, bytes)],
+            )?);
+        }
         for c in &self.controls {
             let bytes = controlnet::measure(&c.module, &c.cfg, req.batch, lh, lw, tokens)?;
             out.push(ModuleMemory::of(
@@ -479,6 +595,7 @@ impl<'b> SdModel<'b> {
     /// The modules, in the order a generation runs them.
     pub(super) fn modules(&self) -> Vec<&Module<'b>> {
         let mut v = vec![&self.te];
+        v.extend(self.ip.iter().map(|ip| &ip.module));
         v.extend(self.controls.iter().map(|c| &c.module));
         v.push(&self.unet);
         v
@@ -487,6 +604,7 @@ impl<'b> SdModel<'b> {
     /// The modules, mutably.
     pub(super) fn modules_mut(&mut self) -> Vec<&mut Module<'b>> {
         let mut v = vec![&mut self.te];
+        v.extend(self.ip.iter_mut().map(|ip| &mut ip.module));
         v.extend(self.controls.iter_mut().map(|c| &mut c.module));
         v.push(&mut self.unet);
         v
@@ -544,6 +662,173 @@ fn load_control<'b>(
         opts.matrix_types.get(ModuleKind::ControlNet),
     )?;
     Ok(ControlNet { module, cfg })
+}
+
+/// The UNet's cross-attentions (`…transformer_blocks.N.attn2`, without the
+/// UNet prefix) in diffusers' order of attention processors: the input
+/// blocks', the output blocks', the middle block's — the order of an
+/// IP-Adapter file's odd `ip_adapter.N` keys.
+fn cross_attentions(ckpt: &Checkpoint) -> Vec<String> {
+    let mut v: Vec<(u8, usize, usize, String)> = ckpt
+        .tensors
+        .iter()
+        .filter_map(|t| {
+            let path = t
+                .name
+                .strip_prefix(UNET_PREFIX)?
+                .strip_suffix(".to_k.weight")?;
+            path.strip_suffix(".attn2")?;
+            let mut parts = path.split('.');
+            let section = match parts.next()? {
+                "input_blocks" => 0,
+                "output_blocks" => 1,
+                "middle_block" => 2,
+                _ => return None,
+            };
+            let block = match section {
+                2 => 0,
+                _ => parts.next()?.parse().ok()?,
+            };
+            let tb = path
+                .split(".transformer_blocks.")
+                .nth(1)?
+                .split('.')
+                .next()?
+                .parse()
+                .ok()?;
+            Some((section, block, tb, path.to_string()))
+        })
+        .collect();
+    v.sort();
+    v.into_iter().map(|e| e.3).collect()
+}
+
+/// An IP-Adapter file's `ip_adapter.N.to_{k,v}_ip.weight` tensors renamed
+/// onto the UNet's cross-attentions of `ckpt`; one line naming the file
+/// where they do not match.
+fn ip_unet_tensors(ckpt: &Checkpoint, ip: &Checkpoint) -> Result<Checkpoint> {
+    let file = ip.path.display();
+    let attn = cross_attentions(ckpt);
+    let mut out = ip.clone();
+    out.tensors = Vec::new();
+    let mut seen = 0;
+    for t in &ip.tensors {
+        let Some(rest) = t.name.strip_prefix("ip_adapter.") else {
+            continue;
+        };
+        let (key, which) = rest.split_once('.').unwrap_or((rest, ""));
+        let target = match which {
+            "to_k_ip.weight" | "to_v_ip.weight" => key
+                .parse::<usize>()
+                .ok()
+                .filter(|k| k % 2 == 1)
+                .and_then(|k| attn.get((k - 1) / 2)),
+            _ => None,
+        };
+        let Some(target) = target else {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: an IP-Adapter for another model: its tensor ip_adapter.{} has no cross-attention in this UNet ({} of them)",
+                rest.escape_debug(),
+                attn.len()
+            )));
+        };
+        seen += 1;
+        out.tensors.push(crate::checkpoint::TensorEntry {
+            name: format!("{UNET_PREFIX}{target}.{which}"),
+            ..t.clone()
+        });
+    }
+    if seen != 2 * attn.len() {
+        return Err(ModelError::Incompatible(format!(
+            "{file}: {seen} IP-Adapter key and value maps for a UNet with {} cross-attentions (an IP-Adapter for another model, or not one)",
+            attn.len()
+        )));
+    }
+    Ok(out)
+}
+
+/// Loads the `clip_vision` module: the CLIP vision encoder of `vision` and
+/// the image projection of `adapter`; checks that the projection takes
+/// what the encoder gives and makes tokens of the UNet's context width.
+fn load_ip<'b>(
+    adapter: &Checkpoint,
+    vision: &Checkpoint,
+    layout: &Layout<'b>,
+    opts: &LoadOptions<'_>,
+    unet_cfg: &UnetConfig,
+) -> Result<IpAdapter<'b>> {
+    let (afile, vfile) = (adapter.path.display(), vision.path.display());
+    let only = |c: &Checkpoint, keep: &dyn Fn(&str) -> bool| {
+        let mut c = c.clone();
+        c.tensors.retain(|t| keep(&t.name));
+        c
+    };
+    let tower = only(vision, &|n| {
+        n.starts_with("vision_model.") || n.starts_with("visual_projection.")
+    });
+    if tower.tensors.is_empty() {
+        return Err(ModelError::Unsupported(format!(
+            "{vfile}: not a CLIP vision encoder (no vision_model.* tensors)"
+        )));
+    }
+    let proj = only(adapter, &|n| n.starts_with("image_proj."));
+    if proj.tensors.is_empty() {
+        return Err(ModelError::Unsupported(format!(
+            "{afile}: not an IP-Adapter (no image_proj.* tensors)"
+        )));
+    }
+    let both = Checkpoint::assemble(&[(MODULE_PREFIX, "", &tower), (MODULE_PREFIX, "", &proj)]);
+    let how = crate::runtime::load::How {
+        spread: layout.spread(ModuleKind::ClipVision),
+        policy: opts.policy,
+        encoder: false,
+        loras: &crate::checkpoint::weights::NoPatches,
+        placeholders: opts.placeholders,
+        matrices: opts.matrix_types.get(ModuleKind::ClipVision),
+    };
+    let mut module = crate::runtime::load::load_module(
+        &both,
+        ModuleKind::ClipVision,
+        MODULE_PREFIX,
+        layout.devices(ModuleKind::ClipVision)?,
+        how,
+    )?;
+    let w = W::new(module.params().map());
+    let vcfg = VisionConfig::from_weights(&w, VISION_PREFIX).map_err(|e| e.context(&vfile))?;
+    let pcfg = ImageProjection::from_weights(&w, PROJ_PREFIX).map_err(|e| e.context(&afile))?;
+    let takes = match pcfg.reads() {
+        clip_vision::VisionOutput::Embeds => vcfg.projection,
+        clip_vision::VisionOutput::Penultimate => vcfg.hidden,
+    };
+    if pcfg.embed() != takes {
+        return Err(ModelError::Incompatible(format!(
+            "{afile}: the IP-Adapter takes image features of {} values; {vfile} gives {takes} (an image encoder of another size: SD 1.5's IP-Adapters take ViT-H/14, ip-adapter_sdxl takes ViT-bigG/14)",
+            pcfg.embed()
+        )));
+    }
+    if pcfg.tokens().1 != unet_cfg.context_dim {
+        return Err(ModelError::Incompatible(format!(
+            "{afile}: an IP-Adapter for another model: its tokens are {} wide; the UNet's context is {}",
+            pcfg.tokens().1,
+            unet_cfg.context_dim
+        )));
+    }
+    clip_vision::validate(&module, &vcfg, &pcfg, VISION_PREFIX, PROJ_PREFIX)
+        .map_err(|e| e.context(&afile))?;
+    crate::runtime::load::split_weights(
+        &mut module,
+        &both,
+        MODULE_PREFIX,
+        false,
+        &crate::checkpoint::weights::NoPatches,
+        opts.placeholders,
+        opts.matrix_types.get(ModuleKind::ClipVision),
+    )?;
+    Ok(IpAdapter {
+        module,
+        vision: vcfg,
+        proj: pcfg,
+    })
 }
 
 fn pooled_width(clip: &[ClipConfig]) -> Option<i64> {

@@ -272,6 +272,7 @@ impl<'b> ZImageModel<'b> {
                 guidance: None,
                 reference: Vec::new(),
                 controls: Vec::new(),
+                ip: None,
             })
         })();
         self.te.end_phase();

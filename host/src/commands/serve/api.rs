@@ -954,6 +954,7 @@ fn gen_work(
         init: None,
         reference: Vec::new(),
         controls: Vec::new(),
+        ip: None,
         hires,
         edit: false,
         model: None,

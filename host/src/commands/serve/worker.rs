@@ -116,6 +116,20 @@ pub struct ControlWork {
     pub from_init: bool,
 }
 
+/// An IP-Adapter unit of a job.
+#[derive(Clone, Debug)]
+pub struct IpWork {
+    /// The IP-Adapter file.
+    pub path: PathBuf,
+    /// Its name (the file's stem), as the infotext records it.
+    pub name: String,
+    /// The image prompt as given (any size); empty where the unit gave
+    /// none (the init image is used).
+    pub image: Image,
+    /// Its scale.
+    pub scale: f32,
+}
+
 /// The init image of an img2img job.
 pub struct InitWork {
     /// Decoded image.
@@ -193,6 +207,9 @@ pub struct GenWork {
     pub hires: Option<HiresAsk>,
     /// ControlNet units (`alwayson_scripts.controlnet`).
     pub controls: Vec<ControlWork>,
+    /// An IP-Adapter unit (`alwayson_scripts.controlnet` with an
+    /// IP-Adapter model).
+    pub ip: Option<IpWork>,
     /// An edit (`/v1/images/edits`): the images are references where the
     /// model takes them (`reference`), else the first is img2img's `init`
     /// (inpainting with the mask); the worker drops the other.
@@ -890,6 +907,7 @@ impl<'m> Worker<'_, 'm> {
                 init: init.clone(),
                 reference: reference.clone(),
                 controls: control_inputs.clone(),
+                ip: None,
             };
             // Variation seeds: this image's noise moved towards its
             // subseed's (A1111 counts both up per image).
@@ -946,6 +964,7 @@ impl<'m> Worker<'_, 'm> {
             }
             let fields = TextFields {
                 controls: &controls,
+                ip_adapter: None,
                 prompt: &g.prompt,
                 negative: &g.negative,
                 model: &entry.path,
@@ -1024,7 +1043,7 @@ fn a1111_field(f: sdhost_models::Field, prompt: &str) -> Option<&'static str> {
         InitImage => "init_images",
         Mask => "mask",
         Reference => "reference_images",
-        Control => "alwayson_scripts.controlnet",
+        Control | IpImage => "alwayson_scripts.controlnet",
         ClipSkip => "clip_skip",
         // A non-finite result: from a prompt's LoRA weights where it has
         // any, else from the CFG scale.
