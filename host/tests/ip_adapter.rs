@@ -183,3 +183,217 @@ fn image_prompted_pipelines_match_diffusers_on_vulkan() {
     // the tiny SD 1.x pipeline in tests/models.rs).
     pipelines_match_on("vulkan0", 4.0);
 }
+
+fn generate(p: &Prefix, out: &std::path::Path, extra: &[&str]) -> Run {
+    let model = fixture("tiny-sd1.safetensors");
+    let mut args = vec![
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a photo of a cat",
+        "--steps",
+        "3",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--seed",
+        "3",
+        "-o",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    p.run(&args)
+}
+
+#[test]
+fn generate_with_an_ip_adapter_from_the_cli() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let adapter = fixture("tiny-sd1-ip-adapter-plus.safetensors");
+    let vision = fixture("tiny-clip-vision.safetensors");
+    let image = fixture("init-64.png");
+    let plain = out.join("plain.png");
+    generate(&p, &plain, &[]).ok();
+    let a = out.join("a.png");
+    generate(
+        &p,
+        &a,
+        &[
+            "--ip-adapter",
+            s(&adapter),
+            "--clip-vision",
+            s(&vision),
+            "--ip-image",
+            s(&image),
+            "--ip-scale",
+            "0.6",
+        ],
+    )
+    .ok();
+    let (w, h, text) = png_info(&a);
+    assert_eq!((w, h), (64, 64));
+    assert!(
+        text.contains("IP-Adapter: tiny-sd1-ip-adapter-plus.safetensors, IP-Adapter image: init-64.png, IP-Adapter scale: 0.6"),
+        "{text}"
+    );
+    assert_ne!(std::fs::read(&a).unwrap(), std::fs::read(&plain).unwrap());
+    // With a ControlNet at once; `plan -m` shows the clip_vision module's
+    // memory.
+    let b = out.join("b.png");
+    generate(
+        &p,
+        &b,
+        &[
+            "--ip-adapter",
+            s(&fixture("tiny-sd1-ip-adapter.safetensors")),
+            "--clip-vision",
+            s(&vision),
+            "--ip-image",
+            s(&image),
+            "--control-net",
+            s(&fixture("tiny-sd1-controlnet.safetensors")),
+            "--control-image",
+            s(&fixture("control-64.png")),
+        ],
+    )
+    .ok();
+    let (_, _, text) = png_info(&b);
+    assert!(
+        text.contains("IP-Adapter: tiny-sd1-ip-adapter.safetensors"),
+        "{text}"
+    );
+    assert!(text.contains("ControlNet 0: "), "{text}");
+}
+
+#[test]
+fn bad_ip_adapter_input_fails_with_one_line_and_no_output() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let target = out.join("x.png");
+    let adapter = fixture("tiny-sd1-ip-adapter.safetensors");
+    let vision = fixture("tiny-clip-vision.safetensors");
+    let image = fixture("init-64.png");
+    let junk = out.join("junk.png");
+    std::fs::write(&junk, b"\x89PNG\r\n\x1a\nnot the rest").unwrap();
+    let controlnet = fixture("tiny-sd1-controlnet.safetensors");
+    let cases: Vec<(Vec<&str>, i32, &str)> = vec![
+        (vec!["--ip-adapter", s(&adapter)], 2, "--ip-image"),
+        (
+            vec!["--ip-adapter", s(&adapter), "--ip-image", s(&image)],
+            1,
+            "needs the CLIP vision encoder it was trained on; give it with --clip-vision FILE",
+        ),
+        (
+            vec![
+                "--ip-adapter",
+                s(&adapter),
+                "--clip-vision",
+                s(&vision),
+                "--ip-image",
+                s(&image),
+                "--ip-scale",
+                "3",
+            ],
+            2,
+            "outside [0, 2]",
+        ),
+        (
+            vec![
+                "--ip-adapter",
+                s(&adapter),
+                "--clip-vision",
+                s(&vision),
+                "--ip-image",
+                s(&junk),
+            ],
+            1,
+            "junk.png",
+        ),
+        // The adapter and the encoder swapped.
+        (
+            vec![
+                "--ip-adapter",
+                s(&vision),
+                "--clip-vision",
+                s(&adapter),
+                "--ip-image",
+                s(&image),
+            ],
+            1,
+            "tiny-clip-vision.safetensors: not an IP-Adapter",
+        ),
+        (
+            vec![
+                "--ip-adapter",
+                s(&adapter),
+                "--clip-vision",
+                s(&controlnet),
+                "--ip-image",
+                s(&image),
+            ],
+            1,
+            "tiny-sd1-controlnet.safetensors: not a CLIP vision encoder",
+        ),
+        // A ControlNet is no IP-Adapter.
+        (
+            vec![
+                "--ip-adapter",
+                s(&controlnet),
+                "--clip-vision",
+                s(&vision),
+                "--ip-image",
+                s(&image),
+            ],
+            1,
+            "tiny-sd1-controlnet.safetensors: not an IP-Adapter",
+        ),
+    ];
+    for (extra, code, needle) in cases {
+        let r = generate(&p, &target, &extra);
+        assert_eq!(r.code, Some(code), "{extra:?}: {}", r.stderr);
+        assert!(r.stderr.contains(needle), "{extra:?}: {}", r.stderr);
+        if code == 1 {
+            let errors = r.stderr.lines().filter(|l| l.starts_with("error:")).count();
+            assert_eq!(errors, 1, "{extra:?}: {}", r.stderr);
+        }
+        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
+        assert!(!target.exists(), "{extra:?} left {}", target.display());
+        assert_eq!(
+            listing(&out).len(),
+            1,
+            "no temporary file: {:?}",
+            listing(&out)
+        );
+    }
+    // An SDXL model with the SD 1.x adapter.
+    let r = p.run(&[
+        "generate",
+        "-m",
+        s(&fixture("tiny-sdxl.safetensors")),
+        "-p",
+        "x",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "--ip-adapter",
+        s(&adapter),
+        "--clip-vision",
+        s(&vision),
+        "--ip-image",
+        s(&image),
+        "-o",
+        s(&target),
+    ]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("an IP-Adapter for another model"),
+        "{}",
+        r.stderr
+    );
+    assert!(!target.exists());
+}

@@ -738,6 +738,11 @@ fn ip_unet_tensors(ckpt: &Checkpoint, ip: &Checkpoint) -> Result<Checkpoint> {
             ..t.clone()
         });
     }
+    if seen == 0 {
+        return Err(ModelError::Unsupported(format!(
+            "{file}: not an IP-Adapter (no ip_adapter.N.to_k_ip.weight tensors)"
+        )));
+    }
     if seen != 2 * attn.len() {
         return Err(ModelError::Incompatible(format!(
             "{file}: {seen} IP-Adapter key and value maps for a UNet with {} cross-attentions (an IP-Adapter for another model, or not one)",
