@@ -1284,6 +1284,12 @@ pub struct ServeArgs {
     #[arg(long = "controlnet-dir", value_name = "DIR")]
     pub controlnet_dir: Option<PathBuf>,
 
+    /// The CLIP vision encoder for IP-Adapter units (an IP-Adapter in
+    /// --controlnet-dir picked by a unit's `model`), as `generate
+    /// --clip-vision`
+    #[arg(long = "clip-vision", value_name = "FILE")]
+    pub clip_vision: Option<PathBuf>,
+
     /// Address to listen on; anything but loopback needs --api-key
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,

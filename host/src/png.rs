@@ -49,9 +49,9 @@ pub struct TextFields<'a> {
     /// The ControlNets, each as the infotext names it (file name and
     /// short hash), with its input.
     pub controls: &'a [(String, crate::control::ControlAsk)],
-    /// The IP-Adapter (its file's name) and the image prompt's (the scale
-    /// is the request's).
-    pub ip_adapter: Option<(&'a str, &'a str)>,
+    /// The IP-Adapter (its file's name) and the image prompt's file where
+    /// it has one (the scale is the request's).
+    pub ip_adapter: Option<(&'a str, Option<&'a str>)>,
 }
 
 /// A1111-style parameters text; `hashes` are the init image's and mask's.
@@ -141,11 +141,16 @@ pub fn parameters_text_of(
     }
     if let (Some((adapter, image)), Some(ip)) = (args.ip_adapter, &req.ip) {
         s.push_str(&format!(
-            ", IP-Adapter: {}, IP-Adapter image: {}, IP-Adapter scale: {}",
-            one_line_prompt(adapter).replace(',', " "),
-            one_line_prompt(image).replace(',', " "),
-            ip.scale
+            ", IP-Adapter: {}",
+            one_line_prompt(adapter).replace(',', " ")
         ));
+        if let Some(image) = image {
+            s.push_str(&format!(
+                ", IP-Adapter image: {}",
+                one_line_prompt(image).replace(',', " ")
+            ));
+        }
+        s.push_str(&format!(", IP-Adapter scale: {}", ip.scale));
     }
     if !args.references.is_empty() {
         let names: Vec<String> = args.references.iter().map(|p| file_name(p)).collect();

@@ -3185,6 +3185,11 @@ fn controlnet_units_as_the_extension_sends_them() {
         nets.join("control_tiny_canny.safetensors"),
     )
     .unwrap();
+    std::fs::copy(
+        fixture("tiny-sd1-ip-adapter-plus.safetensors"),
+        nets.join("ip-adapter-plus_tiny.safetensors"),
+    )
+    .unwrap();
     // A file that is no ControlNet is not listed.
     std::fs::copy(
         fixture("tiny-sd1-lora-kohya.safetensors"),
@@ -3192,14 +3197,31 @@ fn controlnet_units_as_the_extension_sends_them() {
     )
     .unwrap();
     let model = fixture("tiny-sd1.safetensors");
-    let srv = Server::start_in(prefix, &["-m", s(&model), "--controlnet-dir", s(&nets)]);
+    let vision = fixture("tiny-clip-vision.safetensors");
+    let srv = Server::start_in(
+        prefix,
+        &[
+            "-m",
+            s(&model),
+            "--controlnet-dir",
+            s(&nets),
+            "--clip-vision",
+            s(&vision),
+        ],
+    );
     assert_eq!(
         srv.get("/controlnet/model_list"),
-        json!({"model_list": ["control_tiny_canny"]})
+        json!({"model_list": ["control_tiny_canny", "ip-adapter-plus_tiny"]})
     );
     assert_eq!(
         srv.get("/controlnet/module_list")["module_list"],
-        json!(["none", "canny"])
+        json!([
+            "none",
+            "canny",
+            "ip-adapter_clip_sd15",
+            "ip-adapter_clip_sdxl",
+            "ip-adapter_clip_sdxl_plus_vith"
+        ])
     );
     assert_eq!(srv.get("/controlnet/version")["version"], 2);
     let control = b64(&std::fs::read(fixture("control-64.png")).unwrap());
@@ -3255,6 +3277,22 @@ fn controlnet_units_as_the_extension_sends_them() {
         ),
         "{text}"
     );
+    // An IP-Adapter unit (the extension's shape: an ip-adapter module and
+    // an IP-Adapter model) beside a ControlNet unit.
+    let ip_unit = json!({"module": "ip-adapter_clip_sd15", "model": "ip-adapter-plus_tiny [abcd]",
+                         "weight": 0.6, "image": photo});
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        with_units(small("a cat", 7), json!([unit.clone(), ip_unit.clone()])),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (_, _, text, ip_pixels) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert!(
+        text.contains("IP-Adapter: ip-adapter-plus_tiny, IP-Adapter scale: 0.6"),
+        "{text}"
+    );
+    assert!(text.contains("ControlNet 0: "), "{text}");
+    assert_ne!(ip_pixels, pixels, "the image prompt changes the image");
     // Refused, naming the field.
     let bad = [
         (
@@ -3293,6 +3331,16 @@ fn controlnet_units_as_the_extension_sends_them() {
             "base64",
         ),
         (json!("a string"), "args[0]", "expected an object"),
+        (
+            json!({"model": "ip-adapter-plus_tiny", "module": "canny", "image": control}),
+            "args[0].module",
+            "is an IP-Adapter",
+        ),
+        (
+            json!({"model": "ip-adapter-plus_tiny", "module": "ip-adapter_clip_sd15"}),
+            "args",
+            "needs an image",
+        ),
     ];
     for (unit, field, needle) in bad {
         let r = srv.post(
@@ -3308,6 +3356,50 @@ fn controlnet_units_as_the_extension_sends_them() {
         );
         assert!(text.contains(needle), "{unit}: {text}");
     }
+    let two = json!([ip_unit.clone(), ip_unit]);
+    let r = srv.post("/sdapi/v1/txt2img", with_units(small("a cat", 7), two));
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(
+        r.text().contains("one IP-Adapter unit per request"),
+        "{}",
+        r.text()
+    );
+    // A ControlNet of another family: a 4xx naming the units and the file;
+    // the model stays loaded.
+    std::fs::copy(
+        fixture("tiny-sdxl-controlnet.safetensors"),
+        nets.join("control_xl.safetensors"),
+    )
+    .unwrap();
+    let xl = json!([{"model": "control_xl", "image": control}]);
+    let r = srv.post("/sdapi/v1/txt2img", with_units(small("a cat", 7), xl));
+    assert_eq!(r.status, 422, "{}", r.text());
+    let text = r.text();
+    assert!(text.contains("alwayson_scripts.controlnet"), "{text}");
+    assert!(
+        text.contains("control_xl.safetensors: a ControlNet for another model"),
+        "{text}"
+    );
     // The server still answers.
+    assert_eq!(srv.post("/sdapi/v1/txt2img", small("a cat", 7)).status, 200);
+    drop(srv);
+    // Without --clip-vision an IP-Adapter unit is refused, saying so.
+    let prefix = Prefix::with_cpu();
+    let nets = prefix.dir("controlnet");
+    std::fs::copy(
+        fixture("tiny-sd1-ip-adapter-plus.safetensors"),
+        nets.join("ip-adapter-plus_tiny.safetensors"),
+    )
+    .unwrap();
+    let srv = Server::start_in(prefix, &["-m", s(&model), "--controlnet-dir", s(&nets)]);
+    let ip_unit = json!([{"module": "ip-adapter_clip_sd15", "model": "ip-adapter-plus_tiny", "image": photo}]);
+    let r = srv.post("/sdapi/v1/txt2img", with_units(small("a cat", 7), ip_unit));
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("--clip-vision"), "{}", r.text());
+    assert!(
+        r.text().contains("alwayson_scripts.controlnet"),
+        "{}",
+        r.text()
+    );
     assert_eq!(srv.post("/sdapi/v1/txt2img", small("a cat", 7)).status, 200);
 }

@@ -386,7 +386,9 @@ fn parameters_text(
         references: &args.init.ref_image,
         hires,
         controls,
-        ip_adapter: ip_names.as_ref().map(|(a, i)| (a.as_str(), i.as_str())),
+        ip_adapter: ip_names
+            .as_ref()
+            .map(|(a, i)| (a.as_str(), Some(i.as_str()))),
     };
     parameters_text_of(&fields, req, sd, placement, flash, hashes)
 }

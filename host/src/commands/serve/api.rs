@@ -273,7 +273,11 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/controlnet/model_list", get(controlnet_models))
         .route(
             "/controlnet/module_list",
-            get(|| async { Json(json!({"module_list": crate::control::Preprocess::NAMES})) }),
+            get(|| async {
+                let mut names: Vec<&str> = crate::control::Preprocess::NAMES.to_vec();
+                names.extend(IP_MODULES);
+                Json(json!({ "module_list": names }))
+            }),
         )
         .route(
             "/controlnet/version",
@@ -1251,8 +1255,16 @@ const MAX_REFERENCES: usize = 4;
 /// ControlNet units one request may enable.
 const MAX_CONTROL_UNITS: usize = 4;
 
+/// The ControlNet extension's preprocessors for IP-Adapter units (each
+/// runs the server's `--clip-vision` encoder).
+const IP_MODULES: [&str; 3] = [
+    "ip-adapter_clip_sd15",
+    "ip-adapter_clip_sdxl",
+    "ip-adapter_clip_sdxl_plus_vith",
+];
+
 /// The ControlNets of `--controlnet-dir`, by name, on a blocking thread.
-async fn controlnet_list(st: &AppState) -> ApiResult<Vec<(String, std::path::PathBuf)>> {
+async fn controlnet_list(st: &AppState) -> ApiResult<Vec<(String, std::path::PathBuf, bool)>> {
     let Some((dir, follow)) = st.controlnet_dir.clone() else {
         return Ok(Vec::new());
     };
@@ -1281,9 +1293,12 @@ async fn controlnet_models(State(st): State<AppState>) -> ApiResult<Json<Value>>
 async fn control_units(
     st: &AppState,
     f: &Fields<'_>,
-) -> ApiResult<Vec<super::worker::ControlWork>> {
+) -> ApiResult<(
+    Vec<super::worker::ControlWork>,
+    Option<super::worker::IpWork>,
+)> {
     let Some(scripts) = f.get("alwayson_scripts") else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let Value::Object(scripts) = scripts else {
         return Err(ApiError::field("alwayson_scripts", "expected an object"));
@@ -1302,11 +1317,11 @@ async fn control_units(
         .find(|(k, _)| k.eq_ignore_ascii_case("controlnet"))
         .map(|(_, v)| v)
     else {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     };
     let units = match cn.get("args") {
         Some(Value::Array(a)) => a,
-        None | Some(Value::Null) => return Ok(Vec::new()),
+        None | Some(Value::Null) => return Ok((Vec::new(), None)),
         Some(_) => {
             return Err(ApiError::field(
                 "alwayson_scripts.controlnet.args",
@@ -1316,6 +1331,9 @@ async fn control_units(
     };
     let available = controlnet_list(st).await?;
     let mut out: Vec<(String, std::path::PathBuf, String, Option<String>)> = Vec::new();
+    // The IP-Adapter unit: its place among the decoded images, and its
+    // weight.
+    let mut ip: Option<(usize, f32)> = None;
     let mut asks = Vec::new();
     for (i, unit) in units.iter().enumerate() {
         let at = format!("alwayson_scripts.controlnet.args[{i}]");
@@ -1348,10 +1366,14 @@ async fn control_units(
         if stem.is_empty() || stem.eq_ignore_ascii_case("none") {
             continue;
         }
-        let (name, path) = available
+        let (name, path, is_ip) = available
             .iter()
-            .find(|(n, _)| n == stem)
-            .or_else(|| available.iter().find(|(n, _)| n.eq_ignore_ascii_case(stem)))
+            .find(|(n, _, _)| n == stem)
+            .or_else(|| {
+                available
+                    .iter()
+                    .find(|(n, _, _)| n.eq_ignore_ascii_case(stem))
+            })
             .cloned()
             .ok_or_else(|| {
                 let names: Vec<&str> = available.iter().map(|n| n.0.as_str()).collect();
@@ -1375,6 +1397,38 @@ async fn control_units(
             .filter(|v| *v >= 0.0)
             .map(|v| v as f32);
         let module = named(u.string("module"), &at, "module")?.unwrap_or_default();
+        if is_ip {
+            let m = module.trim().to_ascii_lowercase();
+            if !(m.is_empty() || m == "none" || m.starts_with("ip-adapter")) {
+                return Err(ApiError::field(
+                    &field("module"),
+                    format!(
+                        "{name} is an IP-Adapter: its unit takes an ip-adapter module ({})",
+                        IP_MODULES.join(", ")
+                    ),
+                ));
+            }
+            if ip.is_some() {
+                return Err(ApiError::field(
+                    &field("model"),
+                    "one IP-Adapter unit per request",
+                ));
+            }
+            let weight = named(u.float("weight", 0.0, 2.0), &at, "weight")?.unwrap_or(1.0) as f32;
+            let image = match u.get("image").or_else(|| u.get("input_image")) {
+                None => None,
+                Some(Value::String(s)) if s.is_empty() => None,
+                Some(Value::String(s)) => Some(s.clone()),
+                Some(Value::Object(o)) => match o.get("image") {
+                    Some(Value::String(s)) => Some(s.clone()),
+                    _ => return Err(ApiError::field(&field("image"), "expected a base64 image")),
+                },
+                Some(_) => return Err(ApiError::field(&field("image"), "expected a base64 image")),
+            };
+            ip = Some((out.len(), weight));
+            out.push((name, path, field("image"), image));
+            continue;
+        }
         let preprocess = crate::control::Preprocess::from_name(&module, low, high).ok_or_else(|| {
             ApiError::field(
                 &field("module"),
@@ -1434,7 +1488,7 @@ async fn control_units(
             },
             Some(_) => return Err(ApiError::field(&field("image"), "expected a base64 image")),
         };
-        if out.len() == MAX_CONTROL_UNITS {
+        if out.len() - usize::from(ip.is_some()) == MAX_CONTROL_UNITS {
             return Err(ApiError::field(
                 "alwayson_scripts.controlnet.args",
                 format!("at most {MAX_CONTROL_UNITS} enabled units"),
@@ -1444,7 +1498,7 @@ async fn control_units(
         asks.push((preprocess, resize, weight, start, end));
     }
     if out.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), None));
     }
     let _decoding = DECODES
         .acquire()
@@ -1466,32 +1520,44 @@ async fn control_units(
         },
     )
     .await??;
-    Ok(decoded
-        .into_iter()
-        .zip(asks)
-        .map(
-            |((name, path, image), (preprocess, resize, strength, start, end))| {
-                super::worker::ControlWork {
-                    from_init: image.is_none(),
-                    ask: crate::control::ControlAsk {
-                        net: 0,
-                        image: image.unwrap_or(Image {
-                            width: 0,
-                            height: 0,
-                            rgb: Vec::new(),
-                        }),
-                        preprocess,
-                        resize,
-                        strength,
-                        start,
-                        end,
-                    },
-                    name,
-                    path,
-                }
+    let empty = || Image {
+        width: 0,
+        height: 0,
+        rgb: Vec::new(),
+    };
+    let mut controls = Vec::new();
+    let mut ip_work = None;
+    let mut asks = asks.into_iter();
+    for (i, (name, path, image)) in decoded.into_iter().enumerate() {
+        if let Some((at, scale)) = ip.filter(|(at, _)| *at == i) {
+            let _ = at;
+            ip_work = Some(super::worker::IpWork {
+                path,
+                name,
+                image: image.unwrap_or_else(empty),
+                scale,
+            });
+            continue;
+        }
+        let Some((preprocess, resize, strength, start, end)) = asks.next() else {
+            break;
+        };
+        controls.push(super::worker::ControlWork {
+            from_init: image.is_none(),
+            ask: crate::control::ControlAsk {
+                net: 0,
+                image: image.unwrap_or_else(empty),
+                preprocess,
+                resize,
+                strength,
+                start,
+                end,
             },
-        )
-        .collect())
+            name,
+            path,
+        });
+    }
+    Ok((controls, ip_work))
 }
 
 fn rgb_of(img: image::DynamicImage) -> Image {
@@ -1698,7 +1764,13 @@ async fn txt2img(
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     work.reference = reference_images(&f).await?;
-    work.controls = control_units(&st, &f).await?;
+    (work.controls, work.ip) = control_units(&st, &f).await?;
+    if work.ip.as_ref().is_some_and(|ip| ip.image.rgb.is_empty()) {
+        return Err(ApiError::field(
+            "alwayson_scripts.controlnet.args",
+            "the IP-Adapter unit needs an image for txt2img",
+        ));
+    }
     if let Some(i) = work.controls.iter().position(|c| c.from_init) {
         return Err(ApiError::field(
             &format!("alwayson_scripts.controlnet.args[{i}].image"),
@@ -1725,7 +1797,7 @@ async fn img2img(
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
     work.reference = reference_images(&f).await?;
-    work.controls = control_units(&st, &f).await?;
+    (work.controls, work.ip) = control_units(&st, &f).await?;
     let first = match f.get("init_images") {
         Some(Value::Array(a)) if !a.is_empty() => match &a[0] {
             Value::String(s) => s.clone(),

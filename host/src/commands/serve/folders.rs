@@ -77,14 +77,16 @@ pub fn vae_files(dir: Option<&std::path::Path>, follow: bool) -> Vec<(String, st
         .collect()
 }
 
-/// The ControlNets of `--controlnet-dir` (sorted by file name), by file
-/// stem: `.safetensors` and `.gguf` files inside the folder whose tensors
-/// hold a ControlNet's hint block (original or diffusers names), with
-/// their paths. A file that cannot be read is left out with a log line.
+/// The ControlNets and IP-Adapters of `--controlnet-dir` (sorted by file
+/// name), by file stem: `.safetensors` and `.gguf` files inside the folder
+/// whose tensors hold a ControlNet's hint block (original or diffusers
+/// names) or an IP-Adapter's image projection and key/value maps, with
+/// their paths and whether each is an IP-Adapter. A file that cannot be
+/// read is left out with a log line.
 pub fn controlnet_files(
     dir: Option<&std::path::Path>,
     follow: bool,
-) -> Vec<(String, std::path::PathBuf)> {
+) -> Vec<(String, std::path::PathBuf, bool)> {
     let Some(dir) = dir else {
         return Vec::new();
     };
@@ -93,17 +95,26 @@ pub fn controlnet_files(
     };
     folder_files(dir, "--controlnet-dir", follow, &["safetensors", "gguf"])
         .into_iter()
-        .filter(|p| match sdhost_models::checkpoint::scan(p) {
-            Ok(c) => c.tensors.iter().any(|t| hint(&t.name)),
-            Err(e) => {
-                tracing::info!(
-                    "--controlnet-dir: {} left out: {}",
-                    p.display(),
-                    crate::term::clean(&e.to_string())
-                );
-                false
-            }
+        .filter_map(|p| {
+            let ip = match sdhost_models::checkpoint::scan(&p) {
+                Ok(c) if c.tensors.iter().any(|t| hint(&t.name)) => false,
+                Ok(c)
+                    if c.tensors.iter().any(|t| t.name.starts_with("image_proj."))
+                        && c.tensors.iter().any(|t| t.name.starts_with("ip_adapter.")) =>
+                {
+                    true
+                }
+                Ok(_) => return None,
+                Err(e) => {
+                    tracing::info!(
+                        "--controlnet-dir: {} left out: {}",
+                        p.display(),
+                        crate::term::clean(&e.to_string())
+                    );
+                    return None;
+                }
+            };
+            Some((p.file_stem()?.to_string_lossy().into_owned(), p, ip))
         })
-        .filter_map(|p| Some((p.file_stem()?.to_string_lossy().into_owned(), p)))
         .collect()
 }

@@ -116,6 +116,16 @@ pub struct ControlWork {
     pub from_init: bool,
 }
 
+/// What a job loads beside its model: ControlNets (each once, in the order
+/// of their first unit) and an IP-Adapter.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Extras {
+    /// The ControlNet files.
+    pub controls: Vec<PathBuf>,
+    /// The IP-Adapter file.
+    pub ip: Option<PathBuf>,
+}
+
 /// An IP-Adapter unit of a job.
 #[derive(Clone, Debug)]
 pub struct IpWork {
@@ -358,8 +368,8 @@ pub struct Loaded<'m> {
     entry: ModelEntry,
     flash: String,
     loras: Vec<LoraSpec>,
-    /// The ControlNet files loaded beside it, in `Control::net` order.
-    controls: Vec<PathBuf>,
+    /// The ControlNets and IP-Adapter loaded beside it.
+    extras: Extras,
     upscaler: Option<Upscaler<'m>>,
     /// The autoencoder file that replaced the model's VAE (the PNGs
     /// record it; not `--taesd`'s).
@@ -402,7 +412,7 @@ impl<'m> Worker<'_, 'm> {
         &self,
         entry: &ModelEntry,
         loras: &[LoraSpec],
-        controls: &[PathBuf],
+        extras: &Extras,
         select: bool,
         vae_choice: &str,
     ) -> anyhow::Result<Loaded<'m>> {
@@ -413,12 +423,28 @@ impl<'m> Worker<'_, 'm> {
             .as_ref()
             .map(|c| c.path.clone())
             .filter(|p| Some(p.as_path()) != a.taesd.as_deref());
-        let control_nets = controls
+        let control_nets = extras
+            .controls
             .iter()
             .map(|p| sdhost_models::checkpoint::scan(p))
             .collect::<Result<Vec<_>, _>>()?;
+        let ip = match &extras.ip {
+            Some(p) => {
+                let vision = self.args.clip_vision.as_deref().ok_or_else(|| {
+                    anyhow::anyhow!(
+                        "an IP-Adapter unit needs the CLIP vision encoder it was trained on, and the server has none: start it with --clip-vision FILE"
+                    )
+                })?;
+                Some((
+                    sdhost_models::checkpoint::scan(p)?,
+                    sdhost_models::checkpoint::scan(vision)?,
+                ))
+            }
+            None => None,
+        };
         let spec = crate::loader::LoadSpec {
             control_nets: &control_nets,
+            ip_adapter: ip.as_ref().map(|(a, v)| (a, v)),
             ..a.spec(&ckpt, vae.as_ref(), loras, self.args.lora.apply, true)?
         };
         let _loading = self.load_lock.lock().unwrap_or_else(|e| e.into_inner());
@@ -476,7 +502,7 @@ impl<'m> Worker<'_, 'm> {
             entry: entry.clone(),
             flash,
             loras: loras.to_vec(),
-            controls: controls.to_vec(),
+            extras: extras.clone(),
             upscaler,
             vae_path,
             vae_choice: vae_choice.to_string(),
@@ -598,7 +624,13 @@ impl<'m> Worker<'_, 'm> {
 
     /// Loads the first model (LoRAs: `--lora` only).
     pub fn load_initial(&self, entry: &ModelEntry) -> anyhow::Result<Loaded<'m>> {
-        self.load(entry, &self.args.lora.loras, &[], true, &self.server_vae())
+        self.load(
+            entry,
+            &self.args.lora.loras,
+            &Extras::default(),
+            true,
+            &self.server_vae(),
+        )
     }
 
     /// Makes `loaded` hold `entry` with `loras` (reloading where either
@@ -609,16 +641,12 @@ impl<'m> Worker<'_, 'm> {
         loaded: &mut Option<Loaded<'m>>,
         entry: &ModelEntry,
         loras: &[LoraSpec],
-        controls: &[PathBuf],
+        extras: &Extras,
         select: bool,
         vae: &str,
     ) -> Result<(), JobError> {
         if let Some(l) = loaded {
-            if l.entry == *entry
-                && l.loras == loras
-                && l.controls == controls
-                && l.vae_choice == vae
-            {
+            if l.entry == *entry && l.loras == loras && l.extras == *extras && l.vae_choice == vae {
                 if select {
                     self.select(l);
                 }
@@ -627,8 +655,8 @@ impl<'m> Worker<'_, 'm> {
         }
         let previous = loaded
             .take()
-            .map(|l| (l.entry, l.loras, l.controls, l.vae_choice));
-        match self.load(entry, loras, controls, select, vae) {
+            .map(|l| (l.entry, l.loras, l.extras, l.vae_choice));
+        match self.load(entry, loras, extras, select, vae) {
             Ok(l) => {
                 *loaded = Some(l);
                 Ok(())
@@ -650,7 +678,19 @@ impl<'m> Worker<'_, 'm> {
                         }
                     }
                 }
-                Err(JobError::Invalid(format!("sd_model_checkpoint: {msg}")))
+                // A ControlNet or IP-Adapter that does not fit the model
+                // is the units' fault, not the model's.
+                let extra = extras
+                    .controls
+                    .iter()
+                    .chain(&extras.ip)
+                    .filter_map(|p| p.file_name())
+                    .any(|n| msg.contains(&*n.to_string_lossy()));
+                let field = match extra || msg.contains("--clip-vision") {
+                    true => "alwayson_scripts.controlnet",
+                    false => "sd_model_checkpoint",
+                };
+                Err(JobError::Invalid(format!("{field}: {msg}")))
             }
         }
     }
@@ -663,8 +703,15 @@ impl<'m> Worker<'_, 'm> {
             let result = match job.work {
                 Work::Load(entry) => {
                     let loras = self.args.lora.loras.clone();
-                    self.ensure(loaded, &entry, &loras, &[], true, &self.server_vae())
-                        .map(|()| Output::Loaded(entry))
+                    self.ensure(
+                        loaded,
+                        &entry,
+                        &loras,
+                        &Extras::default(),
+                        true,
+                        &self.server_vae(),
+                    )
+                    .map(|()| Output::Loaded(entry))
                 }
                 Work::Generate(g) => self
                     .generate(
@@ -732,13 +779,17 @@ impl<'m> Worker<'_, 'm> {
         let select = g.model.is_none() || g.keep_model;
         let vae = g.vae.clone().unwrap_or_else(|| self.server_vae());
         // The ControlNet files, each once, in the order of their first unit.
-        let mut nets: Vec<PathBuf> = Vec::new();
+        let mut extras = Extras {
+            ip: g.ip.as_ref().map(|ip| ip.path.clone()),
+            ..Extras::default()
+        };
         for c in &g.controls {
-            if !nets.contains(&c.path) {
-                nets.push(c.path.clone());
+            if !extras.controls.contains(&c.path) {
+                extras.controls.push(c.path.clone());
             }
         }
-        self.ensure(loaded, &entry, &loras.specs, &nets, select, &vae)?;
+        let nets = &extras.controls;
+        self.ensure(loaded, &entry, &loras.specs, &extras, select, &vae)?;
         let l = loaded.as_mut().expect("ensure loaded it");
         let m = l.sd.size_multiple();
         let default = l.sd.default_size();
@@ -790,6 +841,25 @@ impl<'m> Worker<'_, 'm> {
             }
             controls.push((c.name.clone(), ask));
         }
+        // The IP-Adapter's image prompt (the init image where the unit gave
+        // none), as CLIP's processor prepares it.
+        let ip_input = match (&g.ip, l.sd.ip_image_size()) {
+            (Some(ip), Some(side)) => {
+                let image = match ip.image.rgb.is_empty() {
+                    false => ip.image.clone(),
+                    true => g_init.map(|i| i.image.clone()).ok_or_else(|| {
+                        JobError::Invalid(
+                            "alwayson_scripts.controlnet: the IP-Adapter unit needs an image without an init image".into(),
+                        )
+                    })?,
+                };
+                Some(sdhost_models::request::IpImage {
+                    image: image_io::clip_square(&image, side),
+                    scale: ip.scale,
+                })
+            }
+            _ => None,
+        };
         let control_inputs = controls
             .iter()
             .map(|(_, a)| a.resolve(w, h))
@@ -907,7 +977,7 @@ impl<'m> Worker<'_, 'm> {
                 init: init.clone(),
                 reference: reference.clone(),
                 controls: control_inputs.clone(),
-                ip: None,
+                ip: ip_input.clone(),
             };
             // Variation seeds: this image's noise moved towards its
             // subseed's (A1111 counts both up per image).
@@ -964,7 +1034,7 @@ impl<'m> Worker<'_, 'm> {
             }
             let fields = TextFields {
                 controls: &controls,
-                ip_adapter: None,
+                ip_adapter: g.ip.as_ref().map(|ip| (ip.name.as_str(), None)),
                 prompt: &g.prompt,
                 negative: &g.negative,
                 model: &entry.path,
