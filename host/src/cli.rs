@@ -111,9 +111,9 @@ pub enum Command {
     /// Run each op our models use on a device and on the CPU and compare the results
     Check(CheckArgs),
     /// Generate an image from a text prompt with an SD 1.x, SD 2.x or SDXL checkpoint
-    Generate(GenerateArgs),
+    Generate(Box<GenerateArgs>),
     /// Serve the A1111 (`/sdapi/v1`) and OpenAI image APIs and a web page, with the model loaded
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Serve one device to other machines' sdhost (or any ggml RPC client of
     /// protocol 7) through ggml's RPC server; see docs/rpc.md
     RpcServer(ServerArgs),

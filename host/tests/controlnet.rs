@@ -88,6 +88,7 @@ fn controlnet_module_matches_diffusers_in_both_layouts() {
                         context: &r["cn.context"],
                         y: None,
                         control: Residuals::None,
+                        ip: None,
                     },
                     hint: &r["cn.hint"],
                 },
@@ -135,6 +136,7 @@ fn sdxl_controlnet_module_matches_diffusers() {
                         context: &r["xl.context"],
                         y: Some(&r["xl.y"]),
                         control: Residuals::None,
+                        ip: None,
                     },
                     hint: &r["xl.hint"],
                 },
@@ -561,4 +563,78 @@ fn bad_controlnet_input_fails_with_one_line_and_no_output() {
             listing(&out)
         );
     }
+}
+
+/// Under a vulkan0 budget that holds the UNet's phase but not the UNet with
+/// a ControlNet beside it, fit changes the placement only with the
+/// ControlNet, and `generate` runs so.
+#[test]
+fn fit_makes_room_for_a_controlnet_beside_the_unet() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let model = fixture("tiny-sd1.safetensors");
+    let net = fixture("tiny-sd1-controlnet.safetensors");
+    let plan = |extra: &[&str]| {
+        let mut args = vec![
+            "plan",
+            "-m",
+            s(&model),
+            "--backend",
+            "vulkan0",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let r = p.run(&args).ok();
+        r.json()
+    };
+    let peak = |j: &serde_json::Value| {
+        json_row(j, "devices", "device", "vulkan0")["peak"]
+            .as_u64()
+            .unwrap()
+    };
+    let alone = peak(&plan(&[]));
+    let with = peak(&plan(&["--control-net", s(&net)]));
+    assert!(
+        with > alone,
+        "the ControlNet needs memory: {alone} -> {with}"
+    );
+    let budget = format!("vulkan0={}K", (alone + with) / 2 / 1024);
+    let j = plan(&["--max-memory", &budget]);
+    assert_eq!(
+        json_row(&j, "fit", "module", "diffusion")["reason"],
+        "as asked; fits",
+        "{j}"
+    );
+    let j = plan(&["--max-memory", &budget, "--control-net", s(&net)]);
+    let cn = json_row(&j, "fit", "module", "controlnet");
+    assert_ne!(cn["reason"], "as asked; fits", "{cn}");
+    assert_eq!(
+        json_row(&j, "devices", "device", "vulkan0")["fits"],
+        true,
+        "{j}"
+    );
+    let out = p.dir("out").join("fit.png");
+    generate(
+        &p,
+        &out,
+        &[
+            "--backend",
+            "vulkan0",
+            "--max-memory",
+            &budget,
+            "--control-net",
+            s(&net),
+            "--control-image",
+            s(&fixture("control-64.png")),
+        ],
+    )
+    .ok();
+    assert_eq!(png_info(&out).0, 64);
 }

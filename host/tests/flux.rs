@@ -326,19 +326,6 @@ fn generate_with_parts(p: &Prefix, model: &Path, out: &Path, extra: &[&str]) -> 
     run_with_parts(p, &generate_args(s(model), s(out), &[]), extra)
 }
 
-/// The entry of the JSON array `v[list]` whose `key` is `name`.
-fn json_row<'v>(
-    v: &'v serde_json::Value,
-    list: &str,
-    key: &str,
-    name: &str,
-) -> &'v serde_json::Value {
-    v[list]
-        .as_array()
-        .and_then(|a| a.iter().find(|m| m[key] == name))
-        .unwrap_or_else(|| panic!("no {name} in {list}: {v}"))
-}
-
 fn generate_args<'a>(model: &'a str, out: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![
         "generate",

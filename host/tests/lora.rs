@@ -81,6 +81,7 @@ fn outputs(
                 context: &r["unet.context"],
                 y: r.get("unet.y").map(Vec::as_slice),
                 control: Default::default(),
+                ip: None,
             })
             .unwrap();
         (c.hidden, c.pooled, out)

@@ -106,6 +106,7 @@ fn unet_and_vae_match(
             context: &r["unet.context"],
             y: r.get("unet.y").map(Vec::as_slice),
             control: Default::default(),
+            ip: None,
         })
         .unwrap();
     check(&format!("{label}unet"), &out, &r[fx.unet_out], 1e-2);
@@ -394,6 +395,7 @@ fn odd_latent_matches_references(runtime: &str, tol: f32) {
                 context: &r["unet.context"],
                 y: None,
                 control: Default::default(),
+                ip: None,
             })
             .unwrap();
         assert_close(

@@ -701,3 +701,16 @@ pub fn defaults_follow_the_name(dit: &str, ae: &str, cases: &[(&str, &[&str], &s
         );
     }
 }
+
+/// The entry of the JSON array `v[list]` whose `key` is `name`.
+pub fn json_row<'v>(
+    v: &'v serde_json::Value,
+    list: &str,
+    key: &str,
+    name: &str,
+) -> &'v serde_json::Value {
+    v[list]
+        .as_array()
+        .and_then(|a| a.iter().find(|m| m[key] == name))
+        .unwrap_or_else(|| panic!("no {name} in {list}: {v}"))
+}

@@ -31,7 +31,7 @@ const EPS: f32 = 1e-5;
 /// CLIP's normalisation of an RGB image (its mean and standard deviation).
 pub const MEAN: [f32; 3] = [0.481_454_66, 0.457_827_5, 0.408_210_73];
 /// See [`MEAN`].
-pub const STD: [f32; 3] = [0.268_629_54, 0.261_302_58, 0.275_777_1];
+pub const STD: [f32; 3] = [0.268_629_54, 0.261_302_6, 0.275_777_1];
 
 /// The vision tower's hyper-parameters, read off its weights.
 #[derive(Clone, Debug, PartialEq, Eq)]
