@@ -695,6 +695,34 @@ pub struct HiresArgs {
     /// Denoising strength of the hires pass, in (0, 1]
     #[arg(id = "hires_strength", long = "hires-strength", value_name = "S", default_value_t = 0.55, requires = "hires_scale", value_parser = parse_strength)]
     pub strength: f64,
+
+    /// The hires pass's prompt (default: -p's); LoRA tags in it must be
+    /// the prompt's, whose LoRAs are loaded for both passes
+    #[arg(
+        id = "hires_prompt",
+        long = "hires-prompt",
+        value_name = "TEXT",
+        requires = "hires_scale"
+    )]
+    pub prompt: Option<String>,
+
+    /// The hires pass's negative prompt (default: -n's)
+    #[arg(
+        id = "hires_negative",
+        long = "hires-negative-prompt",
+        value_name = "TEXT",
+        requires = "hires_scale"
+    )]
+    pub negative: Option<String>,
+
+    /// The hires pass's sampler (default: --sampler's)
+    #[arg(
+        id = "hires_sampler",
+        long = "hires-sampler",
+        value_name = "NAME",
+        requires = "hires_scale"
+    )]
+    pub sampler: Option<sdhost_models::sampling::Sampler>,
 }
 
 fn parse_hires_scale(s: &str) -> Result<f64, String> {

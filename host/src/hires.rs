@@ -110,8 +110,20 @@ pub fn resize_latent(
     out
 }
 
+/// What the second pass runs with where it differs from the first
+/// (A1111's `hr_prompt`, `hr_negative_prompt`, `hr_sampler_name`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Pass {
+    /// Its prompt (LoRA tags already taken out), else the first pass's.
+    pub prompt: Option<String>,
+    /// Its negative prompt, else the first pass's.
+    pub negative: Option<String>,
+    /// Its sampler, else the first pass's.
+    pub sampler: Option<sdhost_models::sampling::Sampler>,
+}
+
 /// The second pass.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Hires {
     /// Its width in pixels.
     pub width: usize,
@@ -123,6 +135,8 @@ pub struct Hires {
     pub strength: f64,
     /// How the first pass is enlarged.
     pub upscaler: Upscaler,
+    /// Its own prompts and sampler.
+    pub pass: Pass,
 }
 
 impl Hires {
@@ -171,6 +185,7 @@ impl Hires {
             steps,
             strength,
             upscaler: Upscaler::Lanczos,
+            pass: Pass::default(),
         })
     }
 
@@ -182,6 +197,11 @@ impl Hires {
     /// The same with another upscaler.
     pub fn with_upscaler(self, upscaler: Upscaler) -> Hires {
         Hires { upscaler, ..self }
+    }
+
+    /// The same with its own prompts and sampler.
+    pub fn with_pass(self, pass: Pass) -> Hires {
+        Hires { pass, ..self }
     }
 
     /// The second pass's request: `req` at the hires size from `image`
@@ -209,6 +229,17 @@ impl Hires {
             })
             .collect();
         Request {
+            prompt: self
+                .pass
+                .prompt
+                .clone()
+                .unwrap_or_else(|| req.prompt.clone()),
+            negative: self
+                .pass
+                .negative
+                .clone()
+                .unwrap_or_else(|| req.negative.clone()),
+            sampler: self.pass.sampler.unwrap_or(req.sampler),
             width: self.width,
             height: self.height,
             steps: self.steps,

@@ -125,6 +125,17 @@ pub fn parameters_text_of(
             h.steps,
             h.upscaler.a1111_name()
         ));
+        // A1111 quotes the hires prompts (JSON-style escapes), one line.
+        let quoted = |t: &str| serde_json::to_string(&one_line_prompt(t)).unwrap_or_default();
+        if let Some(p) = &h.pass.prompt {
+            s.push_str(&format!(", Hires prompt: {}", quoted(p)));
+        }
+        if let Some(n) = &h.pass.negative {
+            s.push_str(&format!(", Hires negative prompt: {}", quoted(n)));
+        }
+        if let Some(sm) = h.pass.sampler {
+            s.push_str(&format!(", Hires sampler: {}", sm.a1111_label()));
+        }
     }
     for (i, (model, c)) in args.controls.iter().enumerate() {
         // The ControlNet extension's unit, quoted; a quote or comma in a

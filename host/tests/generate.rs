@@ -620,6 +620,64 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
     ] {
         assert!(text.contains(want), "{want:?} not in {text:?}");
     }
+    // The hires pass's own prompts and sampler (A1111's hr_prompt,
+    // hr_negative_prompt, hr_sampler_name): the same as img2img with them.
+    let (own, own_second) = (d.join("own.png"), d.join("own-second.png"));
+    run(&[
+        "-W",
+        "64",
+        "-H",
+        "48",
+        "--hires-scale",
+        "2",
+        "--hires-strength",
+        "0.5",
+        "--hires-prompt",
+        "a dog, at night",
+        "--hires-negative-prompt",
+        "blurry",
+        "--hires-sampler",
+        "euler_a",
+        "-o",
+        s(&own),
+    ])
+    .ok();
+    p.run(&[
+        "generate",
+        "-m",
+        s(&m),
+        "-p",
+        "a dog, at night",
+        "-n",
+        "blurry",
+        "--steps",
+        "4",
+        "-s",
+        "5",
+        "--sampler",
+        "euler_a",
+        "-W",
+        "128",
+        "-H",
+        "96",
+        "-i",
+        s(&first),
+        "--strength",
+        "0.5",
+        "-o",
+        s(&own_second),
+    ])
+    .ok();
+    assert_eq!(pixels(&own), pixels(&own_second));
+    assert_ne!(pixels(&own), pixels(&hires));
+    let (_, _, text) = png_info(&own);
+    for want in [
+        "Hires prompt: \"a dog, at night\"",
+        "Hires negative prompt: \"blurry\"",
+        "Hires sampler: Euler a",
+    ] {
+        assert!(text.contains(want), "{want:?} not in {text:?}");
+    }
     // A1111's "Latent": the first pass's latent enlarged (bilinear) is where
     // the second starts; its image differs from the Lanczos one.
     let latent = d.join("latent.png");

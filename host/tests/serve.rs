@@ -2844,6 +2844,12 @@ fn flux_and_edits_through_the_apis() {
             (96, 80),
             "Hires upscaler: Latent",
         ),
+        (
+            json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
+                   "hr_prompt": "y", "hr_negative_prompt": "", "hr_sampler_name": "DPM++ 2M"}),
+            (128, 128),
+            "Hires prompt: \"y\", Hires sampler: DPM++ 2M",
+        ),
     ] {
         let r = srv.post("/sdapi/v1/txt2img", body);
         assert_eq!(r.status, 200, "{}", r.text());
@@ -2857,6 +2863,12 @@ fn flux_and_edits_through_the_apis() {
     );
     assert_eq!(r.status, 422, "{}", r.text());
     assert!(r.text().contains("hr_upscaler"), "{}", r.text());
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "enable_hr": true, "hr_sampler_name": "Nope"}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(r.text().contains("hr_sampler_name"), "{}", r.text());
     let r = srv.post(
         "/sdapi/v1/txt2img",
         json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "reference_images": [b64(&init)]}),

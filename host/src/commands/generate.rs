@@ -127,6 +127,22 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .collect();
     sd.set_seamless(args.tiling)
         .map_err(|e| anyhow!("--tiling: {e}"))?;
+    let hires_pass = crate::hires::Pass {
+        prompt: match &args.hires.prompt {
+            Some(p) => {
+                let r = crate::lora::resolve(&args.lora, p)?;
+                if r.specs != loras.specs {
+                    return Err(anyhow!(
+                        "--hires-prompt: its LoRA tags must be the prompt's (the LoRAs are loaded once, for both passes)"
+                    ));
+                }
+                Some(r.prompt)
+            }
+            None => None,
+        },
+        negative: args.hires.negative.clone(),
+        sampler: args.hires.sampler,
+    };
     let hires = match args.hires.scale {
         Some(scale) => {
             let steps = args.hires.steps.map_or(0, |s| s as usize);
@@ -139,6 +155,7 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
                     sd.size_multiple(),
                 )
                 .map(|h| h.with_upscaler(args.hires.upscaler))
+                .map(|h| h.with_pass(hires_pass))
                 .map_err(|e| anyhow!("--hires-scale: {e}"))?,
             )
         }

@@ -1199,12 +1199,36 @@ fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
     if strength <= 0.0 {
         return Err(ApiError::field("denoising_strength", "must be above 0"));
     }
+    // Empty, or A1111's "Use same sampler": the first pass's.
+    let sampler = match f.string("hr_sampler_name")? {
+        None => None,
+        Some(s) if s.trim().is_empty() || s.eq_ignore_ascii_case("use same sampler") => None,
+        Some(s) => Some(
+            SamplerChoice::parse(&s)
+                .ok_or_else(|| {
+                    let names: Vec<&str> = Sampler::ALL.iter().map(|s| s.a1111_label()).collect();
+                    ApiError::field(
+                        "hr_sampler_name",
+                        format!("unknown sampler {s:?} ({})", names.join(", ")),
+                    )
+                })?
+                .sampler,
+        ),
+    };
+    let text = |k: &str| -> ApiResult<Option<String>> {
+        Ok(f.string(k)?.filter(|t| !t.trim().is_empty()))
+    };
     Ok(super::worker::HiresAsk {
         scale,
         resize: (x > 0 && y > 0).then_some((x, y)),
         steps: f.int("hr_second_pass_steps", 0, 1000)?.unwrap_or(0) as usize,
         strength,
         upscaler,
+        pass: crate::hires::Pass {
+            prompt: text("hr_prompt")?,
+            negative: text("hr_negative_prompt")?,
+            sampler,
+        },
     })
 }
 

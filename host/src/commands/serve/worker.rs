@@ -157,8 +157,8 @@ pub struct InitWork {
 }
 
 /// What `enable_hr` asks: a scale or a size, the steps (0: the first
-/// pass's) and the strength.
-#[derive(Clone, Copy, Debug)]
+/// pass's) and the strength, and the second pass's own prompts and sampler.
+#[derive(Clone, Debug)]
 pub struct HiresAsk {
     /// `hr_scale`.
     pub scale: f64,
@@ -170,6 +170,9 @@ pub struct HiresAsk {
     pub strength: f64,
     /// `hr_upscaler`.
     pub upscaler: crate::hires::Upscaler,
+    /// `hr_prompt`, `hr_negative_prompt` (LoRA tags still in the prompt)
+    /// and `hr_sampler_name`.
+    pub pass: crate::hires::Pass,
 }
 
 /// `sd_vae`: each model gets `--vae` or the first `--vae-dir` file that
@@ -934,7 +937,24 @@ impl<'m> Worker<'_, 'm> {
                     ),
                 }
                 .map_err(|e| JobError::Invalid(format!("enable_hr: {e}")))?
-                .with_upscaler(a.upscaler),
+                .with_upscaler(a.upscaler)
+                .with_pass(crate::hires::Pass {
+                    prompt: match &a.pass.prompt {
+                        Some(p) => {
+                            let r = crate::lora::resolve(&self.args.lora, p).map_err(|e| {
+                                JobError::Invalid(format!("hr_prompt: {}", crate::term::error_line(&e)))
+                            })?;
+                            if r.specs != loras.specs {
+                                return Err(JobError::Invalid(
+                                    "hr_prompt: its LoRA tags must be the prompt's (the LoRAs are loaded once, for both passes)".into(),
+                                ));
+                            }
+                            Some(r.prompt)
+                        }
+                        None => None,
+                    },
+                    ..a.pass.clone()
+                }),
             ),
         };
         let mut out = GenOutput {
