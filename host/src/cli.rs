@@ -1105,6 +1105,20 @@ pub struct PlanArgs {
     #[arg(long = "control-net", value_name = "FILE", requires = "model")]
     pub control_nets: Vec<PathBuf>,
 
+    /// An IP-Adapter to measure (as `generate --ip-adapter`, with its
+    /// --clip-vision)
+    #[arg(long = "ip-adapter", value_name = "FILE", requires_all = ["model", "plan_clip_vision"])]
+    pub ip_adapter: Option<PathBuf>,
+
+    /// The IP-Adapter's CLIP vision encoder
+    #[arg(
+        id = "plan_clip_vision",
+        long = "clip-vision",
+        value_name = "FILE",
+        requires = "ip_adapter"
+    )]
+    pub clip_vision: Option<PathBuf>,
+
     /// Image width to measure at (default: the family's)
     #[arg(short = 'W', long, value_parser = clap::value_parser!(u32).range(8..=8192))]
     pub width: Option<u32>,

@@ -762,3 +762,74 @@ fn convolutions_in_bands_give_the_same_image() {
     };
     assert_ne!(decode(None), decode(Some("1")));
 }
+
+/// With hires fix, fit measures at the second pass's size: under a vulkan0
+/// budget that holds the first pass but not the second, weights leave
+/// vulkan0 (the PNG's devices say so); without hires fix the same budget
+/// keeps everything there.
+#[test]
+fn hires_fix_is_fitted_at_its_larger_size() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let m = tiny_sd1();
+    let vulkan0 = |side: &str| {
+        let r = p
+            .run(&[
+                "plan",
+                "-m",
+                s(&m),
+                "--backend",
+                "vulkan0",
+                "-W",
+                side,
+                "-H",
+                side,
+                "--json",
+            ])
+            .ok();
+        let row = json_row(&r.json(), "devices", "device", "vulkan0").clone();
+        (
+            row["peak"].as_u64().unwrap(),
+            row["weight_bytes"].as_u64().unwrap(),
+        )
+    };
+    let ((small, _), (large, weights)) = (vulkan0("64"), vulkan0("128"));
+    // Less than the second pass's peak by half its weights: enough for
+    // its compute with the weights time-shared, far more than the first
+    // pass needs.
+    let budget_bytes = large - weights / 2;
+    assert!(budget_bytes > small, "{small} {large}");
+    let budget = format!("vulkan0={}K", budget_bytes / 1024);
+    let d = p.dir("out");
+    let run = |extra: &[&str], out: &std::path::Path| {
+        let mut a = vec![
+            "generate",
+            "-m",
+            s(&m),
+            "-p",
+            "a cat",
+            "--steps",
+            "2",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--backend",
+            "vulkan0",
+            "--max-memory",
+            &budget,
+            "-o",
+            s(out),
+        ];
+        a.extend_from_slice(extra);
+        p.run(&a).ok();
+        png_info(out).2
+    };
+    let plain = run(&[], &d.join("plain.png"));
+    assert!(!plain.contains("params cpu"), "{plain}");
+    let hires = run(&["--hires-scale", "2"], &d.join("hires.png"));
+    assert!(hires.contains("params cpu"), "{hires}");
+}

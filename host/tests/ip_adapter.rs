@@ -319,6 +319,27 @@ fn generate_with_an_ip_adapter_from_the_cli() {
         "{text}"
     );
     assert!(text.contains("ControlNet 0: "), "{text}");
+    // `plan -m` measures the clip_vision module in the text-encoding
+    // phase, its weights the encoder's and the projection's.
+    let r = p.run(&[
+        "plan",
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--ip-adapter",
+        s(&adapter),
+        "--clip-vision",
+        s(&vision),
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--json",
+    ]);
+    let j = r.ok().json();
+    let row = json_row(&j, "modules", "module", "clip_vision");
+    assert!(row["weight_bytes"].as_u64().unwrap() > 0, "{row}");
+    let m = json_row(&j["memory"], "modules", "module", "clip_vision");
+    assert_eq!(m["compute"][0]["phase"], "te", "{m}");
 }
 
 #[test]

@@ -67,9 +67,24 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     // Memory budgets: measured on placeholders before any weight is read.
     let reference_sizes: Vec<(usize, usize)> =
         references.iter().map(|r| (r.width, r.height)).collect();
+    // With hires fix the second pass is the run's largest: fit measures
+    // at its size (so it tiles the VAE there when the budget says so).
+    let hires_size = args.hires.scale.map(|scale| {
+        let first = |asked: Option<u32>, from_init: Option<usize>| {
+            asked.map_or(from_init.unwrap_or(defaults.size), |v| v as usize)
+        };
+        let w0 = first(args.sample.width, init.as_ref().map(|i| i.image.width));
+        let h0 = first(args.sample.height, init.as_ref().map(|i| i.image.height));
+        let side = |v: usize| ((v as f64 * scale) as usize) / 16 * 16;
+        (side(w0).max(16), side(h0).max(16))
+    });
     let fit = Fit {
-        width: args.sample.width.map(|v| v as usize),
-        height: args.sample.height.map(|v| v as usize),
+        width: hires_size
+            .map(|s| s.0)
+            .or(args.sample.width.map(|v| v as usize)),
+        height: hires_size
+            .map(|s| s.1)
+            .or(args.sample.height.map(|v| v as usize)),
         init_size: init.as_ref().map(|i| (i.image.width, i.image.height)),
         references: &reference_sizes,
         prompts: (&args.prompt, &args.negative),

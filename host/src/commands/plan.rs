@@ -39,6 +39,13 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         .iter()
         .map(|p| sdhost_models::checkpoint::scan(p))
         .collect::<Result<Vec<_>, _>>()?;
+    let ip = match (&args.ip_adapter, &args.clip_vision) {
+        (Some(a), Some(v)) => Some((
+            sdhost_models::checkpoint::scan(a)?,
+            sdhost_models::checkpoint::scan(v)?,
+        )),
+        _ => None,
+    };
     let manager = BackendManager::new(&session.registry, session.threads);
     let tiling = if args.vae_tiling {
         Some(sdhost_models::runtime::tiling::Tiling::new(
@@ -65,7 +72,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 compute: args.compute_type,
                 tiling,
                 control_nets: &control_nets,
-                ip_adapter: None,
+                ip_adapter: ip.as_ref().map(|(a, v)| (a, v)),
             };
             match crate::fit::fit_placement(
                 session,
@@ -103,6 +110,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         model.as_ref(),
         vae.as_ref(),
         &control_nets,
+        ip.as_ref(),
         fitted.as_ref().map(|f| &f.measured),
         &budgets,
         args.phase_memory,
@@ -234,6 +242,7 @@ impl PlanReport {
         model: Option<&Checkpoint>,
         vae: Option<&Checkpoint>,
         control_nets: &[Checkpoint],
+        ip: Option<&(Checkpoint, Checkpoint)>,
         measured: Option<&Measured>,
         budgets: &Budgets,
         policy: sdhost_models::runtime::module::WeightPolicy,
@@ -250,6 +259,23 @@ impl PlanReport {
                 .map(|t| t.bytes)
                 .sum();
             b.insert(Module::ControlNet, sum);
+        }
+        if let (Some(b), Some((adapter, vision))) = (bytes.as_mut(), ip) {
+            // The vision encoder and the projection; the adapter's key and
+            // value maps go into the UNet.
+            let sum = |c: &Checkpoint, keep: &dyn Fn(&str) -> bool| -> u64 {
+                c.tensors
+                    .iter()
+                    .filter(|t| keep(&t.name))
+                    .map(|t| t.bytes)
+                    .sum()
+            };
+            let vision_bytes = sum(vision, &|n| {
+                n.starts_with("vision_model.") || n.starts_with("visual_projection.")
+            }) + sum(adapter, &|n| n.starts_with("image_proj."));
+            b.insert(Module::ClipVision, vision_bytes);
+            *b.entry(Module::Diffusion).or_insert(0) +=
+                sum(adapter, &|n| n.starts_with("ip_adapter."));
         }
         // With a checkpoint, only the modules it has.
         let modules: Vec<PlanRow> = Module::ALL
