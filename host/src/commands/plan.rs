@@ -105,12 +105,15 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
         None => None,
     };
     let shown = fitted.as_ref().map_or(&placement, |f| &f.placement);
+    let files = PlanFiles {
+        model: model.as_ref(),
+        vae: vae.as_ref(),
+        control_nets: &control_nets,
+        ip: ip.as_ref(),
+    };
     let mut report = PlanReport::new(
         shown,
-        model.as_ref(),
-        vae.as_ref(),
-        &control_nets,
-        ip.as_ref(),
+        &files,
         fitted.as_ref().map(|f| &f.measured),
         &budgets,
         args.phase_memory,
@@ -234,19 +237,36 @@ fn guided(model: Option<&Checkpoint>) -> bool {
     model.is_none_or(|c| sdhost_models::family::defaults_of(c).map_or(true, |d| d.cfg_scale != 1.0))
 }
 
+/// The files `plan` measures: the checkpoint, a VAE given apart,
+/// ControlNets, an IP-Adapter with its vision encoder.
+#[derive(Clone, Copy, Default)]
+pub struct PlanFiles<'a> {
+    /// `-m`.
+    pub model: Option<&'a Checkpoint>,
+    /// `--vae`.
+    pub vae: Option<&'a Checkpoint>,
+    /// `--control-net`.
+    pub control_nets: &'a [Checkpoint],
+    /// `--ip-adapter` and `--clip-vision`.
+    pub ip: Option<&'a (Checkpoint, Checkpoint)>,
+}
+
 impl PlanReport {
     /// Builds the report; with a checkpoint, adds weight sizes and, where
     /// measured, each device's need per phase against its budget.
     pub fn new(
         p: &Placement,
-        model: Option<&Checkpoint>,
-        vae: Option<&Checkpoint>,
-        control_nets: &[Checkpoint],
-        ip: Option<&(Checkpoint, Checkpoint)>,
+        files: &PlanFiles<'_>,
         measured: Option<&Measured>,
         budgets: &Budgets,
         policy: sdhost_models::runtime::module::WeightPolicy,
     ) -> Self {
+        let PlanFiles {
+            model,
+            vae,
+            control_nets,
+            ip,
+        } = *files;
         let mut bytes = model.map(|m| m.module_bytes());
         // A VAE given apart (`--vae`) replaces the checkpoint's.
         if let (Some(b), Some(v)) = (bytes.as_mut(), vae) {
