@@ -696,6 +696,16 @@ pub struct HiresArgs {
     #[arg(id = "hires_strength", long = "hires-strength", value_name = "S", default_value_t = 0.55, requires = "hires_scale", value_parser = parse_strength)]
     pub strength: f64,
 
+    /// Enlarge the first pass with this ESRGAN / Real-ESRGAN model (then
+    /// Lanczos to the hires size), as A1111's upscalers by name
+    #[arg(
+        id = "hires_upscale_model",
+        long = "hires-upscale-model",
+        value_name = "FILE",
+        requires = "hires_scale"
+    )]
+    pub model: Option<PathBuf>,
+
     /// The hires pass's prompt (default: -p's); LoRA tags in it must be
     /// the prompt's, whose LoRAs are loaded for both passes
     #[arg(
@@ -1325,6 +1335,12 @@ pub struct ServeArgs {
     /// `alwayson_scripts.controlnet`
     #[arg(long = "controlnet-dir", value_name = "DIR")]
     pub controlnet_dir: Option<PathBuf>,
+
+    /// ESRGAN / Real-ESRGAN models (.pth, .safetensors; A1111's ESRGAN
+    /// folder) the hires fix may enlarge with: listed under
+    /// `/sdapi/v1/upscalers` and picked by name in `hr_upscaler`
+    #[arg(long = "upscaler-dir", value_name = "DIR")]
+    pub upscaler_dir: Option<PathBuf>,
 
     /// The CLIP vision encoder for IP-Adapter units (an IP-Adapter in
     /// --controlnet-dir picked by a unit's `model`), as `generate

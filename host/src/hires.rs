@@ -24,6 +24,9 @@ pub enum Upscaler {
     LatentNearest,
     /// The latent, nearest-exact (A1111's "Latent (nearest-exact)").
     LatentNearestExact,
+    /// The image, through an upscaler model (ESRGAN / Real-ESRGAN), then
+    /// resized to the hires size with Lanczos (A1111's upscalers by name).
+    Model,
 }
 
 impl std::str::FromStr for Upscaler {
@@ -53,6 +56,7 @@ impl Upscaler {
             Upscaler::Latent => "Latent",
             Upscaler::LatentNearest => "Latent (nearest)",
             Upscaler::LatentNearestExact => "Latent (nearest-exact)",
+            Upscaler::Model => "model",
         }
     }
 
@@ -137,6 +141,8 @@ pub struct Hires {
     pub upscaler: Upscaler,
     /// Its own prompts and sampler.
     pub pass: Pass,
+    /// The upscaler model's name, where [`Upscaler::Model`] enlarges.
+    pub model: Option<String>,
 }
 
 impl Hires {
@@ -186,6 +192,7 @@ impl Hires {
             strength,
             upscaler: Upscaler::Lanczos,
             pass: Pass::default(),
+            model: None,
         })
     }
 
@@ -202,6 +209,23 @@ impl Hires {
     /// The same with its own prompts and sampler.
     pub fn with_pass(self, pass: Pass) -> Hires {
         Hires { pass, ..self }
+    }
+
+    /// The same enlarged by the upscaler model named `name`.
+    pub fn with_model(self, name: String) -> Hires {
+        Hires {
+            upscaler: Upscaler::Model,
+            model: Some(name),
+            ..self
+        }
+    }
+
+    /// The upscaler's name as A1111 records it.
+    pub fn upscaler_name(&self) -> &str {
+        match (&self.upscaler, &self.model) {
+            (Upscaler::Model, Some(m)) => m,
+            (u, _) => u.a1111_name(),
+        }
     }
 
     /// The second pass's request: `req` at the hires size from `image`
@@ -256,15 +280,20 @@ impl Hires {
     }
 }
 
+/// An upscaler model's run on the first pass's image ([`Upscaler::Model`]).
+pub type ModelUpscale<'a> = &'a mut dyn FnMut(Image) -> Result<Image, ModelError>;
+
 /// Generates `req` (from `noise` where given: variation seeds), then where
 /// `hires` says, its second pass; `progress` counts the steps of both
 /// passes. `stop` is asked between steps: told to finish during the first
-/// pass, the first pass's image is the answer.
+/// pass, the first pass's image is the answer. `model` enlarges the first
+/// image where the hires fix's upscaler is a model.
 pub fn generate(
     sd: &mut Pipeline<'_>,
     req: &Request,
     noise: Option<Vec<f32>>,
     hires: Option<&Hires>,
+    model: Option<ModelUpscale<'_>>,
     progress: &mut dyn Progress,
     stop: &dyn Fn() -> Stop,
 ) -> Result<Image, ModelError> {
@@ -272,13 +301,22 @@ pub fn generate(
         return sd.generate_until(req, noise, progress, stop);
     };
     let total = h.total_steps(req.steps);
-    let second = if h.upscaler == Upscaler::Lanczos {
+    let second = if matches!(h.upscaler, Upscaler::Lanczos | Upscaler::Model) {
         let mut counted = Counted::new(progress, 0, total);
         let first = sd.generate_until(req, noise, &mut counted, stop)?;
         if stop() == Stop::Finish {
             return Ok(first);
         }
-        h.request(req, first, None)
+        let enlarged = match (h.upscaler, model) {
+            (Upscaler::Model, Some(run)) => run(first)?,
+            (Upscaler::Model, None) => {
+                return Err(ModelError::Incompatible(
+                    "the hires fix's upscaler model is not loaded".into(),
+                ))
+            }
+            _ => first,
+        };
+        h.request(req, enlarged, None)
     } else {
         let mut counted = Counted::new(progress, 0, total);
         let z = sd.sample_latent_until(req, noise, &mut counted, stop)?;

@@ -123,7 +123,7 @@ pub fn parameters_text_of(
             h.width,
             h.height,
             h.steps,
-            h.upscaler.a1111_name()
+            h.upscaler_name()
         ));
         // A1111 quotes the hires prompts (JSON-style escapes), one line.
         let quoted = |t: &str| serde_json::to_string(&one_line_prompt(t)).unwrap_or_default();

@@ -678,6 +678,60 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
     ] {
         assert!(text.contains(want), "{want:?} not in {text:?}");
     }
+    // An ESRGAN model enlarges the first pass (A1111's upscalers by name):
+    // the same as `sdhost upscale` of the first image, then img2img from
+    // it at the larger size.
+    let esrgan = fixture("upscale/esrgan-new-x2.safetensors");
+    let (by_model, upscaled, by_hand) = (
+        d.join("by-model.png"),
+        d.join("upscaled.png"),
+        d.join("by-hand.png"),
+    );
+    run(&[
+        "-W",
+        "64",
+        "-H",
+        "48",
+        "--hires-scale",
+        "2",
+        "--hires-strength",
+        "0.5",
+        "--hires-upscale-model",
+        s(&esrgan),
+        "-o",
+        s(&by_model),
+    ])
+    .ok();
+    p.run(&[
+        "upscale",
+        "-m",
+        s(&esrgan),
+        "-i",
+        s(&first),
+        "-o",
+        s(&upscaled),
+    ])
+    .ok();
+    run(&[
+        "-W",
+        "128",
+        "-H",
+        "96",
+        "-i",
+        s(&upscaled),
+        "--strength",
+        "0.5",
+        "-o",
+        s(&by_hand),
+    ])
+    .ok();
+    assert_eq!(pixels(&by_model), pixels(&by_hand));
+    assert_ne!(pixels(&by_model), pixels(&hires));
+    let (_, _, text) = png_info(&by_model);
+    assert!(
+        text.contains("Hires upscaler: esrgan-new-x2.safetensors"),
+        "{text}"
+    );
     // A1111's "Latent": the first pass's latent enlarged (bilinear) is where
     // the second starts; its image differs from the Lanczos one.
     let latent = d.join("latent.png");

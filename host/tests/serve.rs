@@ -2816,7 +2816,15 @@ fn flux_and_edits_through_the_apis() {
 
     // An SD model edits by img2img, inpainting where the mask is
     // transparent.
-    let srv = Server::start(&["-m", s(&tiny_sd1())]);
+    let prefix = Prefix::with_cpu();
+    let ups = prefix.dir("upscalers");
+    std::fs::copy(
+        f("upscale/esrgan-new-x2.safetensors"),
+        ups.join("4x-Tiny.safetensors"),
+    )
+    .unwrap();
+    let srv = Server::start_in(prefix, &["-m", s(&tiny_sd1()), "--upscaler-dir", s(&ups)]);
+    assert_eq!(srv.get("/sdapi/v1/upscalers")[1]["name"], "4x-Tiny");
     let mask = std::fs::read(f("mask-64.png")).unwrap();
     let (ct, body) = form(
         &[("prompt", "x"), ("steps", "2"), ("strength", "0.5")],
@@ -2850,6 +2858,12 @@ fn flux_and_edits_through_the_apis() {
             (128, 128),
             "Hires prompt: \"y\", Hires sampler: DPM++ 2M",
         ),
+        (
+            json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
+                   "hr_upscaler": "4x-Tiny", "denoising_strength": 0.5}),
+            (128, 128),
+            "Hires upscaler: 4x-Tiny",
+        ),
     ] {
         let r = srv.post("/sdapi/v1/txt2img", body);
         assert_eq!(r.status, 200, "{}", r.text());
@@ -2863,6 +2877,24 @@ fn flux_and_edits_through_the_apis() {
     );
     assert_eq!(r.status, 422, "{}", r.text());
     assert!(r.text().contains("hr_upscaler"), "{}", r.text());
+    // A file of --upscaler-dir that is no upscaler: a 422 naming it.
+    std::fs::copy(
+        f("tiny-sd1-lora-kohya.safetensors"),
+        ups.join("not-an-upscaler.safetensors"),
+    )
+    .unwrap();
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
+               "hr_upscaler": "not-an-upscaler"}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert!(
+        r.text()
+            .contains("hr_upscaler: not-an-upscaler.safetensors"),
+        "{}",
+        r.text()
+    );
     let r = srv.post(
         "/sdapi/v1/txt2img",
         json!({"prompt": "x", "steps": 2, "enable_hr": true, "hr_sampler_name": "Nope"}),

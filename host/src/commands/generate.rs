@@ -102,6 +102,20 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         }
         None => None,
     };
+    // The hires fix's upscaler model, loaded before sampling too.
+    let mut hires_model = match &args.hires.model {
+        Some(m) => {
+            if args.hires.upscaler != crate::hires::Upscaler::Lanczos {
+                return Err(anyhow!(
+                    "--hires-upscale-model: the first pass is enlarged by the model, not by --hires-upscaler {}",
+                    args.hires.upscaler.a1111_name()
+                ));
+            }
+            let d = crate::upscaler::devices(session, &manager, &placement)?;
+            Some(crate::upscaler::load(m, d, args.sample.phase_memory)?)
+        }
+        None => None,
+    };
     let load_time = loading.elapsed();
     let mut req = args.sample.request(
         &loras.prompt,
@@ -171,6 +185,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
                 )
                 .map(|h| h.with_upscaler(args.hires.upscaler))
                 .map(|h| h.with_pass(hires_pass))
+                .map(|h| match &args.hires.model {
+                    Some(m) => h.with_model(crate::upscaler::file_name(m)),
+                    None => h,
+                })
                 .map_err(|e| anyhow!("--hires-scale: {e}"))?,
             )
         }
@@ -202,11 +220,28 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         let n = sd.model().latent_channels() * (req.height / f) * (req.width / f);
         sdhost_models::sampling::rng::variation_noise(req.seed, sub, strength as f32, n)
     });
+    let mut enlarge = |image: Image| -> Result<Image, ModelError> {
+        let u = hires_model
+            .as_mut()
+            .expect("loaded with --hires-upscale-model");
+        let tile = args.upscale.tuning.tile;
+        crate::upscaler::apply(u, image, 1, tile, &cancel).map_err(|e| {
+            ModelError::Incompatible(format!(
+                "--hires-upscale-model: {}",
+                crate::term::error_line(&e)
+            ))
+        })
+    };
+    let model_upscale: Option<crate::hires::ModelUpscale<'_>> = match args.hires.model {
+        Some(_) => Some(&mut enlarge),
+        None => None,
+    };
     let image = crate::hires::generate(
         &mut sd,
         &req,
         noise,
         hires.as_ref(),
+        model_upscale,
         &mut |step: usize, _: usize| bar.set_position(step as u64),
         &|| sdhost_models::pipeline::Stop::abort_if(cancel.load(Ordering::SeqCst)),
     );

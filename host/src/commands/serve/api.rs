@@ -77,6 +77,9 @@ pub struct AppState {
     /// `/controlnet/model_list` and `alwayson_scripts.controlnet` (read at
     /// each call).
     pub controlnet_dir: Option<(Arc<std::path::PathBuf>, bool)>,
+    /// `--upscaler-dir` and `--follow-symlinks`, for `/sdapi/v1/upscalers`
+    /// and `hr_upscaler` (read at each call).
+    pub upscaler_dir: Option<(Arc<std::path::PathBuf>, bool)>,
     /// The server's `sd_vae` (`POST /sdapi/v1/options`), which the workers
     /// read at each job.
     pub vae_choice: Arc<Mutex<String>>,
@@ -1181,16 +1184,14 @@ fn a1111_inpaint(f: &Fields<'_>) -> ApiResult<crate::inpaint::Options> {
 /// enlarged; `Latent`, `Latent (nearest)`, `Latent (nearest-exact)`: the
 /// latent).
 fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
-    let upscaler = match f.string("hr_upscaler")?.as_deref() {
-        None => crate::hires::Upscaler::Lanczos,
-        Some(name) => crate::hires::Upscaler::from_a1111(name).ok_or_else(|| {
-            ApiError::field(
-                "hr_upscaler",
-                format!(
-                    "{name:?} is not supported; Lanczos, None, Latent, Latent (nearest) and Latent (nearest-exact) are"
-                ),
-            )
-        })?,
+    // A name that is no built-in upscaler is an upscaler model's, looked
+    // up in --upscaler-dir by the handler.
+    let (upscaler, model_name) = match f.string("hr_upscaler")?.as_deref() {
+        None => (crate::hires::Upscaler::Lanczos, None),
+        Some(name) => match crate::hires::Upscaler::from_a1111(name) {
+            Some(u) => (u, None),
+            None => (crate::hires::Upscaler::Model, Some(name.to_string())),
+        },
     };
     let scale = f.float("hr_scale", 1.0, 8.0)?.unwrap_or(2.0);
     let x = f.int("hr_resize_x", 0, MAX_SIDE)?.unwrap_or(0) as usize;
@@ -1229,6 +1230,8 @@ fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
             negative: text("hr_negative_prompt")?,
             sampler,
         },
+        model_name,
+        model: None,
     })
 }
 
@@ -1784,6 +1787,7 @@ async fn txt2img(
     let body = json_body(body)?;
     let f = Fields(&body);
     let mut work = gen_work(&f, "txt2img", 50, &st.options())?;
+    hires_model(&st, &mut work).await?;
     work.model = model_override(&st, &f)?;
     work.vae = vae_override(&st, &f).await?;
     work.keep_model = f.boolean("override_settings_restore_afterwards")? == Some(false);
@@ -2339,10 +2343,56 @@ async fn png_info(body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>>
 
 /// The upscalers a request may pick: none (`--upscale-model` applies to
 /// every image), as A1111 lists its "None".
-async fn upscalers() -> Json<Value> {
-    Json(
-        json!([{"name": "None", "model_name": null, "model_path": null, "model_url": null, "scale": 1}]),
-    )
+async fn upscalers(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let mut list = vec![
+        json!({"name": "None", "model_name": null, "model_path": null, "model_url": null, "scale": 1}),
+    ];
+    list.extend(upscaler_list(&st).await?.into_iter().map(|(name, _)| {
+        json!({"name": name, "model_name": "ESRGAN", "model_path": format!("{name}"), "model_url": null, "scale": 4})
+    }));
+    Ok(Json(Value::Array(list)))
+}
+
+/// The upscaler models of `--upscaler-dir`, by name, on a blocking thread.
+async fn upscaler_list(st: &AppState) -> ApiResult<Vec<(String, std::path::PathBuf)>> {
+    let Some((dir, follow)) = st.upscaler_dir.clone() else {
+        return Ok(Vec::new());
+    };
+    blocking("internal", "listing --upscaler-dir", move || {
+        super::folders::upscaler_files(Some(&dir), follow)
+    })
+    .await
+}
+
+/// Resolves a hires fix's `hr_upscaler` that names no built-in upscaler
+/// against `--upscaler-dir` (a 422 listing what there is).
+async fn hires_model(st: &AppState, work: &mut GenWork) -> ApiResult<()> {
+    let Some(name) = work.hires.as_ref().and_then(|h| h.model_name.clone()) else {
+        return Ok(());
+    };
+    let list = upscaler_list(st).await?;
+    let found = list
+        .iter()
+        .find(|(n, _)| *n == name)
+        .or_else(|| list.iter().find(|(n, _)| n.eq_ignore_ascii_case(&name)));
+    match (found, work.hires.as_mut()) {
+        (Some((n, p)), Some(h)) => {
+            h.model = Some((n.clone(), p.clone()));
+            Ok(())
+        }
+        _ => {
+            let names: Vec<&str> = list.iter().map(|n| n.0.as_str()).collect();
+            Err(ApiError::field(
+                "hr_upscaler",
+                format!(
+                    "{:?} is not supported; Lanczos, None, Latent, Latent (nearest), Latent (nearest-exact){}{} are",
+                    crate::term::clean(&name),
+                    if names.is_empty() { "" } else { " and --upscaler-dir's " },
+                    names.join(", ")
+                ),
+            ))
+        }
+    }
 }
 
 async fn openai_models(State(st): State<AppState>) -> Json<Value> {

@@ -118,3 +118,19 @@ pub fn controlnet_files(
         })
         .collect()
 }
+
+/// The upscaler models of `--upscaler-dir` (`.pth` and `.safetensors`
+/// files inside the folder, sorted), by file stem, with their paths; a
+/// file that is no upscaler is refused when a request picks it.
+pub fn upscaler_files(
+    dir: Option<&std::path::Path>,
+    follow: bool,
+) -> Vec<(String, std::path::PathBuf)> {
+    let Some(dir) = dir else {
+        return Vec::new();
+    };
+    folder_files(dir, "--upscaler-dir", follow, &["pth", "safetensors"])
+        .into_iter()
+        .filter_map(|p| Some((p.file_stem()?.to_string_lossy().into_owned(), p)))
+        .collect()
+}

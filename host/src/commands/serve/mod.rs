@@ -242,6 +242,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
     for (flag, dir) in [
         ("--vae-dir", &args.vae_dir),
         ("--controlnet-dir", &args.controlnet_dir),
+        ("--upscaler-dir", &args.upscaler_dir),
     ] {
         if let Some(d) = dir {
             if !d.is_dir() {
@@ -305,6 +306,10 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
             .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
         controlnet_dir: args
             .controlnet_dir
+            .clone()
+            .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
+        upscaler_dir: args
+            .upscaler_dir
             .clone()
             .map(|d| (Arc::new(d), args.lora.follow_symlinks)),
         vae_choice: vae_choice.clone(),

@@ -173,6 +173,10 @@ pub struct HiresAsk {
     /// `hr_prompt`, `hr_negative_prompt` (LoRA tags still in the prompt)
     /// and `hr_sampler_name`.
     pub pass: crate::hires::Pass,
+    /// `hr_upscaler` where it names an upscaler model.
+    pub model_name: Option<String>,
+    /// That model's name and file in `--upscaler-dir`.
+    pub model: Option<(String, PathBuf)>,
 }
 
 /// `sd_vae`: each model gets `--vae` or the first `--vae-dir` file that
@@ -374,6 +378,8 @@ pub struct Loaded<'m> {
     /// The ControlNets and IP-Adapter loaded beside it.
     extras: Extras,
     upscaler: Option<Upscaler<'m>>,
+    /// The hires fix's upscaler model last asked for, kept loaded.
+    hires_model: Option<(PathBuf, Upscaler<'m>)>,
     /// The autoencoder file that replaced the model's VAE (the PNGs
     /// record it; not `--taesd`'s).
     vae_path: Option<std::path::PathBuf>,
@@ -507,6 +513,7 @@ impl<'m> Worker<'_, 'm> {
             loras: loras.to_vec(),
             extras: extras.clone(),
             upscaler,
+            hires_model: None,
             vae_path,
             vae_choice: vae_choice.to_string(),
         };
@@ -574,13 +581,19 @@ impl<'m> Worker<'_, 'm> {
     /// client sees file names, never where they are on the server's disk).
     fn without_folders(&self, msg: &str) -> String {
         let (a, l) = (&self.args.load, &self.args.load.components);
-        let mut dirs: Vec<std::path::PathBuf> = [&self.args.models_dir, &self.args.vae_dir]
-            .into_iter()
-            .flatten()
-            .cloned()
-            .collect();
+        let mut dirs: Vec<std::path::PathBuf> = [
+            &self.args.models_dir,
+            &self.args.vae_dir,
+            &self.args.controlnet_dir,
+            &self.args.upscaler_dir,
+        ]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
         for f in [
             &self.args.model,
+            &self.args.clip_vision,
             &a.vae,
             &a.taesd,
             &l.t5xxl,
@@ -957,6 +970,28 @@ impl<'m> Worker<'_, 'm> {
                 }),
             ),
         };
+        // The hires fix's upscaler model (`hr_upscaler` naming a file of
+        // --upscaler-dir), loaded at its first use and kept.
+        let hires = match (hires, g.hires.as_ref().and_then(|a| a.model.clone())) {
+            (Some(hz), Some((name, path))) => {
+                if l.hires_model.as_ref().map(|m| &m.0) != Some(&path) {
+                    l.hires_model = None;
+                    let d = crate::upscaler::devices(self.session, self.manager, &l.placement)
+                        .map_err(|e| JobError::Failed(crate::term::error_line(&e)))?;
+                    let up = crate::upscaler::load(&path, d, self.args.load.phase_memory).map_err(
+                        |e| {
+                            JobError::Invalid(format!(
+                                "hr_upscaler: {}",
+                                self.without_folders(&crate::term::error_line(&e))
+                            ))
+                        },
+                    )?;
+                    l.hires_model = Some((path, up));
+                }
+                Some(hz.with_model(name))
+            }
+            (hz, _) => hz,
+        };
         let mut out = GenOutput {
             images: Vec::new(),
             infotexts: Vec::new(),
@@ -1006,11 +1041,31 @@ impl<'m> Worker<'_, 'm> {
                 let n = l.sd.model().latent_channels() * (h / f) * (w / f);
                 variation_noise(req.seed, sub.wrapping_add(i as u64), strength, n)
             });
+            let tile = self.args.upscale.tuning.tile;
+            let mut enlarge = |image: Image| -> Result<Image, ModelError> {
+                let Some((_, u)) = l.hires_model.as_mut() else {
+                    return Err(ModelError::Incompatible(
+                        "no hires upscaler model is loaded".into(),
+                    ));
+                };
+                crate::upscaler::apply(u, image, 1, tile, cancel).map_err(|e| {
+                    match e.downcast::<ModelError>() {
+                        Ok(m) => m,
+                        Err(e) => ModelError::Incompatible(crate::term::error_line(&e)),
+                    }
+                })
+            };
+            let model_upscale: Option<crate::hires::ModelUpscale<'_>> =
+                match hires.as_ref().map(|h| h.upscaler) {
+                    Some(crate::hires::Upscaler::Model) => Some(&mut enlarge),
+                    _ => None,
+                };
             let image = crate::hires::generate(
                 &mut l.sd,
                 &req,
                 noise,
                 hires.as_ref(),
+                model_upscale,
                 &mut Reporter {
                     queue: &self.queue,
                     replica: self.replica,
