@@ -669,6 +669,7 @@ pub struct GenerateArgs {
 
 /// Hires fix: a second, img2img pass at a larger size.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("hires").args(["hires_scale", "hires_size"])))]
 pub struct HiresArgs {
     /// Hires fix: generate, enlarge the image this many times (Lanczos; each
     /// side rounded down to the model's multiple), and run img2img at that
@@ -676,8 +677,13 @@ pub struct HiresArgs {
     #[arg(id = "hires_scale", long = "hires-scale", value_name = "SCALE", value_parser = parse_hires_scale)]
     pub scale: Option<f64>,
 
+    /// Hires fix to this size instead of a scale (each side a multiple of
+    /// the model's, at least the first pass's)
+    #[arg(id = "hires_size", long = "hires-size", value_name = "WxH", conflicts_with = "hires_scale", value_parser = parse_hires_size)]
+    pub size: Option<(usize, usize)>,
+
     /// Steps of the hires pass (default: --steps); it runs steps × strength
-    #[arg(id = "hires_steps", long = "hires-steps", value_name = "N", requires = "hires_scale", value_parser = clap::value_parser!(u32).range(1..=1000))]
+    #[arg(id = "hires_steps", long = "hires-steps", value_name = "N", requires = "hires", value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub steps: Option<u32>,
 
     /// What is enlarged: the image (`lanczos`) or the latent (`latent`:
@@ -687,13 +693,13 @@ pub struct HiresArgs {
         long = "hires-upscaler",
         value_name = "HOW",
         default_value = "lanczos",
-        requires = "hires_scale",
+        requires = "hires",
         value_parser = str::parse::<crate::hires::Upscaler>
     )]
     pub upscaler: crate::hires::Upscaler,
 
     /// Denoising strength of the hires pass, in (0, 1]
-    #[arg(id = "hires_strength", long = "hires-strength", value_name = "S", default_value_t = 0.55, requires = "hires_scale", value_parser = parse_strength)]
+    #[arg(id = "hires_strength", long = "hires-strength", value_name = "S", default_value_t = 0.55, requires = "hires", value_parser = parse_strength)]
     pub strength: f64,
 
     /// Enlarge the first pass with this ESRGAN / Real-ESRGAN model (then
@@ -702,7 +708,7 @@ pub struct HiresArgs {
         id = "hires_upscale_model",
         long = "hires-upscale-model",
         value_name = "FILE",
-        requires = "hires_scale"
+        requires = "hires"
     )]
     pub model: Option<PathBuf>,
 
@@ -712,7 +718,7 @@ pub struct HiresArgs {
         id = "hires_prompt",
         long = "hires-prompt",
         value_name = "TEXT",
-        requires = "hires_scale"
+        requires = "hires"
     )]
     pub prompt: Option<String>,
 
@@ -721,7 +727,7 @@ pub struct HiresArgs {
         id = "hires_negative",
         long = "hires-negative-prompt",
         value_name = "TEXT",
-        requires = "hires_scale"
+        requires = "hires"
     )]
     pub negative: Option<String>,
 
@@ -730,9 +736,21 @@ pub struct HiresArgs {
         id = "hires_sampler",
         long = "hires-sampler",
         value_name = "NAME",
-        requires = "hires_scale"
+        requires = "hires"
     )]
     pub sampler: Option<sdhost_models::sampling::Sampler>,
+}
+
+fn parse_hires_size(s: &str) -> Result<(usize, usize), String> {
+    let (w, h) = s
+        .split_once(['x', 'X'])
+        .ok_or_else(|| format!("{s:?} is not WIDTHxHEIGHT"))?;
+    let side = |v: &str| match v.trim().parse::<usize>() {
+        Ok(n) if (8..=8192).contains(&n) => Ok(n),
+        Ok(n) => Err(format!("{n} is outside 8..=8192")),
+        Err(_) => Err(format!("{v:?} is not a number")),
+    };
+    Ok((side(w)?, side(h)?))
 }
 
 fn parse_hires_scale(s: &str) -> Result<f64, String> {

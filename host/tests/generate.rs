@@ -620,6 +620,43 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
     ] {
         assert!(text.contains(want), "{want:?} not in {text:?}");
     }
+    // --hires-size: the same pass by its size.
+    let sized = d.join("sized.png");
+    run(&[
+        "-W",
+        "64",
+        "-H",
+        "48",
+        "--hires-size",
+        "128x96",
+        "--hires-strength",
+        "0.5",
+        "-o",
+        s(&sized),
+    ])
+    .ok();
+    assert_eq!(pixels(&sized), pixels(&hires));
+    for (size, says) in [
+        ("100x96", "100×96 must be a positive multiple of 8"),
+        (
+            "32x32",
+            "--hires-size: a hires size of 32x32 is not between 64x48",
+        ),
+    ] {
+        let r = run(&[
+            "-W",
+            "64",
+            "-H",
+            "48",
+            "--hires-size",
+            size,
+            "-o",
+            s(&d.join("never.png")),
+        ]);
+        assert_eq!(r.code, Some(1), "{}", r.stderr);
+        assert!(r.stderr.contains(says), "{}", r.stderr);
+        assert!(!d.join("never.png").exists());
+    }
     // The hires pass's own prompts and sampler (A1111's hr_prompt,
     // hr_negative_prompt, hr_sampler_name): the same as img2img with them.
     let (own, own_second) = (d.join("own.png"), d.join("own-second.png"));

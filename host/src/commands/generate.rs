@@ -61,7 +61,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
             vae.as_ref(),
             &loras.specs,
             args.lora.apply,
-            init.is_some() || !references.is_empty() || args.hires.scale.is_some(),
+            init.is_some()
+                || !references.is_empty()
+                || args.hires.scale.is_some()
+                || args.hires.size.is_some(),
         )?
     };
     // Memory budgets: measured on placeholders before any weight is read.
@@ -69,14 +72,16 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         references.iter().map(|r| (r.width, r.height)).collect();
     // With hires fix the second pass is the run's largest: fit measures
     // at its size (so it tiles the VAE there when the budget says so).
-    let hires_size = args.hires.scale.map(|scale| {
-        let first = |asked: Option<u32>, from_init: Option<usize>| {
-            asked.map_or(from_init.unwrap_or(defaults.size), |v| v as usize)
-        };
-        let w0 = first(args.sample.width, init.as_ref().map(|i| i.image.width));
-        let h0 = first(args.sample.height, init.as_ref().map(|i| i.image.height));
-        let side = |v: usize| ((v as f64 * scale) as usize) / 16 * 16;
-        (side(w0).max(16), side(h0).max(16))
+    let hires_size = args.hires.size.or_else(|| {
+        args.hires.scale.map(|scale| {
+            let first = |asked: Option<u32>, from_init: Option<usize>| {
+                asked.map_or(from_init.unwrap_or(defaults.size), |v| v as usize)
+            };
+            let w0 = first(args.sample.width, init.as_ref().map(|i| i.image.width));
+            let h0 = first(args.sample.height, init.as_ref().map(|i| i.image.height));
+            let side = |v: usize| ((v as f64 * scale) as usize) / 16 * 16;
+            (side(w0).max(16), side(h0).max(16))
+        })
     });
     let fit = Fit {
         width: hires_size
@@ -172,27 +177,44 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         negative: args.hires.negative.clone(),
         sampler: args.hires.sampler,
     };
-    let hires = match args.hires.scale {
-        Some(scale) => {
-            let steps = args.hires.steps.map_or(0, |s| s as usize);
-            Some(
-                crate::hires::Hires::scaled(
-                    (req.width, req.height, req.steps),
-                    scale,
-                    steps,
-                    args.hires.strength,
-                    sd.size_multiple(),
-                )
+    let steps = args.hires.steps.map_or(0, |s| s as usize);
+    let first = (req.width, req.height, req.steps);
+    let asked = match (args.hires.scale, args.hires.size) {
+        (_, Some((w, h))) => {
+            let m = sd.size_multiple();
+            let sized = if w % m != 0 || h % m != 0 {
+                Err(format!(
+                    "{w}x{h} is not a multiple of {m}, this model's size multiple"
+                ))
+            } else {
+                crate::hires::Hires::sized(first, (w, h), steps, args.hires.strength)
+            };
+            Some(("--hires-size", sized))
+        }
+        (Some(scale), None) => Some((
+            "--hires-scale",
+            crate::hires::Hires::scaled(
+                first,
+                scale,
+                steps,
+                args.hires.strength,
+                sd.size_multiple(),
+            ),
+        )),
+        (None, None) => None,
+    };
+    let hires = match asked {
+        None => None,
+        Some((flag, sized)) => Some(
+            sized
                 .map(|h| h.with_upscaler(args.hires.upscaler))
                 .map(|h| h.with_pass(hires_pass))
                 .map(|h| match &args.hires.model {
                     Some(m) => h.with_model(crate::upscaler::file_name(m)),
                     None => h,
                 })
-                .map_err(|e| anyhow!("--hires-scale: {e}"))?,
-            )
-        }
-        None => None,
+                .map_err(|e| anyhow!("{flag}: {e}"))?,
+        ),
     };
 
     tracing::info!(

@@ -1190,6 +1190,15 @@ fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
         None => (crate::hires::Upscaler::Lanczos, None),
         Some(name) => match crate::hires::Upscaler::from_a1111(name) {
             Some(u) => (u, None),
+            // A1111's other latent upscalers are no model's name.
+            None if name.trim().to_ascii_lowercase().starts_with("latent") => {
+                return Err(ApiError::field(
+                    "hr_upscaler",
+                    format!(
+                        "{name:?} is not supported; Lanczos, None, Latent, Latent (nearest), Latent (nearest-exact) and the models of --upscaler-dir are"
+                    ),
+                ))
+            }
             None => (crate::hires::Upscaler::Model, Some(name.to_string())),
         },
     };
