@@ -13,7 +13,6 @@ use sdhost_models::denoisers::controlnet::{self, ControlInput};
 use sdhost_models::denoisers::unet::{Residuals, UnetInput};
 use sdhost_models::request::{Control, LoadOptions, Request};
 use sdhost_models::runtime::module::WeightPolicy;
-use sdhost_models::sampling::{Sampler, Scheduler};
 use std::collections::HashMap;
 
 /// Relative to the reference's largest magnitude: f16 weights against
@@ -39,21 +38,8 @@ fn with_control_pipeline(
 
 fn request(controls: Vec<Control>) -> Request {
     Request {
-        prompt: "a photo of a cat".into(),
-        negative: String::new(),
-        steps: 3,
-        cfg_scale: 7.0,
-        guidance: 3.5,
-        width: 64,
-        height: 64,
-        seed: 0,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Discrete,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
         controls,
-        ip: None,
+        ..cfg_request(3)
     }
 }
 
@@ -548,19 +534,12 @@ fn bad_controlnet_input_fails_with_one_line_and_no_output() {
     for (extra, code, needle) in cases {
         let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
         let r = generate(&p, &target, &extra);
-        assert_eq!(r.code, Some(code), "{extra:?}: {}", r.stderr);
-        assert!(r.stderr.contains(needle), "{extra:?}: {}", r.stderr);
-        if code == 1 {
-            let errors = r.stderr.lines().filter(|l| l.starts_with("error:")).count();
-            assert_eq!(errors, 1, "{extra:?}: {}", r.stderr);
-        }
-        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
-        assert!(!target.exists(), "{extra:?} left {}", target.display());
-        assert_eq!(
-            listing(&out).len(),
-            1,
-            "no temporary file: {:?}",
-            listing(&out)
+        assert_refused(
+            &r,
+            &format!("{extra:?}"),
+            (code, needle),
+            &target,
+            (&out, 1),
         );
     }
 }

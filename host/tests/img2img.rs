@@ -11,7 +11,6 @@ use sdhost::image_io;
 use sdhost_models::pipeline::{to_planes, Pipeline};
 use sdhost_models::request::{Init, LoadOptions, Request};
 use sdhost_models::runtime::module::WeightPolicy;
-use sdhost_models::sampling::{Sampler, Scheduler};
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -34,21 +33,8 @@ fn with_pipeline(file: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
 
 fn request(steps: usize, init: Option<Init>) -> Request {
     Request {
-        prompt: "a photo of a cat".into(),
-        negative: String::new(),
-        steps,
-        cfg_scale: 7.0,
-        guidance: 3.5,
-        width: 64,
-        height: 64,
-        seed: 0,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Discrete,
-        clip_skip: 1,
         init,
-        reference: Vec::new(),
-        controls: Vec::new(),
-        ip: None,
+        ..cfg_request(steps)
     }
 }
 
@@ -271,20 +257,12 @@ fn bad_images_masks_and_strengths_fail_with_one_line_and_no_output() {
     ];
     for (extra, code, needle) in cases {
         let r = generate(&p, "tiny-sd1.safetensors", &target, &extra);
-        assert_eq!(r.code, Some(code), "{extra:?}: {}", r.stderr);
-
-        assert!(r.stderr.contains(needle), "{extra:?}: {}", r.stderr);
-        if code == 1 {
-            let errors = r.stderr.lines().filter(|l| l.starts_with("error:")).count();
-            assert_eq!(errors, 1, "{extra:?}: {}", r.stderr);
-        }
-        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
-        assert!(!target.exists(), "{extra:?} left {}", target.display());
-        assert_eq!(
-            listing(&out).len(),
-            4,
-            "no temporary file left: {:?}",
-            listing(&out)
+        assert_refused(
+            &r,
+            &format!("{extra:?}"),
+            (code, needle),
+            &target,
+            (&out, 4),
         );
     }
 }

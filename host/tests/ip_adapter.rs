@@ -14,7 +14,6 @@ use sdhost_models::encoders::clip_vision::{self, VisionOutput};
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{IpImage, LoadOptions, Request};
 use sdhost_models::runtime::module::WeightPolicy;
-use sdhost_models::sampling::{Sampler, Scheduler};
 use std::collections::HashMap;
 
 /// Relative to the reference's largest magnitude: f16 weights against f32
@@ -40,21 +39,8 @@ fn with_ip(adapter: &str, device: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
 
 fn request(ip: Option<IpImage>) -> Request {
     Request {
-        prompt: "a photo of a cat".into(),
-        negative: String::new(),
-        steps: 3,
-        cfg_scale: 7.0,
-        guidance: 3.5,
-        width: 64,
-        height: 64,
-        seed: 0,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Discrete,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
-        controls: Vec::new(),
         ip,
+        ..cfg_request(3)
     }
 }
 
@@ -427,19 +413,12 @@ fn bad_ip_adapter_input_fails_with_one_line_and_no_output() {
     ];
     for (extra, code, needle) in cases {
         let r = generate(&p, &target, &extra);
-        assert_eq!(r.code, Some(code), "{extra:?}: {}", r.stderr);
-        assert!(r.stderr.contains(needle), "{extra:?}: {}", r.stderr);
-        if code == 1 {
-            let errors = r.stderr.lines().filter(|l| l.starts_with("error:")).count();
-            assert_eq!(errors, 1, "{extra:?}: {}", r.stderr);
-        }
-        assert!(!r.stderr.contains("panicked"), "{}", r.stderr);
-        assert!(!target.exists(), "{extra:?} left {}", target.display());
-        assert_eq!(
-            listing(&out).len(),
-            1,
-            "no temporary file: {:?}",
-            listing(&out)
+        assert_refused(
+            &r,
+            &format!("{extra:?}"),
+            (code, needle),
+            &target,
+            (&out, 1),
         );
     }
     // An SDXL model with the SD 1.x adapter.

@@ -714,3 +714,52 @@ pub fn json_row<'v>(
         .and_then(|a| a.iter().find(|m| m[key] == name))
         .unwrap_or_else(|| panic!("no {name} in {list}: {v}"))
 }
+
+/// The tiny SD 1.x pipeline's 64×64 request of the diffusers references:
+/// "a photo of a cat" against the empty prompt at CFG 7, Euler on the
+/// discrete schedule, `steps` steps.
+pub fn cfg_request(steps: usize) -> sdhost_models::request::Request {
+    sdhost_models::request::Request {
+        prompt: "a photo of a cat".into(),
+        negative: String::new(),
+        steps,
+        cfg_scale: 7.0,
+        guidance: 3.5,
+        width: 64,
+        height: 64,
+        seed: 0,
+        sampler: sdhost_models::sampling::Sampler::Euler,
+        scheduler: sdhost_models::sampling::Scheduler::Discrete,
+        clip_skip: 1,
+        init: None,
+        reference: Vec::new(),
+        controls: Vec::new(),
+        ip: None,
+    }
+}
+
+/// A refused run: exit `code`, `needle` in its stderr, one `error:` line
+/// where it failed running (exit 1), no panic, `target` not written and
+/// no temporary file beside it (`dir` holds `files` entries).
+pub fn assert_refused(
+    r: &Run,
+    what: &str,
+    (code, needle): (i32, &str),
+    target: &Path,
+    (dir, files): (&Path, usize),
+) {
+    assert_eq!(r.code, Some(code), "{what}: {}", r.stderr);
+    assert!(r.stderr.contains(needle), "{what}: {}", r.stderr);
+    if code == 1 {
+        let errors = r.stderr.lines().filter(|l| l.starts_with("error:")).count();
+        assert_eq!(errors, 1, "{what}: {}", r.stderr);
+    }
+    assert!(!r.stderr.contains("panicked"), "{what}: {}", r.stderr);
+    assert!(!target.exists(), "{what} left {}", target.display());
+    assert_eq!(
+        listing(dir).len(),
+        files,
+        "{what}: no temporary file left: {:?}",
+        listing(dir)
+    );
+}
