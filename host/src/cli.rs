@@ -110,7 +110,7 @@ pub enum Command {
     Plan(PlanArgs),
     /// Run each op our models use on a device and on the CPU and compare the results
     Check(CheckArgs),
-    /// Generate an image from a text prompt with an SD 1.x, SD 2.x or SDXL checkpoint
+    /// Generate an image from a text prompt (SD 1.x, 2.x, XL, FLUX.1, Z-Image, FLUX.2 klein)
     Generate(Box<GenerateArgs>),
     /// Serve the A1111 (`/sdapi/v1`) and OpenAI image APIs and a web page, with the model loaded
     Serve(Box<ServeArgs>),
