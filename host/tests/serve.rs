@@ -2218,15 +2218,6 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
     assert!(!plain.2.contains("Tiling") && !again.2.contains("Tiling"));
     assert_ne!(plain.3, tiled.3);
     assert_eq!(plain.3, again.3);
-    for (field, extra) in [("seed_resize_from_w", json!({"seed_resize_from_w": 128}))] {
-        let mut body = small("x", 1);
-        for (k, v) in extra.as_object().unwrap() {
-            body[k] = v.clone();
-        }
-        let r = srv.post("/sdapi/v1/txt2img", body);
-        assert_eq!(r.status, 422, "{field}: {}", r.text());
-        assert!(r.text().contains(field), "{}", r.text());
-    }
     // Variation seeds.
     let image = |extra: Value| {
         let mut body = small("a cat", 7);
@@ -2251,6 +2242,27 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
     assert_eq!(
         (info["subseed"].clone(), info["subseed_strength"].clone()),
         (json!(5), json!(0.5))
+    );
+    // "Resize seed from": the image's own size is the plain seed; another
+    // size changes the noise, recorded as A1111 does; one of the two
+    // alone (or -1) is none.
+    let px = |v: &Value| png_of(v["images"][0].as_str().unwrap()).3;
+    let own = image(json!({"seed_resize_from_w": 64, "seed_resize_from_h": 64}));
+    assert!(
+        px(&own) == px(&base),
+        "the image's own size is the plain seed"
+    );
+    let wide = image(json!({"seed_resize_from_w": 128, "seed_resize_from_h": 32}));
+    assert!(px(&wide) != px(&base), "another size changes the noise");
+    let (_, _, text, _) = png_of(wide["images"][0].as_str().unwrap());
+    assert!(text.contains("Seed resize from: 128x32"), "{text}");
+    let one = image(json!({"seed_resize_from_w": 128, "seed_resize_from_h": -1}));
+    assert!(px(&one) == px(&base), "one of the two alone is none");
+    let both = image(json!({"seed_resize_from_w": 128, "seed_resize_from_h": 32,
+                            "subseed": 5, "subseed_strength": 0.5}));
+    assert!(
+        px(&both) != px(&wide),
+        "variation seeds apply to the resized seed"
     );
 }
 

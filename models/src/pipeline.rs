@@ -460,6 +460,11 @@ impl<'b> Pipeline<'b> {
         }
         let n_latent: usize = shape.iter().product();
         let mut rng = Philox::new(req.seed);
+        // The seed's initial noise is drawn even where `noise` replaces it,
+        // so the noise the ancestral samplers draw next is the seed's
+        // either way (variation seeds and a resized seed change only the
+        // initial noise, as in A1111).
+        let seeded = rng.randn(n_latent);
         let noise = match noise {
             Some(v) if v.len() == n_latent => v,
             Some(v) => {
@@ -471,7 +476,7 @@ impl<'b> Pipeline<'b> {
                     ),
                 ))
             }
-            None => rng.randn(n_latent),
+            None => seeded,
         };
 
         let guidance = self.model.guidance(req.cfg_scale);

@@ -64,6 +64,53 @@ impl Philox {
     }
 }
 
+/// A1111's "Resize seed from": the initial noise of a latent of `from`
+/// cells (`(h, w)`; moved towards `variation`'s subseed by its strength,
+/// as [`variation_noise`]) put centred into the plain noise of `seed` for
+/// the `to` latent, cut where it is larger: A1111's
+/// `create_random_tensors`, whose offsets floor as Python's `//` does.
+/// Both noises are `[channels, h, w]`.
+pub fn resized_seed_noise(
+    seed: u64,
+    variation: Option<(u64, f32)>,
+    channels: usize,
+    to: (usize, usize),
+    from: (usize, usize),
+) -> Vec<f32> {
+    let ((th, tw), (fh, fw)) = (to, from);
+    let noise = match variation {
+        Some((sub, strength)) => variation_noise(seed, sub, strength, channels * fh * fw),
+        None => Philox::new(seed).randn(channels * fh * fw),
+    };
+    if to == from {
+        return noise;
+    }
+    let mut x = Philox::new(seed).randn(channels * th * tw);
+    let dx = (tw as i64 - fw as i64).div_euclid(2);
+    let dy = (th as i64 - fh as i64).div_euclid(2);
+    let w = if dx >= 0 {
+        fw as i64
+    } else {
+        fw as i64 + 2 * dx
+    };
+    let h = if dy >= 0 {
+        fh as i64
+    } else {
+        fh as i64 + 2 * dy
+    };
+    let (tx, ty, sx, sy) = (dx.max(0), dy.max(0), (-dx).max(0), (-dy).max(0));
+    for c in 0..channels {
+        for r in 0..h.max(0) {
+            for k in 0..w.max(0) {
+                let to_at = c * th * tw + (ty + r) as usize * tw + (tx + k) as usize;
+                let from_at = c * fh * fw + (sy + r) as usize * fw + (sx + k) as usize;
+                x[to_at] = noise[from_at];
+            }
+        }
+    }
+    x
+}
+
 /// A1111's variation seeds: the initial noise of `seed` moved towards that
 /// of `subseed` by `strength` (0: `seed`'s, 1: `subseed`'s), by spherical
 /// interpolation over the whole latent (A1111's `slerp`, which keeps the
@@ -106,6 +153,30 @@ pub fn variation_noise(seed: u64, subseed: u64, strength: f32, n: usize) -> Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resized_seed_is_centred_or_cut_as_a1111_does() {
+        let plain = |h: usize, w: usize| Philox::new(7).randn(h * w);
+        // The same size: the plain noise.
+        assert_eq!(resized_seed_noise(7, None, 1, (4, 6), (4, 6)), plain(4, 6));
+        // Smaller: its noise in the middle of the larger one's.
+        let got = resized_seed_noise(7, None, 1, (4, 6), (2, 2));
+        let (small, big) = (plain(2, 2), plain(4, 6));
+        for (i, v) in got.iter().enumerate() {
+            let (r, k) = (i / 6, i % 6);
+            let want = match (r, k) {
+                (1..=2, 2..=3) => small[(r - 1) * 2 + (k - 2)],
+                _ => big[i],
+            };
+            assert_eq!(*v, want, "{r},{k}");
+        }
+        // Larger by an odd amount: Python's floor takes one more from the
+        // left than from the right (5 of 8 columns: dx = -2, columns 2..6).
+        let got = resized_seed_noise(7, None, 1, (1, 5), (1, 8));
+        let (from, own) = (plain(1, 8), plain(1, 5));
+        assert_eq!(&got[..4], &from[2..6]);
+        assert_eq!(got[4], own[4]);
+    }
 
     #[test]
     fn variation_runs_from_one_seed_to_the_other() {

@@ -920,14 +920,14 @@ fn gen_work(
     };
     // Fields that would change the image: honoured, or refused naming them
     // (never a silent 200).
-    for field in ["seed_resize_from_w", "seed_resize_from_h"] {
-        if f.int(field, -1, MAX_SIDE)?.is_some_and(|v| v > 0) {
-            return Err(ApiError::field(
-                field,
-                "resizing the seed's noise is not supported by sdhost (leave it -1)",
-            ));
-        }
-    }
+    // A1111's "Resize seed from": both above 0, or neither.
+    let seed_resize = match (
+        f.int("seed_resize_from_w", -1, MAX_SIDE)?,
+        f.int("seed_resize_from_h", -1, MAX_SIDE)?,
+    ) {
+        (Some(w), Some(h)) if w > 0 && h > 0 => Some((w as usize, h as usize)),
+        _ => None,
+    };
     let variation = match f.float("subseed_strength", 0.0, 1.0)? {
         Some(s) if s > 0.0 => Some((seed_field(f, "subseed")?, s as f32)),
         _ => None,
@@ -962,6 +962,7 @@ fn gen_work(
         reference: Vec::new(),
         controls: Vec::new(),
         ip: None,
+        seed_resize,
         hires,
         edit: false,
         model: None,

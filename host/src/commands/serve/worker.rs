@@ -29,7 +29,7 @@ use sdhost_models::pipeline::{Pipeline, Stop};
 use sdhost_models::preview::Progress;
 use sdhost_models::request::{Image, Init, Request};
 use sdhost_models::runtime::tiling::Tiling;
-use sdhost_models::sampling::rng::variation_noise;
+use sdhost_models::sampling::rng::{resized_seed_noise, variation_noise};
 use sdhost_models::sampling::{Sampler, Scheduler};
 use sdhost_models::upscale::Upscaler;
 use sdhost_models::ModelError;
@@ -227,6 +227,8 @@ pub struct GenWork {
     /// An IP-Adapter unit (`alwayson_scripts.controlnet` with an
     /// IP-Adapter model).
     pub ip: Option<IpWork>,
+    /// A1111's "Resize seed from" (`seed_resize_from_w`, `_h`), in pixels.
+    pub seed_resize: Option<(usize, usize)>,
     /// An edit (`/v1/images/edits`): the images are references where the
     /// model takes them (`reference`), else the first is img2img's `init`
     /// (inpainting with the mask); the worker drops the other.
@@ -1036,11 +1038,22 @@ impl<'m> Worker<'_, 'm> {
             };
             // Variation seeds: this image's noise moved towards its
             // subseed's (A1111 counts both up per image).
-            let noise = g.variation.map(|(sub, strength)| {
-                let f = l.sd.first_stage().format().spatial;
-                let n = l.sd.model().latent_channels() * (h / f) * (w / f);
-                variation_noise(req.seed, sub.wrapping_add(i as u64), strength, n)
-            });
+            let f = l.sd.first_stage().format().spatial;
+            let channels = l.sd.model().latent_channels();
+            let variation = g.variation.map(|(sub, s)| (sub.wrapping_add(i as u64), s));
+            let noise = match g.seed_resize {
+                // "Resize seed from": the seed's noise made for that size.
+                Some((sw, sh)) => Some(resized_seed_noise(
+                    req.seed,
+                    variation,
+                    channels,
+                    (h / f, w / f),
+                    ((sh / f).max(1), (sw / f).max(1)),
+                )),
+                None => variation.map(|(sub, strength)| {
+                    variation_noise(req.seed, sub, strength, channels * (h / f) * (w / f))
+                }),
+            };
             let tile = self.args.upscale.tuning.tile;
             let mut enlarge = |image: Image| -> Result<Image, ModelError> {
                 let Some((_, u)) = l.hires_model.as_mut() else {
@@ -1135,6 +1148,9 @@ impl<'m> Worker<'_, 'm> {
                     ", Variation seed: {}, Variation seed strength: {strength}",
                     sub.wrapping_add(i as u64)
                 );
+            }
+            if let Some((sw, sh)) = g.seed_resize {
+                text += &format!(", Seed resize from: {sw}x{sh}");
             }
             let mut png = Vec::new();
             encode_png(&mut png, &image, &text).map_err(|e| JobError::Failed(e.to_string()))?;
