@@ -11,7 +11,8 @@ use image::imageops::{self, FilterType};
 use image::{ImageBuffer, Luma, Pixel, Rgb};
 use sdhost_models::request::Image;
 
-/// A1111's `resize_mode` 0–2 (3, a latent upscale, is not offered).
+/// A1111's `resize_mode` 0–2 (3, the latent upscale, is
+/// [`Options::latent_upscale`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ResizeMode {
     /// 0: stretched to the size.
@@ -87,6 +88,9 @@ pub struct Options {
     pub padding: usize,
     /// What the masked area's latent starts from (`inpainting_fill` 2, 3).
     pub latent: sdhost_models::request::LatentFill,
+    /// A1111's `resize_mode` 3, "Just resize (latent upscale)": the image
+    /// is encoded at its own size and its latent resized (bilinear).
+    pub latent_upscale: bool,
 }
 
 impl Options {
@@ -100,6 +104,7 @@ impl Options {
             full_res: false,
             padding: 0,
             latent: sdhost_models::request::LatentFill::Image,
+            latent_upscale: false,
         }
     }
 }

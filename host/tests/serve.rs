@@ -2172,7 +2172,7 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
     assert_eq!(r.status, 200, "{}", r.text());
     // Resize modes: another aspect, three different images.
     let mut by_mode = Vec::new();
-    for mode in 0..3 {
+    for mode in 0..4 {
         let mut body = small("a blue cube", 3);
         body["init_images"] = json!([b64(&init)]);
         body["width"] = json!(64);
@@ -2185,6 +2185,18 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
         by_mode.push(px);
     }
     assert!(by_mode[0] != by_mode[1] && by_mode[1] != by_mode[2] && by_mode[0] != by_mode[2]);
+    // 3, the latent upscale, differs from them all; at the image's own size
+    // it is just resize (the latent's resize to its own size is exact).
+    assert!(by_mode[..3].iter().all(|m| *m != by_mode[3]));
+    let own = |mode: i64| {
+        let mut body = small("a blue cube", 3);
+        body["init_images"] = json!([b64(&init)]);
+        body["resize_mode"] = json!(mode);
+        let r = srv.post("/sdapi/v1/img2img", body);
+        assert_eq!(r.status, 200, "resize_mode {mode}: {}", r.text());
+        png_of(r.json()["images"][0].as_str().unwrap()).3
+    };
+    assert!(own(3) == own(0), "resize_mode 3 at the image's own size");
     // Refused, naming the field.
     // Latent noise (2) and latent nothing (3): the masked area's latent
     // starts elsewhere, so three different images from 1 (original).
@@ -2198,6 +2210,7 @@ fn a1111_image_fields_change_the_image_or_are_refused() {
     assert!(by_fill[0] != by_fill[1] && by_fill[1] != by_fill[2] && by_fill[0] != by_fill[2]);
     for (field, extra) in [
         ("resize_mode", json!({"resize_mode": 3})),
+        ("resize_mode", json!({"resize_mode": 4})),
         ("inpainting_fill", json!({"inpainting_fill": 4})),
         ("mask_blur_y", json!({"mask_blur_x": 2, "mask_blur_y": 3})),
     ] {

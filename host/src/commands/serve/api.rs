@@ -1136,15 +1136,10 @@ fn mask_of(img: image::DynamicImage, invert: bool) -> Mask {
 /// naming the field.
 fn a1111_inpaint(f: &Fields<'_>) -> ApiResult<crate::inpaint::Options> {
     use crate::inpaint::{Fill, Options, ResizeMode};
-    let resize = match f.int("resize_mode", 0, 3)? {
-        None => ResizeMode::Stretch,
-        Some(n) => ResizeMode::from_a1111(n).ok_or_else(|| {
-            ApiError::field(
-                "resize_mode",
-                "3 (just resize, latent upscale) is not supported by sdhost: 0 just resize, 1 crop and resize, 2 resize and fill",
-            )
-        })?,
-    };
+    let mode = f.int("resize_mode", 0, 3)?;
+    let resize = mode
+        .and_then(ResizeMode::from_a1111)
+        .unwrap_or(ResizeMode::Stretch);
     let blur = f.float("mask_blur", 0.0, 256.0)?;
     let (bx, by) = (
         f.float("mask_blur_x", 0.0, 256.0)?,
@@ -1176,6 +1171,7 @@ fn a1111_inpaint(f: &Fields<'_>) -> ApiResult<crate::inpaint::Options> {
         full_res: f.boolean("inpaint_full_res")?.unwrap_or(true),
         padding: f.int("inpaint_full_res_padding", 0, MAX_SIDE)?.unwrap_or(0) as usize,
         latent,
+        latent_upscale: mode == Some(3),
     })
 }
 

@@ -930,6 +930,46 @@ impl<'m> Worker<'_, 'm> {
             latent: None,
             fill: g_init.map_or(Default::default(), |i| i.options.latent),
         });
+        // A1111's resize_mode 3: the image encoded at its own size (down to
+        // the size multiple) and its latent resized to the request's
+        // (bilinear, as torch's interpolate).
+        let init = match (init, g_init) {
+            (Some(mut init), Some(gi)) if gi.options.latent_upscale => {
+                if gi.mask.is_some() || l.sd.is_inpainting() {
+                    return Err(JobError::Invalid(
+                        "resize_mode: 3 (latent upscale) is not supported for inpainting: 0 just resize, 1 crop and resize, 2 resize and fill".into(),
+                    ));
+                }
+                let (iw, ih) = (gi.image.width / m * m, gi.image.height / m * m);
+                if iw == 0 || ih == 0 {
+                    return Err(JobError::Invalid(format!(
+                        "init_images[0]: {}x{} is smaller than this model's {m}-pixel multiple",
+                        gi.image.width, gi.image.height
+                    )));
+                }
+                let own = crate::inpaint::resize_image(
+                    &gi.image,
+                    iw,
+                    ih,
+                    crate::inpaint::ResizeMode::Stretch,
+                );
+                let z =
+                    l.sd.encode_image(&sdhost_models::pipeline::to_planes(&own), iw, ih);
+                l.sd.vae.end_phase();
+                let z = z.map_err(|e| JobError::Failed(e.to_string()))?;
+                let f = l.sd.first_stage().format().spatial;
+                let c = z.len() / ((ih / f) * (iw / f)).max(1);
+                init.latent = Some(crate::hires::resize_latent(
+                    &z,
+                    [c, ih / f, iw / f],
+                    h / f,
+                    w / f,
+                    crate::hires::Upscaler::Latent,
+                ));
+                Some(init)
+            }
+            (init, _) => init,
+        };
         let hashes = g_init
             .map(|i| (i.hash.clone(), i.mask_hash.clone()))
             .unwrap_or_default();
