@@ -337,6 +337,38 @@ fn generate_with_an_ip_adapter_from_the_cli() {
         "{text}"
     );
     assert!(text.contains("ControlNet 0: "), "{text}");
+    // h94's `.bin` layout (a pickled dict of dicts) is the same adapter.
+    let from_bin = out.join("bin.png");
+    let base_args = |adapter: &std::path::Path| {
+        vec![
+            "--ip-adapter".to_string(),
+            s(adapter).to_string(),
+            "--clip-vision".to_string(),
+            s(&vision).to_string(),
+            "--ip-image".to_string(),
+            s(&image).to_string(),
+        ]
+    };
+    let bin = base_args(&fixture("tiny-sd1-ip-adapter.bin"));
+    let st = base_args(&fixture("tiny-sd1-ip-adapter.safetensors"));
+    let from_st = out.join("st.png");
+    generate(
+        &p,
+        &from_bin,
+        &bin.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .ok();
+    generate(
+        &p,
+        &from_st,
+        &st.iter().map(String::as_str).collect::<Vec<_>>(),
+    )
+    .ok();
+    let px = |f: &std::path::Path| image::open(f).unwrap().to_rgb8().into_raw();
+    assert!(
+        px(&from_bin) == px(&from_st),
+        "the .bin adapter is the safetensors one"
+    );
     // `plan -m` measures the clip_vision module in the text-encoding
     // phase, its weights the encoder's and the projection's.
     let r = p.run(&[

@@ -99,7 +99,7 @@ pub enum CheckpointError {
         source: std::io::Error,
     },
     /// The extension is not `.safetensors`, `.gguf`, `.pth` or `.pt`.
-    #[error("{0}: unknown checkpoint format (expected .safetensors, .gguf or .pth)")]
+    #[error("{0}: unknown checkpoint format (expected .safetensors, .gguf, .pth or .bin)")]
     UnknownFormat(PathBuf),
     /// The safetensors header is invalid (truncated, offsets past the end,
     /// unknown dtype, ...).
@@ -279,7 +279,7 @@ pub fn scan(path: &Path) -> Result<Checkpoint, CheckpointError> {
         .map(str::to_ascii_lowercase);
     let (tensors, metadata) = match ext.as_deref() {
         Some("safetensors") => safetensors::scan(path)?,
-        Some("pth" | "pt") => pth::scan(path)?,
+        Some("pth" | "pt" | "bin") => pth::scan(path)?,
         Some("gguf") => gguf::scan_with_metadata(path).map_err(|e| {
             CheckpointError::Gguf(format!("{}: invalid GGUF file: {e}", path.display()))
         })?,

@@ -665,10 +665,12 @@ pub(super) fn scan(
     let data = read_at(path, start, size).map_err(io)?;
     let p = unpickle(&data).map_err(bad)?;
     let dict = state_dict(&p).map_err(bad)?;
+    let mut named = Vec::new();
+    flatten(&p, dict, "", 0, &mut named);
     let mut out = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for &(k, v) in dict {
-        let (Obj::Str(name), Obj::Tensor(t)) = (&p.objs[k], &p.objs[v]) else {
+    for (name, v) in named {
+        let Obj::Tensor(t) = &p.objs[v] else {
             continue;
         };
         if !seen.insert(name.clone()) {
@@ -730,6 +732,28 @@ pub(super) fn scan(
         return Err(bad("holds no tensors".into()));
     }
     Ok((out, BTreeMap::new()))
+}
+
+/// The tensors of `dict` by name, with those of the dicts inside it (to a
+/// depth of 4) under `key.` prefixes, as `{"image_proj": {...},
+/// "ip_adapter": {...}}` (h94's IP-Adapter `.bin` files) hold them.
+fn flatten(
+    p: &Pickle,
+    dict: &[(usize, usize)],
+    prefix: &str,
+    depth: usize,
+    out: &mut Vec<(String, usize)>,
+) {
+    for &(k, v) in dict {
+        let Obj::Str(name) = &p.objs[k] else {
+            continue;
+        };
+        match &p.objs[v] {
+            Obj::Tensor(_) => out.push((format!("{prefix}{name}"), v)),
+            Obj::Dict(d) if depth < 4 => flatten(p, d, &format!("{prefix}{name}."), depth + 1, out),
+            _ => {}
+        }
+    }
 }
 
 /// The dict whose tensors are the weights (see the module docs).
