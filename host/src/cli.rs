@@ -1347,7 +1347,7 @@ pub struct ServeArgs {
     #[arg(long = "vae-dir", value_name = "DIR")]
     pub vae_dir: Option<PathBuf>,
 
-    /// ControlNets clients may use (.safetensors or .gguf files holding an
+    /// ControlNets clients may use (.safetensors, .gguf, .pth or .bin files holding an
     /// SD 1.x, 2.x or XL ControlNet; the ControlNet extension's models
     /// folder): listed under `/controlnet/model_list` and picked by name in
     /// `alwayson_scripts.controlnet`

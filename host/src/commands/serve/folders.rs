@@ -78,11 +78,11 @@ pub fn vae_files(dir: Option<&std::path::Path>, follow: bool) -> Vec<(String, st
 }
 
 /// The ControlNets and IP-Adapters of `--controlnet-dir` (sorted by file
-/// name), by file stem: `.safetensors` and `.gguf` files inside the folder
-/// whose tensors hold a ControlNet's hint block (original or diffusers
-/// names) or an IP-Adapter's image projection and key/value maps, with
-/// their paths and whether each is an IP-Adapter. A file that cannot be
-/// read is left out with a log line.
+/// name), by file stem: `.safetensors`, `.gguf`, `.pth` and `.bin` files
+/// inside the folder whose tensors hold a ControlNet's hint block
+/// (original or diffusers names) or an IP-Adapter's image projection and
+/// key/value maps, with their paths and whether each is an IP-Adapter. A
+/// file that cannot be read is left out with a log line.
 pub fn controlnet_files(
     dir: Option<&std::path::Path>,
     follow: bool,
@@ -93,30 +93,35 @@ pub fn controlnet_files(
     let hint = |n: &str| {
         n.contains("input_hint_block.0.") || n.starts_with("controlnet_cond_embedding.conv_in.")
     };
-    folder_files(dir, "--controlnet-dir", follow, &["safetensors", "gguf"])
-        .into_iter()
-        .filter_map(|p| {
-            let ip = match sdhost_models::checkpoint::scan(&p) {
-                Ok(c) if c.tensors.iter().any(|t| hint(&t.name)) => false,
-                Ok(c)
-                    if c.tensors.iter().any(|t| t.name.starts_with("image_proj."))
-                        && c.tensors.iter().any(|t| t.name.starts_with("ip_adapter.")) =>
-                {
-                    true
-                }
-                Ok(_) => return None,
-                Err(e) => {
-                    tracing::info!(
-                        "--controlnet-dir: {} left out: {}",
-                        p.display(),
-                        crate::term::clean(&e.to_string())
-                    );
-                    return None;
-                }
-            };
-            Some((p.file_stem()?.to_string_lossy().into_owned(), p, ip))
-        })
-        .collect()
+    folder_files(
+        dir,
+        "--controlnet-dir",
+        follow,
+        &["safetensors", "gguf", "pth", "bin"],
+    )
+    .into_iter()
+    .filter_map(|p| {
+        let ip = match sdhost_models::checkpoint::scan(&p) {
+            Ok(c) if c.tensors.iter().any(|t| hint(&t.name)) => false,
+            Ok(c)
+                if c.tensors.iter().any(|t| t.name.starts_with("image_proj."))
+                    && c.tensors.iter().any(|t| t.name.starts_with("ip_adapter.")) =>
+            {
+                true
+            }
+            Ok(_) => return None,
+            Err(e) => {
+                tracing::info!(
+                    "--controlnet-dir: {} left out: {}",
+                    p.display(),
+                    crate::term::clean(&e.to_string())
+                );
+                return None;
+            }
+        };
+        Some((p.file_stem()?.to_string_lossy().into_owned(), p, ip))
+    })
+    .collect()
 }
 
 /// The upscaler models of `--upscaler-dir` (`.pth` and `.safetensors`
