@@ -217,7 +217,7 @@ impl<'b> Pipeline<'b> {
     }
 
     /// Seamless images (A1111's `tiling`): every convolution of the
-    /// denoiser and the first stage pads circularly. Only a convolutional
+    /// denoiser, its ControlNets and the first stage pads circularly. Only a convolutional
     /// denoiser (SD 1.x, 2.x, XL) can, and not with a tiled VAE decode,
     /// whose tiles would wrap onto themselves.
     pub fn set_seamless(&mut self, on: bool) -> Result<()> {
@@ -234,7 +234,11 @@ impl<'b> Pipeline<'b> {
             ));
         }
         for m in self.modules_mut() {
-            if matches!(m.kind(), ModuleKind::Diffusion | ModuleKind::Vae) {
+            // A ControlNet's residuals join the UNet's: they wrap as well.
+            if matches!(
+                m.kind(),
+                ModuleKind::Diffusion | ModuleKind::Vae | ModuleKind::ControlNet
+            ) {
                 let mut o = m.options();
                 o.circular = on;
                 m.set_options(o);
