@@ -1354,6 +1354,13 @@ pub struct ServeArgs {
     #[arg(long = "controlnet-dir", value_name = "DIR")]
     pub controlnet_dir: Option<PathBuf>,
 
+    /// Decode the live previews with this TAESD (taesd for SD 1.x/2.x,
+    /// taesdxl for SDXL, taef1 for FLUX.1; decoder only): full-size
+    /// previews from the first image on, for each model whose latent it
+    /// fits (the others keep the fitted linear map)
+    #[arg(long = "preview-taesd", value_name = "FILE")]
+    pub preview_taesd: Option<PathBuf>,
+
     /// ESRGAN / Real-ESRGAN models (.pth, .safetensors; A1111's ESRGAN
     /// folder) the hires fix may enlarge with: listed under
     /// `/sdapi/v1/upscalers` and picked by name in `hr_upscaler`

@@ -693,6 +693,27 @@ fn progress_shows_live_previews() {
     assert!(srv.get("/sdapi/v1/progress")["current_image"].is_null());
 }
 
+/// With `--preview-taesd` the previews are the TAESD's decode of the
+/// estimate, at the image's size, from the first job on.
+#[test]
+fn taesd_previews_from_the_first_job() {
+    let srv = Server::start(&[
+        "-m",
+        s(&fixture("tiny-sd1.safetensors")),
+        "--preview-every",
+        "2",
+        "--preview-taesd",
+        s(&fixture("taesd/tiny-taesd.safetensors")),
+    ]);
+    let first = srv.post_bg(&slow());
+    let p = srv.wait_progress("a preview", |p| p["current_image"].is_string());
+    let (w, h, _, px) = png_of(p["current_image"].as_str().unwrap());
+    assert_eq!((w, h), (64, 64), "the image's size");
+    assert!(px.iter().any(|&v| v != px[0]), "a blank preview");
+    srv.post("/sdapi/v1/interrupt", json!({}));
+    assert_eq!(first.join().unwrap().status, 200);
+}
+
 /// The events of a server-sent-events body: `(event, data as JSON)`.
 fn sse_events(body: &str) -> Vec<(String, Value)> {
     body.split("\n\n")

@@ -190,3 +190,62 @@ fn generate_with_taesd() {
     assert_eq!(r.code, Some(2), "{}", r.stderr);
     assert!(r.stderr.contains("cannot be used with"), "{}", r.stderr);
 }
+
+/// Previews decoded by a TAESD (`Pipeline::set_preview_decoder`): full-size
+/// images from the first generation on, where the linear map needs a
+/// decoded image to fit first; a file that is no TAESD is refused naming
+/// it.
+#[test]
+fn taesd_decodes_the_live_previews() {
+    struct Previews(Vec<(usize, sdhost_models::request::Image)>);
+    impl sdhost_models::preview::Progress for Previews {
+        fn step(&mut self, _: usize, _: usize) {}
+        fn wants_preview(&self, _: usize) -> bool {
+            true
+        }
+        fn preview(&mut self, step: usize, image: sdhost_models::request::Image) {
+            self.0.push((step, image));
+        }
+    }
+    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
+    let m = BackendManager::new(&reg, None);
+    let cpu = m.get("cpu").unwrap();
+    let d = Devices {
+        runtime: cpu,
+        params: cpu,
+        cpu,
+        assist: &[],
+    };
+    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+    let modules = [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae];
+    let req = euler_request("a cat", 3);
+    let go = || sdhost_models::pipeline::Stop::Go;
+    // A fresh pipeline has no map to preview with.
+    let mut plain =
+        Pipeline::load(&ckpt, Layout::uniform(d, &modules), LoadOptions::default()).unwrap();
+    let mut none = Previews(Vec::new());
+    plain.generate_until(&req, None, &mut none, &go).unwrap();
+    assert!(none.0.is_empty());
+    // With the decoder: previews of the image's size from the first image.
+    let mut sd =
+        Pipeline::load(&ckpt, Layout::uniform(d, &modules), LoadOptions::default()).unwrap();
+    let e = sd
+        .set_preview_decoder(&ckpt, d, WeightPolicy::Free)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("tiny-sd1.safetensors: not a TAESD"),
+        "{e}"
+    );
+    assert!(!sd.has_preview_decoder());
+    let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
+    sd.set_preview_decoder(&tae, d, WeightPolicy::Free).unwrap();
+    let mut got = Previews(Vec::new());
+    let image = sd.generate_until(&req, None, &mut got, &go).unwrap();
+    let steps: Vec<usize> = got.0.iter().map(|p| p.0).collect();
+    assert_eq!(steps, [0, 1, 2]);
+    for (step, p) in &got.0 {
+        assert_eq!((p.width, p.height), (64, 64), "step {step}");
+        assert!(p.rgb.iter().any(|&v| v != p.rgb[0]), "step {step}: blank");
+    }
+    assert_eq!((image.width, image.height), (64, 64));
+}

@@ -56,6 +56,9 @@ pub struct Pipeline<'b> {
     vae_tiling: Option<Tiling>,
     /// The latent → RGB preview map, fitted on the images decoded so far.
     preview: Option<LatentProjection>,
+    /// A TAESD that decodes the live previews instead of the map
+    /// ([`Pipeline::set_preview_decoder`]).
+    preview_decoder: Option<(Module<'b>, FirstStage)>,
 }
 
 impl<'b> Pipeline<'b> {
@@ -123,7 +126,61 @@ impl<'b> Pipeline<'b> {
             first_stage,
             vae_tiling: None,
             preview: None,
+            preview_decoder: None,
         })
+    }
+
+    /// Decodes the live previews with the TAESD of `ckpt` (its decoder
+    /// only, on `devices`) instead of the fitted linear map: full-size
+    /// previews from the first image on. The error names the file where it
+    /// holds no TAESD or one of another latent width.
+    pub fn set_preview_decoder(
+        &mut self,
+        ckpt: &Checkpoint,
+        devices: crate::runtime::module::Devices<'b>,
+        policy: crate::runtime::module::WeightPolicy,
+    ) -> Result<()> {
+        let file = ckpt.path.display();
+        let prefix = self.model.first_stage_prefix(ckpt)?;
+        let module = load_module(
+            ckpt,
+            ModuleKind::Vae,
+            prefix,
+            devices,
+            How {
+                spread: Default::default(),
+                policy,
+                encoder: false,
+                loras: &crate::checkpoint::weights::NoPatches,
+                placeholders: false,
+                matrices: None,
+            },
+        )?;
+        let stage =
+            FirstStage::read(&module, self.model.latent_norm()).map_err(|e| e.context(&file))?;
+        if stage.kind() != crate::autoencoders::Autoencoder::Taesd {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: not a TAESD (no decoder.layers.0.weight); previews decode with a TAESD"
+            )));
+        }
+        if stage.format().channels != self.model.latent_channels() {
+            return Err(ModelError::Incompatible(format!(
+                "{file}: a TAESD of {} latent channels; this {} model samples {}",
+                stage.format().channels,
+                self.model.family().name(),
+                self.model.latent_channels()
+            )));
+        }
+        stage
+            .validate(&module, false)
+            .map_err(|e| e.context(&file))?;
+        self.preview_decoder = Some((module, stage));
+        Ok(())
+    }
+
+    /// Whether previews decode with a TAESD.
+    pub fn has_preview_decoder(&self) -> bool {
+        self.preview_decoder.is_some()
     }
 
     /// The family's networks.
@@ -507,6 +564,7 @@ impl<'b> Pipeline<'b> {
         let steps = sigmas.len() - 1;
         let model = &mut self.model;
         let projection = self.preview.as_ref();
+        let mut decoder = self.preview_decoder.as_mut();
         // Both the denoiser (previews) and the step counter report to it.
         let progress = std::cell::RefCell::new(progress);
         let mut previewed = None;
@@ -555,7 +613,16 @@ impl<'b> Pipeline<'b> {
                 }
                 if previewed != Some(step) && progress.borrow().wants_preview(step) {
                     previewed = Some(step);
-                    if let Some(image) = projection.and_then(|p| p.render(&d, shape)) {
+                    let image = match decoder.as_mut() {
+                        // A TAESD decodes the estimate at full size.
+                        Some((module, stage)) => {
+                            let rgb = stage.decode(module, &d, shape)?;
+                            let f = stage.format().spatial;
+                            Some(to_rgb(&rgb, shape[3] * f, shape[2] * f))
+                        }
+                        None => projection.and_then(|p| p.render(&d, shape)),
+                    };
+                    if let Some(image) = image {
                         progress.borrow_mut().preview(step, image);
                     }
                 }
@@ -569,6 +636,9 @@ impl<'b> Pipeline<'b> {
             if matches!(m.kind(), ModuleKind::Diffusion | ModuleKind::ControlNet) {
                 m.end_phase();
             }
+        }
+        if let Some((m, _)) = self.preview_decoder.as_mut() {
+            m.end_phase();
         }
         let mut latent = match (result, last) {
             (Err(ModelError::Cancelled), Some(d)) if finished => d,

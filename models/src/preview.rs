@@ -25,7 +25,7 @@ pub trait Progress {
         false
     }
     /// The preview asked for: the denoised estimate after `step`, one pixel
-    /// per latent cell.
+    /// per latent cell (the image's size where a TAESD decodes previews).
     fn preview(&mut self, _step: usize, _image: Image) {}
 }
 

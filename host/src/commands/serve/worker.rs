@@ -482,7 +482,22 @@ impl<'m> Worker<'_, 'm> {
         // The file name, not the path: the budget error is long, and its
         // end (the smallest budget that works) must fit the error line.
         .with_context(|| entry.title.clone())?;
-        let (sd, flash) = (fitted.loaded.sd, fitted.loaded.flash);
+        let (mut sd, flash) = (fitted.loaded.sd, fitted.loaded.flash);
+        if let Some(t) = &self.args.preview_taesd {
+            let devices = fitted
+                .loaded
+                .layout
+                .devices(sdhost_models::ModuleKind::Vae)?;
+            let ckpt = sdhost_models::checkpoint::scan(t)?;
+            // A TAESD of another family: this model keeps the linear map.
+            if let Err(e) = sd.set_preview_decoder(&ckpt, devices, a.phase_memory) {
+                tracing::warn!(
+                    "--preview-taesd: {}; {} previews with the fitted map",
+                    crate::term::clean(&e.to_string()),
+                    entry.title
+                );
+            }
+        }
         let upscaler = match &self.args.upscale.model {
             Some(m) => {
                 let d = crate::upscaler::devices(self.session, self.manager, &fitted.placement)?;
