@@ -645,6 +645,11 @@ pub struct GenerateArgs {
     #[arg(long = "subseed-strength", value_name = "S", requires = "subseed", value_parser = parse_strength)]
     pub subseed_strength: Option<f64>,
 
+    /// A1111's "Resize seed from": the seed's noise as it would be for an
+    /// image of this size, put centred into this one's (cut where larger)
+    #[arg(long = "seed-resize-from", value_name = "WxH", value_parser = parse_hires_size)]
+    pub seed_resize_from: Option<(usize, usize)>,
+
     #[command(flatten)]
     pub upscale: UpscaleModelArgs,
 

@@ -95,7 +95,26 @@ fn generate_writes_a_png_with_its_parameters_deterministically() {
     );
     let r = generate(&p, &tiny_sd1(), &out.join("x.png"), &["--subseed", "5"]);
     assert_eq!(r.code, Some(2), "{}", r.stderr);
-    assert_eq!(listing(&out), ["a.png", "b.png", "c.png", "v.png"]);
+    // "Resize seed from": the image's own size is the seed's image; another
+    // size moves it, and is recorded.
+    let (own, other) = (out.join("own.png"), out.join("other.png"));
+    let resized = |size: &'static str| ["--seed", "7", "-n", "blurry", "--seed-resize-from", size];
+    generate(&p, &tiny_sd1(), &own, &resized("64x64")).ok();
+    generate(&p, &tiny_sd1(), &other, &resized("128x32")).ok();
+    assert_eq!(pixels(&own), pixels(&a));
+    assert_ne!(pixels(&other), pixels(&a));
+    assert!(png_info(&other).2.contains("Seed resize from: 128x32"));
+    let r = generate(
+        &p,
+        &tiny_sd1(),
+        &out.join("x.png"),
+        &["--seed-resize-from", "12"],
+    );
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+    assert_eq!(
+        listing(&out),
+        ["a.png", "b.png", "c.png", "other.png", "own.png", "v.png"]
+    );
 }
 
 /// Sampler and schedule names as people write them reach the PNG's

@@ -237,11 +237,22 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let sampling = Instant::now();
     // Variation seeds: the noise moved towards --subseed's.
     let variation = args.subseed.zip(args.subseed_strength);
-    let noise = variation.map(|(sub, strength)| {
-        let f = sd.first_stage().format().spatial;
-        let n = sd.model().latent_channels() * (req.height / f) * (req.width / f);
-        sdhost_models::sampling::rng::variation_noise(req.seed, sub, strength as f32, n)
-    });
+    let f = sd.first_stage().format().spatial;
+    let channels = sd.model().latent_channels();
+    let noise = match args.seed_resize_from {
+        // "Resize seed from": the seed's noise made for that size.
+        Some((sw, sh)) => Some(sdhost_models::sampling::rng::resized_seed_noise(
+            req.seed,
+            variation.map(|(sub, s)| (sub, s as f32)),
+            channels,
+            (req.height / f, req.width / f),
+            ((sh / f).max(1), (sw / f).max(1)),
+        )),
+        None => variation.map(|(sub, strength)| {
+            let n = channels * (req.height / f) * (req.width / f);
+            sdhost_models::sampling::rng::variation_noise(req.seed, sub, strength as f32, n)
+        }),
+    };
     let mut enlarge = |image: Image| -> Result<Image, ModelError> {
         let u = hires_model
             .as_mut()
@@ -290,6 +301,9 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
     let mut text = parameters_text(args, &req, &sd, &placement, &flash, &ran) + &loras.fields;
     if let Some((sub, strength)) = variation {
         text += &format!(", Variation seed: {sub}, Variation seed strength: {strength}");
+    }
+    if let Some((sw, sh)) = args.seed_resize_from {
+        text += &format!(", Seed resize from: {sw}x{sh}");
     }
     write_png(output, &image, &text)?;
     term::eprint_line(&summary(
