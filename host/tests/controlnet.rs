@@ -359,28 +359,7 @@ fn canny_matches_opencv() {
 }
 
 fn generate(p: &Prefix, out: &std::path::Path, extra: &[&str]) -> Run {
-    generate_on(p, "tiny-sd1.safetensors", out, extra)
-}
-
-fn generate_on(p: &Prefix, model: &str, out: &std::path::Path, extra: &[&str]) -> Run {
-    let model = fixture(model);
-    let mut args = vec![
-        "generate",
-        "-m",
-        s(&model),
-        "-p",
-        "a photo of a cat",
-        "--steps",
-        "3",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "-o",
-        s(out),
-    ];
-    args.extend_from_slice(extra);
-    p.run(&args)
+    generate_64(p, "tiny-sd1.safetensors", out, extra)
 }
 
 #[test]
@@ -496,7 +475,7 @@ fn bad_controlnet_input_fails_with_one_line_and_no_output() {
         v
     };
     // A ControlNet of another family.
-    let r = generate_on(
+    let r = generate_64(
         &p,
         "tiny-sdxl.safetensors",
         &target,

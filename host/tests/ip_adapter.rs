@@ -257,26 +257,7 @@ fn image_prompted_pipelines_match_diffusers_on_vulkan() {
 }
 
 fn generate(p: &Prefix, out: &std::path::Path, extra: &[&str]) -> Run {
-    let model = fixture("tiny-sd1.safetensors");
-    let mut args = vec![
-        "generate",
-        "-m",
-        s(&model),
-        "-p",
-        "a photo of a cat",
-        "--steps",
-        "3",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--seed",
-        "3",
-        "-o",
-        s(out),
-    ];
-    args.extend_from_slice(extra);
-    p.run(&args)
+    generate_64(p, "tiny-sd1.safetensors", out, extra)
 }
 
 #[test]

@@ -763,3 +763,26 @@ pub fn assert_refused(
         listing(dir)
     );
 }
+
+/// `sdhost generate` of the fixture `model` at 64×64 in 3 steps ("a photo
+/// of a cat") into `out`, with `extra` flags.
+pub fn generate_64(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Run {
+    let model = fixture(model);
+    let mut args = vec![
+        "generate",
+        "-m",
+        s(&model),
+        "-p",
+        "a photo of a cat",
+        "--steps",
+        "3",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "-o",
+        s(out),
+    ];
+    args.extend_from_slice(extra);
+    p.run(&args)
+}
