@@ -102,6 +102,9 @@ impl ControlAsk {
 /// `Canny(img, low, high)` finds them (see the module doc).
 pub fn canny(img: &Image, low: f32, high: f32) -> Image {
     let (w, h) = (img.width, img.height);
+    if w == 0 || h == 0 || img.rgb.len() != w * h * 3 {
+        return img.clone();
+    }
     let (low, high) = (low.min(high), low.max(high));
     // Per pixel: the Sobel gradient of the channel with the largest L1
     // magnitude (borders replicated, as OpenCV's default for Canny).

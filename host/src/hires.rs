@@ -126,6 +126,25 @@ pub struct Pass {
     pub sampler: Option<sdhost_models::sampling::Sampler>,
 }
 
+impl Pass {
+    /// The hires prompt `prompt` with its LoRA tags taken out; they must
+    /// name the first pass's LoRAs (`specs`), which are loaded once for
+    /// both passes.
+    pub fn prompt_of(
+        lora: &crate::lora::LoraArgs,
+        prompt: &str,
+        specs: &[sdhost_models::lora::LoraSpec],
+    ) -> anyhow::Result<String> {
+        let r = crate::lora::resolve(lora, prompt)?;
+        if r.specs != specs {
+            anyhow::bail!(
+                "its LoRA tags must be the prompt's (the LoRAs are loaded once, for both passes)"
+            );
+        }
+        Ok(r.prompt)
+    }
+}
+
 /// The second pass.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Hires {

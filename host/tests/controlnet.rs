@@ -63,32 +63,50 @@ fn controlnet_module_matches_diffusers_in_both_layouts() {
         let nets = [scan(&fixture(file)).unwrap()];
         with_control_pipeline(&nets, "cpu", |sd| {
             let net = &mut sd_model(sd).control_nets()[0];
-            let out = controlnet::predict(
-                &mut net.module,
-                &net.cfg,
-                ControlInput {
-                    unet: UnetInput {
-                        x: &r["cn.x"],
-                        shape: [1, 4, 8, 8],
-                        t: &[537.25],
-                        context: &r["cn.context"],
-                        y: None,
-                        control: Residuals::None,
-                        ip: None,
-                    },
-                    hint: &r["cn.hint"],
-                },
-            )
-            .unwrap();
-            assert_eq!(out.len(), 7, "six skip connections and the middle block");
-            for (i, got) in out.iter().enumerate() {
-                let key = match i {
-                    6 => "cn.mid".to_string(),
-                    i => format!("cn.down.{i}"),
-                };
-                assert_close(&format!("{file} {key}"), got, &r[&key], TOL);
-            }
+            module_matches(net, &r, "cn", None, 7, file);
         });
+    }
+}
+
+/// One ControlNet call on the references under `key` (`KEY.x`,
+/// `KEY.context`, `KEY.hint`, the ADM vector `y` where it takes one) gives
+/// its `outputs` residuals as `KEY.down.N` and `KEY.mid`.
+fn module_matches(
+    net: &mut sdhost_models::family::sd::ControlNet<'_>,
+    r: &HashMap<String, Vec<f32>>,
+    key: &str,
+    y: Option<&[f32]>,
+    outputs: usize,
+    what: &str,
+) {
+    let out = controlnet::predict(
+        &mut net.module,
+        &net.cfg,
+        ControlInput {
+            unet: UnetInput {
+                x: &r[&format!("{key}.x")],
+                shape: [1, 4, 8, 8],
+                t: &[537.25],
+                context: &r[&format!("{key}.context")],
+                y,
+                control: Residuals::None,
+                ip: None,
+            },
+            hint: &r[&format!("{key}.hint")],
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        out.len(),
+        outputs,
+        "the skip connections and the middle block"
+    );
+    for (i, got) in out.iter().enumerate() {
+        let name = match i == outputs - 1 {
+            true => format!("{key}.mid"),
+            false => format!("{key}.down.{i}"),
+        };
+        assert_close(&format!("{what} {name}"), got, &r[&name], TOL);
     }
 }
 
@@ -111,31 +129,7 @@ fn sdxl_controlnet_module_matches_diffusers() {
         |sd| {
             let net = &mut sd_model(sd).control_nets()[0];
             assert_eq!(net.cfg.unet.adm_in, Some(112));
-            let out = controlnet::predict(
-                &mut net.module,
-                &net.cfg,
-                ControlInput {
-                    unet: UnetInput {
-                        x: &r["xl.x"],
-                        shape: [1, 4, 8, 8],
-                        t: &[537.25],
-                        context: &r["xl.context"],
-                        y: Some(&r["xl.y"]),
-                        control: Residuals::None,
-                        ip: None,
-                    },
-                    hint: &r["xl.hint"],
-                },
-            )
-            .unwrap();
-            assert_eq!(out.len(), 5, "four skip connections and the middle block");
-            for (i, got) in out.iter().enumerate() {
-                let key = match i {
-                    4 => "xl.mid".to_string(),
-                    i => format!("xl.down.{i}"),
-                };
-                assert_close(&format!("sdxl {key}"), got, &r[&key], TOL);
-            }
+            module_matches(net, &r, "xl", Some(&r["xl.y"]), 5, "sdxl");
         },
     );
 }

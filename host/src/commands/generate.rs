@@ -163,15 +163,10 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         .map_err(|e| anyhow!("--tiling: {e}"))?;
     let hires_pass = crate::hires::Pass {
         prompt: match &args.hires.prompt {
-            Some(p) => {
-                let r = crate::lora::resolve(&args.lora, p)?;
-                if r.specs != loras.specs {
-                    return Err(anyhow!(
-                        "--hires-prompt: its LoRA tags must be the prompt's (the LoRAs are loaded once, for both passes)"
-                    ));
-                }
-                Some(r.prompt)
-            }
+            Some(p) => Some(
+                crate::hires::Pass::prompt_of(&args.lora, p, &loras.specs)
+                    .map_err(|e| anyhow!("--hires-prompt: {e}"))?,
+            ),
             None => None,
         },
         negative: args.hires.negative.clone(),
@@ -254,9 +249,11 @@ pub fn run(session: &Session, args: &GenerateArgs) -> anyhow::Result<()> {
         }),
     };
     let mut enlarge = |image: Image| -> Result<Image, ModelError> {
-        let u = hires_model
-            .as_mut()
-            .expect("loaded with --hires-upscale-model");
+        let Some(u) = hires_model.as_mut() else {
+            return Err(ModelError::Incompatible(
+                "--hires-upscale-model: no upscaler model is loaded".into(),
+            ));
+        };
         let tile = args.upscale.tuning.tile;
         crate::upscaler::apply(u, image, 1, tile, &cancel).map_err(|e| {
             ModelError::Incompatible(format!(

@@ -465,12 +465,3 @@ pub fn image_tokens(
     };
     project(module, proj, proj_prefix, &features)
 }
-
-/// A tensor's name as it is needed here; used by the family to keep the
-/// UNet-side names of an IP-Adapter in one place.
-pub fn ip_weight_names(attn2: &str) -> [String; 2] {
-    [
-        format!("{attn2}.to_k_ip.weight"),
-        format!("{attn2}.to_v_ip.weight"),
-    ]
-}

@@ -126,14 +126,15 @@ pub struct Conditioned {
 
 /// Loads the tensors under `prefix` of `ckpt` as a recipe's module `kind`
 /// (never the VAE), on the devices and spread `layout` gives it, with
-/// `opts`' policy, placeholders and matrix type and the recipe's LoRAs.
+/// `opts`' policy, placeholders and matrix type and the recipe's LoRAs
+/// (`NoPatches` for a module no LoRA adapts).
 fn load_part<'b>(
     ckpt: &Checkpoint,
     kind: ModuleKind,
     prefix: &str,
     layout: &crate::request::Layout<'b>,
     opts: &crate::request::LoadOptions<'_>,
-    loras: &crate::lora::LoraSet,
+    loras: &dyn crate::checkpoint::weights::WeightPatches,
 ) -> Result<crate::runtime::module::Module<'b>, ModelError> {
     let how = crate::runtime::load::How {
         spread: layout.spread(kind),
@@ -154,7 +155,7 @@ fn split_part(
     ckpt: &Checkpoint,
     prefix: &str,
     opts: &crate::request::LoadOptions<'_>,
-    loras: &crate::lora::LoraSet,
+    loras: &dyn crate::checkpoint::weights::WeightPatches,
 ) -> Result<(), ModelError> {
     let matrices = opts.matrix_types.get(m.kind());
     crate::runtime::load::split_weights(m, ckpt, prefix, false, loras, opts.placeholders, matrices)

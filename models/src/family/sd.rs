@@ -629,21 +629,9 @@ fn load_control<'b>(
 ) -> Result<ControlNet<'b>> {
     let file = ckpt.path.display();
     let renamed = controlnet::ldm_tensors(ckpt)?;
-    let how = crate::runtime::load::How {
-        spread: layout.spread(ModuleKind::ControlNet),
-        policy: opts.policy,
-        encoder: false,
-        loras: &crate::checkpoint::weights::NoPatches,
-        placeholders: opts.placeholders,
-        matrices: opts.matrix_types.get(ModuleKind::ControlNet),
-    };
-    let mut module = crate::runtime::load::load_module(
-        &renamed,
-        ModuleKind::ControlNet,
-        controlnet::PREFIX,
-        layout.devices(ModuleKind::ControlNet)?,
-        how,
-    )?;
+    let (prefix, none) = (controlnet::PREFIX, &crate::checkpoint::weights::NoPatches);
+    let mut module =
+        super::load_part(&renamed, ModuleKind::ControlNet, prefix, layout, opts, none)?;
     let cfg = ControlConfig::from_weights(&W::new(module.params().map()), heads)
         .map_err(|e| e.context(format!("{file}: controlnet")))?;
     if let Some(why) = cfg.mismatch(&W::new(unet.params().map()), unet_cfg) {
@@ -652,15 +640,7 @@ fn load_control<'b>(
         )));
     }
     controlnet::validate(&module, &cfg).map_err(|e| e.context(&file))?;
-    crate::runtime::load::split_weights(
-        &mut module,
-        &renamed,
-        controlnet::PREFIX,
-        false,
-        &crate::checkpoint::weights::NoPatches,
-        opts.placeholders,
-        opts.matrix_types.get(ModuleKind::ControlNet),
-    )?;
+    super::split_part(&mut module, &renamed, prefix, opts, none)?;
     Ok(ControlNet { module, cfg })
 }
 
@@ -783,20 +763,14 @@ fn load_ip<'b>(
         )));
     }
     let both = Checkpoint::assemble(&[(MODULE_PREFIX, "", &tower), (MODULE_PREFIX, "", &proj)]);
-    let how = crate::runtime::load::How {
-        spread: layout.spread(ModuleKind::ClipVision),
-        policy: opts.policy,
-        encoder: false,
-        loras: &crate::checkpoint::weights::NoPatches,
-        placeholders: opts.placeholders,
-        matrices: opts.matrix_types.get(ModuleKind::ClipVision),
-    };
-    let mut module = crate::runtime::load::load_module(
+    let none = &crate::checkpoint::weights::NoPatches;
+    let mut module = super::load_part(
         &both,
         ModuleKind::ClipVision,
         MODULE_PREFIX,
-        layout.devices(ModuleKind::ClipVision)?,
-        how,
+        layout,
+        opts,
+        none,
     )?;
     let w = W::new(module.params().map());
     let vcfg = VisionConfig::from_weights(&w, VISION_PREFIX).map_err(|e| e.context(&vfile))?;
@@ -820,15 +794,7 @@ fn load_ip<'b>(
     }
     clip_vision::validate(&module, &vcfg, &pcfg, VISION_PREFIX, PROJ_PREFIX)
         .map_err(|e| e.context(&afile))?;
-    crate::runtime::load::split_weights(
-        &mut module,
-        &both,
-        MODULE_PREFIX,
-        false,
-        &crate::checkpoint::weights::NoPatches,
-        opts.placeholders,
-        opts.matrix_types.get(ModuleKind::ClipVision),
-    )?;
+    super::split_part(&mut module, &both, MODULE_PREFIX, opts, none)?;
     Ok(IpAdapter {
         module,
         vision: vcfg,

@@ -1317,6 +1317,35 @@ async fn controlnet_models(State(st): State<AppState>) -> ApiResult<Json<Value>>
     Ok(Json(json!({ "model_list": names })))
 }
 
+/// A unit field's error named under the unit (`…args[0].weight`).
+fn in_unit<T>(r: ApiResult<T>, at: &str) -> ApiResult<T> {
+    r.map_err(|e| match e.field {
+        Some(f) => {
+            let detail = e
+                .detail
+                .strip_prefix(&format!("{f}: "))
+                .unwrap_or(&e.detail);
+            ApiError::field(&format!("{at}.{f}"), detail)
+        }
+        None => e,
+    })
+}
+
+/// A unit's image: a base64 string, or the older `{"image": …}` object
+/// (`input_image` in older clients still); `None` where it has none.
+fn unit_image(u: &Fields<'_>, field: &str) -> ApiResult<Option<String>> {
+    match u.get("image").or_else(|| u.get("input_image")) {
+        None => Ok(None),
+        Some(Value::String(s)) if s.is_empty() => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(Value::Object(o)) => match o.get("image") {
+            Some(Value::String(s)) => Ok(Some(s.clone())),
+            _ => Err(ApiError::field(field, "expected a base64 image")),
+        },
+        Some(_) => Err(ApiError::field(field, "expected a base64 image")),
+    }
+}
+
 /// The ControlNet extension's units (`alwayson_scripts.controlnet.args`,
 /// as SillyTavern, Open WebUI and the extension's own API examples send
 /// them): enabled units with a model, their images decoded. A unit
@@ -1375,22 +1404,10 @@ async fn control_units(
         };
         let u = Fields(u);
         let field = |k: &str| format!("{at}.{k}");
-        fn named<T>(r: ApiResult<T>, at: &str, _k: &str) -> ApiResult<T> {
-            r.map_err(|e| match e.field {
-                Some(f) => {
-                    let detail = e
-                        .detail
-                        .strip_prefix(&format!("{f}: "))
-                        .unwrap_or(&e.detail);
-                    ApiError::field(&format!("{at}.{f}"), detail)
-                }
-                None => e,
-            })
-        }
-        if named(u.boolean("enabled"), &at, "enabled")? == Some(false) {
+        if in_unit(u.boolean("enabled"), &at)? == Some(false) {
             continue;
         }
-        let model = named(u.string("model"), &at, "model")?.unwrap_or_default();
+        let model = in_unit(u.string("model"), &at)?.unwrap_or_default();
         // The extension's names carry a hash: `control_v11p_sd15_canny [d14c016b]`.
         let stem = match model.rsplit_once(" [") {
             Some((s, h)) if h.ends_with(']') => s.trim(),
@@ -1423,13 +1440,13 @@ async fn control_units(
                     },
                 )
             })?;
-        let low = named(u.float("threshold_a", -1.0, 1000.0), &at, "threshold_a")?
+        let low = in_unit(u.float("threshold_a", -1.0, 1000.0), &at)?
             .filter(|v| *v >= 0.0)
             .map(|v| v as f32);
-        let high = named(u.float("threshold_b", -1.0, 1000.0), &at, "threshold_b")?
+        let high = in_unit(u.float("threshold_b", -1.0, 1000.0), &at)?
             .filter(|v| *v >= 0.0)
             .map(|v| v as f32);
-        let module = named(u.string("module"), &at, "module")?.unwrap_or_default();
+        let module = in_unit(u.string("module"), &at)?.unwrap_or_default();
         if is_ip {
             let m = module.trim().to_ascii_lowercase();
             if !(m.is_empty() || m == "none" || m.starts_with("ip-adapter")) {
@@ -1447,17 +1464,8 @@ async fn control_units(
                     "one IP-Adapter unit per request",
                 ));
             }
-            let weight = named(u.float("weight", 0.0, 2.0), &at, "weight")?.unwrap_or(1.0) as f32;
-            let image = match u.get("image").or_else(|| u.get("input_image")) {
-                None => None,
-                Some(Value::String(s)) if s.is_empty() => None,
-                Some(Value::String(s)) => Some(s.clone()),
-                Some(Value::Object(o)) => match o.get("image") {
-                    Some(Value::String(s)) => Some(s.clone()),
-                    _ => return Err(ApiError::field(&field("image"), "expected a base64 image")),
-                },
-                Some(_) => return Err(ApiError::field(&field("image"), "expected a base64 image")),
-            };
+            let weight = in_unit(u.float("weight", 0.0, 2.0), &at)?.unwrap_or(1.0) as f32;
+            let image = unit_image(&u, &field("image"))?;
             ip = Some((out.len(), weight));
             out.push((name, path, field("image"), image));
             continue;
@@ -1483,7 +1491,7 @@ async fn control_units(
                 })?
             }
             Some(_) => {
-                let n = named(u.int("resize_mode", 0, 2), &at, "resize_mode")?.unwrap_or(1);
+                let n = in_unit(u.int("resize_mode", 0, 2), &at)?.unwrap_or(1);
                 crate::inpaint::ResizeMode::from_a1111(n).unwrap_or_default()
             }
         };
@@ -1498,29 +1506,16 @@ async fn control_units(
                 ))
             }
         }
-        let weight = named(u.float("weight", 0.0, 2.0), &at, "weight")?.unwrap_or(1.0) as f32;
-        let start = named(u.float("guidance_start", 0.0, 1.0), &at, "guidance_start")?
-            .unwrap_or(0.0) as f32;
-        let end =
-            named(u.float("guidance_end", 0.0, 1.0), &at, "guidance_end")?.unwrap_or(1.0) as f32;
+        let weight = in_unit(u.float("weight", 0.0, 2.0), &at)?.unwrap_or(1.0) as f32;
+        let start = in_unit(u.float("guidance_start", 0.0, 1.0), &at)?.unwrap_or(0.0) as f32;
+        let end = in_unit(u.float("guidance_end", 0.0, 1.0), &at)?.unwrap_or(1.0) as f32;
         if start > end {
             return Err(ApiError::field(
                 &field("guidance_start"),
                 format!("{start} is after guidance_end {end}"),
             ));
         }
-        // The image: a base64 string, or the older `{"image": …}` object
-        // (`input_image` in older clients still).
-        let image = match u.get("image").or_else(|| u.get("input_image")) {
-            None => None,
-            Some(Value::String(s)) if s.is_empty() => None,
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(Value::Object(o)) => match o.get("image") {
-                Some(Value::String(s)) => Some(s.clone()),
-                _ => return Err(ApiError::field(&field("image"), "expected a base64 image")),
-            },
-            Some(_) => return Err(ApiError::field(&field("image"), "expected a base64 image")),
-        };
+        let image = unit_image(&u, &field("image"))?;
         if out.len() - usize::from(ip.is_some()) == MAX_CONTROL_UNITS {
             return Err(ApiError::field(
                 "alwayson_scripts.controlnet.args",

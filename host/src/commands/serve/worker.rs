@@ -1010,17 +1010,15 @@ impl<'m> Worker<'_, 'm> {
                 .with_upscaler(a.upscaler)
                 .with_pass(crate::hires::Pass {
                     prompt: match &a.pass.prompt {
-                        Some(p) => {
-                            let r = crate::lora::resolve(&self.args.lora, p).map_err(|e| {
-                                JobError::Invalid(format!("hr_prompt: {}", crate::term::error_line(&e)))
-                            })?;
-                            if r.specs != loras.specs {
-                                return Err(JobError::Invalid(
-                                    "hr_prompt: its LoRA tags must be the prompt's (the LoRAs are loaded once, for both passes)".into(),
-                                ));
-                            }
-                            Some(r.prompt)
-                        }
+                        Some(p) => Some(
+                            crate::hires::Pass::prompt_of(&self.args.lora, p, &loras.specs)
+                                .map_err(|e| {
+                                    JobError::Invalid(format!(
+                                        "hr_prompt: {}",
+                                        crate::term::error_line(&e)
+                                    ))
+                                })?,
+                        ),
                         None => None,
                     },
                     ..a.pass.clone()
