@@ -190,6 +190,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub vs_resident: bool,
 
+    /// After the measured runs, one more run computed node by node, its
+    /// time charged to each module's ops: where the time goes (each node
+    /// then also pays a launch and a synchronization)
+    #[arg(long = "profile-ops", conflicts_with = "startup")]
+    pub profile_ops: bool,
+
     /// Machine-readable output
     #[arg(long)]
     pub json: bool,

@@ -376,3 +376,123 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 20.0, "runs": [
     let r = Prefix::with_cpu().run(&["bench", "--startup", "--no-warm-up"]);
     assert_eq!(r.code, Some(2), "{}", r.stderr);
 }
+
+/// Under `--max-vram` the sd.cpp peer runs twice, with sd.cpp's budget and
+/// with its `--stream-layers` on top; without a budget once, with neither.
+/// `--max-memory` (per device) has no sd.cpp counterpart: the column says so.
+#[test]
+fn the_sdcpp_peer_gets_the_budget_and_a_streaming_column() {
+    let p = Prefix::with_cpu();
+    // The fake sd.cpp appends its arguments to a log and reports fixed times.
+    let log = p.root().join("sdcpp-args");
+    let fake = fake_python(
+        &p,
+        "sdhost-peer-sdcpp",
+        &format!(
+            r#"echo "$@" >> "{}"
+echo '{{"system": "fake sd.cpp", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"total_s": 2.0, "te_s": 0.5, "sampling_s": 1.0, "vae_s": 0.5}}], "peak_host_bytes": null}}'"#,
+            log.display()
+        ),
+    );
+    let model = tiny_sd1();
+    let runs = |extra: &[&str]| {
+        let _ = std::fs::remove_file(&log);
+        let mut flags = vec!["--peer", s(&fake), "--json"];
+        flags.extend_from_slice(extra);
+        let j = p.run(&bench_args(&model, &flags)).ok().json();
+        let args = std::fs::read_to_string(&log).unwrap_or_default();
+        (j, args.lines().map(String::from).collect::<Vec<_>>())
+    };
+
+    let (j, args) = runs(&["--max-vram", "1536M"]);
+    assert_eq!(
+        peers(&j),
+        [("sd.cpp".into(), None), ("sd.cpp-stream".into(), None)],
+        "{j}"
+    );
+    assert_eq!(args.len(), 2, "{args:?}");
+    assert!(args[0].ends_with("--max-vram 1.5"), "{}", args[0]);
+    assert!(
+        args[1].ends_with("--max-vram 1.5 --stream-layers"),
+        "{}",
+        args[1]
+    );
+
+    let (j, args) = runs(&[]);
+    assert_eq!(peers(&j), [("sd.cpp".into(), None)], "{j}");
+    assert!(
+        !args[0].contains("--max-vram") && !args[0].contains("--stream-layers"),
+        "{}",
+        args[0]
+    );
+
+    let (j, args) = runs(&["--max-memory", "cpu=64G"]);
+    let got = peers(&j);
+    let err = got[0].1.as_deref().unwrap_or_default();
+    assert!(
+        err.starts_with("not comparable: sd.cpp has no per-device budgets"),
+        "{got:?}"
+    );
+    assert!(args.is_empty(), "the peer ran: {args:?}");
+}
+
+/// `--profile-ops`: one more run, node by node, its time charged to each
+/// module's ops; every module of the pipeline shows, the UNet's matrix
+/// products among them, and the charged time lies within the run.
+#[test]
+fn profile_ops_charges_each_module_s_ops() {
+    let p = Prefix::with_cpu();
+    let model = tiny_sd1();
+    let j = p
+        .run(&bench_args(&model, &["--profile-ops", "--json"]))
+        .ok()
+        .json();
+    let prof = &j["op_profile"];
+    let run_s = prof["run_s"].as_f64().unwrap();
+    let ops = prof["ops"].as_array().unwrap();
+    let module = |m: &str| {
+        ops.iter()
+            .filter(|o| o["module"] == m)
+            .map(|o| o["op"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    for m in ["te", "diffusion", "vae"] {
+        assert!(!module(m).is_empty(), "no ops of {m}: {prof}");
+    }
+    assert!(
+        module("diffusion")
+            .iter()
+            .any(|o| o.starts_with("MUL_MAT ")),
+        "{prof}"
+    );
+    assert!(
+        !ops.iter()
+            .any(|o| ["VIEW", "RESHAPE", "PERMUTE", "TRANSPOSE"]
+                .iter()
+                .any(|v| o["op"].as_str().unwrap().starts_with(v))),
+        "ops that compute nothing are not rows: {prof}"
+    );
+    let charged: f64 = ops.iter().map(|o| o["s"].as_f64().unwrap()).sum();
+    assert!(
+        charged > 0.0 && charged <= run_s,
+        "{charged} s of {run_s} s"
+    );
+    let seconds: Vec<f64> = ops.iter().map(|o| o["s"].as_f64().unwrap()).collect();
+    assert!(
+        seconds.windows(2).all(|w| w[0] >= w[1]),
+        "costliest first: {seconds:?}"
+    );
+    assert!(ops.iter().all(|o| o["nodes"].as_u64().unwrap() > 0));
+
+    // Without the flag there is no profile; the text form shows the table.
+    let j = p.run(&bench_args(&model, &["--json"])).ok().json();
+    assert!(j["op_profile"].is_null(), "{j}");
+    let r = p.run(&bench_args(&model, &["--profile-ops"])).ok();
+    assert!(
+        r.stdout
+            .contains("op profile: one more run computed node by node")
+            && r.stdout.contains("MODULE"),
+        "{}",
+        r.stdout
+    );
+}

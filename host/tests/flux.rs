@@ -276,9 +276,10 @@ fn flux_modules_and_pipelines_match_references_on_cpu() {
 #[test]
 fn flux_modules_and_pipelines_match_references_on_vulkan() {
     if vulkan_enabled() {
-        modules_match("vulkan0", "vulkan0", 2.0);
-        modules_match("vulkan0", "cpu", 2.0);
-        img2img_and_kontext_match("vulkan0", "vulkan0", 2.0);
+        let gpu = gpu();
+        modules_match(&gpu, &gpu, 2.0);
+        modules_match(&gpu, "cpu", 2.0);
+        img2img_and_kontext_match(&gpu, &gpu, 2.0);
     }
 }
 

@@ -163,10 +163,11 @@ fn klein_matches_diffusers_on_vulkan() {
         eprintln!("SKIPPED klein_matches_diffusers_on_vulkan: set SDHOST_TEST_VULKAN=1");
         return;
     }
-    autoencoder_matches("vulkan0", 4e-2);
+    let gpu = gpu();
+    autoencoder_matches(&gpu, 4e-2);
     let ckpt = checkpoint::scan(&fixture("klein/tiny-klein.safetensors")).unwrap();
-    outputs_match(&ckpt, "", "vulkan0", false, 3e-2);
-    pipelines_match("vulkan0", false, 4e-2, 8e-2);
+    outputs_match(&ckpt, "", &gpu, false, 3e-2);
+    pipelines_match(&gpu, false, 4e-2, 8e-2);
 }
 
 /// The tiny klein pipeline: the transformer, the Qwen3 of

@@ -251,9 +251,9 @@ fn image_prompted_pipelines_match_diffusers_on_vulkan() {
     std::env::set_var("GGML_VK_VISIBLE_DEVICES", "0");
     // lavapipe's f16 paths, amplified by CFG 7 over three steps (as for
     // the tiny SD 1.x pipeline in tests/models.rs).
-    pipelines_match_on("vulkan0", 4.0);
+    pipelines_match_on(&gpu(), 4.0);
     // SDXL's 64-wide heads lose more there (tests/models.rs gives 8).
-    sdxl_pipeline_matches_on("vulkan0", 8.0);
+    sdxl_pipeline_matches_on(&gpu(), 8.0);
 }
 
 fn generate(p: &Prefix, out: &std::path::Path, extra: &[&str]) -> Run {

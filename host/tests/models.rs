@@ -279,9 +279,10 @@ fn modules_match_references_on_vulkan_with_params_on_vulkan_and_on_cpu() {
         // lavapipe's f16 paths lose more with 64-wide heads (SD 2.x, SDXL):
         // the tiny SD 2.x UNet's single call is 1.9e-2 off there (1.1e-3 on
         // the CPU), and CFG 7 over three steps amplifies it in the pipeline.
+        let gpu = gpu();
         for (fx, tol) in [(SD1, 4.0), (SD2, 8.0), (SDXL, 8.0)] {
-            modules_match_references(fx, "vulkan0", "vulkan0", tol);
-            modules_match_references(fx, "vulkan0", "cpu", tol);
+            modules_match_references(fx, &gpu, &gpu, tol);
+            modules_match_references(fx, &gpu, "cpu", tol);
         }
     }
 }
@@ -427,7 +428,7 @@ fn sizes_of_any_multiple_of_8_match_references_on_cpu() {
 #[test]
 fn sizes_of_any_multiple_of_8_match_references_on_vulkan() {
     if vulkan_enabled() {
-        odd_latent_matches_references("vulkan0", 4.0);
+        odd_latent_matches_references(&gpu(), 4.0);
     }
 }
 

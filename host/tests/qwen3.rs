@@ -160,7 +160,7 @@ fn hidden_states_match_transformers_on_vulkan() {
         eprintln!("SKIPPED hidden_states_match_transformers_on_vulkan: set SDHOST_TEST_VULKAN=1");
         return;
     }
-    hidden_states_match("vulkan0", false, 1e-2);
+    hidden_states_match(&gpu(), false, 1e-2);
 }
 
 #[test]

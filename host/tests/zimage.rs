@@ -121,8 +121,8 @@ fn the_transformer_matches_diffusers_on_vulkan() {
         return;
     }
     let ckpt = checkpoint::scan(&fixture("zimage/tiny-zimage.safetensors")).unwrap();
-    outputs_match(&ckpt, "model.diffusion_model.", "vulkan0", false, 3e-2);
-    pipelines_match("vulkan0", false, 4e-2, 8e-2);
+    outputs_match(&ckpt, "model.diffusion_model.", &gpu(), false, 3e-2);
+    pipelines_match(&gpu(), false, 4e-2, 8e-2);
 }
 
 /// The tiny Z-Image pipeline: the transformer, the Qwen3 of

@@ -79,6 +79,13 @@ struct Args {
     /// sd.cpp's --diffusion-fa (flash attention in the diffusion model)
     #[arg(long = "flash-attn")]
     flash_attn: bool,
+    /// sd.cpp's --max-vram: GiB of device memory for the weights, the rest
+    /// offloaded and copied in segment by segment (0: off)
+    #[arg(long = "max-vram", default_value_t = 0.0)]
+    max_vram: f32,
+    /// sd.cpp's --stream-layers: prefetching residency on top of --max-vram
+    #[arg(long = "stream-layers")]
+    stream_layers: bool,
     /// Measured runs after one warm-up
     #[arg(long, default_value_t = 3)]
     runs: u32,
@@ -218,6 +225,8 @@ fn run(a: &Args) -> Result<Report, String> {
         // the reads into the first generation.
         p.enable_mmap = false;
         p.diffusion_flash_attn = a.flash_attn;
+        p.max_vram = a.max_vram;
+        p.stream_layers = a.stream_layers;
         p.rng_type = sys::rng_type_t::CUDA_RNG;
         p.sampler_rng_type = sys::rng_type_t::CUDA_RNG;
         if let Some(b) = &backend {

@@ -15,6 +15,7 @@ mod checks;
 mod context;
 mod graph;
 mod ops;
+pub mod profile;
 mod sched;
 mod tensor;
 #[cfg(test)]

@@ -137,6 +137,21 @@ impl<'b> Sched<'b> {
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.fits(graph)?;
         self.check_buffers(graph, false)?;
+        // An op profile, when one runs, sees every node (profile.rs).
+        let profiling = super::profile::active();
+        let callback: sys::ggml_backend_sched_eval_callback = if profiling {
+            Some(super::profile::eval)
+        } else {
+            None
+        };
+        // SAFETY: live scheduler; the callback needs no user data and stays
+        // valid (a plain function).
+        unsafe {
+            sys::ggml_backend_sched_set_eval_callback(self.raw, callback, std::ptr::null_mut())
+        };
+        if profiling {
+            super::profile::begin_graph();
+        }
         // SAFETY: live scheduler and graph, which fits its hash set (checked:
         // ggml allocates an unallocated graph here and asserts that).
         let st = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.raw) };

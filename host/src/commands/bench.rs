@@ -297,6 +297,86 @@ struct ModelReport {
     warm: WarmCache,
     steps: u32,
     family: sdhost_models::family::Family,
+    profile: Option<OpProfile>,
+}
+
+/// `--profile-ops`: one run computed node by node, its time by module and
+/// op (ggml::op_profile).
+struct OpProfile {
+    /// The profiled run's end-to-end time.
+    run_s: f64,
+    rows: Vec<ggml::op_profile::OpTime>,
+}
+
+impl OpProfile {
+    /// The rows the text shows; the rest are summed into one.
+    const SHOWN: usize = 20;
+
+    fn text(&self, median_run_s: f64) -> String {
+        let total: f64 = self.rows.iter().map(|r| r.seconds).sum();
+        let mut out = format!(
+            "op profile: one more run computed node by node, {} end to end (the median run: {}; each node also paid a launch and a synchronization), {} of it in the ops below\n",
+            secs(self.run_s),
+            secs(median_run_s),
+            secs(total)
+        );
+        let share = |t: f64| format!("{:.1} %", 100.0 * t / total.max(1e-12));
+        let mut rows: Vec<Vec<String>> = self
+            .rows
+            .iter()
+            .take(Self::SHOWN)
+            .map(|r| {
+                vec![
+                    r.label.clone(),
+                    r.op.clone(),
+                    r.calls.to_string(),
+                    secs(r.seconds),
+                    share(r.seconds),
+                ]
+            })
+            .collect();
+        let rest = &self.rows[self.rows.len().min(Self::SHOWN)..];
+        if !rest.is_empty() {
+            let t: f64 = rest.iter().map(|r| r.seconds).sum();
+            let calls: u64 = rest.iter().map(|r| r.calls).sum();
+            rows.push(vec![
+                "".into(),
+                format!("{} others", rest.len()),
+                calls.to_string(),
+                secs(t),
+                share(t),
+            ]);
+        }
+        out.push_str(&render::table(
+            &["MODULE", "OP", "NODES", "TIME", "SHARE"],
+            &rows,
+        ));
+        out
+    }
+
+    fn to_json(&self) -> Value {
+        let ops: Vec<Value> = self
+            .rows
+            .iter()
+            .map(|r| json!({ "module": r.label, "op": r.op, "nodes": r.calls, "s": r.seconds }))
+            .collect();
+        json!({ "run_s": self.run_s, "ops": ops })
+    }
+}
+
+/// `--profile-ops`: one more run with ggml's op profile on.
+fn profile_run(
+    sd: &mut sdhost_models::pipeline::Pipeline<'_>,
+    req: &sdhost_models::request::Request,
+    path: &Path,
+) -> anyhow::Result<OpProfile> {
+    ggml::op_profile::start();
+    let t = Instant::now();
+    let done = sd.generate(req, None, &mut |_, _| {}, &|| false);
+    let run_s = t.elapsed().as_secs_f64();
+    let rows = ggml::op_profile::stop();
+    done.map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    Ok(OpProfile { run_s, rows })
 }
 
 /// One row of the stage table: how to read it off an sdhost run and off a
@@ -492,6 +572,10 @@ impl Report for ModelReport {
                 Err(e) => out.push_str(&format!("{}: {e}\n", c.name)),
             }
         }
+        if let Some(p) = &self.profile {
+            let total = self.spreads(&STAGES[STAGES.len() - 1], steps).0.median;
+            out.push_str(&p.text(total));
+        }
         out
     }
 }
@@ -548,6 +632,7 @@ impl ModelReport {
             "stages": stages, "peak_host_bytes": self.peak_host,
             "device_used_bytes": self.device_used.iter().map(|(d, b)| json!({"device": d, "bytes": b})).collect::<Vec<_>>(),
             "page_cache": self.warm, "peers": peers,
+            "op_profile": self.profile.as_ref().map(OpProfile::to_json),
         })
     }
 }
@@ -667,6 +752,10 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let req = a.sample.request(&a.prompt, "", 1, &defaults)?;
     let warm_up = !a.no_warm_up;
     let (first_run_s, ours) = time_runs(&mut sd, &req, runs, warm_up, path, &mut sample_devices)?;
+    let profile = a
+        .profile_ops
+        .then(|| profile_run(&mut sd, &req, path))
+        .transpose()?;
     let threads = session.threads.unwrap_or(1);
     let family = sd.family();
     let settings = format!(
@@ -744,11 +833,23 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             continue;
         }
         match p {
-            Peer::SdCpp(exe) => peers.push(PeerColumn {
-                name: "sd.cpp",
-                deferred_load: true,
-                result: job.sdcpp(exe.as_deref()),
-            }),
+            Peer::SdCpp(exe) => {
+                peers.push(PeerColumn {
+                    name: "sd.cpp",
+                    deferred_load: true,
+                    result: job.sdcpp(exe.as_deref(), false),
+                });
+                // Under --max-vram sd.cpp has two ways to offload: its
+                // segmented copies, and those with prefetching residency
+                // (--stream-layers); both are timed.
+                if a.memory.max_vram.is_some() {
+                    peers.push(PeerColumn {
+                        name: "sd.cpp-stream",
+                        deferred_load: true,
+                        result: job.sdcpp(exe.as_deref(), true),
+                    });
+                }
+            }
             Peer::Diffusers => {
                 // On a CUDA GPU diffusers runs there too, in the precisions
                 // people use there; elsewhere on the CPU.
@@ -782,6 +883,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         warm,
         steps: req.steps as u32,
         family,
+        profile,
     };
     render::print(&report, a.json)?;
     Ok(())
@@ -912,9 +1014,10 @@ impl PeerJob<'_> {
             .map_err(|e| format!("failed: {}", one_line(&format!("{e:#}"))))
     }
 
-    /// Runs the sd.cpp peer with the same settings; errors are reported in
-    /// the table rather than failing the benchmark.
-    fn sdcpp(&self, exe: Option<&Path>) -> Result<PeerReport, String> {
+    /// Runs the sd.cpp peer with the same settings (its `--stream-layers`
+    /// on top of `--max-vram` where `stream_layers`); errors are reported
+    /// in the table rather than failing the benchmark.
+    fn sdcpp(&self, exe: Option<&Path>, stream_layers: bool) -> Result<PeerReport, String> {
         // The peer driver maps only these settings onto sd.cpp; anything else
         // would time a different computation, so it is not run at all.
         use sdhost_models::sampling::{Sampler, Scheduler};
@@ -935,6 +1038,13 @@ impl PeerJob<'_> {
                 if a.sample.vae_tiling { ", VAE tiling" } else { "" },
                 if a.sample.taesd.is_some() { ", TAESD" } else { "" }
             ));
+        }
+        // sd.cpp has one budget for every GPU (--max-vram), none per device.
+        if a.memory.max_memory.is_some() {
+            return Err(
+                "not comparable: sd.cpp has no per-device budgets (give --max-vram instead of --max-memory)"
+                    .into(),
+            );
         }
         let exe = match exe {
             Some(p) => p.to_path_buf(),
@@ -986,6 +1096,15 @@ impl PeerJob<'_> {
         }
         if let Some(b) = &a.placement.params_backend {
             c.args(["--params-backend", b]);
+        }
+        if let Some(bytes) = a.memory.max_vram {
+            c.args([
+                "--max-vram",
+                &format!("{}", bytes as f64 / (1u64 << 30) as f64),
+            ]);
+            if stream_layers {
+                c.arg("--stream-layers");
+            }
         }
         self.warm()?;
         let stdout = run_child(c, &exe.display().to_string(), None)?;

@@ -332,6 +332,14 @@ pub fn vulkan_enabled() -> bool {
     false
 }
 
+/// The GPU the in-process device tests (the `…_on_vulkan` ones) run on:
+/// lavapipe's `vulkan0`, or the device `SDHOST_TEST_GPU` names (`cuda0` on
+/// a machine with the CUDA plugin beside the test binaries,
+/// docs/performance.md "H100").
+pub fn gpu() -> String {
+    std::env::var("SDHOST_TEST_GPU").unwrap_or_else(|_| "vulkan0".into())
+}
+
 /// A path as `&str` (test paths are UTF-8).
 pub fn s(p: &Path) -> &str {
     p.to_str().unwrap()

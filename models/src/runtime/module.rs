@@ -802,6 +802,7 @@ impl<'b> Module<'b> {
             .map_err(|e| fail("setting an input", e))?;
         }
         let set_at = started.elapsed();
+        ggml::op_profile::set_label(name);
         sched.compute(&graph).map_err(|e| fail("computing", e))?;
         tracing::debug!(
             "{name}: call {}: graph built in {:.1?}, allocated and inputs set in {:.1?}, computed in {:.1?}",
