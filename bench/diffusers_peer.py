@@ -19,9 +19,16 @@ and written as an ldm `original_config` YAML into a temporary folder, which diff
 `from_single_file` turns into model configs (no hub access: no config, no tokenizer files are
 fetched).  The CLIP tokenizer is built from the BPE vocabulary open_clip_torch ships.
 
+SDXL (an sgm single-file checkpoint: conditioner.embedders.0 CLIP-L, conditioner.embedders.1 OpenCLIP
+bigG) is built directly: the UNet's, the VAE's and both text encoders' configs are read off the tensor
+shapes (heads of 64 channels, as SDXL and sdhost have them), the weights go through diffusers' own
+converters, and StableDiffusionXLPipeline runs them (its second tokenizer pads with "!", diffusers'
+SDXL default).  Its VAE decodes in the dtype asked (force_upcast, which would decode f16 in f32, is
+off; the report says so).
+
 Exit status: 0 with the report; 3 "unavailable: ..." (Python packages missing); 4 "not
-comparable: ..." (settings diffusers cannot reproduce, checkpoint not SD 1.x); anything else is a
-failure.  Every message is one line on stderr.
+comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x nor SDXL); anything
+else is a failure.  Every message is one line on stderr.
 """
 
 import argparse
@@ -98,7 +105,7 @@ def sd1_original_config(shapes):
     uses the same rule."""
     if TE + "embeddings.token_embedding.weight" not in shapes:
         fail(EXIT_NOT_COMPARABLE, "not comparable: the diffusers peer runs SD 1.x single-file checkpoints "
-             f"(no {TE}embeddings.token_embedding.weight; SD 2.x and SDXL are not mapped)")
+             f"(no {TE}embeddings.token_embedding.weight; SD 2.x is not mapped)")
     if UNET + "label_emb.0.0.weight" in shapes:
         fail(EXIT_NOT_COMPARABLE, "not comparable: the UNet has an ADM input (SDXL-like), not SD 1.x")
     conv_in = shapes[UNET + "input_blocks.0.0.weight"]
@@ -198,28 +205,28 @@ def sd1_original_config(shapes):
     }
 
 
-def te_config(shapes):
+def te_config(shapes, te=TE):
     """CLIP text encoder config from shapes; heads = max(1, hidden / 64) as in sdhost (CLIP ViT-L/14: 12)."""
     from transformers import CLIPTextConfig
 
-    vocab, hidden = shapes[TE + "embeddings.token_embedding.weight"]
+    vocab, hidden = shapes[te + "embeddings.token_embedding.weight"]
     layers = 0
-    while TE + f"encoder.layers.{layers}.mlp.fc1.weight" in shapes:
+    while te + f"encoder.layers.{layers}.mlp.fc1.weight" in shapes:
         layers += 1
     cfg = CLIPTextConfig(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=shapes[TE + "encoder.layers.0.mlp.fc1.weight"][0],
+        intermediate_size=shapes[te + "encoder.layers.0.mlp.fc1.weight"][0],
         num_hidden_layers=layers,
         num_attention_heads=max(1, hidden // 64),
-        max_position_embeddings=shapes[TE + "embeddings.position_embedding.weight"][0],
+        max_position_embeddings=shapes[te + "embeddings.position_embedding.weight"][0],
         hidden_act="quick_gelu",
         layer_norm_eps=1e-5,
     )
     return cfg
 
 
-def clip_tokenizer():
+def clip_tokenizer(pad_token="<|endoftext|>"):
     """transformers' CLIPTokenizer from the OpenAI BPE vocabulary open_clip_torch ships (no hub)."""
     import gzip
 
@@ -230,7 +237,173 @@ def clip_tokenizer():
     merges = gzip.open(default_bpe()).read().decode("utf-8").split("\n")[1 : 49152 - 256 - 2 + 1]
     vocab = {("<|startoftext|>" if t == "<start_of_text>" else "<|endoftext|>" if t == "<end_of_text>" else t): i
              for t, i in st.encoder.items()}
-    return CLIPTokenizer(vocab=vocab, merges=[tuple(m.split()) for m in merges], model_max_length=77)
+    return CLIPTokenizer(vocab=vocab, merges=[tuple(m.split()) for m in merges], model_max_length=77,
+                         pad_token=pad_token)
+
+
+def build_sd1(path, shapes, dtype, scheduler):
+    """StableDiffusionPipeline over an ldm single-file SD 1.x checkpoint (see the module doc)."""
+    from diffusers import AutoencoderKL, StableDiffusionPipeline, UNet2DConditionModel
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import CLIPTextModel
+    import yaml
+
+    original_config = sd1_original_config(shapes)
+    checkpoint = sfu.load_single_file_checkpoint(path, local_files_only=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        oc = os.path.join(tmp, "v1-inference.yaml")
+        with open(oc, "w") as f:
+            yaml.safe_dump(original_config, f)
+        unet = UNet2DConditionModel.from_single_file(checkpoint, original_config=oc, torch_dtype=dtype,
+                                                     local_files_only=True)
+        vae = AutoencoderKL.from_single_file(checkpoint, original_config=oc, torch_dtype=dtype, local_files_only=True)
+    te = CLIPTextModel(te_config(shapes))
+    csd = sfu.convert_ldm_clip_checkpoint(checkpoint)
+    own = te.state_dict()
+    csd = {(k if k in own else k[len("text_model."):]): v for k, v in csd.items()}
+    r = te.load_state_dict(csd, strict=False)
+    if r.unexpected_keys or any(not k.endswith("position_ids") for k in r.missing_keys):
+        fail(1, f"text encoder weights do not fit: unexpected {r.unexpected_keys[:3]}, missing {r.missing_keys[:3]}")
+    te = te.to(dtype).eval()
+    del checkpoint, csd
+    pipe = StableDiffusionPipeline(
+        vae=vae, text_encoder=te, tokenizer=clip_tokenizer(), unet=unet, scheduler=scheduler,
+        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
+    )
+    return pipe, unet, vae, [te]
+
+
+SDXL_TE_L = "conditioner.embedders.0.transformer.text_model."
+SDXL_TE_G = "conditioner.embedders.1.model."
+
+
+def is_sdxl(shapes):
+    return SDXL_TE_G + "token_embedding.weight" in shapes and UNET + "label_emb.0.0.weight" in shapes
+
+
+def sdxl_unet_config(shapes):
+    """diffusers UNet2DConditionModel config of an sgm SDXL UNet, from its shapes (heads of 64 channels)."""
+    model_channels, in_channels = shapes[UNET + "input_blocks.0.0.weight"][:2]
+    if in_channels != 4:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: the UNet takes {in_channels} input channels (inpainting); "
+             "bench runs text-to-image")
+    levels = [[]]  # per level: (out channels, transformer depth) of each res block
+    k = 1
+    while UNET + f"input_blocks.{k}.0.op.weight" in shapes or UNET + f"input_blocks.{k}.0.out_layers.3.weight" in shapes:
+        if UNET + f"input_blocks.{k}.0.op.weight" in shapes:
+            levels.append([])
+        else:
+            depth = 0
+            while UNET + f"input_blocks.{k}.1.transformer_blocks.{depth}.attn2.to_k.weight" in shapes:
+                depth += 1
+            levels[-1].append((shapes[UNET + f"input_blocks.{k}.0.out_layers.3.weight"][0], depth))
+        k += 1
+    if not levels[0] or any(len(lv) != len(levels[0]) for lv in levels):
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: unexpected UNet layout in input_blocks ({levels})")
+    widths = [lv[0][0] for lv in levels]
+    depths = [lv[0][1] for lv in levels]
+    context = next((v[1] for k, v in shapes.items() if k.startswith(UNET) and k.endswith("attn2.to_k.weight")), None)
+    if context is None:
+        fail(EXIT_NOT_COMPARABLE, "not comparable: the UNet has no cross-attention")
+    adm_in = shapes[UNET + "label_emb.0.0.weight"][1]
+    projection = shapes[SDXL_TE_G + "text_projection"][1]
+    if adm_in <= projection or (adm_in - projection) % 6:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: ADM input {adm_in} is not the pooled {projection} + 6 size embeddings")
+    return dict(
+        sample_size=128,
+        in_channels=in_channels,
+        out_channels=shapes[UNET + "out.2.weight"][0],
+        layers_per_block=len(levels[0]),
+        block_out_channels=tuple(widths),
+        down_block_types=tuple("CrossAttnDownBlock2D" if d else "DownBlock2D" for d in depths),
+        up_block_types=tuple("CrossAttnUpBlock2D" if d else "UpBlock2D" for d in reversed(depths)),
+        transformer_layers_per_block=tuple(max(d, 1) for d in depths),
+        attention_head_dim=tuple(max(w // 64, 1) for w in widths),
+        cross_attention_dim=context,
+        use_linear_projection=len(shapes[UNET + "middle_block.1.proj_in.weight"]) == 2,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=(adm_in - projection) // 6,
+        projection_class_embeddings_input_dim=adm_in,
+        norm_num_groups=32,
+    )
+
+
+def vae_config(shapes, scaling_factor):
+    """diffusers AutoencoderKL config of an ldm VAE (first_stage_model.*), from its shapes; decodes in the
+    dtype it is given (force_upcast off)."""
+    ch = shapes[VAE + "encoder.conv_in.weight"][0]
+    mult = []
+    while VAE + f"encoder.down.{len(mult)}.block.0.conv2.weight" in shapes:
+        mult.append(shapes[VAE + f"encoder.down.{len(mult)}.block.0.conv2.weight"][0] // ch)
+    blocks = 0
+    while VAE + f"encoder.down.0.block.{blocks}.conv1.weight" in shapes:
+        blocks += 1
+    return dict(
+        in_channels=shapes[VAE + "encoder.conv_in.weight"][1],
+        out_channels=shapes[VAE + "decoder.conv_out.weight"][0],
+        down_block_types=("DownEncoderBlock2D",) * len(mult),
+        up_block_types=("UpDecoderBlock2D",) * len(mult),
+        block_out_channels=tuple(ch * m for m in mult),
+        layers_per_block=blocks,
+        latent_channels=shapes[VAE + "decoder.conv_in.weight"][1],
+        scaling_factor=scaling_factor,
+        force_upcast=False,
+    )
+
+
+def openclip_te_config(shapes, prefix):
+    """CLIPTextConfig of an OpenCLIP text tower (SDXL's bigG), from its shapes: heads of 64, GELU."""
+    from transformers import CLIPTextConfig
+
+    vocab, hidden = shapes[prefix + "token_embedding.weight"]
+    layers = 0
+    while prefix + f"transformer.resblocks.{layers}.mlp.c_fc.weight" in shapes:
+        layers += 1
+    return CLIPTextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=shapes[prefix + "transformer.resblocks.0.mlp.c_fc.weight"][0],
+        num_hidden_layers=layers,
+        num_attention_heads=max(1, hidden // 64),
+        max_position_embeddings=shapes[prefix + "positional_embedding"][0],
+        hidden_act="gelu",
+        layer_norm_eps=1e-5,
+        projection_dim=shapes[prefix + "text_projection"][1],
+    )
+
+
+def load_strict(module, sd, what):
+    """Loads converted weights; every weight of `module` must be given and nothing else (position ids aside)."""
+    own = module.state_dict()
+    sd = {(k if k in own else k[len("text_model."):]): v for k, v in sd.items()}
+    r = module.load_state_dict(sd, strict=False)
+    if r.unexpected_keys or any(not k.endswith("position_ids") for k in r.missing_keys):
+        fail(1, f"{what} weights do not fit: unexpected {r.unexpected_keys[:3]}, missing {r.missing_keys[:3]}")
+
+
+def build_sdxl(path, shapes, dtype, scheduler):
+    """StableDiffusionXLPipeline over an sgm single-file SDXL checkpoint (see the module doc)."""
+    from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
+
+    ck = sfu.load_single_file_checkpoint(path, local_files_only=True)
+    unet = UNet2DConditionModel(**sdxl_unet_config(shapes))
+    load_strict(unet, sfu.convert_ldm_unet_checkpoint(ck, dict(unet.config)), "UNet")
+    vae = AutoencoderKL(**vae_config(shapes, 0.13025))
+    load_strict(vae, sfu.convert_ldm_vae_checkpoint(ck, dict(vae.config)), "VAE")
+    te_l = CLIPTextModel(te_config(shapes, SDXL_TE_L))
+    load_strict(te_l, sfu.convert_ldm_clip_checkpoint(ck), "CLIP-L")
+    te_g = CLIPTextModelWithProjection(openclip_te_config(shapes, SDXL_TE_G))
+    load_strict(te_g, sfu.convert_open_clip_checkpoint(te_g, ck, prefix=SDXL_TE_G), "OpenCLIP bigG")
+    del ck
+    unet, vae, te_l, te_g = (m.to(dtype).eval() for m in (unet, vae, te_l, te_g))
+    pipe = StableDiffusionXLPipeline(
+        vae=vae, text_encoder=te_l, text_encoder_2=te_g, tokenizer=clip_tokenizer(),
+        tokenizer_2=clip_tokenizer(pad_token="!"), unet=unet, scheduler=scheduler,
+        force_zeros_for_empty_prompt=False, add_watermarker=False,
+    )
+    return pipe, unet, vae, [te_l, te_g]
 
 
 def peak_host_bytes():
@@ -319,34 +492,16 @@ def main():
 
     with safe_open(args.model, framework="pt") as f:
         shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
-    original_config = sd1_original_config(shapes)
-
     t = clock()
-    checkpoint = sfu.load_single_file_checkpoint(args.model, local_files_only=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        oc = os.path.join(tmp, "v1-inference.yaml")
-        with open(oc, "w") as f:
-            yaml.safe_dump(original_config, f)
-        unet = UNet2DConditionModel.from_single_file(checkpoint, original_config=oc, torch_dtype=dtype,
-                                                     local_files_only=True)
-        vae = AutoencoderKL.from_single_file(checkpoint, original_config=oc, torch_dtype=dtype, local_files_only=True)
-    te = CLIPTextModel(te_config(shapes))
-    csd = sfu.convert_ldm_clip_checkpoint(checkpoint)
-    own = te.state_dict()
-    csd = {(k if k in own else k[len("text_model."):]): v for k, v in csd.items()}
-    r = te.load_state_dict(csd, strict=False)
-    if r.unexpected_keys or any(not k.endswith("position_ids") for k in r.missing_keys):
-        fail(1, f"text encoder weights do not fit: unexpected {r.unexpected_keys[:3]}, missing {r.missing_keys[:3]}")
-    te = te.to(dtype).eval()
-    del checkpoint, csd
-    pipe = StableDiffusionPipeline(
-        vae=vae, text_encoder=te, tokenizer=clip_tokenizer(), unet=unet, scheduler=cls(**sched_kwargs),
-        safety_checker=None, feature_extractor=None, requires_safety_checker=False,
-    ).to(args.device)
+    if is_sdxl(shapes):
+        pipe, unet, vae, tes = build_sdxl(args.model, shapes, dtype, cls(**sched_kwargs))
+    else:
+        pipe, unet, vae, tes = build_sd1(args.model, shapes, dtype, cls(**sched_kwargs))
+    pipe = pipe.to(args.device)
     pipe.set_progress_bar_config(disable=True)
     load_s = clock() - t
 
-    te_t = Timer(te, clock)
+    te_ts = [Timer(te, clock) for te in tes]
     unet_t = Timer(unet, clock)
     vae_time = {"total": 0.0, "start": None}
     decode = vae.decode
@@ -362,7 +517,8 @@ def main():
     vae.decode = timed_decode
 
     def generate():
-        te_t.reset()
+        for te_t in te_ts:
+            te_t.reset()
         unet_t.reset()
         vae_time.update(total=0.0, start=None)
         g = torch.Generator().manual_seed(args.seed)
@@ -371,8 +527,10 @@ def main():
             pipe(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
                  num_inference_steps=args.steps, guidance_scale=args.cfg_scale, generator=g, output_type="np")
         total = clock() - t0
-        sampling = (vae_time["start"] - te_t.last_end) if vae_time["start"] and te_t.last_end else None
-        return {"total_s": total, "te_s": te_t.total, "sampling_s": sampling, "vae_s": vae_time["total"],
+        te_end = max((te_t.last_end for te_t in te_ts if te_t.last_end), default=None)
+        sampling = (vae_time["start"] - te_end) if vae_time["start"] and te_end else None
+        te_s = sum(te_t.total for te_t in te_ts)
+        return {"total_s": total, "te_s": te_s, "sampling_s": sampling, "vae_s": vae_time["total"],
                 "unet_calls": unet_t.calls}
 
     if args.no_warm_up:
@@ -386,6 +544,7 @@ def main():
 
     system = (f"diffusers {diffusers.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
               f"{args.dtype} weights and compute, "
+              + ("StableDiffusionXLPipeline, its VAE decoding in that dtype (force_upcast off), " if is_sdxl(shapes) else "")
               + (f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else f"{torch.get_num_threads()} threads, ")
               + f"{cls_name}, "
               f"attention {type(unet.attn_processors[next(iter(unet.attn_processors))]).__name__}")

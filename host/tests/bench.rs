@@ -294,22 +294,34 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
     assert_eq!(f32["peak_host_bytes"], 1u64 << 30);
 }
 
-/// The real diffusers peer on the tiny checkpoint, when a Python with torch
-/// and diffusers is named (for example /tmp/fixture-venv/bin/python).
+/// The real diffusers peer on the tiny SD 1.x and SDXL checkpoints, when a
+/// Python with torch and diffusers is named (for example
+/// /tmp/fixture-venv/bin/python).
 #[test]
-fn real_diffusers_peer_on_the_tiny_model() {
+fn real_diffusers_peer_on_the_tiny_models() {
     let Some(py) = std::env::var_os("SDHOST_DIFFUSERS_PYTHON") else {
         eprintln!(
-            "SKIPPED real_diffusers_peer_on_the_tiny_model: set SDHOST_DIFFUSERS_PYTHON to a Python with torch and diffusers"
+            "SKIPPED real_diffusers_peer_on_the_tiny_models: set SDHOST_DIFFUSERS_PYTHON to a Python with torch and diffusers"
         );
         return;
     };
     let p = Prefix::with_cpu();
-    let model = tiny_sd1();
+    for (model, pipeline) in [
+        (tiny_sd1(), None),
+        (
+            fixture("tiny-sdxl.safetensors"),
+            Some("StableDiffusionXLPipeline"),
+        ),
+    ] {
+        real_diffusers_peer_on(&p, &py, &model, pipeline);
+    }
+}
+
+fn real_diffusers_peer_on(p: &Prefix, py: &std::ffi::OsStr, model: &Path, pipeline: Option<&str>) {
     let mut c = p.cmd(&[
         "bench",
         "-m",
-        s(&model),
+        s(model),
         "-W",
         "64",
         "-H",
@@ -324,7 +336,7 @@ fn real_diffusers_peer_on_the_tiny_model() {
         "diffusers",
         "--json",
     ]);
-    c.env("SDHOST_DIFFUSERS_PYTHON", &py);
+    c.env("SDHOST_DIFFUSERS_PYTHON", py);
     let j = Run::from(c.output().unwrap()).ok().json();
     assert_eq!(
         peers(&j),
@@ -348,6 +360,11 @@ fn real_diffusers_peer_on_the_tiny_model() {
     }
     let sys = j["peers"][1]["system"].as_str().unwrap();
     assert!(sys.contains("bf16") && sys.contains("2 threads"), "{sys}");
+    assert_eq!(
+        pipeline.is_some_and(|name| sys.contains(name)),
+        pipeline.is_some(),
+        "{sys}"
+    );
 }
 
 /// `--no-warm-up` measures the first run (sdhost's end to end is then its

@@ -817,8 +817,9 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             continue;
         }
         seen.push(key);
-        // The diffusers peer is wired for single-file SD 1.x checkpoints
-        // (it says so itself); the sd.cpp peer takes FLUX in parts too.
+        // The diffusers peer is wired for single-file SD 1.x and SDXL
+        // checkpoints (it says so itself); the sd.cpp peer takes FLUX in
+        // parts too.
         let c = &a.sample.components;
         let parts = c.t5xxl.is_some() || c.clip_l.is_some() || c.llm.is_some();
         if matches!(p, Peer::Diffusers) && (family.config().is_none() || parts) {
@@ -1115,11 +1116,11 @@ impl PeerJob<'_> {
     /// in `dtype` with the same settings; errors are reported in the table.
     fn diffusers(&self, dtype: &str) -> Result<PeerReport, String> {
         // The families bench/diffusers_peer.py builds a pipeline for.
-        const DIFFUSERS_FAMILIES: &[&str] = &["sd1"];
+        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl"];
         let (a, req) = (self.a, self.req);
         if !DIFFUSERS_FAMILIES.contains(&self.family.name()) {
             return Err(format!(
-                "not comparable: the diffusers peer runs SD 1.x checkpoints (this is {})",
+                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints (this is {})",
                 self.family.name()
             ));
         }
