@@ -187,3 +187,68 @@ fn swapping_the_plugin_needs_no_host_rebuild() {
     std::fs::remove_file(&vk).unwrap();
     assert_eq!(names(&p), vec!["cpu"]);
 }
+
+/// `--flash-attn on` where the device has no fused kernel for a module's
+/// head width: that attention is computed unfused on the device (said once
+/// in the log), never sent to the CPU by ggml's scheduler. lavapipe has no
+/// kernel for the tiny UNet's 4-wide heads and has one for its VAE's.
+#[test]
+fn fused_attention_stays_on_the_device_or_is_unfused() {
+    if !enabled() {
+        return;
+    }
+    let p = prefix_with_vulkan();
+    let out = p.dir("work").join("fa.png");
+    let model = tiny_sd1();
+    let r = Run::from(
+        lavapipe(&mut p.cmd(&[
+            "-vv",
+            "generate",
+            "-m",
+            s(&model),
+            "-p",
+            "a cat",
+            "-W",
+            "64",
+            "-H",
+            "64",
+            "--steps",
+            "2",
+            "--backend",
+            "vulkan0",
+            "--flash-attn",
+            "on",
+            "-o",
+            s(&out),
+        ]))
+        .output()
+        .unwrap(),
+    )
+    .ok();
+    let said: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| l.contains("has no fused attention"))
+        .collect();
+    assert_eq!(
+        said.len(),
+        1,
+        "one line for the UNet's one width: {}",
+        r.stderr
+    );
+    assert!(
+        said[0].contains("diffusion: vulkan0 has no fused attention for 4-wide heads"),
+        "{}",
+        said[0]
+    );
+    let calls: Vec<&str> = r
+        .stderr
+        .lines()
+        .filter(|l| l.contains(": call ") && l.contains(" ops ("))
+        .collect();
+    assert!(calls.len() >= 3, "{}", r.stderr);
+    for line in calls {
+        assert!(line.contains(", cpu 0), 1 splits"), "{line}");
+    }
+    assert!(out.is_file());
+}

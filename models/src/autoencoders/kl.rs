@@ -381,7 +381,7 @@ fn attn_block<'a>(c: &'a Context, w: &W<'a>, p: &str, x: Tensor<'a>) -> Result<T
     let q = linear(c, w, &format!("{p}.q"), tokens, ch, ch)?;
     let k = linear(c, w, &format!("{p}.k"), tokens, ch, ch)?;
     let v = linear(c, w, &format!("{p}.v"), tokens, ch, ch)?;
-    let a = attention(c, q, k, v, 1, false, w.opts.flash_attn)?;
+    let a = attention(c, q, k, v, 1, false, w.flash_for(ch))?;
     let a = linear(c, w, &format!("{p}.proj_out"), a, ch, ch)?;
     let a = c.cont(c.permute(c.reshape(a, &[ch, width, height, n])?, [2, 0, 1, 3])?)?;
     Ok(c.add(x, a)?)

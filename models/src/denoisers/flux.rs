@@ -573,7 +573,7 @@ fn attend<'a>(
     let k = rope_pairs(c, k, rope.cos, rope.sin)?;
     let flat = |x: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(x, &[d * hh, l, n])?) };
     let scores = Scores {
-        flash: w.opts.flash_attn,
+        flash: w.flash_for(d),
         ..Scores::default()
     };
     attention_with(c, flat(q)?, flat(k)?, flat(v)?, cfg.heads, scores)

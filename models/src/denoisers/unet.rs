@@ -589,13 +589,14 @@ impl<'a> Net<'a, '_> {
             let k = linear(c, w, &format!("{pa}.to_k"), kv, kv_dim, inner)?;
             let v = linear(c, w, &format!("{pa}.to_v"), kv, kv_dim, inner)?;
             let heads = self.cfg.heads.for_width(inner);
-            let mut a = attention(c, q, k, v, heads, false, w.opts.flash_attn)?;
+            let flash = w.flash_for(inner / heads.max(1));
+            let mut a = attention(c, q, k, v, heads, false, flash)?;
             // An IP-Adapter's decoupled cross-attention on the image tokens.
             if let (Some((tokens, scale)), Some(_)) = (self.ip, ctx) {
                 if w.has(&format!("{pa}.to_k_ip.weight")) {
                     let k = linear(c, w, &format!("{pa}.to_k_ip"), tokens, cd, inner)?;
                     let v = linear(c, w, &format!("{pa}.to_v_ip"), tokens, cd, inner)?;
-                    let b = attention(c, q, k, v, heads, false, w.opts.flash_attn)?;
+                    let b = attention(c, q, k, v, heads, false, flash)?;
                     a = c.add(a, c.scale(b, scale)?)?;
                 }
             }

@@ -494,7 +494,7 @@ fn attention<'a>(
     let k = rope_pairs(c, k, rope.cos, rope.sin)?;
     let flat = |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.cont(t)?, &[d, l, 1])?) };
     let scores = Scores {
-        flash: w.opts.flash_attn,
+        flash: w.flash_for(hd),
         ..Scores::default()
     };
     let out = attention_with(

@@ -21,11 +21,17 @@ pub struct GraphOptions {
     pub circular: bool,
 }
 
+/// Whether the runtime device has a fused attention kernel for heads this
+/// wide (the runtime's probe of its device, cached; see [`W::flash_for`]).
+pub type FlashProbe = std::rc::Rc<dyn Fn(i64) -> bool>;
+
 /// A module's weights by name, for one graph build, with the build options.
 pub struct W<'a> {
     map: HashMap<&'a str, Tensor<'a>>,
     /// Build options.
     pub opts: GraphOptions,
+    /// Which head widths the runtime device fuses; none: every width.
+    flash_probe: Option<FlashProbe>,
 }
 
 impl<'a> W<'a> {
@@ -34,6 +40,7 @@ impl<'a> W<'a> {
         W {
             map,
             opts: GraphOptions::default(),
+            flash_probe: None,
         }
     }
 
@@ -41,6 +48,20 @@ impl<'a> W<'a> {
     pub fn with_options(mut self, opts: GraphOptions) -> Self {
         self.opts = opts;
         self
+    }
+
+    /// The same, asking `probe` which head widths the device fuses.
+    pub fn with_flash_probe(mut self, probe: FlashProbe) -> Self {
+        self.flash_probe = Some(probe);
+        self
+    }
+
+    /// Whether an attention with heads `head_dim` wide is fused: fused
+    /// attention is on ([`GraphOptions::flash_attn`]) and the runtime device
+    /// has a kernel for that width. Otherwise it is computed unfused on the
+    /// device rather than sent to the CPU by ggml's scheduler.
+    pub fn flash_for(&self, head_dim: i64) -> bool {
+        self.opts.flash_attn && self.flash_probe.as_ref().is_none_or(|p| p(head_dim))
     }
 
     /// The tensor `name`, or a "missing tensor" error.

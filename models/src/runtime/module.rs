@@ -194,6 +194,9 @@ pub struct Module<'b> {
     sched: Option<Sched<'b>>,
     policy: WeightPolicy,
     opts: GraphOptions,
+    /// Head widths the runtime device has (true) or lacks (false) a fused
+    /// attention kernel for, probed once each (`W::flash_for`).
+    flash_heads: std::sync::Arc<std::sync::Mutex<HashMap<i64, bool>>>,
     timing: Timing,
     /// What was really allocated so far (for checking measurements).
     allocated: Allocated,
@@ -284,6 +287,7 @@ impl<'b> Module<'b> {
             sched: None,
             policy,
             opts: GraphOptions::default(),
+            flash_heads: Default::default(),
             timing: Timing::default(),
             allocated: Allocated::default(),
         })
@@ -737,7 +741,14 @@ impl<'b> Module<'b> {
         if let Some(copy) = &self.runtime_copy {
             map.extend(copy.map());
         }
-        let w = W::new(map).with_options(self.opts);
+        let mut w = W::new(map).with_options(self.opts);
+        if self.opts.flash_attn {
+            w = w.with_flash_probe(flash_probe(
+                name,
+                self.devices.runtime,
+                self.flash_heads.clone(),
+            ));
+        }
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         ctx.set_amx(amx);
         ctx.set_f32_products(assisted);
@@ -869,4 +880,33 @@ pub fn input_i32<'a>(
     let t = ctx.new_tensor(Type::I32, &[values.len() as i64])?;
     inputs.push((t, Input::I32(values)));
     Ok(t)
+}
+
+/// [`W::flash_for`]'s probe for a module computing on `runtime`: every
+/// width on a CPU; elsewhere what the device says
+/// ([`ggml::Device::supports_fused_attention`]), asked once per width and
+/// said once where the answer is no.
+fn flash_probe(
+    name: &'static str,
+    runtime: &Backend,
+    known: std::sync::Arc<std::sync::Mutex<HashMap<i64, bool>>>,
+) -> crate::runtime::graph::FlashProbe {
+    let device = runtime.device();
+    let label = runtime.label();
+    let on_cpu = device.device_type() == ggml::DeviceType::Cpu;
+    std::rc::Rc::new(move |head_dim: i64| {
+        if on_cpu {
+            return true;
+        }
+        let mut known = known.lock().unwrap_or_else(|e| e.into_inner());
+        *known.entry(head_dim).or_insert_with(|| {
+            let fused = device.supports_fused_attention(head_dim);
+            if !fused {
+                tracing::info!(
+                    "{name}: {label} has no fused attention for {head_dim}-wide heads: those are computed unfused there"
+                );
+            }
+            fused
+        })
+    })
 }
