@@ -199,32 +199,10 @@ fn fused_attention_stays_on_the_device_or_is_unfused() {
     }
     let p = prefix_with_vulkan();
     let out = p.dir("work").join("fa.png");
-    let model = tiny_sd1();
-    let r = Run::from(
-        lavapipe(&mut p.cmd(&[
-            "-vv",
-            "generate",
-            "-m",
-            s(&model),
-            "-p",
-            "a cat",
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--steps",
-            "2",
-            "--backend",
-            "vulkan0",
-            "--flash-attn",
-            "on",
-            "-o",
-            s(&out),
-        ]))
-        .output()
-        .unwrap(),
-    )
-    .ok();
+    // GGML_VK_VISIBLE_DEVICES=0 comes from scripts/test, as for the other
+    // Vulkan tests that run generate.
+    let extra = ["--backend", "vulkan0", "--flash-attn", "on", "-vv"];
+    let r = generate_64(&p, "tiny-sd1.safetensors", &out, &extra).ok();
     let said: Vec<&str> = r
         .stderr
         .lines()
