@@ -366,7 +366,7 @@ pub fn rope_pairs<'a>(
     let [d, h, l, n] = x.ne();
     check_rope(x, cos, sin)?;
     let all = d / 2 * h * l * n;
-    let flat = c.reshape(c.cont(x)?, &[2, all])?;
+    let flat = c.reshape(c.dense(x)?, &[2, all])?;
     let half = |i| -> Result<Tensor<'a>> {
         Ok(c.reshape(c.cont(c.narrow(flat, 0, i, 1)?)?, &[d / 2, h, l, n])?)
     };
@@ -491,7 +491,8 @@ pub fn attention_with<'a>(
     if flash {
         let f16 = |x: Tensor<'a>| -> Result<Tensor<'a>> {
             let x = c.permute(c.reshape(x, &[d, kvh, s, n])?, [0, 2, 1, 3])?;
-            Ok(c.cast(c.cont(x)?, ggml::Type::F16)?)
+            // The cast writes a contiguous f16 copy from the permuted view.
+            Ok(c.cast(x, ggml::Type::F16)?)
         };
         // Result [D, H, T, N]: heads already merged.
         let out = c.flash_attn(q, f16(k)?, f16(v)?, scale)?;

@@ -813,6 +813,18 @@ impl Context {
 }
 
 impl Context {
+    /// `a` as a contiguous tensor: `a` itself where its elements already lie
+    /// contiguously (a view of contiguous data included: it is read where
+    /// it lies), else a contiguous copy ([`Context::cont`]). For operands;
+    /// a graph's output should own its memory (`cont`).
+    pub fn dense<'a>(&'a self, a: Tensor<'a>) -> Result<Tensor<'a>> {
+        if contiguous(&a) {
+            Ok(a)
+        } else {
+            self.cont(a)
+        }
+    }
+
     /// The same data seen with shape `ne` (1–4 dimensions, same element
     /// count); `a` must be contiguous.
     pub fn reshape<'a>(&'a self, a: Tensor<'a>, ne: &[i64]) -> Result<Tensor<'a>> {

@@ -493,7 +493,7 @@ fn build<'a>(
         };
         x = single_block(c, w, cfg, i, x, &m, &rope)?;
     }
-    let x = c.cont(c.narrow(x, 1, lt, li)?)?;
+    let x = c.dense(c.narrow(x, 1, lt, li)?)?;
     // BFL's final modulation is (shift, scale); diffusers' (scale, shift).
     let x = if w.has("final_layer.adaLN_modulation.1.weight") {
         let m = modulation(c, w, "final_layer.adaLN_modulation.1", vec, h, 2)?;
@@ -552,7 +552,7 @@ fn heads<'a>(
     let d = cfg.head_dim;
     let [q, k, v] = qkv.map(|x| {
         let [_, l, n, _] = x.ne();
-        Ok::<_, ModelError>(c.reshape(c.cont(x)?, &[d, cfg.heads, l, n])?)
+        Ok::<_, ModelError>(c.reshape(c.dense(x)?, &[d, cfg.heads, l, n])?)
     });
     let q = rms_norm(c, w, &format!("{norm}.query_norm.scale"), q?, d, EPS)?;
     let k = rms_norm(c, w, &format!("{norm}.key_norm.scale"), k?, d, EPS)?;
@@ -636,8 +636,8 @@ fn double_block<'a>(
     let att = attend(c, w, cfg, joint, rope)?; // [h, lt + li, n]
     let lt = txt.ne()[1];
     let li = img.ne()[1];
-    let t_att = c.cont(c.narrow(att, 1, 0, lt)?)?;
-    let i_att = c.cont(c.narrow(att, 1, lt, li)?)?;
+    let t_att = c.dense(c.narrow(att, 1, 0, lt)?)?;
+    let i_att = c.dense(c.narrow(att, 1, lt, li)?)?;
     let stream = |x: Tensor<'a>, a: Tensor<'a>, m: &[Tensor<'a>], s: &str| -> Result<Tensor<'a>> {
         let a = linear(c, w, &format!("{p}.{s}_attn.proj"), a, h, h)?;
         let x = c.add(x, c.mul(a, m[2])?)?;

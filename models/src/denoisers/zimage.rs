@@ -394,7 +394,7 @@ fn build<'a>(
             &all_rope,
         )?;
     }
-    let x = c.cont(c.narrow(x, 1, 0, n_img as i64)?)?;
+    let x = c.dense(c.narrow(x, 1, 0, n_img as i64)?)?;
     let scale = linear(
         c,
         w,
@@ -487,12 +487,12 @@ fn attention<'a>(
         ["to_q", "to_k", "to_v"].map(|n| linear(c, w, &format!("{a}{n}"), x, d, d))
     };
     let split =
-        |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.cont(t)?, &[hd, heads, l, 1])?) };
+        |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.dense(t)?, &[hd, heads, l, 1])?) };
     let q = rms_norm(c, w, &format!("{a}q_norm.weight"), split(q?)?, hd, EPS)?;
     let k = rms_norm(c, w, &format!("{a}k_norm.weight"), split(k?)?, hd, EPS)?;
     let q = rope_pairs(c, q, rope.cos, rope.sin)?;
     let k = rope_pairs(c, k, rope.cos, rope.sin)?;
-    let flat = |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.cont(t)?, &[d, l, 1])?) };
+    let flat = |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.dense(t)?, &[d, l, 1])?) };
     let scores = Scores {
         flash: w.flash_for(hd),
         ..Scores::default()
@@ -501,7 +501,7 @@ fn attention<'a>(
         c,
         flat(q)?,
         flat(k)?,
-        c.reshape(c.cont(v?)?, &[d, l, 1])?,
+        c.reshape(c.dense(v?)?, &[d, l, 1])?,
         heads,
         scores,
     )?;
