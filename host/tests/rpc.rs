@@ -9,6 +9,7 @@
 
 mod common;
 use common::*;
+use sdhost::rpc_gate::wire::{graph_payload, WireTensor as T};
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -892,79 +893,6 @@ struct Raw {
     s: TcpStream,
 }
 
-/// `rpc_tensor` fields for [`wire_tensor`].
-#[derive(Clone, Copy)]
-struct T {
-    id: u64,
-    ty: u32,
-    buffer: u64,
-    ne: [u32; 4],
-    nb: [u32; 4],
-    op: u32,
-    params: [i32; 4],
-    src: [u64; 3],
-    view_src: u64,
-    view_offs: u64,
-    data: u64,
-}
-
-impl T {
-    /// A packed f32 leaf of shape `ne` at `data` in `buffer`.
-    fn f32(id: u64, ne: [u32; 4], buffer: u64, data: u64) -> T {
-        let mut nb = [4u32; 4];
-        for d in 1..4 {
-            nb[d] = nb[d - 1].wrapping_mul(ne[d - 1]);
-        }
-        T {
-            id,
-            ty: 0,
-            buffer,
-            ne,
-            nb,
-            op: 0,
-            params: [0; 4],
-            src: [0; 3],
-            view_src: 0,
-            view_offs: 0,
-            data,
-        }
-    }
-
-    fn wire(&self) -> Vec<u8> {
-        let mut t = vec![0u8; 296];
-        t[..8].copy_from_slice(&self.id.to_le_bytes());
-        t[8..12].copy_from_slice(&self.ty.to_le_bytes());
-        t[12..20].copy_from_slice(&self.buffer.to_le_bytes());
-        for d in 0..4 {
-            t[20 + 4 * d..24 + 4 * d].copy_from_slice(&self.ne[d].to_le_bytes());
-            t[36 + 4 * d..40 + 4 * d].copy_from_slice(&self.nb[d].to_le_bytes());
-            t[56 + 4 * d..60 + 4 * d].copy_from_slice(&self.params[d].to_le_bytes());
-        }
-        t[52..56].copy_from_slice(&self.op.to_le_bytes());
-        for i in 0..3 {
-            t[124 + 8 * i..132 + 8 * i].copy_from_slice(&self.src[i].to_le_bytes());
-        }
-        t[204..212].copy_from_slice(&self.view_src.to_le_bytes());
-        t[212..220].copy_from_slice(&self.view_offs.to_le_bytes());
-        t[220..228].copy_from_slice(&self.data.to_le_bytes());
-        t
-    }
-}
-
-/// A GRAPH_COMPUTE payload computing `nodes` over `tensors`.
-fn wire_graph(nodes: &[u64], tensors: &[T]) -> Vec<u8> {
-    let mut g = 0u32.to_le_bytes().to_vec();
-    g.extend_from_slice(&(nodes.len() as u32).to_le_bytes());
-    for n in nodes {
-        g.extend_from_slice(&n.to_le_bytes());
-    }
-    g.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
-    for t in tensors {
-        g.extend_from_slice(&t.wire());
-    }
-    g
-}
-
 impl Raw {
     /// A session past HELLO, or `None` when the server does not answer.
     fn open(port: u16, key: Option<&str>) -> Option<Raw> {
@@ -1093,7 +1021,7 @@ fn hostile_commands_close_the_connection_not_the_server() {
             Box::new(move |b, base| {
                 let mut n = T::f32(1, [4, 1, 1, 1], b, base);
                 n.op = u32::MAX;
-                (10, wire_graph(&[1], &[n]))
+                (10, graph_payload(&[1], &[n]))
             }),
         ),
         (
@@ -1101,7 +1029,7 @@ fn hostile_commands_close_the_connection_not_the_server() {
             Box::new(move |b, base| {
                 let mut n = T::f32(1, [4, 1, 1, 1], b, base);
                 n.op = s::GGML_OP_CUSTOM as u32;
-                (10, wire_graph(&[1], &[n]))
+                (10, graph_payload(&[1], &[n]))
             }),
         ),
         (
@@ -1112,7 +1040,7 @@ fn hostile_commands_close_the_connection_not_the_server() {
                 let mut z = T::f32(3, [16, 4, 1, 1], b, base + 512);
                 z.op = add;
                 z.src = [1, 2, 0];
-                (10, wire_graph(&[3], &[x, y, z]))
+                (10, graph_payload(&[3], &[x, y, z]))
             }),
         ),
         (
@@ -1123,7 +1051,7 @@ fn hostile_commands_close_the_connection_not_the_server() {
                 let mut z = T::f32(3, [4, 1, 1, 1], 0, 0);
                 z.op = add;
                 z.src = [1, 2, 0];
-                (10, wire_graph(&[3], &[x, y, z]))
+                (10, graph_payload(&[3], &[x, y, z]))
             }),
         ),
         (
@@ -1136,7 +1064,7 @@ fn hostile_commands_close_the_connection_not_the_server() {
                     t.src = [id - 1, 0, 0];
                     ts.push(t);
                 }
-                (10, wire_graph(&[150_000], &ts))
+                (10, graph_payload(&[150_000], &ts))
             }),
         ),
         ("an unknown command", Box::new(|_, _| (200, Vec::new()))),
@@ -1344,7 +1272,7 @@ fn row_indices_are_read_before_the_graph_runs() {
         let mut rows = T::f32(3, [4, 1, 1, 1], b, base + 128);
         rows.op = ggml::sys::GGML_OP_GET_ROWS as u32;
         rows.src = [1, 2, 0];
-        assert!(c.send(10, &wire_graph(&[3], &[table, idx, rows])));
+        assert!(c.send(10, &graph_payload(&[3], &[table, idx, rows])));
         let _ = c.s.set_read_timeout(Some(Duration::from_secs(60)));
         assert_eq!(c.alive(), ok, "index {index}");
     }
@@ -1565,7 +1493,7 @@ impl Fuzz {
             ts.push(t);
             nodes.push(id);
         }
-        let mut g = wire_graph(&nodes, &ts);
+        let mut g = graph_payload(&nodes, &ts);
         if self.chance(0.03) {
             let cut = self.below(g.len() as u64) as usize;
             g.truncate(cut);

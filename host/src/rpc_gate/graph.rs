@@ -567,37 +567,34 @@ fn check_op(t: &Tensor, src: &[Option<&Tensor>]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::rpc_gate::wire::{graph_payload, WireTensor};
 
-    /// A serialized tensor with these fields (f32, in buffer 1 at `data`).
-    pub(crate) fn tensor(id: u64, op: u32, ne: [u32; 4], src: &[u64], data: u64) -> Vec<u8> {
-        let mut t = vec![0u8; TENSOR];
-        t[..8].copy_from_slice(&id.to_le_bytes());
-        t[12..20].copy_from_slice(&1u64.to_le_bytes());
-        let mut stride = 4u32;
-        for d in 0..4 {
-            t[20 + 4 * d..24 + 4 * d].copy_from_slice(&ne[d].to_le_bytes());
-            t[36 + 4 * d..40 + 4 * d].copy_from_slice(&stride.to_le_bytes());
-            stride *= ne[d];
-        }
-        t[52..56].copy_from_slice(&op.to_le_bytes());
-        for (i, s) in src.iter().enumerate() {
-            t[124 + 8 * i..132 + 8 * i].copy_from_slice(&s.to_le_bytes());
-        }
-        t[220..228].copy_from_slice(&data.to_le_bytes());
+    /// A tensor with these fields (f32, in buffer 1 at `data`).
+    fn tensor(id: u64, op: u32, ne: [u32; 4], src: &[u64], data: u64) -> WireTensor {
+        let mut t = WireTensor::f32(id, ne, 1, data);
+        t.op = op;
+        t.src[..src.len()].copy_from_slice(src);
         t
     }
 
-    pub(crate) fn graph(nodes: &[u64], tensors: &[Vec<u8>]) -> Vec<u8> {
-        let mut g = 0u32.to_le_bytes().to_vec();
-        g.extend_from_slice(&(nodes.len() as u32).to_le_bytes());
-        for n in nodes {
-            g.extend_from_slice(&n.to_le_bytes());
-        }
-        g.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
-        for t in tensors {
-            g.extend_from_slice(t);
-        }
-        g
+    #[test]
+    fn the_encoder_is_the_inverse_of_the_reader() {
+        let mut w = WireTensor::f32(7, [3, 5, 2, 1], 9, 0x1000);
+        w.ty = 1;
+        w.op = 12;
+        w.params = [1, -2, 3, -4];
+        w.src = [11, 12, 13];
+        w.view_src = 14;
+        w.view_offs = 16;
+        let t = Tensor::read(&w.wire());
+        assert_eq!(
+            (t.id, t.ty, t.buffer, t.op, t.view_src, t.view_offs, t.data),
+            (7, 1, 9, 12, 14, 16, 0x1000)
+        );
+        assert_eq!(t.ne, [3, 5, 2, 1]);
+        assert_eq!(t.nb, [4, 12, 60, 120]);
+        assert_eq!(&t.params[..5], &[1, -2, 3, -4, 0]);
+        assert_eq!(&t.src[..4], &[11, 12, 13, 0]);
     }
 
     fn buffers() -> HashMap<u64, Buffer> {
@@ -617,7 +614,7 @@ mod tests {
         let none = s::GGML_OP_NONE as u32;
         let b = buffers();
         let leaf = |id, at| tensor(id, none, [4, 4, 1, 1], &[], at);
-        let ok = graph(
+        let ok = graph_payload(
             &[3],
             &[
                 leaf(1, 0x1000),
@@ -626,7 +623,9 @@ mod tests {
             ],
         );
         assert_eq!(check_graph(&ok, &b, 1).map(|l| l.len()), Ok(0));
-        let bad = |tensors: Vec<Vec<u8>>| check_graph(&graph(&[3], &tensors), &b, 1).unwrap_err();
+        let bad = |tensors: Vec<WireTensor>| {
+            check_graph(&graph_payload(&[3], &tensors), &b, 1).unwrap_err()
+        };
         for op in [
             s::GGML_OP_CUSTOM,
             s::GGML_OP_MAP_CUSTOM1,
@@ -693,21 +692,21 @@ mod tests {
         for id in 2..=n {
             tensors.push(tensor(id, scale, [1, 1, 1, 1], &[id - 1], 0x1000 + 4 * id));
         }
-        let e = check_graph(&graph(&[n], &tensors), &b, 1).unwrap_err();
+        let e = check_graph(&graph_payload(&[n], &tensors), &b, 1).unwrap_err();
         assert!(e.contains("deeper"), "{e}");
         tensors.truncate(1000);
         assert_eq!(
-            check_graph(&graph(&[1000], &tensors), &b, 1).map(|l| l.len()),
+            check_graph(&graph_payload(&[1000], &tensors), &b, 1).map(|l| l.len()),
             Ok(0)
         );
         // A node that names itself (ggml's scheduler writes copies so) and
         // two that name each other end where the cycle closes.
         let own = vec![tensor(1, scale, [1, 1, 1, 1], &[1], 0x1000)];
-        assert!(check_graph(&graph(&[1], &own), &b, 1).is_ok());
+        assert!(check_graph(&graph_payload(&[1], &own), &b, 1).is_ok());
         let cyc = vec![
             tensor(1, scale, [1, 1, 1, 1], &[2], 0x1000),
             tensor(2, scale, [1, 1, 1, 1], &[1], 0x1004),
         ];
-        assert!(check_graph(&graph(&[1], &cyc), &b, 1).is_ok());
+        assert!(check_graph(&graph_payload(&[1], &cyc), &b, 1).is_ok());
     }
 }

@@ -97,6 +97,86 @@ pub struct Tensor {
     pub data: u64,
 }
 
+/// The fields of an `rpc_tensor` as a client writes them ([`WireTensor::wire`],
+/// the inverse of [`Tensor::read`] for these fields): what the tests and
+/// the fuzzer send the gate, so that one encoder is checked against the
+/// gate's own reader.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WireTensor {
+    pub id: u64,
+    pub ty: u32,
+    pub buffer: u64,
+    pub ne: [u32; 4],
+    pub nb: [u32; 4],
+    pub op: u32,
+    /// The first four of the sixteen `op_params` (the rest are sent zero).
+    pub params: [i32; 4],
+    /// The first three sources (the rest are sent zero).
+    pub src: [u64; 3],
+    pub view_src: u64,
+    pub view_offs: u64,
+    pub data: u64,
+}
+
+impl WireTensor {
+    /// A packed f32 leaf of shape `ne` at `data` in `buffer` (strides wrap
+    /// as u32, as a hostile client may send them).
+    pub fn f32(id: u64, ne: [u32; 4], buffer: u64, data: u64) -> WireTensor {
+        let mut nb = [4u32; 4];
+        for d in 1..4 {
+            nb[d] = nb[d - 1].wrapping_mul(ne[d - 1]);
+        }
+        WireTensor {
+            id,
+            ty: 0,
+            buffer,
+            ne,
+            nb,
+            op: 0,
+            params: [0; 4],
+            src: [0; 3],
+            view_src: 0,
+            view_offs: 0,
+            data,
+        }
+    }
+
+    /// The [`TENSOR`] bytes of the serialized tensor.
+    pub fn wire(&self) -> Vec<u8> {
+        let mut t = vec![0u8; TENSOR];
+        t[..8].copy_from_slice(&self.id.to_le_bytes());
+        t[8..12].copy_from_slice(&self.ty.to_le_bytes());
+        t[12..20].copy_from_slice(&self.buffer.to_le_bytes());
+        for d in 0..4 {
+            t[20 + 4 * d..24 + 4 * d].copy_from_slice(&self.ne[d].to_le_bytes());
+            t[36 + 4 * d..40 + 4 * d].copy_from_slice(&self.nb[d].to_le_bytes());
+            t[56 + 4 * d..60 + 4 * d].copy_from_slice(&self.params[d].to_le_bytes());
+        }
+        t[52..56].copy_from_slice(&self.op.to_le_bytes());
+        for i in 0..3 {
+            t[124 + 8 * i..132 + 8 * i].copy_from_slice(&self.src[i].to_le_bytes());
+        }
+        t[204..212].copy_from_slice(&self.view_src.to_le_bytes());
+        t[212..220].copy_from_slice(&self.view_offs.to_le_bytes());
+        t[220..228].copy_from_slice(&self.data.to_le_bytes());
+        t
+    }
+}
+
+/// A GRAPH_COMPUTE payload computing `nodes` over `tensors` (device 0).
+pub fn graph_payload(nodes: &[u64], tensors: &[WireTensor]) -> Vec<u8> {
+    let mut g = 0u32.to_le_bytes().to_vec();
+    g.extend_from_slice(&(nodes.len() as u32).to_le_bytes());
+    for n in nodes {
+        g.extend_from_slice(&n.to_le_bytes());
+    }
+    g.extend_from_slice(&(tensors.len() as u32).to_le_bytes());
+    for t in tensors {
+        g.extend_from_slice(&t.wire());
+    }
+    g
+}
+
 impl Tensor {
     /// Reads the `rpc_tensor` that `b` starts with (`b` holds at least
     /// [`TENSOR`] bytes).
