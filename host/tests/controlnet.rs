@@ -28,12 +28,23 @@ fn with_control_pipeline(
     device: &str,
     f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>),
 ) {
+    with_control_pipeline_of("tiny-sd1.safetensors", nets, device, f)
+}
+
+/// Runs `f` on the tiny `model` with ControlNets `nets`, every module on
+/// `device`.
+fn with_control_pipeline_of(
+    model: &str,
+    nets: &[Checkpoint],
+    device: &str,
+    f: impl FnOnce(&mut sdhost_models::pipeline::Pipeline<'_>),
+) {
     let opts = LoadOptions {
         policy: WeightPolicy::Free,
         control_nets: nets,
         ..LoadOptions::default()
     };
-    with_pipeline_on(&fixture("tiny-sd1.safetensors"), device, device, opts, f);
+    with_pipeline_on(&fixture(model), device, device, opts, f);
 }
 
 fn request(controls: Vec<Control>) -> Request {
@@ -116,22 +127,11 @@ fn module_matches(
 fn sdxl_controlnet_module_matches_diffusers() {
     let r = refs();
     let nets = [scan(&fixture("tiny-sdxl-controlnet.safetensors")).unwrap()];
-    let opts = LoadOptions {
-        policy: WeightPolicy::Free,
-        control_nets: &nets,
-        ..LoadOptions::default()
-    };
-    with_pipeline_on(
-        &fixture("tiny-sdxl.safetensors"),
-        "cpu",
-        "cpu",
-        opts,
-        |sd| {
-            let net = &mut sd_model(sd).control_nets()[0];
-            assert_eq!(net.cfg.unet.adm_in, Some(112));
-            module_matches(net, &r, "xl", Some(&r["xl.y"]), 5, "sdxl");
-        },
-    );
+    with_control_pipeline_of("tiny-sdxl.safetensors", &nets, "cpu", |sd| {
+        let net = &mut sd_model(sd).control_nets()[0];
+        assert_eq!(net.cfg.unet.adm_in, Some(112));
+        module_matches(net, &r, "xl", Some(&r["xl.y"]), 5, "sdxl");
+    });
 }
 
 fn latent(
@@ -186,26 +186,15 @@ pub fn pipelines_match_on(device: &str, factor: f32) {
 fn sdxl_pipeline_matches_on(device: &str, factor: f32) {
     let r = refs();
     let nets = [scan(&fixture("tiny-sdxl-controlnet.safetensors")).unwrap()];
-    let opts = LoadOptions {
-        policy: WeightPolicy::Free,
-        control_nets: &nets,
-        ..LoadOptions::default()
-    };
-    with_pipeline_on(
-        &fixture("tiny-sdxl.safetensors"),
-        device,
-        device,
-        opts,
-        |sd| {
-            let got = latent(sd, &request(vec![control(0.8, 0.0)]), &r["pipe.noise"]);
-            assert_close(
-                &format!("{device} SDXL controlled latent"),
-                &got,
-                &r["xl.pipe.latent"],
-                TOL * factor,
-            );
-        },
-    );
+    with_control_pipeline_of("tiny-sdxl.safetensors", &nets, device, |sd| {
+        let got = latent(sd, &request(vec![control(0.8, 0.0)]), &r["pipe.noise"]);
+        assert_close(
+            &format!("{device} SDXL controlled latent"),
+            &got,
+            &r["xl.pipe.latent"],
+            TOL * factor,
+        );
+    });
 }
 
 #[test]

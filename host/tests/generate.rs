@@ -601,33 +601,39 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
         a.extend_from_slice(extra);
         p.run(&a)
     };
-    run(&[
-        "-W",
-        "64",
-        "-H",
-        "48",
-        "--hires-scale",
-        "2",
-        "--hires-strength",
-        "0.5",
-        "-o",
-        s(&hires),
-    ])
-    .ok();
+    // The first pass at 64×48 with hires fix to 128×96 at strength 0.5,
+    // and the second pass by hand: img2img from `init` at 128×96.
+    let with_hires = |extra: &[&str]| {
+        let mut a = vec![
+            "-W",
+            "64",
+            "-H",
+            "48",
+            "--hires-scale",
+            "2",
+            "--hires-strength",
+            "0.5",
+        ];
+        a.extend_from_slice(extra);
+        run(&a)
+    };
+    let second_pass = |init: &std::path::Path, out: &std::path::Path| {
+        run(&[
+            "-W",
+            "128",
+            "-H",
+            "96",
+            "-i",
+            s(init),
+            "--strength",
+            "0.5",
+            "-o",
+            s(out),
+        ])
+    };
+    with_hires(&["-o", s(&hires)]).ok();
     run(&["-W", "64", "-H", "48", "-o", s(&first)]).ok();
-    run(&[
-        "-W",
-        "128",
-        "-H",
-        "96",
-        "-i",
-        s(&first),
-        "--strength",
-        "0.5",
-        "-o",
-        s(&second),
-    ])
-    .ok();
+    second_pass(&first, &second).ok();
     let (w, h, text) = png_info(&hires);
     assert_eq!((w, h), (128, 96));
     assert_eq!(pixels(&hires), pixels(&second));
@@ -679,15 +685,7 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
     // The hires pass's own prompts and sampler (A1111's hr_prompt,
     // hr_negative_prompt, hr_sampler_name): the same as img2img with them.
     let (own, own_second) = (d.join("own.png"), d.join("own-second.png"));
-    run(&[
-        "-W",
-        "64",
-        "-H",
-        "48",
-        "--hires-scale",
-        "2",
-        "--hires-strength",
-        "0.5",
+    with_hires(&[
         "--hires-prompt",
         "a dog, at night",
         "--hires-negative-prompt",
@@ -743,21 +741,7 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
         d.join("upscaled.png"),
         d.join("by-hand.png"),
     );
-    run(&[
-        "-W",
-        "64",
-        "-H",
-        "48",
-        "--hires-scale",
-        "2",
-        "--hires-strength",
-        "0.5",
-        "--hires-upscale-model",
-        s(&esrgan),
-        "-o",
-        s(&by_model),
-    ])
-    .ok();
+    with_hires(&["--hires-upscale-model", s(&esrgan), "-o", s(&by_model)]).ok();
     p.run(&[
         "upscale",
         "-m",
@@ -768,19 +752,7 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
         s(&upscaled),
     ])
     .ok();
-    run(&[
-        "-W",
-        "128",
-        "-H",
-        "96",
-        "-i",
-        s(&upscaled),
-        "--strength",
-        "0.5",
-        "-o",
-        s(&by_hand),
-    ])
-    .ok();
+    second_pass(&upscaled, &by_hand).ok();
     assert_eq!(pixels(&by_model), pixels(&by_hand));
     assert_ne!(pixels(&by_model), pixels(&hires));
     let (_, _, text) = png_info(&by_model);
@@ -791,21 +763,7 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
     // A1111's "Latent": the first pass's latent enlarged (bilinear) is where
     // the second starts; its image differs from the Lanczos one.
     let latent = d.join("latent.png");
-    run(&[
-        "-W",
-        "64",
-        "-H",
-        "48",
-        "--hires-scale",
-        "2",
-        "--hires-strength",
-        "0.5",
-        "--hires-upscaler",
-        "latent",
-        "-o",
-        s(&latent),
-    ])
-    .ok();
+    with_hires(&["--hires-upscaler", "latent", "-o", s(&latent)]).ok();
     let (w, h, text) = png_info(&latent);
     assert_eq!((w, h), (128, 96));
     assert!(text.contains("Hires upscaler: Latent"), "{text}");

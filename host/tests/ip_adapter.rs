@@ -25,6 +25,12 @@ fn refs() -> HashMap<String, Vec<f32>> {
 }
 
 fn with_ip(adapter: &str, device: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
+    with_ip_on("tiny-sd1.safetensors", adapter, device, f)
+}
+
+/// Runs `f` on the tiny `model` with the IP-Adapter `adapter` and the tiny
+/// CLIP vision tower, every module on `device`.
+fn with_ip_on(model: &str, adapter: &str, device: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
     let (a, v): (Checkpoint, Checkpoint) = (
         scan(&fixture(adapter)).unwrap(),
         scan(&fixture("tiny-clip-vision.safetensors")).unwrap(),
@@ -34,7 +40,7 @@ fn with_ip(adapter: &str, device: &str, f: impl FnOnce(&mut Pipeline<'_>)) {
         ip_adapter: Some((&a, &v)),
         ..LoadOptions::default()
     };
-    with_pipeline_on(&fixture("tiny-sd1.safetensors"), device, device, opts, f);
+    with_pipeline_on(&fixture(model), device, device, opts, f);
 }
 
 fn request(ip: Option<IpImage>) -> Request {
@@ -131,20 +137,10 @@ fn unet_with_image_tokens_matches() {
 fn sdxl_unet_with_image_tokens_matches() {
     let r = refs();
     let xl = read_tensors(&fixture("tiny-sdxl-ref.safetensors"));
-    let (a, v) = (
-        scan(&fixture("tiny-sdxl-ip-adapter.safetensors")).unwrap(),
-        scan(&fixture("tiny-clip-vision.safetensors")).unwrap(),
-    );
-    let opts = LoadOptions {
-        policy: WeightPolicy::Free,
-        ip_adapter: Some((&a, &v)),
-        ..LoadOptions::default()
-    };
-    with_pipeline_on(
-        &fixture("tiny-sdxl.safetensors"),
+    with_ip_on(
+        "tiny-sdxl.safetensors",
+        "tiny-sdxl-ip-adapter.safetensors",
         "cpu",
-        "cpu",
-        opts,
         |sd| {
             let ip = sd_model(sd).ip_adapter().unwrap();
             let (vc, pc) = (ip.vision.clone(), ip.proj.clone());
@@ -211,20 +207,10 @@ fn pipelines_match_on(device: &str, factor: f32) {
 /// The SDXL adapter's 3-step pipeline on `device`.
 fn sdxl_pipeline_matches_on(device: &str, factor: f32) {
     let r = refs();
-    let (a, v) = (
-        scan(&fixture("tiny-sdxl-ip-adapter.safetensors")).unwrap(),
-        scan(&fixture("tiny-clip-vision.safetensors")).unwrap(),
-    );
-    let opts = LoadOptions {
-        policy: WeightPolicy::Free,
-        ip_adapter: Some((&a, &v)),
-        ..LoadOptions::default()
-    };
-    with_pipeline_on(
-        &fixture("tiny-sdxl.safetensors"),
+    with_ip_on(
+        "tiny-sdxl.safetensors",
+        "tiny-sdxl-ip-adapter.safetensors",
         device,
-        device,
-        opts,
         |sd| {
             let got = latent(sd, &request(Some(image_prompt(0.6))), &r["pipe.noise"]);
             assert_close(

@@ -9,14 +9,11 @@
 
 mod common;
 use common::*;
-use sdhost::discovery::Origin;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::autoencoders::taesd;
 use sdhost_models::checkpoint::{self, weights::ModuleWeights};
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions};
-use sdhost_models::runtime::module::{Devices, Module, WeightPolicy};
+use sdhost_models::runtime::module::{Module, WeightPolicy};
 use sdhost_models::ModuleKind;
 use std::collections::HashMap;
 
@@ -31,89 +28,76 @@ fn shape4(s: &[u64]) -> [usize; 4] {
 #[test]
 fn decode_and_encode_match_diffusers() {
     let refs = refs();
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-        assist: &[],
-    };
-    let ckpt = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
-    let weights = ModuleWeights::load(&ckpt, "", cpu).unwrap();
-    assert!(taesd::is_taesd(weights.names()));
-    let mut module = Module::new(ModuleKind::Vae, weights, d, WeightPolicy::Free).unwrap();
-    taesd::validate(&module).unwrap();
-    assert_eq!(
-        taesd::upscale_factor(&sdhost_models::runtime::graph::W::new(
-            module.params().map()
-        )),
-        8
-    );
+    with_devices("cpu", |d| {
+        let cpu = d.runtime;
+        let ckpt = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
+        let weights = ModuleWeights::load(&ckpt, "", cpu).unwrap();
+        assert!(taesd::is_taesd(weights.names()));
+        let mut module = Module::new(ModuleKind::Vae, weights, d, WeightPolicy::Free).unwrap();
+        taesd::validate(&module).unwrap();
+        assert_eq!(
+            taesd::upscale_factor(&sdhost_models::runtime::graph::W::new(
+                module.params().map()
+            )),
+            8
+        );
 
-    let (zs, z) = &refs["decode.z"];
-    let got = taesd::decode(&mut module, z, shape4(zs)).unwrap();
-    let e = max_abs_diff(&got, &refs["decode.image"].1);
-    eprintln!("taesd decode: max abs error {e:.2e} against diffusers");
-    assert!(e <= 1e-4, "decode: {e}");
+        let (zs, z) = &refs["decode.z"];
+        let got = taesd::decode(&mut module, z, shape4(zs)).unwrap();
+        let e = max_abs_diff(&got, &refs["decode.image"].1);
+        eprintln!("taesd decode: max abs error {e:.2e} against diffusers");
+        assert!(e <= 1e-4, "decode: {e}");
 
-    let (is, image) = &refs["encode.image"];
-    let got = taesd::encode(&mut module, image, shape4(is)).unwrap();
-    let e = max_abs_diff(&got, &refs["encode.z"].1);
-    eprintln!("taesd encode: max abs error {e:.2e} against diffusers");
-    assert!(e <= 1e-4, "encode: {e}");
+        let (is, image) = &refs["encode.image"];
+        let got = taesd::encode(&mut module, image, shape4(is)).unwrap();
+        let e = max_abs_diff(&got, &refs["encode.z"].1);
+        eprintln!("taesd encode: max abs error {e:.2e} against diffusers");
+        assert!(e <= 1e-4, "encode: {e}");
 
-    // Four latent channels only.
-    let e = taesd::decode(&mut module, &[0.0; 3], [1, 3, 1, 1])
-        .unwrap_err()
-        .to_string();
-    assert!(
-        e.contains("latent has 3 channels; the TAESD decoder takes 4"),
-        "{e}"
-    );
+        // Four latent channels only.
+        let e = taesd::decode(&mut module, &[0.0; 3], [1, 3, 1, 1])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("latent has 3 channels; the TAESD decoder takes 4"),
+            "{e}"
+        );
+    })
 }
 
 #[test]
 fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
     let refs = refs();
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-        assist: &[],
-    };
-    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
-    let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
-    let layout = Layout::uniform(
-        d,
-        &[
-            sdhost_models::ModuleKind::Te,
-            sdhost_models::ModuleKind::Diffusion,
-            sdhost_models::ModuleKind::Vae,
-        ],
-    );
-    let opts = LoadOptions {
-        vae: Some(&tae),
-        ..LoadOptions::default()
-    };
-    let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
-    assert!((sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd));
-    let (zs, z) = &refs["decode.z"];
-    let image = sd.decode(z, shape4(zs)).unwrap();
-    let want = sdhost_models::pipeline::to_rgb(&refs["decode.image"].1, 40, 48);
-    assert_eq!((image.width, image.height), (40, 48));
-    let worst = image
-        .rgb
-        .iter()
-        .zip(&want.rgb)
-        .map(|(a, b)| a.abs_diff(*b))
-        .max()
-        .unwrap();
-    assert!(worst <= 1, "pixels differ by up to {worst}");
+    with_devices("cpu", |d| {
+        let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+        let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
+        let layout = Layout::uniform(
+            d,
+            &[
+                sdhost_models::ModuleKind::Te,
+                sdhost_models::ModuleKind::Diffusion,
+                sdhost_models::ModuleKind::Vae,
+            ],
+        );
+        let opts = LoadOptions {
+            vae: Some(&tae),
+            ..LoadOptions::default()
+        };
+        let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
+        assert!((sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd));
+        let (zs, z) = &refs["decode.z"];
+        let image = sd.decode(z, shape4(zs)).unwrap();
+        let want = sdhost_models::pipeline::to_rgb(&refs["decode.image"].1, 40, 48);
+        assert_eq!((image.width, image.height), (40, 48));
+        let worst = image
+            .rgb
+            .iter()
+            .zip(&want.rgb)
+            .map(|(a, b)| a.abs_diff(*b))
+            .max()
+            .unwrap();
+        assert!(worst <= 1, "pixels differ by up to {worst}");
+    })
 }
 
 #[test]
@@ -207,45 +191,38 @@ fn taesd_decodes_the_live_previews() {
             self.0.push((step, image));
         }
     }
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
-    let d = Devices {
-        runtime: cpu,
-        params: cpu,
-        cpu,
-        assist: &[],
-    };
-    let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
-    let modules = [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae];
-    let req = euler_request("a cat", 3);
-    let go = || sdhost_models::pipeline::Stop::Go;
-    // A fresh pipeline has no map to preview with.
-    let mut plain =
-        Pipeline::load(&ckpt, Layout::uniform(d, &modules), LoadOptions::default()).unwrap();
-    let mut none = Previews(Vec::new());
-    plain.generate_until(&req, None, &mut none, &go).unwrap();
-    assert!(none.0.is_empty());
-    // With the decoder: previews of the image's size from the first image.
-    let mut sd =
-        Pipeline::load(&ckpt, Layout::uniform(d, &modules), LoadOptions::default()).unwrap();
-    let e = sd
-        .set_preview_decoder(&ckpt, d, WeightPolicy::Free)
-        .unwrap_err();
-    assert!(
-        e.to_string().contains("tiny-sd1.safetensors: not a TAESD"),
-        "{e}"
-    );
-    assert!(!sd.has_preview_decoder());
-    let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
-    sd.set_preview_decoder(&tae, d, WeightPolicy::Free).unwrap();
-    let mut got = Previews(Vec::new());
-    let image = sd.generate_until(&req, None, &mut got, &go).unwrap();
-    let steps: Vec<usize> = got.0.iter().map(|p| p.0).collect();
-    assert_eq!(steps, [0, 1, 2]);
-    for (step, p) in &got.0 {
-        assert_eq!((p.width, p.height), (64, 64), "step {step}");
-        assert!(p.rgb.iter().any(|&v| v != p.rgb[0]), "step {step}: blank");
-    }
-    assert_eq!((image.width, image.height), (64, 64));
+    with_devices("cpu", |d| {
+        let ckpt = checkpoint::scan(&fixture("tiny-sd1.safetensors")).unwrap();
+        let modules = [ModuleKind::Te, ModuleKind::Diffusion, ModuleKind::Vae];
+        let req = euler_request("a cat", 3);
+        let go = || sdhost_models::pipeline::Stop::Go;
+        // A fresh pipeline has no map to preview with.
+        let mut plain =
+            Pipeline::load(&ckpt, Layout::uniform(d, &modules), LoadOptions::default()).unwrap();
+        let mut none = Previews(Vec::new());
+        plain.generate_until(&req, None, &mut none, &go).unwrap();
+        assert!(none.0.is_empty());
+        // With the decoder: previews of the image's size from the first image.
+        let mut sd =
+            Pipeline::load(&ckpt, Layout::uniform(d, &modules), LoadOptions::default()).unwrap();
+        let e = sd
+            .set_preview_decoder(&ckpt, d, WeightPolicy::Free)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("tiny-sd1.safetensors: not a TAESD"),
+            "{e}"
+        );
+        assert!(!sd.has_preview_decoder());
+        let tae = checkpoint::scan(&fixture("taesd/tiny-taesd.safetensors")).unwrap();
+        sd.set_preview_decoder(&tae, d, WeightPolicy::Free).unwrap();
+        let mut got = Previews(Vec::new());
+        let image = sd.generate_until(&req, None, &mut got, &go).unwrap();
+        let steps: Vec<usize> = got.0.iter().map(|p| p.0).collect();
+        assert_eq!(steps, [0, 1, 2]);
+        for (step, p) in &got.0 {
+            assert_eq!((p.width, p.height), (64, 64), "step {step}");
+            assert!(p.rgb.iter().any(|&v| v != p.rgb[0]), "step {step}: blank");
+        }
+        assert_eq!((image.width, image.height), (64, 64));
+    })
 }
