@@ -873,27 +873,9 @@ fn hires_fix_is_fitted_at_its_larger_size() {
     let budget = format!("vulkan0={}K", budget_bytes / 1024);
     let d = p.dir("out");
     let run = |extra: &[&str], out: &std::path::Path| {
-        let mut a = vec![
-            "generate",
-            "-m",
-            s(&m),
-            "-p",
-            "a cat",
-            "--steps",
-            "2",
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--backend",
-            "vulkan0",
-            "--max-memory",
-            &budget,
-            "-o",
-            s(out),
-        ];
+        let mut a = vec!["--backend", "vulkan0", "--max-memory", &budget];
         a.extend_from_slice(extra);
-        p.run(&a).ok();
+        generate_64(&p, "tiny-sd1.safetensors", out, &a).ok();
         png_info(out).2
     };
     let plain = run(&[], &d.join("plain.png"));
