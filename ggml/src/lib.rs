@@ -40,6 +40,7 @@ pub mod arena;
 mod backend;
 mod compute;
 mod fatal;
+pub mod fma;
 mod identity;
 mod log;
 mod rpc;
@@ -78,7 +79,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
-/// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_ARENA`) and passes
+/// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_ALL`, `SDHOST_NO_ARENA`) and passes
 /// them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Knobs {
@@ -86,6 +88,15 @@ pub struct Knobs {
     pub amx: bool,
     /// The fewest rows that take the AMX path (default [`amx::ROWS`]).
     pub amx_min_rows: Option<usize>,
+    /// sdhost's AVX2 + FMA matrix products where the processor has them
+    /// ([`fma`]).
+    pub fma: bool,
+    /// The fewest rows that take the FMA path (default [`fma::min_rows`]).
+    pub fma_min_rows: Option<usize>,
+    /// Every weight type ggml can dequantize takes the FMA path, not only
+    /// those it measured faster for ([`fma::takes`]): for measurements and
+    /// `check`.
+    pub fma_all: bool,
     /// CPU compute buffers from the host arena ([`arena`]).
     pub arena: bool,
     /// The largest im2col matrix a "same" convolution builds at once, in
@@ -98,6 +109,9 @@ impl Default for Knobs {
         Knobs {
             amx: true,
             amx_min_rows: None,
+            fma: true,
+            fma_min_rows: None,
+            fma_all: false,
             arena: true,
             conv_band_mib: None,
         }

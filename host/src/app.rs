@@ -12,7 +12,10 @@ pub use crate::session::init_logging;
 /// The switches of sdhost's own kernels and buffers, read from the
 /// environment once here and passed down to `ggml` (which reads none):
 /// `SDHOST_NO_AMX` (set: no AMX kernels), `SDHOST_AMX_MIN_ROWS` (the
-/// fewest rows for the AMX path, for measurements), `SDHOST_NO_ARENA=1`
+/// fewest rows for the AMX path, for measurements), `SDHOST_NO_FMA` (set:
+/// no AVX2 + FMA matrix products), `SDHOST_FMA_MIN_ROWS` (their fewest
+/// rows), `SDHOST_FMA_ALL=1` (every weight type takes them, for
+/// measurements), `SDHOST_NO_ARENA=1`
 /// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest
 /// im2col matrix a convolution builds at once; the tests make it small).
 pub fn knobs_from_env() -> ggml::Knobs {
@@ -21,6 +24,11 @@ pub fn knobs_from_env() -> ggml::Knobs {
         amx_min_rows: std::env::var("SDHOST_AMX_MIN_ROWS")
             .ok()
             .and_then(|v| v.parse().ok()),
+        fma: std::env::var_os("SDHOST_NO_FMA").is_none(),
+        fma_min_rows: std::env::var("SDHOST_FMA_MIN_ROWS")
+            .ok()
+            .and_then(|v| v.parse().ok()),
+        fma_all: std::env::var("SDHOST_FMA_ALL").is_ok_and(|v| v == "1"),
         arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),
         conv_band_mib: std::env::var("SDHOST_CONV_BAND_MIB")
             .ok()
@@ -62,6 +70,11 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Upscale(a) => ok(commands::upscale::run(
             &Session::open(&cli.session_options())?,
             a,
+        )),
+        Command::Bench(a) if a.products.is_some() => ok(commands::bench_products::run(
+            &Session::open(&cli.session_options())?,
+            a,
+            a.products.as_deref().unwrap_or_default(),
         )),
         Command::Bench(a) if a.model.is_none() => commands::bench::startup(&cli, a),
         Command::Bench(a) => ok(commands::bench::model(

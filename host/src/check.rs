@@ -10,7 +10,11 @@
 //! The `(AMX)` cases check sdhost's own tile kernels (`ggml::amx`): on the
 //! in-process CPU of a processor with AMX their graph is built in an AMX
 //! context and compared with ggml's kernels; on any other device they are
-//! ordinary bf16 cases.
+//! ordinary bf16 cases. The `(FMA)` cases check sdhost's AVX2 + FMA
+//! matrix products (`ggml::fma`) the same way on the in-process CPU of a
+//! processor with AVX2, FMA and F16C, for the weight types that take them
+//! (`ggml::fma::takes`; `SDHOST_FMA_ALL=1`: every type). Each row names the
+//! sdhost kernels that ran (`kernel`); none: ggml's.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use serde::Serialize;
@@ -56,6 +60,9 @@ pub struct CaseResult {
     pub tolerance: f64,
     /// Why it is unsupported or failed to run.
     pub detail: Option<String>,
+    /// sdhost's own CPU kernels that computed part of the case (their
+    /// nodes' names, e.g. `fma mul_mat`); none: ggml's kernels did.
+    pub kernel: Option<String>,
 }
 
 /// Builds a case: inputs in the first context (allocated on the device under
@@ -68,10 +75,10 @@ pub struct Case {
     pub name: &'static str,
     /// Relative tolerance.
     pub tolerance: f64,
-    /// Built in an AMX context (`ggml::Context::set_amx`) when the device
+    /// Built with sdhost's own CPU kernels (`ggml::Context::set_cpu_kernels`) when the device
     /// under test is the in-process CPU: sdhost's own tile kernels against
     /// ggml's (the reference is always built without).
-    pub amx: bool,
+    pub cpu_kernels: bool,
     build: Build,
 }
 
@@ -87,7 +94,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat f32",
             tolerance: 2e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 // At least 32 in every dimension, so that ggml's BLAS
                 // backend (which leaves smaller products to the CPU) runs it.
@@ -98,7 +105,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat bcast",
             tolerance: 2e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 // One matrix against a batch of two in dim 3 (ggml broadcasts);
                 // some backends (Vulkan in ggml 0.26) leave this to the CPU.
@@ -112,7 +119,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat f16",
             tolerance: 1e-2,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 32])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -121,7 +128,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat q8_0",
             tolerance: 3e-2,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q8_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -130,7 +137,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul_mat q4_0",
             tolerance: 3e-2,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q4_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -139,7 +146,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "conv_2d",
             tolerance: 1e-2,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (k, x) = (
                     t(i, Type::F16, &[3, 3, 8, 32])?,
@@ -151,7 +158,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "group_norm",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[8, 8, 64, 1])?;
                 Ok((vec![x], c.group_norm(x, 32, 1e-6)?))
@@ -160,7 +167,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "layer_norm",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.norm(x, 1e-5)?))
@@ -169,7 +176,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "soft_max",
             tolerance: 1e-4,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.soft_max(x)?))
@@ -178,7 +185,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "attention",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 // softmax(q·kᵀ/√d)·v with plain ops: q [d, nq], k [d, nk], vᵀ [nk, d].
                 let (q, k, vt) = (
@@ -193,7 +200,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "flash_attn",
             tolerance: 1e-2,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let q = t(i, Type::F32, &[64, 16, 4])?;
                 let (k, v) = (
@@ -206,7 +213,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "add",
             tolerance: 1e-5,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 1])?);
                 Ok((vec![a, b], c.add(a, b)?))
@@ -215,7 +222,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "mul",
             tolerance: 1e-5,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul(a, b)?))
@@ -224,7 +231,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "scale",
             tolerance: 1e-5,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.scale(a, 0.18215)?))
@@ -233,7 +240,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "gelu",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.gelu(a)?))
@@ -242,7 +249,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "silu",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.silu(a)?))
@@ -251,7 +258,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "upscale",
             tolerance: 1e-6,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[8, 8, 4, 1])?;
                 Ok((vec![a], c.upscale(a, 2)?))
@@ -262,7 +269,7 @@ pub fn cases() -> Vec<Case> {
             // a multiple of 8 but not of the UNet's own multiple).
             name: "upscale_to",
             tolerance: 1e-6,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[5, 3, 4, 1])?;
                 Ok((vec![a], c.upscale_to(a, 9, 5)?))
@@ -271,7 +278,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "concat",
             tolerance: 1e-6,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let (a, b) = (
                     t(i, Type::F32, &[8, 8, 4, 1])?,
@@ -283,7 +290,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "permute+cont",
             tolerance: 1e-6,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let a = t(i, Type::F32, &[8, 6, 4, 2])?;
                 Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
@@ -294,7 +301,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "rms_norm",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.rms_norm(x, 1e-6)?))
@@ -303,7 +310,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "swiglu",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[128, 16])?;
                 Ok((vec![x], c.swiglu(x)?))
@@ -312,7 +319,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "geglu (erf)",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[128, 16])?;
                 Ok((vec![x], c.geglu_erf(x)?))
@@ -321,7 +328,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "gelu (erf)",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.gelu_erf(x)?))
@@ -330,7 +337,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "gelu (quick)",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.gelu_quick(x)?))
@@ -339,16 +346,68 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "tanh",
             tolerance: 1e-3,
-            amx: false,
+            cpu_kernels: false,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.tanh(x)?))
             },
         },
         Case {
+            name: "mul_mat f16 (FMA)",
+            tolerance: 5e-3,
+            cpu_kernels: true,
+            build: |i, c| {
+                // Two k blocks (the second ragged), ragged panels and rows,
+                // shared by panels.
+                let (a, b) = (t(i, Type::F16, &[320, 200])?, t(i, Type::F32, &[320, 100])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat bf16 + bias (FMA)",
+            tolerance: 5e-3,
+            cpu_kernels: true,
+            build: |i, c| {
+                // Few panels (shared by rows), rows over two dimensions.
+                let (a, b, bias) = (
+                    t(i, Type::BF16, &[96, 40])?,
+                    t(i, Type::F32, &[96, 50, 2])?,
+                    t(i, Type::F32, &[40])?,
+                );
+                Ok((vec![a, b, bias], c.mul_mat_bias(a, b, bias)?))
+            },
+        },
+        Case {
+            name: "mul_mat f32 (FMA)",
+            tolerance: 2e-3,
+            cpu_kernels: true,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::F32, &[72, 36])?, t(i, Type::F32, &[72, 130])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q8_0 (FMA)",
+            tolerance: 1e-2,
+            cpu_kernels: true,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q8_0, &[512, 48])?, t(i, Type::F32, &[512, 100])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q4_0 (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q4_0, &[288, 80])?, t(i, Type::F32, &[288, 97])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "mul_mat bf16 (AMX)",
             tolerance: 1e-2,
-            amx: true,
+            cpu_kernels: true,
             build: |i, c| {
                 let (a, b) = (t(i, Type::BF16, &[256, 72])?, t(i, Type::F32, &[256, 96])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -357,7 +416,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "conv_2d bf16 + bias (AMX)",
             tolerance: 1e-2,
-            amx: true,
+            cpu_kernels: true,
             build: |i, c| {
                 let (k, x, b) = (
                     t(i, Type::BF16, &[3, 3, 32, 48])?,
@@ -370,7 +429,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "group norm + SiLU + conv_2d (AMX)",
             tolerance: 2e-2,
-            amx: true,
+            cpu_kernels: true,
             build: |i, c| {
                 // The norm folded into the convolution's input copy on AMX;
                 // ggml's group_norm, mul, add, silu and conv elsewhere.
@@ -387,7 +446,7 @@ pub fn cases() -> Vec<Case> {
         Case {
             name: "attention heads (AMX)",
             tolerance: 3e-2,
-            amx: true,
+            cpu_kernels: true,
             build: |i, c| {
                 // Two heads of 32 over [64, tokens, 2]; without AMX the same
                 // attention from plain ops, head by head in f32.
@@ -442,6 +501,8 @@ pub struct CaseRun {
     /// The graph's computing nodes that the scheduler did not put on the
     /// first backend (it ran them on the CPU), as `node N OP`.
     pub fell_back: Vec<String>,
+    /// The names of the nodes sdhost's own kernels computed (custom ops).
+    pub own_kernels: Vec<String>,
 }
 
 /// Runs a case through a scheduler over `backends` (CPU last), its inputs
@@ -452,14 +513,14 @@ pub fn run_case(
     backends: &[&Backend],
     seed: u64,
     perturb: Option<Perturb<'_>>,
-    amx: bool,
+    cpu_kernels: bool,
 ) -> ggml::Result<CaseRun> {
     let first = backends
         .first()
         .ok_or_else(|| ggml::Error::Invalid("no backend".into()))?;
     let inputs_ctx = Context::new(16, 0)?;
     let ctx = Context::new(64, 256)?;
-    ctx.set_amx(amx);
+    ctx.set_cpu_kernels(cpu_kernels);
     // A CPU assist (ggml's BLAS) gets the graphs the models give it: f16
     // convolutions with an f32 im2col it can multiply.
     let dev = first.device();
@@ -486,9 +547,17 @@ pub fn run_case(
         .filter(|(_, n)| !n.is_no_op() && sched.backend_of(*n) != Some(0))
         .map(|(i, n)| format!("node {i} {}", n.op_name()))
         .collect();
+    let mut own_kernels: Vec<String> = (0..graph.n_nodes())
+        .filter_map(|i| graph.node(i))
+        .filter(|n| n.op_name() == "CUSTOM")
+        .map(|n| n.name())
+        .filter(|n| !n.is_empty())
+        .collect();
+    own_kernels.dedup();
     Ok(CaseRun {
         output: out.get_f32()?,
         fell_back,
+        own_kernels,
     })
 }
 
@@ -551,13 +620,14 @@ pub fn check_device_with(
         .iter()
         .filter(|c| filter.is_empty() || filter.iter().any(|f| c.name.contains(f.as_str())))
         .map(|case| {
-            let row = |verdict, max_error, detail| CaseResult {
+            let row = |verdict, max_error, detail, kernel| CaseResult {
                 device: name.to_string(),
                 op: case.name,
                 verdict,
                 max_error,
                 tolerance: case.tolerance,
                 detail,
+                kernel,
             };
             tracing::debug!("check {name}: {}", case.name);
             let reference = match run_case(case, &[cpu], seed, None, false) {
@@ -567,6 +637,7 @@ pub fn check_device_with(
                         Verdict::Unsupported,
                         None,
                         Some(format!("CPU reference: {e}")),
+                        None,
                     )
                 }
             };
@@ -576,13 +647,14 @@ pub fn check_device_with(
                 vec![device, cpu]
             };
             // sdhost's AMX kernels only ever run on the in-process CPU.
-            let amx = case.amx && device.device().device_type() == ggml::DeviceType::Cpu;
-            match run_case(case, &backends, seed, perturb, amx) {
-                Err(e) => row(Verdict::Unsupported, None, Some(e.to_string())),
+            let own = case.cpu_kernels && device.device().device_type() == ggml::DeviceType::Cpu;
+            match run_case(case, &backends, seed, perturb, own) {
+                Err(e) => row(Verdict::Unsupported, None, Some(e.to_string()), None),
                 Ok(run) => {
                     let err = relative_error(&run.output, &reference);
                     let (verdict, detail) = decide(err, case.tolerance, &run.fell_back);
-                    row(verdict, Some(err), detail)
+                    let kernel = (!run.own_kernels.is_empty()).then(|| run.own_kernels.join(", "));
+                    row(verdict, Some(err), detail, kernel)
                 }
             }
         })

@@ -122,7 +122,8 @@ pub enum Command {
     /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)
     Upscale(UpscaleArgs),
     /// Measure sdhost: `-m MODEL` times each generation stage (optionally
-    /// beside stable-diffusion.cpp and diffusers, `--peer`); `--startup` times plugin discovery
+    /// beside stable-diffusion.cpp and diffusers, `--peer`); `--products` times the models'
+    /// matrix products on the CPU (beside PyTorch's); `--startup` times plugin discovery
     Bench(BenchArgs),
     /// Internal: discover plugins once and report the time it took (used by `bench --startup`)
     #[command(name = "__startup", hide = true)]
@@ -195,6 +196,15 @@ pub struct BenchArgs {
     /// then also pays a launch and a synchronization)
     #[arg(long = "profile-ops", conflicts_with = "startup")]
     pub profile_ops: bool,
+
+    /// Time the models' matrix products one by one on the CPU instead of
+    /// a model: UNet and DiT shapes at the image size (-W/-H, default
+    /// 1024²), for each weight type listed (default f16,bf16,q8_0,q4_0),
+    /// with sdhost's CPU kernels and with ggml's in the same run, and
+    /// PyTorch's at the same shapes with `--peer diffusers`
+    #[arg(long, value_name = "TYPES", num_args = 0..=1, default_missing_value = "f16,bf16,q8_0,q4_0",
+          conflicts_with_all = ["model", "startup"])]
+    pub products: Option<String>,
 
     /// Machine-readable output
     #[arg(long)]

@@ -258,11 +258,12 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
         if flash && module.kind() != Place::Te {
             on.push(module.name());
         }
-        // bf16 products on the AMX tile unit wherever the module runs on the
-        // CPU alone and the processor has one (`SDHOST_NO_AMX` turns it off).
+        // sdhost's own CPU kernels (AMX tiles, AVX2 + FMA products) wherever
+        // the module runs on the CPU alone and the processor has what they
+        // need (`SDHOST_NO_AMX` and `SDHOST_NO_FMA` turn them off).
         module.set_options(GraphOptions {
             flash_attn: flash,
-            amx: true,
+            cpu_kernels: true,
             ..module.options()
         });
     }

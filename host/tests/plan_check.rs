@@ -134,11 +134,17 @@ fn check_fails_when_the_device_computes_something_else() {
     assert_eq!(clean.len(), cases().len());
     for r in &clean {
         assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
-        // AMX rows: sdhost's tile kernels against ggml's, where there is AMX.
-        if r.op.contains("(AMX)") && ggml::amx::available() {
+        // AMX and FMA rows: sdhost's kernels against ggml's, where they ran
+        // (the row names them); every other row is ggml against itself.
+        if r.kernel.is_some() {
+            assert!(r.op.contains("(AMX)") || r.op.contains("(FMA)"), "{r:?}");
             assert!(r.max_error.unwrap() <= r.tolerance, "{r:?}");
         } else {
+            assert!(!(r.op.contains("(AMX)") && ggml::amx::available()), "{r:?}");
             assert_eq!(r.max_error, Some(0.0), "{r:?}");
+        }
+        if r.op.contains("f32 (FMA)") && ggml::fma::available() {
+            assert_eq!(r.kernel.as_deref(), Some("fma mul_mat"), "{r:?}");
         }
         assert_eq!(r.detail, None, "{r:?}");
     }

@@ -13,6 +13,8 @@ pub struct Context {
     pub(crate) placeholders: Vec<sys::ggml_backend_buffer_t>,
     /// [`Context::set_amx`].
     pub(crate) amx: std::cell::Cell<bool>,
+    /// [`Context::set_cpu_kernels`]: the AVX2 + FMA products.
+    pub(crate) fma: std::cell::Cell<bool>,
     /// [`Context::set_f32_products`].
     pub(crate) f32_products: std::cell::Cell<bool>,
 }
@@ -44,8 +46,19 @@ impl Context {
             raw,
             placeholders: Vec::new(),
             amx: std::cell::Cell::new(false),
+            fma: std::cell::Cell::new(false),
             f32_products: std::cell::Cell::new(false),
         })
+    }
+
+    /// Says that the in-process CPU backend computes this context's graphs,
+    /// so that they may use sdhost's own CPU kernels (custom ops no other
+    /// backend runs) where the processor has what they need: the AMX tile
+    /// kernels ([`Context::set_amx`]) and the AVX2 + FMA matrix products
+    /// ([`crate::fma`]). Off by default.
+    pub fn set_cpu_kernels(&self, on: bool) {
+        self.set_amx(on);
+        self.fma.set(on && crate::fma::available());
     }
 
     /// Says that the in-process CPU backend computes this context's graphs,
@@ -119,6 +132,18 @@ impl Context {
             let added = bias.is_some();
             return Ok((self.mul_mat_amx(a, b, bias)?, added));
         }
+        if self.fma.get()
+            && a.ty().is_some()
+            && crate::fma::takes(a.raw_type())
+            && b.ty() == Some(Type::F32)
+            && contiguous(&a)
+            && x[2] == 1
+            && x[3] == 1
+            && rows >= crate::fma::min_rows() as i64
+        {
+            let added = bias.is_some();
+            return Ok((self.mul_mat_fma(a, b, bias)?, added));
+        }
         self.room(1)?;
         // SAFETY: both tensors are alive for 'a, their shapes and types
         // passed the check of what ggml aborts on, and the context has room
@@ -128,6 +153,34 @@ impl Context {
             "ggml_mul_mat",
         )
         .map(|t| (t, false))
+    }
+
+    /// [`Context::mul_mat`] as the custom op of [`crate::fma`], named
+    /// `fma mul_mat` (for profiles and `check`).
+    pub(crate) fn mul_mat_fma<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        b: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+    ) -> Result<Tensor<'a>> {
+        let (x, y) = (a.ne(), b.ne());
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, a contiguous 2-D `[K, N]` weight of a
+        // type `fma::takes` passes, `b` f32 with dense rows and `b.ne0 == K`
+        // (checked by check_mul_mat and the caller), and the f32 bias of N
+        // values if any (checked by mul_mat_bias): what `gemm_op` reads; the
+        // result is contiguous f32 `[N, b.ne1..3]`, which it writes.
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                [x[1], y[1], y[2], y[3]],
+                &mut [a.raw, b.raw, bias.map_or(std::ptr::null_mut(), |t| t.raw)]
+                    [..2 + usize::from(bias.is_some())],
+                crate::fma::gemm_op,
+                std::ptr::null_mut(),
+                "fma mul_mat",
+            )
+        }
     }
 
     /// [`Context::mul_mat`] as the two custom ops of [`crate::amx`].
@@ -151,6 +204,7 @@ impl Context {
                 &mut [a.raw],
                 crate::amx::pack_op,
                 none,
+                "amx pack",
             )
         }?;
         // SAFETY: `packed` as above and `b` f32 with dense rows and
@@ -168,13 +222,15 @@ impl Context {
                 ][..2 + usize::from(bias.is_some())],
                 crate::amx::gemm_op,
                 none,
+                "amx gemm",
             )
         }
     }
 
     /// A `ggml_custom_4d` node of type `ty` and shape `ne` computed by `f`
     /// from `args` (its sources, in order), with `userdata`, on every
-    /// thread.
+    /// thread, named `name` (which kernel of sdhost's it is, for profiles
+    /// and `check`).
     ///
     /// # Safety
     /// Every argument is a live tensor of this context's graphs; `f` reads
@@ -192,6 +248,7 @@ impl Context {
             *mut std::os::raw::c_void,
         ),
         userdata: *mut std::os::raw::c_void,
+        name: &str,
     ) -> Result<Tensor<'a>> {
         // SAFETY: as the caller promises; ggml copies `args` into the
         // node's sources (at most GGML_MAX_SRC, which all callers stay under).
@@ -210,7 +267,9 @@ impl Context {
                 userdata,
             )
         };
-        self.wrap(t, "ggml_custom_4d")
+        let t = self.wrap(t, "ggml_custom_4d")?;
+        t.set_name(name);
+        Ok(t)
     }
 
     pub(crate) fn wrap(&self, t: *mut sys::ggml_tensor, what: &'static str) -> Result<Tensor<'_>> {

@@ -375,7 +375,7 @@ impl Context {
             // the norm's by conv_2d_norm_silu, its statistics made by
             // group_stats_op for this input) and write `ne` elements of
             // `ty`; room checked below.
-            unsafe { self.custom_op(ty, ne, args, f, ud) }
+            unsafe { self.custom_op(ty, ne, args, f, ud, "amx conv") }
         };
         self.room(3)?;
         let bf16 = sys::GGML_TYPE_BF16;
@@ -486,6 +486,7 @@ impl Context {
                     &mut [input.raw],
                     crate::amx::group_stats_op,
                     ud,
+                    "amx group_stats",
                 )?
             };
             return self.conv_2d_amx(kernel, input, bias, stride, pad, Some([stats, gamma, beta]));
@@ -759,6 +760,7 @@ impl Context {
                 &mut [q.raw, k.raw, v.raw],
                 crate::amx::attn_op,
                 ud,
+                "amx attn",
             )
         }
     }

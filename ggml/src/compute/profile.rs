@@ -128,7 +128,12 @@ unsafe fn key(t: *const sys::ggml_tensor) -> String {
     // SAFETY: a live tensor (the caller's contract); ggml's names are static
     // NUL-terminated strings.
     unsafe {
-        let op = CStr::from_ptr(sys::ggml_op_desc(t)).to_string_lossy();
+        let mut op = CStr::from_ptr(sys::ggml_op_desc(t)).to_string_lossy();
+        // sdhost's own kernels are custom ops named by the graph builder
+        // (e.g. `fma mul_mat`).
+        if (*t).op == sys::GGML_OP_CUSTOM && (*t).name[0] != 0 {
+            op = CStr::from_ptr((*t).name.as_ptr()).to_string_lossy();
+        }
         let src = (*t).src[0];
         if src.is_null() {
             op.into_owned()

@@ -39,6 +39,12 @@ impl<'ctx> Tensor<'ctx> {
         Type::from_id(unsafe { (*self.raw).type_ } as u32)
     }
 
+    /// ggml's id of the element type, whichever it is.
+    pub(crate) fn raw_type(&self) -> sys::ggml_type {
+        // SAFETY: a live tensor's header.
+        unsafe { (*self.raw).type_ }
+    }
+
     /// Number of elements.
     pub fn nelements(&self) -> usize {
         // SAFETY: as above.
@@ -228,5 +234,14 @@ impl<'ctx> Tensor<'ctx> {
             // SAFETY: live tensor; ggml copies at most GGML_MAX_NAME bytes.
             unsafe { sys::ggml_set_name(self.raw, c.as_ptr()) };
         }
+    }
+
+    /// The tensor's name (empty where none was set).
+    pub fn name(&self) -> String {
+        // SAFETY: live tensor; ggml keeps its name NUL-terminated within
+        // GGML_MAX_NAME bytes.
+        unsafe { std::ffi::CStr::from_ptr((*self.raw).name.as_ptr()) }
+            .to_string_lossy()
+            .into_owned()
     }
 }

@@ -1180,7 +1180,11 @@ const EXIT_NOT_COMPARABLE: i32 = 4;
 
 /// Runs a peer to completion (its stdin fed `script`, if any) and returns
 /// its stdout, or a one-line error.
-fn run_child(mut c: Command, what: &str, script: Option<&str>) -> Result<String, String> {
+pub(crate) fn run_child(
+    mut c: Command,
+    what: &str,
+    script: Option<&str>,
+) -> Result<String, String> {
     use std::io::Write;
     use std::process::Stdio;
     tracing::info!("running {c:?}");

@@ -92,7 +92,11 @@ impl Report for CheckReport {
                     r.verdict.as_str().to_string(),
                     r.max_error.map_or("-".into(), |e| format!("{e:.2e}")),
                     format!("{:.0e}", r.tolerance),
-                    r.detail.clone().unwrap_or_default(),
+                    match (&r.detail, &r.kernel) {
+                        (Some(d), _) => d.clone(),
+                        (None, Some(k)) => format!("sdhost kernel: {k}"),
+                        (None, None) => String::new(),
+                    },
                 ]
             })
             .collect();

@@ -3,6 +3,7 @@
 //! prints one report through [`crate::render`].
 
 pub mod bench;
+pub mod bench_products;
 pub mod check;
 pub mod convert;
 pub mod devices;

@@ -12,10 +12,11 @@ pub struct GraphOptions {
     /// Fused attention (`ggml_flash_attn_ext`, K and V in f16) instead of
     /// materialised `softmax(q·kᵀ)` scores; not for the causal text encoder.
     pub flash_attn: bool,
-    /// bf16 matrix products on the AMX tile unit (`ggml::amx`) where the
-    /// processor has one and the module runs on the in-process CPU backend
-    /// alone.
-    pub amx: bool,
+    /// sdhost's own CPU kernels (`ggml::Context::set_cpu_kernels`: bf16
+    /// products, convolutions and attention on the AMX tile unit, matrix
+    /// products on AVX2 + FMA) where the processor has them and the module
+    /// runs on the in-process CPU backend alone.
+    pub cpu_kernels: bool,
     /// Convolutions pad circularly instead of with zeros, so that the image
     /// wraps around at its edges (A1111's `tiling`: seamless textures).
     pub circular: bool,

@@ -325,12 +325,12 @@ impl<'b> Module<'b> {
         self.opts
     }
 
-    /// A context for one of this module's graphs: AMX matrix products
-    /// ([`GraphOptions::amx`]) only where the in-process CPU backend runs
+    /// A context for one of this module's graphs: sdhost's own CPU kernels
+    /// ([`GraphOptions::cpu_kernels`]) only where the in-process CPU backend runs
     /// the whole module (custom ops run nowhere else).
     fn graph_context(&self) -> Result<Context> {
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        ctx.set_amx(self.amx());
+        ctx.set_cpu_kernels(self.cpu_kernels());
         ctx.set_f32_products(self.assisted());
         Ok(ctx)
     }
@@ -354,9 +354,9 @@ impl<'b> Module<'b> {
     }
 
     /// Whether this module's graphs may use AMX (see [`Module::graph_context`]).
-    fn amx(&self) -> bool {
+    fn cpu_kernels(&self) -> bool {
         let on_cpu = self.devices.runtime.device().device_type() == ggml::DeviceType::Cpu;
-        self.opts.amx && on_cpu && !matches!(self.spread, Spread::Split(_))
+        self.opts.cpu_kernels && on_cpu && !matches!(self.spread, Spread::Split(_))
     }
 
     /// The module's name (`te`, `diffusion`, `vae`).
@@ -734,7 +734,7 @@ impl<'b> Module<'b> {
         self.ensure_runtime_copy()?;
         self.scheduler()?;
         let backends = self.sched_backends();
-        let amx = self.amx();
+        let cpu_kernels = self.cpu_kernels();
         let assisted = self.assisted();
         let sched = self.sched.as_mut().expect("created above");
         let mut map = self.params.map();
@@ -750,7 +750,7 @@ impl<'b> Module<'b> {
             ));
         }
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        ctx.set_amx(amx);
+        ctx.set_cpu_kernels(cpu_kernels);
         ctx.set_f32_products(assisted);
         let built = build(&ctx, &w).map_err(|e| e.context(name))?;
         built.output.set_output();
