@@ -250,8 +250,9 @@ fn panel_outer(weight_bytes: usize, blocks: usize, act_bytes: usize, pairs: usiz
     weight_bytes > CACHED && weight_bytes.saturating_mul(blocks) > act_bytes.saturating_mul(pairs)
 }
 
-/// f32 to bf16 over a row.
-fn narrow(src: &[f32], dst: &mut [u16]) {
+/// f32 to bf16 over a row (the processor's own conversion where it has
+/// one).
+pub(crate) fn narrow(src: &[f32], dst: &mut [u16]) {
     #[cfg(target_arch = "x86_64")]
     if bf16_ops() {
         // SAFETY: the processor has AVX512-BF16, BW and VL (checked just

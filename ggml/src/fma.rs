@@ -1,37 +1,47 @@
-//! Matrix products on AVX2 + FMA (processors without AMX), as a ggml
-//! custom op that the CPU backend runs on its own threads: any weight type
-//! ggml can dequantize (f32, f16, bf16, q8_0, q4_0, k-quants …) times f32
-//! activations, with f32 products and f32 accumulation.
+//! Matrix products on AVX2 + FMA and AVX-512 (processors without AMX), as
+//! a ggml custom op that the CPU backend runs on its own threads: a weight
+//! of any type ggml can dequantize times f32 activations, accumulated in
+//! f32.
 //!
-//! Hand-written because ggml's kernels on these processors leave much of
-//! the machine unused for the large products of diffusion models. For an
-//! f16 or bf16 weight ggml rounds the activations to the weight's type and
-//! runs tinyBLAS (llamafile), which converts both operands in its inner
-//! loop and blocks only in registers; quantized weights take integer dot
-//! products over activations quantized to 8 bits. The kernel here is
-//! organised as BLIS and OpenBLAS organise theirs (Goto's algorithm), so
-//! that the inner loop does nothing but fused multiply-adds from caches:
+//! Hand-written because ggml's kernels leave part of these processors
+//! unused for some weight types (measured by `sdhost bench --products`,
+//! docs/performance.md "CPU matrix products"): it multiplies an f32 weight
+//! with plain dot products, and on processors without AVX512-BF16 a bf16
+//! weight with dot products that widen both operands in the loop. The
+//! kernels here are organised as BLIS and OpenBLAS organise theirs (Goto's
+//! algorithm), so that the inner loop does nothing but multiply-adds from
+//! the caches:
 //!
 //! 1. the work is split between threads by output panels (each thread its
 //!    own outputs; by rows where there are too few outputs for that);
-//! 2. per block of [`KC`] `k` values and [`NC`] panels, a thread *packs*
-//!    its panels of the weight, dequantized to f32, into a buffer of its own
-//!    (each panel: [`NR`] outputs side by side for each `k`, so that the
-//!    panel stays in the level-1 cache while the rows stream past it);
-//! 3. per block of [`MC`] rows of `x` it packs those rows the same way
-//!    ([`MR`] rows side by side for each `k`, level-2 cache), and
-//! 4. the micro-kernel multiplies [`MR`] rows by one panel into 6 × 16
-//!    accumulators held in twelve registers: per `k`, two loads of the
-//!    panel, six broadcasts of `x` and twelve fused multiply-adds.
+//! 2. per block of `KC` values of `k`, a thread *packs* its panels of the
+//!    weight into a buffer of its own: each panel holds `NR` outputs side
+//!    by side for each `k` (dequantized to f32, or in bf16 pairs for the
+//!    dot-product kernel), so that one panel stays in the level-1 cache
+//!    while blocks of rows stream past it;
+//! 3. per block of [`MC`] rows of `x`, it packs those rows the same way
+//!    (`MR` rows side by side for each `k`: level-2 cache), and
+//! 4. a micro-kernel multiplies `MR` rows by one panel into `MR × NR`
+//!    accumulators held in registers.
 //!
-//! Activations stay f32 (ggml rounds them to f16, bf16 or 8 bits), so the
-//! results are closer to the f32 product than ggml's. The weight is packed
-//! in every evaluation, block by block, in the thread's own buffers: no
-//! packed copy of a weight is kept or allocated in the graph.
+//! Three micro-kernels, picked per product by the processor ([`isa_for`]):
+//! AVX2 + FMA, 6 × 16 in twelve 8-lane registers; AVX-512F, 12 × 32 in
+//! twenty-four 16-lane registers (f32 products on Intel, whose server cores
+//! do twice the multiply-adds per instruction of AVX2; AMD's Zen 4 splits
+//! them in halves and measured faster on the AVX2 kernel); AVX512-BF16,
+//! 14 × 32 with
+//! `vdpbf16ps` (two bf16 products per lane and instruction, f32 sums), for
+//! bf16 weights, with the activations rounded to bf16 as they are packed.
+//! The f32 kernels keep the activations in f32 (ggml rounds them to the
+//! weight's type), so their results are closer to the f32 product than
+//! ggml's.
 //!
-//! [`Context::mul_mat`](crate::Context::mul_mat) takes this path for
-//! contexts marked with [`Context::set_cpu_kernels`](crate::Context::set_cpu_kernels)
-//! where [`takes`] says so (see there for which types, measured).
+//! The weight is packed in every evaluation, block by block, in the
+//! thread's own buffers: no packed copy of a weight is kept or allocated in
+//! the graph. [`Context::mul_mat`](crate::Context::mul_mat) takes this path
+//! for contexts marked with
+//! [`Context::set_cpu_kernels`](crate::Context::set_cpu_kernels) where
+//! [`isa_for`] says so (see there for which types, and why).
 
 use std::cell::RefCell;
 use std::os::raw::{c_int, c_void};
@@ -39,92 +49,135 @@ use std::sync::OnceLock;
 
 use crate::sys;
 
-/// Rows of `x` per micro-tile.
-pub const MR: usize = 6;
-/// Outputs per panel (two 8-lane registers).
-pub const NR: usize = 16;
-/// `k` per block: a multiple of every quantization block (32 and 256), so
-/// that each block of a quantized row dequantizes on its own.
-pub const KC: usize = 256;
-/// Panels per packed block of the weight (`KC × NR × NC` f32: 256 KiB,
-/// half a Zen 3 core's level-2 cache).
-pub const NC: usize = 16;
-/// Rows of `x` per packed block (`MC × KC` f32: 48 KiB).
-pub const MC: usize = 8 * MR;
+/// Rows of `x` per packed block: several micro-tiles' rows, which every
+/// panel of the block then streams past.
+pub const MC: usize = 96;
 
-/// The fewest rows that take this path: below it ggml's own kernels (the
-/// weight is dequantized once per product, which only pays when many rows
-/// share it). [`crate::Knobs::fma_min_rows`] overrides it, for
+/// The fewest rows that take this path by default: below it ggml's own
+/// kernels (the weight is packed once per product, which only pays when
+/// many rows share it; at 256 rows ggml measured 1.00–1.10× faster).
+pub const MIN_ROWS: usize = 512;
+
+/// The fewest rows that take this path ([`MIN_ROWS`]). [`crate::Knobs::fma_min_rows`] overrides it, for
 /// measurements.
 pub fn min_rows() -> usize {
-    crate::knobs().fma_min_rows.unwrap_or(2 * MC)
+    crate::knobs().fma_min_rows.unwrap_or(MIN_ROWS)
 }
 
-/// Whether this process may run the kernel: the processor has AVX2, FMA
-/// and F16C (checked once), and [`crate::Knobs::fma`] is on.
+/// The instruction sets the kernels use, best first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX512-BF16 dot products (bf16 weights only).
+    Avx512Bf16,
+    /// AVX-512F fused multiply-adds.
+    Avx512,
+    /// AVX2 + FMA (+ F16C for f16 weights).
+    Avx2,
+}
+
+/// What this processor has, asked once.
+#[derive(Clone, Copy, Debug, Default)]
+struct Features {
+    avx2: bool,
+    avx512: bool,
+    avx512bf16: bool,
+    /// An AMD processor (its AVX-512 runs 512-bit vectors as two halves).
+    amd: bool,
+}
+
+fn features() -> Features {
+    static F: OnceLock<Features> = OnceLock::new();
+    *F.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            let avx2 = has!("avx2") && has!("fma") && has!("f16c");
+            let avx512 = avx2 && has!("avx512f");
+            let vendor = std::arch::x86_64::__cpuid(0);
+            // "AuthenticAMD" in ebx, edx, ecx.
+            let amd =
+                (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+            Features {
+                avx2,
+                avx512,
+                avx512bf16: avx512 && has!("avx512bf16"),
+                amd,
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        Features::default()
+    })
+}
+
+/// Whether this process may run the kernels: the processor has AVX2, FMA
+/// and F16C, and [`crate::Knobs::fma`] is on.
 pub fn available() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| crate::knobs().fma && has_features())
+    crate::knobs().fma && features().avx2
 }
 
-#[cfg(target_arch = "x86_64")]
-fn has_features() -> bool {
-    std::arch::is_x86_feature_detected!("avx2")
-        && std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("f16c")
-}
+/// The longest rows (`k`) a bf16 weight takes the AVX512-BF16 kernel for,
+/// where the processor has it: beyond, ggml's own bf16 kernel (tinyBLAS,
+/// which sums whole rows in vectors and reduces them once at the end)
+/// measured faster (`sdhost bench --products` on a Zen 4 EPYC: 1.40× ggml
+/// at k = 320, 1.00× at 1280, 0.81–0.92× at 3072 and 12288).
+pub const BF16_MAX_K: usize = 1280;
 
-#[cfg(not(target_arch = "x86_64"))]
-fn has_features() -> bool {
-    false
-}
-
-/// Whether a weight of ggml type `ty` takes this path, as measured against
-/// ggml's kernels (`sdhost bench --products`; docs/performance.md, "CPU
+/// The kernel a product of a `[k, n]` weight of ggml type `ty` runs on
+/// here, or `None` where ggml's kernels do better. As measured against
+/// ggml's kernels with `sdhost bench --products` (docs/performance.md, "CPU
 /// matrix products"):
 ///
-/// * f32: yes (ggml multiplies f32 by f32 with its plain dot products);
-/// * bf16: where the processor has no AVX512-BF16. Where it has, ggml's
-///   variant for it multiplies bf16 natively (`vdpbf16ps`), at up to twice
-///   this kernel's f32 rate;
+/// * f32: yes (ggml multiplies f32 by f32 with plain dot products), on
+///   the AVX-512 kernel on Intel and the AVX2 one elsewhere;
+/// * bf16: on processors without AVX512-BF16 yes (ggml's dot products
+///   widen both operands in the loop there); with it, up to
+///   [`BF16_MAX_K`];
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
-///   conversions in its loop) measured 5–25 % faster;
+///   conversions in its loop) measured as fast or faster;
 /// * quantized types: no; ggml's integer kernels over 8-bit activations
 ///   measured as fast or faster.
 ///
-/// [`crate::Knobs::fma_all`] sends every type ggml can dequantize here, for
-/// measurements and `check`.
-pub fn takes(ty: sys::ggml_type) -> bool {
+/// [`crate::Knobs::fma_all`] sends every type ggml can dequantize here, and
+/// [`crate::Knobs::fma_avx2`] keeps to the AVX2 kernel (to measure the
+/// AVX2 class on an AVX-512 processor): for measurements and `check`.
+pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
+    if !available() {
+        return None;
+    }
+    let (f, knobs) = (features(), crate::knobs());
+    // On AMD's AVX-512 (Zen 4), which runs a 512-bit multiply-add as two
+    // 256-bit halves, the AVX2 kernel measured 1.07–1.15× the AVX-512 one
+    // (f32 weights, same run); Intel's server cores have two full-width
+    // units, where the AVX-512 kernel does twice the work per instruction
+    // (not measured here: no such processor was at hand).
+    let f32_isa = if f.avx512 && !f.amd && !knobs.fma_avx2 {
+        Isa::Avx512
+    } else {
+        Isa::Avx2
+    };
     match ty {
-        sys::GGML_TYPE_F32 => true,
-        sys::GGML_TYPE_BF16 if !native_bf16() => true,
-        _ => crate::knobs().fma_all && dequantizable(ty),
+        sys::GGML_TYPE_F32 => Some(f32_isa),
+        sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => {
+            (k <= BF16_MAX_K || knobs.fma_all).then_some(Isa::Avx512Bf16)
+        }
+        sys::GGML_TYPE_BF16 => Some(f32_isa),
+        _ if knobs.fma_all && dequantizable(ty) => Some(f32_isa),
+        _ => None,
     }
 }
 
-/// Whether the processor multiplies bf16 itself (AVX512-BF16).
-fn native_bf16() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512bf16")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-/// Whether ggml can dequantize `ty` block by block within a [`KC`] block.
+/// The `k` block of every kernel (256) is a multiple of the type's
+/// quantization block, so that each block of a row dequantizes on its own.
 fn dequantizable(ty: sys::ggml_type) -> bool {
     if ty >= sys::GGML_TYPE_COUNT {
         return false;
     }
     // SAFETY: ggml's type table, indexed by a type below its count.
     let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
-    traits.to_float.is_some() && traits.blck_size > 0 && KC % traits.blck_size as usize == 0
+    traits.to_float.is_some() && traits.blck_size > 0 && 256 % traits.blck_size as usize == 0
 }
 
-/// A `[k, n]` weight as the kernel reads it: `n` rows of `k` values of a
+/// A `[k, n]` weight as the kernels read it: `n` rows of `k` values of a
 /// ggml type, `row_bytes` apart.
 #[derive(Clone, Copy)]
 pub struct Weight<'w> {
@@ -142,7 +195,7 @@ pub struct Weight<'w> {
 
 impl Weight<'_> {
     /// Values `k0..k0 + out.len()` of row `j`, as f32 (`k0` and the length
-    /// whole blocks of the type, as [`KC`] makes them).
+    /// whole blocks of the type, as the kernels' `KC` makes them).
     fn row_f32(&self, j: usize, k0: usize, out: &mut [f32]) {
         let row = &self.data[j * self.row_bytes..(j + 1) * self.row_bytes];
         match self.ty {
@@ -163,12 +216,12 @@ impl Weight<'_> {
                 let (block, size) = (traits.blck_size as usize, traits.type_size);
                 let to_float = traits
                     .to_float
-                    .expect("takes() only passes dequantizable types");
+                    .expect("isa_for() only passes dequantizable types");
                 let from = &row[k0 / block * size..(k0 + out.len()) / block * size];
                 // SAFETY: `from` holds out.len() / block whole blocks of
-                // `ty` (k0 and the length are multiples of the block,
-                // checked by the caller), which to_float reads, writing
-                // out.len() f32.
+                // `ty` (k0 and the length are multiples of the block, see
+                // `dequantizable`), which to_float reads, writing out.len()
+                // f32.
                 unsafe {
                     to_float(
                         from.as_ptr() as *const c_void,
@@ -185,9 +238,8 @@ impl Weight<'_> {
 fn widen_f16(src: &[u8], out: &mut [f32]) {
     let n = out.len().min(src.len() / 2);
     #[cfg(target_arch = "x86_64")]
-    if has_features() {
-        // SAFETY: the processor has F16C and AVX (checked above); the
-        // loops stay within n values of both slices.
+    if features().avx2 {
+        // SAFETY: the processor has F16C and AVX (checked above).
         unsafe { widen_f16_f16c(&src[..2 * n], &mut out[..n]) };
         return;
     }
@@ -198,9 +250,9 @@ fn widen_f16(src: &[u8], out: &mut [f32]) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx,f16c")]
-unsafe fn widen_f16_f16c(src: &[u8], out: &mut [f32]) {
+fn widen_f16_f16c(src: &[u8], out: &mut [f32]) {
     use std::arch::x86_64::*;
-    let n = out.len();
+    let n = out.len().min(src.len() / 2);
     let mut i = 0;
     while i + 8 <= n {
         // SAFETY: 8 f16 (16 bytes) at 2i and 8 f32 at i are in bounds.
@@ -215,6 +267,16 @@ unsafe fn widen_f16_f16c(src: &[u8], out: &mut [f32]) {
     }
 }
 
+/// f32 to bf16, round to nearest even (NaN stays NaN).
+#[inline(always)]
+fn bf16(f: f32) -> u16 {
+    let bits = f.to_bits();
+    if bits & 0x7fff_ffff > 0x7f80_0000 {
+        return ((bits >> 16) | 0x40) as u16;
+    }
+    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
+}
+
 /// The `x` operand of one [`gemm`] call: `rows` rows of `k` f32, row `i`
 /// at `row(i)`.
 pub struct Rows<'x> {
@@ -226,19 +288,85 @@ pub struct Rows<'x> {
     pub row: &'x dyn Fn(usize) -> &'x [f32],
 }
 
-/// An f32 buffer aligned for 32-byte loads.
-#[derive(Default)]
-struct Aligned(Vec<[f32; 8]>);
+/// A buffer of `E` aligned for 64-byte loads, grown on demand.
+struct Aligned<E> {
+    raw: Vec<[u8; 64]>,
+    _e: std::marker::PhantomData<E>,
+}
 
-impl Aligned {
-    /// At least `len` f32, zeroed only where newly grown.
-    fn get(&mut self, len: usize) -> &mut [f32] {
-        let v = len.div_ceil(8);
-        if self.0.len() < v {
-            self.0.resize(v, [0.0; 8]);
+impl<E> Default for Aligned<E> {
+    fn default() -> Self {
+        Aligned {
+            raw: Vec::new(),
+            _e: std::marker::PhantomData,
         }
-        &mut self.0.as_flattened_mut()[..len]
     }
+}
+
+impl<E: Copy> Aligned<E> {
+    /// `len` values (garbage until written).
+    fn get(&mut self, len: usize) -> &mut [E] {
+        let bytes = len * std::mem::size_of::<E>();
+        let lines = bytes.div_ceil(64);
+        if self.raw.len() < lines {
+            self.raw.resize(lines, [0; 64]);
+        }
+        // SAFETY: the buffer holds at least `bytes` initialised bytes,
+        // 64-byte aligned; E is f32 or u16, for which any bits are a value.
+        unsafe { std::slice::from_raw_parts_mut(self.raw.as_mut_ptr() as *mut E, len) }
+    }
+}
+
+/// One micro-kernel and the packed layout it reads: `x` blocks of
+/// `[k / KG][MR][KG]` and weight panels of `[k / KG][NR][KG]` (`KG`
+/// consecutive values of `k` side by side: 2 for bf16 pairs), `k` padded
+/// with zeros to a multiple of `KG`.
+trait Kernel {
+    const MR: usize;
+    const NR: usize;
+    const KC: usize;
+    type E: Elem;
+    /// `c[r·ldc + j] = Σ_k a · b` over `kp` packed values of `k`, plus
+    /// what `c` held where `add`, plus `bias[j]` where `bias` is not null.
+    ///
+    /// # Safety
+    /// The processor has the kernel's features; `a` holds `kp · MR` and
+    /// `b` `kp · NR` values; `c` addresses `MR` rows of `NR` f32, `ldc`
+    /// apart, and `bias` (if not null) `NR` f32.
+    unsafe fn tile(
+        kp: usize,
+        a: &[Self::E],
+        b: &[Self::E],
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+        bias: *const f32,
+    );
+    fn buffers<R>(f: impl FnOnce(&mut Buffers<Self::E>) -> R) -> R;
+}
+
+/// A thread's packing buffers for one element type.
+struct Buffers<E> {
+    a: Aligned<E>,
+    b: Aligned<E>,
+    row: Vec<f32>,
+    c: Vec<f32>,
+}
+
+impl<E> Default for Buffers<E> {
+    fn default() -> Self {
+        Buffers {
+            a: Aligned::default(),
+            b: Aligned::default(),
+            row: Vec::new(),
+            c: Vec::new(),
+        }
+    }
+}
+
+thread_local! {
+    static F32_BUF: RefCell<Buffers<f32>> = RefCell::default();
+    static BF16_BUF: RefCell<Buffers<u16>> = RefCell::default();
 }
 
 /// The part `ith` of `nth` of `0..units`, as even as whole units allow.
@@ -248,9 +376,32 @@ fn share(units: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
 }
 
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
-/// (`ith` of `nth`) of the outputs. The caller made sure [`available`]
-/// said yes and that `w.k == x.k`.
+/// (`ith` of `nth`) of the outputs, on `isa`'s kernel. The caller made sure
+/// that the processor has `isa` (as [`isa_for`] does) and that `w.k ==
+/// x.k`; a bf16 kernel takes only bf16 weights.
 pub fn gemm(
+    isa: Isa,
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    let f = features();
+    let bf16 = isa == Isa::Avx512Bf16 && f.avx512bf16 && w.ty == sys::GGML_TYPE_BF16;
+    if bf16 {
+        gemm_with::<Bf16Avx512>(w, x, bias, out, ith, nth)
+    } else if isa != Isa::Avx2 && f.avx512 {
+        gemm_with::<F32Avx512>(w, x, bias, out, ith, nth)
+    } else if f.avx2 {
+        gemm_with::<F32Avx2>(w, x, bias, out, ith, nth)
+    } else {
+        gemm_with::<F32Plain>(w, x, bias, out, ith, nth)
+    }
+}
+
+fn gemm_with<K: Kernel>(
     w: &Weight<'_>,
     x: &Rows<'_>,
     bias: Option<&[f32]>,
@@ -260,58 +411,81 @@ pub fn gemm(
 ) {
     let (k, n, m) = (x.k, w.n, x.rows);
     assert!(w.k == k && out.len() >= m * n && bias.is_none_or(|b| b.len() >= n));
-    thread_local! {
-        static BUF: RefCell<(Aligned, Aligned, Vec<f32>)> = RefCell::default();
-    }
-    let panels = n.div_ceil(NR);
-    // Each thread its own panels (it packs only those); by rows where there
-    // are too few panels to share evenly.
-    let by_rows = panels < 4 * nth;
+    let panels = n.div_ceil(K::NR);
+    // Each thread packs the part of the weight it multiplies and the part
+    // of `x`: by panels, its panels and every row; by rows, every panel and
+    // its rows. By rows packs less where there are fewer outputs than rows,
+    // and shares evenly where there are too few panels.
+    let row_blocks = m.div_ceil(K::MR);
+    let by_rows = (n < m || panels < 4 * nth) && row_blocks >= nth;
     let (pr, rr) = if by_rows {
-        let blocks = share(m.div_ceil(MR), ith, nth);
-        (0..panels, blocks.start * MR..(blocks.end * MR).min(m))
+        let blocks = share(row_blocks, ith, nth);
+        (0..panels, blocks.start * K::MR..(blocks.end * K::MR).min(m))
     } else {
         (share(panels, ith, nth), 0..m)
     };
     if pr.is_empty() || rr.is_empty() {
         return;
     }
-    BUF.with(|buf| {
-        let (bbuf, abuf, row) = &mut *buf.borrow_mut();
-        for kb in (0..k).step_by(KC) {
-            let kc = KC.min(k - kb);
-            row.resize(kc, 0.0);
-            for p0 in pr.clone().step_by(NC) {
-                let np = NC.min(pr.end - p0);
-                let b = bbuf.get(np * kc * NR);
-                pack_weight(w, p0, np, kb, kc, b, row);
-                for r0 in rr.clone().step_by(MC) {
-                    let mc = MC.min(rr.end - r0);
-                    let blocks = mc.div_ceil(MR);
-                    let a = abuf.get(blocks * kc * MR);
-                    pack_rows(x, r0, mc, kb, kc, a);
-                    for q in 0..np {
-                        let panel = &b[q * kc * NR..(q + 1) * kc * NR];
-                        let j0 = (p0 + q) * NR;
-                        let cols = NR.min(n - j0);
-                        for blk in 0..blocks {
-                            let rows = MR.min(mc - blk * MR);
-                            let mut c = [0f32; MR * NR];
-                            micro(kc, &a[blk * kc * MR..(blk + 1) * kc * MR], panel, &mut c);
-                            let i0 = r0 + blk * MR;
-                            for r in 0..rows {
-                                let o = &mut out[(i0 + r) * n + j0..(i0 + r) * n + j0 + cols];
-                                let c = &c[r * NR..r * NR + cols];
-                                if kb > 0 {
-                                    o.iter_mut().zip(c).for_each(|(o, c)| *o += c);
-                                } else if let Some(bias) = bias {
-                                    let bias = &bias[j0..j0 + cols];
-                                    for ((o, c), b) in o.iter_mut().zip(c).zip(bias) {
-                                        *o = c + b;
-                                    }
-                                } else {
-                                    o.copy_from_slice(c);
+    let np = pr.len();
+    K::buffers(|buf| {
+        buf.c.resize(K::MR * K::NR, 0.0);
+        for kb in (0..k).step_by(K::KC) {
+            let kc = K::KC.min(k - kb);
+            let kp = kc.div_ceil(K::E::KG) * K::E::KG;
+            buf.row.resize(kp, 0.0);
+            let b = buf.b.get(np * kp * K::NR);
+            pack_weight::<K>(w, pr.start, np, kb, kc, b, &mut buf.row);
+            for r0 in rr.clone().step_by(MC) {
+                let mc = MC.min(rr.end - r0);
+                let blocks = mc.div_ceil(K::MR);
+                let a = buf.a.get(blocks * kp * K::MR);
+                pack_rows::<K>(x, r0, mc, kb, kc, a);
+                for q in 0..np {
+                    let panel = &b[q * kp * K::NR..(q + 1) * kp * K::NR];
+                    let j0 = (pr.start + q) * K::NR;
+                    let cols = K::NR.min(n - j0);
+                    for blk in 0..blocks {
+                        let rows = K::MR.min(mc - blk * K::MR);
+                        let a = &a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
+                        let i0 = r0 + blk * K::MR;
+                        if rows == K::MR && cols == K::NR {
+                            let bias = match bias {
+                                Some(b) if kb == 0 => b[j0..j0 + K::NR].as_ptr(),
+                                _ => std::ptr::null(),
+                            };
+                            let c = &mut out[i0 * n + j0..(i0 + K::MR - 1) * n + j0 + K::NR];
+                            // SAFETY: gemm checked the processor's features
+                            // for K; the slices hold kp·MR and kp·NR values,
+                            // `c` MR rows of NR values n apart, and `bias`
+                            // (if any) NR values.
+                            unsafe { K::tile(kp, a, panel, c.as_mut_ptr(), n, kb > 0, bias) };
+                            continue;
+                        }
+                        // SAFETY: as above, into `buf.c` (MR × NR).
+                        unsafe {
+                            K::tile(
+                                kp,
+                                a,
+                                panel,
+                                buf.c.as_mut_ptr(),
+                                K::NR,
+                                false,
+                                std::ptr::null(),
+                            )
+                        };
+                        for r in 0..rows {
+                            let o = &mut out[(i0 + r) * n + j0..(i0 + r) * n + j0 + cols];
+                            let c = &buf.c[r * K::NR..r * K::NR + cols];
+                            if kb > 0 {
+                                o.iter_mut().zip(c).for_each(|(o, c)| *o += c);
+                            } else if let Some(bias) = bias {
+                                let bias = &bias[j0..j0 + cols];
+                                for ((o, c), b) in o.iter_mut().zip(c).zip(bias) {
+                                    *o = c + b;
                                 }
+                            } else {
+                                o.copy_from_slice(c);
                             }
                         }
                     }
@@ -321,94 +495,288 @@ pub fn gemm(
     });
 }
 
-/// Packs panels `p0..p0 + np` of `w` for `k` in `kb..kb + kc` into `b`:
-/// panel `q`, then `k`, then its [`NR`] outputs (zero past `w.n`).
-fn pack_weight(
+/// Packs panels `p0..p0 + np` of `w` for `k` in `kb..kb + kc` into `b`
+/// (zero past `w.n` and past `kc`).
+fn pack_weight<K: Kernel>(
     w: &Weight<'_>,
     p0: usize,
     np: usize,
     kb: usize,
     kc: usize,
-    b: &mut [f32],
+    b: &mut [K::E],
     row: &mut [f32],
 ) {
+    let kp = row.len();
     for q in 0..np {
-        let panel = &mut b[q * kc * NR..(q + 1) * kc * NR];
-        for c in 0..NR {
-            let j = (p0 + q) * NR + c;
-            if j < w.n {
+        let panel = &mut b[q * kp * K::NR..(q + 1) * kp * K::NR];
+        for c in 0..K::NR {
+            let j = (p0 + q) * K::NR + c;
+            K::E::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, K::NR, row);
+        }
+    }
+}
+
+/// Packs rows `r0..r0 + mc` of `x` for `k` in `kb..kb + kc` into `a`
+/// (zero past `mc` and past `kc`).
+fn pack_rows<K: Kernel>(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize, a: &mut [K::E]) {
+    let kp = kc.div_ceil(K::E::KG) * K::E::KG;
+    for blk in 0..mc.div_ceil(K::MR) {
+        let block = &mut a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
+        for r in 0..K::MR {
+            let i = blk * K::MR + r;
+            let src = (i < mc).then(|| &(x.row)(r0 + i)[kb..kb + kc]);
+            K::E::pack_column_f32(src, block, r, K::MR);
+        }
+    }
+}
+
+/// A packed element: f32, or bf16 bits in pairs of `k`. Packing writes
+/// one column of a panel (an output of the weight, or a row of `x`) into
+/// its place among `width` columns, group of `k` by group.
+trait Elem: Copy + 'static {
+    /// Values of `k` side by side.
+    const KG: usize;
+    /// Column `c` of `width` in `panel` (`kp` values of `k`): row `j` of
+    /// `w` from `kb` (`kc` values), or zeros.
+    #[allow(clippy::too_many_arguments)]
+    fn pack_column(
+        w: &Weight<'_>,
+        j: Option<usize>,
+        kb: usize,
+        kc: usize,
+        panel: &mut [Self],
+        c: usize,
+        width: usize,
+        row: &mut [f32],
+    );
+    /// Column `c` of `width` in `block`: the f32 values `src` (zero past
+    /// them), or zeros.
+    fn pack_column_f32(src: Option<&[f32]>, block: &mut [Self], c: usize, width: usize);
+}
+
+impl Elem for f32 {
+    const KG: usize = 1;
+    fn pack_column(
+        w: &Weight<'_>,
+        j: Option<usize>,
+        kb: usize,
+        kc: usize,
+        panel: &mut [f32],
+        c: usize,
+        width: usize,
+        row: &mut [f32],
+    ) {
+        let src: &[f32] = match j {
+            Some(j) => {
                 w.row_f32(j, kb, &mut row[..kc]);
-                for (kk, v) in row[..kc].iter().enumerate() {
-                    panel[kk * NR + c] = *v;
-                }
-            } else {
-                for kk in 0..kc {
-                    panel[kk * NR + c] = 0.0;
-                }
+                &row[..kc]
+            }
+            None => {
+                row[..kc].fill(0.0);
+                &row[..kc]
+            }
+        };
+        scatter(src, panel, c, width);
+    }
+    fn pack_column_f32(src: Option<&[f32]>, block: &mut [f32], c: usize, width: usize) {
+        match src {
+            Some(s) => scatter(s, block, c, width),
+            None => {
+                let n = block.len() / width;
+                scatter(&vec![0.0; n], block, c, width)
             }
         }
     }
 }
 
-/// Packs rows `r0..r0 + mc` of `x` for `k` in `kb..kb + kc` into `a`:
-/// block of [`MR`] rows, then `k`, then the block's rows (zero past `mc`).
-fn pack_rows(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize, a: &mut [f32]) {
-    for blk in 0..mc.div_ceil(MR) {
-        let block = &mut a[blk * kc * MR..(blk + 1) * kc * MR];
-        for r in 0..MR {
-            let i = blk * MR + r;
-            if i < mc {
-                let src = &(x.row)(r0 + i)[kb..kb + kc];
-                for (kk, v) in src.iter().enumerate() {
-                    block[kk * MR + r] = *v;
-                }
-            } else {
-                for kk in 0..kc {
-                    block[kk * MR + r] = 0.0;
-                }
-            }
-        }
+/// `dst[i·width + c] = src[i]` for every `i` of `src` (the hot loop of
+/// packing: plain strided stores, no bounds check per value).
+fn scatter<T: Copy>(src: &[T], dst: &mut [T], c: usize, width: usize) {
+    assert!(c < width && (src.is_empty() || (src.len() - 1) * width + c < dst.len()));
+    let d = dst.as_mut_ptr();
+    for (i, v) in src.iter().enumerate() {
+        // SAFETY: i·width + c < dst.len() for every i (checked above).
+        unsafe { *d.add(i * width + c) = *v };
     }
 }
 
-/// `c[r·NR + j] = Σ_k a[k·MR + r] · b[k·NR + j]` over `kc` values of `k`.
-fn micro(kc: usize, a: &[f32], b: &[f32], c: &mut [f32; MR * NR]) {
-    assert!(a.len() >= kc * MR && b.len() >= kc * NR);
-    #[cfg(target_arch = "x86_64")]
-    if has_features() {
-        // SAFETY: the processor has AVX2 and FMA (checked above); the
-        // lengths were checked just above.
-        unsafe { micro_avx2(kc, a.as_ptr(), b.as_ptr(), c) };
-        return;
-    }
-    c.fill(0.0);
-    for kk in 0..kc {
-        for r in 0..MR {
-            let av = a[kk * MR + r];
-            for j in 0..NR {
-                c[r * NR + j] += av * b[kk * NR + j];
+impl Elem for u16 {
+    const KG: usize = 2;
+    fn pack_column(
+        w: &Weight<'_>,
+        j: Option<usize>,
+        kb: usize,
+        kc: usize,
+        panel: &mut [u16],
+        c: usize,
+        width: usize,
+        row: &mut [f32],
+    ) {
+        let np = kc.div_ceil(2);
+        if let (Some(j), true) = (j, w.ty == sys::GGML_TYPE_BF16 && kc % 2 == 0) {
+            // The row's bytes are the pairs already.
+            let bytes = &w.data[j * w.row_bytes + kb * 2..j * w.row_bytes + (kb + kc) * 2];
+            scatter_pairs(bytes, panel, c, width);
+            return;
+        }
+        let mut pairs = [0u8; Bf16Avx512::KC * 2];
+        if let Some(j) = j {
+            w.row_f32(j, kb, &mut row[..kc]);
+            for (p, v) in pairs.chunks_exact_mut(2).zip(&row[..kc]) {
+                p.copy_from_slice(&bf16(*v).to_le_bytes());
             }
         }
+        scatter_pairs(&pairs[..4 * np], panel, c, width);
+    }
+    fn pack_column_f32(src: Option<&[f32]>, block: &mut [u16], c: usize, width: usize) {
+        let mut tmp = [0u16; Bf16Avx512::KC];
+        let np = block.len() / (2 * width);
+        if let Some(s) = src {
+            // Narrowed by the processor's own conversion where it has one.
+            let n = s.len().min(tmp.len());
+            crate::amx::narrow(&s[..n], &mut tmp[..n]);
+        }
+        let mut bytes = [0u8; Bf16Avx512::KC * 2];
+        for (b, t) in bytes.chunks_exact_mut(2).zip(&tmp) {
+            b.copy_from_slice(&t.to_le_bytes());
+        }
+        scatter_pairs(&bytes[..4 * np], block, c, width);
     }
 }
 
-/// [`micro`] in AVX2 + FMA: the 6 × 16 accumulators in twelve registers.
+/// [`scatter`] of bf16 pairs: the pair in bytes `4i..4i + 4` (little
+/// endian, low half first) to `dst[2·(i·width + c)..][..2]`.
+fn scatter_pairs(pairs: &[u8], dst: &mut [u16], c: usize, width: usize) {
+    let n = pairs.len() / 4;
+    assert!(c < width && (n == 0 || 2 * ((n - 1) * width + c) + 1 < dst.len()));
+    let (s, d) = (pairs.as_ptr() as *const u32, dst.as_mut_ptr() as *mut u32);
+    for i in 0..n {
+        // SAFETY: pair i is within `pairs` and 2·(i·width + c) + 1 <
+        // dst.len() (checked above); both accesses are unaligned-safe.
+        unsafe {
+            d.add(i * width + c)
+                .write_unaligned(s.add(i).read_unaligned())
+        };
+    }
+}
+
+/// Writes an `mr × nr` tile of sums `acc` to `c` (rows `ldc` apart), plus
+/// what `c` held where `add`, plus `bias` where not null.
 ///
 /// # Safety
-/// The processor has AVX2 and FMA; `a` holds `kc · MR` f32 and `b`
-/// `kc · NR`.
+/// `c` addresses `mr` rows of `nr` f32, `ldc` apart; `bias` (if not null)
+/// `nr` f32.
+unsafe fn finish(
+    acc: &[f32],
+    mr: usize,
+    nr: usize,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+) {
+    for r in 0..mr {
+        for j in 0..nr {
+            // SAFETY: within the rows and bias the caller vouches for.
+            unsafe {
+                let o = c.add(r * ldc + j);
+                let mut v = acc[r * nr + j];
+                if add {
+                    v += *o;
+                }
+                if !bias.is_null() {
+                    v += *bias.add(j);
+                }
+                *o = v;
+            }
+        }
+    }
+}
+
+/// The portable kernel (processors without AVX2; tests).
+struct F32Plain;
+
+impl Kernel for F32Plain {
+    const MR: usize = 4;
+    const NR: usize = 8;
+    const KC: usize = 256;
+    type E = f32;
+    unsafe fn tile(
+        kp: usize,
+        a: &[f32],
+        b: &[f32],
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+        bias: *const f32,
+    ) {
+        let mut acc = [0f32; 32];
+        for kk in 0..kp {
+            for r in 0..Self::MR {
+                let av = a[kk * Self::MR + r];
+                for j in 0..Self::NR {
+                    acc[r * Self::NR + j] += av * b[kk * Self::NR + j];
+                }
+            }
+        }
+        // SAFETY: the caller's contract on c, ldc and bias.
+        unsafe { finish(&acc, Self::MR, Self::NR, c, ldc, add, bias) }
+    }
+    fn buffers<R>(f: impl FnOnce(&mut Buffers<f32>) -> R) -> R {
+        F32_BUF.with(|b| f(&mut b.borrow_mut()))
+    }
+}
+
+/// AVX2 + FMA: 6 × 16 accumulators in twelve registers; per `k` two loads
+/// of the panel, six broadcasts and twelve multiply-adds.
+struct F32Avx2;
+
+impl Kernel for F32Avx2 {
+    const MR: usize = 6;
+    const NR: usize = 16;
+    const KC: usize = 256;
+    type E = f32;
+    unsafe fn tile(
+        kp: usize,
+        a: &[f32],
+        b: &[f32],
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+        bias: *const f32,
+    ) {
+        assert!(a.len() >= kp * 6 && b.len() >= kp * 16);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked the features and c, ldc and bias;
+        // lengths checked above.
+        unsafe {
+            tile_avx2(kp, a.as_ptr(), b.as_ptr(), c, ldc, add, bias)
+        }
+    }
+    fn buffers<R>(f: impl FnOnce(&mut Buffers<f32>) -> R) -> R {
+        F32_BUF.with(|b| f(&mut b.borrow_mut()))
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn micro_avx2(kc: usize, a: *const f32, b: *const f32, c: &mut [f32; MR * NR]) {
+unsafe fn tile_avx2(
+    kp: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+) {
     use std::arch::x86_64::*;
-    let z = _mm256_setzero_ps();
-    let mut acc = [[z; 2]; MR];
-    for kk in 0..kc {
-        // SAFETY: kk < kc, so both reads are within the caller's lengths.
+    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+    for kk in 0..kp {
+        // SAFETY: kk < kp: within the caller's lengths.
         unsafe {
-            let b0 = _mm256_loadu_ps(b.add(kk * NR));
-            let b1 = _mm256_loadu_ps(b.add(kk * NR + 8));
-            let ak = a.add(kk * MR);
+            let b0 = _mm256_loadu_ps(b.add(kk * 16));
+            let b1 = _mm256_loadu_ps(b.add(kk * 16 + 8));
+            let ak = a.add(kk * 6);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let av = _mm256_broadcast_ss(&*ak.add(r));
                 acc[0] = _mm256_fmadd_ps(av, b0, acc[0]);
@@ -417,18 +785,202 @@ unsafe fn micro_avx2(kc: usize, a: *const f32, b: *const f32, c: &mut [f32; MR *
         }
     }
     for (r, acc) in acc.iter().enumerate() {
-        // SAFETY: row r's 16 values are within c.
+        // SAFETY: row r's 16 values at r·ldc and the bias's 16 are the
+        // caller's.
         unsafe {
-            _mm256_storeu_ps(c.as_mut_ptr().add(r * NR), acc[0]);
-            _mm256_storeu_ps(c.as_mut_ptr().add(r * NR + 8), acc[1]);
+            let row = c.add(r * ldc);
+            let (mut v0, mut v1) = (acc[0], acc[1]);
+            if add {
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(row));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(row.add(8)));
+            }
+            if !bias.is_null() {
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(bias));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(bias.add(8)));
+            }
+            _mm256_storeu_ps(row, v0);
+            _mm256_storeu_ps(row.add(8), v1);
+        }
+    }
+}
+
+/// AVX-512F: 12 × 32 accumulators in twenty-four registers; per `k` two
+/// loads of the panel, twelve broadcasts and twenty-four multiply-adds of
+/// 16 lanes.
+struct F32Avx512;
+
+impl Kernel for F32Avx512 {
+    const MR: usize = 12;
+    const NR: usize = 32;
+    /// A panel of 256 × 32 f32 is 32 KiB.
+    const KC: usize = 256;
+    type E = f32;
+    unsafe fn tile(
+        kp: usize,
+        a: &[f32],
+        b: &[f32],
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+        bias: *const f32,
+    ) {
+        assert!(a.len() >= kp * 12 && b.len() >= kp * 32);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked the features and c, ldc and bias;
+        // lengths checked above.
+        unsafe {
+            tile_avx512(kp, a.as_ptr(), b.as_ptr(), c, ldc, add, bias)
+        }
+    }
+    fn buffers<R>(f: impl FnOnce(&mut Buffers<f32>) -> R) -> R {
+        F32_BUF.with(|b| f(&mut b.borrow_mut()))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512(
+    kp: usize,
+    a: *const f32,
+    b: *const f32,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 2]; 12];
+    for kk in 0..kp {
+        // SAFETY: kk < kp: within the caller's lengths.
+        unsafe {
+            let b0 = _mm512_loadu_ps(b.add(kk * 32));
+            let b1 = _mm512_loadu_ps(b.add(kk * 32 + 16));
+            let ak = a.add(kk * 12);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*ak.add(r));
+                acc[0] = _mm512_fmadd_ps(av, b0, acc[0]);
+                acc[1] = _mm512_fmadd_ps(av, b1, acc[1]);
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: row r's 32 values at r·ldc and the bias's 32 are the
+        // caller's.
+        unsafe {
+            let row = c.add(r * ldc);
+            let (mut v0, mut v1) = (acc[0], acc[1]);
+            if add {
+                v0 = _mm512_add_ps(v0, _mm512_loadu_ps(row));
+                v1 = _mm512_add_ps(v1, _mm512_loadu_ps(row.add(16)));
+            }
+            if !bias.is_null() {
+                v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bias));
+                v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bias.add(16)));
+            }
+            _mm512_storeu_ps(row, v0);
+            _mm512_storeu_ps(row.add(16), v1);
+        }
+    }
+}
+
+/// AVX512-BF16: 14 × 32 accumulators; per pair of `k` two loads of the
+/// panel (16 outputs × 2 `k` each), fourteen broadcasts of a row's pair and
+/// twenty-eight `vdpbf16ps` (12 × 32 and 6 × 64 measured slower on Zen
+/// 4).
+struct Bf16Avx512;
+
+impl Kernel for Bf16Avx512 {
+    const MR: usize = 14;
+    const NR: usize = 32;
+    /// A panel of 256 × 32 bf16 is 16 KiB.
+    const KC: usize = 256;
+    type E = u16;
+    unsafe fn tile(
+        kp: usize,
+        a: &[u16],
+        b: &[u16],
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+        bias: *const f32,
+    ) {
+        assert!(kp % 2 == 0 && a.len() >= kp * Self::MR && b.len() >= kp * Self::NR);
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller checked the features and c, ldc and bias;
+        // lengths checked above.
+        unsafe {
+            tile_bf16::<{ Self::MR }, { Self::NR / 16 }>(
+                kp / 2,
+                a.as_ptr(),
+                b.as_ptr(),
+                c,
+                ldc,
+                add,
+                bias,
+            )
+        }
+    }
+    fn buffers<R>(f: impl FnOnce(&mut Buffers<u16>) -> R) -> R {
+        BF16_BUF.with(|b| f(&mut b.borrow_mut()))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile_bf16<const MR: usize, const NV: usize>(
+    pairs: usize,
+    a: *const u16,
+    b: *const u16,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
+    for g in 0..pairs {
+        // SAFETY: g < pairs: within the caller's lengths; the pairs are
+        // read unaligned.
+        unsafe {
+            let mut bv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NV];
+            for (v, bv) in bv.iter_mut().enumerate() {
+                *bv = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                    b.add(g * 32 * NV + 32 * v) as *const _,
+                ));
+            }
+            let ag = a.add(g * 2 * MR) as *const i32;
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av: __m512bh =
+                    std::mem::transmute(_mm512_set1_epi32(ag.add(r).read_unaligned()));
+                for (acc, bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_dpbf16_ps(*acc, av, *bv);
+                }
+            }
+        }
+    }
+    for (r, acc) in acc.iter().enumerate() {
+        // SAFETY: row r's 16·NV values at r·ldc and the bias's are the
+        // caller's.
+        unsafe {
+            let row = c.add(r * ldc);
+            for (v, acc) in acc.iter().enumerate() {
+                let mut x = *acc;
+                if add {
+                    x = _mm512_add_ps(x, _mm512_loadu_ps(row.add(16 * v)));
+                }
+                if !bias.is_null() {
+                    x = _mm512_add_ps(x, _mm512_loadu_ps(bias.add(16 * v)));
+                }
+                _mm512_storeu_ps(row.add(16 * v), x);
+            }
         }
     }
 }
 
 /// Custom op: `dst` (f32 `[N, M₁, M₂, M₃]`, contiguous) = the weight
-/// `src[0]` (`[K, N]`, rows of a type [`takes`] passes, contiguous) times
+/// `src[0]` (`[K, N]`, rows of a type [`isa_for`] passes, contiguous) times
 /// the f32 `src[1]` `[K, M₁, M₂, M₃]` (rows dense), plus the f32 bias
-/// `src[2]` of N values if there is one.
+/// `src[2]` of N values if there is one, on the kernel [`isa_for`] picks.
 pub(crate) unsafe extern "C" fn gemm_op(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -436,7 +988,7 @@ pub(crate) unsafe extern "C" fn gemm_op(
     _: *mut c_void,
 ) {
     // SAFETY: `Context::mul_mat` built this node: `src[0]` a contiguous 2-D
-    // weight of a type `takes` passes, N = dst.ne[0] rows of K = x.ne[0]
+    // weight of a type `isa_for` passes, N = dst.ne[0] rows of K = x.ne[0]
     // values; `x` f32 with dense rows (nb[0] = 4) whose strides address
     // every row; `dst` contiguous f32 of N × rows, all in host memory of the
     // CPU backend; threads write disjoint outputs.
@@ -465,7 +1017,8 @@ pub(crate) unsafe extern "C" fn gemm_op(
         let bias = ((*dst).src[2] as *const sys::ggml_tensor)
             .as_ref()
             .map(|b| std::slice::from_raw_parts(b.data as *const f32, n));
-        gemm(&w, &x, bias, out, ith as usize, nth as usize);
+        let isa = isa_for(w.ty, k).unwrap_or(Isa::Avx2);
+        gemm(isa, &w, &x, bias, out, ith as usize, nth as usize);
     }
 }
 
@@ -479,8 +1032,15 @@ mod tests {
         ((h >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    /// The product as the kernel computes it, every thread in turn.
-    fn product(w: &Weight<'_>, xs: &[f32], m: usize, bias: Option<&[f32]>, nth: usize) -> Vec<f32> {
+    /// The product as `isa`'s kernel computes it, every thread in turn.
+    fn product(
+        isa: Isa,
+        w: &Weight<'_>,
+        xs: &[f32],
+        m: usize,
+        bias: Option<&[f32]>,
+        nth: usize,
+    ) -> Vec<f32> {
         let k = w.k;
         let row = |i: usize| &xs[i * k..(i + 1) * k];
         let x = Rows {
@@ -490,45 +1050,75 @@ mod tests {
         };
         let mut out = vec![f32::NAN; m * w.n];
         for ith in 0..nth {
-            gemm(w, &x, bias, &mut out, ith, nth);
+            gemm(isa, w, &x, bias, &mut out, ith, nth);
         }
         out
     }
 
+    /// Every kernel this processor runs (and the portable one, which
+    /// `gemm` falls back to for an Isa the processor lacks).
+    fn kernels() -> Vec<Isa> {
+        let f = features();
+        let mut v = vec![Isa::Avx2];
+        if f.avx512 {
+            v.push(Isa::Avx512);
+        }
+        if f.avx512bf16 {
+            v.push(Isa::Avx512Bf16);
+        }
+        v
+    }
+
     #[test]
-    fn matches_the_f64_product_at_ragged_sizes_on_any_thread_count() {
-        // k over two blocks and ragged; rows and outputs not multiples of
-        // the micro-tile; both ways of sharing the work.
-        for (k, n, m, nth) in [
-            (300, 37, 13, 1),
-            (512, 200, 50, 2),
-            (40, 16, 6, 3),
-            (600, 20, 101, 2),
-        ] {
-            let wv: Vec<f32> = (0..k * n).map(|i| v(1, i)).collect();
-            let bytes: Vec<u8> = wv.iter().flat_map(|f| f.to_le_bytes()).collect();
-            let w = Weight {
-                data: &bytes,
-                ty: sys::GGML_TYPE_F32,
-                k,
-                n,
-                row_bytes: 4 * k,
-            };
-            let xs: Vec<f32> = (0..k * m).map(|i| v(2, i)).collect();
-            let bias: Vec<f32> = (0..n).map(|i| v(3, i)).collect();
-            let got = product(&w, &xs, m, Some(&bias), nth);
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
-                        .sum::<f64>()
-                        + f64::from(bias[j]);
-                    let d = (f64::from(got[i * n + j]) - want).abs();
-                    assert!(
-                        d < 1e-4,
-                        "k {k} n {n} m {m} nth {nth} at ({i}, {j}): {} vs {want}",
-                        got[i * n + j]
-                    );
+    fn every_kernel_matches_the_f64_product_at_ragged_sizes_on_any_thread_count() {
+        // k over two blocks and ragged (odd too, for the bf16 pairs); rows
+        // and outputs not multiples of the micro-tiles; both ways of
+        // sharing the work.
+        for isa in kernels() {
+            for (k, n, m, nth) in [
+                (301, 37, 13, 1),
+                (512, 200, 50, 2),
+                (40, 16, 6, 3),
+                (600, 20, 101, 2),
+                (257, 300, 130, 2),
+            ] {
+                let wv: Vec<f32> = (0..k * n).map(|i| v(1, i)).collect();
+                let (ty, bytes, tol): (_, Vec<u8>, f64) = if isa == Isa::Avx512Bf16 {
+                    let b = wv
+                        .iter()
+                        .flat_map(|&f| half::bf16::from_f32(f).to_le_bytes());
+                    (sys::GGML_TYPE_BF16, b.collect(), 2e-2)
+                } else {
+                    (
+                        sys::GGML_TYPE_F32,
+                        wv.iter().flat_map(|f| f.to_le_bytes()).collect(),
+                        1e-4,
+                    )
+                };
+                let row_bytes = bytes.len() / n;
+                let w = Weight {
+                    data: &bytes,
+                    ty,
+                    k,
+                    n,
+                    row_bytes,
+                };
+                let xs: Vec<f32> = (0..k * m).map(|i| v(2, i)).collect();
+                let bias: Vec<f32> = (0..n).map(|i| v(3, i)).collect();
+                let got = product(isa, &w, &xs, m, Some(&bias), nth);
+                for i in 0..m {
+                    for j in 0..n {
+                        let want: f64 = (0..k)
+                            .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
+                            .sum::<f64>()
+                            + f64::from(bias[j]);
+                        let d = (f64::from(got[i * n + j]) - want).abs();
+                        assert!(
+                            d < tol * (k as f64).sqrt(),
+                            "{isa:?} k {k} n {n} m {m} nth {nth} at ({i}, {j}): {} vs {want}",
+                            got[i * n + j]
+                        );
+                    }
                 }
             }
         }
@@ -566,5 +1156,18 @@ mod tests {
         for (o, &f) in out.iter().zip(&vals) {
             assert_eq!(*o, half::bf16::from_f32(f).to_f32());
         }
+    }
+
+    #[test]
+    fn rounds_to_bf16_as_the_processor_does() {
+        for (f, want) in [
+            (1.0f32, 0x3f80u16),
+            (1.00390625, 0x3f80),
+            (1.01171875, 0x3f82),
+            (-2.0, 0xc000),
+        ] {
+            assert_eq!(bf16(f), want, "{f}");
+        }
+        assert!(half::bf16::from_bits(bf16(f32::NAN)).is_nan());
     }
 }

@@ -80,7 +80,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_ALL`, `SDHOST_NO_ARENA`) and passes
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_ARENA`) and passes
 /// them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Knobs {
@@ -91,8 +91,11 @@ pub struct Knobs {
     /// sdhost's AVX2 + FMA matrix products where the processor has them
     /// ([`fma`]).
     pub fma: bool,
-    /// The fewest rows that take the FMA path (default [`fma::min_rows`]).
+    /// The fewest rows that take the FMA path (default [`fma::MIN_ROWS`]).
     pub fma_min_rows: Option<usize>,
+    /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
+    /// measure the AVX2 class there).
+    pub fma_avx2: bool,
     /// Every weight type ggml can dequantize takes the FMA path, not only
     /// those it measured faster for ([`fma::takes`]): for measurements and
     /// `check`.
@@ -111,6 +114,7 @@ impl Default for Knobs {
             amx_min_rows: None,
             fma: true,
             fma_min_rows: None,
+            fma_avx2: false,
             fma_all: false,
             arena: true,
             conv_band_mib: None,

@@ -357,9 +357,9 @@ pub fn cases() -> Vec<Case> {
             tolerance: 5e-3,
             cpu_kernels: true,
             build: |i, c| {
-                // Two k blocks (the second ragged), ragged panels and rows,
-                // shared by panels.
-                let (a, b) = (t(i, Type::F16, &[320, 200])?, t(i, Type::F32, &[320, 100])?);
+                // Two k blocks (the second ragged), ragged panels and rows
+                // (at least fma::MIN_ROWS), shared by panels.
+                let (a, b) = (t(i, Type::F16, &[320, 200])?, t(i, Type::F32, &[320, 515])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },
@@ -371,7 +371,7 @@ pub fn cases() -> Vec<Case> {
                 // Few panels (shared by rows), rows over two dimensions.
                 let (a, b, bias) = (
                     t(i, Type::BF16, &[96, 40])?,
-                    t(i, Type::F32, &[96, 50, 2])?,
+                    t(i, Type::F32, &[96, 260, 2])?,
                     t(i, Type::F32, &[40])?,
                 );
                 Ok((vec![a, b, bias], c.mul_mat_bias(a, b, bias)?))
@@ -382,7 +382,7 @@ pub fn cases() -> Vec<Case> {
             tolerance: 2e-3,
             cpu_kernels: true,
             build: |i, c| {
-                let (a, b) = (t(i, Type::F32, &[72, 36])?, t(i, Type::F32, &[72, 130])?);
+                let (a, b) = (t(i, Type::F32, &[72, 36])?, t(i, Type::F32, &[72, 530])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },
@@ -391,7 +391,7 @@ pub fn cases() -> Vec<Case> {
             tolerance: 1e-2,
             cpu_kernels: true,
             build: |i, c| {
-                let (a, b) = (t(i, Type::Q8_0, &[512, 48])?, t(i, Type::F32, &[512, 100])?);
+                let (a, b) = (t(i, Type::Q8_0, &[512, 48])?, t(i, Type::F32, &[512, 515])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },
@@ -400,7 +400,7 @@ pub fn cases() -> Vec<Case> {
             tolerance: 2e-2,
             cpu_kernels: true,
             build: |i, c| {
-                let (a, b) = (t(i, Type::Q4_0, &[288, 80])?, t(i, Type::F32, &[288, 97])?);
+                let (a, b) = (t(i, Type::Q4_0, &[288, 80])?, t(i, Type::F32, &[288, 517])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },

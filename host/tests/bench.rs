@@ -513,3 +513,92 @@ fn profile_ops_charges_each_module_s_ops() {
         r.stdout
     );
 }
+
+#[test]
+fn products_time_each_shape_with_both_kernels_beside_torch() {
+    // A stand-in for bench/machine_throughput.py: it reads the script from
+    // stdin and reports 100 GFLOP/s in f32 for every shape it was asked
+    // (bf16: none, as on a processor without native bf16).
+    let p = Prefix::with_cpu();
+    let py = fake_python(
+        &p,
+        "fake-torch",
+        r#"cat > /dev/null
+spec="$3"
+rows=$(echo "$spec" | tr ';' '\n' | sed 's/\(.*\),\(.*\),\(.*\)/{"m":\1,"k":\2,"n":\3,"f32":100.0,"bf16":null}/' | paste -sd, -)
+echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
+    );
+    let mut c = p.cmd(&[
+        "bench",
+        "--products",
+        "f32",
+        "-W",
+        "16",
+        "-H",
+        "16",
+        "--runs",
+        "1",
+        "--peer",
+        "diffusers",
+        "--diffusers-python",
+        s(&py),
+        "--json",
+    ]);
+    // Every product takes sdhost's kernel where the processor has it.
+    c.env("SDHOST_FMA_MIN_ROWS", "1");
+    let j = Run::from(c.output().unwrap()).ok().json();
+    let rows = j["rows"].as_array().unwrap();
+    assert_eq!(rows.len(), 5, "{j}");
+    assert!(j["torch"].is_null(), "{j}");
+    for r in rows {
+        assert_eq!(r["weight"], "f32", "{r}");
+        assert!(r["sdhost_gflops"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["ggml_gflops"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["torch_f32_gflops"].as_f64(), Some(100.0), "{r}");
+        assert!(r["torch_bf16_gflops"].is_null(), "{r}");
+        let kernel = r["kernel"].as_str().unwrap();
+        if ggml::fma::available() {
+            assert!(kernel.starts_with("sdhost fma mul_mat"), "{r}");
+        } else {
+            assert_eq!(kernel, "ggml", "{r}");
+        }
+    }
+    // The shapes follow the size: 16×16 is 4 latent and 1 DiT token.
+    assert_eq!(
+        (
+            rows[0]["shape"]["m"].as_u64(),
+            rows[2]["shape"]["m"].as_u64()
+        ),
+        (Some(4), Some(1))
+    );
+
+    // Without the peer the column says how to get it; an unknown type is
+    // one line naming it.
+    let r = p
+        .run(&[
+            "bench",
+            "--products",
+            "f32",
+            "-W",
+            "16",
+            "-H",
+            "16",
+            "--runs",
+            "1",
+        ])
+        .ok();
+    assert!(
+        r.stdout.contains("torch: not run (add --peer diffusers)"),
+        "{}",
+        r.stdout
+    );
+    let r = p.run(&["bench", "--products", "f32,q9"]);
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("`q9`") && r.stderr.trim().lines().count() == 1,
+        "{}",
+        r.stderr
+    );
+    let r = p.run(&["bench", "--products", "-m", "x.safetensors"]);
+    assert_eq!(r.code, Some(2), "{}", r.stderr);
+}

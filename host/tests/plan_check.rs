@@ -144,7 +144,8 @@ fn check_fails_when_the_device_computes_something_else() {
             assert_eq!(r.max_error, Some(0.0), "{r:?}");
         }
         if r.op.contains("f32 (FMA)") && ggml::fma::available() {
-            assert_eq!(r.kernel.as_deref(), Some("fma mul_mat"), "{r:?}");
+            let k = r.kernel.as_deref().unwrap_or_default();
+            assert!(k.starts_with("fma mul_mat"), "{r:?}");
         }
         assert_eq!(r.detail, None, "{r:?}");
     }

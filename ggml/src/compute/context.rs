@@ -132,17 +132,21 @@ impl Context {
             let added = bias.is_some();
             return Ok((self.mul_mat_amx(a, b, bias)?, added));
         }
-        if self.fma.get()
+        let fma = if self.fma.get()
             && a.ty().is_some()
-            && crate::fma::takes(a.raw_type())
             && b.ty() == Some(Type::F32)
             && contiguous(&a)
             && x[2] == 1
             && x[3] == 1
             && rows >= crate::fma::min_rows() as i64
         {
+            crate::fma::isa_for(a.raw_type(), x[0] as usize)
+        } else {
+            None
+        };
+        if let Some(isa) = fma {
             let added = bias.is_some();
-            return Ok((self.mul_mat_fma(a, b, bias)?, added));
+            return Ok((self.mul_mat_fma(a, b, bias, isa)?, added));
         }
         self.room(1)?;
         // SAFETY: both tensors are alive for 'a, their shapes and types
@@ -155,18 +159,20 @@ impl Context {
         .map(|t| (t, false))
     }
 
-    /// [`Context::mul_mat`] as the custom op of [`crate::fma`], named
-    /// `fma mul_mat` (for profiles and `check`).
+    /// [`Context::mul_mat`] as the custom op of [`crate::fma`] on the kernel
+    /// `isa` (what [`crate::fma::isa_for`] said), named `fma mul_mat ISA`
+    /// (for profiles and `check`).
     pub(crate) fn mul_mat_fma<'a>(
         &'a self,
         a: Tensor<'a>,
         b: Tensor<'a>,
         bias: Option<Tensor<'a>>,
+        isa: crate::fma::Isa,
     ) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
         self.room(1)?;
         // SAFETY: `a` is alive for 'a, a contiguous 2-D `[K, N]` weight of a
-        // type `fma::takes` passes, `b` f32 with dense rows and `b.ne0 == K`
+        // type `fma::isa_for` passes, `b` f32 with dense rows and `b.ne0 == K`
         // (checked by check_mul_mat and the caller), and the f32 bias of N
         // values if any (checked by mul_mat_bias): what `gemm_op` reads; the
         // result is contiguous f32 `[N, b.ne1..3]`, which it writes.
@@ -178,7 +184,11 @@ impl Context {
                     [..2 + usize::from(bias.is_some())],
                 crate::fma::gemm_op,
                 std::ptr::null_mut(),
-                "fma mul_mat",
+                match isa {
+                    crate::fma::Isa::Avx512Bf16 => "fma mul_mat avx512bf16",
+                    crate::fma::Isa::Avx512 => "fma mul_mat avx512",
+                    crate::fma::Isa::Avx2 => "fma mul_mat avx2",
+                },
             )
         }
     }
