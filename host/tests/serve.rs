@@ -1898,7 +1898,7 @@ fn overhead_over_the_library() {
     for module in sd.modules_mut() {
         module.set_options(sdhost_models::runtime::graph::GraphOptions {
             flash_attn: true,
-            amx: true,
+            cpu_kernels: true,
             ..Default::default()
         });
     }
