@@ -885,8 +885,8 @@ unsafe fn tile_avx512(
 
 /// AVX512-BF16: 14 × 32 accumulators; per pair of `k` two loads of the
 /// panel (16 outputs × 2 `k` each), fourteen broadcasts of a row's pair and
-/// twenty-eight `vdpbf16ps` (12 × 32 and 6 × 64 measured slower on Zen
-/// 4).
+/// twenty-eight `vdpbf16ps` (on Zen 4 a 6 × 64 tile measured slower, a
+/// 12 × 32 one the same).
 struct Bf16Avx512;
 
 impl Kernel for Bf16Avx512 {
