@@ -1292,23 +1292,13 @@ pub(crate) unsafe extern "C" fn gemm_op(
     // f32 with dense rows (nb[0] = 4) whose strides address every row, and
     // `dst` contiguous f32 of N × rows; threads write disjoint row blocks.
     unsafe {
-        let (packed, x) = (&*(*dst).src[0], &*(*dst).src[1]);
-        let (k, n) = (x.ne[0] as usize, (*dst).ne[0] as usize);
-        let (m1, m2) = (x.ne[1] as usize, x.ne[2] as usize);
-        let rows = m1 * m2 * x.ne[3] as usize;
-        let base = x.data as *const u8;
-        let nb = x.nb;
-        let row = move |i: usize| -> &[f32] {
-            let (i1, i2, i3) = (i % m1, (i / m1) % m2, i / (m1 * m2));
-            let p = base.add(i1 * nb[1] + i2 * nb[2] + i3 * nb[3]) as *const f32;
-            std::slice::from_raw_parts(p, k)
-        };
+        let mut p = crate::custom::product(dst);
+        let (k, n, rows, bias) = (p.k, p.n, p.rows, p.bias);
+        let out = std::mem::take(&mut p.out);
+        let row = |i: usize| p.row(i);
+        let packed = &*(*dst).src[0];
         let packed = std::slice::from_raw_parts(packed.data as *const u16, packed_len(k, n));
-        let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, rows * n);
         let x = Rows { rows, k, row: &row };
-        let bias = ((*dst).src[2] as *const sys::ggml_tensor)
-            .as_ref()
-            .map(|b| std::slice::from_raw_parts(b.data as *const f32, n));
         gemm(packed, &x, n, bias, out, ith as usize, nth as usize);
     }
 }

@@ -13,7 +13,9 @@
 //! the caches:
 //!
 //! 1. the work is split between threads by output panels (each thread its
-//!    own outputs; by rows where there are too few outputs for that);
+//!    own outputs, and all the rows) or, where there are fewer outputs than
+//!    rows or too few panels to share, by rows (each thread its own rows,
+//!    and all the outputs): whichever packs less;
 //! 2. per block of `KC` values of `k`, a thread *packs* its panels of the
 //!    weight into a buffer of its own: each panel holds `NR` outputs side
 //!    by side for each `k` (dequantized to f32, or in bf16 pairs for the
@@ -29,9 +31,9 @@
 //! twenty-four 16-lane registers (f32 products on Intel, whose server cores
 //! do twice the multiply-adds per instruction of AVX2; AMD's Zen 4 splits
 //! them in halves and measured faster on the AVX2 kernel); AVX512-BF16,
-//! 14 × 32 with
-//! `vdpbf16ps` (two bf16 products per lane and instruction, f32 sums), for
-//! bf16 weights, with the activations rounded to bf16 as they are packed.
+//! 14 × 32 with `vdpbf16ps` (two bf16 products per lane and instruction,
+//! f32 sums), for bf16 weights, with the activations rounded to bf16 as
+//! they are packed.
 //! The f32 kernels keep the activations in f32 (ggml rounds them to the
 //! weight's type), so their results are closer to the f32 product than
 //! ggml's.
@@ -727,36 +729,45 @@ impl Kernel for F32Plain {
     }
 }
 
+/// The [`Kernel`] of a micro-kernel function `$tile(kp / KG, a, b, c, ldc,
+/// add, bias)` (raw pointers; `kp / KG` groups of `k`) that needs the
+/// processor features [`gemm`] checks for `$name`.
+macro_rules! simd_kernel {
+    ($name:ident, mr: $mr:expr, nr: $nr:expr, kc: $kc:expr, $e:ty, $buf:ident, $tile:expr) => {
+        impl Kernel for $name {
+            const MR: usize = $mr;
+            const NR: usize = $nr;
+            const KC: usize = $kc;
+            type E = $e;
+            unsafe fn tile(
+                kp: usize,
+                a: &[$e],
+                b: &[$e],
+                c: *mut f32,
+                ldc: usize,
+                add: bool,
+                bias: *const f32,
+            ) {
+                let kg = <$e as Elem>::KG;
+                assert!(kp % kg == 0 && a.len() >= kp * $mr && b.len() >= kp * $nr);
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: the caller checked the features and c, ldc and
+                // bias; lengths checked above.
+                unsafe {
+                    $tile(kp / kg, a.as_ptr(), b.as_ptr(), c, ldc, add, bias)
+                }
+            }
+            fn buffers<R>(f: impl FnOnce(&mut Buffers<$e>) -> R) -> R {
+                $buf.with(|b| f(&mut b.borrow_mut()))
+            }
+        }
+    };
+}
+
 /// AVX2 + FMA: 6 × 16 accumulators in twelve registers; per `k` two loads
 /// of the panel, six broadcasts and twelve multiply-adds.
 struct F32Avx2;
-
-impl Kernel for F32Avx2 {
-    const MR: usize = 6;
-    const NR: usize = 16;
-    const KC: usize = 256;
-    type E = f32;
-    unsafe fn tile(
-        kp: usize,
-        a: &[f32],
-        b: &[f32],
-        c: *mut f32,
-        ldc: usize,
-        add: bool,
-        bias: *const f32,
-    ) {
-        assert!(a.len() >= kp * 6 && b.len() >= kp * 16);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked the features and c, ldc and bias;
-        // lengths checked above.
-        unsafe {
-            tile_avx2(kp, a.as_ptr(), b.as_ptr(), c, ldc, add, bias)
-        }
-    }
-    fn buffers<R>(f: impl FnOnce(&mut Buffers<f32>) -> R) -> R {
-        F32_BUF.with(|b| f(&mut b.borrow_mut()))
-    }
-}
+simd_kernel!(F32Avx2, mr: 6, nr: 16, kc: 256, f32, F32_BUF, tile_avx2);
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
@@ -806,40 +817,13 @@ unsafe fn tile_avx2(
 
 /// AVX-512F: 12 × 32 accumulators in twenty-four registers; per `k` two
 /// loads of the panel, twelve broadcasts and twenty-four multiply-adds of
-/// 16 lanes.
+/// 16 lanes. A panel of 256 × 32 f32 is 32 KiB.
 struct F32Avx512;
-
-impl Kernel for F32Avx512 {
-    const MR: usize = 12;
-    const NR: usize = 32;
-    /// A panel of 256 × 32 f32 is 32 KiB.
-    const KC: usize = 256;
-    type E = f32;
-    unsafe fn tile(
-        kp: usize,
-        a: &[f32],
-        b: &[f32],
-        c: *mut f32,
-        ldc: usize,
-        add: bool,
-        bias: *const f32,
-    ) {
-        assert!(a.len() >= kp * 12 && b.len() >= kp * 32);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked the features and c, ldc and bias;
-        // lengths checked above.
-        unsafe {
-            tile_avx512(kp, a.as_ptr(), b.as_ptr(), c, ldc, add, bias)
-        }
-    }
-    fn buffers<R>(f: impl FnOnce(&mut Buffers<f32>) -> R) -> R {
-        F32_BUF.with(|b| f(&mut b.borrow_mut()))
-    }
-}
+simd_kernel!(F32Avx512, mr: 12, nr: 32, kc: 256, f32, F32_BUF, tile_avx512::<12, 2>);
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn tile_avx512(
+unsafe fn tile_avx512<const MR: usize, const NV: usize>(
     kp: usize,
     a: *const f32,
     b: *const f32,
@@ -849,81 +833,33 @@ unsafe fn tile_avx512(
     bias: *const f32,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 2]; 12];
+    let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     for kk in 0..kp {
         // SAFETY: kk < kp: within the caller's lengths.
         unsafe {
-            let b0 = _mm512_loadu_ps(b.add(kk * 32));
-            let b1 = _mm512_loadu_ps(b.add(kk * 32 + 16));
-            let ak = a.add(kk * 12);
+            let mut bv = [_mm512_setzero_ps(); NV];
+            for (v, bv) in bv.iter_mut().enumerate() {
+                *bv = _mm512_loadu_ps(b.add(kk * 16 * NV + 16 * v));
+            }
+            let ak = a.add(kk * MR);
             for (r, acc) in acc.iter_mut().enumerate() {
                 let av = _mm512_set1_ps(*ak.add(r));
-                acc[0] = _mm512_fmadd_ps(av, b0, acc[0]);
-                acc[1] = _mm512_fmadd_ps(av, b1, acc[1]);
+                for (acc, bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(av, *bv, *acc);
+                }
             }
         }
     }
-    for (r, acc) in acc.iter().enumerate() {
-        // SAFETY: row r's 32 values at r·ldc and the bias's 32 are the
-        // caller's.
-        unsafe {
-            let row = c.add(r * ldc);
-            let (mut v0, mut v1) = (acc[0], acc[1]);
-            if add {
-                v0 = _mm512_add_ps(v0, _mm512_loadu_ps(row));
-                v1 = _mm512_add_ps(v1, _mm512_loadu_ps(row.add(16)));
-            }
-            if !bias.is_null() {
-                v0 = _mm512_add_ps(v0, _mm512_loadu_ps(bias));
-                v1 = _mm512_add_ps(v1, _mm512_loadu_ps(bias.add(16)));
-            }
-            _mm512_storeu_ps(row, v0);
-            _mm512_storeu_ps(row.add(16), v1);
-        }
-    }
+    // SAFETY: the caller's contract on c, ldc and bias.
+    unsafe { store_512(&acc, c, ldc, add, bias) }
 }
 
 /// AVX512-BF16: 14 × 32 accumulators; per pair of `k` two loads of the
 /// panel (16 outputs × 2 `k` each), fourteen broadcasts of a row's pair and
 /// twenty-eight `vdpbf16ps` (on Zen 4 a 6 × 64 tile measured slower, a
-/// 12 × 32 one the same).
+/// 12 × 32 one the same). A panel of 256 × 32 bf16 is 16 KiB.
 struct Bf16Avx512;
-
-impl Kernel for Bf16Avx512 {
-    const MR: usize = 14;
-    const NR: usize = 32;
-    /// A panel of 256 × 32 bf16 is 16 KiB.
-    const KC: usize = 256;
-    type E = u16;
-    unsafe fn tile(
-        kp: usize,
-        a: &[u16],
-        b: &[u16],
-        c: *mut f32,
-        ldc: usize,
-        add: bool,
-        bias: *const f32,
-    ) {
-        assert!(kp % 2 == 0 && a.len() >= kp * Self::MR && b.len() >= kp * Self::NR);
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: the caller checked the features and c, ldc and bias;
-        // lengths checked above.
-        unsafe {
-            tile_bf16::<{ Self::MR }, { Self::NR / 16 }>(
-                kp / 2,
-                a.as_ptr(),
-                b.as_ptr(),
-                c,
-                ldc,
-                add,
-                bias,
-            )
-        }
-    }
-    fn buffers<R>(f: impl FnOnce(&mut Buffers<u16>) -> R) -> R {
-        BF16_BUF.with(|b| f(&mut b.borrow_mut()))
-    }
-}
+simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: 256, u16, BF16_BUF, tile_bf16::<14, 2>);
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -958,6 +894,27 @@ unsafe fn tile_bf16<const MR: usize, const NV: usize>(
             }
         }
     }
+    // SAFETY: the caller's contract on c, ldc and bias.
+    unsafe { store_512(&acc, c, ldc, add, bias) }
+}
+
+/// Writes `MR` rows of `16·NV` sums to `c` (`ldc` apart), plus what `c`
+/// held where `add`, plus `bias` where not null.
+///
+/// # Safety
+/// `c` addresses `MR` rows of `16·NV` f32, `ldc` apart; `bias` (if not
+/// null) `16·NV` f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn store_512<const MR: usize, const NV: usize>(
+    acc: &[[std::arch::x86_64::__m512; NV]; MR],
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+) {
+    use std::arch::x86_64::*;
     for (r, acc) in acc.iter().enumerate() {
         // SAFETY: row r's 16·NV values at r·ldc and the bias's are the
         // caller's.
@@ -993,17 +950,11 @@ pub(crate) unsafe extern "C" fn gemm_op(
     // every row; `dst` contiguous f32 of N × rows, all in host memory of the
     // CPU backend; threads write disjoint outputs.
     unsafe {
-        let (wt, x) = (&*(*dst).src[0], &*(*dst).src[1]);
-        let (k, n) = (x.ne[0] as usize, (*dst).ne[0] as usize);
-        let (m1, m2) = (x.ne[1] as usize, x.ne[2] as usize);
-        let rows = m1 * m2 * x.ne[3] as usize;
-        let base = x.data as *const u8;
-        let nb = x.nb;
-        let row = move |i: usize| -> &[f32] {
-            let (i1, i2, i3) = (i % m1, (i / m1) % m2, i / (m1 * m2));
-            let p = base.add(i1 * nb[1] + i2 * nb[2] + i3 * nb[3]) as *const f32;
-            std::slice::from_raw_parts(p, k)
-        };
+        let mut p = crate::custom::product(dst);
+        let (k, n, rows, bias) = (p.k, p.n, p.rows, p.bias);
+        let out = std::mem::take(&mut p.out);
+        let row = |i: usize| p.row(i);
+        let wt = &*(*dst).src[0];
         let row_bytes = wt.nb[1];
         let w = Weight {
             data: std::slice::from_raw_parts(wt.data as *const u8, row_bytes * n),
@@ -1012,11 +963,7 @@ pub(crate) unsafe extern "C" fn gemm_op(
             n,
             row_bytes,
         };
-        let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, rows * n);
         let x = Rows { rows, k, row: &row };
-        let bias = ((*dst).src[2] as *const sys::ggml_tensor)
-            .as_ref()
-            .map(|b| std::slice::from_raw_parts(b.data as *const f32, n));
         let isa = isa_for(w.ty, k).unwrap_or(Isa::Avx2);
         gemm(isa, &w, &x, bias, out, ith as usize, nth as usize);
     }

@@ -39,6 +39,7 @@ pub mod amx;
 pub mod arena;
 mod backend;
 mod compute;
+mod custom;
 mod fatal;
 pub mod fma;
 mod identity;

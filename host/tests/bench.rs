@@ -528,25 +528,32 @@ spec="$3"
 rows=$(echo "$spec" | tr ';' '\n' | sed 's/\(.*\),\(.*\),\(.*\)/{"m":\1,"k":\2,"n":\3,"f32":100.0,"bf16":null}/' | paste -sd, -)
 echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
     );
-    let mut c = p.cmd(&[
-        "bench",
-        "--products",
-        "f32",
-        "-W",
-        "16",
-        "-H",
-        "16",
-        "--runs",
-        "1",
+    let products = |extra: &[&str]| {
+        let mut a = vec![
+            "bench",
+            "--products",
+            "f32",
+            "-W",
+            "16",
+            "-H",
+            "16",
+            "--runs",
+            "1",
+        ];
+        a.extend_from_slice(extra);
+        // Every product takes sdhost's kernel where the processor has it.
+        let mut c = p.cmd(&a);
+        c.env("SDHOST_FMA_MIN_ROWS", "1");
+        Run::from(c.output().unwrap()).ok()
+    };
+    let j = products(&[
         "--peer",
         "diffusers",
         "--diffusers-python",
         s(&py),
         "--json",
-    ]);
-    // Every product takes sdhost's kernel where the processor has it.
-    c.env("SDHOST_FMA_MIN_ROWS", "1");
-    let j = Run::from(c.output().unwrap()).ok().json();
+    ])
+    .json();
     let rows = j["rows"].as_array().unwrap();
     assert_eq!(rows.len(), 5, "{j}");
     assert!(j["torch"].is_null(), "{j}");
@@ -574,19 +581,7 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
 
     // Without the peer the column says how to get it; an unknown type is
     // one line naming it.
-    let r = p
-        .run(&[
-            "bench",
-            "--products",
-            "f32",
-            "-W",
-            "16",
-            "-H",
-            "16",
-            "--runs",
-            "1",
-        ])
-        .ok();
+    let r = products(&[]);
     assert!(
         r.stdout.contains("torch: not run (add --peer diffusers)"),
         "{}",
@@ -601,4 +596,30 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
     );
     let r = p.run(&["bench", "--products", "-m", "x.safetensors"]);
     assert_eq!(r.code, Some(2), "{}", r.stderr);
+}
+
+/// The op profile names sdhost's own kernels (custom ops) by what they are:
+/// the tiny SD 1.x model in f32 with every product sent to `ggml::fma`
+/// (where the processor has AVX2; elsewhere none of them).
+#[test]
+fn profile_ops_name_sdhost_s_kernels() {
+    let p = Prefix::with_cpu();
+    let model = tiny_sd1();
+    let mut c = p.cmd(&bench_args(
+        &model,
+        &["--compute-type", "f32", "--profile-ops", "--json"],
+    ));
+    c.env("SDHOST_FMA_MIN_ROWS", "1");
+    let j = Run::from(c.output().unwrap()).ok().json();
+    let fma_ops = j["op_profile"]["ops"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["op"].as_str().unwrap().starts_with("fma mul_mat"))
+        .count();
+    if ggml::fma::available() {
+        assert!(fma_ops > 0, "{}", j["op_profile"]);
+    } else {
+        assert_eq!(fma_ops, 0, "{}", j["op_profile"]);
+    }
 }

@@ -775,6 +775,11 @@ pub fn assert_refused(
 /// `sdhost generate` of the fixture `model` at 64×64 in 3 steps ("a photo
 /// of a cat") into `out`, with `extra` flags.
 pub fn generate_64(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Run {
+    Run::from(output(&mut generate_64_cmd(p, model, out, extra)))
+}
+
+/// [`generate_64`] as a command, to run with its own environment.
+pub fn generate_64_cmd(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Command {
     let model = fixture(model);
     let mut args = vec![
         "generate",
@@ -792,5 +797,5 @@ pub fn generate_64(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Run {
         s(out),
     ];
     args.extend_from_slice(extra);
-    p.run(&args)
+    p.cmd(&args)
 }
