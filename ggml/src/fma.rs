@@ -176,7 +176,9 @@ fn dequantizable(ty: sys::ggml_type) -> bool {
     }
     // SAFETY: ggml's type table, indexed by a type below its count.
     let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
-    traits.to_float.is_some() && traits.blck_size > 0 && 256 % traits.blck_size as usize == 0
+    traits.to_float.is_some()
+        && traits.blck_size > 0
+        && 256usize.is_multiple_of(traits.blck_size as usize)
 }
 
 /// A `[k, n]` weight as the kernels read it: `n` rows of `k` values of a
@@ -615,7 +617,7 @@ impl Elem for u16 {
         row: &mut [f32],
     ) {
         let np = kc.div_ceil(2);
-        if let (Some(j), true) = (j, w.ty == sys::GGML_TYPE_BF16 && kc % 2 == 0) {
+        if let (Some(j), true) = (j, w.ty == sys::GGML_TYPE_BF16 && kc.is_multiple_of(2)) {
             // The row's bytes are the pairs already.
             let bytes = &w.data[j * w.row_bytes + kb * 2..j * w.row_bytes + (kb + kc) * 2];
             scatter_pairs(bytes, panel, c, width);
@@ -749,7 +751,7 @@ macro_rules! simd_kernel {
                 bias: *const f32,
             ) {
                 let kg = <$e as Elem>::KG;
-                assert!(kp % kg == 0 && a.len() >= kp * $mr && b.len() >= kp * $nr);
+                assert!(kp.is_multiple_of(kg) && a.len() >= kp * $mr && b.len() >= kp * $nr);
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the caller checked the features and c, ldc and
                 // bias; lengths checked above.
@@ -1109,8 +1111,8 @@ mod tests {
     fn rounds_to_bf16_as_the_processor_does() {
         for (f, want) in [
             (1.0f32, 0x3f80u16),
-            (1.00390625, 0x3f80),
-            (1.01171875, 0x3f82),
+            (1.0 + 1.0 / 256.0, 0x3f80),
+            (1.0 + 3.0 / 256.0, 0x3f82),
             (-2.0, 0xc000),
         ] {
             assert_eq!(bf16(f), want, "{f}");

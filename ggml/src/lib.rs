@@ -98,7 +98,7 @@ pub struct Knobs {
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
     /// Every weight type ggml can dequantize takes the FMA path, not only
-    /// those it measured faster for ([`fma::takes`]): for measurements and
+    /// those it measured faster for ([`fma::isa_for`]): for measurements and
     /// `check`.
     pub fma_all: bool,
     /// CPU compute buffers from the host arena ([`arena`]).

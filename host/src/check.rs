@@ -13,7 +13,7 @@
 //! ordinary bf16 cases. The `(FMA)` cases check sdhost's AVX2 + FMA
 //! matrix products (`ggml::fma`) the same way on the in-process CPU of a
 //! processor with AVX2, FMA and F16C, for the weight types that take them
-//! (`ggml::fma::takes`; `SDHOST_FMA_ALL=1`: every type). Each row names the
+//! (`ggml::fma::isa_for`; `SDHOST_FMA_ALL=1`: every type). Each row names the
 //! sdhost kernels that ran (`kernel`); none: ggml's.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};

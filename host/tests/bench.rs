@@ -579,14 +579,8 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
         (Some(4), Some(1))
     );
 
-    // Without the peer the column says how to get it; an unknown type is
-    // one line naming it.
-    let r = products(&[]);
-    assert!(
-        r.stdout.contains("torch: not run (add --peer diffusers)"),
-        "{}",
-        r.stdout
-    );
+    // An unknown type is one line naming it (the text table is unit-tested
+    // in bench_products.rs).
     let r = p.run(&["bench", "--products", "f32,q9"]);
     assert_eq!(r.code, Some(1), "{}", r.stderr);
     assert!(

@@ -257,14 +257,18 @@ fn time_product(
     let x = inputs.new_tensor(Type::F32, &[s.k as i64, s.m as i64])?;
     let y = ctx.mul_mat(w, x)?;
     let _buffer = inputs.alloc_tensors(cpu)?;
-    // Values in [-1, 1), cheap to make: the time does not depend on them.
+    // Values in [-1, 1), cheap to make (a block repeated): the time does
+    // not depend on them.
     let fill = |n: usize, seed: u64| -> Vec<f32> {
-        (0..n)
+        let block: Vec<f32> = (0..4099)
             .map(|i| {
                 let h = (i as u64 ^ (seed << 40)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
                 ((h >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
-            .collect()
+            .collect();
+        let mut v = block.repeat(n.div_ceil(block.len()));
+        v.truncate(n);
+        v
     };
     w.set_f32(&fill(s.k * s.n, 1))?;
     x.set_f32(&fill(s.k * s.m, 2))?;
@@ -273,9 +277,9 @@ fn time_product(
     let mut sched = Sched::new(&[cpu], 16)?;
     sched.alloc(&graph)?;
     let kernel = (0..graph.n_nodes())
+        .rev()
         .filter_map(|i| graph.node(i))
-        .filter(|n| n.op_name() == "CUSTOM")
-        .last()
+        .find(|n| n.op_name() == "CUSTOM")
         .map_or_else(|| "ggml".to_string(), |n| format!("sdhost {}", n.name()));
     sched.compute(&graph)?;
     let mut best = f64::INFINITY;
@@ -341,6 +345,35 @@ mod tests {
         assert_eq!(s[2].m, 4096);
         let s = shapes(512, 256);
         assert_eq!((s[0].m, s[1].m, s[2].m), (64 * 32, 128, 32 * 16));
+    }
+
+    #[test]
+    fn the_table_says_why_torch_is_missing_and_gives_the_ratios() {
+        let row = |torch| Row {
+            shape: shapes(512, 512)[2],
+            weight: "f32".into(),
+            sdhost_gflops: 150.0,
+            kernel: "sdhost fma mul_mat avx2".into(),
+            ggml_gflops: 100.0,
+            torch_f32_gflops: torch,
+            torch_bf16_gflops: None,
+        };
+        let report = |torch, note: Option<&str>| ProductsReport {
+            settings: "s".into(),
+            rows: vec![row(torch)],
+            torch: note.map(String::from),
+        };
+        let t = report(None, Some("not run (add --peer diffusers)")).text();
+        assert!(t.contains("torch: not run (add --peer diffusers)"), "{t}");
+        assert!(
+            t.contains("1.50×") && t.contains("sdhost fma mul_mat avx2"),
+            "{t}"
+        );
+        let t = report(Some(120.0), None).text();
+        assert!(
+            t.contains("120.0") && t.contains("1.25×") && !t.contains("torch:"),
+            "{t}"
+        );
     }
 
     #[test]
