@@ -168,6 +168,31 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
     }
 }
 
+/// Which weights these kernels take on this processor, in words, for
+/// reports (`f32 on AVX2, bf16 (k ≤ 1280) on AVX512-BF16, from 512 rows`);
+/// `None` where none runs.
+pub fn summary() -> Option<String> {
+    let name = |i: Isa| match i {
+        Isa::Avx2 => "AVX2",
+        Isa::Avx512 => "AVX-512",
+        Isa::Avx512Bf16 => "AVX512-BF16",
+    };
+    let f32 = isa_for(sys::GGML_TYPE_F32, 1)?;
+    let bf16 = match (
+        isa_for(sys::GGML_TYPE_BF16, usize::MAX),
+        isa_for(sys::GGML_TYPE_BF16, BF16_MAX_K),
+    ) {
+        (Some(i), _) => format!(", bf16 on {}", name(i)),
+        (None, Some(i)) => format!(", bf16 (k ≤ {BF16_MAX_K}) on {}", name(i)),
+        (None, None) => String::new(),
+    };
+    Some(format!(
+        "f32 on {}{bf16}, from {} rows",
+        name(f32),
+        min_rows()
+    ))
+}
+
 /// The `k` block of every kernel (256) is a multiple of the type's
 /// quantization block, so that each block of a row dequantizes on its own.
 fn dequantizable(ty: sys::ggml_type) -> bool {
@@ -1104,6 +1129,17 @@ mod tests {
         w.row_f32(0, 0, &mut out);
         for (o, &f) in out.iter().zip(&vals) {
             assert_eq!(*o, half::bf16::from_f32(f).to_f32());
+        }
+    }
+
+    #[test]
+    fn the_summary_names_what_runs_here() {
+        match summary() {
+            Some(s) => {
+                assert!(available(), "{s}");
+                assert!(s.starts_with("f32 on ") && s.contains(", bf16"), "{s}");
+            }
+            None => assert!(!available()),
         }
     }
 

@@ -616,4 +616,10 @@ fn profile_ops_name_sdhost_s_kernels() {
     } else {
         assert_eq!(fma_ops, 0, "{}", j["op_profile"]);
     }
+    // The settings say which of sdhost's kernels the processor gets.
+    let settings = j["settings"].as_str().unwrap();
+    assert!(settings.contains("sdhost's CPU kernels: "), "{settings}");
+    if ggml::fma::available() && !ggml::amx::available() {
+        assert!(settings.contains("f32 on AVX"), "{settings}");
+    }
 }

@@ -759,7 +759,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let threads = session.threads.unwrap_or(1);
     let family = sd.family();
     let settings = format!(
-        "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}, compute type: {}",
+        "{} {}x{}, {} steps, {} {}, CFG {}, seed {}, {} CPU threads, flash attention: {}, compute type: {}, sdhost's CPU kernels: {}",
         family.name(),
         req.width,
         req.height,
@@ -775,7 +775,8 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
                 true => format!("{t} (AMX where on the CPU)"),
                 false => t,
             })
-            .unwrap_or_else(|| "as stored".into())
+            .unwrap_or_else(|| "as stored".into()),
+        cpu_kernels_summary()
     );
     let devices = crate::loader::placement_summary(&sd, &placement);
     let peak_host = peak_host_memory();
@@ -1166,6 +1167,16 @@ impl PeerJob<'_> {
         self.warm()?;
         let stdout = run_child(c, &python.display().to_string(), Some(DIFFUSERS_PEER))?;
         parse_peer_report(&stdout, self.runs)
+    }
+}
+
+/// Which of sdhost's own CPU kernels take a module's products where it
+/// runs on the CPU alone, in words, for the settings line.
+fn cpu_kernels_summary() -> String {
+    if ggml::amx::available() {
+        "AMX (bf16 products, convolutions, attention)".into()
+    } else {
+        ggml::fma::summary().unwrap_or_else(|| "none (ggml's)".into())
     }
 }
 
