@@ -60,6 +60,24 @@ struct Server {
 
 impl Server {
     fn start(p: &Prefix, device: &str, extra: &[&str], env: &[(&str, &str)]) -> Server {
+        // A port free when asked can be taken by a parallel test before the
+        // server binds it: then another port.
+        for _ in 0..4 {
+            match Server::try_start(p, device, extra, env) {
+                Ok(s) => return s,
+                Err(text) if text.contains("Address already in use") => continue,
+                Err(text) => panic!("{text}"),
+            }
+        }
+        panic!("rpc-server: no free port in four tries");
+    }
+
+    fn try_start(
+        p: &Prefix,
+        device: &str,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Server, String> {
         let port = free_port();
         let log = p.root().join(format!("server-{port}.log"));
         let port_s = port.to_string();
@@ -92,22 +110,23 @@ impl Server {
             log,
             key,
         };
-        s.wait_ready();
-        s
+        s.wait_ready()?;
+        Ok(s)
     }
 
     /// Until ggml's server answers a handshake (stdout is a file, so its
     /// banner may sit in a buffer; a bare connect could reach the port
-    /// check `rpc-server` makes before ggml listens).
-    fn wait_ready(&mut self) {
+    /// check `rpc-server` makes before ggml listens); an error saying why
+    /// where the server exited.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let started = Instant::now();
         loop {
             if hello_with(self.port, self.key.as_deref()).is_some() {
-                return;
+                return Ok(());
             }
             let text = std::fs::read_to_string(&self.log).unwrap_or_default();
             if let Some(st) = self.child.try_wait().unwrap() {
-                panic!("rpc-server exited ({st}): {text}");
+                return Err(format!("rpc-server exited ({st}): {text}"));
             }
             assert!(
                 started.elapsed() < Duration::from_secs(60),
