@@ -99,7 +99,7 @@ pub fn packed_len(k: usize, n: usize) -> usize {
 
 /// f32 to bf16, round to nearest even (NaN stays NaN).
 #[inline(always)]
-fn bf16(f: f32) -> u16 {
+pub(crate) fn bf16(f: f32) -> u16 {
     let bits = f.to_bits();
     if bits & 0x7fff_ffff > 0x7f80_0000 {
         return ((bits >> 16) | 0x40) as u16;

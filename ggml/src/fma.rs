@@ -49,6 +49,7 @@ use std::cell::RefCell;
 use std::os::raw::{c_int, c_void};
 use std::sync::OnceLock;
 
+use crate::amx::bf16;
 use crate::sys;
 
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
@@ -60,8 +61,8 @@ pub const MC: usize = 96;
 /// many rows share it; at 256 rows ggml measured 1.00–1.10× faster).
 pub const MIN_ROWS: usize = 512;
 
-/// The fewest rows that take this path ([`MIN_ROWS`]). [`crate::Knobs::fma_min_rows`] overrides it, for
-/// measurements.
+/// The fewest rows that take this path ([`MIN_ROWS`]);
+/// [`crate::Knobs::fma_min_rows`] overrides it, for measurements.
 pub fn min_rows() -> usize {
     crate::knobs().fma_min_rows.unwrap_or(MIN_ROWS)
 }
@@ -75,6 +76,26 @@ pub enum Isa {
     Avx512,
     /// AVX2 + FMA (+ F16C for f16 weights).
     Avx2,
+}
+
+impl Isa {
+    /// The name of a product node on this kernel (profiles, `check`).
+    pub fn node_name(self) -> &'static str {
+        match self {
+            Isa::Avx512Bf16 => "fma mul_mat avx512bf16",
+            Isa::Avx512 => "fma mul_mat avx512",
+            Isa::Avx2 => "fma mul_mat avx2",
+        }
+    }
+
+    /// The instruction set, as people write it (reports).
+    fn label(self) -> &'static str {
+        match self {
+            Isa::Avx512Bf16 => "AVX512-BF16",
+            Isa::Avx512 => "AVX-512",
+            Isa::Avx2 => "AVX2",
+        }
+    }
 }
 
 /// What this processor has, asked once.
@@ -120,8 +141,8 @@ pub fn available() -> bool {
 /// The longest rows (`k`) a bf16 weight takes the AVX512-BF16 kernel for,
 /// where the processor has it: beyond, ggml's own bf16 kernel (tinyBLAS,
 /// which sums whole rows in vectors and reduces them once at the end)
-/// measured faster (`sdhost bench --products` on a Zen 4 EPYC: 1.40× ggml
-/// at k = 320, 1.00× at 1280, 0.81–0.92× at 3072 and 12288).
+/// measured faster (`sdhost bench --products` on a Zen 4 EPYC: 1.36–1.41×
+/// ggml at k = 320, 1.00× at 1280, 0.79–1.00× at 3072 and 12288).
 pub const BF16_MAX_K: usize = 1280;
 
 /// The kernel a product of a `[k, n]` weight of ggml type `ty` runs on
@@ -148,7 +169,7 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
     }
     let (f, knobs) = (features(), crate::knobs());
     // On AMD's AVX-512 (Zen 4), which runs a 512-bit multiply-add as two
-    // 256-bit halves, the AVX2 kernel measured 1.07–1.15× the AVX-512 one
+    // 256-bit halves, the AVX2 kernel measured 1.06–1.15× the AVX-512 one
     // (f32 weights, same run); Intel's server cores have two full-width
     // units, where the AVX-512 kernel does twice the work per instruction
     // (not measured here: no such processor was at hand).
@@ -172,23 +193,18 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
 /// reports (`f32 on AVX2, bf16 (k ≤ 1280) on AVX512-BF16, from 512 rows`);
 /// `None` where none runs.
 pub fn summary() -> Option<String> {
-    let name = |i: Isa| match i {
-        Isa::Avx2 => "AVX2",
-        Isa::Avx512 => "AVX-512",
-        Isa::Avx512Bf16 => "AVX512-BF16",
-    };
     let f32 = isa_for(sys::GGML_TYPE_F32, 1)?;
     let bf16 = match (
         isa_for(sys::GGML_TYPE_BF16, usize::MAX),
         isa_for(sys::GGML_TYPE_BF16, BF16_MAX_K),
     ) {
-        (Some(i), _) => format!(", bf16 on {}", name(i)),
-        (None, Some(i)) => format!(", bf16 (k ≤ {BF16_MAX_K}) on {}", name(i)),
+        (Some(i), _) => format!(", bf16 on {}", i.label()),
+        (None, Some(i)) => format!(", bf16 (k ≤ {BF16_MAX_K}) on {}", i.label()),
         (None, None) => String::new(),
     };
     Some(format!(
         "f32 on {}{bf16}, from {} rows",
-        name(f32),
+        f32.label(),
         min_rows()
     ))
 }
@@ -296,16 +312,6 @@ fn widen_f16_f16c(src: &[u8], out: &mut [f32]) {
     }
 }
 
-/// f32 to bf16, round to nearest even (NaN stays NaN).
-#[inline(always)]
-fn bf16(f: f32) -> u16 {
-    let bits = f.to_bits();
-    if bits & 0x7fff_ffff > 0x7f80_0000 {
-        return ((bits >> 16) | 0x40) as u16;
-    }
-    ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
-}
-
 /// The `x` operand of one [`gemm`] call: `rows` rows of `k` f32, row `i`
 /// at `row(i)`.
 pub struct Rows<'x> {
@@ -333,7 +339,8 @@ impl<E> Default for Aligned<E> {
 }
 
 impl<E: Copy> Aligned<E> {
-    /// `len` values (garbage until written).
+    /// `len` values (zero where the buffer grew, earlier values elsewhere:
+    /// the packers write every value they read).
     fn get(&mut self, len: usize) -> &mut [E] {
         let bytes = len * std::mem::size_of::<E>();
         let lines = bytes.div_ceil(64);
@@ -503,20 +510,17 @@ fn gemm_with<K: Kernel>(
                                 std::ptr::null(),
                             )
                         };
-                        for r in 0..rows {
-                            let o = &mut out[(i0 + r) * n + j0..(i0 + r) * n + j0 + cols];
-                            let c = &buf.c[r * K::NR..r * K::NR + cols];
-                            if kb > 0 {
-                                o.iter_mut().zip(c).for_each(|(o, c)| *o += c);
-                            } else if let Some(bias) = bias {
-                                let bias = &bias[j0..j0 + cols];
-                                for ((o, c), b) in o.iter_mut().zip(c).zip(bias) {
-                                    *o = c + b;
-                                }
-                            } else {
-                                o.copy_from_slice(c);
-                            }
-                        }
+                        let bias = match bias {
+                            Some(b) if kb == 0 => b[j0..j0 + cols].as_ptr(),
+                            _ => std::ptr::null(),
+                        };
+                        let c = &mut out[i0 * n + j0..(i0 + rows - 1) * n + j0 + cols];
+                        // SAFETY: `c` holds `rows` rows of `cols` values n
+                        // apart, `bias` (if any) `cols` values, `buf.c` MR
+                        // rows of NR ≥ cols.
+                        unsafe {
+                            finish(&buf.c, K::NR, rows, cols, c.as_mut_ptr(), n, kb > 0, bias)
+                        };
                     }
                 }
             }
@@ -610,10 +614,7 @@ impl Elem for f32 {
     fn pack_column_f32(src: Option<&[f32]>, block: &mut [f32], c: usize, width: usize) {
         match src {
             Some(s) => scatter(s, block, c, width),
-            None => {
-                let n = block.len() / width;
-                scatter(&vec![0.0; n], block, c, width)
-            }
+            None => block[c..].iter_mut().step_by(width).for_each(|d| *d = 0.0),
         }
     }
 }
@@ -689,27 +690,30 @@ fn scatter_pairs(pairs: &[u8], dst: &mut [u16], c: usize, width: usize) {
     }
 }
 
-/// Writes an `mr × nr` tile of sums `acc` to `c` (rows `ldc` apart), plus
-/// what `c` held where `add`, plus `bias` where not null.
+/// Writes `rows × cols` of a tile of sums `acc` (rows `acc_ld` apart) to
+/// `c` (rows `ldc` apart), plus what `c` held where `add`, plus `bias`
+/// where not null.
 ///
 /// # Safety
-/// `c` addresses `mr` rows of `nr` f32, `ldc` apart; `bias` (if not null)
-/// `nr` f32.
+/// `c` addresses `rows` rows of `cols` f32, `ldc` apart; `bias` (if not
+/// null) `cols` f32; `acc` holds `rows` rows of `acc_ld ≥ cols`.
+#[allow(clippy::too_many_arguments)]
 unsafe fn finish(
     acc: &[f32],
-    mr: usize,
-    nr: usize,
+    acc_ld: usize,
+    rows: usize,
+    cols: usize,
     c: *mut f32,
     ldc: usize,
     add: bool,
     bias: *const f32,
 ) {
-    for r in 0..mr {
-        for j in 0..nr {
+    for r in 0..rows {
+        for j in 0..cols {
             // SAFETY: within the rows and bias the caller vouches for.
             unsafe {
                 let o = c.add(r * ldc + j);
-                let mut v = acc[r * nr + j];
+                let mut v = acc[r * acc_ld + j];
                 if add {
                     v += *o;
                 }
@@ -749,7 +753,7 @@ impl Kernel for F32Plain {
             }
         }
         // SAFETY: the caller's contract on c, ldc and bias.
-        unsafe { finish(&acc, Self::MR, Self::NR, c, ldc, add, bias) }
+        unsafe { finish(&acc, Self::NR, Self::MR, Self::NR, c, ldc, add, bias) }
     }
     fn buffers<R>(f: impl FnOnce(&mut Buffers<f32>) -> R) -> R {
         F32_BUF.with(|b| f(&mut b.borrow_mut()))

@@ -184,11 +184,7 @@ impl Context {
                     [..2 + usize::from(bias.is_some())],
                 crate::fma::gemm_op,
                 std::ptr::null_mut(),
-                match isa {
-                    crate::fma::Isa::Avx512Bf16 => "fma mul_mat avx512bf16",
-                    crate::fma::Isa::Avx512 => "fma mul_mat avx512",
-                    crate::fma::Isa::Avx2 => "fma mul_mat avx2",
-                },
+                isa.node_name(),
             )
         }
     }

@@ -458,7 +458,7 @@ fn secs(s: f64) -> String {
     }
 }
 
-fn ratio(peer: f64, ours: f64) -> String {
+pub(crate) fn ratio(peer: f64, ours: f64) -> String {
     format!("{:.2}×", peer / ours.max(1e-9))
 }
 
@@ -1140,11 +1140,7 @@ impl PeerJob<'_> {
                     .into(),
             );
         }
-        let python = a
-            .diffusers_python
-            .clone()
-            .or_else(|| std::env::var_os("SDHOST_DIFFUSERS_PYTHON").map(PathBuf::from))
-            .unwrap_or_else(|| PathBuf::from("python3"));
+        let python = diffusers_python(a);
         let mut c = Command::new(&python);
         c.arg("-")
             .arg("--model")
@@ -1178,6 +1174,15 @@ fn cpu_kernels_summary() -> String {
     } else {
         ggml::fma::summary().unwrap_or_else(|| "none (ggml's)".into())
     }
+}
+
+/// The Python that runs the PyTorch peers: `--diffusers-python`, else
+/// `$SDHOST_DIFFUSERS_PYTHON`, else `python3`.
+pub(crate) fn diffusers_python(a: &BenchArgs) -> PathBuf {
+    a.diffusers_python
+        .clone()
+        .or_else(|| std::env::var_os("SDHOST_DIFFUSERS_PYTHON").map(PathBuf::from))
+        .unwrap_or_else(|| PathBuf::from("python3"))
 }
 
 /// bench/diffusers_peer.py, run as `python - ARGS` so that an installed

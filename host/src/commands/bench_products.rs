@@ -9,6 +9,7 @@
 //! 1024²), `x · wᵀ` with x `M × K` f32 activations and w an `N × K` weight
 //! of each asked type.
 
+use super::bench::ratio;
 use crate::cli::{BenchArgs, Peer};
 use crate::manager::BackendManager;
 use crate::render::{self, Report};
@@ -16,7 +17,6 @@ use crate::session::Session;
 use anyhow::{bail, Context as _};
 use ggml::{Backend, Context, Sched, Type};
 use serde::Serialize;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
 
@@ -103,6 +103,8 @@ struct ProductsReport {
     rows: Vec<Row>,
     /// Why the PyTorch column is empty, if it is.
     torch: Option<String>,
+    /// Products not timed: the weight type's blocks do not divide the row.
+    skipped: Vec<String>,
 }
 
 impl Report for ProductsReport {
@@ -122,11 +124,10 @@ impl Report for ProductsReport {
                     g(r.sdhost_gflops),
                     r.kernel.clone(),
                     g(r.ggml_gflops),
-                    format!("{:.2}×", r.sdhost_gflops / r.ggml_gflops.max(1e-9)),
+                    ratio(r.sdhost_gflops, r.ggml_gflops),
                     opt(r.torch_f32_gflops),
-                    r.torch_f32_gflops.map_or("-".into(), |t| {
-                        format!("{:.2}×", r.sdhost_gflops / t.max(1e-9))
-                    }),
+                    r.torch_f32_gflops
+                        .map_or("-".into(), |t| ratio(r.sdhost_gflops, t)),
                     opt(r.torch_bf16_gflops),
                 ]
             })
@@ -151,6 +152,9 @@ impl Report for ProductsReport {
         ));
         if let Some(why) = &self.torch {
             out.push_str(&format!("torch: {why}\n"));
+        }
+        for s in &self.skipped {
+            out.push_str(&format!("skipped: {s}\n"));
         }
         out
     }
@@ -191,10 +195,17 @@ pub fn run(session: &Session, a: &BenchArgs, list: &str) -> anyhow::Result<()> {
         Some(Err(e)) => (Vec::new(), Some(e)),
         None => (Vec::new(), Some("not run (add --peer diffusers)".into())),
     };
-    let mut rows = Vec::new();
+    let (mut rows, mut skipped) = (Vec::new(), Vec::new());
     for (i, shape) in shapes.iter().enumerate() {
         for &ty in &types {
             if shape.k % ty.block_size() != 0 {
+                skipped.push(format!(
+                    "{} {}: rows of {} values are not whole blocks of {}",
+                    shape.name,
+                    ty.name(),
+                    shape.k,
+                    ty.block_size()
+                ));
                 continue;
             }
             tracing::info!("product {} {}", shape.name, ty.name());
@@ -222,6 +233,7 @@ pub fn run(session: &Session, a: &BenchArgs, list: &str) -> anyhow::Result<()> {
             settings,
             rows,
             torch: torch_note,
+            skipped,
         },
         a.json,
     )
@@ -304,11 +316,7 @@ fn torch_products(
     threads: usize,
     runs: u32,
 ) -> Result<TorchRows, String> {
-    let python = a
-        .diffusers_python
-        .clone()
-        .or_else(|| std::env::var_os("SDHOST_DIFFUSERS_PYTHON").map(PathBuf::from))
-        .unwrap_or_else(|| PathBuf::from("python3"));
+    let python = super::bench::diffusers_python(a);
     let spec: Vec<String> = shapes
         .iter()
         .map(|s| format!("{},{},{}", s.m, s.k, s.n))
@@ -362,9 +370,11 @@ mod tests {
             settings: "s".into(),
             rows: vec![row(torch)],
             torch: note.map(String::from),
+            skipped: vec!["x q4_K: rows of 320 values are not whole blocks of 256".into()],
         };
         let t = report(None, Some("not run (add --peer diffusers)")).text();
         assert!(t.contains("torch: not run (add --peer diffusers)"), "{t}");
+        assert!(t.contains("skipped: x q4_K: rows of 320 values"), "{t}");
         assert!(
             t.contains("1.50×") && t.contains("sdhost fma mul_mat avx2"),
             "{t}"
