@@ -81,8 +81,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_ARENA`) and passes
-/// them down with [`configure`]; unconfigured, everything is on.
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_ARENA`,
+/// `SDHOST_CONV_BAND_MIB`, `SDHOST_DIRECT_CONV`, `SDHOST_NO_FLASH_PAD`) and
+/// passes them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Knobs {
     /// sdhost's AMX kernels where the processor has AMX ([`amx`]).
@@ -106,6 +107,15 @@ pub struct Knobs {
     /// The largest im2col matrix a "same" convolution builds at once, in
     /// MiB (default 256); larger ones run in bands of output rows.
     pub conv_band_mib: Option<i64>,
+    /// f16 convolutions as ggml's direct `conv_2d` op instead of im2col and
+    /// a matrix product ([`Context::set_direct_conv`]), on every device. Off
+    /// by default: on an H200, ggml-cuda's direct convolution made the
+    /// UNet step of SD 1.5 and SDXL 20–22 % slower (docs/performance.md).
+    pub direct_conv: bool,
+    /// Attention whose head width a device has no fused kernel for is
+    /// fused at the next wider width it has, zero-padded
+    /// ([`Device::fused_attention_width`]).
+    pub flash_pad: bool,
 }
 
 impl Default for Knobs {
@@ -119,6 +129,8 @@ impl Default for Knobs {
             fma_all: false,
             arena: true,
             conv_band_mib: None,
+            direct_conv: false,
+            flash_pad: true,
         }
     }
 }

@@ -17,6 +17,8 @@
 //! sdhost kernels that ran (`kernel`); none: ggml's.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};
+use sdhost_models::nn::{attention_with, Scores};
+use sdhost_models::runtime::graph::Flash;
 use serde::Serialize;
 
 /// Outcome of one case on one device.
@@ -80,6 +82,18 @@ pub struct Case {
     /// ggml's (the reference is always built without).
     pub cpu_kernels: bool,
     build: Build,
+    /// The CPU reference's build, where it differs from `build`: the plain
+    /// form (im2col and a product, unfused attention) of what `build`
+    /// builds the way sdhost does on some devices.
+    reference: Option<Build>,
+}
+
+impl Case {
+    /// Whether the CPU reference is built in a plain form of its own
+    /// (then the two runs differ by rounding even on the CPU).
+    pub fn has_reference(&self) -> bool {
+        self.reference.is_some()
+    }
 }
 
 fn t<'c>(ctx: &'c Context, ty: Type, ne: &[i64]) -> ggml::Result<Tensor<'c>> {
@@ -95,6 +109,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat f32",
             tolerance: 2e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 // At least 32 in every dimension, so that ggml's BLAS
                 // backend (which leaves smaller products to the CPU) runs it.
@@ -106,6 +121,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat bcast",
             tolerance: 2e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 // One matrix against a batch of two in dim 3 (ggml broadcasts);
                 // some backends (Vulkan in ggml 0.26) leave this to the CPU.
@@ -120,6 +136,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat f16",
             tolerance: 1e-2,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F16, &[64, 32])?, t(i, Type::F32, &[64, 32])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -129,6 +146,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat q8_0",
             tolerance: 3e-2,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q8_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -138,6 +156,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat q4_0",
             tolerance: 3e-2,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q4_0, &[64, 32])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -147,6 +166,7 @@ pub fn cases() -> Vec<Case> {
             name: "conv_2d",
             tolerance: 1e-2,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (k, x) = (
                     t(i, Type::F16, &[3, 3, 8, 32])?,
@@ -159,6 +179,7 @@ pub fn cases() -> Vec<Case> {
             name: "group_norm",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[8, 8, 64, 1])?;
                 Ok((vec![x], c.group_norm(x, 32, 1e-6)?))
@@ -168,6 +189,7 @@ pub fn cases() -> Vec<Case> {
             name: "layer_norm",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.norm(x, 1e-5)?))
@@ -177,6 +199,7 @@ pub fn cases() -> Vec<Case> {
             name: "soft_max",
             tolerance: 1e-4,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.soft_max(x)?))
@@ -186,6 +209,7 @@ pub fn cases() -> Vec<Case> {
             name: "attention",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 // softmax(q·kᵀ/√d)·v with plain ops: q [d, nq], k [d, nk], vᵀ [nk, d].
                 let (q, k, vt) = (
@@ -201,6 +225,7 @@ pub fn cases() -> Vec<Case> {
             name: "flash_attn",
             tolerance: 1e-2,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let q = t(i, Type::F32, &[64, 16, 4])?;
                 let (k, v) = (
@@ -214,6 +239,7 @@ pub fn cases() -> Vec<Case> {
             name: "add",
             tolerance: 1e-5,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 1])?);
                 Ok((vec![a, b], c.add(a, b)?))
@@ -223,6 +249,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul",
             tolerance: 1e-5,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[64, 16])?, t(i, Type::F32, &[64, 16])?);
                 Ok((vec![a, b], c.mul(a, b)?))
@@ -232,6 +259,7 @@ pub fn cases() -> Vec<Case> {
             name: "scale",
             tolerance: 1e-5,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.scale(a, 0.18215)?))
@@ -241,6 +269,7 @@ pub fn cases() -> Vec<Case> {
             name: "gelu",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.gelu(a)?))
@@ -250,6 +279,7 @@ pub fn cases() -> Vec<Case> {
             name: "silu",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let a = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![a], c.silu(a)?))
@@ -259,6 +289,7 @@ pub fn cases() -> Vec<Case> {
             name: "upscale",
             tolerance: 1e-6,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let a = t(i, Type::F32, &[8, 8, 4, 1])?;
                 Ok((vec![a], c.upscale(a, 2)?))
@@ -270,6 +301,7 @@ pub fn cases() -> Vec<Case> {
             name: "upscale_to",
             tolerance: 1e-6,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let a = t(i, Type::F32, &[5, 3, 4, 1])?;
                 Ok((vec![a], c.upscale_to(a, 9, 5)?))
@@ -279,6 +311,7 @@ pub fn cases() -> Vec<Case> {
             name: "concat",
             tolerance: 1e-6,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (
                     t(i, Type::F32, &[8, 8, 4, 1])?,
@@ -291,6 +324,7 @@ pub fn cases() -> Vec<Case> {
             name: "permute+cont",
             tolerance: 1e-6,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let a = t(i, Type::F32, &[8, 6, 4, 2])?;
                 Ok((vec![a], c.cont(c.permute(a, [0, 2, 1, 3])?)?))
@@ -302,6 +336,7 @@ pub fn cases() -> Vec<Case> {
             name: "rms_norm",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.rms_norm(x, 1e-6)?))
@@ -311,6 +346,7 @@ pub fn cases() -> Vec<Case> {
             name: "swiglu",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[128, 16])?;
                 Ok((vec![x], c.swiglu(x)?))
@@ -320,6 +356,7 @@ pub fn cases() -> Vec<Case> {
             name: "geglu (erf)",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[128, 16])?;
                 Ok((vec![x], c.geglu_erf(x)?))
@@ -329,6 +366,7 @@ pub fn cases() -> Vec<Case> {
             name: "gelu (erf)",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.gelu_erf(x)?))
@@ -338,6 +376,7 @@ pub fn cases() -> Vec<Case> {
             name: "gelu (quick)",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.gelu_quick(x)?))
@@ -347,6 +386,7 @@ pub fn cases() -> Vec<Case> {
             name: "tanh",
             tolerance: 1e-3,
             cpu_kernels: false,
+            reference: None,
             build: |i, c| {
                 let x = t(i, Type::F32, &[64, 16])?;
                 Ok((vec![x], c.tanh(x)?))
@@ -356,6 +396,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat f16 (FMA)",
             tolerance: 5e-3,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 // Two k blocks (the second ragged), ragged panels and rows
                 // (at least fma::MIN_ROWS), shared by panels.
@@ -367,6 +408,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat bf16 + bias (FMA)",
             tolerance: 5e-3,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 // Few panels (shared by rows), rows over two dimensions.
                 let (a, b, bias) = (
@@ -381,6 +423,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat f32 (FMA)",
             tolerance: 2e-3,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::F32, &[72, 36])?, t(i, Type::F32, &[72, 530])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -390,6 +433,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat q8_0 (FMA)",
             tolerance: 1e-2,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q8_0, &[512, 48])?, t(i, Type::F32, &[512, 515])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -399,6 +443,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat q4_0 (FMA)",
             tolerance: 2e-2,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::Q4_0, &[288, 80])?, t(i, Type::F32, &[288, 517])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -408,6 +453,7 @@ pub fn cases() -> Vec<Case> {
             name: "mul_mat bf16 (AMX)",
             tolerance: 1e-2,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 let (a, b) = (t(i, Type::BF16, &[256, 72])?, t(i, Type::F32, &[256, 96])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
@@ -417,6 +463,7 @@ pub fn cases() -> Vec<Case> {
             name: "conv_2d bf16 + bias (AMX)",
             tolerance: 1e-2,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 let (k, x, b) = (
                     t(i, Type::BF16, &[3, 3, 32, 48])?,
@@ -430,6 +477,7 @@ pub fn cases() -> Vec<Case> {
             name: "group norm + SiLU + conv_2d (AMX)",
             tolerance: 2e-2,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 // The norm folded into the convolution's input copy on AMX;
                 // ggml's group_norm, mul, add, silu and conv elsewhere.
@@ -447,6 +495,7 @@ pub fn cases() -> Vec<Case> {
             name: "attention heads (AMX)",
             tolerance: 3e-2,
             cpu_kernels: true,
+            reference: None,
             build: |i, c| {
                 // Two heads of 32 over [64, tokens, 2]; without AMX the same
                 // attention from plain ops, head by head in f32.
@@ -470,7 +519,86 @@ pub fn cases() -> Vec<Case> {
                 Ok((vec![q, k, v], c.reshape(out, &[64, 40, 2])?))
             },
         },
+        Case {
+            name: "conv_2d 3x3 (direct)",
+            tolerance: 1e-2,
+            cpu_kernels: false,
+            // Enough work for ggml-cuda's tensor-core implicit GEMM, two
+            // images, ragged sizes.
+            build: |i, c| conv_case(i, c, [3, 3, 32, 48], [21, 13, 32, 2], 1, true),
+            reference: Some(|i, c| conv_case(i, c, [3, 3, 32, 48], [21, 13, 32, 2], 1, false)),
+        },
+        Case {
+            name: "conv_2d stride 2 (direct)",
+            tolerance: 1e-2,
+            cpu_kernels: false,
+            build: |i, c| conv_case(i, c, [3, 3, 32, 40], [33, 18, 32, 1], 2, true),
+            reference: Some(|i, c| conv_case(i, c, [3, 3, 32, 40], [33, 18, 32, 1], 2, false)),
+        },
+        Case {
+            name: "conv_2d 1x1 (direct)",
+            tolerance: 1e-2,
+            cpu_kernels: false,
+            // ggml-cuda takes a pointwise convolution to cuBLAS.
+            build: |i, c| conv_case(i, c, [1, 1, 64, 32], [16, 12, 64, 2], 1, true),
+            reference: Some(|i, c| conv_case(i, c, [1, 1, 64, 32], [16, 12, 64, 2], 1, false)),
+        },
+        Case {
+            name: "attention 40 padded to 64",
+            tolerance: 2e-2,
+            cpu_kernels: false,
+            build: |i, c| attention_case(i, c, 40, Flash::Padded(64)),
+            reference: Some(|i, c| attention_case(i, c, 40, Flash::Off)),
+        },
+        Case {
+            name: "attention 160 padded to 256",
+            tolerance: 2e-2,
+            cpu_kernels: false,
+            build: |i, c| attention_case(i, c, 160, Flash::Padded(256)),
+            reference: Some(|i, c| attention_case(i, c, 160, Flash::Off)),
+        },
     ]
+}
+
+/// A convolution of an f16 kernel `k` over an f32 input `x` with padding
+/// `(k − 1) / 2`, as ggml's direct op (`direct`) or as im2col and a
+/// product.
+fn conv_case<'c>(
+    i: &'c Context,
+    c: &'c Context,
+    k: [i64; 4],
+    x: [i64; 4],
+    stride: i32,
+    direct: bool,
+) -> ggml::Result<(Vec<Tensor<'c>>, Tensor<'c>)> {
+    let (k, x) = (t(i, Type::F16, &k)?, t(i, Type::F32, &x)?);
+    let pad = (k.ne()[0] as i32 - 1) / 2;
+    c.set_direct_conv(direct);
+    Ok((vec![k, x], c.conv_2d(k, x, stride, pad)?))
+}
+
+/// Attention as the models build it (`sdhost_models::nn::attention_with`),
+/// two heads `d` wide over 48 queries and 40 keys: `Flash::Padded` is what
+/// they build where a device fuses a wider head and not `d`
+/// (`ggml::Device::fused_attention_width`), `Flash::Off` the plain form.
+fn attention_case<'c>(
+    i: &'c Context,
+    c: &'c Context,
+    d: i64,
+    flash: Flash,
+) -> ggml::Result<(Vec<Tensor<'c>>, Tensor<'c>)> {
+    let q = t(i, Type::F32, &[2 * d, 48, 1])?;
+    let (k, v) = (
+        t(i, Type::F32, &[2 * d, 40, 1])?,
+        t(i, Type::F32, &[2 * d, 40, 1])?,
+    );
+    let scores = Scores {
+        flash,
+        ..Default::default()
+    };
+    let out =
+        attention_with(c, q, k, v, 2, scores).map_err(|e| ggml::Error::Invalid(e.to_string()))?;
+    Ok((vec![q, k, v], out))
 }
 
 /// Deterministic inputs in [-1, 1) (splitmix64).
@@ -506,14 +634,17 @@ pub struct CaseRun {
 }
 
 /// Runs a case through a scheduler over `backends` (CPU last), its inputs
-/// filled from `seed` (and changed by `perturb`, if given). Reports the
-/// output and every node that did not run on the first backend.
+/// filled from `seed` (and changed by `perturb`, if given), built with
+/// sdhost's own CPU kernels where `cpu_kernels`, and in its reference form
+/// where `reference` (see [`Case`]). Reports the output and every node
+/// that did not run on the first backend.
 pub fn run_case(
     case: &Case,
     backends: &[&Backend],
     seed: u64,
     perturb: Option<Perturb<'_>>,
     cpu_kernels: bool,
+    reference: bool,
 ) -> ggml::Result<CaseRun> {
     let first = backends
         .first()
@@ -525,7 +656,11 @@ pub fn run_case(
     // convolutions with an f32 im2col it can multiply.
     let dev = first.device();
     ctx.set_f32_products(dev.device_type() == ggml::DeviceType::Accel && dev.uses_host_memory());
-    let (inputs, out) = (case.build)(&inputs_ctx, &ctx)?;
+    let build = match case.reference {
+        Some(plain) if reference => plain,
+        _ => case.build,
+    };
+    let (inputs, out) = build(&inputs_ctx, &ctx)?;
     // Inputs live in a buffer of the device under test, like weights: the
     // scheduler then runs each op where its operands are, and falls back to
     // the CPU (copying operands) for an op that device does not support.
@@ -630,7 +765,7 @@ pub fn check_device_with(
                 kernel,
             };
             tracing::debug!("check {name}: {}", case.name);
-            let reference = match run_case(case, &[cpu], seed, None, false) {
+            let reference = match run_case(case, &[cpu], seed, None, false, true) {
                 Ok(r) => r.output,
                 Err(e) => {
                     return row(
@@ -648,7 +783,7 @@ pub fn check_device_with(
             };
             // sdhost's AMX kernels only ever run on the in-process CPU.
             let own = case.cpu_kernels && device.device().device_type() == ggml::DeviceType::Cpu;
-            match run_case(case, &backends, seed, perturb, own) {
+            match run_case(case, &backends, seed, perturb, own, false) {
                 Err(e) => row(Verdict::Unsupported, None, Some(e.to_string()), None),
                 Ok(run) => {
                     let err = relative_error(&run.output, &reference);
@@ -704,11 +839,12 @@ mod tests {
     #[test]
     fn every_case_builds_and_has_inputs() {
         for case in cases() {
-            let (i, c) = (Context::new(16, 0).unwrap(), Context::new(64, 256).unwrap());
-            let (inputs, out) =
-                (case.build)(&i, &c).unwrap_or_else(|e| panic!("{}: {e}", case.name));
-            assert!(!inputs.is_empty(), "{}", case.name);
-            c.graph(out, 256).unwrap();
+            for build in [Some(case.build), case.reference].into_iter().flatten() {
+                let (i, c) = (Context::new(16, 0).unwrap(), Context::new(64, 256).unwrap());
+                let (inputs, out) = build(&i, &c).unwrap_or_else(|e| panic!("{}: {e}", case.name));
+                assert!(!inputs.is_empty(), "{}", case.name);
+                c.graph(out, 256).unwrap();
+            }
         }
     }
 

@@ -411,8 +411,9 @@ pub struct LoadArgs {
     pub taesd: Option<PathBuf>,
 
     /// Fused (flash) attention in the UNet and VAE, K and V rounded to f16:
-    /// `auto` (default) uses it for modules running on a CPU device, where it
-    /// is faster and smaller; `on` (or the bare flag) everywhere; `off` nowhere
+    /// `auto` (default) uses it for modules running on a CPU or CUDA device,
+    /// where it is faster and smaller; `on` (or the bare flag) everywhere;
+    /// `off` nowhere
     #[arg(long = "flash-attn", value_name = "WHEN", default_value = "auto", num_args = 0..=1, default_missing_value = "on")]
     pub flash_attn: FlashAttn,
 

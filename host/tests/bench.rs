@@ -623,3 +623,42 @@ fn profile_ops_name_sdhost_s_kernels() {
         assert!(settings.contains("f32 on AVX"), "{settings}");
     }
 }
+
+/// With `SDHOST_DIRECT_CONV=1` (the default on CUDA) the UNet's and the
+/// autoencoder's f16 convolutions are ggml's direct op: no im2col matrix is
+/// built; with `0` they are im2col and a product.
+#[test]
+fn direct_convolutions_leave_no_im2col() {
+    let p = Prefix::with_cpu();
+    let model = tiny_sd1();
+    let ops = |direct: &str| {
+        let mut c = p.cmd(&bench_args(
+            &model,
+            &["--compute-type", "f16", "--profile-ops", "--json"],
+        ));
+        c.env("SDHOST_DIRECT_CONV", direct);
+        let j = Run::from(c.output().unwrap()).ok().json();
+        j["op_profile"]["ops"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|o| o["module"] == "diffusion" || o["module"] == "vae")
+            .map(|o| o["op"].as_str().unwrap().to_string())
+            .collect::<Vec<_>>()
+    };
+    let direct = ops("1");
+    assert!(
+        direct.iter().any(|o| o.starts_with("CONV_2D")),
+        "{direct:?}"
+    );
+    assert!(
+        !direct.iter().any(|o| o.starts_with("IM2COL")),
+        "{direct:?}"
+    );
+    let im2col = ops("0");
+    assert!(im2col.iter().any(|o| o.starts_with("IM2COL")), "{im2col:?}");
+    assert!(
+        !im2col.iter().any(|o| o.starts_with("CONV_2D")),
+        "{im2col:?}"
+    );
+}

@@ -918,3 +918,34 @@ fn fma_products_in_the_model_match_ggml_s() {
         diffs.iter().max()
     );
 }
+
+/// Convolutions as ggml's direct op (what sdhost builds on CUDA; forced
+/// here with `SDHOST_DIRECT_CONV=1`) give the image that im2col and a
+/// product give, within a level (bench's
+/// `direct_convolutions_leave_no_im2col` shows the op ran).
+#[test]
+fn direct_convolutions_match_im2col() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let run = |name: &str, direct: &str| {
+        let png = out.join(name);
+        let mut c = generate_64_cmd(&p, "tiny-sd1.safetensors", &png, &["--compute-type", "f16"]);
+        c.env("SDHOST_DIRECT_CONV", direct);
+        Run::from(output(&mut c)).ok();
+        pixels(&png)
+    };
+    let direct = run("direct.png", "1");
+    let im2col = run("im2col.png", "0");
+    assert_eq!(direct.len(), im2col.len());
+    let diffs: Vec<u8> = direct
+        .iter()
+        .zip(&im2col)
+        .map(|(a, b)| a.abs_diff(*b))
+        .collect();
+    let mean = diffs.iter().map(|&d| f64::from(d)).sum::<f64>() / diffs.len() as f64;
+    assert!(
+        mean <= 1.0 && diffs.iter().all(|&d| d <= 8),
+        "mean {mean}, max {:?}",
+        diffs.iter().max()
+    );
+}

@@ -7,7 +7,7 @@
 //! shape gives a one-line error naming the tensor instead of a ggml abort.
 
 use crate::error::{ModelError, Result};
-use crate::runtime::graph::{check_shape, W};
+use crate::runtime::graph::{check_shape, Flash, W};
 use ggml::{Context, Tensor};
 
 /// `y + Σ up·(down·x)` over the graph-mode LoRAs of the matrix `name`
@@ -403,7 +403,7 @@ pub struct Scores<'a> {
     /// Mask out keys after each query (text encoders).
     pub causal: bool,
     /// Fused attention where the backend has it (K and V in f16).
-    pub flash: bool,
+    pub flash: Flash,
     /// The scale of `q·kᵀ`; `1/√D` when `None`.
     pub scale: Option<f32>,
     /// Added to the scaled scores before the softmax: `[S, T, H]` (T5's
@@ -425,7 +425,7 @@ pub fn attention<'a>(
     v: Tensor<'a>,
     heads: i64,
     causal: bool,
-    flash: bool,
+    flash: Flash,
 ) -> Result<Tensor<'a>> {
     let scores = Scores {
         causal,
@@ -477,8 +477,11 @@ pub fn attention_with<'a>(
     }
     let d = inner / heads;
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let flash = flash && !causal && bias.is_none();
-    if flash && c.amx() && kvh == heads {
+    let flash = match flash {
+        _ if causal || bias.is_some() => Flash::Off,
+        f => f,
+    };
+    if flash != Flash::Off && c.amx() && kvh == heads {
         // The tile unit's fused attention reads the heads in place.
         let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
             true => Ok(x),
@@ -486,9 +489,30 @@ pub fn attention_with<'a>(
         };
         return Ok(c.attention_amx(dense(q)?, dense(k)?, dense(v)?, heads, scale)?);
     }
+    if let Flash::Padded(wide) = flash {
+        // Each head zero-padded from D to `wide` as it is permuted to
+        // [wide, T, H, N]: the zeros add nothing to q·kᵀ (the scale stays
+        // 1/√D's), and give zero columns of the output, which are dropped.
+        let pad = i32::try_from(wide - d)
+            .ok()
+            .filter(|&p| p > 0)
+            .ok_or_else(|| {
+                ModelError::Shape(format!("attention heads {d} wide padded to {wide}"))
+            })?;
+        let heads_of = |x: Tensor<'a>, h: i64, len: i64| -> Result<Tensor<'a>> {
+            let x = c.permute(c.reshape(x, &[d, h, len, n])?, [0, 2, 1, 3])?;
+            Ok(c.pad(x, [pad, 0, 0, 0])?)
+        };
+        let q = heads_of(q, heads, t)?;
+        let k = c.cast(heads_of(k, kvh, s)?, ggml::Type::F16)?;
+        let v = c.cast(heads_of(v, kvh, s)?, ggml::Type::F16)?;
+        // [wide, H, T, N] → the first D of each head.
+        let out = c.narrow(c.flash_attn(q, k, v, scale)?, 0, 0, d)?;
+        return Ok(c.reshape(c.cont(out)?, &[inner, t, n])?);
+    }
     // [D, H, T, N] → [D, T, H, N]
     let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
-    if flash {
+    if flash == Flash::Fused {
         let f16 = |x: Tensor<'a>| -> Result<Tensor<'a>> {
             let x = c.permute(c.reshape(x, &[d, kvh, s, n])?, [0, 2, 1, 3])?;
             // The cast writes a contiguous f16 copy from the permuted view.

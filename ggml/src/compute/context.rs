@@ -17,6 +17,8 @@ pub struct Context {
     pub(crate) fma: std::cell::Cell<bool>,
     /// [`Context::set_f32_products`].
     pub(crate) f32_products: std::cell::Cell<bool>,
+    /// [`Context::set_direct_conv`].
+    pub(crate) direct_conv: std::cell::Cell<bool>,
 }
 
 // SAFETY: a context is only used through `&self`/`&mut self` of one owner;
@@ -48,6 +50,7 @@ impl Context {
             amx: std::cell::Cell::new(false),
             fma: std::cell::Cell::new(false),
             f32_products: std::cell::Cell::new(false),
+            direct_conv: std::cell::Cell::new(crate::knobs().direct_conv),
         })
     }
 
@@ -77,6 +80,14 @@ impl Context {
     /// latter. The f32 matrix is twice the f16 one. Off by default.
     pub fn set_f32_products(&self, on: bool) {
         self.f32_products.set(on);
+    }
+
+    /// Says whether [`Context::conv_2d`] of an f16 kernel builds ggml's
+    /// direct convolution (`ggml_conv_2d_direct`) instead of an im2col
+    /// matrix and a product. The default is [`crate::Knobs::direct_conv`]
+    /// (off: no backend measured faster with it).
+    pub fn set_direct_conv(&self, on: bool) {
+        self.direct_conv.set(on);
     }
 
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,

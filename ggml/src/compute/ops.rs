@@ -229,6 +229,10 @@ impl Context {
                 added,
             ));
         }
+        if self.direct_conv.get() && kernel.ty() == Some(Type::F16) && input.ty() == Some(Type::F32)
+        {
+            return Ok((self.conv_2d_direct(kernel, input, stride, pad)?, false));
+        }
         if let Some(rows) = self.band_rows(kernel, input, stride, pad) {
             return Ok((self.conv_2d_bands(kernel, input, pad, rows)?, false));
         }
@@ -236,6 +240,32 @@ impl Context {
             self.conv_2d_im2col_whole(kernel, input, stride, pad)?,
             false,
         ))
+    }
+
+    /// [`Context::conv_2d`] as ggml's direct convolution op (no im2col
+    /// matrix in the graph); shapes and types checked by the caller, the
+    /// input made contiguous here (the backends take no other).
+    fn conv_2d_direct<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<Tensor<'a>> {
+        let input = self.dense(input)?;
+        self.room(1)?;
+        // SAFETY: both alive for 'a; a contiguous f16 kernel of the input's
+        // channel count, a contiguous f32 input, stride ≥ 1, padding ≥ 0
+        // and a positive output size checked (`conv_2d_check`); room
+        // checked.
+        self.wrap(
+            unsafe {
+                sys::ggml_conv_2d_direct(
+                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1,
+                )
+            },
+            "ggml_conv_2d_direct",
+        )
     }
 
     /// Whether [`Context::conv_2d_im2col_whole`] builds its matrix in f32

@@ -16,7 +16,7 @@
 
 use crate::error::{Field, ModelError, Result};
 use crate::nn::{self, attention, layer_norm, linear};
-use crate::runtime::graph::W;
+use crate::runtime::graph::{Flash, W};
 use crate::runtime::module::{input_i32, Built, Module};
 use ggml::{Context, Tensor};
 
@@ -383,7 +383,7 @@ fn layer<'a>(
             let q = linear(c, w, &format!("{p}.self_attn.q_proj"), n, h, h)?;
             let k = linear(c, w, &format!("{p}.self_attn.k_proj"), n, h, h)?;
             let v = linear(c, w, &format!("{p}.self_attn.v_proj"), n, h, h)?;
-            let a = attention(c, q, k, v, cfg.heads, true, false)?;
+            let a = attention(c, q, k, v, cfg.heads, true, Flash::Off)?;
             let a = linear(c, w, &format!("{p}.self_attn.out_proj"), a, h, h)?;
             let x = c.add(x, a)?;
             let n = layer_norm(c, w, &format!("{p}.layer_norm2"), x, h, EPS)?;
@@ -401,7 +401,7 @@ fn layer<'a>(
             let qkv = nn::add_lora(c, w, &wname, n, c.mul_mat(wqkv, n)?)?;
             let qkv = c.add(qkv, bqkv)?;
             let part = |i| -> Result<Tensor<'a>> { Ok(c.cont(c.split_dim0(qkv, 3, i)?)?) };
-            let a = attention(c, part(0)?, part(1)?, part(2)?, cfg.heads, true, false)?;
+            let a = attention(c, part(0)?, part(1)?, part(2)?, cfg.heads, true, Flash::Off)?;
             let a = linear(c, w, &format!("{p}.attn.out_proj"), a, h, h)?;
             let x = c.add(x, a)?;
             let n = layer_norm(c, w, &format!("{p}.ln_2"), x, h, EPS)?;

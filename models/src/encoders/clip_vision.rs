@@ -22,7 +22,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::nn::{self, attention, conv2d, layer_norm, linear};
-use crate::runtime::graph::W;
+use crate::runtime::graph::{Flash, W};
 use crate::runtime::module::{input_f32, Built, ComputeBytes, Module};
 use ggml::Context;
 
@@ -180,7 +180,7 @@ fn build_tower<'a>(
         let q = linear(c, w, &format!("{lp}.self_attn.q_proj"), n, h, h)?;
         let k = linear(c, w, &format!("{lp}.self_attn.k_proj"), n, h, h)?;
         let v = linear(c, w, &format!("{lp}.self_attn.v_proj"), n, h, h)?;
-        let a = attention(c, q, k, v, cfg.heads, false, false)?;
+        let a = attention(c, q, k, v, cfg.heads, false, Flash::Off)?;
         let a = linear(c, w, &format!("{lp}.self_attn.out_proj"), a, h, h)?;
         x = c.add(x, a)?;
         let n = layer_norm(c, w, &format!("{lp}.layer_norm2"), x, h, EPS)?;
@@ -375,7 +375,7 @@ fn build_projection<'a>(
                 let kv = linear(c, w, &format!("{p}.0.to_kv"), kv_in, hidden, 2 * inner)?;
                 let k = c.cont(c.split_dim0(kv, 2, 0)?)?;
                 let v = c.cont(c.split_dim0(kv, 2, 1)?)?;
-                let a = attention(c, q, k, v, heads, false, false)?;
+                let a = attention(c, q, k, v, heads, false, Flash::Off)?;
                 let a = linear(c, w, &format!("{p}.0.to_out"), a, inner, hidden)?;
                 lat = c.add(a, lat)?;
                 let f = layer_norm(c, w, &format!("{p}.1.0"), lat, hidden, EPS)?;

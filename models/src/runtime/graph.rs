@@ -22,9 +22,24 @@ pub struct GraphOptions {
     pub circular: bool,
 }
 
-/// Whether the runtime device has a fused attention kernel for heads this
-/// wide (the runtime's probe of its device, cached; see [`W::flash_for`]).
-pub type FlashProbe = std::rc::Rc<dyn Fn(i64) -> bool>;
+/// The width at which the runtime device fuses attention with heads this
+/// wide, `None` where it does not (the runtime's probe of its device,
+/// cached; see [`W::flash_for`] and [`ggml::Device::fused_attention_width`]).
+pub type FlashProbe = std::rc::Rc<dyn Fn(i64) -> Option<i64>>;
+
+/// How one attention is computed ([`W::flash_for`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Flash {
+    /// Materialised scores: `softmax(q·kᵀ)·v` as products and a softmax.
+    #[default]
+    Off,
+    /// One fused op (`ggml_flash_attn_ext`, K and V in f16) at the heads'
+    /// own width.
+    Fused,
+    /// Fused, the heads zero-padded to this width: the device has a fused
+    /// kernel for it and none for theirs.
+    Padded(i64),
+}
 
 /// A module's weights by name, for one graph build, with the build options.
 pub struct W<'a> {
@@ -57,12 +72,21 @@ impl<'a> W<'a> {
         self
     }
 
-    /// Whether an attention with heads `head_dim` wide is fused: fused
-    /// attention is on ([`GraphOptions::flash_attn`]) and the runtime device
-    /// has a kernel for that width. Otherwise it is computed unfused on the
-    /// device rather than sent to the CPU by ggml's scheduler.
-    pub fn flash_for(&self, head_dim: i64) -> bool {
-        self.opts.flash_attn && self.flash_probe.as_ref().is_none_or(|p| p(head_dim))
+    /// How an attention with heads `head_dim` wide is computed: fused where
+    /// fused attention is on ([`GraphOptions::flash_attn`]) and the runtime
+    /// device has a kernel for that width, or for a wider one (then padded);
+    /// otherwise unfused on the device rather than sent to the CPU by
+    /// ggml's scheduler.
+    pub fn flash_for(&self, head_dim: i64) -> Flash {
+        if !self.opts.flash_attn {
+            return Flash::Off;
+        }
+        match self.flash_probe.as_ref().map(|p| p(head_dim)) {
+            None => Flash::Fused,
+            Some(Some(w)) if w == head_dim => Flash::Fused,
+            Some(Some(w)) => Flash::Padded(w),
+            Some(None) => Flash::Off,
+        }
     }
 
     /// The tensor `name`, or a "missing tensor" error.

@@ -196,7 +196,7 @@ pub struct Module<'b> {
     opts: GraphOptions,
     /// Head widths the runtime device has (true) or lacks (false) a fused
     /// attention kernel for, probed once each (`W::flash_for`).
-    flash_heads: std::sync::Arc<std::sync::Mutex<HashMap<i64, bool>>>,
+    flash_heads: std::sync::Arc<std::sync::Mutex<HashMap<i64, Option<i64>>>>,
     timing: Timing,
     /// What was really allocated so far (for checking measurements).
     allocated: Allocated,
@@ -883,30 +883,34 @@ pub fn input_i32<'a>(
 }
 
 /// [`W::flash_for`]'s probe for a module computing on `runtime`: every
-/// width on a CPU; elsewhere what the device says
-/// ([`ggml::Device::supports_fused_attention`]), asked once per width and
-/// said once where the answer is no.
+/// width at its own on a CPU; elsewhere what the device says
+/// ([`ggml::Device::fused_attention_width`]), asked once per width and
+/// said once where the heads are padded or computed unfused.
 fn flash_probe(
     name: &'static str,
     runtime: &Backend,
-    known: std::sync::Arc<std::sync::Mutex<HashMap<i64, bool>>>,
+    known: std::sync::Arc<std::sync::Mutex<HashMap<i64, Option<i64>>>>,
 ) -> crate::runtime::graph::FlashProbe {
     let device = runtime.device();
     let label = runtime.label();
     let on_cpu = device.device_type() == ggml::DeviceType::Cpu;
     std::rc::Rc::new(move |head_dim: i64| {
         if on_cpu {
-            return true;
+            return Some(head_dim);
         }
         let mut known = known.lock().unwrap_or_else(|e| e.into_inner());
         *known.entry(head_dim).or_insert_with(|| {
-            let fused = device.supports_fused_attention(head_dim);
-            if !fused {
-                tracing::info!(
+            let width = device.fused_attention_width(head_dim);
+            match width {
+                Some(w) if w == head_dim => {}
+                Some(w) => tracing::info!(
+                    "{name}: {label}: {head_dim}-wide heads are fused padded to {w}, the narrowest width it has a fast fused kernel for"
+                ),
+                None => tracing::info!(
                     "{name}: {label} has no fused attention for {head_dim}-wide heads: those are computed unfused there"
-                );
+                ),
             }
-            fused
+            width
         })
     })
 }
