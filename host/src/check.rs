@@ -544,14 +544,14 @@ pub fn cases() -> Vec<Case> {
             reference: Some(|i, c| conv_case(i, c, [1, 1, 64, 32], [16, 12, 64, 2], 1, false)),
         },
         Case {
-            name: "attention 40 padded to 64",
+            name: "attention 40 widened to 64",
             tolerance: 2e-2,
             cpu_kernels: false,
             build: |i, c| attention_case(i, c, 40, Flash::Padded(64)),
             reference: Some(|i, c| attention_case(i, c, 40, Flash::Off)),
         },
         Case {
-            name: "attention 160 padded to 256",
+            name: "attention 160 widened to 256",
             tolerance: 2e-2,
             cpu_kernels: false,
             build: |i, c| attention_case(i, c, 160, Flash::Padded(256)),

@@ -102,7 +102,7 @@ fn own_forms() -> Vec<&'static str> {
         .map(|c| c.name)
         .collect();
     assert!(names.iter().any(|n| n.contains("(direct)")), "{names:?}");
-    assert!(names.iter().any(|n| n.contains("padded")), "{names:?}");
+    assert!(names.iter().any(|n| n.contains("widened")), "{names:?}");
     names
 }
 
