@@ -27,7 +27,7 @@ use std::path::Path;
 /// `--flash-attn WHEN`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum FlashAttn {
-    /// On for modules whose runtime device is a CPU.
+    /// On for modules whose runtime device is a CPU or CUDA.
     Auto,
     /// Everywhere.
     On,
