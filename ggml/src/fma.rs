@@ -88,6 +88,15 @@ impl Isa {
         }
     }
 
+    /// The name of a convolution node on this kernel ([`conv`]'s f32
+    /// kernels: AVX512-BF16 does not apply).
+    pub fn conv_node_name(self) -> &'static str {
+        match self {
+            Isa::Avx512Bf16 | Isa::Avx512 => "fma conv avx512",
+            Isa::Avx2 => "fma conv avx2",
+        }
+    }
+
     /// The instruction set, as people write it (reports).
     fn label(self) -> &'static str {
         match self {
@@ -323,6 +332,107 @@ pub struct Rows<'x> {
     pub row: &'x dyn Fn(usize) -> &'x [f32],
 }
 
+/// One image's patches of a convolution as the `x` operand of
+/// [`conv`]: row `i` is output pixel `i` (row-major, [`Patches::ow`] to a
+/// row), its [`Patches::k`] values the input under the kernel there, in
+/// ggml's kernel order (channel, then kernel row, then column), zero in the
+/// padding. They are gathered from the image as they are packed: no
+/// im2col matrix is built.
+pub struct Patches<'x> {
+    /// The image, `[w, h, c]` planes (ggml's layout).
+    pub input: &'x [f32],
+    /// Width.
+    pub w: usize,
+    /// Height.
+    pub h: usize,
+    /// Channels.
+    pub c: usize,
+    /// Kernel width.
+    pub kw: usize,
+    /// Kernel height.
+    pub kh: usize,
+    /// Stride (both directions).
+    pub stride: usize,
+    /// Zero padding (every side).
+    pub pad: usize,
+}
+
+impl Patches<'_> {
+    /// Output width.
+    pub fn ow(&self) -> usize {
+        (self.w + 2 * self.pad - self.kw) / self.stride + 1
+    }
+
+    /// Output height.
+    pub fn oh(&self) -> usize {
+        (self.h + 2 * self.pad - self.kh) / self.stride + 1
+    }
+
+    /// Values per patch.
+    pub fn k(&self) -> usize {
+        self.c * self.kh * self.kw
+    }
+
+    /// Packs pixels `r0..r0 + mc` for `k` in `kb..kb + kc` into `a`, in
+    /// blocks of `mr` pixels side by side for each `k` (zero past `mc`).
+    /// With stride 1, a block's pixels on one output row read one run of
+    /// the input row under each kernel tap: copied whole.
+    fn pack(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [f32]) {
+        let (ow, w, h) = (self.ow(), self.w as isize, self.h as isize);
+        let (stride, pad) = (self.stride as isize, self.pad as isize);
+        let plane = self.w * self.h;
+        let mut iy0 = [0isize; 16];
+        let mut ix0 = [0isize; 16];
+        assert!(mr <= 16 && self.input.len() >= plane * self.c);
+        for blk in 0..mc.div_ceil(mr) {
+            let block = &mut a[blk * kc * mr..(blk + 1) * kc * mr];
+            let p0 = r0 + blk * mr;
+            let rows = mr.min(mc - blk * mr);
+            for r in 0..rows {
+                let p = p0 + r;
+                iy0[r] = (p / ow) as isize * stride - pad;
+                ix0[r] = (p % ow) as isize * stride - pad;
+            }
+            // One run of the input per tap: stride 1, one output row.
+            let run = self.stride == 1 && iy0[0] == iy0[rows - 1];
+            let (mut ch, mut ky, mut kx) = (
+                kb / (self.kh * self.kw),
+                kb / self.kw % self.kh,
+                kb % self.kw,
+            );
+            for kk in 0..kc {
+                let dst = &mut block[kk * mr..(kk + 1) * mr];
+                let src = &self.input[ch * plane..(ch + 1) * plane];
+                let (dy, dx) = (ky as isize, kx as isize);
+                let (y, x) = (iy0[0] + dy, ix0[0] + dx);
+                if run && (0..h).contains(&y) && x >= 0 && x + rows as isize <= w {
+                    let at = (y * w + x) as usize;
+                    dst[..rows].copy_from_slice(&src[at..at + rows]);
+                } else {
+                    for r in 0..rows {
+                        let (y, x) = (iy0[r] + dy, ix0[r] + dx);
+                        dst[r] = if (0..h).contains(&y) && (0..w).contains(&x) {
+                            src[(y * w + x) as usize]
+                        } else {
+                            0.0
+                        };
+                    }
+                }
+                dst[rows..].fill(0.0);
+                kx += 1;
+                if kx == self.kw {
+                    kx = 0;
+                    ky += 1;
+                    if ky == self.kh {
+                        ky = 0;
+                        ch += 1;
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A buffer of `E` aligned for 64-byte loads, grown on demand.
 struct Aligned<E> {
     raw: Vec<[u8; 64]>,
@@ -426,27 +536,177 @@ pub fn gemm(
 ) {
     let f = features();
     let bf16 = isa == Isa::Avx512Bf16 && f.avx512bf16 && w.ty == sys::GGML_TYPE_BF16;
+    let (m, k) = (x.rows, x.k);
     if bf16 {
-        gemm_with::<Bf16Avx512>(w, x, bias, out, ith, nth)
+        gemm_with::<Bf16Avx512>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| pack_rows::<Bf16Avx512>(x, r0, mc, kb, kc, a),
+            bias,
+            out,
+            Store::Rows,
+            ith,
+            nth,
+        )
     } else if isa != Isa::Avx2 && f.avx512 {
-        gemm_with::<F32Avx512>(w, x, bias, out, ith, nth)
+        gemm_with::<F32Avx512>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| pack_rows::<F32Avx512>(x, r0, mc, kb, kc, a),
+            bias,
+            out,
+            Store::Rows,
+            ith,
+            nth,
+        )
     } else if f.avx2 {
-        gemm_with::<F32Avx2>(w, x, bias, out, ith, nth)
+        gemm_with::<F32Avx2>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| pack_rows::<F32Avx2>(x, r0, mc, kb, kc, a),
+            bias,
+            out,
+            Store::Rows,
+            ith,
+            nth,
+        )
     } else {
-        gemm_with::<F32Plain>(w, x, bias, out, ith, nth)
+        gemm_with::<F32Plain>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| pack_rows::<F32Plain>(x, r0, mc, kb, kc, a),
+            bias,
+            out,
+            Store::Rows,
+            ith,
+            nth,
+        )
     }
 }
 
-fn gemm_with<K: Kernel>(
+/// The convolution of one image by the `[k, n]` weight `w` (a kernel
+/// `[kw, kh, c, n]` of a type [`conv_isa`] passes, its outputs' rows of
+/// `k` values in the patches' order): `out[j·ld + i]`, plane `j` of `ld ≥
+/// rows` pixels per output channel (ggml's `[ow, oh, n]`), plus `bias[j]`,
+/// for this thread's part (`ith` of `nth`), on the f32 kernel of `isa`.
+#[allow(clippy::too_many_arguments)]
+pub fn conv(
+    isa: Isa,
     w: &Weight<'_>,
-    x: &Rows<'_>,
+    x: &Patches<'_>,
     bias: Option<&[f32]>,
     out: &mut [f32],
+    ld: usize,
     ith: usize,
     nth: usize,
 ) {
-    let (k, n, m) = (x.k, w.n, x.rows);
-    assert!(w.k == k && out.len() >= m * n && bias.is_none_or(|b| b.len() >= n));
+    let f = features();
+    let (m, k) = (x.ow() * x.oh(), x.k());
+    let store = Store::Channels { ld };
+    if isa != Isa::Avx2 && f.avx512 {
+        let mr = F32Avx512::MR;
+        gemm_with::<F32Avx512>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| x.pack(r0, mc, kb, kc, mr, a),
+            bias,
+            out,
+            store,
+            ith,
+            nth,
+        )
+    } else if f.avx2 {
+        let mr = F32Avx2::MR;
+        gemm_with::<F32Avx2>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| x.pack(r0, mc, kb, kc, mr, a),
+            bias,
+            out,
+            store,
+            ith,
+            nth,
+        )
+    } else {
+        let mr = F32Plain::MR;
+        gemm_with::<F32Plain>(
+            w,
+            m,
+            k,
+            &|r0, mc, kb, kc, a| x.pack(r0, mc, kb, kc, mr, a),
+            bias,
+            out,
+            store,
+            ith,
+            nth,
+        )
+    }
+}
+
+/// The kernel a convolution with a kernel of ggml type `ty` runs on here
+/// ([`conv`], always an f32 one: the patches are f32), or `None` where it
+/// stays ggml's im2col and product: f32 and f16 kernels, and bf16 ones on
+/// processors without AVX512-BF16, on the processors and with the knobs of
+/// [`isa_for`]'s f32 products, unless [`crate::Knobs::fma_conv`] is off.
+///
+/// Measured with `sdhost bench` on SD 1.5 at 512², f16 weights, on a Zen 4
+/// (2 cores; alternating runs, docs/performance.md): VAE decode 21.9 and
+/// 18.1 s against ggml's 31.4 and 32.9 s, the UNet step level (13.6 and
+/// 12.2 s against 14.0 and 16.8 s: the machine's noise). The gain is
+/// im2col's: its matrix is `k` times the input, written and read again.
+pub fn conv_isa(ty: sys::ggml_type) -> Option<Isa> {
+    let knobs = crate::knobs();
+    let float = match ty {
+        sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 => true,
+        // ggml's own bf16 product (`vdpbf16ps`, twice the f32 rate) over
+        // its im2col measured faster in SD 1.5's UNet on a Zen 4 (9.28 and
+        // 8.87 s a step against 9.87 and 9.99 s), and level in its VAE.
+        sys::GGML_TYPE_BF16 => !features().avx512bf16 || knobs.fma_all,
+        _ => false,
+    };
+    (float && knobs.fma_conv)
+        .then(|| isa_for(sys::GGML_TYPE_F32, 1))
+        .flatten()
+}
+
+/// Where [`gemm_with`] writes output `j` of row `i`.
+#[derive(Clone, Copy)]
+enum Store {
+    /// `out[i·n + j]`: each row's outputs side by side (a matrix product).
+    Rows,
+    /// `out[j·ld + i]`: each output's rows side by side (a convolution's
+    /// channels, each a plane of `ld` pixels).
+    Channels { ld: usize },
+}
+
+/// Packs rows `r0..r0 + mc` of the `x` operand for `k` in `kb..kb + kc`
+/// into a block (zero past `mc` and past `kc`): `(r0, mc, kb, kc, block)`.
+type PackX<'p, E> = &'p dyn Fn(usize, usize, usize, usize, &mut [E]);
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_with<K: Kernel>(
+    w: &Weight<'_>,
+    m: usize,
+    k: usize,
+    pack_x: PackX<'_, K::E>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    store: Store,
+    ith: usize,
+    nth: usize,
+) {
+    let n = w.n;
+    let fits = match store {
+        Store::Rows => out.len() >= m * n,
+        Store::Channels { ld } => ld >= m && out.len() >= (n - 1) * ld + m,
+    };
+    assert!(w.k == k && fits && bias.is_none_or(|b| b.len() >= n));
     let panels = n.div_ceil(K::NR);
     // Each thread packs the part of the weight it multiplies and the part
     // of `x`: by panels, its panels and every row; by rows, every panel and
@@ -476,7 +736,7 @@ fn gemm_with<K: Kernel>(
                 let mc = MC.min(rr.end - r0);
                 let blocks = mc.div_ceil(K::MR);
                 let a = buf.a.get(blocks * kp * K::MR);
-                pack_rows::<K>(x, r0, mc, kb, kc, a);
+                pack_x(r0, mc, kb, kc, a);
                 for q in 0..np {
                     let panel = &b[q * kp * K::NR..(q + 1) * kp * K::NR];
                     let j0 = (pr.start + q) * K::NR;
@@ -485,6 +745,32 @@ fn gemm_with<K: Kernel>(
                         let rows = K::MR.min(mc - blk * K::MR);
                         let a = &a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
                         let i0 = r0 + blk * K::MR;
+                        if let Store::Channels { ld } = store {
+                            // SAFETY: as below, into `buf.c` (MR × NR).
+                            unsafe {
+                                K::tile(
+                                    kp,
+                                    a,
+                                    panel,
+                                    buf.c.as_mut_ptr(),
+                                    K::NR,
+                                    false,
+                                    std::ptr::null(),
+                                )
+                            };
+                            let bias = bias.filter(|_| kb == 0).map(|b| &b[j0..j0 + cols]);
+                            finish_channels(
+                                &buf.c,
+                                K::NR,
+                                rows,
+                                cols,
+                                &mut out[j0 * ld + i0..],
+                                ld,
+                                kb > 0,
+                                bias,
+                            );
+                            continue;
+                        }
                         if rows == K::MR && cols == K::NR {
                             let bias = match bias {
                                 Some(b) if kb == 0 => b[j0..j0 + K::NR].as_ptr(),
@@ -722,6 +1008,30 @@ unsafe fn finish(
                 }
                 *o = v;
             }
+        }
+    }
+}
+
+/// [`finish`] into [`Store::Channels`]: sum `(r, j)` of the tile to
+/// `c[j·ld + r]` (each output's `rows` values side by side), plus what it
+/// held where `add`, plus `bias[j]`.
+#[allow(clippy::too_many_arguments)]
+fn finish_channels(
+    acc: &[f32],
+    acc_ld: usize,
+    rows: usize,
+    cols: usize,
+    c: &mut [f32],
+    ld: usize,
+    add: bool,
+    bias: Option<&[f32]>,
+) {
+    for j in 0..cols {
+        let b = bias.map_or(0.0, |b| b[j]);
+        let dst = &mut c[j * ld..j * ld + rows];
+        for (r, d) in dst.iter_mut().enumerate() {
+            let v = acc[r * acc_ld + j] + b;
+            *d = if add { *d + v } else { v };
         }
     }
 }
@@ -1000,6 +1310,67 @@ pub(crate) unsafe extern "C" fn gemm_op(
     }
 }
 
+/// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = the convolution
+/// of the f32 input `src[1]` (`[w, h, c, n]`, contiguous) by the kernel
+/// `src[0]` (`[kw, kh, c, oc]`, contiguous, of a type [`conv_isa`]
+/// passes), plus the f32 bias `src[2]` of `oc` values if there is one;
+/// stride and padding in the userdata ([`crate::amx::conv_userdata`]).
+pub(crate) unsafe extern "C" fn conv_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d` built this node: the shapes, types and
+    // contiguity above (checked by `conv_2d_check`), all in host memory of
+    // the CPU backend; threads write disjoint outputs (their own pixels or
+    // channels of each image).
+    unsafe {
+        let (kt, xt, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
+        let (stride, pad) = ((ud as usize) >> 16, (ud as usize) & 0xffff);
+        let [w, h, c, n] = xt.ne.map(|v| v as usize);
+        let [kw, kh, _, oc] = kt.ne.map(|v| v as usize);
+        let (ow, oh) = (d.ne[0] as usize, d.ne[1] as usize);
+        let k = kw * kh * c;
+        let weight = Weight {
+            data: std::slice::from_raw_parts(kt.data as *const u8, kt.nb[3] * oc),
+            ty: kt.type_,
+            k,
+            n: oc,
+            row_bytes: kt.nb[3],
+        };
+        let bias = (!(*dst).src[2].is_null())
+            .then(|| std::slice::from_raw_parts((*(*dst).src[2]).data as *const f32, oc));
+        let input = std::slice::from_raw_parts(xt.data as *const f32, w * h * c * n);
+        let out = std::slice::from_raw_parts_mut(d.data as *mut f32, ow * oh * oc * n);
+        let isa = conv_isa(kt.type_).unwrap_or(Isa::Avx2);
+        for b in 0..n {
+            let x = Patches {
+                input: &input[b * w * h * c..(b + 1) * w * h * c],
+                w,
+                h,
+                c,
+                kw,
+                kh,
+                stride,
+                pad,
+            };
+            let plane = ow * oh;
+            let out = &mut out[b * plane * oc..(b + 1) * plane * oc];
+            conv(
+                isa,
+                &weight,
+                &x,
+                bias,
+                out,
+                plane,
+                ith as usize,
+                nth as usize,
+            );
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1096,6 +1467,101 @@ mod tests {
                             "{isa:?} k {k} n {n} m {m} nth {nth} at ({i}, {j}): {} vs {want}",
                             got[i * n + j]
                         );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn convolutions_match_the_f64_convolution() {
+        // (w, h, c, oc, kernel, stride, pad, nth): 3×3 "same", strided,
+        // 1×1, unpadded; channels whose patches span two k blocks (40·9 =
+        // 360) and ragged output rows (blocks of pixels across two rows).
+        let cases = [
+            (13, 7, 5, 9, 3, 1, 1, 1),
+            (17, 11, 40, 21, 3, 1, 1, 2),
+            (16, 9, 8, 12, 3, 2, 1, 3),
+            (10, 6, 33, 17, 1, 1, 0, 2),
+            (9, 8, 6, 7, 3, 1, 0, 1),
+        ];
+        let mut isas: Vec<Isa> = kernels()
+            .into_iter()
+            .filter(|&i| i != Isa::Avx512Bf16)
+            .collect();
+        isas.dedup();
+        for isa in isas {
+            for (w, h, c, oc, kk, stride, pad, nth) in cases {
+                for ty in [sys::GGML_TYPE_F32, sys::GGML_TYPE_F16] {
+                    let k = c * kk * kk;
+                    let wv: Vec<f32> = (0..k * oc).map(|i| v(5, i)).collect();
+                    let bytes: Vec<u8> = if ty == sys::GGML_TYPE_F16 {
+                        wv.iter()
+                            .flat_map(|&f| half::f16::from_f32(f).to_le_bytes())
+                            .collect()
+                    } else {
+                        wv.iter().flat_map(|f| f.to_le_bytes()).collect()
+                    };
+                    let row_bytes = bytes.len() / oc;
+                    let wt = Weight {
+                        data: &bytes,
+                        ty,
+                        k,
+                        n: oc,
+                        row_bytes,
+                    };
+                    let input: Vec<f32> = (0..w * h * c).map(|i| v(6, i)).collect();
+                    let x = Patches {
+                        input: &input,
+                        w,
+                        h,
+                        c,
+                        kw: kk,
+                        kh: kk,
+                        stride,
+                        pad,
+                    };
+                    let (ow, oh) = (x.ow(), x.oh());
+                    let plane = ow * oh;
+                    let bias: Vec<f32> = (0..oc).map(|i| v(7, i)).collect();
+                    let mut got = vec![f32::NAN; plane * oc];
+                    for ith in 0..nth {
+                        conv(isa, &wt, &x, Some(&bias), &mut got, plane, ith, nth);
+                    }
+                    let wf = |i: usize| match ty {
+                        sys::GGML_TYPE_F16 => half::f16::from_f32(wv[i]).to_f32(),
+                        _ => wv[i],
+                    };
+                    for o in 0..oc {
+                        for y in 0..oh {
+                            for xx in 0..ow {
+                                let mut want = f64::from(bias[o]);
+                                for ch in 0..c {
+                                    for ky in 0..kk {
+                                        for kx in 0..kk {
+                                            let iy = (y * stride + ky) as isize - pad as isize;
+                                            let ix = (xx * stride + kx) as isize - pad as isize;
+                                            if iy < 0
+                                                || ix < 0
+                                                || iy >= h as isize
+                                                || ix >= w as isize
+                                            {
+                                                continue;
+                                            }
+                                            let xi =
+                                                input[(ch * h + iy as usize) * w + ix as usize];
+                                            let wi = wf(o * k + (ch * kk + ky) * kk + kx);
+                                            want += f64::from(xi) * f64::from(wi);
+                                        }
+                                    }
+                                }
+                                let g = got[o * plane + y * ow + xx];
+                                assert!(
+                                    (f64::from(g) - want).abs() < 1e-4 * (k as f64).sqrt(),
+                                    "{isa:?} {w}x{h}x{c} → {oc}, {kk}x{kk}/{stride} pad {pad}, nth {nth}, type {ty} at ({xx}, {y}, {o}): {g} vs {want}"
+                                );
+                            }
+                        }
                     }
                 }
             }

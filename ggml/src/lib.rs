@@ -81,7 +81,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_ARENA`,
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_ARENA`,
 /// `SDHOST_CONV_BAND_MIB`, `SDHOST_DIRECT_CONV`, `SDHOST_NO_FLASH_PAD`) and
 /// passes them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,6 +95,9 @@ pub struct Knobs {
     pub fma: bool,
     /// The fewest rows that take the FMA path (default [`fma::MIN_ROWS`]).
     pub fma_min_rows: Option<usize>,
+    /// Convolutions on sdhost's implicit GEMM where the FMA path is on
+    /// ([`fma::conv`]); off: ggml's im2col and product (to measure them).
+    pub fma_conv: bool,
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
@@ -125,6 +128,7 @@ impl Default for Knobs {
             amx_min_rows: None,
             fma: true,
             fma_min_rows: None,
+            fma_conv: true,
             fma_avx2: false,
             fma_all: false,
             arena: true,

@@ -14,7 +14,9 @@ pub use crate::session::init_logging;
 /// `SDHOST_NO_AMX` (set: no AMX kernels), `SDHOST_AMX_MIN_ROWS` (the
 /// fewest rows for the AMX path, for measurements), `SDHOST_NO_FMA` (set:
 /// no AVX2 + FMA matrix products), `SDHOST_FMA_MIN_ROWS` (their fewest
-/// rows), `SDHOST_FMA_ALL=1` (every weight type takes them) and
+/// rows), `SDHOST_NO_FMA_CONV=1` (convolutions as ggml's im2col and
+/// product instead of their implicit GEMM), `SDHOST_FMA_ALL=1` (every
+/// weight type takes them) and
 /// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512), for
 /// measurements, `SDHOST_NO_ARENA=1`
 /// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest
@@ -32,6 +34,7 @@ pub fn knobs_from_env() -> ggml::Knobs {
         fma_min_rows: std::env::var("SDHOST_FMA_MIN_ROWS")
             .ok()
             .and_then(|v| v.parse().ok()),
+        fma_conv: std::env::var("SDHOST_NO_FMA_CONV").map_or(true, |v| v != "1"),
         fma_all: std::env::var("SDHOST_FMA_ALL").is_ok_and(|v| v == "1"),
         fma_avx2: std::env::var("SDHOST_FMA_AVX2").is_ok_and(|v| v == "1"),
         arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),

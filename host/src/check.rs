@@ -520,6 +520,35 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "conv_2d f16 (FMA)",
+            tolerance: 1e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // sdhost's implicit GEMM (enough pixels: 40 × 20), two
+                // images, patches over two k blocks (32 · 9 = 288).
+                let (k, x) = (
+                    t(i, Type::F16, &[3, 3, 32, 24])?,
+                    t(i, Type::F32, &[40, 20, 32, 2])?,
+                );
+                Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
+            },
+        },
+        Case {
+            name: "conv_2d f32 + bias, stride 2 (FMA)",
+            tolerance: 2e-3,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                let (k, x, b) = (
+                    t(i, Type::F32, &[3, 3, 8, 16])?,
+                    t(i, Type::F32, &[53, 41, 8, 1])?,
+                    t(i, Type::F32, &[16])?,
+                );
+                Ok((vec![k, x, b], c.conv_2d_bias(k, x, b, 2, 1)?))
+            },
+        },
+        Case {
             name: "conv_2d 3x3 (direct)",
             tolerance: 1e-2,
             cpu_kernels: false,

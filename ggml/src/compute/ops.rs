@@ -229,6 +229,13 @@ impl Context {
                 added,
             ));
         }
+        if let Some(isa) = self.fma_conv(kernel, input, stride, pad) {
+            let added = bias.is_some();
+            return Ok((
+                self.conv_2d_fma(kernel, input, bias, stride, pad, isa)?,
+                added,
+            ));
+        }
         if self.direct_conv.get() && kernel.ty() == Some(Type::F16) && input.ty() == Some(Type::F32)
         {
             return Ok((self.conv_2d_direct(kernel, input, stride, pad)?, false));
@@ -240,6 +247,63 @@ impl Context {
             self.conv_2d_im2col_whole(kernel, input, stride, pad)?,
             false,
         ))
+    }
+
+    /// The kernel a convolution (operands checked) takes in an FMA context
+    /// ([`Context::set_cpu_kernels`]): sdhost's implicit GEMM
+    /// ([`crate::fma::conv`]) where [`crate::fma::conv_isa`] passes the
+    /// kernel's type, over at least [`crate::fma::min_rows`] output pixels
+    /// per image; `None`: ggml's im2col and product.
+    fn fma_conv(
+        &self,
+        kernel: Tensor<'_>,
+        input: Tensor<'_>,
+        stride: i32,
+        pad: i32,
+    ) -> Option<crate::fma::Isa> {
+        if !self.fma.get() || input.ty() != Some(Type::F32) || stride >= 1 << 15 || pad >= 1 << 15 {
+            return None;
+        }
+        let (k, x) = (kernel.ne(), input.ne());
+        let out = |i: usize| (x[i] + 2 * i64::from(pad) - k[i]) / i64::from(stride) + 1;
+        let isa = crate::fma::conv_isa(kernel.raw_type())?;
+        (out(0) * out(1) >= crate::fma::min_rows() as i64).then_some(isa)
+    }
+
+    /// [`Context::conv_2d`] on sdhost's implicit GEMM ([`crate::fma::conv`]),
+    /// plus `bias` as it writes its output; operands checked by the caller.
+    fn conv_2d_fma<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        stride: i32,
+        pad: i32,
+        isa: crate::fma::Isa,
+    ) -> Result<Tensor<'a>> {
+        let input = self.dense(input)?;
+        let (k, x) = (kernel.ne(), input.ne());
+        let out = |i: usize| (x[i] + 2 * i64::from(pad) - k[i]) / i64::from(stride) + 1;
+        let ne = [out(0), out(1), k[3], x[3]];
+        let mut args = vec![kernel.raw, input.raw];
+        args.extend(bias.map(|b| b.raw));
+        let ud = crate::amx::conv_userdata(stride as usize, pad as usize);
+        self.room(1)?;
+        // SAFETY: all alive for 'a; a contiguous f32/f16/bf16 kernel of
+        // the input's channels, a contiguous f32 input, stride and padding
+        // below 2¹⁵ and a positive output size (conv_2d_check, fma_conv),
+        // an f32 bias of `oc` values (conv_2d_bias); conv_op reads them in
+        // this order and writes `ne` f32; room checked.
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                ne,
+                &mut args,
+                crate::fma::conv_op,
+                ud,
+                isa.conv_node_name(),
+            )
+        }
     }
 
     /// [`Context::conv_2d`] as ggml's direct convolution op (no im2col
