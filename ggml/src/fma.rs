@@ -521,6 +521,25 @@ fn share(units: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
     units * ith / nth..units * (ith + 1) / nth
 }
 
+/// `$body` with `$k` the f32 kernel for `isa` on this processor: AVX-512F
+/// where `isa` asks for more than AVX2 and the processor has it, else AVX2
+/// + FMA where it has that, else the portable kernel.
+macro_rules! on_f32_kernel {
+    ($isa:expr, $k:ident => $body:expr) => {{
+        let f = features();
+        if $isa != Isa::Avx2 && f.avx512 {
+            type $k = F32Avx512;
+            $body
+        } else if f.avx2 {
+            type $k = F32Avx2;
+            $body
+        } else {
+            type $k = F32Plain;
+            $body
+        }
+    }};
+}
+
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
 /// (`ith` of `nth`) of the outputs, on `isa`'s kernel. The caller made sure
 /// that the processor has `isa` (as [`isa_for`] does) and that `w.k ==
@@ -534,58 +553,18 @@ pub fn gemm(
     ith: usize,
     nth: usize,
 ) {
-    let f = features();
-    let bf16 = isa == Isa::Avx512Bf16 && f.avx512bf16 && w.ty == sys::GGML_TYPE_BF16;
+    let bf16 = isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16;
     let (m, k) = (x.rows, x.k);
+    let store = Store::Rows;
     if bf16 {
-        gemm_with::<Bf16Avx512>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| pack_rows::<Bf16Avx512>(x, r0, mc, kb, kc, a),
-            bias,
-            out,
-            Store::Rows,
-            ith,
-            nth,
-        )
-    } else if isa != Isa::Avx2 && f.avx512 {
-        gemm_with::<F32Avx512>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| pack_rows::<F32Avx512>(x, r0, mc, kb, kc, a),
-            bias,
-            out,
-            Store::Rows,
-            ith,
-            nth,
-        )
-    } else if f.avx2 {
-        gemm_with::<F32Avx2>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| pack_rows::<F32Avx2>(x, r0, mc, kb, kc, a),
-            bias,
-            out,
-            Store::Rows,
-            ith,
-            nth,
-        )
-    } else {
-        gemm_with::<F32Plain>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| pack_rows::<F32Plain>(x, r0, mc, kb, kc, a),
-            bias,
-            out,
-            Store::Rows,
-            ith,
-            nth,
-        )
+        type K = Bf16Avx512;
+        let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<K>(x, r0, mc, kb, kc, a);
+        return gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth);
     }
+    on_f32_kernel!(isa, K => {
+        let pack = |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<K>(x, r0, mc, kb, kc, a);
+        gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth)
+    })
 }
 
 /// The convolution of one image by the `[k, n]` weight `w` (a kernel
@@ -604,49 +583,12 @@ pub fn conv(
     ith: usize,
     nth: usize,
 ) {
-    let f = features();
     let (m, k) = (x.ow() * x.oh(), x.k());
     let store = Store::Channels { ld };
-    if isa != Isa::Avx2 && f.avx512 {
-        let mr = F32Avx512::MR;
-        gemm_with::<F32Avx512>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| x.pack(r0, mc, kb, kc, mr, a),
-            bias,
-            out,
-            store,
-            ith,
-            nth,
-        )
-    } else if f.avx2 {
-        let mr = F32Avx2::MR;
-        gemm_with::<F32Avx2>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| x.pack(r0, mc, kb, kc, mr, a),
-            bias,
-            out,
-            store,
-            ith,
-            nth,
-        )
-    } else {
-        let mr = F32Plain::MR;
-        gemm_with::<F32Plain>(
-            w,
-            m,
-            k,
-            &|r0, mc, kb, kc, a| x.pack(r0, mc, kb, kc, mr, a),
-            bias,
-            out,
-            store,
-            ith,
-            nth,
-        )
-    }
+    on_f32_kernel!(isa, K => {
+        let pack = |r0, mc, kb, kc, a: &mut [f32]| x.pack(r0, mc, kb, kc, K::MR, a);
+        gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth)
+    })
 }
 
 /// The kernel a convolution with a kernel of ggml type `ty` runs on here

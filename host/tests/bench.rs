@@ -624,9 +624,10 @@ fn profile_ops_name_sdhost_s_kernels() {
     }
 }
 
-/// With `SDHOST_DIRECT_CONV=1` (the default on CUDA) the UNet's and the
-/// autoencoder's f16 convolutions are ggml's direct op: no im2col matrix is
-/// built; with `0` they are im2col and a product.
+/// With `SDHOST_DIRECT_CONV=1` the f16 convolutions that sdhost's
+/// implicit GEMM does not take (here the UNet's, under 512 pixels) are
+/// ggml's direct op: no im2col matrix is built anywhere; with `0` they are
+/// im2col and a product.
 #[test]
 fn direct_convolutions_leave_no_im2col() {
     let p = Prefix::with_cpu();
