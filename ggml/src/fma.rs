@@ -687,33 +687,7 @@ fn gemm_with<K: Kernel>(
                         let rows = K::MR.min(mc - blk * K::MR);
                         let a = &a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
                         let i0 = r0 + blk * K::MR;
-                        if let Store::Channels { ld } = store {
-                            // SAFETY: as below, into `buf.c` (MR × NR).
-                            unsafe {
-                                K::tile(
-                                    kp,
-                                    a,
-                                    panel,
-                                    buf.c.as_mut_ptr(),
-                                    K::NR,
-                                    false,
-                                    std::ptr::null(),
-                                )
-                            };
-                            let bias = bias.filter(|_| kb == 0).map(|b| &b[j0..j0 + cols]);
-                            finish_channels(
-                                &buf.c,
-                                K::NR,
-                                rows,
-                                cols,
-                                &mut out[j0 * ld + i0..],
-                                ld,
-                                kb > 0,
-                                bias,
-                            );
-                            continue;
-                        }
-                        if rows == K::MR && cols == K::NR {
+                        if matches!(store, Store::Rows) && rows == K::MR && cols == K::NR {
                             let bias = match bias {
                                 Some(b) if kb == 0 => b[j0..j0 + K::NR].as_ptr(),
                                 _ => std::ptr::null(),
@@ -738,6 +712,12 @@ fn gemm_with<K: Kernel>(
                                 std::ptr::null(),
                             )
                         };
+                        if let Store::Channels { ld } = store {
+                            let bias = bias.filter(|_| kb == 0).map(|b| &b[j0..j0 + cols]);
+                            let c = &mut out[j0 * ld + i0..];
+                            finish_channels(&buf.c, K::NR, rows, cols, c, ld, kb > 0, bias);
+                            continue;
+                        }
                         let bias = match bias {
                             Some(b) if kb == 0 => b[j0..j0 + cols].as_ptr(),
                             _ => std::ptr::null(),
