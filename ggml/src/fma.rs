@@ -92,7 +92,8 @@ impl Isa {
     /// kernels: AVX512-BF16 does not apply).
     pub fn conv_node_name(self) -> &'static str {
         match self {
-            Isa::Avx512Bf16 | Isa::Avx512 => "fma conv avx512",
+            Isa::Avx512Bf16 => "fma conv avx512bf16",
+            Isa::Avx512 => "fma conv avx512",
             Isa::Avx2 => "fma conv avx2",
         }
     }
@@ -373,6 +374,32 @@ impl Patches<'_> {
         self.c * self.kh * self.kw
     }
 
+    /// [`Patches::pack`] for the bf16 kernel: the values rounded to bf16,
+    /// in pairs of `k` (`[k / 2][mr][2]`, zero past `kc`).
+    fn pack_pairs(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [u16]) {
+        thread_local! {
+            static GATHERED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+        }
+        GATHERED.with(|g| {
+            let mut g = g.borrow_mut();
+            let blocks = mc.div_ceil(mr);
+            g.resize(blocks * kc * mr, 0.0);
+            self.pack(r0, mc, kb, kc, mr, &mut g);
+            let kp = kc.div_ceil(2) * 2;
+            for blk in 0..blocks {
+                let src = &g[blk * kc * mr..(blk + 1) * kc * mr];
+                let dst = &mut a[blk * kp * mr..(blk + 1) * kp * mr];
+                for kk in 0..kp {
+                    let pair = (kk / 2) * 2 * mr + (kk & 1);
+                    for r in 0..mr {
+                        let v = if kk < kc { src[kk * mr + r] } else { 0.0 };
+                        dst[pair + 2 * r] = bf16(v);
+                    }
+                }
+            }
+        })
+    }
+
     /// Packs pixels `r0..r0 + mc` for `k` in `kb..kb + kc` into `a`, in
     /// blocks of `mr` pixels side by side for each `k` (zero past `mc`).
     /// With stride 1, a block's pixels on one output row read one run of
@@ -585,6 +612,11 @@ pub fn conv(
 ) {
     let (m, k) = (x.ow() * x.oh(), x.k());
     let store = Store::Channels { ld };
+    if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
+        type K = Bf16Avx512;
+        let pack = |r0, mc, kb, kc, a: &mut [u16]| x.pack_pairs(r0, mc, kb, kc, K::MR, a);
+        return gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth);
+    }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| x.pack(r0, mc, kb, kc, K::MR, a);
         gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth)
@@ -592,29 +624,31 @@ pub fn conv(
 }
 
 /// The kernel a convolution with a kernel of ggml type `ty` runs on here
-/// ([`conv`], always an f32 one: the patches are f32), or `None` where it
-/// stays ggml's im2col and product: f32 and f16 kernels, and bf16 ones on
-/// processors without AVX512-BF16, on the processors and with the knobs of
-/// [`isa_for`]'s f32 products, unless [`crate::Knobs::fma_conv`] is off.
+/// ([`conv`]), or `None` where it stays ggml's im2col and product: f32,
+/// f16 and bf16 kernels on the f32 kernel of [`isa_for`]'s f32 products,
+/// except bf16 ones on processors with AVX512-BF16, which take the
+/// `vdpbf16ps` kernel (the patches rounded to bf16 as they are packed; at
+/// every `k`, unlike products); none where [`crate::Knobs::fma_conv`] is
+/// off.
 ///
-/// Measured with `sdhost bench` on SD 1.5 at 512², f16 weights, on a Zen 4
-/// (2 cores; alternating runs, docs/performance.md): VAE decode 21.9 and
-/// 18.1 s against ggml's 31.4 and 32.9 s, the UNet step level (13.6 and
-/// 12.2 s against 14.0 and 16.8 s: the machine's noise). The gain is
-/// im2col's: its matrix is `k` times the input, written and read again.
+/// Measured with `sdhost bench` on SD 1.5 at 512² on a Zen 4 (2 cores;
+/// alternating runs, docs/performance.md): f16 weights, VAE decode 21.9
+/// and 18.1 s against ggml's 31.4 and 32.9 s, the UNet step level (13.6
+/// and 12.2 s against 14.0 and 16.8 s: the machine's noise); bf16 weights
+/// on `vdpbf16ps`, VAE decode 13.5 and 13.4 s against 18.2 and 17.7 s,
+/// UNet step 8.4 and 7.8 s against 9.2 and 8.1 s. The gain is im2col's:
+/// its matrix is `k` times the input, written and read again.
 pub fn conv_isa(ty: sys::ggml_type) -> Option<Isa> {
     let knobs = crate::knobs();
-    let float = match ty {
-        sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 => true,
-        // ggml's own bf16 product (`vdpbf16ps`, twice the f32 rate) over
-        // its im2col measured faster in SD 1.5's UNet on a Zen 4 (9.28 and
-        // 8.87 s a step against 9.87 and 9.99 s), and level in its VAE.
-        sys::GGML_TYPE_BF16 => !features().avx512bf16 || knobs.fma_all,
-        _ => false,
-    };
-    (float && knobs.fma_conv)
-        .then(|| isa_for(sys::GGML_TYPE_F32, 1))
-        .flatten()
+    if !knobs.fma_conv {
+        return None;
+    }
+    let f32_isa = isa_for(sys::GGML_TYPE_F32, 1)?;
+    match ty {
+        sys::GGML_TYPE_BF16 if features().avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
+        sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 | sys::GGML_TYPE_BF16 => Some(f32_isa),
+        _ => None,
+    }
 }
 
 /// Where [`gemm_with`] writes output `j` of row `i`.
@@ -1407,22 +1441,26 @@ mod tests {
             (10, 6, 33, 17, 1, 1, 0, 2),
             (9, 8, 6, 7, 3, 1, 0, 1),
         ];
-        let mut isas: Vec<Isa> = kernels()
-            .into_iter()
-            .filter(|&i| i != Isa::Avx512Bf16)
-            .collect();
-        isas.dedup();
-        for isa in isas {
+        for isa in kernels() {
+            let (types, tol) = match isa {
+                // Patches rounded to bf16 as they are packed.
+                Isa::Avx512Bf16 => (vec![sys::GGML_TYPE_BF16], 2e-2),
+                _ => (vec![sys::GGML_TYPE_F32, sys::GGML_TYPE_F16], 1e-4),
+            };
             for (w, h, c, oc, kk, stride, pad, nth) in cases {
-                for ty in [sys::GGML_TYPE_F32, sys::GGML_TYPE_F16] {
+                for &ty in &types {
                     let k = c * kk * kk;
                     let wv: Vec<f32> = (0..k * oc).map(|i| v(5, i)).collect();
-                    let bytes: Vec<u8> = if ty == sys::GGML_TYPE_F16 {
-                        wv.iter()
+                    let bytes: Vec<u8> = match ty {
+                        sys::GGML_TYPE_F16 => wv
+                            .iter()
                             .flat_map(|&f| half::f16::from_f32(f).to_le_bytes())
-                            .collect()
-                    } else {
-                        wv.iter().flat_map(|f| f.to_le_bytes()).collect()
+                            .collect(),
+                        sys::GGML_TYPE_BF16 => wv
+                            .iter()
+                            .flat_map(|&f| half::bf16::from_f32(f).to_le_bytes())
+                            .collect(),
+                        _ => wv.iter().flat_map(|f| f.to_le_bytes()).collect(),
                     };
                     let row_bytes = bytes.len() / oc;
                     let wt = Weight {
@@ -1452,6 +1490,7 @@ mod tests {
                     }
                     let wf = |i: usize| match ty {
                         sys::GGML_TYPE_F16 => half::f16::from_f32(wv[i]).to_f32(),
+                        sys::GGML_TYPE_BF16 => half::bf16::from_f32(wv[i]).to_f32(),
                         _ => wv[i],
                     };
                     for o in 0..oc {
@@ -1479,7 +1518,7 @@ mod tests {
                                 }
                                 let g = got[o * plane + y * ow + xx];
                                 assert!(
-                                    (f64::from(g) - want).abs() < 1e-4 * (k as f64).sqrt(),
+                                    (f64::from(g) - want).abs() < tol * (k as f64).sqrt(),
                                     "{isa:?} {w}x{h}x{c} → {oc}, {kk}x{kk}/{stride} pad {pad}, nth {nth}, type {ty} at ({xx}, {y}, {o}): {g} vs {want}"
                                 );
                             }

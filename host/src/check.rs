@@ -535,6 +535,21 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "conv_2d bf16 (FMA)",
+            tolerance: 1e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // On AVX512-BF16 the `vdpbf16ps` implicit GEMM (k = 432
+                // over two blocks), else the f32 one.
+                let (k, x) = (
+                    t(i, Type::BF16, &[3, 3, 48, 20])?,
+                    t(i, Type::F32, &[30, 22, 48, 1])?,
+                );
+                Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
+            },
+        },
+        Case {
             name: "conv_2d f32 + bias, stride 2 (FMA)",
             // GPU backends may round the operands to f16.
             tolerance: 1e-2,
