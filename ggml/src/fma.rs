@@ -200,8 +200,9 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
 }
 
 /// Which weights these kernels take on this processor, in words, for
-/// reports (`f32 on AVX2, bf16 (k ≤ 1280) on AVX512-BF16, from 512 rows`);
-/// `None` where none runs.
+/// reports (`f32 on AVX2, bf16 (k ≤ 1280) on AVX512-BF16, from 512 rows;
+/// convolutions on AVX2, bf16 ones on AVX512-BF16`); `None` where none
+/// runs.
 pub fn summary() -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32, 1)?;
     let bf16 = match (
@@ -212,8 +213,19 @@ pub fn summary() -> Option<String> {
         (None, Some(i)) => format!(", bf16 (k ≤ {BF16_MAX_K}) on {}", i.label()),
         (None, None) => String::new(),
     };
+    let conv = match (conv_isa(sys::GGML_TYPE_F16), conv_isa(sys::GGML_TYPE_BF16)) {
+        (Some(a), Some(b)) if a != b => {
+            format!(
+                "; convolutions on {}, bf16 ones on {}",
+                a.label(),
+                b.label()
+            )
+        }
+        (Some(a), _) => format!("; convolutions on {}", a.label()),
+        (None, _) => String::new(),
+    };
     Some(format!(
-        "f32 on {}{bf16}, from {} rows",
+        "f32 on {}{bf16}, from {} rows{conv}",
         f32.label(),
         min_rows()
     ))
