@@ -237,12 +237,14 @@ impl Device {
     /// compute it unfused. On CUDA the 40- and 72-wide heads are padded
     /// too (`fused_width` says why).
     pub fn fused_attention_width(self, head_dim: i64) -> Option<i64> {
-        fused_width(
-            head_dim,
-            crate::knobs().flash_pad,
-            self.name().starts_with("CUDA"),
-            |w| self.supports_fused_attention(w),
-        )
+        fused_width(head_dim, crate::knobs().flash_pad, self.is_cuda(), |w| {
+            self.supports_fused_attention(w)
+        })
+    }
+
+    /// Whether ggml-cuda drives the device (its devices are `CUDA0`, …).
+    pub fn is_cuda(self) -> bool {
+        self.name().starts_with("CUDA")
     }
 
     /// Whether the device's memory is the host's (its default buffer type

@@ -281,7 +281,7 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
 /// less device memory; SDXL 1.22×; docs/performance.md). Other GPUs keep
 /// the unfused form until measured.
 fn fused_by_default(device: ggml::Device) -> bool {
-    device.device_type() == DeviceType::Cpu || device.name().starts_with("CUDA")
+    device.device_type() == DeviceType::Cpu || device.is_cuda()
 }
 
 /// Where module `m` runs, with its params device where that differs:

@@ -201,9 +201,8 @@ impl Context {
         }
         // Pixels out: the AMX path repacks the kernel in every evaluation,
         // which pays for itself only over enough of them.
-        let pixels = ((x[0] + 2 * i64::from(pad) - k[0]) / i64::from(stride) + 1)
-            * ((x[1] + 2 * i64::from(pad) - k[1]) / i64::from(stride) + 1)
-            * x[3];
+        let (ow, oh) = conv_out(kernel, input, stride, pad);
+        let pixels = ow * oh * x[3];
         Ok(self.amx.get()
             && kernel.ty() == Some(Type::BF16)
             && stride < 1 << 15
@@ -264,10 +263,9 @@ impl Context {
         if !self.fma.get() || input.ty() != Some(Type::F32) || stride >= 1 << 15 || pad >= 1 << 15 {
             return None;
         }
-        let (k, x) = (kernel.ne(), input.ne());
-        let out = |i: usize| (x[i] + 2 * i64::from(pad) - k[i]) / i64::from(stride) + 1;
         let isa = crate::fma::conv_isa(kernel.raw_type())?;
-        (out(0) * out(1) >= crate::fma::min_rows() as i64).then_some(isa)
+        let (ow, oh) = conv_out(kernel, input, stride, pad);
+        (ow * oh >= crate::fma::min_rows() as i64).then_some(isa)
     }
 
     /// [`Context::conv_2d`] on sdhost's implicit GEMM ([`crate::fma::conv`]),
@@ -282,9 +280,8 @@ impl Context {
         isa: crate::fma::Isa,
     ) -> Result<Tensor<'a>> {
         let input = self.dense(input)?;
-        let (k, x) = (kernel.ne(), input.ne());
-        let out = |i: usize| (x[i] + 2 * i64::from(pad) - k[i]) / i64::from(stride) + 1;
-        let ne = [out(0), out(1), k[3], x[3]];
+        let (ow, oh) = conv_out(kernel, input, stride, pad);
+        let ne = [ow, oh, kernel.ne()[3], input.ne()[3]];
         let mut args = vec![kernel.raw, input.raw];
         args.extend(bias.map(|b| b.raw));
         let ud = crate::amx::conv_userdata(stride as usize, pad as usize);
@@ -1144,4 +1141,12 @@ impl Context {
             "ggml_timestep_embedding",
         )
     }
+}
+
+/// A convolution's output width and height, as ggml computes them:
+/// `(in + 2·pad − k) / stride + 1` (operands checked by `conv_2d_check`).
+fn conv_out(kernel: Tensor<'_>, input: Tensor<'_>, stride: i32, pad: i32) -> (i64, i64) {
+    let (k, x) = (kernel.ne(), input.ne());
+    let out = |i: usize| (x[i] + 2 * i64::from(pad) - k[i]) / i64::from(stride) + 1;
+    (out(0), out(1))
 }

@@ -36,8 +36,8 @@ pub enum Flash {
     /// One fused op (`ggml_flash_attn_ext`, K and V in f16) at the heads'
     /// own width.
     Fused,
-    /// Fused, the heads zero-padded to this width: the device has a fused
-    /// kernel for it and none for theirs.
+    /// Fused, the heads zero-padded to this width: the device has a fast
+    /// fused kernel for it and none for theirs.
     Padded(i64),
 }
 
