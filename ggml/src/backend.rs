@@ -247,6 +247,20 @@ impl Device {
         self.name().starts_with("CUDA")
     }
 
+    /// The im2col bands convolutions on this device may take where memory
+    /// allows ([`crate::Context::set_conv_band_bytes`]): on a discrete GPU
+    /// with its own memory, a sixteenth of it (at least the default 256
+    /// MiB, at most 8 GiB); `None` elsewhere. Bands cost a copy of each
+    /// band's input rows and a join of the outputs: on an H200, SD 1.5's
+    /// VAE decode at 512² took 70.1 ms in 256 MiB bands and 60.8 ms whole,
+    /// SDXL's at 1024² 334.4 and 231.6 ms (docs/performance.md).
+    pub fn wide_conv_bands(self) -> Option<i64> {
+        if self.device_type() != DeviceType::Gpu || self.uses_host_memory() {
+            return None;
+        }
+        Some(wide_bands(self.memory().1))
+    }
+
     /// Whether the device's memory is the host's (its default buffer type
     /// is a host buffer type): the CPU, and accelerators that work on host
     /// memory, such as ggml's BLAS backend.
@@ -277,6 +291,12 @@ impl Device {
 /// 160-wide ones, which ggml-cuda has no kernel for, to 256) made the UNet
 /// step 1.17× faster than unfused, and 1.22× faster than fused at 40 with
 /// 160 unfused (docs/performance.md).
+/// [`Device::wide_conv_bands`] of a GPU with `total` bytes of memory.
+fn wide_bands(total: u64) -> i64 {
+    let sixteenth = i64::try_from(total / 16).unwrap_or(i64::MAX);
+    sixteenth.clamp(crate::CONV_BAND_BYTES, 8 << 30)
+}
+
 pub(crate) fn fused_width(
     head_dim: i64,
     pad: bool,
@@ -300,7 +320,16 @@ pub(crate) fn fused_width(
 
 #[cfg(test)]
 mod fused_width_tests {
-    use super::fused_width;
+    use super::{fused_width, wide_bands};
+
+    #[test]
+    fn wide_bands_are_a_sixteenth_of_the_memory_within_bounds() {
+        const GIB: u64 = 1 << 30;
+        assert_eq!(wide_bands(80 * GIB), 5 << 30);
+        assert_eq!(wide_bands(2 * GIB), crate::CONV_BAND_BYTES);
+        assert_eq!(wide_bands(141 * GIB), 8 << 30);
+        assert_eq!(wide_bands(u64::MAX), 8 << 30);
+    }
 
     #[test]
     fn heads_are_padded_to_the_narrowest_fast_width() {

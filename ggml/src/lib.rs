@@ -47,7 +47,9 @@ mod log;
 mod rpc;
 
 pub use backend::{Backend, Device, DeviceType, Reg};
-pub use compute::{profile as op_profile, Buffer, Context, Graph, Sched, Tensor, Type};
+pub use compute::{
+    profile as op_profile, Buffer, Context, Graph, Sched, Tensor, Type, CONV_BAND_BYTES,
+};
 pub use fatal::set_fatal_handler;
 pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;

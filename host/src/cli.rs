@@ -486,6 +486,7 @@ impl LoadArgs {
             compute: self.compute_type,
             flash: self.flash_attn,
             tiling: self.vae_tiling()?,
+            narrow_bands: false,
             vae_encoder,
             loras,
             lora_apply,

@@ -8,6 +8,8 @@
 //! is over its budget in some phase, takes the next step of a fixed
 //! ladder, measuring again after each:
 //!
+//! 0. **Narrow bands**: convolutions go back from their GPU's wide im2col
+//!    bands ([`ggml::Device::wide_conv_bands`]) to the default 256 MiB.
 //! 1. **Time-sharing**: a module whose runtime device is over keeps its
 //!    weights on the CPU instead, and they are copied to the device only
 //!    for the module's phase (freed when it ends).
@@ -89,6 +91,9 @@ pub struct Fitted {
     pub placement: Placement,
     /// VAE tiling (the user's, or fit's).
     pub tiling: Option<Tiling>,
+    /// Convolutions in the default 256 MiB bands everywhere (fit's first
+    /// step; [`LoadSpec::narrow_bands`]).
+    pub narrow_bands: bool,
     /// One line per module.
     pub choices: Vec<Choice>,
     /// The measurement of the fitted placement.
@@ -166,17 +171,37 @@ pub fn fit(
     let mut reasons: BTreeMap<Module, String> = BTreeMap::new();
     // The VAE's reason when fit tiled it (it names the tiles already).
     let mut tiling_reason: Option<String> = None;
-    let eval = |p: &Placement, tiling: Option<Tiling>| -> anyhow::Result<Measured> {
+    let mut narrow_bands = m.narrow_bands;
+    let eval = |p: &Placement, tiling: Option<Tiling>, narrow_bands| -> anyhow::Result<Measured> {
         let mm = Measure {
             tiling,
+            narrow_bands,
             ..m.clone()
         };
         measure(session, manager, p, &mm, what)
     };
-    let mut measured = eval(&p, tiling)?;
+    let mut measured = eval(&p, tiling, narrow_bands)?;
     let mut over = overruns(&measured.usage, budgets);
     let budget = |d: &str| budgets.0.get(d).map_or(0, |b| b.budget);
 
+    if on && !over.is_empty() && !narrow_bands {
+        // 0. Narrow convolution bands.
+        narrow_bands = true;
+        for m in fit_order(&measured) {
+            let d = p.runtime[&m].clone();
+            if over_in(&measured, &over, &d, m) {
+                reasons.insert(
+                    m,
+                    format!(
+                        "{d}'s wide convolution bands do not fit (budget {}): 256 MiB bands",
+                        human_bytes(budget(&d))
+                    ),
+                );
+            }
+        }
+        measured = eval(&p, tiling, narrow_bands)?;
+        over = overruns(&measured.usage, budgets);
+    }
     if on && !over.is_empty() {
         // 1. Time-sharing.
         let mut changed = false;
@@ -200,7 +225,7 @@ pub fn fit(
             }
         }
         if changed {
-            measured = eval(&p, tiling)?;
+            measured = eval(&p, tiling, narrow_bands)?;
             over = overruns(&measured.usage, budgets);
         }
         // 2. Partial residency.
@@ -216,7 +241,7 @@ pub fn fit(
                 p.params.insert(m, cpu.clone());
             }
             p.stream.insert(m, 0);
-            measured = eval(&p, tiling)?;
+            measured = eval(&p, tiling, narrow_bands)?;
             over = overruns(&measured.usage, budgets);
             let need0 = need_in(&measured, &d, m);
             let b = budget(&d);
@@ -237,7 +262,7 @@ pub fn fit(
             let mut resident = (b - need0).saturating_sub(MIB);
             for _ in 0..6 {
                 p.stream.insert(m, resident);
-                measured = eval(&p, tiling)?;
+                measured = eval(&p, tiling, narrow_bands)?;
                 over = overruns(&measured.usage, budgets);
                 let need = need_in(&measured, &d, m);
                 if need <= b || resident == 0 {
@@ -271,7 +296,7 @@ pub fn fit(
                     continue;
                 }
                 let candidate = Tiling::new(t, t / 4)?;
-                let mm = eval(&p, Some(candidate))?;
+                let mm = eval(&p, Some(candidate), narrow_bands)?;
                 let o = overruns(&mm.usage, budgets);
                 tiling = Some(candidate);
                 (measured, over) = (mm, o);
@@ -308,7 +333,7 @@ pub fn fit(
                     q.params.insert(m, c.clone());
                 }
                 q.stream.remove(&m);
-                let mm = eval(&q, tiling)?;
+                let mm = eval(&q, tiling, narrow_bands)?;
                 let o = overruns(&mm.usage, budgets);
                 if !over_in(&mm, &o, &c, m) && o.len() < over.len() {
                     reasons.insert(
@@ -351,6 +376,7 @@ pub fn fit(
     Ok(Fitted {
         placement: p,
         tiling,
+        narrow_bands,
         choices,
         measured,
     })
@@ -387,6 +413,8 @@ pub struct Measure<'a> {
     pub compute: ComputeType,
     /// `--vae-tiling`.
     pub tiling: Option<Tiling>,
+    /// [`LoadSpec::narrow_bands`].
+    pub narrow_bands: bool,
     /// ControlNets beside the denoiser.
     pub control_nets: &'a [Checkpoint],
     /// An IP-Adapter and its vision encoder.
@@ -421,6 +449,7 @@ pub fn measure(
         compute: m.compute,
         flash: m.flash,
         tiling: m.tiling,
+        narrow_bands: m.narrow_bands,
         vae_encoder: m.init_size.is_some() || !m.references.is_empty(),
         control_nets: m.control_nets,
         ip_adapter: m.ip_adapter,
@@ -550,6 +579,7 @@ pub fn load_fitted<'m>(
         flash: spec.flash,
         compute: spec.compute,
         tiling: spec.tiling,
+        narrow_bands: spec.narrow_bands,
         control_nets: spec.control_nets,
         ip_adapter: spec.ip_adapter,
     };
@@ -557,6 +587,7 @@ pub fn load_fitted<'m>(
     tracing::info!("placement:\n{}", table(&fitted.choices));
     let spec = LoadSpec {
         tiling: fitted.tiling,
+        narrow_bands: fitted.narrow_bands,
         ..*spec
     };
     let loaded = crate::loader::load(session, manager, &fitted.placement, &spec, false, what)?;

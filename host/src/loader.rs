@@ -78,6 +78,10 @@ pub struct LoadSpec<'c> {
     pub control_nets: &'c [Checkpoint],
     /// An IP-Adapter and its CLIP vision encoder, scanned.
     pub ip_adapter: Option<(&'c Checkpoint, &'c Checkpoint)>,
+    /// Convolutions build their im2col matrices in the default 256 MiB
+    /// bands on every device, not in the GPUs' wider ones
+    /// ([`ggml::Device::wide_conv_bands`]); fit's first step.
+    pub narrow_bands: bool,
 }
 
 /// A loaded pipeline with how it was placed.
@@ -132,6 +136,7 @@ pub fn load<'m>(
         }
     }
     let flash = apply_flash_attn(&mut sd, &layout, spec.flash);
+    apply_conv_bands(&mut sd, &layout, spec.narrow_bands);
     Ok(Loaded { sd, layout, flash })
 }
 
@@ -272,6 +277,23 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
         "off".into()
     } else {
         on.join("+")
+    }
+}
+
+/// Sets each module's convolution bands: its runtime device's wide ones
+/// ([`ggml::Device::wide_conv_bands`]) unless `narrow` or the module is
+/// split across devices, else ggml's default.
+pub fn apply_conv_bands(sd: &mut Pipeline<'_>, layout: &Layout<'_>, narrow: bool) {
+    for module in sd.modules_mut() {
+        let split = matches!(module.spread(), Spread::Split(_));
+        let wide = layout
+            .devices
+            .get(&module.kind())
+            .and_then(|d| d.runtime.device().wide_conv_bands());
+        module.set_options(GraphOptions {
+            conv_band_bytes: wide.filter(|_| !narrow && !split),
+            ..module.options()
+        });
     }
 }
 

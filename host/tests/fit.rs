@@ -239,6 +239,70 @@ fn fit_makes_a_small_budget_work_and_names_the_smallest() {
     assert!(!none.exists());
 }
 
+/// On a GPU with its own memory convolutions build their im2col matrices
+/// in wide bands (a sixteenth of its memory, `ggml::Device::
+/// wide_conv_bands`); under a budget that holds the default 256 MiB bands
+/// and not those, fit's first step narrows them, and nothing else: no
+/// time-sharing, no tiling. The tiny VAE's 3×3 convolutions at 1024² build
+/// over 256 MiB of columns.
+#[test]
+fn fit_narrows_convolution_bands_first() {
+    if !vulkan_enabled() {
+        return;
+    }
+    let p = Prefix::with_cpu();
+    p.install(&built("sdhost_plugin_vulkan"), "libsdhost_plugin_vulkan.so");
+    let model = tiny_sd1();
+    let plan = |budget: Option<&str>, band: Option<&str>| {
+        let mut a = vec!["plan", "-m", s(&model), "-W", "1024", "-H", "1024"];
+        a.extend(["--backend", "vulkan0", "--json"]);
+        if let Some(b) = budget {
+            a.extend(["--max-memory", b]);
+        }
+        let mut c = p.cmd(&a);
+        if let Some(b) = band {
+            c.env("SDHOST_CONV_BAND_MIB", b);
+        }
+        Run::from(output(&mut c)).ok().json()
+    };
+    let decode = |j: &serde_json::Value| {
+        let d = j["devices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["device"] == "vulkan0")
+            .unwrap();
+        let ph = d["phases"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|ph| ph["phase"] == "decode")
+            .unwrap();
+        ph["bytes"].as_u64().unwrap()
+    };
+    let wide = decode(&plan(None, None));
+    let narrow = decode(&plan(None, Some("256")));
+    if wide <= narrow + (8 << 20) {
+        eprintln!("vulkan0's wide bands are no wider than 256 MiB here: nothing to narrow");
+        return;
+    }
+    let budget = format!("vulkan0={}M", (narrow + wide) / 2 >> 20);
+    let j = plan(Some(&budget), None);
+    let why: Vec<&str> = j["fit"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["reason"].as_str().unwrap())
+        .collect();
+    assert!(why.iter().any(|w| w.contains("256 MiB bands")), "{why:?}");
+    assert!(
+        !why.iter()
+            .any(|w| w.contains("time-shared") || w.contains("tiles")),
+        "{why:?}"
+    );
+    assert_eq!(decode(&j), narrow);
+}
+
 /// Malformed splits are one-line errors naming the split, exit 1.
 #[test]
 fn bad_splits_are_one_line_errors() {

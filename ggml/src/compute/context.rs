@@ -19,6 +19,8 @@ pub struct Context {
     pub(crate) f32_products: std::cell::Cell<bool>,
     /// [`Context::set_direct_conv`].
     pub(crate) direct_conv: std::cell::Cell<bool>,
+    /// [`Context::set_conv_band_bytes`].
+    pub(crate) band_bytes: std::cell::Cell<Option<i64>>,
 }
 
 // SAFETY: a context is only used through `&self`/`&mut self` of one owner;
@@ -51,6 +53,7 @@ impl Context {
             fma: std::cell::Cell::new(false),
             f32_products: std::cell::Cell::new(false),
             direct_conv: std::cell::Cell::new(crate::knobs().direct_conv),
+            band_bytes: std::cell::Cell::new(None),
         })
     }
 
@@ -88,6 +91,15 @@ impl Context {
     /// (off: no backend measured faster with it).
     pub fn set_direct_conv(&self, on: bool) {
         self.direct_conv.set(on);
+    }
+
+    /// The largest im2col matrix [`Context::conv_2d`] builds at once, in
+    /// bytes (at least 1 MiB); larger ones are computed in bands of output
+    /// rows, each output value the same dot product. `None`:
+    /// [`crate::CONV_BAND_BYTES`]. [`crate::Knobs::conv_band_mib`]
+    /// overrides both.
+    pub fn set_conv_band_bytes(&self, bytes: Option<i64>) {
+        self.band_bytes.set(bytes.map(|b| b.max(1 << 20)));
     }
 
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,

@@ -26,6 +26,7 @@ use checks::*;
 pub use context::Context;
 pub use graph::Graph;
 pub(crate) use graph::*;
+pub use ops::CONV_BAND_BYTES;
 pub use sched::{Buffer, Sched};
 pub use tensor::Tensor;
 pub use types::Type;

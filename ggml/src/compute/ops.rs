@@ -3,16 +3,9 @@
 
 use super::*;
 
-/// The largest im2col matrix a "same" convolution builds at once, in bytes
-/// (256 MiB unless [`crate::Knobs::conv_band_mib`] says); larger ones are
-/// computed in bands of output rows (`Context::conv_2d_bands`).
-fn band_bytes() -> i64 {
-    crate::knobs()
-        .conv_band_mib
-        .filter(|m| (1..=1 << 20).contains(m))
-        .unwrap_or(256)
-        << 20
-}
+/// The bands of a context that sets none ([`Context::set_conv_band_bytes`]):
+/// 256 MiB.
+pub const CONV_BAND_BYTES: i64 = 256 << 20;
 
 macro_rules! unary_ops {
     ($($(#[$m:meta])* $name:ident => $f:ident, $check:ident;)*) => {
@@ -372,9 +365,23 @@ impl Context {
         )
     }
 
+    /// The largest im2col matrix a "same" convolution builds at once, in
+    /// bytes: [`crate::Knobs::conv_band_mib`] where it is set, else the
+    /// context's ([`Context::set_conv_band_bytes`]), else
+    /// [`CONV_BAND_BYTES`]; larger ones are computed in bands of output
+    /// rows ([`Context::conv_2d_bands`]).
+    fn band_bytes(&self) -> i64 {
+        crate::knobs()
+            .conv_band_mib
+            .filter(|m| (1..=1 << 20).contains(m))
+            .map(|m| m << 20)
+            .or(self.band_bytes.get())
+            .unwrap_or(CONV_BAND_BYTES)
+    }
+
     /// Output rows per band where a "same" convolution (stride 1, an odd
     /// square kernel of side `2·pad + 1`) would build an im2col matrix
-    /// above [`band_bytes`]; `None` where it is computed whole. A 3×3
+    /// above [`Context::band_bytes`]; `None` where it is computed whole. A 3×3
     /// convolution of 256 channels at 1024×1024 is a 4.5 GiB matrix whole.
     fn band_rows(
         &self,
@@ -398,7 +405,7 @@ impl Context {
             .checked_mul(elem)?;
         let whole = row.checked_mul(x[1])?;
         // A band's input is its rows and `pad` more on each side.
-        let limit = band_bytes();
+        let limit = self.band_bytes();
         (whole > limit && x[1] > 1).then(|| (limit / row.max(1) - 2 * p).clamp(1, x[1] - 1))
     }
 

@@ -698,6 +698,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
             flash: a.sample.flash_attn,
             compute: a.sample.compute_type,
             tiling: a.sample.vae_tiling()?,
+            narrow_bands: false,
             control_nets: &[],
             ip_adapter: None,
         },
@@ -741,6 +742,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
     let tiling = fitted.tiling;
     let spec = crate::loader::LoadSpec {
         tiling,
+        narrow_bands: fitted.narrow_bands,
         ..a.sample
             .spec(&ckpt, vae.as_ref(), &[], Default::default(), false)?
     };

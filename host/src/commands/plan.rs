@@ -71,6 +71,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                 flash: FlashAttn::Auto,
                 compute: args.compute_type,
                 tiling,
+                narrow_bands: false,
                 control_nets: &control_nets,
                 ip_adapter: ip.as_ref().map(|(a, v)| (a, v)),
             };
@@ -91,6 +92,7 @@ pub fn run(session: &Session, args: &PlanArgs) -> anyhow::Result<()> {
                         Ok(measured) => Some(crate::fit::Fitted {
                             placement: placement.clone(),
                             tiling,
+                            narrow_bands: false,
                             choices: Vec::new(),
                             measured,
                         }),

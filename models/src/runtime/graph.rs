@@ -20,6 +20,9 @@ pub struct GraphOptions {
     /// Convolutions pad circularly instead of with zeros, so that the image
     /// wraps around at its edges (A1111's `tiling`: seamless textures).
     pub circular: bool,
+    /// The largest im2col matrix a convolution builds at once, in bytes
+    /// (`ggml::Context::set_conv_band_bytes`; `None`: ggml's default).
+    pub conv_band_bytes: Option<i64>,
 }
 
 /// The width at which the runtime device fuses attention with heads this
