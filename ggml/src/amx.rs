@@ -442,9 +442,11 @@ fn transpose16(src: &[u16], w: usize, dst: &mut [u16], stride: usize) {
     }
 }
 
-/// A convolution's geometry, as the tile kernels see it: the input
-/// `[w, h, c, n]` held channels-last in bf16 with `pad` zeros around each
-/// image ([`Conv::nhwc`]), a `[kw, kh, c, oc]` kernel, dilation 1.
+/// A convolution's geometry: an input `[w, h, c, n]`, a `[kw, kh, c, oc]`
+/// kernel, one stride and one zero padding for both axes, dilation 1. The
+/// tile kernels hold the input channels-last in bf16 with `pad` zeros
+/// around each image ([`Conv::nhwc`]); the FMA kernels gather it from
+/// ggml's planes ([`crate::fma::Patches`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Conv {
     /// Input width, height, channels and images.
@@ -1308,7 +1310,11 @@ pub(crate) unsafe extern "C" fn gemm_op(
 ///
 /// # Safety
 /// `k` and `x` point at live tensors.
-unsafe fn conv_of(k: *const sys::ggml_tensor, x: *const sys::ggml_tensor, ud: *mut c_void) -> Conv {
+pub(crate) unsafe fn conv_of(
+    k: *const sys::ggml_tensor,
+    x: *const sys::ggml_tensor,
+    ud: *mut c_void,
+) -> Conv {
     // SAFETY: live tensors (caller).
     let (k, x) = unsafe { (&*k, &*x) };
     let ud = ud as usize;

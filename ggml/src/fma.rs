@@ -49,7 +49,7 @@ use std::cell::RefCell;
 use std::os::raw::{c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::amx::bf16;
+use crate::amx::{bf16, Conv};
 use crate::sys;
 
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
@@ -354,36 +354,14 @@ pub struct Rows<'x> {
 pub struct Patches<'x> {
     /// The image, `[w, h, c]` planes (ggml's layout).
     pub input: &'x [f32],
-    /// Width.
-    pub w: usize,
-    /// Height.
-    pub h: usize,
-    /// Channels.
-    pub c: usize,
-    /// Kernel width.
-    pub kw: usize,
-    /// Kernel height.
-    pub kh: usize,
-    /// Stride (both directions).
-    pub stride: usize,
-    /// Zero padding (every side).
-    pub pad: usize,
+    /// The convolution's shape (one image of it).
+    pub shape: crate::amx::Conv,
 }
 
 impl Patches<'_> {
-    /// Output width.
-    pub fn ow(&self) -> usize {
-        (self.w + 2 * self.pad - self.kw) / self.stride + 1
-    }
-
-    /// Output height.
-    pub fn oh(&self) -> usize {
-        (self.h + 2 * self.pad - self.kh) / self.stride + 1
-    }
-
     /// Values per patch.
     pub fn k(&self) -> usize {
-        self.c * self.kh * self.kw
+        self.shape.c * self.shape.kh * self.shape.kw
     }
 
     /// [`Patches::pack`] for the bf16 kernel: the values rounded to bf16,
@@ -417,12 +395,16 @@ impl Patches<'_> {
     /// With stride 1, a block's pixels on one output row read one run of
     /// the input row under each kernel tap: copied whole.
     fn pack(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [f32]) {
-        let (ow, w, h) = (self.ow(), self.w as isize, self.h as isize);
-        let (stride, pad) = (self.stride as isize, self.pad as isize);
-        let plane = self.w * self.h;
+        let (ow, w, h) = (
+            self.shape.ow(),
+            self.shape.w as isize,
+            self.shape.h as isize,
+        );
+        let (stride, pad) = (self.shape.stride as isize, self.shape.pad as isize);
+        let plane = self.shape.w * self.shape.h;
         let mut iy0 = [0isize; 16];
         let mut ix0 = [0isize; 16];
-        assert!(mr <= 16 && self.input.len() >= plane * self.c);
+        assert!(mr <= 16 && self.input.len() >= plane * self.shape.c);
         for blk in 0..mc.div_ceil(mr) {
             let block = &mut a[blk * kc * mr..(blk + 1) * kc * mr];
             let p0 = r0 + blk * mr;
@@ -433,11 +415,11 @@ impl Patches<'_> {
                 ix0[r] = (p % ow) as isize * stride - pad;
             }
             // One run of the input per tap: stride 1, one output row.
-            let run = self.stride == 1 && iy0[0] == iy0[rows - 1];
+            let run = self.shape.stride == 1 && iy0[0] == iy0[rows - 1];
             let (mut ch, mut ky, mut kx) = (
-                kb / (self.kh * self.kw),
-                kb / self.kw % self.kh,
-                kb % self.kw,
+                kb / (self.shape.kh * self.shape.kw),
+                kb / self.shape.kw % self.shape.kh,
+                kb % self.shape.kw,
             );
             for kk in 0..kc {
                 let dst = &mut block[kk * mr..(kk + 1) * mr];
@@ -459,10 +441,10 @@ impl Patches<'_> {
                 }
                 dst[rows..].fill(0.0);
                 kx += 1;
-                if kx == self.kw {
+                if kx == self.shape.kw {
                     kx = 0;
                     ky += 1;
-                    if ky == self.kh {
+                    if ky == self.shape.kh {
                         ky = 0;
                         ch += 1;
                     }
@@ -622,7 +604,7 @@ pub fn conv(
     ith: usize,
     nth: usize,
 ) {
-    let (m, k) = (x.ow() * x.oh(), x.k());
+    let (m, k) = (x.shape.ow() * x.shape.oh(), x.k());
     let store = Store::Channels { ld };
     if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
         type K = Bf16Avx512;
@@ -1295,9 +1277,17 @@ pub(crate) unsafe extern "C" fn conv_op(
     // channels of each image).
     unsafe {
         let (kt, xt, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
-        let (stride, pad) = ((ud as usize) >> 16, (ud as usize) & 0xffff);
-        let [w, h, c, n] = xt.ne.map(|v| v as usize);
-        let [kw, kh, _, oc] = kt.ne.map(|v| v as usize);
+        let shape = crate::amx::conv_of(kt, xt, ud);
+        let Conv {
+            w,
+            h,
+            c,
+            n,
+            oc,
+            kw,
+            kh,
+            ..
+        } = shape;
         let (ow, oh) = (d.ne[0] as usize, d.ne[1] as usize);
         let k = kw * kh * c;
         let weight = Weight {
@@ -1315,13 +1305,7 @@ pub(crate) unsafe extern "C" fn conv_op(
         for b in 0..n {
             let x = Patches {
                 input: &input[b * w * h * c..(b + 1) * w * h * c],
-                w,
-                h,
-                c,
-                kw,
-                kh,
-                stride,
-                pad,
+                shape,
             };
             let plane = ow * oh;
             let out = &mut out[b * plane * oc..(b + 1) * plane * oc];
@@ -1485,15 +1469,19 @@ mod tests {
                     let input: Vec<f32> = (0..w * h * c).map(|i| v(6, i)).collect();
                     let x = Patches {
                         input: &input,
-                        w,
-                        h,
-                        c,
-                        kw: kk,
-                        kh: kk,
-                        stride,
-                        pad,
+                        shape: Conv {
+                            w,
+                            h,
+                            c,
+                            n: 1,
+                            oc,
+                            kw: kk,
+                            kh: kk,
+                            stride,
+                            pad,
+                        },
                     };
-                    let (ow, oh) = (x.ow(), x.oh());
+                    let (ow, oh) = (x.shape.ow(), x.shape.oh());
                     let plane = ow * oh;
                     let bias: Vec<f32> = (0..oc).map(|i| v(7, i)).collect();
                     let mut got = vec![f32::NAN; plane * oc];

@@ -266,19 +266,10 @@ fn fit_narrows_convolution_bands_first() {
         Run::from(output(&mut c)).ok().json()
     };
     let decode = |j: &serde_json::Value| {
-        let d = j["devices"]
-            .as_array()
+        let vulkan = json_row(j, "devices", "device", "vulkan0");
+        json_row(vulkan, "phases", "phase", "decode")["bytes"]
+            .as_u64()
             .unwrap()
-            .iter()
-            .find(|d| d["device"] == "vulkan0")
-            .unwrap();
-        let ph = d["phases"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|ph| ph["phase"] == "decode")
-            .unwrap();
-        ph["bytes"].as_u64().unwrap()
     };
     let wide = decode(&plan(None, None));
     let narrow = decode(&plan(None, Some("256")));
