@@ -269,7 +269,7 @@ pub(crate) fn narrow(src: &[f32], dst: &mut [u16]) {
 /// [`softmax_chunk_bf16`] use: AVX512-BF16 (with F, BW and VL for the
 /// masked 16-bit stores).
 #[cfg(target_arch = "x86_64")]
-fn bf16_ops() -> bool {
+pub(crate) fn bf16_ops() -> bool {
     std::arch::is_x86_feature_detected!("avx512bf16")
         && std::arch::is_x86_feature_detected!("avx512bw")
         && std::arch::is_x86_feature_detected!("avx512vl")

@@ -365,92 +365,115 @@ impl Patches<'_> {
     }
 
     /// [`Patches::pack`] for the bf16 kernel: the values rounded to bf16,
-    /// in pairs of `k` (`[k / 2][mr][2]`, zero past `kc`).
+    /// in pairs of `k` (`[k / 2][mr][2]`, zero past `kc`), two taps'
+    /// values interleaved as they are read ([`interleave_pairs`]).
     fn pack_pairs(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [u16]) {
-        thread_local! {
-            static GATHERED: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-        }
-        GATHERED.with(|g| {
-            let mut g = g.borrow_mut();
-            let blocks = mc.div_ceil(mr);
-            g.resize(blocks * kc * mr, 0.0);
-            self.pack(r0, mc, kb, kc, mr, &mut g);
-            let kp = kc.div_ceil(2) * 2;
-            for blk in 0..blocks {
-                let src = &g[blk * kc * mr..(blk + 1) * kc * mr];
-                let dst = &mut a[blk * kp * mr..(blk + 1) * kp * mr];
-                for kk in 0..kp {
-                    let pair = (kk / 2) * 2 * mr + (kk & 1);
-                    for r in 0..mr {
-                        let v = if kk < kc { src[kk * mr + r] } else { 0.0 };
-                        dst[pair + 2 * r] = bf16(v);
-                    }
-                }
+        let kp = kc.div_ceil(2) * 2;
+        let (mut first, mut second) = ([0f32; 16], [0f32; 16]);
+        for blk in 0..mc.div_ceil(mr) {
+            let dst = &mut a[blk * kp * mr..(blk + 1) * kp * mr];
+            let rows = mr.min(mc - blk * mr);
+            let mut taps = Taps::new(self, r0 + blk * mr, rows, kb);
+            for q in 0..kp / 2 {
+                let x = taps.next(&mut first);
+                let y = (2 * q + 1 < kc).then(|| taps.next(&mut second));
+                interleave_pair(x, y, mr, &mut dst[2 * q * mr..2 * (q + 1) * mr]);
             }
-        })
+        }
     }
 
     /// Packs pixels `r0..r0 + mc` for `k` in `kb..kb + kc` into `a`, in
     /// blocks of `mr` pixels side by side for each `k` (zero past `mc`).
-    /// With stride 1, a block's pixels on one output row read one run of
-    /// the input row under each kernel tap: copied whole.
     fn pack(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [f32]) {
-        let (ow, w, h) = (
-            self.shape.ow(),
-            self.shape.w as isize,
-            self.shape.h as isize,
-        );
-        let (stride, pad) = (self.shape.stride as isize, self.shape.pad as isize);
-        let plane = self.shape.w * self.shape.h;
-        let mut iy0 = [0isize; 16];
-        let mut ix0 = [0isize; 16];
-        assert!(mr <= 16 && self.input.len() >= plane * self.shape.c);
+        let mut gathered = [0f32; 16];
         for blk in 0..mc.div_ceil(mr) {
             let block = &mut a[blk * kc * mr..(blk + 1) * kc * mr];
-            let p0 = r0 + blk * mr;
             let rows = mr.min(mc - blk * mr);
-            for r in 0..rows {
-                let p = p0 + r;
-                iy0[r] = (p / ow) as isize * stride - pad;
-                ix0[r] = (p % ow) as isize * stride - pad;
-            }
-            // One run of the input per tap: stride 1, one output row.
-            let run = self.shape.stride == 1 && iy0[0] == iy0[rows - 1];
-            let (mut ch, mut ky, mut kx) = (
-                kb / (self.shape.kh * self.shape.kw),
-                kb / self.shape.kw % self.shape.kh,
-                kb % self.shape.kw,
-            );
-            for kk in 0..kc {
-                let dst = &mut block[kk * mr..(kk + 1) * mr];
-                let src = &self.input[ch * plane..(ch + 1) * plane];
-                let (dy, dx) = (ky as isize, kx as isize);
-                let (y, x) = (iy0[0] + dy, ix0[0] + dx);
-                if run && (0..h).contains(&y) && x >= 0 && x + rows as isize <= w {
-                    let at = (y * w + x) as usize;
-                    dst[..rows].copy_from_slice(&src[at..at + rows]);
-                } else {
-                    for r in 0..rows {
-                        let (y, x) = (iy0[r] + dy, ix0[r] + dx);
-                        dst[r] = if (0..h).contains(&y) && (0..w).contains(&x) {
-                            src[(y * w + x) as usize]
-                        } else {
-                            0.0
-                        };
-                    }
-                }
+            let mut taps = Taps::new(self, r0 + blk * mr, rows, kb);
+            for dst in block.chunks_exact_mut(mr) {
+                dst[..rows].copy_from_slice(taps.next(&mut gathered));
                 dst[rows..].fill(0.0);
-                kx += 1;
-                if kx == self.shape.kw {
-                    kx = 0;
-                    ky += 1;
-                    if ky == self.shape.kh {
-                        ky = 0;
-                        ch += 1;
-                    }
-                }
             }
         }
+    }
+}
+
+/// The values one block of up to 16 pixels reads under each kernel tap in
+/// turn (`k` order: channel, kernel row, column), from tap `kb` on. With
+/// stride 1, pixels on one output row read one run of the input row under
+/// each tap: the run is lent as it lies; other taps are gathered, zero in
+/// the padding.
+struct Taps<'p, 'x> {
+    x: &'p Patches<'x>,
+    rows: usize,
+    iy0: [isize; 16],
+    ix0: [isize; 16],
+    run: bool,
+    ch: usize,
+    ky: usize,
+    kx: usize,
+}
+
+impl<'p, 'x> Taps<'p, 'x> {
+    fn new(x: &'p Patches<'x>, p0: usize, rows: usize, kb: usize) -> Taps<'p, 'x> {
+        let g = &x.shape;
+        assert!((1..=16).contains(&rows) && x.input.len() >= g.w * g.h * g.c);
+        let (ow, stride, pad) = (g.ow(), g.stride as isize, g.pad as isize);
+        let (mut iy0, mut ix0) = ([0isize; 16], [0isize; 16]);
+        for r in 0..rows {
+            let p = p0 + r;
+            iy0[r] = (p / ow) as isize * stride - pad;
+            ix0[r] = (p % ow) as isize * stride - pad;
+        }
+        Taps {
+            x,
+            rows,
+            iy0,
+            ix0,
+            run: g.stride == 1 && iy0[0] == iy0[rows - 1],
+            ch: kb / (g.kh * g.kw),
+            ky: kb / g.kw % g.kh,
+            kx: kb % g.kw,
+        }
+    }
+
+    /// The block's `rows` values under the next tap: a run of the input,
+    /// or gathered into `buf`.
+    fn next<'b>(&mut self, buf: &'b mut [f32; 16]) -> &'b [f32]
+    where
+        'x: 'b,
+    {
+        let g = &self.x.shape;
+        let (w, h, rows) = (g.w as isize, g.h as isize, self.rows);
+        let plane = g.w * g.h;
+        let src: &'x [f32] = &self.x.input[self.ch * plane..(self.ch + 1) * plane];
+        let (dy, dx) = (self.ky as isize, self.kx as isize);
+        let (y, x) = (self.iy0[0] + dy, self.ix0[0] + dx);
+        let out: &'b [f32] = if self.run && (0..h).contains(&y) && x >= 0 && x + rows as isize <= w
+        {
+            let at = (y * w + x) as usize;
+            &src[at..at + rows]
+        } else {
+            for (r, b) in buf[..rows].iter_mut().enumerate() {
+                let (y, x) = (self.iy0[r] + dy, self.ix0[r] + dx);
+                *b = if (0..h).contains(&y) && (0..w).contains(&x) {
+                    src[(y * w + x) as usize]
+                } else {
+                    0.0
+                };
+            }
+            &buf[..rows]
+        };
+        self.kx += 1;
+        if self.kx == g.kw {
+            self.kx = 0;
+            self.ky += 1;
+            if self.ky == g.kh {
+                self.ky = 0;
+                self.ch += 1;
+            }
+        }
+        out
     }
 }
 
@@ -536,6 +559,62 @@ thread_local! {
     static BF16_BUF: RefCell<Buffers<u16>> = RefCell::default();
 }
 
+/// One pair of `k` of a packed bf16 block: `dst[2r]`, `dst[2r + 1]` =
+/// `x[r]`, `y[r]` rounded to bf16 (zero past their lengths, and for `y`
+/// `None`), for `r < mr` ≤ 16: by the processor's own conversion where it
+/// has one (rounding as `amx::narrow`).
+fn interleave_pair(x: &[f32], y: Option<&[f32]>, mr: usize, dst: &mut [u16]) {
+    assert!(mr <= 16 && x.len() <= mr && y.is_none_or(|y| y.len() <= mr) && dst.len() >= 2 * mr);
+    #[cfg(target_arch = "x86_64")]
+    if crate::amx::bf16_ops() {
+        // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
+        // above); the lengths are asserted above.
+        unsafe { interleave_pair_avx512(x, y.unwrap_or(&[]), mr, dst) };
+        return;
+    }
+    for r in 0..mr {
+        dst[2 * r] = bf16(x.get(r).copied().unwrap_or(0.0));
+        dst[2 * r + 1] = bf16(y.and_then(|y| y.get(r)).copied().unwrap_or(0.0));
+    }
+}
+
+/// [`interleave_pair`] on AVX512-BF16.
+///
+/// # Safety
+/// The processor has AVX512-BF16, BW and VL; `x` and `y` hold at most
+/// `mr` ≤ 16 values, `dst` at least `2·mr`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn interleave_pair_avx512(x: &[f32], y: &[f32], mr: usize, dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let lanes = |n: usize| ((1u32 << n) - 1) as __mmask16;
+    // SAFETY: masked loads of the slices' own values; a masked store of
+    // `2·mr` u16 inside `dst`.
+    unsafe {
+        let vx = _mm512_maskz_loadu_ps(lanes(x.len()), x.as_ptr());
+        let vy = _mm512_maskz_loadu_ps(lanes(y.len()), y.as_ptr());
+        // x0 y0 x1 y1 … x7 y7 and x8 y8 … x15 y15.
+        let lo = _mm512_permutex2var_ps(
+            vx,
+            _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0),
+            vy,
+        );
+        let hi = _mm512_permutex2var_ps(
+            vx,
+            _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8),
+            vy,
+        );
+        // The second operand's values come first.
+        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+        let keep = if mr == 16 {
+            !0u32
+        } else {
+            (1u32 << (2 * mr)) - 1
+        };
+        _mm512_mask_storeu_epi16(dst.as_mut_ptr() as *mut i16, keep, pairs);
+    }
+}
+
 /// The part `ith` of `nth` of `0..units`, as even as whole units allow.
 fn share(units: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
     let nth = nth.max(1);
@@ -580,11 +659,11 @@ pub fn gemm(
     if bf16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        return gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth);
+        return gemm_with::<K>(w, m, k, K::KC, &pack, bias, out, store, ith, nth);
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth)
+        gemm_with::<K>(w, m, k, K::KC, &pack, bias, out, store, ith, nth)
     })
 }
 
@@ -609,11 +688,11 @@ pub fn conv(
     if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| x.pack_pairs(r0, mc, kb, kc, K::MR, a);
-        return gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth);
+        return gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth);
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| x.pack(r0, mc, kb, kc, K::MR, a);
-        gemm_with::<K>(w, m, k, &pack, bias, out, store, ith, nth)
+        gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth)
     })
 }
 
@@ -659,11 +738,29 @@ enum Store {
 /// into a block (zero past `mc` and past `kc`): `(r0, mc, kb, kc, block)`.
 type PackX<'p, E> = &'p dyn Fn(usize, usize, usize, usize, &mut [E]);
 
+/// The `k` per pass of [`gemm_with`] into [`Store::Channels`]: all of `k`
+/// where `MC` rows of it fit [`CONV_BLOCK_BYTES`], else as few even parts
+/// as do. Each pass over `k` adds its part of every sum into the output
+/// planes through a scalar scatter ([`finish_channels`]), reading and
+/// writing them again; a product's rows ([`Store::Rows`]) are added in
+/// registers and keep `K::KC`.
+fn conv_kc<K: Kernel>(k: usize) -> usize {
+    let size = std::mem::size_of::<K::E>();
+    let most = (CONV_BLOCK_BYTES / (MC * size)).max(K::KC);
+    let parts = k.div_ceil(most);
+    k.div_ceil(parts).next_multiple_of(K::E::KG)
+}
+
+/// The packed rows of `x` one convolution pass holds (`MC` × its `k`), at
+/// most: a share of a core's L2 cache.
+const CONV_BLOCK_BYTES: usize = 384 << 10;
+
 #[allow(clippy::too_many_arguments)]
 fn gemm_with<K: Kernel>(
     w: &Weight<'_>,
     m: usize,
     k: usize,
+    kc_max: usize,
     pack_x: PackX<'_, K::E>,
     bias: Option<&[f32]>,
     out: &mut [f32],
@@ -696,8 +793,8 @@ fn gemm_with<K: Kernel>(
     let np = pr.len();
     K::buffers(|buf| {
         buf.c.resize(K::MR * K::NR, 0.0);
-        for kb in (0..k).step_by(K::KC) {
-            let kc = K::KC.min(k - kb);
+        for kb in (0..k).step_by(kc_max) {
+            let kc = kc_max.min(k - kb);
             let kp = kc.div_ceil(K::E::KG) * K::E::KG;
             buf.row.resize(kp, 0.0);
             let b = buf.b.get(np * kp * K::NR);
@@ -885,14 +982,15 @@ impl Elem for u16 {
             scatter_pairs(bytes, panel, c, width);
             return;
         }
-        let mut pairs = [0u8; Bf16Avx512::KC * 2];
+        // A convolution's pass may be longer than `KC` ([`conv_kc`]).
+        let mut pairs = vec![0u8; 4 * np];
         if let Some(j) = j {
             w.row_f32(j, kb, &mut row[..kc]);
             for (p, v) in pairs.chunks_exact_mut(2).zip(&row[..kc]) {
                 p.copy_from_slice(&bf16(*v).to_le_bytes());
             }
         }
-        scatter_pairs(&pairs[..4 * np], panel, c, width);
+        scatter_pairs(&pairs, panel, c, width);
     }
     fn pack_column_f32(src: Option<&[f32]>, block: &mut [u16], c: usize, width: usize) {
         let mut tmp = [0u16; Bf16Avx512::KC];
@@ -1426,16 +1524,43 @@ mod tests {
     }
 
     #[test]
+    fn pairs_interleave_rounded_to_bf16() {
+        for (nx, ny, mr) in [
+            (14usize, Some(14usize), 14usize),
+            (16, Some(16), 16),
+            (3, Some(2), 5),
+            (7, None, 14),
+        ] {
+            let x: Vec<f32> = (0..nx).map(|i| i as f32 * 1.000_3 - 7.25).collect();
+            let y: Option<Vec<f32>> = ny.map(|n| (0..n).map(|i| 3.1 - i as f32 * 0.77).collect());
+            let mut got = vec![u16::MAX; 2 * mr];
+            interleave_pair(&x, y.as_deref(), mr, &mut got);
+            for r in 0..mr {
+                let want_x = x.get(r).map_or(0, |v| bf16(*v));
+                let want_y = y.as_ref().and_then(|y| y.get(r)).map_or(0, |v| bf16(*v));
+                assert_eq!(
+                    (got[2 * r], got[2 * r + 1]),
+                    (want_x, want_y),
+                    "{nx} {ny:?} {mr} {r}"
+                );
+            }
+        }
+    }
+
+    #[test]
     fn convolutions_match_the_f64_convolution() {
         // (w, h, c, oc, kernel, stride, pad, nth): 3×3 "same", strided,
-        // 1×1, unpadded; channels whose patches span two k blocks (40·9 =
-        // 360) and ragged output rows (blocks of pixels across two rows).
+        // 1×1, unpadded; ragged output rows (blocks of pixels across two
+        // rows), and a `k` longer than one pass.
         let cases = [
             (13, 7, 5, 9, 3, 1, 1, 1),
             (17, 11, 40, 21, 3, 1, 1, 2),
             (16, 9, 8, 12, 3, 2, 1, 3),
             (10, 6, 33, 17, 1, 1, 0, 2),
             (9, 8, 6, 7, 3, 1, 0, 1),
+            // k = 2313 (odd): passes of k split for the pass bound
+            // (`conv_kc`: 1158 + 1155 bf16, 771 × 3 f32).
+            (7, 6, 257, 20, 3, 1, 1, 2),
         ];
         for isa in kernels() {
             let (types, tol) = match isa {
