@@ -366,8 +366,54 @@ impl Patches<'_> {
 
     /// [`Patches::pack`] for the bf16 kernel: the values rounded to bf16,
     /// in pairs of `k` (`[k / 2][mr][2]`, zero past `kc`), two taps'
-    /// values interleaved as they are read ([`interleave_pairs`]).
+    /// values interleaved as they are read ([`interleave_pair`]).
     fn pack_pairs(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [u16]) {
+        assert!(mr <= 16);
+        #[cfg(target_arch = "x86_64")]
+        if crate::amx::bf16_ops() {
+            // SAFETY: the processor has AVX512-BF16, BW and VL (checked
+            // just above).
+            unsafe { self.pack_pairs_avx512(r0, mc, kb, kc, mr, a) };
+            return;
+        }
+        self.pack_pairs_with(r0, mc, kb, kc, mr, a, interleave_pair);
+    }
+
+    /// [`Patches::pack_pairs`] compiled for AVX512-BF16, its pairs
+    /// interleaved inline.
+    ///
+    /// # Safety
+    /// The processor has AVX512-BF16, BW and VL.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+    unsafe fn pack_pairs_avx512(
+        &self,
+        r0: usize,
+        mc: usize,
+        kb: usize,
+        kc: usize,
+        mr: usize,
+        a: &mut [u16],
+    ) {
+        self.pack_pairs_with(r0, mc, kb, kc, mr, a, |x, y, mr, dst| {
+            // SAFETY: the caller's processor; `pack_pairs_with` passes at
+            // most `mr` ≤ 16 values and `2·mr` of `dst`.
+            unsafe { interleave_pair_avx512(x, y.unwrap_or(&[]), mr, dst) }
+        });
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    fn pack_pairs_with(
+        &self,
+        r0: usize,
+        mc: usize,
+        kb: usize,
+        kc: usize,
+        mr: usize,
+        a: &mut [u16],
+        pair: impl Fn(&[f32], Option<&[f32]>, usize, &mut [u16]),
+    ) {
         let kp = kc.div_ceil(2) * 2;
         let (mut first, mut second) = ([0f32; 16], [0f32; 16]);
         for blk in 0..mc.div_ceil(mr) {
@@ -377,7 +423,7 @@ impl Patches<'_> {
             for q in 0..kp / 2 {
                 let x = taps.next(&mut first);
                 let y = (2 * q + 1 < kc).then(|| taps.next(&mut second));
-                interleave_pair(x, y, mr, &mut dst[2 * q * mr..2 * (q + 1) * mr]);
+                pair(x, y, mr, &mut dst[2 * q * mr..2 * (q + 1) * mr]);
             }
         }
     }
@@ -415,6 +461,7 @@ struct Taps<'p, 'x> {
 }
 
 impl<'p, 'x> Taps<'p, 'x> {
+    #[inline(always)]
     fn new(x: &'p Patches<'x>, p0: usize, rows: usize, kb: usize) -> Taps<'p, 'x> {
         let g = &x.shape;
         assert!((1..=16).contains(&rows) && x.input.len() >= g.w * g.h * g.c);
@@ -439,6 +486,7 @@ impl<'p, 'x> Taps<'p, 'x> {
 
     /// The block's `rows` values under the next tap: a run of the input,
     /// or gathered into `buf`.
+    #[inline(always)]
     fn next<'b>(&mut self, buf: &'b mut [f32; 16]) -> &'b [f32]
     where
         'x: 'b,
@@ -585,6 +633,7 @@ fn interleave_pair(x: &[f32], y: Option<&[f32]>, mr: usize, dst: &mut [u16]) {
 /// `mr` ≤ 16 values, `dst` at least `2·mr`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+#[inline]
 unsafe fn interleave_pair_avx512(x: &[f32], y: &[f32], mr: usize, dst: &mut [u16]) {
     use std::arch::x86_64::*;
     let lanes = |n: usize| ((1u32 << n) - 1) as __mmask16;
