@@ -346,7 +346,7 @@ pub struct Rows<'x> {
 }
 
 /// One image's patches of a convolution as the `x` operand of
-/// [`conv`]: row `i` is output pixel `i` (row-major, [`Patches::ow`] to a
+/// [`conv`]: row `i` is output pixel `i` (row-major, [`Conv::ow`] to a
 /// row), its [`Patches::k`] values the input under the kernel there, in
 /// ggml's kernel order (channel, then kernel row, then column), zero in the
 /// padding. They are gathered from the image as they are packed: no
@@ -760,8 +760,7 @@ pub fn conv(
 /// on `vdpbf16ps`, VAE decode 13.5 and 13.4 s against 18.2 and 17.7 s,
 /// UNet step 8.4 and 7.8 s against 9.2 and 8.1 s. The gain is im2col's:
 /// its matrix is `k` times the input, written and read again. One pass
-/// over `k` ([`conv_kc`]) and the bf16 pairs packed inline
-/// ([`Patches::pack_pairs`]) made the bf16 decode about 1.7× faster again
+/// over `k` and the bf16 pairs packed inline (session 22) made the bf16 decode about 1.7× faster again
 /// (0.88× diffusers bf16 in the same run).
 pub fn conv_isa(ty: sys::ggml_type) -> Option<Isa> {
     let knobs = crate::knobs();
