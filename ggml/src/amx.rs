@@ -740,9 +740,31 @@ impl Attn {
     /// whole where there are at least `nth` units, else every unit with
     /// the blocks of 32 queries `ith, ith + nth, …`. `q(i, j)`, `k(i, j)`
     /// and `v(i, j)` are row `j` of image `i`; `out(i, j)` the output row.
-    #[allow(clippy::too_many_arguments)]
+    /// Its products run on the tile unit where [`available`], else on
+    /// `vdpbf16ps` ([`dots_available`]; the caller checked one of them).
     pub fn run<'x>(
         &self,
+        q: &dyn Fn(usize, usize) -> &'x [f32],
+        k: &dyn Fn(usize, usize) -> &'x [f32],
+        v: &dyn Fn(usize, usize) -> &'x [f32],
+        out: &mut OutRow<'_>,
+        ith: usize,
+        nth: usize,
+    ) {
+        if available() {
+            let tiles = Tiles::load();
+            self.run_on(&tiles, q, k, v, out, ith, nth);
+            drop(tiles);
+        } else {
+            self.run_on(&Dots, q, k, v, out, ith, nth);
+        }
+    }
+
+    /// [`Attn::run`] on `blocks`' products.
+    #[allow(clippy::too_many_arguments)]
+    fn run_on<'x>(
+        &self,
+        tiles: &impl Blocks,
         q: &dyn Fn(usize, usize) -> &'x [f32],
         k: &dyn Fn(usize, usize) -> &'x [f32],
         v: &dyn Fn(usize, usize) -> &'x [f32],
@@ -764,7 +786,6 @@ impl Attn {
         let od = round_up(d, 2 * PANEL);
         let mut c = [0f32; ROWS * 2 * PANEL];
         let qblocks = self.t.div_ceil(ROWS);
-        let tiles = Tiles::load();
         for unit in 0..units {
             let whole = units >= nth;
             if whole && unit % nth != ith {
@@ -826,7 +847,6 @@ impl Attn {
                 }
             }
         }
-        drop(tiles);
     }
 }
 
@@ -1065,6 +1085,153 @@ fn exp(x: f32) -> f32 {
     let p = p.mul_add(f, 1.0);
     let shift = t.to_bits().wrapping_sub(MAGIC.to_bits()) << 23;
     f32::from_bits(p.to_bits().wrapping_add(shift))
+}
+
+/// The two products of [`Attn`]: `c[32 × 32]` = `a` (32 rows of `kp`
+/// bf16, `lda` apart, `kp` a multiple of 32) times the packed panels `b0
+/// b1` ([`pack`]'s layout: per pair of `k`, 16 columns of two values), in
+/// f32 rows `ldc` apart.
+trait Blocks {
+    #[allow(clippy::too_many_arguments)]
+    fn block_into(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32],
+        ldc: usize,
+    );
+
+    /// [`Blocks::block_into`] 32 × 32 contiguous.
+    fn block(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32; ROWS * 2 * PANEL],
+    ) {
+        self.block_into(a, lda, kp, b0, b1, c, 2 * PANEL);
+    }
+}
+
+impl Blocks for Tiles {
+    fn block_into(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32],
+        ldc: usize,
+    ) {
+        Tiles::block_into(self, a, lda, kp, b0, b1, c, ldc);
+    }
+}
+
+/// [`Blocks`] on AVX512-BF16's `vdpbf16ps` (processors without AMX, such
+/// as AMD's Zen 4): the same packed operands as the tile unit's, 8 rows ×
+/// 32 columns of accumulators at a time.
+struct Dots;
+
+/// Whether [`Attn`] can run without the tile unit: the processor has what
+/// [`Dots`] and [`softmax_chunk_bf16`] use.
+pub fn dots_available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return bf16_ops();
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+impl Blocks for Dots {
+    fn block_into(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32],
+        ldc: usize,
+    ) {
+        assert!(kp.is_multiple_of(TILE_K) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
+        assert!(b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
+        assert!(ldc >= 2 * PANEL && c.len() >= (ROWS - 1) * ldc + 2 * PANEL);
+        #[cfg(target_arch = "x86_64")]
+        if bf16_ops() {
+            for r0 in (0..ROWS).step_by(8) {
+                // SAFETY: the processor has AVX512-BF16 (checked just
+                // above); rows r0..r0 + 8 of `a` hold kp values, the panels
+                // kp × 16, rows r0..r0 + 8 of `c` 32 values (asserted).
+                unsafe { dots_rows(&a[r0 * lda..], lda, kp, b0, b1, &mut c[r0 * ldc..], ldc) };
+            }
+            return;
+        }
+        // Plain Rust (no caller: `dots_available` is false here).
+        for r in 0..ROWS {
+            for (half, b) in [b0, b1].into_iter().enumerate() {
+                for col in 0..PANEL {
+                    let mut sum = 0f32;
+                    for kk in 0..kp {
+                        let x = f32::from_bits(u32::from(a[r * lda + kk]) << 16);
+                        let y = f32::from_bits(
+                            u32::from(b[(kk / 2) * 2 * PANEL + 2 * col + kk % 2]) << 16,
+                        );
+                        sum += x * y;
+                    }
+                    c[r * ldc + half * PANEL + col] = sum;
+                }
+            }
+        }
+    }
+}
+
+/// Eight rows of [`Dots::block_into`]: sixteen accumulators (8 rows × 2
+/// panels of 16), per pair of `k` two panel loads, eight broadcasts and
+/// sixteen `vdpbf16ps`.
+///
+/// # Safety
+/// The processor has AVX512-BF16; `a` holds 8 rows of `kp` bf16 `lda`
+/// apart, `b0` and `b1` `kp × 16`, `c` 8 rows of 32 f32 `ldc` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dots_rows(
+    a: &[u16],
+    lda: usize,
+    kp: usize,
+    b0: &[u16],
+    b1: &[u16],
+    c: &mut [f32],
+    ldc: usize,
+) {
+    use std::arch::x86_64::*;
+    const R: usize = 8;
+    let mut acc = [[_mm512_setzero_ps(); 2]; R];
+    // SAFETY: pair q < kp / 2 of each panel is 32 bf16 at 32·q; row r's
+    // pair q is two bf16 at r·lda + 2q < r·lda + kp (the caller's
+    // lengths); the stores write 32 f32 at r·ldc.
+    unsafe {
+        let (pa, p0, p1) = (a.as_ptr(), b0.as_ptr(), b1.as_ptr());
+        for q in 0..kp / 2 {
+            let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(p0.add(32 * q) as *const _));
+            let x1: __m512bh = std::mem::transmute(_mm512_loadu_si512(p1.add(32 * q) as *const _));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let pair = (pa.add(r * lda + 2 * q) as *const i32).read_unaligned();
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                acc[0] = _mm512_dpbf16_ps(acc[0], av, x0);
+                acc[1] = _mm512_dpbf16_ps(acc[1], av, x1);
+            }
+        }
+        let pc = c.as_mut_ptr();
+        for (r, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(pc.add(r * ldc), acc[0]);
+            _mm512_storeu_ps(pc.add(r * ldc + PANEL), acc[1]);
+        }
+    }
 }
 
 /// The tile configuration of this thread, held for the life of the value:
@@ -1516,7 +1683,7 @@ pub(crate) unsafe extern "C" fn attn_op(
     nth: c_int,
     ud: *mut c_void,
 ) {
-    // SAFETY: `Context::attention_amx` built this op: q `[d·heads, t, n]`,
+    // SAFETY: `Context::attention_bf16` built this op: q `[d·heads, t, n]`,
     // k and v `[d·heads, s, n]`, f32 with dense rows whose strides address
     // every row, and a contiguous f32 destination shaped like q. Threads
     // write disjoint (image, head, query block) parts.
@@ -1868,10 +2035,24 @@ mod tests {
 
     #[test]
     fn attention_matches_a_reference() {
-        if !available() {
-            eprintln!("no AMX here: skipped");
+        // On the tile unit and on `vdpbf16ps`, whichever this processor has.
+        let mut kinds = Vec::new();
+        if available() {
+            kinds.push(true);
+        }
+        if dots_available() {
+            kinds.push(false);
+        }
+        if kinds.is_empty() {
+            eprintln!("neither AMX nor AVX512-BF16 here: skipped");
             return;
         }
+        for tiles in kinds {
+            attention_matches_a_reference_on(tiles);
+        }
+    }
+
+    fn attention_matches_a_reference_on(tiles: bool) {
         for (d, heads, t, s, n) in [
             (40, 2, 33, 300, 2),
             (64, 1, 70, 20, 1),
@@ -1899,7 +2080,13 @@ mod tests {
                 let mut w = |i: usize, j: usize, at: usize, row: &[f32]| {
                     out[(i * t + j) * inner + at..][..row.len()].copy_from_slice(row)
                 };
-                attn.run(&qr, &kr, &vr, &mut w, th, 3);
+                if tiles {
+                    let t = Tiles::load();
+                    attn.run_on(&t, &qr, &kr, &vr, &mut w, th, 3);
+                    drop(t);
+                } else {
+                    attn.run_on(&Dots, &qr, &kr, &vr, &mut w, th, 3);
+                }
             }
             let r = |x: f32| to_f32(bf16(x)) as f64;
             for i in 0..n {

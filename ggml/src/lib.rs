@@ -100,6 +100,10 @@ pub struct Knobs {
     /// Convolutions on sdhost's implicit GEMM where the FMA path is on
     /// ([`fma::conv`]); off: ggml's im2col and product (to measure them).
     pub fma_conv: bool,
+    /// Fused attention in sdhost's kernels on `vdpbf16ps` where the
+    /// processor has AVX512-BF16 and no AMX
+    /// ([`Context::bf16_attention`]).
+    pub fma_attention: bool,
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
@@ -131,6 +135,7 @@ impl Default for Knobs {
             fma: true,
             fma_min_rows: None,
             fma_conv: true,
+            fma_attention: true,
             fma_avx2: false,
             fma_all: false,
             arena: true,

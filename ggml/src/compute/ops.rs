@@ -814,11 +814,21 @@ impl Context {
         self.amx.get()
     }
 
-    /// Multi-head attention `softmax(q·kᵀ·scale)·v` on the tile unit (see
-    /// [`crate::amx::Attn`]), in an AMX context ([`Context::set_amx`]):
-    /// `q` `[D·H, T, N]`, `k` and `v` `[D·H, S, N]`, f32 with dense rows;
-    /// the result is `[D·H, T, N]` with the heads merged.
-    pub fn attention_amx<'a>(
+    /// Whether [`Context::attention_bf16`] runs here: in an AMX context,
+    /// or in a context with sdhost's CPU kernels
+    /// ([`Context::set_cpu_kernels`]) on a processor with AVX512-BF16
+    /// (`vdpbf16ps` products; [`crate::Knobs::fma_attention`]).
+    pub fn bf16_attention(&self) -> bool {
+        self.amx.get()
+            || (self.fma.get() && crate::knobs().fma_attention && crate::amx::dots_available())
+    }
+
+    /// Multi-head attention `softmax(q·kᵀ·scale)·v` in bf16 products with
+    /// an online softmax (see [`crate::amx::Attn`]), where
+    /// [`Context::bf16_attention`]: `q` `[D·H, T, N]`, `k` and `v` `[D·H,
+    /// S, N]`, f32 with dense rows; the result is `[D·H, T, N]` with the
+    /// heads merged.
+    pub fn attention_bf16<'a>(
         &'a self,
         q: Tensor<'a>,
         k: Tensor<'a>,
@@ -830,7 +840,7 @@ impl Context {
         let f32s = [&q, &k, &v]
             .iter()
             .all(|t| t.ty() == Some(Type::F32) && dense_rows(t));
-        if !self.amx.get()
+        if !self.bf16_attention()
             || !f32s
             || heads <= 0
             || heads >= 1 << 31
@@ -843,7 +853,7 @@ impl Context {
             || !scale.is_finite()
         {
             return invalid(format!(
-                "AMX attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, an AMX context)"
+                "bf16 attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, a context with AMX or AVX512-BF16 kernels)"
             ));
         }
         self.room(1)?;
@@ -858,7 +868,11 @@ impl Context {
                 &mut [q.raw, k.raw, v.raw],
                 crate::amx::attn_op,
                 ud,
-                "amx attn",
+                if crate::amx::available() {
+                    "amx attn"
+                } else {
+                    "avx512bf16 attn"
+                },
             )
         }
     }

@@ -218,10 +218,10 @@ fn cases() -> Vec<Case> {
 
         // AMX ops: valid only in an AMX context, which the valid case asks
         // for (skipped where the processor has no AMX); refused outside one.
-        "attention_amx" ok: |c| { c.set_amx(true); c.attention_amx(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
-        "attention_amx" bad: |c| c.attention_amx(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25);
-        "attention_amx" bad: |c| { c.set_amx(true); c.attention_amx(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 3, 0.25) };
-        "attention_amx" bad: |c| { c.set_amx(true); c.attention_amx(t(c, Type::F16, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
+        "attention_bf16" ok: |c| { c.set_amx(true); c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
+        "attention_bf16" bad: |c| c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25);
+        "attention_bf16" bad: |c| { c.set_amx(true); c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 3, 0.25) };
+        "attention_bf16" bad: |c| { c.set_amx(true); c.attention_bf16(t(c, Type::F16, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
     }
 }
 
@@ -265,7 +265,7 @@ fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
     let q = f32s(&plain, &[16, 40, 2]);
     let kv = f32s(&plain, &[16, 10, 2]);
     assert!(matches!(
-        plain.attention_amx(q, kv, kv, 2, 0.25),
+        plain.attention_bf16(q, kv, kv, 2, 0.25),
         Err(Error::Invalid(_))
     ));
     let c = Context::new(64, 0).unwrap();
@@ -312,14 +312,14 @@ fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
         .unwrap();
     assert_eq!(y.ne(), [16, 12, 16, 2]);
     let (q, kv) = (f32s(&c, &[16, 40, 2]), f32s(&c, &[16, 10, 2]));
-    let y = c.attention_amx(q, kv, kv, 2, 0.25).unwrap();
+    let y = c.attention_bf16(q, kv, kv, 2, 0.25).unwrap();
     assert_eq!(y.ne(), [16, 40, 2, 1]);
     for bad in [
-        c.attention_amx(q, kv, kv, 3, 0.25),
-        c.attention_amx(q, f32s(&c, &[8, 10, 2]), f32s(&c, &[8, 10, 2]), 2, 0.25),
-        c.attention_amx(q, kv, f32s(&c, &[16, 11, 2]), 2, 0.25),
-        c.attention_amx(q, kv, kv, 2, f32::NAN),
-        c.attention_amx(t(&c, Type::F16, &[16, 40, 2]), kv, kv, 2, 0.25),
+        c.attention_bf16(q, kv, kv, 3, 0.25),
+        c.attention_bf16(q, f32s(&c, &[8, 10, 2]), f32s(&c, &[8, 10, 2]), 2, 0.25),
+        c.attention_bf16(q, kv, f32s(&c, &[16, 11, 2]), 2, 0.25),
+        c.attention_bf16(q, kv, kv, 2, f32::NAN),
+        c.attention_bf16(t(&c, Type::F16, &[16, 40, 2]), kv, kv, 2, 0.25),
     ] {
         assert!(matches!(bad, Err(Error::Invalid(_))));
     }
