@@ -277,7 +277,7 @@ fn fit_narrows_convolution_bands_first() {
         eprintln!("vulkan0's wide bands are no wider than 256 MiB here: nothing to narrow");
         return;
     }
-    let budget = format!("vulkan0={}M", (narrow + wide) / 2 >> 20);
+    let budget = format!("vulkan0={}M", ((narrow + wide) / 2) >> 20);
     let j = plan(Some(&budget), None);
     let why: Vec<&str> = j["fit"]
         .as_array()
