@@ -1138,8 +1138,9 @@ impl Blocks for Tiles {
 /// 32 columns of accumulators at a time.
 struct Dots;
 
-/// Whether [`Attn`] can run without the tile unit: the processor has what
-/// [`Dots`] and [`softmax_chunk_bf16`] use.
+/// Whether [`Attn`] can run without the tile unit: the processor has
+/// AVX512-BF16 (with F, BW and VL), which its `vdpbf16ps` products and its
+/// softmax use.
 pub fn dots_available() -> bool {
     #[cfg(target_arch = "x86_64")]
     return bf16_ops();
