@@ -1119,6 +1119,7 @@ trait Blocks {
 }
 
 impl Blocks for Tiles {
+    /// The four accumulator tiles (2 × 2 of 16 × 16), stored to `c`.
     fn block_into(
         &self,
         a: &[u16],
@@ -1129,8 +1130,52 @@ impl Blocks for Tiles {
         c: &mut [f32],
         ldc: usize,
     ) {
-        Tiles::block_into(self, a, lda, kp, b0, b1, c, ldc);
+        check_block(a, lda, kp, b0, b1);
+        let stride = lda * 2;
+        let (a0, a1) = (a.as_ptr(), a[PANEL * lda..].as_ptr());
+        // SAFETY: the tiles are configured (`self`); every A load reads 16
+        // rows of 64 bytes, `lda` bf16 apart, at k < kp (a multiple of 32):
+        // the last ends at (31·lda + kp) bf16, inside `a` (asserted); B
+        // loads read 1 KiB tiles inside the panels (kp × 16 bf16 each,
+        // asserted).
+        unsafe {
+            std::arch::asm!(
+                "tilezero tmm0",
+                "tilezero tmm1",
+                "tilezero tmm2",
+                "tilezero tmm3",
+                options(nostack, nomem)
+            );
+            for kb in 0..kp / TILE_K {
+                let (ka, kt) = (kb * TILE_K, kb * TILE_K * PANEL);
+                std::arch::asm!(
+                    "tileloadd tmm4, [{a0} + {s}*1]",
+                    "tileloadd tmm5, [{a1} + {s}*1]",
+                    "tileloadd tmm6, [{b0} + {t}*1]",
+                    "tileloadd tmm7, [{b1} + {t}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0.add(ka),
+                    a1 = in(reg) a1.add(ka),
+                    b0 = in(reg) b0.as_ptr().add(kt),
+                    b1 = in(reg) b1.as_ptr().add(kt),
+                    s = in(reg) stride,
+                    t = in(reg) 64usize,
+                    options(nostack, readonly)
+                );
+            }
+        }
+        self.store_into(c, ldc);
     }
+}
+
+/// The operands of a [`Blocks`] product: 32 rows of `kp` (a multiple of
+/// 32, at most `lda`) in `a`, `kp × 16` in each panel.
+fn check_block(a: &[u16], lda: usize, kp: usize, b0: &[u16], b1: &[u16]) {
+    assert!(kp.is_multiple_of(TILE_K) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
+    assert!(b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
 }
 
 /// [`Blocks`] on AVX512-BF16's `vdpbf16ps` (processors without AMX, such
@@ -1159,8 +1204,7 @@ impl Blocks for Dots {
         c: &mut [f32],
         ldc: usize,
     ) {
-        assert!(kp.is_multiple_of(TILE_K) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
-        assert!(b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
+        check_block(a, lda, kp, b0, b1);
         assert!(ldc >= 2 * PANEL && c.len() >= (ROWS - 1) * ldc + 2 * PANEL);
         #[cfg(target_arch = "x86_64")]
         if bf16_ops() {
@@ -1256,73 +1300,6 @@ impl Tiles {
             std::arch::asm!("ldtilecfg [{}]", in(reg) cfg.0.as_ptr(), options(nostack, readonly));
         }
         Tiles(())
-    }
-
-    /// `c[32 × 32] = a[32 rows of kp, lda apart] · [b0 b1]` (each panel
-    /// `kp × 16`, packed), in f32.
-    fn block(
-        &self,
-        a: &[u16],
-        lda: usize,
-        kp: usize,
-        b0: &[u16],
-        b1: &[u16],
-        c: &mut [f32; ROWS * 2 * PANEL],
-    ) {
-        self.block_into(a, lda, kp, b0, b1, c, 2 * PANEL);
-    }
-
-    /// [`Tiles::block`] into 32 rows of 32 f32 `ldc` apart in `c`.
-    #[allow(clippy::too_many_arguments)]
-    fn block_into(
-        &self,
-        a: &[u16],
-        lda: usize,
-        kp: usize,
-        b0: &[u16],
-        b1: &[u16],
-        c: &mut [f32],
-        ldc: usize,
-    ) {
-        assert!(kp.is_multiple_of(TILE_K) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
-        assert!(b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
-        let stride = lda * 2;
-        let (a0, a1) = (a.as_ptr(), a[PANEL * lda..].as_ptr());
-        // SAFETY: the tiles are configured (`self`); every A load reads 16
-        // rows of 64 bytes, `lda` bf16 apart, at k < kp (a multiple of 32):
-        // the last ends at (31·lda + kp) bf16, inside `a` (asserted); B
-        // loads read 1 KiB tiles inside the panels (kp × 16 bf16 each,
-        // asserted).
-        unsafe {
-            std::arch::asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
-            for kb in 0..kp / TILE_K {
-                let (ka, kt) = (kb * TILE_K, kb * TILE_K * PANEL);
-                std::arch::asm!(
-                    "tileloadd tmm4, [{a0} + {s}*1]",
-                    "tileloadd tmm5, [{a1} + {s}*1]",
-                    "tileloadd tmm6, [{b0} + {t}*1]",
-                    "tileloadd tmm7, [{b1} + {t}*1]",
-                    "tdpbf16ps tmm0, tmm4, tmm6",
-                    "tdpbf16ps tmm1, tmm4, tmm7",
-                    "tdpbf16ps tmm2, tmm5, tmm6",
-                    "tdpbf16ps tmm3, tmm5, tmm7",
-                    a0 = in(reg) a0.add(ka),
-                    a1 = in(reg) a1.add(ka),
-                    b0 = in(reg) b0.as_ptr().add(kt),
-                    b1 = in(reg) b1.as_ptr().add(kt),
-                    s = in(reg) stride,
-                    t = in(reg) 64usize,
-                    options(nostack, readonly)
-                );
-            }
-        }
-        self.store_into(c, ldc);
     }
 }
 
