@@ -201,7 +201,8 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
 
 /// Which weights these kernels take on this processor, in words, for
 /// reports (`f32 on AVX2, bf16 (k ≤ 1280) on AVX512-BF16, from 512 rows;
-/// convolutions on AVX2, bf16 ones on AVX512-BF16`); `None` where none
+/// convolutions on AVX2, bf16 ones on AVX512-BF16; attention on
+/// AVX512-BF16`, the last from [`crate::amx::Attn`]); `None` where none
 /// runs.
 pub fn summary() -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32, 1)?;
@@ -224,8 +225,13 @@ pub fn summary() -> Option<String> {
         (Some(a), _) => format!("; convolutions on {}", a.label()),
         (None, _) => String::new(),
     };
+    let attention = if crate::knobs().fma_attention && crate::amx::dots_available() {
+        "; attention on AVX512-BF16"
+    } else {
+        ""
+    };
     Some(format!(
-        "f32 on {}{bf16}, from {} rows{conv}",
+        "f32 on {}{bf16}, from {} rows{conv}{attention}",
         f32.label(),
         min_rows()
     ))
