@@ -167,13 +167,7 @@ pub fn cases() -> Vec<Case> {
             tolerance: 1e-2,
             cpu_kernels: false,
             reference: None,
-            build: |i, c| {
-                let (k, x) = (
-                    t(i, Type::F16, &[3, 3, 8, 32])?,
-                    t(i, Type::F32, &[16, 16, 8, 1])?,
-                );
-                Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
-            },
+            build: |i, c| conv_case(i, c, (Type::F16, [3, 3, 8, 32]), [16, 16, 8, 1], 1, false),
         },
         Case {
             name: "group_norm",
@@ -525,29 +519,26 @@ pub fn cases() -> Vec<Case> {
             tolerance: 1e-2,
             cpu_kernels: true,
             reference: None,
-            build: |i, c| {
-                // sdhost's implicit GEMM (enough pixels: 40 × 20), two
-                // images, patches over two k blocks (32 · 9 = 288).
-                let (k, x) = (
-                    t(i, Type::F16, &[3, 3, 32, 24])?,
-                    t(i, Type::F32, &[40, 20, 32, 2])?,
-                );
-                Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
-            },
+            // sdhost's implicit GEMM (enough pixels: 40 × 20), two images,
+            // k = 32 · 9 = 288 in one pass.
+            build: |i, c| conv_case(i, c, (Type::F16, [3, 3, 32, 24]), [40, 20, 32, 2], 1, false),
         },
         Case {
             name: "conv_2d bf16 (FMA)",
             tolerance: 1e-2,
             cpu_kernels: true,
             reference: None,
+            // On AVX512-BF16 the `vdpbf16ps` implicit GEMM (k = 432), else
+            // the f32 one.
             build: |i, c| {
-                // On AVX512-BF16 the `vdpbf16ps` implicit GEMM (k = 432
-                // over two blocks), else the f32 one.
-                let (k, x) = (
-                    t(i, Type::BF16, &[3, 3, 48, 20])?,
-                    t(i, Type::F32, &[30, 22, 48, 1])?,
-                );
-                Ok((vec![k, x], c.conv_2d(k, x, 1, 1)?))
+                conv_case(
+                    i,
+                    c,
+                    (Type::BF16, [3, 3, 48, 20]),
+                    [30, 22, 48, 1],
+                    1,
+                    false,
+                )
             },
         },
         Case {
@@ -571,23 +562,29 @@ pub fn cases() -> Vec<Case> {
             cpu_kernels: false,
             // Enough work for ggml-cuda's tensor-core implicit GEMM, two
             // images, ragged sizes.
-            build: |i, c| conv_case(i, c, [3, 3, 32, 48], [21, 13, 32, 2], 1, true),
-            reference: Some(|i, c| conv_case(i, c, [3, 3, 32, 48], [21, 13, 32, 2], 1, false)),
+            build: |i, c| conv_case(i, c, (Type::F16, [3, 3, 32, 48]), [21, 13, 32, 2], 1, true),
+            reference: Some(|i, c| {
+                conv_case(i, c, (Type::F16, [3, 3, 32, 48]), [21, 13, 32, 2], 1, false)
+            }),
         },
         Case {
             name: "conv_2d stride 2 (direct)",
             tolerance: 1e-2,
             cpu_kernels: false,
-            build: |i, c| conv_case(i, c, [3, 3, 32, 40], [33, 18, 32, 1], 2, true),
-            reference: Some(|i, c| conv_case(i, c, [3, 3, 32, 40], [33, 18, 32, 1], 2, false)),
+            build: |i, c| conv_case(i, c, (Type::F16, [3, 3, 32, 40]), [33, 18, 32, 1], 2, true),
+            reference: Some(|i, c| {
+                conv_case(i, c, (Type::F16, [3, 3, 32, 40]), [33, 18, 32, 1], 2, false)
+            }),
         },
         Case {
             name: "conv_2d 1x1 (direct)",
             tolerance: 1e-2,
             cpu_kernels: false,
             // ggml-cuda takes a pointwise convolution to cuBLAS.
-            build: |i, c| conv_case(i, c, [1, 1, 64, 32], [16, 12, 64, 2], 1, true),
-            reference: Some(|i, c| conv_case(i, c, [1, 1, 64, 32], [16, 12, 64, 2], 1, false)),
+            build: |i, c| conv_case(i, c, (Type::F16, [1, 1, 64, 32]), [16, 12, 64, 2], 1, true),
+            reference: Some(|i, c| {
+                conv_case(i, c, (Type::F16, [1, 1, 64, 32]), [16, 12, 64, 2], 1, false)
+            }),
         },
         Case {
             name: "attention 40 widened to 64",
@@ -607,17 +604,17 @@ pub fn cases() -> Vec<Case> {
 }
 
 /// A convolution of an f16 kernel `k` over an f32 input `x` with padding
-/// `(k − 1) / 2`, as ggml's direct op (`direct`) or as im2col and a
-/// product.
+/// `(k − 1) / 2`, as ggml's direct op (`direct`) or as the context
+/// builds it otherwise (im2col and a product, or sdhost's kernels).
 fn conv_case<'c>(
     i: &'c Context,
     c: &'c Context,
-    k: [i64; 4],
+    (ty, k): (Type, [i64; 4]),
     x: [i64; 4],
     stride: i32,
     direct: bool,
 ) -> ggml::Result<(Vec<Tensor<'c>>, Tensor<'c>)> {
-    let (k, x) = (t(i, Type::F16, &k)?, t(i, Type::F32, &x)?);
+    let (k, x) = (t(i, ty, &k)?, t(i, Type::F32, &x)?);
     let pad = (k.ne()[0] as i32 - 1) / 2;
     c.set_direct_conv(direct);
     Ok((vec![k, x], c.conv_2d(k, x, stride, pad)?))
