@@ -125,6 +125,14 @@ pub struct Knobs {
     /// fused at the next wider width it has, zero-padded
     /// ([`Device::fused_attention_width`]).
     pub flash_pad: bool,
+    /// Graphs with fewer copies ([`Context::fold_copies`]): convolutions
+    /// through ggml's im2col and product finish in one op (the product's
+    /// transposing copy adds the bias, a batch of one needs no copy), the
+    /// UNet's 1×1 projections are linear layers on its tokens (outside
+    /// contexts with sdhost's CPU kernels), and fused
+    /// attention reads the queries' heads in place. Off: the graphs before
+    /// (to measure the difference).
+    pub fold_copies: bool,
 }
 
 impl Default for Knobs {
@@ -142,6 +150,7 @@ impl Default for Knobs {
             conv_band_mib: None,
             direct_conv: false,
             flash_pad: true,
+            fold_copies: true,
         }
     }
 }

@@ -24,8 +24,10 @@ pub use crate::session::init_logging;
 /// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest
 /// im2col matrix a convolution builds at once; the tests make it small),
 /// `SDHOST_DIRECT_CONV=1` (ggml's direct convolution instead of im2col,
-/// on every device) and `SDHOST_NO_FLASH_PAD=1` (fused attention
-/// only at the heads' own width), for measurements and tests.
+/// on every device), `SDHOST_NO_FLASH_PAD=1` (fused attention
+/// only at the heads' own width) and `SDHOST_NO_FOLD=1` (the graphs'
+/// copies as before `ggml::Context::fold_copies`), for measurements and
+/// tests.
 pub fn knobs_from_env() -> ggml::Knobs {
     ggml::Knobs {
         amx: std::env::var_os("SDHOST_NO_AMX").is_none(),
@@ -46,6 +48,7 @@ pub fn knobs_from_env() -> ggml::Knobs {
             .and_then(|v| v.trim().parse().ok()),
         direct_conv: std::env::var("SDHOST_DIRECT_CONV").is_ok_and(|v| v == "1"),
         flash_pad: std::env::var("SDHOST_NO_FLASH_PAD").map_or(true, |v| v != "1"),
+        fold_copies: std::env::var("SDHOST_NO_FOLD").map_or(true, |v| v != "1"),
     }
 }
 

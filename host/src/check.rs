@@ -557,6 +557,23 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "conv_2d + bias, two images (one op)",
+            tolerance: 1e-2,
+            cpu_kernels: false,
+            // ggml's im2col and product; the transposed copy of two
+            // images' outputs is the bias's ADD (`Context::fold_copies`),
+            // against the copy and a separate ADD.
+            build: |i, c| {
+                let [k, x, b] = conv_bias_inputs(i)?;
+                Ok((vec![k, x, b], c.conv_2d_bias(k, x, b, 1, 1)?))
+            },
+            reference: Some(|i, c| {
+                let [k, x, b] = conv_bias_inputs(i)?;
+                let y = c.add(c.conv_2d(k, x, 1, 1)?, c.reshape(b, &[1, 1, 24, 1])?)?;
+                Ok((vec![k, x, b], y))
+            }),
+        },
+        Case {
             name: "conv_2d 3x3 (direct)",
             tolerance: 1e-2,
             cpu_kernels: false,
@@ -585,6 +602,15 @@ pub fn cases() -> Vec<Case> {
             reference: Some(|i, c| {
                 conv_case(i, c, (Type::F16, [1, 1, 64, 32]), [16, 12, 64, 2], 1, false)
             }),
+        },
+        Case {
+            name: "attention 64 (fused, heads in place)",
+            tolerance: 2e-2,
+            cpu_kernels: false,
+            // The queries' heads as a permuted view of the projection's
+            // output (`Context::fold_copies`), K and V cast to f16.
+            build: |i, c| attention_case(i, c, 64, Flash::Fused),
+            reference: Some(|i, c| attention_case(i, c, 64, Flash::Off)),
         },
         Case {
             name: "attention 40 widened to 64",
@@ -618,6 +644,16 @@ fn conv_case<'c>(
     let pad = (k.ne()[0] as i32 - 1) / 2;
     c.set_direct_conv(direct);
     Ok((vec![k, x], c.conv_2d(k, x, stride, pad)?))
+}
+
+/// A 3×3 f16 kernel to 24 channels, two 19×11 images of 16 channels and
+/// an f32 bias.
+fn conv_bias_inputs(i: &Context) -> ggml::Result<[Tensor<'_>; 3]> {
+    Ok([
+        t(i, Type::F16, &[3, 3, 16, 24])?,
+        t(i, Type::F32, &[19, 11, 16, 2])?,
+        t(i, Type::F32, &[24])?,
+    ])
 }
 
 /// Attention as the models build it (`sdhost_models::nn::attention_with`),

@@ -512,7 +512,12 @@ pub fn attention_with<'a>(
         return Ok(c.reshape(c.cont(out)?, &[inner, t, n])?);
     }
     // [D, H, T, N] → [D, T, H, N]
-    let q = c.cont(c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?)?;
+    let q = c.permute(c.reshape(q, &[d, heads, t, n])?, [0, 2, 1, 3])?;
+    // Fused attention reads the heads where they lie (dense rows of D).
+    let q = match flash == Flash::Fused && c.fold_copies() {
+        true => q,
+        false => c.cont(q)?,
+    };
     if flash == Flash::Fused {
         let f16 = |x: Tensor<'a>| -> Result<Tensor<'a>> {
             let x = c.permute(c.reshape(x, &[d, kvh, s, n])?, [0, 2, 1, 3])?;

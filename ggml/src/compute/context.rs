@@ -57,6 +57,13 @@ impl Context {
         })
     }
 
+    /// Whether sdhost's own CPU kernels build this context's products,
+    /// convolutions or attention ([`Context::set_cpu_kernels`]) where they
+    /// take them.
+    pub fn cpu_kernels(&self) -> bool {
+        self.amx.get() || self.fma.get()
+    }
+
     /// Says that the in-process CPU backend computes this context's graphs,
     /// so that they may use sdhost's own CPU kernels (custom ops no other
     /// backend runs) where the processor has what they need: the AMX tile
@@ -91,6 +98,16 @@ impl Context {
     /// (off: no backend measured faster with it).
     pub fn set_direct_conv(&self, on: bool) {
         self.direct_conv.set(on);
+    }
+
+    /// Whether graphs are built with fewer copies: convolutions through
+    /// im2col finish in one op where they can ([`Context::conv_2d_bias`]),
+    /// and the models build 1×1 projections on tokens as linear layers and
+    /// hand fused attention the queries' heads as a view;
+    /// [`crate::Knobs::fold_copies`] (on unless a measurement turns it
+    /// off).
+    pub fn fold_copies(&self) -> bool {
+        crate::knobs().fold_copies
     }
 
     /// The largest im2col matrix [`Context::conv_2d`] builds at once, in

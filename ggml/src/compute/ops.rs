@@ -235,10 +235,7 @@ impl Context {
         if let Some(rows) = self.band_rows(kernel, input, stride, pad) {
             return Ok((self.conv_2d_bands(kernel, input, pad, rows)?, false));
         }
-        Ok((
-            self.conv_2d_im2col_whole(kernel, input, stride, pad)?,
-            false,
-        ))
+        self.conv_2d_im2col_whole(kernel, input, bias, stride, pad)
     }
 
     /// The kernel a convolution (operands checked) takes in an FMA context
@@ -332,15 +329,17 @@ impl Context {
                 && input.ty() == Some(Type::F32))
     }
 
-    /// [`Context::conv_2d`] through one im2col matrix (no AMX, no bands);
-    /// shapes and types checked by the caller.
+    /// [`Context::conv_2d`] through one im2col matrix (no AMX, no bands),
+    /// with `bias` added where the flag says so (the caller adds it
+    /// otherwise); shapes and types checked by the caller.
     fn conv_2d_im2col_whole<'a>(
         &'a self,
         kernel: Tensor<'a>,
         input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
         stride: i32,
         pad: i32,
-    ) -> Result<Tensor<'a>> {
+    ) -> Result<(Tensor<'a>, bool)> {
         if self.f32_cols(kernel, input) {
             // ggml_conv_2d would multiply an f32 im2col (src0) by the bf16
             // kernel, which the CPU widens to f32: an f32 GEMM. With the
@@ -348,21 +347,92 @@ impl Context {
             // the GEMM runs on bf16 dot products (AVX512-BF16, AMX). An f16
             // kernel goes this way in a context whose products an f32-only
             // backend takes (`set_f32_products`).
-            return self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true);
+            let y = self.conv_2d_im2col(kernel, input, stride, pad, sys::GGML_TYPE_F32, true)?;
+            return Ok((y, false));
+        }
+        if self.fold_copies() {
+            return self.conv_2d_folded(kernel, input, bias, stride, pad);
         }
         // im2col, two reshapes, mul_mat, reshape, permute, cont.
         self.room(7)?;
         // SAFETY: both alive for 'a; channels, types, contiguity, stride and
         // output size checked (ggml's im2col, reshape and the CPU's im2col
         // assert them); room for the seven tensors ggml creates checked.
-        self.wrap(
+        let y = self.wrap(
             unsafe {
                 sys::ggml_conv_2d(
                     self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1,
                 )
             },
             "ggml_conv_2d",
-        )
+        )?;
+        Ok((y, false))
+    }
+
+    /// `ggml_conv_2d`'s im2col (in f16, for f16 and f32 kernels) and product
+    /// `cols · kernel`, whose `[OW·OH·N, OC]` result is channels-first per
+    /// image, finished in at most one op: for one image the result *is*
+    /// `[OW, OH, OC, 1]` (ggml copies it through a transposing view that
+    /// moves nothing), and for more the transposing copy is the bias's ADD
+    /// (ggml_add reads a strided first operand and writes a contiguous
+    /// result). On a GPU each of these ops is a pass over the activations;
+    /// `bias` is added when the flag is true.
+    fn conv_2d_folded<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        bias: Option<Tensor<'a>>,
+        stride: i32,
+        pad: i32,
+    ) -> Result<(Tensor<'a>, bool)> {
+        let k = kernel.ne();
+        // im2col, then reshapes, mul_mat, reshape, permute below.
+        self.room(5)?;
+        // SAFETY: both alive for 'a; an f16 or f32 kernel of the input's
+        // channels, an f32 or f16 input with dense rows, stride and output
+        // size checked by the callers (conv_2d_check; im2col into f16 as
+        // ggml_conv_2d builds it); room checked.
+        let cols = self.wrap(
+            unsafe {
+                sys::ggml_im2col(
+                    self.raw,
+                    kernel.raw,
+                    input.raw,
+                    stride,
+                    stride,
+                    pad,
+                    pad,
+                    1,
+                    1,
+                    true,
+                    sys::GGML_TYPE_F16,
+                )
+            },
+            "ggml_im2col",
+        )?;
+        // [IC·KH·KW, OW, OH, N]
+        let c = cols.ne();
+        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
+        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        let out = self.mul_mat(cols2, k2)?; // [OW·OH·N, OC]
+        let bias = match bias {
+            Some(b) => Some(self.reshape(b, &[1, 1, k[3], 1])?),
+            None => None,
+        };
+        let y = if c[3] == 1 {
+            self.reshape(out, &[c[1], c[2], k[3], 1])?
+        } else {
+            let out = self.reshape(out, &[c[1], c[2], c[3], k[3]])?;
+            let view = self.permute(out, [0, 1, 3, 2])?;
+            match bias {
+                Some(b) => return Ok((self.add(view, b)?, true)),
+                None => self.cont(view)?,
+            }
+        };
+        Ok(match bias {
+            Some(b) => (self.add(y, b)?, true),
+            None => (y, false),
+        })
     }
 
     /// The largest im2col matrix a "same" convolution builds at once, in
@@ -429,7 +499,7 @@ impl Context {
             let r1 = (r0 + rows).min(h);
             let (a, b) = ((r0 - p).max(0), (r1 + p).min(h));
             let slice = self.cont(self.narrow(input, 1, a, b - a)?)?;
-            let band = self.conv_2d_im2col_whole(kernel, slice, 1, pad)?;
+            let (band, _) = self.conv_2d_im2col_whole(kernel, slice, None, 1, pad)?;
             let band = self.cont(self.narrow(band, 1, r0 - a, r1 - r0)?)?;
             out = Some(match out {
                 None => band,

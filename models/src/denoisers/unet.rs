@@ -529,8 +529,19 @@ impl<'a> Net<'a, '_> {
         let (c, w) = (self.c, self.w);
         let [width, height, ch, n] = x.ne();
         let proj_in = w.ne(&format!("{p}.proj_in.weight"))?;
-        let conv_proj = proj_in[0] == 1 && proj_in[1] == 1;
-        let inner = if conv_proj { proj_in[3] } else { proj_in[1] };
+        // SD 1.x/2.x project with 1×1 convolutions. A 1×1 kernel is a
+        // linear layer's weight, and on the tokens it needs neither an
+        // im2col copy nor the convolution's transposed output (1.10× with
+        // the queries in place for SD 1.5's UNet step on an H200). sdhost's
+        // CPU kernels keep the convolution (they make no im2col; measured
+        // no faster), and so do graph-mode LoRAs of one (their shapes).
+        let pointwise = proj_in[0] == 1 && proj_in[1] == 1;
+        let conv_proj = pointwise
+            && !(c.fold_copies()
+                && !c.cpu_kernels()
+                && w.lora_for(&format!("{p}.proj_in.weight")).is_empty()
+                && w.lora_for(&format!("{p}.proj_out.weight")).is_empty());
+        let inner = if pointwise { proj_in[3] } else { proj_in[1] };
         let h = group_norm(c, w, &format!("{p}.norm"), x, ch, 1e-6)?;
         let to_tokens = |t: Tensor<'a>, ch: i64| -> Result<Tensor<'a>> {
             let t = c.cont(c.permute(t, [1, 2, 0, 3])?)?; // [C, W, H, N]
