@@ -301,27 +301,46 @@ fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
 
 /// `out[i] = silu(a·x[i] + b)`.
 fn affine_silu(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+    affine_act::<true>(x, a, b, out);
+}
+
+/// `out[i] = a·x[i] + b`, then SiLU where `SILU`.
+fn affine_act<const SILU: bool>(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
         // SAFETY: the processor has AVX-512F (checked just above).
-        unsafe { affine_silu_avx512(x, a, b, out) };
+        unsafe { affine_act_avx512::<SILU>(x, a, b, out) };
         return;
     }
-    affine_silu_body(x, a, b, out);
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the processor has AVX2 and FMA (checked just above).
+        unsafe { affine_act_avx2::<SILU>(x, a, b, out) };
+        return;
+    }
+    affine_act_body::<SILU>(x, a, b, out);
 }
 
-/// [`affine_silu`] compiled for AVX-512 (the loop vectorizes 16 wide).
+/// [`affine_act`] compiled for AVX-512 (the loop vectorizes 16 wide).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,fma")]
-fn affine_silu_avx512(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
-    affine_silu_body(x, a, b, out);
+fn affine_act_avx512<const SILU: bool>(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+    affine_act_body::<SILU>(x, a, b, out);
+}
+
+/// [`affine_act`] compiled for AVX2 (8 wide, `mul_add` a fused
+/// multiply-add instead of a library call).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn affine_act_avx2<const SILU: bool>(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+    affine_act_body::<SILU>(x, a, b, out);
 }
 
 #[inline(always)]
-fn affine_silu_body(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+fn affine_act_body<const SILU: bool>(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
     for (o, &v) in out.iter_mut().zip(x) {
         let y = v.mul_add(a, b);
-        *o = y / (1.0 + exp(-y));
+        *o = if SILU { y / (1.0 + exp(-y)) } else { y };
     }
 }
 
@@ -1581,6 +1600,57 @@ pub(crate) unsafe extern "C" fn group_stats_op(
             ith as usize,
             nth as usize,
         );
+    }
+}
+
+/// The userdata of [`norm_op`]: SiLU after the affine weights or not.
+pub(crate) fn norm_userdata(silu: bool) -> *mut c_void {
+    usize::from(silu) as *mut c_void
+}
+
+/// Custom op: `dst` (f32 `[w, h, c, n]`, contiguous) = the group norm of
+/// the f32 input `src[0]` (rows dense) whose statistics are `src[1]`
+/// ([`group_stats_op`]), times the f32 `[c]` scale `src[2]` plus the shift
+/// `src[3]`, then SiLU where the userdata says so ([`norm_userdata`]).
+/// Each row is one `a·x + b` ([`GroupNorm::fold`]): one pass over the
+/// activations where ggml's norm, product, sum and SiLU make five.
+pub(crate) unsafe extern "C" fn norm_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::group_norm_affine` built this op: an f32 input
+    // with dense rows whose strides address every row, the statistics of
+    // this input (2 × groups × n f32, groups dividing the channels), two
+    // contiguous f32 vectors of c, and a contiguous f32 destination of the
+    // input's shape. Threads write disjoint rows.
+    unsafe {
+        let x = (*dst).src[0];
+        let [w, h, c, n] = (*x).ne.map(|v| v as usize);
+        let stats = &*(*dst).src[1];
+        let norm = GroupNorm {
+            groups: stats.ne[1] as usize,
+            eps: 0.0,
+        };
+        let stats = std::slice::from_raw_parts(stats.data as *const f32, 2 * norm.groups * n);
+        let vector =
+            |t: *mut sys::ggml_tensor| std::slice::from_raw_parts((*t).data as *const f32, c);
+        let (gamma, beta) = (vector((*dst).src[2]), vector((*dst).src[3]));
+        let input = f32_rows(x);
+        let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, w * h * c * n);
+        let silu = ud as usize == 1;
+        let rows = h * c * n;
+        let (ith, nth) = (ith as usize, nth.max(1) as usize);
+        for r in rows * ith / nth..rows * (ith + 1) / nth {
+            let (y, ch, img) = (r % h, (r / h) % c, r / (h * c));
+            let (a, b) = norm.fold(stats, c, gamma, beta, img, ch);
+            let o = &mut out[r * w..(r + 1) * w];
+            match silu {
+                true => affine_act::<true>(input(img, ch, y), a, b, o),
+                false => affine_act::<false>(input(img, ch, y), a, b, o),
+            }
+        }
     }
 }
 

@@ -100,6 +100,11 @@ pub struct Knobs {
     /// Convolutions on sdhost's implicit GEMM where the FMA path is on
     /// ([`fma::conv`]); off: ggml's im2col and product (to measure them).
     pub fma_conv: bool,
+    /// Group norms with their scale, shift and SiLU in one pass where
+    /// sdhost's CPU kernels are on ([`Context::group_norm_affine`]); off:
+    /// ggml's ops (to measure them, and for runs that must match a
+    /// server's ggml bit for bit).
+    pub fma_norm: bool,
     /// Fused attention in sdhost's kernels on `vdpbf16ps` where the
     /// processor has AVX512-BF16 and no AMX
     /// ([`Context::bf16_attention`]).
@@ -143,6 +148,7 @@ impl Default for Knobs {
             fma: true,
             fma_min_rows: None,
             fma_conv: true,
+            fma_norm: true,
             fma_attention: true,
             fma_avx2: false,
             fma_all: false,

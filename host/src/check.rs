@@ -515,6 +515,23 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "group norm, scale, shift, SiLU (FMA)",
+            tolerance: 1e-3,
+            cpu_kernels: true,
+            reference: None,
+            // On the CPU with sdhost's kernels: the groups' statistics and
+            // one pass (`Context::group_norm_affine`), against ggml's norm,
+            // product, sum and SiLU.
+            build: |i, c| {
+                let (x, g, b) = (
+                    t(i, Type::F32, &[12, 10, 64, 2])?,
+                    t(i, Type::F32, &[64])?,
+                    t(i, Type::F32, &[64])?,
+                );
+                Ok((vec![x, g, b], c.group_norm_affine(x, 32, 1e-5, g, b, true)?))
+            },
+        },
+        Case {
             name: "conv_2d f16 (FMA)",
             tolerance: 1e-2,
             cpu_kernels: true,

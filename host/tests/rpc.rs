@@ -289,11 +289,19 @@ fn a_remote_cpu_gives_the_local_image() {
     // Default attention choice: within MAX_DIFF/MEAN_DIFF.
     close_image("remote cpu", &pixels(&local), &pixels(&remote));
     // The same attention on both sides: the same CPU code on the server
-    // gives the same bits.
+    // gives the same bits (the server runs ggml's ops only, so the local
+    // runs keep ggml's group norms).
     let local_off = out.join("local-off.png");
     let remote_off = out.join("remote-off.png");
-    generate(&p, &local_off, &["--seed", "3", "--flash-attn", "off"]).ok();
-    generate(
+    let plain = [("SDHOST_NO_FMA_NORM", "1")];
+    generate_with(
+        &p,
+        &local_off,
+        &["--seed", "3", "--flash-attn", "off"],
+        &plain,
+    )
+    .ok();
+    generate_with(
         &p,
         &remote_off,
         &[
@@ -306,6 +314,7 @@ fn a_remote_cpu_gives_the_local_image() {
             "--backend",
             "diffusion=rpc0",
         ],
+        &plain,
     )
     .ok();
     assert!(pixels(&local_off) == pixels(&remote_off), "not bit for bit");
@@ -334,8 +343,8 @@ fn modules_split_over_two_servers() {
     let split = out.join("split.png");
     // The VAE runs on a server, whose CPU backend computes ggml's ops
     // (sdhost's own CPU kernels are custom ops, which never cross RPC):
-    // the local run keeps to ggml's convolutions too.
-    let plain = [("SDHOST_NO_FMA_CONV", "1")];
+    // the local run keeps to ggml's convolutions and group norms too.
+    let plain = [("SDHOST_NO_FMA_CONV", "1"), ("SDHOST_NO_FMA_NORM", "1")];
     generate_with(&p, &local, &["--flash-attn", "off"], &plain).ok();
     generate(
         &p,

@@ -284,6 +284,11 @@ pub fn group_norm<'a>(
     channels: i64,
     eps: f32,
 ) -> Result<Tensor<'a>> {
+    let g = w.shaped(&format!("{prefix}.weight"), &[channels])?;
+    let b = w.shaped(&format!("{prefix}.bias"), &[channels])?;
+    if g.ty() == Some(ggml::Type::F32) && b.ty() == Some(ggml::Type::F32) {
+        return Ok(c.group_norm_affine(x, 32, eps, g, b, false)?);
+    }
     let y = c.group_norm(x, 32, eps)?;
     affine(c, w, prefix, y, channels, &[1, 1, channels, 1])
 }

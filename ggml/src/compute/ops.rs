@@ -152,6 +152,81 @@ impl Context {
         )
     }
 
+    /// `group_norm(input)·gamma + beta` over `[W, H, C, N]` with f32 `[C]`
+    /// weights, then SiLU where `silu`. In a context with sdhost's CPU
+    /// kernels ([`Context::cpu_kernels`]; [`crate::Knobs::fma_norm`]), where
+    /// the groups divide the channels, two custom ops: the groups' statistics, then one pass
+    /// that writes `a·x + b` per channel ([`crate::amx::norm_op`]) where
+    /// ggml's norm, product, sum and SiLU make five; elsewhere those ops.
+    #[allow(clippy::too_many_arguments)]
+    pub fn group_norm_affine<'a>(
+        &'a self,
+        input: Tensor<'a>,
+        groups: i32,
+        eps: f32,
+        gamma: Tensor<'a>,
+        beta: Tensor<'a>,
+        silu: bool,
+    ) -> Result<Tensor<'a>> {
+        check_f32_rows("group_norm", &input)?;
+        let c = input.ne()[2];
+        for (what, t) in [("scale", gamma), ("shift", beta)] {
+            if t.ty() != Some(Type::F32) || !contiguous(&t) || t.nelements() as i64 != c {
+                return invalid(format!(
+                    "group norm {what} {:?} of type {} for {c} channels (f32, contiguous)",
+                    t.ne(),
+                    t.type_name()
+                ));
+            }
+        }
+        if self.cpu_kernels()
+            && crate::knobs().fma_norm
+            && groups > 0
+            && i64::from(groups) <= c
+            && c % i64::from(groups) == 0
+            && !eps.is_nan()
+            && eps >= 0.0
+        {
+            self.room(2)?;
+            let ud = crate::amx::group_norm_userdata(groups as usize, eps);
+            let ne = [2, i64::from(groups), input.ne()[3], 1];
+            // SAFETY: `input` is alive for 'a, f32 with dense rows (checked);
+            // group_stats_op reads it and writes 2 × groups × n f32, groups
+            // dividing the channels (checked); room checked.
+            let stats = unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    ne,
+                    &mut [input.raw],
+                    crate::amx::group_stats_op,
+                    ud,
+                    "cpu group_norm",
+                )?
+            };
+            // SAFETY: the input (as above), its statistics, and the f32
+            // contiguous scale and shift of `c` values (checked): what
+            // norm_op reads; it writes the input's shape in f32; room
+            // checked.
+            return unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    input.ne(),
+                    &mut [input.raw, stats.raw, gamma.raw, beta.raw],
+                    crate::amx::norm_op,
+                    crate::amx::norm_userdata(silu),
+                    "cpu group_norm",
+                )
+            };
+        }
+        let h = self.group_norm(input, groups, eps)?;
+        let h = self.mul(h, self.reshape(gamma, &[1, 1, c, 1])?)?;
+        let h = self.add(h, self.reshape(beta, &[1, 1, c, 1])?)?;
+        match silu {
+            true => self.silu(h),
+            false => Ok(h),
+        }
+    }
+
     /// 2-D convolution of `input` `[W, H, Cin, N]` with `kernel` `[KW, KH, Cin, Cout]`.
     pub fn conv_2d<'a>(
         &'a self,
@@ -611,7 +686,7 @@ impl Context {
     /// its weights and the SiLU are applied as the convolution's
     /// channels-last copy is made (one statistics pass and one copy,
     /// where ggml makes five passes over the activations); elsewhere by
-    /// ggml's ops.
+    /// [`Context::group_norm_affine`] and the convolution.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_2d_norm_silu<'a>(
         &'a self,
@@ -659,9 +734,7 @@ impl Context {
             };
             return self.conv_2d_amx(kernel, input, bias, stride, pad, Some([stats, gamma, beta]));
         }
-        let h = self.group_norm(input, groups, eps)?;
-        let h = self.mul(h, self.reshape(gamma, &[1, 1, c, 1])?)?;
-        let h = self.silu(self.add(h, self.reshape(beta, &[1, 1, c, 1])?)?)?;
+        let h = self.group_norm_affine(input, groups, eps, gamma, beta, true)?;
         match bias {
             Some(b) => self.conv_2d_bias(kernel, h, b, stride, pad),
             None => self.conv_2d(kernel, h, stride, pad),
