@@ -170,40 +170,11 @@ impl Context {
     ) -> Result<Tensor<'a>> {
         check_f32_rows("group_norm", &input)?;
         let c = input.ne()[2];
-        for (what, t) in [("scale", gamma), ("shift", beta)] {
-            if t.ty() != Some(Type::F32) || !contiguous(&t) || t.nelements() as i64 != c {
-                return invalid(format!(
-                    "group norm {what} {:?} of type {} for {c} channels (f32, contiguous)",
-                    t.ne(),
-                    t.type_name()
-                ));
-            }
-        }
-        if self.cpu_kernels()
-            && crate::knobs().fma_norm
-            && groups > 0
-            && i64::from(groups) <= c
-            && c % i64::from(groups) == 0
-            && !eps.is_nan()
-            && eps >= 0.0
-        {
-            self.room(2)?;
-            let ud = crate::amx::group_norm_userdata(groups as usize, eps);
-            let ne = [2, i64::from(groups), input.ne()[3], 1];
-            // SAFETY: `input` is alive for 'a, f32 with dense rows (checked);
-            // group_stats_op reads it and writes 2 × groups × n f32, groups
-            // dividing the channels (checked); room checked.
-            let stats = unsafe {
-                self.custom_op(
-                    sys::GGML_TYPE_F32,
-                    ne,
-                    &mut [input.raw],
-                    crate::amx::group_stats_op,
-                    ud,
-                    "cpu group_norm",
-                )?
-            };
-            // SAFETY: the input (as above), its statistics, and the f32
+        check_norm_weights(c, gamma, beta)?;
+        if self.cpu_kernels() && crate::knobs().fma_norm && norm_groups_fit(c, groups, eps) {
+            let stats = self.group_stats(input, groups, eps, "cpu group_norm")?;
+            self.room(1)?;
+            // SAFETY: the input (f32 with dense rows), its statistics, and the f32
             // contiguous scale and shift of `c` values (checked): what
             // norm_op reads; it writes the input's shape in f32; room
             // checked.
@@ -461,34 +432,9 @@ impl Context {
         pad: i32,
     ) -> Result<(Tensor<'a>, bool)> {
         let k = kernel.ne();
-        // im2col, then reshapes, mul_mat, reshape, permute below.
-        self.room(5)?;
-        // SAFETY: both alive for 'a; an f16 or f32 kernel of the input's
-        // channels, an f32 or f16 input with dense rows, stride and output
-        // size checked by the callers (conv_2d_check; im2col into f16 as
-        // ggml_conv_2d builds it); room checked.
-        let cols = self.wrap(
-            unsafe {
-                sys::ggml_im2col(
-                    self.raw,
-                    kernel.raw,
-                    input.raw,
-                    stride,
-                    stride,
-                    pad,
-                    pad,
-                    1,
-                    1,
-                    true,
-                    sys::GGML_TYPE_F16,
-                )
-            },
-            "ggml_im2col",
-        )?;
-        // [IC·KH·KW, OW, OH, N]
-        let c = cols.ne();
-        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
-        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        // im2col, two reshapes, then mul_mat, reshape (and permute) below.
+        let (cols2, k2, c) =
+            self.im2col_operands(kernel, input, stride, pad, sys::GGML_TYPE_F16, 5)?;
         let out = self.mul_mat(cols2, k2)?; // [OW·OH·N, OC]
         let bias = match bias {
             Some(b) => Some(self.reshape(b, &[1, 1, k[3], 1])?),
@@ -700,38 +646,9 @@ impl Context {
         pad: i32,
     ) -> Result<Tensor<'a>> {
         let c = input.ne()[2];
-        for (what, t) in [("scale", gamma), ("shift", beta)] {
-            if t.ty() != Some(Type::F32) || !contiguous(&t) || t.ne() != [c, 1, 1, 1] {
-                return invalid(format!(
-                    "group norm {what} {:?} of type {} for {c} channels (f32, contiguous)",
-                    t.ne(),
-                    t.type_name()
-                ));
-            }
-        }
-        let groups_fit = groups > 0 && i64::from(groups) <= c && c % i64::from(groups) == 0;
-        if groups_fit
-            && !eps.is_nan()
-            && eps >= 0.0
-            && self.conv_2d_check(kernel, input, stride, pad)?
-        {
-            self.room(1)?;
-            let ud = crate::amx::group_norm_userdata(groups as usize, eps);
-            let ne = [2, i64::from(groups), input.ne()[3], 1];
-            // SAFETY: `input` is alive for 'a, f32 with dense rows
-            // (conv_2d_check); group_stats_op reads it and writes 2 ×
-            // groups × n f32, groups dividing the channels (checked); room
-            // checked.
-            let stats = unsafe {
-                self.custom_op(
-                    sys::GGML_TYPE_F32,
-                    ne,
-                    &mut [input.raw],
-                    crate::amx::group_stats_op,
-                    ud,
-                    "amx group_stats",
-                )?
-            };
+        check_norm_weights(c, gamma, beta)?;
+        if norm_groups_fit(c, groups, eps) && self.conv_2d_check(kernel, input, stride, pad)? {
+            let stats = self.group_stats(input, groups, eps, "amx group_stats")?;
             return self.conv_2d_amx(kernel, input, bias, stride, pad, Some([stats, gamma, beta]));
         }
         let h = self.group_norm_affine(input, groups, eps, gamma, beta, true)?;
@@ -739,6 +656,73 @@ impl Context {
             Some(b) => self.conv_2d_bias(kernel, h, b, stride, pad),
             None => self.conv_2d(kernel, h, stride, pad),
         }
+    }
+
+    /// The `[2, groups, N]` statistics of a group norm of the f32 `input`
+    /// (`amx::group_stats_op`), a custom node named `name`.
+    fn group_stats<'a>(
+        &'a self,
+        input: Tensor<'a>,
+        groups: i32,
+        eps: f32,
+        name: &str,
+    ) -> Result<Tensor<'a>> {
+        check_f32_rows("group_norm", &input)?;
+        if !norm_groups_fit(input.ne()[2], groups, eps) {
+            return invalid(format!(
+                "group norm statistics of {:?} in {groups} groups with eps {eps}",
+                input.ne()
+            ));
+        }
+        self.room(1)?;
+        let ud = crate::amx::group_norm_userdata(groups as usize, eps);
+        let ne = [2, i64::from(groups), input.ne()[3], 1];
+        // SAFETY: `input` is alive for 'a, f32 with dense rows (checked);
+        // group_stats_op reads it and writes 2 × groups × n f32, groups
+        // dividing the channels (checked); room checked.
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                ne,
+                &mut [input.raw],
+                crate::amx::group_stats_op,
+                ud,
+                name,
+            )
+        }
+    }
+
+    /// A convolution's im2col matrix in `cols_type` as `[IC·KH·KW,
+    /// OW·OH·N]` and its kernel as `[IC·KH·KW, OC]`, the product's
+    /// operands, with the im2col's shape `[IC·KH·KW, OW, OH, N]`; room for
+    /// `tensors` checked first (the whole convolution's). The caller
+    /// checked shapes, types and contiguity.
+    fn im2col_operands<'a>(
+        &'a self,
+        kernel: Tensor<'a>,
+        input: Tensor<'a>,
+        stride: i32,
+        pad: i32,
+        cols_type: sys::ggml_type,
+        tensors: usize,
+    ) -> Result<(Tensor<'a>, Tensor<'a>, [i64; 4])> {
+        self.room(tensors)?;
+        // SAFETY: both alive for 'a; kernel and input types (the CPU's f32
+        // im2col reads an f32 input, its f16 one f32 or f16), channels,
+        // stride and output size checked by the callers; room checked.
+        let cols = self.wrap(
+            unsafe {
+                sys::ggml_im2col(
+                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1, true,
+                    cols_type,
+                )
+            },
+            "ggml_im2col",
+        )?;
+        let (c, k) = (cols.ne(), kernel.ne());
+        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
+        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        Ok((cols2, k2, c))
     }
 
     /// A convolution as im2col (`cols` type) and one matrix product:
@@ -755,24 +739,8 @@ impl Context {
         kernel_first: bool,
     ) -> Result<Tensor<'a>> {
         let k = kernel.ne();
-        // im2col, then reshapes, mul_mat, reshape, permute, cont below.
-        self.room(7)?;
-        // SAFETY: both alive for 'a; kernel and input types (the CPU's f32
-        // im2col reads an f32 input, its f16 one f32 or f16), channels,
-        // stride and output size checked by the callers; room checked.
-        let cols = self.wrap(
-            unsafe {
-                sys::ggml_im2col(
-                    self.raw, kernel.raw, input.raw, stride, stride, pad, pad, 1, 1, true,
-                    cols_type,
-                )
-            },
-            "ggml_im2col",
-        )?;
-        // [IC·KH·KW, OW, OH, N]
-        let c = cols.ne();
-        let cols2 = self.reshape(cols, &[c[0], c[1] * c[2] * c[3]])?;
-        let k2 = self.reshape(kernel, &[k[0] * k[1] * k[2], k[3]])?;
+        // im2col, two reshapes, then mul_mat, reshape, permute, cont below.
+        let (cols2, k2, c) = self.im2col_operands(kernel, input, stride, pad, cols_type, 7)?;
         if kernel_first {
             let out = self.mul_mat(k2, cols2)?; // [OC, OW·OH·N]
             let out = self.reshape(out, &[k[3], c[1], c[2], c[3]])?;
@@ -1313,4 +1281,29 @@ fn conv_out(kernel: Tensor<'_>, input: Tensor<'_>, stride: i32, pad: i32) -> (i6
     let (k, x) = (kernel.ne(), input.ne());
     let out = |i: usize| (x[i] + 2 * i64::from(pad) - k[i]) / i64::from(stride) + 1;
     (out(0), out(1))
+}
+
+/// Whether `groups` groups divide `c` channels, with a usable epsilon: what
+/// sdhost's group norm statistics take.
+fn norm_groups_fit(c: i64, groups: i32, eps: f32) -> bool {
+    groups > 0
+        && i64::from(groups) <= c
+        && c % i64::from(groups) == 0
+        && !eps.is_nan()
+        && eps >= 0.0
+}
+
+/// Refuses a group norm's scale or shift that is not a contiguous f32
+/// vector of `c` values.
+fn check_norm_weights(c: i64, gamma: Tensor<'_>, beta: Tensor<'_>) -> Result<()> {
+    for (what, t) in [("scale", gamma), ("shift", beta)] {
+        if t.ty() != Some(Type::F32) || !contiguous(&t) || t.nelements() as i64 != c {
+            return invalid(format!(
+                "group norm {what} {:?} of type {} for {c} channels (f32, contiguous)",
+                t.ne(),
+                t.type_name()
+            ));
+        }
+    }
+    Ok(())
 }
