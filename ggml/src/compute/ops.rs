@@ -156,7 +156,7 @@ impl Context {
     /// weights, then SiLU where `silu`. In a context with sdhost's CPU
     /// kernels ([`Context::cpu_kernels`]; [`crate::Knobs::fma_norm`]), where
     /// the groups divide the channels, two custom ops: the groups' statistics, then one pass
-    /// that writes `a·x + b` per channel ([`crate::amx::norm_op`]) where
+    /// that writes `a·x + b` per channel (`amx::norm_op`) where
     /// ggml's norm, product, sum and SiLU make five; elsewhere those ops.
     #[allow(clippy::too_many_arguments)]
     pub fn group_norm_affine<'a>(
