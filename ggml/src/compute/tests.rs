@@ -117,6 +117,11 @@ fn cases() -> Vec<Case> {
         "group_norm" ok: |c| c.group_norm(f32s(c, &[4, 4, 64]), 32, 1e-6);
         "group_norm" bad: |c| c.group_norm(f32s(c, &[4, 4, 64]), 0, 1e-6);
         "group_norm" bad: |c| c.group_norm(f32s(c, &[4, 4, 16]), 32, 1e-6);
+        "group_norm_affine" ok: |c| c.group_norm_affine(f32s(c, &[4, 4, 64, 2]), 32, 1e-6, f32s(c, &[64]), f32s(c, &[64]), true);
+        "group_norm_affine" bad: |c| c.group_norm_affine(f32s(c, &[4, 4, 64, 2]), 32, 1e-6, f32s(c, &[32]), f32s(c, &[64]), false);
+        "group_norm_affine" bad: |c| c.group_norm_affine(f32s(c, &[4, 4, 64, 2]), 32, 1e-6, f32s(c, &[64]), t(c, Type::F16, &[64]), true);
+        "group_norm_affine" bad: |c| c.group_norm_affine(transposed(c, Type::F32, &[4, 4, 64]), 32, 1e-6, f32s(c, &[64]), f32s(c, &[64]), true);
+        "group_norm_affine" bad: |c| c.group_norm_affine(f32s(c, &[4, 4, 16]), 32, 1e-6, f32s(c, &[16]), f32s(c, &[16]), false);
         "group_norm" bad: |c| c.group_norm(t(c, Type::F16, &[4, 4, 64]), 32, 1e-6);
 
         "conv_2d" ok: |c| c.conv_2d(t(c, Type::F16, &[3, 3, 8, 16]), f32s(c, &[16, 16, 8, 1]), 1, 1);
