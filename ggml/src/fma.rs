@@ -52,6 +52,8 @@ use std::sync::OnceLock;
 use crate::amx::{bf16, Conv};
 use crate::sys;
 
+mod direct;
+
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
 /// panel of the block then streams past.
 pub const MC: usize = 96;
@@ -96,6 +98,33 @@ impl Isa {
             Isa::Avx512 => "fma conv avx512",
             Isa::Avx2 => "fma conv avx2",
         }
+    }
+
+    /// The name of a convolution node of this shape (kernel type, `kw ×
+    /// kh`, `stride`) on this kernel: [`Isa::conv_node_name`], or the
+    /// direct convolution's where it takes that.
+    pub fn conv_node_name_for(
+        self,
+        ty: sys::ggml_type,
+        kw: usize,
+        kh: usize,
+        stride: usize,
+    ) -> &'static str {
+        let shape = Conv {
+            w: 1,
+            h: 1,
+            c: 1,
+            n: 1,
+            oc: 1,
+            kw,
+            kh,
+            stride,
+            pad: 0,
+        };
+        if self == Isa::Avx512Bf16 && ty == sys::GGML_TYPE_BF16 && direct::applies(&shape) {
+            return "fma conv direct avx512bf16";
+        }
+        self.conv_node_name()
     }
 
     /// The instruction set, as people write it (reports).
@@ -738,9 +767,30 @@ pub fn conv(
     ith: usize,
     nth: usize,
 ) {
+    let direct = direct::applies(&x.shape);
+    conv_on(isa, direct, w, x, bias, out, ld, ith, nth)
+}
+
+/// [`conv`], direct over pair planes where `direct` and the kernel is bf16
+/// on AVX512-BF16 (the caller checked [`direct::applies`]).
+#[allow(clippy::too_many_arguments)]
+fn conv_on(
+    isa: Isa,
+    direct: bool,
+    w: &Weight<'_>,
+    x: &Patches<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+    ith: usize,
+    nth: usize,
+) {
     let (m, k) = (x.shape.ow() * x.shape.oh(), x.k());
     let store = Store::Channels { ld };
     if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
+        if direct {
+            return direct::conv(w, x, bias, out, ld, ith, nth);
+        }
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| x.pack_pairs(r0, mc, kb, kc, K::MR, a);
         return gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth);
@@ -1618,6 +1668,14 @@ mod tests {
             // k = 2313 (odd): passes of k split for the pass bound
             // (`conv_kc`: 1158 + 1155 bf16, 771 × 3 f32).
             (7, 6, 257, 20, 3, 1, 1, 2),
+            // The direct convolution: tiles of 48 positions across rows
+            // of 72 and of 7 (narrower than a vector), an odd channel
+            // count, and a kernel larger than the input (split by output
+            // channels, not rows).
+            (70, 9, 16, 20, 3, 1, 1, 2),
+            (5, 40, 7, 3, 3, 1, 1, 2),
+            (6, 5, 64, 40, 3, 1, 1, 2),
+            (33, 5, 9, 17, 1, 1, 0, 3),
         ];
         for isa in kernels() {
             let (types, tol) = match isa {
@@ -1666,43 +1724,51 @@ mod tests {
                     let (ow, oh) = (x.shape.ow(), x.shape.oh());
                     let plane = ow * oh;
                     let bias: Vec<f32> = (0..oc).map(|i| v(7, i)).collect();
-                    let mut got = vec![f32::NAN; plane * oc];
-                    for ith in 0..nth {
-                        conv(isa, &wt, &x, Some(&bias), &mut got, plane, ith, nth);
-                    }
-                    let wf = |i: usize| match ty {
-                        sys::GGML_TYPE_F16 => half::f16::from_f32(wv[i]).to_f32(),
-                        sys::GGML_TYPE_BF16 => half::bf16::from_f32(wv[i]).to_f32(),
-                        _ => wv[i],
-                    };
-                    for o in 0..oc {
-                        for y in 0..oh {
-                            for xx in 0..ow {
-                                let mut want = f64::from(bias[o]);
-                                for ch in 0..c {
-                                    for ky in 0..kk {
-                                        for kx in 0..kk {
-                                            let iy = (y * stride + ky) as isize - pad as isize;
-                                            let ix = (xx * stride + kx) as isize - pad as isize;
-                                            if iy < 0
-                                                || ix < 0
-                                                || iy >= h as isize
-                                                || ix >= w as isize
-                                            {
-                                                continue;
+                    // The bf16 kernel both ways where the direct
+                    // convolution takes the shape.
+                    let direct = direct::applies(&x.shape) && isa == Isa::Avx512Bf16;
+                    for direct in [false, direct]
+                        .into_iter()
+                        .collect::<std::collections::BTreeSet<_>>()
+                    {
+                        let mut got = vec![f32::NAN; plane * oc];
+                        for ith in 0..nth {
+                            conv_on(isa, direct, &wt, &x, Some(&bias), &mut got, plane, ith, nth);
+                        }
+                        let wf = |i: usize| match ty {
+                            sys::GGML_TYPE_F16 => half::f16::from_f32(wv[i]).to_f32(),
+                            sys::GGML_TYPE_BF16 => half::bf16::from_f32(wv[i]).to_f32(),
+                            _ => wv[i],
+                        };
+                        for o in 0..oc {
+                            for y in 0..oh {
+                                for xx in 0..ow {
+                                    let mut want = f64::from(bias[o]);
+                                    for ch in 0..c {
+                                        for ky in 0..kk {
+                                            for kx in 0..kk {
+                                                let iy = (y * stride + ky) as isize - pad as isize;
+                                                let ix = (xx * stride + kx) as isize - pad as isize;
+                                                if iy < 0
+                                                    || ix < 0
+                                                    || iy >= h as isize
+                                                    || ix >= w as isize
+                                                {
+                                                    continue;
+                                                }
+                                                let xi =
+                                                    input[(ch * h + iy as usize) * w + ix as usize];
+                                                let wi = wf(o * k + (ch * kk + ky) * kk + kx);
+                                                want += f64::from(xi) * f64::from(wi);
                                             }
-                                            let xi =
-                                                input[(ch * h + iy as usize) * w + ix as usize];
-                                            let wi = wf(o * k + (ch * kk + ky) * kk + kx);
-                                            want += f64::from(xi) * f64::from(wi);
                                         }
                                     }
-                                }
-                                let g = got[o * plane + y * ow + xx];
-                                assert!(
+                                    let g = got[o * plane + y * ow + xx];
+                                    assert!(
                                     (f64::from(g) - want).abs() < tol * (k as f64).sqrt(),
-                                    "{isa:?} {w}x{h}x{c} → {oc}, {kk}x{kk}/{stride} pad {pad}, nth {nth}, type {ty} at ({xx}, {y}, {o}): {g} vs {want}"
+                                    "{isa:?} (direct: {direct}) {w}x{h}x{c} → {oc}, {kk}x{kk}/{stride} pad {pad}, nth {nth}, type {ty} at ({xx}, {y}, {o}): {g} vs {want}"
                                 );
+                                }
                             }
                         }
                     }

@@ -100,6 +100,10 @@ pub struct Knobs {
     /// Convolutions on sdhost's implicit GEMM where the FMA path is on
     /// ([`fma::conv`]); off: ggml's im2col and product (to measure them).
     pub fma_conv: bool,
+    /// bf16 convolutions of stride 1 with 3 × 3 and 1 × 1 kernels as direct
+    /// convolutions over pair planes where the FMA path takes them on
+    /// AVX512-BF16 (`fma::direct`); off: the implicit GEMM (to measure it).
+    pub fma_direct: bool,
     /// Group norms with their scale, shift and SiLU in one pass where
     /// sdhost's CPU kernels are on ([`Context::group_norm_affine`]); off:
     /// ggml's ops (to measure them, and for runs that must match a
@@ -148,6 +152,7 @@ impl Default for Knobs {
             fma: true,
             fma_min_rows: None,
             fma_conv: true,
+            fma_direct: true,
             fma_norm: true,
             fma_attention: true,
             fma_avx2: false,

@@ -334,7 +334,12 @@ impl Context {
                 &mut args,
                 crate::fma::conv_op,
                 ud,
-                isa.conv_node_name(),
+                isa.conv_node_name_for(
+                    kernel.raw_type(),
+                    kernel.ne()[0] as usize,
+                    kernel.ne()[1] as usize,
+                    stride as usize,
+                ),
             )
         }
     }

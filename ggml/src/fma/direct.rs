@@ -1,0 +1,410 @@
+//! Direct 3 × 3 and 1 × 1 convolutions (stride 1) on `vdpbf16ps`, for bf16
+//! kernels on processors with AVX512-BF16 and no AMX: no patches packed.
+//!
+//! The implicit GEMM of [`super::conv`] packs, for every block of output
+//! pixels, the values under each of the kernel's taps (rounded to bf16 in
+//! pairs), and multiplies each packed block by every panel of outputs.
+//! Where a convolution has few output channels (SD's VAE at its two top
+//! levels: 128 and 256), that packing weighs as much as a third of the
+//! products it feeds. Here the input is rounded once, band of rows by band,
+//! into *pair planes*: for each pair of channels, the padded image with the
+//! two channels' bf16 values side by side in 32 bits. In a pair plane the
+//! values one tap reads for 16 consecutive output pixels lie side by side
+//! too, at a fixed offset (the tap's row times the padded width, plus its
+//! column): the micro-kernel loads them as they lie, broadcasts a pair of
+//! the kernel's weights, and multiplies 16 pixels by one output channel per
+//! `vdpbf16ps`. The output positions run over the padded width (the two
+//! padding columns' results are computed and dropped), so blocks of pixels
+//! cross rows freely and are written straight into the output's channel
+//! planes with masked stores: nothing is scattered.
+//!
+//! Hand-written for the same reason as the rest of [`super`]: ggml's CPU
+//! convolutions build the im2col matrix first (measured in
+//! docs/performance.md, "CPU convolutions").
+
+#[cfg(target_arch = "x86_64")]
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::{features, share, Aligned, Patches, Weight};
+use crate::sys;
+
+/// Output channels per micro-tile (broadcast weight pairs).
+const NJ: usize = 8;
+/// 16-pixel vectors per micro-tile: 8 × 3 accumulators, three loads of
+/// pixels and eight broadcasts per pair of channels and tap.
+const NV: usize = 3;
+/// Output positions per micro-tile.
+const TILE: usize = 16 * NV;
+/// The pair planes of one band of rows take at most this much (a share of
+/// the level-2 and level-3 caches); fewer rows per band round the input
+/// again for the rows two bands share.
+const BAND_BYTES: usize = 2 << 20;
+
+thread_local! {
+    /// A thread's packed weight panels and pair planes.
+    static BUF: RefCell<(Aligned<u32>, Aligned<u32>)> = RefCell::default();
+}
+
+/// Whether [`conv`] takes a convolution of this shape: stride 1, a 3 × 3 or
+/// 1 × 1 kernel, dense output planes, on a processor with AVX512-BF16 (the
+/// caller checks the kernel's type), unless [`crate::Knobs::fma_direct`] is
+/// off.
+pub(super) fn applies(shape: &crate::amx::Conv) -> bool {
+    features().avx512bf16
+        && crate::knobs().fma_direct
+        && shape.stride == 1
+        && matches!((shape.kw, shape.kh), (3, 3) | (1, 1))
+}
+
+/// The convolution of one image (`x`) by the bf16 kernel `w`, plus `bias`,
+/// into `out`'s channel planes (`ld` = output pixels per plane): this
+/// thread's part (`ith` of `nth`): its rows of every channel, or where the
+/// kernel is larger than the input, its channels of every row. The caller
+/// checked [`applies`] and the operands as for [`super::conv`].
+pub(super) fn conv(
+    w: &Weight<'_>,
+    x: &Patches<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ld: usize,
+    ith: usize,
+    nth: usize,
+) {
+    let g = Geometry::of(x);
+    assert!(
+        w.ty == sys::GGML_TYPE_BF16
+            && w.k == g.c * g.taps()
+            && w.n == g.oc
+            && ld >= g.ow * g.oh
+            && out.len() >= (g.oc - 1) * ld + g.ow * g.oh
+            && x.input.len() >= g.w * g.h * g.c
+            && bias.is_none_or(|b| b.len() >= g.oc)
+            && applies(&x.shape)
+    );
+    let panels = g.oc.div_ceil(NJ);
+    let packed = g.taps() * g.pairs() * NJ;
+    // Split by channels where the packed kernel outweighs the pair planes
+    // (each thread then rounds the whole input, and packs only its panels).
+    let planes_len = g.pairs() * (g.h + 2 * g.pad) * g.wp();
+    let by_panels = packed * panels > planes_len && panels >= 2 * nth;
+    let (rows, mine) = if by_panels {
+        (0..g.oh, share(panels, ith, nth))
+    } else {
+        (share(g.oh, ith, nth), 0..panels)
+    };
+    if rows.is_empty() || mine.is_empty() {
+        return;
+    }
+    let band = g.band_rows().min(rows.len());
+    let stride = g.plane_stride(band);
+    BUF.with(|b| {
+        let (wbuf, pbuf) = &mut *b.borrow_mut();
+        let wpk = wbuf.get(mine.len() * packed);
+        for (i, q) in mine.clone().enumerate() {
+            pack_panel(w, &g, q, &mut wpk[i * packed..(i + 1) * packed]);
+        }
+        let planes = pbuf.get(g.pairs() * stride);
+        for y0 in rows.clone().step_by(band) {
+            let r = band.min(rows.end - y0);
+            round_band(x, &g, y0, r, stride, planes);
+            let span = r * g.wp();
+            // Blocks of about a padded row of positions: their pixels (all
+            // pairs, the kernel's rows) stay cached while every panel
+            // passes them.
+            let chunk = g.wp().next_multiple_of(TILE);
+            for c0 in (0..span).step_by(chunk) {
+                for (i, q) in mine.clone().enumerate() {
+                    let panel = &wpk[i * packed..(i + 1) * packed];
+                    for o0 in (c0..(c0 + chunk).min(span)).step_by(TILE) {
+                        let at = Tile {
+                            out: out.as_mut_ptr(),
+                            ld,
+                            g: &g,
+                            y0,
+                            rows: r,
+                            o0,
+                            j0: q * NJ,
+                            bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+                        };
+                        // SAFETY: applies() checked AVX512-BF16; the planes
+                        // hold `pairs` planes of `stride` u32, which cover
+                        // every read of a tile starting below `span`
+                        // (plane_stride); the panel holds taps × pairs × NJ;
+                        // Tile's stores stay inside `out` (checked above).
+                        #[cfg(target_arch = "x86_64")]
+                        unsafe {
+                            match g.kw {
+                                3 => tile::<9>(planes, stride, &g.offsets::<9>(), panel, &at),
+                                _ => tile::<1>(planes, stride, &g.offsets::<1>(), panel, &at),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// One image's convolution shape, in pair planes.
+struct Geometry {
+    w: usize,
+    h: usize,
+    c: usize,
+    oc: usize,
+    kw: usize,
+    pad: usize,
+    ow: usize,
+    oh: usize,
+}
+
+impl Geometry {
+    fn of(x: &Patches<'_>) -> Geometry {
+        let s = &x.shape;
+        Geometry {
+            w: s.w,
+            h: s.h,
+            c: s.c,
+            oc: s.oc,
+            kw: s.kw,
+            pad: s.pad,
+            ow: s.ow(),
+            oh: s.oh(),
+        }
+    }
+
+    /// Kernel taps (square kernels only).
+    fn taps(&self) -> usize {
+        self.kw * self.kw
+    }
+
+    /// Pairs of input channels (the last one half zero for an odd count).
+    fn pairs(&self) -> usize {
+        self.c.div_ceil(2)
+    }
+
+    /// Padded width: a pair plane's row.
+    fn wp(&self) -> usize {
+        self.w + 2 * self.pad
+    }
+
+    /// Output rows per band: as many as keep its pair planes within
+    /// [`BAND_BYTES`], at least one.
+    fn band_rows(&self) -> usize {
+        let per_plane = BAND_BYTES / (4 * self.pairs());
+        let rows = per_plane.saturating_sub(2 * TILE) / self.wp();
+        rows.saturating_sub(self.kw - 1).max(1)
+    }
+
+    /// u32 per pair plane of a band of `rows` output rows: its input rows
+    /// (`rows + kw − 1`), plus room for the last tile's reads past them
+    /// (a tile's positions run up to `TILE − 1` beyond the band, and its
+    /// taps reach `(kw − 1)·(wp + 1)` beyond those).
+    fn plane_stride(&self, rows: usize) -> usize {
+        ((rows + self.kw - 1) * self.wp() + TILE + self.kw).next_multiple_of(16) + 16
+    }
+
+    /// Each tap's offset in a pair plane (row-major taps, as ggml's kernel
+    /// orders them).
+    fn offsets<const T: usize>(&self) -> [usize; T] {
+        std::array::from_fn(|t| t / self.kw * self.wp() + t % self.kw)
+    }
+}
+
+/// Packs output channels `q·NJ..` of the bf16 kernel `w` as `[pair][tap][NJ]`
+/// u32: the two channels' bf16 weights side by side, zero past the
+/// channels and the outputs.
+fn pack_panel(w: &Weight<'_>, g: &Geometry, q: usize, dst: &mut [u32]) {
+    let taps = g.taps();
+    let weight = |j: usize, ch: usize, t: usize| -> u32 {
+        if j >= g.oc || ch >= g.c {
+            return 0;
+        }
+        let at = j * w.row_bytes + 2 * (ch * taps + t);
+        u32::from(u16::from_le_bytes([w.data[at], w.data[at + 1]]))
+    };
+    for p in 0..g.pairs() {
+        for t in 0..taps {
+            for jj in 0..NJ {
+                let j = q * NJ + jj;
+                dst[(p * taps + t) * NJ + jj] = weight(j, 2 * p, t) | weight(j, 2 * p + 1, t) << 16;
+            }
+        }
+    }
+}
+
+/// Rounds the input rows of output rows `y0..y0 + rows` into pair planes
+/// (`stride` u32 apart): zero in the padding.
+fn round_band(
+    x: &Patches<'_>,
+    g: &Geometry,
+    y0: usize,
+    rows: usize,
+    stride: usize,
+    dst: &mut [u32],
+) {
+    let (wp, plane) = (g.wp(), g.w * g.h);
+    for p in 0..g.pairs() {
+        let a = &x.input[2 * p * plane..(2 * p + 1) * plane];
+        let b = (2 * p + 1 < g.c).then(|| &x.input[(2 * p + 1) * plane..(2 * p + 2) * plane]);
+        let planes = &mut dst[p * stride..(p + 1) * stride];
+        for r in 0..rows + g.kw - 1 {
+            let row = &mut planes[r * wp..(r + 1) * wp];
+            let iy = (y0 + r) as isize - g.pad as isize;
+            if !(0..g.h as isize).contains(&iy) {
+                row.fill(0);
+                continue;
+            }
+            let iy = iy as usize;
+            row[..g.pad].fill(0);
+            row[g.pad + g.w..].fill(0);
+            let a = &a[iy * g.w..(iy + 1) * g.w];
+            let b = b.map(|b| &b[iy * g.w..(iy + 1) * g.w]);
+            round_pairs(a, b, &mut row[g.pad..g.pad + g.w]);
+        }
+    }
+}
+
+/// `dst[i]` = `a[i]` and `b[i]` (zero without `b`) rounded to bf16, `a`'s
+/// in the low half.
+fn round_pairs(a: &[f32], b: Option<&[f32]>, dst: &mut [u32]) {
+    assert!(a.len() == dst.len() && b.is_none_or(|b| b.len() == a.len()));
+    #[cfg(target_arch = "x86_64")]
+    if features().avx512bf16 {
+        // SAFETY: the processor has AVX512-BF16 (checked); lengths
+        // asserted above.
+        unsafe { round_pairs_avx512(a, b, dst) };
+        return;
+    }
+    for (i, d) in dst.iter_mut().enumerate() {
+        let hi = b.map_or(0, |b| crate::amx::bf16(b[i]));
+        *d = u32::from(crate::amx::bf16(a[i])) | u32::from(hi) << 16;
+    }
+}
+
+/// [`round_pairs`] on AVX512-BF16.
+///
+/// # Safety
+/// The processor has AVX512-BF16; `b` (if any) and `dst` are as long as
+/// `a`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn round_pairs_avx512(a: &[f32], b: Option<&[f32]>, dst: &mut [u32]) {
+    let lo_idx = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    let hi_idx = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for i0 in (0..a.len()).step_by(16) {
+        let n = (a.len() - i0).min(16);
+        let m = ((1u32 << n) - 1) as __mmask16;
+        // SAFETY: masked loads of `n` values of `a` and `b` from i0 and a
+        // masked store of `n` u32 of `dst` (equal lengths).
+        unsafe {
+            let va = _mm512_maskz_loadu_ps(m, a.as_ptr().add(i0));
+            let vb = match b {
+                Some(b) => _mm512_maskz_loadu_ps(m, b.as_ptr().add(i0)),
+                None => _mm512_setzero_ps(),
+            };
+            let lo = _mm512_permutex2var_ps(va, lo_idx, vb);
+            let hi = _mm512_permutex2var_ps(va, hi_idx, vb);
+            // The second operand's values come first: lane i is a[i] | b[i].
+            let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+            _mm512_mask_storeu_epi32(dst.as_mut_ptr().add(i0) as *mut i32, m, pairs);
+        }
+    }
+}
+
+/// Where one micro-tile's results go: output channels `j0..j0 + NJ` (those
+/// below `g.oc`) at band positions `o0..o0 + TILE` (row `o / wp` of the
+/// band's `rows`, from output row `y0`; column `o % wp`, those below
+/// `g.ow`), plus `bias[j]` where not null.
+struct Tile<'g> {
+    out: *mut f32,
+    ld: usize,
+    g: &'g Geometry,
+    y0: usize,
+    rows: usize,
+    o0: usize,
+    j0: usize,
+    bias: *const f32,
+}
+
+/// One micro-tile: `NJ` output channels × `TILE` positions, summed over
+/// every pair plane and tap, then stored (see [`Tile`]).
+///
+/// # Safety
+/// The processor has AVX512-BF16; `planes` holds the band's pair planes,
+/// `stride` u32 apart, readable at `o0 + offsets[t] + TILE` in each;
+/// `panel` holds `pairs × T × NJ` u32; `at` addresses channel planes of
+/// `ld` f32 (at least `g.ow·g.oh`) for every output channel below `g.oc`,
+/// and a bias of as many f32 if not null.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn tile<const T: usize>(
+    planes: &[u32],
+    stride: usize,
+    offsets: &[usize; T],
+    panel: &[u32],
+    at: &Tile<'_>,
+) {
+    let g = at.g;
+    let pairs = g.pairs();
+    debug_assert!(panel.len() >= pairs * T * NJ && planes.len() >= pairs * stride);
+    let mut acc = [[_mm512_setzero_ps(); NV]; NJ];
+    let a0 = planes.as_ptr().wrapping_add(at.o0);
+    let w0 = panel.as_ptr();
+    for p in 0..pairs {
+        for (t, &off) in offsets.iter().enumerate() {
+            // SAFETY: the pixels lie inside plane p (the caller's bound),
+            // the weights inside the panel (p·T + t < pairs·T).
+            unsafe {
+                let a = a0.add(p * stride + off);
+                let mut px = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NV];
+                for (v, px) in px.iter_mut().enumerate() {
+                    *px = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
+                        a.add(16 * v) as *const _,
+                    ));
+                }
+                let w = w0.add((p * T + t) * NJ) as *const i32;
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    let wj: __m512bh = std::mem::transmute(_mm512_set1_epi32(w.add(j).read()));
+                    for (acc, px) in acc.iter_mut().zip(&px) {
+                        *acc = _mm512_dpbf16_ps(*acc, wj, *px);
+                    }
+                }
+            }
+        }
+    }
+    let wp = g.wp();
+    let channels = NJ.min(g.oc - at.j0);
+    for (v, o) in (at.o0..at.o0 + TILE).step_by(16).enumerate() {
+        // Lanes of vector v by output row: each run of them below `ow` is
+        // one masked store per channel.
+        let mut lane = 0;
+        while lane < 16 {
+            let (row, col) = ((o + lane) / wp, (o + lane) % wp);
+            let run = (16 - lane).min(wp - col);
+            if row >= at.rows {
+                break;
+            }
+            if col < g.ow {
+                let valid = run.min(g.ow - col);
+                let mask = ((((1u32 << valid) - 1) << lane) & 0xffff) as __mmask16;
+                // The address where lane 0 would go: only `mask`'s lanes are written.
+                let base = ((at.y0 + row) * g.ow + col) as isize - lane as isize;
+                for (j, acc) in acc.iter().enumerate().take(channels) {
+                    let ch = at.j0 + j;
+                    // SAFETY: the masked lanes are output pixels of plane
+                    // `ch` < oc (the caller's bound); bias[ch] likewise.
+                    unsafe {
+                        let mut y = acc[v];
+                        if !at.bias.is_null() {
+                            y = _mm512_add_ps(y, _mm512_set1_ps(at.bias.add(ch).read()));
+                        }
+                        let dst = at.out.wrapping_offset((ch * at.ld) as isize + base);
+                        _mm512_mask_storeu_ps(dst, mask, y);
+                    }
+                }
+            }
+            lane += run;
+        }
+    }
+}
