@@ -63,6 +63,13 @@ pub const MC: usize = 96;
 /// many rows share it; at 256 rows ggml measured 1.00–1.10× faster).
 pub const MIN_ROWS: usize = 512;
 
+/// The fewest output pixels per image that take the direct bf16
+/// convolution (`direct`): SD's UNet at its 8 × 8 level (64 pixels).
+pub const DIRECT_MIN_PIXELS: usize = 64;
+
+/// The name of a direct convolution's node (profiles, `check`).
+const DIRECT_NODE: &str = "fma conv direct avx512bf16";
+
 /// The fewest rows that take this path ([`MIN_ROWS`]);
 /// [`crate::Knobs::fma_min_rows`] overrides it, for measurements.
 pub fn min_rows() -> usize {
@@ -122,9 +129,20 @@ impl Isa {
             pad: 0,
         };
         if self == Isa::Avx512Bf16 && ty == sys::GGML_TYPE_BF16 && direct::applies(&shape) {
-            return "fma conv direct avx512bf16";
+            return DIRECT_NODE;
         }
         self.conv_node_name()
+    }
+
+    /// The fewest output pixels per image a convolution of this shape
+    /// takes this kernel from: [`min_rows`], or for the direct
+    /// convolution, which packs the kernel once for all images and no
+    /// patches, [`DIRECT_MIN_PIXELS`].
+    pub fn conv_min_pixels(self, ty: sys::ggml_type, kw: usize, kh: usize, stride: usize) -> usize {
+        match self.conv_node_name_for(ty, kw, kh, stride) {
+            DIRECT_NODE => DIRECT_MIN_PIXELS.min(min_rows()),
+            _ => min_rows(),
+        }
     }
 
     /// The instruction set, as people write it (reports).
@@ -789,7 +807,7 @@ fn conv_on(
     let store = Store::Channels { ld };
     if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
         if direct {
-            return direct::conv(w, x, bias, out, ld, ith, nth);
+            return direct::conv(w, x, 1, bias, out, ld, ith, nth);
         }
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| x.pack_pairs(r0, mc, kb, kc, K::MR, a);
@@ -1507,12 +1525,17 @@ pub(crate) unsafe extern "C" fn conv_op(
         let input = std::slice::from_raw_parts(xt.data as *const f32, w * h * c * n);
         let out = std::slice::from_raw_parts_mut(d.data as *mut f32, ow * oh * oc * n);
         let isa = conv_isa(kt.type_).unwrap_or(Isa::Avx2);
+        let plane = ow * oh;
+        if isa == Isa::Avx512Bf16 && kt.type_ == sys::GGML_TYPE_BF16 && direct::applies(&shape) {
+            // Every image at once: the kernel is packed once.
+            let x = Patches { input, shape };
+            return direct::conv(&weight, &x, n, bias, out, plane, ith as usize, nth as usize);
+        }
         for b in 0..n {
             let x = Patches {
                 input: &input[b * w * h * c..(b + 1) * w * h * c],
                 shape,
             };
-            let plane = ow * oh;
             let out = &mut out[b * plane * oc..(b + 1) * plane * oc];
             conv(
                 isa,
@@ -1773,6 +1796,77 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The direct convolution of two images at once (the kernel packed
+    /// once, split by rows and by output channels) writes what it writes
+    /// for each image alone.
+    #[test]
+    fn direct_convolution_of_two_images_matches_each_alone() {
+        if !kernels().contains(&Isa::Avx512Bf16) || !crate::knobs().fma_direct {
+            return;
+        }
+        // Split by rows (a small kernel) and by output channels (a large one).
+        for (w, h, c, oc) in [(19, 11, 6, 13), (8, 8, 64, 40)] {
+            let shape = Conv {
+                w,
+                h,
+                c,
+                n: 2,
+                oc,
+                kw: 3,
+                kh: 3,
+                stride: 1,
+                pad: 1,
+            };
+            let k = 9 * c;
+            let bytes: Vec<u8> = (0..k * oc)
+                .flat_map(|i| half::bf16::from_f32(v(8, i)).to_le_bytes())
+                .collect();
+            let wt = Weight {
+                data: &bytes,
+                ty: sys::GGML_TYPE_BF16,
+                k,
+                n: oc,
+                row_bytes: 2 * k,
+            };
+            let input: Vec<f32> = (0..2 * w * h * c).map(|i| v(9, i)).collect();
+            let bias: Vec<f32> = (0..oc).map(|i| v(10, i)).collect();
+            let plane = w * h;
+            let mut both = vec![f32::NAN; 2 * plane * oc];
+            for ith in 0..2 {
+                let x = Patches {
+                    input: &input,
+                    shape,
+                };
+                direct::conv(&wt, &x, 2, Some(&bias), &mut both, plane, ith, 2);
+            }
+            for b in 0..2 {
+                let mut alone = vec![f32::NAN; plane * oc];
+                let x = Patches {
+                    input: &input[b * w * h * c..(b + 1) * w * h * c],
+                    shape: Conv { n: 1, ..shape },
+                };
+                for ith in 0..2 {
+                    conv_on(
+                        Isa::Avx512Bf16,
+                        true,
+                        &wt,
+                        &x,
+                        Some(&bias),
+                        &mut alone,
+                        plane,
+                        ith,
+                        2,
+                    );
+                }
+                assert_eq!(
+                    &both[b * plane * oc..(b + 1) * plane * oc],
+                    &alone[..],
+                    "{w}x{h}x{c} → {oc}, image {b}"
+                );
             }
         }
     }

@@ -301,7 +301,14 @@ impl Context {
         }
         let isa = crate::fma::conv_isa(kernel.raw_type())?;
         let (ow, oh) = conv_out(kernel, input, stride, pad);
-        (ow * oh >= crate::fma::min_rows() as i64).then_some(isa)
+        let k = kernel.ne();
+        let least = isa.conv_min_pixels(
+            kernel.raw_type(),
+            k[0] as usize,
+            k[1] as usize,
+            stride as usize,
+        );
+        (ow * oh >= least as i64).then_some(isa)
     }
 
     /// [`Context::conv_2d`] on sdhost's implicit GEMM ([`crate::fma::conv`]),

@@ -57,14 +57,18 @@ pub(super) fn applies(shape: &crate::amx::Conv) -> bool {
         && matches!((shape.kw, shape.kh), (3, 3) | (1, 1))
 }
 
-/// The convolution of one image (`x`) by the bf16 kernel `w`, plus `bias`,
-/// into `out`'s channel planes (`ld` = output pixels per plane): this
+/// The convolution of `images` images (`x.input` holds them one after
+/// the other) by the bf16 kernel `w`, plus `bias`, into `out`'s channel
+/// planes (`ld` = output pixels per plane, `oc` planes per image): this
 /// thread's part (`ith` of `nth`): its rows of every channel, or where the
-/// kernel is larger than the input, its channels of every row. The caller
-/// checked [`applies`] and the operands as for [`super::conv`].
+/// kernel is larger than the input, its channels of every row; the kernel
+/// is packed once for all the images. The caller checked [`applies`] and
+/// the operands as for [`super::conv`].
+#[allow(clippy::too_many_arguments)]
 pub(super) fn conv(
     w: &Weight<'_>,
     x: &Patches<'_>,
+    images: usize,
     bias: Option<&[f32]>,
     out: &mut [f32],
     ld: usize,
@@ -72,13 +76,15 @@ pub(super) fn conv(
     nth: usize,
 ) {
     let g = Geometry::of(x);
+    let (image_in, image_out) = (g.w * g.h * g.c, g.oc * ld);
     assert!(
         w.ty == sys::GGML_TYPE_BF16
             && w.k == g.c * g.taps()
             && w.n == g.oc
             && ld >= g.ow * g.oh
-            && out.len() >= (g.oc - 1) * ld + g.ow * g.oh
-            && x.input.len() >= g.w * g.h * g.c
+            && images >= 1
+            && out.len() >= (images - 1) * image_out + (g.oc - 1) * ld + g.ow * g.oh
+            && x.input.len() >= images * image_in
             && bias.is_none_or(|b| b.len() >= g.oc)
             && applies(&x.shape)
     );
@@ -105,45 +111,85 @@ pub(super) fn conv(
             pack_panel(w, &g, q, &mut wpk[i * packed..(i + 1) * packed]);
         }
         let planes = pbuf.get(g.pairs() * stride);
-        for y0 in rows.clone().step_by(band) {
-            let r = band.min(rows.end - y0);
-            round_band(x, &g, y0, r, stride, planes);
-            let span = r * g.wp();
-            // Blocks of about a padded row of positions: their pixels (all
-            // pairs, the kernel's rows) stay cached while every panel
-            // passes them.
-            let chunk = g.wp().next_multiple_of(TILE);
-            for c0 in (0..span).step_by(chunk) {
-                for (i, q) in mine.clone().enumerate() {
-                    let panel = &wpk[i * packed..(i + 1) * packed];
-                    for o0 in (c0..(c0 + chunk).min(span)).step_by(TILE) {
-                        let at = Tile {
-                            out: out.as_mut_ptr(),
-                            ld,
-                            g: &g,
-                            y0,
-                            rows: r,
-                            o0,
-                            j0: q * NJ,
-                            bias: bias.map_or(std::ptr::null(), |b| b.as_ptr()),
-                        };
-                        // SAFETY: applies() checked AVX512-BF16; the planes
-                        // hold `pairs` planes of `stride` u32, which cover
-                        // every read of a tile starting below `span`
-                        // (plane_stride); the panel holds taps × pairs × NJ;
-                        // Tile's stores stay inside `out` (checked above).
-                        #[cfg(target_arch = "x86_64")]
-                        unsafe {
-                            match g.kw {
-                                3 => tile::<9>(planes, stride, &g.offsets::<9>(), panel, &at),
-                                _ => tile::<1>(planes, stride, &g.offsets::<1>(), panel, &at),
-                            }
+        for b in 0..images {
+            let image = &x.input[b * image_in..(b + 1) * image_in];
+            let out = &mut out[b * image_out..];
+            for y0 in rows.clone().step_by(band) {
+                let r = band.min(rows.end - y0);
+                round_band(image, &g, y0, r, stride, planes);
+                let mut at = Band {
+                    out,
+                    ld,
+                    g: &g,
+                    y0,
+                    rows: r,
+                    bias,
+                };
+                at.run(planes, stride, wpk, packed, mine.clone());
+            }
+        }
+    });
+}
+
+/// One band of output rows of one image: rows `y0..y0 + rows`, into `out`'s
+/// channel planes (`ld` apart), plus `bias`.
+struct Band<'b> {
+    out: &'b mut [f32],
+    ld: usize,
+    g: &'b Geometry,
+    y0: usize,
+    rows: usize,
+    bias: Option<&'b [f32]>,
+}
+
+impl Band<'_> {
+    /// Every micro-tile of the band for panels `mine` (packed in `wpk`,
+    /// `packed` u32 each), from the band's pair planes.
+    fn run(
+        &mut self,
+        planes: &[u32],
+        stride: usize,
+        wpk: &[u32],
+        packed: usize,
+        mine: std::ops::Range<usize>,
+    ) {
+        let g = self.g;
+        let span = self.rows * g.wp();
+        let out = self.out.as_mut_ptr();
+        // Blocks of about a padded row of positions: their pixels (all
+        // pairs, the kernel's rows) stay cached while every panel passes
+        // them.
+        let chunk = g.wp().next_multiple_of(TILE);
+        for c0 in (0..span).step_by(chunk) {
+            for (i, q) in mine.clone().enumerate() {
+                let panel = &wpk[i * packed..(i + 1) * packed];
+                for o0 in (c0..(c0 + chunk).min(span)).step_by(TILE) {
+                    let at = Tile {
+                        out,
+                        ld: self.ld,
+                        g,
+                        y0: self.y0,
+                        rows: self.rows,
+                        o0,
+                        j0: q * NJ,
+                        bias: self.bias.map_or(std::ptr::null(), |b| b.as_ptr()),
+                    };
+                    // SAFETY: applies() checked AVX512-BF16; the planes hold
+                    // `pairs` planes of `stride` u32, which cover every read
+                    // of a tile starting below `span` (plane_stride); the
+                    // panel holds taps × pairs × NJ; Tile's stores stay
+                    // inside this image's `out` (checked by conv).
+                    #[cfg(target_arch = "x86_64")]
+                    unsafe {
+                        match g.kw {
+                            3 => tile::<9>(planes, stride, &g.offsets::<9>(), panel, &at),
+                            _ => tile::<1>(planes, stride, &g.offsets::<1>(), panel, &at),
                         }
                     }
                 }
             }
         }
-    });
+    }
 }
 
 /// One image's convolution shape, in pair planes.
@@ -215,19 +261,23 @@ impl Geometry {
 /// u32: the two channels' bf16 weights side by side, zero past the
 /// channels and the outputs.
 fn pack_panel(w: &Weight<'_>, g: &Geometry, q: usize, dst: &mut [u32]) {
-    let taps = g.taps();
-    let weight = |j: usize, ch: usize, t: usize| -> u32 {
-        if j >= g.oc || ch >= g.c {
-            return 0;
+    let (taps, pairs) = (g.taps(), g.pairs());
+    let dst = &mut dst[..pairs * taps * NJ];
+    for jj in 0..NJ {
+        let j = q * NJ + jj;
+        if j >= g.oc {
+            dst.iter_mut().skip(jj).step_by(NJ).for_each(|d| *d = 0);
+            continue;
         }
-        let at = j * w.row_bytes + 2 * (ch * taps + t);
-        u32::from(u16::from_le_bytes([w.data[at], w.data[at + 1]]))
-    };
-    for p in 0..g.pairs() {
-        for t in 0..taps {
-            for jj in 0..NJ {
-                let j = q * NJ + jj;
-                dst[(p * taps + t) * NJ + jj] = weight(j, 2 * p, t) | weight(j, 2 * p + 1, t) << 16;
+        // Output j's weights: `c` channels of `taps` bf16.
+        let row = &w.data[j * w.row_bytes..j * w.row_bytes + 2 * g.c * taps];
+        let at = |i: usize| u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]]));
+        for p in 0..pairs {
+            let (lo, hi) = (2 * p * taps, (2 * p + 1) * taps);
+            let out = &mut dst[p * taps * NJ..(p + 1) * taps * NJ];
+            for t in 0..taps {
+                let h = if 2 * p + 1 < g.c { at(hi + t) } else { 0 };
+                out[t * NJ + jj] = at(lo + t) | h << 16;
             }
         }
     }
@@ -235,18 +285,11 @@ fn pack_panel(w: &Weight<'_>, g: &Geometry, q: usize, dst: &mut [u32]) {
 
 /// Rounds the input rows of output rows `y0..y0 + rows` into pair planes
 /// (`stride` u32 apart): zero in the padding.
-fn round_band(
-    x: &Patches<'_>,
-    g: &Geometry,
-    y0: usize,
-    rows: usize,
-    stride: usize,
-    dst: &mut [u32],
-) {
+fn round_band(image: &[f32], g: &Geometry, y0: usize, rows: usize, stride: usize, dst: &mut [u32]) {
     let (wp, plane) = (g.wp(), g.w * g.h);
     for p in 0..g.pairs() {
-        let a = &x.input[2 * p * plane..(2 * p + 1) * plane];
-        let b = (2 * p + 1 < g.c).then(|| &x.input[(2 * p + 1) * plane..(2 * p + 2) * plane]);
+        let a = &image[2 * p * plane..(2 * p + 1) * plane];
+        let b = (2 * p + 1 < g.c).then(|| &image[(2 * p + 1) * plane..(2 * p + 2) * plane]);
         let planes = &mut dst[p * stride..(p + 1) * stride];
         for r in 0..rows + g.kw - 1 {
             let row = &mut planes[r * wp..(r + 1) * wp];
