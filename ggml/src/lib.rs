@@ -109,6 +109,9 @@ pub struct Knobs {
     /// ggml's ops (to measure them, and for runs that must match a
     /// server's ggml bit for bit).
     pub fma_norm: bool,
+    /// GEGLU ([`Context::geglu_erf`]) as sdhost's vectorized pass where
+    /// sdhost's CPU kernels are on; off: ggml's (to measure it).
+    pub fma_geglu: bool,
     /// Fused attention in sdhost's kernels on `vdpbf16ps` where the
     /// processor has AVX512-BF16 and no AMX
     /// ([`Context::bf16_attention`]).
@@ -154,6 +157,7 @@ impl Default for Knobs {
             fma_conv: true,
             fma_direct: true,
             fma_norm: true,
+            fma_geglu: true,
             fma_attention: true,
             fma_avx2: false,
             fma_all: false,

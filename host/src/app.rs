@@ -19,6 +19,7 @@ pub use crate::session::init_logging;
 /// (bf16 3 × 3 and 1 × 1 convolutions on that implicit GEMM instead of
 /// direct over pair planes), `SDHOST_NO_FMA_NORM=1`
 /// (ggml's group norm, product, sum and SiLU instead of one pass),
+/// `SDHOST_NO_FMA_GEGLU=1` (ggml's GEGLU, which calls `erff` per value),
 /// `SDHOST_NO_FMA_ATTN=1`
 /// (ggml's fused attention instead of theirs on AVX512-BF16),
 /// `SDHOST_FMA_ALL=1` (every
@@ -44,6 +45,7 @@ pub fn knobs_from_env() -> ggml::Knobs {
             .and_then(|v| v.parse().ok()),
         fma_conv: std::env::var("SDHOST_NO_FMA_CONV").map_or(true, |v| v != "1"),
         fma_direct: std::env::var("SDHOST_NO_FMA_DIRECT").map_or(true, |v| v != "1"),
+        fma_geglu: std::env::var("SDHOST_NO_FMA_GEGLU").map_or(true, |v| v != "1"),
         fma_norm: std::env::var("SDHOST_NO_FMA_NORM").map_or(true, |v| v != "1"),
         fma_attention: std::env::var("SDHOST_NO_FMA_ATTN").map_or(true, |v| v != "1"),
         fma_all: std::env::var("SDHOST_FMA_ALL").is_ok_and(|v| v == "1"),

@@ -532,6 +532,18 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "geglu erf (FMA)",
+            tolerance: 1e-4,
+            cpu_kernels: true,
+            reference: None,
+            // On the CPU with sdhost's kernels: one vectorized pass
+            // (`Context::geglu_erf`), against ggml's, which calls `erff`.
+            build: |i, c| {
+                let x = t(i, Type::F32, &[2 * 40, 12, 2])?;
+                Ok((vec![x], c.geglu_erf(x)?))
+            },
+        },
+        Case {
             name: "conv_2d f16 (FMA)",
             tolerance: 1e-2,
             cpu_kernels: true,

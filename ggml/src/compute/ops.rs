@@ -53,9 +53,6 @@ unary_ops! {
     gelu_erf => ggml_gelu_erf, check_unary;
     /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
     gelu_quick => ggml_gelu_quick, check_unary;
-    /// GEGLU as diffusers has it: the first half of `ne[0]` times the exact
-    /// (erf) GELU of the second, in one pass (`ne[0]` halves).
-    geglu_erf => ggml_geglu_erf_swapped, check_glu;
     /// SwiGLU with the gate first, as FLUX.2 fuses it: SiLU of the first
     /// half of `ne[0]` times the second half, in one pass (`ne[0]` halves).
     swiglu => ggml_swiglu, check_glu;
@@ -76,6 +73,40 @@ binary_ops! {
 }
 
 impl Context {
+    /// GEGLU as diffusers has it: the first half of `ne[0]` times the exact
+    /// (erf) GELU of the second, in one pass (`ne[0]` halves). In a
+    /// context with sdhost's CPU kernels ([`Context::cpu_kernels`];
+    /// [`crate::Knobs::fma_geglu`]) a custom op whose `erf` is a
+    /// polynomial that vectorizes (`amx::geglu_op`); ggml's calls the C
+    /// library's `erff` for each value.
+    pub fn geglu_erf<'a>(&'a self, a: Tensor<'a>) -> Result<Tensor<'a>> {
+        check_glu("geglu_erf", &a)?;
+        self.room(1)?;
+        if self.cpu_kernels() && crate::knobs().fma_geglu {
+            let mut ne = a.ne();
+            ne[0] /= 2;
+            // SAFETY: `a` is alive for 'a, contiguous f32 with rows of an
+            // even length (checked): what geglu_op reads; it writes `ne`
+            // f32; room checked.
+            return unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    ne,
+                    &mut [a.raw],
+                    crate::amx::geglu_op,
+                    std::ptr::null_mut(),
+                    "cpu geglu_erf",
+                )
+            };
+        }
+        // SAFETY: `a` is alive for 'a and passed the check of what ggml
+        // aborts on; room checked.
+        self.wrap(
+            unsafe { sys::ggml_geglu_erf_swapped(self.raw, a.raw) },
+            "ggml_geglu_erf_swapped",
+        )
+    }
+
     /// Multiplies by a scalar.
     pub fn scale<'a>(&'a self, a: Tensor<'a>, s: f32) -> Result<Tensor<'a>> {
         if !matches!(a.ty(), Some(Type::F32 | Type::BF16)) || !contiguous(&a) {
