@@ -290,10 +290,10 @@ fn a_remote_cpu_gives_the_local_image() {
     close_image("remote cpu", &pixels(&local), &pixels(&remote));
     // The same attention on both sides: the same CPU code on the server
     // gives the same bits (the server runs ggml's ops only, so the local
-    // runs keep ggml's group norms).
+    // runs keep ggml's group norms and GEGLU).
     let local_off = out.join("local-off.png");
     let remote_off = out.join("remote-off.png");
-    let plain = [("SDHOST_NO_FMA_NORM", "1")];
+    let plain = [("SDHOST_NO_FMA_NORM", "1"), ("SDHOST_NO_FMA_GEGLU", "1")];
     generate_with(
         &p,
         &local_off,
@@ -343,8 +343,12 @@ fn modules_split_over_two_servers() {
     let split = out.join("split.png");
     // The VAE runs on a server, whose CPU backend computes ggml's ops
     // (sdhost's own CPU kernels are custom ops, which never cross RPC):
-    // the local run keeps to ggml's convolutions and group norms too.
-    let plain = [("SDHOST_NO_FMA_CONV", "1"), ("SDHOST_NO_FMA_NORM", "1")];
+    // the local run keeps to ggml's convolutions, group norms and GEGLU too.
+    let plain = [
+        ("SDHOST_NO_FMA_CONV", "1"),
+        ("SDHOST_NO_FMA_NORM", "1"),
+        ("SDHOST_NO_FMA_GEGLU", "1"),
+    ];
     generate_with(&p, &local, &["--flash-attn", "off"], &plain).ok();
     generate(
         &p,
