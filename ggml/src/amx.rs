@@ -794,6 +794,10 @@ impl Attn {
         let nth = nth.max(1);
         let (d, s) = (self.d, self.s);
         let dp = round_up(d, TILE_K);
+        // The scores' `k`: the head's width as the products take it (on
+        // `vdpbf16ps` in pairs, not padded to a tile row: 40-wide heads
+        // multiply 40 values, not 64).
+        let kq = round_up(d, tiles.k_step());
         let sp = round_up(s, 2 * PANEL);
         let units = self.n * self.heads;
         let mut kpack = vec![0u16; packed_len(d, s)];
@@ -840,7 +844,7 @@ impl Attn {
                         let p = (k0 + kb) / PANEL;
                         let b0 = &kpack[p * dp * PANEL..(p + 1) * dp * PANEL];
                         let b1 = &kpack[(p + 1) * dp * PANEL..(p + 2) * dp * PANEL];
-                        tiles.block_into(&qa, dp, dp, b0, b1, &mut sc[kb..], SC_LD);
+                        tiles.block_into(&qa, dp, kq, b0, b1, &mut sc[kb..], SC_LD);
                     }
                     let keys = len.min(s.saturating_sub(k0));
                     softmax_chunk(&mut sc, &mut pa, &mut o, od, &mut max, &mut sum, keys, len);
@@ -852,7 +856,12 @@ impl Attn {
                         let b0 = &vpack[p * kv * PANEL + at..(p + 1) * kv * PANEL];
                         let b1 = &vpack[(p + 1) * kv * PANEL + at..(p + 2) * kv * PANEL];
                         let len = len.min(kv - k0);
-                        tiles.block(&pa, PA_LD, len, b0, b1, &mut c);
+                        if db + PANEL >= d {
+                            // The second panel is padding past the head.
+                            tiles.block_first(&pa, PA_LD, len, b0, b1, &mut c);
+                        } else {
+                            tiles.block(&pa, PA_LD, len, b0, b1, &mut c);
+                        }
                         accumulate(&mut o, od, db, &c);
                     }
                 }
@@ -1135,9 +1144,31 @@ trait Blocks {
     ) {
         self.block_into(a, lda, kp, b0, b1, c, 2 * PANEL);
     }
+
+    /// [`Blocks::block`] where only `b0`'s 16 columns are wanted (`b1` is
+    /// padding): `c`'s other 16 columns are zero or `b1`'s.
+    fn block_first(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32; ROWS * 2 * PANEL],
+    ) {
+        self.block(a, lda, kp, b0, b1, c);
+    }
+
+    /// The granule of `k` the products take (`kp` is a multiple of it):
+    /// a tile row's 32 bf16 on the tile unit, a pair on `vdpbf16ps`.
+    fn k_step(&self) -> usize;
 }
 
 impl Blocks for Tiles {
+    fn k_step(&self) -> usize {
+        TILE_K
+    }
+
     /// The four accumulator tiles (2 × 2 of 16 × 16), stored to `c`.
     fn block_into(
         &self,
@@ -1149,7 +1180,7 @@ impl Blocks for Tiles {
         c: &mut [f32],
         ldc: usize,
     ) {
-        check_block(a, lda, kp, b0, b1);
+        check_block(a, lda, kp, TILE_K, b0, b1);
         let stride = lda * 2;
         let (a0, a1) = (a.as_ptr(), a[PANEL * lda..].as_ptr());
         // SAFETY: the tiles are configured (`self`); every A load reads 16
@@ -1191,9 +1222,9 @@ impl Blocks for Tiles {
 }
 
 /// The operands of a [`Blocks`] product: 32 rows of `kp` (a multiple of
-/// 32, at most `lda`) in `a`, `kp × 16` in each panel.
-fn check_block(a: &[u16], lda: usize, kp: usize, b0: &[u16], b1: &[u16]) {
-    assert!(kp.is_multiple_of(TILE_K) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
+/// `step`, at most `lda`) in `a`, `kp × 16` in each panel.
+fn check_block(a: &[u16], lda: usize, kp: usize, step: usize, b0: &[u16], b1: &[u16]) {
+    assert!(kp.is_multiple_of(step) && kp <= lda && a.len() >= (ROWS - 1) * lda + kp);
     assert!(b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
 }
 
@@ -1213,6 +1244,33 @@ pub fn dots_available() -> bool {
 }
 
 impl Blocks for Dots {
+    fn k_step(&self) -> usize {
+        2
+    }
+
+    fn block_first(
+        &self,
+        a: &[u16],
+        lda: usize,
+        kp: usize,
+        b0: &[u16],
+        b1: &[u16],
+        c: &mut [f32; ROWS * 2 * PANEL],
+    ) {
+        check_block(a, lda, kp, 2, b0, b1);
+        #[cfg(target_arch = "x86_64")]
+        if bf16_ops() {
+            for r0 in (0..ROWS).step_by(8) {
+                // SAFETY: the processor has AVX512-BF16 (checked just
+                // above); rows r0..r0 + 8 of `a` hold kp values, the panel
+                // kp × 16, rows r0..r0 + 8 of `c` 32 values (asserted).
+                unsafe { dots_rows_first(&a[r0 * lda..], lda, kp, b0, &mut c[r0 * 2 * PANEL..]) };
+            }
+            return;
+        }
+        self.block(a, lda, kp, b0, b1, c);
+    }
+
     fn block_into(
         &self,
         a: &[u16],
@@ -1223,7 +1281,7 @@ impl Blocks for Dots {
         c: &mut [f32],
         ldc: usize,
     ) {
-        check_block(a, lda, kp, b0, b1);
+        check_block(a, lda, kp, 2, b0, b1);
         assert!(ldc >= 2 * PANEL && c.len() >= (ROWS - 1) * ldc + 2 * PANEL);
         #[cfg(target_arch = "x86_64")]
         if bf16_ops() {
@@ -1294,6 +1352,38 @@ unsafe fn dots_rows(
         for (r, acc) in acc.iter().enumerate() {
             _mm512_storeu_ps(pc.add(r * ldc), acc[0]);
             _mm512_storeu_ps(pc.add(r * ldc + PANEL), acc[1]);
+        }
+    }
+}
+
+/// [`dots_rows`] for the first panel only: 8 rows × 16 columns, the
+/// other 16 columns of each row of `c` (32 apart) zero.
+///
+/// # Safety
+/// The processor has AVX512-BF16; `a` holds 8 rows of `kp` bf16 `lda`
+/// apart, `b0` `kp × 16`, `c` 8 rows of 32 f32.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bf16")]
+unsafe fn dots_rows_first(a: &[u16], lda: usize, kp: usize, b0: &[u16], c: &mut [f32]) {
+    use std::arch::x86_64::*;
+    const R: usize = 8;
+    let mut acc = [_mm512_setzero_ps(); R];
+    // SAFETY: as dots_rows, for one panel; the stores write 32 f32 at
+    // 32·r.
+    unsafe {
+        let (pa, p0) = (a.as_ptr(), b0.as_ptr());
+        for q in 0..kp / 2 {
+            let x0: __m512bh = std::mem::transmute(_mm512_loadu_si512(p0.add(32 * q) as *const _));
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let pair = (pa.add(r * lda + 2 * q) as *const i32).read_unaligned();
+                let av: __m512bh = std::mem::transmute(_mm512_set1_epi32(pair));
+                *acc = _mm512_dpbf16_ps(*acc, av, x0);
+            }
+        }
+        let pc = c.as_mut_ptr();
+        for (r, acc) in acc.iter().enumerate() {
+            _mm512_storeu_ps(pc.add(r * 2 * PANEL), *acc);
+            _mm512_storeu_ps(pc.add(r * 2 * PANEL + PANEL), _mm512_setzero_ps());
         }
     }
 }
@@ -2228,6 +2318,9 @@ mod tests {
             (64, 1, 70, 20, 1),
             (8, 3, 5, 1, 1),
             (160, 1, 32, 600, 1),
+            // Heads of 80: on `vdpbf16ps` the scores' k is 80, not 96, and
+            // the last output panel (80..96) is skipped.
+            (80, 2, 40, 70, 1),
         ] {
             let inner = d * heads;
             let scale = 1.0 / (d as f32).sqrt();
