@@ -261,23 +261,30 @@ impl Geometry {
 /// u32: the two channels' bf16 weights side by side, zero past the
 /// channels and the outputs.
 fn pack_panel(w: &Weight<'_>, g: &Geometry, q: usize, dst: &mut [u32]) {
-    let (taps, pairs) = (g.taps(), g.pairs());
+    let (taps, pairs, c) = (g.taps(), g.pairs(), g.c);
     let dst = &mut dst[..pairs * taps * NJ];
-    for jj in 0..NJ {
+    // The panel's outputs' weights as bf16 bits, `c · taps` each (zero
+    // for an output past the kernel's), so that the loop below writes the
+    // panel in order.
+    let len = c * taps;
+    let rows: [Vec<u16>; NJ] = std::array::from_fn(|jj| {
         let j = q * NJ + jj;
-        if j >= g.oc {
-            dst.iter_mut().skip(jj).step_by(NJ).for_each(|d| *d = 0);
-            continue;
+        match j < g.oc {
+            true => w.data[j * w.row_bytes..j * w.row_bytes + 2 * len]
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect(),
+            false => vec![0; len],
         }
-        // Output j's weights: `c` channels of `taps` bf16.
-        let row = &w.data[j * w.row_bytes..j * w.row_bytes + 2 * g.c * taps];
-        let at = |i: usize| u32::from(u16::from_le_bytes([row[2 * i], row[2 * i + 1]]));
-        for p in 0..pairs {
-            let (lo, hi) = (2 * p * taps, (2 * p + 1) * taps);
-            let out = &mut dst[p * taps * NJ..(p + 1) * taps * NJ];
-            for t in 0..taps {
-                let h = if 2 * p + 1 < g.c { at(hi + t) } else { 0 };
-                out[t * NJ + jj] = at(lo + t) | h << 16;
+    });
+    for p in 0..pairs {
+        let lo = 2 * p * taps;
+        let hi = (2 * p + 1 < c).then_some((2 * p + 1) * taps);
+        let out = &mut dst[p * taps * NJ..(p + 1) * taps * NJ];
+        for (t, out) in out.chunks_exact_mut(NJ).enumerate() {
+            for (o, row) in out.iter_mut().zip(&rows) {
+                let h = hi.map_or(0, |hi| row[hi + t]);
+                *o = u32::from(row[lo + t]) | u32::from(h) << 16;
             }
         }
     }
