@@ -5,8 +5,11 @@
 //! pixels, the values under each of the kernel's taps (rounded to bf16 in
 //! pairs), and multiplies each packed block by every panel of outputs.
 //! Where a convolution has few output channels (SD's VAE at its two top
-//! levels: 128 and 256), that packing weighs as much as a third of the
-//! products it feeds. Here the input is rounded once, band of rows by band,
+//! levels: 128 and 256), each packed value feeds only 4 or 8 panels, and
+//! the packing and the scatter of each tile into the channel planes
+//! weighed about a third of the decode (SD 1.5 at 512² on a Zen 4: 9.3 s
+//! with them, 7.0 s this way; docs/performance.md, "CPU direct
+//! convolutions"). Here the input is rounded once, band of rows by band,
 //! into *pair planes*: for each pair of channels, the padded image with the
 //! two channels' bf16 values side by side in 32 bits. In a pair plane the
 //! values one tap reads for 16 consecutive output pixels lie side by side
