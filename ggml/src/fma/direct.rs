@@ -49,15 +49,23 @@ thread_local! {
     static BUF: RefCell<(Aligned<u32>, Aligned<u32>)> = RefCell::default();
 }
 
-/// Whether [`conv`] takes a convolution of this shape: stride 1, a 3 × 3 or
-/// 1 × 1 kernel, dense output planes, on a processor with AVX512-BF16 (the
-/// caller checks the kernel's type), unless [`crate::Knobs::fma_direct`] is
-/// off.
-pub(super) fn applies(shape: &crate::amx::Conv) -> bool {
-    features().avx512bf16
+/// Whether a convolution on `isa` with a kernel of type `ty`, `kw × kh`
+/// and `stride` is direct (not [`super::conv`]'s implicit GEMM): a bf16
+/// kernel on the AVX512-BF16 kernel, stride 1, 3 × 3 or 1 × 1, unless
+/// [`crate::Knobs::fma_direct`] is off.
+pub(super) fn applies(
+    isa: super::Isa,
+    ty: sys::ggml_type,
+    kw: usize,
+    kh: usize,
+    stride: usize,
+) -> bool {
+    isa == super::Isa::Avx512Bf16
+        && ty == sys::GGML_TYPE_BF16
+        && features().avx512bf16
         && crate::knobs().fma_direct
-        && shape.stride == 1
-        && matches!((shape.kw, shape.kh), (3, 3) | (1, 1))
+        && stride == 1
+        && matches!((kw, kh), (3, 3) | (1, 1))
 }
 
 /// The convolution of `images` images (`x.input` holds them one after
@@ -89,7 +97,13 @@ pub(super) fn conv(
             && out.len() >= (images - 1) * image_out + (g.oc - 1) * ld + g.ow * g.oh
             && x.input.len() >= images * image_in
             && bias.is_none_or(|b| b.len() >= g.oc)
-            && applies(&x.shape)
+            && applies(
+                super::Isa::Avx512Bf16,
+                w.ty,
+                x.shape.kw,
+                x.shape.kh,
+                x.shape.stride
+            )
     );
     let panels = g.oc.div_ceil(NJ);
     let packed = g.taps() * g.pairs() * NJ;
