@@ -128,9 +128,9 @@ impl Isa {
     /// convolution, which packs the kernel once for all images and no
     /// patches, [`DIRECT_MIN_PIXELS`].
     pub fn conv_min_pixels(self, ty: sys::ggml_type, kw: usize, kh: usize, stride: usize) -> usize {
-        match self.conv_node_name_for(ty, kw, kh, stride) {
-            DIRECT_NODE => DIRECT_MIN_PIXELS.min(min_rows()),
-            _ => min_rows(),
+        match direct::applies(self, ty, kw, kh, stride) {
+            true => DIRECT_MIN_PIXELS.min(min_rows()),
+            false => min_rows(),
         }
     }
 
