@@ -55,7 +55,7 @@ use crate::sys;
 mod direct;
 
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
-/// panel of the block then streams past.
+/// panel of the block then streams past (rounded up to whole micro-tiles).
 pub const MC: usize = 96;
 
 /// The fewest rows that take this path by default: below it ggml's own
@@ -134,6 +134,17 @@ impl Isa {
         }
     }
 
+    /// The fewest rows a product takes this kernel from: [`MIN_ROWS`], or
+    /// [`BF16_MIN_ROWS`] on AVX512-BF16; [`crate::Knobs::fma_min_rows`]
+    /// overrides both, for measurements.
+    pub fn min_rows(self) -> usize {
+        let default = match self {
+            Isa::Avx512Bf16 => BF16_MIN_ROWS,
+            Isa::Avx512 | Isa::Avx2 => MIN_ROWS,
+        };
+        crate::knobs().fma_min_rows.unwrap_or(default)
+    }
+
     /// The instruction set, as people write it (reports).
     fn label(self) -> &'static str {
         match self {
@@ -184,12 +195,12 @@ pub fn available() -> bool {
     crate::knobs().fma && features().avx2
 }
 
-/// The longest rows (`k`) a bf16 weight takes the AVX512-BF16 kernel for,
-/// where the processor has it: beyond, ggml's own bf16 kernel (tinyBLAS,
-/// which sums whole rows in vectors and reduces them once at the end)
-/// measured faster (`sdhost bench --products` on a Zen 4 EPYC: 1.36–1.41×
-/// ggml at k = 320, 1.00× at 1280, 0.79–1.00× at 3072 and 12288).
-pub const BF16_MAX_K: usize = 1280;
+/// The fewest rows that take the AVX512-BF16 kernel (bf16 weights): it
+/// packs the weight with in-register transposes and measured ahead of
+/// ggml's tinyBLAS from 64 rows (`sdhost bench --products` on a Zen 4
+/// EPYC, session 25: 357 against 298 GFLOP/s at 64 × 1280 × 1280, 1.0–1.3×
+/// at 256 rows and more); below, the weight's packing outweighs the rows.
+pub const BF16_MIN_ROWS: usize = 64;
 
 /// The kernel a product of a `[k, n]` weight of ggml type `ty` runs on
 /// here, or `None` where ggml's kernels do better. As measured against
@@ -198,9 +209,11 @@ pub const BF16_MAX_K: usize = 1280;
 ///
 /// * f32: yes (ggml multiplies f32 by f32 with plain dot products), on
 ///   the AVX-512 kernel on Intel and the AVX2 one elsewhere;
-/// * bf16: on processors without AVX512-BF16 yes (ggml's dot products
-///   widen both operands in the loop there); with it, up to
-///   [`BF16_MAX_K`];
+/// * bf16: yes; on processors without AVX512-BF16 ggml's dot products
+///   widen both operands in the loop, and with it sdhost's `vdpbf16ps`
+///   kernel measured 1.1–1.8× ggml's at every `k` of SD's and FLUX's
+///   products (session 25, after its packing became transposes and its
+///   passes over `k` even);
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster;
 /// * quantized types: no; ggml's integer kernels over 8-bit activations
@@ -209,7 +222,7 @@ pub const BF16_MAX_K: usize = 1280;
 /// [`crate::Knobs::fma_all`] sends every type ggml can dequantize here, and
 /// [`crate::Knobs::fma_avx2`] keeps to the AVX2 kernel (to measure the
 /// AVX2 class on an AVX-512 processor): for measurements and `check`.
-pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
+pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     if !available() {
         return None;
     }
@@ -226,9 +239,7 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
     };
     match ty {
         sys::GGML_TYPE_F32 => Some(f32_isa),
-        sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => {
-            (k <= BF16_MAX_K || knobs.fma_all).then_some(Isa::Avx512Bf16)
-        }
+        sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
         sys::GGML_TYPE_BF16 => Some(f32_isa),
         _ if knobs.fma_all && dequantizable(ty) => Some(f32_isa),
         _ => None,
@@ -241,14 +252,10 @@ pub fn isa_for(ty: sys::ggml_type, k: usize) -> Option<Isa> {
 /// AVX512-BF16`, the last from [`crate::amx::Attn`]); `None` where none
 /// runs.
 pub fn summary() -> Option<String> {
-    let f32 = isa_for(sys::GGML_TYPE_F32, 1)?;
-    let bf16 = match (
-        isa_for(sys::GGML_TYPE_BF16, usize::MAX),
-        isa_for(sys::GGML_TYPE_BF16, BF16_MAX_K),
-    ) {
-        (Some(i), _) => format!(", bf16 on {}", i.label()),
-        (None, Some(i)) => format!(", bf16 (k ≤ {BF16_MAX_K}) on {}", i.label()),
-        (None, None) => String::new(),
+    let f32 = isa_for(sys::GGML_TYPE_F32)?;
+    let bf16 = match isa_for(sys::GGML_TYPE_BF16) {
+        Some(i) if i != f32 => format!(", bf16 on {} from {} rows", i.label(), i.min_rows()),
+        _ => String::new(),
     };
     let conv = match (conv_isa(sys::GGML_TYPE_F16), conv_isa(sys::GGML_TYPE_BF16)) {
         (Some(a), Some(b)) if a != b => {
@@ -267,9 +274,9 @@ pub fn summary() -> Option<String> {
         ""
     };
     Some(format!(
-        "f32 on {}{bf16}, from {} rows{conv}{attention}",
+        "f32 on {} from {} rows{bf16}{conv}{attention}",
         f32.label(),
-        min_rows()
+        f32.min_rows()
     ))
 }
 
@@ -811,7 +818,7 @@ pub fn conv_isa(ty: sys::ggml_type) -> Option<Isa> {
     if !knobs.fma_conv {
         return None;
     }
-    let f32_isa = isa_for(sys::GGML_TYPE_F32, 1)?;
+    let f32_isa = isa_for(sys::GGML_TYPE_F32)?;
     match ty {
         sys::GGML_TYPE_BF16 if features().avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
         sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 | sys::GGML_TYPE_BF16 => Some(f32_isa),
@@ -886,16 +893,29 @@ fn gemm_with<K: Kernel>(
         return;
     }
     let np = pr.len();
+    // Whole micro-tiles per block: a partial one goes through `buf.c`.
+    let mc_max = MC.next_multiple_of(K::MR);
+    // Passes over `k` of even lengths (a short last pass costs a whole
+    // pass's stores for few products), where the weight's rows split
+    // anywhere; quantized rows split only at `kc_max`, whole blocks.
+    let plain = matches!(
+        w.ty,
+        sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 | sys::GGML_TYPE_BF16
+    );
+    let kc_step = match plain {
+        true => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::E::KG),
+        false => kc_max,
+    };
     K::buffers(|buf| {
         buf.c.resize(K::MR * K::NR, 0.0);
-        for kb in (0..k).step_by(kc_max) {
-            let kc = kc_max.min(k - kb);
+        for kb in (0..k).step_by(kc_step) {
+            let kc = kc_step.min(k - kb);
             let kp = kc.div_ceil(K::E::KG) * K::E::KG;
             buf.row.resize(kp, 0.0);
             let b = buf.b.get(np * kp * K::NR);
             pack_weight::<K>(w, pr.start, np, kb, kc, b, &mut buf.row);
-            for r0 in rr.clone().step_by(MC) {
-                let mc = MC.min(rr.end - r0);
+            for r0 in rr.clone().step_by(mc_max) {
+                let mc = mc_max.min(rr.end - r0);
                 let blocks = mc.div_ceil(K::MR);
                 let a = buf.a.get(blocks * kp * K::MR);
                 pack_x(r0, mc, kb, kc, a);
@@ -970,10 +990,7 @@ fn pack_weight<K: Kernel>(
     let kp = row.len();
     for q in 0..np {
         let panel = &mut b[q * kp * K::NR..(q + 1) * kp * K::NR];
-        for c in 0..K::NR {
-            let j = (p0 + q) * K::NR + c;
-            K::E::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, K::NR, row);
-        }
+        K::E::pack_panel(w, (p0 + q) * K::NR, kb, kc, panel, K::NR, row);
     }
 }
 
@@ -983,11 +1000,11 @@ fn pack_rows<K: Kernel>(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize
     let kp = kc.div_ceil(K::E::KG) * K::E::KG;
     for blk in 0..mc.div_ceil(K::MR) {
         let block = &mut a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
-        for r in 0..K::MR {
+        let row = |r: usize| {
             let i = blk * K::MR + r;
-            let src = (i < mc).then(|| &(x.row)(r0 + i)[kb..kb + kc]);
-            K::E::pack_column_f32(src, block, r, K::MR);
-        }
+            (i < mc).then(|| &(x.row)(r0 + i)[kb..kb + kc])
+        };
+        K::E::pack_block_f32(&row, block, K::MR);
     }
 }
 
@@ -1013,6 +1030,33 @@ trait Elem: Copy + 'static {
     /// Column `c` of `width` in `block`: the f32 values `src` (zero past
     /// them), or zeros.
     fn pack_column_f32(src: Option<&[f32]>, block: &mut [Self], c: usize, width: usize);
+    /// A whole panel of `width` columns: rows `j0..j0 + width` of `w`
+    /// (zeros past `w.n`), as [`Elem::pack_column`] packs each.
+    fn pack_panel(
+        w: &Weight<'_>,
+        j0: usize,
+        kb: usize,
+        kc: usize,
+        panel: &mut [Self],
+        width: usize,
+        row: &mut [f32],
+    ) {
+        for c in 0..width {
+            let j = j0 + c;
+            Self::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, width, row);
+        }
+    }
+    /// A whole block of `width` columns, column `c` the f32 values
+    /// `src(c)` (or zeros), as [`Elem::pack_column_f32`] packs each.
+    fn pack_block_f32<'s>(
+        src: &dyn Fn(usize) -> Option<&'s [f32]>,
+        block: &mut [Self],
+        width: usize,
+    ) {
+        for c in 0..width {
+            Self::pack_column_f32(src(c), block, c, width);
+        }
+    }
 }
 
 impl Elem for f32 {
@@ -1101,6 +1145,157 @@ impl Elem for u16 {
         }
         scatter_pairs(&bytes[..4 * np], block, c, width);
     }
+    fn pack_panel(
+        w: &Weight<'_>,
+        j0: usize,
+        kb: usize,
+        kc: usize,
+        panel: &mut [u16],
+        width: usize,
+        row: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if w.ty == sys::GGML_TYPE_BF16 && kc.is_multiple_of(2) && features().avx512 {
+            // The rows' bytes are the pairs already: a transpose of 32-bit
+            // words, 16 columns at a time.
+            let np = kc / 2;
+            assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
+            for c0 in (0..width).step_by(16) {
+                let mut src = [std::ptr::null::<u32>(); 16];
+                for (c, s) in src.iter_mut().enumerate() {
+                    let j = j0 + c0 + c;
+                    if j < w.n {
+                        let at = j * w.row_bytes + kb * 2;
+                        *s = w.data[at..at + kc * 2].as_ptr() as *const u32;
+                    }
+                }
+                // SAFETY: AVX-512F (checked above); each non-null source
+                // holds `np` words (sliced above), and the panel `np` rows
+                // of `width` words from column `c0`, 16 of them.
+                unsafe {
+                    transpose_words(
+                        &src,
+                        np,
+                        (panel.as_mut_ptr() as *mut u32).add(c0),
+                        width,
+                        16,
+                    )
+                };
+            }
+            return;
+        }
+        for c in 0..width {
+            let j = j0 + c;
+            Self::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, width, row);
+        }
+    }
+    fn pack_block_f32<'s>(
+        src: &dyn Fn(usize) -> Option<&'s [f32]>,
+        block: &mut [u16],
+        width: usize,
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if width <= 16 && crate::amx::bf16_ops() {
+            // Each column rounded into pairs once, then transposed 16
+            // columns by 16 pairs at a time.
+            let np = block.len() / (2 * width);
+            let mut rounded = [[0u32; Bf16Avx512::KC / 2]; 16];
+            let mut ptrs = [std::ptr::null::<u32>(); 16];
+            assert!(np <= Bf16Avx512::KC / 2);
+            for c in 0..width {
+                if let Some(s) = src(c) {
+                    let n = s.len().min(2 * np);
+                    // SAFETY: 2·np u16 are the words' bytes.
+                    let halves = unsafe {
+                        std::slice::from_raw_parts_mut(rounded[c].as_mut_ptr() as *mut u16, 2 * np)
+                    };
+                    crate::amx::narrow(&s[..n], &mut halves[..n]);
+                    halves[n..].fill(0);
+                    ptrs[c] = rounded[c].as_ptr();
+                }
+            }
+            // SAFETY: AVX512-BF16 implies AVX-512F; each non-null source
+            // holds `np` words, the block `np` rows of `width` ≤ 16 words.
+            unsafe { transpose_words(&ptrs, np, block.as_mut_ptr() as *mut u32, width, width) };
+            return;
+        }
+        for c in 0..width {
+            Self::pack_column_f32(src(c), block, c, width);
+        }
+    }
+}
+
+/// `dst[i·width + c] = src[c][i]` for `i < n` and `c < lanes` (32-bit
+/// words; a null source is zeros): 16 sources by 16 words at a time,
+/// transposed in registers.
+///
+/// # Safety
+/// The processor has AVX-512F; each non-null `src[c]` addresses `n` words;
+/// `dst` addresses `n` rows of `lanes` ≤ 16 words, `width` apart.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn transpose_words(
+    src: &[*const u32; 16],
+    n: usize,
+    dst: *mut u32,
+    width: usize,
+    lanes: usize,
+) {
+    use std::arch::x86_64::*;
+    let keep = ((1u32 << lanes) - 1) as __mmask16;
+    for i0 in (0..n).step_by(16) {
+        let count = 16.min(n - i0);
+        let take = ((1u32 << count) - 1) as __mmask16;
+        let mut r = [_mm512_setzero_si512(); 16];
+        for (r, s) in r.iter_mut().zip(src) {
+            if !s.is_null() {
+                // SAFETY: words i0..i0 + count of the source (the mask).
+                *r = unsafe { _mm512_maskz_loadu_epi32(take, s.add(i0) as *const i32) };
+            }
+        }
+        let t = transpose_16x16(r);
+        for (e, v) in t.iter().enumerate().take(count) {
+            // SAFETY: row i0 + e < n of `dst`, its first `lanes` words.
+            unsafe { _mm512_mask_storeu_epi32(dst.add((i0 + e) * width) as *mut i32, keep, *v) };
+        }
+    }
+}
+
+/// The transpose of 16 vectors of 16 words: word `e` of vector `c` becomes
+/// word `c` of vector `e` (unpacks of words, then of pairs of words, then
+/// two shuffles of 128-bit lanes).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+fn transpose_16x16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m512i; 16] {
+    use std::arch::x86_64::*;
+    let mut t = r;
+    for i in 0..8 {
+        // Per 128-bit lane l: r₂ᵢ[4l] r₂ᵢ₊₁[4l] r₂ᵢ[4l+1] r₂ᵢ₊₁[4l+1], and the same of 4l+2, 4l+3.
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    let mut u = t;
+    for i in 0..4 {
+        // u[4i + j], per lane l: rows 4i..4i + 4 at word 4l + j.
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    let mut out = u;
+    for j in 0..4 {
+        // Word 4l + j of rows 0..16 is lane l of u[j], u[4 + j], u[8 + j], u[12 + j].
+        let v0 = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
+        let v1 = _mm512_shuffle_i32x4::<0xdd>(u[j], u[4 + j]);
+        let w0 = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
+        let w1 = _mm512_shuffle_i32x4::<0xdd>(u[8 + j], u[12 + j]);
+        out[j] = _mm512_shuffle_i32x4::<0x88>(v0, w0);
+        out[4 + j] = _mm512_shuffle_i32x4::<0x88>(v1, w1);
+        out[8 + j] = _mm512_shuffle_i32x4::<0xdd>(v0, w0);
+        out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(v1, w1);
+    }
+    out
 }
 
 /// [`scatter`] of bf16 pairs: the pair in bytes `4i..4i + 4` (little
@@ -1343,7 +1538,7 @@ unsafe fn tile_avx512<const MR: usize, const NV: usize>(
 /// twenty-eight `vdpbf16ps` (on Zen 4 a 6 × 64 tile measured slower, a
 /// 12 × 32 one the same). A panel of 256 × 32 bf16 is 16 KiB.
 struct Bf16Avx512;
-simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: 256, u16, BF16_BUF, tile_bf16::<14, 2>);
+simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: 384, u16, BF16_BUF, tile_bf16::<14, 2>);
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]
@@ -1357,6 +1552,15 @@ unsafe fn tile_bf16<const MR: usize, const NV: usize>(
     bias: *const f32,
 ) {
     use std::arch::x86_64::*;
+    // The sums' rows, read or written at the end, on their way into the
+    // cache while the products run (a tile of a matrix product's output is
+    // rarely cached: a pass over `k` writes the whole output between two
+    // visits).
+    for r in 0..MR {
+        for v in 0..NV {
+            _mm_prefetch::<_MM_HINT_T0>(c.wrapping_add(r * ldc + 16 * v) as *const i8);
+        }
+    }
     let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     for g in 0..pairs {
         // SAFETY: g < pairs: within the caller's lengths; the pairs are
@@ -1448,7 +1652,7 @@ pub(crate) unsafe extern "C" fn gemm_op(
             row_bytes,
         };
         let x = Rows { rows, k, row: &row };
-        let isa = isa_for(w.ty, k).unwrap_or(Isa::Avx2);
+        let isa = isa_for(w.ty).unwrap_or(Isa::Avx2);
         gemm(isa, &w, &x, bias, out, ith as usize, nth as usize);
     }
 }
@@ -1644,6 +1848,54 @@ mod tests {
                     "{nx} {ny:?} {mr} {r}"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn whole_panels_and_blocks_pack_as_column_by_column() {
+        // The transposing packers (bf16 weights, rounded activations)
+        // against the column-by-column ones, at ragged sizes: columns past
+        // the weight's rows, pairs not a multiple of 16, a short block.
+        let (k, n) = (300usize, 45usize);
+        let bits: Vec<u16> = (0..k * n).map(|i| bf16(v(11, i))).collect();
+        let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        let w = Weight {
+            data: &data,
+            ty: sys::GGML_TYPE_BF16,
+            k,
+            n,
+            row_bytes: 2 * k,
+        };
+        for (j0, kb, kc) in [
+            (0usize, 0usize, 256usize),
+            (32, 256, 44),
+            (32, 2, 6),
+            (16, 0, 34),
+        ] {
+            let kp = kc.div_ceil(2) * 2;
+            let mut row = vec![0f32; kp];
+            let mut fast = vec![u16::MAX; kp * 32];
+            <u16 as Elem>::pack_panel(&w, j0, kb, kc, &mut fast, 32, &mut row);
+            let mut slow = vec![u16::MAX; kp * 32];
+            for c in 0..32 {
+                let j = (j0 + c < n).then_some(j0 + c);
+                <u16 as Elem>::pack_column(&w, j, kb, kc, &mut slow, c, 32, &mut row);
+            }
+            assert_eq!(fast, slow, "panel from {j0}, k {kb}..+{kc}");
+        }
+        let x: Vec<Vec<f32>> = (0..14)
+            .map(|r| (0..k).map(|i| v(r, i) * 3.0).collect())
+            .collect();
+        for (rows, kc) in [(14usize, 256usize), (5, 31), (14, 2), (9, 100)] {
+            let kp = kc.div_ceil(2) * 2;
+            let src = |c: usize| (c < rows).then(|| &x[c][..kc]);
+            let mut fast = vec![u16::MAX; kp * 14];
+            <u16 as Elem>::pack_block_f32(&src, &mut fast, 14);
+            let mut slow = vec![u16::MAX; kp * 14];
+            for c in 0..14 {
+                <u16 as Elem>::pack_column_f32(src(c), &mut slow, c, 14);
+            }
+            assert_eq!(fast, slow, "{rows} rows of {kc}");
         }
     }
 

@@ -414,6 +414,21 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat bf16, long rows (FMA)",
+            tolerance: 5e-3,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // Few rows (from fma::BF16_MIN_ROWS), `k` in eight even
+                // passes, a ragged panel.
+                let (a, b) = (
+                    t(i, Type::BF16, &[2998, 40])?,
+                    t(i, Type::F32, &[2998, 70])?,
+                );
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "mul_mat f32 (FMA)",
             tolerance: 2e-3,
             cpu_kernels: true,

@@ -178,9 +178,8 @@ impl Context {
             && contiguous(&a)
             && x[2] == 1
             && x[3] == 1
-            && rows >= crate::fma::min_rows() as i64
         {
-            crate::fma::isa_for(a.raw_type(), x[0] as usize)
+            crate::fma::isa_for(a.raw_type()).filter(|isa| rows >= isa.min_rows() as i64)
         } else {
             None
         };
