@@ -58,6 +58,11 @@ mod direct;
 /// panel of the block then streams past (rounded up to whole micro-tiles).
 pub const MC: usize = 96;
 
+/// The most rows of a thread that [`gemm_with`] packs as one block (at
+/// most 336 × 384 bf16 or 336 × 256 f32, a share of a core's level-2
+/// cache), packing each panel of the weight just before its use.
+const ONE_BLOCK_ROWS: usize = 336;
+
 /// The fewest rows that take this path by default: below it ggml's own
 /// kernels (the weight is packed once per product, which only pays when
 /// many rows share it; at 256 rows ggml measured 1.00–1.10× faster).
@@ -134,12 +139,14 @@ impl Isa {
         }
     }
 
-    /// The fewest rows a product takes this kernel from: [`MIN_ROWS`], or
-    /// [`BF16_MIN_ROWS`] on AVX512-BF16; [`crate::Knobs::fma_min_rows`]
-    /// overrides both, for measurements.
-    pub fn min_rows(self) -> usize {
+    /// The fewest rows a product of a weight of type `ty` takes this kernel
+    /// from: [`MIN_ROWS`], or on AVX512-BF16 [`BF16_MIN_ROWS`] and
+    /// [`QUANT_MIN_ROWS`]; [`crate::Knobs::fma_min_rows`] overrides them,
+    /// for measurements.
+    pub fn min_rows(self, ty: sys::ggml_type) -> usize {
         let default = match self {
-            Isa::Avx512Bf16 => BF16_MIN_ROWS,
+            Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
+            Isa::Avx512Bf16 => QUANT_MIN_ROWS,
             Isa::Avx512 | Isa::Avx2 => MIN_ROWS,
         };
         crate::knobs().fma_min_rows.unwrap_or(default)
@@ -195,12 +202,22 @@ pub fn available() -> bool {
     crate::knobs().fma && features().avx2
 }
 
-/// The fewest rows that take the AVX512-BF16 kernel (bf16 weights): it
-/// packs the weight with in-register transposes and measured ahead of
-/// ggml's tinyBLAS from 64 rows (`sdhost bench --products` on a Zen 4
-/// EPYC, session 25: 357 against 298 GFLOP/s at 64 × 1280 × 1280, 1.0–1.3×
-/// at 256 rows and more); below, the weight's packing outweighs the rows.
-pub const BF16_MIN_ROWS: usize = 64;
+/// The fewest rows that take the AVX512-BF16 kernel with a bf16 weight:
+/// it packs the weight with in-register transposes and measured level
+/// with or ahead of ggml's tinyBLAS from 144 rows (`sdhost bench
+/// --products` on a Zen 4 EPYC, session 25: 341–357 against 323–355
+/// GFLOP/s at 144 × 3072 × 3072 and 12288, 1.15–1.3× at 256 rows and
+/// more); at 64 rows ahead at 1280 × 1280 (348 against 279) but behind at
+/// FLUX's 3072-wide weights (281–309 against 347–360), whose packing then
+/// outweighs the rows.
+pub const BF16_MIN_ROWS: usize = 128;
+
+/// The fewest rows that take the AVX512-BF16 kernel with a q8_0 or q4_0
+/// weight (dequantized as it is packed): ahead of ggml's integer kernels
+/// from 36 rows (q8_0: 275 against 226 GFLOP/s at 36 × 1280 × 1280, 236–310
+/// against 223–231 at 64 rows of FLUX's weights), behind at 16 (160
+/// against 229).
+pub const QUANT_MIN_ROWS: usize = 64;
 
 /// The kernel a product of a `[k, n]` weight of ggml type `ty` runs on
 /// here, or `None` where ggml's kernels do better. As measured against
@@ -216,8 +233,13 @@ pub const BF16_MIN_ROWS: usize = 64;
 ///   passes over `k` even);
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster;
-/// * quantized types: no; ggml's integer kernels over 8-bit activations
-///   measured as fast or faster.
+/// * q8_0 and q4_0: on processors with AVX512-BF16 (and no AMX) yes,
+///   dequantized and rounded to bf16 as they are packed (ggml's kernels
+///   multiply them in integers over activations rounded to 8 bits: a
+///   coarser rounding than bf16's); elsewhere no, ggml's integer kernels
+///   measured as fast or faster;
+/// * other quantized types: no; ggml's k-quant kernels measured faster
+///   (q4_K 1.2–1.8× this kernel on a Zen 4).
 ///
 /// [`crate::Knobs::fma_all`] sends every type ggml can dequantize here, and
 /// [`crate::Knobs::fma_avx2`] keeps to the AVX2 kernel (to measure the
@@ -240,8 +262,20 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     match ty {
         sys::GGML_TYPE_F32 => Some(f32_isa),
         sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
+        // Rounded to bf16 as they are packed: measured 1.4–2.1× ggml's
+        // integer kernels from 64 rows on a Zen 4 (q8_0; q4_0 1.0× at 64
+        // rows and 1.5–2.4× from 256). Not where AMX is (ggml has AMX
+        // kernels for them there, not measured against this one).
+        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0
+            if f.avx512bf16 && !knobs.fma_avx2 && !crate::amx::available() =>
+        {
+            Some(Isa::Avx512Bf16)
+        }
         sys::GGML_TYPE_BF16 => Some(f32_isa),
-        _ if knobs.fma_all && dequantizable(ty) => Some(f32_isa),
+        _ if knobs.fma_all && dequantizable(ty) => match f.avx512bf16 && !knobs.fma_avx2 {
+            true => Some(Isa::Avx512Bf16),
+            false => Some(f32_isa),
+        },
         _ => None,
     }
 }
@@ -253,8 +287,19 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
 /// runs.
 pub fn summary() -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32)?;
-    let bf16 = match isa_for(sys::GGML_TYPE_BF16) {
-        Some(i) if i != f32 => format!(", bf16 on {} from {} rows", i.label(), i.min_rows()),
+    let bf16 = match (isa_for(sys::GGML_TYPE_BF16), isa_for(sys::GGML_TYPE_Q8_0)) {
+        (Some(i), Some(q)) if i != f32 && q == i => {
+            format!(
+                ", bf16 from {} rows, q8_0 and q4_0 from {} rows on {}",
+                i.min_rows(sys::GGML_TYPE_BF16),
+                i.min_rows(sys::GGML_TYPE_Q8_0),
+                i.label()
+            )
+        }
+        (Some(i), _) if i != f32 => {
+            let rows = i.min_rows(sys::GGML_TYPE_BF16);
+            format!(", bf16 on {} from {rows} rows", i.label())
+        }
         _ => String::new(),
     };
     let conv = match (conv_isa(sys::GGML_TYPE_F16), conv_isa(sys::GGML_TYPE_BF16)) {
@@ -276,12 +321,23 @@ pub fn summary() -> Option<String> {
     Some(format!(
         "f32 on {} from {} rows{bf16}{conv}{attention}",
         f32.label(),
-        f32.min_rows()
+        f32.min_rows(sys::GGML_TYPE_F32)
     ))
 }
 
-/// The `k` block of every kernel (256) is a multiple of the type's
-/// quantization block, so that each block of a row dequantizes on its own.
+/// Values per quantization block of `ty` (1 for f32, f16 and bf16).
+fn block_size(ty: sys::ggml_type) -> usize {
+    if ty >= sys::GGML_TYPE_COUNT {
+        return 1;
+    }
+    // SAFETY: ggml's type table, for a type below its count.
+    let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
+    (traits.blck_size as usize).max(1)
+}
+
+/// A type whose blocks divide 256, the `k` of every pass over a quantized
+/// weight (passes are whole blocks, so that each block of a row
+/// dequantizes on its own), and that ggml can dequantize.
 fn dequantizable(ty: sys::ggml_type) -> bool {
     if ty >= sys::GGML_TYPE_COUNT {
         return false;
@@ -346,6 +402,61 @@ impl Weight<'_> {
                     )
                 };
             }
+        }
+    }
+}
+
+impl Weight<'_> {
+    /// Values `k0..k0 + out.len()` of row `j` rounded to bf16 (as
+    /// [`Weight::row_f32`] gives them, then [`crate::amx::narrow`]; q8_0
+    /// blocks widened, scaled and rounded in vectors), `row` a scratch of
+    /// as many f32.
+    fn row_bf16(&self, j: usize, k0: usize, out: &mut [u16], row: &mut [f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if self.ty == sys::GGML_TYPE_Q8_0
+            && k0.is_multiple_of(32)
+            && out.len().is_multiple_of(32)
+            && crate::amx::bf16_ops()
+        {
+            let at = j * self.row_bytes + k0 / 32 * 34;
+            let blocks = &self.data[at..at + out.len() / 32 * 34];
+            // SAFETY: the processor has AVX512-BF16, BW and VL (checked
+            // above); `blocks` holds out.len() / 32 whole q8_0 blocks.
+            unsafe { q8_0_to_bf16(blocks, out) };
+            return;
+        }
+        self.row_f32(j, k0, &mut row[..out.len()]);
+        crate::amx::narrow(&row[..out.len()], out);
+    }
+}
+
+/// q8_0 blocks (an f16 scale, then 32 signed bytes) to bf16, 32 values a
+/// block: widened to f32, scaled, rounded by the processor's conversion
+/// (as `amx::narrow` rounds).
+///
+/// # Safety
+/// The processor has AVX512-BF16, BW and VL; `blocks` holds `out.len() /
+/// 32` blocks of 34 bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn q8_0_to_bf16(blocks: &[u8], out: &mut [u16]) {
+    use std::arch::x86_64::*;
+    for (b, o) in blocks.chunks_exact(34).zip(out.chunks_exact_mut(32)) {
+        let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+        // SAFETY: 32 bytes at b[2..34] and 32 u16 at `o`.
+        unsafe {
+            let q = b.as_ptr().add(2);
+            let lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q as *const __m128i)));
+            let hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                q.add(16) as *const __m128i
+            )));
+            let scale = _mm512_set1_ps(d);
+            // The second operand's values come first.
+            let v = _mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, scale), _mm512_mul_ps(lo, scale));
+            _mm512_storeu_si512(
+                o.as_mut_ptr() as *mut _,
+                std::mem::transmute::<__m512bh, __m512i>(v),
+            );
         }
     }
 }
@@ -751,7 +862,9 @@ pub fn gemm(
     ith: usize,
     nth: usize,
 ) {
-    let bf16 = isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16;
+    let bf16 = isa == Isa::Avx512Bf16
+        && features().avx512bf16
+        && (w.ty == sys::GGML_TYPE_BF16 || dequantizable(w.ty));
     let (m, k) = (x.rows, x.k);
     let store = Store::Rows;
     if bf16 {
@@ -893,8 +1006,17 @@ fn gemm_with<K: Kernel>(
         return;
     }
     let np = pr.len();
-    // Whole micro-tiles per block: a partial one goes through `buf.c`.
-    let mc_max = MC.next_multiple_of(K::MR);
+    // Whole micro-tiles per block: a partial one goes through `buf.c`. A
+    // thread's rows that fit one block (in the level-2 cache) are one
+    // block, and each panel of the weight is then packed just before the
+    // rows stream past it: with few rows, packing a whole pass's panels
+    // first wrote and read them again through memory (a 3072 × 12288
+    // weight: 4.7 MB a thread and pass).
+    let one_block = rr.len() <= ONE_BLOCK_ROWS;
+    let mc_max = match one_block {
+        true => rr.len().next_multiple_of(K::MR),
+        false => MC.next_multiple_of(K::MR),
+    };
     // Passes over `k` of even lengths (a short last pass costs a whole
     // pass's stores for few products), where the weight's rows split
     // anywhere; quantized rows split only at `kc_max`, whole blocks.
@@ -904,7 +1026,7 @@ fn gemm_with<K: Kernel>(
     );
     let kc_step = match plain {
         true => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::E::KG),
-        false => kc_max,
+        false => kc_max / block_size(w.ty) * block_size(w.ty),
     };
     K::buffers(|buf| {
         buf.c.resize(K::MR * K::NR, 0.0);
@@ -912,15 +1034,23 @@ fn gemm_with<K: Kernel>(
             let kc = kc_step.min(k - kb);
             let kp = kc.div_ceil(K::E::KG) * K::E::KG;
             buf.row.resize(kp, 0.0);
-            let b = buf.b.get(np * kp * K::NR);
-            pack_weight::<K>(w, pr.start, np, kb, kc, b, &mut buf.row);
+            let b = buf.b.get(if one_block { 1 } else { np } * kp * K::NR);
+            if !one_block {
+                pack_weight::<K>(w, pr.start, np, kb, kc, b, &mut buf.row);
+            }
             for r0 in rr.clone().step_by(mc_max) {
                 let mc = mc_max.min(rr.end - r0);
                 let blocks = mc.div_ceil(K::MR);
                 let a = buf.a.get(blocks * kp * K::MR);
                 pack_x(r0, mc, kb, kc, a);
                 for q in 0..np {
-                    let panel = &b[q * kp * K::NR..(q + 1) * kp * K::NR];
+                    let panel = match one_block {
+                        true => {
+                            pack_weight::<K>(w, pr.start + q, 1, kb, kc, b, &mut buf.row);
+                            &b[..kp * K::NR]
+                        }
+                        false => &b[q * kp * K::NR..(q + 1) * kp * K::NR],
+                    };
                     let j0 = (pr.start + q) * K::NR;
                     let cols = K::NR.min(n - j0);
                     for blk in 0..blocks {
@@ -1172,6 +1302,45 @@ impl Elem for u16 {
                 // SAFETY: AVX-512F (checked above); each non-null source
                 // holds `np` words (sliced above), and the panel `np` rows
                 // of `width` words from column `c0`, 16 of them.
+                unsafe {
+                    transpose_words(
+                        &src,
+                        np,
+                        (panel.as_mut_ptr() as *mut u32).add(c0),
+                        width,
+                        16,
+                    )
+                };
+            }
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if kc <= Bf16Avx512::KC && crate::amx::bf16_ops() {
+            // Other types: each row dequantized and rounded to bf16 once,
+            // then transposed as above.
+            let np = kc.div_ceil(2);
+            assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
+            let mut rounded = [[0u32; Bf16Avx512::KC / 2]; 16];
+            for c0 in (0..width).step_by(16) {
+                let mut src = [std::ptr::null::<u32>(); 16];
+                for (c, s) in src.iter_mut().enumerate() {
+                    let j = j0 + c0 + c;
+                    if j < w.n {
+                        // SAFETY: 2·np u16 are the words' bytes.
+                        let halves = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                rounded[c].as_mut_ptr() as *mut u16,
+                                2 * np,
+                            )
+                        };
+                        w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
+                        halves[kc..].fill(0);
+                        *s = rounded[c].as_ptr();
+                    }
+                }
+                // SAFETY: AVX512-BF16 implies AVX-512F; each non-null
+                // source holds `np` words, the panel `np` rows of `width`
+                // words from column `c0`, 16 of them.
                 unsafe {
                     transpose_words(
                         &src,
@@ -1774,7 +1943,7 @@ mod tests {
 
     #[test]
     fn every_kernel_matches_the_f64_product_at_ragged_sizes_on_any_thread_count() {
-        // k over two blocks and ragged (odd too, for the bf16 pairs); rows
+        // k over several passes and ragged (odd too, for the bf16 pairs); rows
         // and outputs not multiples of the micro-tiles; both ways of
         // sharing the work.
         for isa in kernels() {
@@ -1784,6 +1953,10 @@ mod tests {
                 (40, 16, 6, 3),
                 (600, 20, 101, 2),
                 (257, 300, 130, 2),
+                // More rows than one block (ONE_BLOCK_ROWS): the weight's
+                // panels packed once per pass, blocks of rows past them.
+                (40, 50, 700, 2),
+                (300, 37, 400, 1),
             ] {
                 let wv: Vec<f32> = (0..k * n).map(|i| v(1, i)).collect();
                 let (ty, bytes, tol): (_, Vec<u8>, f64) = if isa == Isa::Avx512Bf16 {
@@ -1822,6 +1995,50 @@ mod tests {
                             got[i * n + j]
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn q8_0_weights_on_the_bf16_kernel_match_the_f64_product() {
+        if !features().avx512bf16 {
+            eprintln!("skipped: no AVX512-BF16 here");
+            return;
+        }
+        // k in passes of 384, 384 and 32 (whole blocks); ragged outputs.
+        let (k, n, m) = (800usize, 45usize, 70usize);
+        let (mut bytes, mut wv) = (Vec::new(), Vec::new());
+        for b in 0..k / 32 * n {
+            let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
+            bytes.extend(d.to_bits().to_le_bytes());
+            for i in 0..32 {
+                let q = (v(4, b * 32 + i) * 127.0) as i8;
+                bytes.push(q as u8);
+                wv.push(d.to_f32() * f32::from(q));
+            }
+        }
+        let w = Weight {
+            data: &bytes,
+            ty: sys::GGML_TYPE_Q8_0,
+            k,
+            n,
+            row_bytes: k / 32 * 34,
+        };
+        let xs: Vec<f32> = (0..k * m).map(|i| v(5, i)).collect();
+        for nth in [1, 2] {
+            let got = product(Isa::Avx512Bf16, &w, &xs, m, None, nth);
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
+                        .sum();
+                    let d = (f64::from(got[i * n + j]) - want).abs();
+                    assert!(
+                        d < 2e-2 * 0.13 * (k as f64).sqrt(),
+                        "({i}, {j}) nth {nth}: {} vs {want}",
+                        got[i * n + j]
+                    );
                 }
             }
         }
@@ -1882,6 +2099,36 @@ mod tests {
                 <u16 as Elem>::pack_column(&w, j, kb, kc, &mut slow, c, 32, &mut row);
             }
             assert_eq!(fast, slow, "panel from {j0}, k {kb}..+{kc}");
+        }
+        // q8_0 rows (an f16 scale and 32 bytes a block), widened in
+        // vectors, against the scalar widening and rounding.
+        let (kq, nq) = (320usize, 20usize);
+        let q8: Vec<u8> = (0..kq / 32 * nq)
+            .flat_map(|b| {
+                let d = half::f16::from_f32(0.01 + b as f32 * 1e-3)
+                    .to_bits()
+                    .to_le_bytes();
+                let qs = (0..32).map(move |i| (v(13, b * 32 + i) * 127.0) as i8 as u8);
+                d.into_iter().chain(qs)
+            })
+            .collect();
+        let wq = Weight {
+            data: &q8,
+            ty: sys::GGML_TYPE_Q8_0,
+            k: kq,
+            n: nq,
+            row_bytes: kq / 32 * 34,
+        };
+        for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
+            let mut row = vec![0f32; kc];
+            let mut fast = vec![u16::MAX; kc * 32];
+            <u16 as Elem>::pack_panel(&wq, 0, kb, kc, &mut fast, 32, &mut row);
+            let mut slow = vec![u16::MAX; kc * 32];
+            for c in 0..32 {
+                let j = (c < nq).then_some(c);
+                <u16 as Elem>::pack_column(&wq, j, kb, kc, &mut slow, c, 32, &mut row);
+            }
+            assert_eq!(fast, slow, "q8_0, k {kb}..+{kc}");
         }
         let x: Vec<Vec<f32>> = (0..14)
             .map(|r| (0..k).map(|i| v(r, i) * 3.0).collect())

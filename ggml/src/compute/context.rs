@@ -179,7 +179,8 @@ impl Context {
             && x[2] == 1
             && x[3] == 1
         {
-            crate::fma::isa_for(a.raw_type()).filter(|isa| rows >= isa.min_rows() as i64)
+            crate::fma::isa_for(a.raw_type())
+                .filter(|isa| rows >= isa.min_rows(a.raw_type()) as i64)
         } else {
             None
         };
