@@ -1178,10 +1178,7 @@ trait Elem: Copy + 'static {
         width: usize,
         row: &mut [f32],
     ) {
-        for c in 0..width {
-            let j = j0 + c;
-            Self::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, width, row);
-        }
+        pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
     }
     /// A whole block of `width` columns, column `c` the f32 values
     /// `src(c)` (or zeros), as [`Elem::pack_column_f32`] packs each.
@@ -1190,9 +1187,34 @@ trait Elem: Copy + 'static {
         block: &mut [Self],
         width: usize,
     ) {
-        for c in 0..width {
-            Self::pack_column_f32(src(c), block, c, width);
-        }
+        pack_block_by_columns(src, block, width)
+    }
+}
+
+/// [`Elem::pack_panel`] one column at a time.
+fn pack_panel_by_columns<E: Elem>(
+    w: &Weight<'_>,
+    j0: usize,
+    kb: usize,
+    kc: usize,
+    panel: &mut [E],
+    width: usize,
+    row: &mut [f32],
+) {
+    for c in 0..width {
+        let j = j0 + c;
+        E::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, width, row);
+    }
+}
+
+/// [`Elem::pack_block_f32`] one column at a time.
+fn pack_block_by_columns<'s, E: Elem>(
+    src: &dyn Fn(usize) -> Option<&'s [f32]>,
+    block: &mut [E],
+    width: usize,
+) {
+    for c in 0..width {
+        E::pack_column_f32(src(c), block, c, width);
     }
 }
 
@@ -1291,40 +1313,12 @@ impl Elem for u16 {
         width: usize,
         row: &mut [f32],
     ) {
+        // A bf16 row's bytes are the pairs already; other rows are
+        // dequantized and rounded to bf16 once. Then the panel is a
+        // transpose of 32-bit words, 16 columns at a time.
+        let in_place = w.ty == sys::GGML_TYPE_BF16 && kc.is_multiple_of(2);
         #[cfg(target_arch = "x86_64")]
-        if w.ty == sys::GGML_TYPE_BF16 && kc.is_multiple_of(2) && features().avx512 {
-            // The rows' bytes are the pairs already: a transpose of 32-bit
-            // words, 16 columns at a time.
-            let np = kc / 2;
-            assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
-            for c0 in (0..width).step_by(16) {
-                let mut src = [std::ptr::null::<u32>(); 16];
-                for (c, s) in src.iter_mut().enumerate() {
-                    let j = j0 + c0 + c;
-                    if j < w.n {
-                        let at = j * w.row_bytes + kb * 2;
-                        *s = w.data[at..at + kc * 2].as_ptr() as *const u32;
-                    }
-                }
-                // SAFETY: AVX-512F (checked above); each non-null source
-                // holds `np` words (sliced above), and the panel `np` rows
-                // of `width` words from column `c0`, 16 of them.
-                unsafe {
-                    transpose_words(
-                        &src,
-                        np,
-                        (panel.as_mut_ptr() as *mut u32).add(c0),
-                        width,
-                        16,
-                    )
-                };
-            }
-            return;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if kc <= Bf16Avx512::KC && crate::amx::bf16_ops() {
-            // Other types: each row dequantized and rounded to bf16 once,
-            // then transposed as above.
+        if (in_place && features().avx512) || (kc <= Bf16Avx512::KC && crate::amx::bf16_ops()) {
             let np = kc.div_ceil(2);
             assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
             let mut rounded = [[0u32; Bf16Avx512::KC / 2]; 16];
@@ -1332,22 +1326,26 @@ impl Elem for u16 {
                 let mut src = [std::ptr::null::<u32>(); 16];
                 for (c, s) in src.iter_mut().enumerate() {
                     let j = j0 + c0 + c;
-                    if j < w.n {
-                        // SAFETY: 2·np u16 are the words' bytes.
-                        let halves = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                rounded[c].as_mut_ptr() as *mut u16,
-                                2 * np,
-                            )
-                        };
-                        w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
-                        halves[kc..].fill(0);
-                        *s = rounded[c].as_ptr();
+                    if j >= w.n {
+                        continue;
                     }
+                    if in_place {
+                        let at = j * w.row_bytes + kb * 2;
+                        *s = w.data[at..at + kc * 2].as_ptr() as *const u32;
+                        continue;
+                    }
+                    // SAFETY: 2·np ≤ KC u16 are the words' bytes.
+                    let halves = unsafe {
+                        std::slice::from_raw_parts_mut(rounded[c].as_mut_ptr() as *mut u16, 2 * np)
+                    };
+                    w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
+                    halves[kc..].fill(0);
+                    *s = rounded[c].as_ptr();
                 }
-                // SAFETY: AVX512-BF16 implies AVX-512F; each non-null
-                // source holds `np` words, the panel `np` rows of `width`
-                // words from column `c0`, 16 of them.
+                // SAFETY: AVX-512F (checked above, or implied by
+                // AVX512-BF16); each non-null source holds `np` words
+                // (sliced above, or `rounded`'s), the panel `np` rows of
+                // `width` words from column `c0`, 16 of them.
                 unsafe {
                     transpose_words(
                         &src,
@@ -1360,10 +1358,7 @@ impl Elem for u16 {
             }
             return;
         }
-        for c in 0..width {
-            let j = j0 + c;
-            Self::pack_column(w, (j < w.n).then_some(j), kb, kc, panel, c, width, row);
-        }
+        pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
     }
     fn pack_block_f32<'s>(
         src: &dyn Fn(usize) -> Option<&'s [f32]>,
@@ -1395,9 +1390,7 @@ impl Elem for u16 {
             unsafe { transpose_words(&ptrs, np, block.as_mut_ptr() as *mut u32, width, width) };
             return;
         }
-        for c in 0..width {
-            Self::pack_column_f32(src(c), block, c, width);
-        }
+        pack_block_by_columns(src, block, width)
     }
 }
 
