@@ -68,7 +68,7 @@ pub const MC: usize = 96;
 /// The most rows of a thread that [`gemm_with`] packs as one block (at
 /// most 336 × 384 bf16 or 336 × 256 f32, a share of a core's level-2
 /// cache), packing each panel of the weight just before its use.
-const ONE_BLOCK_ROWS: usize = 336;
+pub const ONE_BLOCK_ROWS: usize = 336;
 
 /// The fewest rows that take this path by default: below it ggml's own
 /// kernels (the weight is packed once per product, which only pays when
