@@ -65,7 +65,7 @@ mod direct;
 /// panel of the block then streams past (rounded up to whole micro-tiles).
 pub const MC: usize = 96;
 
-/// The most rows of a thread that the products packs as one block (at
+/// The most rows of a thread that a product packs as one block (at
 /// most 336 × 384 bf16 or 336 × 256 f32, a share of a core's level-2
 /// cache), packing each panel of the weight just before its use.
 pub const ONE_BLOCK_ROWS: usize = 336;
