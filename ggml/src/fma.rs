@@ -39,7 +39,8 @@
 //! do twice the multiply-adds per instruction of AVX2; AMD's Zen 4 splits
 //! them in halves and measured faster on the AVX2 kernel); AVX512-BF16,
 //! 14 × 32 with `vdpbf16ps` (two bf16 products per lane and instruction,
-//! f32 sums), for bf16 weights and for q8_0 and q4_0 ones rounded to bf16,
+//! f32 sums), for bf16 weights and for q8_0, q4_0, q4_1, q5_0 and q5_1
+//! ones rounded to bf16,
 //! with the activations rounded to bf16 as they are packed.
 //! The f32 kernels keep the activations in f32 (ggml rounds them to the
 //! weight's type), so their results are closer to the f32 product than
@@ -147,12 +148,14 @@ impl Isa {
     }
 
     /// The fewest rows a product of a weight of type `ty` takes this kernel
-    /// from: [`MIN_ROWS`], or on AVX512-BF16 [`BF16_MIN_ROWS`] and
-    /// [`QUANT_MIN_ROWS`]; [`crate::Knobs::fma_min_rows`] overrides them,
+    /// from: [`MIN_ROWS`], or on AVX512-BF16 [`BF16_MIN_ROWS`],
+    /// [`QUANT_MIN_ROWS`] and [`Q5_0_MIN_ROWS`];
+    /// [`crate::Knobs::fma_min_rows`] overrides them,
     /// for measurements.
     pub fn min_rows(self, ty: sys::ggml_type) -> usize {
         let default = match self {
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
+            Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
             Isa::Avx512Bf16 => QUANT_MIN_ROWS,
             Isa::Avx512 | Isa::Avx2 => MIN_ROWS,
         };
@@ -219,12 +222,19 @@ pub fn available() -> bool {
 /// outweighs the rows.
 pub const BF16_MIN_ROWS: usize = 128;
 
-/// The fewest rows that take the AVX512-BF16 kernel with a q8_0 or q4_0
-/// weight (dequantized as it is packed): ahead of ggml's integer kernels
-/// from 36 rows (q8_0: 275 against 226 GFLOP/s at 36 × 1280 × 1280, 236–310
-/// against 223–231 at 64 rows of FLUX's weights), behind at 16 (160
-/// against 229).
+/// The fewest rows that take the AVX512-BF16 kernel with a q8_0, q4_0,
+/// q4_1 or q5_1 weight (dequantized as it is packed): ahead of ggml's
+/// integer kernels from 36 rows (q8_0: 275 against 226 GFLOP/s at 36 ×
+/// 1280 × 1280, 236–310 against 223–231 at 64 rows of FLUX's weights;
+/// q4_1 and q5_1 123–187 against 71–93 at 64 rows), behind at 16 (q8_0:
+/// 160 against 229).
 pub const QUANT_MIN_ROWS: usize = 64;
+
+/// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
+/// ggml's dequantization of it is slow enough that at 64 rows this kernel
+/// was behind (97–155 against 147–180 GFLOP/s), and ahead at 256 (259–268
+/// against 176–179).
+pub const Q5_0_MIN_ROWS: usize = 256;
 
 /// The kernel a product of a `[k, n]` weight of ggml type `ty` runs on
 /// here, or `None` where ggml's kernels do better. As measured against
@@ -240,7 +250,8 @@ pub const QUANT_MIN_ROWS: usize = 64;
 ///   passes over `k` even);
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster;
-/// * q8_0 and q4_0: on processors with AVX512-BF16 (and no AMX) yes,
+/// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-BF16 (and
+///   no AMX) yes,
 ///   dequantized and rounded to bf16 as they are packed (ggml's kernels
 ///   multiply them in integers over activations rounded to 8 bits: a
 ///   coarser rounding than bf16's); elsewhere no, ggml's integer kernels
@@ -271,9 +282,15 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
         // Rounded to bf16 as they are packed: measured 1.4–2.1× ggml's
         // integer kernels from 64 rows on a Zen 4 (q8_0; q4_0 1.0× at 64
-        // rows and 1.5–2.4× from 256). Not where AMX is (ggml has AMX
-        // kernels for them there, not measured against this one).
-        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0
+        // rows and 1.5–2.4× from 256; q4_1 and q5_1, whose ggml kernels
+        // ran at 76–93 GFLOP/s, 1.5–4.3×; q5_0 1.5–2.0× from 256 rows).
+        // Not where AMX is (ggml has AMX kernels for some of them there,
+        // not measured against this one).
+        sys::GGML_TYPE_Q8_0
+        | sys::GGML_TYPE_Q4_0
+        | sys::GGML_TYPE_Q4_1
+        | sys::GGML_TYPE_Q5_0
+        | sys::GGML_TYPE_Q5_1
             if f.avx512bf16 && !knobs.fma_avx2 && !crate::amx::available() =>
         {
             Some(Isa::Avx512Bf16)
@@ -297,9 +314,10 @@ pub fn summary() -> Option<String> {
     let bf16 = match (isa_for(sys::GGML_TYPE_BF16), isa_for(sys::GGML_TYPE_Q8_0)) {
         (Some(i), Some(q)) if i != f32 && q == i => {
             format!(
-                ", bf16 from {} rows, q8_0 and q4_0 from {} rows on {}",
+                ", bf16 from {} rows, q8_0, q4_0, q4_1 and q5_1 from {}, q5_0 from {} on {}",
                 i.min_rows(sys::GGML_TYPE_BF16),
                 i.min_rows(sys::GGML_TYPE_Q8_0),
+                i.min_rows(sys::GGML_TYPE_Q5_0),
                 i.label()
             )
         }

@@ -459,6 +459,37 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat q4_1 (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q4_1, &[288, 48])?, t(i, Type::F32, &[288, 130])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q5_0 (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // From fma::Q5_0_MIN_ROWS.
+                let (a, b) = (t(i, Type::Q5_0, &[288, 48])?, t(i, Type::F32, &[288, 260])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q5_1 (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q5_1, &[288, 48])?, t(i, Type::F32, &[288, 130])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "mul_mat bf16 (AMX)",
             tolerance: 1e-2,
             cpu_kernels: true,
