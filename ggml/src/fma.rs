@@ -450,8 +450,56 @@ impl Weight<'_> {
             unsafe { q8_0_to_bf16(blocks, out) };
             return;
         }
+        #[cfg(target_arch = "x86_64")]
+        if self.ty == sys::GGML_TYPE_Q4_0
+            && k0.is_multiple_of(32)
+            && out.len().is_multiple_of(32)
+            && crate::amx::bf16_ops()
+        {
+            let at = j * self.row_bytes + k0 / 32 * 18;
+            let blocks = &self.data[at..at + out.len() / 32 * 18];
+            // SAFETY: the processor has AVX512-BF16, BW and VL (checked
+            // above); `blocks` holds out.len() / 32 whole q4_0 blocks.
+            unsafe { q4_0_to_bf16(blocks, out) };
+            return;
+        }
         self.row_f32(j, k0, &mut row[..out.len()]);
         crate::amx::narrow(&row[..out.len()], out);
+    }
+}
+
+/// q4_0 blocks (an f16 scale, then 16 bytes: values 0..16 in the low
+/// nibbles, 16..32 in the high ones, each less 8) to bf16, 32 values a
+/// block, as [`q8_0_to_bf16`] does.
+///
+/// # Safety
+/// The processor has AVX512-BF16, BW and VL; `blocks` holds `out.len() /
+/// 32` blocks of 18 bytes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+unsafe fn q4_0_to_bf16(blocks: &[u8], out: &mut [u16]) {
+    use std::arch::x86_64::*;
+    for (b, o) in blocks.chunks_exact(18).zip(out.chunks_exact_mut(32)) {
+        let d = half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32();
+        // SAFETY: 16 bytes at b[2..18] and 32 u16 at `o`.
+        unsafe {
+            let q = _mm_loadu_si128(b.as_ptr().add(2) as *const __m128i);
+            let mask = _mm_set1_epi8(0x0f);
+            let low = _mm_and_si128(q, mask);
+            let high = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
+            let eight = _mm512_set1_epi32(8);
+            let widen = |v| _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(v), eight));
+            let scale = _mm512_set1_ps(d);
+            // The second operand's values come first.
+            let v = _mm512_cvtne2ps_pbh(
+                _mm512_mul_ps(widen(high), scale),
+                _mm512_mul_ps(widen(low), scale),
+            );
+            _mm512_storeu_si512(
+                o.as_mut_ptr() as *mut _,
+                std::mem::transmute::<__m512bh, __m512i>(v),
+            );
+        }
     }
 }
 
@@ -2139,6 +2187,35 @@ mod tests {
             n: nq,
             row_bytes: kq / 32 * 34,
         };
+        // q4_0 rows (an f16 scale and 16 bytes of nibble pairs a block),
+        // widened in vectors, against ggml's dequantization.
+        let q4: Vec<u8> = (0..kq / 32 * nq)
+            .flat_map(|b| {
+                let d = half::f16::from_f32(0.02 - b as f32 * 1e-3)
+                    .to_bits()
+                    .to_le_bytes();
+                let qs = (0..16).map(move |i| ((v(17, b * 16 + i) + 1.0) * 127.9) as u8);
+                d.into_iter().chain(qs)
+            })
+            .collect();
+        let w4 = Weight {
+            data: &q4,
+            ty: sys::GGML_TYPE_Q4_0,
+            k: kq,
+            n: nq,
+            row_bytes: kq / 32 * 18,
+        };
+        for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
+            let mut row = vec![0f32; kc];
+            let mut fast = vec![u16::MAX; kc * 32];
+            <u16 as Elem>::pack_panel(&w4, 0, kb, kc, &mut fast, 32, &mut row);
+            let mut slow = vec![u16::MAX; kc * 32];
+            for c in 0..32 {
+                let j = (c < nq).then_some(c);
+                <u16 as Elem>::pack_column(&w4, j, kb, kc, &mut slow, c, 32, &mut row);
+            }
+            assert_eq!(fast, slow, "q4_0, k {kb}..+{kc}");
+        }
         for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
             let mut row = vec![0f32; kc];
             let mut fast = vec![u16::MAX; kc * 32];
