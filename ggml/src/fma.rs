@@ -434,33 +434,28 @@ impl Weight<'_> {
 impl Weight<'_> {
     /// Values `k0..k0 + out.len()` of row `j` rounded to bf16 (as
     /// [`Weight::row_f32`] gives them, then [`crate::amx::narrow`]; q8_0
-    /// blocks widened, scaled and rounded in vectors), `row` a scratch of
-    /// as many f32.
+    /// and q4_0 blocks widened, scaled and rounded in vectors), `row` a
+    /// scratch of as many f32.
     fn row_bf16(&self, j: usize, k0: usize, out: &mut [u16], row: &mut [f32]) {
+        // The block's bytes (32 values), and its widening in vectors.
         #[cfg(target_arch = "x86_64")]
-        if self.ty == sys::GGML_TYPE_Q8_0
-            && k0.is_multiple_of(32)
-            && out.len().is_multiple_of(32)
-            && crate::amx::bf16_ops()
-        {
-            let at = j * self.row_bytes + k0 / 32 * 34;
-            let blocks = &self.data[at..at + out.len() / 32 * 34];
-            // SAFETY: the processor has AVX512-BF16, BW and VL (checked
-            // above); `blocks` holds out.len() / 32 whole q8_0 blocks.
-            unsafe { q8_0_to_bf16(blocks, out) };
-            return;
-        }
+        type Widen = unsafe fn(&[u8], &mut [u16]);
         #[cfg(target_arch = "x86_64")]
-        if self.ty == sys::GGML_TYPE_Q4_0
-            && k0.is_multiple_of(32)
-            && out.len().is_multiple_of(32)
-            && crate::amx::bf16_ops()
-        {
-            let at = j * self.row_bytes + k0 / 32 * 18;
-            let blocks = &self.data[at..at + out.len() / 32 * 18];
+        let widen: Option<(usize, Widen)> = match self.ty {
+            sys::GGML_TYPE_Q8_0 => Some((34, q8_0_to_bf16)),
+            sys::GGML_TYPE_Q4_0 => Some((18, q4_0_to_bf16)),
+            _ => None,
+        };
+        #[cfg(target_arch = "x86_64")]
+        if let Some((size, widen)) = widen.filter(|_| {
+            k0.is_multiple_of(32) && out.len().is_multiple_of(32) && crate::amx::bf16_ops()
+        }) {
+            let at = j * self.row_bytes + k0 / 32 * size;
+            let blocks = &self.data[at..at + out.len() / 32 * size];
             // SAFETY: the processor has AVX512-BF16, BW and VL (checked
-            // above); `blocks` holds out.len() / 32 whole q4_0 blocks.
-            unsafe { q4_0_to_bf16(blocks, out) };
+            // above); `blocks` holds out.len() / 32 whole blocks of the
+            // weight's type, which `widen` reads.
+            unsafe { widen(blocks, out) };
             return;
         }
         self.row_f32(j, k0, &mut row[..out.len()]);
