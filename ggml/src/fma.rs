@@ -360,18 +360,17 @@ fn block_size(ty: sys::ggml_type) -> usize {
     (traits.blck_size as usize).max(1)
 }
 
-/// A type whose blocks divide 256, the `k` of every pass over a quantized
-/// weight (passes are whole blocks, so that each block of a row
-/// dequantizes on its own), and that ggml can dequantize.
+/// A type whose blocks divide 256, and so every kernel's `KC` rounded down
+/// to whole blocks (passes over a quantized weight are whole blocks, so
+/// that each block of a row dequantizes on its own), and that ggml can
+/// dequantize.
 fn dequantizable(ty: sys::ggml_type) -> bool {
     if ty >= sys::GGML_TYPE_COUNT {
         return false;
     }
     // SAFETY: ggml's type table, indexed by a type below its count.
     let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
-    traits.to_float.is_some()
-        && traits.blck_size > 0
-        && 256usize.is_multiple_of(traits.blck_size as usize)
+    traits.to_float.is_some() && 256usize.is_multiple_of(block_size(ty))
 }
 
 /// A `[k, n]` weight as the kernels read it: `n` rows of `k` values of a
@@ -1088,13 +1087,9 @@ fn gemm_with<K: Kernel>(
     // Passes over `k` of even lengths (a short last pass costs a whole
     // pass's stores for few products), where the weight's rows split
     // anywhere; quantized rows split only at `kc_max`, whole blocks.
-    let plain = matches!(
-        w.ty,
-        sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 | sys::GGML_TYPE_BF16
-    );
-    let kc_step = match plain {
-        true => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::E::KG),
-        false => kc_max / block_size(w.ty) * block_size(w.ty),
+    let kc_step = match block_size(w.ty) {
+        1 => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::E::KG),
+        block => kc_max / block * block,
     };
     K::buffers(|buf| {
         buf.c.resize(K::MR * K::NR, 0.0);
@@ -2133,6 +2128,11 @@ mod tests {
 
     #[test]
     fn whole_panels_and_blocks_pack_as_column_by_column() {
+        if !crate::amx::bf16_ops() {
+            // Without AVX512-BF16 both sides are the column-by-column path.
+            eprintln!("skipped: no AVX512-BF16 here, so no transposing packer to compare");
+            return;
+        }
         // The transposing packers (bf16 weights, rounded activations)
         // against the column-by-column ones, at ragged sizes: columns past
         // the weight's rows, pairs not a multiple of 16, a short block.
