@@ -61,6 +61,8 @@ use crate::amx::{bf16, Conv};
 use crate::sys;
 
 mod direct;
+#[cfg(target_arch = "x86_64")]
+mod vnni;
 
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
 /// panel of the block then streams past (rounded up to whole micro-tiles).
@@ -92,7 +94,11 @@ pub fn min_rows() -> usize {
 /// The instruction sets the kernels use, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX512-BF16 dot products (bf16 weights only).
+    /// AVX512-VNNI 8-bit dot products (q8_0 and q4_0 weights only,
+    /// [`vnni`]).
+    Avx512Vnni,
+    /// AVX512-BF16 dot products (bf16 weights, and quantized ones rounded
+    /// to bf16).
     Avx512Bf16,
     /// AVX-512F fused multiply-adds.
     Avx512,
@@ -104,6 +110,7 @@ impl Isa {
     /// The name of a product node on this kernel (profiles, `check`).
     pub fn node_name(self) -> &'static str {
         match self {
+            Isa::Avx512Vnni => "fma mul_mat avx512vnni",
             Isa::Avx512Bf16 => "fma mul_mat avx512bf16",
             Isa::Avx512 => "fma mul_mat avx512",
             Isa::Avx2 => "fma mul_mat avx2",
@@ -114,7 +121,7 @@ impl Isa {
     /// kernels: AVX512-BF16 does not apply).
     pub fn conv_node_name(self) -> &'static str {
         match self {
-            Isa::Avx512Bf16 => "fma conv avx512bf16",
+            Isa::Avx512Vnni | Isa::Avx512Bf16 => "fma conv avx512bf16",
             Isa::Avx512 => "fma conv avx512",
             Isa::Avx2 => "fma conv avx2",
         }
@@ -154,6 +161,7 @@ impl Isa {
     /// for measurements.
     pub fn min_rows(self, ty: sys::ggml_type) -> usize {
         let default = match self {
+            Isa::Avx512Vnni => VNNI_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
             Isa::Avx512Bf16 => QUANT_MIN_ROWS,
@@ -165,6 +173,7 @@ impl Isa {
     /// The instruction set, as people write it (reports).
     fn label(self) -> &'static str {
         match self {
+            Isa::Avx512Vnni => "AVX512-VNNI",
             Isa::Avx512Bf16 => "AVX512-BF16",
             Isa::Avx512 => "AVX-512",
             Isa::Avx2 => "AVX2",
@@ -178,6 +187,8 @@ struct Features {
     avx2: bool,
     avx512: bool,
     avx512bf16: bool,
+    /// AVX512-VNNI and BW (8-bit dot products, [`vnni`]).
+    avx512vnni: bool,
     /// An AMD processor (its AVX-512 runs 512-bit vectors as two halves).
     amd: bool,
 }
@@ -198,6 +209,7 @@ fn features() -> Features {
                 avx2,
                 avx512,
                 avx512bf16: avx512 && has!("avx512bf16"),
+                avx512vnni: avx512 && has!("avx512vnni") && has!("avx512bw"),
                 amd,
             }
         }
@@ -229,6 +241,10 @@ pub const BF16_MIN_ROWS: usize = 128;
 /// q4_1 and q5_1 123–187 against 71–93 at 64 rows), behind at 16 (q8_0:
 /// 160 against 229).
 pub const QUANT_MIN_ROWS: usize = 64;
+
+/// The fewest rows that take the AVX512-VNNI kernel ([`vnni`], q8_0 and
+/// q4_0 weights).
+pub const VNNI_MIN_ROWS: usize = 4;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
 /// ggml's dequantization of it is slow enough that at 64 rows this kernel
@@ -280,6 +296,11 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     match ty {
         sys::GGML_TYPE_F32 => Some(f32_isa),
         sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
+        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0
+            if f.avx512vnni && knobs.fma_vnni && !knobs.fma_avx2 && !crate::amx::available() =>
+        {
+            Some(Isa::Avx512Vnni)
+        }
         // Rounded to bf16 as they are packed: measured 1.4–2.1× ggml's
         // integer kernels from 64 rows on a Zen 4 (q8_0; q4_0 1.0× at 64
         // rows and 1.5–2.4× from 256; q4_1 and q5_1, whose ggml kernels
@@ -929,7 +950,11 @@ pub fn gemm(
     ith: usize,
     nth: usize,
 ) {
-    let bf16 = isa == Isa::Avx512Bf16
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni && vnni::applies(w.ty) && x.k.is_multiple_of(vnni::QK) {
+        return vnni::gemm(w, x, bias, out, ith, nth);
+    }
+    let bf16 = matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Vnni)
         && features().avx512bf16
         && (w.ty == sys::GGML_TYPE_BF16 || dequantizable(w.ty));
     let (m, k) = (x.rows, x.k);

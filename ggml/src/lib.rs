@@ -83,7 +83,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_ARENA`,
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_ARENA`,
 /// `SDHOST_CONV_BAND_MIB`, `SDHOST_DIRECT_CONV`, `SDHOST_NO_FLASH_PAD`) and
 /// passes them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +116,10 @@ pub struct Knobs {
     /// processor has AVX512-BF16 and no AMX
     /// ([`Context::bf16_attention`]).
     pub fma_attention: bool,
+    /// q8_0 and q4_0 products in 8-bit integers on AVX512-VNNI where the
+    /// processor has it and no AMX (`fma::vnni`); off: the AVX512-BF16
+    /// kernel or ggml's (to measure them).
+    pub fma_vnni: bool,
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
@@ -159,6 +163,7 @@ impl Default for Knobs {
             fma_norm: true,
             fma_geglu: true,
             fma_attention: true,
+            fma_vnni: true,
             fma_avx2: false,
             fma_all: false,
             arena: true,

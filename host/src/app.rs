@@ -24,7 +24,9 @@ pub use crate::session::init_logging;
 /// (ggml's fused attention instead of theirs on AVX512-BF16),
 /// `SDHOST_FMA_ALL=1` (every
 /// weight type takes them) and
-/// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512), for
+/// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512),
+/// `SDHOST_NO_FMA_VNNI=1` (q8_0 and q4_0 not in 8-bit integers on
+/// AVX512-VNNI), for
 /// measurements, `SDHOST_NO_ARENA=1`
 /// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest
 /// im2col matrix a convolution builds at once; the tests make it small),
@@ -50,6 +52,7 @@ pub fn knobs_from_env() -> ggml::Knobs {
         fma_attention: std::env::var("SDHOST_NO_FMA_ATTN").map_or(true, |v| v != "1"),
         fma_all: std::env::var("SDHOST_FMA_ALL").is_ok_and(|v| v == "1"),
         fma_avx2: std::env::var("SDHOST_FMA_AVX2").is_ok_and(|v| v == "1"),
+        fma_vnni: std::env::var("SDHOST_NO_FMA_VNNI").map_or(true, |v| v != "1"),
         arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),
         conv_band_mib: std::env::var("SDHOST_CONV_BAND_MIB")
             .ok()

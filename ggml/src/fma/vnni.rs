@@ -1,0 +1,543 @@
+//! Products of q8_0 and q4_0 weights in 8-bit integers on AVX512-VNNI
+//! (`vpdpbusd`), for processors with it and without AMX.
+//!
+//! ggml multiplies these weights in integers too: it rounds each block of
+//! 32 activations to 8 bits with a scale (its q8_0), and multiplies blocks
+//! with dot products that sum 32 values *within* a vector, one block of
+//! one weight row at a time, and then a horizontal sum, a conversion and a
+//! scale per block. On a Zen 4 that reached about 11 multiply-adds per
+//! cycle and core (session 15, `perf`), against the 64 one `vpdpbusd`
+//! does. Here the weight is repacked, panel by panel just before its use,
+//! so that each 32-bit lane of a vector holds 4 consecutive values of `k`
+//! of a *different* output: one `vpdpbusd` then multiplies one row's
+//! broadcast 4 values by 16 outputs, 8 of them take a block of 32 values of
+//! `k`, and the block's sums are already one per output, in lanes. Per
+//! block and row that is 8 `vpdpbusd`, one conversion and two multiplies
+//! for 16 × 32 products; the weight's 8 vectors stay in registers for all
+//! of a tile's rows.
+//!
+//! The activations are rounded as ggml rounds them (scale = largest
+//! magnitude / 127, stored in f16; values to nearest), so the sums are
+//! ggml's own sums of the same integers, up to the order of the f32
+//! additions of the blocks. `vpdpbusd` multiplies unsigned by signed bytes:
+//! the weight is made unsigned (q8_0: + 128, q4_0: its nibbles as they are,
+//! which are the value + 8) and each block's sum starts from − 128 (− 8)
+//! times the sum of the row's 8-bit values in that block.
+//!
+//! Threads split the outputs by panels of 16; each rounds the rows itself
+//! (a small fraction of the work), a chunk of rows at a time that stays in
+//! the level-2 cache, and packs each of its panels for each chunk.
+//! Measured in docs/performance.md, "CPU products of q8_0 and q4_0 in
+//! integers".
+
+use std::arch::x86_64::*;
+use std::cell::RefCell;
+
+use super::{features, share, Rows, Weight};
+use crate::sys;
+
+/// Values of `k` per block of both weight types and the rounded rows.
+pub const QK: usize = 32;
+/// Outputs per panel: the lanes of a vector.
+const NR: usize = 16;
+/// Rows per micro-tile: 16 f32 accumulators beside the panel's 8 weight
+/// vectors and its scales (of the 32 registers).
+const MR: usize = 16;
+/// The bytes of rounded rows one chunk holds, at most (a share of a
+/// core's level-2 cache).
+const CHUNK_BYTES: usize = 512 << 10;
+/// The most rows per chunk (more would only repack panels less often).
+const CHUNK_ROWS: usize = 256;
+/// The most blocks of `k` per pass: longer rows are multiplied in passes
+/// of even lengths, each adding into the outputs, so that a chunk holds
+/// more rows (each chunk packs every panel again).
+const PASS_BLOCKS: usize = 128;
+
+/// Whether a weight of type `ty` can take [`gemm`] on this processor
+/// (q8_0 or q4_0, AVX512-VNNI and BW).
+pub fn applies(ty: sys::ggml_type) -> bool {
+    features().avx512vnni && matches!(ty, sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0)
+}
+
+/// One 64-byte line of a packed panel.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// A panel's lines per block: 8 of weight bytes (line `j`, lane `c`: values
+/// `4j..4j + 4` of output `c`, unsigned) and one of the 16 outputs' scales
+/// (f32).
+const LINES: usize = 9;
+
+/// A thread's buffers: the chunk's rounded rows and one packed panel.
+#[derive(Default)]
+struct Buffers {
+    /// `[block][row][32]` values.
+    q: Vec<i8>,
+    /// `[block][row]` scales.
+    d: Vec<f32>,
+    /// `[block][row]` starting sums (− offset × the block's values' sum).
+    s: Vec<i32>,
+    panel: Vec<Line>,
+}
+
+thread_local! {
+    static BUF: RefCell<Buffers> = RefCell::default();
+}
+
+/// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
+/// (`ith` of `nth`) of the outputs. The caller made sure that [`applies`]
+/// holds for `w.ty` and that `w.k == x.k`, a multiple of [`QK`].
+pub fn gemm(
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    let (m, k, n) = (x.rows, x.k, w.n);
+    assert!(
+        applies(w.ty)
+            && w.k == k
+            && k.is_multiple_of(QK)
+            && k > 0
+            && out.len() >= m * n
+            && bias.is_none_or(|b| b.len() >= n)
+    );
+    let blocks = k / QK;
+    let (block_bytes, offset) = match w.ty {
+        sys::GGML_TYPE_Q8_0 => (34, 128),
+        _ => (18, 8),
+    };
+    assert!(
+        w.row_bytes >= blocks * block_bytes
+            && w.data.len() >= (n - 1) * w.row_bytes + blocks * block_bytes
+    );
+    let pr = share(n.div_ceil(NR), ith, nth);
+    if pr.is_empty() || m == 0 {
+        return;
+    }
+    let pass = blocks.div_ceil(blocks.div_ceil(PASS_BLOCKS));
+    let chunk = (CHUNK_BYTES / (pass * QK)).clamp(MR, CHUNK_ROWS) / MR * MR;
+    BUF.with(|buf| {
+        let buf = &mut *buf.borrow_mut();
+        buf.panel.resize(pass * LINES, Line([0; 64]));
+        for (r0, b0) in (0..m)
+            .step_by(chunk)
+            .flat_map(|r0| (0..blocks).step_by(pass).map(move |b0| (r0, b0)))
+        {
+            let rows = chunk.min(m - r0);
+            let blocks = pass.min(blocks - b0);
+            buf.q.resize(blocks * rows * QK, 0);
+            buf.d.resize(blocks * rows, 0.0);
+            buf.s.resize(blocks * rows, 0);
+            for r in 0..rows {
+                let row = &(x.row)(r0 + r)[b0 * QK..(b0 + blocks) * QK];
+                // SAFETY: applies() checked AVX512-VNNI and BW (with F); the
+                // buffers hold `blocks × rows` blocks, `row` k values.
+                unsafe { round_row(row, r, rows, offset, &mut buf.q, &mut buf.d, &mut buf.s) };
+            }
+            for p in pr.clone() {
+                let j0 = p * NR;
+                let cols = NR.min(n - j0);
+                // SAFETY: as above; `w` holds n rows of `blocks` blocks
+                // (asserted), `panel` blocks × LINES lines.
+                unsafe { pack_panel(w, j0, cols, b0, blocks, &mut buf.panel) };
+                for t0 in (0..rows).step_by(MR) {
+                    let tr = MR.min(rows - t0);
+                    let i0 = r0 + t0;
+                    let c = &mut out[i0 * n + j0..(i0 + tr - 1) * n + j0 + cols];
+                    let bias = bias.filter(|_| b0 == 0).map(|b| &b[j0..j0 + cols]);
+                    let tile = Tile {
+                        blocks,
+                        panel: &buf.panel,
+                        q: &buf.q[t0 * QK..],
+                        d: &buf.d[t0..],
+                        s: &buf.s[t0..],
+                        stride: rows,
+                    };
+                    // SAFETY: as above; the tile's slices start at row t0 of
+                    // a chunk of `rows` ≥ t0 + tr rows; `c` holds tr rows of
+                    // `cols` values n apart.
+                    unsafe { tile.run(tr, c, n, cols, b0 > 0, bias) };
+                }
+            }
+        }
+    });
+}
+
+/// Rounds row `x` (whole blocks) to 8 bits as ggml's q8_0 does, into row
+/// `r` of each block of a chunk of `rows` rows, with each block's scale and
+/// starting sum (− `offset` × the sum of its values).
+///
+/// # Safety
+/// The processor has AVX512F and BW; the buffers hold `x.len() / 32`
+/// blocks of `rows` rows, `r < rows`.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn round_row(
+    x: &[f32],
+    r: usize,
+    rows: usize,
+    offset: i32,
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [i32],
+) {
+    let blocks = x.len() / QK;
+    assert!(r < rows && q.len() >= blocks * rows * QK && d.len() >= blocks * rows);
+    assert!(s.len() >= blocks * rows);
+    for b in 0..blocks {
+        let at = b * rows + r;
+        // SAFETY: 32 values of x at b·32 (b < blocks), 32 bytes of q at
+        // at·32 (at < blocks·rows), checked above.
+        unsafe {
+            let lo = _mm512_loadu_ps(x.as_ptr().add(b * QK));
+            let hi = _mm512_loadu_ps(x.as_ptr().add(b * QK + 16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+            // ggml's quantize_row_q8_0: d = max / 127 stored in f16, the
+            // values multiplied by 127 / max and rounded to nearest.
+            let scale = amax / 127.0;
+            let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+            let v = _mm512_set1_ps(inv);
+            let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, v));
+            let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, v));
+            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            let dst = q.as_mut_ptr().add(at * QK);
+            _mm_storeu_si128(dst as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
+            _mm_storeu_si128(dst.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
+            d[at] = half::f16::from_f32(scale).to_f32();
+            s[at] = -offset * sum;
+        }
+    }
+}
+
+/// Packs blocks `b0..b0 + blocks` of outputs `j0..j0 + cols` (≤ 16; the
+/// last one repeated past them) of `w` into `panel`: per block, [`LINES`]
+/// lines.
+///
+/// # Safety
+/// The processor has AVX512F and BW; `w` holds rows `j0..j0 + cols` of
+/// `b0 + blocks` blocks of its type (q8_0 or q4_0), `panel` `blocks ×
+/// LINES` lines.
+#[target_feature(enable = "avx512f,avx512bw")]
+unsafe fn pack_panel(
+    w: &Weight<'_>,
+    j0: usize,
+    cols: usize,
+    b0: usize,
+    blocks: usize,
+    panel: &mut [Line],
+) {
+    let q8 = w.ty == sys::GGML_TYPE_Q8_0;
+    let size = if q8 { 34 } else { 18 };
+    assert!(cols >= 1 && cols <= NR && panel.len() >= blocks * LINES);
+    assert!(w.data.len() >= (j0 + cols - 1) * w.row_bytes + (b0 + blocks) * size);
+    assert!((NR - 1) * w.row_bytes <= i32::MAX as usize);
+    let row = |c: usize| {
+        // SAFETY: block b0 of row j0 + min(c, cols - 1) < j0 + cols of `w`
+        // (asserted).
+        unsafe {
+            w.data
+                .as_ptr()
+                .add((j0 + c.min(cols - 1)) * w.row_bytes + b0 * size)
+        }
+    };
+    let rows: [*const u8; NR] = std::array::from_fn(row);
+    let base = rows[0];
+    // Each output's offset from the first's, for the scales' gather.
+    let gaps: [i32; NR] = std::array::from_fn(|c| (c.min(cols - 1) * w.row_bytes) as i32);
+    // SAFETY: 16 i32 read from the array.
+    let gaps = unsafe { _mm512_loadu_si512(gaps.as_ptr() as *const __m512i) };
+    for b in (0..blocks).step_by(2) {
+        let pair = b + 1 < blocks;
+        let mut r = [_mm512_setzero_si512(); NR];
+        for (r, &p) in r.iter_mut().zip(&rows) {
+            // SAFETY: blocks b and b + 1 (where `pair`) of a row of `w`.
+            unsafe {
+                let lo = values(q8, p.add(b * size + 2));
+                let hi = match pair {
+                    true => values(q8, p.add((b + 1) * size + 2)),
+                    false => _mm256_setzero_si256(),
+                };
+                *r = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
+            }
+        }
+        // Word e of output c becomes lane c of vector e: vectors 0..8 are
+        // block b's lines, 8..16 block b + 1's.
+        let t = super::transpose_16x16(r);
+        for (e, v) in t.iter().enumerate().take(if pair { 16 } else { 8 }) {
+            let line = (b + e / 8) * LINES + e % 8;
+            // SAFETY: line < blocks·LINES (b + e/8 < blocks), 64-byte aligned.
+            unsafe { _mm512_store_si512(panel.as_mut_ptr().add(line) as *mut __m512i, *v) };
+        }
+        for bb in b..(b + 2).min(blocks) {
+            // SAFETY: each output's block bb starts with its f16 scale; a
+            // 4-byte read there stays inside the block (size ≥ 18).
+            let scales = unsafe {
+                let at = base.add(bb * size) as *const i32;
+                _mm512_i32gather_epi32::<1>(gaps, at as *const u8 as *const i32)
+            };
+            let scales = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(scales));
+            // SAFETY: line bb·LINES + 8 < blocks·LINES, 64-byte aligned.
+            unsafe { _mm512_store_ps(panel.as_mut_ptr().add(bb * LINES + 8) as *mut f32, scales) };
+        }
+    }
+}
+
+/// The 32 values of a block of `q8` (q8_0, else q4_0) whose values start
+/// at `at`, as 32 unsigned bytes: q8_0's plus 128, q4_0's nibbles.
+///
+/// # Safety
+/// The processor has AVX512F and BW; `at` addresses the block's values.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn values(q8: bool, at: *const u8) -> __m256i {
+    // SAFETY: 32 bytes (q8_0) or 16 bytes (q4_0) at `at`.
+    unsafe {
+        if q8 {
+            let v = _mm256_loadu_si256(at as *const __m256i);
+            _mm256_xor_si256(v, _mm256_set1_epi8(-128))
+        } else {
+            // Values 0..16 are the low nibbles, 16..32 the high ones.
+            let v = _mm_loadu_si128(at as *const __m128i);
+            let nib = _mm_set1_epi8(0x0f);
+            let lo = _mm_and_si128(v, nib);
+            let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
+            _mm256_set_m128i(hi, lo)
+        }
+    }
+}
+
+/// One micro-tile's operands: a packed panel and rows `t0..` of a chunk's
+/// rounded rows (`stride` rows per block).
+struct Tile<'a> {
+    blocks: usize,
+    panel: &'a [Line],
+    q: &'a [i8],
+    d: &'a [f32],
+    s: &'a [i32],
+    stride: usize,
+}
+
+impl Tile<'_> {
+    /// Writes `tr` ≤ [`MR`] rows of `cols` outputs to `c` (rows `ldc`
+    /// apart), plus `bias`, or adds them to what `c` holds where `add`.
+    ///
+    /// # Safety
+    /// The processor has AVX512F, BW and VNNI; the tile's slices hold
+    /// `blocks` blocks of `stride ≥ tr` rows from its first row; `c` holds
+    /// `tr` rows of `cols` ≤ 16 values, `ldc` apart; `bias` `cols` values.
+    unsafe fn run(
+        &self,
+        tr: usize,
+        c: &mut [f32],
+        ldc: usize,
+        cols: usize,
+        add: bool,
+        bias: Option<&[f32]>,
+    ) {
+        assert!(tr >= 1 && tr <= MR && tr <= self.stride && cols <= NR);
+        assert!(c.len() > (tr - 1) * ldc + cols - 1 && bias.is_none_or(|b| b.len() >= cols));
+        let last = (self.blocks - 1) * self.stride + tr;
+        assert!(self.q.len() >= last * QK && self.d.len() >= last && self.s.len() >= last);
+        assert!(self.panel.len() >= self.blocks * LINES);
+        macro_rules! rows {
+            ($($r:literal)*) => {
+                match tr {
+                    // SAFETY: as this function's.
+                    $($r => unsafe { self.tile::<$r>(c, ldc, cols, add, bias) },)*
+                    _ => unreachable!(),
+                }
+            };
+        }
+        rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+    }
+
+    /// [`Tile::run`] for `R` rows.
+    ///
+    /// # Safety
+    /// As [`Tile::run`]'s, with `tr = R` (checked there).
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn tile<const R: usize>(
+        &self,
+        c: &mut [f32],
+        ldc: usize,
+        cols: usize,
+        add: bool,
+        bias: Option<&[f32]>,
+    ) {
+        let keep = ((1u32 << cols) - 1) as __mmask16;
+        let mut acc = [_mm512_setzero_ps(); R];
+        if add {
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row r < R of `c`, its first `cols` values (checked
+                // by run).
+                *acc = unsafe { _mm512_maskz_loadu_ps(keep, c.as_ptr().add(r * ldc)) };
+            }
+        }
+        let (q, d, s) = (self.q.as_ptr(), self.d.as_ptr(), self.s.as_ptr());
+        for b in 0..self.blocks {
+            // SAFETY: block b < blocks of the panel and of rows t0..t0 + R
+            // of the chunk (checked by run).
+            unsafe {
+                let p = self.panel.as_ptr().add(b * LINES) as *const __m512i;
+                let mut w = [_mm512_setzero_si512(); 8];
+                for (j, w) in w.iter_mut().enumerate() {
+                    *w = _mm512_load_si512(p.add(j));
+                }
+                let dw = _mm512_load_ps(p.add(8) as *const f32);
+                let at = b * self.stride;
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let x = q.add((at + r) * QK) as *const i32;
+                    let mut sum = _mm512_set1_epi32(*s.add(at + r));
+                    for (j, w) in w.iter().enumerate() {
+                        let v = _mm512_set1_epi32(x.add(j).read_unaligned());
+                        sum = _mm512_dpbusd_epi32(sum, *w, v);
+                    }
+                    let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*d.add(at + r)));
+                    *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *acc);
+                }
+            }
+        }
+        // SAFETY: `bias` holds `cols` values, `c` R rows of `cols` values
+        // ldc apart (checked by run); the loads and stores are masked to
+        // them.
+        unsafe {
+            let add = bias.map_or(_mm512_setzero_ps(), |b| {
+                _mm512_maskz_loadu_ps(keep, b.as_ptr())
+            });
+            for (r, acc) in acc.iter().enumerate() {
+                let v = _mm512_add_ps(*acc, add);
+                _mm512_mask_storeu_ps(c.as_mut_ptr().add(r * ldc), keep, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A deterministic value in [-1, 1) for index `i` of stream `s`.
+    fn v(s: u64, i: usize) -> f32 {
+        let h = (i as u64 ^ (s << 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        ((h >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// A weight of `n` rows of `k` values of `ty` (q8_0 or q4_0) with
+    /// varied scales: its bytes, and each value as an integer with its
+    /// block's scale.
+    fn weight(ty: sys::ggml_type, k: usize, n: usize) -> (Vec<u8>, Vec<(i32, f32)>) {
+        let (mut bytes, mut values) = (Vec::new(), Vec::new());
+        for b in 0..k / QK * n {
+            let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
+            bytes.extend(d.to_bits().to_le_bytes());
+            let q: Vec<i32> = (0..QK)
+                .map(|i| match ty {
+                    sys::GGML_TYPE_Q8_0 => (v(4, b * QK + i) * 127.5).clamp(-127.0, 127.0) as i32,
+                    _ => ((v(4, b * QK + i) + 1.0) * 8.0).min(15.0) as i32 - 8,
+                })
+                .collect();
+            match ty {
+                sys::GGML_TYPE_Q8_0 => bytes.extend(q.iter().map(|&q| q as i8 as u8)),
+                // Values 0..16 in the low nibbles, 16..32 in the high ones.
+                _ => bytes.extend((0..16).map(|i| (q[i] + 8) as u8 | ((q[i + 16] + 8) as u8) << 4)),
+            }
+            values.extend(q.iter().map(|&q| (q, d.to_f32())));
+        }
+        (bytes, values)
+    }
+
+    /// ggml's rounding of a block of activations (quantize_row_q8_0): the
+    /// 8-bit values and the f16 scale.
+    fn round_block(x: &[f32]) -> (Vec<i32>, f32) {
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let q = x
+            .iter()
+            .map(|v| (v * inv).round_ties_even() as i32)
+            .collect();
+        (q, half::f16::from_f32(amax / 127.0).to_f32())
+    }
+
+    #[test]
+    fn products_are_ggml_s_integer_sums_at_ragged_sizes_on_any_thread_count() {
+        if !features().avx512vnni {
+            eprintln!("skipped: no AVX512-VNNI here");
+            return;
+        }
+        // Outputs past whole panels, rows past whole tiles and chunks (320
+        // values: 256-row chunks), an odd count of blocks (one block
+        // alone), and rows in two passes over k (4160: 130 blocks).
+        let shapes = [(96, 45, 13), (320, 16, 300), (288, 40, 5), (4160, 20, 37)];
+        for ty in [sys::GGML_TYPE_Q8_0, sys::GGML_TYPE_Q4_0] {
+            for (case, &(k, n, m)) in shapes.iter().enumerate() {
+                let (bytes, wv) = weight(ty, k, n);
+                let w = Weight {
+                    data: &bytes,
+                    ty,
+                    k,
+                    n,
+                    row_bytes: bytes.len() / n,
+                };
+                // Rows of different magnitudes, one all zero.
+                let xs: Vec<f32> = (0..k * m)
+                    .map(|i| {
+                        if i / k == 2 {
+                            0.0
+                        } else {
+                            v(5, i) * (1 + i / k % 3) as f32
+                        }
+                    })
+                    .collect();
+                let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
+                let bias = (case % 2 == 1).then_some(&bias[..]);
+                let mut want = vec![0f64; m * n];
+                for i in 0..m {
+                    for b in 0..k / QK {
+                        let (q, dx) = round_block(&xs[i * k + b * QK..i * k + (b + 1) * QK]);
+                        for j in 0..n {
+                            let at = j * k + b * QK;
+                            let sum: i32 = (0..QK).map(|t| q[t] * wv[at + t].0).sum();
+                            // ggml's scale per block: the two f16 scales' product in f32.
+                            want[i * n + j] += f64::from(sum as f32 * (dx * wv[at].1));
+                        }
+                    }
+                    for j in 0..n {
+                        want[i * n + j] += bias.map_or(0.0, |b| f64::from(b[j]));
+                    }
+                }
+                for nth in [1, 2, 3] {
+                    let row = |i: usize| &xs[i * k..(i + 1) * k];
+                    let x = Rows {
+                        rows: m,
+                        k,
+                        row: &row,
+                    };
+                    let mut got = vec![f32::NAN; m * n];
+                    for ith in 0..nth {
+                        super::super::gemm(
+                            super::super::Isa::Avx512Vnni,
+                            &w,
+                            &x,
+                            bias,
+                            &mut got,
+                            ith,
+                            nth,
+                        );
+                    }
+                    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let tol = 1e-5 * w.abs().max(1.0);
+                        assert!(
+                            (f64::from(*g) - w).abs() <= tol,
+                            "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
+                            e / n,
+                            e % n
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
