@@ -243,8 +243,11 @@ pub const BF16_MIN_ROWS: usize = 128;
 pub const QUANT_MIN_ROWS: usize = 64;
 
 /// The fewest rows that take the AVX512-VNNI kernel ([`vnni`], q8_0 and
-/// q4_0 weights).
-pub const VNNI_MIN_ROWS: usize = 4;
+/// q4_0 weights), which packs each panel of the weight for every chunk of
+/// rows: ahead of ggml's integer kernels from 8 rows (`sdhost bench
+/// --products` at FLUX's 3072-wide weights on a Zen 4, session 26:
+/// 1.2–2.8× at 8 rows, 1.4–1.9× at 12), level or behind at 4 (0.73–1.38×).
+pub const VNNI_MIN_ROWS: usize = 8;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
 /// ggml's dequantization of it is slow enough that at 64 rows this kernel

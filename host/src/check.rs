@@ -459,6 +459,22 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat q8_0 + bias, few long rows (FMA)",
+            tolerance: 1e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // From fma::VNNI_MIN_ROWS: rows in two passes over `k` (130
+                // blocks), a ragged panel, one ragged tile of rows.
+                let (a, b, bias) = (
+                    t(i, Type::Q8_0, &[4160, 40])?,
+                    t(i, Type::F32, &[4160, 13])?,
+                    t(i, Type::F32, &[40])?,
+                );
+                Ok((vec![a, b, bias], c.mul_mat_bias(a, b, bias)?))
+            },
+        },
+        Case {
             name: "mul_mat q4_1 (FMA)",
             tolerance: 2e-2,
             cpu_kernels: true,

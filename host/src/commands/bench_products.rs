@@ -6,8 +6,9 @@
 //!
 //! The shapes are those of SD's UNet (at the image size's latent tokens)
 //! and of a 3072-wide DiT block (FLUX.1's, at its image tokens: 4096 at
-//! 1024²), `x · wᵀ` with x `M × K` f32 activations and w an `N × K` weight
-//! of each asked type.
+//! 1024²), and Qwen3-4B's MLP at a 16-token prompt (an LLM text encoder),
+//! `x · wᵀ` with x `M × K` f32 activations and w an `N × K` weight of each
+//! asked type.
 
 use super::bench::ratio;
 use crate::cli::{BenchArgs, Peer};
@@ -28,6 +29,10 @@ struct Shape {
     k: usize,
     n: usize,
 }
+
+/// The tokens of the text encoder's shapes: a short prompt in Z-Image's
+/// chat template.
+const LLM_TOKENS: usize = 16;
 
 /// The shapes measured at a `width × height` image.
 fn shapes(width: u32, height: u32) -> Vec<Shape> {
@@ -63,6 +68,21 @@ fn shapes(width: u32, height: u32) -> Vec<Shape> {
             m: dit,
             k: 12288,
             n: 3072,
+        },
+        // Qwen3-4B's (Z-Image's and FLUX.2 klein 4B's text encoder) at a
+        // short prompt: the product count is the prompt's, whatever the
+        // image size.
+        Shape {
+            name: "Qwen3-4B MLP in, 16 tokens (2560 → 9728)",
+            m: LLM_TOKENS,
+            k: 2560,
+            n: 9728,
+        },
+        Shape {
+            name: "Qwen3-4B MLP out, 16 tokens (9728 → 2560)",
+            m: LLM_TOKENS,
+            k: 9728,
+            n: 2560,
         },
     ]
 }
@@ -353,6 +373,7 @@ mod tests {
         assert_eq!(s[2].m, 4096);
         let s = shapes(512, 256);
         assert_eq!((s[0].m, s[1].m, s[2].m), (64 * 32, 128, 32 * 16));
+        assert_eq!(s.last().unwrap().m, LLM_TOKENS);
     }
 
     #[test]
