@@ -33,7 +33,10 @@
 //! AVX-512 (`transpose_words`); q8_0 blocks are widened, scaled and
 //! rounded to bf16 in vectors first.
 //!
-//! Three micro-kernels, picked per product by the processor ([`isa_for`]):
+//! q8_0 and q4_0 weights take an integer kernel on AVX512-VNNI instead
+//! ([`vnni`]: the activations rounded to 8 bits as ggml rounds them).
+//!
+//! Three micro-kernels here, picked per product by the processor ([`isa_for`]):
 //! AVX2 + FMA, 6 × 16 in twelve 8-lane registers; AVX-512F, 12 × 32 in
 //! twenty-four 16-lane registers (f32 products on Intel, whose server cores
 //! do twice the multiply-adds per instruction of AVX2; AMD's Zen 4 splits
@@ -269,11 +272,15 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   passes over `k` even);
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster;
-/// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-BF16 (and
-///   no AMX) yes,
-///   dequantized and rounded to bf16 as they are packed (ggml's kernels
-///   multiply them in integers over activations rounded to 8 bits: a
-///   coarser rounding than bf16's); elsewhere no, ggml's integer kernels
+/// * q8_0 and q4_0: on processors with AVX512-VNNI (and no AMX) yes, in
+///   8-bit integers as ggml multiplies them, on [`vnni`]'s kernel (2.2–3.0×
+///   ggml's from 64 rows, 1.2–2.8× at 8–16 rows, and 1.2–1.5× the bf16
+///   kernel below);
+/// * q4_1, q5_0 and q5_1 (and q8_0 and q4_0 without AVX512-VNNI, or with
+///   `SDHOST_NO_FMA_VNNI=1`): on processors with AVX512-BF16 (and no AMX)
+///   yes, dequantized and rounded to bf16 as they are packed (ggml's
+///   kernels multiply them in integers over activations rounded to 8 bits:
+///   a coarser rounding than bf16's); elsewhere no, ggml's integer kernels
 ///   measured as fast or faster;
 /// * other quantized types: no; ggml's k-quant kernels measured faster
 ///   (q4_K 1.2–1.8× this kernel on a Zen 4).
@@ -329,28 +336,41 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
 }
 
 /// Which weights these kernels take on this processor, in words, for
-/// reports (`f32 on AVX2, bf16 (k ≤ 1280) on AVX512-BF16, from 512 rows;
-/// convolutions on AVX2, bf16 ones on AVX512-BF16; attention on
-/// AVX512-BF16`, the last from [`crate::amx::Attn`]); `None` where none
-/// runs.
+/// reports (`f32 on AVX2 from 512 rows, bf16 from 128 rows on AVX512-BF16,
+/// q8_0 and q4_0 from 8 rows on AVX512-VNNI, …; convolutions on AVX2, bf16
+/// ones on AVX512-BF16; attention on AVX512-BF16`, the last from
+/// [`crate::amx::Attn`]); `None` where none runs.
 pub fn summary() -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32)?;
-    let bf16 = match (isa_for(sys::GGML_TYPE_BF16), isa_for(sys::GGML_TYPE_Q8_0)) {
-        (Some(i), Some(q)) if i != f32 && q == i => {
-            format!(
-                ", bf16 from {} rows, q8_0, q4_0, q4_1 and q5_1 from {}, q5_0 from {} on {}",
-                i.min_rows(sys::GGML_TYPE_BF16),
-                i.min_rows(sys::GGML_TYPE_Q8_0),
-                i.min_rows(sys::GGML_TYPE_Q5_0),
-                i.label()
-            )
+    // Each weight type that leaves the f32 kernel, grouped by the kernel
+    // and the rows it takes from, in `isa_for`'s order.
+    let mut groups: Vec<(Isa, usize, Vec<&str>)> = Vec::new();
+    for (ty, name) in [
+        (sys::GGML_TYPE_BF16, "bf16"),
+        (sys::GGML_TYPE_Q8_0, "q8_0"),
+        (sys::GGML_TYPE_Q4_0, "q4_0"),
+        (sys::GGML_TYPE_Q4_1, "q4_1"),
+        (sys::GGML_TYPE_Q5_1, "q5_1"),
+        (sys::GGML_TYPE_Q5_0, "q5_0"),
+    ] {
+        let Some(isa) = isa_for(ty).filter(|&i| i != f32) else {
+            continue;
+        };
+        let rows = isa.min_rows(ty);
+        match groups.iter_mut().find(|g| g.0 == isa && g.1 == rows) {
+            Some(g) => g.2.push(name),
+            None => groups.push((isa, rows, vec![name])),
         }
-        (Some(i), _) if i != f32 => {
-            let rows = i.min_rows(sys::GGML_TYPE_BF16);
-            format!(", bf16 on {} from {rows} rows", i.label())
-        }
-        _ => String::new(),
-    };
+    }
+    let mut bf16 = String::new();
+    for (isa, rows, names) in &groups {
+        let names = match names.split_last() {
+            Some((last, [])) => last.to_string(),
+            Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
+            None => continue,
+        };
+        bf16 += &format!(", {names} from {rows} rows on {}", isa.label());
+    }
     let conv = match (conv_isa(sys::GGML_TYPE_F16), conv_isa(sys::GGML_TYPE_BF16)) {
         (Some(a), Some(b)) if a != b => {
             format!(
@@ -2495,7 +2515,16 @@ mod tests {
         match summary() {
             Some(s) => {
                 assert!(available(), "{s}");
-                assert!(s.starts_with("f32 on ") && s.contains(", bf16"), "{s}");
+                assert!(s.starts_with("f32 on "), "{s}");
+                if features().avx512bf16 {
+                    assert!(s.contains(", bf16 from "), "{s}");
+                }
+                if features().avx512vnni && !crate::amx::available() {
+                    assert!(
+                        s.contains("q8_0 and q4_0 from 8 rows on AVX512-VNNI"),
+                        "{s}"
+                    );
+                }
             }
             None => assert!(!available()),
         }
