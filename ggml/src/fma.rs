@@ -33,8 +33,9 @@
 //! AVX-512 (`transpose_words`); q8_0 blocks are widened, scaled and
 //! rounded to bf16 in vectors first.
 //!
-//! q8_0 and q4_0 weights take an integer kernel on AVX512-VNNI instead
-//! ([`vnni`]: the activations rounded to 8 bits as ggml rounds them).
+//! q8_0, q4_0, q4_1, q5_0 and q5_1 weights take an integer kernel on
+//! AVX512-VNNI instead ([`vnni`]: the activations rounded to 8 bits as
+//! ggml rounds them).
 //!
 //! Three micro-kernels here, picked per product by the processor ([`isa_for`]):
 //! AVX2 + FMA, 6 × 16 in twelve 8-lane registers; AVX-512F, 12 × 32 in
@@ -190,7 +191,7 @@ struct Features {
     avx2: bool,
     avx512: bool,
     avx512bf16: bool,
-    /// AVX512-VNNI and BW (8-bit dot products, [`vnni`]).
+    /// AVX512-VNNI, BW and VL (8-bit dot products, [`vnni`]).
     avx512vnni: bool,
     /// An AMD processor (its AVX-512 runs 512-bit vectors as two halves).
     amd: bool,
@@ -212,7 +213,7 @@ fn features() -> Features {
                 avx2,
                 avx512,
                 avx512bf16: avx512 && has!("avx512bf16"),
-                avx512vnni: avx512 && has!("avx512vnni") && has!("avx512bw"),
+                avx512vnni: avx512 && has!("avx512vnni") && has!("avx512bw") && has!("avx512vl"),
                 amd,
             }
         }
@@ -245,11 +246,13 @@ pub const BF16_MIN_ROWS: usize = 128;
 /// 160 against 229).
 pub const QUANT_MIN_ROWS: usize = 64;
 
-/// The fewest rows that take the AVX512-VNNI kernel ([`vnni`], q8_0 and
-/// q4_0 weights), which packs each panel of the weight for every chunk of
-/// rows: ahead of ggml's integer kernels from 8 rows (`sdhost bench
-/// --products` at FLUX's 3072-wide weights on a Zen 4, session 26:
-/// 1.2–2.8× at 8 rows, 1.4–1.9× at 12), level or behind at 4 (0.73–1.38×).
+/// The fewest rows that take the AVX512-VNNI kernel ([`vnni`]: q8_0, q4_0,
+/// q4_1, q5_0 and q5_1 weights), which packs each panel of the weight for
+/// every chunk of rows: ahead of ggml's integer kernels from 8 rows
+/// (`sdhost bench --products` at FLUX's 3072-wide weights on a Zen 4,
+/// session 26: q8_0 and q4_0 1.2–2.8× at 8 rows, 1.4–1.9× at 12, q5_0
+/// 1.4–1.5× and q4_1 2.4–3.1× at 8), level or behind at 4 (q8_0 and q4_0
+/// 0.73–1.38×).
 pub const VNNI_MIN_ROWS: usize = 8;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
@@ -272,13 +275,13 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   passes over `k` even);
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster;
-/// * q8_0 and q4_0: on processors with AVX512-VNNI (and no AMX) yes, in
-///   8-bit integers as ggml multiplies them, on [`vnni`]'s kernel (2.2–3.0×
-///   ggml's from 64 rows, 1.2–2.8× at 8–16 rows, and 1.2–1.5× the bf16
-///   kernel below);
-/// * q4_1, q5_0 and q5_1 (and q8_0 and q4_0 without AVX512-VNNI, or with
-///   `SDHOST_NO_FMA_VNNI=1`): on processors with AVX512-BF16 (and no AMX)
-///   yes, dequantized and rounded to bf16 as they are packed (ggml's
+/// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-VNNI (and
+///   no AMX) yes, in 8-bit integers as ggml multiplies them, on [`vnni`]'s
+///   kernel (q8_0 and q4_0 2.2–3.0× ggml's from 64 rows and 1.2–2.8× at
+///   8–16 rows, q4_1 and q5_1 6–8×, q5_0 3×; 1.2–1.9× the bf16 kernel
+///   below);
+/// * the same without AVX512-VNNI, or with `SDHOST_NO_FMA_VNNI=1`: on
+///   processors with AVX512-BF16 (and no AMX) yes, dequantized and rounded to bf16 as they are packed (ggml's
 ///   kernels multiply them in integers over activations rounded to 8 bits:
 ///   a coarser rounding than bf16's); elsewhere no, ggml's integer kernels
 ///   measured as fast or faster;
@@ -306,7 +309,11 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     match ty {
         sys::GGML_TYPE_F32 => Some(f32_isa),
         sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
-        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0
+        sys::GGML_TYPE_Q8_0
+        | sys::GGML_TYPE_Q4_0
+        | sys::GGML_TYPE_Q4_1
+        | sys::GGML_TYPE_Q5_0
+        | sys::GGML_TYPE_Q5_1
             if f.avx512vnni && knobs.fma_vnni && !knobs.fma_avx2 && !crate::amx::available() =>
         {
             Some(Isa::Avx512Vnni)
@@ -337,8 +344,8 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
 
 /// Which weights these kernels take on this processor, in words, for
 /// reports (`f32 on AVX2 from 512 rows, bf16 from 128 rows on AVX512-BF16,
-/// q8_0 and q4_0 from 8 rows on AVX512-VNNI, …; convolutions on AVX2, bf16
-/// ones on AVX512-BF16; attention on AVX512-BF16`, the last from
+/// q8_0, q4_0, q4_1, q5_0 and q5_1 from 8 rows on AVX512-VNNI; convolutions
+/// on AVX2, bf16 ones on AVX512-BF16; attention on AVX512-BF16`, the last from
 /// [`crate::amx::Attn`]); `None` where none runs.
 pub fn summary() -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32)?;
@@ -350,8 +357,8 @@ pub fn summary() -> Option<String> {
         (sys::GGML_TYPE_Q8_0, "q8_0"),
         (sys::GGML_TYPE_Q4_0, "q4_0"),
         (sys::GGML_TYPE_Q4_1, "q4_1"),
-        (sys::GGML_TYPE_Q5_1, "q5_1"),
         (sys::GGML_TYPE_Q5_0, "q5_0"),
+        (sys::GGML_TYPE_Q5_1, "q5_1"),
     ] {
         let Some(isa) = isa_for(ty).filter(|&i| i != f32) else {
             continue;
@@ -2521,7 +2528,7 @@ mod tests {
                 }
                 if features().avx512vnni && !crate::amx::available() {
                     assert!(
-                        s.contains("q8_0 and q4_0 from 8 rows on AVX512-VNNI"),
+                        s.contains("q8_0, q4_0, q4_1, q5_0 and q5_1 from 8 rows on AVX512-VNNI"),
                         "{s}"
                     );
                 }

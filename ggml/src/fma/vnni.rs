@@ -1,5 +1,5 @@
-//! Products of q8_0 and q4_0 weights in 8-bit integers on AVX512-VNNI
-//! (`vpdpbusd`), for processors with it and without AMX.
+//! Products of q8_0, q4_0, q4_1, q5_0 and q5_1 weights in 8-bit integers
+//! on AVX512-VNNI (`vpdpbusd`), for processors with it and without AMX.
 //!
 //! ggml multiplies these weights in integers too: it rounds each block of
 //! 32 activations to 8 bits with a scale (its q8_0), and multiplies blocks
@@ -21,13 +21,16 @@
 //! ggml's own sums of the same integers, up to the order of the f32
 //! additions of the blocks. `vpdpbusd` multiplies unsigned by signed bytes:
 //! the weight is made unsigned (q8_0: + 128, q4_0: its nibbles as they are,
-//! which are the value + 8) and each block's sum starts from − 128 (− 8)
-//! times the sum of the row's 8-bit values in that block.
+//! which are the value + 8, q5_0: its 5 bits, the value + 16) and each
+//! block's sum starts from − 128 (− 8, − 16) times the sum of the row's
+//! 8-bit values in that block. q4_1's and q5_1's values are unsigned
+//! already, with a minimum per block: as in ggml, the minimum times the
+//! row's scaled sum (ggml's q8_1 `s`) is added per block.
 //!
 //! Threads split the outputs by panels of 16; each rounds the rows itself
 //! (a small fraction of the work), a chunk of rows at a time that stays in
 //! the level-2 cache, and packs each of its panels for each chunk.
-//! Measured in docs/performance.md, "CPU products of q8_0 and q4_0 in
+//! Measured in docs/performance.md, "CPU products of quantized weights in
 //! integers".
 
 use std::arch::x86_64::*;
@@ -54,9 +57,55 @@ const CHUNK_ROWS: usize = 256;
 const PASS_BLOCKS: usize = 128;
 
 /// Whether a weight of type `ty` can take [`gemm`] on this processor
-/// (q8_0 or q4_0, AVX512-VNNI and BW).
+/// (q8_0, q4_0, q4_1, q5_0 or q5_1; AVX512-VNNI, BW and VL).
 pub fn applies(ty: sys::ggml_type) -> bool {
-    features().avx512vnni && matches!(ty, sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0)
+    features().avx512vnni && Format::of(ty).is_some()
+}
+
+/// Where a block of a weight type keeps what the kernel reads, and how its
+/// values become unsigned bytes.
+#[derive(Clone, Copy, Debug)]
+struct Format {
+    /// Bytes per block.
+    size: usize,
+    /// The value each unsigned byte stands for is the byte less this (q8_0:
+    /// the byte is the value + 128; q4_0: the nibble, value + 8; q5_0: the
+    /// 5 bits, value + 16; 0 where the block has a minimum instead).
+    offset: i32,
+    /// The block's f16 minimum follows its f16 scale (q4_1, q5_1: value =
+    /// scale × byte + minimum).
+    min: bool,
+    /// Where the fifth bits start (q5_0, q5_1: 32 bits, bit `i` for value
+    /// `i`).
+    high: Option<usize>,
+    /// Where the values start: 32 bytes (q8_0) or 16 of two nibbles (value
+    /// `i` in the low nibble of byte `i`, value `i + 16` in its high one).
+    values: usize,
+}
+
+impl Format {
+    /// The format of `ty`, or `None` where the kernel does not take it.
+    fn of(ty: sys::ggml_type) -> Option<Format> {
+        let f = |size, offset, min, high, values| Format {
+            size,
+            offset,
+            min,
+            high,
+            values,
+        };
+        Some(match ty {
+            sys::GGML_TYPE_Q8_0 => f(34, 128, false, None, 2),
+            sys::GGML_TYPE_Q4_0 => f(18, 8, false, None, 2),
+            sys::GGML_TYPE_Q4_1 => f(20, 0, true, None, 4),
+            sys::GGML_TYPE_Q5_0 => f(22, 16, false, Some(2), 6),
+            sys::GGML_TYPE_Q5_1 => f(24, 0, true, Some(4), 8),
+            _ => return None,
+        })
+    }
+
+    fn q8(self) -> bool {
+        self.size == 34
+    }
 }
 
 /// One 64-byte line of a packed panel.
@@ -65,9 +114,9 @@ pub fn applies(ty: sys::ggml_type) -> bool {
 struct Line([u8; 64]);
 
 /// A panel's lines per block: 8 of weight bytes (line `j`, lane `c`: values
-/// `4j..4j + 4` of output `c`, unsigned) and one of the 16 outputs' scales
-/// (f32).
-const LINES: usize = 9;
+/// `4j..4j + 4` of output `c`, unsigned), one of the 16 outputs' scales
+/// (f32) and one of their minimums (f32, where the type has them).
+const LINES: usize = 10;
 
 /// A thread's buffers: the chunk's rounded rows and one packed panel.
 #[derive(Default)]
@@ -78,6 +127,9 @@ struct Buffers {
     d: Vec<f32>,
     /// `[block][row]` starting sums (− offset × the block's values' sum).
     s: Vec<i32>,
+    /// `[block][row]` the block's values' sum times its scale, rounded to
+    /// f16 as ggml's q8_1 keeps it (for the weights' minimums).
+    sd: Vec<f32>,
     panel: Vec<Line>,
 }
 
@@ -106,13 +158,9 @@ pub fn gemm(
             && bias.is_none_or(|b| b.len() >= n)
     );
     let blocks = k / QK;
-    let (block_bytes, offset) = match w.ty {
-        sys::GGML_TYPE_Q8_0 => (34, 128),
-        _ => (18, 8),
-    };
+    let f = Format::of(w.ty).expect("applies() checked the type");
     assert!(
-        w.row_bytes >= blocks * block_bytes
-            && w.data.len() >= (n - 1) * w.row_bytes + blocks * block_bytes
+        w.row_bytes >= blocks * f.size && w.data.len() >= (n - 1) * w.row_bytes + blocks * f.size
     );
     let pr = share(n.div_ceil(NR), ith, nth);
     if pr.is_empty() || m == 0 {
@@ -132,18 +180,20 @@ pub fn gemm(
             buf.q.resize(blocks * rows * QK, 0);
             buf.d.resize(blocks * rows, 0.0);
             buf.s.resize(blocks * rows, 0);
+            buf.sd.resize(blocks * rows, 0.0);
             for r in 0..rows {
                 let row = &(x.row)(r0 + r)[b0 * QK..(b0 + blocks) * QK];
-                // SAFETY: applies() checked AVX512-VNNI and BW (with F); the
-                // buffers hold `blocks × rows` blocks, `row` k values.
-                unsafe { round_row(row, r, rows, offset, &mut buf.q, &mut buf.d, &mut buf.s) };
+                // SAFETY: applies() checked AVX512-VNNI, BW and VL (with F);
+                // the buffers hold `blocks × rows` blocks, `row` whole
+                // blocks.
+                unsafe { round_row(row, r, rows, f.offset, buf) };
             }
             for p in pr.clone() {
                 let j0 = p * NR;
                 let cols = NR.min(n - j0);
                 // SAFETY: as above; `w` holds n rows of `blocks` blocks
                 // (asserted), `panel` blocks × LINES lines.
-                unsafe { pack_panel(w, j0, cols, b0, blocks, &mut buf.panel) };
+                unsafe { pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel) };
                 for t0 in (0..rows).step_by(MR) {
                     let tr = MR.min(rows - t0);
                     let i0 = r0 + t0;
@@ -155,7 +205,9 @@ pub fn gemm(
                         q: &buf.q[t0 * QK..],
                         d: &buf.d[t0..],
                         s: &buf.s[t0..],
+                        sd: &buf.sd[t0..],
                         stride: rows,
+                        min: f.min,
                     };
                     // SAFETY: as above; the tile's slices start at row t0 of
                     // a chunk of `rows` ≥ t0 + tr rows; `c` holds tr rows of
@@ -167,26 +219,19 @@ pub fn gemm(
     });
 }
 
-/// Rounds row `x` (whole blocks) to 8 bits as ggml's q8_0 does, into row
-/// `r` of each block of a chunk of `rows` rows, with each block's scale and
-/// starting sum (− `offset` × the sum of its values).
+/// Rounds row `x` (whole blocks) to 8 bits as ggml's q8_0 and q8_1 do,
+/// into row `r` of each block of a chunk of `rows` rows of `buf`, with
+/// each block's scale, starting sum (− `offset` × the sum of its values)
+/// and scaled sum.
 ///
 /// # Safety
-/// The processor has AVX512F and BW; the buffers hold `x.len() / 32`
-/// blocks of `rows` rows, `r < rows`.
+/// The processor has AVX512F and BW; `r < rows`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn round_row(
-    x: &[f32],
-    r: usize,
-    rows: usize,
-    offset: i32,
-    q: &mut [i8],
-    d: &mut [f32],
-    s: &mut [i32],
-) {
+unsafe fn round_row(x: &[f32], r: usize, rows: usize, offset: i32, buf: &mut Buffers) {
     let blocks = x.len() / QK;
+    let (q, d, s, sd) = (&mut buf.q, &mut buf.d, &mut buf.s, &mut buf.sd);
     assert!(r < rows && q.len() >= blocks * rows * QK && d.len() >= blocks * rows);
-    assert!(s.len() >= blocks * rows);
+    assert!(s.len() >= blocks * rows && sd.len() >= blocks * rows);
     for b in 0..blocks {
         let at = b * rows + r;
         // SAFETY: 32 values of x at b·32 (b < blocks), 32 bytes of q at
@@ -208,6 +253,9 @@ unsafe fn round_row(
             _mm_storeu_si128(dst.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
             d[at] = half::f16::from_f32(scale).to_f32();
             s[at] = -offset * sum;
+            // ggml's quantize_row_q8_1: the unrounded scale times the sum,
+            // stored in f16.
+            sd[at] = half::f16::from_f32(scale * sum as f32).to_f32();
         }
     }
 }
@@ -217,20 +265,19 @@ unsafe fn round_row(
 /// lines.
 ///
 /// # Safety
-/// The processor has AVX512F and BW; `w` holds rows `j0..j0 + cols` of
-/// `b0 + blocks` blocks of its type (q8_0 or q4_0), `panel` `blocks ×
-/// LINES` lines.
-#[target_feature(enable = "avx512f,avx512bw")]
+/// The processor has AVX512F, BW and VL; `w` holds rows `j0..j0 + cols`
+/// of `b0 + blocks` blocks of format `f`, `panel` `blocks × LINES` lines.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_panel(
     w: &Weight<'_>,
+    f: Format,
     j0: usize,
     cols: usize,
     b0: usize,
     blocks: usize,
     panel: &mut [Line],
 ) {
-    let q8 = w.ty == sys::GGML_TYPE_Q8_0;
-    let size = if q8 { 34 } else { 18 };
+    let size = f.size;
     assert!(cols >= 1 && cols <= NR && panel.len() >= blocks * LINES);
     assert!(w.data.len() >= (j0 + cols - 1) * w.row_bytes + (b0 + blocks) * size);
     assert!((NR - 1) * w.row_bytes <= i32::MAX as usize);
@@ -255,9 +302,9 @@ unsafe fn pack_panel(
         for (r, &p) in r.iter_mut().zip(&rows) {
             // SAFETY: blocks b and b + 1 (where `pair`) of a row of `w`.
             unsafe {
-                let lo = values(q8, p.add(b * size + 2));
+                let lo = values(f, p.add(b * size));
                 let hi = match pair {
-                    true => values(q8, p.add((b + 1) * size + 2)),
+                    true => values(f, p.add((b + 1) * size)),
                     false => _mm256_setzero_si256(),
                 };
                 *r = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
@@ -272,39 +319,53 @@ unsafe fn pack_panel(
             unsafe { _mm512_store_si512(panel.as_mut_ptr().add(line) as *mut __m512i, *v) };
         }
         for bb in b..(b + 2).min(blocks) {
-            // SAFETY: each output's block bb starts with its f16 scale; a
-            // 4-byte read there stays inside the block (size ≥ 18).
-            let scales = unsafe {
-                let at = base.add(bb * size) as *const i32;
-                _mm512_i32gather_epi32::<1>(gaps, at as *const u8 as *const i32)
-            };
-            let scales = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(scales));
-            // SAFETY: line bb·LINES + 8 < blocks·LINES, 64-byte aligned.
-            unsafe { _mm512_store_ps(panel.as_mut_ptr().add(bb * LINES + 8) as *mut f32, scales) };
+            // The f16 scale at the block's start, and the minimum after it.
+            for (at, line) in [(0, 8), (2, 9)].into_iter().take(1 + usize::from(f.min)) {
+                // SAFETY: each output's block bb holds an f16 at `at`; a
+                // 4-byte read there stays inside the block (size ≥ 18).
+                let v = unsafe {
+                    let at = base.add(bb * size + at) as *const i32;
+                    _mm512_i32gather_epi32::<1>(gaps, at)
+                };
+                let v = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v));
+                // SAFETY: line bb·LINES + line < blocks·LINES, 64-byte aligned.
+                unsafe {
+                    _mm512_store_ps(panel.as_mut_ptr().add(bb * LINES + line) as *mut f32, v)
+                };
+            }
         }
     }
 }
 
-/// The 32 values of a block of `q8` (q8_0, else q4_0) whose values start
-/// at `at`, as 32 unsigned bytes: q8_0's plus 128, q4_0's nibbles.
+/// The 32 values of the block of format `f` at `at`, as 32 unsigned
+/// bytes: q8_0's plus 128, the nibbles of the others, with q5_0's and
+/// q5_1's fifth bits.
 ///
 /// # Safety
-/// The processor has AVX512F and BW; `at` addresses the block's values.
-#[target_feature(enable = "avx512f,avx512bw")]
+/// The processor has AVX512F, BW and VL; `at` addresses a whole block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
-unsafe fn values(q8: bool, at: *const u8) -> __m256i {
-    // SAFETY: 32 bytes (q8_0) or 16 bytes (q4_0) at `at`.
+unsafe fn values(f: Format, at: *const u8) -> __m256i {
+    // SAFETY: the block's bytes at `at` (Format's offsets are inside it).
     unsafe {
-        if q8 {
-            let v = _mm256_loadu_si256(at as *const __m256i);
-            _mm256_xor_si256(v, _mm256_set1_epi8(-128))
-        } else {
-            // Values 0..16 are the low nibbles, 16..32 the high ones.
-            let v = _mm_loadu_si128(at as *const __m128i);
-            let nib = _mm_set1_epi8(0x0f);
-            let lo = _mm_and_si128(v, nib);
-            let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
-            _mm256_set_m128i(hi, lo)
+        let at_values = at.add(f.values);
+        if f.q8() {
+            let v = _mm256_loadu_si256(at_values as *const __m256i);
+            return _mm256_xor_si256(v, _mm256_set1_epi8(-128));
+        }
+        // Values 0..16 are the low nibbles, 16..32 the high ones.
+        let v = _mm_loadu_si128(at_values as *const __m128i);
+        let nib = _mm_set1_epi8(0x0f);
+        let lo = _mm_and_si128(v, nib);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
+        let v = _mm256_set_m128i(hi, lo);
+        match f.high {
+            Some(h) => {
+                // Bit i of the 32 is value i's 16.
+                let bits = (at.add(h) as *const u32).read_unaligned();
+                _mm256_or_si256(v, _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10)))
+            }
+            None => v,
         }
     }
 }
@@ -317,7 +378,10 @@ struct Tile<'a> {
     q: &'a [i8],
     d: &'a [f32],
     s: &'a [i32],
+    sd: &'a [f32],
     stride: usize,
+    /// The weight has minimums (line 9 of each block).
+    min: bool,
 }
 
 impl Tile<'_> {
@@ -341,25 +405,30 @@ impl Tile<'_> {
         assert!(c.len() > (tr - 1) * ldc + cols - 1 && bias.is_none_or(|b| b.len() >= cols));
         let last = (self.blocks - 1) * self.stride + tr;
         assert!(self.q.len() >= last * QK && self.d.len() >= last && self.s.len() >= last);
+        assert!(self.sd.len() >= last);
         assert!(self.panel.len() >= self.blocks * LINES);
         macro_rules! rows {
-            ($($r:literal)*) => {
+            ($min:literal: $($r:literal)*) => {
                 match tr {
                     // SAFETY: as this function's.
-                    $($r => unsafe { self.tile::<$r>(c, ldc, cols, add, bias) },)*
+                    $($r => unsafe { self.tile::<$r, $min>(c, ldc, cols, add, bias) },)*
                     _ => unreachable!(),
                 }
             };
         }
-        rows!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+        match self.min {
+            true => rows!(true: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            false => rows!(false: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+        }
     }
 
-    /// [`Tile::run`] for `R` rows.
+    /// [`Tile::run`] for `R` rows, with the weight's minimums where `MIN`.
     ///
     /// # Safety
-    /// As [`Tile::run`]'s, with `tr = R` (checked there).
+    /// As [`Tile::run`]'s, with `tr = R` and `MIN = self.min` (checked
+    /// there).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn tile<const R: usize>(
+    unsafe fn tile<const R: usize, const MIN: bool>(
         &self,
         c: &mut [f32],
         ldc: usize,
@@ -376,7 +445,12 @@ impl Tile<'_> {
                 *acc = unsafe { _mm512_maskz_loadu_ps(keep, c.as_ptr().add(r * ldc)) };
             }
         }
-        let (q, d, s) = (self.q.as_ptr(), self.d.as_ptr(), self.s.as_ptr());
+        let (q, d, s, sd) = (
+            self.q.as_ptr(),
+            self.d.as_ptr(),
+            self.s.as_ptr(),
+            self.sd.as_ptr(),
+        );
         for b in 0..self.blocks {
             // SAFETY: block b < blocks of the panel and of rows t0..t0 + R
             // of the chunk (checked by run).
@@ -387,6 +461,10 @@ impl Tile<'_> {
                     *w = _mm512_load_si512(p.add(j));
                 }
                 let dw = _mm512_load_ps(p.add(8) as *const f32);
+                let mw = match MIN {
+                    true => _mm512_load_ps(p.add(9) as *const f32),
+                    false => _mm512_setzero_ps(),
+                };
                 let at = b * self.stride;
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let x = q.add((at + r) * QK) as *const i32;
@@ -397,6 +475,11 @@ impl Tile<'_> {
                     }
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*d.add(at + r)));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *acc);
+                    if MIN {
+                        // ggml's q4_1 and q5_1 products: the minimum times
+                        // the row's scaled sum.
+                        *acc = _mm512_fmadd_ps(mw, _mm512_set1_ps(*sd.add(at + r)), *acc);
+                    }
                 }
             }
         }
@@ -425,53 +508,80 @@ mod tests {
         ((h >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
 
-    /// A weight of `n` rows of `k` values of `ty` (q8_0 or q4_0) with
-    /// varied scales: its bytes, and each value as an integer with its
-    /// block's scale.
-    fn weight(ty: sys::ggml_type, k: usize, n: usize) -> (Vec<u8>, Vec<(i32, f32)>) {
+    /// A weight of `n` rows of `k` values of `ty` with varied scales (and
+    /// minimums): its bytes, and per value its unsigned byte, its block's
+    /// scale and minimum.
+    fn weight(ty: sys::ggml_type, k: usize, n: usize) -> (Vec<u8>, Vec<(i32, f32, f32)>) {
+        let f = Format::of(ty).unwrap();
         let (mut bytes, mut values) = (Vec::new(), Vec::new());
         for b in 0..k / QK * n {
             let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
-            bytes.extend(d.to_bits().to_le_bytes());
-            let q: Vec<i32> = (0..QK)
-                .map(|i| match ty {
-                    sys::GGML_TYPE_Q8_0 => (v(4, b * QK + i) * 127.5).clamp(-127.0, 127.0) as i32,
-                    _ => ((v(4, b * QK + i) + 1.0) * 8.0).min(15.0) as i32 - 8,
-                })
+            let m = half::f16::from_f32(if f.min { v(7, b) * 0.05 } else { 0.0 });
+            let top = match (f.q8(), f.high.is_some()) {
+                (true, _) => 254,
+                (false, true) => 31,
+                (false, false) => 15,
+            };
+            let u: Vec<i32> = (0..QK)
+                .map(|i| (((v(4, b * QK + i) + 1.0) * 0.5 * (top + 1) as f32) as i32).min(top))
+                .map(|u| if f.q8() { u + 1 } else { u })
                 .collect();
-            match ty {
-                sys::GGML_TYPE_Q8_0 => bytes.extend(q.iter().map(|&q| q as i8 as u8)),
-                // Values 0..16 in the low nibbles, 16..32 in the high ones.
-                _ => bytes.extend((0..16).map(|i| (q[i] + 8) as u8 | ((q[i + 16] + 8) as u8) << 4)),
+            let start = bytes.len();
+            bytes.extend(d.to_bits().to_le_bytes());
+            if f.min {
+                bytes.extend(m.to_bits().to_le_bytes());
             }
-            values.extend(q.iter().map(|&q| (q, d.to_f32())));
+            if f.high.is_some() {
+                let bits = (0..QK).fold(0u32, |h, i| h | (((u[i] >> 4) & 1) as u32) << i);
+                bytes.extend(bits.to_le_bytes());
+            }
+            assert_eq!(bytes.len() - start, f.values);
+            match f.q8() {
+                true => bytes.extend(u.iter().map(|&u| (u - 128) as i8 as u8)),
+                // Values 0..16 in the low nibbles, 16..32 in the high ones.
+                false => {
+                    bytes.extend((0..16).map(|i| (u[i] & 15) as u8 | ((u[i + 16] & 15) as u8) << 4))
+                }
+            }
+            assert_eq!(bytes.len() - start, f.size);
+            values.extend(u.iter().map(|&u| (u, d.to_f32(), m.to_f32())));
         }
         (bytes, values)
     }
 
-    /// ggml's rounding of a block of activations (quantize_row_q8_0): the
-    /// 8-bit values and the f16 scale.
-    fn round_block(x: &[f32]) -> (Vec<i32>, f32) {
+    /// ggml's rounding of a block of activations (quantize_row_q8_0 and
+    /// q8_1): the 8-bit values, the f16 scale, and the f16 scaled sum.
+    fn round_block(x: &[f32]) -> (Vec<i32>, f32, f32) {
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let q = x
+        let q: Vec<i32> = x
             .iter()
             .map(|v| (v * inv).round_ties_even() as i32)
             .collect();
-        (q, half::f16::from_f32(amax / 127.0).to_f32())
+        let sum = q.iter().sum::<i32>() as f32;
+        let f16 = |v: f32| half::f16::from_f32(v).to_f32();
+        (q, f16(amax / 127.0), f16(amax / 127.0 * sum))
     }
 
     #[test]
     fn products_are_ggml_s_integer_sums_at_ragged_sizes_on_any_thread_count() {
         if !features().avx512vnni {
-            eprintln!("skipped: no AVX512-VNNI here");
+            eprintln!("skipped: no AVX512-VNNI (with BW and VL) here");
             return;
         }
         // Outputs past whole panels, rows past whole tiles and chunks (320
         // values: 256-row chunks), an odd count of blocks (one block
         // alone), and rows in two passes over k (4160: 130 blocks).
         let shapes = [(96, 45, 13), (320, 16, 300), (288, 40, 5), (4160, 20, 37)];
-        for ty in [sys::GGML_TYPE_Q8_0, sys::GGML_TYPE_Q4_0] {
+        let types = [
+            sys::GGML_TYPE_Q8_0,
+            sys::GGML_TYPE_Q4_0,
+            sys::GGML_TYPE_Q4_1,
+            sys::GGML_TYPE_Q5_0,
+            sys::GGML_TYPE_Q5_1,
+        ];
+        for ty in types {
+            let f = Format::of(ty).unwrap();
             for (case, &(k, n, m)) in shapes.iter().enumerate() {
                 let (bytes, wv) = weight(ty, k, n);
                 let w = Weight {
@@ -496,12 +606,15 @@ mod tests {
                 let mut want = vec![0f64; m * n];
                 for i in 0..m {
                     for b in 0..k / QK {
-                        let (q, dx) = round_block(&xs[i * k + b * QK..i * k + (b + 1) * QK]);
+                        let (q, dx, sd) = round_block(&xs[i * k + b * QK..i * k + (b + 1) * QK]);
                         for j in 0..n {
                             let at = j * k + b * QK;
-                            let sum: i32 = (0..QK).map(|t| q[t] * wv[at + t].0).sum();
-                            // ggml's scale per block: the two f16 scales' product in f32.
-                            want[i * n + j] += f64::from(sum as f32 * (dx * wv[at].1));
+                            let (_, dw, mw) = wv[at];
+                            let sum: i32 = (0..QK).map(|t| q[t] * (wv[at + t].0 - f.offset)).sum();
+                            // ggml's per block: the integer sum times the two
+                            // f16 scales' product in f32, plus the minimum
+                            // times the scaled sum.
+                            want[i * n + j] += f64::from(sum as f32 * (dx * dw) + mw * sd);
                         }
                     }
                     for j in 0..n {
