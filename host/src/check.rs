@@ -460,7 +460,9 @@ pub fn cases() -> Vec<Case> {
         },
         Case {
             name: "mul_mat q8_0 + bias, few long rows (FMA)",
-            tolerance: 1e-2,
+            // As the plain q8_0 case's: on a GPU (lavapipe: 1.4e-2) the
+            // activations' 8-bit rounding over 4160-value rows.
+            tolerance: 3e-2,
             cpu_kernels: true,
             reference: None,
             build: |i, c| {

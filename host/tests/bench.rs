@@ -555,7 +555,8 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
     ])
     .json();
     let rows = j["rows"].as_array().unwrap();
-    assert_eq!(rows.len(), 5, "{j}");
+    // Two UNet, three DiT and two Qwen3 shapes.
+    assert_eq!(rows.len(), 7, "{j}");
     assert!(j["torch"].is_null(), "{j}");
     for r in rows {
         assert_eq!(r["weight"], "f32", "{r}");
