@@ -34,7 +34,7 @@
 //! rounded to bf16 in vectors first.
 //!
 //! q8_0, q4_0, q4_1, q5_0 and q5_1 weights take an integer kernel on
-//! AVX512-VNNI instead ([`vnni`]: the activations rounded to 8 bits as
+//! AVX512-VNNI instead (`fma/vnni.rs`: the activations rounded to 8 bits as
 //! ggml rounds them).
 //!
 //! Three micro-kernels here, picked per product by the processor ([`isa_for`]):
@@ -99,7 +99,7 @@ pub fn min_rows() -> usize {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
     /// AVX512-VNNI 8-bit dot products (q8_0 and q4_0 weights only,
-    /// [`vnni`]).
+    /// `fma/vnni.rs`).
     Avx512Vnni,
     /// AVX512-BF16 dot products (bf16 weights, and quantized ones rounded
     /// to bf16).
@@ -191,7 +191,7 @@ struct Features {
     avx2: bool,
     avx512: bool,
     avx512bf16: bool,
-    /// AVX512-VNNI, BW and VL (8-bit dot products, [`vnni`]).
+    /// AVX512-VNNI, BW and VL (8-bit dot products, `fma/vnni.rs`).
     avx512vnni: bool,
     /// An AMD processor (its AVX-512 runs 512-bit vectors as two halves).
     amd: bool,
@@ -246,7 +246,7 @@ pub const BF16_MIN_ROWS: usize = 128;
 /// 160 against 229).
 pub const QUANT_MIN_ROWS: usize = 64;
 
-/// The fewest rows that take the AVX512-VNNI kernel ([`vnni`]: q8_0, q4_0,
+/// The fewest rows that take the AVX512-VNNI kernel (`fma/vnni.rs`: q8_0, q4_0,
 /// q4_1, q5_0 and q5_1 weights), which packs each panel of the weight for
 /// every chunk of rows: ahead of ggml's integer kernels from 8 rows
 /// (`sdhost bench --products` at FLUX's 3072-wide weights on a Zen 4,
@@ -276,7 +276,7 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster;
 /// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-VNNI (and
-///   no AMX) yes, in 8-bit integers as ggml multiplies them, on [`vnni`]'s
+///   no AMX) yes, in 8-bit integers as ggml multiplies them, on `fma/vnni.rs`'s
 ///   kernel (q8_0 and q4_0 2.2–3.0× ggml's from 64 rows and 1.2–2.8× at
 ///   8–16 rows, q4_1 and q5_1 6–8×, q5_0 3×; 1.2–1.9× the bf16 kernel
 ///   below);

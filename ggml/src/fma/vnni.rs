@@ -278,7 +278,7 @@ unsafe fn pack_panel(
     panel: &mut [Line],
 ) {
     let size = f.size;
-    assert!(cols >= 1 && cols <= NR && panel.len() >= blocks * LINES);
+    assert!((1..=NR).contains(&cols) && panel.len() >= blocks * LINES);
     assert!(w.data.len() >= (j0 + cols - 1) * w.row_bytes + (b0 + blocks) * size);
     assert!((NR - 1) * w.row_bytes <= i32::MAX as usize);
     let row = |c: usize| {
@@ -401,7 +401,7 @@ impl Tile<'_> {
         add: bool,
         bias: Option<&[f32]>,
     ) {
-        assert!(tr >= 1 && tr <= MR && tr <= self.stride && cols <= NR);
+        assert!((1..=MR).contains(&tr) && tr <= self.stride && cols <= NR);
         assert!(c.len() > (tr - 1) * ldc + cols - 1 && bias.is_none_or(|b| b.len() >= cols));
         let last = (self.blocks - 1) * self.stride + tr;
         assert!(self.q.len() >= last * QK && self.d.len() >= last && self.s.len() >= last);
