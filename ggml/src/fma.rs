@@ -970,7 +970,9 @@ macro_rules! on_f32_kernel {
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
 /// (`ith` of `nth`) of the outputs, on `isa`'s kernel. The caller made sure
 /// that the processor has `isa` (as [`isa_for`] does) and that `w.k ==
-/// x.k`; a bf16 kernel takes only bf16 weights.
+/// x.k`; the AVX512-VNNI kernel takes the quantized types `isa_for` sends
+/// it (any other weight goes to the bf16 kernel), the bf16 kernel bf16
+/// weights and those `dequantizable` ones.
 pub fn gemm(
     isa: Isa,
     w: &Weight<'_>,

@@ -2,7 +2,8 @@
 //! on AVX512-VNNI (`vpdpbusd`), for processors with it and without AMX.
 //!
 //! ggml multiplies these weights in integers too: it rounds each block of
-//! 32 activations to 8 bits with a scale (its q8_0), and multiplies blocks
+//! 32 activations to 8 bits with a scale (its q8_0, or q8_1 with the
+//! block's scaled sum for the types with minimums), and multiplies blocks
 //! with dot products that sum 32 values *within* a vector, one block of
 //! one weight row at a time, and then a horizontal sum, a conversion and a
 //! scale per block. On a Zen 4 that reached about 11 multiply-adds per
@@ -29,7 +30,11 @@
 //!
 //! Threads split the outputs by panels of 16; each rounds the rows itself
 //! (a small fraction of the work), a chunk of rows at a time that stays in
-//! the level-2 cache, and packs each of its panels for each chunk.
+//! the level-2 cache, and packs each of its panels for each chunk; rows
+//! longer than [`PASS_BLOCKS`] blocks are taken in passes over `k` that
+//! add into the outputs. Hand-written for the reason the rest of
+//! [`super`] is: ggml's kernels leave most of these instructions' rate
+//! unused (measured in docs/performance.md).
 //! Measured in docs/performance.md, "CPU products of quantized weights in
 //! integers".
 
