@@ -1772,6 +1772,68 @@ pub(crate) unsafe extern "C" fn geglu_op(
     }
 }
 
+/// Custom op: `dst` (f32, contiguous) = the exact (erf) GELU of the
+/// contiguous f32 `src[0]` of the same shape ([`gelu_row`]).
+pub(crate) unsafe extern "C" fn gelu_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    _: *mut c_void,
+) {
+    // SAFETY: `Context::gelu_erf` built this op: a contiguous f32 input and
+    // a contiguous f32 destination of its shape. Threads write disjoint
+    // parts (whole cache lines, but the last).
+    unsafe {
+        let x = &*(*dst).src[0];
+        let len = (x.ne[0] * x.ne[1] * x.ne[2] * x.ne[3]) as usize;
+        let input = std::slice::from_raw_parts(x.data as *const f32, len);
+        let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, len);
+        let (ith, nth) = (ith as usize, nth.max(1) as usize);
+        let lines = len.div_ceil(16);
+        let part = (lines * ith / nth * 16).min(len)..(lines * (ith + 1) / nth * 16).min(len);
+        gelu_row(&input[part.clone()], &mut out[part]);
+    }
+}
+
+/// `out[j] = gelu(x[j])`, the GELU exact: `x/2 · (1 + erf(x/√2))`,
+/// compiled for the widest vectors the processor has.
+fn gelu_row(x: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the processor has AVX-512F (checked just above).
+        unsafe { gelu_row_avx512(x, out) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the processor has AVX2 and FMA (checked just above).
+        unsafe { gelu_row_avx2(x, out) };
+        return;
+    }
+    gelu_row_body(x, out);
+}
+
+/// [`gelu_row`] compiled for AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,fma")]
+fn gelu_row_avx512(x: &[f32], out: &mut [f32]) {
+    gelu_row_body(x, out);
+}
+
+/// [`gelu_row`] compiled for AVX2 + FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn gelu_row_avx2(x: &[f32], out: &mut [f32]) {
+    gelu_row_body(x, out);
+}
+
+#[inline(always)]
+fn gelu_row_body(x: &[f32], out: &mut [f32]) {
+    for (o, &g) in out.iter_mut().zip(x) {
+        *o = 0.5 * g * (1.0 + erf(g * std::f32::consts::FRAC_1_SQRT_2));
+    }
+}
+
 /// `out[j] = x[j] · gelu(x[F + j])` for a row `x` of `2F` values, the
 /// GELU exact: `g/2 · (1 + erf(g/√2))`, compiled for the widest vectors
 /// the processor has.
@@ -2277,6 +2339,17 @@ mod tests {
                 (f64::from(out[j]) - want).abs() < 1e-5 * (1.0 + want.abs()),
                 "{j}: {} vs {want}",
                 out[j]
+            );
+        }
+        // The GELU alone, over a ragged length.
+        let mut out = vec![0f32; 74];
+        gelu_row(&x, &mut out);
+        for (j, (&o, &g)) in out.iter().zip(&x).enumerate() {
+            let g = f64::from(g);
+            let want = 0.5 * g * (1.0 + erf64(g / std::f64::consts::SQRT_2));
+            assert!(
+                (f64::from(o) - want).abs() < 1e-5 * (1.0 + want.abs()),
+                "{j}: {o} vs {want}"
             );
         }
     }

@@ -109,8 +109,9 @@ pub struct Knobs {
     /// ggml's ops (to measure them, and for runs that must match a
     /// server's ggml bit for bit).
     pub fma_norm: bool,
-    /// GEGLU ([`Context::geglu_erf`]) as sdhost's vectorized pass where
-    /// sdhost's CPU kernels are on; off: ggml's (to measure it).
+    /// GEGLU ([`Context::geglu_erf`]) and the exact GELU
+    /// ([`Context::gelu_erf`]) as sdhost's vectorized passes where sdhost's
+    /// CPU kernels are on; off: ggml's (to measure them).
     pub fma_geglu: bool,
     /// Fused attention in sdhost's kernels on `vdpbf16ps` where the
     /// processor has AVX512-BF16 and no AMX

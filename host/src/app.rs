@@ -19,7 +19,8 @@ pub use crate::session::init_logging;
 /// (bf16 3 × 3 and 1 × 1 convolutions on that implicit GEMM instead of
 /// direct over pair planes), `SDHOST_NO_FMA_NORM=1`
 /// (ggml's group norm, product, sum and SiLU instead of one pass),
-/// `SDHOST_NO_FMA_GEGLU=1` (ggml's GEGLU, which calls `erff` per value),
+/// `SDHOST_NO_FMA_GEGLU=1` (ggml's GEGLU and exact GELU, which call
+/// `erff` per value),
 /// `SDHOST_NO_FMA_ATTN=1`
 /// (ggml's fused attention instead of theirs on AVX512-BF16),
 /// `SDHOST_FMA_ALL=1` (every

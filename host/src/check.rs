@@ -608,6 +608,18 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "gelu erf (FMA)",
+            tolerance: 1e-4,
+            cpu_kernels: true,
+            reference: None,
+            // As the GEGLU case: one vectorized pass (`Context::gelu_erf`),
+            // split between threads at a ragged length.
+            build: |i, c| {
+                let x = t(i, Type::F32, &[77, 13, 3])?;
+                Ok((vec![x], c.gelu_erf(x)?))
+            },
+        },
+        Case {
             name: "conv_2d f16 (FMA)",
             tolerance: 1e-2,
             cpu_kernels: true,

@@ -49,8 +49,6 @@ unary_ops! {
     soft_max => ggml_soft_max, check_f32_contiguous;
     /// Makes a contiguous copy.
     cont => ggml_cont, check_cont;
-    /// GELU, exact (erf) form.
-    gelu_erf => ggml_gelu_erf, check_unary;
     /// "Quick" GELU, `x·σ(1.702x)` (CLIP).
     gelu_quick => ggml_gelu_quick, check_unary;
     /// SwiGLU with the gate first, as FLUX.2 fuses it: SiLU of the first
@@ -73,6 +71,40 @@ binary_ops! {
 }
 
 impl Context {
+    /// GELU, exact (erf) form. In a context with sdhost's CPU kernels
+    /// ([`Context::cpu_kernels`]; [`crate::Knobs::fma_geglu`]), on a
+    /// contiguous f32 tensor, a custom op with [`Context::geglu_erf`]'s
+    /// vectorized `erf` (`amx::gelu_op`); ggml's calls the C library's
+    /// `erff` for each value.
+    pub fn gelu_erf<'a>(&'a self, a: Tensor<'a>) -> Result<Tensor<'a>> {
+        check_unary("gelu_erf", &a)?;
+        self.room(1)?;
+        if self.cpu_kernels()
+            && crate::knobs().fma_geglu
+            && a.ty() == Some(Type::F32)
+            && contiguous(&a)
+        {
+            // SAFETY: `a` is alive for 'a, contiguous f32 (checked): what
+            // gelu_op reads; it writes as many f32; room checked.
+            return unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    a.ne(),
+                    &mut [a.raw],
+                    crate::amx::gelu_op,
+                    std::ptr::null_mut(),
+                    "cpu gelu_erf",
+                )
+            };
+        }
+        // SAFETY: `a` is alive for 'a and passed the check of what ggml
+        // aborts on; room checked.
+        self.wrap(
+            unsafe { sys::ggml_gelu_erf(self.raw, a.raw) },
+            "ggml_gelu_erf",
+        )
+    }
+
     /// GEGLU as diffusers has it: the first half of `ne[0]` times the exact
     /// (erf) GELU of the second, in one pass (`ne[0]` halves). In a
     /// context with sdhost's CPU kernels ([`Context::cpu_kernels`];
