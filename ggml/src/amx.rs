@@ -1795,36 +1795,44 @@ pub(crate) unsafe extern "C" fn gelu_op(
     }
 }
 
-/// `out[j] = gelu(x[j])`, the GELU exact: `x/2 · (1 + erf(x/√2))`,
-/// compiled for the widest vectors the processor has.
-fn gelu_row(x: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the processor has AVX-512F (checked just above).
-        unsafe { gelu_row_avx512(x, out) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the processor has AVX2 and FMA (checked just above).
-        unsafe { gelu_row_avx2(x, out) };
-        return;
-    }
-    gelu_row_body(x, out);
+/// `fn $name(x: &[f32], out: &mut [f32])` running `$body` (an
+/// `#[inline(always)]` function of the same signature) compiled for the
+/// widest vectors the processor has: AVX-512F, else AVX2 + FMA, else as
+/// the crate is built.
+macro_rules! widest_vectors {
+    ($(#[$m:meta])* fn $name:ident = $body:ident;) => {
+        $(#[$m])*
+        fn $name(x: &[f32], out: &mut [f32]) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx512f,fma")]
+                fn avx512(x: &[f32], out: &mut [f32]) {
+                    $body(x, out)
+                }
+                #[target_feature(enable = "avx2,fma")]
+                fn avx2(x: &[f32], out: &mut [f32]) {
+                    $body(x, out)
+                }
+                use std::arch::is_x86_feature_detected as has;
+                if has!("avx512f") {
+                    // SAFETY: the processor has AVX-512F (checked just above).
+                    unsafe { avx512(x, out) };
+                    return;
+                }
+                if has!("avx2") && has!("fma") {
+                    // SAFETY: the processor has AVX2 and FMA (checked just above).
+                    unsafe { avx2(x, out) };
+                    return;
+                }
+            }
+            $body(x, out)
+        }
+    };
 }
 
-/// [`gelu_row`] compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn gelu_row_avx512(x: &[f32], out: &mut [f32]) {
-    gelu_row_body(x, out);
-}
-
-/// [`gelu_row`] compiled for AVX2 + FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn gelu_row_avx2(x: &[f32], out: &mut [f32]) {
-    gelu_row_body(x, out);
+widest_vectors! {
+    /// `out[j] = gelu(x[j])`, the GELU exact: `x/2 · (1 + erf(x/√2))`.
+    fn gelu_row = gelu_row_body;
 }
 
 #[inline(always)]
@@ -1834,37 +1842,10 @@ fn gelu_row_body(x: &[f32], out: &mut [f32]) {
     }
 }
 
-/// `out[j] = x[j] · gelu(x[F + j])` for a row `x` of `2F` values, the
-/// GELU exact: `g/2 · (1 + erf(g/√2))`, compiled for the widest vectors
-/// the processor has.
-fn geglu_row(x: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the processor has AVX-512F (checked just above).
-        unsafe { geglu_row_avx512(x, out) };
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
-        // SAFETY: the processor has AVX2 and FMA (checked just above).
-        unsafe { geglu_row_avx2(x, out) };
-        return;
-    }
-    geglu_row_body(x, out);
-}
-
-/// [`geglu_row`] compiled for AVX-512.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,fma")]
-fn geglu_row_avx512(x: &[f32], out: &mut [f32]) {
-    geglu_row_body(x, out);
-}
-
-/// [`geglu_row`] compiled for AVX2 + FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn geglu_row_avx2(x: &[f32], out: &mut [f32]) {
-    geglu_row_body(x, out);
+widest_vectors! {
+    /// `out[j] = x[j] · gelu(x[F + j])` for a row `x` of `2F` values, the
+    /// GELU exact: `g/2 · (1 + erf(g/√2))`.
+    fn geglu_row = geglu_row_body;
 }
 
 #[inline(always)]
