@@ -98,8 +98,8 @@ pub fn min_rows() -> usize {
 /// The instruction sets the kernels use, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX512-VNNI 8-bit dot products (q8_0 and q4_0 weights only,
-    /// `fma/vnni.rs`).
+    /// AVX512-VNNI 8-bit dot products (q8_0, q4_0, q4_1, q5_0 and q5_1
+    /// weights only, `fma/vnni.rs`).
     Avx512Vnni,
     /// AVX512-BF16 dot products (bf16 weights, and quantized ones rounded
     /// to bf16).
@@ -125,6 +125,8 @@ impl Isa {
     /// kernels: AVX512-BF16 does not apply).
     pub fn conv_node_name(self) -> &'static str {
         match self {
+            // No convolution takes the integer kernel (`conv_isa`): its
+            // name is the bf16 one's, the kernel `conv` falls back to.
             Isa::Avx512Vnni | Isa::Avx512Bf16 => "fma conv avx512bf16",
             Isa::Avx512 => "fma conv avx512",
             Isa::Avx2 => "fma conv avx2",
@@ -2257,27 +2259,18 @@ mod tests {
             n: nq,
             row_bytes: kq / 32 * 18,
         };
-        for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
-            let mut row = vec![0f32; kc];
-            let mut fast = vec![u16::MAX; kc * 32];
-            <u16 as Elem>::pack_panel(&w4, 0, kb, kc, &mut fast, 32, &mut row);
-            let mut slow = vec![u16::MAX; kc * 32];
-            for c in 0..32 {
-                let j = (c < nq).then_some(c);
-                <u16 as Elem>::pack_column(&w4, j, kb, kc, &mut slow, c, 32, &mut row);
+        for (w, name) in [(&w4, "q4_0"), (&wq, "q8_0")] {
+            for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
+                let mut row = vec![0f32; kc];
+                let mut fast = vec![u16::MAX; kc * 32];
+                <u16 as Elem>::pack_panel(w, 0, kb, kc, &mut fast, 32, &mut row);
+                let mut slow = vec![u16::MAX; kc * 32];
+                for c in 0..32 {
+                    let j = (c < nq).then_some(c);
+                    <u16 as Elem>::pack_column(w, j, kb, kc, &mut slow, c, 32, &mut row);
+                }
+                assert_eq!(fast, slow, "{name}, k {kb}..+{kc}");
             }
-            assert_eq!(fast, slow, "q4_0, k {kb}..+{kc}");
-        }
-        for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
-            let mut row = vec![0f32; kc];
-            let mut fast = vec![u16::MAX; kc * 32];
-            <u16 as Elem>::pack_panel(&wq, 0, kb, kc, &mut fast, 32, &mut row);
-            let mut slow = vec![u16::MAX; kc * 32];
-            for c in 0..32 {
-                let j = (c < nq).then_some(c);
-                <u16 as Elem>::pack_column(&wq, j, kb, kc, &mut slow, c, 32, &mut row);
-            }
-            assert_eq!(fast, slow, "q8_0, k {kb}..+{kc}");
         }
         let x: Vec<Vec<f32>> = (0..14)
             .map(|r| (0..k).map(|i| v(r, i) * 3.0).collect())

@@ -492,7 +492,8 @@ pub fn cases() -> Vec<Case> {
             cpu_kernels: true,
             reference: None,
             build: |i, c| {
-                // From fma::Q5_0_MIN_ROWS.
+                // From fma::Q5_0_MIN_ROWS (the bf16 route's, where the
+                // processor has no AVX512-VNNI).
                 let (a, b) = (t(i, Type::Q5_0, &[288, 48])?, t(i, Type::F32, &[288, 260])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },

@@ -584,6 +584,14 @@ mod tests {
         ];
         for ty in types {
             let f = Format::of(ty).unwrap();
+            // The block sizes are ggml's.
+            // SAFETY: ggml's type table, for a type below its count.
+            let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
+            assert_eq!(
+                (f.size, traits.blck_size as usize),
+                (traits.type_size, QK),
+                "type {ty}"
+            );
             for (case, &(k, n, m)) in shapes.iter().enumerate() {
                 let (bytes, wv) = weight(ty, k, n);
                 let w = Weight {
