@@ -366,11 +366,7 @@ impl Registry {
                 .collect();
             let n = devices.len();
             for (k, d) in devices.into_iter().enumerate() {
-                let name = if m.indexed_devices || n > 1 {
-                    format!("{}{k}", m.family)
-                } else {
-                    m.family.clone()
-                };
+                let name = sdhost_plugin_api::device_name(&m.family, m.indexed_devices, k, n);
                 let (free, total) = d.memory();
                 reg.devices.push(DeviceEntry {
                     name,

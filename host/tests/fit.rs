@@ -122,11 +122,11 @@ fn a_layer_split_holds_each_share_and_gives_the_image() {
             |m| {
                 Spread::Split(vec![
                     Share {
-                        backend: m.get("vulkan0").unwrap(),
+                        backend: m.get("vulkan0"),
                         weight: gpu,
                     },
                     Share {
-                        backend: m.get("cpu").unwrap(),
+                        backend: m.get("cpu"),
                         weight: cpu,
                     },
                 ])

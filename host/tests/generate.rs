@@ -942,3 +942,27 @@ fn direct_convolutions_match_im2col() {
     let im2col = run("im2col.png", "0");
     assert_within_a_level(&direct, &im2col);
 }
+
+/// As the VAE of an SD checkpoint (`--vae`), the 16-channel autoencoder
+/// of FLUX.1's shape is refused at load, before any compute, naming both
+/// widths.
+#[test]
+fn a_vae_of_other_latent_channels_is_refused_at_load() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let vae = fixture("ae16/tiny-ae16.safetensors");
+    let r = generate_64(
+        &p,
+        "tiny-sd1.safetensors",
+        &out.join("x.png"),
+        &["--vae", s(&vae)],
+    );
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert_eq!(r.stderr.lines().count(), 1, "{}", r.stderr);
+    assert!(
+        r.stderr.contains("16 latent channels") && r.stderr.contains("4"),
+        "{}",
+        r.stderr
+    );
+    assert!(listing(&out).is_empty());
+}

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// Tolerance relative to the reference's largest magnitude: f16 weights
-/// and activations against f32 references, as in tests/models.rs.
+/// and activations against f32 references, as in models/tests/sd.rs.
 const TOL: f32 = 1e-2;
 
 fn refs() -> HashMap<String, Vec<f32>> {

@@ -236,9 +236,9 @@ fn image_prompted_pipelines_match_diffusers_on_vulkan() {
     }
     std::env::set_var("GGML_VK_VISIBLE_DEVICES", "0");
     // lavapipe's f16 paths, amplified by CFG 7 over three steps (as for
-    // the tiny SD 1.x pipeline in tests/models.rs).
+    // the tiny SD 1.x pipeline in models/tests/sd.rs).
     pipelines_match_on(&gpu(), 4.0);
-    // SDXL's 64-wide heads lose more there (tests/models.rs gives 8).
+    // SDXL's 64-wide heads lose more there (models/tests/sd.rs gives 8).
     sdxl_pipeline_matches_on(&gpu(), 8.0);
 }
 

@@ -50,6 +50,18 @@ pub struct Manifest {
     pub features: RVec<RString>,
 }
 
+/// The name of device `index` of the `count` (meta devices not counted)
+/// that a plugin of `family` lists: the family, with the index where the
+/// plugin indexes its devices ([`Manifest::indexed_devices`]) or lists
+/// several (`cpu`, `vulkan0`, `cuda1`). The host's registry and the test
+/// support name devices with this.
+pub fn device_name(family: &str, indexed: bool, index: usize, count: usize) -> String {
+    match indexed || count > 1 {
+        true => format!("{family}{index}"),
+        false => family.to_string(),
+    }
+}
+
 /// A `ggml_backend_reg_t` crossing the boundary. The pointee lives as long as
 /// the plugin, which the host never unloads.
 #[repr(transparent)]

@@ -485,7 +485,9 @@ fn families_are_named_only_in_family() {
 }
 
 /// Crate dependencies point one way: plugins → plugin-api → ggml;
-/// host → plugin-api, models, ggml; models → ggml.
+/// host → plugin-api, models, ggml; models → ggml; the test support
+/// (plugin-api, models, ggml) is a dev-dependency of the host and the
+/// models only.
 #[test]
 fn crate_dependencies_point_one_way() {
     let deps = |manifest: &str| -> BTreeSet<String> {
@@ -516,7 +518,41 @@ fn crate_dependencies_point_one_way() {
         !api.contains("sdhost") && !api.contains("sdhost-models"),
         "plugin-api depends on the host or the models"
     );
-    for lib in ["host/src/lib.rs", "models/src/lib.rs"] {
+    // The test support opens plugins for the models' own tests: a
+    // dev-dependency only, and those tests never need the host.
+    let dev = |manifest: &str| -> BTreeSet<String> {
+        let text = std::fs::read_to_string(root().join(manifest)).expect("manifest");
+        let doc: toml::Table = text.parse().expect("valid toml");
+        doc.get("dev-dependencies")
+            .and_then(|d| d.as_table())
+            .map(|t| t.keys().cloned().collect())
+            .unwrap_or_default()
+    };
+    assert!(
+        !dev("models/Cargo.toml").contains("sdhost"),
+        "models' tests depend on the host"
+    );
+    let support = deps("tests/support/Cargo.toml");
+    assert!(
+        !support.contains("sdhost"),
+        "the test support depends on the host: {support:?}"
+    );
+    for manifest in [
+        "ggml/Cargo.toml",
+        "plugin-api/Cargo.toml",
+        "models/Cargo.toml",
+        "host/Cargo.toml",
+    ] {
+        assert!(
+            !deps(manifest).contains("sdhost-test-support"),
+            "{manifest}: the test support is a dev-dependency only"
+        );
+    }
+    for lib in [
+        "host/src/lib.rs",
+        "models/src/lib.rs",
+        "tests/support/src/lib.rs",
+    ] {
         let text = std::fs::read_to_string(root().join(lib)).expect("lib.rs");
         assert!(
             text.contains("#![forbid(unsafe_code)]"),

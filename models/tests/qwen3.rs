@@ -5,14 +5,13 @@
 //! prompt (several layers side by side), and of q8_0 GGUF weights in
 //! llama.cpp's names; on the CPU, and on lavapipe where enabled.
 
-mod common;
-use common::*;
 use sdhost_models::checkpoint::{self, gguf};
 use sdhost_models::encoders::qwen3::{self, Qwen3Config};
 use sdhost_models::runtime::graph::W;
 use sdhost_models::runtime::module::Module;
 use sdhost_models::tokenizers::qwen::QwenTokenizer;
 use sdhost_models::ModuleKind;
+use sdhost_test_support::*;
 use std::collections::HashMap;
 
 fn refs() -> HashMap<String, Vec<f32>> {

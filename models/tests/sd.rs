@@ -8,14 +8,13 @@
 //! so results agree to about 1e-3 relative; each comparison allows the
 //! stated multiple of the reference's largest magnitude.
 
-mod common;
-use common::*;
 use sdhost_models::denoisers::unet::UnetInput;
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{LoadOptions, MatrixTypes, Request};
 use sdhost_models::runtime::graph::GraphOptions;
 use sdhost_models::runtime::module::WeightPolicy;
 use sdhost_models::sampling::{DiscreteSchedule, NoiseSchedule, Sampler, Scheduler};
+use sdhost_test_support::*;
 use std::collections::HashMap;
 
 /// The family's reference tensors.

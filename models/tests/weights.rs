@@ -2,13 +2,9 @@
 //! buffer on the CPU (and on lavapipe's vulkan0 when SDHOST_TEST_VULKAN=1),
 //! read back bit for bit.
 
-mod common;
-use common::*;
-use sdhost::discovery::Origin;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
 use sdhost_models::checkpoint::weights::ModuleWeights;
+use sdhost_test_support::*;
 
 /// (name, dtype, shape, data)
 type Spec = (&'static str, &'static str, Vec<u64>, Vec<u8>);
@@ -71,9 +67,9 @@ fn check_on(device: &str) {
     let s = specs();
     write_checkpoint(&path, &s[..4]);
     let ckpt = checkpoint::scan(&path).unwrap();
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, Some(1));
-    let backend = m.get(device).unwrap();
+    let plugins = Plugins::open();
+    let backend = plugins.get(device);
+    backend.set_n_threads(1);
     let w = ModuleWeights::load(&ckpt, "first_stage_model.", backend).unwrap();
     assert_eq!(w.len(), 3);
     assert_eq!(w.bytes(), 24 + 8 + 8, "bytes read from the file");
