@@ -244,10 +244,8 @@ fn bad_control_inputs_are_request_errors() {
 
 #[test]
 fn controlnets_that_do_not_fit_are_refused_at_load() {
-    let reg =
-        sdhost::registry::Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
-    let m = sdhost::manager::BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
+    let plugins = Plugins::open();
+    let cpu = plugins.get("cpu");
     let d = sdhost_models::runtime::module::Devices {
         runtime: cpu,
         params: cpu,

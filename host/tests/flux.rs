@@ -13,8 +13,6 @@
 
 mod common;
 use common::*;
-use sdhost::manager::BackendManager;
-use sdhost::registry::Registry;
 use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::flux::{self, FluxInput};
 use sdhost_models::family::flux::{assemble, Components, FluxModel, Variant};
@@ -92,12 +90,11 @@ fn with_loras(
     lora_apply: LoraApply,
     f: impl FnOnce(&mut Pipeline<'_>),
 ) {
-    let reg = Registry::discover(&[(build_dir(), sdhost::discovery::Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
+    let plugins = Plugins::open();
     let d = Devices {
-        runtime: m.get(runtime).unwrap(),
-        params: m.get(params).unwrap(),
-        cpu: m.get("cpu").unwrap(),
+        runtime: plugins.get(runtime),
+        params: plugins.get(params),
+        cpu: plugins.get("cpu"),
         assist: &[],
     };
     let layout = Layout {

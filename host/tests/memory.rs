@@ -8,10 +8,7 @@
 
 mod common;
 use common::*;
-use sdhost::discovery::Origin;
-use sdhost::manager::BackendManager;
 use sdhost::memory::{account, Usage};
-use sdhost::registry::Registry;
 use sdhost_models::checkpoint;
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, Request};
@@ -98,14 +95,13 @@ fn prediction_matches(
     h: usize,
     img2img: bool,
 ) {
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
+    let plugins = Plugins::open();
     let d = Devices {
-        runtime: m.get(runtime).unwrap(),
-        params: m.get(params).unwrap(),
-        cpu: m.get("cpu").unwrap(),
+        runtime: plugins.get(runtime),
+        params: plugins.get(params),
+        cpu: plugins.get("cpu"),
         assist: if cpu_assists_wanted() {
-            m.cpu_assists().unwrap()
+            plugins.assists()
         } else {
             &[]
         },
@@ -676,9 +672,8 @@ fn bad_budgets_are_one_line_errors() {
 #[test]
 fn tiled_decoding_is_measured_per_tile_and_lets_a_budget_fit() {
     use sdhost_models::runtime::tiling::Tiling;
-    let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
-    let m = BackendManager::new(&reg, None);
-    let cpu = m.get("cpu").unwrap();
+    let plugins = Plugins::open();
+    let cpu = plugins.get("cpu");
     let d = Devices {
         runtime: cpu,
         params: cpu,

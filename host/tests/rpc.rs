@@ -182,24 +182,7 @@ fn generate(p: &Prefix, out: &Path, extra: &[&str]) -> Run {
 
 /// [`generate`] with `env` set.
 fn generate_with(p: &Prefix, out: &Path, extra: &[&str], env: &[(&str, &str)]) -> Run {
-    let model = tiny_sd1();
-    let mut args = vec![
-        "generate",
-        "-m",
-        s(&model),
-        "-p",
-        "a photo of a cat",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "3",
-        "-o",
-        s(out),
-    ];
-    args.extend_from_slice(extra);
-    let mut c = p.cmd(&args);
+    let mut c = generate_64_cmd(p, "tiny-sd1.safetensors", out, extra);
     c.envs(env.iter().copied());
     run(c)
 }
@@ -384,46 +367,19 @@ fn a_server_on_vulkan() {
     let out = p.dir("out");
     let local = out.join("local.png");
     let remote = out.join("remote.png");
-    let mut c = p.cmd(&[
-        "generate",
-        "-m",
-        s(&tiny_sd1()),
-        "-p",
-        "a photo of a cat",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-        "-o",
-        s(&local),
-        "--backend",
-        "diffusion=vulkan0",
-    ]);
+    let mut c = generate_cmd(
+        &p,
+        &tiny_sd1(),
+        &local,
+        1,
+        &["--backend", "diffusion=vulkan0"],
+    );
     c.env("GGML_VK_VISIBLE_DEVICES", "0");
     // Lavapipe builds its pipelines on first use: minutes on a small machine.
     let vk_limit = Duration::from_secs(900);
     run_within(c, vk_limit).0.ok();
-    let mut c = p.cmd(&[
-        "generate",
-        "-m",
-        s(&tiny_sd1()),
-        "-p",
-        "a photo of a cat",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "1",
-        "-o",
-        s(&remote),
-        "--rpc",
-        &ep,
-        "--backend",
-        "diffusion=rpc0",
-    ]);
+    let remote_flags = ["--rpc", &ep, "--backend", "diffusion=rpc0"];
+    let mut c = generate_cmd(&p, &tiny_sd1(), &remote, 1, &remote_flags);
     c.env("GGML_VK_VISIBLE_DEVICES", "0");
     run_within(c, vk_limit).0.ok();
     // The same device computes both; only the transport differs.
@@ -823,29 +779,9 @@ fn the_weight_cache_spares_the_second_upload() {
     let gen = |name: &str| {
         let before = proxy.sent();
         let img = out.join(name);
-        let args = [
-            "generate",
-            "-m",
-            s(&model),
-            "-p",
-            "a photo of a cat",
-            "-W",
-            "64",
-            "-H",
-            "64",
-            "--steps",
-            "1",
-            "--seed",
-            "4",
-            "-o",
-            s(&img),
-            "--rpc",
-            &ep,
-            // The text encoder, whose token embedding is the large weight.
-            "--backend",
-            "te=rpc0",
-        ];
-        run(p.cmd(&args)).ok();
+        // The text encoder, whose token embedding is the large weight.
+        let flags = ["--seed", "4", "--rpc", &ep, "--backend", "te=rpc0"];
+        run(generate_cmd(&p, &model, &img, 1, &flags)).ok();
         (proxy.sent() - before, pixels(&img))
     };
     let (first, img1) = gen("first.png");

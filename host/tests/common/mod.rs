@@ -439,15 +439,21 @@ pub fn generate_64(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Run {
 
 /// [`generate_64`] as a command, to run with its own environment.
 pub fn generate_64_cmd(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> Command {
-    let model = fixture(model);
+    generate_cmd(p, &fixture(model), out, 3, extra)
+}
+
+/// `sdhost generate` of the checkpoint `model` at 64×64 in `steps` steps
+/// ("a photo of a cat") into `out`, with `extra` flags, as a command.
+pub fn generate_cmd(p: &Prefix, model: &Path, out: &Path, steps: u32, extra: &[&str]) -> Command {
+    let steps = steps.to_string();
     let mut args = vec![
         "generate",
         "-m",
-        s(&model),
+        s(model),
         "-p",
         "a photo of a cat",
         "--steps",
-        "3",
+        &steps,
         "-W",
         "64",
         "-H",
