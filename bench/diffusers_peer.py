@@ -26,8 +26,14 @@ converters, and StableDiffusionXLPipeline runs them (its second tokenizer pads w
 SDXL default).  Its VAE decodes in the dtype asked (force_upcast, which would decode f16 in f32, is
 off; the report says so).
 
+FLUX.1 (`--t5xxl`, `--clip-l`, `--vae`, `--t5-tokenizer` given; --model the transformer in BFL's names,
+.safetensors or .gguf) is built from its parts: configs read off the shapes as sdhost reads them, GGUF blocks
+dequantized at load (the gguf package) into the dtype asked, T5 in transformers' or llama.cpp's names, the T5
+tokenizer over the vocabulary sdhost ships, FluxPipeline with FlowMatchEulerDiscreteScheduler (schnell: no
+shift, 256 T5 tokens; dev: BFL's shift, 512 tokens, --guidance).
+
 Exit status: 0 with the report; 3 "unavailable: ..." (Python packages missing); 4 "not
-comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x nor SDXL); anything
+comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x, SDXL nor FLUX.1 in parts); anything
 else is a failure.  Every message is one line on stderr.
 """
 
@@ -95,6 +101,13 @@ def parse_args():
                    help="where the models run; on cuda every timing point waits for the GPU")
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-warm-up", action="store_true", help="measure the first run too")
+    # FLUX.1 in parts (the transformer is --model): T5-XXL, CLIP-L, the autoencoder, the T5
+    # vocabulary sdhost ships, and dev's distilled guidance.
+    p.add_argument("--t5xxl")
+    p.add_argument("--clip-l")
+    p.add_argument("--vae")
+    p.add_argument("--t5-tokenizer")
+    p.add_argument("--guidance", type=float, default=3.5)
     return p.parse_args()
 
 
@@ -328,9 +341,9 @@ def sdxl_unet_config(shapes):
     )
 
 
-def vae_config(shapes, scaling_factor):
-    """diffusers AutoencoderKL config of an ldm VAE (first_stage_model.*), from its shapes; decodes in the
-    dtype it is given (force_upcast off)."""
+def vae_config(shapes, scaling_factor, VAE=VAE):
+    """diffusers AutoencoderKL config of an ldm VAE (first_stage_model.*, or a bare autoencoder with
+    VAE=""), from its shapes; decodes in the dtype it is given (force_upcast off)."""
     ch = shapes[VAE + "encoder.conv_in.weight"][0]
     mult = []
     while VAE + f"encoder.down.{len(mult)}.block.0.conv2.weight" in shapes:
@@ -406,6 +419,131 @@ def build_sdxl(path, shapes, dtype, scheduler):
     return pipe, unet, vae, [te_l, te_g]
 
 
+# llama.cpp's names of a T5 encoder -> transformers' (sdhost's models/src/family/flux.rs LLAMA_T5).
+LLAMA_T5 = [
+    ("enc.", "encoder."), ("blk.", "block."), ("output_norm.", "final_layer_norm."),
+    ("attn_q.", "layer.0.SelfAttention.q."), ("attn_k.", "layer.0.SelfAttention.k."),
+    ("attn_v.", "layer.0.SelfAttention.v."), ("attn_o.", "layer.0.SelfAttention.o."),
+    ("attn_norm.", "layer.0.layer_norm."), ("ffn_norm.", "layer.1.layer_norm."),
+    ("ffn_up.", "layer.1.DenseReluDense.wi_1."), ("ffn_down.", "layer.1.DenseReluDense.wo."),
+    ("ffn_gate.", "layer.1.DenseReluDense.wi_0."),
+    ("attn_rel_b.", "layer.0.SelfAttention.relative_attention_bias."), ("token_embd.", "shared."),
+]
+
+
+def read_weights(path, dtype):
+    """Every tensor of a .safetensors or .gguf file as torch tensors in `dtype` (GGUF blocks
+    dequantized with the gguf package, one tensor at a time), and their shapes."""
+    import torch
+
+    out = {}
+    if path.endswith(".gguf"):
+        import gguf
+        import numpy as np
+
+        for t in gguf.GGUFReader(path).tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))
+            a = gguf.quants.dequantize(t.data, t.tensor_type)
+            out[t.name] = torch.from_numpy(np.array(a, dtype=np.float32).reshape(shape)).to(dtype)
+    else:
+        from safetensors.torch import load_file
+
+        out = {k: v.to(dtype) for k, v in load_file(path).items()}
+    return out, {k: list(v.shape) for k, v in out.items()}
+
+
+def count(shapes, fmt):
+    n = 0
+    while fmt.format(n) in shapes:
+        n += 1
+    return n
+
+
+def flux_converter(inner_dim):
+    """diffusers' own BFL->diffusers converter for a transformer `inner_dim` wide (the converter has
+    FLUX.1's 3072 written in; the tiny fixtures are narrower)."""
+    import inspect
+
+    from diffusers.loaders import single_file_utils as sfu
+
+    convert = sfu.convert_flux_transformer_checkpoint_to_diffusers
+    src = inspect.getsource(convert)
+    if inner_dim == 3072 or "inner_dim = 3072" not in src:
+        return convert
+    scope = dict(sfu.__dict__)
+    exec(src.replace("inner_dim = 3072", f"inner_dim = {inner_dim}"), scope)
+    return scope["convert_flux_transformer_checkpoint_to_diffusers"]
+
+
+def build_flux(args, dtype):
+    """FluxPipeline over FLUX.1 in parts, as `sdhost bench` gives them (--model the transformer in BFL's
+    names, .safetensors or a GGUF; --t5xxl in transformers' or llama.cpp's names; --clip-l; --vae BFL's
+    autoencoder), every weight in `dtype` (GGUF blocks dequantized at load: diffusers' bf16/f16 FLUX as
+    people run it). Configs are read off the shapes as sdhost reads them: schnell without `guidance_in`
+    (256 T5 tokens, no shift), dev with it (512 tokens, BFL's resolution-dependent shift)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
+
+    for flag, value in [("--t5xxl", args.t5xxl), ("--clip-l", args.clip_l), ("--vae", args.vae),
+                        ("--t5-tokenizer", args.t5_tokenizer)]:
+        if not value:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.1 in parts ({flag} missing)")
+    sd, _ = read_weights(args.model, dtype)
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
+    shapes = {k: list(v.shape) for k, v in sd.items()}
+    hidden, in_channels = shapes["img_in.weight"]
+    d = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    dev = "guidance_in.in_layer.weight" in shapes
+    dit = FluxTransformer2DModel(
+        patch_size=1, in_channels=in_channels, num_layers=count(shapes, "double_blocks.{}.img_attn.qkv.weight"),
+        num_single_layers=count(shapes, "single_blocks.{}.linear1.weight"), attention_head_dim=d,
+        num_attention_heads=hidden // d, joint_attention_dim=shapes["txt_in.weight"][1],
+        pooled_projection_dim=shapes["vector_in.in_layer.weight"][1], guidance_embeds=dev,
+        axes_dims_rope=(d // 8, 7 * d // 16, 7 * d // 16),
+    )
+    load_strict(dit, flux_converter(hidden)(sd), "FLUX.1 transformer")
+    del sd
+    t5, tshapes = read_weights(args.t5xxl, dtype)
+    if any(k.startswith("enc.blk.") for k in t5):
+        renamed = {}
+        for k, v in t5.items():
+            for a, b in LLAMA_T5:
+                k = k.replace(a, b)
+            renamed[k] = v
+        t5 = renamed
+        tshapes = {k: list(v.shape) for k, v in t5.items()}
+    vocab, d_model = tshapes["shared.weight"]
+    heads = tshapes["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"][1]
+    te_t5 = T5EncoderModel(T5Config(
+        vocab_size=vocab, d_model=d_model, d_kv=tshapes["encoder.block.0.layer.0.SelfAttention.q.weight"][0] // heads,
+        d_ff=tshapes["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"][0],
+        num_layers=count(tshapes, "encoder.block.{}.layer.0.SelfAttention.q.weight"), num_heads=heads,
+        relative_attention_num_buckets=tshapes["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"][0],
+        relative_attention_max_distance=128, dropout_rate=0.0, layer_norm_epsilon=1e-6,
+        feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
+    ))
+    t5.setdefault("encoder.embed_tokens.weight", t5["shared.weight"])
+    load_strict(te_t5, t5, "T5")
+    del t5
+    clip, cshapes = read_weights(args.clip_l, dtype)
+    te_l = CLIPTextModel(te_config(cshapes, "text_model."))
+    load_strict(te_l, clip, "CLIP-L")
+    ae, vshapes = read_weights(args.vae, dtype)
+    vae = AutoencoderKL(**vae_config(vshapes, 0.3611, VAE=""), shift_factor=0.1159, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    load_strict(vae, sfu.convert_ldm_vae_checkpoint(ae, dict(vae.config)), "autoencoder")
+    del ae
+    dit, vae, te_l, te_t5 = (m.to(dtype).eval() for m in (dit, vae, te_l, te_t5))
+    sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=dev, base_shift=0.5, max_shift=1.15,
+                                            base_image_seq_len=256, max_image_seq_len=4096)
+    pipe = FluxPipeline(scheduler=sched, vae=vae, text_encoder=te_l, tokenizer=clip_tokenizer(),
+                        text_encoder_2=te_t5, tokenizer_2=T5TokenizerFast(tokenizer_file=args.t5_tokenizer),
+                        transformer=dit)
+    call = dict(max_sequence_length=512 if dev else 256, guidance_scale=args.guidance if dev else 0.0)
+    return pipe, dit, vae, [te_l, te_t5], call
+
+
 def peak_host_bytes():
     try:
         with open("/proc/self/status") as f:
@@ -443,14 +581,21 @@ class Timer:
 
 def main():
     args = parse_args()
+    flux = args.t5xxl is not None or args.clip_l is not None
+    if flux and (args.sampler, args.scheduler) != ("euler", "simple"):
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers' FluxPipeline samples with Euler on the simple "
+             f"schedule, not {args.sampler} {args.scheduler}")
+    if flux:
+        args.sampler, args.scheduler = "euler", "discrete"  # FluxPipeline brings its own scheduler
     if args.sampler not in SAMPLERS:
         fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers has no scheduler for sdhost's {args.sampler} "
              f"(mapped: {', '.join(SAMPLERS)})")
     if args.scheduler not in SCHEDULES:
         fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers has no {args.scheduler} schedule "
              f"(mapped: {', '.join(SCHEDULES)})")
-    if not args.model.endswith(".safetensors"):
-        fail(EXIT_NOT_COMPARABLE, "not comparable: the diffusers peer reads single-file .safetensors checkpoints")
+    if not args.model.endswith(".safetensors") and not (flux and args.model.endswith(".gguf")):
+        fail(EXIT_NOT_COMPARABLE, "not comparable: the diffusers peer reads single-file .safetensors checkpoints "
+             "(and FLUX.1 transformers as .gguf)")
     try:
         import torch
 
@@ -467,6 +612,11 @@ def main():
 
     import inspect
 
+    if flux:
+        try:
+            import gguf  # noqa: F401  (GGUF files' blocks)
+        except ImportError as e:
+            fail(EXIT_UNAVAILABLE, f"unavailable: {sys.executable}: {e}")
     cls_name, extra = SAMPLERS[args.sampler]
     cls = getattr(diffusers, cls_name)
     kwarg = SCHEDULES[args.scheduler]
@@ -490,10 +640,15 @@ def main():
     else:
         clock = time.perf_counter
 
-    with safe_open(args.model, framework="pt") as f:
-        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    shapes, call = {}, dict(negative_prompt=args.negative_prompt, guidance_scale=args.cfg_scale)
+    if not flux:
+        with safe_open(args.model, framework="pt") as f:
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
     t = clock()
-    if is_sdxl(shapes):
+    if flux:
+        pipe, unet, vae, tes, call = build_flux(args, dtype)
+        cls_name = "FlowMatchEulerDiscreteScheduler"
+    elif is_sdxl(shapes):
         pipe, unet, vae, tes = build_sdxl(args.model, shapes, dtype, cls(**sched_kwargs))
     else:
         pipe, unet, vae, tes = build_sd1(args.model, shapes, dtype, cls(**sched_kwargs))
@@ -524,8 +679,8 @@ def main():
         g = torch.Generator().manual_seed(args.seed)
         t0 = clock()
         with torch.inference_mode():
-            pipe(prompt=args.prompt, negative_prompt=args.negative_prompt, width=args.width, height=args.height,
-                 num_inference_steps=args.steps, guidance_scale=args.cfg_scale, generator=g, output_type="np")
+            pipe(prompt=args.prompt, width=args.width, height=args.height, num_inference_steps=args.steps,
+                 generator=g, output_type="np", **call)
         total = clock() - t0
         te_end = max((te_t.last_end for te_t in te_ts if te_t.last_end), default=None)
         sampling = (vae_time["start"] - te_end) if vae_time["start"] and te_end else None
@@ -545,6 +700,7 @@ def main():
     system = (f"diffusers {diffusers.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
               f"{args.dtype} weights and compute, "
               + ("StableDiffusionXLPipeline, its VAE decoding in that dtype (force_upcast off), " if is_sdxl(shapes) else "")
+              + ("FluxPipeline, GGUF blocks dequantized at load, " if flux else "")
               + (f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else f"{torch.get_num_threads()} threads, ")
               + f"{cls_name}, "
               f"attention {type(unet.attn_processors[next(iter(unet.attn_processors))]).__name__}")

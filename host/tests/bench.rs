@@ -49,15 +49,6 @@ fn names(j: &Value) -> Vec<String> {
     peers(j).into_iter().map(|(n, _)| n).collect()
 }
 
-/// Writes an executable shell script standing in for Python.
-fn fake_python(p: &Prefix, name: &str, body: &str) -> PathBuf {
-    use std::os::unix::fs::PermissionsExt;
-    let path = p.root().join(name);
-    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
-    path
-}
-
 #[test]
 fn diffusers_peer_without_python_is_a_column_saying_unavailable() {
     let p = Prefix::with_cpu();
@@ -294,8 +285,9 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
     assert_eq!(f32["peak_host_bytes"], 1u64 << 30);
 }
 
-/// The real diffusers peer on the tiny SD 1.x and SDXL checkpoints, when a
-/// Python with torch and diffusers is named (for example
+/// The real diffusers peer on the tiny SD 1.x and SDXL checkpoints and the
+/// tiny FLUX.1 schnell in parts (its T5 a q8_0 GGUF in llama.cpp's names),
+/// when a Python with torch, diffusers and gguf is named (for example
 /// /tmp/fixture-venv/bin/python).
 #[test]
 fn real_diffusers_peer_on_the_tiny_models() {
@@ -313,12 +305,26 @@ fn real_diffusers_peer_on_the_tiny_models() {
             Some("StableDiffusionXLPipeline"),
         ),
     ] {
-        real_diffusers_peer_on(&p, &py, &model, pipeline);
+        real_diffusers_peer_on(&p, &py, &model, &[], pipeline);
     }
+    let (t5, clip, ae) = (
+        fixture("flux/tiny-t5-q8_0.gguf"),
+        fixture("flux/tiny-clip-l.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let parts = ["--t5xxl", s(&t5), "--clip-l", s(&clip), "--vae", s(&ae)];
+    let schnell = fixture("flux/tiny-flux-schnell.safetensors");
+    real_diffusers_peer_on(&p, &py, &schnell, &parts, Some("FluxPipeline"));
 }
 
-fn real_diffusers_peer_on(p: &Prefix, py: &std::ffi::OsStr, model: &Path, pipeline: Option<&str>) {
-    let mut c = p.cmd(&[
+fn real_diffusers_peer_on(
+    p: &Prefix,
+    py: &std::ffi::OsStr,
+    model: &Path,
+    parts: &[&str],
+    pipeline: Option<&str>,
+) {
+    let mut args = vec![
         "bench",
         "-m",
         s(model),
@@ -335,7 +341,9 @@ fn real_diffusers_peer_on(p: &Prefix, py: &std::ffi::OsStr, model: &Path, pipeli
         "--peer",
         "diffusers",
         "--json",
-    ]);
+    ];
+    args.extend_from_slice(parts);
+    let mut c = p.cmd(&args);
     c.env("SDHOST_DIFFUSERS_PYTHON", py);
     let j = Run::from(c.output().unwrap()).ok().json();
     assert_eq!(
@@ -346,13 +354,11 @@ fn real_diffusers_peer_on(p: &Prefix, py: &std::ffi::OsStr, model: &Path, pipeli
         ],
         "{j}"
     );
-    for stage in [
-        "text encode",
-        "UNet step",
-        "sampling",
-        "VAE decode",
-        "end to end",
-    ] {
+    let step = match parts.is_empty() {
+        true => "UNet step",
+        false => "transformer step",
+    };
+    for stage in ["text encode", step, "sampling", "VAE decode", "end to end"] {
         for name in ["diffusers-f32", "diffusers-bf16"] {
             let r = j["stages"][stage]["peers"][name]["ratio"].as_f64().unwrap();
             assert!(r.is_finite() && r > 0.0, "{stage} {name}: {r}");

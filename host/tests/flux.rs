@@ -1251,10 +1251,21 @@ fn bad_model_folders_are_one_line() {
 }
 
 #[test]
-fn bench_gives_the_sdcpp_peer_flux_in_parts() {
+fn bench_gives_the_peers_flux_in_parts() {
     let p = Prefix::with_cpu();
     // A stand-in peer: 6.0 s of sampling over 2 steps.
     let (peer, argv) = fake_sdcpp_peer(&p, 6.0);
+    // A stand-in Python for the diffusers peer: it keeps its arguments and
+    // the T5 vocabulary it is given.
+    let root = p.root().to_path_buf();
+    let body = format!(
+        r#"echo "$@" > '{dir}/diffusers-args'
+prev=; for a in "$@"; do [ "$prev" = --t5-tokenizer ] && cp "$a" '{dir}/t5.json'; prev=$a; done
+cat >/dev/null
+echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"total_s": 2.0, "te_s": 0.5, "sampling_s": 1.0, "vae_s": 0.5, "unet_calls": 2}}], "peak_host_bytes": null}}'"#,
+        dir = root.display()
+    );
+    let py = fake_python(&p, "fake-python", &body);
     let model = fixture("flux/tiny-flux-dev.safetensors");
     let r = run_with_parts(
         &p,
@@ -1278,6 +1289,8 @@ fn bench_gives_the_sdcpp_peer_flux_in_parts() {
             s(&peer),
             "--peer",
             "diffusers",
+            "--diffusers-python",
+            s(&py),
             "--json",
         ],
     );
@@ -1287,10 +1300,32 @@ fn bench_gives_the_sdcpp_peer_flux_in_parts() {
     assert_eq!(sdcpp["name"], "sd.cpp");
     assert!(sdcpp["error"].is_null(), "{sdcpp}");
     assert_eq!(sdcpp["system"], "fake sd.cpp");
-    // The diffusers peer says why it has no column for FLUX.
-    let diffusers = j["peers"][1]["error"].as_str().unwrap();
-    assert!(diffusers.contains("not wired for flux"), "{diffusers}");
+    // The diffusers peer gets FLUX.1 in parts, dev's guidance and the T5
+    // vocabulary sdhost ships.
+    for peer in &j["peers"].as_array().unwrap()[1..] {
+        assert!(peer["error"].is_null(), "{peer}");
+    }
     let (t5, clip, ae) = part_files();
+    let py_args = std::fs::read_to_string(root.join("diffusers-args")).unwrap();
+    for want in [
+        format!("--model {}", model.display()),
+        format!(
+            "--t5xxl {} --clip-l {} --vae {}",
+            t5.display(),
+            clip.display(),
+            ae.display()
+        ),
+        "--guidance 4.5".into(),
+        "--sampler euler --scheduler simple".into(),
+    ] {
+        assert!(py_args.contains(&want), "{want}: {py_args}");
+    }
+    let vocabulary = std::fs::read(root.join("t5.json")).unwrap();
+    assert_eq!(
+        vocabulary,
+        sdhost_models::tokenizers::t5::vocabulary_json(),
+        "the peer's T5 vocabulary"
+    );
     let args = std::fs::read_to_string(&argv).unwrap();
     for want in [
         format!("--diffusion-model {}", model.display()),

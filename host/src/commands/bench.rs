@@ -821,11 +821,15 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
         seen.push(key);
         // The diffusers peer is wired for single-file SD 1.x and SDXL
-        // checkpoints (it says so itself); the sd.cpp peer takes FLUX in
-        // parts too.
+        // checkpoints and for FLUX.1 in parts (it says so itself); the
+        // sd.cpp peer takes FLUX in parts too.
         let c = &a.sample.components;
         let parts = c.t5xxl.is_some() || c.clip_l.is_some() || c.llm.is_some();
-        if matches!(p, Peer::Diffusers) && (family.config().is_none() || parts) {
+        let wired = match family.name() {
+            "flux" => c.t5xxl.is_some() && c.clip_l.is_some() && a.sample.vae.is_some(),
+            _ => family.config().is_some() && !parts,
+        };
+        if matches!(p, Peer::Diffusers) && !wired {
             peers.push(PeerColumn {
                 name: "diffusers",
                 deferred_load: false,
@@ -1119,14 +1123,15 @@ impl PeerJob<'_> {
     /// in `dtype` with the same settings; errors are reported in the table.
     fn diffusers(&self, dtype: &str) -> Result<PeerReport, String> {
         // The families bench/diffusers_peer.py builds a pipeline for.
-        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl"];
+        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl", "flux"];
         let (a, req) = (self.a, self.req);
         if !DIFFUSERS_FAMILIES.contains(&self.family.name()) {
             return Err(format!(
-                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints (this is {})",
+                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints and FLUX.1 in parts (this is {})",
                 self.family.name()
             ));
         }
+        let flux = self.family.name() == "flux";
         let device = match self.gpu {
             None => "cpu",
             Some(d) if d.starts_with("cuda") => "cuda",
@@ -1136,7 +1141,10 @@ impl PeerJob<'_> {
                 ))
             }
         };
-        if a.sample.vae_tiling || a.sample.vae_file().is_some() {
+        if a.sample.vae_tiling
+            || (!flux && a.sample.vae_file().is_some())
+            || a.sample.taesd.is_some()
+        {
             return Err(
                 "not comparable: the diffusers peer decodes with the checkpoint's own VAE, untiled"
                     .into(),
@@ -1162,6 +1170,34 @@ impl PeerJob<'_> {
             .args((!self.warm_up).then_some("--no-warm-up"))
             // No hub access, ever: the script builds every config itself.
             .env("HF_HUB_OFFLINE", "1");
+        // FLUX.1 comes in parts, and its T5 tokenizer from the vocabulary
+        // sdhost ships (kept on disk until the child is done).
+        let vocabulary = tempfile::Builder::new()
+            .prefix("sdhost-t5-")
+            .suffix(".json")
+            .tempfile()
+            .map_err(|e| format!("T5 vocabulary for the peer: {e}"))?;
+        if flux {
+            std::fs::write(
+                vocabulary.path(),
+                sdhost_models::tokenizers::t5::vocabulary_json(),
+            )
+            .map_err(|e| format!("T5 vocabulary for the peer: {e}"))?;
+            let parts = &a.sample.components;
+            let (Some(t5), Some(clip), Some(vae)) = (&parts.t5xxl, &parts.clip_l, &a.sample.vae)
+            else {
+                return Err("not comparable: the diffusers peer takes FLUX.1 in parts (--t5xxl, --clip-l, --vae)".into());
+            };
+            c.arg("--t5xxl")
+                .arg(t5)
+                .arg("--clip-l")
+                .arg(clip)
+                .arg("--vae")
+                .arg(vae)
+                .arg("--t5-tokenizer")
+                .arg(vocabulary.path())
+                .args(["--guidance", &req.guidance.to_string()]);
+        }
         self.warm()?;
         let stdout = run_child(c, &python.display().to_string(), Some(DIFFUSERS_PEER))?;
         parse_peer_report(&stdout, self.runs)

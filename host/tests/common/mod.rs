@@ -464,3 +464,11 @@ pub fn generate_cmd(p: &Prefix, model: &Path, out: &Path, steps: u32, extra: &[&
     args.extend_from_slice(extra);
     p.cmd(&args)
 }
+
+/// Writes an executable shell script standing in for Python.
+pub fn fake_python(p: &Prefix, name: &str, body: &str) -> PathBuf {
+    let path = p.root().join(name);
+    std::fs::write(&path, format!("#!/bin/sh\n{body}\n")).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
+}

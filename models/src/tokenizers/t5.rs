@@ -25,6 +25,12 @@ pub const EOS: u32 = 1;
 
 static VOCABULARY: &[u8] = include_bytes!("../../data/t5/tokenizer.json");
 
+/// The shipped vocabulary as it is (a `tokenizers` JSON file), for a peer
+/// that builds its own tokenizer from it (`sdhost bench --peer diffusers`).
+pub fn vocabulary_json() -> &'static [u8] {
+    VOCABULARY
+}
+
 /// The T5 tokenizer (one parse of the shipped vocabulary per process).
 #[derive(Clone)]
 pub struct T5Tokenizer {
