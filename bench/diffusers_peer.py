@@ -108,6 +108,10 @@ def parse_args():
     p.add_argument("--vae")
     p.add_argument("--t5-tokenizer")
     p.add_argument("--guidance", type=float, default=3.5)
+    # FLUX.2 klein in parts (the transformer is --model): its Qwen3 (--llm), the autoencoder
+    # (--vae) and the Qwen merges sdhost ships.
+    p.add_argument("--llm")
+    p.add_argument("--qwen-merges")
     return p.parse_args()
 
 
@@ -385,11 +389,12 @@ def openclip_te_config(shapes, prefix):
     )
 
 
-def load_strict(module, sd, what):
-    """Loads converted weights; every weight of `module` must be given and nothing else (position ids aside)."""
+def load_strict(module, sd, what, assign=False):
+    """Loads converted weights; every weight of `module` must be given and nothing else (position ids aside).
+    With `assign` the module's parameters become the given tensors (no copy)."""
     own = module.state_dict()
     sd = {(k if k in own else k[len("text_model."):]): v for k, v in sd.items()}
-    r = module.load_state_dict(sd, strict=False)
+    r = module.load_state_dict(sd, strict=False, assign=assign)
     if r.unexpected_keys or any(not k.endswith("position_ids") for k in r.missing_keys):
         fail(1, f"{what} weights do not fit: unexpected {r.unexpected_keys[:3]}, missing {r.missing_keys[:3]}")
 
@@ -452,6 +457,51 @@ def read_weights(path, dtype):
     return out, {k: list(v.shape) for k, v in out.items()}
 
 
+def built(make, sd, what):
+    """`make()` built without memory (on the meta device) whose parameters then become the given tensors
+    themselves: a full-size transformer built in memory and loaded by copy would need its weights twice."""
+    import torch
+
+    with torch.device("meta"):
+        m = make()
+    load_strict(m, sd, what, assign=True)
+    return m
+
+
+def weights_fit(paths, dtype, device):
+    """Refuses (not comparable) when the parts' weights in `dtype` exceed the host's available memory:
+    they are all held there while the pipeline is built."""
+    import torch
+
+    n = 0
+    for path in paths:
+        if path.endswith(".gguf"):
+            import gguf
+
+            n += sum(int(t.n_elements) for t in gguf.GGUFReader(path).tensors)
+        else:
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                for k in f.keys():
+                    c = 1
+                    for d in f.get_slice(k).get_shape():
+                        c *= d
+                    n += c
+    need = n * torch.empty((), dtype=dtype).element_size()
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    if avail is not None and need > 0.9 * avail:
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: the weights in {str(dtype).removeprefix('torch.')} need "
+             f"{need / 2**30:.1f} GiB, this machine has {avail / 2**30:.1f} GiB available")
+
+
 def count(shapes, fmt):
     n = 0
     while fmt.format(n) in shapes:
@@ -489,20 +539,20 @@ def build_flux(args, dtype):
                         ("--t5-tokenizer", args.t5_tokenizer)]:
         if not value:
             fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.1 in parts ({flag} missing)")
+    weights_fit([args.model, args.t5xxl, args.clip_l, args.vae], dtype, args.device)
     sd, _ = read_weights(args.model, dtype)
     sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
     shapes = {k: list(v.shape) for k, v in sd.items()}
     hidden, in_channels = shapes["img_in.weight"]
     d = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
     dev = "guidance_in.in_layer.weight" in shapes
-    dit = FluxTransformer2DModel(
+    dit = built(lambda: FluxTransformer2DModel(
         patch_size=1, in_channels=in_channels, num_layers=count(shapes, "double_blocks.{}.img_attn.qkv.weight"),
         num_single_layers=count(shapes, "single_blocks.{}.linear1.weight"), attention_head_dim=d,
         num_attention_heads=hidden // d, joint_attention_dim=shapes["txt_in.weight"][1],
         pooled_projection_dim=shapes["vector_in.in_layer.weight"][1], guidance_embeds=dev,
         axes_dims_rope=(d // 8, 7 * d // 16, 7 * d // 16),
-    )
-    load_strict(dit, flux_converter(hidden)(sd), "FLUX.1 transformer")
+    ), flux_converter(hidden)(sd), "FLUX.1 transformer")
     del sd
     t5, tshapes = read_weights(args.t5xxl, dtype)
     if any(k.startswith("enc.blk.") for k in t5):
@@ -515,16 +565,15 @@ def build_flux(args, dtype):
         tshapes = {k: list(v.shape) for k, v in t5.items()}
     vocab, d_model = tshapes["shared.weight"]
     heads = tshapes["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"][1]
-    te_t5 = T5EncoderModel(T5Config(
+    t5.setdefault("encoder.embed_tokens.weight", t5["shared.weight"])
+    te_t5 = built(lambda: T5EncoderModel(T5Config(
         vocab_size=vocab, d_model=d_model, d_kv=tshapes["encoder.block.0.layer.0.SelfAttention.q.weight"][0] // heads,
         d_ff=tshapes["encoder.block.0.layer.1.DenseReluDense.wi_0.weight"][0],
         num_layers=count(tshapes, "encoder.block.{}.layer.0.SelfAttention.q.weight"), num_heads=heads,
         relative_attention_num_buckets=tshapes["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"][0],
         relative_attention_max_distance=128, dropout_rate=0.0, layer_norm_epsilon=1e-6,
         feed_forward_proj="gated-gelu", is_encoder_decoder=False, use_cache=False,
-    ))
-    t5.setdefault("encoder.embed_tokens.weight", t5["shared.weight"])
-    load_strict(te_t5, t5, "T5")
+    )), t5, "T5")
     del t5
     clip, cshapes = read_weights(args.clip_l, dtype)
     te_l = CLIPTextModel(te_config(cshapes, "text_model."))
@@ -542,6 +591,149 @@ def build_flux(args, dtype):
                         transformer=dit)
     call = dict(max_sequence_length=512 if dev else 256, guidance_scale=args.guidance if dev else 0.0)
     return pipe, dit, vae, [te_l, te_t5], call
+
+
+# llama.cpp's names of a Qwen3 layer -> transformers' (sdhost's encoders/qwen3.rs reads the same).
+QWEN_LAYER = [("attn_norm.", "input_layernorm."), ("attn_q_norm.", "self_attn.q_norm."),
+              ("attn_k_norm.", "self_attn.k_norm."), ("attn_q.", "self_attn.q_proj."), ("attn_k.", "self_attn.k_proj."),
+              ("attn_v.", "self_attn.v_proj."), ("attn_output.", "self_attn.o_proj."),
+              ("ffn_norm.", "post_attention_layernorm."), ("ffn_gate.", "mlp.gate_proj."), ("ffn_up.", "mlp.up_proj."),
+              ("ffn_down.", "mlp.down_proj.")]
+QWEN_TOP = [("token_embd.", "model.embed_tokens."), ("output_norm.", "model.norm."), ("output.", "lm_head.")]
+# Qwen's added tokens after its byte-level BPE vocabulary (sdhost's tokenizers/qwen.rs); the last six are
+# not special.
+QWEN_ADDED = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+              "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+              "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>",
+              "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>",
+              "<|repo_name|>", "<|file_sep|>", "<tool_response>", "</tool_response>", "<think>", "</think>"]
+QWEN_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>"}
+# Qwen3's chat template as klein applies it (thinking off: an empty think block opens the answer).
+QWEN_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+                 "{% endif %}")
+
+
+def qwen_name(k):
+    if k.startswith("blk."):
+        _, n, rest = k.split(".", 2)
+        for a, b in QWEN_LAYER:
+            if rest.startswith(a):
+                return f"model.layers.{n}.{b}{rest[len(a):]}"
+    for a, b in QWEN_TOP:
+        if k.startswith(a):
+            return b + k[len(a):]
+    return k
+
+
+def qwen_tokenizer(merges_path, llm):
+    """transformers' Qwen2TokenizerFast over Qwen's byte-level BPE, as sdhost tokenizes: a GGUF's own
+    vocabulary (`tokenizer.ggml.tokens`/`merges`) where the text encoder carries one, else the merges sdhost
+    ships laid out as Qwen's vocabulary is (the 256 byte symbols, each merge's result in order, the added
+    tokens)."""
+    from tokenizers import AddedToken
+    from transformers import Qwen2TokenizerFast
+
+    tokens = merges = None
+    if llm.endswith(".gguf"):
+        import gguf
+
+        fields = gguf.GGUFReader(llm).fields
+        if "tokenizer.ggml.tokens" in fields and "tokenizer.ggml.merges" in fields:
+            def strings(f):
+                return [bytes(f.parts[i]).decode("utf-8") for i in f.data]
+
+            tokens = strings(fields["tokenizer.ggml.tokens"])
+            merges = strings(fields["tokenizer.ggml.merges"])
+    if tokens is None:
+        merges = [m for m in open(merges_path, encoding="utf-8").read().split("\n") if m]
+        bs = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+        cs, n = bs[:], 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        tokens = [chr(c) for c in cs] + [m.replace(" ", "", 1) for m in merges] + QWEN_ADDED
+    added = [t for t in QWEN_ADDED if t in tokens]
+    tok = Qwen2TokenizerFast(vocab={t: i for i, t in enumerate(tokens)},
+                             merges=[tuple(m.split(" ")) for m in merges],
+                             unk_token=None, bos_token=None, eos_token=None, pad_token=None)
+    tok.add_tokens([AddedToken(t, special=t not in QWEN_NOT_SPECIAL, normalized=False) for t in added])
+    for t in added:
+        if tok.convert_tokens_to_ids(t) != tokens.index(t):
+            fail(1, f"Qwen tokenizer: {t} is not at its id {tokens.index(t)}")
+    tok.chat_template = QWEN_TEMPLATE
+    tok.pad_token = "<|endoftext|>"
+    return tok
+
+
+def build_klein(args, dtype):
+    """Flux2KleinPipeline over FLUX.2 klein in parts (--model the transformer in BFL's names, --llm its Qwen3 in
+    transformers' or llama.cpp's names, --vae BFL's autoencoder), every weight in `dtype`, GGUF blocks dequantized
+    at load; configs off the shapes as sdhost reads them. Distilled (no CFG) at CFG 1, base with CFG above."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    for flag, value in [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)]:
+        if not value:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.2 klein in parts ({flag} missing)")
+    weights_fit([args.model, args.llm, args.vae], dtype, args.device)
+    q, _ = read_weights(args.llm, dtype)
+    q = {qwen_name(k): v for k, v in q.items()}
+    qs = {k: list(v.shape) for k, v in q.items()}
+    vocab, hidden = qs["model.embed_tokens.weight"]
+    head = qs["model.layers.0.self_attn.q_norm.weight"][0]
+    layers = count(qs, "model.layers.{}.self_attn.q_proj.weight")
+    q.setdefault("lm_head.weight", q["model.embed_tokens.weight"])
+    qwen = built(lambda: Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=qs["model.layers.0.mlp.gate_proj.weight"][0],
+        num_hidden_layers=layers, num_attention_heads=qs["model.layers.0.self_attn.q_proj.weight"][0] // head,
+        num_key_value_heads=qs["model.layers.0.self_attn.k_proj.weight"][0] // head, head_dim=head,
+        rope_theta=1_000_000.0, rms_norm_eps=1e-6, max_position_embeddings=40960,
+        tie_word_embeddings=False,
+    )), q, "Qwen3")
+    # The rotary table is a buffer no file holds: built here, off the meta device.
+    qwen.model.rotary_emb = type(qwen.model.rotary_emb)(config=qwen.config)
+    del q
+    sd, _ = read_weights(args.model, dtype)
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
+    shapes = {k: list(v.shape) for k, v in sd.items()}
+    width, in_channels = shapes["img_in.weight"]
+    d = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
+    dit = built(lambda: Flux2Transformer2DModel(
+        patch_size=1, in_channels=in_channels, num_layers=count(shapes, "double_blocks.{}.img_attn.qkv.weight"),
+        num_single_layers=count(shapes, "single_blocks.{}.linear1.weight"), attention_head_dim=d,
+        num_attention_heads=width // d, joint_attention_dim=shapes["txt_in.weight"][1],
+        mlp_ratio=shapes["double_blocks.0.img_mlp.2.weight"][1] / width, axes_dims_rope=(d // 4,) * 4,
+        rope_theta=2000, eps=1e-6, guidance_embeds="guidance_in.in_layer.weight" in shapes,
+    ), sfu.convert_flux2_transformer_checkpoint_to_diffusers(sd), "FLUX.2 transformer")
+    del sd
+    ae, vs = read_weights(args.vae, dtype)
+    for a, b in [("encoder.quant_conv.", "quant_conv."), ("decoder.post_quant_conv.", "post_quant_conv.")]:
+        for k in [k for k in ae if k.startswith(a)]:
+            ae[b + k[len(a):]] = ae.pop(k)
+    cfg = vae_config({k: list(v.shape) for k, v in ae.items()}, 1.0, VAE="")
+    cfg = {k: v for k, v in cfg.items() if k not in ("scaling_factor", "force_upcast")}
+    vae = AutoencoderKLFlux2(**cfg)
+    conv = sfu.convert_ldm_vae_checkpoint({k: v for k, v in ae.items() if not k.startswith("bn.")}, dict(vae.config))
+    conv.update({k: v for k, v in ae.items() if k.startswith("bn.")})
+    conv["bn.num_batches_tracked"] = conv.get("bn.num_batches_tracked", torch.tensor(0)).long()
+    load_strict(vae, conv, "autoencoder")
+    del ae
+    dit, vae, qwen = (m.to(dtype).eval() for m in (dit, vae, qwen))
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=True,
+                                            base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                            max_image_seq_len=4096, time_shift_type="exponential")
+    distilled = args.cfg_scale <= 1.0
+    pipe = Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=qwen, tokenizer=qwen_tokenizer(args.qwen_merges, args.llm),
+                              transformer=dit, is_distilled=distilled)
+    out_layers = tuple((k * layers + 3) // 4 for k in (1, 2, 3))
+    call = dict(guidance_scale=args.cfg_scale, max_sequence_length=512, text_encoder_out_layers=out_layers)
+    return pipe, dit, vae, [qwen], call
 
 
 def peak_host_bytes():
@@ -581,9 +773,10 @@ class Timer:
 
 def main():
     args = parse_args()
-    flux = args.t5xxl is not None or args.clip_l is not None
+    klein = args.llm is not None
+    flux = args.t5xxl is not None or args.clip_l is not None or klein
     if flux and (args.sampler, args.scheduler) != ("euler", "simple"):
-        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers' FluxPipeline samples with Euler on the simple "
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers' FLUX pipelines sample with Euler on the simple "
              f"schedule, not {args.sampler} {args.scheduler}")
     if flux:
         args.sampler, args.scheduler = "euler", "discrete"  # FluxPipeline brings its own scheduler
@@ -645,7 +838,10 @@ def main():
         with safe_open(args.model, framework="pt") as f:
             shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
     t = clock()
-    if flux:
+    if klein:
+        pipe, unet, vae, tes, call = build_klein(args, dtype)
+        cls_name = "FlowMatchEulerDiscreteScheduler"
+    elif flux:
         pipe, unet, vae, tes, call = build_flux(args, dtype)
         cls_name = "FlowMatchEulerDiscreteScheduler"
     elif is_sdxl(shapes):
@@ -700,7 +896,7 @@ def main():
     system = (f"diffusers {diffusers.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
               f"{args.dtype} weights and compute, "
               + ("StableDiffusionXLPipeline, its VAE decoding in that dtype (force_upcast off), " if is_sdxl(shapes) else "")
-              + ("FluxPipeline, GGUF blocks dequantized at load, " if flux else "")
+              + ((("Flux2KleinPipeline" if klein else "FluxPipeline") + ", GGUF blocks dequantized at load, ") if flux else "")
               + (f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else f"{torch.get_num_threads()} threads, ")
               + f"{cls_name}, "
               f"attention {type(unet.attn_processors[next(iter(unet.attn_processors))]).__name__}")

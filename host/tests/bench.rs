@@ -285,8 +285,9 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
     assert_eq!(f32["peak_host_bytes"], 1u64 << 30);
 }
 
-/// The real diffusers peer on the tiny SD 1.x and SDXL checkpoints and the
-/// tiny FLUX.1 schnell in parts (its T5 a q8_0 GGUF in llama.cpp's names),
+/// The real diffusers peer on the tiny SD 1.x and SDXL checkpoints, the
+/// tiny FLUX.1 schnell in parts (its T5 a q8_0 GGUF in llama.cpp's names)
+/// and the tiny FLUX.2 klein (its Qwen3 a GGUF with its own vocabulary),
 /// when a Python with torch, diffusers and gguf is named (for example
 /// /tmp/fixture-venv/bin/python).
 #[test]
@@ -315,6 +316,13 @@ fn real_diffusers_peer_on_the_tiny_models() {
     let parts = ["--t5xxl", s(&t5), "--clip-l", s(&clip), "--vae", s(&ae)];
     let schnell = fixture("flux/tiny-flux-schnell.safetensors");
     real_diffusers_peer_on(&p, &py, &schnell, &parts, Some("FluxPipeline"));
+    let (llm, ae) = (
+        fixture("qwen3/tiny-qwen3-bf16.gguf"),
+        fixture("klein/tiny-klein-ae.safetensors"),
+    );
+    let parts = ["--llm", s(&llm), "--vae", s(&ae)];
+    let klein = fixture("klein/tiny-klein.safetensors");
+    real_diffusers_peer_on(&p, &py, &klein, &parts, Some("Flux2KleinPipeline"));
 }
 
 fn real_diffusers_peer_on(
@@ -676,4 +684,73 @@ fn direct_convolutions_leave_no_im2col() {
         !im2col.iter().any(|o| o.starts_with("CONV_2D")),
         "{im2col:?}"
     );
+}
+
+/// FLUX.2 klein goes to the diffusers peer in parts (`--llm`, `--vae`)
+/// with the Qwen merges sdhost ships, written where the peer reads them.
+#[test]
+fn the_diffusers_peer_gets_klein_in_parts_and_the_shipped_merges() {
+    let p = Prefix::with_cpu();
+    let root = p.root().to_path_buf();
+    let body = format!(
+        r#"echo "$@" > '{dir}/args'
+prev=; for a in "$@"; do [ "$prev" = --qwen-merges ] && cp "$a" '{dir}/merges.txt'; prev=$a; done
+cat >/dev/null
+echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"total_s": 2.0, "te_s": 0.5, "sampling_s": 1.0, "vae_s": 0.5, "unet_calls": 2}}], "peak_host_bytes": null}}'"#,
+        dir = root.display()
+    );
+    let py = fake_python(&p, "fake-python", &body);
+    let (model, llm, ae) = (
+        fixture("klein/tiny-klein.safetensors"),
+        fixture("qwen3/tiny-qwen3-bf16.gguf"),
+        fixture("klein/tiny-klein-ae.safetensors"),
+    );
+    let flags = [
+        "--llm",
+        s(&llm),
+        "--vae",
+        s(&ae),
+        "--peer",
+        "diffusers",
+        "--diffusers-python",
+        s(&py),
+        "--json",
+    ];
+    let j = p.run(&bench_args(&model, &flags)).ok().json();
+    assert_eq!(
+        peers(&j),
+        [
+            ("diffusers-f32".into(), None),
+            ("diffusers-bf16".into(), None)
+        ],
+        "{j}"
+    );
+    let args = std::fs::read_to_string(root.join("args")).unwrap();
+    let want = format!(
+        "--llm {} --vae {} --qwen-merges ",
+        llm.display(),
+        ae.display()
+    );
+    assert!(args.contains(&want), "{want}: {args}");
+    assert_eq!(
+        std::fs::read_to_string(root.join("merges.txt")).unwrap(),
+        sdhost_models::tokenizers::qwen::merges_text()
+    );
+    // Z-Image takes --llm too; the peer has no pipeline for it yet.
+    let (z, ae16) = (
+        fixture("zimage/tiny-zimage.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let flags = [
+        "--llm",
+        s(&llm),
+        "--vae",
+        s(&ae16),
+        "--peer",
+        "diffusers",
+        "--json",
+    ];
+    let j = p.run(&bench_args(&z, &flags)).ok().json();
+    let err = peers(&j)[0].1.clone().unwrap();
+    assert!(err.contains("not wired for zimage"), "{err}");
 }

@@ -821,12 +821,13 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
         seen.push(key);
         // The diffusers peer is wired for single-file SD 1.x and SDXL
-        // checkpoints and for FLUX.1 in parts (it says so itself); the
+        // checkpoints and for FLUX.1 and FLUX.2 klein in parts (it says so itself); the
         // sd.cpp peer takes FLUX in parts too.
         let c = &a.sample.components;
         let parts = c.t5xxl.is_some() || c.clip_l.is_some() || c.llm.is_some();
         let wired = match family.name() {
             "flux" => c.t5xxl.is_some() && c.clip_l.is_some() && a.sample.vae.is_some(),
+            "flux2" => c.llm.is_some() && a.sample.vae.is_some(),
             _ => family.config().is_some() && !parts,
         };
         if matches!(p, Peer::Diffusers) && !wired {
@@ -1123,15 +1124,16 @@ impl PeerJob<'_> {
     /// in `dtype` with the same settings; errors are reported in the table.
     fn diffusers(&self, dtype: &str) -> Result<PeerReport, String> {
         // The families bench/diffusers_peer.py builds a pipeline for.
-        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl", "flux"];
+        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl", "flux", "flux2"];
         let (a, req) = (self.a, self.req);
         if !DIFFUSERS_FAMILIES.contains(&self.family.name()) {
             return Err(format!(
-                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints and FLUX.1 in parts (this is {})",
+                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints, FLUX.1 and FLUX.2 klein in parts (this is {})",
                 self.family.name()
             ));
         }
         let flux = self.family.name() == "flux";
+        let klein = self.family.name() == "flux2";
         let device = match self.gpu {
             None => "cpu",
             Some(d) if d.starts_with("cuda") => "cuda",
@@ -1142,7 +1144,7 @@ impl PeerJob<'_> {
             }
         };
         if a.sample.vae_tiling
-            || (!flux && a.sample.vae_file().is_some())
+            || (!(flux || klein) && a.sample.vae_file().is_some())
             || a.sample.taesd.is_some()
         {
             return Err(
@@ -1170,21 +1172,36 @@ impl PeerJob<'_> {
             .args((!self.warm_up).then_some("--no-warm-up"))
             // No hub access, ever: the script builds every config itself.
             .env("HF_HUB_OFFLINE", "1");
-        // FLUX.1 comes in parts, and its T5 tokenizer from the vocabulary
-        // sdhost ships (kept on disk until the child is done).
+        // FLUX.1 and klein come in parts, and their tokenizers from the
+        // vocabularies sdhost ships (kept on disk until the child is done).
         let vocabulary = tempfile::Builder::new()
-            .prefix("sdhost-t5-")
-            .suffix(".json")
+            .prefix("sdhost-vocabulary-")
             .tempfile()
-            .map_err(|e| format!("T5 vocabulary for the peer: {e}"))?;
+            .map_err(|e| format!("vocabulary for the peer: {e}"))?;
+        let write = |text: &[u8]| {
+            std::fs::write(vocabulary.path(), text)
+                .map_err(|e| format!("vocabulary for the peer: {e}"))
+        };
+        let components = &a.sample.components;
+        if klein {
+            write(sdhost_models::tokenizers::qwen::merges_text().as_bytes())?;
+            let (Some(llm), Some(vae)) = (&components.llm, &a.sample.vae) else {
+                return Err(
+                    "not comparable: the diffusers peer takes FLUX.2 klein in parts (--llm, --vae)"
+                        .into(),
+                );
+            };
+            c.arg("--llm")
+                .arg(llm)
+                .arg("--vae")
+                .arg(vae)
+                .arg("--qwen-merges")
+                .arg(vocabulary.path());
+        }
         if flux {
-            std::fs::write(
-                vocabulary.path(),
-                sdhost_models::tokenizers::t5::vocabulary_json(),
-            )
-            .map_err(|e| format!("T5 vocabulary for the peer: {e}"))?;
-            let parts = &a.sample.components;
-            let (Some(t5), Some(clip), Some(vae)) = (&parts.t5xxl, &parts.clip_l, &a.sample.vae)
+            write(sdhost_models::tokenizers::t5::vocabulary_json())?;
+            let (Some(t5), Some(clip), Some(vae)) =
+                (&components.t5xxl, &components.clip_l, &a.sample.vae)
             else {
                 return Err("not comparable: the diffusers peer takes FLUX.1 in parts (--t5xxl, --clip-l, --vae)".into());
             };

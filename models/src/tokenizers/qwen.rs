@@ -24,6 +24,13 @@ use std::sync::{Arc, OnceLock};
 
 static MERGES: &str = include_str!("../../data/qwen/merges.txt");
 
+/// The shipped merges as they are (one merge per line, in rank order),
+/// for a peer that builds its own tokenizer from them (`sdhost bench
+/// --peer diffusers`).
+pub fn merges_text() -> &'static str {
+    MERGES
+}
+
 /// Qwen's split pattern (its `tokenizer.json`'s pre-tokenizer regex).
 const PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
