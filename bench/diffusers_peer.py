@@ -32,8 +32,14 @@ dequantized at load (the gguf package) into the dtype asked, T5 in transformers'
 tokenizer over the vocabulary sdhost ships, FluxPipeline with FlowMatchEulerDiscreteScheduler (schnell: no
 shift, 256 T5 tokens; dev: BFL's shift, 512 tokens, --guidance).
 
+FLUX.2 klein (`--llm`, `--vae`, `--qwen-merges` given) likewise: Flux2KleinPipeline over the transformer (BFL's
+names), its Qwen3 (transformers' or llama.cpp's names; a GGUF's own vocabulary where it has one, else the merges
+sdhost ships) and AutoencoderKLFlux2 (BFL's layout); distilled at CFG 1, base above. Full-size transformers are
+built on the meta device and take the loaded tensors themselves; parts too large for the host's memory in the
+dtype asked are "not comparable".
+
 Exit status: 0 with the report; 3 "unavailable: ..." (Python packages missing); 4 "not
-comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x, SDXL nor FLUX.1 in parts); anything
+comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x, SDXL, nor FLUX.1 or FLUX.2 klein in parts); anything
 else is a failure.  Every message is one line on stderr.
 """
 
