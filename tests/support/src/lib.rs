@@ -71,7 +71,7 @@ pub struct Plugins {
 }
 
 impl Plugins {
-    /// Opens the built plugins of [`FAMILIES`] found in [`build_dir`]; a
+    /// Opens the built plugins (the CPU, BLAS, Vulkan and CUDA ones) found in [`build_dir`]; a
     /// plugin whose initialisation fails (a GPU plugin without its driver)
     /// is left out with a note, a missing or rejected CPU plugin fails.
     pub fn open() -> Plugins {
