@@ -9,25 +9,11 @@ use common::*;
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Image, LoadOptions, Request};
 use sdhost_models::runtime::module::{Share, Spread};
-use sdhost_models::sampling::{Sampler, Scheduler};
 
 fn request() -> Request {
     Request {
-        prompt: "a photo of a cat".into(),
-        negative: String::new(),
-        steps: 2,
-        cfg_scale: 7.0,
-        guidance: 3.5,
-        width: 64,
-        height: 64,
         seed: 3,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Discrete,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
-        controls: Vec::new(),
-        ip: None,
+        ..cfg_request(2)
     }
 }
 

@@ -21,7 +21,7 @@ use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, Request};
 use sdhost_models::runtime::module::Devices;
-use sdhost_models::sampling::{Sampler, Scheduler};
+use sdhost_models::sampling::Scheduler;
 use sdhost_models::ModuleKind;
 use std::collections::HashMap;
 use std::path::Path;
@@ -148,20 +148,9 @@ fn transformer_out(
 fn request(steps: usize, cfg_scale: f32) -> Request {
     Request {
         prompt: PROMPTS[0].into(),
-        negative: String::new(),
-        steps,
         cfg_scale,
         guidance: 3.5,
-        width: 64,
-        height: 64,
-        seed: 0,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Simple,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
-        controls: Vec::new(),
-        ip: None,
+        ..euler_request("", steps)
     }
 }
 

@@ -14,29 +14,7 @@ use sdhost_models::checkpoint;
 use sdhost_models::denoisers::unet::UnetInput;
 use sdhost_models::lora::{LoraApply, LoraSpec};
 use sdhost_models::request::LoadOptions;
-use std::collections::HashMap;
 use std::path::Path;
-
-fn tensors(path: &Path) -> HashMap<String, Vec<f32>> {
-    let bytes = std::fs::read(path).unwrap();
-    checkpoint::scan(path)
-        .unwrap()
-        .tensors
-        .into_iter()
-        .map(|t| {
-            let off = t.offset.unwrap() as usize;
-            let raw = &bytes[off..off + t.bytes as usize];
-            let vals = match t.dtype.as_str() {
-                "I32" => raw
-                    .chunks_exact(4)
-                    .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as f32)
-                    .collect(),
-                d => checkpoint::dtype::decode_f32(d, raw).unwrap(),
-            };
-            (t.name, vals)
-        })
-        .collect()
-}
 
 /// Largest difference relative to the reference's largest magnitude.
 fn rel_err(got: &[f32], want: &[f32]) -> f32 {
@@ -72,7 +50,7 @@ fn outputs(
         let c = sd_model(sd)
             .encode_prompt("a photo of a cat", 1, 1)
             .unwrap();
-        let r = tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
+        let r = read_tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
         let out = sd_model(sd)
             .predict(UnetInput {
                 x: &r["unet.x"],
@@ -99,14 +77,14 @@ fn spec(file: &str, weight: f32) -> LoraSpec {
 /// tolerances as the modules' own references (models.rs).
 #[test]
 fn loras_match_references_merged_and_in_the_graph() {
-    let r = tensors(&fixture("tiny-lora-ref.safetensors"));
+    let r = read_tensors(&fixture("tiny-lora-ref.safetensors"));
     for (case, family, file, weight) in [
         ("sd1_kohya", "sd1", "tiny-sd1-lora-kohya.safetensors", 0.8),
         ("sd1_peft", "sd1", "tiny-sd1-lora-peft.safetensors", 1.0),
         ("sdxl_kohya", "sdxl", "tiny-sdxl-lora.safetensors", 0.7),
     ] {
         let model = fixture(&format!("tiny-{family}.safetensors"));
-        let base = tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
+        let base = read_tensors(&fixture(&format!("tiny-{family}-ref.safetensors")));
         for apply in [LoraApply::Merge, LoraApply::Graph] {
             let what = format!("{case} {}", apply.name());
             let (hidden, pooled, unet) = outputs(&model, family, &[spec(file, weight)], apply);
@@ -145,7 +123,7 @@ fn loras_match_references_merged_and_in_the_graph() {
 #[test]
 fn weights_scale_and_loras_add() {
     let model = fixture("tiny-sd1.safetensors");
-    let base = tensors(&fixture("tiny-sd1-ref.safetensors"));
+    let base = read_tensors(&fixture("tiny-sd1-ref.safetensors"));
     let (_, _, zero) = outputs(
         &model,
         "sd1",
@@ -160,7 +138,7 @@ fn weights_scale_and_loras_add() {
     let (_, _, merged) = outputs(&model, "sd1", &both, LoraApply::Merge);
     let (_, _, graph) = outputs(&model, "sd1", &both, LoraApply::Graph);
     assert_close("two LoRAs, graph vs merge", &graph, &merged, 2e-3);
-    let r = tensors(&fixture("tiny-lora-ref.safetensors"));
+    let r = read_tensors(&fixture("tiny-lora-ref.safetensors"));
     assert!(rel_err(&merged, &r["sd1_kohya.unet.out"]) > 1e-2);
 }
 

@@ -14,25 +14,13 @@ use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{Layout, LoadOptions, Request};
 use sdhost_models::runtime::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
 use sdhost_models::runtime::module::{Devices, WeightPolicy};
-use sdhost_models::sampling::{Sampler, Scheduler};
 
 fn request(width: usize, height: usize) -> Request {
     Request {
-        prompt: "a photo of a cat".into(),
-        negative: String::new(),
-        steps: 2,
-        cfg_scale: 7.0,
-        guidance: 3.5,
         width,
         height,
         seed: 1,
-        sampler: Sampler::Euler,
-        scheduler: Scheduler::Discrete,
-        clip_skip: 1,
-        init: None,
-        reference: Vec::new(),
-        controls: Vec::new(),
-        ip: None,
+        ..cfg_request(2)
     }
 }
 

@@ -13,7 +13,7 @@ use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{LoadOptions, MatrixTypes, Request};
 use sdhost_models::runtime::graph::GraphOptions;
 use sdhost_models::runtime::module::WeightPolicy;
-use sdhost_models::sampling::{DiscreteSchedule, NoiseSchedule, Sampler, Scheduler};
+use sdhost_models::sampling::{DiscreteSchedule, NoiseSchedule, Scheduler};
 use sdhost_test_support::*;
 use std::collections::HashMap;
 
@@ -221,20 +221,7 @@ fn typed_modules_match_references_with(
             assert_close("sigmas", &sig, &r["pipe.sigmas"], 1e-6);
             let req = Request {
                 prompt: prompts[0].into(),
-                negative: String::new(),
-                steps: 3,
-                cfg_scale: 7.0,
-                guidance: 3.5,
-                width: 64,
-                height: 64,
-                seed: 0,
-                sampler: Sampler::Euler,
-                scheduler: Scheduler::Discrete,
-                clip_skip: 1,
-                init: None,
-                reference: Vec::new(),
-                controls: Vec::new(),
-                ip: None,
+                ..cfg_request(3)
             };
             let mut calls = 0;
             let latent = sd
