@@ -692,14 +692,7 @@ fn direct_convolutions_leave_no_im2col() {
 fn the_diffusers_peer_gets_klein_in_parts_and_the_shipped_merges() {
     let p = Prefix::with_cpu();
     let root = p.root().to_path_buf();
-    let body = format!(
-        r#"echo "$@" > '{dir}/args'
-prev=; for a in "$@"; do [ "$prev" = --qwen-merges ] && cp "$a" '{dir}/merges.txt'; prev=$a; done
-cat >/dev/null
-echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"total_s": 2.0, "te_s": 0.5, "sampling_s": 1.0, "vae_s": 0.5, "unet_calls": 2}}], "peak_host_bytes": null}}'"#,
-        dir = root.display()
-    );
-    let py = fake_python(&p, "fake-python", &body);
+    let py = fake_diffusers(&p, "--qwen-merges");
     let (model, llm, ae) = (
         fixture("klein/tiny-klein.safetensors"),
         fixture("qwen3/tiny-qwen3-bf16.gguf"),
@@ -725,7 +718,7 @@ echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [
         ],
         "{j}"
     );
-    let args = std::fs::read_to_string(root.join("args")).unwrap();
+    let args = std::fs::read_to_string(root.join("diffusers-args")).unwrap();
     let want = format!(
         "--llm {} --vae {} --qwen-merges ",
         llm.display(),
@@ -733,7 +726,7 @@ echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [
     );
     assert!(args.contains(&want), "{want}: {args}");
     assert_eq!(
-        std::fs::read_to_string(root.join("merges.txt")).unwrap(),
+        std::fs::read_to_string(root.join("diffusers-file")).unwrap(),
         sdhost_models::tokenizers::qwen::merges_text()
     );
     // Z-Image takes --llm too; the peer has no pipeline for it yet.

@@ -1247,14 +1247,7 @@ fn bench_gives_the_peers_flux_in_parts() {
     // A stand-in Python for the diffusers peer: it keeps its arguments and
     // the T5 vocabulary it is given.
     let root = p.root().to_path_buf();
-    let body = format!(
-        r#"echo "$@" > '{dir}/diffusers-args'
-prev=; for a in "$@"; do [ "$prev" = --t5-tokenizer ] && cp "$a" '{dir}/t5.json'; prev=$a; done
-cat >/dev/null
-echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"total_s": 2.0, "te_s": 0.5, "sampling_s": 1.0, "vae_s": 0.5, "unet_calls": 2}}], "peak_host_bytes": null}}'"#,
-        dir = root.display()
-    );
-    let py = fake_python(&p, "fake-python", &body);
+    let py = fake_diffusers(&p, "--t5-tokenizer");
     let model = fixture("flux/tiny-flux-dev.safetensors");
     let r = run_with_parts(
         &p,
@@ -1309,7 +1302,7 @@ echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [
     ] {
         assert!(py_args.contains(&want), "{want}: {py_args}");
     }
-    let vocabulary = std::fs::read(root.join("t5.json")).unwrap();
+    let vocabulary = std::fs::read(root.join("diffusers-file")).unwrap();
     assert_eq!(
         vocabulary,
         sdhost_models::tokenizers::t5::vocabulary_json(),

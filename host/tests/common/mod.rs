@@ -472,3 +472,18 @@ pub fn fake_python(p: &Prefix, name: &str, body: &str) -> PathBuf {
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
     path
 }
+
+/// A stand-in Python for the diffusers peer (`--diffusers-python`): it
+/// keeps its arguments in `ROOT/diffusers-args` and the file given after
+/// `file_flag` in `ROOT/diffusers-file` (ROOT: `p.root()`), and reports
+/// one run of 2 s.
+pub fn fake_diffusers(p: &Prefix, file_flag: &str) -> PathBuf {
+    let body = format!(
+        r#"echo "$@" > '{dir}/diffusers-args'
+prev=; for a in "$@"; do [ "$prev" = {file_flag} ] && cp "$a" '{dir}/diffusers-file'; prev=$a; done
+cat >/dev/null
+echo '{{"system": "fake diffusers", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"total_s": 2.0, "te_s": 0.5, "sampling_s": 1.0, "vae_s": 0.5, "unet_calls": 2}}], "peak_host_bytes": null}}'"#,
+        dir = p.root().display()
+    );
+    fake_python(p, "fake-diffusers-python", &body)
+}
