@@ -38,8 +38,12 @@ sdhost ships) and AutoencoderKLFlux2 (BFL's layout); distilled at CFG 1, base ab
 built on the meta device and take the loaded tensors themselves; parts too large for the host's memory in the
 dtype asked are "not comparable".
 
+Z-Image (`--family zimage` with `--llm`, `--vae`, `--qwen-merges`): ZImagePipeline over the transformer (Tongyi's
+original names), the Qwen3's base model and FLUX.1's autoencoder, shifted by 3, CFG where sdhost's is above 1
+(guidance_scale = sdhost's CFG - 1).
+
 Exit status: 0 with the report; 3 "unavailable: ..." (Python packages missing); 4 "not
-comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x, SDXL, nor FLUX.1 or FLUX.2 klein in parts); anything
+comparable: ..." (settings diffusers cannot reproduce, checkpoint neither SD 1.x, SDXL, nor FLUX.1, FLUX.2 klein or Z-Image in parts); anything
 else is a failure.  Every message is one line on stderr.
 """
 
@@ -118,6 +122,8 @@ def parse_args():
     # (--vae) and the Qwen merges sdhost ships.
     p.add_argument("--llm")
     p.add_argument("--qwen-merges")
+    p.add_argument("--family", choices=["flux2", "zimage"], default="flux2",
+                   help="which family --llm goes with (FLUX.2 klein or Z-Image)")
     return p.parse_args()
 
 
@@ -675,20 +681,12 @@ def qwen_tokenizer(merges_path, llm):
     return tok
 
 
-def build_klein(args, dtype):
-    """Flux2KleinPipeline over FLUX.2 klein in parts (--model the transformer in BFL's names, --llm its Qwen3 in
-    transformers' or llama.cpp's names, --vae BFL's autoencoder), every weight in `dtype`, GGUF blocks dequantized
-    at load; configs off the shapes as sdhost reads them. Distilled (no CFG) at CFG 1, base with CFG above."""
-    import torch
-    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
-    from diffusers.loaders import single_file_utils as sfu
+def build_qwen3(path, dtype):
+    """Qwen3ForCausalLM from `path` (transformers' or llama.cpp's names), built on the meta device and given
+    the loaded tensors; and its layer count."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    for flag, value in [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)]:
-        if not value:
-            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.2 klein in parts ({flag} missing)")
-    weights_fit([args.model, args.llm, args.vae], dtype, args.device)
-    q, _ = read_weights(args.llm, dtype)
+    q, _ = read_weights(path, dtype)
     q = {qwen_name(k): v for k, v in q.items()}
     qs = {k: list(v.shape) for k, v in q.items()}
     vocab, hidden = qs["model.embed_tokens.weight"]
@@ -705,6 +703,23 @@ def build_klein(args, dtype):
     # The rotary table is a buffer no file holds: built here, off the meta device.
     qwen.model.rotary_emb = type(qwen.model.rotary_emb)(config=qwen.config)
     del q
+    return qwen, layers
+
+
+def build_klein(args, dtype):
+    """Flux2KleinPipeline over FLUX.2 klein in parts (--model the transformer in BFL's names, --llm its Qwen3 in
+    transformers' or llama.cpp's names, --vae BFL's autoencoder), every weight in `dtype`, GGUF blocks dequantized
+    at load; configs off the shapes as sdhost reads them. Distilled (no CFG) at CFG 1, base with CFG above."""
+    import torch
+    from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers.loaders import single_file_utils as sfu
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    for flag, value in [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)]:
+        if not value:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.2 klein in parts ({flag} missing)")
+    weights_fit([args.model, args.llm, args.vae], dtype, args.device)
+    qwen, layers = build_qwen3(args.llm, dtype)
     sd, _ = read_weights(args.model, dtype)
     sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
     shapes = {k: list(v.shape) for k, v in sd.items()}
@@ -740,6 +755,62 @@ def build_klein(args, dtype):
     out_layers = tuple((k * layers + 3) // 4 for k in (1, 2, 3))
     call = dict(guidance_scale=args.cfg_scale, max_sequence_length=512, text_encoder_out_layers=out_layers)
     return pipe, dit, vae, [qwen], call
+
+
+ZIMAGE_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_zimage(args, dtype):
+    """ZImagePipeline over Z-Image in parts (--model the transformer in Tongyi's original names, bare or under
+    ComfyUI's prefix; --llm its Qwen3; --vae FLUX.1's autoencoder), every weight in `dtype`, GGUF blocks
+    dequantized at load; configs off the shapes as sdhost reads them; rectified flow shifted by 3; CFG where
+    sdhost's is above 1 (diffusers' guidance_scale is sdhost's CFG - 1)."""
+    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers.loaders import single_file_utils as sfu
+
+    for flag, value in [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)]:
+        if not value:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes Z-Image in parts ({flag} missing)")
+    weights_fit([args.model, args.llm, args.vae], dtype, args.device)
+    qwen, _ = build_qwen3(args.llm, dtype)
+    sd, _ = read_weights(args.model, dtype)
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
+    shapes = {k: list(v.shape) for k, v in sd.items()}
+    dim, patch_features = shapes["x_embedder.weight"]
+    hd = shapes["layers.0.attention.q_norm.weight"][0]
+    dit = built(lambda: ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=patch_features // 4, dim=dim,
+        n_layers=count(shapes, "layers.{}.attention.qkv.weight"),
+        n_refiner_layers=count(shapes, "noise_refiner.{}.attention.qkv.weight"), n_heads=dim // hd,
+        n_kv_heads=dim // hd, norm_eps=1e-5, qk_norm=True, cap_feat_dim=shapes["cap_embedder.0.weight"][0],
+        rope_theta=256.0, t_scale=1000.0, axes_dims=[hd // 4, 3 * hd // 8, 3 * hd // 8],
+        axes_lens=[1024, 512, 512],
+    ), sfu.convert_z_image_transformer_checkpoint_to_diffusers(sd), "Z-Image transformer")
+    del sd
+    ae, vshapes = read_weights(args.vae, dtype)
+    vae = AutoencoderKL(**vae_config(vshapes, 0.3611, VAE=""), shift_factor=0.1159, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    load_strict(vae, sfu.convert_ldm_vae_checkpoint(ae, dict(vae.config)), "autoencoder")
+    del ae
+    dit, vae, qwen = (m.to(dtype).eval() for m in (dit, vae, qwen))
+    tok = qwen_tokenizer(args.qwen_merges, args.llm)
+    tok.chat_template = ZIMAGE_TEMPLATE
+    sched = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0, use_dynamic_shifting=False)
+    pipe = ZImagePipeline(scheduler=sched, vae=vae, text_encoder=qwen.model, tokenizer=tok, transformer=dit)
+    call = dict(guidance_scale=max(args.cfg_scale - 1.0, 0.0), max_sequence_length=512)
+    if args.cfg_scale > 1.0:
+        call["negative_prompt"] = args.negative_prompt
+    return pipe, dit, vae, [qwen.model], call
+
+
+def attention_name(model):
+    """The attention processor's class (the model's own attention where it has no processors)."""
+    try:
+        procs = model.attn_processors
+    except AttributeError:
+        return f"{type(model).__name__}'s own"
+    return type(procs[next(iter(procs))]).__name__ if procs else f"{type(model).__name__}'s own"
 
 
 def peak_host_bytes():
@@ -779,10 +850,11 @@ class Timer:
 
 def main():
     args = parse_args()
-    klein = args.llm is not None
-    flux = args.t5xxl is not None or args.clip_l is not None or klein
+    klein = args.llm is not None and args.family == "flux2"
+    zimage = args.llm is not None and args.family == "zimage"
+    flux = args.t5xxl is not None or args.clip_l is not None or args.llm is not None
     if flux and (args.sampler, args.scheduler) != ("euler", "simple"):
-        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers' FLUX pipelines sample with Euler on the simple "
+        fail(EXIT_NOT_COMPARABLE, f"not comparable: diffusers' transformer pipelines sample with Euler on the simple "
              f"schedule, not {args.sampler} {args.scheduler}")
     if flux:
         args.sampler, args.scheduler = "euler", "discrete"  # FluxPipeline brings its own scheduler
@@ -844,7 +916,10 @@ def main():
         with safe_open(args.model, framework="pt") as f:
             shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
     t = clock()
-    if klein:
+    if zimage:
+        pipe, unet, vae, tes, call = build_zimage(args, dtype)
+        cls_name = "FlowMatchEulerDiscreteScheduler"
+    elif klein:
         pipe, unet, vae, tes, call = build_klein(args, dtype)
         cls_name = "FlowMatchEulerDiscreteScheduler"
     elif flux:
@@ -902,10 +977,11 @@ def main():
     system = (f"diffusers {diffusers.__version__}, torch {torch.__version__}, transformers {transformers.__version__}; "
               f"{args.dtype} weights and compute, "
               + ("StableDiffusionXLPipeline, its VAE decoding in that dtype (force_upcast off), " if is_sdxl(shapes) else "")
-              + ((("Flux2KleinPipeline" if klein else "FluxPipeline") + ", GGUF blocks dequantized at load, ") if flux else "")
+              + ((("ZImagePipeline" if zimage else "Flux2KleinPipeline" if klein else "FluxPipeline")
+                  + ", GGUF blocks dequantized at load, ") if flux else "")
               + (f"{torch.cuda.get_device_name()}, " if args.device == "cuda" else f"{torch.get_num_threads()} threads, ")
               + f"{cls_name}, "
-              f"attention {type(unet.attn_processors[next(iter(unet.attn_processors))]).__name__}")
+              f"attention {attention_name(unet)}")
     json.dump({"system": system, "load_s": load_s, "first_run_s": first_run_s, "runs": runs,
                "peak_host_bytes": peak_host_bytes()}, sys.stdout)
     sys.stdout.write("\n")

@@ -287,7 +287,8 @@ echo '{"system": "fake diffusers", "load_s": 3.0, "first_run_s": 5.0, "runs": [{
 
 /// The real diffusers peer on the tiny SD 1.x and SDXL checkpoints, the
 /// tiny FLUX.1 schnell in parts (its T5 a q8_0 GGUF in llama.cpp's names)
-/// and the tiny FLUX.2 klein (its Qwen3 a GGUF with its own vocabulary),
+/// and the tiny FLUX.2 klein and Z-Image (their Qwen3 a GGUF with its own
+/// vocabulary),
 /// when a Python with torch, diffusers and gguf is named (for example
 /// /tmp/fixture-venv/bin/python).
 #[test]
@@ -323,6 +324,12 @@ fn real_diffusers_peer_on_the_tiny_models() {
     let parts = ["--llm", s(&llm), "--vae", s(&ae)];
     let klein = fixture("klein/tiny-klein.safetensors");
     real_diffusers_peer_on(&p, &py, &klein, &parts, Some("Flux2KleinPipeline"));
+    let (zimage, ae16) = (
+        fixture("zimage/tiny-zimage.safetensors"),
+        fixture("ae16/tiny-ae16.safetensors"),
+    );
+    let parts = ["--llm", s(&llm), "--vae", s(&ae16)];
+    real_diffusers_peer_on(&p, &py, &zimage, &parts, Some("ZImagePipeline"));
 }
 
 fn real_diffusers_peer_on(
@@ -686,64 +693,58 @@ fn direct_convolutions_leave_no_im2col() {
     );
 }
 
-/// FLUX.2 klein goes to the diffusers peer in parts (`--llm`, `--vae`)
-/// with the Qwen merges sdhost ships, written where the peer reads them.
+/// FLUX.2 klein and Z-Image go to the diffusers peer in parts (`--llm`,
+/// `--vae`, and which family), with the Qwen merges sdhost ships written
+/// where the peer reads them.
 #[test]
-fn the_diffusers_peer_gets_klein_in_parts_and_the_shipped_merges() {
+fn the_diffusers_peer_gets_the_qwen3_families_in_parts_and_the_shipped_merges() {
     let p = Prefix::with_cpu();
     let root = p.root().to_path_buf();
     let py = fake_diffusers(&p, "--qwen-merges");
-    let (model, llm, ae) = (
-        fixture("klein/tiny-klein.safetensors"),
-        fixture("qwen3/tiny-qwen3-bf16.gguf"),
-        fixture("klein/tiny-klein-ae.safetensors"),
-    );
-    let flags = [
-        "--llm",
-        s(&llm),
-        "--vae",
-        s(&ae),
-        "--peer",
-        "diffusers",
-        "--diffusers-python",
-        s(&py),
-        "--json",
-    ];
-    let j = p.run(&bench_args(&model, &flags)).ok().json();
-    assert_eq!(
-        peers(&j),
-        [
-            ("diffusers-f32".into(), None),
-            ("diffusers-bf16".into(), None)
-        ],
-        "{j}"
-    );
-    let args = std::fs::read_to_string(root.join("diffusers-args")).unwrap();
-    let want = format!(
-        "--llm {} --vae {} --qwen-merges ",
-        llm.display(),
-        ae.display()
-    );
-    assert!(args.contains(&want), "{want}: {args}");
-    assert_eq!(
-        std::fs::read_to_string(root.join("diffusers-file")).unwrap(),
-        sdhost_models::tokenizers::qwen::merges_text()
-    );
-    // Z-Image takes --llm too; the peer has no pipeline for it yet.
-    let (z, ae16) = (
-        fixture("zimage/tiny-zimage.safetensors"),
-        fixture("ae16/tiny-ae16.safetensors"),
-    );
-    let flags = [
-        "--llm",
-        s(&llm),
-        "--vae",
-        s(&ae16),
-        "--peer",
-        "diffusers",
-        "--json",
-    ];
-    let j = p.run(&bench_args(&z, &flags)).ok().json();
-    let err = peers(&j)[0].1.clone().unwrap();
-    assert!(err.contains("not wired for zimage"), "{err}");
+    let llm = fixture("qwen3/tiny-qwen3-bf16.gguf");
+    for (family, model, ae) in [
+        (
+            "flux2",
+            "klein/tiny-klein.safetensors",
+            "klein/tiny-klein-ae.safetensors",
+        ),
+        (
+            "zimage",
+            "zimage/tiny-zimage.safetensors",
+            "ae16/tiny-ae16.safetensors",
+        ),
+    ] {
+        let (model, ae) = (fixture(model), fixture(ae));
+        let flags = [
+            "--llm",
+            s(&llm),
+            "--vae",
+            s(&ae),
+            "--peer",
+            "diffusers",
+            "--diffusers-python",
+            s(&py),
+            "--json",
+        ];
+        let j = p.run(&bench_args(&model, &flags)).ok().json();
+        assert_eq!(
+            peers(&j),
+            [
+                ("diffusers-f32".into(), None),
+                ("diffusers-bf16".into(), None)
+            ],
+            "{family}: {j}"
+        );
+        let args = std::fs::read_to_string(root.join("diffusers-args")).unwrap();
+        let want = format!(
+            "--family {family} --llm {} --vae {} --qwen-merges ",
+            llm.display(),
+            ae.display()
+        );
+        assert!(args.contains(&want), "{want}: {args}");
+        assert_eq!(
+            std::fs::read_to_string(root.join("diffusers-file")).unwrap(),
+            sdhost_models::tokenizers::qwen::merges_text()
+        );
+    }
 }

@@ -821,13 +821,13 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
         seen.push(key);
         // The diffusers peer is wired for single-file SD 1.x and SDXL
-        // checkpoints and for FLUX.1 and FLUX.2 klein in parts (it says so itself); the
+        // checkpoints and for FLUX.1, FLUX.2 klein and Z-Image in parts (it says so itself); the
         // sd.cpp peer takes FLUX in parts too.
         let c = &a.sample.components;
         let parts = c.t5xxl.is_some() || c.clip_l.is_some() || c.llm.is_some();
         let wired = match family.name() {
             "flux" => c.t5xxl.is_some() && c.clip_l.is_some() && a.sample.vae.is_some(),
-            "flux2" => c.llm.is_some() && a.sample.vae.is_some(),
+            "flux2" | "zimage" => c.llm.is_some() && a.sample.vae.is_some(),
             _ => family.config().is_some() && !parts,
         };
         if matches!(p, Peer::Diffusers) && !wired {
@@ -1124,16 +1124,17 @@ impl PeerJob<'_> {
     /// in `dtype` with the same settings; errors are reported in the table.
     fn diffusers(&self, dtype: &str) -> Result<PeerReport, String> {
         // The families bench/diffusers_peer.py builds a pipeline for.
-        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl", "flux", "flux2"];
+        const DIFFUSERS_FAMILIES: &[&str] = &["sd1", "sdxl", "flux", "flux2", "zimage"];
         let (a, req) = (self.a, self.req);
         if !DIFFUSERS_FAMILIES.contains(&self.family.name()) {
             return Err(format!(
-                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints, FLUX.1 and FLUX.2 klein in parts (this is {})",
+                "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints, FLUX.1, FLUX.2 klein and Z-Image in parts (this is {})",
                 self.family.name()
             ));
         }
         let flux = self.family.name() == "flux";
-        let klein = self.family.name() == "flux2";
+        // The Qwen3-encoded families: FLUX.2 klein and Z-Image.
+        let qwen = matches!(self.family.name(), "flux2" | "zimage");
         let device = match self.gpu {
             None => "cpu",
             Some(d) if d.starts_with("cuda") => "cuda",
@@ -1144,7 +1145,7 @@ impl PeerJob<'_> {
             }
         };
         if a.sample.vae_tiling
-            || (!(flux || klein) && a.sample.vae_file().is_some())
+            || (!(flux || qwen) && a.sample.vae_file().is_some())
             || a.sample.taesd.is_some()
         {
             return Err(
@@ -1183,15 +1184,16 @@ impl PeerJob<'_> {
                 .map_err(|e| format!("vocabulary for the peer: {e}"))
         };
         let components = &a.sample.components;
-        if klein {
+        if qwen {
             write(sdhost_models::tokenizers::qwen::merges_text().as_bytes())?;
             let (Some(llm), Some(vae)) = (&components.llm, &a.sample.vae) else {
                 return Err(
-                    "not comparable: the diffusers peer takes FLUX.2 klein in parts (--llm, --vae)"
+                    "not comparable: the diffusers peer takes these models in parts (--llm, --vae)"
                         .into(),
                 );
             };
-            c.arg("--llm")
+            c.args(["--family", self.family.name()])
+                .arg("--llm")
                 .arg(llm)
                 .arg("--vae")
                 .arg(vae)
