@@ -521,6 +521,34 @@ def count(shapes, fmt):
     return n
 
 
+def need_parts(what, parts):
+    """Refuses (not comparable) when one of the (flag, value) `parts` a family comes in is missing."""
+    for flag, value in parts:
+        if not value:
+            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes {what} in parts ({flag} missing)")
+
+
+def read_transformer(path, dtype):
+    """A transformer file's tensors under their bare names (ComfyUI's `model.diffusion_model.` dropped), and
+    their shapes."""
+    sd, _ = read_weights(path, dtype)
+    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
+    return sd, {k: list(v.shape) for k, v in sd.items()}
+
+
+def flux_autoencoder(path, dtype):
+    """FLUX.1's 16-channel autoencoder (ldm layout, no quant convs; scale 0.3611, shift 0.1159), which Z-Image
+    shares."""
+    from diffusers import AutoencoderKL
+    from diffusers.loaders import single_file_utils as sfu
+
+    ae, shapes = read_weights(path, dtype)
+    vae = AutoencoderKL(**vae_config(shapes, 0.3611, VAE=""), shift_factor=0.1159, use_quant_conv=False,
+                        use_post_quant_conv=False)
+    load_strict(vae, sfu.convert_ldm_vae_checkpoint(ae, dict(vae.config)), "autoencoder")
+    return vae
+
+
 def flux_converter(inner_dim):
     """diffusers' own BFL->diffusers converter for a transformer `inner_dim` wide (the converter has
     FLUX.1's 3072 written in; the tiny fixtures are narrower)."""
@@ -543,18 +571,13 @@ def build_flux(args, dtype):
     autoencoder), every weight in `dtype` (GGUF blocks dequantized at load: diffusers' bf16/f16 FLUX as
     people run it). Configs are read off the shapes as sdhost reads them: schnell without `guidance_in`
     (256 T5 tokens, no shift), dev with it (512 tokens, BFL's resolution-dependent shift)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-    from diffusers.loaders import single_file_utils as sfu
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5Config, T5EncoderModel, T5TokenizerFast
 
-    for flag, value in [("--t5xxl", args.t5xxl), ("--clip-l", args.clip_l), ("--vae", args.vae),
-                        ("--t5-tokenizer", args.t5_tokenizer)]:
-        if not value:
-            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.1 in parts ({flag} missing)")
+    need_parts("FLUX.1", [("--t5xxl", args.t5xxl), ("--clip-l", args.clip_l), ("--vae", args.vae),
+                          ("--t5-tokenizer", args.t5_tokenizer)])
     weights_fit([args.model, args.t5xxl, args.clip_l, args.vae], dtype, args.device)
-    sd, _ = read_weights(args.model, dtype)
-    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
-    shapes = {k: list(v.shape) for k, v in sd.items()}
+    sd, shapes = read_transformer(args.model, dtype)
     hidden, in_channels = shapes["img_in.weight"]
     d = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
     dev = "guidance_in.in_layer.weight" in shapes
@@ -590,11 +613,7 @@ def build_flux(args, dtype):
     clip, cshapes = read_weights(args.clip_l, dtype)
     te_l = CLIPTextModel(te_config(cshapes, "text_model."))
     load_strict(te_l, clip, "CLIP-L")
-    ae, vshapes = read_weights(args.vae, dtype)
-    vae = AutoencoderKL(**vae_config(vshapes, 0.3611, VAE=""), shift_factor=0.1159, use_quant_conv=False,
-                        use_post_quant_conv=False)
-    load_strict(vae, sfu.convert_ldm_vae_checkpoint(ae, dict(vae.config)), "autoencoder")
-    del ae
+    vae = flux_autoencoder(args.vae, dtype)
     dit, vae, te_l, te_t5 = (m.to(dtype).eval() for m in (dit, vae, te_l, te_t5))
     sched = FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=dev, base_shift=0.5, max_shift=1.15,
                                             base_image_seq_len=256, max_image_seq_len=4096)
@@ -713,16 +732,11 @@ def build_klein(args, dtype):
     import torch
     from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
     from diffusers.loaders import single_file_utils as sfu
-    from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    for flag, value in [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)]:
-        if not value:
-            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes FLUX.2 klein in parts ({flag} missing)")
+    need_parts("FLUX.2 klein", [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)])
     weights_fit([args.model, args.llm, args.vae], dtype, args.device)
     qwen, layers = build_qwen3(args.llm, dtype)
-    sd, _ = read_weights(args.model, dtype)
-    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
-    shapes = {k: list(v.shape) for k, v in sd.items()}
+    sd, shapes = read_transformer(args.model, dtype)
     width, in_channels = shapes["img_in.weight"]
     d = shapes["double_blocks.0.img_attn.norm.query_norm.scale"][0]
     dit = built(lambda: Flux2Transformer2DModel(
@@ -766,17 +780,13 @@ def build_zimage(args, dtype):
     ComfyUI's prefix; --llm its Qwen3; --vae FLUX.1's autoencoder), every weight in `dtype`, GGUF blocks
     dequantized at load; configs off the shapes as sdhost reads them; rectified flow shifted by 3; CFG where
     sdhost's is above 1 (diffusers' guidance_scale is sdhost's CFG - 1)."""
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
     from diffusers.loaders import single_file_utils as sfu
 
-    for flag, value in [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)]:
-        if not value:
-            fail(EXIT_NOT_COMPARABLE, f"not comparable: the diffusers peer takes Z-Image in parts ({flag} missing)")
+    need_parts("Z-Image", [("--llm", args.llm), ("--vae", args.vae), ("--qwen-merges", args.qwen_merges)])
     weights_fit([args.model, args.llm, args.vae], dtype, args.device)
     qwen, _ = build_qwen3(args.llm, dtype)
-    sd, _ = read_weights(args.model, dtype)
-    sd = {k.removeprefix("model.diffusion_model."): v for k, v in sd.items()}
-    shapes = {k: list(v.shape) for k, v in sd.items()}
+    sd, shapes = read_transformer(args.model, dtype)
     dim, patch_features = shapes["x_embedder.weight"]
     hd = shapes["layers.0.attention.q_norm.weight"][0]
     dit = built(lambda: ZImageTransformer2DModel(
@@ -788,11 +798,7 @@ def build_zimage(args, dtype):
         axes_lens=[1024, 512, 512],
     ), sfu.convert_z_image_transformer_checkpoint_to_diffusers(sd), "Z-Image transformer")
     del sd
-    ae, vshapes = read_weights(args.vae, dtype)
-    vae = AutoencoderKL(**vae_config(vshapes, 0.3611, VAE=""), shift_factor=0.1159, use_quant_conv=False,
-                        use_post_quant_conv=False)
-    load_strict(vae, sfu.convert_ldm_vae_checkpoint(ae, dict(vae.config)), "autoencoder")
-    del ae
+    vae = flux_autoencoder(args.vae, dtype)
     dit, vae, qwen = (m.to(dtype).eval() for m in (dit, vae, qwen))
     tok = qwen_tokenizer(args.qwen_merges, args.llm)
     tok.chat_template = ZIMAGE_TEMPLATE
