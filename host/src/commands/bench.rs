@@ -821,8 +821,8 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
         }
         seen.push(key);
         // The diffusers peer is wired for single-file SD 1.x and SDXL
-        // checkpoints and for FLUX.1, FLUX.2 klein and Z-Image in parts (it says so itself); the
-        // sd.cpp peer takes FLUX in parts too.
+        // checkpoints and for FLUX.1, FLUX.2 klein and Z-Image in parts
+        // (it says so itself); the sd.cpp peer takes FLUX in parts too.
         let c = &a.sample.components;
         let parts = c.t5xxl.is_some() || c.clip_l.is_some() || c.llm.is_some();
         let wired = match family.name() {
@@ -1173,8 +1173,9 @@ impl PeerJob<'_> {
             .args((!self.warm_up).then_some("--no-warm-up"))
             // No hub access, ever: the script builds every config itself.
             .env("HF_HUB_OFFLINE", "1");
-        // FLUX.1 and klein come in parts, and their tokenizers from the
-        // vocabularies sdhost ships (kept on disk until the child is done).
+        // FLUX.1, klein and Z-Image come in parts, and their tokenizers
+        // from the vocabularies sdhost ships (kept on disk until the child
+        // is done).
         let vocabulary = tempfile::Builder::new()
             .prefix("sdhost-vocabulary-")
             .tempfile()
