@@ -337,6 +337,37 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            // BFL's RoPE pairs regrouped into halves, from the key part of
+            // a fused projection (a strided view).
+            name: "pairs_to_halves",
+            tolerance: 1e-6,
+            cpu_kernels: false,
+            reference: None,
+            build: |i, c| {
+                let qkv = t(i, Type::F32, &[3 * 128, 10, 2])?;
+                let k = c.narrow(qkv, 0, 128, 128)?;
+                Ok((vec![qkv], c.pairs_to_halves(k, 64)?))
+            },
+        },
+        Case {
+            // Multi-axis RoPE as FLUX.2 has it (four axes), positions up to
+            // ±64 and periods in 2..10.
+            name: "rope_axes",
+            tolerance: 1e-3,
+            cpu_kernels: false,
+            reference: None,
+            build: |i, c| {
+                let x = t(i, Type::F32, &[64, 4, 12, 2])?;
+                let positions = t(i, Type::I32, &[4 * 12])?;
+                let periods = t(i, Type::F32, &[32])?;
+                let periods_in = c.scale_bias(periods, 4.0, 6.0)?;
+                Ok((
+                    vec![x, positions, periods],
+                    c.rope_axes(x, positions, periods_in, [8, 8, 8, 8])?,
+                ))
+            },
+        },
+        Case {
             name: "swiglu",
             tolerance: 1e-3,
             cpu_kernels: false,
@@ -855,7 +886,16 @@ pub fn run_case(
         if let Some(p) = perturb {
             p(k, &mut values);
         }
-        i.set_f32(&values)?;
+        if i.ty() == Some(Type::I32) {
+            // Integer inputs (positions) in −64..64.
+            let ints: Vec<u8> = values
+                .iter()
+                .flat_map(|v| ((v * 64.0).round() as i32).to_le_bytes())
+                .collect();
+            i.set_bytes(&ints)?;
+        } else {
+            i.set_f32(&values)?;
+        }
     }
     out.set_output();
     let graph = ctx.graph(out, 256)?;

@@ -8,6 +8,7 @@
 
 use crate::error::{ModelError, Result};
 use crate::runtime::graph::{check_shape, Flash, W};
+use crate::runtime::module::{input_f32, input_i32, Input};
 use ggml::{Context, Tensor};
 
 /// `y + Σ up·(down·x)` over the graph-mode LoRAs of the matrix `name`
@@ -358,28 +359,93 @@ fn check_rope(x: Tensor<'_>, cos: Tensor<'_>, sin: Tensor<'_>) -> Result<()> {
     Ok(())
 }
 
-/// Rotary position embedding of adjacent pairs (BFL's FLUX form):
-/// `x` `[D, H, L, N]`, each pair `(x₂ᵢ, x₂ᵢ₊₁)` of token `l` rotated by the
-/// angle whose cosine and sine are `cos`/`sin` `[D/2, 1, L, 1]` (the same
-/// for every head and batch entry).
-pub fn rope_pairs<'a>(
+/// Rotary position embedding over several position axes, BFL's form
+/// (FLUX.1, FLUX.2, Z-Image): axis `a` owns `d_a/2` consecutive pairs of
+/// each head and turns its pair `j` by `pos_a / θ^(2j/d_a)`.
+///
+/// BFL turns adjacent pairs `(x₂ᵢ, x₂ᵢ₊₁)`; ggml's one multi-section
+/// rotation ([`ggml::Context::rope_axes`]) turns `(xᵢ, x_{i+D/2})`. The
+/// heads of queries and keys are therefore regrouped into halves by the
+/// copy that makes them contiguous anyway ([`rms_norm_halves`]), which
+/// keeps every `q·k` and so the attention's output. One op per tensor
+/// replaces the nine (two strided copies, six products and sums, a
+/// concatenation) of turning the pairs where they lie.
+#[derive(Clone, Copy)]
+pub struct AxesRope<'a> {
+    positions: Tensor<'a>,
+    periods: Tensor<'a>,
+    sections: [i32; 4],
+}
+
+impl<'a> AxesRope<'a> {
+    /// The rotation of tokens at `ids` (per token, a whole-number
+    /// position on each of up to four axes), `axes` the axes' widths
+    /// `d_a` (even, summing to the head width), base `theta`.
+    pub fn new<const K: usize>(
+        c: &'a Context,
+        ids: &[[f64; K]],
+        axes: &[i64],
+        theta: f64,
+        inputs: &mut Vec<(Tensor<'a>, Input)>,
+    ) -> Result<AxesRope<'a>> {
+        if axes.is_empty()
+            || axes.len() > 4
+            || axes.len() > K
+            || axes.iter().any(|&d| d <= 0 || d % 2 != 0)
+        {
+            return Err(ModelError::Shape(format!("RoPE axes {axes:?}")));
+        }
+        let l = ids.len();
+        let mut positions = vec![0i32; 4 * l];
+        for (t, id) in ids.iter().enumerate() {
+            for (a, &p) in id.iter().take(axes.len()).enumerate() {
+                if p.fract() != 0.0 || p.abs() > f64::from(i32::MAX) {
+                    return Err(ModelError::Shape(format!(
+                        "RoPE position {p} is not a whole number"
+                    )));
+                }
+                positions[a * l + t] = p as i32;
+            }
+        }
+        // Pair j of an axis d wide turns by pos / θ^(2j/d): its period,
+        // computed in f64 as diffusers computes the frequency.
+        let periods: Vec<f32> = axes
+            .iter()
+            .flat_map(|&d| (0..d / 2).map(move |j| theta.powf(2.0 * j as f64 / d as f64) as f32))
+            .collect();
+        let mut sections = [0i32; 4];
+        for (s, &d) in sections.iter_mut().zip(axes) {
+            *s = (d / 2) as i32;
+        }
+        Ok(AxesRope {
+            positions: input_i32(c, positions, inputs)?,
+            periods: input_f32(c, &[periods.len() as i64], periods, inputs)?,
+            sections,
+        })
+    }
+
+    /// Turns `x` `[D, H, L, N]`, heads in halves ([`rms_norm_halves`]),
+    /// token `l` at the `l`-th id.
+    pub fn turn(&self, c: &'a Context, x: Tensor<'a>) -> Result<Tensor<'a>> {
+        Ok(c.rope_axes(x, self.positions, self.periods, self.sections)?)
+    }
+}
+
+/// Queries or keys for an [`AxesRope`]: `x` `[d·H, L, N]` (a view of a
+/// fused projection allowed) as `[d, H, L, N]` with each head's pairs
+/// regrouped into halves, RMS-normed per head with the weight `name`
+/// regrouped alike.
+pub fn rms_norm_halves<'a>(
     c: &'a Context,
+    w: &W<'a>,
+    name: &str,
     x: Tensor<'a>,
-    cos: Tensor<'a>,
-    sin: Tensor<'a>,
+    d: i64,
+    eps: f32,
 ) -> Result<Tensor<'a>> {
-    let [d, h, l, n] = x.ne();
-    check_rope(x, cos, sin)?;
-    let all = d / 2 * h * l * n;
-    let flat = c.reshape(c.dense(x)?, &[2, all])?;
-    let half = |i| -> Result<Tensor<'a>> {
-        Ok(c.reshape(c.cont(c.narrow(flat, 0, i, 1)?)?, &[d / 2, h, l, n])?)
-    };
-    let (x0, x1) = (half(0)?, half(1)?);
-    let a = c.sub(c.mul(x0, cos)?, c.mul(x1, sin)?)?;
-    let b = c.add(c.mul(x0, sin)?, c.mul(x1, cos)?)?;
-    let pairs = c.concat(c.reshape(a, &[1, all])?, c.reshape(b, &[1, all])?, 0)?;
-    Ok(c.reshape(pairs, &[d, h, l, n])?)
+    let g = as_f32(c, w.shaped(name, &[d])?)?;
+    let g = c.reshape(c.pairs_to_halves(g, d)?, &[d])?;
+    Ok(c.mul(c.rms_norm(c.pairs_to_halves(x, d)?, eps)?, g)?)
 }
 
 /// Rotary position embedding of each head's halves (NeoX's form, Qwen's

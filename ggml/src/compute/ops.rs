@@ -1348,6 +1348,127 @@ impl Context {
             "ggml_timestep_embedding",
         )
     }
+
+    /// The pairs of every `d`-wide head regrouped into halves, as one
+    /// contiguous copy: `a` `[d·H, L, N]` (dense rows; a view of a fused
+    /// projection allowed) becomes `[d, H, L, N]` whose head `(x₀, x₁, x₂,
+    /// x₃, …)` reads `(x₀, x₂, …, x₁, x₃, …)`. BFL's RoPE turns adjacent
+    /// pairs; after this copy the same pairs are `(i, i + d/2)`, the form
+    /// [`Context::rope_axes`] turns. Queries and keys regrouped alike keep
+    /// every `q·k`.
+    pub fn pairs_to_halves<'a>(&'a self, a: Tensor<'a>, d: i64) -> Result<Tensor<'a>> {
+        let [w, l, n, one] = a.ne();
+        let (nb, elem) = (a.nb(), 4usize);
+        if a.ty() != Some(Type::F32)
+            || !dense_rows(&a)
+            || one != 1
+            || d <= 0
+            || d % 2 != 0
+            || w % d != 0
+            || (n > 1 && nb[2] != nb[1] * l as usize)
+        {
+            return invalid(format!(
+                "cannot regroup {d}-wide heads of {} {:?} with strides {nb:?}",
+                a.type_name(),
+                a.ne()
+            ));
+        }
+        let heads = w / d;
+        self.room(4)?;
+        // SAFETY: `a` is alive for 'a with f32 dense rows; the view walks
+        // the same elements as `a` (pairs of 4-byte values 8 bytes apart,
+        // heads d·4 apart, rows a's nb[1] apart, and the N rows of a
+        // mergeable L × N, checked above), so it stays inside `a`'s data;
+        // the permutation is valid; the copy is contiguous and so
+        // reshapeable; room checked for the four tensors.
+        let t = unsafe {
+            let v = sys::ggml_view_4d(
+                self.raw,
+                a.raw,
+                2,
+                d / 2,
+                heads,
+                l * n,
+                2 * elem,
+                d as usize * elem,
+                nb[1],
+                0,
+            );
+            let p = sys::ggml_permute(self.raw, v, 1, 0, 2, 3);
+            let copy = sys::ggml_cont(self.raw, p);
+            sys::ggml_reshape_4d(self.raw, copy, d, heads, l, n)
+        };
+        self.wrap(t, "ggml_cont")
+    }
+
+    /// Rotary position embedding over up to four position axes (ggml's
+    /// multi-section RoPE): `a` `[D, H, L, N]` f32, contiguous; pair `i`
+    /// of every head, the elements `i` and `i + D/2`, of token `l` turns
+    /// by `positions[s·L + l] / periods[i]`, where `s` is the axis whose
+    /// section holds `i` (`sections` counts pairs, in order, and covers
+    /// all `D/2`). `positions` is i32 `[4·L]`, `periods` f32 `[D/2]`: the
+    /// frequencies come whole from the caller (the rotation computes no
+    /// powers), so each axis may have its own.
+    pub fn rope_axes<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        positions: Tensor<'a>,
+        periods: Tensor<'a>,
+        sections: [i32; 4],
+    ) -> Result<Tensor<'a>> {
+        let [d, _, l, _] = a.ne();
+        let pairs: i64 = sections.iter().map(|&s| i64::from(s.max(0))).sum();
+        if a.ty() != Some(Type::F32)
+            || !contiguous(&a)
+            || d % 2 != 0
+            || positions.ty() != Some(Type::I32)
+            || positions.ne() != [4 * l, 1, 1, 1]
+            || periods.ty() != Some(Type::F32)
+            || periods.ne() != [d / 2, 1, 1, 1]
+            || sections.iter().any(|&s| s < 0)
+            || sections[..3].iter().all(|&s| s == 0)
+            || pairs != d / 2
+        {
+            return invalid(format!(
+                "rope_axes of {} {:?} with positions {} {:?}, periods {} {:?} and sections {sections:?}",
+                a.type_name(),
+                a.ne(),
+                positions.type_name(),
+                positions.ne(),
+                periods.type_name(),
+                periods.ne()
+            ));
+        }
+        self.room(1)?;
+        let mut sections = sections;
+        // SAFETY: all three alive for 'a; `a` f32 and contiguous, the
+        // positions i32 of 4 per token and the factors f32 of D/2 (ggml
+        // asserts both), sections cover the head with one of the first
+        // three non-zero (the CPU asserts it); base 1 makes every power 1,
+        // so the angle is position / factor, and with ext_factor 0 the YaRN
+        // terms are unused; room checked.
+        self.wrap(
+            unsafe {
+                sys::ggml_rope_multi(
+                    self.raw,
+                    a.raw,
+                    positions.raw,
+                    periods.raw,
+                    d as i32,
+                    sections.as_mut_ptr(),
+                    sys::GGML_ROPE_TYPE_MROPE as i32,
+                    0,
+                    1.0,
+                    1.0,
+                    0.0,
+                    1.0,
+                    0.0,
+                    0.0,
+                )
+            },
+            "ggml_rope_multi",
+        )
+    }
 }
 
 /// A convolution's output width and height, as ggml computes them:

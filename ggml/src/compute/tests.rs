@@ -221,6 +221,24 @@ fn cases() -> Vec<Case> {
         "timestep_embedding" bad: |c| c.timestep_embedding(f32s(c, &[2]), 0, 10000);
         "timestep_embedding" bad: |c| c.timestep_embedding(t(c, Type::I32, &[2]), 32, 10000);
 
+        "pairs_to_halves" ok: |c| c.pairs_to_halves(f32s(c, &[256, 10, 2]), 64);
+        "pairs_to_halves" ok: |c| c.pairs_to_halves(c.narrow(f32s(c, &[384, 10]), 0, 128, 128)?, 64);
+        "pairs_to_halves" bad: |c| c.pairs_to_halves(f32s(c, &[256, 10]), 48);
+        "pairs_to_halves" bad: |c| c.pairs_to_halves(f32s(c, &[256, 10]), 7);
+        "pairs_to_halves" bad: |c| c.pairs_to_halves(transposed(c, Type::F32, &[10, 256]), 64);
+        "pairs_to_halves" bad: |c| c.pairs_to_halves(c.narrow(f32s(c, &[384, 10, 2]), 1, 0, 5)?, 64);
+        "pairs_to_halves" bad: |c| c.pairs_to_halves(t(c, Type::F16, &[256, 10]), 64);
+        "rope_axes" ok: |c| c.rope_axes(f32s(c, &[64, 4, 12, 2]), t(c, Type::I32, &[48]), f32s(c, &[32]), [8, 8, 8, 8]);
+        "rope_axes" ok: |c| c.rope_axes(f32s(c, &[128, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[64]), [8, 28, 28, 0]);
+        "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), t(c, Type::I32, &[12]), f32s(c, &[32]), [8, 8, 8, 8]);
+        "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), f32s(c, &[48]), f32s(c, &[32]), [8, 8, 8, 8]);
+        "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[16]), [8, 8, 8, 8]);
+        "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[32]), [8, 8, 8, 4]);
+        "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[32]), [0, 0, 0, 32]);
+        "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[32]), [-8, 16, 16, 8]);
+        "rope_axes" bad: |c| c.rope_axes(transposed(c, Type::F32, &[12, 64]), t(c, Type::I32, &[48]), f32s(c, &[32]), [8, 8, 8, 8]);
+        "rope_axes" bad: |c| c.rope_axes(t(c, Type::F16, &[64, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[32]), [8, 8, 8, 8]);
+
         // AMX ops: valid only in an AMX context, which the valid case asks
         // for (skipped where the processor has no AMX); refused outside one.
         "attention_bf16" ok: |c| { c.set_cpu_kernels(true); c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };

@@ -29,7 +29,7 @@
 //! at (10 + 10i, row, column, 0).
 
 use crate::error::{ModelError, Result};
-use crate::nn::{attention_with, linear, rms_norm, rope_pairs, Scores};
+use crate::nn::{attention_with, linear, rms_norm_halves, AxesRope, Scores};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, Built, ComputeBytes, Module};
 use ggml::{Context, Tensor};
@@ -252,24 +252,6 @@ pub fn reference_ids(ids: &mut Vec<[f64; 4]>, sizes: &[(usize, usize)]) {
     }
 }
 
-/// Cosines and sines of every token's RoPE pairs, `[L][D/2]` flattened:
-/// axis `a`'s pair `j` turns by `pos_a / θ^(2j/d_a)` (computed in f64, as
-/// diffusers does).
-pub fn rope_angles(ids: &[[f64; 4]], axes: &[i64], theta: f64) -> (Vec<f32>, Vec<f32>) {
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for id in ids {
-        for (a, &d) in axes.iter().enumerate() {
-            for j in 0..d / 2 {
-                let omega = 1.0 / theta.powf(2.0 * j as f64 / d as f64);
-                let angle = id[a] * omega;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-    }
-    (cos, sin)
-}
-
 /// Runs the transformer once: the velocity for `input.x`, in its shape.
 pub fn predict(
     module: &mut Module<'_>,
@@ -424,11 +406,7 @@ fn build<'a>(
     } else {
         reference_ids(&mut ids, &sizes);
     }
-    let (cos, sin) = rope_angles(&ids, &cfg.axes, cfg.theta());
-    let l = lt + li + lr;
-    let half = cfg.head_dim / 2;
-    let cos = input_f32(c, &[half, 1, l, 1], cos, &mut inputs)?;
-    let sin = input_f32(c, &[half, 1, l, 1], sin, &mut inputs)?;
+    let rope = AxesRope::new(c, &ids, &cfg.axes, cfg.theta(), &mut inputs)?;
 
     let embed = |name: &str, x: Tensor<'a>, n_in: i64| -> Result<Tensor<'a>> {
         let x = linear(c, w, &format!("{name}.in_layer"), x, n_in, h)?;
@@ -455,7 +433,6 @@ fn build<'a>(
 
     let mut img = linear(c, w, "img_in", img, cfg.in_features, h)?;
     let mut txt = linear(c, w, "txt_in", txt, cfg.context, h)?;
-    let rope = Rope { cos, sin };
     // FLUX.2's modulations, shared by every block.
     let shared = |name: &str, parts: i64| -> Result<Option<Vec<Tensor<'a>>>> {
         cfg.flux2
@@ -506,12 +483,6 @@ fn build<'a>(
     Ok(Built { output, inputs })
 }
 
-/// The angles every attention in a call rotates by.
-struct Rope<'a> {
-    cos: Tensor<'a>,
-    sin: Tensor<'a>,
-}
-
 /// `lin(silu(vec))` cut into `parts` vectors `[h, 1, N]` (shift, scale,
 /// gate, …).
 fn modulation<'a>(
@@ -541,22 +512,21 @@ fn modulate<'a>(
 }
 
 /// Query, key and value `[D, H, L, N]` from their `[h, L, N]` projections
-/// (views of a fused one allowed), q and k RMS-normed per head.
+/// (views of a fused one allowed), q and k RMS-normed per head with their
+/// heads' pairs in halves ([`AxesRope`]).
 fn heads<'a>(
     c: &'a Context,
     w: &W<'a>,
     cfg: &FluxConfig,
     norm: &str,
-    qkv: [Tensor<'a>; 3],
+    [q, k, v]: [Tensor<'a>; 3],
 ) -> Result<[Tensor<'a>; 3]> {
     let d = cfg.head_dim;
-    let [q, k, v] = qkv.map(|x| {
-        let [_, l, n, _] = x.ne();
-        Ok::<_, ModelError>(c.reshape(c.dense(x)?, &[d, cfg.heads, l, n])?)
-    });
-    let q = rms_norm(c, w, &format!("{norm}.query_norm.scale"), q?, d, EPS)?;
-    let k = rms_norm(c, w, &format!("{norm}.key_norm.scale"), k?, d, EPS)?;
-    Ok([q, k, v?])
+    let q = rms_norm_halves(c, w, &format!("{norm}.query_norm.scale"), q, d, EPS)?;
+    let k = rms_norm_halves(c, w, &format!("{norm}.key_norm.scale"), k, d, EPS)?;
+    let [_, l, n, _] = v.ne();
+    let v = c.reshape(c.dense(v)?, &[d, cfg.heads, l, n])?;
+    Ok([q, k, v])
 }
 
 /// Joint attention over `[D, H, L, N]` queries, keys and values (RoPE on
@@ -566,11 +536,11 @@ fn attend<'a>(
     w: &W<'a>,
     cfg: &FluxConfig,
     [q, k, v]: [Tensor<'a>; 3],
-    rope: &Rope<'a>,
+    rope: &AxesRope<'a>,
 ) -> Result<Tensor<'a>> {
     let [d, hh, l, n] = q.ne();
-    let q = rope_pairs(c, q, rope.cos, rope.sin)?;
-    let k = rope_pairs(c, k, rope.cos, rope.sin)?;
+    let q = rope.turn(c, q)?;
+    let k = rope.turn(c, k)?;
     let flat = |x: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(x, &[d * hh, l, n])?) };
     let scores = Scores {
         flash: w.flash_for(d),
@@ -605,7 +575,7 @@ fn double_block<'a>(
     img: Tensor<'a>,
     txt: Tensor<'a>,
     (im, tm): &(Vec<Tensor<'a>>, Vec<Tensor<'a>>),
-    rope: &Rope<'a>,
+    rope: &AxesRope<'a>,
 ) -> Result<(Tensor<'a>, Tensor<'a>)> {
     let h = cfg.hidden;
     let p = format!("double_blocks.{i}");
@@ -663,7 +633,7 @@ fn single_block<'a>(
     i: usize,
     x: Tensor<'a>,
     m: &[Tensor<'a>],
-    rope: &Rope<'a>,
+    rope: &AxesRope<'a>,
 ) -> Result<Tensor<'a>> {
     let h = cfg.hidden;
     let p = format!("single_blocks.{i}");
@@ -725,14 +695,5 @@ mod tests {
         let t = patchify(&x, shape, 1);
         assert_eq!(&t[..2], &[0.0, 24.0]);
         assert_eq!(unpatchify(&t, shape, 1), x);
-    }
-
-    #[test]
-    fn rope_angles_follow_the_axes() {
-        let (cos, sin) = rope_angles(&[[0.0, 2.0, 3.0, 0.0]], &[4, 14, 14], THETA);
-        assert_eq!(cos.len(), 16);
-        assert_eq!((cos[0], sin[0]), (1.0, 0.0)); // t = 0
-        assert!((cos[2] - 2f32.cos()).abs() < 1e-7); // h = 2, first pair
-        assert!((sin[9] - 3f32.sin()).abs() < 1e-7); // w = 3, first pair
     }
 }

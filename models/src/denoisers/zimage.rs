@@ -30,7 +30,7 @@
 //! 3d/8]` (32, 48, 48 for d = 128).
 
 use crate::error::{ModelError, Result};
-use crate::nn::{attention_with, linear, rms_norm, rope_pairs, Scores};
+use crate::nn::{attention_with, linear, rms_norm, rms_norm_halves, AxesRope, Scores};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, Built, ComputeBytes, Module};
 use ggml::{Context, Tensor};
@@ -165,24 +165,6 @@ fn patch_order([_, ch, h, w]: [usize; 4]) -> impl Iterator<Item = usize> {
 /// `n` rounded up to a multiple of [`SEQ_MULTIPLE`].
 pub fn padded(n: usize) -> usize {
     n.div_ceil(SEQ_MULTIPLE) * SEQ_MULTIPLE
-}
-
-/// Cosines and sines `[L][D/2]` of each id's RoPE pairs: axis `a`'s pair
-/// `j` turns by `pos_a / θ^(2j/d_a)` (the frequency in f64, the angle
-/// rounded to f32, as diffusers' table has it).
-fn rope_angles(ids: &[[f64; 3]], axes: [i64; 3]) -> (Vec<f32>, Vec<f32>) {
-    let (mut cos, mut sin) = (Vec::new(), Vec::new());
-    for id in ids {
-        for (a, &d) in axes.iter().enumerate() {
-            for j in 0..d / 2 {
-                let omega = 1.0 / THETA.powf(2.0 * j as f64 / d as f64);
-                let angle = (id[a] * omega) as f32;
-                cos.push(angle.cos());
-                sin.push(angle.sin());
-            }
-        }
-    }
-    (cos, sin)
 }
 
 /// Runs the transformer once: the flow velocity for `input.x`, in its
@@ -346,15 +328,7 @@ fn build<'a>(
         .map(|i| [(cap_pad + 1) as f64, (i / pw) as f64, (i % pw) as f64])
         .collect();
     img_ids.resize(img_pad, [0.0; 3]);
-    let half = cfg.head_dim / 2;
-    let mut rope = |ids: &[[f64; 3]]| -> Result<Rope<'a>> {
-        let (cos, sin) = rope_angles(ids, cfg.axes);
-        let ne = [half, 1, ids.len() as i64, 1];
-        Ok(Rope {
-            cos: input_f32(c, &ne, cos, &mut inputs)?,
-            sin: input_f32(c, &ne, sin, &mut inputs)?,
-        })
-    };
+    let mut rope = |ids: &[[f64; 3]]| AxesRope::new(c, ids, &cfg.axes, THETA, &mut inputs);
     let img_rope = rope(&img_ids)?;
     let cap_rope = rope(&cap_ids)?;
     let all_ids: Vec<[f64; 3]> = img_ids.iter().chain(&cap_ids).copied().collect();
@@ -409,12 +383,6 @@ fn build<'a>(
     Ok(Built { output, inputs })
 }
 
-/// The angles every attention over one token set rotates by.
-struct Rope<'a> {
-    cos: Tensor<'a>,
-    sin: Tensor<'a>,
-}
-
 /// One block over `x` `[d, L]`: modulated by `adaln` where given.
 fn block<'a>(
     c: &'a Context,
@@ -423,7 +391,7 @@ fn block<'a>(
     p: &str,
     x: Tensor<'a>,
     adaln: Option<Tensor<'a>>,
-    rope: &Rope<'a>,
+    rope: &AxesRope<'a>,
 ) -> Result<Tensor<'a>> {
     let d = cfg.dim;
     // (scale_msa, gate_msa, scale_mlp, gate_mlp), each [d, 1].
@@ -475,7 +443,7 @@ fn attention<'a>(
     cfg: &ZImageConfig,
     p: &str,
     x: Tensor<'a>,
-    rope: &Rope<'a>,
+    rope: &AxesRope<'a>,
 ) -> Result<Tensor<'a>> {
     let (d, hd, heads) = (cfg.dim, cfg.head_dim, cfg.heads);
     let l = x.ne()[1];
@@ -486,12 +454,10 @@ fn attention<'a>(
     } else {
         ["to_q", "to_k", "to_v"].map(|n| linear(c, w, &format!("{a}{n}"), x, d, d))
     };
-    let split =
-        |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.dense(t)?, &[hd, heads, l, 1])?) };
-    let q = rms_norm(c, w, &format!("{a}q_norm.weight"), split(q?)?, hd, EPS)?;
-    let k = rms_norm(c, w, &format!("{a}k_norm.weight"), split(k?)?, hd, EPS)?;
-    let q = rope_pairs(c, q, rope.cos, rope.sin)?;
-    let k = rope_pairs(c, k, rope.cos, rope.sin)?;
+    let q = rms_norm_halves(c, w, &format!("{a}q_norm.weight"), q?, hd, EPS)?;
+    let k = rms_norm_halves(c, w, &format!("{a}k_norm.weight"), k?, hd, EPS)?;
+    let q = rope.turn(c, q)?;
+    let k = rope.turn(c, k)?;
     let flat = |t: Tensor<'a>| -> Result<Tensor<'a>> { Ok(c.reshape(c.dense(t)?, &[d, l, 1])?) };
     let scores = Scores {
         flash: w.flash_for(hd),
