@@ -7,6 +7,7 @@
 //! index arithmetic that must match torch's exactly.
 
 use crate::image_io;
+use sdhost_models::autoencoders::LatentShape;
 use sdhost_models::pipeline::{Pipeline, Stop};
 use sdhost_models::preview::Progress;
 use sdhost_models::request::{Image, Init, Request};
@@ -343,7 +344,7 @@ pub fn generate(
         let c = z.len() / ((req.height / f) * (req.width / f)).max(1);
         let shape = [c, req.height / f, req.width / f];
         if stop() == Stop::Finish {
-            return sd.decode(&z, [1, shape[0], shape[1], shape[2]]);
+            return sd.decode(&z, LatentShape::of_image([1, shape[0], shape[1], shape[2]]));
         }
         let up = resize_latent(&z, shape, h.height / f, h.width / f, h.upscaler);
         let empty = Image {

@@ -239,7 +239,13 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 tol * 1e-2,
             );
             let stage = sd.first_stage().clone();
-            let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
+            let image = stage
+                .decode(
+                    &mut sd.vae,
+                    &latent,
+                    sdhost_models::autoencoders::LatentShape::of_image([1, 16, 8, 8]),
+                )
+                .unwrap();
             sd.vae.end_phase();
             assert_close(
                 &format!("{variant} pipeline image"),
@@ -644,7 +650,13 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
             .unwrap();
         assert_close("Kontext latent", &latent, &r["kontext.latent"], tol * 1e-2);
         let stage = sd.first_stage().clone();
-        let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
+        let image = stage
+            .decode(
+                &mut sd.vae,
+                &latent,
+                sdhost_models::autoencoders::LatentShape::of_image([1, 16, 8, 8]),
+            )
+            .unwrap();
         sd.vae.end_phase();
         assert_close("Kontext image", &image, &r["kontext.image"], tol * 2e-2);
     });

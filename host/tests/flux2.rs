@@ -10,6 +10,7 @@
 
 mod common;
 use common::*;
+use sdhost_models::autoencoders::LatentShape;
 use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::flux::{self, FluxConfig, FluxInput};
 use sdhost_models::family::{flux2, Family};
@@ -38,7 +39,11 @@ fn autoencoder_matches(device: &str, tol: f32) {
         let f = stage.format();
         assert_eq!((f.channels, f.spatial), (32, 16));
         let image = stage
-            .decode(&mut sd.vae, &r["ae.decode.z"], [1, 32, 4, 4])
+            .decode(
+                &mut sd.vae,
+                &r["ae.decode.z"],
+                LatentShape::of_image([1, 32, 4, 4]),
+            )
             .unwrap();
         assert_close(
             &format!("{device} decode"),
@@ -246,7 +251,9 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 tol,
             );
             let stage = sd.first_stage().clone();
-            let image = stage.decode(&mut sd.vae, &latent, [1, 32, 4, 4]).unwrap();
+            let image = stage
+                .decode(&mut sd.vae, &latent, LatentShape::of_image([1, 32, 4, 4]))
+                .unwrap();
             sd.vae.end_phase();
             assert_close(
                 &format!("{device} (f32: {wide}) {name} pipeline image"),

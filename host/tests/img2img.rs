@@ -8,6 +8,7 @@
 mod common;
 use common::*;
 use sdhost::image_io;
+use sdhost_models::autoencoders::LatentShape;
 use sdhost_models::pipeline::{to_planes, Pipeline};
 use sdhost_models::request::{Init, LoadOptions, Request};
 use sdhost_models::runtime::module::WeightPolicy;
@@ -277,7 +278,9 @@ fn tiled_vae_stays_close_to_untiled() {
         let z: Vec<f32> = (0..4 * 16 * 16)
             .map(|i| ((i as f32 * 0.61).sin() + (i as f32 * 0.07).cos()) * 0.5)
             .collect();
-        let whole = sd.decode(&z, [1, 4, 16, 16]).unwrap();
+        let whole = sd
+            .decode(&z, LatentShape::of_image([1, 4, 16, 16]))
+            .unwrap();
         let img = sdhost_models::request::Image {
             width: 128,
             height: 128,
@@ -287,14 +290,21 @@ fn tiled_vae_stays_close_to_untiled() {
         let enc_whole = sd.encode_image(&planes, 128, 128).unwrap();
         // A tile as large as the latent is the whole decode, exactly.
         sd.set_vae_tiling(Some(Tiling::new(16, 4).unwrap()));
-        assert_eq!(sd.decode(&z, [1, 4, 16, 16]).unwrap().rgb, whole.rgb);
+        assert_eq!(
+            sd.decode(&z, LatentShape::of_image([1, 4, 16, 16]))
+                .unwrap()
+                .rgb,
+            whole.rgb
+        );
         assert_eq!(sd.encode_image(&planes, 128, 128).unwrap(), enc_whole);
         // Measured on this random VAE, whose mid-block attention spans the
         // whole image: 20.9 and 9.1 of 255 (mean), encoder 0.35 and 0.18 of
         // the mean magnitude.
         for (tile, overlap, tol) in [(8, 4, 0.1), (12, 6, 0.1)] {
             sd.set_vae_tiling(Some(Tiling::new(tile, overlap).unwrap()));
-            let tiled = sd.decode(&z, [1, 4, 16, 16]).unwrap();
+            let tiled = sd
+                .decode(&z, LatentShape::of_image([1, 4, 16, 16]))
+                .unwrap();
             let mean = |a: &[u8], b: &[u8]| {
                 a.iter()
                     .zip(b)

@@ -86,7 +86,12 @@ fn the_pipeline_decodes_with_taesd_without_a_latent_scale() {
         let mut sd = Pipeline::load(&ckpt, layout, opts).unwrap();
         assert!((sd.first_stage().kind() == sdhost_models::autoencoders::Autoencoder::Taesd));
         let (zs, z) = &refs["decode.z"];
-        let image = sd.decode(z, shape4(zs)).unwrap();
+        let image = sd
+            .decode(
+                z,
+                sdhost_models::autoencoders::LatentShape::of_image(shape4(zs)),
+            )
+            .unwrap();
         let want = sdhost_models::pipeline::to_rgb(&refs["decode.image"].1, 40, 48);
         assert_eq!((image.width, image.height), (40, 48));
         let worst = image

@@ -9,6 +9,7 @@
 
 mod common;
 use common::*;
+use sdhost_models::autoencoders::LatentShape;
 use sdhost_models::checkpoint::{self, Checkpoint};
 use sdhost_models::denoisers::zimage::{self, ZImageConfig, ZImageInput};
 use sdhost_models::family::Family;
@@ -193,7 +194,9 @@ fn pipelines_match(device: &str, wide: bool, tol: f32, image_tol: f32) {
                 tol,
             );
             let stage = sd.first_stage().clone();
-            let image = stage.decode(&mut sd.vae, &latent, [1, 16, 8, 8]).unwrap();
+            let image = stage
+                .decode(&mut sd.vae, &latent, LatentShape::of_image([1, 16, 8, 8]))
+                .unwrap();
             sd.vae.end_phase();
             assert_close(
                 &format!("{device} (f32: {wide}) {name} pipeline image"),

@@ -26,7 +26,7 @@
 //! stage's format; then every graph is built once, uncomputed, so a missing
 //! or misshapen tensor fails before any compute.
 
-use crate::autoencoders::FirstStage;
+use crate::autoencoders::{FirstStage, LatentShape};
 use crate::checkpoint::Checkpoint;
 use crate::error::{Field, ModelError, Result};
 use crate::family::{Family, Model, Prediction};
@@ -462,7 +462,9 @@ impl<'b> Pipeline<'b> {
         Ok(image)
     }
 
-    fn latent_shape(&self, req: &Request) -> Result<[usize; 4]> {
+    /// The latent of one image at `req`'s size (images have one frame;
+    /// a video family's frames would come from its request).
+    fn latent_shape(&self, req: &Request) -> Result<LatentShape> {
         let m = self.size_multiple();
         if req.width == 0
             || req.height == 0
@@ -481,7 +483,12 @@ impl<'b> Pipeline<'b> {
             self.first_stage.format().spatial,
             self.model.latent_channels(),
         );
-        Ok([1, ch, req.height / f, req.width / f])
+        Ok(LatentShape::of_image([
+            1,
+            ch,
+            req.height / f,
+            req.width / f,
+        ]))
     }
 
     /// Encodes the prompts and runs the sampler; returns the final latent.
@@ -519,7 +526,7 @@ impl<'b> Pipeline<'b> {
                 "this FLUX.1 Kontext model (its name says Kontext) edits a reference image: give it one",
             ));
         }
-        let n_latent: usize = shape.iter().product();
+        let n_latent = shape.len();
         let mut rng = Philox::new(req.seed);
         // The seed's initial noise is drawn even where `noise` replaces it,
         // so the noise the ancestral samplers draw next is the seed's
@@ -552,7 +559,7 @@ impl<'b> Pipeline<'b> {
         )?;
         check(cancelled)?;
 
-        let sampling: ModelSampling = self.model.sampling(shape[2], shape[3], req.steps);
+        let sampling: ModelSampling = self.model.sampling(shape.height, shape.width, req.steps);
         let full_sigmas = req.scheduler.sigmas(sampling.schedule(), req.steps);
         let mut init = self.prepare_init(req, shape, &full_sigmas, cancelled)?;
         let fill = req.init.as_ref().map_or(LatentFill::Image, |i| i.fill);
@@ -588,17 +595,16 @@ impl<'b> Pipeline<'b> {
                 }
                 let c_in = sampling.c_in(sigma);
                 let mut x_in: Vec<f32> = x.iter().map(|v| v * c_in).collect();
-                let mut shape_b = shape;
+                let mut shape_b = shape.with_batch(batch);
                 if let Some(extra) = &extra {
                     // Inpainting denoiser: latent, mask, masked-image latent.
                     x_in.extend_from_slice(extra);
-                    shape_b[1] += extra.len() / (shape[2] * shape[3]);
+                    shape_b.channels += extra.len() / shape.cells();
                 }
                 let mut xb = x_in.clone();
                 if batch == 2 {
                     xb.extend_from_slice(&x_in);
                 }
-                shape_b[0] = batch;
                 let out =
                     model.denoise(&xb, shape_b, sampling.timestep(sigma), &cond, (step, steps))?;
                 let out = if batch == 2 {
@@ -613,14 +619,19 @@ impl<'b> Pipeline<'b> {
                 }
                 if previewed != Some(step) && progress.borrow().wants_preview(step) {
                     previewed = Some(step);
-                    let image = match decoder.as_mut() {
+                    // The first frame of the first entry.
+                    let first = shape.frame(&d, 0);
+                    let image = match (decoder.as_mut(), first) {
                         // A TAESD decodes the estimate at full size.
-                        Some((module, stage)) => {
-                            let rgb = stage.decode(module, &d, shape)?;
+                        (Some((module, stage)), Some((z, one))) => {
+                            let rgb = stage.decode(module, &z, one)?;
                             let f = stage.format().spatial;
-                            Some(to_rgb(&rgb, shape[3] * f, shape[2] * f))
+                            Some(to_rgb(&rgb, one.width * f, one.height * f))
                         }
-                        None => projection.and_then(|p| p.render(&d, shape)),
+                        (None, Some((z, one))) => {
+                            projection.and_then(|p| p.render(&z, one.image("a preview").ok()?))
+                        }
+                        (_, None) => None,
                     };
                     if let Some(image) = image {
                         progress.borrow_mut().preview(step, image);
@@ -735,12 +746,12 @@ impl<'b> Pipeline<'b> {
     fn prepare_init(
         &mut self,
         req: &Request,
-        shape: [usize; 4],
+        shape: LatentShape,
         full: &[f64],
         cancelled: &dyn Fn() -> bool,
     ) -> Result<Prepared> {
         let inpainting = self.is_inpainting();
-        let (lh, lw) = (shape[2], shape[3]);
+        let (lh, lw) = (shape.height, shape.width);
         let (w, h) = (req.width, req.height);
         let Some(init) = &req.init else {
             if !inpainting {
@@ -778,7 +789,7 @@ impl<'b> Pipeline<'b> {
                     "a latent init is not for inpainting",
                 ));
             }
-            if z0.len() != shape.iter().product::<usize>() || run == 0 {
+            if z0.len() != shape.len() || run == 0 {
                 return Err(ModelError::request(
                     Field::InitImage,
                     format!(
@@ -857,7 +868,7 @@ impl<'b> Pipeline<'b> {
                     extra: Some(extra),
                 })
             } else {
-                let channels = shape[1];
+                let channels = shape.channels;
                 let repaint = px_mask.map(|m| cell_mask(&m).repeat(channels));
                 Ok(Prepared {
                     sigmas: sigmas.clone(),
@@ -872,14 +883,14 @@ impl<'b> Pipeline<'b> {
     }
 
     /// Decodes a latent `[1, C, h, w]` into an image.
-    pub fn decode(&mut self, latent: &[f32], shape: [usize; 4]) -> Result<Image> {
-        tracing::info!("decoding the {}x{} latent", shape[3], shape[2]);
+    pub fn decode(&mut self, latent: &[f32], shape: LatentShape) -> Result<Image> {
+        tracing::info!("decoding the {}x{} latent", shape.width, shape.height);
         let stage = &self.first_stage;
         let out = match self.vae_tiling {
             None => stage.decode(&mut self.vae, latent, shape),
             Some(tiling) => {
                 let module = &mut self.vae;
-                let [_, c, h, w] = shape;
+                let [_, c, h, w] = shape.image("a tiled decode")?;
                 run_tiled(
                     latent,
                     [c, h, w],
@@ -887,7 +898,9 @@ impl<'b> Pipeline<'b> {
                     stage.format().spatial,
                     3,
                     tiling,
-                    |tile, th, tw| stage.decode(module, tile, [1, c, th, tw]),
+                    |tile, th, tw| {
+                        stage.decode(module, tile, LatentShape::of_image([1, c, th, tw]))
+                    },
                 )
             }
         };
@@ -895,18 +908,25 @@ impl<'b> Pipeline<'b> {
         let out = out?;
         finite(&out, "the decoded image")?;
         let f = self.first_stage.format().spatial;
-        let (w, h) = (shape[3] * f, shape[2] * f);
+        let (w, h) = (shape.width * f, shape.height * f);
         Ok(to_rgb(&out, w, h))
     }
 
-    /// Adds a decoded image to the preview fit (module preview).
-    fn learn_preview(&mut self, latent: &[f32], shape: [usize; 4], image: &Image) {
+    /// Adds a decoded image to the preview fit (module preview): the
+    /// latent's first frame against the image.
+    fn learn_preview(&mut self, latent: &[f32], shape: LatentShape, image: &Image) {
+        let Some((z, one)) = shape.frame(latent, 0) else {
+            return;
+        };
+        let Ok(dims) = one.image("a preview") else {
+            return;
+        };
         let f = self.first_stage.format().spatial;
         let p = match &mut self.preview {
-            Some(p) if p.channels() == shape[1] => p,
-            slot => slot.insert(LatentProjection::new(shape[1])),
+            Some(p) if p.channels() == shape.channels => p,
+            slot => slot.insert(LatentProjection::new(shape.channels)),
         };
-        p.observe(latent, shape, image, f);
+        p.observe(&z, dims, image, f);
     }
 
     /// Whether sampling can show previews yet: the fit needs a decoded

@@ -11,7 +11,7 @@
 //! im2col to f16 as for SD's VAE, so it agrees with diffusers to a few 1e-3
 //! (asserted: 1e-2, the SD VAE's tolerance in `models.rs`).
 
-use sdhost_models::autoencoders::{kl, Autoencoder, FirstStage, LatentNorm};
+use sdhost_models::autoencoders::{kl, Autoencoder, FirstStage, LatentNorm, LatentShape};
 use sdhost_models::checkpoint::{self, weights::ModuleWeights};
 use sdhost_models::runtime::module::{Devices, Module, WeightPolicy};
 use sdhost_models::ModuleKind;
@@ -59,7 +59,9 @@ fn sixteen_channel_autoencoder_without_quant_convs_matches_diffusers() {
 
     // Through the interface: FLUX.1's normalisation undone before decoding,
     // applied after encoding.
-    let got = stage.decode(&mut module, z, [1, 16, 8, 8]).unwrap();
+    let got = stage
+        .decode(&mut module, z, LatentShape::of_image([1, 16, 8, 8]))
+        .unwrap();
     let e = max_abs_diff(&got, &refs["flux.image"].1);
     eprintln!("FLUX-normalised decode: max abs error {e:.2e} against diffusers");
     assert!(e <= 1e-2, "normalised decode: {e}");
@@ -74,11 +76,28 @@ fn sixteen_channel_autoencoder_without_quant_convs_matches_diffusers() {
 
     // A 4-channel latent is refused in one line, not by ggml.
     let e = stage
-        .decode(&mut module, &[0.0; 4 * 64], [1, 4, 8, 8])
+        .decode(
+            &mut module,
+            &[0.0; 4 * 64],
+            LatentShape::of_image([1, 4, 8, 8]),
+        )
         .unwrap_err()
         .to_string();
     assert!(
         e.contains("latent has 4 channels; the decoder takes 16"),
+        "{e}"
+    );
+    // So is a latent with a time axis: this autoencoder is 2-D.
+    let video = LatentShape {
+        frames: 2,
+        ..LatentShape::of_image([1, 16, 8, 8])
+    };
+    let e = stage
+        .decode(&mut module, &vec![0.0; video.len()], video)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the KL autoencoder takes images: this latent has 2 frames"),
         "{e}"
     );
 }

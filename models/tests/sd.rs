@@ -8,6 +8,7 @@
 //! so results agree to about 1e-3 relative; each comparison allows the
 //! stated multiple of the reference's largest magnitude.
 
+use sdhost_models::autoencoders::LatentShape;
 use sdhost_models::denoisers::unet::UnetInput;
 use sdhost_models::pipeline::Pipeline;
 use sdhost_models::request::{LoadOptions, MatrixTypes, Request};
@@ -112,7 +113,11 @@ fn unet_and_vae_match(
     sd_model(sd).unet.end_phase();
     let stage = sd.first_stage().clone();
     let img = stage
-        .decode(&mut sd.vae, &r["vae.z"], [1, 4, 8, 8])
+        .decode(
+            &mut sd.vae,
+            &r["vae.z"],
+            LatentShape::of_image([1, 4, 8, 8]),
+        )
         .unwrap();
     check(&format!("{label}vae image"), &img, &r["vae.image"], 1e-2);
     sd.vae.end_phase();
@@ -235,7 +240,9 @@ fn typed_modules_match_references_with(
             assert_eq!(calls, 3, "progress once per step");
             assert_close("pipeline latent", &latent, &r["pipe.latent"], 1e-2);
             let stage = sd.first_stage().clone();
-            let img = stage.decode(&mut sd.vae, &latent, [1, 4, 8, 8]).unwrap();
+            let img = stage
+                .decode(&mut sd.vae, &latent, LatentShape::of_image([1, 4, 8, 8]))
+                .unwrap();
             sd.vae.end_phase();
             assert_close("pipeline image", &img, &r["pipe.image"], 2e-2);
         },
@@ -396,7 +403,11 @@ fn odd_latent_matches_references(runtime: &str, tol: f32) {
         sd_model(sd).unet.end_phase();
         let stage = sd.first_stage().clone();
         let img = stage
-            .decode(&mut sd.vae, &r["vae.z"], [1, 4, 7, 9])
+            .decode(
+                &mut sd.vae,
+                &r["vae.z"],
+                LatentShape::of_image([1, 4, 7, 9]),
+            )
             .unwrap();
         assert_close(
             &format!("{runtime} vae 72x56"),

@@ -91,6 +91,96 @@ pub struct LatentFormat {
     pub temporal: usize,
 }
 
+/// The shape of a batch of latents: `[batch, channels, frames, height,
+/// width]`, row-major (diffusers' video latents). Images have one frame,
+/// and then the layout is `[batch, channels, height, width]`; a network
+/// that takes images alone asks for that form with [`LatentShape::image`],
+/// which names a latent with a time axis as one it cannot take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LatentShape {
+    /// Batch entries.
+    pub batch: usize,
+    /// Channels.
+    pub channels: usize,
+    /// Latent frames (1 for an image).
+    pub frames: usize,
+    /// Rows of cells.
+    pub height: usize,
+    /// Cells per row.
+    pub width: usize,
+}
+
+impl LatentShape {
+    /// The latents of images `[batch, channels, height, width]`.
+    pub fn of_image([batch, channels, height, width]: [usize; 4]) -> LatentShape {
+        LatentShape {
+            batch,
+            channels,
+            frames: 1,
+            height,
+            width,
+        }
+    }
+
+    /// Values in the whole batch.
+    pub fn len(&self) -> usize {
+        self.batch * self.channels * self.cells()
+    }
+
+    /// Whether the batch holds no value.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Values of one channel of one entry: frames × height × width.
+    pub fn cells(&self) -> usize {
+        self.frames * self.height * self.width
+    }
+
+    /// The same shape with `batch` entries.
+    pub fn with_batch(self, batch: usize) -> LatentShape {
+        LatentShape { batch, ..self }
+    }
+
+    /// The same shape with `channels` channels.
+    pub fn with_channels(self, channels: usize) -> LatentShape {
+        LatentShape { channels, ..self }
+    }
+
+    /// `[batch, channels, height, width]` for a network that takes
+    /// images; a latent with more than one frame is refused.
+    pub fn image(&self, network: &str) -> Result<[usize; 4]> {
+        if self.frames != 1 {
+            return Err(ModelError::Incompatible(format!(
+                "{network} takes images: this latent has {} frames",
+                self.frames
+            )));
+        }
+        Ok([self.batch, self.channels, self.height, self.width])
+    }
+
+    /// Frame `index` of the first entry of `z` (in this shape) as a
+    /// one-frame latent `[1, channels, height, width]` (what a preview
+    /// shows of a video); `None` past the last frame or where `z` is not
+    /// this shape's size.
+    pub fn frame(&self, z: &[f32], index: usize) -> Option<(Vec<f32>, LatentShape)> {
+        if index >= self.frames || z.len() != self.len() {
+            return None;
+        }
+        let plane = self.height * self.width;
+        let out = (0..self.channels)
+            .flat_map(|c| {
+                let at = (c * self.frames + index) * plane;
+                z[at..at + plane].iter().copied()
+            })
+            .collect();
+        Some((
+            out,
+            LatentShape::of_image([1, self.channels, self.height, self.width]),
+        ))
+    }
+}
+
 /// Which autoencoder a module holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Autoencoder {
@@ -178,19 +268,21 @@ impl FirstStage {
     }
 
     /// Decodes the denoiser's latents `[n, C, h, w]` into images
-    /// `[n, 3, h·f, w·f]` in about −1..1.
+    /// `[n, 3, h·f, w·f]` in about −1..1. Both autoencoders are 2-D: a
+    /// latent with a time axis is refused.
     pub fn decode(
         &self,
         module: &mut Module<'_>,
         z: &[f32],
-        shape: [usize; 4],
+        shape: LatentShape,
     ) -> Result<Vec<f32>> {
         match self.kind {
             Autoencoder::Kl => {
-                let z = self.norm.to_autoencoder(z, shape[2] * shape[3]);
-                kl::decode(module, &z, shape)
+                let dims = shape.image("the KL autoencoder")?;
+                let z = self.norm.to_autoencoder(z, shape.cells());
+                kl::decode(module, &z, dims)
             }
-            Autoencoder::Taesd => taesd::decode(module, z, shape),
+            Autoencoder::Taesd => taesd::decode(module, z, shape.image("TAESD")?),
         }
     }
 
@@ -241,7 +333,35 @@ impl FirstStage {
 
 #[cfg(test)]
 mod tests {
-    use super::LatentNorm;
+    use super::{LatentNorm, LatentShape};
+
+    #[test]
+    fn a_latent_with_a_time_axis_is_refused_by_image_networks_and_previewed_by_frame() {
+        let video = LatentShape {
+            batch: 2,
+            channels: 2,
+            frames: 3,
+            height: 1,
+            width: 2,
+        };
+        assert_eq!(video.len(), 24);
+        assert_eq!(video.cells(), 6);
+        let err = video.image("the KL autoencoder").unwrap_err().to_string();
+        assert!(
+            err.contains("takes images") && err.contains("3 frames"),
+            "{err}"
+        );
+        let image = LatentShape::of_image([1, 4, 8, 8]);
+        assert_eq!(image.image("x").unwrap(), [1, 4, 8, 8]);
+        assert_eq!(image.with_batch(2).len(), 2 * 4 * 64);
+        // [n][c][t][h·w]: frame 1 of entry 0 is c0's values 2..4, c1's 8..10.
+        let z: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        let (f, shape) = video.frame(&z, 1).unwrap();
+        assert_eq!(f, [2.0, 3.0, 8.0, 9.0]);
+        assert_eq!(shape, LatentShape::of_image([1, 2, 1, 2]));
+        assert!(video.frame(&z, 3).is_none());
+        assert!(video.frame(&z[1..], 0).is_none());
+    }
 
     #[test]
     fn norms_round_trip() {

@@ -24,7 +24,7 @@ mod sd2;
 mod sdxl;
 pub mod zimage;
 
-use crate::autoencoders::LatentNorm;
+use crate::autoencoders::{LatentNorm, LatentShape};
 use crate::checkpoint::Checkpoint;
 use crate::denoisers::unet::Heads;
 use crate::encoders::clip::ClipEncoder;
@@ -506,19 +506,21 @@ impl<'b> Model<'b> {
 
     /// One denoiser call on a batch of latents at timestep `t`, for step
     /// `at.0` of the `at.1` run (a ControlNet acts on some steps only).
+    /// Every family here makes images: a latent with a time axis is
+    /// refused.
     pub fn denoise(
         &mut self,
         x: &[f32],
-        shape: [usize; 4],
+        shape: LatentShape,
         t: f32,
         cond: &Conditioned,
         at: (usize, usize),
     ) -> Result<Vec<f32>, ModelError> {
         match self {
-            Model::Sd(m) => m.denoise(x, shape, t, cond, at),
-            Model::Flux(m) => m.denoise(x, shape, t, cond),
-            Model::ZImage(m) => m.denoise(x, shape, t, cond),
-            Model::Flux2(m) => m.denoise(x, shape, t, cond),
+            Model::Sd(m) => m.denoise(x, shape.image("the UNet")?, t, cond, at),
+            Model::Flux(m) => m.denoise(x, shape.image("the FLUX.1 transformer")?, t, cond),
+            Model::ZImage(m) => m.denoise(x, shape.image("the Z-Image transformer")?, t, cond),
+            Model::Flux2(m) => m.denoise(x, shape.image("the FLUX.2 transformer")?, t, cond),
         }
     }
 
