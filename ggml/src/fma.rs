@@ -230,6 +230,14 @@ pub fn available() -> bool {
     crate::knobs().fma && features().avx2
 }
 
+/// Whether these kernels multiply bf16 weights on AVX512-BF16 here: the
+/// processor has it and the kernels are on, whatever variant of ggml's
+/// CPU backend was loaded (a `haswell` build included, whose own bf16
+/// products convert to f32).
+pub fn native_bf16() -> bool {
+    isa_for(sys::GGML_TYPE_BF16) == Some(Isa::Avx512Bf16)
+}
+
 /// The fewest rows that take the AVX512-BF16 kernel with a bf16 weight:
 /// it packs the weight with in-register transposes and measured level
 /// with or ahead of ggml's tinyBLAS from 144 rows (`sdhost bench

@@ -419,8 +419,8 @@ pub struct LoadArgs {
 
     /// The type weight matrices and convolution kernels are stored and
     /// multiplied in: `auto` (default) converts to bf16 for modules running
-    /// on a CPU whose plugin has native bf16 kernels (AVX512-BF16: the
-    /// cooperlake, zen4 and sapphirerapids variants) and keeps the
+    /// on a CPU with native bf16 products (AVX512-BF16, which sdhost's own
+    /// kernels use whatever CPU plugin variant was loaded) and keeps the
     /// checkpoint's types everywhere else; `f32`, `f16` or `bf16` for every
     /// module (activations and results stay f32)
     #[arg(long = "compute-type", value_name = "TYPE", default_value = "auto")]

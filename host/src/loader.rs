@@ -202,17 +202,21 @@ pub fn layout<'m>(
     Ok(layout)
 }
 
-/// Whether the loaded CPU plugin multiplies bf16 natively: its variant was
-/// built with AVX512-BF16 (a `native` build: the processor has it).
+/// Whether the CPU multiplies bf16 weights natively in this process:
+/// sdhost's own kernels do on AVX512-BF16 (the products, convolutions
+/// and attention of every model here take them, whatever variant of the
+/// CPU plugin was loaded), or the loaded CPU plugin's variant was built
+/// with AVX512-BF16 (a `native` build: the processor has it).
 pub fn cpu_has_native_bf16(session: &Session) -> bool {
-    session.registry.plugins.iter().any(|p| {
-        p.status == crate::registry::Status::Loaded
-            && p.manifest.as_ref().is_some_and(|m| {
-                m.family == "cpu"
-                    && (m.features.iter().any(|f| f == "avx512_bf16")
-                        || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
-            })
-    })
+    ggml::fma::native_bf16()
+        || session.registry.plugins.iter().any(|p| {
+            p.status == crate::registry::Status::Loaded
+                && p.manifest.as_ref().is_some_and(|m| {
+                    m.family == "cpu"
+                        && (m.features.iter().any(|f| f == "avx512_bf16")
+                            || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
+                })
+        })
 }
 
 #[cfg(target_arch = "x86_64")]

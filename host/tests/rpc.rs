@@ -181,8 +181,11 @@ fn generate(p: &Prefix, out: &Path, extra: &[&str]) -> Run {
 }
 
 /// [`generate`] with `env` set.
+/// Matrices in the fixture's own f16 on every device: `auto` would make a
+/// local CPU with AVX512-BF16 compute in bf16 and a remote one as stored.
 fn generate_with(p: &Prefix, out: &Path, extra: &[&str], env: &[(&str, &str)]) -> Run {
-    let mut c = generate_64_cmd(p, "tiny-sd1.safetensors", out, extra);
+    let extra = [extra, &["--compute-type", "f16"]].concat();
+    let mut c = generate_64_cmd(p, "tiny-sd1.safetensors", out, &extra);
     c.envs(env.iter().copied());
     run(c)
 }
