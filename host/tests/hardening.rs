@@ -459,7 +459,14 @@ fn overflowing_lora_scales_fail_instead_of_writing_black() {
             gen_args(&tiny, &png, "64", "2"),
             // f16, whose range the scales overflow (`auto` is bf16 on a
             // processor with AVX512-BF16).
-            vec!["--lora", &spec, "--lora-apply", apply, "--compute-type", "f16"],
+            vec![
+                "--lora",
+                &spec,
+                "--lora-apply",
+                apply,
+                "--compute-type",
+                "f16",
+            ],
         ]
         .concat();
         let r = p.run(&args);
