@@ -238,15 +238,7 @@ fn modules_match(runtime: &str, params: &str, tol: f32) {
                 &r[&format!("{variant}.pipe.latent")],
                 tol * 1e-2,
             );
-            let stage = sd.first_stage().clone();
-            let image = stage
-                .decode(
-                    &mut sd.vae,
-                    &latent,
-                    sdhost_models::autoencoders::LatentShape::of_image([1, 16, 8, 8]),
-                )
-                .unwrap();
-            sd.vae.end_phase();
+            let image = decode_8x8(sd, &latent);
             assert_close(
                 &format!("{variant} pipeline image"),
                 &image,
@@ -296,6 +288,16 @@ fn t5_tokenizer_matches_transformers_on_hard_prompts() {
 }
 
 /// The tiny parts' files: T5, CLIP-L, autoencoder.
+/// The tiny autoencoder's image of a 16-channel 8×8 latent (its phase
+/// ended).
+fn decode_8x8(sd: &mut Pipeline<'_>, latent: &[f32]) -> Vec<f32> {
+    let stage = sd.first_stage().clone();
+    let shape = sdhost_models::autoencoders::LatentShape::of_image([1, 16, 8, 8]);
+    let image = stage.decode(&mut sd.vae, latent, shape).unwrap();
+    sd.vae.end_phase();
+    image
+}
+
 fn part_files() -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
     (
         fixture("flux/tiny-t5.safetensors"),
@@ -649,15 +651,7 @@ fn img2img_and_kontext_match(runtime: &str, params: &str, tol: f32) {
             .sample_latent(&req, Some(noise), &mut |_, _| {}, &|| false)
             .unwrap();
         assert_close("Kontext latent", &latent, &r["kontext.latent"], tol * 1e-2);
-        let stage = sd.first_stage().clone();
-        let image = stage
-            .decode(
-                &mut sd.vae,
-                &latent,
-                sdhost_models::autoencoders::LatentShape::of_image([1, 16, 8, 8]),
-            )
-            .unwrap();
-        sd.vae.end_phase();
+        let image = decode_8x8(sd, &latent);
         assert_close("Kontext image", &image, &r["kontext.image"], tol * 2e-2);
     });
 }
