@@ -166,7 +166,15 @@ impl Isa {
     /// [`crate::Knobs::fma_min_rows`] overrides them,
     /// for measurements.
     pub fn min_rows(self, ty: sys::ggml_type) -> usize {
+        self.min_rows_with(ty, false)
+    }
+
+    /// [`Isa::min_rows`] where ggml's own bf16 products are `emulated`
+    /// (its CPU variant has no AVX512-BF16): then bf16 weights take the
+    /// AVX512-BF16 kernel from [`EMULATED_BF16_MIN_ROWS`].
+    pub fn min_rows_with(self, ty: sys::ggml_type, emulated: bool) -> usize {
         let default = match self {
+            Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 && emulated => EMULATED_BF16_MIN_ROWS,
             Isa::Avx512Vnni => VNNI_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
@@ -247,6 +255,14 @@ pub fn native_bf16() -> bool {
 /// FLUX's 3072-wide weights (281–309 against 347–360), whose packing then
 /// outweighs the rows.
 pub const BF16_MIN_ROWS: usize = 128;
+
+/// [`BF16_MIN_ROWS`] where ggml's bf16 products are emulated (a CPU
+/// variant without AVX512-BF16 widens each value to f32): the text
+/// encoders' 77-row products then take this kernel too. SDXL's CLIP-L and
+/// bigG encode at 512² on a Zen 4 in 0.63–0.66 s this way (rows from 8)
+/// against 1.29–1.36 s on ggml's `haswell` kernels (session 28,
+/// docs/performance.md).
+pub const EMULATED_BF16_MIN_ROWS: usize = 16;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q8_0, q4_0,
 /// q4_1 or q5_1 weight (dequantized as it is packed): ahead of ggml's

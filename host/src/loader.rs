@@ -136,6 +136,15 @@ pub fn load<'m>(
         }
     }
     let flash = apply_flash_attn(&mut sd, &layout, spec.flash);
+    // sdhost's kernels take more of the bf16 products where ggml's are
+    // emulated.
+    let emulated_bf16 = !plugin_has_native_bf16(session);
+    for module in sd.modules_mut() {
+        module.set_options(GraphOptions {
+            emulated_bf16,
+            ..module.options()
+        });
+    }
     apply_conv_bands(&mut sd, &layout, spec.narrow_bands);
     Ok(Loaded { sd, layout, flash })
 }
@@ -208,15 +217,21 @@ pub fn layout<'m>(
 /// CPU plugin was loaded), or the loaded CPU plugin's variant was built
 /// with AVX512-BF16 (a `native` build: the processor has it).
 pub fn cpu_has_native_bf16(session: &Session) -> bool {
-    ggml::fma::native_bf16()
-        || session.registry.plugins.iter().any(|p| {
-            p.status == crate::registry::Status::Loaded
-                && p.manifest.as_ref().is_some_and(|m| {
-                    m.family == "cpu"
-                        && (m.features.iter().any(|f| f == "avx512_bf16")
-                            || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
-                })
-        })
+    ggml::fma::native_bf16() || plugin_has_native_bf16(session)
+}
+
+/// Whether the loaded CPU plugin's own (ggml's) bf16 products are native:
+/// its variant was built with AVX512-BF16 (a `native` build: the processor
+/// has it).
+pub fn plugin_has_native_bf16(session: &Session) -> bool {
+    session.registry.plugins.iter().any(|p| {
+        p.status == crate::registry::Status::Loaded
+            && p.manifest.as_ref().is_some_and(|m| {
+                m.family == "cpu"
+                    && (m.features.iter().any(|f| f == "avx512_bf16")
+                        || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
+            })
+    })
 }
 
 #[cfg(target_arch = "x86_64")]

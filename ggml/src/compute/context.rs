@@ -19,6 +19,7 @@ pub struct Context {
     pub(crate) f32_products: std::cell::Cell<bool>,
     /// [`Context::set_direct_conv`].
     pub(crate) direct_conv: std::cell::Cell<bool>,
+    pub(crate) emulated_bf16: std::cell::Cell<bool>,
     /// [`Context::set_conv_band_bytes`].
     pub(crate) band_bytes: std::cell::Cell<Option<i64>>,
 }
@@ -53,6 +54,7 @@ impl Context {
             fma: std::cell::Cell::new(false),
             f32_products: std::cell::Cell::new(false),
             direct_conv: std::cell::Cell::new(crate::knobs().direct_conv),
+            emulated_bf16: std::cell::Cell::new(false),
             band_bytes: std::cell::Cell::new(None),
         })
     }
@@ -72,6 +74,16 @@ impl Context {
     pub fn set_cpu_kernels(&self, on: bool) {
         self.set_amx(on);
         self.fma.set(on && crate::fma::available());
+    }
+
+    /// Says that ggml's own bf16 products on the CPU backend computing
+    /// this context's graphs are emulated (a variant built without
+    /// AVX512-BF16, such as the plain build's `haswell`): sdhost's kernel
+    /// then takes bf16 weights from
+    /// [`crate::fma::EMULATED_BF16_MIN_ROWS`] rows, not
+    /// [`crate::fma::BF16_MIN_ROWS`]. Off by default.
+    pub fn set_emulated_bf16(&self, on: bool) {
+        self.emulated_bf16.set(on);
     }
 
     /// Says that the in-process CPU backend computes this context's graphs,
@@ -179,8 +191,9 @@ impl Context {
             && x[2] == 1
             && x[3] == 1
         {
+            let emulated = self.emulated_bf16.get();
             crate::fma::isa_for(a.raw_type())
-                .filter(|isa| rows >= isa.min_rows(a.raw_type()) as i64)
+                .filter(|isa| rows >= isa.min_rows_with(a.raw_type(), emulated) as i64)
         } else {
             None
         };

@@ -17,6 +17,10 @@ pub struct GraphOptions {
     /// products on AVX2 + FMA) where the processor has them and the module
     /// runs on the in-process CPU backend alone.
     pub cpu_kernels: bool,
+    /// The CPU backend's own bf16 products are emulated (its variant has
+    /// no AVX512-BF16): sdhost's kernels take bf16 weights from fewer rows
+    /// (`ggml::Context::set_emulated_bf16`).
+    pub emulated_bf16: bool,
     /// Convolutions pad circularly instead of with zeros, so that the image
     /// wraps around at its edges (A1111's `tiling`: seamless textures).
     pub circular: bool,

@@ -331,6 +331,7 @@ impl<'b> Module<'b> {
     fn graph_context(&self) -> Result<Context> {
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         ctx.set_cpu_kernels(self.cpu_kernels());
+        ctx.set_emulated_bf16(self.opts.emulated_bf16);
         ctx.set_f32_products(self.assisted());
         ctx.set_conv_band_bytes(self.opts.conv_band_bytes);
         Ok(ctx)
@@ -752,6 +753,7 @@ impl<'b> Module<'b> {
         }
         let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
         ctx.set_cpu_kernels(cpu_kernels);
+        ctx.set_emulated_bf16(self.opts.emulated_bf16);
         ctx.set_f32_products(assisted);
         ctx.set_conv_band_bytes(self.opts.conv_band_bytes);
         let built = build(&ctx, &w).map_err(|e| e.context(name))?;
