@@ -135,16 +135,8 @@ pub fn load<'m>(
             ));
         }
     }
-    let flash = apply_flash_attn(&mut sd, &layout, spec.flash);
-    // sdhost's kernels take more of the bf16 products where ggml's are
-    // emulated.
     let emulated_bf16 = !plugin_has_native_bf16(session);
-    for module in sd.modules_mut() {
-        module.set_options(GraphOptions {
-            emulated_bf16,
-            ..module.options()
-        });
-    }
+    let flash = apply_flash_attn(&mut sd, &layout, spec.flash, emulated_bf16);
     apply_conv_bands(&mut sd, &layout, spec.narrow_bands);
     Ok(Loaded { sd, layout, flash })
 }
@@ -229,18 +221,19 @@ pub fn plugin_has_native_bf16(session: &Session) -> bool {
             && p.manifest.as_ref().is_some_and(|m| {
                 m.family == "cpu"
                     && (m.features.iter().any(|f| f == "avx512_bf16")
-                        || (m.features.iter().any(|f| f == "variant=native") && native_bf16()))
+                        || (m.features.iter().any(|f| f == "variant=native")
+                            && processor_has_bf16()))
             })
     })
 }
 
 #[cfg(target_arch = "x86_64")]
-fn native_bf16() -> bool {
+fn processor_has_bf16() -> bool {
     std::arch::is_x86_feature_detected!("avx512bf16")
 }
 
 #[cfg(not(target_arch = "x86_64"))]
-fn native_bf16() -> bool {
+fn processor_has_bf16() -> bool {
     false
 }
 
@@ -266,8 +259,14 @@ pub fn matrix_types(session: &Session, layout: &Layout<'_>, when: ComputeType) -
 
 /// Applies `--flash-attn WHEN` module by module (`auto`: on for modules whose
 /// runtime device is a CPU or CUDA) and says where it is on, e.g.
-/// `diffusion, vae`.
-pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashAttn) -> String {
+/// `diffusion, vae`; turns sdhost's own CPU kernels on, told whether the
+/// CPU plugin's own bf16 products are `emulated_bf16`.
+pub fn apply_flash_attn(
+    sd: &mut Pipeline<'_>,
+    layout: &Layout<'_>,
+    when: FlashAttn,
+    emulated_bf16: bool,
+) -> String {
     let mut on = Vec::new();
     for module in sd.modules_mut() {
         let auto = layout
@@ -285,10 +284,12 @@ pub fn apply_flash_attn(sd: &mut Pipeline<'_>, layout: &Layout<'_>, when: FlashA
         }
         // sdhost's own CPU kernels (AMX tiles, AVX2 + FMA products) wherever
         // the module runs on the CPU alone and the processor has what they
-        // need (`SDHOST_NO_AMX` and `SDHOST_NO_FMA` turn them off).
+        // need (`SDHOST_NO_AMX` and `SDHOST_NO_FMA` turn them off); where
+        // ggml's bf16 is emulated they take more of the bf16 products.
         module.set_options(GraphOptions {
             flash_attn: flash,
             cpu_kernels: true,
+            emulated_bf16,
             ..module.options()
         });
     }
