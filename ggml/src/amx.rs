@@ -117,6 +117,11 @@ pub fn pack(w: &[u16], k: usize, n: usize, out: &mut [u16], ith: usize, nth: usi
 
 /// [`pack`] of the `k × n` operand whose row for output `j` `fill(j, row)`
 /// writes into the first `k` of a zeroed row of `k` rounded up to 32.
+///
+/// Pair `q` of output `c` of a panel is word `16·q + c` of it: a panel is
+/// the transpose of its 16 rows read as words, which AVX-512 does 16 × 16
+/// words at a time in registers (`fma::transpose_words`); elsewhere one
+/// pair at a time.
 fn pack_with(
     k: usize,
     n: usize,
@@ -127,6 +132,35 @@ fn pack_with(
 ) {
     let kp = round_up(k, TILE_K);
     let panels = round_up(n, 2 * PANEL) / PANEL;
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let mut rows = vec![0u16; PANEL * kp];
+        for p in (ith..panels).step_by(nth.max(1)) {
+            let mut src = [std::ptr::null::<u32>(); PANEL];
+            for (c, (row, src)) in rows.chunks_exact_mut(kp).zip(&mut src).enumerate() {
+                let j = p * PANEL + c;
+                if j < n {
+                    row.fill(0);
+                    fill(j, row);
+                    *src = row.as_ptr() as *const u32;
+                }
+            }
+            let panel = &mut out[p * kp * PANEL..(p + 1) * kp * PANEL];
+            // SAFETY: the processor has AVX-512F (checked above); each
+            // non-null source is a row of kp bf16, kp / 2 words (read
+            // unaligned); the panel holds kp / 2 rows of 16 words.
+            unsafe {
+                crate::fma::transpose_words(
+                    &src,
+                    kp / 2,
+                    panel.as_mut_ptr() as *mut u32,
+                    PANEL,
+                    PANEL,
+                )
+            };
+        }
+        return;
+    }
     let mut row = vec![0u16; kp];
     for p in (ith..panels).step_by(nth.max(1)) {
         let panel = &mut out[p * kp * PANEL..(p + 1) * kp * PANEL];
@@ -262,6 +296,43 @@ pub(crate) fn narrow(src: &[f32], dst: &mut [u16]) {
     }
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = bf16(s);
+    }
+}
+
+/// `dst[i] = bf16(scale · src[i])` ([`narrow`] of the scaled values).
+pub(crate) fn narrow_scaled(src: &[f32], scale: f32, dst: &mut [u16]) {
+    #[cfg(target_arch = "x86_64")]
+    if bf16_ops() {
+        // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
+        // above).
+        unsafe { narrow_scaled_bf16(src, scale, dst) };
+        return;
+    }
+    for (d, &s) in dst.iter_mut().zip(src) {
+        *d = bf16(s * scale);
+    }
+}
+
+/// [`narrow_scaled`] by the processor's own conversion, as [`narrow_bf16`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
+fn narrow_scaled_bf16(src: &[f32], scale: f32, dst: &mut [u16]) {
+    use std::arch::x86_64::*;
+    let n = src.len().min(dst.len());
+    let by = _mm512_set1_ps(scale);
+    for i in (0..n).step_by(16) {
+        let mask = if n - i >= 16 {
+            !0
+        } else {
+            (1u16 << (n - i)) - 1
+        };
+        // SAFETY: the masked load and store touch lanes i..i + 16 below n
+        // only (the mask), inside both slices.
+        unsafe {
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src.as_ptr().add(i)), by);
+            let b: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
+            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, mask, b);
+        }
     }
 }
 
@@ -819,9 +890,7 @@ impl Attn {
             pack_with(d, s, &mut kpack, 0, 1, |j, row| {
                 narrow(&k(img, j)[col.clone()], &mut row[..d]);
             });
-            pack_keys(s, d, &mut vpack, |key, row| {
-                narrow(&v(img, key)[col.clone()], row)
-            });
+            pack_keys(s, d, &mut vpack, |key| &v(img, key)[col.clone()]);
             let (first, step) = if whole { (0, 1) } else { (ith, nth) };
             for qb in (first..qblocks).step_by(step) {
                 let t0 = qb * ROWS;
@@ -829,9 +898,7 @@ impl Attn {
                 for (r, row) in qa.chunks_exact_mut(dp).enumerate() {
                     row.fill(0);
                     if r < valid {
-                        for (x, &y) in row.iter_mut().zip(&q(img, t0 + r)[col.clone()]) {
-                            *x = bf16(y * self.scale);
-                        }
+                        narrow_scaled(&q(img, t0 + r)[col.clone()], self.scale, &mut row[..d]);
                     }
                 }
                 let mut max = [f32::NEG_INFINITY; ROWS];
@@ -878,19 +945,26 @@ impl Attn {
     }
 }
 
-/// Packs the `[s, d]` operand whose row for key `key` `fill(key, row)`
-/// writes (`d` values) as [`pack`] would pack its transpose (`k` = keys,
-/// `n` = `d` outputs): row by row, where [`pack_with`] wants columns.
-fn pack_keys(s: usize, d: usize, out: &mut [u16], fill: impl Fn(usize, &mut [u16])) {
+/// Packs the `[s, d]` operand whose row for key `key` is `row(key)` (`d`
+/// f32, rounded to bf16) as [`pack`] would pack its transpose (`k` =
+/// keys, `n` = `d` outputs): pair `q` of a panel's 16 outputs is keys `2q`
+/// and `2q + 1` side by side, so each pair of rows is interleaved 16
+/// outputs at a time (`fma::interleave_pair`, in vectors where the
+/// processor converts to bf16 itself).
+fn pack_keys<'r>(s: usize, d: usize, out: &mut [u16], row: impl Fn(usize) -> &'r [f32]) {
     let kv = round_up(s, TILE_K);
     out[..packed_len(s, d)].fill(0);
-    let mut row = vec![0u16; d];
-    for key in 0..s {
-        fill(key, &mut row);
-        let (q, odd) = (key / 2, key % 2);
-        let within = (q / PANEL) * TILE_K * PANEL + (q % PANEL) * 2 * PANEL + odd;
-        for (j, &x) in row.iter().enumerate() {
-            out[(j / PANEL) * kv * PANEL + within + 2 * (j % PANEL)] = x;
+    for q in 0..s.div_ceil(2) {
+        let (x, y) = (row(2 * q), (2 * q + 1 < s).then(|| row(2 * q + 1)));
+        for (p, j0) in (0..d).step_by(PANEL).enumerate() {
+            let j1 = d.min(j0 + PANEL);
+            let at = p * kv * PANEL + 2 * PANEL * q;
+            crate::fma::interleave_pair(
+                &x[j0..j1],
+                y.map(|y| &y[j0..j1]),
+                PANEL,
+                &mut out[at..at + 2 * PANEL],
+            );
         }
     }
 }

@@ -915,7 +915,7 @@ thread_local! {
 /// `x[r]`, `y[r]` rounded to bf16 (zero past their lengths, and for `y`
 /// `None`), for `r < mr` ≤ 16: by the processor's own conversion where it
 /// has one (rounding as `amx::narrow`).
-fn interleave_pair(x: &[f32], y: Option<&[f32]>, mr: usize, dst: &mut [u16]) {
+pub(crate) fn interleave_pair(x: &[f32], y: Option<&[f32]>, mr: usize, dst: &mut [u16]) {
     assert!(mr <= 16 && x.len() <= mr && y.is_none_or(|y| y.len() <= mr) && dst.len() >= 2 * mr);
     #[cfg(target_arch = "x86_64")]
     if crate::amx::bf16_ops() {
@@ -1542,7 +1542,7 @@ impl Elem for u16 {
 /// `dst` addresses `n` rows of `lanes` ≤ 16 words, `width` apart.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn transpose_words(
+pub(crate) unsafe fn transpose_words(
     src: &[*const u32; 16],
     n: usize,
     dst: *mut u32,
