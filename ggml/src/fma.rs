@@ -82,6 +82,76 @@ pub const ONE_BLOCK_ROWS: usize = 336;
 /// many rows share it; at 256 rows ggml measured 1.00–1.10× faster).
 pub const MIN_ROWS: usize = 512;
 
+/// The `k` per pass of the AVX512-BF16 product ([`bf16_pass`]) where the
+/// level-1 data cache is 32 KiB: a panel (32 outputs × 384 bf16, 24 KiB)
+/// stays in it while the rows stream past. Measured on a Zen 4 (session
+/// 25): 1.10–1.25× against 256 at k = 320 and 3072.
+pub const BF16_KC_SMALL_L1: usize = 384;
+
+/// The `k` per pass of the AVX512-BF16 product where the level-1 data
+/// cache is 48 KiB or more (Zen 5): panels of 96 KiB, read from level 2.
+/// Each pass writes and reads again the whole output, which a core that
+/// multiplies twice as fast per cycle (full-width 512-bit units) feels
+/// twice as much. Measured on a Zen 5 (session 29), both threads,
+/// alternating in one process: 1.08–1.25× against 384 at SDXL's and the
+/// DiTs' shapes (64 × 3072 × 3072 385 → 473 GFLOP/s, 1024 × 3072 × 12288
+/// 628 → 769, 512 × 1280 × 10240 608 → 685); 2048 was no faster, and its
+/// packed panels take more memory.
+pub const BF16_KC_LARGE_L1: usize = 1536;
+
+/// The `k` per pass of the AVX512-BF16 product on this processor:
+/// [`BF16_KC_LARGE_L1`] where its level-1 data cache holds 48 KiB or
+/// more, else [`BF16_KC_SMALL_L1`]; [`crate::Knobs::fma_kc`] overrides it
+/// (even, at most [`BF16_KC_LARGE_L1`]), for measurements.
+pub fn bf16_pass() -> usize {
+    static KC: OnceLock<usize> = OnceLock::new();
+    if let Some(kc) = crate::knobs().fma_kc {
+        return (kc.clamp(2, BF16_KC_LARGE_L1) / 2) * 2;
+    }
+    *KC.get_or_init(|| match l1d_bytes() {
+        Some(b) if b >= 48 << 10 => BF16_KC_LARGE_L1,
+        _ => BF16_KC_SMALL_L1,
+    })
+}
+
+/// The level-1 data cache of the processor this runs on, by its
+/// deterministic cache parameters (CPUID leaf 4 on Intel, 0x8000001D on
+/// AMD); `None` where it does not say.
+fn l1d_bytes() -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::__cpuid_count;
+        let vendor = __cpuid_count(0, 0);
+        let amd = vendor.ebx == u32::from_le_bytes(*b"Auth");
+        let leaf = if amd { 0x8000_001D } else { 4 };
+        let max = if amd {
+            __cpuid_count(0x8000_0000, 0).eax
+        } else {
+            vendor.eax
+        };
+        if max < leaf {
+            return None;
+        }
+        for sub in 0..16 {
+            let r = __cpuid_count(leaf, sub);
+            let (ty, level) = (r.eax & 0x1f, (r.eax >> 5) & 0x7);
+            if ty == 0 {
+                break;
+            }
+            if ty == 1 && level == 1 {
+                let ways = ((r.ebx >> 22) & 0x3ff) as usize + 1;
+                let parts = ((r.ebx >> 12) & 0x3ff) as usize + 1;
+                let line = (r.ebx & 0xfff) as usize + 1;
+                let sets = r.ecx as usize + 1;
+                return Some(ways * parts * line * sets);
+            }
+        }
+        None
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    None
+}
+
 /// The fewest output pixels per image that take the direct bf16
 /// convolution (`direct`): SD's UNet at its 8 × 8 level (64 pixels).
 pub const DIRECT_MIN_PIXELS: usize = 64;
@@ -1020,7 +1090,7 @@ pub fn gemm(
     if bf16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        return gemm_with::<K>(w, m, k, K::KC, &pack, bias, out, store, ith, nth);
+        return gemm_with::<K>(w, m, k, bf16_pass(), &pack, bias, out, store, ith, nth);
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<K>(x, r0, mc, kb, kc, a);
@@ -1460,41 +1530,44 @@ impl Elem for u16 {
         if (in_place && features().avx512) || (kc <= Bf16Avx512::KC && crate::amx::bf16_ops()) {
             let np = kc.div_ceil(2);
             assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
-            let mut rounded = [[0u32; Bf16Avx512::KC / 2]; 16];
-            for c0 in (0..width).step_by(16) {
-                let mut src = [std::ptr::null::<u32>(); 16];
-                for (c, s) in src.iter_mut().enumerate() {
-                    let j = j0 + c0 + c;
-                    if j >= w.n {
-                        continue;
+            with_rounded(np, |rounded| {
+                for c0 in (0..width).step_by(16) {
+                    let mut src = [std::ptr::null::<u32>(); 16];
+                    for ((c, s), words) in
+                        src.iter_mut().enumerate().zip(rounded.chunks_exact_mut(np))
+                    {
+                        let j = j0 + c0 + c;
+                        if j >= w.n {
+                            continue;
+                        }
+                        if in_place {
+                            let at = j * w.row_bytes + kb * 2;
+                            *s = w.data[at..at + kc * 2].as_ptr() as *const u32;
+                            continue;
+                        }
+                        // SAFETY: the np words are 2·np u16.
+                        let halves = unsafe {
+                            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * np)
+                        };
+                        w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
+                        halves[kc..].fill(0);
+                        *s = words.as_ptr();
                     }
-                    if in_place {
-                        let at = j * w.row_bytes + kb * 2;
-                        *s = w.data[at..at + kc * 2].as_ptr() as *const u32;
-                        continue;
-                    }
-                    // SAFETY: 2·np ≤ KC u16 are the words' bytes.
-                    let halves = unsafe {
-                        std::slice::from_raw_parts_mut(rounded[c].as_mut_ptr() as *mut u16, 2 * np)
+                    // SAFETY: AVX-512F (checked above, or implied by
+                    // AVX512-BF16); each non-null source holds `np` words
+                    // (sliced above, or `rounded`'s), the panel `np` rows of
+                    // `width` words from column `c0`, 16 of them.
+                    unsafe {
+                        transpose_words(
+                            &src,
+                            np,
+                            (panel.as_mut_ptr() as *mut u32).add(c0),
+                            width,
+                            16,
+                        )
                     };
-                    w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
-                    halves[kc..].fill(0);
-                    *s = rounded[c].as_ptr();
                 }
-                // SAFETY: AVX-512F (checked above, or implied by
-                // AVX512-BF16); each non-null source holds `np` words
-                // (sliced above, or `rounded`'s), the panel `np` rows of
-                // `width` words from column `c0`, 16 of them.
-                unsafe {
-                    transpose_words(
-                        &src,
-                        np,
-                        (panel.as_mut_ptr() as *mut u32).add(c0),
-                        width,
-                        16,
-                    )
-                };
-            }
+            });
             return;
         }
         pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
@@ -1509,28 +1582,51 @@ impl Elem for u16 {
             // Each column rounded into pairs once, then transposed 16
             // columns by 16 pairs at a time.
             let np = block.len() / (2 * width);
-            let mut rounded = [[0u32; Bf16Avx512::KC / 2]; 16];
-            let mut ptrs = [std::ptr::null::<u32>(); 16];
-            assert!(np <= Bf16Avx512::KC / 2);
-            for c in 0..width {
-                if let Some(s) = src(c) {
-                    let n = s.len().min(2 * np);
-                    // SAFETY: 2·np u16 are the words' bytes.
-                    let halves = unsafe {
-                        std::slice::from_raw_parts_mut(rounded[c].as_mut_ptr() as *mut u16, 2 * np)
-                    };
-                    crate::amx::narrow(&s[..n], &mut halves[..n]);
-                    halves[n..].fill(0);
-                    ptrs[c] = rounded[c].as_ptr();
+            with_rounded(np, |rounded| {
+                let mut ptrs = [std::ptr::null::<u32>(); 16];
+                for ((c, p), words) in ptrs
+                    .iter_mut()
+                    .enumerate()
+                    .take(width)
+                    .zip(rounded.chunks_exact_mut(np))
+                {
+                    if let Some(s) = src(c) {
+                        let n = s.len().min(2 * np);
+                        // SAFETY: the np words are 2·np u16.
+                        let halves = unsafe {
+                            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * np)
+                        };
+                        crate::amx::narrow(&s[..n], &mut halves[..n]);
+                        halves[n..].fill(0);
+                        *p = words.as_ptr();
+                    }
                 }
-            }
-            // SAFETY: AVX512-BF16 implies AVX-512F; each non-null source
-            // holds `np` words, the block `np` rows of `width` ≤ 16 words.
-            unsafe { transpose_words(&ptrs, np, block.as_mut_ptr() as *mut u32, width, width) };
+                // SAFETY: AVX512-BF16 implies AVX-512F; each non-null source
+                // holds `np` words, the block `np` rows of `width` ≤ 16 words.
+                unsafe { transpose_words(&ptrs, np, block.as_mut_ptr() as *mut u32, width, width) };
+            });
             return;
         }
         pack_block_by_columns(src, block, width)
     }
+}
+
+thread_local! {
+    /// 16 rows rounded to bf16 on their way into a transpose
+    /// ([`with_rounded`]).
+    static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Runs `f` on this thread's scratch of 16 rows of `np` words, row `c` at
+/// `c·np` (kept between calls: a pass of [`BF16_KC_LARGE_L1`] makes it
+/// 48 KiB, which a zeroed array on the stack would clear at every block).
+fn with_rounded<R>(np: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
+    ROUNDED.with_borrow_mut(|rounded| {
+        if rounded.len() < 16 * np {
+            rounded.resize(16 * np, 0);
+        }
+        f(&mut rounded[..16 * np])
+    })
 }
 
 /// `dst[i·width + c] = src[c][i]` for `i < n` and `c < lanes` (32-bit
@@ -1848,7 +1944,7 @@ unsafe fn tile_avx512<const MR: usize, const NV: usize>(
 /// quarters of a Zen 4 core's level-1 data cache (passes of 384 against
 /// 256: 1.10–1.25× at k = 320 and 3072, with passes of even lengths).
 struct Bf16Avx512;
-simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: 384, u16, BF16_BUF, tile_bf16::<14, 2>);
+simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: BF16_KC_LARGE_L1, u16, BF16_BUF, tile_bf16::<14, 2>);
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bf16")]

@@ -83,7 +83,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_ARENA`,
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_KC`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_ARENA`,
 /// `SDHOST_CONV_BAND_MIB`, `SDHOST_DIRECT_CONV`, `SDHOST_NO_FLASH_PAD`) and
 /// passes them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -124,6 +124,9 @@ pub struct Knobs {
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
+    /// The `k` per pass of the AVX512-BF16 product kernel (default
+    /// [`fma::bf16_pass`]'s choice for the processor), for measurements.
+    pub fma_kc: Option<usize>,
     /// Every weight type ggml can dequantize takes the FMA path, not only
     /// those it measured faster for ([`fma::isa_for`]): for measurements and
     /// `check`.
@@ -166,6 +169,7 @@ impl Default for Knobs {
             fma_attention: true,
             fma_vnni: true,
             fma_avx2: false,
+            fma_kc: None,
             fma_all: false,
             arena: true,
             conv_band_mib: None,

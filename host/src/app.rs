@@ -26,6 +26,7 @@ pub use crate::session::init_logging;
 /// `SDHOST_FMA_ALL=1` (every
 /// weight type takes them) and
 /// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512),
+/// `SDHOST_FMA_KC` (the `k` per pass of their AVX512-BF16 product),
 /// `SDHOST_NO_FMA_VNNI=1` (q8_0, q4_0, q4_1, q5_0 and q5_1 not in 8-bit
 /// integers on AVX512-VNNI), for
 /// measurements, `SDHOST_NO_ARENA=1`
@@ -53,6 +54,9 @@ pub fn knobs_from_env() -> ggml::Knobs {
         fma_attention: std::env::var("SDHOST_NO_FMA_ATTN").map_or(true, |v| v != "1"),
         fma_all: std::env::var("SDHOST_FMA_ALL").is_ok_and(|v| v == "1"),
         fma_avx2: std::env::var("SDHOST_FMA_AVX2").is_ok_and(|v| v == "1"),
+        fma_kc: std::env::var("SDHOST_FMA_KC")
+            .ok()
+            .and_then(|v| v.parse().ok()),
         fma_vnni: std::env::var("SDHOST_NO_FMA_VNNI").map_or(true, |v| v != "1"),
         arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),
         conv_band_mib: std::env::var("SDHOST_CONV_BAND_MIB")
