@@ -439,8 +439,8 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
 }
 
 /// Which weights these kernels take on this processor, in words, for
-/// reports (`f32 on AVX2 from 512 rows, bf16 from 128 rows on AVX512-BF16,
-/// q8_0, q4_0, q4_1, q5_0 and q5_1 from 8 rows on AVX512-VNNI; convolutions
+/// reports (`f32 on AVX2 from 512 rows, bf16 from 128 rows on AVX512-BF16
+/// (k in passes of 1536), q8_0, q4_0, q4_1, q5_0 and q5_1 from 8 rows on AVX512-VNNI; convolutions
 /// on AVX2, bf16 ones on AVX512-BF16; attention on AVX512-BF16`, the last from
 /// [`crate::amx::Attn`]); `None` where none runs.
 pub fn summary() -> Option<String> {
@@ -472,7 +472,11 @@ pub fn summary() -> Option<String> {
             Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
             None => continue,
         };
-        bf16 += &format!(", {names} from {rows} rows on {}", isa.label());
+        let passes = match isa {
+            Isa::Avx512Bf16 => format!(" (k in passes of {})", bf16_pass()),
+            _ => String::new(),
+        };
+        bf16 += &format!(", {names} from {rows} rows on {}{passes}", isa.label());
     }
     let conv = match (conv_isa(sys::GGML_TYPE_F16), conv_isa(sys::GGML_TYPE_BF16)) {
         (Some(a), Some(b)) if a != b => {
