@@ -102,11 +102,11 @@ pub const BF16_KC_LARGE_L1: usize = 1536;
 /// The `k` per pass of the AVX512-BF16 product on this processor:
 /// [`BF16_KC_LARGE_L1`] where its level-1 data cache holds 48 KiB or
 /// more, else [`BF16_KC_SMALL_L1`]; [`crate::Knobs::fma_kc`] overrides it
-/// (even, at most [`BF16_KC_LARGE_L1`]), for measurements.
+/// (even, from 256 to [`BF16_KC_LARGE_L1`]), for measurements.
 pub fn bf16_pass() -> usize {
     static KC: OnceLock<usize> = OnceLock::new();
     if let Some(kc) = crate::knobs().fma_kc {
-        return (kc.clamp(2, BF16_KC_LARGE_L1) / 2) * 2;
+        return (kc.clamp(256, BF16_KC_LARGE_L1) / 2) * 2;
     }
     *KC.get_or_init(|| match l1d_bytes() {
         Some(b) if b >= 48 << 10 => BF16_KC_LARGE_L1,
@@ -2238,6 +2238,71 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn bf16_products_match_the_f64_product_at_both_pass_lengths() {
+        if !features().avx512bf16 {
+            eprintln!("skipped: no AVX512-BF16 here");
+            return;
+        }
+        // k in 9 passes of 344 (the 32 KiB length, evened) or 3 of 1034
+        // (the 48 KiB one), whatever this processor's cache picks; rows
+        // within one block and past it.
+        let (k, n) = (3100usize, 45usize);
+        let wv: Vec<f32> = (0..k * n).map(|i| v(6, i)).collect();
+        let bytes: Vec<u8> = wv
+            .iter()
+            .flat_map(|&f| half::bf16::from_f32(f).to_le_bytes())
+            .collect();
+        let w = Weight {
+            data: &bytes,
+            ty: sys::GGML_TYPE_BF16,
+            k,
+            n,
+            row_bytes: 2 * k,
+        };
+        for (m, kc) in [
+            (30, BF16_KC_SMALL_L1),
+            (30, BF16_KC_LARGE_L1),
+            (400, BF16_KC_SMALL_L1),
+            (400, BF16_KC_LARGE_L1),
+        ] {
+            let xs: Vec<f32> = (0..k * m).map(|i| v(7, i)).collect();
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            let pack =
+                |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<Bf16Avx512>(&x, r0, mc, kb, kc, a);
+            let mut got = vec![f32::NAN; m * n];
+            for ith in 0..2 {
+                gemm_with::<Bf16Avx512>(&w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
+                        .sum();
+                    let d = (f64::from(got[i * n + j]) - want).abs();
+                    assert!(
+                        d < 2e-2 * (k as f64).sqrt(),
+                        "m {m} kc {kc} at ({i}, {j}): {} vs {want}",
+                        got[i * n + j]
+                    );
+                }
+            }
+        }
+        // The processor's choice is one of the two, and its cache plausible.
+        assert!([BF16_KC_SMALL_L1, BF16_KC_LARGE_L1].contains(&bf16_pass()));
+        if let Some(b) = l1d_bytes() {
+            assert!(
+                (8 << 10..=1 << 20).contains(&b),
+                "level-1 data cache of {b} bytes"
+            );
         }
     }
 

@@ -205,6 +205,9 @@ pub fn run(session: &Session, a: &BenchArgs, list: &str) -> anyhow::Result<()> {
     let cpu = manager.get(&cpu_name)?;
     let threads = session.threads.unwrap_or(1);
     let shapes = shapes(width, height);
+    // As the pipeline runs them: sdhost's kernels take more products where
+    // the CPU plugin's own bf16 is emulated (crate::loader::apply_flash_attn).
+    let emulated = !crate::loader::plugin_has_native_bf16(session);
     let torch = a
         .peer
         .iter()
@@ -229,8 +232,8 @@ pub fn run(session: &Session, a: &BenchArgs, list: &str) -> anyhow::Result<()> {
                 continue;
             }
             tracing::info!("product {} {}", shape.name, ty.name());
-            let (ours, kernel) = time_product(cpu, shape, ty, true, runs)?;
-            let (theirs, _) = time_product(cpu, shape, ty, false, runs)?;
+            let (ours, kernel) = time_product(cpu, shape, ty, Some(emulated), runs)?;
+            let (theirs, _) = time_product(cpu, shape, ty, None, runs)?;
             let torch = torch_rows.get(i);
             rows.push(Row {
                 shape: *shape,
@@ -272,19 +275,21 @@ fn cpu_model() -> String {
         .unwrap_or_else(|| "unknown processor".into())
 }
 
-/// Times `x · wᵀ` on `cpu` with sdhost's CPU kernels on or off: the best
-/// GFLOP/s of `runs` after one warm-up, and the kernel that computed it
-/// (the name of sdhost's node, or `ggml`).
+/// Times `x · wᵀ` on `cpu` with sdhost's CPU kernels on (`Some`: told
+/// whether the CPU plugin's bf16 is emulated, as the pipeline tells them)
+/// or off: the best GFLOP/s of `runs` after one warm-up, and the kernel
+/// that computed it (the name of sdhost's node, or `ggml`).
 fn time_product(
     cpu: &Backend,
     s: &Shape,
     ty: Type,
-    own: bool,
+    own: Option<bool>,
     runs: u32,
 ) -> anyhow::Result<(f64, String)> {
     let inputs = Context::new(4, 0)?;
     let ctx = Context::new(8, 16)?;
-    ctx.set_cpu_kernels(own);
+    ctx.set_cpu_kernels(own.is_some());
+    ctx.set_emulated_bf16(own == Some(true));
     let w = inputs.new_tensor(ty, &[s.k as i64, s.n as i64])?;
     let x = inputs.new_tensor(Type::F32, &[s.k as i64, s.m as i64])?;
     let y = ctx.mul_mat(w, x)?;
