@@ -61,7 +61,9 @@ use std::cell::RefCell;
 use std::os::raw::{c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::amx::{bf16, Conv};
+use crate::amx::{bf16, interleave_pair, Conv};
+#[cfg(target_arch = "x86_64")]
+use crate::amx::{interleave_pair_avx512, transpose_words};
 use crate::sys;
 
 mod direct;
@@ -986,62 +988,6 @@ thread_local! {
 }
 
 /// One pair of `k` of a packed bf16 block: `dst[2r]`, `dst[2r + 1]` =
-/// `x[r]`, `y[r]` rounded to bf16 (zero past their lengths, and for `y`
-/// `None`), for `r < mr` ≤ 16: by the processor's own conversion where it
-/// has one (rounding as `amx::narrow`).
-pub(crate) fn interleave_pair(x: &[f32], y: Option<&[f32]>, mr: usize, dst: &mut [u16]) {
-    assert!(mr <= 16 && x.len() <= mr && y.is_none_or(|y| y.len() <= mr) && dst.len() >= 2 * mr);
-    #[cfg(target_arch = "x86_64")]
-    if crate::amx::bf16_ops() {
-        // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
-        // above); the lengths are asserted above.
-        unsafe { interleave_pair_avx512(x, y.unwrap_or(&[]), mr, dst) };
-        return;
-    }
-    for r in 0..mr {
-        dst[2 * r] = bf16(x.get(r).copied().unwrap_or(0.0));
-        dst[2 * r + 1] = bf16(y.and_then(|y| y.get(r)).copied().unwrap_or(0.0));
-    }
-}
-
-/// [`interleave_pair`] on AVX512-BF16.
-///
-/// # Safety
-/// The processor has AVX512-BF16, BW and VL; `x` and `y` hold at most
-/// `mr` ≤ 16 values, `dst` at least `2·mr`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-#[inline]
-unsafe fn interleave_pair_avx512(x: &[f32], y: &[f32], mr: usize, dst: &mut [u16]) {
-    use std::arch::x86_64::*;
-    let lanes = |n: usize| ((1u32 << n) - 1) as __mmask16;
-    // SAFETY: masked loads of the slices' own values; a masked store of
-    // `2·mr` u16 inside `dst`.
-    unsafe {
-        let vx = _mm512_maskz_loadu_ps(lanes(x.len()), x.as_ptr());
-        let vy = _mm512_maskz_loadu_ps(lanes(y.len()), y.as_ptr());
-        // x0 y0 x1 y1 … x7 y7 and x8 y8 … x15 y15.
-        let lo = _mm512_permutex2var_ps(
-            vx,
-            _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0),
-            vy,
-        );
-        let hi = _mm512_permutex2var_ps(
-            vx,
-            _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8),
-            vy,
-        );
-        // The second operand's values come first.
-        let pairs: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
-        let keep = if mr == 16 {
-            !0u32
-        } else {
-            (1u32 << (2 * mr)) - 1
-        };
-        _mm512_mask_storeu_epi16(dst.as_mut_ptr() as *mut i16, keep, pairs);
-    }
-}
-
 /// The part `ith` of `nth` of `0..units`, as even as whole units allow.
 fn share(units: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
     let nth = nth.max(1);
@@ -1633,79 +1579,6 @@ fn with_rounded<R>(np: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
     })
 }
 
-/// `dst[i·width + c] = src[c][i]` for `i < n` and `c < lanes` (32-bit
-/// words; a null source is zeros): 16 sources by 16 words at a time,
-/// transposed in registers.
-///
-/// # Safety
-/// The processor has AVX-512F; each non-null `src[c]` addresses `n` words;
-/// `dst` addresses `n` rows of `lanes` ≤ 16 words, `width` apart.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn transpose_words(
-    src: &[*const u32; 16],
-    n: usize,
-    dst: *mut u32,
-    width: usize,
-    lanes: usize,
-) {
-    use std::arch::x86_64::*;
-    let keep = ((1u32 << lanes) - 1) as __mmask16;
-    for i0 in (0..n).step_by(16) {
-        let count = 16.min(n - i0);
-        let take = ((1u32 << count) - 1) as __mmask16;
-        let mut r = [_mm512_setzero_si512(); 16];
-        for (r, s) in r.iter_mut().zip(src) {
-            if !s.is_null() {
-                // SAFETY: words i0..i0 + count of the source (the mask).
-                *r = unsafe { _mm512_maskz_loadu_epi32(take, s.add(i0) as *const i32) };
-            }
-        }
-        let t = transpose_16x16(r);
-        for (e, v) in t.iter().enumerate().take(count) {
-            // SAFETY: row i0 + e < n of `dst`, its first `lanes` words.
-            unsafe { _mm512_mask_storeu_epi32(dst.add((i0 + e) * width) as *mut i32, keep, *v) };
-        }
-    }
-}
-
-/// The transpose of 16 vectors of 16 words: word `e` of vector `c` becomes
-/// word `c` of vector `e` (unpacks of words, then of pairs of words, then
-/// two shuffles of 128-bit lanes).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-fn transpose_16x16(r: [std::arch::x86_64::__m512i; 16]) -> [std::arch::x86_64::__m512i; 16] {
-    use std::arch::x86_64::*;
-    let mut t = r;
-    for i in 0..8 {
-        // Per 128-bit lane l: r₂ᵢ[4l] r₂ᵢ₊₁[4l] r₂ᵢ[4l+1] r₂ᵢ₊₁[4l+1], and the same of 4l+2, 4l+3.
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    let mut u = t;
-    for i in 0..4 {
-        // u[4i + j], per lane l: rows 4i..4i + 4 at word 4l + j.
-        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-    }
-    let mut out = u;
-    for j in 0..4 {
-        // Word 4l + j of rows 0..16 is lane l of u[j], u[4 + j], u[8 + j], u[12 + j].
-        let v0 = _mm512_shuffle_i32x4::<0x88>(u[j], u[4 + j]);
-        let v1 = _mm512_shuffle_i32x4::<0xdd>(u[j], u[4 + j]);
-        let w0 = _mm512_shuffle_i32x4::<0x88>(u[8 + j], u[12 + j]);
-        let w1 = _mm512_shuffle_i32x4::<0xdd>(u[8 + j], u[12 + j]);
-        out[j] = _mm512_shuffle_i32x4::<0x88>(v0, w0);
-        out[4 + j] = _mm512_shuffle_i32x4::<0x88>(v1, w1);
-        out[8 + j] = _mm512_shuffle_i32x4::<0xdd>(v0, w0);
-        out[12 + j] = _mm512_shuffle_i32x4::<0xdd>(v1, w1);
-    }
-    out
-}
-
 /// [`scatter`] of bf16 pairs: the pair in bytes `4i..4i + 4` (little
 /// endian, low half first) to `dst[2·(i·width + c)..][..2]`.
 fn scatter_pairs(pairs: &[u8], dst: &mut [u16], c: usize, width: usize) {
@@ -2241,6 +2114,31 @@ mod tests {
         }
     }
 
+    /// Asserts that `got` (m × n) is within `tol` of the f64 product of
+    /// the rows `xs` (m × k) by the weight rows `wv` (n × k).
+    fn assert_f64_product(
+        got: &[f32],
+        xs: &[f32],
+        wv: &[f32],
+        (m, k, n): (usize, usize, usize),
+        tol: f64,
+        what: &str,
+    ) {
+        for i in 0..m {
+            for j in 0..n {
+                let want: f64 = (0..k)
+                    .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
+                    .sum();
+                let d = (f64::from(got[i * n + j]) - want).abs();
+                assert!(
+                    d < tol,
+                    "{what} at ({i}, {j}): {} vs {want}",
+                    got[i * n + j]
+                );
+            }
+        }
+    }
+
     #[test]
     fn bf16_products_match_the_f64_product_at_both_pass_lengths() {
         if !features().avx512bf16 {
@@ -2282,19 +2180,8 @@ mod tests {
             for ith in 0..2 {
                 gemm_with::<Bf16Avx512>(&w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
             }
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
-                        .sum();
-                    let d = (f64::from(got[i * n + j]) - want).abs();
-                    assert!(
-                        d < 2e-2 * (k as f64).sqrt(),
-                        "m {m} kc {kc} at ({i}, {j}): {} vs {want}",
-                        got[i * n + j]
-                    );
-                }
-            }
+            let tol = 2e-2 * (k as f64).sqrt();
+            assert_f64_product(&got, &xs, &wv, (m, k, n), tol, &format!("m {m} kc {kc}"));
         }
         // The processor's choice is one of the two, and its cache plausible.
         assert!([BF16_KC_SMALL_L1, BF16_KC_LARGE_L1].contains(&bf16_pass()));
@@ -2334,19 +2221,8 @@ mod tests {
         let xs: Vec<f32> = (0..k * m).map(|i| v(5, i)).collect();
         for nth in [1, 2] {
             let got = product(Isa::Avx512Bf16, &w, &xs, m, None, nth);
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|kk| f64::from(xs[i * k + kk]) * f64::from(wv[j * k + kk]))
-                        .sum();
-                    let d = (f64::from(got[i * n + j]) - want).abs();
-                    assert!(
-                        d < 2e-2 * 0.13 * (k as f64).sqrt(),
-                        "({i}, {j}) nth {nth}: {} vs {want}",
-                        got[i * n + j]
-                    );
-                }
-            }
+            let tol = 2e-2 * 0.13 * (k as f64).sqrt();
+            assert_f64_product(&got, &xs, &wv, (m, k, n), tol, &format!("nth {nth}"));
         }
     }
 

@@ -311,7 +311,7 @@ unsafe fn pack_panel(
         }
         // Word e of output c becomes lane c of vector e: vectors 0..8 are
         // block b's lines, 8..16 block b + 1's.
-        let t = super::transpose_16x16(r);
+        let t = crate::amx::transpose_16x16(r);
         for (e, v) in t.iter().enumerate().take(if pair { 16 } else { 8 }) {
             let line = (b + e / 8) * LINES + e % 8;
             // SAFETY: line < blocks·LINES (b + e/8 < blocks), 64-byte aligned.
