@@ -75,8 +75,10 @@ mod vnni;
 pub const MC: usize = 96;
 
 /// The most rows of a thread that a product packs as one block (at
-/// most 336 × 384 bf16 or 336 × 256 f32, a share of a core's level-2
-/// cache), packing each panel of the weight just before its use.
+/// most 336 × 256 f32, or 336 × 384 bf16 on a Zen 4: a share of a core's
+/// level-2 cache; 336 × 1536 bf16 on a Zen 5, the whole of it, which
+/// measured faster nevertheless: [`BF16_KC_LARGE_L1`]), packing each panel
+/// of the weight just before its use.
 pub const ONE_BLOCK_ROWS: usize = 336;
 
 /// The fewest rows that take this path by default: below it ggml's own
@@ -1817,9 +1819,10 @@ unsafe fn tile_avx512<const MR: usize, const NV: usize>(
 /// AVX512-BF16: 14 × 32 accumulators; per pair of `k` two loads of the
 /// panel (16 outputs × 2 `k` each), fourteen broadcasts of a row's pair and
 /// twenty-eight `vdpbf16ps` (on Zen 4 a 6 × 64 tile measured slower, a
-/// 12 × 32 one the same). A panel of 384 × 32 bf16 is 24 KiB, three
-/// quarters of a Zen 4 core's level-1 data cache (passes of 384 against
-/// 256: 1.10–1.25× at k = 320 and 3072, with passes of even lengths).
+/// 12 × 32 one the same). `KC` is the longest pass ([`bf16_pass`] picks
+/// the length): a panel of 384 × 32 bf16 is 24 KiB, three quarters of a
+/// Zen 4 core's level-1 data cache (passes of 384 against 256: 1.10–1.25×
+/// at k = 320 and 3072, with passes of even lengths).
 struct Bf16Avx512;
 simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: BF16_KC_LARGE_L1, u16, BF16_BUF, tile_bf16::<14, 2>);
 
@@ -2199,7 +2202,8 @@ mod tests {
             eprintln!("skipped: no AVX512-BF16 here");
             return;
         }
-        // k in passes of 384, 384 and 32 (whole blocks); ragged outputs.
+        // k in passes of 384, 384 and 32 (whole blocks) on a 32 KiB level-1
+        // cache, one pass on a larger one; ragged outputs.
         let (k, n, m) = (800usize, 45usize, 70usize);
         let (mut bytes, mut wv) = (Vec::new(), Vec::new());
         for b in 0..k / 32 * n {
