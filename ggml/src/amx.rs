@@ -283,7 +283,7 @@ pub(crate) fn narrow(src: &[f32], dst: &mut [u16]) {
     if bf16_ops() {
         // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
         // above).
-        unsafe { narrow_bf16(src, dst) };
+        unsafe { narrow_bf16(src, 1.0, dst) };
         return;
     }
     for (d, &s) in dst.iter_mut().zip(src) {
@@ -297,34 +297,11 @@ pub(crate) fn narrow_scaled(src: &[f32], scale: f32, dst: &mut [u16]) {
     if bf16_ops() {
         // SAFETY: the processor has AVX512-BF16, BW and VL (checked just
         // above).
-        unsafe { narrow_scaled_bf16(src, scale, dst) };
+        unsafe { narrow_bf16(src, scale, dst) };
         return;
     }
     for (d, &s) in dst.iter_mut().zip(src) {
         *d = bf16(s * scale);
-    }
-}
-
-/// [`narrow_scaled`] by the processor's own conversion, as [`narrow_bf16`].
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn narrow_scaled_bf16(src: &[f32], scale: f32, dst: &mut [u16]) {
-    use std::arch::x86_64::*;
-    let n = src.len().min(dst.len());
-    let by = _mm512_set1_ps(scale);
-    for i in (0..n).step_by(16) {
-        let mask = if n - i >= 16 {
-            !0
-        } else {
-            (1u16 << (n - i)) - 1
-        };
-        // SAFETY: the masked load and store touch lanes i..i + 16 below n
-        // only (the mask), inside both slices.
-        unsafe {
-            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src.as_ptr().add(i)), by);
-            let b: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
-            _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, mask, b);
-        }
     }
 }
 
@@ -469,14 +446,16 @@ pub(crate) fn bf16_ops() -> bool {
         && std::arch::is_x86_feature_detected!("avx512vl")
 }
 
-/// [`narrow`] by the processor's own conversion (`vcvtneps2bf16`: round
-/// to nearest even, NaN stays NaN, like [`bf16`] but for subnormals,
-/// which it flushes to zero).
+/// [`narrow_scaled`] (and [`narrow`], at a scale of 1, which leaves every
+/// value as it is) by the processor's own conversion (`vcvtneps2bf16`:
+/// round to nearest even, NaN stays NaN, like [`bf16`] but for
+/// subnormals, which it flushes to zero).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512bf16")]
-fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
+fn narrow_bf16(src: &[f32], scale: f32, dst: &mut [u16]) {
     use std::arch::x86_64::*;
     let n = src.len().min(dst.len());
+    let by = _mm512_set1_ps(scale);
     for i in (0..n).step_by(16) {
         let mask = if n - i >= 16 {
             !0
@@ -486,7 +465,7 @@ fn narrow_bf16(src: &[f32], dst: &mut [u16]) {
         // SAFETY: the masked load and store touch lanes i..i + 16 below n
         // only (the mask), inside both slices.
         unsafe {
-            let v = _mm512_maskz_loadu_ps(mask, src.as_ptr().add(i));
+            let v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, src.as_ptr().add(i)), by);
             let b: __m256i = std::mem::transmute(_mm512_cvtneps_pbh(v));
             _mm256_mask_storeu_epi16(dst.as_mut_ptr().add(i) as *mut i16, mask, b);
         }

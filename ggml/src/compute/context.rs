@@ -19,6 +19,7 @@ pub struct Context {
     pub(crate) f32_products: std::cell::Cell<bool>,
     /// [`Context::set_direct_conv`].
     pub(crate) direct_conv: std::cell::Cell<bool>,
+    /// [`Context::set_emulated_bf16`].
     pub(crate) emulated_bf16: std::cell::Cell<bool>,
     /// [`Context::set_conv_band_bytes`].
     pub(crate) band_bytes: std::cell::Cell<Option<i64>>,

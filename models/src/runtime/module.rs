@@ -736,8 +736,7 @@ impl<'b> Module<'b> {
         self.ensure_runtime_copy()?;
         self.scheduler()?;
         let backends = self.sched_backends();
-        let cpu_kernels = self.cpu_kernels();
-        let assisted = self.assisted();
+        let ctx = self.graph_context()?;
         let sched = self.sched.as_mut().expect("created above");
         let mut map = self.params.map();
         if let Some(copy) = &self.runtime_copy {
@@ -751,11 +750,6 @@ impl<'b> Module<'b> {
                 self.flash_heads.clone(),
             ));
         }
-        let ctx = Context::new(GRAPH_SIZE, GRAPH_SIZE)?;
-        ctx.set_cpu_kernels(cpu_kernels);
-        ctx.set_emulated_bf16(self.opts.emulated_bf16);
-        ctx.set_f32_products(assisted);
-        ctx.set_conv_band_bytes(self.opts.conv_band_bytes);
         let built = build(&ctx, &w).map_err(|e| e.context(name))?;
         built.output.set_output();
         for (t, _) in &built.inputs {
