@@ -35,7 +35,8 @@
 //!
 //! q8_0, q4_0, q4_1, q5_0 and q5_1 weights take an integer kernel on
 //! AVX512-VNNI instead (`fma/vnni.rs`: the activations rounded to 8 bits as
-//! ggml rounds them).
+//! ggml rounds them), and the k-quants q4_K, q5_K and q6_K too (rounded per
+//! 32 values, finer than ggml's q8_K).
 //!
 //! Three micro-kernels here, picked per product by the processor ([`isa_for`]):
 //! AVX2 + FMA, 6 × 16 in twelve 8-lane registers; AVX-512F, 12 × 32 in
@@ -172,8 +173,8 @@ pub fn min_rows() -> usize {
 /// The instruction sets the kernels use, best first.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {
-    /// AVX512-VNNI 8-bit dot products (q8_0, q4_0, q4_1, q5_0 and q5_1
-    /// weights only, `fma/vnni.rs`).
+    /// AVX512-VNNI 8-bit dot products (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K,
+    /// q5_K and q6_K weights only, `fma/vnni.rs`).
     Avx512Vnni,
     /// AVX512-BF16 dot products (bf16 weights, and quantized ones rounded
     /// to bf16).
@@ -347,12 +348,13 @@ pub const EMULATED_BF16_MIN_ROWS: usize = 16;
 pub const QUANT_MIN_ROWS: usize = 64;
 
 /// The fewest rows that take the AVX512-VNNI kernel (`fma/vnni.rs`: q8_0, q4_0,
-/// q4_1, q5_0 and q5_1 weights), which packs each panel of the weight for
-/// every chunk of rows: ahead of ggml's integer kernels from 8 rows
-/// (`sdhost bench --products` at FLUX's 3072-wide weights on a Zen 4,
-/// session 26: q8_0 and q4_0 1.2–2.8× at 8 rows, 1.4–1.9× at 12, q5_0
-/// 1.4–1.5× and q4_1 2.4–3.1× at 8), level or behind at 4 (q8_0 and q4_0
-/// 0.73–1.38×).
+/// q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights), which packs each panel
+/// of the weight for every chunk of rows: ahead of ggml's integer kernels
+/// from 8 rows (`sdhost bench --products` at FLUX's 3072-wide weights on a
+/// Zen 4, session 26: q8_0 and q4_0 1.2–2.8× at 8 rows, 1.4–1.9× at 12,
+/// q5_0 1.4–1.5× and q4_1 2.4–3.1× at 8), level or behind at 4 (q8_0 and
+/// q4_0 0.73–1.38×); the k-quants at Qwen3-4B's MLP on a Zen 5 (session
+/// 30): 1.5–2.8× ggml's at 8 rows, 0.57–1.25× at 4.
 pub const VNNI_MIN_ROWS: usize = 8;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
@@ -380,13 +382,20 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   kernel (q8_0 and q4_0 2.2–3.0× ggml's from 64 rows and 1.2–2.8× at
 ///   8–16 rows, q4_1 and q5_1 6–8×, q5_0 3×; 1.2–1.9× the bf16 kernel
 ///   below);
+/// * q4_K, q5_K and q6_K: on the same processors yes, on the same kernel
+///   (each super-block unpacked into blocks of 32 as the panel is packed;
+///   2.4–3.5× ggml's AVX2 k-quant kernels from 256 rows and 1.2–2.4× at 16
+///   rows on a Zen 5, session 30); elsewhere no (below);
 /// * the same without AVX512-VNNI, or with `SDHOST_NO_FMA_VNNI=1`: on
 ///   processors with AVX512-BF16 (and no AMX) yes, dequantized and rounded to bf16 as they are packed (ggml's
 ///   kernels multiply them in integers over activations rounded to 8 bits:
 ///   a coarser rounding than bf16's); elsewhere no, ggml's integer kernels
 ///   measured as fast or faster;
-/// * other quantized types: no; ggml's k-quant kernels measured faster
-///   (q4_K 1.2–1.8× this kernel on a Zen 4).
+/// * other quantized types, and the k-quants without AVX512-VNNI: no;
+///   ggml's k-quant kernels measured faster than the bf16 kernel's
+///   dequantization through ggml's `to_float` (q4_K 1.2–1.8× on a Zen 4,
+///   1.4–1.9× on a Zen 5). q2_K and q3_K (16-value blocks with 4-bit
+///   scales, rare in image models' files) stay on ggml's kernels.
 ///
 /// [`crate::Knobs::fma_all`] sends every type ggml can dequantize here, and
 /// [`crate::Knobs::fma_avx2`] keeps to the AVX2 kernel (to measure the
@@ -414,6 +423,9 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         | sys::GGML_TYPE_Q4_1
         | sys::GGML_TYPE_Q5_0
         | sys::GGML_TYPE_Q5_1
+        | sys::GGML_TYPE_Q4_K
+        | sys::GGML_TYPE_Q5_K
+        | sys::GGML_TYPE_Q6_K
             if f.avx512vnni && knobs.fma_vnni && !knobs.fma_avx2 && !crate::amx::available() =>
         {
             Some(Isa::Avx512Vnni)
@@ -444,7 +456,8 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
 
 /// Which weights these kernels take on this processor, in words, for
 /// reports (`f32 on AVX2 from 512 rows, bf16 from 128 rows on AVX512-BF16
-/// (k in passes of 1536), q8_0, q4_0, q4_1, q5_0 and q5_1 from 8 rows on AVX512-VNNI; convolutions
+/// (k in passes of 1536), q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K from 8 rows on
+/// AVX512-VNNI; convolutions
 /// on AVX2, bf16 ones on AVX512-BF16; attention on AVX512-BF16`, the last from
 /// [`crate::amx::Attn`]); `None` where none runs.
 pub fn summary() -> Option<String> {
@@ -459,6 +472,9 @@ pub fn summary() -> Option<String> {
         (sys::GGML_TYPE_Q4_1, "q4_1"),
         (sys::GGML_TYPE_Q5_0, "q5_0"),
         (sys::GGML_TYPE_Q5_1, "q5_1"),
+        (sys::GGML_TYPE_Q4_K, "q4_K"),
+        (sys::GGML_TYPE_Q5_K, "q5_K"),
+        (sys::GGML_TYPE_Q6_K, "q6_K"),
     ] {
         let Some(isa) = isa_for(ty).filter(|&i| i != f32) else {
             continue;
@@ -1031,7 +1047,7 @@ pub fn gemm(
     nth: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Vnni && vnni::applies(w.ty) && x.k.is_multiple_of(vnni::QK) {
+    if isa == Isa::Avx512Vnni && vnni::applies(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty)) {
         return vnni::gemm(w, x, bias, out, ith, nth);
     }
     let bf16 = matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Vnni)
@@ -2592,7 +2608,10 @@ mod tests {
                 }
                 if features().avx512vnni && !crate::amx::available() {
                     assert!(
-                        s.contains("q8_0, q4_0, q4_1, q5_0 and q5_1 from 8 rows on AVX512-VNNI"),
+                        s.contains(
+                            "q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K from 8 rows on \
+                             AVX512-VNNI"
+                        ),
                         "{s}"
                     );
                 }

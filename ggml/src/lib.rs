@@ -117,7 +117,7 @@ pub struct Knobs {
     /// processor has AVX512-BF16 and no AMX
     /// ([`Context::bf16_attention`]).
     pub fma_attention: bool,
-    /// q8_0, q4_0, q4_1, q5_0 and q5_1 products in 8-bit integers on
+    /// q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K products in 8-bit integers on
     /// AVX512-VNNI where the processor has it and no AMX (`fma::vnni`);
     /// off: the AVX512-BF16 kernel or ggml's (to measure them).
     pub fma_vnni: bool,

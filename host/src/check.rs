@@ -540,6 +540,41 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat q4_K (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // Two super-blocks, a ragged panel and tile of rows.
+                let (a, b) = (t(i, Type::Q4K, &[512, 40])?, t(i, Type::F32, &[512, 130])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat q5_K + bias (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                let (a, b, bias) = (
+                    t(i, Type::Q5K, &[512, 48])?,
+                    t(i, Type::F32, &[512, 40])?,
+                    t(i, Type::F32, &[48])?,
+                );
+                Ok((vec![a, b, bias], c.mul_mat_bias(a, b, bias)?))
+            },
+        },
+        Case {
+            name: "mul_mat q6_K (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q6K, &[768, 40])?, t(i, Type::F32, &[768, 70])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "mul_mat bf16 (AMX)",
             tolerance: 1e-2,
             cpu_kernels: true,

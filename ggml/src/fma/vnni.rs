@@ -1,5 +1,6 @@
-//! Products of q8_0, q4_0, q4_1, q5_0 and q5_1 weights in 8-bit integers
-//! on AVX512-VNNI (`vpdpbusd`), for processors with it and without AMX.
+//! Products of q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights
+//! in 8-bit integers on AVX512-VNNI (`vpdpbusd`), for processors with it
+//! and without AMX.
 //!
 //! ggml multiplies these weights in integers too: it rounds each block of
 //! 32 activations to 8 bits with a scale (its q8_0, or q8_1 with the
@@ -27,6 +28,20 @@
 //! 8-bit values in that block. q4_1's and q5_1's values are unsigned
 //! already, with a minimum per block: as in ggml, the minimum times the
 //! row's scaled sum (ggml's q8_1 `s`) is added per block.
+//!
+//! The k-quants (q4_K, q5_K, q6_K) keep 256 values per super-block, in
+//! blocks of 32 with a 6-bit scale and minimum each (q4_K, q5_K: value =
+//! d · scale · byte − dmin · minimum) or of 16 with an 8-bit scale each
+//! (q6_K: value = d · scale · (byte − 32)). Packing turns each block of 32
+//! into what the kernel reads for q4_1: 32 unsigned bytes, an f32 scale
+//! and minimum per output (d · scale, − dmin · minimum); q6_K's blocks keep
+//! their two scales of 16 values, and the kernel sums the two halves of
+//! each block apart. ggml multiplies k-quants over activations rounded to
+//! 8 bits per 256 values with an f32 scale (its q8_K); here they are
+//! rounded per 32 values (as above) with the f32 scale kept as it is, a
+//! finer rounding, so the sums are not ggml's to the bit: `check` holds
+//! them to ggml's within the activations' rounding. Passes over `k` start
+//! at super-blocks.
 //!
 //! Threads split the outputs by panels of 16; each rounds the rows itself
 //! (a small fraction of the work), a chunk of rows at a time that stays in
@@ -62,29 +77,63 @@ const CHUNK_ROWS: usize = 256;
 const PASS_BLOCKS: usize = 128;
 
 /// Whether a weight of type `ty` can take [`gemm`] on this processor
-/// (q8_0, q4_0, q4_1, q5_0 or q5_1; AVX512-VNNI, BW and VL).
+/// (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K; AVX512-VNNI, BW and
+/// VL).
 pub fn applies(ty: sys::ggml_type) -> bool {
     features().avx512vnni && Format::of(ty).is_some()
+}
+
+/// The values of `k` a row of a weight of type `ty` must be a multiple of
+/// for [`gemm`]: a block (32), or a k-quant's super-block (256).
+pub fn unit(ty: sys::ggml_type) -> usize {
+    Format::of(ty).map_or(QK, |f| f.per_unit * QK)
+}
+
+/// How a weight type lays out its blocks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// ggml's blocks of 32 values (q8_0, q4_0, q4_1, q5_0, q5_1): an f16
+    /// scale first, then the f16 minimum (where `min`), the fifth bits (at
+    /// `high`) and the values (at `values`).
+    Legacy,
+    /// q4_K's super-blocks of 256 values: f16 d and dmin, 12 bytes of 6-bit
+    /// scales and minimums for eight blocks of 32, then 128 bytes of
+    /// nibbles (block 2g's values in the low nibbles of bytes 32g..32g + 32,
+    /// block 2g + 1's in their high ones).
+    Q4K,
+    /// q5_K: as q4_K, with 32 bytes of fifth bits before the nibbles (block
+    /// b's value i has bit b of byte i).
+    Q5K,
+    /// q6_K: 128 bytes of low nibbles, 64 of two high bits, 16 int8 scales
+    /// (one per 16 values), the f16 d last.
+    Q6K,
 }
 
 /// Where a block of a weight type keeps what the kernel reads, and how its
 /// values become unsigned bytes.
 #[derive(Clone, Copy, Debug)]
 struct Format {
-    /// Bytes per block.
+    kind: Kind,
+    /// Bytes per unit: a block, or a k-quant's super-block.
     size: usize,
+    /// Blocks of [`QK`] values per unit (8 for k-quants, else 1).
+    per_unit: usize,
     /// The value each unsigned byte stands for is the byte less this (q8_0:
     /// the byte is the value + 128; q4_0: the nibble, value + 8; q5_0: the
-    /// 5 bits, value + 16; 0 where the block has a minimum instead).
+    /// 5 bits, value + 16; q6_K: the 6 bits, value + 32; 0 where the block
+    /// has a minimum instead).
     offset: i32,
-    /// The block's f16 minimum follows its f16 scale (q4_1, q5_1: value =
-    /// scale × byte + minimum).
+    /// The block has a minimum (q4_1, q5_1: value = scale × byte +
+    /// minimum; q4_K, q5_K: its minimum is − dmin · its 6-bit minimum).
     min: bool,
+    /// Each half of a block of 32 has its own scale (q6_K).
+    halves: bool,
     /// Where the fifth bits start (q5_0, q5_1: 32 bits, bit `i` for value
     /// `i`).
     high: Option<usize>,
-    /// Where the values start: 32 bytes (q8_0) or 16 of two nibbles (value
-    /// `i` in the low nibble of byte `i`, value `i + 16` in its high one).
+    /// Where the values start in a legacy block: 32 bytes (q8_0) or 16 of
+    /// two nibbles (value `i` in the low nibble of byte `i`, value `i + 16`
+    /// in its high one).
     values: usize,
 }
 
@@ -92,11 +141,24 @@ impl Format {
     /// The format of `ty`, or `None` where the kernel does not take it.
     fn of(ty: sys::ggml_type) -> Option<Format> {
         let f = |size, offset, min, high, values| Format {
+            kind: Kind::Legacy,
             size,
+            per_unit: 1,
             offset,
             min,
+            halves: false,
             high,
             values,
+        };
+        let k = |kind, size, offset, min, halves| Format {
+            kind,
+            size,
+            per_unit: 8,
+            offset,
+            min,
+            halves,
+            high: None,
+            values: 0,
         };
         Some(match ty {
             sys::GGML_TYPE_Q8_0 => f(34, 128, false, None, 2),
@@ -104,12 +166,21 @@ impl Format {
             sys::GGML_TYPE_Q4_1 => f(20, 0, true, None, 4),
             sys::GGML_TYPE_Q5_0 => f(22, 16, false, Some(2), 6),
             sys::GGML_TYPE_Q5_1 => f(24, 0, true, Some(4), 8),
+            sys::GGML_TYPE_Q4_K => k(Kind::Q4K, 144, 0, true, false),
+            sys::GGML_TYPE_Q5_K => k(Kind::Q5K, 176, 0, true, false),
+            sys::GGML_TYPE_Q6_K => k(Kind::Q6K, 210, 32, false, true),
             _ => return None,
         })
     }
 
     fn q8(self) -> bool {
-        self.size == 34
+        self.kind == Kind::Legacy && self.size == 34
+    }
+
+    /// The activations keep their f32 scales as they are (k-quants), not
+    /// rounded to f16 as ggml's q8_0 and q8_1 keep them.
+    fn exact(self) -> bool {
+        self.kind != Kind::Legacy
     }
 }
 
@@ -120,7 +191,8 @@ struct Line([u8; 64]);
 
 /// A panel's lines per block: 8 of weight bytes (line `j`, lane `c`: values
 /// `4j..4j + 4` of output `c`, unsigned), one of the 16 outputs' scales
-/// (f32) and one of their minimums (f32, where the type has them).
+/// (f32) and one of their minimums (f32, where the type has them), or for
+/// types with [`Format::halves`] the scales of the block's two halves.
 const LINES: usize = 10;
 
 /// A thread's buffers: the chunk's rounded rows and one packed panel.
@@ -130,10 +202,15 @@ struct Buffers {
     q: Vec<i8>,
     /// `[block][row]` scales.
     d: Vec<f32>,
-    /// `[block][row]` starting sums (− offset × the block's values' sum).
+    /// `[block][row]` starting sums (− offset × the block's values' sum;
+    /// for types with [`Format::halves`], its first half's).
     s: Vec<i32>,
+    /// `[block][row]` the starting sums of the blocks' second halves (types
+    /// with [`Format::halves`]).
+    sh: Vec<i32>,
     /// `[block][row]` the block's values' sum times its scale, rounded to
-    /// f16 as ggml's q8_1 keeps it (for the weights' minimums).
+    /// f16 as ggml's q8_1 keeps it (for the weights' minimums; as it is for
+    /// k-quants).
     sd: Vec<f32>,
     panel: Vec<Line>,
 }
@@ -144,7 +221,7 @@ thread_local! {
 
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
 /// (`ith` of `nth`) of the outputs. The caller made sure that [`applies`]
-/// holds for `w.ty` and that `w.k == x.k`, a multiple of [`QK`].
+/// holds for `w.ty` and that `w.k == x.k`, a multiple of [`unit`].
 pub fn gemm(
     w: &Weight<'_>,
     x: &Rows<'_>,
@@ -157,21 +234,24 @@ pub fn gemm(
     assert!(
         applies(w.ty)
             && w.k == k
-            && k.is_multiple_of(QK)
+            && k.is_multiple_of(unit(w.ty))
             && k > 0
             && out.len() >= m * n
             && bias.is_none_or(|b| b.len() >= n)
     );
     let blocks = k / QK;
     let f = Format::of(w.ty).expect("applies() checked the type");
+    let units = blocks / f.per_unit;
     assert!(
-        w.row_bytes >= blocks * f.size && w.data.len() >= (n - 1) * w.row_bytes + blocks * f.size
+        w.row_bytes >= units * f.size && w.data.len() >= (n - 1) * w.row_bytes + units * f.size
     );
     let pr = share(n.div_ceil(NR), ith, nth);
     if pr.is_empty() || m == 0 {
         return;
     }
-    let pass = blocks.div_ceil(blocks.div_ceil(PASS_BLOCKS));
+    // Even passes of whole units (a k-quant's pass starts at a super-block).
+    let per_pass = PASS_BLOCKS / f.per_unit;
+    let pass = units.div_ceil(units.div_ceil(per_pass)) * f.per_unit;
     let chunk = (CHUNK_BYTES / (pass * QK)).clamp(MR, CHUNK_ROWS) / MR * MR;
     BUF.with(|buf| {
         let buf = &mut *buf.borrow_mut();
@@ -185,19 +265,21 @@ pub fn gemm(
             buf.q.resize(blocks * rows * QK, 0);
             buf.d.resize(blocks * rows, 0.0);
             buf.s.resize(blocks * rows, 0);
+            buf.sh.resize(blocks * rows, 0);
             buf.sd.resize(blocks * rows, 0.0);
             for r in 0..rows {
                 let row = &(x.row)(r0 + r)[b0 * QK..(b0 + blocks) * QK];
                 // SAFETY: applies() checked AVX512-VNNI, BW and VL (with F);
                 // the buffers hold `blocks × rows` blocks, `row` whole
                 // blocks.
-                unsafe { round_row(row, r, rows, f.offset, buf) };
+                unsafe { round_row(row, r, rows, f, buf) };
             }
             for p in pr.clone() {
                 let j0 = p * NR;
                 let cols = NR.min(n - j0);
-                // SAFETY: as above; `w` holds n rows of `blocks` blocks
-                // (asserted), `panel` blocks × LINES lines.
+                // SAFETY: as above; `w` holds n rows of `units` units
+                // (asserted), `panel` blocks × LINES lines, b0 + blocks ≤
+                // the row's blocks and b0 starts a unit.
                 unsafe { pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel) };
                 for t0 in (0..rows).step_by(MR) {
                     let tr = MR.min(rows - t0);
@@ -210,9 +292,11 @@ pub fn gemm(
                         q: &buf.q[t0 * QK..],
                         d: &buf.d[t0..],
                         s: &buf.s[t0..],
+                        sh: &buf.sh[t0..],
                         sd: &buf.sd[t0..],
                         stride: rows,
                         min: f.min,
+                        halves: f.halves,
                     };
                     // SAFETY: as above; the tile's slices start at row t0 of
                     // a chunk of `rows` ≥ t0 + tr rows; `c` holds tr rows of
@@ -226,17 +310,19 @@ pub fn gemm(
 
 /// Rounds row `x` (whole blocks) to 8 bits as ggml's q8_0 and q8_1 do,
 /// into row `r` of each block of a chunk of `rows` rows of `buf`, with
-/// each block's scale, starting sum (− `offset` × the sum of its values)
-/// and scaled sum.
+/// each block's scale, starting sums (− `f.offset` × the sum of its values,
+/// or of each half's) and scaled sum; for k-quants ([`Format::exact`]) the
+/// scale and the scaled sum stay in f32.
 ///
 /// # Safety
 /// The processor has AVX512F and BW; `r < rows`.
 #[target_feature(enable = "avx512f,avx512bw")]
-unsafe fn round_row(x: &[f32], r: usize, rows: usize, offset: i32, buf: &mut Buffers) {
+unsafe fn round_row(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers) {
     let blocks = x.len() / QK;
-    let (q, d, s, sd) = (&mut buf.q, &mut buf.d, &mut buf.s, &mut buf.sd);
+    let (q, d, s, sh, sd) = (&mut buf.q, &mut buf.d, &mut buf.s, &mut buf.sh, &mut buf.sd);
     assert!(r < rows && q.len() >= blocks * rows * QK && d.len() >= blocks * rows);
-    assert!(s.len() >= blocks * rows && sd.len() >= blocks * rows);
+    assert!(s.len() >= blocks * rows && sd.len() >= blocks * rows && sh.len() >= blocks * rows);
+    let (offset, exact) = (f.offset, f.exact());
     for b in 0..blocks {
         let at = b * rows + r;
         // SAFETY: 32 values of x at b·32 (b < blocks), 32 bytes of q at
@@ -252,15 +338,26 @@ unsafe fn round_row(x: &[f32], r: usize, rows: usize, offset: i32, buf: &mut Buf
             let v = _mm512_set1_ps(inv);
             let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, v));
             let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, v));
-            let sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+            let (sum_lo, sum_hi) = (_mm512_reduce_add_epi32(qlo), _mm512_reduce_add_epi32(qhi));
+            let sum = sum_lo + sum_hi;
             let dst = q.as_mut_ptr().add(at * QK);
             _mm_storeu_si128(dst as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
             _mm_storeu_si128(dst.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
-            d[at] = half::f16::from_f32(scale).to_f32();
-            s[at] = -offset * sum;
+            d[at] = match exact {
+                true => scale,
+                false => half::f16::from_f32(scale).to_f32(),
+            };
+            if f.halves {
+                (s[at], sh[at]) = (-offset * sum_lo, -offset * sum_hi);
+            } else {
+                s[at] = -offset * sum;
+            }
             // ggml's quantize_row_q8_1: the unrounded scale times the sum,
-            // stored in f16.
-            sd[at] = half::f16::from_f32(scale * sum as f32).to_f32();
+            // stored in f16 (for k-quants, the scale the products use).
+            sd[at] = match exact {
+                true => scale * sum as f32,
+                false => half::f16::from_f32(scale * sum as f32).to_f32(),
+            };
         }
     }
 }
@@ -271,7 +368,8 @@ unsafe fn round_row(x: &[f32], r: usize, rows: usize, offset: i32, buf: &mut Buf
 ///
 /// # Safety
 /// The processor has AVX512F, BW and VL; `w` holds rows `j0..j0 + cols`
-/// of `b0 + blocks` blocks of format `f`, `panel` `blocks × LINES` lines.
+/// of `b0 + blocks` blocks of format `f` (whole units), `panel` `blocks ×
+/// LINES` lines.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn pack_panel(
     w: &Weight<'_>,
@@ -282,28 +380,27 @@ unsafe fn pack_panel(
     blocks: usize,
     panel: &mut [Line],
 ) {
-    let size = f.size;
+    let (size, end) = (f.size, (b0 + blocks).div_ceil(f.per_unit));
     assert!((1..=NR).contains(&cols) && panel.len() >= blocks * LINES);
-    assert!(w.data.len() >= (j0 + cols - 1) * w.row_bytes + (b0 + blocks) * size);
+    assert!(w.data.len() >= (j0 + cols - 1) * w.row_bytes + end * size);
     let row = |c: usize| {
-        // SAFETY: block b0 of row j0 + min(c, cols - 1) < j0 + cols of `w`
+        // SAFETY: the start of row j0 + min(c, cols - 1) < j0 + cols of `w`
         // (asserted).
-        unsafe {
-            w.data
-                .as_ptr()
-                .add((j0 + c.min(cols - 1)) * w.row_bytes + b0 * size)
-        }
+        unsafe { w.data.as_ptr().add((j0 + c.min(cols - 1)) * w.row_bytes) }
     };
     let rows: [*const u8; NR] = std::array::from_fn(row);
+    // A k-quant's unit: per output, its blocks' two lines.
+    let mut unit = [[[0f32; 8]; 2]; NR];
     for b in (0..blocks).step_by(2) {
         let pair = b + 1 < blocks;
         let mut r = [_mm512_setzero_si512(); NR];
         for (r, &p) in r.iter_mut().zip(&rows) {
-            // SAFETY: blocks b and b + 1 (where `pair`) of a row of `w`.
+            // SAFETY: blocks b0 + b and b0 + b + 1 (where `pair`) of a row
+            // of `w`.
             unsafe {
-                let lo = values(f, p.add(b * size));
+                let lo = values(f, p, b0 + b);
                 let hi = match pair {
-                    true => values(f, p.add((b + 1) * size)),
+                    true => values(f, p, b0 + b + 1),
                     false => _mm256_setzero_si256(),
                 };
                 *r = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
@@ -318,58 +415,158 @@ unsafe fn pack_panel(
             unsafe { _mm512_store_si512(panel.as_mut_ptr().add(line) as *mut __m512i, *v) };
         }
         for bb in b..(b + 2).min(blocks) {
-            // The f16 scale at the block's start, and the minimum after it.
-            for (at, line) in [(0, 8), (2, 9)].into_iter().take(1 + usize::from(f.min)) {
-                // Read one by one: a gather measured slower (its latency
-                // was 14 % of the packing at 16 rows).
-                let mut halves = [0u16; NR];
-                for (h, &p) in halves.iter_mut().zip(&rows) {
-                    // SAFETY: each output's block bb holds an f16 at `at`.
-                    *h = unsafe { (p.add(bb * size + at) as *const u16).read_unaligned() };
+            let at = (b0 + bb) * size;
+            let mut lines = [[0f32; NR]; 2];
+            if f.kind == Kind::Legacy {
+                // The f16 scale at the block's start, and the minimum after
+                // it.
+                for (i, off) in [0, 2].into_iter().take(1 + usize::from(f.min)).enumerate() {
+                    // Read one by one: a gather measured slower (its latency
+                    // was 14 % of the packing at 16 rows).
+                    let mut halves = [0u16; NR];
+                    for (h, &p) in halves.iter_mut().zip(&rows) {
+                        // SAFETY: each output's block b0 + bb holds an f16
+                        // at `off`.
+                        *h = unsafe { (p.add(at + off) as *const u16).read_unaligned() };
+                    }
+                    // SAFETY: 16 u16 read from the array.
+                    let v = unsafe { _mm256_loadu_si256(halves.as_ptr() as *const __m256i) };
+                    // SAFETY: 16 f32 into the array.
+                    unsafe { _mm512_storeu_ps(lines[i].as_mut_ptr(), _mm512_cvtph_ps(v)) };
                 }
-                // SAFETY: 16 u16 read from the array.
-                let v = unsafe { _mm256_loadu_si256(halves.as_ptr() as *const __m256i) };
-                let v = _mm512_cvtph_ps(v);
-                // SAFETY: line bb·LINES + line < blocks·LINES, 64-byte aligned.
+            } else {
+                let s = (b0 + bb) % 8;
+                if s == 0 {
+                    // A unit starts (b0 starts one): its 8 blocks' lines,
+                    // row by row.
+                    for (u, &p) in unit.iter_mut().zip(&rows) {
+                        // SAFETY: the unit of block b0 + bb of a row of `w`.
+                        *u = unsafe { k_lines(f, p.add((b0 + bb) / 8 * size)) };
+                    }
+                }
+                for (c, u) in unit.iter().enumerate() {
+                    (lines[0][c], lines[1][c]) = (u[0][s], u[1][s]);
+                }
+            }
+            for (i, line) in lines
+                .iter()
+                .enumerate()
+                .take(1 + usize::from(f.min || f.halves))
+            {
+                // SAFETY: line bb·LINES + 8 + i < blocks·LINES, 64-byte
+                // aligned.
                 unsafe {
-                    _mm512_store_ps(panel.as_mut_ptr().add(bb * LINES + line) as *mut f32, v)
-                };
+                    let dst = panel.as_mut_ptr().add(bb * LINES + 8 + i) as *mut f32;
+                    _mm512_store_ps(dst, _mm512_loadu_ps(line.as_ptr()));
+                }
             }
         }
     }
 }
 
-/// The 32 values of the block of format `f` at `at`, as 32 unsigned
-/// bytes: q8_0's plus 128, the nibbles of the others, with q5_0's and
-/// q5_1's fifth bits.
+/// The 32 values of block `b` of the row of format `f` at `row`, as 32
+/// unsigned bytes: q8_0's plus 128, the nibbles of the others, with q5_0's,
+/// q5_1's and q5_K's fifth bits and q6_K's fifth and sixth.
 ///
 /// # Safety
-/// The processor has AVX512F, BW and VL; `at` addresses a whole block.
+/// The processor has AVX512F, BW and VL; the row at `row` holds the unit
+/// of block `b`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
-unsafe fn values(f: Format, at: *const u8) -> __m256i {
-    // SAFETY: the block's bytes at `at` (Format's offsets are inside it).
+unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
+    let nib = _mm256_set1_epi8(0x0f);
+    // SAFETY: the block's unit at `row` holds every byte read below
+    // (Format's offsets are inside it).
     unsafe {
-        let at_values = at.add(f.values);
-        if f.q8() {
-            let v = _mm256_loadu_si256(at_values as *const __m256i);
-            return _mm256_xor_si256(v, _mm256_set1_epi8(-128));
-        }
-        // Values 0..16 are the low nibbles, 16..32 the high ones.
-        let v = _mm_loadu_si128(at_values as *const __m128i);
-        let nib = _mm_set1_epi8(0x0f);
-        let lo = _mm_and_si128(v, nib);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
-        let v = _mm256_set_m128i(hi, lo);
-        match f.high {
-            Some(h) => {
-                // Bit i of the 32 is value i's 16.
-                let bits = (at.add(h) as *const u32).read_unaligned();
-                _mm256_or_si256(v, _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10)))
+        match f.kind {
+            Kind::Legacy => {
+                let at_values = row.add(b * f.size + f.values);
+                if f.q8() {
+                    let v = _mm256_loadu_si256(at_values as *const __m256i);
+                    return _mm256_xor_si256(v, _mm256_set1_epi8(-128));
+                }
+                // Values 0..16 are the low nibbles, 16..32 the high ones.
+                let v = _mm_loadu_si128(at_values as *const __m128i);
+                let nib = _mm_set1_epi8(0x0f);
+                let lo = _mm_and_si128(v, nib);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
+                let v = _mm256_set_m128i(hi, lo);
+                match f.high {
+                    Some(h) => {
+                        // Bit i of the 32 is value i's 16.
+                        let bits = (row.add(b * f.size + h) as *const u32).read_unaligned();
+                        _mm256_or_si256(v, _mm256_maskz_mov_epi8(bits, _mm256_set1_epi8(0x10)))
+                    }
+                    None => v,
+                }
             }
-            None => v,
+            Kind::Q4K | Kind::Q5K => {
+                let (unit, s) = (row.add(b / 8 * f.size), b % 8);
+                let qs = if f.kind == Kind::Q4K { 16 } else { 48 };
+                // Block s: the low (even s) or high nibbles of 32 bytes.
+                let v = _mm256_loadu_si256(unit.add(qs + 32 * (s / 2)) as *const __m256i);
+                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (s as i32 & 1)));
+                let v = _mm256_and_si256(v, nib);
+                if f.kind == Kind::Q4K {
+                    return v;
+                }
+                // Value i's 16 is bit s of byte i of the fifth bits.
+                let h = _mm256_loadu_si256(unit.add(16) as *const __m256i);
+                let set = _mm256_test_epi8_mask(h, _mm256_set1_epi8(1 << s));
+                _mm256_or_si256(v, _mm256_maskz_mov_epi8(set, _mm256_set1_epi8(0x10)))
+            }
+            Kind::Q6K => {
+                // Block s of 8: half n of the super-block, quarter t of it.
+                let (unit, s) = (row.add(b / 8 * f.size), b % 8);
+                let (n, t) = (s / 4, s % 4);
+                let v = _mm256_loadu_si256(unit.add(64 * n + 32 * (t & 1)) as *const __m256i);
+                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (t as i32 >> 1)));
+                let v = _mm256_and_si256(v, nib);
+                // Two high bits per value: bits 2t, 2t + 1 of byte i.
+                let h = _mm256_loadu_si256(unit.add(128 + 32 * n) as *const __m256i);
+                let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * t as i32));
+                let h = _mm256_slli_epi16::<4>(_mm256_and_si256(h, _mm256_set1_epi8(3)));
+                _mm256_or_si256(v, h)
+            }
         }
     }
+}
+
+/// The two f32 lines of each of the 8 blocks of a k-quant's super-block at
+/// `unit`: each block's scale and minimum (q4_K, q5_K: d · scale and −
+/// dmin · minimum, as ggml's dequantization computes them), or its halves'
+/// scales (q6_K: d · scale).
+///
+/// # Safety
+/// `unit` addresses a whole super-block of format `f`.
+unsafe fn k_lines(f: Format, unit: *const u8) -> [[f32; 8]; 2] {
+    // SAFETY: the super-block's bytes (the caller's).
+    let unit = unsafe { std::slice::from_raw_parts(unit, f.size) };
+    let f16 = |at: usize| half::f16::from_le_bytes([unit[at], unit[at + 1]]).to_f32();
+    if f.kind == Kind::Q6K {
+        let d = f16(208);
+        let sc = |i: usize| d * f32::from(unit[192 + i] as i8);
+        return [
+            std::array::from_fn(|s| sc(2 * s)),
+            std::array::from_fn(|s| sc(2 * s + 1)),
+        ];
+    }
+    // ggml's get_scale_min_k4 for the 8 blocks at once, as its AVX2 dot
+    // products unpack the 12 bytes: 6-bit scales of blocks 0..4 in the low
+    // bits of bytes 0..4, their minimums in bytes 4..8; blocks 4..8 keep
+    // their low 4 bits in bytes 8..12 (scale low, minimum high) and their
+    // top 2 bits in the top bits of bytes 0..4 (scales) and 4..8 (minimums).
+    let u = |i: usize| u32::from_le_bytes(unit[4 + 4 * i..8 + 4 * i].try_into().expect("4 bytes"));
+    let (u0, u1, u2) = (u(0), u(1), u(2));
+    let (m6, m4, m2) = (0x3f3f_3f3f, 0x0f0f_0f0f, 0x0303_0303);
+    let scales = [u0 & m6, (u2 & m4) | (((u0 >> 6) & m2) << 4)];
+    let mins = [u1 & m6, ((u2 >> 4) & m4) | (((u1 >> 6) & m2) << 4)];
+    let byte = |w: [u32; 2], s: usize| f32::from((w[s / 4] >> (8 * (s % 4))) as u8);
+    let (d, dmin) = (f16(0), f16(2));
+    [
+        std::array::from_fn(|s| d * byte(scales, s)),
+        std::array::from_fn(|s| -(dmin * byte(mins, s))),
+    ]
 }
 
 /// One micro-tile's operands: a packed panel and rows `t0..` of a chunk's
@@ -380,10 +577,13 @@ struct Tile<'a> {
     q: &'a [i8],
     d: &'a [f32],
     s: &'a [i32],
+    sh: &'a [i32],
     sd: &'a [f32],
     stride: usize,
     /// The weight has minimums (line 9 of each block).
     min: bool,
+    /// Each half of a block has its scale (lines 8 and 9).
+    halves: bool,
 }
 
 impl Tile<'_> {
@@ -407,30 +607,32 @@ impl Tile<'_> {
         assert!(c.len() > (tr - 1) * ldc + cols - 1 && bias.is_none_or(|b| b.len() >= cols));
         let last = (self.blocks - 1) * self.stride + tr;
         assert!(self.q.len() >= last * QK && self.d.len() >= last && self.s.len() >= last);
-        assert!(self.sd.len() >= last);
+        assert!(self.sd.len() >= last && self.sh.len() >= last);
         assert!(self.panel.len() >= self.blocks * LINES);
         macro_rules! rows {
-            ($min:literal: $($r:literal)*) => {
+            ($min:literal, $halves:literal: $($r:literal)*) => {
                 match tr {
                     // SAFETY: as this function's.
-                    $($r => unsafe { self.tile::<$r, $min>(c, ldc, cols, add, bias) },)*
+                    $($r => unsafe { self.tile::<$r, $min, $halves>(c, ldc, cols, add, bias) },)*
                     _ => unreachable!(),
                 }
             };
         }
-        match self.min {
-            true => rows!(true: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
-            false => rows!(false: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+        match (self.min, self.halves) {
+            (true, _) => rows!(true, false: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            (false, true) => rows!(false, true: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            (false, false) => rows!(false, false: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
         }
     }
 
-    /// [`Tile::run`] for `R` rows, with the weight's minimums where `MIN`.
+    /// [`Tile::run`] for `R` rows, with the weight's minimums where `MIN`
+    /// and the halves' own scales where `HALVES`.
     ///
     /// # Safety
-    /// As [`Tile::run`]'s, with `tr = R` and `MIN = self.min` (checked
-    /// there).
+    /// As [`Tile::run`]'s, with `tr = R`, `MIN = self.min` and `HALVES =
+    /// self.halves` (checked there; not both).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn tile<const R: usize, const MIN: bool>(
+    unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool>(
         &self,
         c: &mut [f32],
         ldc: usize,
@@ -447,10 +649,11 @@ impl Tile<'_> {
                 *acc = unsafe { _mm512_maskz_loadu_ps(keep, c.as_ptr().add(r * ldc)) };
             }
         }
-        let (q, d, s, sd) = (
+        let (q, d, s, sh, sd) = (
             self.q.as_ptr(),
             self.d.as_ptr(),
             self.s.as_ptr(),
+            self.sh.as_ptr(),
             self.sd.as_ptr(),
         );
         for b in 0..self.blocks {
@@ -463,17 +666,30 @@ impl Tile<'_> {
                     *w = _mm512_load_si512(p.add(j));
                 }
                 let dw = _mm512_load_ps(p.add(8) as *const f32);
-                let mw = match MIN {
+                // The minimums, or the second halves' scales.
+                let mw = match MIN || HALVES {
                     true => _mm512_load_ps(p.add(9) as *const f32),
                     false => _mm512_setzero_ps(),
                 };
                 let at = b * self.stride;
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let x = q.add((at + r) * QK) as *const i32;
+                    let v = |j: usize| _mm512_set1_epi32(x.add(j).read_unaligned());
                     let mut sum = _mm512_set1_epi32(*s.add(at + r));
+                    if HALVES {
+                        let mut hi = _mm512_set1_epi32(*sh.add(at + r));
+                        for j in 0..4 {
+                            sum = _mm512_dpbusd_epi32(sum, w[j], v(j));
+                            hi = _mm512_dpbusd_epi32(hi, w[j + 4], v(j + 4));
+                        }
+                        // Each half times its own scale, then the row's.
+                        let t = _mm512_mul_ps(_mm512_cvtepi32_ps(hi), mw);
+                        let t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), dw, t);
+                        *acc = _mm512_fmadd_ps(t, _mm512_set1_ps(*d.add(at + r)), *acc);
+                        continue;
+                    }
                     for (j, w) in w.iter().enumerate() {
-                        let v = _mm512_set1_epi32(x.add(j).read_unaligned());
-                        sum = _mm512_dpbusd_epi32(sum, *w, v);
+                        sum = _mm512_dpbusd_epi32(sum, *w, v(j));
                     }
                     let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*d.add(at + r)));
                     *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), scale, *acc);
@@ -652,6 +868,127 @@ mod tests {
                     }
                     for (e, (g, w)) in got.iter().zip(&want).enumerate() {
                         let tol = 1e-5 * w.abs().max(1.0);
+                        assert!(
+                            (f64::from(*g) - w).abs() <= tol,
+                            "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
+                            e / n,
+                            e % n
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn k_quant_products_are_the_sums_of_ggml_s_dequantized_weights() {
+        if !features().avx512vnni {
+            eprintln!("skipped: no AVX512-VNNI (with BW and VL) here");
+            return;
+        }
+        // One super-block, ragged panels and rows past a chunk (256-row
+        // chunks at one unit per pass), and rows in two passes over k (17
+        // super-blocks: passes of 9 and 8).
+        let shapes = [(256, 45, 13), (256, 16, 300), (512, 40, 5), (4352, 20, 37)];
+        for ty in [
+            sys::GGML_TYPE_Q4_K,
+            sys::GGML_TYPE_Q5_K,
+            sys::GGML_TYPE_Q6_K,
+        ] {
+            let f = Format::of(ty).unwrap();
+            // SAFETY: ggml's type table, for a type below its count.
+            let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
+            assert_eq!(
+                (f.size, traits.blck_size as usize),
+                (traits.type_size, f.per_unit * QK),
+                "type {ty}"
+            );
+            for (case, &(k, n, m)) in shapes.iter().enumerate() {
+                // Rows of different magnitudes and signs around an offset
+                // (the minimums matter), quantized by ggml.
+                let wf: Vec<f32> = (0..k * n)
+                    .map(|i| (v(8, i) + 0.3 * v(9, i / k)) * (1 + i / k % 4) as f32)
+                    .collect();
+                let mut bytes = vec![0u8; n * k / (f.per_unit * QK) * f.size];
+                // SAFETY: `bytes` holds n rows of k values of `ty`.
+                unsafe {
+                    sys::ggml_quantize_chunk(
+                        ty,
+                        wf.as_ptr(),
+                        bytes.as_mut_ptr().cast(),
+                        0,
+                        n as i64,
+                        k as i64,
+                        std::ptr::null(),
+                    )
+                };
+                // The weights as ggml dequantizes them.
+                let mut wd = vec![0f32; k * n];
+                let to_float = traits.to_float.unwrap();
+                // SAFETY: n rows of k values of `ty` into k·n floats.
+                unsafe { to_float(bytes.as_ptr().cast(), wd.as_mut_ptr(), (k * n) as i64) };
+                let w = Weight {
+                    data: &bytes,
+                    ty,
+                    k,
+                    n,
+                    row_bytes: bytes.len() / n,
+                };
+                let xs: Vec<f32> = (0..k * m)
+                    .map(|i| {
+                        if i / k == 2 {
+                            0.0
+                        } else {
+                            v(5, i) * (1 + i / k % 3) as f32
+                        }
+                    })
+                    .collect();
+                let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
+                let bias = (case % 2 == 1).then_some(&bias[..]);
+                // The activations rounded per 32 values with their f32
+                // scale, times ggml's weights, in f64; and the sum of the
+                // terms' magnitudes, which the tolerance follows.
+                let (mut want, mut mag) = (vec![0f64; m * n], vec![0f64; m * n]);
+                for i in 0..m {
+                    for b in 0..k / QK {
+                        let x = &xs[i * k + b * QK..i * k + (b + 1) * QK];
+                        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                        let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+                        let dx = f64::from(amax / 127.0);
+                        for j in 0..n {
+                            for (t, x) in x.iter().enumerate() {
+                                let q = f64::from((x * inv).round_ties_even());
+                                let term = dx * q * f64::from(wd[j * k + b * QK + t]);
+                                want[i * n + j] += term;
+                                mag[i * n + j] += term.abs();
+                            }
+                        }
+                    }
+                    for j in 0..n {
+                        want[i * n + j] += bias.map_or(0.0, |b| f64::from(b[j]));
+                    }
+                }
+                for nth in [1, 2, 3] {
+                    let row = |i: usize| &xs[i * k..(i + 1) * k];
+                    let x = Rows {
+                        rows: m,
+                        k,
+                        row: &row,
+                    };
+                    let mut got = vec![f32::NAN; m * n];
+                    for ith in 0..nth {
+                        super::super::gemm(
+                            super::super::Isa::Avx512Vnni,
+                            &w,
+                            &x,
+                            bias,
+                            &mut got,
+                            ith,
+                            nth,
+                        );
+                    }
+                    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
+                        let tol = 1e-5 * mag[e].max(1.0);
                         assert!(
                             (f64::from(*g) - w).abs() <= tol,
                             "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
