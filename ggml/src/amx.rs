@@ -473,7 +473,7 @@ fn narrow_bf16(src: &[f32], scale: f32, dst: &mut [u16]) {
 }
 
 /// `out[i] = silu(a·x[i] + b)`.
-fn affine_silu(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
+pub(crate) fn affine_silu(x: &[f32], a: f32, b: f32, out: &mut [f32]) {
     affine_act::<true>(x, a, b, out);
 }
 

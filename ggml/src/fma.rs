@@ -2005,7 +2005,8 @@ pub(crate) unsafe extern "C" fn conv_op(
         if direct::applies(isa, kt.type_, kw, kh, shape.stride) {
             // Every image at once: the kernel is packed once.
             let x = Patches { input, shape };
-            return direct::conv(&weight, &x, n, bias, out, plane, ith as usize, nth as usize);
+            let (ith, nth) = (ith as usize, nth as usize);
+            return direct::conv(&weight, &x, n, bias, None, out, plane, ith, nth);
         }
         for b in 0..n {
             let x = Patches {
@@ -2024,6 +2025,83 @@ pub(crate) unsafe extern "C" fn conv_op(
                 nth as usize,
             );
         }
+    }
+}
+
+/// Whether a convolution on `isa` with a kernel of ggml type `ty`, `kw ×
+/// kh` and `stride` takes the direct kernel, which folds a group norm and
+/// SiLU into its input ([`conv_norm_op`]).
+pub(crate) fn direct_conv(
+    isa: Isa,
+    ty: sys::ggml_type,
+    kw: usize,
+    kh: usize,
+    stride: usize,
+) -> bool {
+    direct::applies(isa, ty, kw, kh, stride)
+}
+
+/// The name of a direct convolution's node that folds a group norm and
+/// SiLU into its input (profiles, `check`).
+pub(crate) const DIRECT_NORM_NODE: &str = "fma conv direct avx512bf16, group norm and SiLU";
+
+/// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = the direct
+/// convolution ([`direct_conv`]) of `silu(group_norm(x)·gamma + beta)` by
+/// the bf16 kernel `src[0]`, `x` the f32 input `src[1]` (contiguous), with
+/// the norm's statistics `src[2]` (`crate::amx::group_stats_op`: 2 ×
+/// groups × n f32) and the f32 `[c]` scale `src[3]` and shift `src[4]`,
+/// plus the f32 bias `src[5]` of `oc` values if there is one; stride and
+/// padding in the userdata. The normalized input is never written: the
+/// norm is applied as the input is rounded to bf16.
+pub(crate) unsafe extern "C" fn conv_norm_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::conv_2d_norm_silu` built this node: a contiguous
+    // bf16 kernel and f32 input that `direct_conv` takes (checked by
+    // `conv_2d_check` and `fma_conv`), the statistics of this input, two
+    // contiguous f32 vectors of `c`, an optional f32 bias of `oc`, all in
+    // host memory of the CPU backend; threads write disjoint outputs.
+    unsafe {
+        let (kt, xt, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
+        let shape = crate::amx::conv_of(kt, xt, ud);
+        let Conv {
+            w,
+            h,
+            c,
+            n,
+            oc,
+            kw,
+            kh,
+            ..
+        } = shape;
+        let (ow, oh) = (d.ne[0] as usize, d.ne[1] as usize);
+        let weight = Weight {
+            data: std::slice::from_raw_parts(kt.data as *const u8, kt.nb[3] * oc),
+            ty: kt.type_,
+            k: kw * kh * c,
+            n: oc,
+            row_bytes: kt.nb[3],
+        };
+        let stats = &*(*dst).src[2];
+        let norm = crate::amx::GroupNorm {
+            groups: stats.ne[1] as usize,
+            eps: 0.0,
+        };
+        let stats = std::slice::from_raw_parts(stats.data as *const f32, 2 * norm.groups * n);
+        let vector =
+            |t: *mut sys::ggml_tensor| std::slice::from_raw_parts((*t).data as *const f32, c);
+        let (gamma, beta) = (vector((*dst).src[3]), vector((*dst).src[4]));
+        let affine = |img: usize, ch: usize| norm.fold(stats, c, gamma, beta, img, ch);
+        let bias = (!(*dst).src[5].is_null())
+            .then(|| std::slice::from_raw_parts((*(*dst).src[5]).data as *const f32, oc));
+        let input = std::slice::from_raw_parts(xt.data as *const f32, w * h * c * n);
+        let out = std::slice::from_raw_parts_mut(d.data as *mut f32, ow * oh * oc * n);
+        let x = Patches { input, shape };
+        let (ith, nth) = (ith as usize, nth as usize);
+        direct::conv(&weight, &x, n, bias, Some(&affine), out, ow * oh, ith, nth);
     }
 }
 
@@ -2453,9 +2531,17 @@ mod tests {
                         let mut got = vec![f32::NAN; plane * oc];
                         for ith in 0..nth {
                             match direct {
-                                true => {
-                                    direct::conv(&wt, &x, 1, Some(&bias), &mut got, plane, ith, nth)
-                                }
+                                true => direct::conv(
+                                    &wt,
+                                    &x,
+                                    1,
+                                    Some(&bias),
+                                    None,
+                                    &mut got,
+                                    plane,
+                                    ith,
+                                    nth,
+                                ),
                                 false => conv(isa, &wt, &x, Some(&bias), &mut got, plane, ith, nth),
                             }
                         }
@@ -2543,7 +2629,7 @@ mod tests {
                     input: &input,
                     shape,
                 };
-                direct::conv(&wt, &x, 2, Some(&bias), &mut both, plane, ith, 2);
+                direct::conv(&wt, &x, 2, Some(&bias), None, &mut both, plane, ith, 2);
             }
             for b in 0..2 {
                 let mut alone = vec![f32::NAN; plane * oc];
@@ -2552,7 +2638,7 @@ mod tests {
                     shape: Conv { n: 1, ..shape },
                 };
                 for ith in 0..2 {
-                    direct::conv(&wt, &x, 1, Some(&bias), &mut alone, plane, ith, 2);
+                    direct::conv(&wt, &x, 1, Some(&bias), None, &mut alone, plane, ith, 2);
                 }
                 assert_eq!(
                     &both[b * plane * oc..(b + 1) * plane * oc],

@@ -617,6 +617,27 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "group norm + SiLU + conv_2d + bias (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // On AVX512-BF16 without AMX the norm is applied as the
+                // direct convolution rounds its input (bands of rows over
+                // two images, an odd pair of channels past 32 groups of
+                // 3); ggml's group_norm, mul, add, silu and conv elsewhere.
+                let (k, x, g, b, bias) = (
+                    t(i, Type::BF16, &[3, 3, 96, 24])?,
+                    t(i, Type::F32, &[20, 14, 96, 2])?,
+                    t(i, Type::F32, &[96])?,
+                    t(i, Type::F32, &[96])?,
+                    t(i, Type::F32, &[24])?,
+                );
+                let y = c.conv_2d_norm_silu(k, x, Some(bias), (32, 1e-5), g, b, 1, 1)?;
+                Ok((vec![k, x, g, b, bias], y))
+            },
+        },
+        Case {
             name: "attention heads (bf16)",
             tolerance: 3e-2,
             cpu_kernels: true,

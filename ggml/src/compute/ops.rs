@@ -706,8 +706,13 @@ impl Context {
     /// AMX context, where the convolution takes the tile path, the norm,
     /// its weights and the SiLU are applied as the convolution's
     /// channels-last copy is made (one statistics pass and one copy,
-    /// where ggml makes five passes over the activations); elsewhere by
-    /// [`Context::group_norm_affine`] and the convolution.
+    /// where ggml makes five passes over the activations); in a context
+    /// with sdhost's CPU kernels where the convolution is direct
+    /// (`fma::direct_conv`: bf16 3 × 3 or 1 × 1 kernels on AVX512-BF16),
+    /// as the direct convolution rounds its input to bf16 (the normalized
+    /// input is never written: SD 1.5's and SDXL's peak memory at 512²
+    /// 256 MiB lower); elsewhere by [`Context::group_norm_affine`] and the
+    /// convolution.
     #[allow(clippy::too_many_arguments)]
     pub fn conv_2d_norm_silu<'a>(
         &'a self,
@@ -725,6 +730,45 @@ impl Context {
         if norm_groups_fit(c, groups, eps) && self.conv_2d_check(kernel, input, stride, pad)? {
             let stats = self.group_stats(input, groups, eps, "amx group_stats")?;
             return self.conv_2d_amx(kernel, input, bias, stride, pad, Some([stats, gamma, beta]));
+        }
+        if norm_groups_fit(c, groups, eps) && crate::knobs().fma_norm {
+            let k = kernel.ne();
+            let direct = self.fma_conv(kernel, input, stride, pad).filter(|&isa| {
+                let (kw, kh) = (k[0] as usize, k[1] as usize);
+                crate::fma::direct_conv(isa, kernel.raw_type(), kw, kh, stride as usize)
+            });
+            let oc = k[3];
+            let bias_fits = bias.is_none_or(|b| {
+                b.ty() == Some(Type::F32) && contiguous(&b) && b.ne() == [oc, 1, 1, 1]
+            });
+            if direct.is_some() && bias_fits {
+                let input = self.dense(input)?;
+                let stats = self.group_stats(input, groups, eps, "cpu group_norm")?;
+                let (ow, oh) = conv_out(kernel, input, stride, pad);
+                let ne = [ow, oh, k[3], input.ne()[3]];
+                let mut args = vec![kernel.raw, input.raw, stats.raw, gamma.raw, beta.raw];
+                args.extend(bias.map(|b| b.raw));
+                let ud = crate::amx::conv_userdata(stride as usize, pad as usize);
+                self.room(1)?;
+                // SAFETY: all alive for 'a; a contiguous bf16 kernel of the
+                // input's channels, a contiguous f32 input, stride and
+                // padding below 2¹⁵ and a positive output size
+                // (conv_2d_check, fma_conv, direct_conv), the statistics of
+                // this input (group_stats), f32 contiguous weights of `c`
+                // (check_norm_weights) and an f32 bias of `oc` values or
+                // none (checked): what conv_norm_op
+                // reads, in this order; it writes `ne` f32; room checked.
+                return unsafe {
+                    self.custom_op(
+                        sys::GGML_TYPE_F32,
+                        ne,
+                        &mut args,
+                        crate::fma::conv_norm_op,
+                        ud,
+                        crate::fma::DIRECT_NORM_NODE,
+                    )
+                };
+            }
         }
         let h = self.group_norm_affine(input, groups, eps, gamma, beta, true)?;
         match bias {

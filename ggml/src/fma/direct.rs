@@ -73,14 +73,19 @@ pub(super) fn applies(
 /// planes (`ld` = output pixels per plane, `oc` planes per image): this
 /// thread's part (`ith` of `nth`): its rows of every channel, or where the
 /// kernel is larger than the input, its channels of every row; the kernel
-/// is packed once for all the images. The caller checked [`applies`] and
-/// the operands as for [`super::conv`].
+/// is packed once for all the images. With `affine`, the convolution of
+/// `silu(a·x + b)`, `(a, b) = affine(image, channel)` (a group norm and
+/// its weights folded, [`crate::amx::GroupNorm::fold`]), applied as the
+/// input is rounded into pair planes: the normalized input is never
+/// written. The caller checked [`applies`] and the operands as for
+/// [`super::conv`].
 #[allow(clippy::too_many_arguments)]
 pub(super) fn conv(
     w: &Weight<'_>,
     x: &Patches<'_>,
     images: usize,
     bias: Option<&[f32]>,
+    affine: Option<&dyn Fn(usize, usize) -> (f32, f32)>,
     out: &mut [f32],
     ld: usize,
     ith: usize,
@@ -133,7 +138,9 @@ pub(super) fn conv(
             let out = &mut out[b * image_out..];
             for y0 in rows.clone().step_by(band) {
                 let r = band.min(rows.end - y0);
-                round_band(image, &g, y0, r, stride, planes);
+                let affine = affine.map(|f| move |ch| f(b, ch));
+                let affine = affine.as_ref().map(|f| f as &dyn Fn(usize) -> (f32, f32));
+                round_band(image, &g, y0, r, stride, planes, affine);
                 let mut at = Band {
                     out,
                     ld,
@@ -308,9 +315,22 @@ fn pack_panel(w: &Weight<'_>, g: &Geometry, q: usize, dst: &mut [u32]) {
 }
 
 /// Rounds the input rows of output rows `y0..y0 + rows` into pair planes
-/// (`stride` u32 apart): zero in the padding.
-fn round_band(image: &[f32], g: &Geometry, y0: usize, rows: usize, stride: usize, dst: &mut [u32]) {
+/// (`stride` u32 apart): zero in the padding; with `affine`, each value
+/// `x` of channel `ch` as `silu(a·x + b)`, `(a, b) = affine(ch)`.
+fn round_band(
+    image: &[f32],
+    g: &Geometry,
+    y0: usize,
+    rows: usize,
+    stride: usize,
+    dst: &mut [u32],
+    affine: Option<&dyn Fn(usize) -> (f32, f32)>,
+) {
     let (wp, plane) = (g.wp(), g.w * g.h);
+    // The two channels' rows after the norm and SiLU.
+    let mut scratch = vec![0f32; if affine.is_some() { 2 * g.w } else { 0 }];
+    let half = scratch.len() / 2;
+    let (sa, sb) = scratch.split_at_mut(half);
     for p in 0..g.pairs() {
         let a = &image[2 * p * plane..(2 * p + 1) * plane];
         let b = (2 * p + 1 < g.c).then(|| &image[(2 * p + 1) * plane..(2 * p + 2) * plane]);
@@ -327,7 +347,19 @@ fn round_band(image: &[f32], g: &Geometry, y0: usize, rows: usize, stride: usize
             row[g.pad + g.w..].fill(0);
             let a = &a[iy * g.w..(iy + 1) * g.w];
             let b = b.map(|b| &b[iy * g.w..(iy + 1) * g.w]);
-            round_pairs(a, b, &mut row[g.pad..g.pad + g.w]);
+            let dst = &mut row[g.pad..g.pad + g.w];
+            match affine {
+                None => round_pairs(a, b, dst),
+                Some(f) => {
+                    let (m, s) = f(2 * p);
+                    crate::amx::affine_silu(a, m, s, sa);
+                    if let Some(b) = b {
+                        let (m, s) = f(2 * p + 1);
+                        crate::amx::affine_silu(b, m, s, sb);
+                    }
+                    round_pairs(sa, b.map(|_| &*sb), dst);
+                }
+            }
         }
     }
 }
