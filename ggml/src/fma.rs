@@ -1959,6 +1959,63 @@ pub(crate) unsafe extern "C" fn gemm_op(
     }
 }
 
+/// A convolution node's operands: its shape, the kernel `src[0]` as a
+/// weight, the f32 input `src[1]`, the f32 bias `src[bias]` of `oc` values
+/// if there is one, and the f32 output.
+struct ConvNode<'t> {
+    shape: Conv,
+    weight: Weight<'t>,
+    input: &'t [f32],
+    bias: Option<&'t [f32]>,
+    out: &'t mut [f32],
+    /// Output pixels per channel plane.
+    plane: usize,
+}
+
+impl ConvNode<'_> {
+    /// # Safety
+    /// `dst` is a node that [`conv_op`] or [`conv_norm_op`] takes: a
+    /// contiguous `[kw, kh, c, oc]` kernel and `[w, h, c, n]` f32 input,
+    /// an f32 bias of `oc` at `src[bias]` or none, and a contiguous f32
+    /// `[ow, oh, oc, n]` output, all in host memory, alive while the
+    /// result is.
+    unsafe fn of<'t>(dst: *mut sys::ggml_tensor, ud: *mut c_void, bias: usize) -> ConvNode<'t> {
+        // SAFETY: the caller's.
+        unsafe {
+            let (kt, xt, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
+            let shape = crate::amx::conv_of(kt, xt, ud);
+            let Conv {
+                w,
+                h,
+                c,
+                n,
+                oc,
+                kw,
+                kh,
+                ..
+            } = shape;
+            let plane = d.ne[0] as usize * d.ne[1] as usize;
+            let weight = Weight {
+                data: std::slice::from_raw_parts(kt.data as *const u8, kt.nb[3] * oc),
+                ty: kt.type_,
+                k: kw * kh * c,
+                n: oc,
+                row_bytes: kt.nb[3],
+            };
+            let b = (*dst).src[bias];
+            ConvNode {
+                shape,
+                weight,
+                input: std::slice::from_raw_parts(xt.data as *const f32, w * h * c * n),
+                bias: (!b.is_null())
+                    .then(|| std::slice::from_raw_parts((*b).data as *const f32, oc)),
+                out: std::slice::from_raw_parts_mut(d.data as *mut f32, plane * oc * n),
+                plane,
+            }
+        }
+    }
+}
+
 /// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = the convolution
 /// of the f32 input `src[1]` (`[w, h, c, n]`, contiguous) by the kernel
 /// `src[0]` (`[kw, kh, c, oc]`, contiguous, of a type [`conv_isa`]
@@ -1974,57 +2031,38 @@ pub(crate) unsafe extern "C" fn conv_op(
     // contiguity above (checked by `conv_2d_check`), all in host memory of
     // the CPU backend; threads write disjoint outputs (their own pixels or
     // channels of each image).
-    unsafe {
-        let (kt, xt, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
-        let shape = crate::amx::conv_of(kt, xt, ud);
-        let Conv {
-            w,
-            h,
-            c,
-            n,
-            oc,
-            kw,
-            kh,
-            ..
-        } = shape;
-        let (ow, oh) = (d.ne[0] as usize, d.ne[1] as usize);
-        let k = kw * kh * c;
-        let weight = Weight {
-            data: std::slice::from_raw_parts(kt.data as *const u8, kt.nb[3] * oc),
-            ty: kt.type_,
-            k,
-            n: oc,
-            row_bytes: kt.nb[3],
+    let ConvNode {
+        shape,
+        weight,
+        input,
+        bias,
+        out,
+        plane,
+    } = unsafe { ConvNode::of(dst, ud, 2) };
+    let Conv {
+        w,
+        h,
+        c,
+        n,
+        oc,
+        kw,
+        kh,
+        ..
+    } = shape;
+    let (ith, nth) = (ith as usize, nth as usize);
+    let isa = conv_isa(weight.ty).unwrap_or(Isa::Avx2);
+    if direct::applies(isa, weight.ty, kw, kh, shape.stride) {
+        // Every image at once: the kernel is packed once.
+        let x = Patches { input, shape };
+        return direct::conv(&weight, &x, n, bias, None, out, plane, ith, nth);
+    }
+    for b in 0..n {
+        let x = Patches {
+            input: &input[b * w * h * c..(b + 1) * w * h * c],
+            shape,
         };
-        let bias = (!(*dst).src[2].is_null())
-            .then(|| std::slice::from_raw_parts((*(*dst).src[2]).data as *const f32, oc));
-        let input = std::slice::from_raw_parts(xt.data as *const f32, w * h * c * n);
-        let out = std::slice::from_raw_parts_mut(d.data as *mut f32, ow * oh * oc * n);
-        let isa = conv_isa(kt.type_).unwrap_or(Isa::Avx2);
-        let plane = ow * oh;
-        if direct::applies(isa, kt.type_, kw, kh, shape.stride) {
-            // Every image at once: the kernel is packed once.
-            let x = Patches { input, shape };
-            let (ith, nth) = (ith as usize, nth as usize);
-            return direct::conv(&weight, &x, n, bias, None, out, plane, ith, nth);
-        }
-        for b in 0..n {
-            let x = Patches {
-                input: &input[b * w * h * c..(b + 1) * w * h * c],
-                shape,
-            };
-            let out = &mut out[b * plane * oc..(b + 1) * plane * oc];
-            conv(
-                isa,
-                &weight,
-                &x,
-                bias,
-                out,
-                plane,
-                ith as usize,
-                nth as usize,
-            );
-        }
+        let out = &mut out[b * plane * oc..(b + 1) * plane * oc];
+        conv(isa, &weight, &x, bias, out, plane, ith, nth);
     }
 }
 
@@ -2065,26 +2103,15 @@ pub(crate) unsafe extern "C" fn conv_norm_op(
     // contiguous f32 vectors of `c`, an optional f32 bias of `oc`, all in
     // host memory of the CPU backend; threads write disjoint outputs.
     unsafe {
-        let (kt, xt, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
-        let shape = crate::amx::conv_of(kt, xt, ud);
-        let Conv {
-            w,
-            h,
-            c,
-            n,
-            oc,
-            kw,
-            kh,
-            ..
-        } = shape;
-        let (ow, oh) = (d.ne[0] as usize, d.ne[1] as usize);
-        let weight = Weight {
-            data: std::slice::from_raw_parts(kt.data as *const u8, kt.nb[3] * oc),
-            ty: kt.type_,
-            k: kw * kh * c,
-            n: oc,
-            row_bytes: kt.nb[3],
-        };
+        let ConvNode {
+            shape,
+            weight,
+            input,
+            bias,
+            out,
+            plane,
+        } = ConvNode::of(dst, ud, 5);
+        let (c, n) = (shape.c, shape.n);
         let stats = &*(*dst).src[2];
         let norm = crate::amx::GroupNorm {
             groups: stats.ne[1] as usize,
@@ -2095,13 +2122,9 @@ pub(crate) unsafe extern "C" fn conv_norm_op(
             |t: *mut sys::ggml_tensor| std::slice::from_raw_parts((*t).data as *const f32, c);
         let (gamma, beta) = (vector((*dst).src[3]), vector((*dst).src[4]));
         let affine = |img: usize, ch: usize| norm.fold(stats, c, gamma, beta, img, ch);
-        let bias = (!(*dst).src[5].is_null())
-            .then(|| std::slice::from_raw_parts((*(*dst).src[5]).data as *const f32, oc));
-        let input = std::slice::from_raw_parts(xt.data as *const f32, w * h * c * n);
-        let out = std::slice::from_raw_parts_mut(d.data as *mut f32, ow * oh * oc * n);
         let x = Patches { input, shape };
         let (ith, nth) = (ith as usize, nth as usize);
-        direct::conv(&weight, &x, n, bias, Some(&affine), out, ow * oh, ith, nth);
+        direct::conv(&weight, &x, n, bias, Some(&affine), out, plane, ith, nth);
     }
 }
 

@@ -781,6 +781,51 @@ mod tests {
         (q, f16(amax / 127.0), f16(amax / 127.0 * sum))
     }
 
+    /// `m` rows of `k` activations of different magnitudes, row 2 all
+    /// zero.
+    fn activations(k: usize, m: usize) -> Vec<f32> {
+        (0..k * m)
+            .map(|i| match i / k {
+                2 => 0.0,
+                r => v(5, i) * (1 + r % 3) as f32,
+            })
+            .collect()
+    }
+
+    /// Holds [`gemm`]'s product of `w` by the `m` rows `xs` (plus `bias`)
+    /// on 1, 2 and 3 threads to `want`, output `e` within `tol(e)`.
+    fn assert_gemm(
+        w: &Weight<'_>,
+        xs: &[f32],
+        m: usize,
+        bias: Option<&[f32]>,
+        want: &[f64],
+        tol: impl Fn(usize) -> f64,
+    ) {
+        let (ty, k, n) = (w.ty, w.k, w.n);
+        for nth in [1, 2, 3] {
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            let mut got = vec![f32::NAN; m * n];
+            for ith in 0..nth {
+                let isa = super::super::Isa::Avx512Vnni;
+                super::super::gemm(isa, w, &x, bias, &mut got, ith, nth);
+            }
+            for (e, (g, w)) in got.iter().zip(want).enumerate() {
+                assert!(
+                    (f64::from(*g) - w).abs() <= tol(e),
+                    "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
+                    e / n,
+                    e % n
+                );
+            }
+        }
+    }
+
     #[test]
     fn products_are_ggml_s_integer_sums_at_ragged_sizes_on_any_thread_count() {
         if !features().avx512vnni {
@@ -817,16 +862,7 @@ mod tests {
                     n,
                     row_bytes: bytes.len() / n,
                 };
-                // Rows of different magnitudes, one all zero.
-                let xs: Vec<f32> = (0..k * m)
-                    .map(|i| {
-                        if i / k == 2 {
-                            0.0
-                        } else {
-                            v(5, i) * (1 + i / k % 3) as f32
-                        }
-                    })
-                    .collect();
+                let xs = activations(k, m);
                 let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
                 let bias = (case % 2 == 1).then_some(&bias[..]);
                 let mut want = vec![0f64; m * n];
@@ -847,35 +883,8 @@ mod tests {
                         want[i * n + j] += bias.map_or(0.0, |b| f64::from(b[j]));
                     }
                 }
-                for nth in [1, 2, 3] {
-                    let row = |i: usize| &xs[i * k..(i + 1) * k];
-                    let x = Rows {
-                        rows: m,
-                        k,
-                        row: &row,
-                    };
-                    let mut got = vec![f32::NAN; m * n];
-                    for ith in 0..nth {
-                        super::super::gemm(
-                            super::super::Isa::Avx512Vnni,
-                            &w,
-                            &x,
-                            bias,
-                            &mut got,
-                            ith,
-                            nth,
-                        );
-                    }
-                    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
-                        let tol = 1e-5 * w.abs().max(1.0);
-                        assert!(
-                            (f64::from(*g) - w).abs() <= tol,
-                            "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
-                            e / n,
-                            e % n
-                        );
-                    }
-                }
+                let tol = |e: usize| 1e-5 * want[e].abs().max(1.0);
+                assert_gemm(&w, &xs, m, bias, &want, tol);
             }
         }
     }
@@ -934,15 +943,7 @@ mod tests {
                     n,
                     row_bytes: bytes.len() / n,
                 };
-                let xs: Vec<f32> = (0..k * m)
-                    .map(|i| {
-                        if i / k == 2 {
-                            0.0
-                        } else {
-                            v(5, i) * (1 + i / k % 3) as f32
-                        }
-                    })
-                    .collect();
+                let xs = activations(k, m);
                 let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
                 let bias = (case % 2 == 1).then_some(&bias[..]);
                 // The activations rounded per 32 values with their f32
@@ -968,35 +969,7 @@ mod tests {
                         want[i * n + j] += bias.map_or(0.0, |b| f64::from(b[j]));
                     }
                 }
-                for nth in [1, 2, 3] {
-                    let row = |i: usize| &xs[i * k..(i + 1) * k];
-                    let x = Rows {
-                        rows: m,
-                        k,
-                        row: &row,
-                    };
-                    let mut got = vec![f32::NAN; m * n];
-                    for ith in 0..nth {
-                        super::super::gemm(
-                            super::super::Isa::Avx512Vnni,
-                            &w,
-                            &x,
-                            bias,
-                            &mut got,
-                            ith,
-                            nth,
-                        );
-                    }
-                    for (e, (g, w)) in got.iter().zip(&want).enumerate() {
-                        let tol = 1e-5 * mag[e].max(1.0);
-                        assert!(
-                            (f64::from(*g) - w).abs() <= tol,
-                            "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
-                            e / n,
-                            e % n
-                        );
-                    }
-                }
+                assert_gemm(&w, &xs, m, bias, &want, |e| 1e-5 * mag[e].max(1.0));
             }
         }
     }
