@@ -69,6 +69,8 @@ use crate::sys;
 
 mod direct;
 #[cfg(target_arch = "x86_64")]
+mod int8;
+#[cfg(target_arch = "x86_64")]
 mod vnni;
 
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
@@ -181,6 +183,9 @@ pub enum Isa {
     Avx512Bf16,
     /// AVX-512F fused multiply-adds.
     Avx512,
+    /// AVX2 8-bit products (`vpmaddubsw`: q4_0, q4_1, q5_0, q5_1, q4_K,
+    /// q5_K and q6_K weights only, `fma/int8.rs`).
+    Avx2Int8,
     /// AVX2 + FMA (+ F16C for f16 weights).
     Avx2,
 }
@@ -192,6 +197,7 @@ impl Isa {
             Isa::Avx512Vnni => "fma mul_mat avx512vnni",
             Isa::Avx512Bf16 => "fma mul_mat avx512bf16",
             Isa::Avx512 => "fma mul_mat avx512",
+            Isa::Avx2Int8 => "fma mul_mat avx2 int8",
             Isa::Avx2 => "fma mul_mat avx2",
         }
     }
@@ -204,7 +210,8 @@ impl Isa {
             // name is the bf16 one's, the kernel `conv` falls back to.
             Isa::Avx512Vnni | Isa::Avx512Bf16 => "fma conv avx512bf16",
             Isa::Avx512 => "fma conv avx512",
-            Isa::Avx2 => "fma conv avx2",
+            // No convolution takes the integer kernel either.
+            Isa::Avx2Int8 | Isa::Avx2 => "fma conv avx2",
         }
     }
 
@@ -251,6 +258,7 @@ impl Isa {
         let default = match self {
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 && emulated => EMULATED_BF16_MIN_ROWS,
             Isa::Avx512Vnni => VNNI_MIN_ROWS,
+            Isa::Avx2Int8 => AVX2_INT8_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
             Isa::Avx512Bf16 => QUANT_MIN_ROWS,
@@ -265,6 +273,7 @@ impl Isa {
             Isa::Avx512Vnni => "AVX512-VNNI",
             Isa::Avx512Bf16 => "AVX512-BF16",
             Isa::Avx512 => "AVX-512",
+            Isa::Avx2Int8 => "AVX2 in 8-bit integers",
             Isa::Avx2 => "AVX2",
         }
     }
@@ -357,6 +366,13 @@ pub const QUANT_MIN_ROWS: usize = 64;
 /// 30): 1.5–2.8× ggml's at 8 rows, 0.57–1.25× at 4.
 pub const VNNI_MIN_ROWS: usize = 8;
 
+/// The fewest rows that take the AVX2 integer kernel (`fma/int8.rs`):
+/// ahead of ggml's kernels at 16 rows (Qwen3-4B's MLP with
+/// `SDHOST_FMA_AVX2=1` on a Zen 5, session 30: q4_0, q4_1 and q5_0
+/// 1.4–2.2×, q5_1 1.3×, q4_K level at 0.96–0.99×); fewer rows were not
+/// measured.
+pub const AVX2_INT8_MIN_ROWS: usize = 16;
+
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
 /// ggml's dequantization of it is slow enough that at 64 rows this kernel
 /// was behind (97–155 against 147–180 GFLOP/s), and ahead at 256 (259–268
@@ -391,7 +407,14 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   kernels multiply them in integers over activations rounded to 8 bits:
 ///   a coarser rounding than bf16's); elsewhere no, ggml's integer kernels
 ///   measured as fast or faster;
-/// * other quantized types, and the k-quants without AVX512-VNNI: no;
+/// * q4_0, q4_1, q5_0, q5_1 and q4_K on processors with neither (the AVX2
+///   class), or with [`crate::Knobs::fma_avx2`]: in 8-bit integers on
+///   AVX2 (`fma/int8.rs`), measured with `SDHOST_FMA_AVX2=1` on a Zen 5
+///   against ggml's AVX2 kernels (session 30): the legacy types 1.6–3.3×
+///   from 256 rows (ggml's tinyBLAS and dot products leave `vpmaddubsw`'s
+///   rate unused), q4_K 1.13–1.27×; q5_K (0.6×) and q6_K (0.8×), whose
+///   16-bit sums take fewer lines at a time, stay ggml's, as does q8_0;
+/// * other quantized types, and q5_K and q6_K without AVX512-VNNI: no;
 ///   ggml's k-quant kernels measured faster than the bf16 kernel's
 ///   dequantization through ggml's `to_float` (q4_K 1.2–1.8× on a Zen 4,
 ///   1.4–1.9× on a Zen 5). q2_K and q3_K (16-value blocks with 4-bit
@@ -446,6 +469,19 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
             Some(Isa::Avx512Bf16)
         }
         sys::GGML_TYPE_BF16 => Some(f32_isa),
+        // Without AVX512-VNNI and AVX512-BF16 (the AVX2 class), or where
+        // `fma_avx2` keeps to AVX2: in 8-bit integers on AVX2, the types
+        // where that measured faster than ggml's kernels (below). q8_0
+        // stays ggml's (its bytes overflow `vpmaddubsw`'s pairs).
+        sys::GGML_TYPE_Q4_0
+        | sys::GGML_TYPE_Q4_1
+        | sys::GGML_TYPE_Q5_0
+        | sys::GGML_TYPE_Q5_1
+        | sys::GGML_TYPE_Q4_K
+            if knobs.fma_vnni && !crate::amx::available() =>
+        {
+            Some(Isa::Avx2Int8)
+        }
         _ if knobs.fma_all && dequantizable(ty) => match f.avx512bf16 && !knobs.fma_avx2 {
             true => Some(Isa::Avx512Bf16),
             false => Some(f32_isa),
@@ -1049,6 +1085,10 @@ pub fn gemm(
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni && vnni::applies(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty)) {
         return vnni::gemm(w, x, bias, out, ith, nth);
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2Int8 && int8::applies(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty)) {
+        return vnni::gemm_on(vnni::Lanes::Avx2, w, x, bias, out, ith, nth);
     }
     let bf16 = matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Vnni)
         && features().avx512bf16

@@ -117,9 +117,11 @@ pub struct Knobs {
     /// processor has AVX512-BF16 and no AMX
     /// ([`Context::bf16_attention`]).
     pub fma_attention: bool,
-    /// q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K products in 8-bit integers on
-    /// AVX512-VNNI where the processor has it and no AMX (`fma::vnni`);
-    /// off: the AVX512-BF16 kernel or ggml's (to measure them).
+    /// Quantized products in 8-bit integers: q8_0, q4_0, q4_1, q5_0, q5_1,
+    /// q4_K, q5_K and q6_K on AVX512-VNNI where the processor has it and
+    /// no AMX (`fma::vnni`), q4_0, q4_1, q5_0, q5_1 and q4_K on AVX2
+    /// without it (`fma::int8`); off: the AVX512-BF16 kernel or ggml's (to
+    /// measure them).
     pub fma_vnni: bool,
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).

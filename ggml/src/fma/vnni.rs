@@ -91,7 +91,7 @@ pub fn unit(ty: sys::ggml_type) -> usize {
 
 /// How a weight type lays out its blocks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kind {
+pub(super) enum Kind {
     /// ggml's blocks of 32 values (q8_0, q4_0, q4_1, q5_0, q5_1): an f16
     /// scale first, then the f16 minimum (where `min`), the fifth bits (at
     /// `high`) and the values (at `values`).
@@ -112,34 +112,34 @@ enum Kind {
 /// Where a block of a weight type keeps what the kernel reads, and how its
 /// values become unsigned bytes.
 #[derive(Clone, Copy, Debug)]
-struct Format {
-    kind: Kind,
+pub(super) struct Format {
+    pub(super) kind: Kind,
     /// Bytes per unit: a block, or a k-quant's super-block.
-    size: usize,
+    pub(super) size: usize,
     /// Blocks of [`QK`] values per unit (8 for k-quants, else 1).
-    per_unit: usize,
+    pub(super) per_unit: usize,
     /// The value each unsigned byte stands for is the byte less this (q8_0:
     /// the byte is the value + 128; q4_0: the nibble, value + 8; q5_0: the
     /// 5 bits, value + 16; q6_K: the 6 bits, value + 32; 0 where the block
     /// has a minimum instead).
-    offset: i32,
+    pub(super) offset: i32,
     /// The block has a minimum (q4_1, q5_1: value = scale × byte +
     /// minimum; q4_K, q5_K: its minimum is − dmin · its 6-bit minimum).
-    min: bool,
+    pub(super) min: bool,
     /// Each half of a block of 32 has its own scale (q6_K).
-    halves: bool,
+    pub(super) halves: bool,
     /// Where the fifth bits start (q5_0, q5_1: 32 bits, bit `i` for value
     /// `i`).
-    high: Option<usize>,
+    pub(super) high: Option<usize>,
     /// Where the values start in a legacy block: 32 bytes (q8_0) or 16 of
     /// two nibbles (value `i` in the low nibble of byte `i`, value `i + 16`
     /// in its high one).
-    values: usize,
+    pub(super) values: usize,
 }
 
 impl Format {
     /// The format of `ty`, or `None` where the kernel does not take it.
-    fn of(ty: sys::ggml_type) -> Option<Format> {
+    pub(super) fn of(ty: sys::ggml_type) -> Option<Format> {
         let f = |size, offset, min, high, values| Format {
             kind: Kind::Legacy,
             size,
@@ -173,13 +173,13 @@ impl Format {
         })
     }
 
-    fn q8(self) -> bool {
+    pub(super) fn q8(self) -> bool {
         self.kind == Kind::Legacy && self.size == 34
     }
 
     /// The activations keep their f32 scales as they are (k-quants), not
     /// rounded to f16 as ggml's q8_0 and q8_1 keep them.
-    fn exact(self) -> bool {
+    pub(super) fn exact(self) -> bool {
         self.kind != Kind::Legacy
     }
 }
@@ -187,36 +187,63 @@ impl Format {
 /// One 64-byte line of a packed panel.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct Line([u8; 64]);
+pub(super) struct Line([u8; 64]);
 
 /// A panel's lines per block: 8 of weight bytes (line `j`, lane `c`: values
 /// `4j..4j + 4` of output `c`, unsigned), one of the 16 outputs' scales
 /// (f32) and one of their minimums (f32, where the type has them), or for
 /// types with [`Format::halves`] the scales of the block's two halves.
-const LINES: usize = 10;
+pub(super) const LINES: usize = 10;
 
 /// A thread's buffers: the chunk's rounded rows and one packed panel.
 #[derive(Default)]
-struct Buffers {
+pub(super) struct Buffers {
     /// `[block][row][32]` values.
-    q: Vec<i8>,
+    pub(super) q: Vec<i8>,
     /// `[block][row]` scales.
-    d: Vec<f32>,
+    pub(super) d: Vec<f32>,
     /// `[block][row]` starting sums (− offset × the block's values' sum;
     /// for types with [`Format::halves`], its first half's).
-    s: Vec<i32>,
+    pub(super) s: Vec<i32>,
     /// `[block][row]` the starting sums of the blocks' second halves (types
     /// with [`Format::halves`]).
-    sh: Vec<i32>,
+    pub(super) sh: Vec<i32>,
     /// `[block][row]` the block's values' sum times its scale, rounded to
     /// f16 as ggml's q8_1 keeps it (for the weights' minimums; as it is for
     /// k-quants).
-    sd: Vec<f32>,
-    panel: Vec<Line>,
+    pub(super) sd: Vec<f32>,
+    pub(super) panel: Vec<Line>,
 }
 
 thread_local! {
     static BUF: RefCell<Buffers> = RefCell::default();
+}
+
+/// The integer kernel a product runs on: AVX512-VNNI's `vpdpbusd` on
+/// panels of 16 outputs (here), or AVX2's `vpmaddubsw` and `vpmaddwd` on
+/// panels of 8 (`super::int8`). Both share this module's rounding of the
+/// rows, weight formats, panel lines and driver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Lanes {
+    Vnni,
+    Avx2,
+}
+
+impl Lanes {
+    /// Outputs per panel, rows per micro-tile.
+    fn shape(self) -> (usize, usize) {
+        match self {
+            Lanes::Vnni => (NR, MR),
+            Lanes::Avx2 => (super::int8::NR, super::int8::MR),
+        }
+    }
+
+    fn applies(self, ty: sys::ggml_type) -> bool {
+        match self {
+            Lanes::Vnni => applies(ty),
+            Lanes::Avx2 => super::int8::applies(ty),
+        }
+    }
 }
 
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
@@ -230,9 +257,24 @@ pub fn gemm(
     ith: usize,
     nth: usize,
 ) {
+    gemm_on(Lanes::Vnni, w, x, bias, out, ith, nth);
+}
+
+/// [`gemm`] on the integer kernel `lanes`; the caller made sure that it
+/// applies to `w.ty` here.
+pub(super) fn gemm_on(
+    lanes: Lanes,
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
     let (m, k, n) = (x.rows, x.k, w.n);
+    let (nr, mr) = lanes.shape();
     assert!(
-        applies(w.ty)
+        lanes.applies(w.ty)
             && w.k == k
             && k.is_multiple_of(unit(w.ty))
             && k > 0
@@ -245,14 +287,14 @@ pub fn gemm(
     assert!(
         w.row_bytes >= units * f.size && w.data.len() >= (n - 1) * w.row_bytes + units * f.size
     );
-    let pr = share(n.div_ceil(NR), ith, nth);
+    let pr = share(n.div_ceil(nr), ith, nth);
     if pr.is_empty() || m == 0 {
         return;
     }
     // Even passes of whole units (a k-quant's pass starts at a super-block).
     let per_pass = PASS_BLOCKS / f.per_unit;
     let pass = units.div_ceil(units.div_ceil(per_pass)) * f.per_unit;
-    let chunk = (CHUNK_BYTES / (pass * QK)).clamp(MR, CHUNK_ROWS) / MR * MR;
+    let chunk = (CHUNK_BYTES / (pass * QK)).clamp(mr, CHUNK_ROWS) / mr * mr;
     BUF.with(|buf| {
         let buf = &mut *buf.borrow_mut();
         buf.panel.resize(pass * LINES, Line([0; 64]));
@@ -269,20 +311,31 @@ pub fn gemm(
             buf.sd.resize(blocks * rows, 0.0);
             for r in 0..rows {
                 let row = &(x.row)(r0 + r)[b0 * QK..(b0 + blocks) * QK];
-                // SAFETY: applies() checked AVX512-VNNI, BW and VL (with F);
-                // the buffers hold `blocks × rows` blocks, `row` whole
-                // blocks.
-                unsafe { round_row(row, r, rows, f, buf) };
+                match lanes {
+                    // SAFETY: applies() checked AVX512-VNNI, BW and VL (with
+                    // F); the buffers hold `blocks × rows` blocks, `row`
+                    // whole blocks.
+                    Lanes::Vnni => unsafe { round_row(row, r, rows, f, buf) },
+                    Lanes::Avx2 => super::int8::round_row(row, r, rows, f, buf),
+                }
             }
             for p in pr.clone() {
-                let j0 = p * NR;
-                let cols = NR.min(n - j0);
-                // SAFETY: as above; `w` holds n rows of `units` units
-                // (asserted), `panel` blocks × LINES lines, b0 + blocks ≤
-                // the row's blocks and b0 starts a unit.
-                unsafe { pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel) };
-                for t0 in (0..rows).step_by(MR) {
-                    let tr = MR.min(rows - t0);
+                let j0 = p * nr;
+                let cols = nr.min(n - j0);
+                // SAFETY: as above (int8: AVX2 checked by its applies());
+                // `w` holds n rows of `units` units (asserted), `panel`
+                // blocks × LINES lines, b0 + blocks ≤ the row's blocks and
+                // b0 starts a unit.
+                unsafe {
+                    match lanes {
+                        Lanes::Vnni => pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel),
+                        Lanes::Avx2 => {
+                            super::int8::pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel)
+                        }
+                    }
+                };
+                for t0 in (0..rows).step_by(mr) {
+                    let tr = mr.min(rows - t0);
                     let i0 = r0 + t0;
                     let c = &mut out[i0 * n + j0..(i0 + tr - 1) * n + j0 + cols];
                     let bias = bias.filter(|_| b0 == 0).map(|b| &b[j0..j0 + cols]);
@@ -301,7 +354,12 @@ pub fn gemm(
                     // SAFETY: as above; the tile's slices start at row t0 of
                     // a chunk of `rows` ≥ t0 + tr rows; `c` holds tr rows of
                     // `cols` values n apart.
-                    unsafe { tile.run(tr, c, n, cols, b0 > 0, bias) };
+                    unsafe {
+                        match lanes {
+                            Lanes::Vnni => tile.run(tr, c, n, cols, b0 > 0, bias),
+                            Lanes::Avx2 => super::int8::run(&tile, tr, c, n, cols, b0 > 0, bias, f),
+                        }
+                    };
                 }
             }
         }
@@ -539,7 +597,7 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
 ///
 /// # Safety
 /// `unit` addresses a whole super-block of format `f`.
-unsafe fn k_lines(f: Format, unit: *const u8) -> [[f32; 8]; 2] {
+pub(super) unsafe fn k_lines(f: Format, unit: *const u8) -> [[f32; 8]; 2] {
     // SAFETY: the super-block's bytes (the caller's).
     let unit = unsafe { std::slice::from_raw_parts(unit, f.size) };
     let f16 = |at: usize| half::f16::from_le_bytes([unit[at], unit[at + 1]]).to_f32();
@@ -571,19 +629,19 @@ unsafe fn k_lines(f: Format, unit: *const u8) -> [[f32; 8]; 2] {
 
 /// One micro-tile's operands: a packed panel and rows `t0..` of a chunk's
 /// rounded rows (`stride` rows per block).
-struct Tile<'a> {
-    blocks: usize,
-    panel: &'a [Line],
-    q: &'a [i8],
-    d: &'a [f32],
-    s: &'a [i32],
-    sh: &'a [i32],
-    sd: &'a [f32],
-    stride: usize,
+pub(super) struct Tile<'a> {
+    pub(super) blocks: usize,
+    pub(super) panel: &'a [Line],
+    pub(super) q: &'a [i8],
+    pub(super) d: &'a [f32],
+    pub(super) s: &'a [i32],
+    pub(super) sh: &'a [i32],
+    pub(super) sd: &'a [f32],
+    pub(super) stride: usize,
     /// The weight has minimums (line 9 of each block).
-    min: bool,
+    pub(super) min: bool,
     /// Each half of a block has its scale (lines 8 and 9).
-    halves: bool,
+    pub(super) halves: bool,
 }
 
 impl Tile<'_> {
@@ -792,8 +850,25 @@ mod tests {
             .collect()
     }
 
-    /// Holds [`gemm`]'s product of `w` by the `m` rows `xs` (plus `bias`)
-    /// on 1, 2 and 3 threads to `want`, output `e` within `tol(e)`.
+    /// The integer kernels this processor has for `ty`: this module's on
+    /// AVX512-VNNI, `int8`'s on AVX2.
+    fn kernels(ty: sys::ggml_type) -> Vec<super::super::Isa> {
+        let mut isas = Vec::new();
+        if applies(ty) {
+            isas.push(super::super::Isa::Avx512Vnni);
+        }
+        if super::super::int8::applies(ty) {
+            isas.push(super::super::Isa::Avx2Int8);
+        }
+        if isas.is_empty() {
+            eprintln!("type {ty}: skipped, no integer kernel for it here");
+        }
+        isas
+    }
+
+    /// Holds the product of `w` by the `m` rows `xs` (plus `bias`) on
+    /// every integer kernel here ([`kernels`]), on 1, 2 and 3 threads, to
+    /// `want`, output `e` within `tol(e)`.
     fn assert_gemm(
         w: &Weight<'_>,
         xs: &[f32],
@@ -803,7 +878,10 @@ mod tests {
         tol: impl Fn(usize) -> f64,
     ) {
         let (ty, k, n) = (w.ty, w.k, w.n);
-        for nth in [1, 2, 3] {
+        for (isa, nth) in kernels(ty)
+            .into_iter()
+            .flat_map(|i| [1, 2, 3].map(|n| (i, n)))
+        {
             let row = |i: usize| &xs[i * k..(i + 1) * k];
             let x = Rows {
                 rows: m,
@@ -812,13 +890,12 @@ mod tests {
             };
             let mut got = vec![f32::NAN; m * n];
             for ith in 0..nth {
-                let isa = super::super::Isa::Avx512Vnni;
                 super::super::gemm(isa, w, &x, bias, &mut got, ith, nth);
             }
             for (e, (g, w)) in got.iter().zip(want).enumerate() {
                 assert!(
                     (f64::from(*g) - w).abs() <= tol(e),
-                    "type {ty}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
+                    "type {ty} on {isa:?}, {k}×{n}×{m}, nth {nth}: ({}, {}) {g} vs {w}",
                     e / n,
                     e % n
                 );
@@ -828,8 +905,8 @@ mod tests {
 
     #[test]
     fn products_are_ggml_s_integer_sums_at_ragged_sizes_on_any_thread_count() {
-        if !features().avx512vnni {
-            eprintln!("skipped: no AVX512-VNNI (with BW and VL) here");
+        if !features().avx2 {
+            eprintln!("skipped: no AVX2 here");
             return;
         }
         // Outputs past whole panels, rows past whole tiles and chunks (320
@@ -891,8 +968,8 @@ mod tests {
 
     #[test]
     fn k_quant_products_are_the_sums_of_ggml_s_dequantized_weights() {
-        if !features().avx512vnni {
-            eprintln!("skipped: no AVX512-VNNI (with BW and VL) here");
+        if !features().avx2 {
+            eprintln!("skipped: no AVX2 here");
             return;
         }
         // One super-block, ragged panels and rows past a chunk (256-row
@@ -971,6 +1048,78 @@ mod tests {
                 }
                 assert_gemm(&w, &xs, m, bias, &want, |e| 1e-5 * mag[e].max(1.0));
             }
+        }
+    }
+
+    #[test]
+    fn sums_of_the_largest_bytes_do_not_overflow() {
+        if !features().avx2 {
+            eprintln!("skipped: no AVX2 here");
+            return;
+        }
+        // Every weight byte at its largest (all bits set, the scales set
+        // apart) and every activation at 127: the sums the AVX2 kernel adds
+        // in 16 bits reach their bound (int8's module doc).
+        let (k, n, m) = (512, 9, 5);
+        for ty in [
+            sys::GGML_TYPE_Q4_0,
+            sys::GGML_TYPE_Q4_1,
+            sys::GGML_TYPE_Q5_0,
+            sys::GGML_TYPE_Q5_1,
+            sys::GGML_TYPE_Q4_K,
+            sys::GGML_TYPE_Q5_K,
+            sys::GGML_TYPE_Q6_K,
+        ] {
+            let f = Format::of(ty).unwrap();
+            let units = k / (f.per_unit * QK);
+            let mut bytes = vec![0xffu8; n * units * f.size];
+            let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+            for unit in bytes.chunks_exact_mut(f.size) {
+                let scales: &[(usize, f32)] = match f.kind {
+                    Kind::Legacy if f.min => &[(0, 0.01), (2, -0.05)],
+                    Kind::Legacy => &[(0, 0.01)],
+                    Kind::Q4K | Kind::Q5K => &[(0, 0.001), (2, 0.002)],
+                    Kind::Q6K => &[(208, 0.001)],
+                };
+                for &(at, v) in scales {
+                    unit[at..at + 2].copy_from_slice(&f16(v));
+                }
+            }
+            // SAFETY: ggml's type table, for a type below its count.
+            let traits = unsafe { &*sys::ggml_get_type_traits(ty) };
+            let mut wd = vec![0f32; k * n];
+            // SAFETY: n rows of k values of `ty` into k·n floats.
+            unsafe {
+                traits.to_float.unwrap()(bytes.as_ptr().cast(), wd.as_mut_ptr(), (k * n) as i64)
+            };
+            let w = Weight {
+                data: &bytes,
+                ty,
+                k,
+                n,
+                row_bytes: bytes.len() / n,
+            };
+            let xs = vec![1f32; k * m];
+            // Each activation rounds to 127 with scale 1/127: the product
+            // is the weights' sum.
+            let want: Vec<f64> = (0..m * n)
+                .map(|e| {
+                    wd[e % n * k..(e % n + 1) * k]
+                        .iter()
+                        .map(|&v| f64::from(v))
+                        .sum()
+                })
+                .collect();
+            let mag: Vec<f64> = (0..n)
+                .map(|j| {
+                    wd[j * k..(j + 1) * k]
+                        .iter()
+                        .map(|&v| f64::from(v.abs()))
+                        .sum()
+                })
+                .collect();
+            let tol = |e: usize| 2e-3 * mag[e % n] + 1e-6;
+            assert_gemm(&w, &xs, m, None, &want, tol);
         }
     }
 }

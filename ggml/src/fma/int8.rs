@@ -1,0 +1,438 @@
+//! Products of q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K weights in
+//! 8-bit integers on AVX2, for processors without AVX512-VNNI: the AVX2
+//! class (Zen 2 and 3, Intel's client cores, older Xeons).
+//!
+//! The layout is `super::vnni`'s, at half its width: each panel holds 8
+//! outputs, and each 32-bit lane of a line 4 consecutive values of `k` of
+//! one output, so that one `vpmaddubsw` multiplies a row's broadcast 4
+//! values by 8 outputs' and adds them in pairs (16 bits), and `vpmaddwd`
+//! by ones widens the pairs to one 32-bit sum per output. The pairs of
+//! several lines are added in 16 bits first, as many as cannot overflow:
+//! a pair is at most 2 × 127 × the weight's largest byte, so 8 lines of
+//! 4-bit values (2 × 127 × 15 × 8 = 30,480), 4 of 5-bit ones and 2 of
+//! q6_K's 6-bit ones fit below 32,767. q8_0's bytes (to 255) would not fit
+//! one pair: it stays on ggml's kernel. Per block and row that is 8
+//! `vpmaddubsw`, 7 adds in 16 bits and one `vpmaddwd` for 8 × 32 products
+//! (q4), where ggml's AVX2 dot products take about as many instructions
+//! for one output's 32 and a horizontal sum per block.
+//!
+//! It takes q4_K, q5_K and q6_K too (its tests hold all seven types), but
+//! `super::isa_for` sends it only the types where it measured faster than
+//! ggml's kernels: q4_0, q4_1, q5_0, q5_1 and q4_K.
+//!
+//! The rows are rounded as `super::vnni` rounds them (ggml's q8_0 and
+//! q8_1 for the legacy types, per 32 values with f32 scales for the
+//! k-quants), by portable code the compiler vectorizes: rounding is a
+//! small share of the work. Hand-written for the reason the rest of
+//! [`super`] is: ggml's kernels leave most of these instructions' rate
+//! unused (measured in docs/performance.md, "Integer products on AVX2").
+
+use std::arch::x86_64::*;
+
+use super::vnni::{k_lines, Buffers, Format, Kind, Line, Tile, LINES, QK};
+use super::{features, Weight};
+use crate::sys;
+
+/// Outputs per panel: the 32-bit lanes of a 256-bit vector.
+pub(super) const NR: usize = 8;
+/// Rows per micro-tile: 3 accumulators beside the panel's 8 weight
+/// vectors, its two lines of scales and the sums (of the 16 registers);
+/// measured against 4 with `SDHOST_FMA_AVX2=1` on a Zen 5: q4_1 1.2–1.5×
+/// (4 spilled), q4_0 and q5_0 level.
+pub(super) const MR: usize = 3;
+/// Bytes per line: one vector.
+const LINE: usize = 32;
+
+/// Whether a weight of type `ty` can take this kernel on this processor
+/// (q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K; AVX2, FMA and F16C).
+pub fn applies(ty: sys::ggml_type) -> bool {
+    features().avx2 && Format::of(ty).is_some_and(|f| !f.q8())
+}
+
+/// Lines of a block whose pairs are added in 16 bits before they are
+/// widened (module doc): 8 for 4-bit values, 4 for 5-bit, 2 for 6-bit.
+fn group(f: Format) -> usize {
+    match f.kind {
+        Kind::Legacy if f.high.is_some() => 4,
+        Kind::Legacy | Kind::Q4K => 8,
+        Kind::Q5K => 4,
+        Kind::Q6K => 2,
+    }
+}
+
+/// Rounds row `x` (whole blocks) into row `r` of each block of a chunk of
+/// `rows` rows of `buf`, exactly as `super::vnni`'s AVX-512 rounding does
+/// (the same scales, values, starting sums and scaled sums).
+pub(super) fn round_row(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers) {
+    if features().avx2 {
+        // SAFETY: the processor has AVX2 and FMA (checked).
+        unsafe { round_row_avx2(x, r, rows, f, buf) };
+        return;
+    }
+    round_row_body(x, r, rows, f, buf);
+}
+
+/// [`round_row`] compiled for AVX2 (its loops vectorize 8 wide).
+#[target_feature(enable = "avx2,fma")]
+fn round_row_avx2(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers) {
+    round_row_body(x, r, rows, f, buf);
+}
+
+#[inline(always)]
+fn round_row_body(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers) {
+    let blocks = x.len() / QK;
+    let (q, d, s, sh, sd) = (&mut buf.q, &mut buf.d, &mut buf.s, &mut buf.sh, &mut buf.sd);
+    assert!(r < rows && q.len() >= blocks * rows * QK && d.len() >= blocks * rows);
+    assert!(s.len() >= blocks * rows && sd.len() >= blocks * rows && sh.len() >= blocks * rows);
+    let (offset, exact) = (f.offset, f.exact());
+    for (b, x) in x.chunks_exact(QK).enumerate() {
+        let at = b * rows + r;
+        let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let scale = amax / 127.0;
+        let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let dst = &mut q[at * QK..(at + 1) * QK];
+        // Rounded to nearest, ties to even, as `vcvtps2dq` rounds.
+        for (q, v) in dst.iter_mut().zip(x) {
+            *q = (v * inv).round_ties_even() as i8;
+        }
+        let sum = |h: &[i8]| h.iter().map(|&v| i32::from(v)).sum::<i32>();
+        let (sum_lo, sum_hi) = (sum(&dst[..16]), sum(&dst[16..]));
+        let total = sum_lo + sum_hi;
+        d[at] = match exact {
+            true => scale,
+            false => half::f16::from_f32(scale).to_f32(),
+        };
+        if f.halves {
+            (s[at], sh[at]) = (-offset * sum_lo, -offset * sum_hi);
+        } else {
+            s[at] = -offset * total;
+        }
+        sd[at] = match exact {
+            true => scale * total as f32,
+            false => half::f16::from_f32(scale * total as f32).to_f32(),
+        };
+    }
+}
+
+/// Packs blocks `b0..b0 + blocks` of outputs `j0..j0 + cols` (≤ 8; the
+/// last one repeated past them) of `w` into `panel`: per block, [`LINES`]
+/// lines of [`LINE`] bytes (8 of weight bytes, two of f32 scales, as
+/// `super::vnni` packs its 64-byte lines).
+///
+/// # Safety
+/// The processor has AVX2 and F16C; `w` holds rows `j0..j0 + cols` of `b0
+/// + blocks` blocks of format `f` (whole units, `b0` starting one),
+/// `panel` `blocks × LINES` lines.
+#[target_feature(enable = "avx2,f16c")]
+pub(super) unsafe fn pack_panel(
+    w: &Weight<'_>,
+    f: Format,
+    j0: usize,
+    cols: usize,
+    b0: usize,
+    blocks: usize,
+    panel: &mut [Line],
+) {
+    let (size, end) = (f.size, (b0 + blocks).div_ceil(f.per_unit));
+    assert!((1..=NR).contains(&cols) && panel.len() * 64 >= blocks * LINES * LINE);
+    assert!(w.data.len() >= (j0 + cols - 1) * w.row_bytes + end * size);
+    let row = |c: usize| {
+        // SAFETY: the start of row j0 + min(c, cols - 1) < j0 + cols of `w`
+        // (asserted).
+        unsafe { w.data.as_ptr().add((j0 + c.min(cols - 1)) * w.row_bytes) }
+    };
+    let rows: [*const u8; NR] = std::array::from_fn(row);
+    let dst = panel.as_mut_ptr() as *mut u8;
+    // A k-quant's unit: per output, its blocks' two lines.
+    let mut unit = [[[0f32; 8]; 2]; NR];
+    for b in 0..blocks {
+        // SAFETY: block b0 + b of each row of `w` (asserted above).
+        let r: [__m256i; NR] = std::array::from_fn(|c| unsafe { values(f, rows[c], b0 + b) });
+        for (e, v) in transpose_8x8(r).iter().enumerate() {
+            // SAFETY: line b·LINES + e < blocks·LINES, 32-byte aligned
+            // (the panel's lines are 64-byte aligned).
+            unsafe { _mm256_store_si256(dst.add((b * LINES + e) * LINE) as *mut __m256i, *v) };
+        }
+        let at = (b0 + b) * size;
+        let mut lines = [[0f32; NR]; 2];
+        if f.kind == Kind::Legacy {
+            // The f16 scale at the block's start, and the minimum after it.
+            for (i, off) in [0, 2].into_iter().take(1 + usize::from(f.min)).enumerate() {
+                let mut halves = [0u16; NR];
+                for (h, &p) in halves.iter_mut().zip(&rows) {
+                    // SAFETY: each output's block b0 + b holds an f16 at
+                    // `off`.
+                    *h = unsafe { (p.add(at + off) as *const u16).read_unaligned() };
+                }
+                // SAFETY: 8 u16 read from the array, 8 f32 into `lines[i]`.
+                unsafe {
+                    let v = _mm256_cvtph_ps(_mm_loadu_si128(halves.as_ptr() as *const __m128i));
+                    _mm256_storeu_ps(lines[i].as_mut_ptr(), v);
+                }
+            }
+        } else {
+            let s = (b0 + b) % 8;
+            if s == 0 {
+                for (u, &p) in unit.iter_mut().zip(&rows) {
+                    // SAFETY: the unit of block b0 + b of a row of `w`.
+                    *u = unsafe { k_lines(f, p.add((b0 + b) / 8 * size)) };
+                }
+            }
+            for (c, u) in unit.iter().enumerate() {
+                (lines[0][c], lines[1][c]) = (u[0][s], u[1][s]);
+            }
+        }
+        for (i, line) in lines.iter().enumerate() {
+            // SAFETY: line b·LINES + 8 + i < blocks·LINES, 32-byte aligned.
+            unsafe {
+                let p = dst.add((b * LINES + 8 + i) * LINE) as *mut f32;
+                _mm256_store_ps(p, _mm256_loadu_ps(line.as_ptr()));
+            }
+        }
+    }
+}
+
+/// Word `e` of vector `c` becomes lane `c` of vector `e`.
+#[target_feature(enable = "avx2")]
+fn transpose_8x8(r: [__m256i; 8]) -> [__m256i; 8] {
+    let lo = |a, b| _mm256_unpacklo_epi32(a, b);
+    let hi = |a, b| _mm256_unpackhi_epi32(a, b);
+    // Per 128-bit half: words 0 and 1 (2 and 3) of rows side by side.
+    let t = [
+        lo(r[0], r[1]),
+        hi(r[0], r[1]),
+        lo(r[2], r[3]),
+        hi(r[2], r[3]),
+        lo(r[4], r[5]),
+        hi(r[4], r[5]),
+        lo(r[6], r[7]),
+        hi(r[6], r[7]),
+    ];
+    // Word w of rows 0..4 (4..8) in each half: halves hold words w, w + 4.
+    let u = [
+        _mm256_unpacklo_epi64(t[0], t[2]),
+        _mm256_unpackhi_epi64(t[0], t[2]),
+        _mm256_unpacklo_epi64(t[1], t[3]),
+        _mm256_unpackhi_epi64(t[1], t[3]),
+        _mm256_unpacklo_epi64(t[4], t[6]),
+        _mm256_unpackhi_epi64(t[4], t[6]),
+        _mm256_unpacklo_epi64(t[5], t[7]),
+        _mm256_unpackhi_epi64(t[5], t[7]),
+    ];
+    std::array::from_fn(|e| match e < 4 {
+        true => _mm256_permute2x128_si256::<0x20>(u[e], u[e + 4]),
+        false => _mm256_permute2x128_si256::<0x31>(u[e - 4], u[e]),
+    })
+}
+
+/// The 32 values of block `b` of the row of format `f` at `row`, as 32
+/// unsigned bytes (`super::vnni`'s `values` on AVX2).
+///
+/// # Safety
+/// The processor has AVX2; the row at `row` holds the unit of block `b`.
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
+    let nib = _mm256_set1_epi8(0x0f);
+    // SAFETY: the block's unit at `row` holds every byte read below.
+    unsafe {
+        match f.kind {
+            Kind::Legacy => {
+                let at = row.add(b * f.size);
+                // Values 0..16 are the low nibbles, 16..32 the high ones.
+                let v = _mm_loadu_si128(at.add(f.values) as *const __m128i);
+                let nib = _mm_set1_epi8(0x0f);
+                let lo = _mm_and_si128(v, nib);
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
+                let v = _mm256_set_m128i(hi, lo);
+                let Some(h) = f.high else { return v };
+                // Bit i of the 32 is value i's 16: byte i of the 32 bits
+                // spread to bytes, each tested against its own bit.
+                let bits = (at.add(h) as *const u32).read_unaligned();
+                let spread = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(bits as i32),
+                    _mm256_set_epi64x(
+                        0x0303_0303_0303_0303,
+                        0x0202_0202_0202_0202,
+                        0x0101_0101_0101_0101,
+                        0,
+                    ),
+                );
+                let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+                _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+            }
+            Kind::Q4K | Kind::Q5K => {
+                let (unit, s) = (row.add(b / 8 * f.size), b % 8);
+                let qs = if f.kind == Kind::Q4K { 16 } else { 48 };
+                let v = _mm256_loadu_si256(unit.add(qs + 32 * (s / 2)) as *const __m256i);
+                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (s as i32 & 1)));
+                let v = _mm256_and_si256(v, nib);
+                if f.kind == Kind::Q4K {
+                    return v;
+                }
+                // Value i's 16 is bit s of byte i of the fifth bits.
+                let h = _mm256_loadu_si256(unit.add(16) as *const __m256i);
+                let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+                _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
+            }
+            Kind::Q6K => {
+                let (unit, s) = (row.add(b / 8 * f.size), b % 8);
+                let (n, t) = (s / 4, s % 4);
+                let v = _mm256_loadu_si256(unit.add(64 * n + 32 * (t & 1)) as *const __m256i);
+                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (t as i32 >> 1)));
+                let v = _mm256_and_si256(v, nib);
+                let h = _mm256_loadu_si256(unit.add(128 + 32 * n) as *const __m256i);
+                let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * t as i32));
+                let h = _mm256_slli_epi16::<4>(_mm256_and_si256(h, _mm256_set1_epi8(3)));
+                _mm256_or_si256(v, h)
+            }
+        }
+    }
+}
+
+/// `super::vnni::Tile::run` on this kernel: writes `tr` ≤ [`MR`] rows of
+/// `cols` outputs to `c` (rows `ldc` apart), plus `bias`, or adds them to
+/// what `c` holds where `add`.
+///
+/// # Safety
+/// The processor has AVX2 and FMA; the tile's slices hold `blocks` blocks
+/// of `stride ≥ tr` rows from its first row, its panel `blocks` blocks of
+/// this kernel's lines packed for `f` ([`group`]); `c` holds `tr` rows of
+/// `cols` ≤ 8 values, `ldc` apart; `bias` `cols` values.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn run(
+    t: &Tile<'_>,
+    tr: usize,
+    c: &mut [f32],
+    ldc: usize,
+    cols: usize,
+    add: bool,
+    bias: Option<&[f32]>,
+    f: Format,
+) {
+    assert!((1..=MR).contains(&tr) && tr <= t.stride && (1..=NR).contains(&cols));
+    assert!(c.len() > (tr - 1) * ldc + cols - 1 && bias.is_none_or(|b| b.len() >= cols));
+    let last = (t.blocks - 1) * t.stride + tr;
+    assert!(t.q.len() >= last * QK && t.d.len() >= last && t.s.len() >= last);
+    assert!(t.sd.len() >= last && t.sh.len() >= last);
+    assert!(t.panel.len() * 64 >= t.blocks * LINES * LINE);
+    assert!(t.min == f.min && t.halves == f.halves);
+    macro_rules! rows {
+        ($min:literal, $halves:literal, $g:literal) => {
+            // SAFETY: as this function's.
+            unsafe {
+                match tr {
+                    1 => tile::<1, $min, $halves, $g>(t, c, ldc, cols, add, bias),
+                    2 => tile::<2, $min, $halves, $g>(t, c, ldc, cols, add, bias),
+                    3 => tile::<3, $min, $halves, $g>(t, c, ldc, cols, add, bias),
+                    _ => unreachable!(),
+                }
+            }
+        };
+    }
+    match (f.min, f.halves, group(f)) {
+        (true, false, 8) => rows!(true, false, 8),
+        (true, false, 4) => rows!(true, false, 4),
+        (false, false, 8) => rows!(false, false, 8),
+        (false, false, 4) => rows!(false, false, 4),
+        (false, true, 2) => rows!(false, true, 2),
+        other => unreachable!("no AVX2 integer tile for {other:?}"),
+    }
+}
+
+/// [`run`] for `R` rows: the weight's minimums where `MIN`, the halves'
+/// own scales where `HALVES`, lines added in 16 bits `G` at a time.
+///
+/// # Safety
+/// As [`run`]'s, with `tr = R` and the format's `MIN`, `HALVES` and `G`.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool, const G: usize>(
+    t: &Tile<'_>,
+    c: &mut [f32],
+    ldc: usize,
+    cols: usize,
+    add: bool,
+    bias: Option<&[f32]>,
+) {
+    let keep = _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(cols as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    );
+    let mut acc = [_mm256_setzero_ps(); R];
+    if add {
+        for (r, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: row r < R of `c`, its first `cols` values (checked by
+            // run; the load is masked to them).
+            *acc = unsafe { _mm256_maskload_ps(c.as_ptr().add(r * ldc), keep) };
+        }
+    }
+    let ones = _mm256_set1_epi16(1);
+    let panel = t.panel.as_ptr() as *const u8;
+    let (q, d, s, sh, sd) = (
+        t.q.as_ptr(),
+        t.d.as_ptr(),
+        t.s.as_ptr(),
+        t.sh.as_ptr(),
+        t.sd.as_ptr(),
+    );
+    for b in 0..t.blocks {
+        // SAFETY: block b < blocks of the panel and of rows t0..t0 + R of
+        // the chunk (checked by run).
+        unsafe {
+            let p = panel.add(b * LINES * LINE);
+            let w: [__m256i; 8] =
+                std::array::from_fn(|j| _mm256_load_si256(p.add(j * LINE) as *const __m256i));
+            let dw = _mm256_load_ps(p.add(8 * LINE) as *const f32);
+            // The minimums, or the second halves' scales.
+            let mw = match MIN || HALVES {
+                true => _mm256_load_ps(p.add(9 * LINE) as *const f32),
+                false => _mm256_setzero_ps(),
+            };
+            let at = b * t.stride;
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let x = q.add((at + r) * QK) as *const i32;
+                let v = |j: usize| _mm256_set1_epi32(x.add(j).read_unaligned());
+                // Lines j0..j1 into 32-bit sums, from `start`.
+                let sum = |j0: usize, j1: usize, start: i32| {
+                    let mut sum = _mm256_set1_epi32(start);
+                    for g in (j0..j1).step_by(G) {
+                        let mut pairs = _mm256_maddubs_epi16(w[g], v(g));
+                        // Indexed: the iterator form measured 6× slower
+                        // (the lines no longer stayed in registers).
+                        #[allow(clippy::needless_range_loop)]
+                        for j in g + 1..g + G {
+                            pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[j], v(j)));
+                        }
+                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, ones));
+                    }
+                    sum
+                };
+                let dx = _mm256_set1_ps(*d.add(at + r));
+                if HALVES {
+                    let (lo, hi) = (sum(0, 4, *s.add(at + r)), sum(4, 8, *sh.add(at + r)));
+                    let h = _mm256_mul_ps(_mm256_cvtepi32_ps(hi), mw);
+                    let h = _mm256_fmadd_ps(_mm256_cvtepi32_ps(lo), dw, h);
+                    *acc = _mm256_fmadd_ps(h, dx, *acc);
+                    continue;
+                }
+                let total = sum(0, 8, *s.add(at + r));
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(dw, dx), *acc);
+                if MIN {
+                    *acc = _mm256_fmadd_ps(mw, _mm256_set1_ps(*sd.add(at + r)), *acc);
+                }
+            }
+        }
+    }
+    // SAFETY: `bias` holds `cols` values, `c` R rows of `cols` values ldc
+    // apart (checked by run); the loads and stores are masked to them.
+    unsafe {
+        let add = bias.map_or(_mm256_setzero_ps(), |b| {
+            _mm256_maskload_ps(b.as_ptr(), keep)
+        });
+        for (r, acc) in acc.iter().enumerate() {
+            _mm256_maskstore_ps(c.as_mut_ptr().add(r * ldc), keep, _mm256_add_ps(*acc, add));
+        }
+    }
+}
