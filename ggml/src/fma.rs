@@ -1088,7 +1088,7 @@ pub fn gemm(
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2Int8 && int8::applies(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty)) {
-        return vnni::gemm_on(vnni::Lanes::Avx2, w, x, bias, out, ith, nth);
+        return vnni::gemm_on(int8::LANES, w, x, bias, out, ith, nth);
     }
     let bf16 = matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Vnni)
         && features().avx512bf16

@@ -29,7 +29,7 @@
 
 use std::arch::x86_64::*;
 
-use super::vnni::{k_lines, Buffers, Format, Kind, Line, Tile, LINES, QK};
+use super::vnni::{k_lines, Buffers, Format, Kind, Lanes, Line, Tile, LINES, QK};
 use super::{features, Weight};
 use crate::sys;
 
@@ -42,6 +42,16 @@ pub(super) const NR: usize = 8;
 pub(super) const MR: usize = 3;
 /// Bytes per line: one vector.
 const LINE: usize = 32;
+
+/// This kernel, for `super::vnni::gemm_on`.
+pub(super) const LANES: Lanes = Lanes {
+    nr: NR,
+    mr: MR,
+    applies,
+    round_row,
+    pack_panel,
+    run,
+};
 
 /// Whether a weight of type `ty` can take this kernel on this processor
 /// (q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K; AVX2, FMA and F16C).

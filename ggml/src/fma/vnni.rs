@@ -219,32 +219,45 @@ thread_local! {
     static BUF: RefCell<Buffers> = RefCell::default();
 }
 
-/// The integer kernel a product runs on: AVX512-VNNI's `vpdpbusd` on
-/// panels of 16 outputs (here), or AVX2's `vpmaddubsw` and `vpmaddwd` on
-/// panels of 8 (`super::int8`). Both share this module's rounding of the
-/// rows, weight formats, panel lines and driver.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Lanes {
-    Vnni,
-    Avx2,
+/// An integer kernel [`gemm_on`] drives: AVX512-VNNI's `vpdpbusd` on
+/// panels of 16 outputs ([`VNNI`], here), or AVX2's `vpmaddubsw` and
+/// `vpmaddwd` on panels of 8 (`LANES` in `int8.rs`). Both share this
+/// module's weight formats, panel lines, row buffers and driver.
+#[derive(Clone, Copy)]
+pub(super) struct Lanes {
+    /// Outputs per panel.
+    pub(super) nr: usize,
+    /// Rows per micro-tile.
+    pub(super) mr: usize,
+    /// Whether the kernel takes weights of this type on this processor.
+    pub(super) applies: fn(sys::ggml_type) -> bool,
+    /// Rounds a row into the buffers (as [`round_row`]).
+    pub(super) round_row: fn(&[f32], usize, usize, Format, &mut Buffers),
+    /// Packs a panel (as [`pack_panel`], at `nr` outputs).
+    pub(super) pack_panel: unsafe fn(&Weight<'_>, Format, usize, usize, usize, usize, &mut [Line]),
+    /// Runs a micro-tile (as [`Tile::run`], at `mr` rows).
+    #[allow(clippy::type_complexity)]
+    pub(super) run:
+        unsafe fn(&Tile<'_>, usize, &mut [f32], usize, usize, bool, Option<&[f32]>, Format),
 }
 
-impl Lanes {
-    /// Outputs per panel, rows per micro-tile.
-    fn shape(self) -> (usize, usize) {
-        match self {
-            Lanes::Vnni => (NR, MR),
-            Lanes::Avx2 => (super::int8::NR, super::int8::MR),
-        }
-    }
-
-    fn applies(self, ty: sys::ggml_type) -> bool {
-        match self {
-            Lanes::Vnni => applies(ty),
-            Lanes::Avx2 => super::int8::applies(ty),
-        }
-    }
-}
+/// This module's kernel.
+pub(super) const VNNI: Lanes = Lanes {
+    nr: NR,
+    mr: MR,
+    applies,
+    round_row: |x, r, rows, f, buf| {
+        assert!(features().avx512vnni);
+        // SAFETY: the processor has AVX512-VNNI, BW and VL, with F
+        // (asserted).
+        unsafe { round_row(x, r, rows, f, buf) }
+    },
+    pack_panel,
+    run: |t, tr, c, ldc, cols, add, bias, _| {
+        // SAFETY: the caller's (`Lanes::run`'s contract is Tile::run's).
+        unsafe { t.run(tr, c, ldc, cols, add, bias) }
+    },
+};
 
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
 /// (`ith` of `nth`) of the outputs. The caller made sure that [`applies`]
@@ -257,7 +270,7 @@ pub fn gemm(
     ith: usize,
     nth: usize,
 ) {
-    gemm_on(Lanes::Vnni, w, x, bias, out, ith, nth);
+    gemm_on(VNNI, w, x, bias, out, ith, nth);
 }
 
 /// [`gemm`] on the integer kernel `lanes`; the caller made sure that it
@@ -272,9 +285,9 @@ pub(super) fn gemm_on(
     nth: usize,
 ) {
     let (m, k, n) = (x.rows, x.k, w.n);
-    let (nr, mr) = lanes.shape();
+    let (nr, mr) = (lanes.nr, lanes.mr);
     assert!(
-        lanes.applies(w.ty)
+        (lanes.applies)(w.ty)
             && w.k == k
             && k.is_multiple_of(unit(w.ty))
             && k > 0
@@ -311,29 +324,16 @@ pub(super) fn gemm_on(
             buf.sd.resize(blocks * rows, 0.0);
             for r in 0..rows {
                 let row = &(x.row)(r0 + r)[b0 * QK..(b0 + blocks) * QK];
-                match lanes {
-                    // SAFETY: applies() checked AVX512-VNNI, BW and VL (with
-                    // F); the buffers hold `blocks × rows` blocks, `row`
-                    // whole blocks.
-                    Lanes::Vnni => unsafe { round_row(row, r, rows, f, buf) },
-                    Lanes::Avx2 => super::int8::round_row(row, r, rows, f, buf),
-                }
+                (lanes.round_row)(row, r, rows, f, buf);
             }
             for p in pr.clone() {
                 let j0 = p * nr;
                 let cols = nr.min(n - j0);
-                // SAFETY: as above (int8: AVX2 checked by its applies());
-                // `w` holds n rows of `units` units (asserted), `panel`
-                // blocks × LINES lines, b0 + blocks ≤ the row's blocks and
-                // b0 starts a unit.
-                unsafe {
-                    match lanes {
-                        Lanes::Vnni => pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel),
-                        Lanes::Avx2 => {
-                            super::int8::pack_panel(w, f, j0, cols, b0, blocks, &mut buf.panel)
-                        }
-                    }
-                };
+                // SAFETY: the kernel's `applies` (asserted) checked the
+                // processor's features; `w` holds n rows of `units` units
+                // (asserted), `panel` blocks × LINES lines, b0 + blocks ≤
+                // the row's blocks and b0 starts a unit.
+                unsafe { (lanes.pack_panel)(w, f, j0, cols, b0, blocks, &mut buf.panel) };
                 for t0 in (0..rows).step_by(mr) {
                     let tr = mr.min(rows - t0);
                     let i0 = r0 + t0;
@@ -354,12 +354,7 @@ pub(super) fn gemm_on(
                     // SAFETY: as above; the tile's slices start at row t0 of
                     // a chunk of `rows` ≥ t0 + tr rows; `c` holds tr rows of
                     // `cols` values n apart.
-                    unsafe {
-                        match lanes {
-                            Lanes::Vnni => tile.run(tr, c, n, cols, b0 > 0, bias),
-                            Lanes::Avx2 => super::int8::run(&tile, tr, c, n, cols, b0 > 0, bias, f),
-                        }
-                    };
+                    unsafe { (lanes.run)(&tile, tr, c, n, cols, b0 > 0, bias, f) };
                 }
             }
         }
@@ -857,7 +852,8 @@ mod tests {
         if applies(ty) {
             isas.push(super::super::Isa::Avx512Vnni);
         }
-        if super::super::int8::applies(ty) {
+        // int8's `applies` (not imported: int8 imports this module).
+        if features().avx2 && Format::of(ty).is_some_and(|f| !f.q8()) {
             isas.push(super::super::Isa::Avx2Int8);
         }
         if isas.is_empty() {
