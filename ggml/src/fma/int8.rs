@@ -29,7 +29,7 @@
 
 use std::arch::x86_64::*;
 
-use super::vnni::{k_lines, Buffers, Format, Kind, Lanes, Line, Tile, LINES, QK};
+use super::vnni::{k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Tile, LINES, QK};
 use super::{features, Weight};
 use crate::sys;
 
@@ -91,36 +91,22 @@ fn round_row_avx2(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers
 #[inline(always)]
 fn round_row_body(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers) {
     let blocks = x.len() / QK;
-    let (q, d, s, sh, sd) = (&mut buf.q, &mut buf.d, &mut buf.s, &mut buf.sh, &mut buf.sd);
-    assert!(r < rows && q.len() >= blocks * rows * QK && d.len() >= blocks * rows);
-    assert!(s.len() >= blocks * rows && sd.len() >= blocks * rows && sh.len() >= blocks * rows);
-    let (offset, exact) = (f.offset, f.exact());
+    assert!(r < rows && buf.q.len() >= blocks * rows * QK && buf.d.len() >= blocks * rows);
+    let n = blocks * rows;
+    assert!(buf.s.len() >= n && buf.sd.len() >= n && buf.sh.len() >= n);
     for (b, x) in x.chunks_exact(QK).enumerate() {
         let at = b * rows + r;
         let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
         let scale = amax / 127.0;
         let inv = if amax != 0.0 { 127.0 / amax } else { 0.0 };
-        let dst = &mut q[at * QK..(at + 1) * QK];
+        let dst = &mut buf.q[at * QK..(at + 1) * QK];
         // Rounded to nearest, ties to even, as `vcvtps2dq` rounds.
         for (q, v) in dst.iter_mut().zip(x) {
             *q = (v * inv).round_ties_even() as i8;
         }
         let sum = |h: &[i8]| h.iter().map(|&v| i32::from(v)).sum::<i32>();
-        let (sum_lo, sum_hi) = (sum(&dst[..16]), sum(&dst[16..]));
-        let total = sum_lo + sum_hi;
-        d[at] = match exact {
-            true => scale,
-            false => half::f16::from_f32(scale).to_f32(),
-        };
-        if f.halves {
-            (s[at], sh[at]) = (-offset * sum_lo, -offset * sum_hi);
-        } else {
-            s[at] = -offset * total;
-        }
-        sd[at] = match exact {
-            true => scale * total as f32,
-            false => half::f16::from_f32(scale * total as f32).to_f32(),
-        };
+        let (lo, hi) = (sum(&dst[..16]), sum(&dst[16..]));
+        buf.set_block(at, f, scale, lo, hi);
     }
 }
 
@@ -243,7 +229,6 @@ fn transpose_8x8(r: [__m256i; 8]) -> [__m256i; 8] {
 #[target_feature(enable = "avx2")]
 #[inline]
 unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
-    let nib = _mm256_set1_epi8(0x0f);
     // SAFETY: the block's unit at `row` holds every byte read below.
     unsafe {
         match f.kind {
@@ -272,32 +257,8 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
                 let set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
                 _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
             }
-            Kind::Q4K | Kind::Q5K => {
-                let (unit, s) = (row.add(b / 8 * f.size), b % 8);
-                let qs = if f.kind == Kind::Q4K { 16 } else { 48 };
-                let v = _mm256_loadu_si256(unit.add(qs + 32 * (s / 2)) as *const __m256i);
-                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (s as i32 & 1)));
-                let v = _mm256_and_si256(v, nib);
-                if f.kind == Kind::Q4K {
-                    return v;
-                }
-                // Value i's 16 is bit s of byte i of the fifth bits.
-                let h = _mm256_loadu_si256(unit.add(16) as *const __m256i);
-                let bit = _mm256_set1_epi8((1u8 << s) as i8);
-                let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
-                _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
-            }
-            Kind::Q6K => {
-                let (unit, s) = (row.add(b / 8 * f.size), b % 8);
-                let (n, t) = (s / 4, s % 4);
-                let v = _mm256_loadu_si256(unit.add(64 * n + 32 * (t & 1)) as *const __m256i);
-                let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (t as i32 >> 1)));
-                let v = _mm256_and_si256(v, nib);
-                let h = _mm256_loadu_si256(unit.add(128 + 32 * n) as *const __m256i);
-                let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * t as i32));
-                let h = _mm256_slli_epi16::<4>(_mm256_and_si256(h, _mm256_set1_epi8(3)));
-                _mm256_or_si256(v, h)
-            }
+            // k-quants: the same on both kernels.
+            _ => k_values(f, row, b),
         }
     }
 }

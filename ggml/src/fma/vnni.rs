@@ -219,6 +219,30 @@ thread_local! {
     static BUF: RefCell<Buffers> = RefCell::default();
 }
 
+impl Buffers {
+    /// Block `at`'s scale, starting sums and scaled sum, from the scale of
+    /// its rounding and the sums of its two halves' 8-bit values (what
+    /// both integer kernels' rounding of a row stores per block).
+    pub(super) fn set_block(&mut self, at: usize, f: Format, scale: f32, lo: i32, hi: i32) {
+        let sum = lo + hi;
+        self.d[at] = match f.exact() {
+            true => scale,
+            false => half::f16::from_f32(scale).to_f32(),
+        };
+        if f.halves {
+            (self.s[at], self.sh[at]) = (-f.offset * lo, -f.offset * hi);
+        } else {
+            self.s[at] = -f.offset * sum;
+        }
+        // ggml's quantize_row_q8_1: the unrounded scale times the sum,
+        // stored in f16 (for k-quants, the scale the products use).
+        self.sd[at] = match f.exact() {
+            true => scale * sum as f32,
+            false => half::f16::from_f32(scale * sum as f32).to_f32(),
+        };
+    }
+}
+
 /// An integer kernel [`gemm_on`] drives: AVX512-VNNI's `vpdpbusd` on
 /// panels of 16 outputs ([`VNNI`], here), or AVX2's `vpmaddubsw` and
 /// `vpmaddwd` on panels of 8 (`LANES` in `int8.rs`). Both share this
@@ -372,10 +396,9 @@ pub(super) fn gemm_on(
 #[target_feature(enable = "avx512f,avx512bw")]
 unsafe fn round_row(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffers) {
     let blocks = x.len() / QK;
-    let (q, d, s, sh, sd) = (&mut buf.q, &mut buf.d, &mut buf.s, &mut buf.sh, &mut buf.sd);
-    assert!(r < rows && q.len() >= blocks * rows * QK && d.len() >= blocks * rows);
-    assert!(s.len() >= blocks * rows && sd.len() >= blocks * rows && sh.len() >= blocks * rows);
-    let (offset, exact) = (f.offset, f.exact());
+    assert!(r < rows && buf.q.len() >= blocks * rows * QK && buf.d.len() >= blocks * rows);
+    let n = blocks * rows;
+    assert!(buf.s.len() >= n && buf.sd.len() >= n && buf.sh.len() >= n);
     for b in 0..blocks {
         let at = b * rows + r;
         // SAFETY: 32 values of x at b·32 (b < blocks), 32 bytes of q at
@@ -392,25 +415,10 @@ unsafe fn round_row(x: &[f32], r: usize, rows: usize, f: Format, buf: &mut Buffe
             let qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, v));
             let qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, v));
             let (sum_lo, sum_hi) = (_mm512_reduce_add_epi32(qlo), _mm512_reduce_add_epi32(qhi));
-            let sum = sum_lo + sum_hi;
-            let dst = q.as_mut_ptr().add(at * QK);
+            let dst = buf.q.as_mut_ptr().add(at * QK);
             _mm_storeu_si128(dst as *mut __m128i, _mm512_cvtsepi32_epi8(qlo));
             _mm_storeu_si128(dst.add(16) as *mut __m128i, _mm512_cvtsepi32_epi8(qhi));
-            d[at] = match exact {
-                true => scale,
-                false => half::f16::from_f32(scale).to_f32(),
-            };
-            if f.halves {
-                (s[at], sh[at]) = (-offset * sum_lo, -offset * sum_hi);
-            } else {
-                s[at] = -offset * sum;
-            }
-            // ggml's quantize_row_q8_1: the unrounded scale times the sum,
-            // stored in f16 (for k-quants, the scale the products use).
-            sd[at] = match exact {
-                true => scale * sum as f32,
-                false => half::f16::from_f32(scale * sum as f32).to_f32(),
-            };
+            buf.set_block(at, f, scale, sum_lo, sum_hi);
         }
     }
 }
@@ -527,7 +535,6 @@ unsafe fn pack_panel(
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 #[inline]
 unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
-    let nib = _mm256_set1_epi8(0x0f);
     // SAFETY: the block's unit at `row` holds every byte read below
     // (Format's offsets are inside it).
     unsafe {
@@ -553,10 +560,29 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
                     None => v,
                 }
             }
+            // k-quants: the same on both kernels.
+            _ => k_values(f, row, b),
+        }
+    }
+}
+
+/// The 32 values of block `b` of a k-quant row at `row` as 32 unsigned
+/// bytes (q5_K's fifth bits and q6_K's fifth and sixth in), on AVX2: both
+/// integer kernels unpack the k-quants this way.
+///
+/// # Safety
+/// The processor has AVX2; `f` is a k-quant's format and the row at `row`
+/// holds the super-block of block `b`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn k_values(f: Format, row: *const u8, b: usize) -> __m256i {
+    let nib = _mm256_set1_epi8(0x0f);
+    // SAFETY: the super-block at `row` holds every byte read below.
+    unsafe {
+        match f.kind {
             Kind::Q4K | Kind::Q5K => {
                 let (unit, s) = (row.add(b / 8 * f.size), b % 8);
                 let qs = if f.kind == Kind::Q4K { 16 } else { 48 };
-                // Block s: the low (even s) or high nibbles of 32 bytes.
                 let v = _mm256_loadu_si256(unit.add(qs + 32 * (s / 2)) as *const __m256i);
                 let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (s as i32 & 1)));
                 let v = _mm256_and_si256(v, nib);
@@ -565,22 +591,22 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
                 }
                 // Value i's 16 is bit s of byte i of the fifth bits.
                 let h = _mm256_loadu_si256(unit.add(16) as *const __m256i);
-                let set = _mm256_test_epi8_mask(h, _mm256_set1_epi8(1 << s));
-                _mm256_or_si256(v, _mm256_maskz_mov_epi8(set, _mm256_set1_epi8(0x10)))
+                let bit = _mm256_set1_epi8((1u8 << s) as i8);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(h, bit), bit);
+                _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(0x10)))
             }
             Kind::Q6K => {
-                // Block s of 8: half n of the super-block, quarter t of it.
                 let (unit, s) = (row.add(b / 8 * f.size), b % 8);
                 let (n, t) = (s / 4, s % 4);
                 let v = _mm256_loadu_si256(unit.add(64 * n + 32 * (t & 1)) as *const __m256i);
                 let v = _mm256_srl_epi16(v, _mm_cvtsi32_si128(4 * (t as i32 >> 1)));
                 let v = _mm256_and_si256(v, nib);
-                // Two high bits per value: bits 2t, 2t + 1 of byte i.
                 let h = _mm256_loadu_si256(unit.add(128 + 32 * n) as *const __m256i);
                 let h = _mm256_srl_epi16(h, _mm_cvtsi32_si128(2 * t as i32));
                 let h = _mm256_slli_epi16::<4>(_mm256_and_si256(h, _mm256_set1_epi8(3)));
                 _mm256_or_si256(v, h)
             }
+            Kind::Legacy => unreachable!("k_values of a legacy block"),
         }
     }
 }
