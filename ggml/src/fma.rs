@@ -258,6 +258,7 @@ impl Isa {
         let default = match self {
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 && emulated => EMULATED_BF16_MIN_ROWS,
             Isa::Avx512Vnni => VNNI_MIN_ROWS,
+            Isa::Avx2Int8 if ty == sys::GGML_TYPE_Q4_K => AVX2_INT8_Q4_K_MIN_ROWS,
             Isa::Avx2Int8 => AVX2_INT8_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
@@ -369,9 +370,14 @@ pub const VNNI_MIN_ROWS: usize = 8;
 /// The fewest rows that take the AVX2 integer kernel (`fma/int8.rs`):
 /// ahead of ggml's kernels at 16 rows (Qwen3-4B's MLP with
 /// `SDHOST_FMA_AVX2=1` on a Zen 5, session 30: q4_0, q4_1 and q5_0
-/// 1.4–2.2×, q5_1 1.3×, q4_K level at 0.96–0.99×); fewer rows were not
-/// measured.
+/// 1.4–2.2×, q5_1 1.3×); fewer rows were not measured.
 pub const AVX2_INT8_MIN_ROWS: usize = 16;
+
+/// The fewest rows that take the AVX2 integer kernel with a q4_K weight:
+/// ahead of ggml's AVX2 k-quant kernel from 256 rows (1.13–1.30×, same
+/// measurements), level or behind at 16 (0.85–0.99×); rows between were
+/// not measured.
+pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 256;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
 /// ggml's dequantization of it is slow enough that at 64 rows this kernel
@@ -412,8 +418,9 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   AVX2 (`fma/int8.rs`), measured with `SDHOST_FMA_AVX2=1` on a Zen 5
 ///   against ggml's AVX2 kernels (session 30): the legacy types 1.6–3.3×
 ///   from 256 rows (ggml's tinyBLAS and dot products leave `vpmaddubsw`'s
-///   rate unused), q4_K 1.13–1.27×; q5_K (0.6×) and q6_K (0.8×), whose
-///   16-bit sums take fewer lines at a time, stay ggml's, as does q8_0;
+///   rate unused), q4_K 1.13–1.30×; q5_K (1.05–1.17× from 256 rows,
+///   0.93× at 16) and q6_K (0.98–1.03×, 0.85–0.91× at 16), not clearly
+///   faster, stay ggml's, as does q8_0;
 /// * other quantized types, and q5_K and q6_K without AVX512-VNNI: no;
 ///   ggml's k-quant kernels measured faster than the bf16 kernel's
 ///   dequantization through ggml's `to_float` (q4_K 1.2–1.8× on a Zen 4,

@@ -368,7 +368,10 @@ unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool, const G: usi
                 // Lines j0..j1 into 32-bit sums, from `start`.
                 let sum = |j0: usize, j1: usize, start: i32| {
                     let mut sum = _mm256_set1_epi32(start);
-                    for g in (j0..j1).step_by(G) {
+                    // Counted, not `step_by`: that form kept q5_K's and
+                    // q6_K's groups from unrolling (0.6× the rate).
+                    for i in 0..(j1 - j0) / G {
+                        let g = j0 + i * G;
                         let mut pairs = _mm256_maddubs_epi16(w[g], v(g));
                         // Indexed: the iterator form measured 6× slower
                         // (the lines no longer stayed in registers).
