@@ -1061,7 +1061,7 @@ fn share(units: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
 macro_rules! on_f32_kernel {
     ($isa:expr, $k:ident => $body:expr) => {{
         let f = features();
-        if $isa != Isa::Avx2 && f.avx512 {
+        if !matches!($isa, Isa::Avx2 | Isa::Avx2Int8) && f.avx512 {
             type $k = F32Avx512;
             $body
         } else if f.avx2 {
@@ -1077,9 +1077,10 @@ macro_rules! on_f32_kernel {
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
 /// (`ith` of `nth`) of the outputs, on `isa`'s kernel. The caller made sure
 /// that the processor has `isa` (as [`isa_for`] does) and that `w.k ==
-/// x.k`; the AVX512-VNNI kernel takes the quantized types `isa_for` sends
-/// it (any other weight goes to the bf16 kernel), the bf16 kernel bf16
-/// weights and those `dequantizable` ones.
+/// x.k`; the integer kernels (AVX512-VNNI, AVX2 in 8-bit integers) take
+/// the quantized types `isa_for` sends them (any other weight goes to the
+/// bf16 kernel, or on AVX2 the f32 one), the bf16 kernel bf16 weights and
+/// those `dequantizable` ones.
 pub fn gemm(
     isa: Isa,
     w: &Weight<'_>,
@@ -1090,12 +1091,16 @@ pub fn gemm(
     nth: usize,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512Vnni && vnni::applies(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty)) {
-        return vnni::gemm(w, x, bias, out, ith, nth);
-    }
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2Int8 && int8::applies(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty)) {
-        return vnni::gemm_on(int8::LANES, w, x, bias, out, ith, nth);
+    {
+        let lanes = match isa {
+            Isa::Avx512Vnni => Some(vnni::VNNI),
+            Isa::Avx2Int8 => Some(int8::LANES),
+            _ => None,
+        };
+        let takes = |l: &vnni::Lanes| (l.applies)(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty));
+        if let Some(lanes) = lanes.filter(takes) {
+            return vnni::gemm_on(lanes, w, x, bias, out, ith, nth);
+        }
     }
     let bf16 = matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Vnni)
         && features().avx512bf16

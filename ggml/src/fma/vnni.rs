@@ -76,7 +76,7 @@ const CHUNK_ROWS: usize = 256;
 /// more rows (each chunk packs every panel again).
 const PASS_BLOCKS: usize = 128;
 
-/// Whether a weight of type `ty` can take [`gemm`] on this processor
+/// Whether a weight of type `ty` can take this kernel ([`VNNI`]) on this processor
 /// (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K or q6_K; AVX512-VNNI, BW and
 /// VL).
 pub fn applies(ty: sys::ggml_type) -> bool {
@@ -84,7 +84,7 @@ pub fn applies(ty: sys::ggml_type) -> bool {
 }
 
 /// The values of `k` a row of a weight of type `ty` must be a multiple of
-/// for [`gemm`]: a block (32), or a k-quant's super-block (256).
+/// for [`gemm_on`]: a block (32), or a k-quant's super-block (256).
 pub fn unit(ty: sys::ggml_type) -> usize {
     Format::of(ty).map_or(QK, |f| f.per_unit * QK)
 }
@@ -284,21 +284,9 @@ pub(super) const VNNI: Lanes = Lanes {
 };
 
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
-/// (`ith` of `nth`) of the outputs. The caller made sure that [`applies`]
-/// holds for `w.ty` and that `w.k == x.k`, a multiple of [`unit`].
-pub fn gemm(
-    w: &Weight<'_>,
-    x: &Rows<'_>,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    ith: usize,
-    nth: usize,
-) {
-    gemm_on(VNNI, w, x, bias, out, ith, nth);
-}
-
-/// [`gemm`] on the integer kernel `lanes`; the caller made sure that it
-/// applies to `w.ty` here.
+/// (`ith` of `nth`) of the outputs, on the integer kernel `lanes` ([`VNNI`]
+/// or `int8.rs`'s). The caller made sure that the kernel's `applies` holds
+/// for `w.ty` and that `w.k == x.k`, a multiple of [`unit`].
 pub(super) fn gemm_on(
     lanes: Lanes,
     w: &Weight<'_>,
