@@ -1268,7 +1268,7 @@ fn accumulate_body(o: &mut [f32], od: usize, db: usize, c: &[f32; ROWS * 2 * PAN
 
 /// `e^x` (f32, relative error below 1e-5 over the range softmax uses).
 #[inline(always)]
-fn exp(x: f32) -> f32 {
+pub(crate) fn exp(x: f32) -> f32 {
     // 2^(x·log2 e) = 2^i · 2^f with f in [-0.5, 0.5], a degree-6
     // polynomial for 2^f; below -87 the result is 0.
     let x = x.max(-87.0);
@@ -2116,6 +2116,20 @@ pub(crate) fn attn_userdata(heads: usize, scale: f32) -> *mut c_void {
     ((heads << 32) | scale.to_bits() as usize) as *mut c_void
 }
 
+/// A custom op's function, as ggml calls it.
+pub(crate) type AttnOp = unsafe extern "C" fn(*mut sys::ggml_tensor, c_int, c_int, *mut c_void);
+
+/// A kernel that runs an [`Attn`]: [`Attn::run`], or `fma::attn::run`.
+pub(crate) type AttnKernel = for<'x, 'o> fn(
+    &Attn,
+    &dyn Fn(usize, usize) -> &'x [f32],
+    &dyn Fn(usize, usize) -> &'x [f32],
+    &dyn Fn(usize, usize) -> &'x [f32],
+    &mut OutRow<'o>,
+    usize,
+    usize,
+);
+
 /// Custom op: `dst` (f32 `[d·heads, t, n]`, contiguous) = [`Attn::run`]
 /// of `src[0..3]` (q, k, v: f32, rows dense).
 pub(crate) unsafe extern "C" fn attn_op(
@@ -2124,10 +2138,27 @@ pub(crate) unsafe extern "C" fn attn_op(
     nth: c_int,
     ud: *mut c_void,
 ) {
-    // SAFETY: `Context::attention_bf16` built this op: q `[d·heads, t, n]`,
-    // k and v `[d·heads, s, n]`, f32 with dense rows whose strides address
-    // every row, and a contiguous f32 destination shaped like q. Threads
-    // write disjoint (image, head, query block) parts.
+    // SAFETY: the caller's (ggml's) contract, as `attn_on` takes it.
+    unsafe { attn_on(dst, ith, nth, ud, Attn::run) }
+}
+
+/// The body of an attention op: `dst` = `kernel` of `src[0..3]` with the
+/// heads and scale of `ud` ([`attn_userdata`]).
+///
+/// # Safety
+/// `Context::attention_cpu` built the op: q `[d·heads, t, n]`, k and v
+/// `[d·heads, s, n]`, f32 with dense rows whose strides address every row,
+/// and a contiguous f32 destination shaped like q; `kernel` runs on this
+/// processor.
+pub(crate) unsafe fn attn_on(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+    kernel: AttnKernel,
+) {
+    // SAFETY: the caller's contract above. Threads write disjoint
+    // (image, head, query block) parts.
     unsafe {
         let (q, k, v) = (&*(*dst).src[0], &*(*dst).src[1], &*(*dst).src[2]);
         let ud = ud as usize;
@@ -2153,7 +2184,7 @@ pub(crate) unsafe extern "C" fn attn_op(
             let dst = std::slice::from_raw_parts_mut(out.add((i * t + j) * inner + at), row.len());
             dst.copy_from_slice(row);
         };
-        attn.run(&qr, &kr, &vr, &mut write, ith as usize, nth as usize);
+        kernel(&attn, &qr, &kr, &vr, &mut write, ith as usize, nth as usize);
     }
 }
 

@@ -67,6 +67,7 @@ use crate::amx::{bf16, interleave_pair, Conv};
 use crate::amx::{interleave_pair_avx512, transpose_words};
 use crate::sys;
 
+pub(crate) mod attn;
 mod direct;
 #[cfg(target_arch = "x86_64")]
 mod int8;
@@ -497,6 +498,22 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     }
 }
 
+/// The node name of [`attn_op`] (profiles).
+pub const ATTN_NODE: &str = "fma attn avx2";
+
+/// Custom op: `dst` = [`attn::run`] of `src[0..3]` (see
+/// [`crate::amx::attn_on`]).
+pub(crate) unsafe extern "C" fn attn_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::attention_cpu` built this op where the processor
+    // has AVX2 and FMA (`attn::available`).
+    unsafe { crate::amx::attn_on(dst, ith, nth, ud, attn::run) }
+}
+
 /// Which weights these kernels take on this processor, in words, for
 /// reports (`f32 on AVX2 from 512 rows, bf16 from 128 rows on AVX512-BF16
 /// (k in passes of 1536), q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K from 8 rows on
@@ -552,10 +569,12 @@ pub fn summary() -> Option<String> {
         (Some(a), _) => format!("; convolutions on {}", a.label()),
         (None, _) => String::new(),
     };
-    let attention = if crate::knobs().fma_attention && crate::amx::dots_available() {
-        "; attention on AVX512-BF16"
-    } else {
-        ""
+    let attention = match crate::knobs().fma_attention {
+        true if crate::amx::dots_available() && !crate::knobs().fma_avx2 => {
+            "; attention on AVX512-BF16"
+        }
+        true if attn::available() => "; attention in f32 on AVX2",
+        _ => "",
     };
     Some(format!(
         "f32 on {} from {} rows{bf16}{conv}{attention}",

@@ -115,7 +115,7 @@ pub struct Knobs {
     pub fma_geglu: bool,
     /// Fused attention in sdhost's kernels on `vdpbf16ps` where the
     /// processor has AVX512-BF16 and no AMX
-    /// ([`Context::bf16_attention`]).
+    /// ([`Context::cpu_attention`]).
     pub fma_attention: bool,
     /// Quantized products in 8-bit integers: q8_0, q4_0, q4_1, q5_0, q5_1,
     /// q4_K, q5_K and q6_K on AVX512-VNNI where the processor has it and

@@ -552,14 +552,14 @@ pub fn attention_with<'a>(
         _ if causal || bias.is_some() => Flash::Off,
         f => f,
     };
-    if flash != Flash::Off && c.bf16_attention() && kvh == heads {
+    if flash != Flash::Off && c.cpu_attention() && kvh == heads {
         // sdhost's fused attention (AMX tiles or `vdpbf16ps`) reads the
         // heads in place.
         let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
             true => Ok(x),
             false => c.cont(x),
         };
-        return Ok(c.attention_bf16(dense(q)?, dense(k)?, dense(v)?, heads, scale)?);
+        return Ok(c.attention_cpu(dense(q)?, dense(k)?, dense(v)?, heads, scale)?);
     }
     if let Flash::Padded(wide) = flash {
         // Each head zero-padded from D to `wide` as it is permuted to

@@ -1044,21 +1044,28 @@ impl Context {
         self.amx.get()
     }
 
-    /// Whether [`Context::attention_bf16`] runs here: in an AMX context,
+    /// Whether [`Context::attention_cpu`] runs here: in an AMX context,
     /// or in a context with sdhost's CPU kernels
     /// ([`Context::set_cpu_kernels`]) on a processor with AVX512-BF16
-    /// (`vdpbf16ps` products; [`crate::Knobs::fma_attention`]).
-    pub fn bf16_attention(&self) -> bool {
+    /// (`vdpbf16ps` products) or AVX2 and FMA (f32 products,
+    /// `fma::attn`); [`crate::Knobs::fma_attention`] turns the latter two
+    /// off.
+    pub fn cpu_attention(&self) -> bool {
         self.amx.get()
-            || (self.fma.get() && crate::knobs().fma_attention && crate::amx::dots_available())
+            || (self.fma.get()
+                && crate::knobs().fma_attention
+                && (crate::amx::dots_available() || crate::fma::attn::available()))
     }
 
-    /// Multi-head attention `softmax(q·kᵀ·scale)·v` in bf16 products with
-    /// an online softmax (see [`crate::amx::Attn`]), where
-    /// [`Context::bf16_attention`]: `q` `[D·H, T, N]`, `k` and `v` `[D·H,
+    /// Multi-head attention `softmax(q·kᵀ·scale)·v` with an online
+    /// softmax, no score matrix, on sdhost's CPU kernels, where
+    /// [`Context::cpu_attention`]: the tile unit's or `vdpbf16ps`'s bf16
+    /// products ([`crate::amx::Attn`]), else f32 ones on AVX2
+    /// (`fma::attn`; also where [`crate::Knobs::fma_avx2`] keeps an
+    /// AVX-512 processor to AVX2). `q` `[D·H, T, N]`, `k` and `v` `[D·H,
     /// S, N]`, f32 with dense rows; the result is `[D·H, T, N]` with the
     /// heads merged.
-    pub fn attention_bf16<'a>(
+    pub fn attention_cpu<'a>(
         &'a self,
         q: Tensor<'a>,
         k: Tensor<'a>,
@@ -1070,7 +1077,7 @@ impl Context {
         let f32s = [&q, &k, &v]
             .iter()
             .all(|t| t.ty() == Some(Type::F32) && dense_rows(t));
-        if !self.bf16_attention()
+        if !self.cpu_attention()
             || !f32s
             || heads <= 0
             || heads >= 1 << 31
@@ -1083,26 +1090,31 @@ impl Context {
             || !scale.is_finite()
         {
             return invalid(format!(
-                "bf16 attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, a context with AMX or AVX512-BF16 kernels)"
+                "CPU attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, a context with sdhost's CPU kernels on AMX, AVX512-BF16 or AVX2)"
             ));
         }
         self.room(1)?;
         let ud = crate::amx::attn_userdata(heads as usize, scale);
+        let (op, name): (crate::amx::AttnOp, &str) = if crate::amx::available() {
+            (crate::amx::attn_op, "amx attn")
+        } else if crate::amx::dots_available() && !crate::knobs().fma_avx2 {
+            (crate::amx::attn_op, "avx512bf16 attn")
+        } else {
+            (crate::fma::attn_op, crate::fma::ATTN_NODE)
+        };
         // SAFETY: the three are alive for 'a, f32 with dense rows and the
-        // shapes `attn_op` reads (checked above); the result is contiguous
-        // f32 shaped like q, which it writes; room checked.
+        // shapes the ops read (checked above); the result is contiguous
+        // f32 shaped like q, which they write; room checked. Outside an
+        // AMX context the op is the AVX2 one only where the processor has
+        // AVX2 and FMA (`cpu_attention`).
         unsafe {
             self.custom_op(
                 sys::GGML_TYPE_F32,
                 [x[0], x[1], x[2], 1],
                 &mut [q.raw, k.raw, v.raw],
-                crate::amx::attn_op,
+                op,
                 ud,
-                if crate::amx::available() {
-                    "amx attn"
-                } else {
-                    "avx512bf16 attn"
-                },
+                name,
             )
         }
     }

@@ -241,10 +241,10 @@ fn cases() -> Vec<Case> {
 
         // AMX ops: valid only in an AMX context, which the valid case asks
         // for (skipped where the processor has no AMX); refused outside one.
-        "attention_bf16" ok: |c| { c.set_cpu_kernels(true); c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
-        "attention_bf16" bad: |c| c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25);
-        "attention_bf16" bad: |c| { c.set_amx(true); c.attention_bf16(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 3, 0.25) };
-        "attention_bf16" bad: |c| { c.set_amx(true); c.attention_bf16(t(c, Type::F16, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
+        "attention_cpu" ok: |c| { c.set_cpu_kernels(true); c.attention_cpu(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
+        "attention_cpu" bad: |c| c.attention_cpu(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25);
+        "attention_cpu" bad: |c| { c.set_amx(true); c.attention_cpu(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 3, 0.25) };
+        "attention_cpu" bad: |c| { c.set_amx(true); c.attention_cpu(t(c, Type::F16, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
     }
 }
 
@@ -256,11 +256,12 @@ fn every_checked_op_refuses_what_ggml_aborts_on_and_builds_the_rest() {
             eprintln!("{}: valid case skipped (no AMX on this processor)", case.op);
             continue;
         }
-        let bf16_attention =
-            crate::amx::available() || (crate::fma::available() && crate::amx::dots_available());
-        if case.ok && case.op == "attention_bf16" && !bf16_attention {
+        let cpu_attention = crate::amx::available()
+            || (crate::fma::available()
+                && (crate::amx::dots_available() || crate::fma::attn::available()));
+        if case.ok && case.op == "attention_cpu" && !cpu_attention {
             eprintln!(
-                "{}: valid case skipped (neither AMX nor AVX512-BF16 here)",
+                "{}: valid case skipped (neither AMX, AVX512-BF16 nor AVX2 here)",
                 case.op
             );
             continue;
@@ -297,7 +298,7 @@ fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
     let q = f32s(&plain, &[16, 40, 2]);
     let kv = f32s(&plain, &[16, 10, 2]);
     assert!(matches!(
-        plain.attention_bf16(q, kv, kv, 2, 0.25),
+        plain.attention_cpu(q, kv, kv, 2, 0.25),
         Err(Error::Invalid(_))
     ));
     let c = Context::new(64, 0).unwrap();
@@ -344,14 +345,14 @@ fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
         .unwrap();
     assert_eq!(y.ne(), [16, 12, 16, 2]);
     let (q, kv) = (f32s(&c, &[16, 40, 2]), f32s(&c, &[16, 10, 2]));
-    let y = c.attention_bf16(q, kv, kv, 2, 0.25).unwrap();
+    let y = c.attention_cpu(q, kv, kv, 2, 0.25).unwrap();
     assert_eq!(y.ne(), [16, 40, 2, 1]);
     for bad in [
-        c.attention_bf16(q, kv, kv, 3, 0.25),
-        c.attention_bf16(q, f32s(&c, &[8, 10, 2]), f32s(&c, &[8, 10, 2]), 2, 0.25),
-        c.attention_bf16(q, kv, f32s(&c, &[16, 11, 2]), 2, 0.25),
-        c.attention_bf16(q, kv, kv, 2, f32::NAN),
-        c.attention_bf16(t(&c, Type::F16, &[16, 40, 2]), kv, kv, 2, 0.25),
+        c.attention_cpu(q, kv, kv, 3, 0.25),
+        c.attention_cpu(q, f32s(&c, &[8, 10, 2]), f32s(&c, &[8, 10, 2]), 2, 0.25),
+        c.attention_cpu(q, kv, f32s(&c, &[16, 11, 2]), 2, 0.25),
+        c.attention_cpu(q, kv, kv, 2, f32::NAN),
+        c.attention_cpu(t(&c, Type::F16, &[16, 40, 2]), kv, kv, 2, 0.25),
     ] {
         assert!(matches!(bad, Err(Error::Invalid(_))));
     }
