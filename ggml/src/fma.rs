@@ -891,12 +891,33 @@ impl Patches<'_> {
     /// Packs pixels `r0..r0 + mc` for `k` in `kb..kb + kc` into `a`, in
     /// blocks of `mr` pixels side by side for each `k` (zero past `mc`).
     fn pack(&self, r0: usize, mc: usize, kb: usize, kc: usize, mr: usize, a: &mut [f32]) {
+        // The kernels' block heights as constants: a whole block's values
+        // under a tap are then a copy of fixed length, inlined, where a
+        // copy of `rows` values is a call to `memcpy` (and one to `memset`
+        // for the zeros past them) for each tap.
+        match mr {
+            4 => self.pack_mr::<4>(r0, mc, kb, kc, a),
+            6 => self.pack_mr::<6>(r0, mc, kb, kc, a),
+            12 => self.pack_mr::<12>(r0, mc, kb, kc, a),
+            _ => unreachable!("no f32 kernel has {mr} rows"),
+        }
+    }
+
+    /// [`Patches::pack`] for blocks of `MR` pixels.
+    fn pack_mr<const MR: usize>(&self, r0: usize, mc: usize, kb: usize, kc: usize, a: &mut [f32]) {
         let mut gathered = [0f32; 16];
-        for blk in 0..mc.div_ceil(mr) {
-            let block = &mut a[blk * kc * mr..(blk + 1) * kc * mr];
-            let rows = mr.min(mc - blk * mr);
-            let mut taps = Taps::new(self, r0 + blk * mr, rows, kb);
-            for dst in block.chunks_exact_mut(mr) {
+        for blk in 0..mc.div_ceil(MR) {
+            let block = &mut a[blk * kc * MR..(blk + 1) * kc * MR];
+            let rows = MR.min(mc - blk * MR);
+            let mut taps = Taps::new(self, r0 + blk * MR, rows, kb);
+            let (block, _) = block.as_chunks_mut::<MR>();
+            if rows == MR {
+                for dst in block {
+                    dst.copy_from_slice(&taps.next(&mut gathered)[..MR]);
+                }
+                continue;
+            }
+            for dst in block {
                 dst[..rows].copy_from_slice(taps.next(&mut gathered));
                 dst[rows..].fill(0.0);
             }
