@@ -113,8 +113,8 @@ pub struct Knobs {
     /// ([`Context::gelu_erf`]) as sdhost's vectorized passes where sdhost's
     /// CPU kernels are on; off: ggml's (to measure them).
     pub fma_geglu: bool,
-    /// Fused attention in sdhost's kernels on `vdpbf16ps` where the
-    /// processor has AVX512-BF16 and no AMX
+    /// Fused attention in sdhost's kernels where the processor has no
+    /// AMX: on `vdpbf16ps` with AVX512-BF16, else in f32 on AVX2 (`fma::attn`)
     /// ([`Context::cpu_attention`]).
     pub fma_attention: bool,
     /// Quantized products in 8-bit integers: q8_0, q4_0, q4_1, q5_0, q5_1,

@@ -22,7 +22,7 @@ pub use crate::session::init_logging;
 /// `SDHOST_NO_FMA_GEGLU=1` (ggml's GEGLU and exact GELU, which call
 /// `erff` per value),
 /// `SDHOST_NO_FMA_ATTN=1`
-/// (ggml's fused attention instead of theirs on AVX512-BF16),
+/// (ggml's fused attention instead of theirs on AVX512-BF16 and AVX2),
 /// `SDHOST_FMA_ALL=1` (every
 /// weight type takes them) and
 /// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512),
