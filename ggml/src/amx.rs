@@ -2189,7 +2189,7 @@ pub(crate) unsafe fn attn_on(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn to_f32(b: u16) -> f32 {
@@ -2197,7 +2197,7 @@ mod tests {
     }
 
     /// Random-ish values in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
+    pub(crate) fn values(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {
@@ -2613,38 +2613,54 @@ mod tests {
                 }
             }
             let r = |x: f32| to_f32(bf16(x)) as f64;
-            for i in 0..n {
-                for h in 0..heads {
-                    for j in 0..t {
-                        let qrow = &q[(i * t + j) * inner + h * d..][..d];
-                        let scores: Vec<f64> = (0..s)
-                            .map(|key| {
-                                let krow = &k[(i * s + key) * inner + h * d..][..d];
-                                qrow.iter()
-                                    .zip(krow)
-                                    .map(|(&a, &b)| r(a * scale) * r(b))
-                                    .sum()
-                            })
-                            .collect();
-                        let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-                        let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
-                        let total: f64 = e.iter().sum();
-                        for c in 0..d {
-                            let want: f64 = (0..s)
-                                .map(|key| {
-                                    e[key] / total * v[(i * s + key) * inner + h * d + c] as f64
-                                })
-                                .sum();
-                            let got = out[(i * t + j) * inner + h * d + c] as f64;
-                            // p and v are rounded to bf16: 2⁻⁸ relative each.
-                            assert!(
-                                (got - want).abs() < 1e-2,
-                                "{d}/{heads}/{t}/{s}/{n} [{i},{h},{j},{c}]: {got} vs {want}"
-                            );
-                        }
+            let want = reference(&attn, &q, &k, &v, r);
+            for (at, (&got, want)) in out.iter().zip(&want).enumerate() {
+                // p and v are rounded to bf16: 2⁻⁸ relative each.
+                assert!(
+                    (got as f64 - want).abs() < 1e-2,
+                    "{d}/{heads}/{t}/{s}/{n} at {at}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    /// `softmax(q·kᵀ·scale)·v` of `a` in f64, laid out as the kernels
+    /// write it (`[d·heads, t, n]`), q and k taken through `round` (the
+    /// scale applied to q first) as a kernel rounds them.
+    pub(crate) fn reference(
+        a: &Attn,
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        round: impl Fn(f32) -> f64,
+    ) -> Vec<f64> {
+        let (d, heads, t, s, n) = (a.d, a.heads, a.t, a.s, a.n);
+        let inner = d * heads;
+        let mut out = vec![0f64; inner * t * n];
+        for i in 0..n {
+            for h in 0..heads {
+                for j in 0..t {
+                    let qrow = &q[(i * t + j) * inner + h * d..][..d];
+                    let scores: Vec<f64> = (0..s)
+                        .map(|key| {
+                            let krow = &k[(i * s + key) * inner + h * d..][..d];
+                            qrow.iter()
+                                .zip(krow)
+                                .map(|(&x, &y)| round(x * a.scale) * round(y))
+                                .sum()
+                        })
+                        .collect();
+                    let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
+                    let total: f64 = e.iter().sum();
+                    for c in 0..d {
+                        out[(i * t + j) * inner + h * d + c] = (0..s)
+                            .map(|key| e[key] / total * v[(i * s + key) * inner + h * d + c] as f64)
+                            .sum();
                     }
                 }
             }
         }
+        out
     }
 }

@@ -284,19 +284,7 @@ unsafe fn tile(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Random-ish values in [-1, 1).
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::amx::tests::{reference, values};
 
     #[test]
     fn attention_matches_an_f64_reference() {
@@ -340,42 +328,17 @@ mod tests {
                 };
                 run(&attn, &qr, &kr, &vr, &mut w, th, 3);
             }
+            // Nothing rounded: f32 sums of up to 600 terms and exp's 1e-5
+            // relative error.
+            let want = reference(&attn, &q, &k, &v, |x| x as f64);
             let mut worst = 0f64;
-            for i in 0..n {
-                for h in 0..heads {
-                    for j in 0..t {
-                        let qrow = &q[(i * t + j) * inner + h * d..][..d];
-                        let scores: Vec<f64> = (0..s)
-                            .map(|key| {
-                                let krow = &k[(i * s + key) * inner + h * d..][..d];
-                                let dot: f64 = qrow
-                                    .iter()
-                                    .zip(krow)
-                                    .map(|(&a, &b)| a as f64 * b as f64)
-                                    .sum();
-                                dot * scale as f64
-                            })
-                            .collect();
-                        let m = scores.iter().cloned().fold(f64::MIN, f64::max);
-                        let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
-                        let total: f64 = e.iter().sum();
-                        for c in 0..d {
-                            let want: f64 = (0..s)
-                                .map(|key| {
-                                    e[key] / total * v[(i * s + key) * inner + h * d + c] as f64
-                                })
-                                .sum();
-                            let got = out[(i * t + j) * inner + h * d + c] as f64;
-                            worst = worst.max((got - want).abs());
-                            // All f32: sums of up to 600 terms and exp's
-                            // 1e-5 relative error.
-                            assert!(
-                                (got - want).abs() < 2e-5,
-                                "{d}/{heads}/{t}/{s}/{n} [{i},{h},{j},{c}]: {got} vs {want}"
-                            );
-                        }
-                    }
-                }
+            for (at, (&got, want)) in out.iter().zip(&want).enumerate() {
+                let err = (got as f64 - want).abs();
+                worst = worst.max(err);
+                assert!(
+                    err < 2e-5,
+                    "{d}/{heads}/{t}/{s}/{n} at {at}: {got} vs {want}"
+                );
             }
             eprintln!("{d}/{heads}/{t}/{s}/{n}: worst {worst:.2e}");
         }
