@@ -553,8 +553,8 @@ pub fn attention_with<'a>(
         f => f,
     };
     if flash != Flash::Off && c.cpu_attention() && kvh == heads {
-        // sdhost's fused attention (AMX tiles or `vdpbf16ps`) reads the
-        // heads in place.
+        // sdhost's fused attention (AMX tiles, `vdpbf16ps`, or f32 on
+        // AVX2) reads the heads in place.
         let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
             true => Ok(x),
             false => c.cont(x),
