@@ -498,7 +498,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     }
 }
 
-/// The node name of [`attn_op`] (profiles).
+/// The node name of the AVX2 fused attention (`attn_op`; profiles, `check`).
 pub const ATTN_NODE: &str = "fma attn avx2";
 
 /// Custom op: `dst` = [`attn::run`] of `src[0..3]` (see
