@@ -244,8 +244,9 @@ impl Isa {
     }
 
     /// The fewest rows a product of a weight of type `ty` takes this kernel
-    /// from: [`MIN_ROWS`], or on AVX512-BF16 [`BF16_MIN_ROWS`],
-    /// [`QUANT_MIN_ROWS`] and [`Q5_0_MIN_ROWS`];
+    /// from: [`MIN_ROWS`] (q8_0 on the f32 kernels [`AVX2_Q8_0_MIN_ROWS`]),
+    /// or on AVX512-BF16 [`BF16_MIN_ROWS`], [`QUANT_MIN_ROWS`] and
+    /// [`Q5_0_MIN_ROWS`];
     /// [`crate::Knobs::fma_min_rows`] overrides them,
     /// for measurements.
     pub fn min_rows(self, ty: sys::ggml_type) -> usize {
@@ -261,6 +262,7 @@ impl Isa {
             Isa::Avx512Vnni => VNNI_MIN_ROWS,
             Isa::Avx2Int8 if ty == sys::GGML_TYPE_Q4_K => AVX2_INT8_Q4_K_MIN_ROWS,
             Isa::Avx2Int8 => AVX2_INT8_MIN_ROWS,
+            Isa::Avx512 | Isa::Avx2 if ty == sys::GGML_TYPE_Q8_0 => AVX2_Q8_0_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
             Isa::Avx512Bf16 => QUANT_MIN_ROWS,
@@ -380,14 +382,56 @@ pub const AVX2_INT8_MIN_ROWS: usize = 16;
 /// not measured.
 pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 256;
 
+/// The fewest rows that take the f32 kernel with a q8_0 weight (processors
+/// with neither AVX512-VNNI nor AVX512-BF16: [`isa_for`]), which
+/// dequantizes each panel of the weight for every evaluation: ahead of
+/// ggml's AVX2 q8_0 kernel from 128 rows (`sdhost bench --products` with
+/// `SDHOST_FMA_ALL=1 SDHOST_FMA_MIN_ROWS=16` on a Zen 3, session 32:
+/// 1.04–1.08× at 128 rows, 1.12–1.18× at 256, 1.19–1.44× at 512 to 4096),
+/// behind at 64 (0.91×) and at 16 (0.45–0.47×).
+pub const AVX2_Q8_0_MIN_ROWS: usize = 128;
+
 /// The fewest rows that take the AVX512-BF16 kernel with a q5_0 weight:
 /// ggml's dequantization of it is slow enough that at 64 rows this kernel
 /// was behind (97–155 against 147–180 GFLOP/s), and ahead at 256 (259–268
 /// against 176–179).
 pub const Q5_0_MIN_ROWS: usize = 256;
 
+/// The longest rows (`k`) of an f16 weight that take the f32 kernel
+/// ([`isa_for_product`]) on processors with neither AVX512-BF16 nor AMX:
+/// against ggml's tinyBLAS (`sdhost bench --products f16` with
+/// `SDHOST_FMA_ALL=1` on a Zen 3, session 32, the same run) 1.45× at k =
+/// 320, 1.14–1.19× at 640 and 1.02–1.05× at 1280 from 256 rows; level at
+/// 2560 and 3072 (1.00–1.04×), behind at 5120 and 12288 (0.95–0.97×), and
+/// at 128 rows behind from k = 1280 (0.89×). Session 31 on the same
+/// processor class measured 1.80× at k = 320 and 0.90–0.94× at 3072 and
+/// 12288.
+pub const F16_MAX_K: usize = 1280;
+
 /// The kernel a product of a `[k, n]` weight of ggml type `ty` runs on
-/// here, or `None` where ggml's kernels do better. As measured against
+/// here (what [`isa_for`] says, whatever the weight's shape), plus, on
+/// processors with neither AVX512-BF16 nor AMX (the AVX2 class; or with
+/// [`crate::Knobs::fma_avx2`]), f16 weights of rows up to [`F16_MAX_K`]
+/// on the f32 kernel, widened as they are packed (from [`MIN_ROWS`]):
+/// ggml's tinyBLAS rounds the activations to f16 and widens the weight in
+/// its loop, which at short rows costs more than packing it once per pass.
+/// That is SD's UNets' linear layers but their feed-forward outputs; a
+/// DiT's 3072-wide products stay ggml's.
+pub fn isa_for_product(ty: sys::ggml_type, k: usize) -> Option<Isa> {
+    if let Some(isa) = isa_for(ty) {
+        return Some(isa);
+    }
+    let (f, knobs) = (features(), crate::knobs());
+    let avx2_class = (!f.avx512bf16 || knobs.fma_avx2) && !crate::amx::available();
+    match ty {
+        sys::GGML_TYPE_F16 if avx2_class && k <= F16_MAX_K => isa_for(sys::GGML_TYPE_F32),
+        _ => None,
+    }
+}
+
+/// The kernel a product of a weight of ggml type `ty` runs on here,
+/// whatever its shape ([`isa_for_product`] adds the rules that depend on
+/// it), or `None` where ggml's kernels do better. As measured against
 /// ggml's kernels with `sdhost bench --products` (docs/performance.md, "CPU
 /// matrix products"):
 ///
@@ -399,7 +443,8 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   products (session 25, after its packing became transposes and its
 ///   passes over `k` even);
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
-///   conversions in its loop) measured as fast or faster;
+///   conversions in its loop) measured as fast or faster, except at short
+///   rows on the AVX2 class ([`isa_for_product`], [`F16_MAX_K`]);
 /// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-VNNI (and
 ///   no AMX) yes, in 8-bit integers as ggml multiplies them, on `fma/vnni.rs`'s
 ///   kernel (q8_0 and q4_0 2.2–3.0× ggml's from 64 rows and 1.2–2.8× at
@@ -412,8 +457,7 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 /// * the same without AVX512-VNNI, or with `SDHOST_NO_FMA_VNNI=1`: on
 ///   processors with AVX512-BF16 (and no AMX) yes, dequantized and rounded to bf16 as they are packed (ggml's
 ///   kernels multiply them in integers over activations rounded to 8 bits:
-///   a coarser rounding than bf16's); elsewhere no, ggml's integer kernels
-///   measured as fast or faster;
+///   a coarser rounding than bf16's); elsewhere the next two items;
 /// * q4_0, q4_1, q5_0, q5_1 and q4_K on processors with neither (the AVX2
 ///   class), or with [`crate::Knobs::fma_avx2`]: in 8-bit integers on
 ///   AVX2 (`fma/int8.rs`), measured with `SDHOST_FMA_AVX2=1` on a Zen 5
@@ -421,7 +465,14 @@ pub const Q5_0_MIN_ROWS: usize = 256;
 ///   from 256 rows (ggml's tinyBLAS and dot products leave `vpmaddubsw`'s
 ///   rate unused), q4_K 1.13–1.30×; q5_K (1.05–1.17× from 256 rows,
 ///   0.93× at 16) and q6_K (0.98–1.03×, 0.85–0.91× at 16), not clearly
-///   faster, stay ggml's, as does q8_0;
+///   faster, stay ggml's;
+/// * q8_0 on the same processors: yes, dequantized to f32 as it is packed,
+///   on the f32 kernel (its signed bytes do not fit `vpmaddubsw`'s pairs):
+///   1.19–1.44× ggml's AVX2 q8_0 kernel from 512 rows on a Zen 3 (session
+///   32; at a DiT's shapes 1.02–1.06× PyTorch's f32 GEMM in the same
+///   run, where ggml's reached 0.81–0.86×), from
+///   [`AVX2_Q8_0_MIN_ROWS`]; the activations stay f32 (ggml rounds them
+///   to 8 bits);
 /// * other quantized types, and q5_K and q6_K without AVX512-VNNI: no;
 ///   ggml's k-quant kernels measured faster than the bf16 kernel's
 ///   dequantization through ggml's `to_float` (q4_K 1.2–1.8× on a Zen 4,
@@ -479,8 +530,8 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         sys::GGML_TYPE_BF16 => Some(f32_isa),
         // Without AVX512-VNNI and AVX512-BF16 (the AVX2 class), or where
         // `fma_avx2` keeps to AVX2: in 8-bit integers on AVX2, the types
-        // where that measured faster than ggml's kernels (below). q8_0
-        // stays ggml's (its bytes overflow `vpmaddubsw`'s pairs).
+        // where that measured faster than ggml's kernels (below). q8_0's
+        // bytes would overflow `vpmaddubsw`'s pairs: the next arm.
         sys::GGML_TYPE_Q4_0
         | sys::GGML_TYPE_Q4_1
         | sys::GGML_TYPE_Q5_0
@@ -490,6 +541,9 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         {
             Some(Isa::Avx2Int8)
         }
+        // q8_0 on the same processors: dequantized to f32 as it is packed,
+        // on the f32 kernel (from AVX2_Q8_0_MIN_ROWS).
+        sys::GGML_TYPE_Q8_0 if !crate::amx::available() => Some(f32_isa),
         _ if knobs.fma_all && dequantizable(ty) => match f.avx512bf16 && !knobs.fma_avx2 {
             true => Some(Isa::Avx512Bf16),
             false => Some(f32_isa),
@@ -522,8 +576,8 @@ pub(crate) unsafe extern "C" fn attn_op(
 /// [`crate::amx::Attn`]); `None` where none runs.
 pub fn summary() -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32)?;
-    // Each weight type that leaves the f32 kernel, grouped by the kernel
-    // and the rows it takes from, in `isa_for`'s order.
+    // Each other weight type these kernels take, grouped by the kernel and
+    // the rows it takes from, in `isa_for`'s order.
     let mut groups: Vec<(Isa, usize, Vec<&str>)> = Vec::new();
     for (ty, name) in [
         (sys::GGML_TYPE_BF16, "bf16"),
@@ -536,7 +590,7 @@ pub fn summary() -> Option<String> {
         (sys::GGML_TYPE_Q5_K, "q5_K"),
         (sys::GGML_TYPE_Q6_K, "q6_K"),
     ] {
-        let Some(isa) = isa_for(ty).filter(|&i| i != f32) else {
+        let Some(isa) = isa_for(ty) else {
             continue;
         };
         let rows = isa.min_rows(ty);
@@ -557,6 +611,15 @@ pub fn summary() -> Option<String> {
             _ => String::new(),
         };
         bf16 += &format!(", {names} from {rows} rows on {}{passes}", isa.label());
+    }
+    if isa_for(sys::GGML_TYPE_F16).is_none() {
+        if let Some(isa) = isa_for_product(sys::GGML_TYPE_F16, F16_MAX_K) {
+            bf16 += &format!(
+                ", f16 with rows up to {F16_MAX_K} values from {} rows on {}",
+                isa.min_rows(sys::GGML_TYPE_F16),
+                isa.label()
+            );
+        }
     }
     let conv = match (conv_isa(sys::GGML_TYPE_F16), conv_isa(sys::GGML_TYPE_BF16)) {
         (Some(a), Some(b)) if a != b => {
@@ -2017,9 +2080,10 @@ unsafe fn store_512<const MR: usize, const NV: usize>(
 }
 
 /// Custom op: `dst` (f32 `[N, M₁, M₂, M₃]`, contiguous) = the weight
-/// `src[0]` (`[K, N]`, rows of a type [`isa_for`] passes, contiguous) times
-/// the f32 `src[1]` `[K, M₁, M₂, M₃]` (rows dense), plus the f32 bias
-/// `src[2]` of N values if there is one, on the kernel [`isa_for`] picks.
+/// `src[0]` (`[K, N]`, rows of a type [`isa_for_product`] passes,
+/// contiguous) times the f32 `src[1]` `[K, M₁, M₂, M₃]` (rows dense), plus
+/// the f32 bias `src[2]` of N values if there is one, on the kernel
+/// [`isa_for_product`] picks.
 pub(crate) unsafe extern "C" fn gemm_op(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -2046,7 +2110,7 @@ pub(crate) unsafe extern "C" fn gemm_op(
             row_bytes,
         };
         let x = Rows { rows, k, row: &row };
-        let isa = isa_for(w.ty).unwrap_or(Isa::Avx2);
+        let isa = isa_for_product(w.ty, k).unwrap_or(Isa::Avx2);
         gemm(isa, &w, &x, bias, out, ith as usize, nth as usize);
     }
 }
@@ -2436,6 +2500,81 @@ mod tests {
             let got = product(Isa::Avx512Bf16, &w, &xs, m, None, nth);
             let tol = 2e-2 * 0.13 * (k as f64).sqrt();
             assert_f64_product(&got, &xs, &wv, (m, k, n), tol, &format!("nth {nth}"));
+        }
+    }
+
+    #[test]
+    fn f16_and_q8_0_weights_on_the_f32_kernels_match_the_f64_product() {
+        // What the AVX2 class sends there (isa_for_product): f16 rows up to
+        // F16_MAX_K values, q8_0 from AVX2_Q8_0_MIN_ROWS rows; the weight
+        // widened exactly, the activations kept in f32. Ragged outputs,
+        // rows past one block, both ways of sharing the work.
+        for isa in kernels().into_iter().filter(|&i| i != Isa::Avx512Bf16) {
+            for (k, n, m) in [(320usize, 37usize, 130usize), (F16_MAX_K, 20, 400)] {
+                let wv: Vec<f32> = (0..k * n)
+                    .map(|i| half::f16::from_f32(v(6, i)).to_f32())
+                    .collect();
+                let f16: Vec<u8> = wv
+                    .iter()
+                    .flat_map(|&f| half::f16::from_f32(f).to_le_bytes())
+                    .collect();
+                let (mut q8, mut qv) = (Vec::new(), Vec::new());
+                for b in 0..k / 32 * n {
+                    let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
+                    q8.extend(d.to_bits().to_le_bytes());
+                    for i in 0..32 {
+                        let q = (v(4, b * 32 + i) * 127.0) as i8;
+                        q8.push(q as u8);
+                        qv.push(d.to_f32() * f32::from(q));
+                    }
+                }
+                let xs: Vec<f32> = (0..k * m).map(|i| v(7, i)).collect();
+                for (ty, bytes, wv) in [
+                    (sys::GGML_TYPE_F16, &f16, &wv),
+                    (sys::GGML_TYPE_Q8_0, &q8, &qv),
+                ] {
+                    let w = Weight {
+                        data: bytes,
+                        ty,
+                        k,
+                        n,
+                        row_bytes: bytes.len() / n,
+                    };
+                    for nth in [1, 2] {
+                        let got = product(isa, &w, &xs, m, None, nth);
+                        let what = format!("{isa:?} type {ty} k {k} nth {nth}");
+                        let tol = 1e-5 * (k as f64).sqrt();
+                        assert_f64_product(&got, &xs, wv, (m, k, n), tol, &what);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_avx2_class_takes_short_f16_rows_and_q8_0_on_the_f32_kernel() {
+        let knobs = crate::knobs();
+        if knobs.fma_all || knobs.fma_avx2 || !knobs.fma_vnni {
+            eprintln!("skipped: a knob changes the choice");
+            return;
+        }
+        let f = features();
+        let f32 = isa_for(sys::GGML_TYPE_F32);
+        let avx2_class = available() && !f.avx512bf16 && !crate::amx::available();
+        let short = isa_for_product(sys::GGML_TYPE_F16, F16_MAX_K);
+        assert_eq!(short, if avx2_class { f32 } else { None });
+        assert_eq!(isa_for_product(sys::GGML_TYPE_F16, F16_MAX_K + 32), None);
+        assert_eq!(isa_for(sys::GGML_TYPE_F16), None);
+        if avx2_class && !f.avx512vnni {
+            assert_eq!(isa_for(sys::GGML_TYPE_Q8_0), f32);
+            let rows = f32.unwrap().min_rows(sys::GGML_TYPE_Q8_0);
+            assert_eq!(rows, AVX2_Q8_0_MIN_ROWS);
+            let s = summary().unwrap();
+            assert!(s.contains("q8_0 from 128 rows on AVX2"), "{s}");
+            assert!(
+                s.contains(", f16 with rows up to 1280 values from 512 rows on AVX2"),
+                "{s}"
+            );
         }
     }
 

@@ -13,7 +13,7 @@
 //! ordinary bf16 cases. The `(FMA)` cases check sdhost's AVX2 + FMA
 //! matrix products (`ggml::fma`) the same way on the in-process CPU of a
 //! processor with AVX2, FMA and F16C, for the weight types that take them
-//! (`ggml::fma::isa_for`; `SDHOST_FMA_ALL=1`: every type). Each row names the
+//! (`ggml::fma::isa_for_product`; `SDHOST_FMA_ALL=1`: every type). Each row names the
 //! sdhost kernels that ran (`kernel`); none: ggml's.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};
@@ -424,7 +424,8 @@ pub fn cases() -> Vec<Case> {
             reference: None,
             build: |i, c| {
                 // Two k blocks (the second ragged), ragged panels and rows
-                // (at least fma::MIN_ROWS), shared by panels.
+                // (at least fma::MIN_ROWS), shared by panels; rows of 320
+                // values (up to fma::F16_MAX_K: the AVX2 class takes them).
                 let (a, b) = (t(i, Type::F16, &[320, 200])?, t(i, Type::F32, &[320, 515])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },

@@ -592,8 +592,8 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
     ])
     .json();
     let rows = j["rows"].as_array().unwrap();
-    // Two UNet, three DiT and two Qwen3 shapes.
-    assert_eq!(rows.len(), 7, "{j}");
+    // Six UNet, three DiT and two Qwen3 shapes.
+    assert_eq!(rows.len(), 11, "{j}");
     assert!(j["torch"].is_null(), "{j}");
     for r in rows {
         assert_eq!(r["weight"], "f32", "{r}");
@@ -612,7 +612,7 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
     assert_eq!(
         (
             rows[0]["shape"]["m"].as_u64(),
-            rows[2]["shape"]["m"].as_u64()
+            rows[6]["shape"]["m"].as_u64()
         ),
         (Some(4), Some(1))
     );

@@ -193,7 +193,7 @@ impl Context {
             && x[3] == 1
         {
             let emulated = self.emulated_bf16.get();
-            crate::fma::isa_for(a.raw_type())
+            crate::fma::isa_for_product(a.raw_type(), x[0] as usize)
                 .filter(|isa| rows >= isa.min_rows_with(a.raw_type(), emulated) as i64)
         } else {
             None
@@ -214,7 +214,7 @@ impl Context {
     }
 
     /// [`Context::mul_mat`] as the custom op of [`crate::fma`] on the kernel
-    /// `isa` (what [`crate::fma::isa_for`] said), named `fma mul_mat ISA`
+    /// `isa` (what [`crate::fma::isa_for_product`] said), named `fma mul_mat ISA`
     /// (for profiles and `check`).
     pub(crate) fn mul_mat_fma<'a>(
         &'a self,
@@ -226,7 +226,7 @@ impl Context {
         let (x, y) = (a.ne(), b.ne());
         self.room(1)?;
         // SAFETY: `a` is alive for 'a, a contiguous 2-D `[K, N]` weight of a
-        // type `fma::isa_for` passes, `b` f32 with dense rows and `b.ne0 == K`
+        // type `fma::isa_for_product` passes, `b` f32 with dense rows and `b.ne0 == K`
         // (checked by check_mul_mat and the caller), and the f32 bias of N
         // values if any (checked by mul_mat_bias): what `gemm_op` reads; the
         // result is contiguous f32 `[N, b.ne1..3]`, which it writes.

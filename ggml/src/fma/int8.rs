@@ -11,7 +11,7 @@
 //! a pair is at most 2 × 127 × the weight's largest byte, so 8 lines of
 //! 4-bit values (2 × 127 × 15 × 8 = 30,480), 4 of 5-bit ones and 2 of
 //! q6_K's 6-bit ones fit below 32,767. q8_0's bytes (to 255) would not fit
-//! one pair: it stays on ggml's kernel. Per block and row that is 8
+//! one pair: it takes the f32 kernel, dequantized (`super::isa_for`). Per block and row that is 8
 //! `vpmaddubsw`, 7 adds in 16 bits and one `vpmaddwd` for 8 × 32 products
 //! (q4), where ggml's AVX2 dot products take about as many instructions
 //! for one output's 32 and a horizontal sum per block.

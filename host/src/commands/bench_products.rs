@@ -4,7 +4,8 @@
 //! shapes (`--peer diffusers`, through bench/machine_throughput.py): what
 //! the CPU kernels reach, in GFLOP/s, and which kernel ran.
 //!
-//! The shapes are those of SD's UNet (at the image size's latent tokens)
+//! The shapes are those of SD's UNet (at the image size's latent tokens,
+//! and SDXL's levels 2 and 3 with the batch of two that guidance runs)
 //! and of a 3072-wide DiT block (FLUX.1's, at its image tokens: 4096 at
 //! 1024²), and Qwen3-4B's MLP at a 16-token prompt (an LLM text encoder),
 //! `x · wᵀ` with x `M × K` f32 activations and w an `N × K` weight of each
@@ -49,6 +50,33 @@ fn shapes(width: u32, height: u32) -> Vec<Shape> {
             name: "UNet level 3 attention (1280 → 1280)",
             m: (sd / 16).max(1),
             k: 1280,
+            n: 1280,
+        },
+        // SDXL's levels 2 and 3 (640 and 1280 channels; SD 1.x's have the
+        // same widths) as its UNet runs them: the prompt and the negative
+        // prompt in one batch of two, so twice the latent tokens.
+        Shape {
+            name: "UNet level 2 attention, CFG batch (640 → 640)",
+            m: (2 * sd / 4).max(1),
+            k: 640,
+            n: 640,
+        },
+        Shape {
+            name: "UNet level 2 FF out, CFG batch (2560 → 640)",
+            m: (2 * sd / 4).max(1),
+            k: 2560,
+            n: 640,
+        },
+        Shape {
+            name: "UNet level 3 GEGLU in, CFG batch (1280 → 10240)",
+            m: (2 * sd / 16).max(1),
+            k: 1280,
+            n: 10240,
+        },
+        Shape {
+            name: "UNet level 3 FF out, CFG batch (5120 → 1280)",
+            m: (2 * sd / 16).max(1),
+            k: 5120,
             n: 1280,
         },
         Shape {
@@ -375,16 +403,18 @@ mod tests {
     fn shapes_follow_the_image_size() {
         let s = shapes(1024, 1024);
         assert_eq!(s[0].m, 128 * 128);
-        assert_eq!(s[2].m, 4096);
+        assert_eq!((s[2].m, s[4].m), (2 * 64 * 64, 2 * 32 * 32));
+        assert_eq!(s[6].m, 4096);
         let s = shapes(512, 256);
-        assert_eq!((s[0].m, s[1].m, s[2].m), (64 * 32, 128, 32 * 16));
+        assert_eq!((s[0].m, s[1].m, s[6].m), (64 * 32, 128, 32 * 16));
+        assert_eq!((s[3].m, s[5].m), (2 * 32 * 16, 2 * 16 * 8));
         assert_eq!(s.last().unwrap().m, LLM_TOKENS);
     }
 
     #[test]
     fn the_table_says_why_torch_is_missing_and_gives_the_ratios() {
         let row = |torch| Row {
-            shape: shapes(512, 512)[2],
+            shape: shapes(512, 512)[6],
             weight: "f32".into(),
             sdhost_gflops: 150.0,
             kernel: "sdhost fma mul_mat avx2".into(),
