@@ -40,9 +40,10 @@
 //!
 //! Three micro-kernels here, picked per product by the processor ([`isa_for`]):
 //! AVX2 + FMA, 6 × 16 in twelve 8-lane registers; AVX-512F, 12 × 32 in
-//! twenty-four 16-lane registers (f32 products on Intel, whose server cores
-//! do twice the multiply-adds per instruction of AVX2; AMD's Zen 4 splits
-//! them in halves and measured faster on the AVX2 kernel); AVX512-BF16,
+//! twenty-four 16-lane registers (f32 products on Intel's server cores and
+//! AMD's Zen 5, which do twice the multiply-adds per instruction of AVX2;
+//! Zen 4 splits them in halves and measured faster on the AVX2 kernel);
+//! AVX512-BF16,
 //! 14 × 32 with `vdpbf16ps` (two bf16 products per lane and instruction,
 //! f32 sums), for bf16 weights and for q8_0, q4_0, q4_1, q5_0 and q5_1
 //! ones rounded to bf16,
@@ -291,8 +292,9 @@ struct Features {
     avx512bf16: bool,
     /// AVX512-VNNI, BW and VL (8-bit dot products, `fma/vnni.rs`).
     avx512vnni: bool,
-    /// An AMD processor (its AVX-512 runs 512-bit vectors as two halves).
-    amd: bool,
+    /// AVX-512 as two 256-bit halves: AMD's Zen 4 (CPU family 0x19; Zen 5,
+    /// family 0x1a, has full-width units).
+    split_512: bool,
 }
 
 fn features() -> Features {
@@ -307,12 +309,17 @@ fn features() -> Features {
             // "AuthenticAMD" in ebx, edx, ecx.
             let amd =
                 (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
+            // The family: the base family, plus the extended one where
+            // the base is 0xf (CPUID leaf 1's eax).
+            let eax = std::arch::x86_64::__cpuid(1).eax;
+            let base = (eax >> 8) & 0xf;
+            let family = base + if base == 0xf { (eax >> 20) & 0xff } else { 0 };
             Features {
                 avx2,
                 avx512,
                 avx512bf16: avx512 && has!("avx512bf16"),
                 avx512vnni: avx512 && has!("avx512vnni") && has!("avx512bw") && has!("avx512vl"),
-                amd,
+                split_512: amd && family <= 0x19,
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -487,12 +494,12 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         return None;
     }
     let (f, knobs) = (features(), crate::knobs());
-    // On AMD's AVX-512 (Zen 4), which runs a 512-bit multiply-add as two
-    // 256-bit halves, the AVX2 kernel measured 1.06–1.15× the AVX-512 one
-    // (f32 weights, same run); Intel's server cores have two full-width
+    // On AMD's Zen 4, which runs a 512-bit multiply-add as two 256-bit
+    // halves, the AVX2 kernel measured 1.06–1.15× the AVX-512 one (f32
+    // weights, same run); Zen 5 and Intel's server cores have full-width
     // units, where the AVX-512 kernel does twice the work per instruction
-    // (not measured here: no such processor was at hand).
-    let f32_isa = if f.avx512 && !f.amd && !knobs.fma_avx2 {
+    // (Zen 5, session 32: docs/performance.md).
+    let f32_isa = if f.avx512 && !f.split_512 && !knobs.fma_avx2 {
         Isa::Avx512
     } else {
         Isa::Avx2
