@@ -2476,6 +2476,22 @@ mod tests {
         }
     }
 
+    /// A q8_0 weight of `n` rows of `k` values (k a multiple of 32): its
+    /// blocks and the values they hold.
+    fn q8_0_weight(k: usize, n: usize) -> (Vec<u8>, Vec<f32>) {
+        let (mut bytes, mut values) = (Vec::new(), Vec::new());
+        for b in 0..k / 32 * n {
+            let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
+            bytes.extend(d.to_bits().to_le_bytes());
+            for i in 0..32 {
+                let q = (v(4, b * 32 + i) * 127.0) as i8;
+                bytes.push(q as u8);
+                values.push(d.to_f32() * f32::from(q));
+            }
+        }
+        (bytes, values)
+    }
+
     #[test]
     fn q8_0_weights_on_the_bf16_kernel_match_the_f64_product() {
         if !features().avx512bf16 {
@@ -2485,16 +2501,7 @@ mod tests {
         // k in passes of 384, 384 and 32 (whole blocks) on a 32 KiB level-1
         // cache, one pass on a larger one; ragged outputs.
         let (k, n, m) = (800usize, 45usize, 70usize);
-        let (mut bytes, mut wv) = (Vec::new(), Vec::new());
-        for b in 0..k / 32 * n {
-            let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
-            bytes.extend(d.to_bits().to_le_bytes());
-            for i in 0..32 {
-                let q = (v(4, b * 32 + i) * 127.0) as i8;
-                bytes.push(q as u8);
-                wv.push(d.to_f32() * f32::from(q));
-            }
-        }
+        let (bytes, wv) = q8_0_weight(k, n);
         let w = Weight {
             data: &bytes,
             ty: sys::GGML_TYPE_Q8_0,
@@ -2525,16 +2532,7 @@ mod tests {
                     .iter()
                     .flat_map(|&f| half::f16::from_f32(f).to_le_bytes())
                     .collect();
-                let (mut q8, mut qv) = (Vec::new(), Vec::new());
-                for b in 0..k / 32 * n {
-                    let d = half::f16::from_f32(0.004 + (b % 7) as f32 * 1e-3);
-                    q8.extend(d.to_bits().to_le_bytes());
-                    for i in 0..32 {
-                        let q = (v(4, b * 32 + i) * 127.0) as i8;
-                        q8.push(q as u8);
-                        qv.push(d.to_f32() * f32::from(q));
-                    }
-                }
+                let (q8, qv) = q8_0_weight(k, n);
                 let xs: Vec<f32> = (0..k * m).map(|i| v(7, i)).collect();
                 for (ty, bytes, wv) in [
                     (sys::GGML_TYPE_F16, &f16, &wv),
