@@ -309,11 +309,7 @@ fn features() -> Features {
             // "AuthenticAMD" in ebx, edx, ecx.
             let amd =
                 (vendor.ebx, vendor.edx, vendor.ecx) == (0x6874_7541, 0x6974_6e65, 0x444d_4163);
-            // The family: the base family, plus the extended one where
-            // the base is 0xf (CPUID leaf 1's eax).
-            let eax = std::arch::x86_64::__cpuid(1).eax;
-            let base = (eax >> 8) & 0xf;
-            let family = base + if base == 0xf { (eax >> 20) & 0xff } else { 0 };
+            let family = cpu_family(std::arch::x86_64::__cpuid(1).eax);
             Features {
                 avx2,
                 avx512,
@@ -325,6 +321,14 @@ fn features() -> Features {
         #[cfg(not(target_arch = "x86_64"))]
         Features::default()
     })
+}
+
+/// The processor's family from CPUID leaf 1's `eax`: the base family, plus
+/// the extended one where the base is 0xf (AMD's Zen 4 is 0x19, Zen 5 0x1a).
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn cpu_family(eax: u32) -> u32 {
+    let base = (eax >> 8) & 0xf;
+    base + if base == 0xf { (eax >> 20) & 0xff } else { 0 }
 }
 
 /// Whether this process may run the kernels: the processor has AVX2, FMA
@@ -2580,6 +2584,20 @@ mod tests {
                 s.contains(", f16 with rows up to 1280 values from 512 rows on AVX2"),
                 "{s}"
             );
+        }
+    }
+
+    #[test]
+    fn the_family_adds_the_extended_one_past_0xf() {
+        // CPUID leaf 1 signatures: Zen 3 (EPYC 7003), Zen 4 (EPYC 9004),
+        // Zen 5 (EPYC 9005), Sapphire Rapids (base family 6, no extension).
+        for (eax, family) in [
+            (0x00a0_0f11u32, 0x19u32),
+            (0x00a1_0f11, 0x19),
+            (0x00b0_0f21, 0x1a),
+            (0x0008_06f8, 6),
+        ] {
+            assert_eq!(cpu_family(eax), family, "{eax:#x}");
         }
     }
 
