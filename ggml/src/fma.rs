@@ -502,7 +502,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     // halves, the AVX2 kernel measured 1.06–1.15× the AVX-512 one (f32
     // weights, same run); Zen 5 and Intel's server cores have full-width
     // units, where the AVX-512 kernel does twice the work per instruction
-    // (Zen 5, session 32: docs/performance.md).
+    // (Zen 5, session 33: docs/performance.md).
     let f32_isa = if f.avx512 && !f.split_512 && !knobs.fma_avx2 {
         Isa::Avx512
     } else {
