@@ -584,8 +584,11 @@ pub(crate) unsafe extern "C" fn attn_op(
 /// (k in passes of 1536), q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K and q6_K from 8 rows on
 /// AVX512-VNNI; convolutions
 /// on AVX2, bf16 ones on AVX512-BF16; attention on AVX512-BF16`, the last from
-/// [`crate::amx::Attn`]); `None` where none runs.
-pub fn summary() -> Option<String> {
+/// [`crate::amx::Attn`]); `None` where none runs. Where the CPU backend's
+/// own bf16 products are `emulated_bf16` (its variant has no
+/// AVX512-BF16), bf16 weights take the kernel from fewer rows
+/// ([`Isa::min_rows_with`]), and the summary says so.
+pub fn summary(emulated_bf16: bool) -> Option<String> {
     let f32 = isa_for(sys::GGML_TYPE_F32)?;
     // Each other weight type these kernels take, grouped by the kernel and
     // the rows it takes from, in `isa_for`'s order.
@@ -604,7 +607,7 @@ pub fn summary() -> Option<String> {
         let Some(isa) = isa_for(ty) else {
             continue;
         };
-        let rows = isa.min_rows(ty);
+        let rows = isa.min_rows_with(ty, emulated_bf16);
         match groups.iter_mut().find(|g| g.0 == isa && g.1 == rows) {
             Some(g) => g.2.push(name),
             None => groups.push((isa, rows, vec![name])),
@@ -2578,7 +2581,7 @@ mod tests {
             assert_eq!(isa_for(sys::GGML_TYPE_Q8_0), f32);
             let rows = f32.unwrap().min_rows(sys::GGML_TYPE_Q8_0);
             assert_eq!(rows, AVX2_Q8_0_MIN_ROWS);
-            let s = summary().unwrap();
+            let s = summary(false).unwrap();
             assert!(s.contains("q8_0 from 128 rows on AVX2"), "{s}");
             assert!(
                 s.contains(", f16 with rows up to 1280 values from 512 rows on AVX2"),
@@ -2962,7 +2965,17 @@ mod tests {
 
     #[test]
     fn the_summary_names_what_runs_here() {
-        match summary() {
+        if features().avx512bf16 && isa_for(sys::GGML_TYPE_BF16) == Some(Isa::Avx512Bf16) {
+            let native = summary(false).unwrap();
+            let emulated = summary(true).unwrap();
+            let rows = |n: usize| format!("bf16 from {n} rows on AVX512-BF16");
+            assert!(native.contains(&rows(BF16_MIN_ROWS)), "{native}");
+            assert!(
+                emulated.contains(&rows(EMULATED_BF16_MIN_ROWS)),
+                "{emulated}"
+            );
+        }
+        match summary(false) {
             Some(s) => {
                 assert!(available(), "{s}");
                 assert!(s.starts_with("f32 on "), "{s}");

@@ -778,7 +778,7 @@ pub fn model(session: &crate::session::Session, a: &BenchArgs) -> anyhow::Result
                 false => t,
             })
             .unwrap_or_else(|| "as stored".into()),
-        cpu_kernels_summary()
+        cpu_kernels_summary(session)
     );
     let devices = crate::loader::placement_summary(&sd, &placement);
     let peak_host = peak_host_memory();
@@ -1225,12 +1225,14 @@ impl PeerJob<'_> {
 }
 
 /// Which of sdhost's own CPU kernels take a module's products where it
-/// runs on the CPU alone, in words, for the settings line.
-fn cpu_kernels_summary() -> String {
+/// runs on the CPU alone, in words, for the settings line (bf16 from fewer
+/// rows where the loaded CPU plugin's own bf16 products are emulated).
+fn cpu_kernels_summary(session: &crate::session::Session) -> String {
     if ggml::amx::available() {
         "AMX (bf16 products, convolutions, attention)".into()
     } else {
-        ggml::fma::summary().unwrap_or_else(|| "none (ggml's)".into())
+        let emulated = !crate::loader::plugin_has_native_bf16(session);
+        ggml::fma::summary(emulated).unwrap_or_else(|| "none (ggml's)".into())
     }
 }
 
