@@ -246,6 +246,7 @@ impl Isa {
 
     /// The fewest rows a product of a weight of type `ty` takes this kernel
     /// from: [`MIN_ROWS`] (q8_0 on the f32 kernels [`AVX2_Q8_0_MIN_ROWS`]),
+    /// bf16 on the AVX-512 f32 kernel [`BF16_F32_MIN_ROWS`],
     /// or on AVX512-BF16 [`BF16_MIN_ROWS`], [`QUANT_MIN_ROWS`] and
     /// [`Q5_0_MIN_ROWS`];
     /// [`crate::Knobs::fma_min_rows`] overrides them,
@@ -264,6 +265,7 @@ impl Isa {
             Isa::Avx2Int8 if ty == sys::GGML_TYPE_Q4_K => AVX2_INT8_Q4_K_MIN_ROWS,
             Isa::Avx2Int8 => AVX2_INT8_MIN_ROWS,
             Isa::Avx512 | Isa::Avx2 if ty == sys::GGML_TYPE_Q8_0 => AVX2_Q8_0_MIN_ROWS,
+            Isa::Avx512 if ty == sys::GGML_TYPE_BF16 => BF16_F32_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
             Isa::Avx512Bf16 => QUANT_MIN_ROWS,
@@ -295,6 +297,9 @@ struct Features {
     /// AVX-512 as two 256-bit halves: AMD's Zen 4 (CPU family 0x19; Zen 5,
     /// family 0x1a, has full-width units).
     split_512: bool,
+    /// `vdpbf16ps` multiplies at least as many values per cycle as the
+    /// f32 multiply-adds: AMD's cores ([`bf16_dots`]).
+    fast_dots: bool,
 }
 
 fn features() -> Features {
@@ -316,6 +321,7 @@ fn features() -> Features {
                 avx512bf16: avx512 && has!("avx512bf16"),
                 avx512vnni: avx512 && has!("avx512vnni") && has!("avx512bw") && has!("avx512vl"),
                 split_512: amd && family <= 0x19,
+                fast_dots: amd,
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -337,12 +343,41 @@ pub fn available() -> bool {
     crate::knobs().fma && features().avx2
 }
 
-/// Whether these kernels multiply bf16 weights on AVX512-BF16 here: the
-/// processor has it and the kernels are on, whatever variant of ggml's
-/// CPU backend was loaded (a `haswell` build included, whose own bf16
-/// products convert to f32).
+/// Whether bf16 weights (and the quantized ones these kernels round to
+/// bf16) take the AVX512-BF16 kernels here, products, convolutions and
+/// attention: where the processor has AVX512-BF16 and its `vdpbf16ps`
+/// multiplies at least as fast as its f32 multiply-adds. On AMD's Zen 4
+/// and Zen 5 it does twice their values per cycle (sessions 25–35); on an
+/// Intel Xeon of the Emerald Rapids generation (session 36, 2 cores, no
+/// AMX offered) a loop of independent `vdpbf16ps` ran at 80 GFLOP/s a
+/// core against 166 for `vfmadd231ps` (half the values per cycle), and the
+/// products on the AVX512-BF16 kernel at 136–155 GFLOP/s where PyTorch's
+/// f32 GEMM reached 200–255: there bf16 weights are widened to f32 as they
+/// are packed, on the AVX-512 f32 kernels. Sapphire and Granite Rapids
+/// have the same core design and take the same rule (not measured).
+/// [`crate::Knobs::fma_bf16_dots`] overrides the rule; [`crate::Knobs::fma_avx2`]
+/// turns it off.
+pub fn bf16_dots() -> bool {
+    let f = features();
+    let knobs = crate::knobs();
+    f.avx512bf16 && !knobs.fma_avx2 && knobs.fma_bf16_dots.unwrap_or(f.fast_dots)
+}
+
+/// Whether these kernels multiply bf16 weights natively here: the
+/// processor has AVX512-BF16 and the kernels are on, whatever variant of
+/// ggml's CPU backend was loaded (a `haswell` build included, whose own
+/// bf16 products convert to f32), on the `vdpbf16ps` kernels where
+/// [`bf16_dots`], else widened on the AVX-512 ones. Either way bf16 is
+/// the fastest type there: on the Emerald Rapids Xeon of [`bf16_dots`],
+/// SD 1.5 at 512², one step, UNet 13.8 s and VAE decode 17.4 s in bf16
+/// on the f32 kernels against 18.6 s and 16.0 s in f16 as stored (end
+/// to end 31.6 s against 34.9 s).
 pub fn native_bf16() -> bool {
-    isa_for(sys::GGML_TYPE_BF16) == Some(Isa::Avx512Bf16)
+    features().avx512bf16
+        && matches!(
+            isa_for(sys::GGML_TYPE_BF16),
+            Some(Isa::Avx512Bf16 | Isa::Avx512)
+        )
 }
 
 /// The fewest rows that take the AVX512-BF16 kernel with a bf16 weight:
@@ -362,6 +397,15 @@ pub const BF16_MIN_ROWS: usize = 128;
 /// against 1.29–1.36 s on ggml's `haswell` kernels (session 28,
 /// docs/performance.md).
 pub const EMULATED_BF16_MIN_ROWS: usize = 16;
+
+/// The fewest rows that take the AVX-512 f32 kernel with a bf16 weight
+/// (widened as it is packed, where [`bf16_dots`] is off): against ggml's
+/// bf16 products in the `haswell` variant (`sdhost bench --products bf16`
+/// with `SDHOST_FMA_MIN_ROWS=32` on an Emerald Rapids Xeon, session 36)
+/// 1.29–2.76× from 128 rows, 1.27–1.33× at 64 rows of 1280- and
+/// 3072-square weights but 0.87× at a DiT's MLP, 0.70× at 32 rows and
+/// 0.41–0.47× at 16.
+pub const BF16_F32_MIN_ROWS: usize = 128;
 
 /// The fewest rows that take the AVX512-BF16 kernel with a q8_0, q4_0,
 /// q4_1 or q5_1 weight (dequantized as it is packed): ahead of ggml's
@@ -510,7 +554,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
     };
     match ty {
         sys::GGML_TYPE_F32 => Some(f32_isa),
-        sys::GGML_TYPE_BF16 if f.avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
+        sys::GGML_TYPE_BF16 if bf16_dots() => Some(Isa::Avx512Bf16),
         sys::GGML_TYPE_Q8_0
         | sys::GGML_TYPE_Q4_0
         | sys::GGML_TYPE_Q4_1
@@ -534,7 +578,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         | sys::GGML_TYPE_Q4_1
         | sys::GGML_TYPE_Q5_0
         | sys::GGML_TYPE_Q5_1
-            if f.avx512bf16 && !knobs.fma_avx2 && !crate::amx::available() =>
+            if bf16_dots() && !crate::amx::available() =>
         {
             Some(Isa::Avx512Bf16)
         }
@@ -555,7 +599,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         // q8_0 on the same processors: dequantized to f32 as it is packed,
         // on the f32 kernel (from AVX2_Q8_0_MIN_ROWS).
         sys::GGML_TYPE_Q8_0 if !crate::amx::available() => Some(f32_isa),
-        _ if knobs.fma_all && dequantizable(ty) => match f.avx512bf16 && !knobs.fma_avx2 {
+        _ if knobs.fma_all && dequantizable(ty) => match bf16_dots() {
             true => Some(Isa::Avx512Bf16),
             false => Some(f32_isa),
         },
@@ -647,9 +691,7 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
         (None, _) => String::new(),
     };
     let attention = match crate::knobs().fma_attention {
-        true if crate::amx::dots_available() && !crate::knobs().fma_avx2 => {
-            "; attention on AVX512-BF16"
-        }
+        true if crate::amx::dots_available() && bf16_dots() => "; attention on AVX512-BF16",
         true if attn::available() => "; attention in f32 on AVX2",
         _ => "",
     };
@@ -1123,12 +1165,17 @@ trait Kernel {
     const KC: usize;
     type E: Elem;
     /// `c[r·ldc + j] = Σ_k a · b` over `kp` packed values of `k`, plus
-    /// what `c` held where `add`, plus `bias[j]` where `bias` is not null.
+    /// what `c` held where `add`, plus `bias[j]` where `bias` is not null;
+    /// meanwhile it asks the processor to bring `next` (a panel of `kp ·
+    /// NR` values that the next tile multiplies, if not null) into the
+    /// cache, a stretch of it per step of `k` (see [`gemm_with`]).
     ///
     /// # Safety
     /// The processor has the kernel's features; `a` holds `kp · MR` and
     /// `b` `kp · NR` values; `c` addresses `MR` rows of `NR` f32, `ldc`
-    /// apart, and `bias` (if not null) `NR` f32.
+    /// apart, and `bias` (if not null) `NR` f32. `next` is only prefetched,
+    /// never read.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn tile(
         kp: usize,
         a: &[Self::E],
@@ -1137,6 +1184,7 @@ trait Kernel {
         ldc: usize,
         add: bool,
         bias: *const f32,
+        next: *const Self::E,
     );
     fn buffers<R>(f: impl FnOnce(&mut Buffers<Self::E>) -> R) -> R;
 }
@@ -1290,7 +1338,7 @@ pub fn conv_isa(ty: sys::ggml_type) -> Option<Isa> {
     }
     let f32_isa = isa_for(sys::GGML_TYPE_F32)?;
     match ty {
-        sys::GGML_TYPE_BF16 if features().avx512bf16 && !knobs.fma_avx2 => Some(Isa::Avx512Bf16),
+        sys::GGML_TYPE_BF16 if bf16_dots() => Some(Isa::Avx512Bf16),
         sys::GGML_TYPE_F32 | sys::GGML_TYPE_F16 | sys::GGML_TYPE_BF16 => Some(f32_isa),
         _ => None,
     }
@@ -1406,7 +1454,21 @@ fn gemm_with<K: Kernel>(
                     };
                     let j0 = (pr.start + q) * K::NR;
                     let cols = K::NR.min(n - j0);
+                    // The last tile on a packed panel brings the next one
+                    // (or the first, for the next block of rows) into the
+                    // cache as it runs: packed a whole pass ahead, that
+                    // panel has left the level-2 cache since (a thread's
+                    // share of a 1280 × 10240 weight is 13 MB).
+                    let next = match (one_block, q + 1 < np) {
+                        (true, _) => None,
+                        (false, true) => Some(q + 1),
+                        (false, false) => (r0 + mc < rr.end).then_some(0),
+                    };
                     for blk in 0..blocks {
+                        let next = match next {
+                            Some(p) if blk + 1 == blocks => b[p * kp * K::NR..].as_ptr(),
+                            _ => std::ptr::null(),
+                        };
                         let rows = K::MR.min(mc - blk * K::MR);
                         let a = &a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
                         let i0 = r0 + blk * K::MR;
@@ -1420,7 +1482,7 @@ fn gemm_with<K: Kernel>(
                             // for K; the slices hold kp·MR and kp·NR values,
                             // `c` MR rows of NR values n apart, and `bias`
                             // (if any) NR values.
-                            unsafe { K::tile(kp, a, panel, c.as_mut_ptr(), n, kb > 0, bias) };
+                            unsafe { K::tile(kp, a, panel, c.as_mut_ptr(), n, kb > 0, bias, next) };
                             continue;
                         }
                         // SAFETY: as above, into `buf.c` (MR × NR).
@@ -1433,6 +1495,7 @@ fn gemm_with<K: Kernel>(
                                 K::NR,
                                 false,
                                 std::ptr::null(),
+                                next,
                             )
                         };
                         if let Store::Channels { ld } = store {
@@ -1858,6 +1921,7 @@ impl Kernel for F32Plain {
         ldc: usize,
         add: bool,
         bias: *const f32,
+        _next: *const f32,
     ) {
         let mut acc = [0f32; 32];
         for kk in 0..kp {
@@ -1894,14 +1958,15 @@ macro_rules! simd_kernel {
                 ldc: usize,
                 add: bool,
                 bias: *const f32,
+                next: *const $e,
             ) {
                 let kg = <$e as Elem>::KG;
                 assert!(kp.is_multiple_of(kg) && a.len() >= kp * $mr && b.len() >= kp * $nr);
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: the caller checked the features and c, ldc and
-                // bias; lengths checked above.
+                // bias; lengths checked above; `next` is only prefetched.
                 unsafe {
-                    $tile(kp / kg, a.as_ptr(), b.as_ptr(), c, ldc, add, bias)
+                    $tile(kp / kg, a.as_ptr(), b.as_ptr(), c, ldc, add, bias, next)
                 }
             }
             fn buffers<R>(f: impl FnOnce(&mut Buffers<$e>) -> R) -> R {
@@ -1917,6 +1982,7 @@ struct F32Avx2;
 simd_kernel!(F32Avx2, mr: 6, nr: 16, kc: 256, f32, F32_BUF, tile_avx2);
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2(
     kp: usize,
@@ -1926,12 +1992,14 @@ unsafe fn tile_avx2(
     ldc: usize,
     add: bool,
     bias: *const f32,
+    next: *const f32,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm256_setzero_ps(); 2]; 6];
     for kk in 0..kp {
         // SAFETY: kk < kp: within the caller's lengths.
         unsafe {
+            prefetch_lines::<1>(next.wrapping_add(kk * 16));
             let b0 = _mm256_loadu_ps(b.add(kk * 16));
             let b1 = _mm256_loadu_ps(b.add(kk * 16 + 8));
             let ak = a.add(kk * 6);
@@ -1969,6 +2037,7 @@ struct F32Avx512;
 simd_kernel!(F32Avx512, mr: 12, nr: 32, kc: 256, f32, F32_BUF, tile_avx512::<12, 2>);
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f")]
 unsafe fn tile_avx512<const MR: usize, const NV: usize>(
     kp: usize,
@@ -1978,12 +2047,14 @@ unsafe fn tile_avx512<const MR: usize, const NV: usize>(
     ldc: usize,
     add: bool,
     bias: *const f32,
+    next: *const f32,
 ) {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     for kk in 0..kp {
         // SAFETY: kk < kp: within the caller's lengths.
         unsafe {
+            prefetch_lines::<NV>(next.wrapping_add(kk * 16 * NV));
             let mut bv = [_mm512_setzero_ps(); NV];
             for (v, bv) in bv.iter_mut().enumerate() {
                 *bv = _mm512_loadu_ps(b.add(kk * 16 * NV + 16 * v));
@@ -2012,6 +2083,7 @@ struct Bf16Avx512;
 simd_kernel!(Bf16Avx512, mr: 14, nr: 32, kc: BF16_KC_LARGE_L1, u16, BF16_BUF, tile_bf16::<14, 2>);
 
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx512f,avx512bf16")]
 unsafe fn tile_bf16<const MR: usize, const NV: usize>(
     pairs: usize,
@@ -2021,6 +2093,7 @@ unsafe fn tile_bf16<const MR: usize, const NV: usize>(
     ldc: usize,
     add: bool,
     bias: *const f32,
+    next: *const u16,
 ) {
     use std::arch::x86_64::*;
     // The sums' rows, read or written at the end, on their way into the
@@ -2035,8 +2108,9 @@ unsafe fn tile_bf16<const MR: usize, const NV: usize>(
     let mut acc = [[_mm512_setzero_ps(); NV]; MR];
     for g in 0..pairs {
         // SAFETY: g < pairs: within the caller's lengths; the pairs are
-        // read unaligned.
+        // read unaligned; `next` is only prefetched.
         unsafe {
+            prefetch_lines::<NV>(next.wrapping_add(g * 32 * NV));
             let mut bv = [std::mem::transmute::<__m512i, __m512bh>(_mm512_setzero_si512()); NV];
             for (v, bv) in bv.iter_mut().enumerate() {
                 *bv = std::mem::transmute::<__m512i, __m512bh>(_mm512_loadu_si512(
@@ -2057,15 +2131,38 @@ unsafe fn tile_bf16<const MR: usize, const NV: usize>(
     unsafe { store_512(&acc, c, ldc, add, bias) }
 }
 
+/// Asks the processor to bring the `LINES` cache lines from `at` into the
+/// level-1 cache (the next panel's stretch for one step of `k`,
+/// [`Kernel::tile`]); nothing where `at` is null. Only a hint: `at` is
+/// never read. Inlined into the tiles, compiled with their features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_lines<const LINES: usize>(at: *const impl Sized) {
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+    if at.is_null() {
+        return;
+    }
+    for l in 0..LINES {
+        // SAFETY: a prefetch does not fault, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>((at as *const i8).wrapping_add(64 * l)) };
+    }
+}
+
 /// Writes `MR` rows of `16·NV` sums to `c` (`ldc` apart), plus what `c`
 /// held where `add`, plus `bias` where not null.
 ///
+/// Always inlined, and compiled with its caller's features (it has none of
+/// its own, which would keep it out of line): called out of line, the
+/// accumulators had to be in memory, so each tile zeroed them there with
+/// `memset`, loaded them into registers and stored them back at the end
+/// (at `k` = 320, 1.12–1.27× faster inlined, session 35).
+///
 /// # Safety
-/// `c` addresses `MR` rows of `16·NV` f32, `ldc` apart; `bias` (if not
-/// null) `16·NV` f32.
+/// The processor has AVX-512F (the caller is compiled for it); `c`
+/// addresses `MR` rows of `16·NV` f32, `ldc` apart; `bias` (if not null)
+/// `16·NV` f32.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
+#[inline(always)]
 unsafe fn store_512<const MR: usize, const NV: usize>(
     acc: &[[std::arch::x86_64::__m512; NV]; MR],
     c: *mut f32,
@@ -2960,6 +3057,36 @@ mod tests {
         w.row_f32(0, 0, &mut out);
         for (o, &f) in out.iter().zip(&vals) {
             assert_eq!(*o, half::bf16::from_f32(f).to_f32());
+        }
+    }
+
+    #[test]
+    fn bf16_weights_take_the_dots_kernel_only_where_the_rule_says() {
+        let f = features();
+        let bf16 = isa_for(sys::GGML_TYPE_BF16);
+        if !available() {
+            assert_eq!(bf16, None);
+            return;
+        }
+        // Unconfigured knobs: the processor's rule decides.
+        assert_eq!(bf16_dots(), f.avx512bf16 && f.fast_dots);
+        match bf16_dots() {
+            true => assert_eq!(bf16, Some(Isa::Avx512Bf16)),
+            false => assert_eq!(bf16, isa_for(sys::GGML_TYPE_F32)),
+        }
+        assert_eq!(
+            conv_isa(sys::GGML_TYPE_BF16) == Some(Isa::Avx512Bf16),
+            bf16_dots()
+        );
+        // bf16 stays the native type wherever the processor has
+        // AVX512-BF16, on either kernel.
+        assert_eq!(native_bf16(), f.avx512bf16);
+        if f.avx512bf16 && !bf16_dots() {
+            let rows = Isa::Avx512.min_rows_with(sys::GGML_TYPE_BF16, true);
+            assert_eq!(rows, BF16_F32_MIN_ROWS);
+            assert!(summary(true)
+                .unwrap()
+                .contains(", bf16 from 128 rows on AVX-512"));
         }
     }
 

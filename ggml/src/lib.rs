@@ -83,7 +83,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_KC`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_ARENA`,
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_KC`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_FMA_BF16_DOTS`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_ARENA`,
 /// `SDHOST_CONV_BAND_MIB`, `SDHOST_DIRECT_CONV`, `SDHOST_NO_FLASH_PAD`) and
 /// passes them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -114,7 +114,7 @@ pub struct Knobs {
     /// CPU kernels are on; off: ggml's (to measure them).
     pub fma_geglu: bool,
     /// Fused attention in sdhost's kernels where the processor has no
-    /// AMX: on `vdpbf16ps` with AVX512-BF16, else in f32 on AVX2 (`fma::attn`)
+    /// AMX: on `vdpbf16ps` where [`fma::bf16_dots`], else in f32 on AVX2 (`fma::attn`)
     /// ([`Context::cpu_attention`]).
     pub fma_attention: bool,
     /// Quantized products in 8-bit integers: q8_0, q4_0, q4_1, q5_0, q5_1,
@@ -126,6 +126,11 @@ pub struct Knobs {
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
+    /// bf16 weights on the AVX512-BF16 (`vdpbf16ps`) kernels: `Some(true)`
+    /// wherever the processor has the instructions, `Some(false)` never
+    /// (widened to f32 on the AVX-512 kernel instead); `None`, the
+    /// processor's rule ([`fma::bf16_dots`]), for measurements.
+    pub fma_bf16_dots: Option<bool>,
     /// The `k` per pass of the AVX512-BF16 product kernel (default
     /// [`fma::bf16_pass`]'s choice for the processor), for measurements.
     pub fma_kc: Option<usize>,
@@ -171,6 +176,7 @@ impl Default for Knobs {
             fma_attention: true,
             fma_vnni: true,
             fma_avx2: false,
+            fma_bf16_dots: None,
             fma_kc: None,
             fma_all: false,
             arena: true,

@@ -26,6 +26,8 @@ pub use crate::session::init_logging;
 /// `SDHOST_FMA_ALL=1` (every
 /// weight type takes them) and
 /// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512),
+/// `SDHOST_FMA_BF16_DOTS=1|0` (bf16 weights on their `vdpbf16ps` kernels
+/// wherever the processor has them, or never, whatever its class's rule),
 /// `SDHOST_FMA_KC` (the `k` per pass of their AVX512-BF16 product),
 /// `SDHOST_NO_FMA_VNNI=1` (q8_0, q4_0, q4_1, q5_0, q5_1 and the k-quants
 /// q4_K, q5_K and q6_K not in 8-bit integers on AVX512-VNNI, nor the
@@ -55,6 +57,11 @@ pub fn knobs_from_env() -> ggml::Knobs {
         fma_attention: std::env::var("SDHOST_NO_FMA_ATTN").map_or(true, |v| v != "1"),
         fma_all: std::env::var("SDHOST_FMA_ALL").is_ok_and(|v| v == "1"),
         fma_avx2: std::env::var("SDHOST_FMA_AVX2").is_ok_and(|v| v == "1"),
+        fma_bf16_dots: match std::env::var("SDHOST_FMA_BF16_DOTS").as_deref() {
+            Ok("1") => Some(true),
+            Ok("0") => Some(false),
+            _ => None,
+        },
         fma_kc: std::env::var("SDHOST_FMA_KC")
             .ok()
             .and_then(|v| v.parse().ok()),

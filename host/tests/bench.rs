@@ -660,7 +660,7 @@ fn profile_ops_name_sdhost_s_kernels() {
     if ggml::fma::available() && !ggml::amx::available() {
         assert!(settings.contains("f32 on AVX"), "{settings}");
         // sdhost's fused attention where the processor has AVX512-BF16.
-        let dots = ggml::amx::dots_available();
+        let dots = ggml::amx::dots_available() && ggml::fma::bf16_dots();
         assert_eq!(
             settings.contains("attention on AVX512-BF16"),
             dots,

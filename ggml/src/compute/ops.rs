@@ -1097,7 +1097,7 @@ impl Context {
         let ud = crate::amx::attn_userdata(heads as usize, scale);
         let (op, name): (crate::amx::AttnOp, &str) = if crate::amx::available() {
             (crate::amx::attn_op, "amx attn")
-        } else if crate::amx::dots_available() && !crate::knobs().fma_avx2 {
+        } else if crate::amx::dots_available() && crate::fma::bf16_dots() {
             (crate::amx::attn_op, "avx512bf16 attn")
         } else {
             (crate::fma::attn_op, crate::fma::ATTN_NODE)
