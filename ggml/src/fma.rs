@@ -1674,38 +1674,21 @@ impl Elem for f32 {
         #[cfg(target_arch = "x86_64")]
         if features().avx512 && width.is_multiple_of(16) {
             assert!(panel.len() >= kc * width);
-            let in_place = w.ty == sys::GGML_TYPE_F32;
-            with_rounded(kc, |widened| {
-                for c0 in (0..width).step_by(16) {
-                    let mut src = [std::ptr::null::<u32>(); 16];
-                    for ((c, s), words) in
-                        src.iter_mut().enumerate().zip(widened.chunks_exact_mut(kc))
-                    {
-                        let j = j0 + c0 + c;
-                        if j >= w.n {
-                            continue;
-                        }
-                        if in_place {
-                            let at = j * w.row_bytes + kb * 4;
-                            *s = w.data[at..at + kc * 4].as_ptr() as *const u32;
-                            continue;
-                        }
-                        // SAFETY: kc words are kc f32.
-                        let values = unsafe {
-                            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut f32, kc)
-                        };
-                        w.row_f32(j, kb, values);
-                        *s = words.as_ptr();
-                    }
-                    // SAFETY: AVX-512F (checked above); each non-null
-                    // source holds `kc` words (sliced above, or
-                    // `widened`'s), the panel `kc` rows of `width` words
-                    // from column `c0`, 16 of them.
-                    unsafe {
-                        transpose_words(&src, kc, panel.as_mut_ptr().add(c0) as *mut u32, width, 16)
-                    };
+            let column = |j: usize, words: &mut [u32]| -> *const u32 {
+                if w.ty == sys::GGML_TYPE_F32 {
+                    let at = j * w.row_bytes + kb * 4;
+                    return w.data[at..at + kc * 4].as_ptr() as *const u32;
                 }
-            });
+                // SAFETY: kc words are kc f32.
+                let values =
+                    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut f32, kc) };
+                w.row_f32(j, kb, values);
+                words.as_ptr()
+            };
+            // SAFETY: AVX-512F (checked above); each column is `kc` words
+            // (a row's, sliced above, or the scratch's), the panel `kc`
+            // rows of `width` words.
+            unsafe { transpose_panel(w.n, j0, kc, width, panel.as_mut_ptr() as *mut u32, column) };
             return;
         }
         pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
@@ -1783,44 +1766,23 @@ impl Elem for u16 {
         if (in_place && features().avx512) || (kc <= Bf16Avx512::KC && crate::amx::bf16_ops()) {
             let np = kc.div_ceil(2);
             assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
-            with_rounded(np, |rounded| {
-                for c0 in (0..width).step_by(16) {
-                    let mut src = [std::ptr::null::<u32>(); 16];
-                    for ((c, s), words) in
-                        src.iter_mut().enumerate().zip(rounded.chunks_exact_mut(np))
-                    {
-                        let j = j0 + c0 + c;
-                        if j >= w.n {
-                            continue;
-                        }
-                        if in_place {
-                            let at = j * w.row_bytes + kb * 2;
-                            *s = w.data[at..at + kc * 2].as_ptr() as *const u32;
-                            continue;
-                        }
-                        // SAFETY: the np words are 2·np u16.
-                        let halves = unsafe {
-                            std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * np)
-                        };
-                        w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
-                        halves[kc..].fill(0);
-                        *s = words.as_ptr();
-                    }
-                    // SAFETY: AVX-512F (checked above, or implied by
-                    // AVX512-BF16); each non-null source holds `np` words
-                    // (sliced above, or `rounded`'s), the panel `np` rows of
-                    // `width` words from column `c0`, 16 of them.
-                    unsafe {
-                        transpose_words(
-                            &src,
-                            np,
-                            (panel.as_mut_ptr() as *mut u32).add(c0),
-                            width,
-                            16,
-                        )
-                    };
+            let column = |j: usize, words: &mut [u32]| -> *const u32 {
+                if in_place {
+                    let at = j * w.row_bytes + kb * 2;
+                    return w.data[at..at + kc * 2].as_ptr() as *const u32;
                 }
-            });
+                // SAFETY: the np words are 2·np u16.
+                let halves = unsafe {
+                    std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * np)
+                };
+                w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
+                halves[kc..].fill(0);
+                words.as_ptr()
+            };
+            // SAFETY: AVX-512F (checked above, or implied by AVX512-BF16);
+            // each column is `np` words (a row's, sliced above, or the
+            // scratch's), the panel `np` rows of `width` words.
+            unsafe { transpose_panel(w.n, j0, np, width, panel.as_mut_ptr() as *mut u32, column) };
             return;
         }
         pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
@@ -1862,6 +1824,40 @@ impl Elem for u16 {
         }
         pack_block_by_columns(src, block, width)
     }
+}
+
+/// Packs columns `j0..j0 + width` of a weight of `n` columns (`width` a
+/// multiple of 16) as `np` rows of `width` 32-bit words at `panel`, 16
+/// columns at a time by in-register transposes: `column(j, scratch)`
+/// gives column `j`'s `np` words, in place or written into `scratch` (`np`
+/// words of this thread's, [`with_rounded`]); columns from `n` are zeros.
+///
+/// # Safety
+/// The processor has AVX-512F; `panel` addresses `np · width` words; what
+/// `column` returns addresses `np` words.
+#[cfg(target_arch = "x86_64")]
+unsafe fn transpose_panel(
+    n: usize,
+    j0: usize,
+    np: usize,
+    width: usize,
+    panel: *mut u32,
+    mut column: impl FnMut(usize, &mut [u32]) -> *const u32,
+) {
+    with_rounded(np, |scratch| {
+        for c0 in (0..width).step_by(16) {
+            let mut src = [std::ptr::null::<u32>(); 16];
+            for ((c, s), words) in src.iter_mut().enumerate().zip(scratch.chunks_exact_mut(np)) {
+                let j = j0 + c0 + c;
+                if j < n {
+                    *s = column(j, words);
+                }
+            }
+            // SAFETY: the caller's contract: each non-null source holds
+            // `np` words, the panel `np` rows of `width` from column `c0`.
+            unsafe { transpose_words(&src, np, panel.add(c0), width, 16) };
+        }
+    })
 }
 
 thread_local! {
