@@ -1161,10 +1161,19 @@ fn a_stuck_worker_is_replaced_when_its_client_leaves() {
     let p = prefix();
     let server = Server::start(&p, "cpu", &[], &[]);
     let pid = server.child.id();
-    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
-    let worker: u32 = children.split_whitespace().next().unwrap().parse().unwrap();
     let mut c = Raw::open(server.port, None).unwrap();
     assert!(c.alloc(4096).is_some());
+    // The worker that answered, read after it did: the server's one live
+    // child (a child that already exited, such as a plugin probe not yet
+    // reaped, is a zombie and is passed over).
+    let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap();
+    let worker: u32 = children
+        .split_whitespace()
+        .filter_map(|k| k.parse().ok())
+        .find(|k: &u32| {
+            std::fs::read_to_string(format!("/proc/{k}/stat")).is_ok_and(|s| !s.contains(" Z "))
+        })
+        .expect("the server has a live worker");
     Command::new("kill")
         .args(["-STOP", &worker.to_string()])
         .status()
