@@ -425,6 +425,8 @@ pub struct Measure<'a> {
 pub struct Measured {
     /// Width and height measured at.
     pub size: (usize, usize),
+    /// Pixels per side the model's image sizes are a multiple of.
+    pub size_multiple: usize,
     /// By role, per module.
     pub plan: MemoryPlan,
     /// Per device and phase.
@@ -493,6 +495,7 @@ pub fn measure(
     let usage = account(&plan, m.policy);
     Ok(Measured {
         size: (width, height),
+        size_multiple: mult,
         plan,
         usage,
     })

@@ -452,6 +452,8 @@ fn plan_shows_each_phase_against_the_budget() {
         ),
         (Some(128), Some(64))
     );
+    // The SD families take any multiple of 8 (the VAE's factor).
+    assert_eq!(j["memory"]["size_multiple"], 8);
     let cpu = &j["devices"][0];
     assert_eq!(cpu["device"], "cpu");
     let phases: Vec<&str> = cpu["phases"]

@@ -5,8 +5,9 @@
 //! and waits for the image. The test checks that the image rendered at the
 //! requested size and is not blank (pixel variance read back through a
 //! canvas), that its parameters and a history entry are shown, and that a
-//! request the server refuses shows its error; it saves a screenshot to
-//! `target/serve-browser.png`.
+//! request the server refuses shows its error, that a long generation
+//! shows live previews and Interrupt answers with the image made so far;
+//! it saves screenshots of each state to `target/serve-browser*.png`.
 //!
 //! Without Chromium the test prints a SKIP line and passes, unless
 //! `SDHOST_REQUIRE_BROWSER_TESTS=1` (CI), where that is a failure. Every wait
@@ -91,6 +92,20 @@ fn chromium() -> Option<PathBuf> {
         .iter()
         .flat_map(|n| std::env::split_paths(&path).map(move |d| d.join(n)))
         .find(|p| p.is_file())
+}
+
+/// Saves what the page shows as `target/serve-browser{suffix}.png`, for a
+/// person to look at.
+fn screenshot(tab: &Tab, suffix: &str) {
+    let png = tab
+        .capture_screenshot(CaptureScreenshotFormatOption::Png, None, None, true)
+        .unwrap();
+    let shot = build_dir()
+        .parent()
+        .unwrap()
+        .join(format!("serve-browser{suffix}.png"));
+    std::fs::write(&shot, &png).unwrap();
+    eprintln!("screenshot of the page: {}", shot.display());
 }
 
 /// Evaluates `js` (an expression whose value is a JSON string) in the page.
@@ -288,12 +303,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
     );
     assert_eq!(paint, 0, "the img2img area shows without an init image");
 
-    let shot = build_dir().parent().unwrap().join("serve-browser.png");
-    let png = tab
-        .capture_screenshot(CaptureScreenshotFormatOption::Png, None, None, true)
-        .unwrap();
-    std::fs::write(&shot, &png).unwrap();
-    eprintln!("screenshot of the page: {}", shot.display());
+    screenshot(&tab, "");
 
     // A request the server refuses: its error is shown, the last image stays.
     type_into(&tab, "#prompt", "<lora:no-such-lora:1> a cat");
@@ -311,6 +321,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "{r}"
     );
     assert_eq!((&r["width"], &r["history"]), (&64.into(), &1.into()), "{r}");
+    screenshot(&tab, "-error");
 
     // The schedule picker is filled; a batch of two lands in the history,
     // the download link holds the image shown.
@@ -411,6 +422,73 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "{params}"
     );
     assert_eq!(r["history"], 4, "{r}");
+    screenshot(&tab, "-inpaint");
+
+    // Live previews, then Interrupt: a long txt2img shows its previews in
+    // the image's place (one pixel per latent cell: the model has made
+    // images, so its preview map is fitted), and the button makes the job
+    // answer with the image made so far, shown as interrupted.
+    tab.wait_for_element("#clear-init")
+        .unwrap()
+        .click()
+        .unwrap();
+    for (field, value) in [
+        ("#prompt", "a long road"),
+        ("#width", "128"),
+        ("#height", "128"),
+        ("#steps", "1000"),
+    ] {
+        type_into(&tab, field, value);
+    }
+    tab.wait_for_element("#go").unwrap().click().unwrap();
+    wait_for(
+        &tab,
+        "a live preview",
+        "document.getElementById('image').title === 'preview' \
+         && document.getElementById('image').complete \
+         && document.getElementById('image').naturalWidth === 16",
+    );
+    let r = eval_json(&tab, RESULT_JS);
+    assert!(
+        r["status"].as_str().unwrap().starts_with("step "),
+        "the progress while previewing: {r}"
+    );
+    assert!(
+        r["shown_width"].as_f64().unwrap() >= 64.0 && r["variance"].as_f64().unwrap() > 1.0,
+        "the preview is drawn at the image's width and not blank: {r}"
+    );
+    screenshot(&tab, "-preview");
+    tab.wait_for_element("#stop").unwrap().click().unwrap();
+    wait_for(
+        &tab,
+        "the interrupted image",
+        "document.getElementById('status').textContent.startsWith('interrupted') \
+         || document.getElementById('status').textContent.startsWith('done') \
+         || document.getElementById('status').className === 'err'",
+    );
+    wait_for(
+        &tab,
+        "the interrupted image decoded",
+        "document.getElementById('image').complete",
+    );
+    let r = eval_json(&tab, RESULT_JS);
+    assert!(
+        r["status"]
+            .as_str()
+            .unwrap()
+            .starts_with("interrupted: seed"),
+        "{r}"
+    );
+    assert_eq!(
+        (&r["width"], &r["history"]),
+        (&128.into(), &5.into()),
+        "{r}"
+    );
+    assert!(r["variance"].as_f64().unwrap() > 10.0, "{r}");
+    assert!(
+        r["params"].as_str().unwrap().contains("Steps: 1000,"),
+        "{r}"
+    );
 
     // A narrow screen: one column, nothing wider than the window.
     tab.set_bounds(headless_chrome::types::Bounds::Normal {
@@ -426,15 +504,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "JSON.stringify(document.documentElement.scrollWidth <= window.innerWidth)",
     );
     assert_eq!(fits, true, "horizontal scrolling at 420 px");
-    let narrow = tab
-        .capture_screenshot(CaptureScreenshotFormatOption::Png, None, None, true)
-        .unwrap();
-    let shot = build_dir()
-        .parent()
-        .unwrap()
-        .join("serve-browser-narrow.png");
-    std::fs::write(&shot, &narrow).unwrap();
-    eprintln!("screenshot of the narrow page: {}", shot.display());
+    screenshot(&tab, "-narrow");
     drop(tab);
     drop(browser);
     drop(srv);

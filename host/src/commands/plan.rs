@@ -208,6 +208,8 @@ pub struct PlanMemory {
     pub width: usize,
     /// Image height measured at.
     pub height: usize,
+    /// Pixels per side the model's widths and heights are a multiple of.
+    pub size_multiple: usize,
     /// Denoiser batch (2: classifier-free guidance).
     pub batch: usize,
     /// The phase-memory policy accounted for.
@@ -381,6 +383,7 @@ impl PlanReport {
             PlanMemory {
                 width: m.size.0,
                 height: m.size.1,
+                size_multiple: m.size_multiple,
                 batch: if guided(model) { 2 } else { 1 },
                 policy: policy.name(),
                 modules: m
@@ -449,8 +452,8 @@ impl Report for PlanReport {
             .unwrap_or_default();
         if let Some(m) = &self.memory {
             out.push_str(&format!(
-                "memory at {}x{} (denoiser batch {}, one prompt chunk, --phase-memory {}), per phase:\n",
-                m.width, m.height, m.batch, m.policy
+                "memory at {}x{} (sizes: multiples of {}; denoiser batch {}, one prompt chunk, --phase-memory {}), per phase:\n",
+                m.width, m.height, m.size_multiple, m.batch, m.policy
             ));
         }
         let mut header = vec!["DEVICE", "WEIGHTS", "FREE", "BUDGET"];
