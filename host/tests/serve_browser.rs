@@ -434,8 +434,8 @@ fn the_page_generates_an_image_in_headless_chromium() {
         .unwrap();
     for (field, value) in [
         ("#prompt", "a long road"),
-        ("#width", "128"),
-        ("#height", "128"),
+        ("#width", "256"),
+        ("#height", "256"),
         ("#steps", "1000"),
     ] {
         type_into(&tab, field, value);
@@ -446,7 +446,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "a live preview",
         "document.getElementById('image').title === 'preview' \
          && document.getElementById('image').complete \
-         && document.getElementById('image').naturalWidth === 16",
+         && document.getElementById('image').naturalWidth === 32",
     );
     let r = eval_json(&tab, RESULT_JS);
     assert!(
@@ -481,7 +481,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
     );
     assert_eq!(
         (&r["width"], &r["history"]),
-        (&128.into(), &5.into()),
+        (&256.into(), &5.into()),
         "{r}"
     );
     assert!(r["variance"].as_f64().unwrap() > 10.0, "{r}");
