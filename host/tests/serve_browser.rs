@@ -152,6 +152,14 @@ fn type_into(tab: &Tab, selector: &str, text: &str) {
     tab.type_str(text).unwrap();
 }
 
+/// Types each `(field, value)` into the form, then presses Generate.
+fn submit(tab: &Tab, fields: &[(&str, &str)]) {
+    for (field, value) in fields {
+        type_into(tab, field, value);
+    }
+    tab.wait_for_element("#go").unwrap().click().unwrap();
+}
+
 /// The state of the result area: the image's natural and shown size, its
 /// pixels' mean and variance (read back through a canvas), the parameters
 /// text, the status line and the number of history entries.
@@ -244,20 +252,20 @@ fn the_page_generates_an_image_in_headless_chromium() {
     );
 
     // Fill the form as a person would and submit.
-    type_into(&tab, "#prompt", "a red lighthouse");
-    type_into(&tab, "#negative", "blurry");
-    for (field, value) in [
-        ("#width", "64"),
-        ("#height", "64"),
-        ("#steps", "3"),
-        ("#cfg", "5"),
-        ("#seed", "1234"),
-    ] {
-        type_into(&tab, field, value);
-    }
     tab.evaluate("document.getElementById('sampler').value = 'Euler'", false)
         .unwrap();
-    tab.wait_for_element("#go").unwrap().click().unwrap();
+    submit(
+        &tab,
+        &[
+            ("#prompt", "a red lighthouse"),
+            ("#negative", "blurry"),
+            ("#width", "64"),
+            ("#height", "64"),
+            ("#steps", "3"),
+            ("#cfg", "5"),
+            ("#seed", "1234"),
+        ],
+    );
     wait_for(
         &tab,
         "the image",
@@ -306,8 +314,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
     screenshot(&tab, "");
 
     // A request the server refuses: its error is shown, the last image stays.
-    type_into(&tab, "#prompt", "<lora:no-such-lora:1> a cat");
-    tab.wait_for_element("#go").unwrap().click().unwrap();
+    submit(&tab, &[("#prompt", "<lora:no-such-lora:1> a cat")]);
     wait_for(
         &tab,
         "the error",
@@ -336,14 +343,12 @@ fn the_page_generates_an_image_in_headless_chromium() {
             .contains(&Value::from("karras")),
         "{schedules}"
     );
-    type_into(&tab, "#prompt", "a green field");
-    type_into(&tab, "#count", "2");
     tab.evaluate(
         "document.getElementById('scheduler').value = 'karras'",
         false,
     )
     .unwrap();
-    tab.wait_for_element("#go").unwrap().click().unwrap();
+    submit(&tab, &[("#prompt", "a green field"), ("#count", "2")]);
     let done = "document.getElementById('status').textContent.startsWith('done') \
          || document.getElementById('status').className === 'err'";
     wait_for(&tab, "the batch", done);
@@ -403,16 +408,16 @@ fn the_page_generates_an_image_in_headless_chromium() {
     )
     .unwrap();
     // (A reload starts the form afresh.)
-    for (field, value) in [
-        ("#count", "1"),
-        ("#prompt", "a yellow sun"),
-        ("#width", "64"),
-        ("#height", "64"),
-        ("#steps", "3"),
-    ] {
-        type_into(&tab, field, value);
-    }
-    tab.wait_for_element("#go").unwrap().click().unwrap();
+    submit(
+        &tab,
+        &[
+            ("#count", "1"),
+            ("#prompt", "a yellow sun"),
+            ("#width", "64"),
+            ("#height", "64"),
+            ("#steps", "3"),
+        ],
+    );
     wait_for(&tab, "the inpainted image", done);
     let r = eval_json(&tab, RESULT_JS);
     let params = r["params"].as_str().unwrap();
@@ -432,15 +437,15 @@ fn the_page_generates_an_image_in_headless_chromium() {
         .unwrap()
         .click()
         .unwrap();
-    for (field, value) in [
-        ("#prompt", "a long road"),
-        ("#width", "256"),
-        ("#height", "256"),
-        ("#steps", "1000"),
-    ] {
-        type_into(&tab, field, value);
-    }
-    tab.wait_for_element("#go").unwrap().click().unwrap();
+    submit(
+        &tab,
+        &[
+            ("#prompt", "a long road"),
+            ("#width", "256"),
+            ("#height", "256"),
+            ("#steps", "1000"),
+        ],
+    );
     wait_for(
         &tab,
         "a live preview",
@@ -456,6 +461,13 @@ fn the_page_generates_an_image_in_headless_chromium() {
     assert!(
         r["shown_width"].as_f64().unwrap() >= 64.0 && r["variance"].as_f64().unwrap() > 1.0,
         "the preview is drawn at the image's width and not blank: {r}"
+    );
+    assert!(
+        r["params"]
+            .as_str()
+            .unwrap()
+            .starts_with("preview of the running job, step "),
+        "the last image's parameters beside the preview: {r}"
     );
     screenshot(&tab, "-preview");
     tab.wait_for_element("#stop").unwrap().click().unwrap();
