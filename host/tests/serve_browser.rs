@@ -160,6 +160,19 @@ fn submit(tab: &Tab, fields: &[(&str, &str)]) {
     tab.wait_for_element("#go").unwrap().click().unwrap();
 }
 
+/// Waits until the request the page sent has ended (done, interrupted or
+/// refused) and its image is decoded, and returns [`RESULT_JS`]'s state.
+fn finished(tab: &Tab, what: &str) -> Value {
+    wait_for(
+        tab,
+        what,
+        "/^(done|interrupted)/.test(document.getElementById('status').textContent) \
+         || document.getElementById('status').className === 'err'",
+    );
+    wait_for(tab, what, "document.getElementById('image').complete");
+    eval_json(tab, RESULT_JS)
+}
+
 /// The state of the result area: the image's natural and shown size, its
 /// pixels' mean and variance (read back through a canvas), the parameters
 /// text, the status line and the number of history entries.
@@ -266,18 +279,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
             ("#seed", "1234"),
         ],
     );
-    wait_for(
-        &tab,
-        "the image",
-        "document.getElementById('status').textContent.startsWith('done') \
-         || document.getElementById('status').className === 'err'",
-    );
-    wait_for(
-        &tab,
-        "the image decoded",
-        "document.getElementById('image').complete",
-    );
-    let r = eval_json(&tab, RESULT_JS);
+    let r = finished(&tab, "the image");
     eprintln!("page after the generation: {r}");
     assert_eq!(r["status"], "done: seed 1234", "{r}");
     assert_eq!((&r["width"], &r["height"]), (&64.into(), &64.into()), "{r}");
@@ -349,10 +351,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
     )
     .unwrap();
     submit(&tab, &[("#prompt", "a green field"), ("#count", "2")]);
-    let done = "document.getElementById('status').textContent.startsWith('done') \
-         || document.getElementById('status').className === 'err'";
-    wait_for(&tab, "the batch", done);
-    let r = eval_json(&tab, RESULT_JS);
+    let r = finished(&tab, "the batch");
     assert_eq!(r["status"], "done: seed 1234, 2 images", "{r}");
     assert_eq!(r["history"], 3, "{r}");
     assert!(
@@ -418,8 +417,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
             ("#steps", "3"),
         ],
     );
-    wait_for(&tab, "the inpainted image", done);
-    let r = eval_json(&tab, RESULT_JS);
+    let r = finished(&tab, "the inpainted image");
     let params = r["params"].as_str().unwrap();
     assert!(r["status"].as_str().unwrap().starts_with("done"), "{r}");
     assert!(
@@ -471,19 +469,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
     );
     screenshot(&tab, "-preview");
     tab.wait_for_element("#stop").unwrap().click().unwrap();
-    wait_for(
-        &tab,
-        "the interrupted image",
-        "document.getElementById('status').textContent.startsWith('interrupted') \
-         || document.getElementById('status').textContent.startsWith('done') \
-         || document.getElementById('status').className === 'err'",
-    );
-    wait_for(
-        &tab,
-        "the interrupted image decoded",
-        "document.getElementById('image').complete",
-    );
-    let r = eval_json(&tab, RESULT_JS);
+    let r = finished(&tab, "the interrupted image");
     assert!(
         r["status"]
             .as_str()
