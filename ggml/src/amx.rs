@@ -8,22 +8,17 @@
 //! Rust's AMX intrinsics are not stable, so the tile instructions are
 //! inline assembly; everything else is plain Rust.
 //!
-//! [`Context::mul_mat`](crate::Context::mul_mat) takes this path, for
+//! [`Context::mul_mat`](crate::Context::mul_mat) takes the tile unit, for
 //! contexts marked with [`Context::set_amx`](crate::Context::set_amx), when
 //! it computes ggml's `mul_mat(w, x)` for a bf16 weight `w` `[K, N]` and an
-//! f32 `x` `[K, M, …]` with enough rows:
-//!
-//! 1. **pack** (one custom op): `w` is rewritten into 1 KiB tiles of
-//!    32 k × 16 n in the order `tdpbf16ps` reads its second operand (pairs
-//!    of k side by side, "VNNI"), zero-padded to K₃₂ × N₃₂. Each tile column
-//!    ("panel") of 16 outputs is contiguous over k. This runs in every graph
-//!    evaluation; it reads the weight once, which is small beside the
-//!    product for the row counts that take this path.
-//! 2. **gemm** (a second custom op): each thread takes blocks of
-//!    [`ROWS`] rows of `x`, narrows them to bf16 (round to nearest even)
-//!    into a zero-padded buffer of its own, then multiplies the block by
-//!    each pair of panels with four accumulator tiles (2 × 2 of 16 × 16
-//!    f32), and writes the valid part of the result.
+//! f32 `x` `[K, M, …]` with enough rows: one custom op, `amx gemm`, blocked
+//! as sdhost's other CPU products are (`fma::tiles`: passes over `k`, the
+//! weight's panels packed as the rows stream past them). This module holds
+//! the tile unit itself ([`available`], the tile configuration), the
+//! convolutions and attention on it, and what they share with `fma`: the
+//! packed layout (1 KiB tiles of 32 k × 16 n in the order `tdpbf16ps`
+//! reads its second operand, pairs of k side by side), bf16 rounding and
+//! the word transposes.
 //!
 //! Tile state is per thread: each call loads the tile configuration and
 //! releases the tiles before returning. Linux grants AMX's large register
@@ -31,7 +26,6 @@
 //! [`available`] asks once and says no where the processor or kernel
 //! refuses.
 
-use std::cell::RefCell;
 use std::os::raw::{c_int, c_void};
 use std::sync::OnceLock;
 
@@ -107,16 +101,9 @@ pub(crate) fn bf16(f: f32) -> u16 {
     ((bits + 0x7fff + ((bits >> 16) & 1)) >> 16) as u16
 }
 
-/// Packs panels `ith, ith + nth, …` of the `[k, n]` row-major bf16
-/// weight `w` (row `j` = output `j`) into `out` ([`packed_len`]).
-pub fn pack(w: &[u16], k: usize, n: usize, out: &mut [u16], ith: usize, nth: usize) {
-    pack_with(k, n, out, ith, nth, |j, row| {
-        row[..k].copy_from_slice(&w[j * k..(j + 1) * k])
-    });
-}
-
-/// [`pack`] of the `k × n` operand whose row for output `j` `fill(j, row)`
-/// writes into the first `k` of a zeroed row of `k` rounded up to 32.
+/// Packs panels `ith, ith + nth, …` of the `k × n` operand whose row for
+/// output `j` `fill(j, row)` writes into the first `k` of a zeroed row of
+/// `k` rounded up to 32, into `out` ([`packed_len`]).
 ///
 /// Pair `q` of output `c` of a panel is word `16·q + c` of it: a panel is
 /// the transpose of its 16 rows read as words, which AVX-512 does 16 × 16
@@ -171,99 +158,6 @@ fn pack_with(
             }
         }
     }
-}
-
-/// The `x` operand of one [`gemm`] call: `rows` rows of `k` f32, row `i`
-/// at `row(i)`.
-pub struct Rows<'x> {
-    /// Rows in all.
-    pub rows: usize,
-    /// f32 per row.
-    pub k: usize,
-    /// Row `i`'s values.
-    pub row: &'x dyn Fn(usize) -> &'x [f32],
-}
-
-/// `out[i·n + j] = Σ x[i][·] · w[j][·]` for the row blocks `ith, ith + nth,
-/// …` of `x`, with `w` packed by [`pack`] (`n` outputs). The caller made
-/// sure [`available`] said yes.
-pub fn gemm(
-    packed: &[u16],
-    x: &Rows<'_>,
-    n: usize,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    ith: usize,
-    nth: usize,
-) {
-    assert!(bias.is_none_or(|b| b.len() >= n));
-    thread_local! {
-        static BUF: RefCell<Vec<u16>> = const { RefCell::new(Vec::new()) };
-    }
-    let kp = round_up(x.k, TILE_K);
-    let np = round_up(n, 2 * PANEL);
-    let (blocks, pairs) = (x.rows.div_ceil(ROWS), np / (2 * PANEL));
-    let by_panel = panel_outer(kp * np * 2, blocks, x.rows * kp * 2, pairs);
-    BUF.with(|buf| {
-        let mut a = buf.borrow_mut();
-        a.clear();
-        a.resize(if by_panel { blocks } else { 1 } * ROWS * kp, 0);
-        // Rows r0.. of x, narrowed and zero-padded, into `dst` (32 × kp).
-        let fill = |dst: &mut [u16], r0: usize| {
-            let valid = ROWS.min(x.rows - r0);
-            for (r, dst) in dst.chunks_exact_mut(kp).take(ROWS).enumerate() {
-                if r < valid {
-                    narrow((x.row)(r0 + r), &mut dst[..x.k]);
-                    dst[x.k..].fill(0);
-                } else {
-                    dst.fill(0);
-                }
-            }
-        };
-        let mut c = [0f32; ROWS * 2 * PANEL];
-        let tiles = Tiles::load();
-        let mut run = |a: &[u16], block: usize, pair: usize| {
-            let (r0, p) = (block * ROWS, pair * 2);
-            let b0 = &packed[p * kp * PANEL..(p + 1) * kp * PANEL];
-            let b1 = &packed[(p + 1) * kp * PANEL..(p + 2) * kp * PANEL];
-            tiles.block(a, kp, kp, b0, b1, &mut c);
-            let cols = (2 * PANEL).min(n - p * PANEL);
-            for r in 0..ROWS.min(x.rows - r0) {
-                let o = (r0 + r) * n + p * PANEL;
-                let row = &c[r * 2 * PANEL..r * 2 * PANEL + cols];
-                match bias {
-                    Some(b) => {
-                        let b = &b[p * PANEL..p * PANEL + cols];
-                        for ((o, &v), &b) in out[o..o + cols].iter_mut().zip(row).zip(b) {
-                            *o = v + b;
-                        }
-                    }
-                    None => out[o..o + cols].copy_from_slice(row),
-                }
-            }
-        };
-        if by_panel {
-            for block in 0..blocks {
-                fill(
-                    &mut a[block * ROWS * kp..(block + 1) * ROWS * kp],
-                    block * ROWS,
-                );
-            }
-            for pair in (ith..pairs).step_by(nth.max(1)) {
-                for block in 0..blocks {
-                    run(&a[block * ROWS * kp..(block + 1) * ROWS * kp], block, pair);
-                }
-            }
-        } else {
-            for block in (ith..blocks).step_by(nth.max(1)) {
-                fill(&mut a, block * ROWS);
-                for pair in 0..pairs {
-                    run(&a, block, pair);
-                }
-            }
-        }
-        drop(tiles);
-    });
 }
 
 /// Whether a product should run panel pair by panel pair (each thread
@@ -1048,7 +942,7 @@ impl Attn {
 }
 
 /// Packs the `[s, d]` operand whose row for key `key` is `row(key)` (`d`
-/// f32, rounded to bf16) as [`pack`] would pack its transpose (`k` =
+/// f32, rounded to bf16) as [`pack_with`] would pack its transpose (`k` =
 /// keys, `n` = `d` outputs): pair `q` of a panel's 16 outputs is keys `2q`
 /// and `2q + 1` side by side, so each pair of rows is interleaved 16
 /// outputs at a time ([`interleave_pair`], in vectors where the
@@ -1293,7 +1187,7 @@ pub(crate) fn exp(x: f32) -> f32 {
 
 /// The two products of [`Attn`]: `c[32 × 32]` = `a` (32 rows of `kp`
 /// bf16, `lda` apart, `kp` a multiple of 32) times the packed panels `b0
-/// b1` ([`pack`]'s layout: per pair of `k`, 16 columns of two values), in
+/// b1` ([`pack_with`]'s layout: per pair of `k`, 16 columns of two values), in
 /// f32 rows `ldc` apart.
 trait Blocks {
     #[allow(clippy::too_many_arguments)]
@@ -1566,10 +1460,10 @@ unsafe fn dots_rows_first(a: &[u16], lda: usize, kp: usize, b0: &[u16], c: &mut 
 
 /// The tile configuration of this thread, held for the life of the value:
 /// eight tiles of 16 rows × 64 bytes (palette 1).
-struct Tiles(());
+pub(crate) struct Tiles(());
 
 impl Tiles {
-    fn load() -> Tiles {
+    pub(crate) fn load() -> Tiles {
         #[repr(C, align(64))]
         struct Config([u8; 64]);
         let mut cfg = Config([0; 64]);
@@ -1687,51 +1581,6 @@ impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: releases this thread's tile state, configured in `load`.
         unsafe { std::arch::asm!("tilerelease", options(nostack, nomem)) };
-    }
-}
-
-/// Custom op: `dst` (bf16, [`packed_len`]) = [`pack`] of `src[0]` (bf16
-/// `[K, N]`, contiguous).
-pub(crate) unsafe extern "C" fn pack_op(
-    dst: *mut sys::ggml_tensor,
-    ith: c_int,
-    nth: c_int,
-    _: *mut c_void,
-) {
-    // SAFETY: ggml calls this with the tensors `Context::mul_mat` built: a
-    // contiguous bf16 `[K, N]` source and a destination of packed_len(K, N)
-    // bf16, both allocated in host memory by the CPU backend.
-    unsafe {
-        let w = &*(*dst).src[0];
-        let (k, n) = (w.ne[0] as usize, w.ne[1] as usize);
-        let src = std::slice::from_raw_parts(w.data as *const u16, k * n);
-        let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, packed_len(k, n));
-        pack(src, k, n, out, ith as usize, nth as usize);
-    }
-}
-
-/// Custom op: `dst` (f32 `[N, M₁, M₂, M₃]`, contiguous) = the packed
-/// weight `src[0]` times the f32 `src[1]` `[K, M₁, M₂, M₃]` (rows dense),
-/// plus the f32 bias `src[2]` of N values if there is one.
-pub(crate) unsafe extern "C" fn gemm_op(
-    dst: *mut sys::ggml_tensor,
-    ith: c_int,
-    nth: c_int,
-    _: *mut c_void,
-) {
-    // SAFETY: as for `pack_op`: `Context::mul_mat` built `src[0]` from
-    // `pack_op` for a weight of N = dst.ne[0] outputs and K = x.ne[0], `x`
-    // f32 with dense rows (nb[0] = 4) whose strides address every row, and
-    // `dst` contiguous f32 of N × rows; threads write disjoint row blocks.
-    unsafe {
-        let mut p = crate::custom::product(dst);
-        let (k, n, rows, bias) = (p.k, p.n, p.rows, p.bias);
-        let out = std::mem::take(&mut p.out);
-        let row = |i: usize| p.row(i);
-        let packed = &*(*dst).src[0];
-        let packed = std::slice::from_raw_parts(packed.data as *const u16, packed_len(k, n));
-        let x = Rows { rows, k, row: &row };
-        gemm(packed, &x, n, bias, out, ith as usize, nth as usize);
     }
 }
 
@@ -2224,7 +2073,9 @@ pub(crate) mod tests {
         let (k, n) = (40, 20);
         let w: Vec<u16> = (0..k * n).map(|i| i as u16 + 1).collect();
         let mut out = vec![u16::MAX; packed_len(k, n)];
-        pack(&w, k, n, &mut out, 0, 1);
+        pack_with(k, n, &mut out, 0, 1, |j, row| {
+            row[..k].copy_from_slice(&w[j * k..(j + 1) * k])
+        });
         let kp = 64;
         for j in 0..32 {
             for kk in 0..kp {
@@ -2232,56 +2083,6 @@ pub(crate) mod tests {
                 let v = out[p * kp * 16 + kb * 512 + r * 32 + 2 * c + e];
                 let want = if j < n && kk < k { w[j * k + kk] } else { 0 };
                 assert_eq!(v, want, "output {j}, k {kk}");
-            }
-        }
-    }
-
-    #[test]
-    fn gemm_matches_a_reference_on_odd_shapes() {
-        if !available() {
-            eprintln!("no AMX here: skipped");
-            return;
-        }
-        // The last two pack more than 1 MiB for few rows: panel by panel.
-        for (m, k, n) in [
-            (1, 32, 16),
-            (33, 70, 45),
-            (64, 320, 64),
-            (100, 36, 3),
-            (40, 1024, 600),
-            (8, 2048, 300),
-        ] {
-            let x = values(m * k, 1);
-            let wf = values(n * k, 2);
-            let w: Vec<u16> = wf.iter().map(|&v| bf16(v)).collect();
-            let mut packed = vec![0; packed_len(k, n)];
-            for t in 0..3 {
-                pack(&w, k, n, &mut packed, t, 3);
-            }
-            // Every other case with a bias.
-            let bias = (n % 2 == 1).then(|| values(n, 9));
-            let row = |i: usize| &x[i * k..(i + 1) * k];
-            let rows = Rows {
-                rows: m,
-                k,
-                row: &row,
-            };
-            let mut out = vec![f32::NAN; m * n];
-            for t in 0..2 {
-                gemm(&packed, &rows, n, bias.as_deref(), &mut out, t, 2);
-            }
-            for i in 0..m {
-                for j in 0..n {
-                    let want: f64 = (0..k)
-                        .map(|kk| to_f32(bf16(x[i * k + kk])) as f64 * to_f32(w[j * k + kk]) as f64)
-                        .sum::<f64>()
-                        + bias.as_ref().map_or(0.0, |b| b[j] as f64);
-                    let got = out[i * n + j] as f64;
-                    assert!(
-                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
-                        "{m}x{k}x{n} [{i},{j}]: {got} vs {want}"
-                    );
-                }
             }
         }
     }

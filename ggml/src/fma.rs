@@ -73,6 +73,8 @@ mod direct;
 #[cfg(target_arch = "x86_64")]
 mod int8;
 #[cfg(target_arch = "x86_64")]
+pub(crate) mod tiles;
+#[cfg(target_arch = "x86_64")]
 mod vnni;
 
 /// Rows of `x` per packed block: several micro-tiles' rows, which every
@@ -1164,6 +1166,12 @@ trait Kernel {
     const NR: usize;
     const KC: usize;
     type E: Elem;
+    /// `k` per pass is padded with zeros to a multiple of this: the
+    /// element's group of `k` ([`Elem::KG`]), or the kernel's step where it
+    /// takes more at a time (the tile unit's 32).
+    const KSTEP: usize = <Self::E as Elem>::KG;
+    /// Rows of `x` per packed block ([`MC`] unless the kernel says).
+    const MC: usize = MC;
     /// `c[r·ldc + j] = Σ_k a · b` over `kp` packed values of `k`, plus
     /// what `c` held where `add`, plus `bias[j]` where `bias` is not null;
     /// meanwhile it asks the processor to bring `next` (a panel of `kp ·
@@ -1420,20 +1428,20 @@ fn gemm_with<K: Kernel>(
     let one_block = rr.len() <= ONE_BLOCK_ROWS;
     let mc_max = match one_block {
         true => rr.len().next_multiple_of(K::MR),
-        false => MC.next_multiple_of(K::MR),
+        false => K::MC.next_multiple_of(K::MR),
     };
     // Passes over `k` of even lengths (a short last pass costs a whole
     // pass's stores for few products), where the weight's rows split
     // anywhere; quantized rows split only at `kc_max`, whole blocks.
     let kc_step = match block_size(w.ty) {
-        1 => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::E::KG),
+        1 => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::KSTEP),
         block => kc_max / block * block,
     };
     K::buffers(|buf| {
         buf.c.resize(K::MR * K::NR, 0.0);
         for kb in (0..k).step_by(kc_step) {
             let kc = kc_step.min(k - kb);
-            let kp = kc.div_ceil(K::E::KG) * K::E::KG;
+            let kp = kc.next_multiple_of(K::KSTEP);
             buf.row.resize(kp, 0.0);
             let b = buf.b.get(if one_block { 1 } else { np } * kp * K::NR);
             if !one_block {
@@ -1534,9 +1542,13 @@ fn pack_weight<K: Kernel>(
     row: &mut [f32],
 ) {
     let kp = row.len();
+    // What the element's packing writes; past it, up to the kernel's step
+    // of `k`, zeros.
+    let packed = kc.next_multiple_of(K::E::KG) * K::NR;
     for q in 0..np {
         let panel = &mut b[q * kp * K::NR..(q + 1) * kp * K::NR];
         K::E::pack_panel(w, (p0 + q) * K::NR, kb, kc, panel, K::NR, row);
+        panel[packed..].fill(K::E::default());
     }
 }
 
@@ -1557,7 +1569,7 @@ fn pack_rows<K: Kernel>(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize
 /// A packed element: f32, or bf16 bits in pairs of `k`. Packing writes
 /// one column of a panel (an output of the weight, or a row of `x`) into
 /// its place among `width` columns, group of `k` by group.
-trait Elem: Copy + 'static {
+trait Elem: Copy + Default + 'static {
     /// Values of `k` side by side.
     const KG: usize;
     /// Column `c` of `width` in `panel` (`kp` values of `k`): row `j` of

@@ -243,7 +243,8 @@ impl Context {
         }
     }
 
-    /// [`Context::mul_mat`] as the two custom ops of [`crate::amx`].
+    /// [`Context::mul_mat`] as the custom op of [`crate::fma::tiles`] (the
+    /// tile unit), named `amx gemm`.
     pub(crate) fn mul_mat_amx<'a>(
         &'a self,
         a: Tensor<'a>,
@@ -251,37 +252,20 @@ impl Context {
         bias: Option<Tensor<'a>>,
     ) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
-        let len = crate::amx::packed_len(x[0] as usize, x[1] as usize);
-        self.room(2)?;
-        let none = std::ptr::null_mut();
+        self.room(1)?;
         // SAFETY: `a` is alive for 'a, contiguous bf16 `[K, N]` (checked by
-        // the caller), which `pack_op` reads; the result is `len` bf16 it
-        // writes; room checked.
-        let packed = unsafe {
-            self.custom_op(
-                sys::GGML_TYPE_BF16,
-                [len as i64, 1, 1, 1],
-                &mut [a.raw],
-                crate::amx::pack_op,
-                none,
-                "amx pack",
-            )
-        }?;
-        // SAFETY: `packed` as above and `b` f32 with dense rows and
-        // `b.ne0 == K` (checked by check_mul_mat and the caller), and the
-        // f32 bias of N values if any (checked by mul_mat_bias), which
-        // `gemm_op` reads; the result is contiguous f32 `[N, b.ne1..3]`.
+        // the caller), `b` f32 with dense rows and `b.ne0 == K` (checked by
+        // check_mul_mat and the caller), and the f32 bias of N values if any
+        // (checked by mul_mat_bias): what `gemm_op` reads; the result is
+        // contiguous f32 `[N, b.ne1..3]`, which it writes.
         unsafe {
             self.custom_op(
                 sys::GGML_TYPE_F32,
                 [x[1], y[1], y[2], y[3]],
-                &mut [
-                    packed.raw,
-                    b.raw,
-                    bias.map_or(std::ptr::null_mut(), |t| t.raw),
-                ][..2 + usize::from(bias.is_some())],
-                crate::amx::gemm_op,
-                none,
+                &mut [a.raw, b.raw, bias.map_or(std::ptr::null_mut(), |t| t.raw)]
+                    [..2 + usize::from(bias.is_some())],
+                crate::fma::tiles::gemm_op,
+                std::ptr::null_mut(),
                 "amx gemm",
             )
         }

@@ -1,0 +1,352 @@
+//! Matrix products of bf16 weights on the tile unit (AMX-BF16), blocked
+//! as the other kernels of [`super`] are: passes over `k`, blocks of rows
+//! packed once per pass, the weight's panels packed just before the rows
+//! stream past them, each thread its own panels or rows.
+//!
+//! The micro-kernel multiplies 32 rows by 32 outputs on the eight tile
+//! registers: four accumulators (2 × 2 tiles of 16 × 16 f32), two tiles
+//! of rows and two of the panel per step of 32 values of `k`. The rows are
+//! packed as the tile unit reads them, 32 rows of `kp` bf16 side by side
+//! ([`pack_rows`]); a panel is the bf16 kernel's (pairs of `k`, 32 outputs
+//! of two values per pair: [`super::Elem::pack_panel`] of `u16`), whose two tiles
+//! are its left and right halves, rows 128 bytes apart. The accumulators
+//! start from the output itself on the passes after the first (and from
+//! the bias, loaded 16 times over with a stride of 0, on the first), and
+//! are stored straight into it: no copy of the sums in between.
+//!
+//! Before this (session 39) the tile unit's products packed the whole
+//! weight into a buffer of the graph in every evaluation (a second copy of
+//! the largest weight in the compute memory) and multiplied blocks of 32
+//! rows by every panel of it, `k` whole, through a copy of each 32 × 32
+//! block of sums. Measured on an Emerald Rapids Xeon (2 cores, both
+//! kernels alternating in one process, medians of 15 rounds): this form
+//! is 1.25× faster at 1024 × 3072 × 3072, 1.3–1.6× at 1024 × 3072 × 12288
+//! and 1024 × 12288 × 3072, 1.35× at 512 × 1280 × 10240, 1.1× at 4096 ×
+//! 320 × 2560 and level at 2048 × 640 × 640.
+//!
+//! Tried and not kept (same measurements): the steps software-pipelined
+//! (each operand of the next step loaded as soon as its last product is
+//! issued): −4 % to +13 %, within the machine's noise.
+
+use std::arch::x86_64::{
+    _mm512_add_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_ET0, _MM_HINT_T1,
+};
+
+use super::{gemm_with, Buffers, Kernel, Rows, Store, Weight, BF16_BUF};
+
+/// `k` per tile step (32 bf16: a tile row's 64 bytes).
+const TILE_K: usize = 32;
+/// Outputs per tile (16 f32 in a tile row).
+const HALF: usize = 16;
+
+/// The tile unit's kernel: 32 rows × 32 outputs per call.
+pub(super) struct Bf16Tiles;
+
+/// The `k` per pass: passes of even lengths up to 1536 (a panel of 96
+/// KiB, read from the level-2 cache). Measured on an Emerald Rapids Xeon
+/// (session 39, both threads, variants alternating in one process, medians
+/// of 15–25 rounds): 1.05–1.25× against 512 at the DiT's and SD's shapes
+/// (the output is read and written once per pass, and a tile load or store
+/// that misses waits for its rows); `k` whole in one pass was slower at
+/// `k` = 3072 and 12288 (0.6–0.85×: the panels leave level 2).
+pub const TILES_KC: usize = 1536;
+
+/// Rows per packed block (two micro-tiles): measured as above, 1.0–1.3×
+/// against 128 and 256, and level with 32.
+pub const TILES_MC: usize = 64;
+
+impl Kernel for Bf16Tiles {
+    const MR: usize = 32;
+    const NR: usize = 32;
+    const KC: usize = TILES_KC;
+    const KSTEP: usize = TILE_K;
+    const MC: usize = TILES_MC;
+    type E = u16;
+
+    unsafe fn tile(
+        kp: usize,
+        a: &[u16],
+        b: &[u16],
+        c: *mut f32,
+        ldc: usize,
+        add: bool,
+        bias: *const f32,
+        next: *const u16,
+    ) {
+        assert!(kp.is_multiple_of(TILE_K) && a.len() >= kp * 32 && b.len() >= kp * 32);
+        let (a0, a1) = (a.as_ptr(), a[HALF * kp..].as_ptr());
+        let b0 = b.as_ptr();
+        // SAFETY: the caller configured the tiles (`gemm`'s `Tiles`) and
+        // vouches for `c` (32 rows of 32 f32, `ldc` apart) and `bias` (32
+        // f32, if not null); every A load reads 16 rows of 64 bytes `kp`
+        // bf16 apart from k < kp in a block of 32 × kp (asserted), every B
+        // load 16 rows of 64 bytes 128 apart inside the panel of kp × 32
+        // (asserted); `next` is only prefetched.
+        unsafe {
+            // The output's rows, read (on passes after the first) or
+            // written at the end, on their way into the cache while the
+            // products run: a pass writes the whole output between two
+            // visits of a tile, and a tile load or store that misses waits
+            // for its 16 rows one after the other.
+            for r in 0..32 {
+                let at = c.wrapping_add(r * ldc) as *const i8;
+                _mm_prefetch::<_MM_HINT_ET0>(at);
+                _mm_prefetch::<_MM_HINT_ET0>(at.wrapping_add(64));
+            }
+            if !add && !bias.is_null() {
+                // Each accumulator row starts as the bias: one row of 16
+                // values read 16 times (a stride of 0).
+                std::arch::asm!(
+                    "tileloadd tmm0, [{b0} + {s}*1]",
+                    "tileloadd tmm1, [{b1} + {s}*1]",
+                    "tileloadd tmm2, [{b0} + {s}*1]",
+                    "tileloadd tmm3, [{b1} + {s}*1]",
+                    b0 = in(reg) bias,
+                    b1 = in(reg) bias.add(HALF),
+                    s = in(reg) 0usize,
+                    options(nostack, readonly)
+                );
+            } else {
+                std::arch::asm!(
+                    "tilezero tmm0",
+                    "tilezero tmm1",
+                    "tilezero tmm2",
+                    "tilezero tmm3",
+                    options(nostack, nomem)
+                );
+            }
+            let steps = kp / TILE_K;
+            let (sa, sb) = (kp * 2, 128usize);
+            for step in 0..steps {
+                let (ka, kb) = (step * TILE_K, step * TILE_K * 32);
+                if !next.is_null() {
+                    // The next panel's stretch for this step (2 KiB).
+                    let at = next.wrapping_add(kb) as *const i8;
+                    for l in 0..32 {
+                        _mm_prefetch::<_MM_HINT_T1>(at.wrapping_add(64 * l));
+                    }
+                }
+                std::arch::asm!(
+                    "tileloadd tmm4, [{a0} + {sa}*1]",
+                    "tileloadd tmm5, [{a1} + {sa}*1]",
+                    "tileloadd tmm6, [{b0} + {sb}*1]",
+                    "tileloadd tmm7, [{b1} + {sb}*1]",
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    a0 = in(reg) a0.add(ka),
+                    a1 = in(reg) a1.add(ka),
+                    b0 = in(reg) b0.add(kb),
+                    b1 = in(reg) b0.add(kb + HALF * 2),
+                    sa = in(reg) sa,
+                    sb = in(reg) sb,
+                    options(nostack, readonly)
+                );
+            }
+            if add {
+                let mut sums = Sums([0.0; 32 * 32]);
+                store(sums.0.as_mut_ptr(), 32);
+                add_rows(&sums.0, c, ldc);
+            } else {
+                store(c, ldc);
+            }
+        }
+    }
+
+    fn buffers<R>(f: impl FnOnce(&mut Buffers<u16>) -> R) -> R {
+        BF16_BUF.with(|b| f(&mut b.borrow_mut()))
+    }
+}
+
+/// 32 × 32 sums, aligned as a tile store wants its rows.
+#[repr(C, align(64))]
+struct Sums([f32; 32 * 32]);
+
+/// Stores the four accumulators into 32 rows of 32 f32 at `c`, `ldc`
+/// apart.
+///
+/// # Safety
+/// The tiles are configured; `c` addresses 32 rows of 32 f32, `ldc` apart.
+unsafe fn store(c: *mut f32, ldc: usize) {
+    // SAFETY: the caller's.
+    unsafe {
+        std::arch::asm!(
+            "tilestored [{c0} + {s}*1], tmm0",
+            "tilestored [{c1} + {s}*1], tmm1",
+            "tilestored [{c2} + {s}*1], tmm2",
+            "tilestored [{c3} + {s}*1], tmm3",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(HALF),
+            c2 = in(reg) c.add(HALF * ldc),
+            c3 = in(reg) c.add(HALF * ldc + HALF),
+            s = in(reg) ldc * 4,
+            options(nostack)
+        );
+    }
+}
+
+/// `c[r·ldc + j] += sums[r·32 + j]` over 32 × 32.
+///
+/// # Safety
+/// The processor has AVX-512F (every one with the tile unit does); `c`
+/// addresses 32 rows of 32 f32, `ldc` apart.
+#[target_feature(enable = "avx512f")]
+unsafe fn add_rows(sums: &[f32; 32 * 32], c: *mut f32, ldc: usize) {
+    for r in 0..32 {
+        for h in 0..2 {
+            // SAFETY: within the 32 × 32 the caller vouches for.
+            unsafe {
+                let o = c.add(r * ldc + h * HALF);
+                let v = _mm512_add_ps(
+                    _mm512_loadu_ps(o),
+                    _mm512_loadu_ps(sums.as_ptr().add(r * 32 + h * HALF)),
+                );
+                _mm512_storeu_ps(o, v);
+            }
+        }
+    }
+}
+
+/// Packs rows `r0..r0 + mc` of `x` for `k` in `kb..kb + kc` as blocks of
+/// 32 rows of `kp` bf16 (`kc` rounded up to 32), zeros past `mc` and `kc`.
+fn pack_rows(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize, a: &mut [u16]) {
+    let kp = kc.next_multiple_of(TILE_K);
+    for (i, dst) in a.chunks_exact_mut(kp).take(mc.next_multiple_of(32)).enumerate() {
+        if i < mc {
+            crate::amx::narrow(&(x.row)(r0 + i)[kb..kb + kc], &mut dst[..kc]);
+            dst[kc..].fill(0);
+        } else {
+            dst.fill(0);
+        }
+    }
+}
+
+/// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
+/// (`ith` of `nth`) of the outputs, on the tile unit. The caller made sure
+/// that [`crate::amx::available`] says yes and that `w` is bf16 (or a
+/// type [`super::Elem::pack_panel`] rounds to bf16) with `w.k == x.k`.
+pub fn gemm(
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows(x, r0, mc, kb, kc, a);
+    let _tiles = crate::amx::Tiles::load();
+
+    gemm_with::<Bf16Tiles>(w, x.rows, x.k, TILES_KC, &pack, bias, out, Store::Rows, ith, nth);
+}
+
+/// Custom op: `dst` (f32 `[N, M₁, M₂, M₃]`, contiguous) = the bf16 weight
+/// `src[0]` (`[K, N]`, contiguous) times the f32 `src[1]` `[K, M₁, M₂,
+/// M₃]` (rows dense), plus the f32 bias `src[2]` of N values if there is
+/// one, on the tile unit ([`gemm`]).
+pub(crate) unsafe extern "C" fn gemm_op(
+    dst: *mut crate::sys::ggml_tensor,
+    ith: std::os::raw::c_int,
+    nth: std::os::raw::c_int,
+    _: *mut std::os::raw::c_void,
+) {
+    // SAFETY: `Context::mul_mat` built this node where the tile unit is
+    // available: `src[0]` a contiguous 2-D bf16 weight of N = dst.ne[0]
+    // rows of K = x.ne[0] values; `x` f32 with dense rows (nb[0] = 4) whose
+    // strides address every row; `dst` contiguous f32 of N × rows, all in
+    // host memory of the CPU backend; threads write disjoint outputs.
+    unsafe {
+        let mut p = crate::custom::product(dst);
+        let (k, n, rows, bias) = (p.k, p.n, p.rows, p.bias);
+        let out = std::mem::take(&mut p.out);
+        let row = |i: usize| p.row(i);
+        let wt = &*(*dst).src[0];
+        let row_bytes = wt.nb[1];
+        let w = Weight {
+            data: std::slice::from_raw_parts(wt.data as *const u8, row_bytes * n),
+            ty: wt.type_,
+            k,
+            n,
+            row_bytes,
+        };
+        let x = Rows { rows, k, row: &row };
+        gemm(&w, &x, bias, out, ith as usize, nth as usize);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn to_f32(b: u16) -> f64 {
+        f32::from_bits((b as u32) << 16) as f64
+    }
+
+    #[test]
+    fn gemm_matches_a_reference_on_odd_shapes() {
+        if !crate::amx::available() {
+            eprintln!("no AMX here: skipped");
+            return;
+        }
+        // Rows, k and outputs off the tiles' multiples; one block and
+        // several (more rows than ONE_BLOCK_ROWS); each thread its panels
+        // and each its rows; passes over k (3100: three of 1056, 1056 and
+        // 988, the last padded to 992).
+        for (m, k, n, threads) in [
+            (1, 32, 16, 2),
+            (33, 70, 45, 3),
+            (64, 320, 64, 2),
+            (100, 36, 3, 2),
+            (40, 1024, 600, 2),
+            (8, 3100, 300, 2),
+            (400, 3100, 40, 2),
+            (450, 96, 700, 3),
+        ] {
+            let x = values(m * k, 1);
+            let w: Vec<u16> = values(n * k, 2).iter().map(|&v| crate::amx::bf16(v)).collect();
+            let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let weight = Weight {
+                data: &bytes,
+                ty: crate::sys::GGML_TYPE_BF16,
+                k,
+                n,
+                row_bytes: 2 * k,
+            };
+            // Every other case with a bias.
+            let bias = (n % 2 == 1).then(|| values(n, 9));
+            let row = |i: usize| &x[i * k..(i + 1) * k];
+            let rows = Rows { rows: m, k, row: &row };
+            let mut out = vec![f32::NAN; m * n];
+            // The threads' parts one after the other: each writes only its
+            // own outputs.
+            for t in 0..threads {
+                gemm(&weight, &rows, bias.as_deref(), &mut out, t, threads);
+            }
+            for i in 0..m {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|kk| to_f32(crate::amx::bf16(x[i * k + kk])) * to_f32(w[j * k + kk]))
+                        .sum::<f64>()
+                        + bias.as_ref().map_or(0.0, |b| b[j] as f64);
+                    let got = out[i * n + j] as f64;
+                    assert!(
+                        (got - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "{m}x{k}x{n} [{i},{j}]: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+}
