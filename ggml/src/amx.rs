@@ -33,12 +33,12 @@ use crate::sys;
 
 /// Rows of `x` per block (two 16-row tiles).
 pub const ROWS: usize = 32;
-/// The fewest rows (matrix products) or output pixels (convolutions) that
-/// take the AMX path (one block: below it ggml's own kernels). Both repack
-/// the weight in every evaluation; measured on SD 1.5 at 256×256, that
-/// still beats ggml's bf16 kernels at the UNet's smallest levels (8 × 8
-/// latents). [`crate::Knobs::amx_min_rows`] overrides it, for
-/// measurements.
+/// The fewest output pixels that take the AMX convolution (one block:
+/// below it ggml's own kernels). It repacks the kernel in every
+/// evaluation; measured on SD 1.5 at 256×256, that still beats ggml's bf16
+/// kernels at the UNet's smallest levels (8 × 8 latents). Products take
+/// the tile unit from one row (`fma::tiles::min_rows`).
+/// [`crate::Knobs::amx_min_rows`] overrides both, for measurements.
 pub fn min_rows() -> usize {
     crate::knobs().amx_min_rows.unwrap_or(ROWS)
 }

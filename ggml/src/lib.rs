@@ -90,7 +90,8 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct Knobs {
     /// sdhost's AMX kernels where the processor has AMX ([`amx`]).
     pub amx: bool,
-    /// The fewest rows that take the AMX path (default [`amx::ROWS`]).
+    /// The fewest rows (products, default 1) or output pixels
+    /// (convolutions, default [`amx::ROWS`]) that take the AMX path.
     pub amx_min_rows: Option<usize>,
     /// sdhost's AVX2 + FMA matrix products where the processor has them
     /// ([`fma`]).

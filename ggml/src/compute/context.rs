@@ -134,7 +134,7 @@ impl Context {
 
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,
     /// b.ne1]`). In an AMX context ([`Context::set_amx`]) a 2-D bf16 `a`
-    /// times an f32 `b` of at least [`crate::amx::min_rows`] rows runs on the
+    /// times an f32 `b` (from one row: few rows read the weight in place) runs on the
     /// tile unit (see [`crate::amx`]).
     pub fn mul_mat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
         Ok(self.mul_mat_impl(a, b, None)?.0)
@@ -180,7 +180,7 @@ impl Context {
             && contiguous(&a)
             && x[2] == 1
             && x[3] == 1
-            && rows >= crate::amx::min_rows() as i64
+            && rows >= crate::fma::tiles::min_rows() as i64
         {
             let added = bias.is_some();
             return Ok((self.mul_mat_amx(a, b, bias)?, added));
