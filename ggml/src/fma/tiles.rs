@@ -212,7 +212,11 @@ unsafe fn add_rows(sums: &[f32; 32 * 32], c: *mut f32, ldc: usize) {
 /// 32 rows of `kp` bf16 (`kc` rounded up to 32), zeros past `mc` and `kc`.
 fn pack_rows(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize, a: &mut [u16]) {
     let kp = kc.next_multiple_of(TILE_K);
-    for (i, dst) in a.chunks_exact_mut(kp).take(mc.next_multiple_of(32)).enumerate() {
+    for (i, dst) in a
+        .chunks_exact_mut(kp)
+        .take(mc.next_multiple_of(32))
+        .enumerate()
+    {
         if i < mc {
             crate::amx::narrow(&(x.row)(r0 + i)[kb..kb + kc], &mut dst[..kc]);
             dst[kc..].fill(0);
@@ -241,7 +245,18 @@ pub fn gemm(
     let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows(x, r0, mc, kb, kc, a);
     let _tiles = crate::amx::Tiles::load();
 
-    gemm_with::<Bf16Tiles>(w, x.rows, x.k, TILES_KC, &pack, bias, out, Store::Rows, ith, nth);
+    gemm_with::<Bf16Tiles>(
+        w,
+        x.rows,
+        x.k,
+        TILES_KC,
+        &pack,
+        bias,
+        out,
+        Store::Rows,
+        ith,
+        nth,
+    );
 }
 
 /// The fewest rows a product takes the tile unit from: one (few rows
@@ -317,13 +332,17 @@ fn short(
             let j0 = blk * nb;
             let valid = nb.min(n - j0);
             let (a, lda) = if valid == nb {
-                (w.data[j0 * w.row_bytes..].as_ptr() as *const u16, w.row_bytes)
+                (
+                    w.data[j0 * w.row_bytes..].as_ptr() as *const u16,
+                    w.row_bytes,
+                )
             } else {
                 for (r, dst) in pad.chunks_exact_mut(k).enumerate() {
                     match r < valid {
                         true => {
                             let at = (j0 + r) * w.row_bytes;
-                            for (d, s) in dst.iter_mut().zip(w.data[at..at + 2 * k].chunks_exact(2)) {
+                            for (d, s) in dst.iter_mut().zip(w.data[at..at + 2 * k].chunks_exact(2))
+                            {
                                 *d = u16::from_le_bytes([s[0], s[1]]);
                             }
                         }
@@ -360,7 +379,14 @@ fn short(
 /// The tiles are configured; `a` addresses 64 (32 where `wide`) rows of
 /// `k` bf16, `lda` bytes apart, `k` a multiple of 32; `xb` one (two where
 /// `wide`) blocks of `k / 2` rows of 16 pairs.
-unsafe fn short_block(a: *const u16, lda: usize, k: usize, xb: *const u16, wide: bool, sums: &mut Sums) {
+unsafe fn short_block(
+    a: *const u16,
+    lda: usize,
+    k: usize,
+    xb: *const u16,
+    wide: bool,
+    sums: &mut Sums,
+) {
     let a = a as *const u8;
     let xb1 = xb.wrapping_add(HALF * k);
     // SAFETY: the caller's: every A load reads 16 rows of 64 bytes at a
@@ -513,7 +539,10 @@ mod tests {
             (32, 320, 64, 2),
         ] {
             let x = values(m * k, 1);
-            let w: Vec<u16> = values(n * k, 2).iter().map(|&v| crate::amx::bf16(v)).collect();
+            let w: Vec<u16> = values(n * k, 2)
+                .iter()
+                .map(|&v| crate::amx::bf16(v))
+                .collect();
             let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
             let weight = Weight {
                 data: &bytes,
@@ -525,7 +554,11 @@ mod tests {
             // Every other case with a bias.
             let bias = (n % 2 == 1).then(|| values(n, 9));
             let row = |i: usize| &x[i * k..(i + 1) * k];
-            let rows = Rows { rows: m, k, row: &row };
+            let rows = Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
             let mut out = vec![f32::NAN; m * n];
             // The threads' parts one after the other: each writes only its
             // own outputs.

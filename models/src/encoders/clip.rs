@@ -204,23 +204,27 @@ impl ClipConfig {
 pub struct Encoded {
     /// Hidden states `[chunks × positions × hidden]` (hidden fastest).
     pub hidden: Vec<f32>,
-    /// The pooled, projected output of the first chunk, for pooled encoders.
+    /// The pooled, projected outputs at the end tokens `eos` named, one
+    /// after the other, for pooled encoders.
     pub pooled: Option<Vec<f32>>,
 }
 
-/// Encodes `chunks` of token ids (each `positions` long). `eos` is the
-/// position of the end token in the first chunk (for the pooled output).
+/// Encodes `chunks` of token ids (each `positions` long): one prompt's
+/// chunks, or several prompts' one after the other (a prompt and its
+/// negative batch together: every weight is read once for both). `eos`
+/// holds the index, among all the chunks' positions, of each pooled
+/// output's end token (a prompt's first chunk's).
 pub fn encode(
     module: &mut Module<'_>,
     cfg: &ClipConfig,
     ids: &[u32],
     clip_skip: usize,
-    eos: usize,
+    eos: &[usize],
 ) -> Result<Encoded> {
     let out = module.compute(|c, w| build(c, w, cfg, ids, clip_skip, eos))?;
     let n_hidden = ids.len() * cfg.hidden as usize;
     match cfg.projection {
-        Some(p) if out.len() == n_hidden + p as usize => {
+        Some(p) if out.len() == n_hidden + p as usize * eos.len() => {
             let (hidden, pooled) = out.split_at(n_hidden);
             Ok(Encoded {
                 hidden: hidden.to_vec(),
@@ -243,7 +247,7 @@ pub fn encode(
 pub fn validate(module: &Module<'_>, cfg: &ClipConfig) -> Result<()> {
     module.validate(|c, w| {
         let n = cfg.positions as usize;
-        build(c, w, cfg, &vec![0; n], 1, n - 1)
+        build(c, w, cfg, &vec![0; n], 1, &[n - 1])
     })
 }
 
@@ -257,7 +261,7 @@ pub fn measure(
 ) -> Result<crate::runtime::module::ComputeBytes> {
     let n = cfg.positions as usize;
     let ids = vec![0; n * chunks.max(1)];
-    module.measure(|c, w| build(c, w, cfg, &ids, 1, n - 1))
+    module.measure(|c, w| build(c, w, cfg, &ids, 1, &[n - 1]))
 }
 
 fn build<'a>(
@@ -266,7 +270,7 @@ fn build<'a>(
     cfg: &ClipConfig,
     ids: &[u32],
     clip_skip: usize,
-    eos: usize,
+    eos: &[usize],
 ) -> Result<Built<'a>> {
     let n_pos = cfg.positions as usize;
     if ids.is_empty() || !ids.len().is_multiple_of(n_pos) {
@@ -281,10 +285,14 @@ fn build<'a>(
             cfg.vocab
         )));
     }
-    if eos >= n_pos {
+    if let Some(bad) = eos.iter().find(|&&e| e >= ids.len()) {
         return Err(ModelError::Shape(format!(
-            "end token position {eos} is outside the {n_pos} positions"
+            "end token position {bad} is outside the {} positions",
+            ids.len()
         )));
+    }
+    if eos.is_empty() {
+        return Err(ModelError::Shape("no end token position".into()));
     }
     let run = cfg.layers_run(clip_skip)?;
     let chunks = (ids.len() / n_pos) as i64;
@@ -339,15 +347,16 @@ fn build<'a>(
     let output = match cfg.projection {
         None => hidden,
         Some(proj) => {
-            // The last layer, normed, at the first chunk's end token.
+            // The last layer, normed, at each prompt's end token.
             let last = final_norm(x)?;
             let flat = c.reshape(last, &[h, cfg.positions * chunks])?;
-            let at = input_i32(c, vec![eos as i32], &mut inputs)?;
-            let pooled = c.get_rows(flat, at)?; // [h, 1]
+            let at = input_i32(c, eos.iter().map(|&e| e as i32).collect(), &mut inputs)?;
+            let pooled = c.get_rows(flat, at)?; // [h, eos]
+            let n_eos = eos.len() as i64;
             let hidden = c.reshape(c.cont(hidden)?, &[h * cfg.positions * chunks])?;
             if cfg.encoder.pooled == Pooled::Raw {
                 return Ok(Built {
-                    output: c.concat(hidden, c.reshape(pooled, &[h])?, 0)?,
+                    output: c.concat(hidden, c.reshape(pooled, &[h * n_eos])?, 0)?,
                     inputs,
                 });
             }
@@ -360,8 +369,8 @@ fn build<'a>(
                 _ => c.cast(p, ggml::Type::F32)?,
             };
             let pt = c.cont(c.permute(p, [1, 0, 2, 3])?)?; // [h, proj]
-            let pooled = c.mul_mat(pt, pooled)?; // [proj, 1]
-            c.concat(hidden, c.reshape(pooled, &[proj])?, 0)?
+            let pooled = c.mul_mat(pt, pooled)?; // [proj, eos]
+            c.concat(hidden, c.reshape(pooled, &[proj * n_eos])?, 0)?
         }
     };
     Ok(Built { output, inputs })

@@ -618,7 +618,7 @@ impl<'b> FluxModel<'b> {
     /// CLIP-L's pooled output of a prompt.
     pub fn encode_pooled(&mut self, prompt: &str) -> Result<Vec<f32>> {
         let (ids, eos) = self.clip_ids(prompt);
-        let out = clip::encode(&mut self.te, &self.clip, &ids, 1, eos)?;
+        let out = clip::encode(&mut self.te, &self.clip, &ids, 1, &[eos])?;
         out.pooled
             .ok_or_else(|| ModelError::Shape("CLIP-L gave no pooled output".into()))
     }

@@ -256,27 +256,56 @@ impl<'b> SdModel<'b> {
         chunks: usize,
         clip_skip: usize,
     ) -> Result<Conditioning> {
+        let mut out = self.encode_prompts(&[prompt], chunks, clip_skip)?;
+        Ok(out.remove(0))
+    }
+
+    /// Encodes prompts, each padded to `chunks` chunks, with every encoder,
+    /// in one batch per encoder (a prompt and its negative: every weight
+    /// of the text encoders is read once for both).
+    pub fn encode_prompts(
+        &mut self,
+        prompts: &[&str],
+        chunks: usize,
+        clip_skip: usize,
+    ) -> Result<Vec<Conditioning>> {
         let n_tokens = chunks * CONTEXT;
-        let first_len = self.tokenizer.encode(prompt).len().min(CONTEXT - 2);
+        // Each prompt's end token in its first chunk, among all positions.
+        let eos: Vec<usize> = prompts
+            .iter()
+            .enumerate()
+            .map(|(p, text)| p * n_tokens + self.tokenizer.encode(text).len().min(CONTEXT - 2) + 1)
+            .collect();
         let mut per = Vec::new();
         let mut pooled = None;
         for i in 0..self.clip.len() {
-            let ids = self.token_chunks(i, prompt, chunks);
+            let ids: Vec<u32> = prompts
+                .iter()
+                .flat_map(|text| self.token_chunks(i, text, chunks))
+                .collect();
             let cfg = self.clip[i].clone();
-            let out = clip::encode(&mut self.te, &cfg, &ids, clip_skip, first_len + 1)?;
+            let out = clip::encode(&mut self.te, &cfg, &ids, clip_skip, &eos)?;
             if out.pooled.is_some() {
                 pooled = out.pooled;
             }
             per.push((out.hidden, cfg.hidden as usize));
         }
         let width: usize = per.iter().map(|(_, h)| h).sum();
-        let mut hidden = Vec::with_capacity(n_tokens * width);
-        for t in 0..n_tokens {
-            for (h, w) in &per {
-                hidden.extend_from_slice(&h[t * w..(t + 1) * w]);
-            }
-        }
-        Ok(Conditioning { hidden, pooled })
+        let pooled_len = pooled.as_ref().map_or(0, |p| p.len() / prompts.len());
+        Ok((0..prompts.len())
+            .map(|p| {
+                let mut hidden = Vec::with_capacity(n_tokens * width);
+                for t in p * n_tokens..(p + 1) * n_tokens {
+                    for (h, w) in &per {
+                        hidden.extend_from_slice(&h[t * w..(t + 1) * w]);
+                    }
+                }
+                let pooled = pooled
+                    .as_ref()
+                    .map(|v| v[p * pooled_len..(p + 1) * pooled_len].to_vec());
+                Conditioning { hidden, pooled }
+            })
+            .collect())
     }
 
     /// The ADM vector of an SDXL UNet call: the pooled text embedding, then
@@ -314,13 +343,15 @@ impl<'b> SdModel<'b> {
             chunks = chunks.max(self.chunk_count(&req.negative));
         }
         let encoded = (|| -> Result<(Conditioning, Option<Conditioning>)> {
-            let cond = self.encode_prompt(&req.prompt, chunks, req.clip_skip)?;
-            let uncond = if guided {
-                Some(self.encode_prompt(&req.negative, chunks, req.clip_skip)?)
-            } else {
-                None
+            let prompts: &[&str] = match guided {
+                true => &[&req.prompt, &req.negative],
+                false => &[&req.prompt],
             };
-            Ok((cond, uncond))
+            let mut out = self
+                .encode_prompts(prompts, chunks, req.clip_skip)?
+                .into_iter();
+            let cond = out.next().expect("one conditioning per prompt");
+            Ok((cond, out.next()))
         })();
         self.te.end_phase();
         let (cond, uncond) = encoded?;
@@ -561,7 +592,8 @@ impl<'b> SdModel<'b> {
         let tokens = req.chunks * positions;
         let mut te = ComputeBytes::default();
         for c in &self.clip {
-            te = te.max(&clip::measure(&self.te, c, req.chunks)?);
+            // The prompt and, with guidance, its negative in one batch.
+            te = te.max(&clip::measure(&self.te, c, req.chunks * req.batch)?);
         }
         let controlled = !self.controls.is_empty();
         let sampling = unet::measure(
