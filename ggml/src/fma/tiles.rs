@@ -19,10 +19,10 @@
 //! the largest weight in the compute memory) and multiplied blocks of 32
 //! rows by every panel of it, `k` whole, through a copy of each 32 × 32
 //! block of sums. Measured on an Emerald Rapids Xeon (2 cores, both
-//! kernels alternating in one process, medians of 15 rounds): this form
-//! is 1.25× faster at 1024 × 3072 × 3072, 1.3–1.6× at 1024 × 3072 × 12288
-//! and 1024 × 12288 × 3072, 1.35× at 512 × 1280 × 10240, 1.1× at 4096 ×
-//! 320 × 2560 and level at 2048 × 640 × 640.
+//! kernels alternating in one process, medians of 15–25 rounds): this
+//! form is 1.2× faster at 1024 × 3072 × 3072, 1.3–2.0× at 1024 × 3072 ×
+//! 12288 and 1024 × 12288 × 3072, 1.3× at 512 × 1280 × 10240, 1.1× at
+//! 4096 × 320 × 2560 and level at 2048 × 640 × 640 (docs/performance.md).
 //!
 //! Tried and not kept (same measurements): the steps software-pipelined
 //! (each operand of the next step loaded as soon as its last product is
