@@ -1259,13 +1259,7 @@ impl Blocks for Tiles {
         // loads read 1 KiB tiles inside the panels (kp × 16 bf16 each,
         // asserted).
         unsafe {
-            std::arch::asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
+            zero_sums();
             for kb in 0..kp / TILE_K {
                 let (ka, kt) = (kb * TILE_K, kb * TILE_K * PANEL);
                 std::arch::asm!(
@@ -1508,13 +1502,7 @@ impl Tiles {
         // loads read 1 KiB tiles inside the panels (asserted); the stores
         // write 16 rows of 64 bytes inside `c` (32 rows of 128 bytes).
         unsafe {
-            std::arch::asm!(
-                "tilezero tmm0",
-                "tilezero tmm1",
-                "tilezero tmm2",
-                "tilezero tmm3",
-                options(nostack, nomem)
-            );
+            zero_sums();
             let base = nhwc.as_ptr();
             let mut kt = 0;
             for ky in 0..conv.kh {
@@ -1555,25 +1543,54 @@ impl Tiles {
     /// in `c`.
     fn store_into(&self, c: &mut [f32], ldc: usize) {
         assert!(ldc >= 2 * PANEL && c.len() >= (ROWS - 1) * ldc + 2 * PANEL);
-        let cp = c.as_mut_ptr();
-        let row = ldc * 4;
-        // SAFETY: each store writes 16 rows of 64 bytes, `ldc` f32 apart,
-        // from row 0 or 16 and column 0 or 16 of `c`: the last ends at
-        // 31·ldc + 32 f32, inside `c` (asserted).
-        unsafe {
-            std::arch::asm!(
-                "tilestored [{c0} + {s}*1], tmm0",
-                "tilestored [{c1} + {s}*1], tmm1",
-                "tilestored [{c2} + {s}*1], tmm2",
-                "tilestored [{c3} + {s}*1], tmm3",
-                c0 = in(reg) cp,
-                c1 = in(reg) cp.add(PANEL),
-                c2 = in(reg) cp.add(PANEL * ldc),
-                c3 = in(reg) cp.add(PANEL * ldc + PANEL),
-                s = in(reg) row,
-                options(nostack)
-            );
-        }
+        // SAFETY: the tiles are configured (`self`); `c` holds 32 rows of
+        // 32 f32, `ldc` apart (asserted).
+        unsafe { store_sums(c.as_mut_ptr(), ldc) };
+    }
+}
+
+/// Zeroes the four accumulators (`tmm0`–`tmm3`).
+///
+/// # Safety
+/// This thread's tiles are configured ([`Tiles`]).
+#[inline(always)]
+pub(crate) unsafe fn zero_sums() {
+    // SAFETY: the caller's; touches tile registers only.
+    unsafe {
+        std::arch::asm!(
+            "tilezero tmm0",
+            "tilezero tmm1",
+            "tilezero tmm2",
+            "tilezero tmm3",
+            options(nostack, nomem)
+        );
+    }
+}
+
+/// Stores the four accumulators (2 × 2 tiles of 16 × 16 f32: `tmm0` and
+/// `tmm1` side by side over `tmm2` and `tmm3`) into 32 rows of 32 f32 at
+/// `c`, `ldc` apart.
+///
+/// # Safety
+/// This thread's tiles are configured ([`Tiles`]); `c` addresses 32 rows
+/// of 32 f32, `ldc` apart.
+#[inline(always)]
+pub(crate) unsafe fn store_sums(c: *mut f32, ldc: usize) {
+    // SAFETY: each store writes 16 rows of 64 bytes, `ldc` f32 apart, from
+    // row 0 or 16 and column 0 or 16 of what the caller vouches for.
+    unsafe {
+        std::arch::asm!(
+            "tilestored [{c0} + {s}*1], tmm0",
+            "tilestored [{c1} + {s}*1], tmm1",
+            "tilestored [{c2} + {s}*1], tmm2",
+            "tilestored [{c3} + {s}*1], tmm3",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(PANEL),
+            c2 = in(reg) c.add(PANEL * ldc),
+            c3 = in(reg) c.add(PANEL * ldc + PANEL),
+            s = in(reg) ldc * 4,
+            options(nostack)
+        );
     }
 }
 
@@ -2041,7 +2058,7 @@ pub(crate) unsafe fn attn_on(
 pub(crate) mod tests {
     use super::*;
 
-    fn to_f32(b: u16) -> f32 {
+    pub(crate) fn to_f32(b: u16) -> f32 {
         f32::from_bits(u32::from(b) << 16)
     }
 

@@ -2264,9 +2264,30 @@ pub(crate) unsafe extern "C" fn gemm_op(
 ) {
     // SAFETY: `Context::mul_mat` built this node: `src[0]` a contiguous 2-D
     // weight of a type `isa_for` passes, N = dst.ne[0] rows of K = x.ne[0]
-    // values; `x` f32 with dense rows (nb[0] = 4) whose strides address
-    // every row; `dst` contiguous f32 of N × rows, all in host memory of the
-    // CPU backend; threads write disjoint outputs.
+    // values, and the rest as `on_product_node` reads it.
+    unsafe {
+        on_product_node(dst, |w, x, bias, out| {
+            let isa = isa_for_product(w.ty, x.k).unwrap_or(Isa::Avx2);
+            gemm(isa, w, x, bias, out, ith as usize, nth as usize);
+        })
+    }
+}
+
+/// Calls `f` with the operands of the product node `dst`
+/// ([`crate::custom::product`]): its weight `src[0]`, its rows, its bias
+/// and its output.
+///
+/// # Safety
+/// `dst` is a product node built by `Context::mul_mat` on a contiguous 2-D
+/// weight `src[0]` of N = dst.ne[0] rows of K = x.ne[0] values; `x` f32
+/// with dense rows (nb[0] = 4) whose strides address every row; `dst`
+/// contiguous f32 of N × rows, all in host memory of the CPU backend; this
+/// thread writes only its own outputs.
+pub(crate) unsafe fn on_product_node(
+    dst: *mut sys::ggml_tensor,
+    f: impl FnOnce(&Weight<'_>, &Rows<'_>, Option<&[f32]>, &mut [f32]),
+) {
+    // SAFETY: the caller's.
     unsafe {
         let mut p = crate::custom::product(dst);
         let (k, n, rows, bias) = (p.k, p.n, p.rows, p.bias);
@@ -2281,9 +2302,7 @@ pub(crate) unsafe extern "C" fn gemm_op(
             n,
             row_bytes,
         };
-        let x = Rows { rows, k, row: &row };
-        let isa = isa_for_product(w.ty, k).unwrap_or(Isa::Avx2);
-        gemm(isa, &w, &x, bias, out, ith as usize, nth as usize);
+        f(&w, &Rows { rows, k, row: &row }, bias, out);
     }
 }
 

@@ -32,6 +32,8 @@ use std::arch::x86_64::{
     _mm512_add_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_ET0, _MM_HINT_T1,
 };
 
+use crate::amx::{store_sums, zero_sums};
+
 use super::{gemm_with, Buffers, Kernel, Rows, Store, Weight, BF16_BUF};
 
 /// `k` per tile step (32 bf16: a tile row's 64 bytes).
@@ -107,13 +109,7 @@ impl Kernel for Bf16Tiles {
                     options(nostack, readonly)
                 );
             } else {
-                std::arch::asm!(
-                    "tilezero tmm0",
-                    "tilezero tmm1",
-                    "tilezero tmm2",
-                    "tilezero tmm3",
-                    options(nostack, nomem)
-                );
+                zero_sums();
             }
             let steps = kp / TILE_K;
             let (sa, sb) = (kp * 2, 128usize);
@@ -146,10 +142,10 @@ impl Kernel for Bf16Tiles {
             }
             if add {
                 let mut sums = Sums([0.0; 32 * 32]);
-                store(sums.0.as_mut_ptr(), 32);
+                store_sums(sums.0.as_mut_ptr(), 32);
                 add_rows(&sums.0, c, ldc);
             } else {
-                store(c, ldc);
+                store_sums(c, ldc);
             }
         }
     }
@@ -162,29 +158,6 @@ impl Kernel for Bf16Tiles {
 /// 32 × 32 sums, aligned as a tile store wants its rows.
 #[repr(C, align(64))]
 struct Sums([f32; 32 * 32]);
-
-/// Stores the four accumulators into 32 rows of 32 f32 at `c`, `ldc`
-/// apart.
-///
-/// # Safety
-/// The tiles are configured; `c` addresses 32 rows of 32 f32, `ldc` apart.
-unsafe fn store(c: *mut f32, ldc: usize) {
-    // SAFETY: the caller's.
-    unsafe {
-        std::arch::asm!(
-            "tilestored [{c0} + {s}*1], tmm0",
-            "tilestored [{c1} + {s}*1], tmm1",
-            "tilestored [{c2} + {s}*1], tmm2",
-            "tilestored [{c3} + {s}*1], tmm3",
-            c0 = in(reg) c,
-            c1 = in(reg) c.add(HALF),
-            c2 = in(reg) c.add(HALF * ldc),
-            c3 = in(reg) c.add(HALF * ldc + HALF),
-            s = in(reg) ldc * 4,
-            options(nostack)
-        );
-    }
-}
 
 /// `c[r·ldc + j] += sums[r·32 + j]` over 32 × 32.
 ///
@@ -356,15 +329,17 @@ fn short(
             // above, or the padded copy); `xb` holds `tiles` blocks of k / 2
             // rows of 16 pairs; `sums` 32 × 32 f32.
             unsafe { short_block(a, lda, k, xb.as_ptr(), wide, &mut sums) };
-            // Tile t holds outputs 16·(t / tiles) + r, rows 16·(t % tiles) + c
-            // at sums[t·256 + r·16 + c].
-            for (t, tile) in sums.0.chunks_exact(HALF * HALF).take(4).enumerate() {
+            // Accumulator t ([`store_sums`]: at row 16·(t / 2), column
+            // 16·(t % 2) of 32 × 32) holds outputs 16·(t / tiles) + r and
+            // rows 16·(t % tiles) + c.
+            for t in 0..4 {
+                let at = (t / 2) * HALF * 2 * HALF + (t % 2) * HALF;
                 let (jt, it) = ((t / tiles) * HALF, (t % tiles) * HALF);
                 for r in 0..HALF.min(valid.saturating_sub(jt)) {
                     let j = j0 + jt + r;
                     let b = bias.map_or(0.0, |b| b[j]);
                     for c in 0..HALF.min(m.saturating_sub(it)) {
-                        out[(it + c) * n + j] = tile[r * HALF + c] + b;
+                        out[(it + c) * n + j] = sums.0[at + r * 2 * HALF + c] + b;
                     }
                 }
             }
@@ -373,7 +348,7 @@ fn short(
 }
 
 /// One block of [`short`]: the four accumulators over all of `k`, stored
-/// as four 16 × 16 tiles one after the other in `sums`.
+/// into `sums` as [`store_sums`] places them.
 ///
 /// # Safety
 /// The tiles are configured; `a` addresses 64 (32 where `wide`) rows of
@@ -393,13 +368,7 @@ unsafe fn short_block(
     // step of k below k; every B load 16 rows of 64 bytes inside a block
     // (1 KiB per step); the stores write 4 KiB of `sums`.
     unsafe {
-        std::arch::asm!(
-            "tilezero tmm0",
-            "tilezero tmm1",
-            "tilezero tmm2",
-            "tilezero tmm3",
-            options(nostack, nomem)
-        );
+        zero_sums();
         for step in 0..k / TILE_K {
             let (ka, kb) = (step * 64, step * TILE_K * HALF);
             if wide {
@@ -442,19 +411,7 @@ unsafe fn short_block(
                 );
             }
         }
-        let c = sums.0.as_mut_ptr();
-        std::arch::asm!(
-            "tilestored [{c0} + {s}*1], tmm0",
-            "tilestored [{c1} + {s}*1], tmm1",
-            "tilestored [{c2} + {s}*1], tmm2",
-            "tilestored [{c3} + {s}*1], tmm3",
-            c0 = in(reg) c,
-            c1 = in(reg) c.add(HALF * HALF),
-            c2 = in(reg) c.add(2 * HALF * HALF),
-            c3 = in(reg) c.add(3 * HALF * HALF),
-            s = in(reg) 64usize,
-            options(nostack)
-        );
+        store_sums(sums.0.as_mut_ptr(), 2 * HALF);
     }
 }
 
@@ -470,25 +427,12 @@ pub(crate) unsafe extern "C" fn gemm_op(
 ) {
     // SAFETY: `Context::mul_mat` built this node where the tile unit is
     // available: `src[0]` a contiguous 2-D bf16 weight of N = dst.ne[0]
-    // rows of K = x.ne[0] values; `x` f32 with dense rows (nb[0] = 4) whose
-    // strides address every row; `dst` contiguous f32 of N × rows, all in
-    // host memory of the CPU backend; threads write disjoint outputs.
+    // rows of K = x.ne[0] values, and the rest as `on_product_node` reads
+    // it.
     unsafe {
-        let mut p = crate::custom::product(dst);
-        let (k, n, rows, bias) = (p.k, p.n, p.rows, p.bias);
-        let out = std::mem::take(&mut p.out);
-        let row = |i: usize| p.row(i);
-        let wt = &*(*dst).src[0];
-        let row_bytes = wt.nb[1];
-        let w = Weight {
-            data: std::slice::from_raw_parts(wt.data as *const u8, row_bytes * n),
-            ty: wt.type_,
-            k,
-            n,
-            row_bytes,
-        };
-        let x = Rows { rows, k, row: &row };
-        gemm(&w, &x, bias, out, ith as usize, nth as usize);
+        super::on_product_node(dst, |w, x, bias, out| {
+            gemm(w, x, bias, out, ith as usize, nth as usize)
+        })
     }
 }
 
@@ -496,21 +440,7 @@ pub(crate) unsafe extern "C" fn gemm_op(
 mod tests {
     use super::*;
 
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s % 2001) as f32 / 1000.0 - 1.0
-            })
-            .collect()
-    }
-
-    fn to_f32(b: u16) -> f64 {
-        f32::from_bits((b as u32) << 16) as f64
-    }
+    use crate::amx::tests::{to_f32, values};
 
     #[test]
     fn gemm_matches_a_reference_on_odd_shapes() {
@@ -568,7 +498,10 @@ mod tests {
             for i in 0..m {
                 for j in 0..n {
                     let want: f64 = (0..k)
-                        .map(|kk| to_f32(crate::amx::bf16(x[i * k + kk])) * to_f32(w[j * k + kk]))
+                        .map(|kk| {
+                            to_f32(crate::amx::bf16(x[i * k + kk])) as f64
+                                * to_f32(w[j * k + kk]) as f64
+                        })
                         .sum::<f64>()
                         + bias.as_ref().map_or(0.0, |b| b[j] as f64);
                     let got = out[i * n + j] as f64;
