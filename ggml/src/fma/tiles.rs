@@ -252,7 +252,6 @@ fn short_applies(w: &Weight<'_>, rows: usize) -> bool {
     rows <= SHORT_ROWS
         && w.ty == crate::sys::GGML_TYPE_BF16
         && w.k.is_multiple_of(TILE_K)
-        && w.row_bytes.is_multiple_of(4)
         && crate::amx::bf16_ops()
 }
 
