@@ -160,16 +160,6 @@ fn pack_with(
     }
 }
 
-/// Whether a product should run panel pair by panel pair (each thread
-/// its own outputs, every block of rows over them) rather than block by
-/// block (each thread its own rows, every panel over them): when the
-/// packed weight does not stay in the core's cache and streaming it once
-/// per block costs more than streaming the activations once per pair.
-fn panel_outer(weight_bytes: usize, blocks: usize, act_bytes: usize, pairs: usize) -> bool {
-    const CACHED: usize = 1 << 20;
-    weight_bytes > CACHED && weight_bytes.saturating_mul(blocks) > act_bytes.saturating_mul(pairs)
-}
-
 /// f32 to bf16 over a row (the processor's own conversion where it has
 /// one).
 pub(crate) fn narrow(src: &[f32], dst: &mut [u16]) {
@@ -583,45 +573,6 @@ impl Conv {
     pub fn nhwc_ne(&self) -> [usize; 4] {
         [self.cp(), self.wp(), self.hs(), self.n]
     }
-    /// Elements (bf16) of the packed kernel: k runs over (ky, kx, channel).
-    pub fn packed_len(&self) -> usize {
-        packed_len(self.kh * self.kw * self.cp(), self.oc)
-    }
-
-    /// Packs the `[kw, kh, c, oc]` bf16 kernel (panels `ith, ith + nth,
-    /// …`).
-    pub fn pack(&self, kernel: &[u16], out: &mut [u16], ith: usize, nth: usize) {
-        let (cp, taps) = (self.cp(), self.kh * self.kw);
-        let kp = taps * cp;
-        let per = self.c * taps;
-        assert!(kernel.len() >= per * self.oc && out.len() >= self.packed_len());
-        let panels = round_up(self.oc, 2 * PANEL) / PANEL;
-        for p in (ith..panels).step_by(nth.max(1)) {
-            let panel = &mut out[p * kp * PANEL..(p + 1) * kp * PANEL];
-            let cols = PANEL.min(self.oc.saturating_sub(p * PANEL));
-            if cols < PANEL || self.c < cp {
-                panel.fill(0);
-            }
-            let first = (p * PANEL).min(self.oc);
-            let src = &kernel[first * per..(first + cols) * per];
-            // k = tap · cp + channel; pair q = k / 2 is tile q / 16, tile
-            // row q % 16, where output column `col` holds the pair at
-            // 2·col. The panel's 16 kernels are read side by side, in
-            // their own order (channel, tap), and each write lands in one
-            // of a few tile rows that stay in the L1 cache.
-            for ch in 0..self.c {
-                for t in 0..taps {
-                    let q = (t * cp + ch) / 2;
-                    let row = (q / PANEL) * TILE_K * PANEL + (q % PANEL) * 2 * PANEL + ch % 2;
-                    let at = ch * taps + t;
-                    for col in 0..cols {
-                        panel[row + 2 * col] = src[col * per + at];
-                    }
-                }
-            }
-        }
-    }
-
     /// Writes rows `ith, ith + nth, …` (over images × [`Conv::hs`]) of
     /// the channels-last copy of `input` (`input(n, ch, y)` is that row of
     /// `w` f32), zero where padding or slack.
@@ -693,18 +644,78 @@ impl Conv {
         }
     }
 
-    /// The convolution of the channels-last copy `nhwc` by the packed
-    /// kernel, into `out` `[ow, oh, oc, n]` f32, for the blocks of 32
-    /// output pixels `ith, ith + nth, …`.
+    /// Packs the kernel's panels `2·pair` and `2·pair + 1` into `out` (`2 ·
+    /// kp · 16` bf16, `k` over taps then channels: pair `q` of output `col`
+    /// is word `16·q + col` of a panel, as the tile unit reads it),
+    /// through `scratch` (16 rows of `kp`): each output channel's `[c,
+    /// taps]` kernel turned into `[taps, cp]`, then every tap's channel
+    /// pairs of the panel's 16 outputs transposed side by side in
+    /// registers.
+    fn pack_pair(&self, kernel: &[u16], pair: usize, out: &mut [u16], scratch: &mut [u16]) {
+        let (cp, taps) = (self.cp(), self.kh * self.kw);
+        let kp = taps * cp;
+        let per = self.c * taps;
+        assert!(kernel.len() >= per * self.oc && out.len() >= 2 * kp * PANEL);
+        assert!(scratch.len() >= PANEL * kp);
+        for half in 0..2 {
+            let p = 2 * pair + half;
+            let panel = &mut out[half * kp * PANEL..(half + 1) * kp * PANEL];
+            let cols = PANEL.min(self.oc.saturating_sub(p * PANEL));
+            for col in 0..cols {
+                let src = &kernel[(p * PANEL + col) * per..][..per];
+                let dst = &mut scratch[col * kp..(col + 1) * kp];
+                for t in 0..taps {
+                    let row = &mut dst[t * cp..(t + 1) * cp];
+                    for (ch, v) in row[..self.c].iter_mut().enumerate() {
+                        *v = src[ch * taps + t];
+                    }
+                    row[self.c..].fill(0);
+                }
+            }
+            #[cfg(target_arch = "x86_64")]
+            for t in 0..taps {
+                let src: [*const u32; 16] = std::array::from_fn(|col| match col < cols {
+                    true => scratch[col * kp + t * cp..].as_ptr() as *const u32,
+                    false => std::ptr::null(),
+                });
+                // SAFETY: AVX-512F (every processor with the tile unit has
+                // it); each source row holds cp / 2 words; the panel holds
+                // rows q = t·cp/2 .. (t + 1)·cp/2 of 16 words.
+                unsafe {
+                    transpose_words(
+                        &src,
+                        cp / 2,
+                        panel[t * cp * PANEL..].as_mut_ptr() as *mut u32,
+                        PANEL,
+                        PANEL,
+                    )
+                };
+            }
+        }
+    }
+
+    /// The convolution of the channels-last copy `nhwc` by the bf16
+    /// `[kw, kh, c, oc]` kernel, into `out` `[ow, oh, oc, n]` f32 (plus
+    /// `bias`), for this thread's part (`ith` of `nth`), in blocks of 32
+    /// output pixels by 32 output channels.
     ///
     /// With stride 1 a block runs over the padded width across output rows
     /// (pixel `m` of an image reads from `m + ky·wp + kx`, one pixel apart
     /// whatever the row), and the `2·pad` results per row that fall in the
     /// padding are dropped: small images keep their tiles full. With a
     /// larger stride a block is 32 pixels of one output row.
+    ///
+    /// The kernel's panels are packed here, a few pairs at a time, just
+    /// before the blocks stream past them (no packed copy of the kernel in
+    /// the graph), and each block's sums are transposed in registers and
+    /// stored as runs of output pixels. Before this (session 40) the
+    /// kernel was packed whole by an op of its own in every evaluation and
+    /// the sums scattered one value at a time: the UNet's convolutions
+    /// took 1.4× as long (SD 1.5 at 512² on an Emerald Rapids Xeon,
+    /// `--profile-ops`, docs/performance.md).
     pub fn gemm(
         &self,
-        packed: &[u16],
+        kernel: &[u16],
         nhwc: &[u16],
         bias: Option<&[f32]>,
         out: &mut [f32],
@@ -718,72 +729,155 @@ impl Conv {
                 && out.len() >= ow * oh * self.oc * self.n
         );
         let kp = self.kh * self.kw * cp;
-        let np = round_up(self.oc, 2 * PANEL);
-        assert!(packed.len() >= kp * np);
+        let pairs = round_up(self.oc, 2 * PANEL) / (2 * PANEL);
         let flat = self.stride == 1;
         let per_image = match flat {
             true => (oh * wp).div_ceil(ROWS),
             false => oh * ow.div_ceil(ROWS),
         };
-        let (blocks, pairs) = (self.n * per_image, np / (2 * PANEL));
-        let act = self.nhwc_ne().iter().product::<usize>() * 2;
-        // Panel by panel when every thread gets two pairs of panels: a
-        // pair's packed kernel then stays in the cache while the blocks
-        // stream past it (measured faster at every SD size, 1.3× to 2×
-        // for 1280 channels), and the copy is read a tap at a time.
-        let by_panel = pairs >= 2 * nth.max(1) || panel_outer(kp * np * 2, blocks, act, pairs);
-        let mut c = [0f32; ROWS * 2 * PANEL];
-        // Output (oy, ox) of each of the block's rows, if it is one.
-        let mut at = [None; ROWS];
-        let tiles = Tiles::load();
-        let mut run = |block: usize, pair: usize| {
-            let (img, b) = (block / per_image, block % per_image);
-            // The block's first pixel in the image's copy, for tap (0, 0).
-            let first = if flat {
-                let m0 = b * ROWS;
-                for (r, v) in at.iter_mut().enumerate() {
-                    let (oy, ox) = ((m0 + r) / wp, (m0 + r) % wp);
-                    *v = (oy < oh && ox < ow).then_some((oy, ox));
+        let blocks = self.n * per_image;
+        let nth = nth.max(1);
+        let share = |units: usize| units * ith / nth..units * (ith + 1) / nth;
+        let pair_len = 2 * kp * PANEL;
+        // Pairs of panels packed together, each block of pixels multiplied
+        // by all of them in turn (its channels-last rows stay in the cache
+        // between them): as many as fit GROUP_BYTES.
+        let group = (GROUP_BYTES / (pair_len * 2)).clamp(1, pairs);
+        // Each thread its own pairs of panels (packing only those), every
+        // block of pixels over them; by blocks of pixels where the pairs
+        // do not share out evenly (every thread then packs every pair).
+        // Measured on an Emerald Rapids Xeon (both threads, best of 5),
+        // by pairs was level with by blocks or ahead (1.0–1.4×) at every
+        // SD 1.5 UNet and VAE size.
+        let by_blocks = !(pairs.is_multiple_of(nth) || pairs >= 4 * nth);
+        let (my_pairs, my_blocks) = match by_blocks {
+            false => (share(pairs), 0..blocks),
+            true => (0..pairs, share(blocks)),
+        };
+        if my_pairs.is_empty() || my_blocks.is_empty() {
+            return;
+        }
+        CONV_BUF.with(|buf| {
+            let mut buf = buf.borrow_mut();
+            let (panels, scratch) = &mut *buf;
+            panels.resize(group * pair_len, 0);
+            scratch.resize(PANEL * kp, 0);
+            let tiles = Tiles::load();
+            let mut c = Sums32([0f32; ROWS * 2 * PANEL]);
+            let mut ct = Sums32([0f32; ROWS * 2 * PANEL]);
+            // Runs of the block's rows that are consecutive output pixels:
+            // (first row, length, offset in the output plane).
+            let mut runs: Vec<(usize, usize, usize)> = Vec::with_capacity(ROWS);
+            let my_pairs: Vec<usize> = my_pairs.collect();
+            for g in my_pairs.chunks(group) {
+                for (i, &pair) in g.iter().enumerate() {
+                    self.pack_pair(kernel, pair, &mut panels[i * pair_len..], scratch);
                 }
-                m0
-            } else {
-                let xblocks = ow.div_ceil(ROWS);
-                let (oy, ox0) = (b / xblocks, (b % xblocks) * ROWS);
-                for (r, v) in at.iter_mut().enumerate() {
-                    *v = (ox0 + r < ow).then_some((oy, ox0 + r));
-                }
-                oy * self.stride * wp + ox0 * self.stride
-            };
-            let tap = |ky: usize, kx: usize| ((img * hs + ky) * wp + first + kx) * cp;
-            let p = pair * 2;
-            let b0 = &packed[p * kp * PANEL..(p + 1) * kp * PANEL];
-            let b1 = &packed[(p + 1) * kp * PANEL..(p + 2) * kp * PANEL];
-            tiles.conv_block(nhwc, self, &tap, b0, b1, &mut c);
-            let cols = (2 * PANEL).min(self.oc - p * PANEL);
-            for j in 0..cols {
-                let plane = (img * self.oc + p * PANEL + j) * oh * ow;
-                let add = bias.map_or(0.0, |b| b[p * PANEL + j]);
-                for (r, pos) in at.iter().enumerate() {
-                    if let Some((oy, ox)) = pos {
-                        out[plane + oy * ow + ox] = c[r * 2 * PANEL + j] + add;
+                for block in my_blocks.clone() {
+                    let (img, b) = (block / per_image, block % per_image);
+                    runs.clear();
+                    let first = if flat {
+                        let m0 = b * ROWS;
+                        let mut r = 0;
+                        while r < ROWS {
+                            let (oy, ox) = ((m0 + r) / wp, (m0 + r) % wp);
+                            if oy >= oh {
+                                break;
+                            }
+                            if ox >= ow {
+                                r += wp - ox;
+                                continue;
+                            }
+                            let len = (ow - ox).min(ROWS - r);
+                            runs.push((r, len, oy * ow + ox));
+                            r += len;
+                        }
+                        m0
+                    } else {
+                        let xblocks = ow.div_ceil(ROWS);
+                        let (oy, ox0) = (b / xblocks, (b % xblocks) * ROWS);
+                        runs.push((0, ROWS.min(ow - ox0), oy * ow + ox0));
+                        oy * self.stride * wp + ox0 * self.stride
+                    };
+                    let tap = |ky: usize, kx: usize| ((img * hs + ky) * wp + first + kx) * cp;
+                    for (i, &pair) in g.iter().enumerate() {
+                        let (b0, b1) =
+                            panels[i * pair_len..(i + 1) * pair_len].split_at(kp * PANEL);
+                        tiles.conv_block(nhwc, self, &tap, b0, b1, &mut c.0);
+                        transpose_32x32(&c.0, &mut ct.0);
+                        let p = pair * 2;
+                        let cols = (2 * PANEL).min(self.oc - p * PANEL);
+                        for j in 0..cols {
+                            let o = p * PANEL + j;
+                            let plane = &mut out[(img * self.oc + o) * oh * ow..][..oh * ow];
+                            let add = bias.map_or(0.0, |b| b[o]);
+                            let sums = &ct.0[j * ROWS..(j + 1) * ROWS];
+                            for &(r, len, at) in &runs {
+                                for (d, s) in plane[at..at + len].iter_mut().zip(&sums[r..r + len])
+                                {
+                                    *d = s + add;
+                                }
+                            }
+                        }
                     }
                 }
             }
-        };
-        if by_panel {
-            for pair in (ith..pairs).step_by(nth.max(1)) {
-                for block in 0..blocks {
-                    run(block, pair);
+            drop(tiles);
+        });
+    }
+}
+
+/// The packed kernel [`Conv::gemm`] holds at a time, at most (unless one
+/// pair of panels is larger): a share of a core's level-2 cache.
+const GROUP_BYTES: usize = 1 << 20;
+
+thread_local! {
+    /// [`Conv::gemm`]'s packed pair of panels and its scratch, kept
+    /// between calls on each of the pool's threads.
+    static CONV_BUF: std::cell::RefCell<(Vec<u16>, Vec<u16>)> =
+        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// 32 × 32 f32, aligned as the tile unit's stores want their rows.
+#[repr(C, align(64))]
+struct Sums32([f32; ROWS * 2 * PANEL]);
+
+/// `dst[j·32 + r] = src[r·32 + j]` over 32 × 32 f32, in registers.
+fn transpose_32x32(src: &[f32; ROWS * 2 * PANEL], dst: &mut [f32; ROWS * 2 * PANEL]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the feature was just checked.
+        return unsafe { transpose_32x32_avx512(src, dst) };
+    }
+    for r in 0..ROWS {
+        for j in 0..2 * PANEL {
+            dst[j * ROWS + r] = src[r * 2 * PANEL + j];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn transpose_32x32_avx512(src: &[f32; ROWS * 2 * PANEL], dst: &mut [f32; ROWS * 2 * PANEL]) {
+    use std::arch::x86_64::*;
+    for rb in 0..2 {
+        for cb in 0..2 {
+            let r: [__m512i; 16] = std::array::from_fn(|i| {
+                // SAFETY: row rb·16 + i, columns cb·16.. + 16 of 32 × 32.
+                unsafe {
+                    _mm512_loadu_si512(src.as_ptr().add((rb * 16 + i) * 32 + cb * 16) as *const _)
                 }
-            }
-        } else {
-            for block in (ith..blocks).step_by(nth.max(1)) {
-                for pair in 0..pairs {
-                    run(block, pair);
-                }
+            });
+            for (e, v) in transpose_16x16(r).into_iter().enumerate() {
+                // SAFETY: row cb·16 + e, columns rb·16.. + 16 of 32 × 32.
+                unsafe {
+                    _mm512_storeu_si512(
+                        dst.as_mut_ptr().add((cb * 16 + e) * 32 + rb * 16) as *mut _,
+                        v,
+                    )
+                };
             }
         }
-        drop(tiles);
     }
 }
 
@@ -1479,7 +1573,9 @@ impl Tiles {
 impl Tiles {
     /// `c[32 × 32]` = the 32 output pixels at `tap(ky, kx)` (rows `stride
     /// · cp` apart in `nhwc`) times the packed panels `b0 b1`, summed over
-    /// the kernel's taps and channel blocks.
+    /// the kernel's taps and channel blocks; software-pipelined, each
+    /// step's operands loaded as soon as the products of the step before
+    /// are done with their tiles.
     fn conv_block(
         &self,
         nhwc: &[u16],
@@ -1495,40 +1591,58 @@ impl Tiles {
         let last = tap(conv.kh - 1, conv.kw - 1) + (ROWS - 1) * conv.stride * cp + cp;
         assert!(last <= nhwc.len() && b0.len() >= kp * PANEL && b1.len() >= kp * PANEL);
         let second = PANEL * conv.stride * cp;
+        let per_tap = cp / TILE_K;
+        let steps = kp / TILE_K;
+        // A's offset at step `s`: tap s / per_tap, channels from (s % per_tap) · 32.
+        let a_at = |s: usize| {
+            let t = s / per_tap;
+            tap(t / conv.kw, t % conv.kw) + (s % per_tap) * TILE_K
+        };
         // SAFETY: the tiles are configured (`self`). Every A load reads 16
-        // rows of 64 bytes from a tap's first pixel on, rows `stride`
-        // bytes apart, the last ending at most at `last` (asserted inside
-        // `nhwc`; taps grow with ky, kx and channel blocks end at cp); B
-        // loads read 1 KiB tiles inside the panels (asserted); the stores
-        // write 16 rows of 64 bytes inside `c` (32 rows of 128 bytes).
+        // rows of 64 bytes from a tap's first pixel on (step `n` < steps),
+        // rows `stride` bytes apart, the last ending at most at `last`
+        // (asserted inside `nhwc`; taps grow with ky, kx and channel
+        // blocks end at cp); B loads read 1 KiB tiles at step n < steps,
+        // inside the panels (asserted); the stores write 16 rows of 64
+        // bytes inside `c` (32 rows of 128 bytes).
         unsafe {
             zero_sums();
             let base = nhwc.as_ptr();
-            let mut kt = 0;
-            for ky in 0..conv.kh {
-                for kx in 0..conv.kw {
-                    let t = tap(ky, kx);
-                    for cb in (0..cp).step_by(TILE_K) {
-                        std::arch::asm!(
-                            "tileloadd tmm4, [{a0} + {s}*1]",
-                            "tileloadd tmm5, [{a1} + {s}*1]",
-                            "tileloadd tmm6, [{b0} + {t}*1]",
-                            "tileloadd tmm7, [{b1} + {t}*1]",
-                            "tdpbf16ps tmm0, tmm4, tmm6",
-                            "tdpbf16ps tmm1, tmm4, tmm7",
-                            "tdpbf16ps tmm2, tmm5, tmm6",
-                            "tdpbf16ps tmm3, tmm5, tmm7",
-                            a0 = in(reg) base.add(t + cb),
-                            a1 = in(reg) base.add(t + cb + second),
-                            b0 = in(reg) b0.as_ptr().add(kt),
-                            b1 = in(reg) b1.as_ptr().add(kt),
-                            s = in(reg) stride,
-                            t = in(reg) 64usize,
-                            options(nostack, readonly)
-                        );
-                        kt += TILE_K * PANEL;
-                    }
-                }
+            let (p0, p1) = (b0.as_ptr(), b1.as_ptr());
+            let a = a_at(0);
+            std::arch::asm!(
+                "tileloadd tmm4, [{a0} + {s}*1]",
+                "tileloadd tmm5, [{a1} + {s}*1]",
+                "tileloadd tmm6, [{b0} + {t}*1]",
+                "tileloadd tmm7, [{b1} + {t}*1]",
+                a0 = in(reg) base.add(a),
+                a1 = in(reg) base.add(a + second),
+                b0 = in(reg) p0,
+                b1 = in(reg) p1,
+                s = in(reg) stride,
+                t = in(reg) 64usize,
+                options(nostack, readonly)
+            );
+            for st in 0..steps {
+                let n = (st + 1).min(steps - 1);
+                let (a, kt) = (a_at(n), n * TILE_K * PANEL);
+                std::arch::asm!(
+                    "tdpbf16ps tmm0, tmm4, tmm6",
+                    "tdpbf16ps tmm1, tmm4, tmm7",
+                    "tileloadd tmm4, [{a0} + {s}*1]",
+                    "tdpbf16ps tmm2, tmm5, tmm6",
+                    "tileloadd tmm6, [{b0} + {t}*1]",
+                    "tdpbf16ps tmm3, tmm5, tmm7",
+                    "tileloadd tmm5, [{a1} + {s}*1]",
+                    "tileloadd tmm7, [{b1} + {t}*1]",
+                    a0 = in(reg) base.add(a),
+                    a1 = in(reg) base.add(a + second),
+                    b0 = in(reg) p0.add(kt),
+                    b1 = in(reg) p1.add(kt),
+                    s = in(reg) stride,
+                    t = in(reg) 64usize,
+                    options(nostack, readonly)
+                );
             }
         }
         self.store(c);
@@ -1650,29 +1764,6 @@ unsafe fn f32_rows<'x>(x: *const sys::ggml_tensor) -> impl Fn(usize, usize, usiz
 /// below 2¹⁶, checked by the graph builder) to the custom ops.
 pub(crate) fn conv_userdata(stride: usize, pad: usize) -> *mut c_void {
     ((stride << 16) | pad) as *mut c_void
-}
-
-/// Custom op: `dst` = [`Conv::pack`] of the kernel `src[0]` for the input
-/// `src[1]`.
-pub(crate) unsafe extern "C" fn conv_pack_op(
-    dst: *mut sys::ggml_tensor,
-    ith: c_int,
-    nth: c_int,
-    ud: *mut c_void,
-) {
-    // SAFETY: `Context::conv_2d` built this op: a contiguous bf16 kernel,
-    // an input whose shape fits it, and a destination of
-    // `Conv::packed_len` bf16, all in host memory.
-    unsafe {
-        let (k, x) = ((*dst).src[0], (*dst).src[1]);
-        let conv = conv_of(k, x, ud);
-        let kernel = std::slice::from_raw_parts(
-            (*k).data as *const u16,
-            conv.kw * conv.kh * conv.c * conv.oc,
-        );
-        let out = std::slice::from_raw_parts_mut((*dst).data as *mut u16, conv.packed_len());
-        conv.pack(kernel, out, ith as usize, nth as usize);
-    }
 }
 
 /// Custom op: `dst` = [`Conv::nhwc`] of the f32 input `src[0]` (rows
@@ -1946,33 +2037,36 @@ pub(crate) unsafe extern "C" fn nhwc_norm_op(
     }
 }
 
-/// Custom op: `dst` (f32 `[ow, oh, oc, n]`, contiguous) = [`Conv::gemm`]
-/// of the packed kernel `src[0]` and the channels-last copy `src[1]`;
-/// `src[2]` and `src[3]` are the kernel and input, for their shapes, and
-/// `src[4]`, if any, an f32 bias of `oc` values added to each output.
+/// Custom op: `dst` = [`Conv::gemm`] of the bf16 kernel `src[0]` and the
+/// channels-last copy `src[1]` of the input `src[2]` (for its shape);
+/// `src[3]`, if any, an f32 bias of `oc` values added to each output.
 pub(crate) unsafe extern "C" fn conv_gemm_op(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
     nth: c_int,
     ud: *mut c_void,
 ) {
-    // SAFETY: `Context::conv_2d` built this op from the two ops above for
-    // this kernel and input; the destination holds ow × oh × oc × n f32;
-    // threads write disjoint blocks of output pixels.
+    // SAFETY: `Context::conv_2d` built this op from a contiguous bf16
+    // kernel, the `nhwc_op` (or `nhwc_norm_op`) of this kernel and input,
+    // and the input; the destination holds ow × oh × oc × n f32; threads
+    // write disjoint output channels or blocks of output pixels.
     unsafe {
-        let conv = conv_of((*dst).src[2], (*dst).src[3], ud);
-        let packed =
-            std::slice::from_raw_parts((*(*dst).src[0]).data as *const u16, conv.packed_len());
+        let (k, x) = ((*dst).src[0], (*dst).src[2]);
+        let conv = conv_of(k, x, ud);
+        let kernel = std::slice::from_raw_parts(
+            (*k).data as *const u16,
+            conv.kw * conv.kh * conv.c * conv.oc,
+        );
         let len = conv.nhwc_ne().iter().product();
         let nhwc = std::slice::from_raw_parts((*(*dst).src[1]).data as *const u16, len);
         let out = std::slice::from_raw_parts_mut(
             (*dst).data as *mut f32,
             conv.ow() * conv.oh() * conv.oc * conv.n,
         );
-        let bias = ((*dst).src[4] as *const sys::ggml_tensor)
+        let bias = ((*dst).src[3] as *const sys::ggml_tensor)
             .as_ref()
             .map(|b| std::slice::from_raw_parts(b.data as *const f32, conv.oc));
-        conv.gemm(packed, nhwc, bias, out, ith as usize, nth as usize);
+        conv.gemm(kernel, nhwc, bias, out, ith as usize, nth as usize);
     }
 }
 
@@ -2117,9 +2211,15 @@ pub(crate) mod tests {
             (17, 6, 8, 1, 16, 3, 2, 0),
             (33, 2, 64, 2, 32, 1, 1, 0),
             (8, 8, 4, 1, 7, 3, 2, 1),
-            // Over 1 MiB of packed kernel for few pixels: panel by panel.
+            // Wide kernels over few pixels (pairs of panels shared
+            // unevenly: by blocks of pixels).
             (5, 4, 256, 2, 240, 3, 1, 1),
             (6, 6, 300, 1, 200, 3, 2, 1),
+            // By output channels: three pairs of panels, one a thread;
+            // thirteen, shared unevenly; blocks across output rows (the
+            // padded width 14).
+            (12, 7, 70, 2, 96, 3, 1, 1),
+            (3, 20, 40, 1, 400, 3, 1, 1),
         ];
         for (w, h, c, n, oc, k, stride, pad) in cases {
             let conv = Conv {
@@ -2138,10 +2238,8 @@ pub(crate) mod tests {
             let kernel: Vec<u16> = kf.iter().map(|&v| bf16(v)).collect();
             // Every other case with a bias.
             let bias = (oc % 2 == 1).then(|| values(oc, 8));
-            let mut packed = vec![0; conv.packed_len()];
             let mut nhwc = vec![0xffff; conv.nhwc_ne().iter().product()];
             for t in 0..2 {
-                conv.pack(&kernel, &mut packed, t, 2);
                 conv.nhwc(
                     |i, ch, y| &x[((i * c + ch) * h + y) * w..][..w],
                     &mut nhwc,
@@ -2151,8 +2249,10 @@ pub(crate) mod tests {
             }
             let (ow, oh) = (conv.ow(), conv.oh());
             let mut out = vec![f32::NAN; ow * oh * oc * n];
+            // Three threads: by output channels where they share the pairs
+            // of panels evenly, else by blocks of pixels.
             for t in 0..3 {
-                conv.gemm(&packed, &nhwc, bias.as_deref(), &mut out, t, 3);
+                conv.gemm(&kernel, &nhwc, bias.as_deref(), &mut out, t, 3);
             }
             for i in 0..n {
                 for o in 0..oc {

@@ -606,8 +606,9 @@ impl Context {
         out.ok_or_else(|| Error::Invalid("conv_2d of an empty input".into()))
     }
 
-    /// [`Context::conv_2d`] as the three custom ops of [`crate::amx`]:
-    /// packed kernel, channels-last bf16 input, implicit GEMM (no im2col).
+    /// [`Context::conv_2d`] as the two custom ops of [`crate::amx`]:
+    /// channels-last bf16 input, implicit GEMM (no im2col) that packs the
+    /// kernel's panels as it goes.
     /// The caller checked shapes and types (bf16 kernel, f32 input).
     pub(crate) fn conv_2d_amx<'a>(
         &'a self,
@@ -641,14 +642,8 @@ impl Context {
             // `ty`; room checked below.
             unsafe { self.custom_op(ty, ne, args, f, ud, "amx conv") }
         };
-        self.room(3)?;
+        self.room(2)?;
         let bf16 = sys::GGML_TYPE_BF16;
-        let packed = custom(
-            bf16,
-            [conv.packed_len(), 1, 1, 1],
-            &mut [kernel.raw, input.raw],
-            crate::amx::conv_pack_op,
-        )?;
         let nhwc = match norm {
             None => custom(
                 bf16,
@@ -663,7 +658,7 @@ impl Context {
                 crate::amx::nhwc_norm_op,
             )?,
         };
-        let mut args = vec![packed.raw, nhwc.raw, kernel.raw, input.raw];
+        let mut args = vec![kernel.raw, nhwc.raw, input.raw];
         args.extend(bias.map(|b| b.raw));
         custom(
             sys::GGML_TYPE_F32,
