@@ -502,8 +502,9 @@ pub fn isa_for_product(ty: sys::ggml_type, k: usize) -> Option<Isa> {
 /// * f16: no; ggml's tinyBLAS (activations rounded to f16, F16C
 ///   conversions in its loop) measured as fast or faster, except at short
 ///   rows on the AVX2 class ([`isa_for_product`], [`F16_MAX_K`]);
-/// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-VNNI (and
-///   no AMX) yes, in 8-bit integers as ggml multiplies them, on `fma/vnni.rs`'s
+/// * q8_0, q4_0, q4_1, q5_0 and q5_1: on processors with AVX512-VNNI yes
+///   (where the tile unit is, below `tiles::QUANTIZED_MIN_ROWS` rows; from
+///   there the tile unit takes them), in 8-bit integers as ggml multiplies them, on `fma/vnni.rs`'s
 ///   kernel (q8_0 and q4_0 2.2–3.0× ggml's from 64 rows and 1.2–2.8× at
 ///   8–16 rows, q4_1 and q5_1 6–8×, q5_0 3×; 1.2–1.9× the bf16 kernel
 ///   below);
@@ -565,7 +566,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         | sys::GGML_TYPE_Q4_K
         | sys::GGML_TYPE_Q5_K
         | sys::GGML_TYPE_Q6_K
-            if f.avx512vnni && knobs.fma_vnni && !knobs.fma_avx2 && !crate::amx::available() =>
+            if f.avx512vnni && knobs.fma_vnni && !knobs.fma_avx2 =>
         {
             Some(Isa::Avx512Vnni)
         }

@@ -587,6 +587,32 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat q4_0 + bias (AMX)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // From fma::tiles::QUANTIZED_MIN_ROWS: dequantized to bf16
+                // as the panels are packed, a ragged panel and tile of rows.
+                let (a, b, bias) = (
+                    t(i, Type::Q4_0, &[320, 40])?,
+                    t(i, Type::F32, &[320, 70])?,
+                    t(i, Type::F32, &[40])?,
+                );
+                Ok((vec![a, b, bias], c.mul_mat_bias(a, b, bias)?))
+            },
+        },
+        Case {
+            name: "mul_mat q6_K (AMX)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                let (a, b) = (t(i, Type::Q6K, &[512, 48])?, t(i, Type::F32, &[512, 96])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "conv_2d bf16 + bias (AMX)",
             tolerance: 1e-2,
             cpu_kernels: true,

@@ -135,7 +135,9 @@ impl Context {
     /// Matrix product `b · aᵀ` in ggml's convention (result `[a.ne1,
     /// b.ne1]`). In an AMX context ([`Context::set_amx`]) a 2-D bf16 `a`
     /// times an f32 `b` (from one row: few rows read the weight in place) runs on the
-    /// tile unit (see [`crate::amx`]).
+    /// tile unit (see [`crate::amx`]), and so does a 2-D `a` of ggml's 8-bit
+    /// and k-quant types from 64 rows of `b` (dequantized to bf16 as it
+    /// is packed; fewer rows take sdhost's AVX512-VNNI kernel).
     pub fn mul_mat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>) -> Result<Tensor<'a>> {
         Ok(self.mul_mat_impl(a, b, None)?.0)
     }
@@ -174,13 +176,19 @@ impl Context {
         check_mul_mat(&a, &b)?;
         let (x, y) = (a.ne(), b.ne());
         let rows = y[1] * y[2] * y[3];
+        let tiles_from = match a.ty() {
+            Some(Type::BF16) => Some(crate::fma::tiles::min_rows()),
+            _ if crate::fma::tiles::takes_quantized(a.raw_type()) => {
+                Some(crate::fma::tiles::min_rows().max(crate::fma::tiles::QUANTIZED_MIN_ROWS))
+            }
+            _ => None,
+        };
         if self.amx.get()
-            && a.ty() == Some(Type::BF16)
+            && tiles_from.is_some_and(|from| rows >= from as i64)
             && b.ty() == Some(Type::F32)
             && contiguous(&a)
             && x[2] == 1
             && x[3] == 1
-            && rows >= crate::fma::tiles::min_rows() as i64
         {
             let added = bias.is_some();
             return Ok((self.mul_mat_amx(a, b, bias)?, added));
@@ -253,8 +261,8 @@ impl Context {
     ) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
         self.room(1)?;
-        // SAFETY: `a` is alive for 'a, contiguous bf16 `[K, N]` (checked by
-        // the caller), `b` f32 with dense rows and `b.ne0 == K` (checked by
+        // SAFETY: `a` is alive for 'a, contiguous bf16 or of a type
+        // `tiles::takes_quantized` passes, `[K, N]` (checked by the caller), `b` f32 with dense rows and `b.ne0 == K` (checked by
         // check_mul_mat and the caller), and the f32 bias of N values if any
         // (checked by mul_mat_bias): what `gemm_op` reads; the result is
         // contiguous f32 `[N, b.ne1..3]`, which it writes.

@@ -232,6 +232,38 @@ pub fn gemm(
     );
 }
 
+/// The fewest rows a product of a quantized weight ([`takes_quantized`])
+/// takes the tile unit from; fewer take the AVX512-VNNI kernel
+/// (`fma/vnni.rs`), whose panels need no rounding to bf16. Measured on an
+/// Emerald Rapids Xeon (session 40, both threads, best of 5, the two
+/// kernels alternating in one process; q4_0, q8_0 and q4_K weights of 3072
+/// × 3072, 2560 × 9728 and 9728 × 2560): the tile unit 0.4–0.7× the VNNI
+/// kernel at 8 and 16 rows, 0.8–1.1× at 32, 1.04–1.3× at 64, 1.3–1.5× at
+/// 128 and 1.5–2.1× at 256.
+pub const QUANTIZED_MIN_ROWS: usize = 64;
+
+/// Whether a product of a weight of ggml type `ty`, not bf16, takes the
+/// tile unit (from [`QUANTIZED_MIN_ROWS`] rows): the 8-bit and k-quant
+/// types of the VNNI kernel, dequantized and rounded to bf16 as their
+/// panels are packed ([`super::Elem::pack_panel`]). Before this (session
+/// 40) they stayed on ggml's kernels where the tile unit is (ggml's own
+/// AMX kernels are not in the plugins sdhost builds): 40–80 GFLOP/s
+/// against 320–560 here at a DiT's shapes (`bench --products q4_0,q8_0`).
+pub fn takes_quantized(ty: crate::sys::ggml_type) -> bool {
+    use crate::sys::*;
+    matches!(
+        ty,
+        GGML_TYPE_Q8_0
+            | GGML_TYPE_Q4_0
+            | GGML_TYPE_Q4_1
+            | GGML_TYPE_Q5_0
+            | GGML_TYPE_Q5_1
+            | GGML_TYPE_Q4_K
+            | GGML_TYPE_Q5_K
+            | GGML_TYPE_Q6_K
+    )
+}
+
 /// The fewest rows a product takes the tile unit from: one (few rows
 /// read the weight in place, [`short`]; on an Emerald Rapids Xeon 16 rows
 /// by a Qwen3-4B MLP weight ran 2× faster than ggml's bf16 product even
@@ -425,7 +457,8 @@ pub(crate) unsafe extern "C" fn gemm_op(
     _: *mut std::os::raw::c_void,
 ) {
     // SAFETY: `Context::mul_mat` built this node where the tile unit is
-    // available: `src[0]` a contiguous 2-D bf16 weight of N = dst.ne[0]
+    // available: `src[0]` a contiguous 2-D weight, bf16 or of a type
+    // `takes_quantized` passes (both pack to bf16), of N = dst.ne[0]
     // rows of K = x.ne[0] values, and the rest as `on_product_node` reads
     // it.
     unsafe {
