@@ -237,9 +237,9 @@ pub fn gemm(
 /// (`fma/vnni.rs`), whose panels need no rounding to bf16. Measured on an
 /// Emerald Rapids Xeon (session 40, both threads, best of 5, the two
 /// kernels alternating in one process; q4_0, q8_0 and q4_K weights of 3072
-/// × 3072, 2560 × 9728 and 9728 × 2560): the tile unit 0.4–0.7× the VNNI
-/// kernel at 8 and 16 rows, 0.8–1.1× at 32, 1.04–1.3× at 64, 1.3–1.5× at
-/// 128 and 1.5–2.1× at 256.
+/// × 3072, 2560 × 9728 and 9728 × 2560): the tile unit 0.36–0.68× the
+/// VNNI kernel at 8 rows, 0.57–0.86× at 16, 0.84–1.15× at 32, 1.04–1.30×
+/// at 64, 1.32–1.58× at 128 and 1.56–2.13× at 256.
 pub const QUANTIZED_MIN_ROWS: usize = 64;
 
 /// Whether a product of a weight of ggml type `ty`, not bf16, takes the
