@@ -625,17 +625,9 @@ impl Conv {
         ith: usize,
         nth: usize,
     ) {
-        let (cp, wp, hs) = (self.cp(), self.wp(), self.hs());
+        let cp = self.cp();
         let mut scratch = vec![0f32; if affine.is_some() { self.w } else { 0 }];
-        for row in (ith..self.n * hs).step_by(nth.max(1)) {
-            let (img, yy) = (row / hs, row % hs);
-            let dst = &mut out[row * wp * cp..(row + 1) * wp * cp];
-            let Some(y) = yy.checked_sub(self.pad).filter(|&y| y < self.h) else {
-                dst.fill(0);
-                continue;
-            };
-            dst[..self.pad * cp].fill(0);
-            dst[(self.pad + self.w) * cp..].fill(0);
+        self.nhwc_rows(out, ith, nth, |img, y, dst| {
             // 16 channels at a time: their rows are narrowed side by side
             // (vectorized), then each pixel's 16 channels are written
             // together, so the input is read row by row, not a page per
@@ -657,6 +649,31 @@ impl Conv {
                 }
                 transpose16(&narrowed, self.w, &mut dst[self.pad * cp + c0..], cp);
             }
+        });
+    }
+
+    /// Calls `row(img, y, dst)` for this thread's rows (`ith, ith + nth,
+    /// …` over images × [`Conv::hs`]) of the channels-last copy `out` that
+    /// hold input row `y` of image `img`, `dst` the whole padded row, its
+    /// padding zeroed; the other rows (padding and slack) are zeroed.
+    fn nhwc_rows(
+        &self,
+        out: &mut [u16],
+        ith: usize,
+        nth: usize,
+        mut row: impl FnMut(usize, usize, &mut [u16]),
+    ) {
+        let (cp, wp, hs) = (self.cp(), self.wp(), self.hs());
+        for r in (ith..self.n * hs).step_by(nth.max(1)) {
+            let (img, yy) = (r / hs, r % hs);
+            let dst = &mut out[r * wp * cp..(r + 1) * wp * cp];
+            let Some(y) = yy.checked_sub(self.pad).filter(|&y| y < self.h) else {
+                dst.fill(0);
+                continue;
+            };
+            dst[..self.pad * cp].fill(0);
+            dst[(self.pad + self.w) * cp..].fill(0);
+            row(img, y, dst);
         }
     }
 
@@ -677,21 +694,12 @@ impl Conv {
         ith: usize,
         nth: usize,
     ) {
-        let (cp, wp, hs, w) = (self.cp(), self.wp(), self.hs(), self.w);
-        assert!(out.len() >= self.n * hs * wp * cp);
+        let (cp, w) = (self.cp(), self.w);
         // 16 rows of `w` channel pairs (u32, as bf16 pairs), and the two
         // channels' rows after the norm and SiLU.
         let mut pairs = vec![0u32; 16 * w];
         let mut scratch = vec![0f32; if affine.is_some() { 2 * w } else { 0 }];
-        for row in (ith..self.n * hs).step_by(nth.max(1)) {
-            let (img, yy) = (row / hs, row % hs);
-            let dst = &mut out[row * wp * cp..(row + 1) * wp * cp];
-            let Some(y) = yy.checked_sub(self.pad).filter(|&y| y < self.h) else {
-                dst.fill(0);
-                continue;
-            };
-            dst[..self.pad * cp].fill(0);
-            dst[(self.pad + w) * cp..].fill(0);
+        self.nhwc_rows(out, ith, nth, |img, y, dst| {
             for c0 in (0..cp).step_by(2 * PANEL) {
                 let mut src = [std::ptr::null::<u32>(); 16];
                 for (i, (part, src)) in pairs.chunks_exact_mut(w).zip(&mut src).enumerate() {
@@ -747,7 +755,7 @@ impl Conv {
                     )
                 };
             }
-        }
+        });
     }
 
     /// Packs the kernel's panels `2·pair` and `2·pair + 1` into `out` (`2 ·
