@@ -117,11 +117,26 @@ fn pack_with(
     nth: usize,
     fill: impl Fn(usize, &mut [u16]),
 ) {
+    let mut rows = vec![0u16; PANEL * round_up(k, TILE_K)];
+    pack_with_rows(k, n, out, ith, nth, &mut rows, fill);
+}
+
+/// [`pack_with`] through the caller's `rows` (16 rows of `k` rounded up to
+/// 32, where AVX-512 transposes them).
+fn pack_with_rows(
+    k: usize,
+    n: usize,
+    out: &mut [u16],
+    ith: usize,
+    nth: usize,
+    rows: &mut [u16],
+    fill: impl Fn(usize, &mut [u16]),
+) {
     let kp = round_up(k, TILE_K);
     let panels = round_up(n, 2 * PANEL) / PANEL;
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx512f") {
-        let mut rows = vec![0u16; PANEL * kp];
+        let rows = &mut rows[..PANEL * kp];
         for p in (ith..panels).step_by(nth.max(1)) {
             let mut src = [std::ptr::null::<u32>(); PANEL];
             for (c, (row, src)) in rows.chunks_exact_mut(kp).zip(&mut src).enumerate() {
@@ -759,53 +774,24 @@ impl Conv {
     }
 
     /// Packs the kernel's panels `2·pair` and `2·pair + 1` into `out` (`2 ·
-    /// kp · 16` bf16, `k` over taps then channels: pair `q` of output `col`
-    /// is word `16·q + col` of a panel, as the tile unit reads it),
-    /// through `scratch` (16 rows of `kp`): each output channel's `[c,
-    /// taps]` kernel turned into `[taps, cp]`, then every tap's channel
-    /// pairs of the panel's 16 outputs transposed side by side in
-    /// registers.
+    /// kp · 16` bf16, `k` over taps then channels, as [`pack_with`] lays
+    /// out a panel) through `scratch` (16 rows of `kp`): each output
+    /// channel's `[c, taps]` kernel turned into `[taps, cp]`, then the
+    /// panel transposed in registers.
     fn pack_pair(&self, kernel: &[u16], pair: usize, out: &mut [u16], scratch: &mut [u16]) {
         let (cp, taps) = (self.cp(), self.kh * self.kw);
-        let kp = taps * cp;
         let per = self.c * taps;
-        assert!(kernel.len() >= per * self.oc && out.len() >= 2 * kp * PANEL);
-        assert!(scratch.len() >= PANEL * kp);
-        for half in 0..2 {
-            let p = 2 * pair + half;
-            let panel = &mut out[half * kp * PANEL..(half + 1) * kp * PANEL];
-            let cols = PANEL.min(self.oc.saturating_sub(p * PANEL));
-            for col in 0..cols {
-                let src = &kernel[(p * PANEL + col) * per..][..per];
-                let dst = &mut scratch[col * kp..(col + 1) * kp];
-                for t in 0..taps {
-                    let row = &mut dst[t * cp..(t + 1) * cp];
-                    for (ch, v) in row[..self.c].iter_mut().enumerate() {
-                        *v = src[ch * taps + t];
-                    }
-                    row[self.c..].fill(0);
+        assert!(kernel.len() >= per * self.oc);
+        let first = 2 * PANEL * pair;
+        let n = (2 * PANEL).min(self.oc - first);
+        pack_with_rows(taps * cp, n, out, 0, 1, scratch, |j, row| {
+            let src = &kernel[(first + j) * per..][..per];
+            for (t, row) in row.chunks_exact_mut(cp).enumerate() {
+                for (ch, v) in row[..self.c].iter_mut().enumerate() {
+                    *v = src[ch * taps + t];
                 }
             }
-            #[cfg(target_arch = "x86_64")]
-            for t in 0..taps {
-                let src: [*const u32; 16] = std::array::from_fn(|col| match col < cols {
-                    true => scratch[col * kp + t * cp..].as_ptr() as *const u32,
-                    false => std::ptr::null(),
-                });
-                // SAFETY: AVX-512F (every processor with the tile unit has
-                // it); each source row holds cp / 2 words; the panel holds
-                // rows q = t·cp/2 .. (t + 1)·cp/2 of 16 words.
-                unsafe {
-                    transpose_words(
-                        &src,
-                        cp / 2,
-                        panel[t * cp * PANEL..].as_mut_ptr() as *mut u32,
-                        PANEL,
-                        PANEL,
-                    )
-                };
-            }
-        }
+        });
     }
 
     /// The convolution of the channels-last copy `nhwc` by the bf16
