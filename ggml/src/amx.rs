@@ -981,16 +981,24 @@ fn transpose_32x32_avx512(src: &[f32; ROWS * 2 * PANEL], dst: &mut [f32; ROWS * 
     }
 }
 
-/// Multi-head attention `softmax(q·kᵀ·scale)·v` on the tile unit, with
-/// an online softmax over key chunks (no score matrix): `q` `[d·heads,
-/// t, n]`, `k` and `v` `[d·heads, s, n]`, all f32 in that layout (head
-/// `h` is the slice `h·d..(h+1)·d` of each row), result like `q`.
+/// Multi-head attention `softmax(q·kᵀ·scale + bias)·v` on the tile unit,
+/// with an online softmax over key chunks (no score matrix): `q`
+/// `[d·heads, t, n]`, `k` and `v` `[d·kv_heads, s, n]`, all f32 in that
+/// layout (head `h` is the slice `h·d..(h+1)·d` of each row; query head
+/// `h` reads key and value head `h / (heads / kv_heads)`, grouped-query
+/// attention), result like `q`. The optional bias is a row of `s` values
+/// per (head, query), added to the scaled scores: a mask of `-∞` where a
+/// query may not see a key (a causal text encoder's), or T5's relative
+/// position bias. A chunk of keys that no query of a block sees (its bias
+/// all `-∞`) is skipped, so a causal mask costs about half the products.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Attn {
     /// Head size.
     pub d: usize,
-    /// Heads.
+    /// Query heads.
     pub heads: usize,
+    /// Key and value heads (dividing `heads`).
+    pub kv_heads: usize,
     /// Queries.
     pub t: usize,
     /// Keys.
@@ -1004,6 +1012,45 @@ pub struct Attn {
 /// Where [`Attn::run`] puts its results: `(image, query, first column,
 /// values)`.
 pub type OutRow<'o> = dyn FnMut(usize, usize, usize, &[f32]) + 'o;
+
+/// An attention's bias: `(head, query)` → that query's row of `s` values,
+/// added to its scaled scores.
+pub type BiasRow<'x> = &'x dyn Fn(usize, usize) -> &'x [f32];
+
+/// Whether every key in `k0..k0 + keys` is masked (`-∞` in the bias) for
+/// every query of `t0..t0 + rows` of head `h`.
+pub(crate) fn chunk_masked(
+    bias: BiasRow<'_>,
+    h: usize,
+    t0: usize,
+    rows: usize,
+    k0: usize,
+    keys: usize,
+) -> bool {
+    keys > 0
+        && (t0..t0 + rows)
+            .all(|j| bias(h, j)[k0..k0 + keys].iter().all(|&x| x == f32::NEG_INFINITY))
+}
+
+/// Adds head `h`'s bias for queries `t0..t0 + rows`, keys `k0..k0 + keys`,
+/// to the scores `sc` (a row per query, `ld` apart).
+pub(crate) fn add_bias(
+    bias: BiasRow<'_>,
+    h: usize,
+    t0: usize,
+    rows: usize,
+    k0: usize,
+    keys: usize,
+    sc: &mut [f32],
+    ld: usize,
+) {
+    for r in 0..rows {
+        let row = &bias(h, t0 + r)[k0..k0 + keys];
+        for (x, &b) in sc[r * ld..r * ld + keys].iter_mut().zip(row) {
+            *x += b;
+        }
+    }
+}
 
 /// Keys per softmax chunk.
 const CHUNK: usize = 256;
@@ -1022,21 +1069,23 @@ impl Attn {
     /// and `v(i, j)` are row `j` of image `i`; `out(i, j)` the output row.
     /// Its products run on the tile unit where [`available`], else on
     /// `vdpbf16ps` ([`dots_available`]; the caller checked one of them).
+    #[allow(clippy::too_many_arguments)]
     pub fn run<'x>(
         &self,
         q: &dyn Fn(usize, usize) -> &'x [f32],
         k: &dyn Fn(usize, usize) -> &'x [f32],
         v: &dyn Fn(usize, usize) -> &'x [f32],
+        bias: Option<BiasRow<'x>>,
         out: &mut OutRow<'_>,
         ith: usize,
         nth: usize,
     ) {
         if available() {
             let tiles = Tiles::load();
-            self.run_on(&tiles, q, k, v, out, ith, nth);
+            self.run_on(&tiles, q, k, v, bias, out, ith, nth);
             drop(tiles);
         } else {
-            self.run_on(&Dots, q, k, v, out, ith, nth);
+            self.run_on(&Dots, q, k, v, bias, out, ith, nth);
         }
     }
 
@@ -1048,12 +1097,14 @@ impl Attn {
         q: &dyn Fn(usize, usize) -> &'x [f32],
         k: &dyn Fn(usize, usize) -> &'x [f32],
         v: &dyn Fn(usize, usize) -> &'x [f32],
+        bias: Option<BiasRow<'x>>,
         out: &mut OutRow<'_>,
         ith: usize,
         nth: usize,
     ) {
         let nth = nth.max(1);
         let (d, s) = (self.d, self.s);
+        let group = self.heads / self.kv_heads.max(1);
         let dp = round_up(d, TILE_K);
         // The scores' `k`: the head's width as the products take it (on
         // `vdpbf16ps` in pairs, not padded to a tile row: 40-wide heads
@@ -1070,6 +1121,9 @@ impl Attn {
         let od = round_up(d, 2 * PANEL);
         let mut c = [0f32; ROWS * 2 * PANEL];
         let qblocks = self.t.div_ceil(ROWS);
+        // The (image, key head) whose keys and values are packed: the
+        // query heads of a group share them.
+        let mut packed = None;
         for unit in 0..units {
             let whole = units >= nth;
             if whole && unit % nth != ith {
@@ -1077,10 +1131,14 @@ impl Attn {
             }
             let (img, h) = (unit / self.heads, unit % self.heads);
             let col = h * d..(h + 1) * d;
-            pack_with(d, s, &mut kpack, 0, 1, |j, row| {
-                narrow(&k(img, j)[col.clone()], &mut row[..d]);
-            });
-            pack_keys(s, d, &mut vpack, |key| &v(img, key)[col.clone()]);
+            let kcol = (h / group) * d..(h / group + 1) * d;
+            if packed != Some((img, h / group)) {
+                pack_with(d, s, &mut kpack, 0, 1, |j, row| {
+                    narrow(&k(img, j)[kcol.clone()], &mut row[..d]);
+                });
+                pack_keys(s, d, &mut vpack, |key| &v(img, key)[kcol.clone()]);
+                packed = Some((img, h / group));
+            }
             let (first, step) = if whole { (0, 1) } else { (ith, nth) };
             for qb in (first..qblocks).step_by(step) {
                 let t0 = qb * ROWS;
@@ -1096,6 +1154,10 @@ impl Attn {
                 o.fill(0.0);
                 for k0 in (0..sp).step_by(CHUNK) {
                     let len = CHUNK.min(sp - k0);
+                    let keys = len.min(s.saturating_sub(k0));
+                    if bias.is_some_and(|b| chunk_masked(b, h, t0, valid, k0, keys)) {
+                        continue;
+                    }
                     // Scores of the chunk, 32 keys at a time.
                     for kb in (0..len).step_by(2 * PANEL) {
                         let p = (k0 + kb) / PANEL;
@@ -1103,7 +1165,9 @@ impl Attn {
                         let b1 = &kpack[(p + 1) * dp * PANEL..(p + 2) * dp * PANEL];
                         tiles.block_into(&qa, dp, kq, b0, b1, &mut sc[kb..], SC_LD);
                     }
-                    let keys = len.min(s.saturating_sub(k0));
+                    if let Some(b) = bias {
+                        add_bias(b, h, t0, valid, k0, keys, &mut sc, SC_LD);
+                    }
                     softmax_chunk(&mut sc, &mut pa, &mut o, od, &mut max, &mut sum, keys, len);
                     // o += p · v over the chunk, 32 outputs at a time.
                     for db in (0..od).step_by(2 * PANEL) {
@@ -1124,7 +1188,8 @@ impl Attn {
                 }
                 for r in 0..valid {
                     let row = &mut o[r * od..r * od + d];
-                    let inv = 1.0 / sum[r];
+                    // A query that sees no key (its bias all -∞) gets zeros.
+                    let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
                     for x in row.iter_mut() {
                         *x *= inv;
                     }
@@ -1245,6 +1310,11 @@ fn softmax_chunk_bf16(
             vm = _mm512_mask_max_ps(vm, mask, vm, x);
         }
         let m = _mm512_reduce_max_ps(vm).max(max[r]);
+        if m == f32::NEG_INFINITY {
+            // No key of this row seen yet (all masked): nothing to add.
+            pa[r * PA_LD..r * PA_LD + len].fill(0);
+            continue;
+        }
         let factor = exp(max[r] - m);
         max[r] = m;
         let (mv, mut acc) = (_mm512_set1_ps(m), _mm512_setzero_ps());
@@ -1298,6 +1368,11 @@ fn softmax_chunk_body(
             .iter()
             .chain(&lanes)
             .fold(max[r], |m, &x| if x > m { x } else { m });
+        if m == f32::NEG_INFINITY {
+            // No key of this row seen yet (all masked): nothing to add.
+            pa[r * PA_LD..r * PA_LD + len].fill(0);
+            continue;
+        }
         let factor = exp(max[r] - m);
         max[r] = m;
         let pr = &mut pa[r * PA_LD..r * PA_LD + len];
@@ -2185,13 +2260,15 @@ pub(crate) type AttnKernel = for<'x, 'o> fn(
     &dyn Fn(usize, usize) -> &'x [f32],
     &dyn Fn(usize, usize) -> &'x [f32],
     &dyn Fn(usize, usize) -> &'x [f32],
+    Option<BiasRow<'x>>,
     &mut OutRow<'o>,
     usize,
     usize,
 );
 
 /// Custom op: `dst` (f32 `[d·heads, t, n]`, contiguous) = [`Attn::run`]
-/// of `src[0..3]` (q, k, v: f32, rows dense).
+/// of `src[0..3]` (q, k, v: f32, rows dense) and the bias `src[3]`, if
+/// any.
 pub(crate) unsafe extern "C" fn attn_op(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -2202,14 +2279,16 @@ pub(crate) unsafe extern "C" fn attn_op(
     unsafe { attn_on(dst, ith, nth, ud, Attn::run) }
 }
 
-/// The body of an attention op: `dst` = `kernel` of `src[0..3]` with the
-/// heads and scale of `ud` ([`attn_userdata`]).
+/// The body of an attention op: `dst` = `kernel` of `src[0..3]` and the
+/// bias `src[3]` (if any) with the heads and scale of `ud`
+/// ([`attn_userdata`]).
 ///
 /// # Safety
-/// `Context::attention_cpu` built the op: q `[d·heads, t, n]`, k and v
-/// `[d·heads, s, n]`, f32 with dense rows whose strides address every row,
-/// and a contiguous f32 destination shaped like q; `kernel` runs on this
-/// processor.
+/// `Context::attention_cpu_masked` built the op: q `[d·heads, t, n]`, k
+/// and v `[d·kv_heads, s, n]` (`kv_heads` dividing `heads`), f32 with
+/// dense rows whose strides address every row, a bias (if any) f32 `[s,
+/// t, 1 or heads]` with dense rows, and a contiguous f32 destination shaped
+/// like q; `kernel` runs on this processor.
 pub(crate) unsafe fn attn_on(
     dst: *mut sys::ggml_tensor,
     ith: c_int,
@@ -2224,27 +2303,38 @@ pub(crate) unsafe fn attn_on(
         let ud = ud as usize;
         let heads = ud >> 32;
         let inner = q.ne[0] as usize;
+        let d = inner / heads;
         let attn = Attn {
-            d: inner / heads,
+            d,
             heads,
+            kv_heads: k.ne[0] as usize / d,
             t: q.ne[1] as usize,
             s: k.ne[1] as usize,
             n: q.ne[2] as usize,
             scale: f32::from_bits(ud as u32),
         };
         let rows = |x: &sys::ggml_tensor| {
-            let (base, nb) = (x.data as *const u8, x.nb);
+            let (base, nb, width) = (x.data as *const u8, x.nb, x.ne[0] as usize);
             move |i: usize, j: usize| -> &[f32] {
-                std::slice::from_raw_parts(base.add(i * nb[2] + j * nb[1]) as *const f32, inner)
+                std::slice::from_raw_parts(base.add(i * nb[2] + j * nb[1]) as *const f32, width)
             }
         };
         let (qr, kr, vr) = (rows(q), rows(k), rows(v));
+        let b = ((*dst).src[3] as *const sys::ggml_tensor).as_ref();
+        let br = b.map(|b| {
+            let (base, nb, per_head, s) = (b.data as *const u8, b.nb, b.ne[2] > 1, attn.s);
+            move |h: usize, j: usize| -> &[f32] {
+                let at = j * nb[1] + if per_head { h * nb[2] } else { 0 };
+                std::slice::from_raw_parts(base.add(at) as *const f32, s)
+            }
+        });
+        let br = br.as_ref().map(|f| f as BiasRow<'_>);
         let (out, t) = ((*dst).data as *mut f32, attn.t);
         let mut write = |i: usize, j: usize, at: usize, row: &[f32]| {
             let dst = std::slice::from_raw_parts_mut(out.add((i * t + j) * inner + at), row.len());
             dst.copy_from_slice(row);
         };
-        kernel(&attn, &qr, &kr, &vr, &mut write, ith as usize, nth as usize);
+        kernel(&attn, &qr, &kr, &vr, br, &mut write, ith as usize, nth as usize);
     }
 }
 
@@ -2632,46 +2722,59 @@ pub(crate) mod tests {
     }
 
     fn attention_matches_a_reference_on(tiles: bool) {
-        for (d, heads, t, s, n) in [
-            (40, 2, 33, 300, 2),
-            (64, 1, 70, 20, 1),
-            (8, 3, 5, 1, 1),
-            (160, 1, 32, 600, 1),
+        for (d, heads, kv_heads, t, s, n, mask) in [
+            (40, 2, 2, 33, 300, 2, Mask::None),
+            (64, 1, 1, 70, 20, 1, Mask::None),
+            (8, 3, 3, 5, 1, 1, Mask::None),
+            (160, 1, 1, 32, 600, 1, Mask::None),
             // Heads of 80: on `vdpbf16ps` the scores' k is 80, not 96, and
             // the last output panel (80..96) is skipped.
-            (80, 2, 40, 70, 1),
+            (80, 2, 2, 40, 70, 1, Mask::None),
+            // Qwen3's: grouped heads, causal over a padded prompt, keys
+            // past one chunk (whole chunks skipped for the first blocks).
+            (64, 8, 2, 300, 300, 1, Mask::Causal { valid: 280 }),
+            // T5's: a bias per head, no scale.
+            (32, 3, 3, 40, 40, 2, Mask::PerHead),
         ] {
             let inner = d * heads;
-            let scale = 1.0 / (d as f32).sqrt();
+            let kinner = d * kv_heads;
+            let scale = match mask {
+                Mask::PerHead => 1.0,
+                _ => 1.0 / (d as f32).sqrt(),
+            };
             let q = values(inner * t * n, 5);
-            let k = values(inner * s * n, 6);
-            let v = values(inner * s * n, 7);
+            let k = values(kinner * s * n, 6);
+            let v = values(kinner * s * n, 7);
             let attn = Attn {
                 d,
                 heads,
+                kv_heads,
                 t,
                 s,
                 n,
                 scale,
             };
+            let (bias, hb) = mask.bias(s, t, heads);
             let mut out = vec![f32::NAN; inner * t * n];
             for th in 0..3 {
                 let qr = |i: usize, j: usize| &q[(i * t + j) * inner..][..inner];
-                let kr = |i: usize, j: usize| &k[(i * s + j) * inner..][..inner];
-                let vr = |i: usize, j: usize| &v[(i * s + j) * inner..][..inner];
+                let kr = |i: usize, j: usize| &k[(i * s + j) * kinner..][..kinner];
+                let vr = |i: usize, j: usize| &v[(i * s + j) * kinner..][..kinner];
+                let br = |h: usize, j: usize| &bias[((h % hb) * t + j) * s..][..s];
+                let br = (hb > 0).then_some(&br as BiasRow<'_>);
                 let mut w = |i: usize, j: usize, at: usize, row: &[f32]| {
                     out[(i * t + j) * inner + at..][..row.len()].copy_from_slice(row)
                 };
                 if tiles {
                     let t = Tiles::load();
-                    attn.run_on(&t, &qr, &kr, &vr, &mut w, th, 3);
+                    attn.run_on(&t, &qr, &kr, &vr, br, &mut w, th, 3);
                     drop(t);
                 } else {
-                    attn.run_on(&Dots, &qr, &kr, &vr, &mut w, th, 3);
+                    attn.run_on(&Dots, &qr, &kr, &vr, br, &mut w, th, 3);
                 }
             }
             let r = |x: f32| to_f32(bf16(x)) as f64;
-            let want = reference(&attn, &q, &k, &v, r);
+            let want = reference(&attn, &q, &k, &v, (hb > 0).then_some((&bias[..], hb)), r);
             for (at, (&got, want)) in out.iter().zip(&want).enumerate() {
                 // p and v are rounded to bf16: 2⁻⁸ relative each.
                 assert!(
@@ -2682,38 +2785,80 @@ pub(crate) mod tests {
         }
     }
 
-    /// `softmax(q·kᵀ·scale)·v` of `a` in f64, laid out as the kernels
-    /// write it (`[d·heads, t, n]`), q and k taken through `round` (the
-    /// scale applied to q first) as a kernel rounds them.
+    /// The bias of a test case.
+    #[derive(Clone, Copy)]
+    pub(crate) enum Mask {
+        None,
+        /// Key j seen from query i where j ≤ i and j < valid.
+        Causal { valid: usize },
+        /// Values in [-2, 2) per head.
+        PerHead,
+    }
+
+    impl Mask {
+        /// `[s, t, hb]` values and `hb` (0: no bias).
+        pub(crate) fn bias(self, s: usize, t: usize, heads: usize) -> (Vec<f32>, usize) {
+            match self {
+                Mask::None => (Vec::new(), 0),
+                Mask::Causal { valid } => {
+                    let b = (0..t * s)
+                        .map(|at| match at % s <= at / s && at % s < valid {
+                            true => 0.0,
+                            false => f32::NEG_INFINITY,
+                        })
+                        .collect();
+                    (b, 1)
+                }
+                Mask::PerHead => {
+                    let b = values(s * t * heads, 8).iter().map(|x| 2.0 * x).collect();
+                    (b, heads)
+                }
+            }
+        }
+    }
+
+    /// `softmax(q·kᵀ·scale + bias)·v` of `a` in f64, laid out as the
+    /// kernels write it (`[d·heads, t, n]`), q and k taken through `round`
+    /// (the scale applied to q first) as a kernel rounds them; `bias` is
+    /// `[s, t, hb]` with `hb` 1 or `heads`.
     pub(crate) fn reference(
         a: &Attn,
         q: &[f32],
         k: &[f32],
         v: &[f32],
+        bias: Option<(&[f32], usize)>,
         round: impl Fn(f32) -> f64,
     ) -> Vec<f64> {
         let (d, heads, t, s, n) = (a.d, a.heads, a.t, a.s, a.n);
-        let inner = d * heads;
+        let (inner, kinner, group) = (d * heads, d * a.kv_heads, heads / a.kv_heads);
         let mut out = vec![0f64; inner * t * n];
         for i in 0..n {
             for h in 0..heads {
+                let kh = h / group;
                 for j in 0..t {
                     let qrow = &q[(i * t + j) * inner + h * d..][..d];
                     let scores: Vec<f64> = (0..s)
                         .map(|key| {
-                            let krow = &k[(i * s + key) * inner + h * d..][..d];
+                            let krow = &k[(i * s + key) * kinner + kh * d..][..d];
+                            let b = bias.map_or(0.0, |(b, hb)| b[((h % hb) * t + j) * s + key]);
                             qrow.iter()
                                 .zip(krow)
                                 .map(|(&x, &y)| round(x * a.scale) * round(y))
-                                .sum()
+                                .sum::<f64>()
+                                + b as f64
                         })
                         .collect();
-                    let m = scores.iter().cloned().fold(f64::MIN, f64::max);
+                    let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    if m == f64::NEG_INFINITY {
+                        continue;
+                    }
                     let e: Vec<f64> = scores.iter().map(|x| (x - m).exp()).collect();
                     let total: f64 = e.iter().sum();
                     for c in 0..d {
                         out[(i * t + j) * inner + h * d + c] = (0..s)
-                            .map(|key| e[key] / total * v[(i * s + key) * inner + h * d + c] as f64)
+                            .map(|key| {
+                                e[key] / total * v[(i * s + key) * kinner + kh * d + c] as f64
+                            })
                             .sum();
                     }
                 }

@@ -55,6 +55,16 @@ pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;
 pub use rpc::START_SERVER as RPC_START_SERVER;
 
+/// Whether a context with sdhost's CPU kernels on
+/// ([`Context::set_cpu_kernels`]) runs [`Context::attention_cpu`] on this
+/// processor (with the knobs of [`knobs`]).
+pub fn cpu_attention_available() -> bool {
+    amx::available()
+        || (fma::available()
+            && knobs().fma_attention
+            && (amx::dots_available() || fma::attn::available()))
+}
+
 /// Errors from the safe wrappers.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

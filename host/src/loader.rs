@@ -268,6 +268,7 @@ pub fn apply_flash_attn(
     emulated_bf16: bool,
 ) -> String {
     let mut on = Vec::new();
+    let family = sd.family();
     for module in sd.modules_mut() {
         let auto = layout
             .devices
@@ -278,10 +279,6 @@ pub fn apply_flash_attn(
             FlashAttn::Off => false,
             FlashAttn::Auto => auto,
         };
-        // The text encoder's causal attention never uses it.
-        if flash && module.kind() != Place::Te {
-            on.push(module.name());
-        }
         // sdhost's own CPU kernels (AMX tiles, AVX2 + FMA products) wherever
         // the module runs on the CPU alone and the processor has what they
         // need (`SDHOST_NO_AMX` and `SDHOST_NO_FMA` turn them off); where
@@ -292,6 +289,14 @@ pub fn apply_flash_attn(
             emulated_bf16,
             ..module.options()
         });
+        // Text encoders fuse theirs only on sdhost's CPU kernels (a mask or
+        // position bias in the fused kernel), and CLIP's causal one never.
+        let text = matches!(module.kind(), Place::Te | Place::TeT5xxl);
+        let fuses = family.fuses_attention_of(module.kind())
+            && (!text || (module.runs_cpu_kernels() && ggml::cpu_attention_available()));
+        if flash && fuses {
+            on.push(module.name());
+        }
     }
     if on.is_empty() {
         "off".into()

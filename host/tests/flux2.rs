@@ -315,6 +315,14 @@ fn generate_writes_a_klein_image_and_bad_parts_are_one_line() {
     ] {
         assert!(text.contains(want), "{want:?} not in {text:?}");
     }
+    // `--flash-attn auto` on the CPU: the Qwen3 encoder's masked attention
+    // is fused too, where sdhost's CPU kernels have it (every x86-64 with
+    // AVX2).
+    let flash = match ggml::cpu_attention_available() {
+        true => "Flash attention: te+diffusion+vae",
+        false => "Flash attention: diffusion+vae",
+    };
+    assert!(text.contains(flash), "{flash:?} not in {text:?}");
     // diffusers' naming gives the same image.
     let again = p.dir("again").join("k.png");
     let mut a = vec!["--diffusion-model", s(&diffusers)];

@@ -488,7 +488,8 @@ pub struct Scores<'a> {
 
 /// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
 /// `[D·H, T, N]`, `softmax(q·kᵀ/√D)·v` per head, optionally causal; with
-/// `flash` (and not causal) as one fused op.
+/// `flash` (and not causal) as one fused op. With a bias or grouped key
+/// heads ([`attention_with`]) it is fused only on sdhost's CPU kernels.
 pub fn attention<'a>(
     c: &'a Context,
     q: Tensor<'a>,
@@ -548,19 +549,26 @@ pub fn attention_with<'a>(
     }
     let d = inner / heads;
     let scale = scale.unwrap_or(1.0 / (d as f32).sqrt());
-    let flash = match flash {
-        _ if causal || bias.is_some() => Flash::Off,
-        f => f,
-    };
-    if flash != Flash::Off && c.cpu_attention() && kvh == heads {
+    if flash != Flash::Off && c.cpu_attention() && !causal {
         // sdhost's fused attention (AMX tiles, `vdpbf16ps`, or f32 on
-        // AVX2) reads the heads in place.
+        // AVX2) reads the heads in place, grouped key heads and a bias
+        // (Qwen3's causal mask, T5's position bias) included.
         let dense = |x: Tensor<'a>| match x.nb()[0] == 4 {
             true => Ok(x),
             false => c.cont(x),
         };
-        return Ok(c.attention_cpu(dense(q)?, dense(k)?, dense(v)?, heads, scale)?);
+        let bias = match bias {
+            Some(b) if b.type_name() != "f32" => Some(c.cast(b, ggml::Type::F32)?),
+            Some(b) => Some(dense(b)?),
+            None => None,
+        };
+        let (q, k, v) = (dense(q)?, dense(k)?, dense(v)?);
+        return Ok(c.attention_cpu_masked(q, k, v, heads, scale, bias)?);
     }
+    let flash = match flash {
+        _ if causal || bias.is_some() => Flash::Off,
+        f => f,
+    };
     if let Flash::Padded(wide) = flash {
         // Each head zero-padded from D to `wide` as it is permuted to
         // [wide, T, H, N]: the zeros add nothing to q·kᵀ (the scale stays

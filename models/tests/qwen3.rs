@@ -7,7 +7,7 @@
 
 use sdhost_models::checkpoint::{self, gguf};
 use sdhost_models::encoders::qwen3::{self, Qwen3Config};
-use sdhost_models::runtime::graph::W;
+use sdhost_models::runtime::graph::{GraphOptions, W};
 use sdhost_models::runtime::module::Module;
 use sdhost_models::tokenizers::qwen::QwenTokenizer;
 use sdhost_models::ModuleKind;
@@ -104,9 +104,18 @@ fn a_gguf_is_tokenized_with_its_own_vocabulary() {
 
 /// `wide`: matrices in f32, so that the arithmetic is checked apart from
 /// ggml's bf16 products (which round the activations to bf16 too).
-fn hidden_states_match(device: &str, wide: bool, tol: f32) {
+/// `fused`: attention on sdhost's fused CPU kernel (the causal mask and the
+/// padding as its bias, grouped key heads), as `--flash-attn auto` runs it.
+fn hidden_states_match(device: &str, wide: bool, fused: bool, tol: f32) {
     let r = refs();
     with_qwen3("qwen3/tiny-qwen3.safetensors", device, wide, |m, cfg| {
+        if fused {
+            m.set_options(GraphOptions {
+                flash_attn: true,
+                cpu_kernels: true,
+                ..m.options()
+            });
+        }
         assert_eq!(
             (
                 cfg.layers,
@@ -133,7 +142,16 @@ fn hidden_states_match(device: &str, wide: bool, tol: f32) {
         // (FLUX.2 klein's form).
         let padded = ids_of(&r, "padded.ids");
         let valid = r["padded.valid"][0] as usize;
+        if fused {
+            ggml::op_profile::start();
+        }
         let got = qwen3::encode(m, cfg, &padded, valid, &[1, 2, 3]).unwrap();
+        if fused {
+            // The fused kernel ran (`amx attn`, `avx512bf16 attn`, `fma
+            // attn avx2`), not the materialised scores.
+            let ops = ggml::op_profile::stop();
+            assert!(ops.iter().any(|o| o.op.contains("attn")), "{ops:?}");
+        }
         assert_close(
             &format!("{device} (f32: {wide}) padded, layers 1-3"),
             &got,
@@ -149,8 +167,18 @@ fn hidden_states_match(device: &str, wide: bool, tol: f32) {
 
 #[test]
 fn hidden_states_match_transformers_on_cpu() {
-    hidden_states_match("cpu", true, 1e-5);
-    hidden_states_match("cpu", false, 5e-3);
+    hidden_states_match("cpu", true, false, 1e-5);
+    hidden_states_match("cpu", false, false, 5e-3);
+}
+
+#[test]
+fn hidden_states_match_transformers_with_fused_attention_on_cpu() {
+    if !ggml::cpu_attention_available() {
+        eprintln!("no fused CPU attention on this processor: skipped");
+        return;
+    }
+    // bf16 products and (on AMX or AVX512-BF16) bf16 attention.
+    hidden_states_match("cpu", false, true, 1e-2);
 }
 
 #[test]
@@ -159,7 +187,7 @@ fn hidden_states_match_transformers_on_vulkan() {
         eprintln!("SKIPPED hidden_states_match_transformers_on_vulkan: set SDHOST_TEST_VULKAN=1");
         return;
     }
-    hidden_states_match(&gpu(), false, 1e-2);
+    hidden_states_match(&gpu(), false, false, 1e-2);
 }
 
 #[test]

@@ -1068,24 +1068,54 @@ impl Context {
         heads: i64,
         scale: f32,
     ) -> Result<Tensor<'a>> {
+        self.attention_cpu_masked(q, k, v, heads, scale, None)
+    }
+
+    /// [`Context::attention_cpu`] with grouped key and value heads and a
+    /// bias: `softmax(q·kᵀ·scale + bias)·v`, `k` and `v` `[D·G, S, N]`
+    /// with `G` dividing `H` (query head `h` reads key head `h / (H /
+    /// G)`), `bias` f32 `[S, T]` or `[S, T, H]` with dense rows, the same
+    /// for every image: a mask of `-∞` where a query may not see a key (a
+    /// causal text encoder's) or T5's relative position bias. Key chunks
+    /// that a block of queries does not see at all are skipped.
+    pub fn attention_cpu_masked<'a>(
+        &'a self,
+        q: Tensor<'a>,
+        k: Tensor<'a>,
+        v: Tensor<'a>,
+        heads: i64,
+        scale: f32,
+        bias: Option<Tensor<'a>>,
+    ) -> Result<Tensor<'a>> {
         let (x, y, z) = (q.ne(), k.ne(), v.ne());
-        let f32s = [&q, &k, &v]
+        let f32s = [Some(&q), Some(&k), Some(&v), bias.as_ref()]
             .iter()
+            .flatten()
             .all(|t| t.ty() == Some(Type::F32) && dense_rows(t));
+        let d = match heads {
+            1..0x8000_0000 if x[0] % heads == 0 => x[0] / heads,
+            _ => 0,
+        };
+        let kv_heads = if d > 0 && y[0] % d == 0 { y[0] / d } else { 0 };
+        let bias_fits = bias.is_none_or(|b| {
+            let e = b.ne();
+            e[0] == y[1] && e[1] == x[1] && (e[2] == 1 || e[2] == heads) && e[3] == 1
+        });
         if !self.cpu_attention()
             || !f32s
-            || heads <= 0
-            || heads >= 1 << 31
-            || x[0] % heads != 0
+            || d == 0
+            || kv_heads == 0
+            || heads % kv_heads != 0
             || y != z
-            || x[0] != y[0]
             || x[2] != y[2]
             || x[3] != 1
             || y[3] != 1
+            || !bias_fits
             || !scale.is_finite()
         {
+            let b = bias.map(|b| format!(", bias {:?}", b.ne())).unwrap_or_default();
             return invalid(format!(
-                "CPU attention of q {x:?}, k {y:?}, v {z:?} in {heads} heads (f32, dense rows, a context with sdhost's CPU kernels on AMX, AVX512-BF16 or AVX2)"
+                "CPU attention of q {x:?}, k {y:?}, v {z:?}{b} in {heads} heads (f32, dense rows, key heads dividing the query heads, a bias [keys, queries, 1 or heads], a context with sdhost's CPU kernels on AMX, AVX512-BF16 or AVX2)"
             ));
         }
         self.room(1)?;
@@ -1097,16 +1127,18 @@ impl Context {
         } else {
             (crate::fma::attn_op, crate::fma::ATTN_NODE)
         };
-        // SAFETY: the three are alive for 'a, f32 with dense rows and the
-        // shapes the ops read (checked above); the result is contiguous
-        // f32 shaped like q, which they write; room checked. Outside an
-        // AMX context the op is the AVX2 one only where the processor has
-        // AVX2 and FMA (`cpu_attention`).
+        let mut srcs = vec![q.raw, k.raw, v.raw];
+        srcs.extend(bias.map(|b| b.raw));
+        // SAFETY: the three (and the bias) are alive for 'a, f32 with dense
+        // rows and the shapes the ops read (checked above); the result is
+        // contiguous f32 shaped like q, which they write; room checked.
+        // Outside an AMX context the op is the AVX2 one only where the
+        // processor has AVX2 and FMA (`cpu_attention`).
         unsafe {
             self.custom_op(
                 sys::GGML_TYPE_F32,
                 [x[0], x[1], x[2], 1],
-                &mut [q.raw, k.raw, v.raw],
+                &mut srcs,
                 op,
                 ud,
                 name,

@@ -245,6 +245,12 @@ fn cases() -> Vec<Case> {
         "attention_cpu" bad: |c| c.attention_cpu(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25);
         "attention_cpu" bad: |c| { c.set_amx(true); c.attention_cpu(f32s(c, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 3, 0.25) };
         "attention_cpu" bad: |c| { c.set_amx(true); c.attention_cpu(t(c, Type::F16, &[16, 40, 2]), f32s(c, &[16, 10, 2]), f32s(c, &[16, 10, 2]), 2, 0.25) };
+        "attention_cpu_masked" ok: |c| { c.set_cpu_kernels(true); c.attention_cpu_masked(f32s(c, &[32, 40, 2]), f32s(c, &[8, 10, 2]), f32s(c, &[8, 10, 2]), 4, 0.25, Some(f32s(c, &[10, 40]))) };
+        "attention_cpu_masked" ok: |c| { c.set_cpu_kernels(true); c.attention_cpu_masked(f32s(c, &[32, 40, 2]), f32s(c, &[32, 10, 2]), f32s(c, &[32, 10, 2]), 4, 1.0, Some(f32s(c, &[10, 40, 4]))) };
+        "attention_cpu_masked" bad: |c| { c.set_amx(true); c.attention_cpu_masked(f32s(c, &[32, 40, 2]), f32s(c, &[24, 10, 2]), f32s(c, &[24, 10, 2]), 4, 0.25, None) };
+        "attention_cpu_masked" bad: |c| { c.set_amx(true); c.attention_cpu_masked(f32s(c, &[32, 40, 2]), f32s(c, &[32, 10, 2]), f32s(c, &[32, 10, 2]), 4, 0.25, Some(f32s(c, &[40, 10]))) };
+        "attention_cpu_masked" bad: |c| { c.set_amx(true); c.attention_cpu_masked(f32s(c, &[32, 40, 2]), f32s(c, &[32, 10, 2]), f32s(c, &[32, 10, 2]), 4, 0.25, Some(f32s(c, &[10, 40, 2]))) };
+        "attention_cpu_masked" bad: |c| { c.set_amx(true); c.attention_cpu_masked(f32s(c, &[32, 40, 2]), f32s(c, &[32, 10, 2]), f32s(c, &[32, 10, 2]), 4, 0.25, Some(t(c, Type::F16, &[10, 40]))) };
     }
 }
 
@@ -259,7 +265,7 @@ fn every_checked_op_refuses_what_ggml_aborts_on_and_builds_the_rest() {
         let cpu_attention = crate::amx::available()
             || (crate::fma::available()
                 && (crate::amx::dots_available() || crate::fma::attn::available()));
-        if case.ok && case.op == "attention_cpu" && !cpu_attention {
+        if case.ok && case.op.starts_with("attention_cpu") && !cpu_attention {
             eprintln!(
                 "{}: valid case skipped (neither AMX, AVX512-BF16 nor AVX2 here)",
                 case.op
@@ -347,9 +353,15 @@ fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
     let (q, kv) = (f32s(&c, &[16, 40, 2]), f32s(&c, &[16, 10, 2]));
     let y = c.attention_cpu(q, kv, kv, 2, 0.25).unwrap();
     assert_eq!(y.ne(), [16, 40, 2, 1]);
+    // One key head for both query heads.
+    let one = f32s(&c, &[8, 10, 2]);
+    let y = c.attention_cpu(q, one, one, 2, 0.25).unwrap();
+    assert_eq!(y.ne(), [16, 40, 2, 1]);
     for bad in [
         c.attention_cpu(q, kv, kv, 3, 0.25),
-        c.attention_cpu(q, f32s(&c, &[8, 10, 2]), f32s(&c, &[8, 10, 2]), 2, 0.25),
+        // Key rows of 12 values: not whole heads of 8; one image of keys for two.
+        c.attention_cpu(q, f32s(&c, &[12, 10, 2]), f32s(&c, &[12, 10, 2]), 2, 0.25),
+        c.attention_cpu(q, f32s(&c, &[16, 10, 1]), f32s(&c, &[16, 10, 1]), 2, 0.25),
         c.attention_cpu(q, kv, f32s(&c, &[16, 11, 2]), 2, 0.25),
         c.attention_cpu(q, kv, kv, 2, f32::NAN),
         c.attention_cpu(t(&c, Type::F16, &[16, 40, 2]), kv, kv, 2, 0.25),

@@ -25,7 +25,7 @@
 //! Everything stays f32 (no rounding of q, k, v or p), so the results are
 //! closer to an f64 reference than ggml's f16 or the bf16 kernels'.
 
-use crate::amx::{exp, Attn, OutRow};
+use crate::amx::{add_bias, chunk_masked, exp, Attn, BiasRow, OutRow};
 
 /// Query rows per micro-tile.
 const MR: usize = 6;
@@ -61,6 +61,7 @@ pub fn run<'x>(
     q: &dyn Fn(usize, usize) -> &'x [f32],
     k: &dyn Fn(usize, usize) -> &'x [f32],
     v: &dyn Fn(usize, usize) -> &'x [f32],
+    bias: Option<BiasRow<'x>>,
     out: &mut OutRow<'_>,
     ith: usize,
     nth: usize,
@@ -69,7 +70,7 @@ pub fn run<'x>(
     #[cfg(target_arch = "x86_64")]
     // SAFETY: the processor has AVX2 and FMA (asserted above).
     unsafe {
-        run_avx2(a, q, k, v, out, ith, nth)
+        run_avx2(a, q, k, v, bias, out, ith, nth)
     }
 }
 
@@ -83,12 +84,14 @@ fn run_avx2<'x>(
     q: &dyn Fn(usize, usize) -> &'x [f32],
     k: &dyn Fn(usize, usize) -> &'x [f32],
     v: &dyn Fn(usize, usize) -> &'x [f32],
+    bias: Option<BiasRow<'x>>,
     out: &mut OutRow<'_>,
     ith: usize,
     nth: usize,
 ) {
     let nth = nth.max(1);
     let (d, s) = (a.d, a.s);
+    let group = a.heads / a.kv_heads.max(1);
     if d == 0 || s == 0 || a.t == 0 {
         return;
     }
@@ -102,16 +105,19 @@ fn run_avx2<'x>(
     let mut sc = vec![0f32; ROWS * SC_LD];
     let mut o = vec![0f32; ROWS * od];
     let qblocks = a.t.div_ceil(ROWS);
+    // The (image, key head) whose keys and values are packed: the query
+    // heads of a group share them.
+    let mut packed = None;
     for unit in 0..units {
         if whole && unit % nth != ith {
             continue;
         }
         let (img, h) = (unit / a.heads, unit % a.heads);
-        let col = h * d;
+        let (col, kcol) = (h * d, (h / group) * d);
         // Keys: panel p holds, for each head value kk, keys 16p..16p + 16.
         // Values: panel p holds, for each key, outputs 16p..16p + 16.
-        for key in 0..s {
-            let (kr, vr) = (&k(img, key)[col..col + d], &v(img, key)[col..col + d]);
+        for key in (0..s).filter(|_| packed != Some((img, h / group))) {
+            let (kr, vr) = (&k(img, key)[kcol..kcol + d], &v(img, key)[kcol..kcol + d]);
             let (p, j) = (key / NR, key % NR);
             let panel = &mut kpack[p * d * NR..(p + 1) * d * NR];
             for (kk, &x) in kr.iter().enumerate() {
@@ -122,6 +128,7 @@ fn run_avx2<'x>(
                 vpack[at..at + run.len()].copy_from_slice(run);
             }
         }
+        packed = Some((img, h / group));
         let (first, step) = if whole { (0, 1) } else { (ith, nth) };
         for qb in (first..qblocks).step_by(step) {
             let t0 = qb * ROWS;
@@ -141,6 +148,9 @@ fn run_avx2<'x>(
             o.fill(0.0);
             for k0 in (0..s).step_by(CHUNK) {
                 let keys = CHUNK.min(s - k0);
+                if bias.is_some_and(|b| chunk_masked(b, h, t0, valid, k0, keys)) {
+                    continue;
+                }
                 // Scores: each key panel meets every micro-tile of queries
                 // while it is in the level-1 cache.
                 for p in 0..keys.div_ceil(NR) {
@@ -162,6 +172,9 @@ fn run_avx2<'x>(
                         };
                     }
                 }
+                if let Some(b) = bias {
+                    add_bias(b, h, t0, valid, k0, keys, &mut sc, SC_LD);
+                }
                 for r in 0..valid {
                     let row = &mut sc[r * SC_LD..r * SC_LD + keys];
                     // 8 lanes of maxima; `>` rather than `max` so that the
@@ -178,6 +191,11 @@ fn run_avx2<'x>(
                         .iter()
                         .chain(&lanes)
                         .fold(max[r], |m, &x| if x > m { x } else { m });
+                    if m == f32::NEG_INFINITY {
+                        // No key of this row seen yet (all masked).
+                        row.fill(0.0);
+                        continue;
+                    }
                     let factor = exp(max[r] - m);
                     max[r] = m;
                     let mut lanes = [0f32; 8];
@@ -223,7 +241,8 @@ fn run_avx2<'x>(
             }
             for r in 0..valid {
                 let row = &mut o[r * od..r * od + d];
-                let inv = 1.0 / sum[r];
+                // A query that sees no key (its bias all -∞) gets zeros.
+                let inv = if sum[r] > 0.0 { 1.0 / sum[r] } else { 0.0 };
                 for x in row.iter_mut() {
                     *x *= inv;
                 }
@@ -284,7 +303,7 @@ unsafe fn tile(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::amx::tests::{reference, values};
+    use crate::amx::tests::{reference, values, Mask};
 
     #[test]
     fn attention_matches_an_f64_reference() {
@@ -292,45 +311,58 @@ mod tests {
             eprintln!("no AVX2 + FMA here: skipped");
             return;
         }
-        for (d, heads, t, s, n, amp) in [
+        for (d, heads, kv_heads, t, s, n, amp, mask) in [
             // SD 1.x's first level (heads of 40), keys past one chunk and
             // a ragged last panel.
-            (40, 2, 33, 300, 2, 1.0),
-            (64, 1, 70, 20, 1, 1.0),
-            (8, 3, 5, 1, 1, 1.0),
-            (160, 1, 25, 600, 1, 1.0),
-            (80, 2, 49, 70, 1, 1.0),
+            (40, 2, 2, 33, 300, 2, 1.0, Mask::None),
+            (64, 1, 1, 70, 20, 1, 1.0, Mask::None),
+            (8, 3, 3, 5, 1, 1, 1.0, Mask::None),
+            (160, 1, 1, 25, 600, 1, 1.0, Mask::None),
+            (80, 2, 2, 49, 70, 1, 1.0, Mask::None),
             // A DiT's heads of 128, with scores large enough that the
             // running maximum moves between chunks (the rescaling is used).
-            (128, 2, 30, 530, 1, 4.0),
+            (128, 2, 2, 30, 530, 1, 4.0, Mask::None),
+            // Qwen3's: grouped heads, causal over a padded prompt.
+            (64, 8, 2, 300, 300, 1, 1.0, Mask::Causal { valid: 280 }),
+            // T5's: a bias per head, no scale.
+            (32, 3, 3, 40, 40, 2, 1.0, Mask::PerHead),
         ] {
             let inner = d * heads;
-            let scale = 1.0 / (d as f32).sqrt();
+            let kinner = d * kv_heads;
+            let scale = match mask {
+                Mask::PerHead => 1.0,
+                _ => 1.0 / (d as f32).sqrt(),
+            };
             let q: Vec<f32> = values(inner * t * n, 5).iter().map(|x| x * amp).collect();
-            let k: Vec<f32> = values(inner * s * n, 6).iter().map(|x| x * amp).collect();
-            let v = values(inner * s * n, 7);
+            let k: Vec<f32> = values(kinner * s * n, 6).iter().map(|x| x * amp).collect();
+            let v = values(kinner * s * n, 7);
             let attn = Attn {
                 d,
                 heads,
+                kv_heads,
                 t,
                 s,
                 n,
                 scale,
             };
+            let (bias, hb) = mask.bias(s, t, heads);
             let mut out = vec![f32::NAN; inner * t * n];
             // Three threads' shares: by units or by query blocks, both.
             for th in 0..3 {
                 let qr = |i: usize, j: usize| &q[(i * t + j) * inner..][..inner];
-                let kr = |i: usize, j: usize| &k[(i * s + j) * inner..][..inner];
-                let vr = |i: usize, j: usize| &v[(i * s + j) * inner..][..inner];
+                let kr = |i: usize, j: usize| &k[(i * s + j) * kinner..][..kinner];
+                let vr = |i: usize, j: usize| &v[(i * s + j) * kinner..][..kinner];
+                let br = |h: usize, j: usize| &bias[((h % hb) * t + j) * s..][..s];
+                let br = (hb > 0).then_some(&br as BiasRow<'_>);
                 let mut w = |i: usize, j: usize, at: usize, row: &[f32]| {
                     out[(i * t + j) * inner + at..][..row.len()].copy_from_slice(row)
                 };
-                run(&attn, &qr, &kr, &vr, &mut w, th, 3);
+                run(&attn, &qr, &kr, &vr, br, &mut w, th, 3);
             }
             // Nothing rounded: f32 sums of up to 600 terms and exp's 1e-5
             // relative error.
-            let want = reference(&attn, &q, &k, &v, |x| x as f64);
+            let bias = (hb > 0).then_some((&bias[..], hb));
+            let want = reference(&attn, &q, &k, &v, bias, |x| x as f64);
             let mut worst = 0f64;
             for (at, (&got, want)) in out.iter().zip(&want).enumerate() {
                 let err = (got as f64 - want).abs();

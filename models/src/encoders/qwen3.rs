@@ -309,9 +309,13 @@ fn block<'a>(
     let k = rms_norm(c, w, &format!("{a}k_norm.weight"), k, hd, EPS)?;
     let q = c.reshape(rope_halves(c, q, cos, sin)?, &[qw, len])?;
     let k = c.reshape(rope_halves(c, k, cos, sin)?, &[kw, len])?;
+    // Fused on sdhost's CPU kernels (the mask as the scores' bias, whole
+    // chunks of keys that a block of queries does not see skipped);
+    // elsewhere the scores are materialised.
     let scores = Scores {
         bias: Some(mask),
         kv_heads: Some(cfg.kv_heads),
+        flash: w.flash_for(hd),
         ..Scores::default()
     };
     let att = attention_with(c, q, k, v, cfg.heads, scores)?;

@@ -186,9 +186,12 @@ fn block<'a>(
     let q = linear(c, w, &format!("{a}.q"), n, d, inner)?;
     let k = linear(c, w, &format!("{a}.k"), n, d, inner)?;
     let v = linear(c, w, &format!("{a}.v"), n, d, inner)?;
+    // Fused on sdhost's CPU kernels (the position bias added to the
+    // scores); elsewhere the scores are materialised.
     let scores = Scores {
         scale: Some(1.0),
         bias: Some(bias),
+        flash: w.flash_for(inner / cfg.heads),
         ..Scores::default()
     };
     let att = attention_with(c, q, k, v, cfg.heads, scores)?;

@@ -53,6 +53,19 @@ pub enum Family {
 }
 
 impl Family {
+    /// Whether this family's module `kind` fuses its attention where fused
+    /// attention is on and the module runs on sdhost's CPU kernels: every
+    /// module but CLIP's text encoders, whose causal attention stays
+    /// materialised (77 tokens); Qwen3's (Z-Image, FLUX.2) and T5's
+    /// (FLUX.1) take their mask or position bias into the fused kernel.
+    pub fn fuses_attention_of(self, kind: crate::ModuleKind) -> bool {
+        use crate::ModuleKind::Te;
+        !matches!(
+            (self, kind),
+            (Family::Sd1 | Family::Sd2 | Family::Sdxl | Family::Flux, Te)
+        )
+    }
+
     /// The family's name as users write it (`sd1`, `sd2`, `sdxl`, `flux`).
     pub fn name(self) -> &'static str {
         match self {

@@ -355,6 +355,13 @@ impl<'b> Module<'b> {
         }
     }
 
+    /// Whether this module's graphs may use sdhost's CPU kernels: they are
+    /// on in its options, its runtime device is the CPU and it is not split
+    /// across devices (see [`Module::graph_context`]).
+    pub fn runs_cpu_kernels(&self) -> bool {
+        self.cpu_kernels()
+    }
+
     /// Whether this module's graphs may use AMX (see [`Module::graph_context`]).
     fn cpu_kernels(&self) -> bool {
         let on_cpu = self.devices.runtime.device().device_type() == ggml::DeviceType::Cpu;
