@@ -695,6 +695,32 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "attention, bias and grouped heads (sdhost's CPU kernel)",
+            tolerance: 3e-2,
+            cpu_kernels: true,
+            reference: None,
+            // Four query heads of 32 over two key heads and a bias per head
+            // (T5's form; Qwen3's mask is the same operand): fused on the
+            // CPU kernels, plain ops elsewhere and in the reference.
+            build: |i, c| {
+                let (q, k, v, bias) = (
+                    t(i, Type::F32, &[128, 40, 1])?,
+                    t(i, Type::F32, &[64, 300, 1])?,
+                    t(i, Type::F32, &[64, 300, 1])?,
+                    t(i, Type::F32, &[300, 40, 4])?,
+                );
+                let scores = Scores {
+                    flash: Flash::Fused,
+                    bias: Some(bias),
+                    kv_heads: Some(2),
+                    ..Default::default()
+                };
+                let out = attention_with(c, q, k, v, 4, scores)
+                    .map_err(|e| ggml::Error::Invalid(e.to_string()))?;
+                Ok((vec![q, k, v, bias], out))
+            },
+        },
+        Case {
             name: "group norm, scale, shift, SiLU (FMA)",
             tolerance: 1e-3,
             cpu_kernels: true,
