@@ -1028,8 +1028,11 @@ pub(crate) fn chunk_masked(
     keys: usize,
 ) -> bool {
     keys > 0
-        && (t0..t0 + rows)
-            .all(|j| bias(h, j)[k0..k0 + keys].iter().all(|&x| x == f32::NEG_INFINITY))
+        && (t0..t0 + rows).all(|j| {
+            bias(h, j)[k0..k0 + keys]
+                .iter()
+                .all(|&x| x == f32::NEG_INFINITY)
+        })
 }
 
 /// Adds head `h`'s bias for queries `t0..t0 + rows`, keys `k0..k0 + keys`,
@@ -2080,6 +2083,53 @@ pub(crate) unsafe extern "C" fn geglu_op(
     }
 }
 
+/// Custom op: `dst` (f32, contiguous) = `src[0]` and `src[1]` (f32 with
+/// dense rows) side by side along dimension `ud` (0 to 3), a row at a
+/// time: each output row is one or two copies, and the threads share the
+/// rows. ggml's concatenation copies one value at a time, its threads
+/// sharing only the third dimension (one thread for a DiT's `[12288,
+/// tokens]`: 20 ms for each of FLUX.2 klein's single-stream blocks).
+pub(crate) unsafe extern "C" fn concat_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::concat` built this op: `src[0]` and `src[1]` f32
+    // with dense rows whose strides address every row, equal in every
+    // dimension but `ud` (below 4), and a contiguous f32 destination of
+    // their joined shape. Threads write disjoint rows.
+    unsafe {
+        let (a, b, d) = (&*(*dst).src[0], &*(*dst).src[1], &*dst);
+        let dim = ud as usize;
+        let ne = d.ne.map(|x| x as usize);
+        let rows = ne[1] * ne[2] * ne[3];
+        let row = |t: &sys::ggml_tensor, i: [usize; 4]| {
+            let at = i[1] * t.nb[1] + i[2] * t.nb[2] + i[3] * t.nb[3];
+            std::slice::from_raw_parts(
+                (t.data as *const u8).add(at) as *const f32,
+                t.ne[0] as usize,
+            )
+        };
+        let (ith, nth) = (ith as usize, nth.max(1) as usize);
+        for r in rows * ith / nth..rows * (ith + 1) / nth {
+            let i = [0, r % ne[1], r / ne[1] % ne[2], r / (ne[1] * ne[2])];
+            let out = std::slice::from_raw_parts_mut((d.data as *mut f32).add(r * ne[0]), ne[0]);
+            if dim == 0 {
+                let (x, y) = (row(a, i), row(b, i));
+                out[..x.len()].copy_from_slice(x);
+                out[x.len()..].copy_from_slice(y);
+            } else if i[dim] < a.ne[dim] as usize {
+                out.copy_from_slice(row(a, i));
+            } else {
+                let mut j = i;
+                j[dim] -= a.ne[dim] as usize;
+                out.copy_from_slice(row(b, j));
+            }
+        }
+    }
+}
+
 /// Custom op: `dst` (f32, contiguous) = the exact (erf) GELU of the
 /// contiguous f32 `src[0]` of the same shape ([`gelu_row`]).
 pub(crate) unsafe extern "C" fn gelu_op(
@@ -2334,7 +2384,16 @@ pub(crate) unsafe fn attn_on(
             let dst = std::slice::from_raw_parts_mut(out.add((i * t + j) * inner + at), row.len());
             dst.copy_from_slice(row);
         };
-        kernel(&attn, &qr, &kr, &vr, br, &mut write, ith as usize, nth as usize);
+        kernel(
+            &attn,
+            &qr,
+            &kr,
+            &vr,
+            br,
+            &mut write,
+            ith as usize,
+            nth as usize,
+        );
     }
 }
 
@@ -2790,7 +2849,9 @@ pub(crate) mod tests {
     pub(crate) enum Mask {
         None,
         /// Key j seen from query i where j ≤ i and j < valid.
-        Causal { valid: usize },
+        Causal {
+            valid: usize,
+        },
         /// Values in [-2, 2) per head.
         PerHead,
     }

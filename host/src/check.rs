@@ -721,6 +721,26 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "concat of views along 0, 1 and 2 (CPU kernel)",
+            tolerance: 1e-6,
+            cpu_kernels: true,
+            reference: None,
+            // Row copies on the CPU kernels, ggml's op elsewhere and in the
+            // reference; a view with strided rows (a DiT's narrowed
+            // projection) as one operand.
+            build: |i, c| {
+                let (a, b) = (
+                    t(i, Type::F32, &[40, 7, 3, 2])?,
+                    t(i, Type::F32, &[24, 7, 3, 2])?,
+                );
+                let part = c.narrow(a, 0, 4, 30)?;
+                let x = c.concat(part, b, 0)?; // [54, 7, 3, 2]
+                let y = c.concat(c.narrow(x, 1, 0, 5)?, x, 1)?; // [54, 12, 3, 2]
+                let z = c.concat(y, c.narrow(y, 2, 1, 2)?, 2)?; // [54, 12, 5, 2]
+                Ok((vec![a, b], z))
+            },
+        },
+        Case {
             name: "group norm, scale, shift, SiLU (FMA)",
             tolerance: 1e-3,
             cpu_kernels: true,

@@ -985,7 +985,9 @@ impl Context {
         )
     }
 
-    /// Concatenation along `dim`.
+    /// Concatenation along `dim`. In a context with sdhost's CPU kernels
+    /// ([`Context::cpu_kernels`]), of f32 tensors with dense rows, a custom
+    /// op that copies whole rows on every thread (`amx::concat_op`).
     pub fn concat<'a>(&'a self, a: Tensor<'a>, b: Tensor<'a>, dim: i32) -> Result<Tensor<'a>> {
         let (x, y) = (a.ne(), b.ne());
         if !(0..4).contains(&dim)
@@ -1000,6 +1002,23 @@ impl Context {
             ));
         }
         self.room(1)?;
+        if self.cpu_kernels() && a.ty() == Some(Type::F32) && dense_rows(&a) && dense_rows(&b) {
+            let mut ne = x;
+            ne[dim as usize] += y[dim as usize];
+            // SAFETY: both alive for 'a, f32 with dense rows, dim in range
+            // and the other dimensions equal (checked): what concat_op
+            // reads; it writes the joined shape's f32; room checked.
+            return unsafe {
+                self.custom_op(
+                    sys::GGML_TYPE_F32,
+                    ne,
+                    &mut [a.raw, b.raw],
+                    crate::amx::concat_op,
+                    dim as usize as *mut std::ffi::c_void,
+                    "cpu concat",
+                )
+            };
+        }
         // SAFETY: both alive for 'a; same type, dim in range and the other
         // dimensions equal (ggml asserts them); room checked.
         self.wrap(
@@ -1113,7 +1132,9 @@ impl Context {
             || !bias_fits
             || !scale.is_finite()
         {
-            let b = bias.map(|b| format!(", bias {:?}", b.ne())).unwrap_or_default();
+            let b = bias
+                .map(|b| format!(", bias {:?}", b.ne()))
+                .unwrap_or_default();
             return invalid(format!(
                 "CPU attention of q {x:?}, k {y:?}, v {z:?}{b} in {heads} heads (f32, dense rows, key heads dividing the query heads, a bias [keys, queries, 1 or heads], a context with sdhost's CPU kernels on AMX, AVX512-BF16 or AVX2)"
             ));

@@ -353,6 +353,13 @@ fn an_amx_context_builds_the_same_shapes_and_refuses_bad_operands() {
     let (q, kv) = (f32s(&c, &[16, 40, 2]), f32s(&c, &[16, 10, 2]));
     let y = c.attention_cpu(q, kv, kv, 2, 0.25).unwrap();
     assert_eq!(y.ne(), [16, 40, 2, 1]);
+    // Concatenation copies rows in a custom op; other types stay ggml's.
+    let y = c.concat(q, f32s(&c, &[8, 40, 2]), 0).unwrap();
+    assert_eq!((y.ne(), custom(&y)), ([24, 40, 2, 1], true));
+    let y = c
+        .concat(t(&c, Type::F16, &[8, 4]), t(&c, Type::F16, &[8, 2]), 1)
+        .unwrap();
+    assert_eq!((y.ne(), custom(&y)), ([8, 6, 1, 1], false));
     // One key head for both query heads.
     let one = f32s(&c, &[8, 10, 2]);
     let y = c.attention_cpu(q, one, one, 2, 0.25).unwrap();
