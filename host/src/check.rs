@@ -721,7 +721,7 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
-            name: "concat of views along 0, 1 and 2 (CPU kernel)",
+            name: "concat of views along 0, 1 and 2 (sdhost's CPU kernel)",
             tolerance: 1e-6,
             cpu_kernels: true,
             reference: None,
