@@ -1037,6 +1037,7 @@ pub(crate) fn chunk_masked(
 
 /// Adds head `h`'s bias for queries `t0..t0 + rows`, keys `k0..k0 + keys`,
 /// to the scores `sc` (a row per query, `ld` apart).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn add_bias(
     bias: BiasRow<'_>,
     h: usize,

@@ -57,7 +57,7 @@ pub use rpc::START_SERVER as RPC_START_SERVER;
 
 /// Whether a context with sdhost's CPU kernels on
 /// ([`Context::set_cpu_kernels`]) runs [`Context::attention_cpu`] on this
-/// processor (with the knobs of [`knobs`]).
+/// processor (with the `SDHOST_*` switches of [`Knobs`]).
 pub fn cpu_attention_available() -> bool {
     amx::available()
         || (fma::available()

@@ -56,6 +56,7 @@ pub fn available() -> bool {
 /// (image, head) units (whole where there are at least `nth`, else every
 /// unit with the query blocks `ith, ith + nth, …`). The caller checked
 /// [`available`].
+#[allow(clippy::too_many_arguments)]
 pub fn run<'x>(
     a: &Attn,
     q: &dyn Fn(usize, usize) -> &'x [f32],

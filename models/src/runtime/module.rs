@@ -357,7 +357,7 @@ impl<'b> Module<'b> {
 
     /// Whether this module's graphs may use sdhost's CPU kernels: they are
     /// on in its options, its runtime device is the CPU and it is not split
-    /// across devices (see [`Module::graph_context`]).
+    /// across devices.
     pub fn runs_cpu_kernels(&self) -> bool {
         self.cpu_kernels()
     }
