@@ -1017,41 +1017,41 @@ pub type OutRow<'o> = dyn FnMut(usize, usize, usize, &[f32]) + 'o;
 /// added to its scaled scores.
 pub type BiasRow<'x> = &'x dyn Fn(usize, usize) -> &'x [f32];
 
-/// Whether every key in `k0..k0 + keys` is masked (`-∞` in the bias) for
-/// every query of `t0..t0 + rows` of head `h`.
-pub(crate) fn chunk_masked(
-    bias: BiasRow<'_>,
-    h: usize,
-    t0: usize,
-    rows: usize,
-    k0: usize,
-    keys: usize,
-) -> bool {
-    keys > 0
-        && (t0..t0 + rows).all(|j| {
-            bias(h, j)[k0..k0 + keys]
-                .iter()
-                .all(|&x| x == f32::NEG_INFINITY)
-        })
+/// One head's block of queries (`t0..t0 + rows`) against a chunk of keys
+/// (`k0..k0 + keys`): where [`Attn`]'s kernels read its bias.
+#[derive(Clone, Copy)]
+pub(crate) struct Span {
+    /// The query head.
+    pub h: usize,
+    /// The block's first query.
+    pub t0: usize,
+    /// Its queries.
+    pub rows: usize,
+    /// The chunk's first key.
+    pub k0: usize,
+    /// Its keys.
+    pub keys: usize,
 }
 
-/// Adds head `h`'s bias for queries `t0..t0 + rows`, keys `k0..k0 + keys`,
-/// to the scores `sc` (a row per query, `ld` apart).
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn add_bias(
-    bias: BiasRow<'_>,
-    h: usize,
-    t0: usize,
-    rows: usize,
-    k0: usize,
-    keys: usize,
-    sc: &mut [f32],
-    ld: usize,
-) {
-    for r in 0..rows {
-        let row = &bias(h, t0 + r)[k0..k0 + keys];
-        for (x, &b) in sc[r * ld..r * ld + keys].iter_mut().zip(row) {
-            *x += b;
+impl Span {
+    /// Whether no query of the block sees any key of the chunk (the bias
+    /// all `-∞` there).
+    pub(crate) fn masked(self, bias: BiasRow<'_>) -> bool {
+        self.keys > 0
+            && (self.t0..self.t0 + self.rows).all(|j| {
+                bias(self.h, j)[self.k0..self.k0 + self.keys]
+                    .iter()
+                    .all(|&x| x == f32::NEG_INFINITY)
+            })
+    }
+
+    /// Adds the bias to the scores `sc` (a row per query, `ld` apart).
+    pub(crate) fn add_bias(self, bias: BiasRow<'_>, sc: &mut [f32], ld: usize) {
+        for r in 0..self.rows {
+            let row = &bias(self.h, self.t0 + r)[self.k0..self.k0 + self.keys];
+            for (x, &b) in sc[r * ld..r * ld + self.keys].iter_mut().zip(row) {
+                *x += b;
+            }
         }
     }
 }
@@ -1159,7 +1159,14 @@ impl Attn {
                 for k0 in (0..sp).step_by(CHUNK) {
                     let len = CHUNK.min(sp - k0);
                     let keys = len.min(s.saturating_sub(k0));
-                    if bias.is_some_and(|b| chunk_masked(b, h, t0, valid, k0, keys)) {
+                    let span = Span {
+                        h,
+                        t0,
+                        rows: valid,
+                        k0,
+                        keys,
+                    };
+                    if bias.is_some_and(|b| span.masked(b)) {
                         continue;
                     }
                     // Scores of the chunk, 32 keys at a time.
@@ -1170,7 +1177,7 @@ impl Attn {
                         tiles.block_into(&qa, dp, kq, b0, b1, &mut sc[kb..], SC_LD);
                     }
                     if let Some(b) = bias {
-                        add_bias(b, h, t0, valid, k0, keys, &mut sc, SC_LD);
+                        span.add_bias(b, &mut sc, SC_LD);
                     }
                     softmax_chunk(&mut sc, &mut pa, &mut o, od, &mut max, &mut sum, keys, len);
                     // o += p · v over the chunk, 32 outputs at a time.

@@ -25,7 +25,7 @@
 //! Everything stays f32 (no rounding of q, k, v or p), so the results are
 //! closer to an f64 reference than ggml's f16 or the bf16 kernels'.
 
-use crate::amx::{add_bias, chunk_masked, exp, Attn, BiasRow, OutRow};
+use crate::amx::{exp, Attn, BiasRow, OutRow, Span};
 
 /// Query rows per micro-tile.
 const MR: usize = 6;
@@ -149,7 +149,14 @@ fn run_avx2<'x>(
             o.fill(0.0);
             for k0 in (0..s).step_by(CHUNK) {
                 let keys = CHUNK.min(s - k0);
-                if bias.is_some_and(|b| chunk_masked(b, h, t0, valid, k0, keys)) {
+                let span = Span {
+                    h,
+                    t0,
+                    rows: valid,
+                    k0,
+                    keys,
+                };
+                if bias.is_some_and(|b| span.masked(b)) {
                     continue;
                 }
                 // Scores: each key panel meets every micro-tile of queries
@@ -174,7 +181,7 @@ fn run_avx2<'x>(
                     }
                 }
                 if let Some(b) = bias {
-                    add_bias(b, h, t0, valid, k0, keys, &mut sc, SC_LD);
+                    span.add_bias(b, &mut sc, SC_LD);
                 }
                 for r in 0..valid {
                     let row = &mut sc[r * SC_LD..r * SC_LD + keys];
