@@ -488,8 +488,8 @@ pub struct Scores<'a> {
 
 /// Multi-head attention: `q` `[D·H, T, N]`, `k`/`v` `[D·H, S, N]` →
 /// `[D·H, T, N]`, `softmax(q·kᵀ/√D)·v` per head, optionally causal; with
-/// `flash` (and not causal) as one fused op. With a bias or grouped key
-/// heads ([`attention_with`]) it is fused only on sdhost's CPU kernels.
+/// `flash` (and not causal) as one fused op. With a bias
+/// ([`attention_with`]) it is fused only on sdhost's CPU kernels.
 pub fn attention<'a>(
     c: &'a Context,
     q: Tensor<'a>,
