@@ -1034,6 +1034,17 @@ pub(crate) struct Span {
 }
 
 impl Span {
+    /// Head `h`'s queries `t0..t0 + rows` against keys `k0..k0 + keys`.
+    pub(crate) fn new(h: usize, t0: usize, rows: usize, k0: usize, keys: usize) -> Self {
+        Span {
+            h,
+            t0,
+            rows,
+            k0,
+            keys,
+        }
+    }
+
     /// Whether no query of the block sees any key of the chunk (the bias
     /// all `-∞` there).
     pub(crate) fn masked(self, bias: BiasRow<'_>) -> bool {
@@ -1159,13 +1170,7 @@ impl Attn {
                 for k0 in (0..sp).step_by(CHUNK) {
                     let len = CHUNK.min(sp - k0);
                     let keys = len.min(s.saturating_sub(k0));
-                    let span = Span {
-                        h,
-                        t0,
-                        rows: valid,
-                        k0,
-                        keys,
-                    };
+                    let span = Span::new(h, t0, valid, k0, keys);
                     if bias.is_some_and(|b| span.masked(b)) {
                         continue;
                     }

@@ -115,21 +115,23 @@ fn run_avx2<'x>(
         }
         let (img, h) = (unit / a.heads, unit % a.heads);
         let (col, kcol) = (h * d, (h / group) * d);
-        // Keys: panel p holds, for each head value kk, keys 16p..16p + 16.
-        // Values: panel p holds, for each key, outputs 16p..16p + 16.
-        for key in (0..s).filter(|_| packed != Some((img, h / group))) {
-            let (kr, vr) = (&k(img, key)[kcol..kcol + d], &v(img, key)[kcol..kcol + d]);
-            let (p, j) = (key / NR, key % NR);
-            let panel = &mut kpack[p * d * NR..(p + 1) * d * NR];
-            for (kk, &x) in kr.iter().enumerate() {
-                panel[kk * NR + j] = x;
+        if packed != Some((img, h / group)) {
+            // Keys: panel p holds, for each head value kk, keys 16p..16p + 16.
+            // Values: panel p holds, for each key, outputs 16p..16p + 16.
+            for key in 0..s {
+                let (kr, vr) = (&k(img, key)[kcol..kcol + d], &v(img, key)[kcol..kcol + d]);
+                let (p, j) = (key / NR, key % NR);
+                let panel = &mut kpack[p * d * NR..(p + 1) * d * NR];
+                for (kk, &x) in kr.iter().enumerate() {
+                    panel[kk * NR + j] = x;
+                }
+                for (p, run) in vr.chunks(NR).enumerate() {
+                    let at = p * sp * NR + key * NR;
+                    vpack[at..at + run.len()].copy_from_slice(run);
+                }
             }
-            for (p, run) in vr.chunks(NR).enumerate() {
-                let at = p * sp * NR + key * NR;
-                vpack[at..at + run.len()].copy_from_slice(run);
-            }
+            packed = Some((img, h / group));
         }
-        packed = Some((img, h / group));
         let (first, step) = if whole { (0, 1) } else { (ith, nth) };
         for qb in (first..qblocks).step_by(step) {
             let t0 = qb * ROWS;
@@ -149,13 +151,7 @@ fn run_avx2<'x>(
             o.fill(0.0);
             for k0 in (0..s).step_by(CHUNK) {
                 let keys = CHUNK.min(s - k0);
-                let span = Span {
-                    h,
-                    t0,
-                    rows: valid,
-                    k0,
-                    keys,
-                };
+                let span = Span::new(h, t0, valid, k0, keys);
                 if bias.is_some_and(|b| span.masked(b)) {
                     continue;
                 }
