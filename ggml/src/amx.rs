@@ -1899,6 +1899,32 @@ pub(crate) unsafe fn store_sums(c: *mut f32, ldc: usize) {
     }
 }
 
+/// Loads the four accumulators from 32 rows of 32 f32 at `c`, `ldc`
+/// apart (the layout [`store_sums`] writes).
+///
+/// # Safety
+/// This thread's tiles are configured ([`Tiles`]); `c` addresses 32 rows
+/// of 32 f32, `ldc` apart.
+#[inline(always)]
+pub(crate) unsafe fn load_sums(c: *const f32, ldc: usize) {
+    // SAFETY: each load reads 16 rows of 64 bytes, `ldc` f32 apart, from
+    // row 0 or 16 and column 0 or 16 of what the caller vouches for.
+    unsafe {
+        std::arch::asm!(
+            "tileloadd tmm0, [{c0} + {s}*1]",
+            "tileloadd tmm1, [{c1} + {s}*1]",
+            "tileloadd tmm2, [{c2} + {s}*1]",
+            "tileloadd tmm3, [{c3} + {s}*1]",
+            c0 = in(reg) c,
+            c1 = in(reg) c.add(PANEL),
+            c2 = in(reg) c.add(PANEL * ldc),
+            c3 = in(reg) c.add(PANEL * ldc + PANEL),
+            s = in(reg) ldc * 4,
+            options(nostack, readonly)
+        );
+    }
+}
+
 impl Drop for Tiles {
     fn drop(&mut self) {
         // SAFETY: releases this thread's tile state, configured in `load`.
@@ -2077,22 +2103,115 @@ pub(crate) unsafe extern "C" fn geglu_op(
     nth: c_int,
     _: *mut c_void,
 ) {
-    // SAFETY: `Context::geglu_erf` built this op: a contiguous f32 input of
-    // rows of 2F values and a contiguous f32 destination of rows of F.
-    // Threads write disjoint rows.
+    // SAFETY: `Context::geglu_erf` built this op: an f32 input of dense
+    // rows of 2F values, row `r` (counted over dimensions 1 to 3) at `r ·
+    // nb[1]` (`ggml_is_contiguous_1`), and a contiguous f32 destination of
+    // rows of F. Threads write disjoint rows.
     unsafe {
         let x = &*(*dst).src[0];
         let f = x.ne[0] as usize / 2;
         let rows = (x.ne[1] * x.ne[2] * x.ne[3]) as usize;
-        let input = std::slice::from_raw_parts(x.data as *const f32, 2 * f * rows);
         let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, f * rows);
         let (ith, nth) = (ith as usize, nth.max(1) as usize);
         for r in rows * ith / nth..rows * (ith + 1) / nth {
+            let row = (x.data as *const u8).add(r * x.nb[1]) as *const f32;
             geglu_row(
-                &input[2 * f * r..2 * f * (r + 1)],
+                std::slice::from_raw_parts(row, 2 * f),
                 &mut out[f * r..f * (r + 1)],
             );
         }
+    }
+}
+
+/// Custom op: `dst` `[d, H, L, N]` (f32, contiguous) = each `d`-wide head
+/// of `src[0]` (`[d·H, L, N]` f32, dense rows `nb[1]` apart, the `L × N`
+/// rows one after the other) with its pairs regrouped into halves
+/// (`Context::pairs_to_halves`), RMS-normed and times `src[1]` (f32
+/// `[d]`); `ud` carries eps's bits. ggml needs three ops for this: a
+/// strided copy (one value at a time), the norm, the product.
+pub(crate) unsafe extern "C" fn rms_norm_halves_op(
+    dst: *mut sys::ggml_tensor,
+    ith: c_int,
+    nth: c_int,
+    ud: *mut c_void,
+) {
+    // SAFETY: `Context::rms_norm_halves` built this op: `src[0]` f32 with
+    // dense rows of `d·H` values, row `r` of its `L·N` at `r·nb[1]`;
+    // `src[1]` `d` contiguous f32; `dst` contiguous `[d, H, L, N]` f32.
+    // Threads write disjoint rows.
+    unsafe {
+        let x = &*(*dst).src[0];
+        let [d, heads, l, n] = (*dst).ne.map(|v| v as usize);
+        let g = std::slice::from_raw_parts((*(*dst).src[1]).data as *const f32, d);
+        let eps = f32::from_bits(ud as usize as u32);
+        let rows = l * n;
+        let width = d * heads;
+        let out = std::slice::from_raw_parts_mut((*dst).data as *mut f32, width * rows);
+        let (ith, nth) = (ith as usize, nth.max(1) as usize);
+        for r in rows * ith / nth..rows * (ith + 1) / nth {
+            let row = (x.data as *const u8).add(r * x.nb[1]) as *const f32;
+            let row = std::slice::from_raw_parts(row, width);
+            let dst = &mut out[width * r..width * (r + 1)];
+            for (x, o) in row.chunks_exact(d).zip(dst.chunks_exact_mut(d)) {
+                norm_halves(x, g, eps, o);
+            }
+        }
+    }
+}
+
+/// One head of [`rms_norm_halves_op`]: `out = (x₀, x₂, …, x₁, x₃, …) ·
+/// g / √(mean(x²) + eps)`, compiled for the widest vectors the processor
+/// has (as [`widest_vectors`]).
+fn norm_halves(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx512f,fma")]
+        fn avx512(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
+            norm_halves_body(x, g, eps, out)
+        }
+        #[target_feature(enable = "avx2,fma")]
+        fn avx2(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
+            norm_halves_body(x, g, eps, out)
+        }
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") {
+            // SAFETY: the processor has AVX-512F (checked just above).
+            unsafe { avx512(x, g, eps, out) };
+            return;
+        }
+        if has!("avx2") && has!("fma") {
+            // SAFETY: the processor has AVX2 and FMA (checked just above).
+            unsafe { avx2(x, g, eps, out) };
+            return;
+        }
+    }
+    norm_halves_body(x, g, eps, out)
+}
+
+#[inline(always)]
+fn norm_halves_body(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
+    // Squares summed in 16 lanes of f32 (a head is 64 to 256 values),
+    // the lanes in f64 as ggml's norm sums.
+    let mut lanes = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s = v.mul_add(v, *s);
+        }
+    }
+    let mut sum: f64 = lanes.iter().map(|&s| f64::from(s)).sum();
+    sum += chunks
+        .remainder()
+        .iter()
+        .map(|&v| f64::from(v * v))
+        .sum::<f64>();
+    let scale = 1.0 / ((sum / x.len() as f64) as f32 + eps).sqrt();
+    let half = out.len() / 2;
+    let (lo, hi) = out.split_at_mut(half);
+    let (glo, ghi) = g.split_at(half);
+    for (j, pair) in x.chunks_exact(2).enumerate() {
+        lo[j] = pair[0] * scale * glo[j];
+        hi[j] = pair[1] * scale * ghi[j];
     }
 }
 

@@ -372,9 +372,12 @@ pub fn cases() -> Vec<Case> {
             tolerance: 1e-3,
             cpu_kernels: false,
             reference: None,
+            // The gate and value of a narrowed view, rows a wider stride
+            // apart: FLUX.2's single blocks take them so from their fused
+            // product.
             build: |i, c| {
-                let x = t(i, Type::F32, &[128, 16])?;
-                Ok((vec![x], c.swiglu(x)?))
+                let x = t(i, Type::F32, &[160, 16, 2])?;
+                Ok((vec![x], c.swiglu(c.narrow(x, 0, 32, 128)?)?))
             },
         },
         Case {
@@ -741,6 +744,20 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "RMS norm of heads regrouped into halves (sdhost's CPU kernel)",
+            tolerance: 1e-5,
+            cpu_kernels: true,
+            reference: None,
+            // One pass on the CPU kernels (`Context::rms_norm_halves`),
+            // ggml's strided copy, norm and product elsewhere and in the
+            // reference; the keys of a fused projection as the operand.
+            build: |i, c| {
+                let (qkv, g) = (t(i, Type::F32, &[3 * 256, 9, 2])?, t(i, Type::F32, &[64])?);
+                let k = c.narrow(qkv, 0, 256, 256)?;
+                Ok((vec![qkv, g], c.rms_norm_halves(k, g, 64, 1e-6)?))
+            },
+        },
+        Case {
             name: "group norm, scale, shift, SiLU (FMA)",
             tolerance: 1e-3,
             cpu_kernels: true,
@@ -764,9 +781,11 @@ pub fn cases() -> Vec<Case> {
             reference: None,
             // On the CPU with sdhost's kernels: one vectorized pass
             // (`Context::geglu_erf`), against ggml's, which calls `erff`.
+            // The second half of the rows of a wider tensor: rows a
+            // stride apart.
             build: |i, c| {
-                let x = t(i, Type::F32, &[2 * 40, 12, 2])?;
-                Ok((vec![x], c.geglu_erf(x)?))
+                let x = t(i, Type::F32, &[2 * 40 + 24, 12, 2])?;
+                Ok((vec![x], c.geglu_erf(c.narrow(x, 0, 24, 2 * 40)?)?))
             },
         },
         Case {

@@ -445,7 +445,7 @@ pub fn rms_norm_halves<'a>(
 ) -> Result<Tensor<'a>> {
     let g = as_f32(c, w.shaped(name, &[d])?)?;
     let g = c.reshape(c.pairs_to_halves(g, d)?, &[d])?;
-    Ok(c.mul(c.rms_norm(c.pairs_to_halves(x, d)?, eps)?, g)?)
+    Ok(c.rms_norm_halves(x, g, d, eps)?)
 }
 
 /// Rotary position embedding of each head's halves (NeoX's form, Qwen's

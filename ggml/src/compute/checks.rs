@@ -41,10 +41,16 @@ pub(crate) fn check_unary(name: &str, a: &Tensor<'_>) -> Result<()> {
     }
     Ok(())
 }
+/// ggml's gated units read rows of dense values whose row stride may be
+/// anything (a narrowed view of a wider product, for one), the rows of
+/// each further dimension one after the other (`ggml_is_contiguous_1`),
+/// on every backend.
 pub(crate) fn check_glu(name: &str, a: &Tensor<'_>) -> Result<()> {
-    if a.ty() != Some(Type::F32) || !contiguous(a) || a.ne()[0] % 2 != 0 {
+    // SAFETY: live tensor; pure stride test.
+    let rows = unsafe { sys::ggml_is_contiguous_1(a.raw) };
+    if a.ty() != Some(Type::F32) || !rows || a.ne()[0] % 2 != 0 {
         return invalid(format!(
-            "{name} needs a contiguous f32 tensor of even rows, not {} {:?} with strides {:?}",
+            "{name} needs an f32 tensor of dense rows of even length, not {} {:?} with strides {:?}",
             a.type_name(),
             a.ne(),
             a.nb()
@@ -146,6 +152,29 @@ pub(crate) fn check_get_rows(a: &Tensor<'_>, b: &Tensor<'_>) -> Result<()> {
             "get_rows of {} {x:?} by {} {y:?} (i32 indices [N, ne2, ne3] of a)",
             a.type_name(),
             b.type_name()
+        ));
+    }
+    Ok(())
+}
+
+/// What [`Context::pairs_to_halves`](crate::Context::pairs_to_halves)
+/// regroups: f32 `[d·H, L, N]` with dense rows, its `L × N` rows one
+/// stride apart, `d` even.
+pub(crate) fn check_heads(a: &Tensor<'_>, d: i64) -> Result<()> {
+    let [w, l, n, one] = a.ne();
+    let nb = a.nb();
+    if a.ty() != Some(Type::F32)
+        || !dense_rows(a)
+        || one != 1
+        || d <= 0
+        || d % 2 != 0
+        || w % d != 0
+        || (n > 1 && nb[2] != nb[1] * l as usize)
+    {
+        return invalid(format!(
+            "cannot regroup {d}-wide heads of {} {:?} with strides {nb:?}",
+            a.type_name(),
+            a.ne()
         ));
     }
     Ok(())

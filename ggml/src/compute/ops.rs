@@ -117,8 +117,9 @@ impl Context {
         if self.cpu_kernels() && crate::knobs().fma_geglu {
             let mut ne = a.ne();
             ne[0] /= 2;
-            // SAFETY: `a` is alive for 'a, contiguous f32 with rows of an
-            // even length (checked): what geglu_op reads; it writes `ne`
+            // SAFETY: `a` is alive for 'a, f32 of dense rows of an even
+            // length, the rows one stride apart (checked): what geglu_op
+            // reads; it writes `ne`
             // f32; room checked.
             return unsafe {
                 self.custom_op(
@@ -1461,22 +1462,9 @@ impl Context {
     /// [`Context::rope_axes`] turns. Queries and keys regrouped alike keep
     /// every `q·k`.
     pub fn pairs_to_halves<'a>(&'a self, a: Tensor<'a>, d: i64) -> Result<Tensor<'a>> {
-        let [w, l, n, one] = a.ne();
+        check_heads(&a, d)?;
+        let [w, l, n, _] = a.ne();
         let (nb, elem) = (a.nb(), 4usize);
-        if a.ty() != Some(Type::F32)
-            || !dense_rows(&a)
-            || one != 1
-            || d <= 0
-            || d % 2 != 0
-            || w % d != 0
-            || (n > 1 && nb[2] != nb[1] * l as usize)
-        {
-            return invalid(format!(
-                "cannot regroup {d}-wide heads of {} {:?} with strides {nb:?}",
-                a.type_name(),
-                a.ne()
-            ));
-        }
         let heads = w / d;
         self.room(4)?;
         // SAFETY: `a` is alive for 'a with f32 dense rows; the view walks
@@ -1503,6 +1491,50 @@ impl Context {
             sys::ggml_reshape_4d(self.raw, copy, d, heads, l, n)
         };
         self.wrap(t, "ggml_cont")
+    }
+
+    /// [`Context::pairs_to_halves`] of `a` (`[d·H, L, N]`, the same
+    /// operands), RMS-normed per head and times `g` (f32 `[d]`, in the
+    /// halves' order): `[d, H, L, N]`. In a context with sdhost's CPU
+    /// kernels one pass over the rows (`amx::rms_norm_halves_op`), which
+    /// reads the pairs where the projection left them; elsewhere ggml's
+    /// copy, norm and product.
+    pub fn rms_norm_halves<'a>(
+        &'a self,
+        a: Tensor<'a>,
+        g: Tensor<'a>,
+        d: i64,
+        eps: f32,
+    ) -> Result<Tensor<'a>> {
+        if g.ty() != Some(Type::F32) || !contiguous(&g) || g.ne() != [d, 1, 1, 1] {
+            return invalid(format!(
+                "the weight of a norm of {d}-wide heads cannot be {} {:?}",
+                g.type_name(),
+                g.ne()
+            ));
+        }
+        if eps.is_nan() || eps < 0.0 {
+            return invalid(format!("rms_norm with eps {eps}"));
+        }
+        if !self.cpu_kernels() {
+            return self.mul(self.rms_norm(self.pairs_to_halves(a, d)?, eps)?, g);
+        }
+        check_heads(&a, d)?;
+        let [w, l, n, _] = a.ne();
+        self.room(1)?;
+        // SAFETY: `a` is alive for 'a, f32 with dense rows of whole heads,
+        // its `L × N` rows `nb[1]` apart (checked); `g` f32 `[d]`
+        // contiguous (checked); eps ≥ 0 travels as its bits; room checked.
+        unsafe {
+            self.custom_op(
+                sys::GGML_TYPE_F32,
+                [d, w / d, l, n],
+                &mut [a.raw, g.raw],
+                crate::amx::rms_norm_halves_op,
+                eps.to_bits() as usize as *mut std::ffi::c_void,
+                "cpu rms_norm_halves",
+            )
+        }
     }
 
     /// Rotary position embedding over up to four position axes (ggml's

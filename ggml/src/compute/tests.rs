@@ -147,7 +147,10 @@ fn cases() -> Vec<Case> {
         "geglu_erf" ok: |c| c.geglu_erf(f32s(c, &[16, 3]));
         "geglu_erf" bad: |c| c.geglu_erf(f32s(c, &[15, 3]));
         "geglu_erf" bad: |c| c.geglu_erf(transposed(c, Type::F32, &[16, 3]));
+        "geglu_erf" ok: |c| c.geglu_erf(c.narrow(f32s(c, &[24, 3, 2]), 0, 8, 16)?);
         "swiglu" ok: |c| c.swiglu(f32s(c, &[16, 3]));
+        "swiglu" ok: |c| c.swiglu(c.narrow(f32s(c, &[24, 3, 2]), 0, 8, 16)?);
+        "swiglu" bad: |c| c.swiglu(c.narrow(f32s(c, &[16, 3, 2]), 1, 0, 2)?);
         "swiglu" bad: |c| c.swiglu(f32s(c, &[15, 3]));
         "sqrt" ok: |c| c.sqrt(f32s(c, &[8]));
         "sqrt" bad: |c| c.sqrt(t(c, Type::Q8_0, &[32]));
@@ -228,6 +231,12 @@ fn cases() -> Vec<Case> {
         "pairs_to_halves" bad: |c| c.pairs_to_halves(transposed(c, Type::F32, &[10, 256]), 64);
         "pairs_to_halves" bad: |c| c.pairs_to_halves(c.narrow(f32s(c, &[384, 10, 2]), 1, 0, 5)?, 64);
         "pairs_to_halves" bad: |c| c.pairs_to_halves(t(c, Type::F16, &[256, 10]), 64);
+        "rms_norm_halves" ok: |c| c.rms_norm_halves(c.narrow(f32s(c, &[384, 10, 2]), 0, 128, 128)?, f32s(c, &[64]), 64, 1e-6);
+        "rms_norm_halves" bad: |c| c.rms_norm_halves(f32s(c, &[256, 10]), f32s(c, &[32]), 64, 1e-6);
+        "rms_norm_halves" bad: |c| c.rms_norm_halves(f32s(c, &[256, 10]), t(c, Type::F16, &[64]), 64, 1e-6);
+        "rms_norm_halves" bad: |c| c.rms_norm_halves(f32s(c, &[256, 10]), f32s(c, &[64]), 64, f32::NAN);
+        "rms_norm_halves" bad: |c| c.rms_norm_halves(f32s(c, &[256, 10]), f32s(c, &[48]), 48, 1e-6);
+        "rms_norm_halves" bad: |c| c.rms_norm_halves(c.narrow(f32s(c, &[384, 10, 2]), 1, 0, 5)?, f32s(c, &[64]), 64, 1e-6);
         "rope_axes" ok: |c| c.rope_axes(f32s(c, &[64, 4, 12, 2]), t(c, Type::I32, &[48]), f32s(c, &[32]), [8, 8, 8, 8]);
         "rope_axes" ok: |c| c.rope_axes(f32s(c, &[128, 4, 12]), t(c, Type::I32, &[48]), f32s(c, &[64]), [8, 28, 28, 0]);
         "rope_axes" bad: |c| c.rope_axes(f32s(c, &[64, 4, 12]), t(c, Type::I32, &[12]), f32s(c, &[32]), [8, 8, 8, 8]);

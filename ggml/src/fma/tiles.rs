@@ -28,11 +28,9 @@
 //! (each operand of the next step loaded as soon as its last product is
 //! issued): −4 % to +13 %, within the machine's noise.
 
-use std::arch::x86_64::{
-    _mm512_add_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm_prefetch, _MM_HINT_ET0, _MM_HINT_T1,
-};
+use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T1};
 
-use crate::amx::{store_sums, zero_sums};
+use crate::amx::{load_sums, store_sums, zero_sums};
 
 use super::{gemm_with, Buffers, Kernel, Rows, Store, Weight, BF16_BUF};
 
@@ -108,6 +106,8 @@ impl Kernel for Bf16Tiles {
                     s = in(reg) 0usize,
                     options(nostack, readonly)
                 );
+            } else if add {
+                load_sums(c, ldc);
             } else {
                 zero_sums();
             }
@@ -140,13 +140,7 @@ impl Kernel for Bf16Tiles {
                     options(nostack, readonly)
                 );
             }
-            if add {
-                let mut sums = Sums([0.0; 32 * 32]);
-                store_sums(sums.0.as_mut_ptr(), 32);
-                add_rows(&sums.0, c, ldc);
-            } else {
-                store_sums(c, ldc);
-            }
+            store_sums(c, ldc);
         }
     }
 
@@ -158,28 +152,6 @@ impl Kernel for Bf16Tiles {
 /// 32 × 32 sums, aligned as a tile store wants its rows.
 #[repr(C, align(64))]
 struct Sums([f32; 32 * 32]);
-
-/// `c[r·ldc + j] += sums[r·32 + j]` over 32 × 32.
-///
-/// # Safety
-/// The processor has AVX-512F (every one with the tile unit does); `c`
-/// addresses 32 rows of 32 f32, `ldc` apart.
-#[target_feature(enable = "avx512f")]
-unsafe fn add_rows(sums: &[f32; 32 * 32], c: *mut f32, ldc: usize) {
-    for r in 0..32 {
-        for h in 0..2 {
-            // SAFETY: within the 32 × 32 the caller vouches for.
-            unsafe {
-                let o = c.add(r * ldc + h * HALF);
-                let v = _mm512_add_ps(
-                    _mm512_loadu_ps(o),
-                    _mm512_loadu_ps(sums.as_ptr().add(r * 32 + h * HALF)),
-                );
-                _mm512_storeu_ps(o, v);
-            }
-        }
-    }
-}
 
 /// Packs rows `r0..r0 + mc` of `x` for `k` in `kb..kb + kc` as blocks of
 /// 32 rows of `kp` bf16 (`kc` rounded up to 32), zeros past `mc` and `kc`.

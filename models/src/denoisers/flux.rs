@@ -663,8 +663,11 @@ fn single_block<'a>(
         heads(c, w, cfg, &format!("{p}.norm"), qkv)?,
         rope,
     )?;
+    // SwiGLU reads its rows where the fused product left them (a stride
+    // of the whole product apart, on every backend); GELU, a unary op,
+    // needs them contiguous on CUDA.
     let act = if cfg.flux2 {
-        c.swiglu(c.cont(mlp_in)?)?
+        c.swiglu(mlp_in)?
     } else {
         c.gelu(c.cont(mlp_in)?)?
     };
