@@ -29,6 +29,7 @@
 use std::os::raw::{c_int, c_void};
 use std::sync::OnceLock;
 
+use crate::fma::{Aligned, AlignedVec};
 use crate::sys;
 
 /// Rows of `x` per block (two 16-row tiles).
@@ -860,8 +861,8 @@ impl Conv {
         CONV_BUF.with(|buf| {
             let mut buf = buf.borrow_mut();
             let (panels, scratch) = &mut *buf;
-            panels.resize(group * pair_len, 0);
-            scratch.resize(PANEL * kp, 0);
+            let panels = panels.get(group * pair_len);
+            let scratch = scratch.get(PANEL * kp);
             let tiles = Tiles::load();
             let mut c = Sums32([0f32; ROWS * 2 * PANEL]);
             let mut ct = Sums32([0f32; ROWS * 2 * PANEL]);
@@ -934,8 +935,8 @@ const GROUP_BYTES: usize = 1 << 20;
 thread_local! {
     /// [`Conv::gemm`]'s packed pair of panels and its scratch, kept
     /// between calls on each of the pool's threads.
-    static CONV_BUF: std::cell::RefCell<(Vec<u16>, Vec<u16>)> =
-        const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    static CONV_BUF: std::cell::RefCell<(Aligned<u16>, Aligned<u16>)> =
+        std::cell::RefCell::default();
 }
 
 /// 32 × 32 f32, aligned as the tile unit's stores want their rows.
@@ -1127,14 +1128,15 @@ impl Attn {
         let kq = round_up(d, tiles.k_step());
         let sp = round_up(s, 2 * PANEL);
         let units = self.n * self.heads;
-        let mut kpack = vec![0u16; packed_len(d, s)];
-        let mut vpack = vec![0u16; packed_len(s, d)];
-        let mut qa = vec![0u16; ROWS * dp];
-        let mut pa = vec![0u16; ROWS * PA_LD];
-        let mut sc = vec![0f32; ROWS * SC_LD];
-        let mut o = vec![0f32; ROWS * round_up(d, 2 * PANEL)];
+        // The tiles' operands and stores on 64-byte boundaries.
+        let mut kpack = AlignedVec::<u16>::zeroed(packed_len(d, s));
+        let mut vpack = AlignedVec::<u16>::zeroed(packed_len(s, d));
+        let mut qa = AlignedVec::<u16>::zeroed(ROWS * dp);
+        let mut pa = AlignedVec::<u16>::zeroed(ROWS * PA_LD);
+        let mut sc = AlignedVec::<f32>::zeroed(ROWS * SC_LD);
+        let mut o = AlignedVec::<f32>::zeroed(ROWS * round_up(d, 2 * PANEL));
         let od = round_up(d, 2 * PANEL);
-        let mut c = [0f32; ROWS * 2 * PANEL];
+        let mut c = Sums32([0f32; ROWS * 2 * PANEL]);
         let qblocks = self.t.div_ceil(ROWS);
         // The (image, key head) whose keys and values are packed: the
         // query heads of a group share them.
@@ -1195,11 +1197,11 @@ impl Attn {
                         let len = len.min(kv - k0);
                         if db + PANEL >= d {
                             // The second panel is padding past the head.
-                            tiles.block_first(&pa, PA_LD, len, b0, b1, &mut c);
+                            tiles.block_first(&pa, PA_LD, len, b0, b1, &mut c.0);
                         } else {
-                            tiles.block(&pa, PA_LD, len, b0, b1, &mut c);
+                            tiles.block(&pa, PA_LD, len, b0, b1, &mut c.0);
                         }
-                        accumulate(&mut o, od, db, &c);
+                        accumulate(&mut o, od, db, &c.0);
                     }
                 }
                 for r in 0..valid {

@@ -26,6 +26,7 @@
 //! closer to an f64 reference than ggml's f16 or the bf16 kernels'.
 
 use crate::amx::{exp, Attn, BiasRow, OutRow, Span};
+use crate::fma::AlignedVec;
 
 /// Query rows per micro-tile.
 const MR: usize = 6;
@@ -100,11 +101,13 @@ fn run_avx2<'x>(
     let od = d.div_ceil(NR) * NR;
     let units = a.n * a.heads;
     let whole = units >= nth;
-    let mut kpack = vec![0f32; sp * d];
-    let mut vpack = vec![0f32; sp * od];
-    let mut qa = vec![0f32; ROWS * d];
-    let mut sc = vec![0f32; ROWS * SC_LD];
-    let mut o = vec![0f32; ROWS * od];
+    // Packed operands on 64-byte boundaries (whole lines per vector load
+    // where the rows are multiples of 16).
+    let mut kpack = AlignedVec::<f32>::zeroed(sp * d);
+    let mut vpack = AlignedVec::<f32>::zeroed(sp * od);
+    let mut qa = AlignedVec::<f32>::zeroed(ROWS * d);
+    let mut sc = AlignedVec::<f32>::zeroed(ROWS * SC_LD);
+    let mut o = AlignedVec::<f32>::zeroed(ROWS * od);
     let qblocks = a.t.div_ceil(ROWS);
     // The (image, key head) whose keys and values are packed: the query
     // heads of a group share them.
