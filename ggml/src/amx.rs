@@ -29,7 +29,7 @@
 use std::os::raw::{c_int, c_void};
 use std::sync::OnceLock;
 
-use crate::fma::{Aligned, AlignedVec};
+use crate::aligned::{Aligned, AlignedVec};
 use crate::sys;
 
 /// Rows of `x` per block (two 16-row tiles).

@@ -35,6 +35,7 @@ pub mod sys {
     include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
 }
 
+mod aligned;
 pub mod amx;
 pub mod arena;
 mod backend;

@@ -25,8 +25,8 @@
 //! Everything stays f32 (no rounding of q, k, v or p), so the results are
 //! closer to an f64 reference than ggml's f16 or the bf16 kernels'.
 
+use crate::aligned::AlignedVec;
 use crate::amx::{exp, Attn, BiasRow, OutRow, Span};
-use crate::fma::AlignedVec;
 
 /// Query rows per micro-tile.
 const MR: usize = 6;
