@@ -2161,62 +2161,6 @@ pub(crate) unsafe extern "C" fn rms_norm_halves_op(
     }
 }
 
-/// One head of [`rms_norm_halves_op`]: `out = (x₀, x₂, …, x₁, x₃, …) ·
-/// g / √(mean(x²) + eps)`, compiled for the widest vectors the processor
-/// has (as [`widest_vectors`]).
-fn norm_halves(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx512f,fma")]
-        fn avx512(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
-            norm_halves_body(x, g, eps, out)
-        }
-        #[target_feature(enable = "avx2,fma")]
-        fn avx2(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
-            norm_halves_body(x, g, eps, out)
-        }
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") {
-            // SAFETY: the processor has AVX-512F (checked just above).
-            unsafe { avx512(x, g, eps, out) };
-            return;
-        }
-        if has!("avx2") && has!("fma") {
-            // SAFETY: the processor has AVX2 and FMA (checked just above).
-            unsafe { avx2(x, g, eps, out) };
-            return;
-        }
-    }
-    norm_halves_body(x, g, eps, out)
-}
-
-#[inline(always)]
-fn norm_halves_body(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
-    // Squares summed in 16 lanes of f32 (a head is 64 to 256 values),
-    // the lanes in f64 as ggml's norm sums.
-    let mut lanes = [0f32; 16];
-    let mut chunks = x.chunks_exact(16);
-    for c in &mut chunks {
-        for (s, &v) in lanes.iter_mut().zip(c) {
-            *s = v.mul_add(v, *s);
-        }
-    }
-    let mut sum: f64 = lanes.iter().map(|&s| f64::from(s)).sum();
-    sum += chunks
-        .remainder()
-        .iter()
-        .map(|&v| f64::from(v * v))
-        .sum::<f64>();
-    let scale = 1.0 / ((sum / x.len() as f64) as f32 + eps).sqrt();
-    let half = out.len() / 2;
-    let (lo, hi) = out.split_at_mut(half);
-    let (glo, ghi) = g.split_at(half);
-    for (j, pair) in x.chunks_exact(2).enumerate() {
-        lo[j] = pair[0] * scale * glo[j];
-        hi[j] = pair[1] * scale * ghi[j];
-    }
-}
-
 /// Custom op: `dst` (f32, contiguous) = `src[0]` and `src[1]` (f32 with
 /// dense rows) side by side along dimension `ud` (0 to 3), a row at a
 /// time: each output row is one or two copies, and the threads share the
@@ -2287,44 +2231,44 @@ pub(crate) unsafe extern "C" fn gelu_op(
     }
 }
 
-/// `fn $name(x: &[f32], out: &mut [f32])` running `$body` (an
+/// `fn $name(args…)` running `$body` (an
 /// `#[inline(always)]` function of the same signature) compiled for the
 /// widest vectors the processor has: AVX-512F, else AVX2 + FMA, else as
 /// the crate is built.
 macro_rules! widest_vectors {
-    ($(#[$m:meta])* fn $name:ident = $body:ident;) => {
+    ($(#[$m:meta])* fn $name:ident($($arg:ident: $ty:ty),*) = $body:ident;) => {
         $(#[$m])*
-        fn $name(x: &[f32], out: &mut [f32]) {
+        fn $name($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,fma")]
-                fn avx512(x: &[f32], out: &mut [f32]) {
-                    $body(x, out)
+                fn avx512($($arg: $ty),*) {
+                    $body($($arg),*)
                 }
                 #[target_feature(enable = "avx2,fma")]
-                fn avx2(x: &[f32], out: &mut [f32]) {
-                    $body(x, out)
+                fn avx2($($arg: $ty),*) {
+                    $body($($arg),*)
                 }
                 use std::arch::is_x86_feature_detected as has;
                 if has!("avx512f") {
                     // SAFETY: the processor has AVX-512F (checked just above).
-                    unsafe { avx512(x, out) };
+                    unsafe { avx512($($arg),*) };
                     return;
                 }
                 if has!("avx2") && has!("fma") {
                     // SAFETY: the processor has AVX2 and FMA (checked just above).
-                    unsafe { avx2(x, out) };
+                    unsafe { avx2($($arg),*) };
                     return;
                 }
             }
-            $body(x, out)
+            $body($($arg),*)
         }
     };
 }
 
 widest_vectors! {
     /// `out[j] = gelu(x[j])`, the GELU exact: `x/2 · (1 + erf(x/√2))`.
-    fn gelu_row = gelu_row_body;
+    fn gelu_row(x: &[f32], out: &mut [f32]) = gelu_row_body;
 }
 
 #[inline(always)]
@@ -2337,7 +2281,7 @@ fn gelu_row_body(x: &[f32], out: &mut [f32]) {
 widest_vectors! {
     /// `out[j] = x[j] · gelu(x[F + j])` for a row `x` of `2F` values, the
     /// GELU exact: `g/2 · (1 + erf(g/√2))`.
-    fn geglu_row = geglu_row_body;
+    fn geglu_row(x: &[f32], out: &mut [f32]) = geglu_row_body;
 }
 
 #[inline(always)]
@@ -2346,6 +2290,39 @@ fn geglu_row_body(x: &[f32], out: &mut [f32]) {
     let (value, gate) = x.split_at(f);
     for ((o, &v), &g) in out.iter_mut().zip(value).zip(&gate[..f]) {
         *o = v * (0.5 * g * (1.0 + erf(g * std::f32::consts::FRAC_1_SQRT_2)));
+    }
+}
+
+widest_vectors! {
+    /// One head of [`rms_norm_halves_op`]: `out = (x₀, x₂, …, x₁, x₃, …)
+    /// · g / √(mean(x²) + eps)`.
+    fn norm_halves(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) = norm_halves_body;
+}
+
+#[inline(always)]
+fn norm_halves_body(x: &[f32], g: &[f32], eps: f32, out: &mut [f32]) {
+    // Squares summed in 16 lanes of f32 (a head is 64 to 256 values),
+    // the lanes in f64 as ggml's norm sums.
+    let mut lanes = [0f32; 16];
+    let mut chunks = x.chunks_exact(16);
+    for c in &mut chunks {
+        for (s, &v) in lanes.iter_mut().zip(c) {
+            *s = v.mul_add(v, *s);
+        }
+    }
+    let mut sum: f64 = lanes.iter().map(|&s| f64::from(s)).sum();
+    sum += chunks
+        .remainder()
+        .iter()
+        .map(|&v| f64::from(v * v))
+        .sum::<f64>();
+    let scale = 1.0 / ((sum / x.len() as f64) as f32 + eps).sqrt();
+    let half = out.len() / 2;
+    let (lo, hi) = out.split_at_mut(half);
+    let (glo, ghi) = g.split_at(half);
+    for (j, pair) in x.chunks_exact(2).enumerate() {
+        lo[j] = pair[0] * scale * glo[j];
+        hi[j] = pair[1] * scale * ghi[j];
     }
 }
 
