@@ -44,11 +44,16 @@ pub(crate) fn check_unary(name: &str, a: &Tensor<'_>) -> Result<()> {
 /// ggml's gated units read rows of dense values whose row stride may be
 /// anything (a narrowed view of a wider product, for one), the rows of
 /// each further dimension one after the other (`ggml_is_contiguous_1`),
-/// on every backend.
+/// on every backend. Their CPU kernels (ggml's and `amx::geglu_op`)
+/// address flat row `r` at `r · nb[1]`, so the further dimensions must
+/// also step by whole rows of `nb[1]`: `ggml_is_contiguous_1` alone lets
+/// a permuted view with one row (`ne[1]` = 1) through with any `nb[1]`.
 pub(crate) fn check_glu(name: &str, a: &Tensor<'_>) -> Result<()> {
     // SAFETY: live tensor; pure stride test.
     let rows = unsafe { sys::ggml_is_contiguous_1(a.raw) };
-    if a.ty() != Some(Type::F32) || !rows || a.ne()[0] % 2 != 0 {
+    let (ne, nb) = (a.ne(), a.nb());
+    let flat = (2..4).all(|i| ne[i] == 1 || nb[i] == nb[i - 1] * ne[i - 1] as usize);
+    if a.ty() != Some(Type::F32) || !rows || !flat || a.ne()[0] % 2 != 0 {
         return invalid(format!(
             "{name} needs an f32 tensor of dense rows of even length, not {} {:?} with strides {:?}",
             a.type_name(),

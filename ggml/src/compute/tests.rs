@@ -151,6 +151,8 @@ fn cases() -> Vec<Case> {
         "swiglu" ok: |c| c.swiglu(f32s(c, &[16, 3]));
         "swiglu" ok: |c| c.swiglu(c.narrow(f32s(c, &[24, 3, 2]), 0, 8, 16)?);
         "swiglu" bad: |c| c.swiglu(c.narrow(f32s(c, &[16, 3, 2]), 1, 0, 2)?);
+        "swiglu" bad: |c| c.swiglu(c.permute(f32s(c, &[16, 3, 1]), [0, 2, 1, 3])?);
+        "geglu_erf" bad: |c| c.geglu_erf(c.permute(f32s(c, &[16, 3, 1]), [0, 2, 1, 3])?);
         "swiglu" bad: |c| c.swiglu(f32s(c, &[15, 3]));
         "sqrt" ok: |c| c.sqrt(f32s(c, &[8]));
         "sqrt" bad: |c| c.sqrt(t(c, Type::Q8_0, &[32]));
