@@ -30,6 +30,30 @@ pub(crate) struct Aligned<E> {
     _e: std::marker::PhantomData<E>,
 }
 
+impl<E> Default for Aligned<E> {
+    fn default() -> Self {
+        Aligned {
+            raw: Vec::new(),
+            _e: std::marker::PhantomData,
+        }
+    }
+}
+
+impl<E: Plain> Aligned<E> {
+    /// `len` values (zero where the buffer grew, earlier values elsewhere:
+    /// the packers write every value they read).
+    pub(crate) fn get(&mut self, len: usize) -> &mut [E] {
+        let bytes = len * std::mem::size_of::<E>();
+        let lines = bytes.div_ceil(64);
+        if self.raw.len() < lines {
+            self.raw.resize(lines, Line([0; 64]));
+        }
+        // SAFETY: the buffer holds at least `bytes` initialised bytes,
+        // 64-byte aligned; `E` is `Plain`: any bits are a value.
+        unsafe { std::slice::from_raw_parts_mut(self.raw.as_mut_ptr() as *mut E, len) }
+    }
+}
+
 /// `len` zeroed values of `E` on 64-byte boundaries (a `Vec` of `E` is
 /// aligned to `E`'s size only), for the operands the tile unit and 64-byte
 /// vector loads read.
@@ -63,30 +87,6 @@ impl<E: Plain> std::ops::DerefMut for AlignedVec<E> {
     fn deref_mut(&mut self) -> &mut [E] {
         // SAFETY: as for `deref`, borrowed uniquely.
         unsafe { std::slice::from_raw_parts_mut(self.raw.as_mut_ptr() as *mut E, self.len) }
-    }
-}
-
-impl<E> Default for Aligned<E> {
-    fn default() -> Self {
-        Aligned {
-            raw: Vec::new(),
-            _e: std::marker::PhantomData,
-        }
-    }
-}
-
-impl<E: Plain> Aligned<E> {
-    /// `len` values (zero where the buffer grew, earlier values elsewhere:
-    /// the packers write every value they read).
-    pub(crate) fn get(&mut self, len: usize) -> &mut [E] {
-        let bytes = len * std::mem::size_of::<E>();
-        let lines = bytes.div_ceil(64);
-        if self.raw.len() < lines {
-            self.raw.resize(lines, Line([0; 64]));
-        }
-        // SAFETY: the buffer holds at least `bytes` initialised bytes,
-        // 64-byte aligned; `E` is `Plain`: any bits are a value.
-        unsafe { std::slice::from_raw_parts_mut(self.raw.as_mut_ptr() as *mut E, len) }
     }
 }
 

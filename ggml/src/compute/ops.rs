@@ -119,8 +119,7 @@ impl Context {
             ne[0] /= 2;
             // SAFETY: `a` is alive for 'a, f32 of dense rows of an even
             // length, the rows one stride apart (checked): what geglu_op
-            // reads; it writes `ne`
-            // f32; room checked.
+            // reads; it writes `ne` f32; room checked.
             return unsafe {
                 self.custom_op(
                     sys::GGML_TYPE_F32,
