@@ -1142,8 +1142,12 @@ trait Kernel {
     /// element's group of `k` ([`Elem::KG`]), or the kernel's step where it
     /// takes more at a time (the tile unit's 32).
     const KSTEP: usize = <Self::E as Elem>::KG;
-    /// Rows of `x` per packed block ([`MC`] unless the kernel says).
-    const MC: usize = MC;
+    /// Rows of `x` per packed block in a pass of `kp` values over a
+    /// thread's `panels` panels ([`MC`] unless the kernel says).
+    fn block_rows(kp: usize, panels: usize) -> usize {
+        let _ = (kp, panels);
+        MC
+    }
     /// `c[r·ldc + j] = Σ_k a · b` over `kp` packed values of `k`, plus
     /// what `c` held where `add`, plus `bias[j]` where `bias` is not null;
     /// meanwhile it asks the processor to bring `next` (a panel of `kp ·
@@ -1398,16 +1402,19 @@ fn gemm_with<K: Kernel>(
     // first wrote and read them again through memory (a 3072 × 12288
     // weight: 4.7 MB a thread and pass).
     let one_block = rr.len() <= ONE_BLOCK_ROWS;
-    let mc_max = match one_block {
-        true => rr.len().next_multiple_of(K::MR),
-        false => K::MC.next_multiple_of(K::MR),
-    };
     // Passes over `k` of even lengths (a short last pass costs a whole
     // pass's stores for few products), where the weight's rows split
     // anywhere; quantized rows split only at `kc_max`, whole blocks.
     let kc_step = match block_size(w.ty) {
         1 => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::KSTEP),
         block => kc_max / block * block,
+    };
+    let mc_max = match one_block {
+        true => rr.len().next_multiple_of(K::MR),
+        false => {
+            let kp = kc_step.min(k).next_multiple_of(K::KSTEP);
+            K::block_rows(kp, np).next_multiple_of(K::MR)
+        }
     };
     K::buffers(|buf| {
         buf.c.resize(K::MR * K::NR, 0.0);

@@ -6,8 +6,10 @@
 //! The micro-kernel multiplies 32 rows by 32 outputs on the eight tile
 //! registers: four accumulators (2 × 2 tiles of 16 × 16 f32), two tiles
 //! of rows and two of the panel per step of 32 values of `k`. The rows are
-//! packed as the tile unit reads them, 32 rows of `kp` bf16 side by side
-//! ([`pack_rows`]); a panel is the bf16 kernel's (pairs of `k`, 32 outputs
+//! packed as the tile unit reads them, step by step: per 32 values of `k`,
+//! 32 rows of 64 bytes one after the other ([`pack_rows`]), so that a
+//! step's two tiles of rows are 2 KiB in a row, as its two tiles of the
+//! panel are; a panel is the bf16 kernel's (pairs of `k`, 32 outputs
 //! of two values per pair: [`super::Elem::pack_panel`] of `u16`), whose two tiles
 //! are its left and right halves, rows 128 bytes apart. The accumulators
 //! start from the output itself on the passes after the first (and from
@@ -51,16 +53,44 @@ pub(super) struct Bf16Tiles;
 /// `k` = 3072 and 12288 (0.6–0.85×: the panels leave level 2).
 pub const TILES_KC: usize = 1536;
 
-/// Rows per packed block (two micro-tiles): measured as above, 1.0–1.3×
-/// against 128 and 256, and level with 32.
+/// Rows per packed block where a pass is short or the panels few (two
+/// micro-tiles): sessions 39 and 42 measured it 1.0–1.3× faster than 128
+/// and 256 at the UNet's shapes, and level with 32; at 4096 × 320 × 2560
+/// and 4096 × 1280 × 320, where a block of 64 rows and a panel nearly fit
+/// the level-1 cache, blocks of 256 measured 0.76–0.95× (session 43).
 pub const TILES_MC: usize = 64;
+
+/// Rows per packed block where a pass is long ([`LONG_PASS`]) over many
+/// panels ([`MANY_PANELS`]): there a micro-tile's rows (32 × ≥ 1024
+/// bf16, 64 KiB and more) fill the level-1 cache alone, so every tile
+/// reads both operands from level 2, and what counts is how often a
+/// panel comes from level 3: once for 8 micro-tiles of rows rather than
+/// for 2. Measured on an Emerald Rapids Xeon (session 43, both threads,
+/// 64 and 256 alternating in one process, medians of the per-round ratios
+/// of 21 rounds): 1.19–1.25× at 1024 × 3072 × 3072, 1536 × 3072 × 9216,
+/// 1024 × 9216 × 3072, 512 × 2560 × 9728 and 2048 × 1280 × 1280, 1.09× at
+/// 1024 × 2560 × 640; 128 and 192 in between.
+pub const TILES_MC_LONG: usize = 256;
+
+/// The shortest pass (values of `k`, padded) that takes
+/// [`TILES_MC_LONG`].
+pub const LONG_PASS: usize = 1024;
+
+/// The fewest panels of a thread that take [`TILES_MC_LONG`]: at 4096 ×
+/// 1280 × 320 (10 panels, all of them in level 2) it measured 0.95×.
+pub const MANY_PANELS: usize = 16;
 
 impl Kernel for Bf16Tiles {
     const MR: usize = 32;
     const NR: usize = 32;
     const KC: usize = TILES_KC;
     const KSTEP: usize = TILE_K;
-    const MC: usize = TILES_MC;
+    fn block_rows(kp: usize, panels: usize) -> usize {
+        match kp >= LONG_PASS && panels >= MANY_PANELS {
+            true => TILES_MC_LONG,
+            false => TILES_MC,
+        }
+    }
     type E = u16;
 
     unsafe fn tile(
@@ -74,12 +104,13 @@ impl Kernel for Bf16Tiles {
         next: *const u16,
     ) {
         assert!(kp.is_multiple_of(TILE_K) && a.len() >= kp * 32 && b.len() >= kp * 32);
-        let (a0, a1) = (a.as_ptr(), a[HALF * kp..].as_ptr());
+        let (a0, a1) = (a.as_ptr(), a[HALF * TILE_K..].as_ptr());
         let b0 = b.as_ptr();
         // SAFETY: the caller configured the tiles (`gemm`'s `Tiles`) and
         // vouches for `c` (32 rows of 32 f32, `ldc` apart) and `bias` (32
-        // f32, if not null); every A load reads 16 rows of 64 bytes `kp`
-        // bf16 apart from k < kp in a block of 32 × kp (asserted), every B
+        // f32, if not null); every A load reads 16 rows of 64 bytes in a
+        // row inside step < kp / 32's 32 × 32 values of the block of 32 ×
+        // kp (asserted), every B
         // load 16 rows of 64 bytes 128 apart inside the panel of kp × 32
         // (asserted); `next` is only prefetched.
         unsafe {
@@ -112,9 +143,9 @@ impl Kernel for Bf16Tiles {
                 zero_sums();
             }
             let steps = kp / TILE_K;
-            let (sa, sb) = (kp * 2, 128usize);
+            let (sa, sb) = (64usize, 128usize);
             for step in 0..steps {
-                let (ka, kb) = (step * TILE_K, step * TILE_K * 32);
+                let (ka, kb) = (step * TILE_K * 32, step * TILE_K * 32);
                 if !next.is_null() {
                     // The next panel's stretch for this step (2 KiB).
                     let at = next.wrapping_add(kb) as *const i8;
@@ -154,19 +185,30 @@ impl Kernel for Bf16Tiles {
 struct Sums([f32; 32 * 32]);
 
 /// Packs rows `r0..r0 + mc` of `x` for `k` in `kb..kb + kc` as blocks of
-/// 32 rows of `kp` bf16 (`kc` rounded up to 32), zeros past `mc` and `kc`.
+/// 32 rows by `kp` values (`kc` rounded up to 32), each block step by
+/// step: the 32 rows' values `32·s..32·s + 32` of step `s` one row after
+/// the other (a tile row is 64 bytes); zeros past `mc` and `kc`.
+///
+/// Measured against blocks of whole rows side by side (a tile's rows then
+/// `2·kp` bytes apart: the same harness as [`TILES_MC_LONG`], 21 rounds):
+/// 1.01–1.06× at the six DiT and UNet shapes tried, every round's ratio
+/// between 0.99 and 1.08.
 fn pack_rows(x: &Rows<'_>, r0: usize, mc: usize, kb: usize, kc: usize, a: &mut [u16]) {
     let kp = kc.next_multiple_of(TILE_K);
-    for (i, dst) in a
-        .chunks_exact_mut(kp)
-        .take(mc.next_multiple_of(32))
-        .enumerate()
-    {
-        if i < mc {
-            crate::amx::narrow(&(x.row)(r0 + i)[kb..kb + kc], &mut dst[..kc]);
-            dst[kc..].fill(0);
-        } else {
-            dst.fill(0);
+    let blocks = mc.div_ceil(32);
+    for (blk, dst) in a.chunks_exact_mut(32 * kp).take(blocks).enumerate() {
+        for r in 0..32 {
+            let i = blk * 32 + r;
+            let row = (i < mc).then(|| &(x.row)(r0 + i)[kb..kb + kc]);
+            for (s, k0) in (0..kp).step_by(TILE_K).enumerate() {
+                let d = &mut dst[(s * 32 + r) * TILE_K..][..TILE_K];
+                let len = TILE_K.min(kc.saturating_sub(k0));
+                match row {
+                    Some(row) => crate::amx::narrow(&row[k0..k0 + len], &mut d[..len]),
+                    None => d[..len].fill(0),
+                }
+                d[len..].fill(0);
+            }
         }
     }
 }
@@ -471,6 +513,9 @@ mod tests {
             (16, 2560, 200, 2),
             (17, 96, 33, 3),
             (32, 320, 64, 2),
+            // A long pass over many panels: blocks of TILES_MC_LONG rows,
+            // the last one partial.
+            (700, 1030, 520, 1),
         ] {
             let x = values(m * k, 1);
             let w: Vec<u16> = values(n * k, 2)
