@@ -177,6 +177,8 @@ impl Report for ProductsReport {
                     r.torch_f32_gflops
                         .map_or("-".into(), |t| ratio(r.sdhost_gflops, t)),
                     opt(r.torch_bf16_gflops),
+                    r.torch_bf16_gflops
+                        .map_or("-".into(), |t| ratio(r.sdhost_gflops, t)),
                 ]
             })
             .collect();
@@ -195,6 +197,7 @@ impl Report for ProductsReport {
                 "TORCH F32",
                 "SDHOST/TORCH F32",
                 "TORCH BF16",
+                "SDHOST/TORCH BF16",
             ],
             &rows,
         ));
@@ -413,14 +416,14 @@ mod tests {
 
     #[test]
     fn the_table_says_why_torch_is_missing_and_gives_the_ratios() {
-        let row = |torch| Row {
+        let row = |torch: Option<f64>| Row {
             shape: shapes(512, 512)[6],
             weight: "f32".into(),
             sdhost_gflops: 150.0,
             kernel: "sdhost fma mul_mat avx2".into(),
             ggml_gflops: 100.0,
             torch_f32_gflops: torch,
-            torch_bf16_gflops: None,
+            torch_bf16_gflops: torch.map(|t| 4.0 * t),
         };
         let report = |torch, note: Option<&str>| ProductsReport {
             settings: "s".into(),
@@ -438,6 +441,11 @@ mod tests {
         let t = report(Some(120.0), None).text();
         assert!(
             t.contains("120.0") && t.contains("1.25×") && !t.contains("torch:"),
+            "{t}"
+        );
+        // Against PyTorch's bf16 too (480 GFLOP/s).
+        assert!(
+            t.contains("SDHOST/TORCH BF16") && t.contains("480.0") && t.contains("0.31×"),
             "{t}"
         );
     }
