@@ -1665,21 +1665,32 @@ impl Elem for f32 {
         #[cfg(target_arch = "x86_64")]
         if features().avx512 && width.is_multiple_of(16) {
             assert!(panel.len() >= kc * width);
-            let column = |j: usize, words: &mut [u32]| -> *const u32 {
+            let column = |j: usize, w0: usize, words: &mut [u32]| -> *const u32 {
+                let len = words.len();
                 if w.ty == sys::GGML_TYPE_F32 {
-                    let at = j * w.row_bytes + kb * 4;
-                    return w.data[at..at + kc * 4].as_ptr() as *const u32;
+                    let at = j * w.row_bytes + (kb + w0) * 4;
+                    return w.data[at..at + len * 4].as_ptr() as *const u32;
                 }
-                // SAFETY: kc words are kc f32.
+                // SAFETY: `len` words are `len` f32.
                 let values =
-                    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut f32, kc) };
-                w.row_f32(j, kb, values);
+                    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut f32, len) };
+                w.row_f32(j, kb + w0, values);
                 words.as_ptr()
             };
-            // SAFETY: AVX-512F (checked above); each column is `kc` words
-            // (a row's, sliced above, or the scratch's), the panel `kc`
-            // rows of `width` words.
-            unsafe { transpose_panel(w.n, j0, kc, width, panel.as_mut_ptr() as *mut u32, column) };
+            // SAFETY: AVX-512F (checked above); each stretch of a column
+            // is the words asked for (a row's, sliced above, or the
+            // scratch's), the panel `kc` rows of `width` words.
+            unsafe {
+                transpose_panel(
+                    w.n,
+                    j0,
+                    kc,
+                    CHUNK_VALUES,
+                    width,
+                    panel.as_mut_ptr() as *mut u32,
+                    column,
+                )
+            };
             return;
         }
         pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
@@ -1757,23 +1768,38 @@ impl Elem for u16 {
         if (in_place && features().avx512) || (kc <= Bf16Avx512::KC && crate::amx::bf16_ops()) {
             let np = kc.div_ceil(2);
             assert!(panel.len() >= 2 * np * width && width.is_multiple_of(16));
-            let column = |j: usize, words: &mut [u32]| -> *const u32 {
+            let column = |j: usize, w0: usize, words: &mut [u32]| -> *const u32 {
+                let len = words.len();
                 if in_place {
-                    let at = j * w.row_bytes + kb * 2;
-                    return w.data[at..at + kc * 2].as_ptr() as *const u32;
+                    let at = j * w.row_bytes + (kb + 2 * w0) * 2;
+                    return w.data[at..at + len * 4].as_ptr() as *const u32;
                 }
-                // SAFETY: the np words are 2·np u16.
+                // SAFETY: `len` words are 2·len u16.
                 let halves = unsafe {
-                    std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * np)
+                    std::slice::from_raw_parts_mut(words.as_mut_ptr() as *mut u16, 2 * len)
                 };
-                w.row_bf16(j, kb, &mut halves[..kc], &mut row[..kc]);
-                halves[kc..].fill(0);
+                // The values of this stretch (the last may end inside its
+                // last pair, or before it: kc odd).
+                let values = (kc - 2 * w0).min(2 * len);
+                w.row_bf16(j, kb + 2 * w0, &mut halves[..values], &mut row[..values]);
+                halves[values..].fill(0);
                 words.as_ptr()
             };
             // SAFETY: AVX-512F (checked above, or implied by AVX512-BF16);
-            // each column is `np` words (a row's, sliced above, or the
-            // scratch's), the panel `np` rows of `width` words.
-            unsafe { transpose_panel(w.n, j0, np, width, panel.as_mut_ptr() as *mut u32, column) };
+            // each stretch of a column is the words asked for (a row's,
+            // sliced above, or the scratch's), the panel `np` rows of
+            // `width` words.
+            unsafe {
+                transpose_panel(
+                    w.n,
+                    j0,
+                    np,
+                    CHUNK_VALUES / 2,
+                    width,
+                    panel.as_mut_ptr() as *mut u32,
+                    column,
+                )
+            };
             return;
         }
         pack_panel_by_columns(w, j0, kb, kc, panel, width, row)
@@ -1817,36 +1843,56 @@ impl Elem for u16 {
     }
 }
 
+/// The values of a weight's row that [`transpose_panel`] takes at a time
+/// (whole blocks of every quantized type: 32 and 256 values): 16 columns'
+/// stretches are then 16 KiB of f32 or 8 KiB of bf16 pairs, which stay in
+/// the level-1 cache between their dequantization and their transpose,
+/// where a pass's whole columns (16 × 1536 bf16, 48 KiB) filled it.
+/// Measured in docs/performance.md ("the weight's panels dequantized a
+/// stretch at a time", session 43).
+const CHUNK_VALUES: usize = 256;
+
 /// Packs columns `j0..j0 + width` of a weight of `n` columns (`width` a
 /// multiple of 16) as `np` rows of `width` 32-bit words at `panel`, 16
-/// columns at a time by in-register transposes: `column(j, scratch)`
-/// gives column `j`'s `np` words, in place or written into `scratch` (`np`
-/// words of this thread's, [`with_rounded`]); columns from `n` are zeros.
+/// columns at a time by in-register transposes, `chunk` words of each
+/// column at a time: `column(j, w0, scratch)` gives column `j`'s words
+/// `w0..w0 + scratch.len()`, in place or written into `scratch` (this
+/// thread's, [`with_rounded`]); columns from `n` are zeros.
 ///
 /// # Safety
 /// The processor has AVX-512F; `panel` addresses `np · width` words; what
-/// `column` returns addresses `np` words.
+/// `column` returns addresses the words asked for.
 #[cfg(target_arch = "x86_64")]
 unsafe fn transpose_panel(
     n: usize,
     j0: usize,
     np: usize,
+    chunk: usize,
     width: usize,
     panel: *mut u32,
-    mut column: impl FnMut(usize, &mut [u32]) -> *const u32,
+    mut column: impl FnMut(usize, usize, &mut [u32]) -> *const u32,
 ) {
-    with_rounded(np, |scratch| {
+    let chunk = chunk.min(np);
+    with_rounded(chunk, |scratch| {
         for c0 in (0..width).step_by(16) {
-            let mut src = [std::ptr::null::<u32>(); 16];
-            for ((c, s), words) in src.iter_mut().enumerate().zip(scratch.chunks_exact_mut(np)) {
-                let j = j0 + c0 + c;
-                if j < n {
-                    *s = column(j, words);
+            for w0 in (0..np).step_by(chunk) {
+                let len = chunk.min(np - w0);
+                let mut src = [std::ptr::null::<u32>(); 16];
+                for ((c, s), words) in src
+                    .iter_mut()
+                    .enumerate()
+                    .zip(scratch.chunks_exact_mut(chunk))
+                {
+                    let j = j0 + c0 + c;
+                    if j < n {
+                        *s = column(j, w0, &mut words[..len]);
+                    }
                 }
+                // SAFETY: the caller's contract: each non-null source
+                // holds `len` words, the panel `np` rows of `width` from
+                // column `c0`, of which rows w0..w0 + len are written.
+                unsafe { transpose_words(&src, len, panel.add(w0 * width + c0), width, 16) };
             }
-            // SAFETY: the caller's contract: each non-null source holds
-            // `np` words, the panel `np` rows of `width` from column `c0`.
-            unsafe { transpose_words(&src, np, panel.add(c0), width, 16) };
         }
     })
 }
@@ -1854,19 +1900,14 @@ unsafe fn transpose_panel(
 thread_local! {
     /// 16 rows rounded to bf16 on their way into a transpose
     /// ([`with_rounded`]).
-    static ROUNDED: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
+    static ROUNDED: RefCell<Aligned<u32>> = RefCell::new(Aligned::default());
 }
 
 /// Runs `f` on this thread's scratch of 16 rows of `np` words, row `c` at
 /// `c·np` (kept between calls: a pass of [`BF16_KC_LARGE_L1`] makes it
 /// 48 KiB, which a zeroed array on the stack would clear at every block).
 fn with_rounded<R>(np: usize, f: impl FnOnce(&mut [u32]) -> R) -> R {
-    ROUNDED.with_borrow_mut(|rounded| {
-        if rounded.len() < 16 * np {
-            rounded.resize(16 * np, 0);
-        }
-        f(&mut rounded[..16 * np])
-    })
+    ROUNDED.with_borrow_mut(|rounded| f(rounded.get(16 * np)))
 }
 
 /// [`scatter`] of bf16 pairs: the pair in bytes `4i..4i + 4` (little
@@ -2793,8 +2834,10 @@ mod tests {
         }
         // The transposing packers (bf16 weights, rounded activations)
         // against the column-by-column ones, at ragged sizes: columns past
-        // the weight's rows, pairs not a multiple of 16, a short block.
-        let (k, n) = (300usize, 45usize);
+        // the weight's rows, pairs not a multiple of 16, a short block,
+        // passes of several stretches (CHUNK_VALUES) ending in a short
+        // one, odd ones (rounded, not in place).
+        let (k, n) = (700usize, 45usize);
         let bits: Vec<u16> = (0..k * n).map(|i| bf16(v(11, i))).collect();
         let data: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
         let w = Weight {
@@ -2809,6 +2852,9 @@ mod tests {
             (32, 256, 44),
             (32, 2, 6),
             (16, 0, 34),
+            (0, 0, 700),
+            (16, 2, 601),
+            (32, 64, 512),
         ] {
             let kp = kc.div_ceil(2) * 2;
             let mut row = vec![0f32; kp];
@@ -2850,7 +2896,7 @@ mod tests {
         }
         // q8_0 rows (an f16 scale and 32 bytes a block), widened in
         // vectors, against the scalar widening and rounding.
-        let (kq, nq) = (320usize, 20usize);
+        let (kq, nq) = (800usize, 20usize);
         let q8: Vec<u8> = (0..kq / 32 * nq)
             .flat_map(|b| {
                 let d = half::f16::from_f32(0.01 + b as f32 * 1e-3)
@@ -2886,7 +2932,13 @@ mod tests {
             row_bytes: kq / 32 * 18,
         };
         for (w, name) in [(&w4, "q4_0"), (&wq, "q8_0")] {
-            for (kb, kc) in [(0usize, 320usize), (64, 256), (288, 32)] {
+            for (kb, kc) in [
+                (0usize, 320usize),
+                (64, 256),
+                (288, 32),
+                (0, 800),
+                (32, 736),
+            ] {
                 let mut row = vec![0f32; kc];
                 let mut fast = vec![u16::MAX; kc * 32];
                 <u16 as Elem>::pack_panel(w, 0, kb, kc, &mut fast, 32, &mut row);
