@@ -110,9 +110,8 @@ impl Kernel for Bf16Tiles {
         // vouches for `c` (32 rows of 32 f32, `ldc` apart) and `bias` (32
         // f32, if not null); every A load reads 16 rows of 64 bytes in a
         // row inside step < kp / 32's 32 × 32 values of the block of 32 ×
-        // kp (asserted), every B
-        // load 16 rows of 64 bytes 128 apart inside the panel of kp × 32
-        // (asserted); `next` is only prefetched.
+        // kp (asserted), every B load 16 rows of 64 bytes 128 apart inside
+        // the panel of kp × 32 (asserted); `next` is only prefetched.
         unsafe {
             // The output's rows, read (on passes after the first) or
             // written at the end, on their way into the cache while the
