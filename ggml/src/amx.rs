@@ -1287,12 +1287,16 @@ fn softmax_chunk_bf16(
     use std::arch::x86_64::*;
     assert!(keys <= len && len <= CHUNK);
     assert!(sc.len() >= ROWS * SC_LD && pa.len() >= ROWS * PA_LD && o.len() >= ROWS * od);
+    // `exp` 16 lanes at a time: the same reduction to 2^i · 2^f (i
+    // rounded to nearest even, as `exp`'s 1.5·2²³ does) and polynomial,
+    // with 2^i applied by `vscalefps` rather than added to the exponent's
+    // bits (three instructions fewer; the same values wherever the result
+    // is a normal number).
     let exp16 = |x: __m512| {
-        const MAGIC: f32 = 12_582_912.0;
         let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
         let y = _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E));
-        let t = _mm512_add_ps(y, _mm512_set1_ps(MAGIC));
-        let f = _mm512_sub_ps(y, _mm512_sub_ps(t, _mm512_set1_ps(MAGIC)));
+        let i = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(y);
+        let f = _mm512_sub_ps(y, i);
         let mut p = _mm512_set1_ps(1.535_336_2e-4);
         for c in [
             1.339_887_4e-3,
@@ -1304,11 +1308,7 @@ fn softmax_chunk_bf16(
         ] {
             p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
         }
-        let shift = _mm512_slli_epi32::<23>(_mm512_sub_epi32(
-            _mm512_castps_si512(t),
-            _mm512_set1_epi32(MAGIC.to_bits() as i32),
-        ));
-        _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), shift))
+        _mm512_scalef_ps(p, i)
     };
     let mask_at = |i: usize| {
         if keys - i >= 16 {
@@ -1317,10 +1317,17 @@ fn softmax_chunk_bf16(
             (1u16 << (keys - i)) - 1
         }
     };
+    // Whole vectors (pairs of them for the exponentials) without masks;
+    // the last keys with.
+    let (whole16, whole32) = (keys / 16 * 16, keys / 32 * 32);
     for r in 0..ROWS {
         let (row, pr) = (sc[r * SC_LD..].as_ptr(), pa[r * PA_LD..].as_mut_ptr());
         let mut vm = _mm512_set1_ps(f32::NEG_INFINITY);
-        for i in (0..keys).step_by(16) {
+        for i in (0..whole16).step_by(16) {
+            // SAFETY: keys i..i + 16 of the row, inside `sc` (asserted).
+            vm = _mm512_max_ps(vm, unsafe { _mm512_loadu_ps(row.add(i)) });
+        }
+        for i in (whole16..keys).step_by(16) {
             let mask = mask_at(i);
             // SAFETY: lanes below `keys` of the row (the mask), inside
             // `sc` (asserted).
@@ -1336,7 +1343,19 @@ fn softmax_chunk_bf16(
         let factor = exp(max[r] - m);
         max[r] = m;
         let (mv, mut acc) = (_mm512_set1_ps(m), _mm512_setzero_ps());
-        for i in (0..keys).step_by(16) {
+        for i in (0..whole32).step_by(32) {
+            // SAFETY: keys i..i + 32 of the row, inside `sc`, and their
+            // 32 bf16 in the row of `pa` (both asserted large enough).
+            unsafe {
+                let e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(row.add(i)), mv));
+                let e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(row.add(i + 16)), mv));
+                acc = _mm512_add_ps(_mm512_add_ps(acc, e0), e1);
+                // The second operand's values come first.
+                let b: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(e1, e0));
+                _mm512_storeu_si512(pr.add(i) as *mut _, b);
+            }
+        }
+        for i in (whole32..keys).step_by(16) {
             let mask = mask_at(i);
             // SAFETY: as above; the store writes the same lanes of the
             // row of `pa` (asserted large enough).
