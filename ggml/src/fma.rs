@@ -1872,7 +1872,9 @@ unsafe fn transpose_panel(
     panel: *mut u32,
     mut column: impl FnMut(usize, usize, &mut [u32]) -> *const u32,
 ) {
-    let chunk = chunk.min(np);
+    // At least one word a stretch (`chunks_exact_mut` and `step_by` take
+    // no zero).
+    let chunk = chunk.min(np).max(1);
     with_rounded(chunk, |scratch| {
         for c0 in (0..width).step_by(16) {
             for w0 in (0..np).step_by(chunk) {
