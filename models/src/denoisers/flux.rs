@@ -500,7 +500,9 @@ fn modulation<'a>(
         .collect()
 }
 
-/// `LayerNorm(x)·(1 + scale) + shift` (no affine part).
+/// `LayerNorm(x)·(1 + scale) + shift` (no affine part), as diffusers
+/// writes it: `1 + scale` on the `[h, 1, N]` vector, so that the rows
+/// take one product and one sum (`n + n·scale` took a pass more).
 fn modulate<'a>(
     c: &'a Context,
     x: Tensor<'a>,
@@ -508,7 +510,8 @@ fn modulate<'a>(
     scale: Tensor<'a>,
 ) -> Result<Tensor<'a>> {
     let n = c.norm(x, EPS)?;
-    Ok(c.add(c.add(n, c.mul(n, scale)?)?, shift)?)
+    let factor = c.scale_bias(c.dense(scale)?, 1.0, 1.0)?;
+    Ok(c.add(c.mul(n, factor)?, shift)?)
 }
 
 /// Query, key and value `[D, H, L, N]` from their `[h, L, N]` projections

@@ -378,7 +378,7 @@ fn build<'a>(
         d,
     )?;
     let normed = c.norm(x, FINAL_EPS)?;
-    let x = c.add(normed, c.mul(normed, scale)?)?;
+    let x = c.mul(normed, c.scale_bias(c.dense(scale)?, 1.0, 1.0)?)?;
     let output = linear(c, w, "final_layer.linear", x, d, cfg.patch_features)?;
     Ok(Built { output, inputs })
 }
@@ -394,19 +394,27 @@ fn block<'a>(
     rope: &AxesRope<'a>,
 ) -> Result<Tensor<'a>> {
     let d = cfg.dim;
-    // (scale_msa, gate_msa, scale_mlp, gate_mlp), each [d, 1].
+    // (1 + scale_msa, gate_msa, 1 + scale_mlp, gate_mlp), each [d, 1]:
+    // the scales' 1 added to the vector, so that the rows take one
+    // product (`x + x·scale` took a pass more).
     let m = match adaln {
         Some(a) => {
             let m = linear(c, w, &format!("{p}adaLN_modulation.0"), a, cfg.adaln, 4 * d)?;
             let part = |i: i64| -> Result<Tensor<'a>> { Ok(c.cont(c.narrow(m, 0, i * d, d)?)?) };
-            Some([part(0)?, c.tanh(part(1)?)?, part(2)?, c.tanh(part(3)?)?])
+            let one_plus = |i: i64| -> Result<Tensor<'a>> { Ok(c.scale_bias(part(i)?, 1.0, 1.0)?) };
+            Some([
+                one_plus(0)?,
+                c.tanh(part(1)?)?,
+                one_plus(2)?,
+                c.tanh(part(3)?)?,
+            ])
         }
         None => None,
     };
     let norm = |name: &str, x: Tensor<'a>| rms_norm(c, w, &format!("{p}{name}.weight"), x, d, EPS);
     let scaled = |x: Tensor<'a>, scale: Option<Tensor<'a>>| -> Result<Tensor<'a>> {
         Ok(match scale {
-            Some(s) => c.add(x, c.mul(x, s)?)?,
+            Some(s) => c.mul(x, s)?,
             None => x,
         })
     };
