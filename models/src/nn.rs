@@ -336,6 +336,14 @@ pub fn rms_norm<'a>(
     Ok(c.mul(c.rms_norm(x, eps)?, as_f32(c, g)?)?)
 }
 
+/// `1 + s` for an adaLN scale vector `s` (FLUX's and Z-Image's
+/// modulations, as diffusers writes them): the 1 goes on the small vector,
+/// so that the rows it scales take one product, where `x + x·s` took a
+/// pass more over them.
+pub fn one_plus<'a>(c: &'a Context, s: Tensor<'a>) -> Result<Tensor<'a>> {
+    Ok(c.scale_bias(c.dense(s)?, 1.0, 1.0)?)
+}
+
 /// `t` as f32: itself, or widened (a weight that is added to or multiplies
 /// f32 activations, or is looked up by rows, in a checkpoint's other type).
 pub fn as_f32<'a>(c: &'a Context, t: Tensor<'a>) -> Result<Tensor<'a>> {

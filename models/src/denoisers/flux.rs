@@ -29,7 +29,7 @@
 //! at (10 + 10i, row, column, 0).
 
 use crate::error::{ModelError, Result};
-use crate::nn::{attention_with, linear, rms_norm_halves, AxesRope, Scores};
+use crate::nn::{attention_with, linear, one_plus, rms_norm_halves, AxesRope, Scores};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, Built, ComputeBytes, Module};
 use ggml::{Context, Tensor};
@@ -500,9 +500,7 @@ fn modulation<'a>(
         .collect()
 }
 
-/// `LayerNorm(x)·(1 + scale) + shift` (no affine part), as diffusers
-/// writes it: `1 + scale` on the `[h, 1, N]` vector, so that the rows
-/// take one product and one sum (`n + n·scale` took a pass more).
+/// `LayerNorm(x)·(1 + scale) + shift` (no affine part; [`one_plus`]).
 fn modulate<'a>(
     c: &'a Context,
     x: Tensor<'a>,
@@ -510,8 +508,7 @@ fn modulate<'a>(
     scale: Tensor<'a>,
 ) -> Result<Tensor<'a>> {
     let n = c.norm(x, EPS)?;
-    let factor = c.scale_bias(c.dense(scale)?, 1.0, 1.0)?;
-    Ok(c.add(c.mul(n, factor)?, shift)?)
+    Ok(c.add(c.mul(n, one_plus(c, scale)?)?, shift)?)
 }
 
 /// Query, key and value `[D, H, L, N]` from their `[h, L, N]` projections

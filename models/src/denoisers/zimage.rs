@@ -30,7 +30,7 @@
 //! 3d/8]` (32, 48, 48 for d = 128).
 
 use crate::error::{ModelError, Result};
-use crate::nn::{attention_with, linear, rms_norm, rms_norm_halves, AxesRope, Scores};
+use crate::nn::{attention_with, linear, one_plus, rms_norm, rms_norm_halves, AxesRope, Scores};
 use crate::runtime::graph::W;
 use crate::runtime::module::{input_f32, Built, ComputeBytes, Module};
 use ggml::{Context, Tensor};
@@ -378,7 +378,7 @@ fn build<'a>(
         d,
     )?;
     let normed = c.norm(x, FINAL_EPS)?;
-    let x = c.mul(normed, c.scale_bias(c.dense(scale)?, 1.0, 1.0)?)?;
+    let x = c.mul(normed, one_plus(c, scale)?)?;
     let output = linear(c, w, "final_layer.linear", x, d, cfg.patch_features)?;
     Ok(Built { output, inputs })
 }
@@ -394,18 +394,16 @@ fn block<'a>(
     rope: &AxesRope<'a>,
 ) -> Result<Tensor<'a>> {
     let d = cfg.dim;
-    // (1 + scale_msa, gate_msa, 1 + scale_mlp, gate_mlp), each [d, 1]:
-    // the scales' 1 added to the vector, so that the rows take one
-    // product (`x + x·scale` took a pass more).
+    // (1 + scale_msa, gate_msa, 1 + scale_mlp, gate_mlp), each [d, 1]
+    // ([`one_plus`]).
     let m = match adaln {
         Some(a) => {
             let m = linear(c, w, &format!("{p}adaLN_modulation.0"), a, cfg.adaln, 4 * d)?;
             let part = |i: i64| -> Result<Tensor<'a>> { Ok(c.cont(c.narrow(m, 0, i * d, d)?)?) };
-            let one_plus = |i: i64| -> Result<Tensor<'a>> { Ok(c.scale_bias(part(i)?, 1.0, 1.0)?) };
             Some([
-                one_plus(0)?,
+                one_plus(c, part(0)?)?,
                 c.tanh(part(1)?)?,
-                one_plus(2)?,
+                one_plus(c, part(2)?)?,
                 c.tanh(part(3)?)?,
             ])
         }
