@@ -159,14 +159,23 @@ impl Device {
     pub fn init_backend(self) -> Result<Backend> {
         // SAFETY: valid device; null params means defaults.
         let b = unsafe { sys::ggml_backend_dev_init(self.0, std::ptr::null()) };
+        // SAFETY: valid device → its registry.
+        let reg = Reg(unsafe { sys::ggml_backend_dev_backend_reg(self.0) });
         if b.is_null() {
-            return Err(Error::Null {
-                what: "ggml_backend_dev_init",
+            return Err(match self.failure(reg) {
+                Some(reason) => {
+                    crate::fatal::note_device_failed();
+                    Error::DeviceFailed {
+                        device: self.name(),
+                        reason,
+                    }
+                }
+                None => Error::Null {
+                    what: "ggml_backend_dev_init",
+                },
             });
         }
         let abort: Box<AbortSlot> = Box::new(Mutex::new(None));
-        // SAFETY: valid device → its registry.
-        let reg = Reg(unsafe { sys::ggml_backend_dev_backend_reg(self.0) });
         let abortable = match reg.proc_address("ggml_backend_set_abort_callback") {
             None => false,
             Some(f) => {
@@ -199,6 +208,50 @@ impl Device {
             abort,
             abortable,
             label: None,
+        })
+    }
+
+    /// Why the device cannot be set up, where its backend says, without
+    /// creating a backend instance: asking for its buffer type sets a
+    /// Vulkan device up (`ggml_vk_get_device`), and sdhost's Vulkan plugin
+    /// keeps the reason it failed (plugins/vulkan/src/guard.cpp). `None` for
+    /// a device that set up, and for backends that do not say (nothing is
+    /// asked of those). For automatic placement, which passes over such a
+    /// device, and `sdhost devices`.
+    pub fn setup_error(self) -> Option<String> {
+        // SAFETY: valid device → its registry.
+        let reg = Reg(unsafe { sys::ggml_backend_dev_backend_reg(self.0) });
+        // Only where the backend would say (no RPC connection, no CUDA
+        // context for nothing).
+        reg.proc_address("sdhost_device_error")?;
+        // SAFETY: valid device.
+        let _ = unsafe { sys::ggml_backend_dev_buffer_type(self.0) };
+        let reason = self.failure(reg)?;
+        crate::fatal::note_device_failed();
+        Some(reason)
+    }
+
+    /// Why the device cannot be used, where its registry (`reg`) says:
+    /// sdhost's Vulkan plugin answers `sdhost_device_error` with the C++
+    /// exception ggml threw setting the device up (plugins/vulkan/src/guard.cpp).
+    /// Control characters in it are escaped.
+    fn failure(self, reg: Reg) -> Option<String> {
+        let f = reg.proc_address("sdhost_device_error")?;
+        // SAFETY: the plugin's guard registers this name as `const char *
+        // (*)(ggml_backend_dev_t)`; the address is non-null.
+        let f: unsafe extern "C" fn(sys::ggml_backend_dev_t) -> *const std::ffi::c_char =
+            unsafe { std::mem::transmute(f) };
+        // SAFETY: a device of that registry; the reason it returns (if any)
+        // is a NUL-terminated string the guard keeps for the process's life.
+        let p = unsafe { f(self.0) };
+        (!p.is_null()).then(|| {
+            cstr(p)
+                .chars()
+                .map(|c| match c.is_control() {
+                    true => c.escape_default().to_string(),
+                    false => c.to_string(),
+                })
+                .collect()
         })
     }
 
@@ -265,9 +318,11 @@ impl Device {
     /// is a host buffer type): the CPU, and accelerators that work on host
     /// memory, such as ggml's BLAS backend.
     pub fn uses_host_memory(self) -> bool {
-        // SAFETY: valid device; its default buffer type is a static of the
-        // backend.
-        unsafe { sys::ggml_backend_buft_is_host(sys::ggml_backend_dev_buffer_type(self.0)) }
+        // SAFETY: valid device.
+        let buft = unsafe { sys::ggml_backend_dev_buffer_type(self.0) };
+        // SAFETY: a non-null default buffer type is a static of the backend
+        // (a device that failed to set up has none).
+        !buft.is_null() && unsafe { sys::ggml_backend_buft_is_host(buft) }
     }
 
     /// The device's pinned host-memory buffer type, null when it has none.

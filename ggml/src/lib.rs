@@ -8,7 +8,9 @@
 //!   [`Graph`], [`Buffer`], [`Sched`]) used by the rest of the workspace.
 //! * [`route_log_to_tracing`]: ggml's log callback into `tracing`.
 //! * [`set_fatal_handler`]: ggml's abort callback (one line, exit 1, no core
-//!   dump); [`Reg::rpc_serve`]: ggml's RPC server through a registry.
+//!   dump); [`finish`]: the exit that skips C++ static destructors where a
+//!   device failed to set up; [`Reg::rpc_serve`]: ggml's RPC server through a
+//!   registry.
 //!
 //! **Architecture invariant:** all `unsafe` of the workspace, apart from each
 //! plugin's export function, lives in this crate. Every wrapper that hands a
@@ -51,7 +53,7 @@ pub use backend::{Backend, Device, DeviceType, Reg};
 pub use compute::{
     profile as op_profile, Buffer, Context, Graph, Sched, Tensor, Type, CONV_BAND_BYTES,
 };
-pub use fatal::set_fatal_handler;
+pub use fatal::{finish, set_fatal_handler};
 pub use identity::{build_identity, BuildIdentity};
 pub use log::route_log_to_tracing;
 pub use rpc::START_SERVER as RPC_START_SERVER;
@@ -74,6 +76,16 @@ pub enum Error {
     Null {
         /// The operation.
         what: &'static str,
+    },
+    /// A device could not be set up: its backend said why (a Vulkan device
+    /// ggml-vulkan does not support, say). Shown as the reason alone: the
+    /// caller names the device in its context.
+    #[error("{reason}")]
+    DeviceFailed {
+        /// The device's ggml name (`Vulkan0`).
+        device: String,
+        /// The backend's reason.
+        reason: String,
     },
     /// A graph computation returned a status other than success (or
     /// `GGML_STATUS_ABORTED`, which is [`Error::Aborted`]).

@@ -8,7 +8,7 @@ use std::process::ExitCode;
 fn main() -> ExitCode {
     let cli = sdhost::cli::Cli::parse();
     sdhost::app::init_logging(cli.verbose, cli.quiet);
-    match sdhost::app::run(cli) {
+    let code = match sdhost::app::run(cli) {
         Ok(code) => code,
         Err(e) if sdhost::term::is_cancelled(&e) => {
             sdhost::term::eprint_line("cancelled: no output was written");
@@ -18,5 +18,8 @@ fn main() -> ExitCode {
             sdhost::term::eprint_line(&format!("error: {}", sdhost::term::error_line(&e)));
             ExitCode::FAILURE
         }
-    }
+    };
+    // Where a device failed to set up, the process ends without C++ static
+    // destructors (ggml::finish says why).
+    ggml::finish(code)
 }

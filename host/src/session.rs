@@ -246,7 +246,63 @@ impl Session {
             config_params_backend: self.config.params_backend.clone(),
             default_device: std::env::var("SDHOST_DEFAULT_DEVICE").ok(),
         };
-        let p = placement::resolve(&req, &self.device_infos()).map_err(|e| {
+        // A device chosen automatically that cannot be set up (a Vulkan
+        // device ggml-vulkan does not support) is passed over, with a
+        // warning; one the user named fails where it is created, in one line.
+        let mut passed_over: Vec<(String, String)> = Vec::new();
+        loop {
+            let infos: Vec<_> = self
+                .device_infos()
+                .into_iter()
+                .filter(|d| !passed_over.iter().any(|(n, _)| *n == d.name))
+                .collect();
+            let p = self.resolve_among(&req, &infos, &passed_over)?;
+            let named = p
+                .runtime
+                .iter()
+                .filter(|(m, _)| p.fixed_runtime.contains(*m))
+                .chain(p.params.iter().filter(|(m, _)| p.fixed_params.contains(*m)))
+                .map(|(_, d)| d)
+                .chain(p.split.values().flatten().map(|(d, _)| d))
+                .collect::<std::collections::BTreeSet<_>>();
+            let chosen = p
+                .runtime
+                .values()
+                .chain(p.params.values())
+                .filter(|d| !named.contains(d))
+                .collect::<std::collections::BTreeSet<_>>();
+            let failed = chosen.into_iter().find_map(|name| {
+                let reason = self.registry.device(name)?.device.setup_error()?;
+                Some((name.clone(), reason))
+            });
+            match failed {
+                Some(f) => {
+                    tracing::warn!(
+                        "{} cannot be used: {}; automatic placement passes over it",
+                        f.0,
+                        f.1
+                    );
+                    passed_over.push(f);
+                }
+                None => {
+                    for n in &p.notes {
+                        tracing::warn!("{n}");
+                    }
+                    return Ok(p);
+                }
+            }
+        }
+    }
+
+    /// [`Session::resolve`] against `infos`, the devices left after
+    /// `passed_over` (named with their reasons in an error).
+    fn resolve_among(
+        &self,
+        req: &Request,
+        infos: &[DeviceInfo],
+        passed_over: &[(String, String)],
+    ) -> anyhow::Result<Placement> {
+        placement::resolve(req, infos).map_err(|e| {
             if let placement::PlacementError::UnknownDevice { token, .. } = e.root() {
                 if let Some(d) = self
                     .registry
@@ -259,19 +315,18 @@ impl Session {
                     );
                 }
             }
-            if self.rpc_failures.is_empty() {
-                anyhow::Error::from(e)
-            } else {
-                anyhow::anyhow!(
-                    "{e} (RPC servers left out: {})",
-                    self.rpc_failures.join("; ")
-                )
+            let mut left_out: Vec<String> = passed_over
+                .iter()
+                .map(|(n, r)| format!("{n} cannot be used: {r}"))
+                .collect();
+            if !self.rpc_failures.is_empty() {
+                left_out.push(format!("RPC servers left out: {}", self.rpc_failures.join("; ")));
             }
-        })?;
-        for n in &p.notes {
-            tracing::warn!("{n}");
-        }
-        Ok(p)
+            match left_out.is_empty() {
+                true => anyhow::Error::from(e),
+                false => anyhow::anyhow!("{e} ({})", left_out.join("; ")),
+            }
+        })
     }
 }
 

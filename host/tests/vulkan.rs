@@ -230,3 +230,75 @@ fn fused_attention_stays_on_the_device_or_is_unfused() {
     }
     assert!(out.is_file());
 }
+
+/// A Vulkan device that ggml-vulkan cannot set up: SwiftShader, the
+/// software Vulkan device Chromium ships for itself (`.ci/install-deps`
+/// installs Chromium for the browser test), has no 16-bit storage, and
+/// ggml-vulkan throws a C++ exception where it first sets the device up.
+/// Before the plugin caught it (plugins/vulkan/src/guard.cpp) that ended
+/// every run that touched the device in `std::terminate`, an abort with a
+/// backtrace, and automatic placement picked that device by default.
+#[test]
+fn a_device_ggml_cannot_set_up_is_one_line_and_automatic_placement_passes_over_it() {
+    if !enabled() {
+        return;
+    }
+    let icd = std::path::Path::new("/usr/lib/chromium/vk_swiftshader_icd.json");
+    if !icd.is_file() {
+        assert!(
+            std::env::var("SDHOST_REQUIRE_VULKAN_TESTS").as_deref() != Ok("1"),
+            "no SwiftShader at {} (Chromium's; .ci/install-deps installs it)",
+            icd.display()
+        );
+        eprintln!("skipped: no SwiftShader at {}", icd.display());
+        return;
+    }
+    let p = prefix_with_vulkan();
+    let swiftshader = |mut c: std::process::Command| {
+        c.env("VK_ICD_FILENAMES", icd)
+            .env("GGML_VK_VISIBLE_DEVICES", "0");
+        Run::from(output(&mut c))
+    };
+    let why = "device Vulkan0 does not support 16-bit storage (Unsupported device)";
+
+    // Listed, with the reason.
+    let listed = swiftshader(p.cmd(&["devices", "--json"])).ok().json();
+    let vk = &listed.as_array().unwrap()[1];
+    assert_eq!(vk["name"], "vulkan0", "{listed:#}");
+    assert_eq!(vk["unusable"], why, "{listed:#}");
+    assert_eq!(listed[0]["unusable"], serde_json::Value::Null);
+
+    // Named: one line, exit 1, no abort, and no output.
+    let r = swiftshader(p.cmd(&["check", "--device", "vulkan0"]));
+    assert_eq!(r.code, Some(1), "{}", r.stderr);
+    assert_eq!(
+        r.stderr.trim(),
+        format!("error: device vulkan0: cannot create a backend: {why}")
+    );
+    for extra in [
+        &["--backend", "vulkan0"][..],
+        &["--params-backend", "vulkan0"],
+    ] {
+        let dir = p.dir(&format!("named{}", extra[0]));
+        let out = dir.join("cat.png");
+        let r = swiftshader(generate_64_cmd(&p, "tiny-sd1.safetensors", &out, extra));
+        assert_one_line_failure(&r, why, &dir, extra[0]);
+    }
+
+    // Not named: automatic placement takes the CPU, and says why.
+    let dir = p.dir("auto");
+    let out = dir.join("cat.png");
+    let r = swiftshader(generate_64_cmd(&p, "tiny-sd1.safetensors", &out, &[])).ok();
+    assert!(
+        r.stderr.contains(&format!(
+            "vulkan0 cannot be used: {why}; automatic placement passes over it"
+        )),
+        "{}",
+        r.stderr
+    );
+    assert!(out.is_file());
+    // `check` without --device checks the devices that set up.
+    let r = swiftshader(p.cmd(&["check", "--op", "add", "--json"])).ok();
+    assert!(r.stderr.contains("vulkan0 cannot be used"), "{}", r.stderr);
+    assert!(!r.stdout.contains("vulkan0"), "{}", r.stdout);
+}

@@ -53,6 +53,21 @@ fn main() {
             ("Vulkan_LIBRARY", &library_s),
         ],
     );
+    // The registry's devices behind a C++ `catch` (src/guard.cpp).
+    let src = PathBuf::from(
+        std::env::var_os("DEP_GGML_BASE_SOURCE")
+            .unwrap_or_else(|| fail("DEP_GGML_BASE_SOURCE not set")),
+    );
+    println!("cargo:rerun-if-changed=src/guard.cpp");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("src/guard.cpp")
+        .include(src.join("src"))
+        .include(src.join("include"))
+        .define("GGML_BACKEND_SHARED", None)
+        .define("GGML_BACKEND_BUILD", None)
+        .compile("sdhost_vk_guard");
     let dir = library.parent().unwrap_or(Path::new("/usr/lib"));
     println!("cargo:rustc-link-search=native={}", dir.display());
     let file = library

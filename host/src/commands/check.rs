@@ -23,9 +23,18 @@ pub fn run(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
         bail!("check needs the CPU plugin for reference results, and no CPU device is loaded");
     };
     let names: Vec<String> = if args.devices.is_empty() {
+        // Every non-CPU device that sets up; one that cannot (a Vulkan
+        // device ggml-vulkan does not support) is named, not checked.
         reg.devices
             .iter()
             .filter(|d| d.ty != DeviceType::Cpu)
+            .filter(|d| match d.device.setup_error() {
+                Some(why) => {
+                    tracing::warn!("{} cannot be used: {why}; not checked", d.name);
+                    false
+                }
+                None => true,
+            })
             .map(|d| d.name.clone())
             .collect()
     } else {

@@ -35,6 +35,10 @@ pub struct DeviceRow {
     /// For a CPU assist (ggml's BLAS): the device whose modules it takes
     /// ops from (`cpu`); `None` for every device that runs modules itself.
     pub assists: Option<&'static str>,
+    /// Why the device cannot be used, where its backend failed to set it
+    /// up (a Vulkan device ggml-vulkan does not support); `None` for a
+    /// usable device.
+    pub unusable: Option<String>,
 }
 
 /// `sdhost devices`.
@@ -64,6 +68,7 @@ fn row(d: &DeviceEntry) -> DeviceRow {
         plugin: d.plugin.clone(),
         ggml_name: d.ggml_name.clone(),
         assists: d.cpu_assist.then_some("cpu"),
+        unusable: d.device.setup_error(),
     }
 }
 
@@ -89,9 +94,10 @@ impl Report for DevicesReport {
                             human_bytes(d.memory_total)
                         )
                     },
-                    match d.assists {
-                        Some(dev) => format!("{} (assists {dev})", d.description),
-                        None => d.description.clone(),
+                    match (d.assists, &d.unusable) {
+                        (_, Some(why)) => format!("{} (cannot be used: {why})", d.description),
+                        (Some(dev), None) => format!("{} (assists {dev})", d.description),
+                        (None, None) => d.description.clone(),
                     },
                     d.plugin.display().to_string(),
                 ]
