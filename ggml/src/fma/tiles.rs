@@ -72,6 +72,18 @@ pub const TILES_MC: usize = 64;
 /// 1024 × 2560 × 640; 128 and 192 in between.
 pub const TILES_MC_LONG: usize = 256;
 
+/// Rows per packed block where a pass is [`TILES_KC`] long (the DiT's and
+/// LLMs' products of `k` = 3072 or 9216) over many panels: 128 rows, whose
+/// packed block (384 KiB) leaves more of level 2 to the panels than 256
+/// rows' 768 KiB. Measured on an Emerald Rapids Xeon (session 44, both
+/// threads, variants alternating in one process, medians of 9 rounds):
+/// 1.01–1.05× faster than 256 with q4_0 weights at 1024 × 3072 × 3072,
+/// 1536 × 3072 × 9216, 1536 × 9216 × 3072 and 512 × 3072 × 9216 in four
+/// runs, 1.02–1.03× with bf16 weights; 96, 160 and 192 within a percent
+/// of 128. At passes of 1280 (`k` = 1280, 2560, 5120, 10240: SDXL's and
+/// Qwen3-4B's) 128 measured 0.86–1.02×, so those keep [`TILES_MC_LONG`].
+pub const TILES_MC_FULL_PASS: usize = 128;
+
 /// The shortest pass (values of `k`, padded) that takes
 /// [`TILES_MC_LONG`].
 pub const LONG_PASS: usize = 1024;
@@ -86,9 +98,10 @@ impl Kernel for Bf16Tiles {
     const KC: usize = TILES_KC;
     const KSTEP: usize = TILE_K;
     fn block_rows(kp: usize, panels: usize) -> usize {
-        match kp >= LONG_PASS && panels >= MANY_PANELS {
-            true => TILES_MC_LONG,
-            false => TILES_MC,
+        match (kp >= LONG_PASS && panels >= MANY_PANELS, kp >= TILES_KC) {
+            (true, true) => TILES_MC_FULL_PASS,
+            (true, false) => TILES_MC_LONG,
+            (false, _) => TILES_MC,
         }
     }
     type E = u16;
