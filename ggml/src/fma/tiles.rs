@@ -605,6 +605,9 @@ mod tests {
             // A long pass over many panels: blocks of TILES_MC_LONG rows,
             // the last one partial.
             (700, 1030, 520, 1),
+            // Passes of TILES_KC: blocks of TILES_MC_FULL_PASS rows, the
+            // last one partial.
+            (300, 3072, 520, 1),
         ] {
             let x = values(m * k, 1);
             let w: Vec<u16> = values(n * k, 2)
