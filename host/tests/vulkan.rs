@@ -265,6 +265,16 @@ fn a_device_ggml_cannot_set_up_is_one_line_and_automatic_placement_passes_over_i
     let listed = swiftshader(p.cmd(&["devices", "--json"])).ok().json();
     let vk = &listed.as_array().unwrap()[1];
     assert_eq!(vk["name"], "vulkan0", "{listed:#}");
+    if vk["unusable"].is_null() {
+        // A newer Chromium whose SwiftShader ggml-vulkan accepts: nothing
+        // here fails to set up any more.
+        eprintln!(
+            "SKIPPED: Chromium's SwiftShader ({}) now sets up under ggml-vulkan; \
+             this test needs a Vulkan device it refuses",
+            vk["description"]
+        );
+        return;
+    }
     assert_eq!(vk["unusable"], why, "{listed:#}");
     assert_eq!(listed[0]["unusable"], serde_json::Value::Null);
 
