@@ -1102,16 +1102,42 @@ pub fn relative_error(got: &[f32], want: &[f32]) -> f64 {
     err / scale
 }
 
-/// Checks the cases whose name contains one of `filter` (all when empty) on
-/// `device` (named `name`) against `cpu`.
+/// Which cases run: those whose name contains one of `only` (every case
+/// when empty) and none of `skip` (`check`'s `--op` and `--skip`).
+#[derive(Clone, Debug, Default)]
+pub struct Select {
+    /// Texts a case's name must contain one of.
+    pub only: Vec<String>,
+    /// Texts a case's name must contain none of.
+    pub skip: Vec<String>,
+}
+
+impl Select {
+    /// The cases whose name contains one of `only`.
+    pub fn only(only: &[&str]) -> Select {
+        Select {
+            only: only.iter().map(|s| s.to_string()).collect(),
+            skip: Vec::new(),
+        }
+    }
+
+    /// Whether the case named `name` runs.
+    pub fn selects(&self, name: &str) -> bool {
+        (self.only.is_empty() || self.only.iter().any(|f| name.contains(f.as_str())))
+            && !self.skip.iter().any(|f| name.contains(f.as_str()))
+    }
+}
+
+/// Checks the cases `select` selects on `device` (named `name`) against
+/// `cpu`.
 pub fn check_device(
     name: &str,
     device: &Backend,
     cpu: &Backend,
     seed: u64,
-    filter: &[String],
+    select: &Select,
 ) -> Vec<CaseResult> {
-    check_device_with(name, device, cpu, seed, filter, None)
+    check_device_with(name, device, cpu, seed, select, None)
 }
 
 /// [`check_device`], with the device run's inputs changed by `perturb` (a
@@ -1122,12 +1148,12 @@ pub fn check_device_with(
     device: &Backend,
     cpu: &Backend,
     seed: u64,
-    filter: &[String],
+    select: &Select,
     perturb: Option<Perturb<'_>>,
 ) -> Vec<CaseResult> {
     cases()
         .iter()
-        .filter(|c| filter.is_empty() || filter.iter().any(|f| c.name.contains(f.as_str())))
+        .filter(|c| select.selects(c.name))
         .map(|case| {
             let row = |verdict, max_error, detail, kernel| CaseResult {
                 device: name.to_string(),

@@ -1285,6 +1285,11 @@ pub struct CheckArgs {
     #[arg(long = "op", value_name = "NAME")]
     pub ops: Vec<String>,
 
+    /// Leave out the ops whose name contains this text (repeatable; e.g.
+    /// `(FMA)` for the cases of sdhost's CPU kernels)
+    #[arg(long = "skip", value_name = "NAME")]
+    pub skip: Vec<String>,
+
     /// Random seed for the inputs
     #[arg(long, default_value_t = 42)]
     pub seed: u64,

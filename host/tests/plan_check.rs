@@ -3,7 +3,7 @@
 
 mod common;
 use common::*;
-use sdhost::check::{cases, check_device, check_device_with, Verdict};
+use sdhost::check::{cases, check_device, check_device_with, Select, Verdict};
 use sdhost::discovery::Origin;
 use sdhost::manager::BackendManager;
 use sdhost::registry::Registry;
@@ -137,6 +137,42 @@ fn check_on_cpu_passes_every_op() {
     );
 }
 
+/// `--op` keeps and `--skip` leaves out the cases whose name contains the
+/// text; nothing left to check is one line and exit 1.
+#[test]
+fn check_keeps_and_skips_ops_by_name() {
+    let p = Prefix::with_cpu();
+    let j = p
+        .run(&[
+            "check",
+            "--device",
+            "cpu",
+            "--op",
+            "mul_mat q",
+            "--skip",
+            "(FMA)",
+            "--skip",
+            "(AMX)",
+            "--json",
+        ])
+        .ok()
+        .json();
+    let got: Vec<&str> = j
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["op"].as_str().unwrap())
+        .collect();
+    assert_eq!(got, ["mul_mat q8_0", "mul_mat q4_0"]);
+    let r = p.run(&["check", "--device", "cpu", "--op", "gelu", "--skip", "gelu"]);
+    assert_eq!(r.code, Some(1));
+    assert!(
+        r.stderr.lines().count() == 1 && r.stderr.contains("no op is left to check"),
+        "{}",
+        r.stderr
+    );
+}
+
 #[test]
 fn check_fails_when_the_device_computes_something_else() {
     // The CPU against itself, its "device" run fed changed inputs: the check
@@ -145,7 +181,7 @@ fn check_fails_when_the_device_computes_something_else() {
     let reg = Registry::discover(&[(build_dir(), Origin::Flag)]);
     let m = BackendManager::new(&reg, Some(1));
     let cpu = m.get("cpu").unwrap();
-    let clean = check_device("cpu", cpu, cpu, 42, &[]);
+    let clean = check_device("cpu", cpu, cpu, 42, &Select::default());
     assert_eq!(clean.len(), cases().len());
     for r in &clean {
         assert_eq!(r.verdict, Verdict::Pass, "{r:?}");
@@ -172,7 +208,7 @@ fn check_fails_when_the_device_computes_something_else() {
         assert_eq!(r.detail, None, "{r:?}");
     }
     let flip = |_: usize, v: &mut [f32]| v.iter_mut().for_each(|x| *x = 0.5 - 2.0 * *x);
-    let perturbed = check_device_with("cpu", cpu, cpu, 42, &[], Some(&flip));
+    let perturbed = check_device_with("cpu", cpu, cpu, 42, &Select::default(), Some(&flip));
     assert_eq!(perturbed.len(), cases().len());
     for r in &perturbed {
         assert_eq!(r.verdict, Verdict::Fail, "{r:?}");
@@ -185,10 +221,10 @@ fn check_fails_when_the_device_computes_something_else() {
             v[0] += 0.5;
         }
     };
-    let rows = check_device_with("cpu", cpu, cpu, 42, &["add".into()], Some(&only_b));
+    let rows = check_device_with("cpu", cpu, cpu, 42, &Select::only(&["add"]), Some(&only_b));
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].verdict, Verdict::Fail, "{:?}", rows[0]);
-    let rows = check_device_with("cpu", cpu, cpu, 42, &["gelu".into()], Some(&only_b));
+    let rows = check_device_with("cpu", cpu, cpu, 42, &Select::only(&["gelu"]), Some(&only_b));
     assert_eq!(
         rows[0].verdict,
         Verdict::Pass,

@@ -61,15 +61,25 @@ fn check_passes_on_lavapipe_and_shows_fallback() {
         return;
     }
     let p = prefix_with_vulkan();
-    let r = Run::from(
-        lavapipe(&mut p.cmd(&["check", "--device", "vulkan0", "--json"]))
-            .output()
-            .unwrap(),
-    )
-    .ok();
+    // The cases of sdhost's CPU kernels are left out: on vulkan0 they are
+    // ggml's products again at larger sizes, whose large tiles lavapipe
+    // takes about five minutes to compile in a fresh clone's CI.
+    let skip = ["(FMA)", "(AMX)", "(sdhost's CPU kernel)"];
+    let mut args = vec!["check", "--device", "vulkan0", "--json"];
+    for s in skip {
+        args.extend(["--skip", s]);
+    }
+    let r = Run::from(lavapipe(&mut p.cmd(&args)).output().unwrap()).ok();
     let rows = r.json();
     let rows = rows.as_array().unwrap();
-    assert_eq!(rows.len(), sdhost::check::cases().len());
+    let want: Vec<&str> = sdhost::check::cases()
+        .iter()
+        .map(|c| c.name)
+        .filter(|n| !skip.iter().any(|s| n.contains(s)))
+        .collect();
+    assert!(want.len() >= 30, "{want:?}");
+    let got: Vec<&str> = rows.iter().map(|r| r["op"].as_str().unwrap()).collect();
+    assert_eq!(got, want);
     for row in rows {
         assert_eq!(row["device"], "vulkan0");
         let v = row["verdict"].as_str().unwrap();

@@ -1,7 +1,7 @@
 //! `sdhost check`: each op the models use, run on a device and on the CPU
 //! and compared (the cases and the verdict rules live in [`crate::check`]).
 
-use crate::check::{check_device, CaseResult, Verdict};
+use crate::check::{check_device, CaseResult, Select, Verdict};
 use crate::cli::CheckArgs;
 use crate::manager::BackendManager;
 use crate::placement;
@@ -50,15 +50,16 @@ pub fn run(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
     if names.is_empty() {
         tracing::warn!("no non-CPU device is loaded; nothing to check (name one with --device)");
     }
-    if !args.ops.is_empty()
-        && !crate::check::cases()
-            .iter()
-            .any(|c| args.ops.iter().any(|f| c.name.contains(f.as_str())))
-    {
+    let select = Select {
+        only: args.ops.clone(),
+        skip: args.skip.clone(),
+    };
+    if !crate::check::cases().iter().any(|c| select.selects(c.name)) {
         let all: Vec<&str> = crate::check::cases().iter().map(|c| c.name).collect();
         bail!(
-            "--op: no op matches {:?}; ops: {}",
+            "no op is left to check (--op {:?}, --skip {:?}); ops: {}",
             args.ops,
+            args.skip,
             all.join(", ")
         );
     }
@@ -67,7 +68,7 @@ pub fn run(session: &Session, args: &CheckArgs) -> anyhow::Result<ExitCode> {
     let mut rows: Vec<CaseResult> = Vec::new();
     for name in &names {
         let dev = manager.get(name)?;
-        rows.extend(check_device(name, dev, cpu, args.seed, &args.ops));
+        rows.extend(check_device(name, dev, cpu, args.seed, &select));
     }
     let failed = rows.iter().filter(|r| r.verdict == Verdict::Fail).count();
     print(&CheckReport { rows }, args.json)?;
