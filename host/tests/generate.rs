@@ -879,27 +879,9 @@ fn hires_fix_is_fitted_at_its_larger_size() {
     let budget = format!("vulkan0={}K", (small + large) / 2 / 1024);
     let d = p.dir("out");
     let run = |extra: &[&str], out: &std::path::Path| {
-        let mut a = vec![
-            "generate",
-            "-m",
-            s(&m),
-            "-p",
-            "a photo of a cat",
-            "--steps",
-            "3",
-            "-W",
-            "32",
-            "-H",
-            "32",
-            "--backend",
-            "vulkan0",
-            "--max-memory",
-            &budget,
-            "-o",
-            s(out),
-        ];
+        let mut a = vec!["--backend", "vulkan0", "--max-memory", &budget];
         a.extend_from_slice(extra);
-        p.run(&a).ok();
+        Run::from(output(&mut generate_sized_cmd(&p, &m, out, 3, 32, &a))).ok();
         png_info(out)
     };
     let (w, _, plain) = run(&[], &d.join("plain.png"));

@@ -445,7 +445,19 @@ pub fn generate_64_cmd(p: &Prefix, model: &str, out: &Path, extra: &[&str]) -> C
 /// `sdhost generate` of the checkpoint `model` at 64×64 in `steps` steps
 /// ("a photo of a cat") into `out`, with `extra` flags, as a command.
 pub fn generate_cmd(p: &Prefix, model: &Path, out: &Path, steps: u32, extra: &[&str]) -> Command {
-    let steps = steps.to_string();
+    generate_sized_cmd(p, model, out, steps, 64, extra)
+}
+
+/// [`generate_cmd`] at `side`×`side`.
+pub fn generate_sized_cmd(
+    p: &Prefix,
+    model: &Path,
+    out: &Path,
+    steps: u32,
+    side: u32,
+    extra: &[&str],
+) -> Command {
+    let (steps, side) = (steps.to_string(), side.to_string());
     let mut args = vec![
         "generate",
         "-m",
@@ -455,9 +467,9 @@ pub fn generate_cmd(p: &Prefix, model: &Path, out: &Path, steps: u32, extra: &[&
         "--steps",
         &steps,
         "-W",
-        "64",
+        &side,
         "-H",
-        "64",
+        &side,
         "-o",
         s(out),
     ];
