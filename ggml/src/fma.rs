@@ -126,6 +126,31 @@ pub fn bf16_pass() -> usize {
     })
 }
 
+/// The `k` per pass of the AVX-512 f32 product on AMD's processors (where
+/// that kernel runs from Zen 5 on: Zen 4 keeps AVX2): panels of 96 KiB,
+/// read from level 2, as the bf16 kernel's ([`BF16_KC_LARGE_L1`]), for
+/// the same reason: each pass writes and reads again the whole output.
+/// Measured on a Zen 5 (session 46), `bench --products f32` with the
+/// order of the lengths rotated each round, six rounds: 1.12–1.25× against
+/// 256 at the DiT's shapes (1024 × 3072 × 12288 338–369 → 414–434 GFLOP/s
+/// at 768), 1.2× at 4096 × 320 × 2560 (one pass instead of two); 1536
+/// measured level with 768 and packs twice the panels.
+pub const F32_KC_AMD: usize = 768;
+
+/// The `k` per pass of the AVX-512 f32 product on this processor:
+/// [`F32_KC_AMD`] on AMD's, else 256 (an Intel Xeon without AMX measured
+/// 192 and 384 level with 256, session 36; longer passes are not measured
+/// there); [`crate::Knobs::fma_kc`] overrides it as for [`bf16_pass`].
+fn f32_pass() -> usize {
+    if let Some(kc) = crate::knobs().fma_kc {
+        return (kc.clamp(256, BF16_KC_LARGE_L1) / 2) * 2;
+    }
+    match features().amd {
+        true => F32_KC_AMD,
+        false => 256,
+    }
+}
+
 /// The level-1 data cache of the processor this runs on, by its
 /// deterministic cache parameters (CPUID leaf 4 on Intel, 0x8000001D on
 /// AMD); `None` where it does not say.
@@ -303,6 +328,8 @@ struct Features {
     /// `vdpbf16ps` multiplies at least as many values per cycle as the
     /// f32 multiply-adds: AMD's cores ([`bf16_dots`]).
     fast_dots: bool,
+    /// An AMD processor ([`f32_pass`]).
+    amd: bool,
 }
 
 fn features() -> Features {
@@ -325,6 +352,7 @@ fn features() -> Features {
                 avx512vnni: avx512 && has!("avx512vnni") && has!("avx512bw") && has!("avx512vl"),
                 split_512: amd && family <= 0x19,
                 fast_dots: amd,
+                amd,
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -699,8 +727,12 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
         true if attn::available() => "; attention in f32 on AVX2",
         _ => "",
     };
+    let f32_passes = match f32 {
+        Isa::Avx512 => format!(" (k in passes of {})", f32_pass()),
+        _ => String::new(),
+    };
     Some(format!(
-        "f32 on {} from {} rows{bf16}{conv}{attention}",
+        "f32 on {} from {} rows{f32_passes}{bf16}{conv}{attention}",
         f32.label(),
         f32.min_rows(sys::GGML_TYPE_F32)
     ))
@@ -1148,6 +1180,11 @@ trait Kernel {
         let _ = (kp, panels);
         MC
     }
+    /// The longest pass over `k` of a matrix product ([`gemm`]) on this
+    /// processor (`KC` unless the kernel says).
+    fn products_pass() -> usize {
+        Self::KC
+    }
     /// `c[r·ldc + j] = Σ_k a · b` over `kp` packed values of `k`, plus
     /// what `c` held where `add`, plus `bias[j]` where `bias` is not null;
     /// meanwhile it asks the processor to bring `next` (a panel of `kp ·
@@ -1263,7 +1300,7 @@ pub fn gemm(
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        gemm_with::<K>(w, m, k, K::KC, &pack, bias, out, store, ith, nth)
+        gemm_with::<K>(w, m, k, K::products_pass(), &pack, bias, out, store, ith, nth)
     })
 }
 
@@ -2028,11 +2065,17 @@ impl Kernel for F32Plain {
 /// processor features [`gemm`] checks for `$name`.
 macro_rules! simd_kernel {
     ($name:ident, mr: $mr:expr, nr: $nr:expr, kc: $kc:expr, $e:ty, $buf:ident, $tile:expr) => {
+        simd_kernel!($name, mr: $mr, nr: $nr, kc: $kc, pass: $kc, $e, $buf, $tile);
+    };
+    ($name:ident, mr: $mr:expr, nr: $nr:expr, kc: $kc:expr, pass: $pass:expr, $e:ty, $buf:ident, $tile:expr) => {
         impl Kernel for $name {
             const MR: usize = $mr;
             const NR: usize = $nr;
             const KC: usize = $kc;
             type E = $e;
+            fn products_pass() -> usize {
+                $pass
+            }
             unsafe fn tile(
                 kp: usize,
                 a: &[$e],
@@ -2115,9 +2158,10 @@ unsafe fn tile_avx2(
 
 /// AVX-512F: 12 × 32 accumulators in twenty-four registers; per `k` two
 /// loads of the panel, twelve broadcasts and twenty-four multiply-adds of
-/// 16 lanes. A panel of 256 × 32 f32 is 32 KiB.
+/// 16 lanes. A panel of 256 × 32 f32 is 32 KiB; a product's passes are
+/// longer on AMD's processors ([`f32_pass`]).
 struct F32Avx512;
-simd_kernel!(F32Avx512, mr: 12, nr: 32, kc: 256, f32, F32_BUF, tile_avx512::<12, 2>);
+simd_kernel!(F32Avx512, mr: 12, nr: 32, kc: 256, pass: f32_pass(), f32, F32_BUF, tile_avx512::<12, 2>);
 
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
@@ -2604,7 +2648,10 @@ mod tests {
     }
 
     /// Asserts that `got` (m × n) is within `tol` of the f64 product of
-    /// the rows `xs` (m × k) by the weight rows `wv` (n × k).
+    /// the rows `xs` (m × k) by the weight rows `wv` (n × k), relative to
+    /// the product where it is larger than 1 (f32 sums of a few hundred
+    /// carry their rounding in proportion to their size, whatever the
+    /// order in which a kernel adds them).
     fn assert_f64_product(
         got: &[f32],
         xs: &[f32],
@@ -2620,7 +2667,7 @@ mod tests {
                     .sum();
                 let d = (f64::from(got[i * n + j]) - want).abs();
                 assert!(
-                    d < tol,
+                    d < tol * want.abs().max(1.0),
                     "{what} at ({i}, {j}): {} vs {want}",
                     got[i * n + j]
                 );
@@ -2679,6 +2726,49 @@ mod tests {
                 (8 << 10..=1 << 20).contains(&b),
                 "level-1 data cache of {b} bytes"
             );
+        }
+    }
+
+    #[test]
+    fn f32_products_match_the_f64_product_at_both_pass_lengths() {
+        if !features().avx512 {
+            eprintln!("skipped: no AVX-512 here");
+            return;
+        }
+        // k in 7 passes of 243 or 3 of 567 (AMD's length, evened out):
+        // each pass adds into the sums of the last; rows within one block
+        // and past it.
+        let (k, n) = (1700usize, 45usize);
+        let wv: Vec<f32> = (0..k * n).map(|i| v(8, i)).collect();
+        let bytes: Vec<u8> = wv.iter().flat_map(|f| f.to_le_bytes()).collect();
+        let w = Weight {
+            data: &bytes,
+            ty: sys::GGML_TYPE_F32,
+            k,
+            n,
+            row_bytes: 4 * k,
+        };
+        for (m, kc) in [(30, 256), (30, F32_KC_AMD), (400, 256), (400, F32_KC_AMD)] {
+            let xs: Vec<f32> = (0..k * m).map(|i| v(9, i)).collect();
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            let pack =
+                |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<F32Avx512>(&x, r0, mc, kb, kc, a);
+            let mut got = vec![f32::NAN; m * n];
+            for ith in 0..2 {
+                gemm_with::<F32Avx512>(&w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
+            }
+            let tol = 1e-4 * (k as f64).sqrt();
+            assert_f64_product(&got, &xs, &wv, (m, k, n), tol, &format!("m {m} kc {kc}"));
+        }
+        // The products take AMD's length on AMD's processors only.
+        let want = if features().amd { F32_KC_AMD } else { 256 };
+        if crate::knobs().fma_kc.is_none() {
+            assert_eq!(F32Avx512::products_pass(), want);
         }
     }
 

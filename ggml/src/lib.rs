@@ -155,8 +155,9 @@ pub struct Knobs {
     /// (widened to f32 on the AVX-512 kernel instead); `None`, the
     /// processor's rule ([`fma::bf16_dots`]), for measurements.
     pub fma_bf16_dots: Option<bool>,
-    /// The `k` per pass of the AVX512-BF16 product kernel (default
-    /// [`fma::bf16_pass`]'s choice for the processor), for measurements.
+    /// The `k` per pass of the AVX512-BF16 and the AVX-512 f32 product
+    /// kernels (default [`fma::bf16_pass`]'s and `fma::f32_pass`'s choices
+    /// for the processor), for measurements.
     pub fma_kc: Option<usize>,
     /// Every weight type ggml can dequantize takes the FMA path, not only
     /// those it measured faster for ([`fma::isa_for`]): for measurements and

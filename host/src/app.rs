@@ -28,7 +28,8 @@ pub use crate::session::init_logging;
 /// `SDHOST_FMA_AVX2=1` (their AVX2 kernel even on AVX-512),
 /// `SDHOST_FMA_BF16_DOTS=1|0` (bf16 weights on their `vdpbf16ps` kernels
 /// wherever the processor has them, or never, whatever its class's rule),
-/// `SDHOST_FMA_KC` (the `k` per pass of their AVX512-BF16 product),
+/// `SDHOST_FMA_KC` (the `k` per pass of their AVX512-BF16 and AVX-512 f32
+/// products),
 /// `SDHOST_NO_FMA_VNNI=1` (q8_0, q4_0, q4_1, q5_0, q5_1 and the k-quants
 /// q4_K, q5_K and q6_K not in 8-bit integers on AVX512-VNNI, nor the
 /// AVX2 class's integer kernel), for

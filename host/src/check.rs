@@ -474,6 +474,22 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat f32, long rows (FMA)",
+            tolerance: 2e-3,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // From fma::MIN_ROWS rows, `k` in several passes whatever
+                // the processor's length (256, or 768 on AMD's: seven or
+                // three), each adding into the sums of the last.
+                let (a, b) = (
+                    t(i, Type::F32, &[1700, 24])?,
+                    t(i, Type::F32, &[1700, 516])?,
+                );
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "mul_mat q8_0 (FMA)",
             tolerance: 1e-2,
             cpu_kernels: true,

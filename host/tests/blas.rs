@@ -148,14 +148,22 @@ fn check_runs_the_products_on_blas() {
         .run(&["check", "--op", "mul_mat f32", "--json"])
         .ok()
         .json();
-    // (the filter is a substring: the plain case and its `(FMA)` one)
+    // (the filter is a substring: the plain case and its `(FMA)` ones)
     let ops: Vec<_> = all
         .as_array()
         .unwrap()
         .iter()
         .map(|r| r["op"].as_str().unwrap())
         .collect();
-    assert_eq!(ops, ["mul_mat f32", "mul_mat f32 (FMA)"], "{all:#}");
+    assert_eq!(
+        ops,
+        [
+            "mul_mat f32",
+            "mul_mat f32 (FMA)",
+            "mul_mat f32, long rows (FMA)"
+        ],
+        "{all:#}"
+    );
     assert!(
         all.as_array()
             .unwrap()
