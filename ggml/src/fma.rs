@@ -2675,6 +2675,35 @@ mod tests {
         }
     }
 
+    /// Multiplies rows of `v(seed, ·)` by `w` (whose values are `wv`) on
+    /// kernel `K`, two threads, at each `(rows, pass length)` of `cases`,
+    /// and asserts the f64 product within `tol · √k`.
+    fn assert_passes<K: Kernel>(
+        w: &Weight<'_>,
+        wv: &[f32],
+        cases: &[(usize, usize)],
+        seed: u64,
+        tol: f64,
+    ) {
+        let (k, n) = (w.k, w.n);
+        for &(m, kc) in cases {
+            let xs: Vec<f32> = (0..k * m).map(|i| v(seed, i)).collect();
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            let pack = |r0, mc, kb, kc, a: &mut [K::E]| pack_rows::<K>(&x, r0, mc, kb, kc, a);
+            let mut got = vec![f32::NAN; m * n];
+            for ith in 0..2 {
+                gemm_with::<K>(w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
+            }
+            let tol = tol * (k as f64).sqrt();
+            assert_f64_product(&got, &xs, wv, (m, k, n), tol, &format!("m {m} kc {kc}"));
+        }
+    }
+
     #[test]
     fn bf16_products_match_the_f64_product_at_both_pass_lengths() {
         if !features().avx512bf16 {
@@ -2697,28 +2726,13 @@ mod tests {
             n,
             row_bytes: 2 * k,
         };
-        for (m, kc) in [
+        let cases = [
             (30, BF16_KC_SMALL_L1),
             (30, BF16_KC_LARGE_L1),
             (400, BF16_KC_SMALL_L1),
             (400, BF16_KC_LARGE_L1),
-        ] {
-            let xs: Vec<f32> = (0..k * m).map(|i| v(7, i)).collect();
-            let row = |i: usize| &xs[i * k..(i + 1) * k];
-            let x = Rows {
-                rows: m,
-                k,
-                row: &row,
-            };
-            let pack =
-                |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<Bf16Avx512>(&x, r0, mc, kb, kc, a);
-            let mut got = vec![f32::NAN; m * n];
-            for ith in 0..2 {
-                gemm_with::<Bf16Avx512>(&w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
-            }
-            let tol = 2e-2 * (k as f64).sqrt();
-            assert_f64_product(&got, &xs, &wv, (m, k, n), tol, &format!("m {m} kc {kc}"));
-        }
+        ];
+        assert_passes::<Bf16Avx512>(&w, &wv, &cases, 7, 2e-2);
         // The processor's choice is one of the two, and its cache plausible.
         assert!([BF16_KC_SMALL_L1, BF16_KC_LARGE_L1].contains(&bf16_pass()));
         if let Some(b) = l1d_bytes() {
@@ -2748,23 +2762,8 @@ mod tests {
             n,
             row_bytes: 4 * k,
         };
-        for (m, kc) in [(30, 256), (30, F32_KC_AMD), (400, 256), (400, F32_KC_AMD)] {
-            let xs: Vec<f32> = (0..k * m).map(|i| v(9, i)).collect();
-            let row = |i: usize| &xs[i * k..(i + 1) * k];
-            let x = Rows {
-                rows: m,
-                k,
-                row: &row,
-            };
-            let pack =
-                |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<F32Avx512>(&x, r0, mc, kb, kc, a);
-            let mut got = vec![f32::NAN; m * n];
-            for ith in 0..2 {
-                gemm_with::<F32Avx512>(&w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
-            }
-            let tol = 1e-4 * (k as f64).sqrt();
-            assert_f64_product(&got, &xs, &wv, (m, k, n), tol, &format!("m {m} kc {kc}"));
-        }
+        let cases = [(30, 256), (30, F32_KC_AMD), (400, 256), (400, F32_KC_AMD)];
+        assert_passes::<F32Avx512>(&w, &wv, &cases, 9, 1e-4);
         // The products take AMD's length on AMD's processors only.
         let want = if features().amd { F32_KC_AMD } else { 256 };
         if crate::knobs().fma_kc.is_none() {
