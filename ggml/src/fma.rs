@@ -274,6 +274,7 @@ impl Isa {
 
     /// The fewest rows a product of a weight of type `ty` takes this kernel
     /// from: [`MIN_ROWS`] (q8_0 on the f32 kernels [`AVX2_Q8_0_MIN_ROWS`]),
+    /// f32 on the AVX-512 kernel on AMD's processors [`AMD_F32_MIN_ROWS`],
     /// bf16 on the AVX-512 f32 kernel [`BF16_F32_MIN_ROWS`],
     /// or on AVX512-BF16 [`BF16_MIN_ROWS`], [`QUANT_MIN_ROWS`] and
     /// [`Q5_0_MIN_ROWS`];
@@ -294,6 +295,7 @@ impl Isa {
             Isa::Avx2Int8 => AVX2_INT8_MIN_ROWS,
             Isa::Avx512 | Isa::Avx2 if ty == sys::GGML_TYPE_Q8_0 => AVX2_Q8_0_MIN_ROWS,
             Isa::Avx512 if ty == sys::GGML_TYPE_BF16 => BF16_F32_MIN_ROWS,
+            Isa::Avx512 if ty == sys::GGML_TYPE_F32 && features().amd => AMD_F32_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 => BF16_MIN_ROWS,
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_Q5_0 => Q5_0_MIN_ROWS,
             Isa::Avx512Bf16 => QUANT_MIN_ROWS,
@@ -428,6 +430,15 @@ pub const BF16_MIN_ROWS: usize = 128;
 /// against 1.29–1.36 s on ggml's `haswell` kernels (session 28,
 /// docs/performance.md).
 pub const EMULATED_BF16_MIN_ROWS: usize = 16;
+
+/// The fewest rows that take the AVX-512 f32 kernel with an f32 weight on
+/// AMD's processors (Zen 5; elsewhere [`MIN_ROWS`]), its passes over `k`
+/// those of [`F32_KC_AMD`]: against ggml's f32 products (`sdhost bench
+/// --products f32` with `SDHOST_FMA_MIN_ROWS=16` at 128 × 128, 256 × 256
+/// and 384 × 384, two runs each, session 46) 1.19–1.58× at 64 rows,
+/// 1.57–2.04× at 128, 1.8–2.2× from 256; 0.82–1.28× at 32 rows and
+/// 0.73–0.90× at 16.
+pub const AMD_F32_MIN_ROWS: usize = 64;
 
 /// The fewest rows that take the AVX-512 f32 kernel with a bf16 weight
 /// (widened as it is packed, where [`bf16_dots`] is off): against ggml's
@@ -2764,10 +2775,20 @@ mod tests {
         };
         let cases = [(30, 256), (30, F32_KC_AMD), (400, 256), (400, F32_KC_AMD)];
         assert_passes::<F32Avx512>(&w, &wv, &cases, 9, 1e-4);
-        // The products take AMD's length on AMD's processors only.
+        // The products take AMD's length on AMD's processors only, and
+        // from AMD's fewer rows.
         let want = if features().amd { F32_KC_AMD } else { 256 };
         if crate::knobs().fma_kc.is_none() {
             assert_eq!(F32Avx512::products_pass(), want);
+        }
+        let rows = if features().amd {
+            AMD_F32_MIN_ROWS
+        } else {
+            MIN_ROWS
+        };
+        if crate::knobs().fma_min_rows.is_none() {
+            assert_eq!(Isa::Avx512.min_rows(sys::GGML_TYPE_F32), rows);
+            assert_eq!(Isa::Avx2.min_rows(sys::GGML_TYPE_F32), MIN_ROWS);
         }
     }
 
