@@ -479,9 +479,10 @@ pub fn cases() -> Vec<Case> {
             cpu_kernels: true,
             reference: None,
             build: |i, c| {
-                // From fma::MIN_ROWS rows, `k` in several passes whatever
-                // the processor's length (256, or 768 on AMD's: seven or
-                // three), each adding into the sums of the last.
+                // 516 rows, past fma::MIN_ROWS (so sdhost's kernel takes
+                // it on every processor), `k` in several passes whatever the
+                // processor's length (256, or 768 on AMD's: seven or three),
+                // each adding into the sums of the last.
                 let (a, b) = (
                     t(i, Type::F32, &[1700, 24])?,
                     t(i, Type::F32, &[1700, 516])?,
