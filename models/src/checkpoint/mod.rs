@@ -345,6 +345,11 @@ mod tests {
         );
         check(te, 20, Err("run past the 20 data bytes"));
         check(
+            r#"{"x":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}}"#,
+            8,
+            Err("data offsets 8..4 end before they start"),
+        );
+        check(
             r#"{"x":{"dtype":"Q9","shape":[1],"data_offsets":[0,1]}}"#,
             1,
             Err("unknown dtype Q9"),

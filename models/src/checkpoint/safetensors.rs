@@ -107,7 +107,12 @@ pub(super) fn scan(
             .filter(|o: &Vec<u64>| o.len() == 2)
             .ok_or_else(|| bad(format!("tensor {name}: bad data_offsets")))?;
         let (start, end) = (offs[0], offs[1]);
-        if start > end || end > data_len {
+        if start > end {
+            return Err(bad(format!(
+                "tensor {name}: data offsets {start}..{end} end before they start"
+            )));
+        }
+        if end > data_len {
             return Err(bad(format!(
                 "tensor {name}: data offsets {start}..{end} run past the {data_len} data bytes"
             )));
