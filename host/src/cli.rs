@@ -709,8 +709,9 @@ pub struct HiresArgs {
     #[arg(id = "hires_steps", long = "hires-steps", value_name = "N", requires = "hires", value_parser = clap::value_parser!(u32).range(1..=1000))]
     pub steps: Option<u32>,
 
-    /// What is enlarged: the image (`lanczos`) or the latent (`latent`:
-    /// bilinear, A1111's "Latent"; `latent-nearest`; `latent-nearest-exact`)
+    /// What is enlarged: the image (`lanczos`; `nearest`) or the latent
+    /// (`latent`: bilinear, A1111's "Latent"; `latent-nearest`;
+    /// `latent-nearest-exact`)
     #[arg(
         id = "hires_upscaler",
         long = "hires-upscaler",

@@ -19,6 +19,8 @@ pub enum Upscaler {
     /// The image, Lanczos 3.
     #[default]
     Lanczos,
+    /// The image, nearest pixel (A1111's "Nearest").
+    Nearest,
     /// The latent, bilinear (A1111's "Latent").
     Latent,
     /// The latent, nearest (A1111's "Latent (nearest)").
@@ -33,17 +35,18 @@ pub enum Upscaler {
 impl std::str::FromStr for Upscaler {
     type Err = String;
 
-    /// `lanczos`, `latent`, `latent-nearest`, `latent-nearest-exact`.
+    /// `lanczos`, `nearest`, `latent`, `latent-nearest`, `latent-nearest-exact`.
     fn from_str(s: &str) -> Result<Upscaler, String> {
         Ok(match s {
             "lanczos" => Upscaler::Lanczos,
+            "nearest" => Upscaler::Nearest,
             "latent" => Upscaler::Latent,
             "latent-nearest" => Upscaler::LatentNearest,
             "latent-nearest-exact" => Upscaler::LatentNearestExact,
             _ => {
                 return Err(format!(
-                    "{s:?}: expected lanczos, latent, latent-nearest or latent-nearest-exact"
-                ))
+                "{s:?}: expected lanczos, nearest, latent, latent-nearest or latent-nearest-exact"
+            ))
             }
         })
     }
@@ -54,6 +57,7 @@ impl Upscaler {
     pub fn a1111_name(self) -> &'static str {
         match self {
             Upscaler::Lanczos => "Lanczos",
+            Upscaler::Nearest => "Nearest",
             Upscaler::Latent => "Latent",
             Upscaler::LatentNearest => "Latent (nearest)",
             Upscaler::LatentNearestExact => "Latent (nearest-exact)",
@@ -65,6 +69,7 @@ impl Upscaler {
     pub fn from_a1111(name: &str) -> Option<Upscaler> {
         Some(match name.to_ascii_lowercase().as_str() {
             "lanczos" | "none" => Upscaler::Lanczos,
+            "nearest" => Upscaler::Nearest,
             "latent" => Upscaler::Latent,
             "latent (nearest)" => Upscaler::LatentNearest,
             "latent (nearest-exact)" => Upscaler::LatentNearestExact,
@@ -321,7 +326,10 @@ pub fn generate(
         return sd.generate_until(req, noise, progress, stop);
     };
     let total = h.total_steps(req.steps);
-    let second = if matches!(h.upscaler, Upscaler::Lanczos | Upscaler::Model) {
+    let second = if matches!(
+        h.upscaler,
+        Upscaler::Lanczos | Upscaler::Nearest | Upscaler::Model
+    ) {
         let mut counted = Counted::new(progress, 0, total);
         let first = sd.generate_until(req, noise, &mut counted, stop)?;
         if stop() == Stop::Finish {
@@ -334,6 +342,7 @@ pub fn generate(
                     "the hires fix's upscaler model is not loaded".into(),
                 ))
             }
+            (Upscaler::Nearest, _) => crate::extras::nearest(&first, h.width, h.height),
             _ => first,
         };
         h.request(req, enlarged, None)

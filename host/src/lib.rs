@@ -18,6 +18,7 @@ pub mod commands;
 pub mod config;
 pub mod control;
 pub mod discovery;
+pub mod extras;
 pub mod fit;
 pub mod hires;
 pub mod image_io;

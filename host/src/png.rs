@@ -196,11 +196,23 @@ pub fn write_png(output: OutputFile, image: &Image, text: &str) -> anyhow::Resul
 
 /// Encodes `image` as an 8-bit RGB PNG with `text` in its `parameters` chunk.
 pub fn encode_png(w: impl std::io::Write, image: &Image, text: &str) -> anyhow::Result<()> {
+    encode_png_with(w, image, &[("parameters", text)])
+}
+
+/// Encodes `image` as an 8-bit RGB PNG with one text chunk per
+/// `(keyword, text)`.
+pub fn encode_png_with(
+    w: impl std::io::Write,
+    image: &Image,
+    texts: &[(&str, &str)],
+) -> anyhow::Result<()> {
     let mut enc = png::Encoder::new(w, image.width as u32, image.height as u32);
     enc.set_color(png::ColorType::Rgb);
     enc.set_depth(png::BitDepth::Eight);
-    enc.add_itxt_chunk("parameters".into(), text.into())
-        .context("encoding the parameters text")?;
+    for (key, text) in texts {
+        enc.add_itxt_chunk((*key).into(), (*text).into())
+            .with_context(|| format!("encoding the {key} text"))?;
+    }
     let mut png = enc.write_header().context("writing the PNG")?;
     png.write_image_data(&image.rgb)
         .context("writing the PNG")?;

@@ -2573,11 +2573,7 @@ fn front_end_endpoints_and_a1111_semantics() {
     );
     assert!(!l.to_string().contains(s(&loras)), "no server path: {l}");
     assert_eq!(srv.get("/sdapi/v1/upscalers")[0]["name"], "None");
-    for empty in [
-        "/sdapi/v1/latent-upscale-modes",
-        "/sdapi/v1/sd-vae",
-        "/sdapi/v1/sd-modules",
-    ] {
+    for empty in ["/sdapi/v1/sd-vae", "/sdapi/v1/sd-modules"] {
         assert_eq!(srv.get(empty), json!([]), "{empty}");
     }
     assert_eq!(
@@ -2870,7 +2866,7 @@ fn flux_and_edits_through_the_apis() {
     )
     .unwrap();
     let srv = Server::start_in(prefix, &["-m", s(&tiny_sd1()), "--upscaler-dir", s(&ups)]);
-    assert_eq!(srv.get("/sdapi/v1/upscalers")[1]["name"], "4x-Tiny");
+    assert_eq!(srv.get("/sdapi/v1/upscalers")[3]["name"], "4x-Tiny");
     let mask = std::fs::read(f("mask-64.png")).unwrap();
     let (ct, body) = form(
         &[("prompt", "x"), ("steps", "2"), ("strength", "0.5")],
@@ -3492,4 +3488,228 @@ fn controlnet_units_as_the_extension_sends_them() {
         r.text()
     );
     assert_eq!(srv.post("/sdapi/v1/txt2img", small("a cat", 7)).status, 200);
+}
+
+/// The text of a base64 PNG's `key` chunk.
+fn png_text(b64png: &str, key: &str) -> Option<String> {
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(b64png)
+        .unwrap();
+    let r = png::Decoder::new(std::io::Cursor::new(bytes))
+        .read_info()
+        .unwrap();
+    r.info()
+        .utf8_text
+        .iter()
+        .find(|c| c.keyword == key)
+        .map(|c| c.get_text().unwrap())
+}
+
+/// A1111's Extras tab over the API (`extra-single-image`,
+/// `extra-batch-images`): an upscaler model of `--upscaler-dir` (its image
+/// `sdhost upscale`'s), `Nearest` and `Lanczos`, a second upscaler blended
+/// in, a size with and without the crop, `None`; the input's parameters
+/// kept beside the postprocessing text; the upscaler lists front-ends read
+/// (and the hires fix taking `Nearest` from them); what is refused, with
+/// its field.
+#[test]
+fn extras_enlarge_images_as_a1111s_tab() {
+    let prefix = Prefix::with_cpu();
+    let ups = prefix.dir("upscalers");
+    let model = fixture("upscale/esrgan-new-x2.safetensors");
+    std::fs::copy(&model, ups.join("2x-Tiny.safetensors")).unwrap();
+    std::fs::copy(
+        fixture("tiny-sd1-lora-kohya.safetensors"),
+        ups.join("not-an-upscaler.safetensors"),
+    )
+    .unwrap();
+    let init_png = fixture("init-64.png");
+    let cli = Prefix::with_cpu();
+    let x2 = cli.dir("out").join("x2.png");
+    cli.run(&["upscale", "-m", s(&model), "-i", s(&init_png), "-o", s(&x2)])
+        .ok();
+    let srv = Server::start_in(prefix, &["-m", s(&tiny_sd1()), "--upscaler-dir", s(&ups)]);
+
+    let names: Vec<Value> = srv
+        .get("/sdapi/v1/upscalers")
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u["name"].clone())
+        .collect();
+    assert_eq!(
+        names,
+        ["None", "Lanczos", "Nearest", "2x-Tiny", "not-an-upscaler"]
+    );
+    assert_eq!(
+        srv.get("/sdapi/v1/latent-upscale-modes"),
+        json!([{"name": "Latent"}, {"name": "Latent (nearest)"}, {"name": "Latent (nearest-exact)"}])
+    );
+
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "width": 64, "height": 48, "seed": 3}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let made = r.json()["images"][0].as_str().unwrap().to_string();
+    let (_, _, params, made_px) = png_of(&made);
+    let init = b64(&std::fs::read(&init_png).unwrap());
+    let single = |body: Value| {
+        let r = srv.post("/sdapi/v1/extra-single-image", body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let j = r.json();
+        (
+            j["image"].as_str().unwrap().to_string(),
+            j["html_info"].clone(),
+        )
+    };
+
+    // The model at its own factor: its image, as `sdhost upscale` makes it.
+    let (img, info) =
+        single(json!({"image": init, "upscaler_1": "2x-Tiny", "upscaling_resize": 2}));
+    let (w, h, _, px) = png_of(&img);
+    assert_eq!((w, h), (128, 128));
+    assert_eq!(px, pixels(&x2), "the model's image, as sdhost upscale's");
+    assert_eq!(
+        info,
+        "<p>Postprocess upscale by: 2, Postprocess upscaler: 2x-Tiny</p>"
+    );
+    // Nearest: each pixel twice each way; the PNG keeps its parameters.
+    let (near, _) = single(json!({"image": made, "upscaler_1": "Nearest"}));
+    let (w, h, text, near_px) = png_of(&near);
+    assert_eq!((w, h), (128, 96));
+    for (y, x) in [(0, 0), (5, 17), (47, 63)] {
+        let src = &made_px[(y * 64 + x) * 3..][..3];
+        let out = &near_px[((2 * y + 1) * 128 + 2 * x + 1) * 3..][..3];
+        assert_eq!(src, out, "pixel ({x}, {y})");
+    }
+    assert_eq!(text, params, "the input's parameters are kept");
+    assert_eq!(
+        png_text(&near, "postprocessing").as_deref(),
+        Some("Postprocess upscale by: 2, Postprocess upscaler: Nearest")
+    );
+    // A second upscaler wholly visible is its image; half visible, neither.
+    let (both, info) = single(
+        json!({"image": made, "upscaler_1": "Lanczos", "upscaler_2": "Nearest",
+                                     "extras_upscaler_2_visibility": 1.0}),
+    );
+    assert_eq!(png_of(&both).3, near_px);
+    assert!(
+        info.as_str()
+            .unwrap()
+            .ends_with("Postprocess upscaler 2: Nearest</p>"),
+        "{info}"
+    );
+    let (lanczos, _) = single(json!({"image": made, "upscaler_1": "Lanczos"}));
+    let (half, _) = single(
+        json!({"image": made, "upscaler_1": "Lanczos", "upscaler_2": "Nearest",
+                                   "extras_upscaler_2_visibility": 0.5}),
+    );
+    let (l, n, m) = (png_of(&lanczos).3, near_px, png_of(&half).3);
+    assert!(m != l && m != n);
+    assert!(m
+        .iter()
+        .zip(l.iter().zip(&n))
+        .all(|(&m, (&a, &b))| m >= a.min(b) && m <= a.max(b)));
+    // To a size: enlarged to cover it, then cut to it (the default) or not.
+    for (crop, size) in [(true, (200, 100)), (false, (200, 144))] {
+        let (img, _) = single(
+            json!({"image": made, "upscaler_1": "Lanczos", "resize_mode": 1,
+                                      "upscaling_resize_w": 200, "upscaling_resize_h": 100,
+                                      "upscaling_crop": crop}),
+        );
+        let (w, h, _, _) = png_of(&img);
+        assert_eq!((w, h), size, "crop {crop}");
+    }
+    // None: the image as it came.
+    let (same, info) = single(json!({"image": made, "upscaling_resize": 4}));
+    assert_eq!(png_of(&same).3, made_px);
+    assert_eq!(info, "<p></p>");
+
+    // A batch: each image enlarged alike, in order.
+    let r = srv.post(
+        "/sdapi/v1/extra-batch-images",
+        json!({"imageList": [{"data": made, "name": "a.png"}, {"data": init, "name": "b.png"}],
+               "upscaler_1": "Lanczos", "upscaling_resize": 1.5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let sizes: Vec<(u32, u32)> = r.json()["images"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| {
+            let (w, h, _, _) = png_of(i.as_str().unwrap());
+            (w, h)
+        })
+        .collect();
+    assert_eq!(sizes, [(96, 72), (96, 96)]);
+
+    // Refused with the field named.
+    for (path, body, field) in [
+        (
+            "single",
+            json!({"image": init, "upscaler_1": "R-ESRGAN 4x+"}),
+            "upscaler_1",
+        ),
+        (
+            "single",
+            json!({"image": init, "upscaler_1": "not-an-upscaler"}),
+            "upscaler_1",
+        ),
+        (
+            "single",
+            json!({"image": init, "upscaler_1": "Lanczos", "upscaler_2": "nope",
+                          "extras_upscaler_2_visibility": 0.5}),
+            "upscaler_2",
+        ),
+        (
+            "single",
+            json!({"image": init, "codeformer_visibility": 1}),
+            "codeformer_visibility",
+        ),
+        (
+            "single",
+            json!({"image": init, "upscaler_1": "Lanczos", "upscaling_resize": 9}),
+            "upscaling_resize",
+        ),
+        // 64x48 to cover 8192x8192: 10922x8192.
+        (
+            "single",
+            json!({"image": made, "upscaler_1": "Lanczos", "resize_mode": 1,
+                          "upscaling_resize_w": 8192, "upscaling_resize_h": 8192, "upscaling_crop": false}),
+            "image",
+        ),
+        ("single", json!({"image": "bm90IGFuIGltYWdl"}), "image"),
+        ("single", json!({"upscaler_1": "Lanczos"}), "image"),
+        ("batch", json!({"imageList": []}), "imageList"),
+        (
+            "batch",
+            json!({"imageList": [{"data": init}, {"name": "b.png"}]}),
+            "imageList[1].data",
+        ),
+    ] {
+        let path = format!(
+            "/sdapi/v1/extra-{}",
+            if path == "single" {
+                "single-image"
+            } else {
+                "batch-images"
+            }
+        );
+        let r = srv.post(&path, body.clone());
+        assert_eq!(r.status, 422, "{field}: {}", r.text());
+        assert_eq!(r.json()["field"], field, "{}", r.text());
+        assert!(!r.text().contains(s(&ups)), "no server path: {}", r.text());
+    }
+
+    // The hires fix takes the list's Nearest too.
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "width": 64, "height": 64, "enable_hr": true,
+               "hr_upscaler": "Nearest", "denoising_strength": 0.5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert_eq!((w, h), (128, 128));
+    assert!(text.contains("Hires upscaler: Nearest"), "{text}");
 }

@@ -99,6 +99,16 @@ r = api.img2img(images=[r.image], mask_image=mask, prompt="a hat", width=64, hei
 assert r.image.size == (64, 64)
 ok("webuiapi inpainting")
 
+# A1111's Extras tab: the image enlarged by a built-in upscaler.
+r = api.extra_single_image(image=r.image, upscaler_1=webuiapi.Upscaler.Lanczos, upscaling_resize=2)
+assert r.image.size == (128, 128), r.image.size
+ok("webuiapi extra_single_image")
+
+r = api.extra_batch_images(images=[r.image, Image.new("RGB", (64, 48), (0, 90, 200))], upscaler_1="Nearest",
+                           upscaling_resize=1.5)
+assert [i.size for i in r.images] == [(192, 192), (96, 72)], [i.size for i in r.images]
+ok("webuiapi extra_batch_images")
+
 progress = api.get_progress()
 assert "progress" in progress and "state" in progress, progress
 ok("webuiapi progress")

@@ -268,9 +268,13 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             post(|| async { Json(Value::Null) }),
         )
         .route("/sdapi/v1/upscalers", get(upscalers))
+        .route("/sdapi/v1/extra-single-image", post(extra_single_image))
+        .route("/sdapi/v1/extra-batch-images", post(extra_batch_images))
         .route(
             "/sdapi/v1/latent-upscale-modes",
-            get(|| async { Json(json!([])) }),
+            get(|| async {
+                Json(json!([{"name": "Latent"}, {"name": "Latent (nearest)"}, {"name": "Latent (nearest-exact)"}]))
+            }),
         )
         .route("/sdapi/v1/sd-vae", get(sd_vae))
         .route("/controlnet/model_list", get(controlnet_models))
@@ -1192,7 +1196,7 @@ fn hires_ask(f: &Fields<'_>) -> ApiResult<super::worker::HiresAsk> {
                 return Err(ApiError::field(
                     "hr_upscaler",
                     format!(
-                        "{name:?} is not supported; Lanczos, None, Latent, Latent (nearest), Latent (nearest-exact) and the models of --upscaler-dir are"
+                        "{name:?} is not supported; Lanczos, Nearest, None, Latent, Latent (nearest), Latent (nearest-exact) and the models of --upscaler-dir are"
                     ),
                 ))
             }
@@ -1689,7 +1693,7 @@ fn output_of(
 async fn generate(st: &AppState, work: GenWork) -> ApiResult<GenOutput> {
     match run_job(st, Work::Generate(Box::new(work))).await? {
         Output::Images(o) => Ok(o),
-        Output::Loaded(_) => Err(ApiError::new(
+        Output::Loaded(_) | Output::Extras(_) => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
             "unexpected reply",
@@ -2342,16 +2346,237 @@ async fn png_info(body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>>
     ))
 }
 
-/// The upscalers a request may pick: none (`--upscale-model` applies to
-/// every image), as A1111 lists its "None".
+/// The upscalers a request may pick (`hr_upscaler`, the extras'
+/// `upscaler_1`/`_2`), as A1111 lists them: `None`, its plain resizes
+/// `Lanczos` and `Nearest`, then the models of `--upscaler-dir`.
 async fn upscalers(State(st): State<AppState>) -> ApiResult<Json<Value>> {
-    let mut list = vec![
-        json!({"name": "None", "model_name": null, "model_path": null, "model_url": null, "scale": 1}),
-    ];
+    let mut list: Vec<Value> = ["None", "Lanczos", "Nearest"]
+        .iter()
+        .map(|n| json!({"name": n, "model_name": null, "model_path": null, "model_url": null, "scale": 4}))
+        .collect();
     list.extend(upscaler_list(&st).await?.into_iter().map(|(name, _)| {
         json!({"name": name, "model_name": "ESRGAN", "model_path": format!("{name}"), "model_url": null, "scale": 4})
     }));
     Ok(Json(Value::Array(list)))
+}
+
+/// The most images one `extra-batch-images` request enlarges.
+const MAX_EXTRAS_IMAGES: usize = MAX_IMAGES as usize;
+
+/// A1111's extras fields, the images aside: `resize_mode` 0
+/// (`upscaling_resize`, 2) or 1 (`upscaling_resize_w`/`_h`, 512, and
+/// `upscaling_crop`, true); `upscaler_1` and `upscaler_2` (`None`,
+/// `Lanczos`, `Nearest` or a model of `--upscaler-dir` by name) and
+/// `extras_upscaler_2_visibility`. Face restoration (`gfpgan_visibility`,
+/// `codeformer_visibility` above 0) is refused: sdhost has none.
+async fn extras_ask(
+    st: &AppState,
+    f: &Fields<'_>,
+) -> ApiResult<(
+    crate::extras::Ask,
+    Vec<(&'static str, String, std::path::PathBuf)>,
+)> {
+    use crate::extras::{Target, Upscaler};
+    for k in ["gfpgan_visibility", "codeformer_visibility"] {
+        if f.float(k, 0.0, 1.0)?.unwrap_or(0.0) > 0.0 {
+            return Err(ApiError::field(
+                k,
+                "face restoration (GFPGAN, CodeFormer) is not available in sdhost; send 0",
+            ));
+        }
+    }
+    // Accepted without effect (no face restoration, nothing shown).
+    f.float("codeformer_weight", 0.0, 1.0)?;
+    f.boolean("upscale_first")?;
+    f.boolean("show_extras_results")?;
+    let side = crate::extras::MAX_SIDE as i64;
+    let target = match f.int("resize_mode", 0, 1)?.unwrap_or(0) {
+        0 => Target::By(f.float("upscaling_resize", 1.0, 8.0)?.unwrap_or(2.0)),
+        _ => Target::To {
+            width: f.int("upscaling_resize_w", 1, side)?.unwrap_or(512) as usize,
+            height: f.int("upscaling_resize_h", 1, side)?.unwrap_or(512) as usize,
+            crop: f.boolean("upscaling_crop")?.unwrap_or(true),
+        },
+    };
+    let list = upscaler_list(st).await?;
+    let mut models = Vec::new();
+    let mut pick = |field: &'static str| -> ApiResult<Option<Upscaler>> {
+        let name = f.string(field)?.unwrap_or_else(|| "None".into());
+        if let Some(builtin) = Upscaler::builtin(&name) {
+            return Ok(builtin);
+        }
+        let found = list
+            .iter()
+            .find(|(n, _)| *n == name)
+            .or_else(|| list.iter().find(|(n, _)| n.eq_ignore_ascii_case(&name)));
+        match found {
+            Some((n, p)) => {
+                models.push((field, n.clone(), p.clone()));
+                Ok(Some(Upscaler::Model(n.clone())))
+            }
+            None => {
+                let names: Vec<&str> = list.iter().map(|n| n.0.as_str()).collect();
+                Err(ApiError::field(
+                    field,
+                    format!(
+                        "{:?} is not an upscaler here; None, Lanczos, Nearest{}{} are",
+                        crate::term::clean(&name),
+                        if names.is_empty() {
+                            ""
+                        } else {
+                            " and --upscaler-dir's "
+                        },
+                        names.join(", ")
+                    ),
+                ))
+            }
+        }
+    };
+    let first = pick("upscaler_1")?;
+    let second = pick("upscaler_2")?;
+    let visibility = f
+        .float("extras_upscaler_2_visibility", 0.0, 1.0)?
+        .unwrap_or(0.0) as f32;
+    let ask = crate::extras::Ask {
+        target,
+        first,
+        second: second.filter(|_| visibility > 0.0).map(|u| (u, visibility)),
+    };
+    // A second model only blended at 0 is not loaded.
+    models.retain(|(field, name, _)| {
+        *field == "upscaler_1" || ask.second.as_ref().is_some_and(|(u, _)| u.name() == name)
+    });
+    Ok((ask, models))
+}
+
+/// Decodes extras images (base64 PNG or JPEG, `(field, data)` each) on the
+/// blocking threads, keeping each PNG's `parameters` text; each image's
+/// result must fit [`crate::extras::MAX_SIDE`].
+async fn extras_images(
+    ask: &crate::extras::Ask,
+    images: Vec<(String, String)>,
+) -> ApiResult<Vec<(Image, Option<String>)>> {
+    let _decoding = DECODES
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "stopping", "stopping"))?;
+    let ask = ask.clone();
+    blocking("decoding_failed", "decoding the images", move || {
+        images
+            .into_iter()
+            .map(|(field, data)| {
+                let bytes = decode_b64(&field, &data)?;
+                let image = rgb_of(decode_image(&field, &bytes)?);
+                ask.out_size(image.width, image.height)
+                    .map_err(|e| ApiError::field(&field, e))?;
+                let parameters = crate::png::text_chunks(&bytes)
+                    .ok()
+                    .and_then(|t| t.into_iter().find(|(k, _)| k == "parameters"))
+                    .map(|(_, v)| v);
+                Ok((image, parameters))
+            })
+            .collect::<ApiResult<Vec<_>>>()
+    })
+    .await?
+}
+
+/// Runs an extras job.
+async fn extras(
+    st: &AppState,
+    f: &Fields<'_>,
+    images: Vec<(String, String)>,
+) -> ApiResult<super::worker::ExtrasOutput> {
+    let (ask, models) = extras_ask(st, f).await?;
+    let images = extras_images(&ask, images).await?;
+    let work = super::worker::ExtrasWork {
+        images,
+        ask,
+        models,
+    };
+    match run_job(st, Work::Extras(Box::new(work))).await? {
+        Output::Extras(o) => Ok(o),
+        _ => Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "unexpected reply",
+        )),
+    }
+}
+
+/// A1111's `html_info`: the infotext as one HTML paragraph.
+fn html_info(text: &str) -> String {
+    let escaped = text
+        .replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+        .replace('\'', "&#x27;");
+    format!("<p>{escaped}</p>")
+}
+
+/// A1111's `POST /sdapi/v1/extra-single-image`: `image` (base64) enlarged
+/// as the Extras tab does ([`extras_ask`]'s fields): `{image, html_info}`.
+async fn extra_single_image(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let image = f
+        .string("image")?
+        .filter(|s| !s.trim().is_empty())
+        .ok_or_else(|| ApiError::field("image", "required: a base64 image"))?;
+    let out = extras(&st, &f, vec![("image".into(), image)]).await?;
+    let png = out.images.first().ok_or_else(|| {
+        ApiError::new(
+            StatusCode::CONFLICT,
+            "cancelled",
+            "interrupted before the image",
+        )
+    })?;
+    Ok(Json(
+        json!({"html_info": html_info(&out.info), "image": b64(png)}),
+    ))
+}
+
+/// A1111's `POST /sdapi/v1/extra-batch-images`: `imageList` (`[{data,
+/// name}]`, base64 each, at most 16) enlarged alike: `{images, html_info}`;
+/// an interrupt answers the images done.
+async fn extra_batch_images(
+    State(st): State<AppState>,
+    body: Result<Bytes, BytesRejection>,
+) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let list = match f.get("imageList") {
+        Some(Value::Array(a)) if !a.is_empty() => a,
+        Some(Value::Array(_)) | None => {
+            return Err(ApiError::field("imageList", "required: one image or more"))
+        }
+        Some(_) => return Err(ApiError::field("imageList", "expected an array")),
+    };
+    if list.len() > MAX_EXTRAS_IMAGES {
+        return Err(ApiError::field(
+            "imageList",
+            format!("{} images; at most {MAX_EXTRAS_IMAGES}", list.len()),
+        ));
+    }
+    let images = list
+        .iter()
+        .enumerate()
+        .map(|(i, item)| {
+            let field = format!("imageList[{i}].data");
+            match item.get("data") {
+                Some(Value::String(d)) if !d.trim().is_empty() => Ok((field, d.clone())),
+                _ => Err(ApiError::field(&field, "required: a base64 image")),
+            }
+        })
+        .collect::<ApiResult<Vec<_>>>()?;
+    let out = extras(&st, &f, images).await?;
+    let images: Vec<String> = out.images.iter().map(|p| b64(p)).collect();
+    Ok(Json(
+        json!({"html_info": html_info(&out.info), "images": images}),
+    ))
 }
 
 /// The upscaler models of `--upscaler-dir`, by name, on a blocking thread.
@@ -2386,7 +2611,7 @@ async fn hires_model(st: &AppState, work: &mut GenWork) -> ApiResult<()> {
             Err(ApiError::field(
                 "hr_upscaler",
                 format!(
-                    "{:?} is not supported; Lanczos, None, Latent, Latent (nearest), Latent (nearest-exact){}{} are",
+                    "{:?} is not supported; Lanczos, Nearest, None, Latent, Latent (nearest), Latent (nearest-exact){}{} are",
                     crate::term::clean(&name),
                     if names.is_empty() { "" } else { " and --upscaler-dir's " },
                     names.join(", ")
@@ -2520,7 +2745,7 @@ fn openai_stream(
                     }
                 }
             }
-            Ok(Output::Loaded(_)) => {}
+            Ok(Output::Loaded(_) | Output::Extras(_)) => {}
             Err(e) => {
                 let kind = if e.status.is_server_error() {
                     "server_error"
@@ -2708,6 +2933,29 @@ mod tests {
             Value::Object(m) => m,
             _ => panic!(),
         }
+    }
+
+    /// Every route of [`router`] is described in `/openapi.json` (the
+    /// routes read from this file's source, so a new one cannot be left
+    /// out), and nothing else is.
+    #[test]
+    fn openapi_describes_every_route() {
+        let spec: Value = serde_json::from_str(OPENAPI).unwrap();
+        let described: std::collections::BTreeSet<&str> = spec["paths"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        let source = include_str!("api.rs");
+        let code = &source[..source.find("#[cfg(test)]").unwrap()];
+        let routes: std::collections::BTreeSet<&str> = code
+            .split(".route(")
+            .skip(1)
+            .filter_map(|rest| rest.trim_start().strip_prefix('"')?.split('"').next())
+            .collect();
+        assert!(routes.len() > 30, "{routes:?}");
+        assert_eq!(routes, described);
     }
 
     #[test]

@@ -282,12 +282,38 @@ impl DeviceMemory {
     }
 }
 
+/// An extras job (A1111's Extras tab): images enlarged by upscalers.
+#[derive(Debug)]
+pub struct ExtrasWork {
+    /// The images, each with the `parameters` text it carried (kept in
+    /// its PNG, as A1111 keeps it).
+    pub images: Vec<(Image, Option<String>)>,
+    /// How they are enlarged.
+    pub ask: crate::extras::Ask,
+    /// The request field naming each upscaler model, with its name and file
+    /// in `--upscaler-dir`.
+    pub models: Vec<(&'static str, String, PathBuf)>,
+}
+
+/// A finished extras job.
+#[derive(Debug)]
+pub struct ExtrasOutput {
+    /// PNG files, one per image done.
+    pub images: Vec<Vec<u8>>,
+    /// The postprocessing infotext (A1111's `html_info`, as text).
+    pub info: String,
+    /// Ended early by A1111's interrupt (fewer images than asked).
+    pub interrupted: bool,
+}
+
 /// A job for the worker.
 pub enum Work {
     /// Make images.
     Generate(Box<GenWork>),
     /// Load another checkpoint.
     Load(ModelEntry),
+    /// Enlarge images.
+    Extras(Box<ExtrasWork>),
 }
 
 impl JobKind for Work {
@@ -295,12 +321,14 @@ impl JobKind for Work {
         match self {
             Work::Generate(g) => g.kind,
             Work::Load(_) => "load",
+            Work::Extras(_) => "extras",
         }
     }
     fn size(&self) -> (usize, usize) {
         match self {
             Work::Generate(g) => (g.steps, g.count),
             Work::Load(_) => (1, 1),
+            Work::Extras(x) => (1, x.images.len()),
         }
     }
 }
@@ -338,6 +366,8 @@ pub enum Output {
     Images(GenOutput),
     /// The model now loaded.
     Loaded(ModelEntry),
+    /// Enlarged images.
+    Extras(ExtrasOutput),
 }
 
 /// Where a replica's modules run as its last load fitted them to the
@@ -757,6 +787,9 @@ impl<'m> Worker<'_, 'm> {
                         },
                     )
                     .map(Output::Images),
+                Work::Extras(x) => self
+                    .extras(loaded, &x, &cancel, &job.interrupt)
+                    .map(Output::Extras),
             };
             let (ok, was_cancelled) = match &result {
                 Ok(_) => (true, false),
@@ -771,6 +804,94 @@ impl<'m> Worker<'_, 'm> {
                 DeviceMemory::sample(self.session);
             let _ = job.reply.send(result);
         }
+    }
+
+    /// Runs an extras job: each image through [`crate::extras::Ask::run`],
+    /// its upscaler models loaded on the `upscaler` module's devices. The
+    /// first one the job names is kept loaded (in the slot the hires fix's
+    /// model uses), a second one for the job only. An interrupt ends the
+    /// job after the current image with the images done.
+    fn extras(
+        &self,
+        loaded: &mut Option<Loaded<'m>>,
+        x: &ExtrasWork,
+        cancel: &Arc<AtomicBool>,
+        interrupt: &AtomicBool,
+    ) -> Result<ExtrasOutput, JobError> {
+        let placement = loaded
+            .as_ref()
+            .map_or_else(|| self.placement.clone(), |l| l.placement.clone());
+        let mut spare = None;
+        let kept: &mut Option<(PathBuf, Upscaler<'m>)> = match loaded {
+            Some(l) => &mut l.hires_model,
+            None => &mut spare,
+        };
+        let mut other: Option<(PathBuf, Upscaler<'m>)> = None;
+        let first_model = x.models.first().map(|m| m.2.clone());
+        let tile = self.args.upscale.tuning.tile;
+        // A file that does not load as an upscaler is the request's fault
+        // (422 naming its field); anything else is the server's.
+        let refused = std::cell::RefCell::new(None::<String>);
+        let mut run = |up: &crate::extras::Upscaler, image: Image| -> anyhow::Result<Image> {
+            let Some((field, _, path)) = x.models.iter().find(|m| m.1 == up.name()) else {
+                anyhow::bail!("the upscaler {:?} is not loaded", up.name());
+            };
+            let slot = if Some(path) == first_model.as_ref() {
+                &mut *kept
+            } else {
+                &mut other
+            };
+            if slot.as_ref().map(|m| &m.0) != Some(path) {
+                *slot = None;
+                let d = crate::upscaler::devices(self.session, self.manager, &placement)?;
+                match crate::upscaler::load(path, d, self.args.load.phase_memory) {
+                    Ok(u) => *slot = Some((path.clone(), u)),
+                    Err(e) => {
+                        let msg = self.without_folders(&crate::term::error_line(&e));
+                        *refused.borrow_mut() = Some(format!("{field}: {msg}"));
+                        return Err(e);
+                    }
+                }
+            }
+            let (_, u) = slot.as_mut().expect("loaded above");
+            crate::upscaler::apply(u, image, 1, tile, cancel)
+        };
+        let mut out = ExtrasOutput {
+            images: Vec::new(),
+            info: x.ask.infotext(),
+            interrupted: false,
+        };
+        for (i, (image, parameters)) in x.images.iter().enumerate() {
+            if interrupt.load(Ordering::SeqCst) && !out.images.is_empty() {
+                out.interrupted = true;
+                break;
+            }
+            let image = x.ask.run(image.clone(), &mut run).map_err(|e| {
+                if let Some(r) = refused.borrow_mut().take() {
+                    return JobError::Invalid(r);
+                }
+                match e.downcast_ref::<ModelError>() {
+                    Some(ModelError::Cancelled) => JobError::Cancelled("interrupted".into()),
+                    _ => JobError::Failed(self.without_folders(&crate::term::error_line(&e))),
+                }
+            })?;
+            if cancel.load(Ordering::SeqCst) {
+                return Err(JobError::Cancelled("interrupted".into()));
+            }
+            let mut texts = Vec::new();
+            if let Some(p) = parameters {
+                texts.push(("parameters", p.as_str()));
+            }
+            if !out.info.is_empty() {
+                texts.push(("postprocessing", out.info.as_str()));
+            }
+            let mut png = Vec::new();
+            crate::png::encode_png_with(&mut png, &image, &texts)
+                .map_err(|e| JobError::Failed(crate::term::error_line(&e)))?;
+            out.images.push(png);
+            self.queue.progress(self.replica, 0, i + 1);
+        }
+        Ok(out)
     }
 
     fn generate(
