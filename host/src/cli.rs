@@ -119,7 +119,7 @@ pub enum Command {
     RpcServer(ServerArgs),
     /// Convert a checkpoint to GGUF, optionally quantized (docs/models.md says which tensors)
     Convert(ConvertArgs),
-    /// Enlarge a PNG or JPEG with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)
+    /// Enlarge a PNG, JPEG or WebP with an ESRGAN / Real-ESRGAN model (.pth, .safetensors or .gguf)
     Upscale(UpscaleArgs),
     /// Measure sdhost: `-m MODEL` times each generation stage (optionally
     /// beside stable-diffusion.cpp and diffusers, `--peer`); `--products` times the models'
@@ -804,7 +804,7 @@ pub struct IpAdapterArgs {
     #[arg(long = "clip-vision", value_name = "FILE", requires = "ip_adapter")]
     pub clip_vision: Option<PathBuf>,
 
-    /// The image prompt (PNG or JPEG; its middle square is used, as CLIP's
+    /// The image prompt (PNG, JPEG or WebP; its middle square is used, as CLIP's
     /// processor takes it)
     #[arg(
         id = "ip_image",
@@ -1003,7 +1003,7 @@ impl ControlArgs {
 /// img2img and inpainting.
 #[derive(Debug, Args)]
 pub struct InitArgs {
-    /// img2img: start from this image (PNG or JPEG). Without -W/-H the output
+    /// img2img: start from this image (PNG, JPEG or WebP). Without -W/-H the output
     /// takes its size rounded down to the model's multiple; an image of
     /// another size is resized (stretched, Lanczos 3) to the output size
     #[arg(short = 'i', long = "init-img", value_name = "FILE")]
@@ -1019,7 +1019,7 @@ pub struct InitArgs {
     pub mask: Option<PathBuf>,
 
     /// FLUX.1 Kontext and FLUX.2 klein: an image the prompt edits or draws
-    /// from (PNG or JPEG; repeatable). Each is used at its own size rounded
+    /// from (PNG, JPEG or WebP; repeatable). Each is used at its own size rounded
     /// down to a multiple of 16 (FLUX.2: at most 1024×1024 of area);
     /// without -W/-H (and -i) the output takes the first one's size
     #[arg(short = 'r', long = "ref-image", value_name = "FILE")]
@@ -1054,7 +1054,7 @@ pub struct UpscaleArgs {
     #[arg(short = 'm', long, value_name = "FILE")]
     pub model: PathBuf,
 
-    /// Image to enlarge, PNG or JPEG (alpha is dropped, grey becomes RGB)
+    /// Image to enlarge, PNG, JPEG or WebP (alpha is dropped, grey becomes RGB)
     #[arg(short = 'i', long, value_name = "FILE")]
     pub input: PathBuf,
 

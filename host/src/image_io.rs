@@ -1,6 +1,6 @@
 //! Reading the images commands take (img2img init images, inpainting
-//! masks, images to upscale): PNG or JPEG, told apart by content, not by
-//! name, through the `image` crate with decoding limits, so a corrupt,
+//! masks, images to upscale): PNG, JPEG or WebP (the first frame of an
+//! animated one), told apart by content, not by name, through the `image` crate with decoding limits, so a corrupt,
 //! truncated or decompression-bomb file is one error line naming the file.
 //!
 //! Every input becomes 8-bit RGB: grey is spread to three channels, 16-bit
@@ -30,7 +30,7 @@ fn decode(path: &Path) -> anyhow::Result<DynamicImage> {
         .with_guessed_format()
         .with_context(|| format!("{}: cannot read", path.display()))?;
     if reader.format().is_none() {
-        return Err(anyhow!("{}: not a PNG or JPEG image", path.display()));
+        return Err(anyhow!("{}: not a PNG, JPEG or WebP image", path.display()));
     }
     let mut limits = Limits::default();
     limits.max_image_width = Some(MAX_SIDE);
@@ -275,6 +275,23 @@ mod tests {
         let p = dir.path().join("d.png");
         deep.save(&p).unwrap();
         assert_eq!(load_rgb(&p).unwrap().rgb, vec![255, 0, 128]);
+    }
+
+    #[test]
+    fn reads_webp_by_content() {
+        let dir = tempfile::tempdir().unwrap();
+        let rgb: Vec<u8> = (0..4 * 3 * 3).map(|i| (i * 7) as u8).collect();
+        let mut bytes = Vec::new();
+        image::codecs::webp::WebPEncoder::new_lossless(&mut bytes)
+            .encode(&rgb, 4, 3, image::ExtendedColorType::Rgb8)
+            .unwrap();
+        // Named .png: the content decides.
+        let p = write(dir.path(), "photo.png", &bytes);
+        let img = load_rgb(&p).unwrap();
+        assert_eq!((img.width, img.height, img.rgb), (4, 3, rgb));
+        let gif = write(dir.path(), "x.gif", b"GIF89a\x01\x00\x01\x00\x00\x00\x00;");
+        let e = load_rgb(&gif).unwrap_err().to_string();
+        assert!(e.contains("x.gif") && !e.contains('\n'), "{e}");
     }
 
     #[test]

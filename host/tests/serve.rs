@@ -3621,6 +3621,13 @@ fn extras_enlarge_images_as_a1111s_tab() {
         let (w, h, _, _) = png_of(&img);
         assert_eq!((w, h), size, "crop {crop}");
     }
+    // A WebP is read as a PNG would be.
+    let mut webp = Vec::new();
+    image::codecs::webp::WebPEncoder::new_lossless(&mut webp)
+        .encode(&made_px, 64, 48, image::ExtendedColorType::Rgb8)
+        .unwrap();
+    let (from_webp, _) = single(json!({"image": b64(&webp), "upscaler_1": "Nearest"}));
+    assert_eq!(png_of(&from_webp).3, png_of(&near).3);
     // None: the image as it came.
     let (same, info) = single(json!({"image": made, "upscaling_resize": 4}));
     assert_eq!(png_of(&same).3, made_px);

@@ -414,7 +414,7 @@ fn upscale_bad_input_fails_in_one_line_without_output() {
             "not an image",
             upscaler.clone(),
             text,
-            "not a PNG or JPEG image",
+            "not a PNG, JPEG or WebP image",
         ),
         (
             "missing model",

@@ -1,4 +1,4 @@
-//! `sdhost upscale`: an ESRGAN / Real-ESRGAN model enlarges a PNG or JPEG,
+//! `sdhost upscale`: an ESRGAN / Real-ESRGAN model enlarges a PNG, JPEG or WebP,
 //! tile by tile, on the device placement gives the `upscaler` module; the
 //! PNG is written atomically with a `parameters` text chunk. Loading and
 //! applying the upscaler is [`crate::upscaler`], which `generate
@@ -65,7 +65,7 @@ pub fn run(session: &Session, args: &UpscaleArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Reads a PNG or JPEG file as 8-bit RGB (see [`crate::image_io`]).
+/// Reads a PNG, JPEG or WebP file as 8-bit RGB (see [`crate::image_io`]).
 pub fn read_image(path: &Path) -> anyhow::Result<Image> {
     crate::image_io::load_rgb(path).context("--input")
 }

@@ -1085,7 +1085,7 @@ fn decode_image(field: &str, bytes: &[u8]) -> ApiResult<image::DynamicImage> {
         .with_guessed_format()
         .map_err(|e| ApiError::field(field, format!("cannot read: {e}")))?;
     if reader.format().is_none() {
-        return Err(ApiError::field(field, "not a PNG or JPEG image"));
+        return Err(ApiError::field(field, "not a PNG, JPEG or WebP image"));
     }
     let mut limits = image::Limits::default();
     limits.max_image_width = Some(crate::image_io::MAX_SIDE);
@@ -2449,7 +2449,7 @@ async fn extras_ask(
     Ok((ask, models))
 }
 
-/// Decodes extras images (base64 PNG or JPEG, `(field, data)` each) on the
+/// Decodes extras images (base64 PNG, JPEG or WebP, `(field, data)` each) on the
 /// blocking threads, keeping each PNG's `parameters` text; each image's
 /// result must fit [`crate::extras::MAX_SIDE`].
 async fn extras_images(
