@@ -4,7 +4,8 @@
 //! `headless_chrome`) loads `/`, fills the form with keystrokes, submits,
 //! and waits for the image. The test checks that the image rendered at the
 //! requested size and is not blank (pixel variance read back through a
-//! canvas), that its parameters and a history entry are shown, and that a
+//! canvas), that its parameters and a history entry are shown, that Enlarge
+//! doubles it through the Extras endpoint, and that a
 //! request the server refuses shows its error, that a long generation
 //! shows live previews and Interrupt answers with the image made so far;
 //! it saves screenshots of each state to `target/serve-browser*.png`.
@@ -367,6 +368,52 @@ fn the_page_generates_an_image_in_headless_chromium() {
     );
     assert_eq!(download, true);
 
+    // Enlarge (A1111's Extras): the image shown, twice its size by the
+    // upscaler picked from the server's list, into the history with its
+    // parameters and the postprocessing line.
+    let upscalers = eval_json(
+        &tab,
+        r#"JSON.stringify([...document.getElementById("upscaler").options].map(o => o.value))"#,
+    );
+    assert_eq!(upscalers, serde_json::json!(["Lanczos", "Nearest"]));
+    tab.evaluate(
+        "document.getElementById('upscaler').value = 'Lanczos'",
+        false,
+    )
+    .unwrap();
+    tab.wait_for_element("#enlarge").unwrap().click().unwrap();
+    wait_for(
+        &tab,
+        "the enlarged image",
+        "/^done: enlarged/.test(document.getElementById('status').textContent) \
+         || document.getElementById('status').className === 'err'",
+    );
+    let r = finished(&tab, "the enlarged image");
+    assert_eq!(r["status"], "done: enlarged 2× with Lanczos", "{r}");
+    assert_eq!(
+        (&r["width"], &r["history"]),
+        (&128.into(), &4.into()),
+        "{r}"
+    );
+    assert!(r["variance"].as_f64().unwrap() > 10.0, "{r}");
+    let params = r["params"].as_str().unwrap();
+    assert!(
+        params.contains("Schedule type: Karras")
+            && params.ends_with("Postprocess upscale by: 2, Postprocess upscaler: Lanczos"),
+        "{params}"
+    );
+    // Use as init image: the image shown becomes img2img's.
+    tab.wait_for_element("#to-init").unwrap().click().unwrap();
+    wait_for(
+        &tab,
+        "the init image from the result",
+        "document.getElementById('mask').width === 128 && !document.getElementById('paint').hidden",
+    );
+    tab.wait_for_element("#clear-init")
+        .unwrap()
+        .click()
+        .unwrap();
+
     // A reload keeps the history (browser storage).
     tab.reload(false, None)
         .unwrap()
@@ -377,17 +424,18 @@ fn the_page_generates_an_image_in_headless_chromium() {
         "the page ready again",
         "document.getElementById('status').textContent === 'ready'",
     );
-    assert_eq!(eval_json(&tab, RESULT_JS)["history"], 3);
+    assert_eq!(eval_json(&tab, RESULT_JS)["history"], 4);
     let devices = eval_json(
         &tab,
         r#"JSON.stringify(document.getElementById("devices").textContent)"#,
     );
     assert!(devices.as_str().unwrap().contains("cpu "), "{devices}");
 
-    // Inpainting: the newest image as the init image, a stroke painted
-    // over its middle with the pointer.
+    // Inpainting: the newest 64x64 image (the one before the enlarged
+    // one) as the init image, a stroke painted over its middle with the
+    // pointer.
     tab.evaluate(
-        r##"showInit(document.querySelector("#history img").src)"##,
+        r##"showInit(document.querySelectorAll("#history img")[1].src)"##,
         false,
     )
     .unwrap();
@@ -424,7 +472,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
         params.contains("Denoising strength: 0.75") && params.contains("Mask: mask"),
         "{params}"
     );
-    assert_eq!(r["history"], 4, "{r}");
+    assert_eq!(r["history"], 5, "{r}");
     screenshot(&tab, "-inpaint");
 
     // Live previews, then Interrupt: a long txt2img shows its previews in
@@ -479,7 +527,7 @@ fn the_page_generates_an_image_in_headless_chromium() {
     );
     assert_eq!(
         (&r["width"], &r["history"]),
-        (&256.into(), &5.into()),
+        (&256.into(), &6.into()),
         "{r}"
     );
     assert!(r["variance"].as_f64().unwrap() > 10.0, "{r}");
