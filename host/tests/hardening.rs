@@ -478,3 +478,202 @@ fn overflowing_lora_scales_fail_instead_of_writing_black() {
     let r = p.run(&[gen_args(&tiny, &png, "64", "2"), vec!["--lora", &spec]].concat());
     assert_eq!(r.code, Some(0), "{}", r.stderr);
 }
+
+/// Where each tensor's info sits in a GGUF file: `(name, byte offset of
+/// its dimension count, its dims, byte offset of its type, byte offset of
+/// its data offset)`. A walker of just enough of the format for the tests
+/// below to damage one field at a time.
+fn gguf_tensor_infos(b: &[u8]) -> Vec<(String, usize, Vec<u64>, usize, usize)> {
+    let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+    fn skip(b: &[u8], o: usize, ty: u32) -> usize {
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        match ty {
+            0 | 1 | 7 => o + 1,
+            2 | 3 => o + 2,
+            4..=6 => o + 4,
+            10..=12 => o + 8,
+            8 => o + 8 + u64_at(o) as usize,
+            9 => {
+                let (et, n) = (u32_at(o), u64_at(o + 4));
+                (0..n).fold(o + 12, |o, _| skip(b, o, et))
+            }
+            t => panic!("GGUF value type {t}"),
+        }
+    }
+    assert_eq!(&b[..4], b"GGUF");
+    let (n_tensors, n_kv) = (u64_at(8), u64_at(16));
+    let mut o = 24;
+    for _ in 0..n_kv {
+        o += 8 + u64_at(o) as usize;
+        o = skip(b, o + 4, u32_at(o));
+    }
+    (0..n_tensors)
+        .map(|_| {
+            let len = u64_at(o) as usize;
+            let name = String::from_utf8_lossy(&b[o + 8..o + 8 + len]).into_owned();
+            let nd_at = o + 8 + len;
+            let dims: Vec<u64> = (0..u32_at(nd_at) as usize)
+                .map(|i| u64_at(nd_at + 4 + 8 * i))
+                .collect();
+            let type_at = nd_at + 4 + 8 * dims.len();
+            o = type_at + 12;
+            (name, nd_at, dims, type_at, type_at + 4)
+        })
+        .collect()
+}
+
+/// Damaged model files, one field at a time, each a one-line error and
+/// exit 1, never a panic or an abort: a T5 GGUF whose SentencePiece
+/// character map is broken (`tokenizers` panicked on it; session 47's
+/// fuzzing), and tensor types, shapes and offsets of a Qwen3 GGUF and of a
+/// FLUX.2 klein safetensors header (the fuzzing's structural mutations,
+/// kept as a fixed set).
+#[test]
+fn damaged_model_files_are_one_line_errors() {
+    let p = Prefix::with_cpu();
+    let dir = p.dir("damaged");
+    let out = dir.join("x.png");
+    let run = |parts: &[&str]| {
+        let mut a = vec![
+            "generate", "-p", "a cat", "--steps", "1", "-W", "64", "-H", "64",
+        ];
+        a.extend_from_slice(&["-o", s(&out)]);
+        a.extend_from_slice(parts);
+        p.run(&a)
+    };
+    let expect_error = |r: &Run, what: &str| {
+        assert_eq!(r.code, Some(1), "{what}: {}", r.stderr);
+        let lines: Vec<&str> = r.stderr.lines().collect();
+        assert_eq!(lines.len(), 1, "{what}: not one line: {}", r.stderr);
+        assert!(lines[0].starts_with("error: "), "{what}: {}", r.stderr);
+    };
+
+    // FLUX.1 with its T5 GGUF's character map broken: the last byte of
+    // the map's strings made invalid UTF-8.
+    let t5 = std::fs::read(fixture("flux/tiny-t5-q8_0-vocab.gguf")).unwrap();
+    let key = b"tokenizer.ggml.precompiled_charsmap";
+    let at = t5.windows(key.len()).position(|w| w == key).unwrap() + key.len();
+    // type (array), element type (u8), count, then the bytes.
+    let n = u64::from_le_bytes(t5[at + 8..at + 16].try_into().unwrap()) as usize;
+    let mut broken = t5.clone();
+    broken[at + 16 + n - 1] = 0xFF;
+    let path = dir.join("t5-broken-map.gguf");
+    std::fs::write(&path, &broken).unwrap();
+    let flux = fixture("flux/tiny-flux-schnell.safetensors");
+    let clip = fixture("flux/tiny-clip-l.safetensors");
+    let ae = fixture("ae16/tiny-ae16.safetensors");
+    let r = run(&[
+        "-m",
+        s(&flux),
+        "--t5xxl",
+        s(&path),
+        "--clip-l",
+        s(&clip),
+        "--vae",
+        s(&ae),
+    ]);
+    expect_error(&r, "the broken character map");
+    assert!(r.stderr.contains("precompiled_charsmap"), "{}", r.stderr);
+
+    // klein with its Qwen3 GGUF damaged, one tensor field at a time.
+    let klein = fixture("klein/tiny-klein.safetensors");
+    let klein_ae = fixture("klein/tiny-klein-ae.safetensors");
+    let qwen = std::fs::read(fixture("qwen3/tiny-qwen3-q8_0.gguf")).unwrap();
+    let infos = gguf_tensor_infos(&qwen);
+    let path = dir.join("qwen3-damaged.gguf");
+    for i in [0, infos.len() / 2, infos.len() - 1] {
+        let (name, nd_at, dims, type_at, off_at) = &infos[i];
+        let off = u64::from_le_bytes(qwen[*off_at..off_at + 8].try_into().unwrap());
+        let damages: [(&str, usize, Vec<u8>); 6] = [
+            ("type q4_K", *type_at, 12u32.to_le_bytes().to_vec()),
+            ("type 99", *type_at, 99u32.to_le_bytes().to_vec()),
+            (
+                "first dim doubled",
+                nd_at + 4,
+                (dims[0] * 2).to_le_bytes().to_vec(),
+            ),
+            ("no dims", *nd_at, 0u32.to_le_bytes().to_vec()),
+            ("data offset + 1", *off_at, (off + 1).to_le_bytes().to_vec()),
+            (
+                "data offset 2^62",
+                *off_at,
+                (1u64 << 62).to_le_bytes().to_vec(),
+            ),
+        ];
+        for (what, at, bytes) in damages {
+            let mut b = qwen.clone();
+            b[at..at + bytes.len()].copy_from_slice(&bytes);
+            std::fs::write(&path, &b).unwrap();
+            let r = run(&["-m", s(&klein), "--llm", s(&path), "--vae", s(&klein_ae)]);
+            expect_error(&r, &format!("{name}: {what}"));
+        }
+    }
+
+    // klein's own safetensors header, one tensor's entry at a time.
+    let bytes = std::fs::read(&klein).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let names: Vec<String> = header
+        .keys()
+        .filter(|k| *k != "__metadata__")
+        .cloned()
+        .collect();
+    let path = dir.join("klein-damaged.safetensors");
+    for name in [&names[0], &names[names.len() / 2], &names[names.len() - 1]] {
+        let t = &header[name];
+        let shape: Vec<u64> = t["shape"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| d.as_u64().unwrap())
+            .collect();
+        let offs = t["data_offsets"].clone();
+        let mut swapped = shape.clone();
+        swapped.reverse();
+        let damages: [(&str, serde_json::Value); 5] = [
+            ("shape + 1", serde_json::json!({"shape": [shape[0] + 1]})),
+            (
+                "shape reversed and widened",
+                serde_json::json!({"shape": swapped.iter().map(|d| d * 2).collect::<Vec<_>>()}),
+            ),
+            ("dtype F64", serde_json::json!({"dtype": "F64"})),
+            (
+                "offsets reversed",
+                serde_json::json!({"data_offsets": [offs[1], offs[0]]}),
+            ),
+            ("removed", serde_json::Value::Null),
+        ];
+        for (what, change) in damages {
+            let mut h = header.clone();
+            match change {
+                serde_json::Value::Null => {
+                    h.remove(name);
+                }
+                serde_json::Value::Object(c) => {
+                    let entry = h.get_mut(name).unwrap().as_object_mut().unwrap();
+                    entry.extend(c);
+                }
+                _ => unreachable!(),
+            }
+            let mut text = serde_json::to_vec(&h).unwrap();
+            text.resize(text.len().next_multiple_of(8), b' ');
+            let mut file = (text.len() as u64).to_le_bytes().to_vec();
+            file.extend_from_slice(&text);
+            file.extend_from_slice(&bytes[8 + n..]);
+            std::fs::write(&path, &file).unwrap();
+            let r = run(&[
+                "-m",
+                s(&path),
+                "--llm",
+                s(&fixture("qwen3/tiny-qwen3-bf16.gguf")),
+                "--vae",
+                s(&klein_ae),
+            ]);
+            expect_error(&r, &format!("{name}: {what}"));
+        }
+    }
+    assert!(!out.exists(), "a failed run wrote an image");
+}
