@@ -2584,6 +2584,21 @@ fn front_end_endpoints_and_a1111_semantics() {
         srv.get("/sdapi/v1/scripts"),
         json!({"txt2img": [], "img2img": []})
     );
+    for empty in [
+        "/sdapi/v1/face-restorers",
+        "/sdapi/v1/hypernetworks",
+        "/sdapi/v1/prompt-styles",
+        "/sdapi/v1/realesrgan-models",
+    ] {
+        assert_eq!(srv.get(empty), json!([]), "{empty}");
+    }
+    let r = srv.post(
+        "/sdapi/v1/interrogate",
+        json!({"image": "", "model": "deepdanbooru"}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(r.json()["field"], "model", "{}", r.text());
+    assert!(r.text().contains("not available"), "{}", r.text());
     assert_eq!(srv.get("/internal/ping"), json!({}));
     assert_eq!(
         srv.get("/v1/models/tiny-sd1.safetensors")["id"],
@@ -3541,6 +3556,7 @@ fn extras_enlarge_images_as_a1111s_tab() {
         names,
         ["None", "Lanczos", "Nearest", "2x-Tiny", "not-an-upscaler"]
     );
+    assert_eq!(srv.get("/sdapi/v1/realesrgan-models")[0]["name"], "2x-Tiny");
     assert_eq!(
         srv.get("/sdapi/v1/latent-upscale-modes"),
         json!([{"name": "Latent"}, {"name": "Latent (nearest)"}, {"name": "Latent (nearest-exact)"}])

@@ -304,6 +304,14 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             "/sdapi/v1/scripts",
             get(|| async { Json(json!({"txt2img": [], "img2img": []})) }),
         )
+        // What sdhost has none of, as A1111 lists them, so clients that
+        // fill menus from them at start-up (webuiapi's helpers, painting
+        // plug-ins) start.
+        .route("/sdapi/v1/face-restorers", get(|| async { Json(json!([])) }))
+        .route("/sdapi/v1/hypernetworks", get(|| async { Json(json!([])) }))
+        .route("/sdapi/v1/prompt-styles", get(|| async { Json(json!([])) }))
+        .route("/sdapi/v1/realesrgan-models", get(realesrgan_models))
+        .route("/sdapi/v1/interrogate", post(interrogate))
         .route("/openapi.json", get(openapi))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -2576,6 +2584,33 @@ async fn extra_batch_images(
     let images: Vec<String> = out.images.iter().map(|p| b64(p)).collect();
     Ok(Json(
         json!({"html_info": html_info(&out.info), "images": images}),
+    ))
+}
+
+/// A1111's Real-ESRGAN list: the models of `--upscaler-dir` (ESRGAN and
+/// Real-ESRGAN files alike), by name, as `upscaler_1` takes them.
+async fn realesrgan_models(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let list = upscaler_list(&st).await?;
+    Ok(Json(Value::Array(
+        list.into_iter()
+            .map(|(name, _)| json!({"name": name, "path": null, "scale": 4}))
+            .collect(),
+    )))
+}
+
+/// A1111's interrogate (an image's caption by CLIP or DeepBooru): sdhost
+/// has neither captioning model, so a 422 naming `model` that says so,
+/// after the body is checked like every other.
+async fn interrogate(body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Value>> {
+    let body = json_body(body)?;
+    let f = Fields(&body);
+    let model = f.string("model")?.unwrap_or_else(|| "clip".into());
+    Err(ApiError::field(
+        "model",
+        format!(
+            "{:?}: interrogation (CLIP, DeepBooru) is not available in sdhost",
+            crate::term::clean(&model)
+        ),
     ))
 }
 
