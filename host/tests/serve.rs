@@ -3736,3 +3736,49 @@ fn extras_enlarge_images_as_a1111s_tab() {
     assert_eq!((w, h), (128, 128));
     assert!(text.contains("Hires upscaler: Nearest"), "{text}");
 }
+
+/// A1111's `unload-checkpoint` and `reload-checkpoint` on two replicas:
+/// each replica drops its checkpoint (`/health`'s `fit[i].loaded`), the
+/// next generation loads it again on the replica that runs it, and reload
+/// loads it on every replica; both answer `{}` to a body-less POST, as
+/// front-ends that share memory with a language model send them.
+#[test]
+fn unload_and_reload_checkpoint_on_every_replica() {
+    let tiny = fixture("tiny-sd1.safetensors");
+    let srv = Server::start(&["-m", s(&tiny), "--replicas", "cpu,cpu"]);
+    let loaded = || -> Vec<bool> {
+        srv.get("/health")["fit"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|f| f["loaded"].as_bool().unwrap())
+            .collect()
+    };
+    let post_empty = |path: &str| {
+        let r = raw(&srv.addr, "POST", path, &[], b"");
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        assert_eq!(r.json(), json!({}), "{path}");
+    };
+    // Replicas load at start.
+    let deadline = Instant::now() + DEADLINE;
+    while loaded() != [true, true] {
+        assert!(Instant::now() < deadline, "{:?}", loaded());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    post_empty("/sdapi/v1/unload-checkpoint");
+    assert_eq!(loaded(), [false, false]);
+    // The server still serves its model: the next job loads it again.
+    assert_eq!(
+        srv.get("/sdapi/v1/options")["sd_model_checkpoint"],
+        "tiny-sd1.safetensors"
+    );
+    let r = srv.post("/sdapi/v1/txt2img", small("a cat", 3));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(loaded().iter().filter(|l| **l).count(), 1);
+    post_empty("/sdapi/v1/reload-checkpoint");
+    assert_eq!(loaded(), [true, true]);
+    // Unloading twice is no error.
+    post_empty("/sdapi/v1/unload-checkpoint");
+    post_empty("/sdapi/v1/unload-checkpoint");
+    assert_eq!(loaded(), [false, false]);
+}

@@ -189,6 +189,7 @@ impl AppState {
                     "placement": f.placement,
                     "vae_tiling": f.tiling.map(|t| json!({"tile": t.tile, "overlap": t.overlap})),
                     "modules": f.choices,
+                    "loaded": f.loaded,
                 })
             })
             .collect()
@@ -312,6 +313,8 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/sdapi/v1/prompt-styles", get(|| async { Json(json!([])) }))
         .route("/sdapi/v1/realesrgan-models", get(realesrgan_models))
         .route("/sdapi/v1/interrogate", post(interrogate))
+        .route("/sdapi/v1/unload-checkpoint", post(unload_checkpoint))
+        .route("/sdapi/v1/reload-checkpoint", post(reload_checkpoint))
         .route("/openapi.json", get(openapi))
         .route_layer(axum::middleware::from_fn_with_state(state.clone(), auth));
     Router::new()
@@ -1701,7 +1704,7 @@ fn output_of(
 async fn generate(st: &AppState, work: GenWork) -> ApiResult<GenOutput> {
     match run_job(st, Work::Generate(Box::new(work))).await? {
         Output::Images(o) => Ok(o),
-        Output::Loaded(_) | Output::Extras(_) => Err(ApiError::new(
+        Output::Loaded(_) | Output::Extras(_) | Output::Unloaded => Err(ApiError::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
             "unexpected reply",
@@ -2614,6 +2617,57 @@ async fn interrogate(body: Result<Bytes, BytesRejection>) -> ApiResult<Json<Valu
     ))
 }
 
+/// Runs one job per replica, each on its own replica (behind the jobs
+/// waiting), and waits for all of them.
+async fn on_every_replica(st: &AppState, work: impl Fn() -> Work) -> ApiResult<()> {
+    let mut waits = Vec::new();
+    for r in 0..st.queue.replicas() {
+        waits.push(st.queue.submit_to(work(), Some(r)).map_err(|Full| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "queue_full",
+                "the queue is full or the server is stopping",
+            )
+        })?);
+    }
+    for (ticket, rx) in waits {
+        let reply = rx.await;
+        ticket.finish();
+        output_of(reply)?;
+    }
+    Ok(())
+}
+
+/// A1111's `unload-checkpoint`: every replica drops its checkpoint (after
+/// the jobs already waiting), freeing its weights' memory for other
+/// programs; the next generation loads it again, as A1111 does. `{}`.
+async fn unload_checkpoint(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    on_every_replica(&st, || Work::Unload).await?;
+    Ok(Json(json!({})))
+}
+
+/// A1111's `reload-checkpoint`: every replica loads the server's
+/// checkpoint now (nothing where it is loaded). `{}`.
+async fn reload_checkpoint(State(st): State<AppState>) -> ApiResult<Json<Value>> {
+    let first = || {
+        let models = st.models.read().unwrap_or_else(|e| e.into_inner()).clone();
+        models.first().cloned()
+    };
+    let entry = st
+        .current()
+        .map(|c| c.entry)
+        .or_else(first)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_model",
+                "no checkpoint to load",
+            )
+        })?;
+    on_every_replica(&st, || Work::Load(entry.clone())).await?;
+    Ok(Json(json!({})))
+}
+
 /// The upscaler models of `--upscaler-dir`, by name, on a blocking thread.
 async fn upscaler_list(st: &AppState) -> ApiResult<Vec<(String, std::path::PathBuf)>> {
     let Some((dir, follow)) = st.upscaler_dir.clone() else {
@@ -2780,7 +2834,7 @@ fn openai_stream(
                     }
                 }
             }
-            Ok(Output::Loaded(_) | Output::Extras(_)) => {}
+            Ok(Output::Loaded(_) | Output::Extras(_) | Output::Unloaded) => {}
             Err(e) => {
                 let kind = if e.status.is_server_error() {
                     "server_error"

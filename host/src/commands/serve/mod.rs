@@ -272,6 +272,7 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
                 placement: placement_text(p),
                 tiling: None,
                 choices: Vec::new(),
+                loaded: false,
             })
             .collect::<Vec<_>>(),
     ));

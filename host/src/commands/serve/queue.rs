@@ -54,6 +54,8 @@ pub struct Job<W, T> {
     pub skip: Arc<AtomicBool>,
     /// Where the result goes (the handler may be gone).
     pub reply: oneshot::Sender<Reply<T>>,
+    /// The one replica that may run it (`None`: any).
+    pub replica: Option<usize>,
 }
 
 /// The submission was refused: `bound` jobs are already waiting.
@@ -197,6 +199,22 @@ impl<W: JobKind, T> Queue<W, T> {
         self: &Arc<Self>,
         work: W,
     ) -> Result<(Ticket<W, T>, oneshot::Receiver<Reply<T>>), Full> {
+        self.submit_to(work, None)
+    }
+
+    /// The number of replicas (workers) the queue serves.
+    pub fn replicas(&self) -> usize {
+        self.aborts.len()
+    }
+
+    /// Queues `work` for `replica` alone (`None`: any replica), behind the
+    /// jobs already waiting; other replicas pass it by.
+    #[allow(clippy::type_complexity)]
+    pub fn submit_to(
+        self: &Arc<Self>,
+        work: W,
+        replica: Option<usize>,
+    ) -> Result<(Ticket<W, T>, oneshot::Receiver<Reply<T>>), Full> {
         let mut g = self.lock();
         if g.closed {
             return Err(Full);
@@ -216,6 +234,7 @@ impl<W: JobKind, T> Queue<W, T> {
             interrupt: Arc::new(AtomicBool::new(false)),
             skip: Arc::new(AtomicBool::new(false)),
             reply: tx,
+            replica,
         });
         drop(g);
         self.cv.notify_all();
@@ -235,7 +254,11 @@ impl<W: JobKind, T> Queue<W, T> {
     pub fn next(&self, replica: usize) -> Option<Job<W, T>> {
         let mut g = self.lock();
         loop {
-            if let Some(job) = g.pending.pop_front() {
+            let mine = g
+                .pending
+                .iter()
+                .position(|j| j.replica.is_none_or(|r| r == replica));
+            if let Some(job) = mine.and_then(|i| g.pending.remove(i)) {
                 let (steps, images) = job.work.size();
                 let now = std::time::SystemTime::now()
                     .duration_since(std::time::UNIX_EPOCH)
@@ -504,5 +527,30 @@ mod tests {
         for (t, _) in tickets {
             t.finish();
         }
+    }
+
+    #[test]
+    fn a_job_for_one_replica_is_passed_by_the_others() {
+        let aborts = vec![
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        ];
+        let q: Arc<Queue<W, ()>> = Queue::new(4, aborts);
+        assert_eq!(q.replicas(), 2);
+        let (t1, _) = q.submit_to(W(1), Some(1)).unwrap();
+        let (t2, _) = q.submit(W(2)).unwrap();
+        // Replica 0 passes the first job by and takes the second.
+        assert_eq!(q.next(0).unwrap().work.0, 2);
+        assert_eq!(q.next(1).unwrap().work.0, 1);
+        q.finished(0, true, false);
+        q.finished(1, true, false);
+        // Waiting for its replica, a targeted job still counts against
+        // the bound and is cancelled like any other.
+        let (t3, mut r3) = q.submit_to(W(3), Some(0)).unwrap();
+        assert_eq!(q.snapshot().1, 1);
+        drop(t3);
+        assert!(matches!(r3.try_recv(), Ok(Err(JobError::Cancelled(_)))));
+        t1.finish();
+        t2.finish();
     }
 }

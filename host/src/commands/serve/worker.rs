@@ -314,6 +314,9 @@ pub enum Work {
     Load(ModelEntry),
     /// Enlarge images.
     Extras(Box<ExtrasWork>),
+    /// Drop the loaded checkpoint (A1111's `unload-checkpoint`): the next
+    /// job loads it again.
+    Unload,
 }
 
 impl JobKind for Work {
@@ -322,12 +325,13 @@ impl JobKind for Work {
             Work::Generate(g) => g.kind,
             Work::Load(_) => "load",
             Work::Extras(_) => "extras",
+            Work::Unload => "unload",
         }
     }
     fn size(&self) -> (usize, usize) {
         match self {
             Work::Generate(g) => (g.steps, g.count),
-            Work::Load(_) => (1, 1),
+            Work::Load(_) | Work::Unload => (1, 1),
             Work::Extras(x) => (1, x.images.len()),
         }
     }
@@ -368,6 +372,8 @@ pub enum Output {
     Loaded(ModelEntry),
     /// Enlarged images.
     Extras(ExtrasOutput),
+    /// The checkpoint was dropped (or none was loaded).
+    Unloaded,
 }
 
 /// Where a replica's modules run as its last load fitted them to the
@@ -384,6 +390,9 @@ pub struct ReplicaFit {
     pub tiling: Option<Tiling>,
     /// What fit chose for each module and why (empty before the first load).
     pub choices: Vec<crate::fit::Choice>,
+    /// Whether its checkpoint is in memory (not before the first load, nor
+    /// after `unload-checkpoint`).
+    pub loaded: bool,
 }
 
 impl ReplicaFit {
@@ -551,6 +560,7 @@ impl<'m> Worker<'_, 'm> {
             f.placement = crate::loader::placement_summary(&sd, &fitted.placement);
             f.tiling = sd.vae_tiling();
             f.choices = fitted.choices;
+            f.loaded = true;
         }
         let l = Loaded {
             sd,
@@ -790,6 +800,24 @@ impl<'m> Worker<'_, 'm> {
                 Work::Extras(x) => self
                     .extras(loaded, &x, &cancel, &job.interrupt)
                     .map(Output::Extras),
+                Work::Unload => {
+                    if let Some(l) = loaded.take() {
+                        tracing::info!(
+                            "replica {}: unloaded {}",
+                            self.replica,
+                            l.entry.path.display()
+                        );
+                    }
+                    if let Some(f) = self
+                        .fits
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .get_mut(self.replica)
+                    {
+                        f.loaded = false;
+                    }
+                    Ok(Output::Unloaded)
+                }
             };
             let (ok, was_cancelled) = match &result {
                 Ok(_) => (true, false),
