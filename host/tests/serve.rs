@@ -3777,8 +3777,14 @@ fn unload_and_reload_checkpoint_on_every_replica() {
     assert_eq!(loaded().iter().filter(|l| **l).count(), 1);
     post_empty("/sdapi/v1/reload-checkpoint");
     assert_eq!(loaded(), [true, true]);
-    // Unloading twice is no error.
+    // Unloading twice is no error; nor is a POST without any length
+    // (`curl -X POST URL` sends none: no body).
     post_empty("/sdapi/v1/unload-checkpoint");
-    post_empty("/sdapi/v1/unload-checkpoint");
+    let mut c = TcpStream::connect(&srv.addr).unwrap();
+    c.set_read_timeout(Some(DEADLINE)).unwrap();
+    c.write_all(b"POST /sdapi/v1/unload-checkpoint HTTP/1.1\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let r = read_resp(c);
+    assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(loaded(), [false, false]);
 }

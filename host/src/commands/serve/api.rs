@@ -556,10 +556,13 @@ async fn guard(State(st): State<AppState>, req: Request, next: Next) -> Response
                     .trim()
                     .to_ascii_lowercase()
             });
-        let has_body = headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .is_none_or(|n| n.trim() != "0");
+        // Without a length or a transfer coding a request has no body
+        // (RFC 9112, 6.3): `curl -X POST …/interrupt` sends neither.
+        let has_body = headers.contains_key(header::TRANSFER_ENCODING)
+            || headers
+                .get(header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|n| n.trim() != "0");
         // OpenAI's edits take a form upload; a page of another site that
         // sends one is stopped by the Origin check above.
         let form = req.uri().path() == "/v1/images/edits";
