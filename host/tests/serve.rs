@@ -2512,6 +2512,67 @@ fn front_end_auth_and_openai_errors() {
     );
     assert_eq!(r.status, 422);
     assert_eq!(r.json()["field"], "prompt");
+    // `response_format: "url"`: each image at a URL of this server that
+    // works without the key (its name is the key), the same image as
+    // b64_json gives for the same seed.
+    let ask = |format: &str| {
+        let body = json!({"prompt": "a cat", "n": 2, "size": "64x64", "steps": 2, "seed": 7,
+                          "response_format": format});
+        let r = request(
+            &srv.addr,
+            "POST",
+            "/v1/images/generations",
+            Some(serde_json::to_vec(&body).unwrap()),
+            &auth,
+        );
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.json()["data"].clone()
+    };
+    let by_url = ask("url");
+    let inline = ask("b64_json");
+    for (u, b) in by_url
+        .as_array()
+        .unwrap()
+        .iter()
+        .zip(inline.as_array().unwrap())
+    {
+        let url = u["url"].as_str().unwrap();
+        let path = url
+            .strip_prefix(&format!("http://{}", srv.addr))
+            .unwrap_or_else(|| panic!("{url} is not this server's"));
+        assert!(path.starts_with("/v1/images/files/"), "{url}");
+        let r = request(&srv.addr, "GET", path, None, &[]);
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(b64(&r.body), b["b64_json"].as_str().unwrap());
+    }
+    let r = request(
+        &srv.addr,
+        "GET",
+        "/v1/images/files/0123456789abcdef0123456789abcdef.png",
+        None,
+        &[],
+    );
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "image_not_found");
+    for body in [
+        json!({"prompt": "a cat", "response_format": "url", "stream": true}),
+        json!({"prompt": "a cat", "response_format": "png"}),
+    ] {
+        let r = request(
+            &srv.addr,
+            "POST",
+            "/v1/images/generations",
+            Some(serde_json::to_vec(&body).unwrap()),
+            &auth,
+        );
+        assert_eq!(r.status, 422, "{}", r.text());
+        assert_eq!(
+            r.json()["error"]["param"],
+            "response_format",
+            "{}",
+            r.text()
+        );
+    }
     drop(srv);
 
     // A1111's --api-auth: user and password pairs over HTTP Basic.

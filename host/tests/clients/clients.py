@@ -42,6 +42,13 @@ r = client.images.generate(prompt="a red cube", size="64x64", n=2, response_form
 assert len(r.data) == 2 and all(png_size(d.b64_json) == (64, 64) for d in r.data), r
 ok("openai images.generate")
 
+r = client.images.generate(prompt="a red cube", size="64x64", response_format="url", extra_body={"steps": 2})
+# The URL works without the key, as OpenAI's do.
+import urllib.request
+with urllib.request.urlopen(r.data[0].url) as got:
+    assert Image.open(io.BytesIO(got.read())).size == (64, 64)
+ok("openai images.generate with response_format url")
+
 try:
     client.images.generate(prompt="x", size="65x64", extra_body={"steps": 2})
     raise AssertionError("a size that is no multiple of 8 was accepted")

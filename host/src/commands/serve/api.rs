@@ -17,7 +17,7 @@ use crate::image_io::Mask;
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::{DefaultBodyLimit, Query, Request, State};
-use axum::http::{header, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post};
@@ -89,6 +89,11 @@ pub struct AppState {
     pub cmd_flags: Arc<Value>,
     /// What `POST /sdapi/v1/options` set that requests use.
     pub options: Arc<Mutex<ServerOptions>>,
+    /// The images OpenAI clients fetch by URL (`response_format: "url"`).
+    pub images: Arc<super::store::ImageStore>,
+    /// The address the server listens on (for URLs where a request names
+    /// no `Host`).
+    pub local_addr: std::net::SocketAddr,
 }
 
 /// The A1111 options a server keeps (`POST /sdapi/v1/options`): those it
@@ -321,6 +326,8 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/", get(|| async { Html(PAGE) }))
         .route("/health", get(health))
         .route("/internal/ping", get(|| async { Json(json!({})) }))
+        // Its unguessable name is the key, as OpenAI's image URLs are.
+        .route("/v1/images/files/{name}", get(image_file))
         .merge(api)
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
@@ -2724,6 +2731,7 @@ async fn openai_models(State(st): State<AppState>) -> Json<Value> {
 
 async fn openai_generations(
     State(st): State<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> ApiResult<Response> {
     let body = json_body(body)?;
@@ -2732,11 +2740,74 @@ async fn openai_generations(
     if f.get("batch_size").is_some() || f.get("n_iter").is_some() {
         return Err(ApiError::field("n", "give the number of images as n"));
     }
-    openai_fields(&st, &f, &mut work)?;
+    let url = openai_fields(&st, &f, &mut work)?;
     match openai_streaming(&f)? {
+        Some(_) if url => Err(url_and_stream()),
         Some(partial) => openai_stream(&st, work, partial, "image_generation"),
-        None => Ok(openai_images(&st, work).await?.into_response()),
+        None => Ok(
+            openai_images(&st, work, url.then(|| base_url(&st, &headers)))
+                .await?
+                .into_response(),
+        ),
     }
+}
+
+/// A stream's events carry the images themselves (`b64_json`), as
+/// OpenAI's do.
+fn url_and_stream() -> ApiError {
+    ApiError::field(
+        "response_format",
+        "\"url\" cannot be streamed: a stream's events carry b64_json",
+    )
+}
+
+/// This server's URL as the request reached it: `X-Forwarded-Proto` and
+/// `X-Forwarded-Host` (behind a proxy), else `http` and `Host`, else the
+/// address it listens on. A header with characters no host name has is
+/// not used.
+fn base_url(st: &AppState, headers: &HeaderMap) -> String {
+    let value = |h: &str| {
+        headers
+            .get(h)
+            .and_then(|v| v.to_str().ok())
+            .map(|v| v.split(',').next().unwrap_or("").trim().to_string())
+    };
+    let host_like = |v: &String| {
+        !v.is_empty()
+            && v.chars()
+                .all(|c| c.is_ascii_alphanumeric() || ".-:[]_".contains(c))
+    };
+    let scheme = value("x-forwarded-proto")
+        .filter(|p| p == "https" || p == "http")
+        .unwrap_or_else(|| "http".into());
+    let host = value("x-forwarded-host")
+        .filter(host_like)
+        .or_else(|| value("host").filter(host_like))
+        .unwrap_or_else(|| st.local_addr.to_string());
+    format!("{scheme}://{host}")
+}
+
+/// `GET /v1/images/files/NAME`: an image an OpenAI answer gave by URL,
+/// while it is kept (an hour, the newest 64).
+async fn image_file(
+    State(st): State<AppState>,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> ApiResult<Response> {
+    let png = st.images.get(&name).ok_or_else(|| {
+        ApiError::new(
+            StatusCode::NOT_FOUND,
+            "image_not_found",
+            "no such image: its URL was never given, or it expired (an hour, the newest 64 are kept)",
+        )
+    })?;
+    Ok((
+        [
+            (header::CONTENT_TYPE, "image/png"),
+            (header::CACHE_CONTROL, "private, max-age=3600"),
+        ],
+        png.as_ref().clone(),
+    )
+        .into_response())
 }
 
 /// OpenAI's `stream` and `partial_images` (0–3): `Some(partial images)`
@@ -2867,6 +2938,7 @@ fn openai_stream(
 /// inpainting where a mask is given (transparent = repaint).
 async fn openai_edits(
     State(st): State<AppState>,
+    headers: HeaderMap,
     form: Result<axum::extract::Multipart, axum::extract::multipart::MultipartRejection>,
 ) -> ApiResult<Response> {
     let mut form = form.map_err(|e| ApiError::new(e.status(), "bad_body", e.body_text()))?;
@@ -2918,8 +2990,11 @@ async fn openai_edits(
     }
     let f = Fields(&fields);
     let mut work = gen_work(&f, "img2img", 20, &st.options())?;
-    openai_fields(&st, &f, &mut work)?;
+    let url = openai_fields(&st, &f, &mut work)?;
     let streaming = openai_streaming(&f)?;
+    if url && streaming.is_some() {
+        return Err(url_and_stream());
+    }
     let strength = f.float("strength", 0.0, 1.0)?.unwrap_or(0.75);
     if strength <= 0.0 {
         return Err(ApiError::field("strength", "must be above 0"));
@@ -2956,44 +3031,75 @@ async fn openai_edits(
     work.edit = true;
     match streaming {
         Some(partial) => openai_stream(&st, work, partial, "image_edit"),
-        None => Ok(openai_images(&st, work).await?.into_response()),
+        None => Ok(
+            openai_images(&st, work, url.then(|| base_url(&st, &headers)))
+                .await?
+                .into_response(),
+        ),
     }
 }
 
 /// The fields OpenAI's image endpoints share: `n`, `size`,
-/// `response_format` (`b64_json` only) and `model` (OpenAI clients often
-/// send their own model names: only a name this server knows switches the
-/// model).
-fn openai_fields(st: &AppState, f: &Fields<'_>, work: &mut GenWork) -> ApiResult<()> {
+/// `response_format` (`b64_json`, or `url`: whether the answer gives
+/// URLs, returned) and `model` (OpenAI clients often send their own model
+/// names: only a name this server knows switches the model).
+fn openai_fields(st: &AppState, f: &Fields<'_>, work: &mut GenWork) -> ApiResult<bool> {
     work.count = f.int("n", 1, MAX_IMAGES)?.unwrap_or(1) as usize;
     if let Some(size) = f.string("size")? {
         (work.width, work.height) = openai_size(&size)?;
     }
-    match f.string("response_format")?.as_deref() {
-        None | Some("b64_json") => {}
+    let url = match f.string("response_format")?.as_deref() {
+        None | Some("b64_json") => false,
+        Some("url") => true,
         Some(other) => {
             return Err(ApiError::field(
                 "response_format",
-                format!("{other:?} is not supported; use b64_json"),
+                format!(
+                    "{:?} is not supported; use b64_json or url",
+                    crate::term::clean(other)
+                ),
             ))
         }
-    }
+    };
     if let Some(m) = f.string("model")? {
         work.model = st.models().iter().find(|e| e.matches(&m)).cloned();
     }
-    Ok(())
+    Ok(url)
 }
 
-/// Runs `work` and answers as OpenAI's image endpoints do.
-async fn openai_images(st: &AppState, work: GenWork) -> ApiResult<Json<Value>> {
+/// Runs `work` and answers as OpenAI's image endpoints do: each image as
+/// `b64_json`, or, given this server's base URL, as a `url` under
+/// `/v1/images/files/` (kept an hour, [`super::store`]).
+async fn openai_images(
+    st: &AppState,
+    work: GenWork,
+    url_base: Option<String>,
+) -> ApiResult<Json<Value>> {
     let prompt = work.prompt.clone();
     let out = generate(st, work).await?;
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
+    let mut data = Vec::new();
+    for png in out.images {
+        let item = match &url_base {
+            None => json!({"b64_json": b64(&png), "revised_prompt": prompt}),
+            Some(base) => {
+                let name = st.images.put(png).ok_or_else(|| {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "image_not_kept",
+                        "the image could not be kept for its URL; ask for b64_json",
+                    )
+                })?;
+                json!({"url": format!("{base}/v1/images/files/{name}"), "revised_prompt": prompt})
+            }
+        };
+        data.push(item);
+    }
     Ok(Json(json!({
         "created": created,
-        "data": out.images.iter().map(|p| json!({"b64_json": b64(p), "revised_prompt": prompt})).collect::<Vec<_>>(),
+        "data": data,
         "output_format": "png",
     })))
 }

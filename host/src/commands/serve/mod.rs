@@ -15,6 +15,7 @@
 pub mod api;
 pub mod folders;
 pub mod queue;
+pub mod store;
 pub mod worker;
 
 use crate::cli::{PlacementArgs, ServeArgs};
@@ -319,6 +320,8 @@ pub fn run(session: &Session, args: &ServeArgs) -> anyhow::Result<()> {
         options: Arc::new(Mutex::new(api::ServerOptions::new(
             args.preview_every as usize,
         ))),
+        images: Arc::new(store::ImageStore::default()),
+        local_addr: local,
     };
     let grace = std::time::Duration::from_secs(args.grace);
     let max_body = args.max_body as usize * 1024 * 1024;
