@@ -573,7 +573,7 @@ fn apis_models_img2img_and_bad_input() {
         (
             "POST",
             "/v1/images/generations",
-            br#"{"prompt": "x", "response_format": "url"}"#.to_vec(),
+            br#"{"prompt": "x", "response_format": "jpeg"}"#.to_vec(),
             422,
             "response_format",
         ),
@@ -2644,6 +2644,48 @@ fn front_end_endpoints_and_a1111_semantics() {
     assert_eq!(
         srv.get("/sdapi/v1/scripts"),
         json!({"txt2img": [], "img2img": []})
+    );
+    // Fields that would change the image and that sdhost cannot honour
+    // are refused naming them; the defaults clients send (webuiapi's
+    // below) pass.
+    let with = |extra: Value| {
+        let mut body = small("a cat", 1);
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        srv.post("/sdapi/v1/txt2img", body)
+    };
+    let r = with(
+        json!({"styles": [], "restore_faces": false, "eta": 1.0, "s_churn": 0,
+                        "s_tmax": 0, "s_tmin": 0, "s_noise": 1, "script_name": null,
+                        "refiner_checkpoint": "", "sampler_index": "Euler a"}),
+    );
+    assert_eq!(r.status, 200, "webuiapi's defaults: {}", r.text());
+    for (field, extra) in [
+        ("restore_faces", json!({"restore_faces": true})),
+        ("script_name", json!({"script_name": "x/y/z plot"})),
+        ("styles", json!({"styles": ["anime"]})),
+        (
+            "refiner_checkpoint",
+            json!({"refiner_checkpoint": "sdxl_refiner", "refiner_switch_at": 0.8}),
+        ),
+        ("eta", json!({"eta": 0.5})),
+        ("eta", json!({"sampler_name": "DDIM", "eta": 1.0})),
+        ("s_noise", json!({"s_noise": 0.9})),
+        ("s_churn", json!({"s_churn": 0.5})),
+        (
+            "override_settings.eta_noise_seed_delta",
+            json!({"override_settings": {"eta_noise_seed_delta": 31337}}),
+        ),
+    ] {
+        let r = with(extra);
+        assert_eq!(r.status, 422, "{field}: {}", r.text());
+        assert_eq!(r.json()["field"], field, "{}", r.text());
+    }
+    // eta where the sampler takes none: no effect, accepted.
+    assert_eq!(
+        with(json!({"sampler_name": "DPM++ 2M", "eta": 0.3})).status,
+        200
     );
     for empty in [
         "/sdapi/v1/face-restorers",

@@ -147,6 +147,106 @@ const FIXED_OPTIONS: &[(&str, &str)] = &[
     ("use_old_karras_scheduler_sigmas", "false"),
 ];
 
+/// A 422 for the first of [`FIXED_OPTIONS`] that `f` sets to another value
+/// than sdhost runs with (the field named with `prefix`, e.g.
+/// `override_settings.`).
+fn fixed_options(f: &Fields<'_>, prefix: &str) -> ApiResult<()> {
+    for (key, runs) in FIXED_OPTIONS {
+        let Some(v) = f.get(key) else { continue };
+        let runs: Value = serde_json::from_str(runs).expect("a JSON literal");
+        let same = match (v, &runs) {
+            (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
+            (a, b) => a == b,
+        };
+        if !same {
+            return Err(ApiError::field(
+                &format!("{prefix}{key}"),
+                format!("sdhost runs with {runs} only; another value would change the images"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A request's fields that would change the image and that sdhost cannot
+/// honour, each a 422 naming it (A1111 clients send most of them with
+/// their defaults, which pass): face restoration, scripts, prompt styles,
+/// the SDXL refiner, `eta` other than the sampler's (1 for the ancestral
+/// and SDE samplers, 0 for DDIM; the others take none), `s_noise` other
+/// than 1, `s_churn` other than 0 (`s_tmin`/`s_tmax` act only with it),
+/// and [`FIXED_OPTIONS`] in `override_settings`. `sampler` is the one
+/// named (none: Euler a, the SD families' default).
+fn refuse_unhonoured(
+    f: &Fields<'_>,
+    overrides: &Map<String, Value>,
+    sampler: Option<Sampler>,
+) -> ApiResult<()> {
+    let named = |k: &str| -> ApiResult<Option<String>> {
+        Ok(f.string(k)?
+            .filter(|s| !s.trim().is_empty() && !s.trim().eq_ignore_ascii_case("none")))
+    };
+    if f.boolean("restore_faces")? == Some(true) {
+        return Err(ApiError::field(
+            "restore_faces",
+            "face restoration (GFPGAN, CodeFormer) is not available in sdhost",
+        ));
+    }
+    if let Some(s) = named("script_name")? {
+        return Err(ApiError::field(
+            "script_name",
+            format!(
+                "{:?}: scripts are not available in sdhost (GET /sdapi/v1/scripts lists none)",
+                crate::term::clean(&s)
+            ),
+        ));
+    }
+    match f.get("styles") {
+        None => {}
+        Some(Value::Array(a)) if a.iter().all(|v| v.as_str().is_some_and(|s| s.trim().is_empty())) => {}
+        Some(Value::Array(_)) => {
+            return Err(ApiError::field(
+                "styles",
+                "sdhost keeps no prompt styles (GET /sdapi/v1/prompt-styles lists none): put the style's text in the prompt",
+            ))
+        }
+        Some(_) => return Err(ApiError::field("styles", "expected an array of style names")),
+    }
+    if let Some(r) = named("refiner_checkpoint")? {
+        return Err(ApiError::field(
+            "refiner_checkpoint",
+            format!(
+                "{:?}: a refiner (a second checkpoint for the last steps) is not available in sdhost",
+                crate::term::clean(&r)
+            ),
+        ));
+    }
+    if let Some(eta) = f.float("eta", 0.0, 100.0)? {
+        let runs = match sampler.unwrap_or(Sampler::EulerA) {
+            Sampler::EulerA | Sampler::Dpm2A | Sampler::DpmPp2sA | Sampler::DpmPp2mSde => Some(1.0),
+            Sampler::Ddim => Some(0.0),
+            _ => None,
+        };
+        if let Some(runs) = runs.filter(|r| *r != eta) {
+            return Err(ApiError::field(
+                "eta",
+                format!(
+                    "sdhost's {} runs with eta {runs} only; another value would change the images",
+                    sampler.unwrap_or(Sampler::EulerA).a1111_label()
+                ),
+            ));
+        }
+    }
+    for (k, runs) in [("s_noise", 1.0), ("s_churn", 0.0)] {
+        if f.float(k, -1e9, 1e9)?.is_some_and(|v| v != runs) {
+            return Err(ApiError::field(
+                k,
+                format!("sdhost runs with {runs} only; another value would change the images"),
+            ));
+        }
+    }
+    fixed_options(&Fields(overrides), "override_settings.")
+}
+
 impl AppState {
     /// The options requests take their defaults from.
     fn options(&self) -> ServerOptions {
@@ -962,6 +1062,7 @@ fn gen_work(
         Some(Value::Object(m)) => m.clone(),
         Some(_) => return Err(ApiError::field("override_settings", "expected an object")),
     };
+    refuse_unhonoured(f, &overrides, sampler)?;
     let clip_skip = match f.int("clip_skip", 1, 12)? {
         Some(v) => v,
         None => Fields(&overrides)
@@ -2003,20 +2104,7 @@ async fn set_options(
     let body = json_body(body)?;
     let f = Fields(&body);
     // Everything is checked before anything changes.
-    for (key, runs) in FIXED_OPTIONS {
-        let Some(v) = f.get(key) else { continue };
-        let runs: Value = serde_json::from_str(runs).expect("a JSON literal");
-        let same = match (v, &runs) {
-            (Value::Number(a), Value::Number(b)) => a.as_f64() == b.as_f64(),
-            (a, b) => a == b,
-        };
-        if !same {
-            return Err(ApiError::field(
-                key,
-                format!("sdhost runs with {runs} only; another value would change the images"),
-            ));
-        }
-    }
+    fixed_options(&f, "")?;
     let clip_skip = f.int("CLIP_stop_at_last_layers", 1, 12)?;
     let previews = f.boolean("live_previews_enable")?;
     // A1111: -1 shows only the end (no live previews here).
