@@ -3769,6 +3769,7 @@ fn extras_enlarge_images_as_a1111s_tab() {
         })
         .collect();
     assert_eq!(sizes, [(96, 72), (96, 96)]);
+    assert_eq!(r.json()["sdhost_interrupted"], false);
 
     // Refused with the field named.
     for (path, body, field) in [

@@ -2683,9 +2683,11 @@ async fn extra_batch_images(
         .collect::<ApiResult<Vec<_>>>()?;
     let out = extras(&st, &f, images).await?;
     let images: Vec<String> = out.images.iter().map(|p| b64(p)).collect();
-    Ok(Json(
-        json!({"html_info": html_info(&out.info), "images": images}),
-    ))
+    Ok(Json(json!({
+        "html_info": html_info(&out.info),
+        "images": images,
+        "sdhost_interrupted": out.interrupted,
+    })))
 }
 
 /// A1111's Real-ESRGAN list: the models of `--upscaler-dir` (ESRGAN and
