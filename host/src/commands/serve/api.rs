@@ -171,16 +171,11 @@ fn fixed_options(f: &Fields<'_>, prefix: &str) -> ApiResult<()> {
 /// A request's fields that would change the image and that sdhost cannot
 /// honour, each a 422 naming it (A1111 clients send most of them with
 /// their defaults, which pass): face restoration, scripts, prompt styles,
-/// the SDXL refiner, `eta` other than the sampler's (1 for the ancestral
-/// and SDE samplers, 0 for DDIM; the others take none), `s_noise` other
-/// than 1, `s_churn` other than 0 (`s_tmin`/`s_tmax` act only with it),
-/// and [`FIXED_OPTIONS`] in `override_settings`. `sampler` is the one
-/// named (none: Euler a, the SD families' default).
-fn refuse_unhonoured(
-    f: &Fields<'_>,
-    overrides: &Map<String, Value>,
-    sampler: Option<Sampler>,
-) -> ApiResult<()> {
+/// the SDXL refiner, `s_noise` other than 1, `s_churn` other than 0
+/// (`s_tmin`/`s_tmax` act only with it), and [`FIXED_OPTIONS`] in
+/// `override_settings`. (`eta` is checked by the worker against the
+/// sampler that runs: [`super::worker::eta_runs`].)
+fn refuse_unhonoured(f: &Fields<'_>, overrides: &Map<String, Value>) -> ApiResult<()> {
     let named = |k: &str| -> ApiResult<Option<String>> {
         Ok(f.string(k)?
             .filter(|s| !s.trim().is_empty() && !s.trim().eq_ignore_ascii_case("none")))
@@ -219,22 +214,6 @@ fn refuse_unhonoured(
                 crate::term::clean(&r)
             ),
         ));
-    }
-    if let Some(eta) = f.float("eta", 0.0, 100.0)? {
-        let runs = match sampler.unwrap_or(Sampler::EulerA) {
-            Sampler::EulerA | Sampler::Dpm2A | Sampler::DpmPp2sA | Sampler::DpmPp2mSde => Some(1.0),
-            Sampler::Ddim => Some(0.0),
-            _ => None,
-        };
-        if let Some(runs) = runs.filter(|r| *r != eta) {
-            return Err(ApiError::field(
-                "eta",
-                format!(
-                    "sdhost's {} runs with eta {runs} only; another value would change the images",
-                    sampler.unwrap_or(Sampler::EulerA).a1111_label()
-                ),
-            ));
-        }
     }
     for (k, runs) in [("s_noise", 1.0), ("s_churn", 0.0)] {
         if f.float(k, -1e9, 1e9)?.is_some_and(|v| v != runs) {
@@ -1062,7 +1041,7 @@ fn gen_work(
         Some(Value::Object(m)) => m.clone(),
         Some(_) => return Err(ApiError::field("override_settings", "expected an object")),
     };
-    refuse_unhonoured(f, &overrides, sampler)?;
+    refuse_unhonoured(f, &overrides)?;
     let clip_skip = match f.int("clip_skip", 1, 12)? {
         Some(v) => v,
         None => Fields(&overrides)
@@ -1097,6 +1076,7 @@ fn gen_work(
         variation,
         preview_every: Some(opts.previews_every()),
         tiling: f.boolean("tiling")?.unwrap_or(false),
+        eta: f.float("eta", 0.0, 100.0)?,
     })
 }
 

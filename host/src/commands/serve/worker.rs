@@ -250,6 +250,9 @@ pub struct GenWork {
     pub preview_every: Option<usize>,
     /// A1111's `tiling`: a seamless image (circular padding).
     pub tiling: bool,
+    /// A1111's `eta`, checked against the sampler that runs (the family's
+    /// where the request names none): see [`eta_runs`].
+    pub eta: Option<f64>,
 }
 
 /// A device's memory as last sampled (bytes).
@@ -1196,6 +1199,15 @@ impl<'m> Worker<'_, 'm> {
             }
             (hz, _) => hz,
         };
+        let sampler = g.sampler.unwrap_or(l.sd.model().defaults().sampler);
+        if let (Some(eta), Some(runs)) = (g.eta, eta_runs(sampler)) {
+            if eta != runs {
+                return Err(JobError::Invalid(format!(
+                    "eta: sdhost's {} runs with eta {runs} only; another value would change the images",
+                    sampler.a1111_label()
+                )));
+            }
+        }
         let mut out = GenOutput {
             images: Vec::new(),
             infotexts: Vec::new(),
@@ -1205,7 +1217,7 @@ impl<'m> Worker<'_, 'm> {
             height: h,
             model: entry.clone(),
             interrupted: false,
-            sampler: g.sampler.unwrap_or(l.sd.model().defaults().sampler),
+            sampler,
             scheduler: g.scheduler.unwrap_or(l.sd.model().defaults().scheduler),
         };
         let mask_name = g_init
@@ -1392,6 +1404,17 @@ impl Progress for Reporter<'_> {
             let b64 = base64::engine::general_purpose::STANDARD.encode(&png);
             self.queue.set_preview(self.replica, b64.into());
         }
+    }
+}
+
+/// The `eta` a sampler runs with: 1 for the ancestral and SDE samplers
+/// (k-diffusion's default), 0 for DDIM; `None` for those that take none
+/// (any `eta` is without effect there, as in A1111).
+pub fn eta_runs(sampler: Sampler) -> Option<f64> {
+    match sampler {
+        Sampler::EulerA | Sampler::Dpm2A | Sampler::DpmPp2sA | Sampler::DpmPp2mSde => Some(1.0),
+        Sampler::Ddim => Some(0.0),
+        _ => None,
     }
 }
 
