@@ -3151,9 +3151,10 @@ fn zimage_through_the_apis() {
     assert_eq!(opts["sdhost_default_steps"], json!(8), "{opts}");
     assert_eq!(opts["sdhost_default_sampler"], json!("Euler"), "{opts}");
     assert_eq!(opts["sdhost_takes_guidance"], json!(false), "{opts}");
+    // (An eta for the family's Euler, which takes none: no effect, accepted.)
     let r = srv.post(
         "/sdapi/v1/txt2img",
-        json!({"prompt": "a cat", "steps": 2, "width": 64, "height": 48, "cfg_scale": 3, "negative_prompt": "blurry"}),
+        json!({"prompt": "a cat", "steps": 2, "width": 64, "height": 48, "cfg_scale": 3, "negative_prompt": "blurry", "eta": 0.3}),
     );
     assert_eq!(r.status, 200, "{}", r.text());
     let (w, h, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
