@@ -2515,15 +2515,19 @@ fn front_end_auth_and_openai_errors() {
     // `response_format: "url"`: each image at a URL of this server that
     // works without the key (its name is the key), the same image as
     // b64_json gives for the same seed.
-    let ask = |format: &str| {
-        let body = json!({"prompt": "a cat", "n": 2, "size": "64x64", "steps": 2, "seed": 7,
-                          "response_format": format});
-        let r = request(
+    let generations = |body: &Value| {
+        request(
             &srv.addr,
             "POST",
             "/v1/images/generations",
-            Some(serde_json::to_vec(&body).unwrap()),
+            Some(serde_json::to_vec(body).unwrap()),
             &auth,
+        )
+    };
+    let ask = |format: &str| {
+        let r = generations(
+            &json!({"prompt": "a cat", "n": 2, "size": "64x64", "steps": 2,
+                                    "seed": 7, "response_format": format}),
         );
         assert_eq!(r.status, 200, "{}", r.text());
         r.json()["data"].clone()
@@ -2558,13 +2562,7 @@ fn front_end_auth_and_openai_errors() {
         json!({"prompt": "a cat", "response_format": "url", "stream": true}),
         json!({"prompt": "a cat", "response_format": "png"}),
     ] {
-        let r = request(
-            &srv.addr,
-            "POST",
-            "/v1/images/generations",
-            Some(serde_json::to_vec(&body).unwrap()),
-            &auth,
-        );
+        let r = generations(&body);
         assert_eq!(r.status, 422, "{}", r.text());
         assert_eq!(
             r.json()["error"]["param"],
