@@ -760,6 +760,25 @@ fn hires_fix_is_generate_then_img2img_at_the_larger_size() {
         text.contains("Hires upscaler: esrgan-new-x2.safetensors"),
         "{text}"
     );
+    // A1111's "Nearest": the first image enlarged pixel by pixel (PIL's
+    // nearest), then img2img from it.
+    let (nearest, near_init, near_hand) = (
+        d.join("nearest.png"),
+        d.join("near-init.png"),
+        d.join("near-hand.png"),
+    );
+    with_hires(&["--hires-upscaler", "nearest", "-o", s(&nearest)]).ok();
+    let small = sdhost::image_io::load_rgb(&first).unwrap();
+    let big = sdhost::extras::nearest(&small, 128, 96);
+    image::RgbImage::from_raw(128, 96, big.rgb)
+        .unwrap()
+        .save(&near_init)
+        .unwrap();
+    second_pass(&near_init, &near_hand).ok();
+    assert_eq!(pixels(&nearest), pixels(&near_hand));
+    assert_ne!(pixels(&nearest), pixels(&hires));
+    let (_, _, text) = png_info(&nearest);
+    assert!(text.contains("Hires upscaler: Nearest"), "{text}");
     // A1111's "Latent": the first pass's latent enlarged (bilinear) is where
     // the second starts; its image differs from the Lanczos one.
     let latent = d.join("latent.png");
