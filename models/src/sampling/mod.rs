@@ -15,7 +15,9 @@ pub mod scheduler;
 pub use guidance::Guidance;
 pub use model_sampling::{ModelSampling, Prediction};
 pub use noise::{DiscreteSchedule, FlowSchedule, FlowShift, NoiseSchedule};
-pub use sampler::{sample, sample_f64, NoiseRule, Sampler, SamplerChoice};
+pub use sampler::{
+    sample, sample_f64, sample_f64_with_eta, sample_with_eta, NoiseRule, Sampler, SamplerChoice,
+};
 pub use scheduler::Scheduler;
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 use serde_json::Value;
 
 use super::noise::{DiscreteSchedule, NoiseSchedule};
-use super::sampler::{sample, sample_f64, NoiseRule, Sampler};
+use super::sampler::{sample_f64, sample_f64_with_eta, sample_with_eta, NoiseRule, Sampler};
 use super::scheduler::Scheduler;
 
 const TOL: f64 = 1e-5;
@@ -98,13 +98,22 @@ fn samplers_match_k_diffusion() {
         .collect();
     let mut worst_exact = (0.0, String::new());
     let mut seen = std::collections::HashSet::new();
+    let mut seen_eta = std::collections::HashSet::new();
     let (mut worst64, mut worst32) = ((0.0, String::new()), (0.0, String::new()));
     for case in r["cases"].as_array().expect("cases") {
         let sampler = Sampler::parse(case["sampler"].as_str().expect("sampler")).expect("sampler");
         let scheduler =
             Scheduler::parse(case["scheduler"].as_str().expect("scheduler")).expect("scheduler");
         let steps = case["steps"].as_u64().expect("steps") as usize;
-        let label = format!("{sampler} {scheduler} {steps} steps");
+        // A case with an "eta" runs the sampler at that η (else its default).
+        let eta = case.get("eta").map(|e| e.as_f64().expect("eta"));
+        let label = match eta {
+            Some(e) => format!("{sampler} η = {e} {scheduler} {steps} steps"),
+            None => format!("{sampler} {scheduler} {steps} steps"),
+        };
+        if let Some(e) = eta {
+            seen_eta.insert((sampler, e.to_bits()));
+        }
         seen.insert((sampler, scheduler));
         let want = floats(&case["out"]);
         let sigmas = scheduler.sigmas(&schedule, steps);
@@ -112,8 +121,9 @@ fn samplers_match_k_diffusion() {
 
         // f64 throughout.
         let (mut calls, mut draws, mut done) = (0, 0, 0);
-        let got = sample_f64::<()>(
+        let got = sample_f64_with_eta::<()>(
             sampler,
+            eta,
             NoiseRule::Variance,
             &sigmas,
             x.clone(),
@@ -153,8 +163,9 @@ fn samplers_match_k_diffusion() {
             .unwrap_or_else(|| panic!("no sigmas for {label}"));
         let mut draws = 0;
         let x_ref: Vec<f64> = x_unit.iter().map(|v| v * ref_sig[0]).collect();
-        let got = sample_f64::<()>(
+        let got = sample_f64_with_eta::<()>(
             sampler,
+            eta,
             NoiseRule::Variance,
             ref_sig,
             x_ref,
@@ -177,8 +188,9 @@ fn samplers_match_k_diffusion() {
 
         // The pipeline's entry: f32 latent in and out, f32 denoiser I/O.
         let mut draws = 0;
-        let got = sample::<()>(
+        let got = sample_with_eta::<()>(
             sampler,
+            eta,
             NoiseRule::Variance,
             &sigmas,
             x.iter().map(|&v| v as f32).collect(),
@@ -213,6 +225,18 @@ fn samplers_match_k_diffusion() {
             assert!(
                 seen.contains(&(sampler, scheduler)),
                 "{sampler} {scheduler}"
+            );
+        }
+    }
+    // Every sampler η acts on, at η 0 and 0.5.
+    for sampler in Sampler::ALL
+        .into_iter()
+        .filter(|s| s.default_eta().is_some())
+    {
+        for eta in [0.0f64, 0.5] {
+            assert!(
+                seen_eta.contains(&(sampler, eta.to_bits())),
+                "{sampler} η = {eta}"
             );
         }
     }

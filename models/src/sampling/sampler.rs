@@ -112,6 +112,17 @@ impl Sampler {
         }
     }
 
+    /// The η a sampler runs with unless told otherwise (k-diffusion's and
+    /// A1111's defaults): 1 for the ancestral and SDE samplers, 0 for DDIM;
+    /// `None` for the samplers η does not touch.
+    pub fn default_eta(self) -> Option<f64> {
+        match self {
+            Sampler::EulerA | Sampler::Dpm2A | Sampler::DpmPp2sA | Sampler::DpmPp2mSde => Some(1.0),
+            Sampler::Ddim => Some(0.0),
+            _ => None,
+        }
+    }
+
     /// Every accepted spelling, normalised (see [`Sampler::parse`]): the
     /// canonical and A1111 names, `pp` for `++`, `ancestral` for `a`, and
     /// A1111's old `k_` names.
@@ -270,13 +281,34 @@ pub fn sample<E>(
     rule: NoiseRule,
     sigmas: &[f64],
     x: Vec<f32>,
+    denoise: impl FnMut(&[f32], f64, usize) -> Result<Vec<f32>, E>,
+    noise: impl FnMut(usize) -> Vec<f32>,
+    step_done: impl FnMut(usize),
+) -> Result<Vec<f32>, E> {
+    sample_with_eta(sampler, None, rule, sigmas, x, denoise, noise, step_done)
+}
+
+/// [`sample`] with the sampler's η (`None`: [`Sampler::default_eta`]):
+/// the ancestral samplers' noise share (k-diffusion's `eta`: 0 makes them
+/// deterministic), DPM++ 2M SDE's, and DDIM's (0: the Euler step; above,
+/// DDIM's σ_t, which in σ-space is Euler ancestral with that η). Under
+/// [`NoiseRule::RectifiedFlow`] only the default is taken (the caller
+/// refuses another: [`Sampler::default_eta`]).
+#[allow(clippy::too_many_arguments)]
+pub fn sample_with_eta<E>(
+    sampler: Sampler,
+    eta: Option<f64>,
+    rule: NoiseRule,
+    sigmas: &[f64],
+    x: Vec<f32>,
     mut denoise: impl FnMut(&[f32], f64, usize) -> Result<Vec<f32>, E>,
     mut noise: impl FnMut(usize) -> Vec<f32>,
     step_done: impl FnMut(usize),
 ) -> Result<Vec<f32>, E> {
     let x = x.into_iter().map(f64::from).collect();
-    let out = sample_f64(
+    let out = sample_f64_with_eta(
         sampler,
+        eta,
         rule,
         sigmas,
         x,
@@ -298,6 +330,21 @@ pub fn sample_f64<E>(
     sampler: Sampler,
     rule: NoiseRule,
     sigmas: &[f64],
+    x: Vec<f64>,
+    denoise: impl FnMut(&[f64], f64, usize) -> Result<Vec<f64>, E>,
+    noise: impl FnMut(usize) -> Vec<f64>,
+    step_done: impl FnMut(usize),
+) -> Result<Vec<f64>, E> {
+    sample_f64_with_eta(sampler, None, rule, sigmas, x, denoise, noise, step_done)
+}
+
+/// [`sample_with_eta`] with an f64 latent and denoiser.
+#[allow(clippy::too_many_arguments)]
+pub fn sample_f64_with_eta<E>(
+    sampler: Sampler,
+    eta: Option<f64>,
+    rule: NoiseRule,
+    sigmas: &[f64],
     mut x: Vec<f64>,
     mut denoise: impl FnMut(&[f64], f64, usize) -> Result<Vec<f64>, E>,
     mut noise: impl FnMut(usize) -> Vec<f64>,
@@ -306,6 +353,7 @@ pub fn sample_f64<E>(
     if let NoiseRule::RectifiedFlow { first_sigma } = rule {
         return sample_flow(sampler, first_sigma, sigmas, x, denoise, noise, step_done);
     }
+    let eta = eta.or(sampler.default_eta()).unwrap_or(0.0);
     // Multistep history: the previous x̂₀ and log-σ step (dpm++2m, dpm++2m_sde)
     // and the last derivatives, newest last (lms).
     let mut old_denoised: Option<Vec<f64>> = None;
@@ -319,15 +367,27 @@ pub fn sample_f64<E>(
                 let d = to_d(&x, s, &den);
                 axpy(&mut x, s_next - s, &d);
             }
-            Sampler::Ddim => {
+            Sampler::Ddim if eta == 0.0 => {
                 // x̂₀ + σ_next·ε̂ (see the module docs: the Euler step).
                 for (xv, dv) in x.iter_mut().zip(&den) {
                     let eps = (*xv - dv) / s;
                     *xv = dv + s_next * eps;
                 }
             }
+            Sampler::Ddim => {
+                // DDIM's σ_t(η) in σ-space: x̂₀ + σ_down·ε̂ + σ_up·z, the
+                // ancestral step (σ_up² = η²·σ_next²(σ² − σ_next²)/σ²).
+                let (down, up) = ancestral_step(s, s_next, eta);
+                for (xv, dv) in x.iter_mut().zip(&den) {
+                    let eps = (*xv - dv) / s;
+                    *xv = dv + down * eps;
+                }
+                if s_next > 0.0 {
+                    axpy(&mut x, up, &noise(i));
+                }
+            }
             Sampler::EulerA => {
-                let (down, up) = ancestral_step(s, s_next);
+                let (down, up) = ancestral_step(s, s_next, eta);
                 let d = to_d(&x, s, &den);
                 axpy(&mut x, down - s, &d);
                 if s_next > 0.0 {
@@ -358,7 +418,7 @@ pub fn sample_f64<E>(
                 }
             }
             Sampler::Dpm2A => {
-                let (down, up) = ancestral_step(s, s_next);
+                let (down, up) = ancestral_step(s, s_next, eta);
                 let d = to_d(&x, s, &den);
                 if down == 0.0 {
                     axpy(&mut x, down - s, &d);
@@ -368,7 +428,7 @@ pub fn sample_f64<E>(
                 }
             }
             Sampler::DpmPp2sA => {
-                let (down, up) = ancestral_step(s, s_next);
+                let (down, up) = ancestral_step(s, s_next, eta);
                 if down == 0.0 {
                     let d = to_d(&x, s, &den);
                     axpy(&mut x, down - s, &d);
@@ -420,11 +480,12 @@ pub fn sample_f64<E>(
                 if s_next == 0.0 {
                     x.clone_from(&den);
                 } else {
-                    // η = 1: the step in t = −log σ is h, its noise part ηh = h.
+                    // The step in t = −log σ is h, its noise part ηh.
                     let (t, t_next) = (-s.ln(), -s_next.ln());
                     let h = t_next - t;
-                    let a = s_next / s * (-h).exp();
-                    let b = -(-2.0 * h).exp_m1();
+                    let eta_h = eta * h;
+                    let a = s_next / s * (-eta_h).exp();
+                    let b = -(-h - eta_h).exp_m1();
                     for (xv, d) in x.iter_mut().zip(&den) {
                         *xv = a * *xv + b * d;
                     }
@@ -435,7 +496,10 @@ pub fn sample_f64<E>(
                             *xv += c * (d - p);
                         }
                     }
-                    axpy(&mut x, s_next * b.sqrt(), &noise(i));
+                    if eta != 0.0 {
+                        let up = s_next * (-(-2.0 * eta_h).exp_m1()).sqrt();
+                        axpy(&mut x, up, &noise(i));
+                    }
                     h_last = Some(h);
                 }
                 old_denoised = Some(den);
@@ -613,13 +677,18 @@ fn axpy(x: &mut [f64], a: f64, y: &[f64]) {
     }
 }
 
-/// k-diffusion's `get_ancestral_step` with η = 1: the σ to step down to
-/// deterministically and the noise to add, `σ_down² + σ_up² = σ_next²`.
-fn ancestral_step(s: f64, s_next: f64) -> (f64, f64) {
-    let up = (s_next * s_next * (s * s - s_next * s_next) / (s * s))
-        .max(0.0)
-        .sqrt()
-        .min(s_next);
+/// k-diffusion's `get_ancestral_step`: the σ to step down to
+/// deterministically and the noise to add, `σ_down² + σ_up² = σ_next²`,
+/// the noise's share set by η (0: none, the deterministic step).
+fn ancestral_step(s: f64, s_next: f64, eta: f64) -> (f64, f64) {
+    if eta == 0.0 {
+        return (s_next, 0.0);
+    }
+    let up = (eta
+        * (s_next * s_next * (s * s - s_next * s_next) / (s * s))
+            .max(0.0)
+            .sqrt())
+    .min(s_next);
     let down = (s_next * s_next - up * up).max(0.0).sqrt();
     (down, up)
 }
