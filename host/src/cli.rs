@@ -305,6 +305,13 @@ pub struct SampleArgs {
     #[arg(long, alias = "schedule", value_name = "NAME", value_parser = str::parse::<sdhost_models::sampling::Scheduler>)]
     pub scheduler: Option<sdhost_models::sampling::Scheduler>,
 
+    /// The sampler's η, 0 to 1 (A1111's eta): the share of fresh noise the
+    /// ancestral samplers and dpm++2m_sde add each step (default 1; 0:
+    /// none, deterministic) and DDIM's (default 0). Other samplers take
+    /// none; the flow families (FLUX, Z-Image, klein) only the default
+    #[arg(long, value_name = "ETA", value_parser = parse_eta)]
+    pub eta: Option<f64>,
+
     #[command(flatten)]
     pub load: LoadArgs,
 }
@@ -360,6 +367,7 @@ impl SampleArgs {
             height: side(self.height),
             seed: self.seed,
             sampler: self.sampler(defaults),
+            eta: self.eta,
             scheduler: self.scheduler_asked()?.unwrap_or(defaults.scheduler),
             clip_skip,
             init: None,
@@ -775,6 +783,14 @@ fn parse_hires_size(s: &str) -> Result<(usize, usize), String> {
         Err(_) => Err(format!("{v:?} is not a number")),
     };
     Ok((side(w)?, side(h)?))
+}
+
+fn parse_eta(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && (0.0..=1.0).contains(&v) => Ok(v),
+        Ok(v) => Err(format!("{v} is outside 0..=1")),
+        Err(_) => Err(format!("{s:?} is not a number")),
+    }
 }
 
 fn parse_hires_scale(s: &str) -> Result<f64, String> {

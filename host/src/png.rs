@@ -89,6 +89,12 @@ pub fn parameters_text_of(
         sd.family().name(),
         sd.prediction().name(),
     ));
+    // A1111 records an eta that is not the sampler's default.
+    if let (Some(eta), Some(default)) = (req.eta, req.sampler.default_eta()) {
+        if eta != default {
+            s.push_str(&format!(", Eta: {eta}"));
+        }
+    }
     if sd.model().takes_guidance() {
         // Forge's label, which A1111-style readers know.
         s.push_str(&format!(", Distilled CFG Scale: {}", req.guidance));

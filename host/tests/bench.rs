@@ -488,6 +488,18 @@ echo '{{"system": "fake sd.cpp", "load_s": 1.0, "first_run_s": 2.0, "runs": [{{"
         "{got:?}"
     );
     assert!(args.is_empty(), "the peer ran: {args:?}");
+
+    // The peer takes no eta: another than the sampler's default is not run.
+    let (j, args) = runs(&["--eta", "0.5"]);
+    let got = peers(&j);
+    let err = got[0].1.as_deref().unwrap_or_default();
+    assert!(
+        err.starts_with("not comparable: the peer runs euler_a with its default eta 1"),
+        "{got:?}"
+    );
+    assert!(args.is_empty(), "the peer ran: {args:?}");
+    let (j, _) = runs(&["--eta", "1"]);
+    assert_eq!(peers(&j), [("sd.cpp".into(), None)], "{j}");
 }
 
 /// `--profile-ops`: one more run, node by node, its time charged to each

@@ -170,6 +170,69 @@ fn generate_records_the_sampler_and_schedule() {
     assert_eq!(listing(&out), ["a.png", "b.png"]);
 }
 
+/// `--eta` (A1111's): Euler a at η 0 is Euler to the bit; DDIM at η 1 is
+/// Euler a (DDIM's σ_t in σ-space is the ancestral step), within a level;
+/// Euler a at η 0.5 is neither, and its PNG records `Eta: 0.5`; the flow
+/// families take only the default, an eta out of 0..=1 is refused.
+#[test]
+fn eta_changes_the_ancestral_and_ddim_samplers_as_k_diffusion_does() {
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let run = |name: &str, extra: &[&str]| {
+        let f = out.join(name);
+        generate(&p, &tiny_sd1(), &f, extra).ok();
+        f
+    };
+    let euler = run("euler.png", &["--sampler", "euler"]);
+    let a0 = run("a0.png", &["--sampler", "euler_a", "--eta", "0"]);
+    let a1 = run("a1.png", &["--sampler", "euler_a"]);
+    let half = run("half.png", &["--sampler", "euler_a", "--eta", "0.5"]);
+    let ddim1 = run("ddim1.png", &["--sampler", "ddim", "--eta", "1"]);
+    assert_eq!(pixels(&a0), pixels(&euler));
+    assert_within_a_level(&pixels(&ddim1), &pixels(&a1));
+    assert_ne!(pixels(&half), pixels(&a1));
+    assert_ne!(pixels(&half), pixels(&euler));
+    assert!(png_info(&half)
+        .2
+        .contains("Sampler: Euler a, Schedule type: Uniform, CFG scale: 7"));
+    assert!(
+        png_info(&half).2.contains(", Eta: 0.5"),
+        "{}",
+        png_info(&half).2
+    );
+    assert!(!png_info(&a1).2.contains("Eta"), "{}", png_info(&a1).2);
+
+    let x = out.join("x.png");
+    let r = generate(&p, &tiny_sd1(), &x, &["--eta", "1.5"]);
+    fails(&r, 2, &["1.5 is outside 0..=1"]);
+    let f = |n: &str| fixture(n);
+    let r = p.run(&[
+        "generate",
+        "-m",
+        s(&f("klein/tiny-klein.safetensors")),
+        "--llm",
+        s(&f("qwen3/tiny-qwen3-bf16.gguf")),
+        "--vae",
+        s(&f("klein/tiny-klein-ae.safetensors")),
+        "-p",
+        "a cat",
+        "-W",
+        "64",
+        "-H",
+        "64",
+        "--steps",
+        "2",
+        "--sampler",
+        "euler_a",
+        "--eta",
+        "0.5",
+        "-o",
+        s(&x),
+    ]);
+    fails(&r, 1, &["eta 1 only"]);
+    assert!(!x.exists());
+}
+
 /// Bounds on the mean absolute pixel difference of quantized images from
 /// the f16 image (about 3× what was measured on this fixture).
 const Q8_0_BOUND: f64 = 1.5;

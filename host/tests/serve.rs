@@ -1862,6 +1862,7 @@ fn overhead_over_the_library() {
         height: size,
         seed: 3,
         sampler: Sampler::Euler,
+        eta: None,
         scheduler: Scheduler::default(),
         clip_skip: 1,
         init: None,
@@ -2667,8 +2668,7 @@ fn front_end_endpoints_and_a1111_semantics() {
             "refiner_checkpoint",
             json!({"refiner_checkpoint": "sdxl_refiner", "refiner_switch_at": 0.8}),
         ),
-        ("eta", json!({"eta": 0.5})),
-        ("eta", json!({"sampler_name": "DDIM", "eta": 1.0})),
+        ("eta", json!({"eta": 1.5})),
         ("s_noise", json!({"s_noise": 0.9})),
         ("s_churn", json!({"s_churn": 0.5})),
         (
@@ -2680,7 +2680,15 @@ fn front_end_endpoints_and_a1111_semantics() {
         assert_eq!(r.status, 422, "{field}: {}", r.text());
         assert_eq!(r.json()["field"], field, "{}", r.text());
     }
-    // eta where the sampler takes none: no effect, accepted.
+    // eta is the sampler's η (recorded where it is not the default);
+    // where the sampler takes none it has no effect.
+    let r = with(json!({"sampler_name": "DDIM", "eta": 0.5}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let (_, _, text, _) = png_of(r.json()["images"][0].as_str().unwrap());
+    assert!(
+        text.contains("Sampler: DDIM") && text.contains(", Eta: 0.5"),
+        "{text}"
+    );
     assert_eq!(
         with(json!({"sampler_name": "DPM++ 2M", "eta": 0.3})).status,
         200
@@ -3169,6 +3177,13 @@ fn zimage_through_the_apis() {
     assert_eq!(r.status, 200, "{}", r.text());
     let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
     assert_eq!((w, h), (64, 64));
+    // A flow family's ancestral sampler takes only its default eta.
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "sampler_name": "Euler a", "eta": 0.5}),
+    );
+    assert_eq!(r.status, 422, "{}", r.text());
+    assert_eq!(r.json()["field"], "eta", "{}", r.text());
     // Z-Image takes no reference images: a 4xx naming the field.
     let r = srv.post(
         "/sdapi/v1/txt2img",

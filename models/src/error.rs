@@ -107,6 +107,8 @@ pub enum Field {
     IpImage,
     /// How many final text-encoder layers are skipped.
     ClipSkip,
+    /// The sampler's η.
+    Eta,
     /// Caller-given initial noise.
     Noise,
     /// VAE tiling's tile and overlap.

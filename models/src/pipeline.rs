@@ -38,7 +38,7 @@ use crate::runtime::memory::{MemoryPlan, MemoryRequest, ModuleMemory, Phase};
 use crate::runtime::module::{Module, Timing};
 use crate::runtime::tiling::{run_tiled, Tiling};
 use crate::sampling::rng::Philox;
-use crate::sampling::{sample, ModelSampling};
+use crate::sampling::{sample_with_eta, ModelSampling, NoiseRule};
 use crate::ModuleKind;
 
 /// A checkpoint's family networks and its first stage, loaded.
@@ -579,9 +579,22 @@ impl<'b> Pipeline<'b> {
         // on it.
         let mut last: Option<Vec<f32>> = None;
         let mut finished = false;
-        let result: Result<Vec<f32>> = sample(
+        let rule = sampling.noise_rule();
+        if let (Some(eta), Some(default)) = (req.eta, req.sampler.default_eta()) {
+            if eta != default && matches!(rule, NoiseRule::RectifiedFlow { .. }) {
+                return Err(ModelError::request(
+                    Field::Eta,
+                    format!(
+                        "the flow families' {} runs with eta {default} only",
+                        req.sampler.a1111_label()
+                    ),
+                ));
+            }
+        }
+        let result: Result<Vec<f32>> = sample_with_eta(
             req.sampler,
-            sampling.noise_rule(),
+            req.eta,
+            rule,
             &sigmas,
             x,
             |x, sigma, step| {

@@ -34,6 +34,9 @@ pub struct Request {
     pub seed: u64,
     /// Sampler.
     pub sampler: Sampler,
+    /// The sampler's η (A1111's `eta`), `None`: its default
+    /// ([`Sampler::default_eta`]); the flow families take only the default.
+    pub eta: Option<f64>,
     /// How the sampling σs are spread over the schedule.
     pub scheduler: Scheduler,
     /// CLIP skip (1 = the family's own layer).

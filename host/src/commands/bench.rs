@@ -1048,6 +1048,9 @@ impl PeerJob<'_> {
                 if a.sample.taesd.is_some() { ", TAESD" } else { "" }
             ));
         }
+        if let Some(why) = eta_not_comparable(req) {
+            return Err(why);
+        }
         // sd.cpp has one budget for every GPU (--max-vram), none per device.
         if a.memory.max_memory.is_some() {
             return Err(
@@ -1131,6 +1134,9 @@ impl PeerJob<'_> {
                 "not comparable: the diffusers peer runs SD 1.x and SDXL checkpoints, FLUX.1, FLUX.2 klein and Z-Image in parts (this is {})",
                 self.family.name()
             ));
+        }
+        if let Some(why) = eta_not_comparable(req) {
+            return Err(why);
         }
         let flux = self.family.name() == "flux";
         // The Qwen3-encoded families: FLUX.2 klein and Z-Image.
@@ -1248,6 +1254,18 @@ pub(crate) fn diffusers_python(a: &BenchArgs) -> PathBuf {
 /// bench/diffusers_peer.py, run as `python - ARGS` so that an installed
 /// sdhost needs no copy of the repository.
 const DIFFUSERS_PEER: &str = include_str!("../../../bench/diffusers_peer.py");
+
+/// Why a peer cannot run `req` where it asks another η than the sampler's
+/// default (the peers take no η: `--eta`).
+fn eta_not_comparable(req: &sdhost_models::request::Request) -> Option<String> {
+    match (req.eta, req.sampler.default_eta()) {
+        (Some(eta), Some(default)) if eta != default => Some(format!(
+            "not comparable: the peer runs {} with its default eta {default} (asked: --eta {eta})",
+            req.sampler
+        )),
+        _ => None,
+    }
+}
 
 /// Exit statuses of bench/diffusers_peer.py whose one-line stderr message
 /// already names its kind (`unavailable: …`, `not comparable: …`).

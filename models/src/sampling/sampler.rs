@@ -2,7 +2,8 @@
 //! denoiser `D(x, σ) → x̂₀` and seeded noise.
 //!
 //! Every sampler follows k-diffusion's definition (`k_diffusion/sampling.py`,
-//! `sample_*`) with its defaults (η = 1, `s_noise` = 1, `s_churn` = 0), in
+//! `sample_*`) with its defaults (η = 1, `s_noise` = 1, `s_churn` = 0; another
+//! η through [`sample_with_eta`], also checked against k-diffusion), in
 //! the σ-parametrised latent space (`x = x₀ + σ·ε`), and is checked against
 //! k-diffusion itself to 1e-5 (see `reference_tests.rs` and
 //! `tests/fixtures/make_sampler_refs.py`). Two are not in k-diffusion:
@@ -56,7 +57,8 @@ pub enum Sampler {
     DpmPp2mSde,
     /// Linear multistep, order 4.
     Lms,
-    /// DDIM with η = 0 (equal to Euler in σ-space).
+    /// DDIM: η = 0 by default (equal to Euler in σ-space); with η, DDIM's
+    /// σ_t, which in σ-space is the ancestral step at that η.
     Ddim,
     /// Latent consistency model sampling (for LCM-distilled models).
     Lcm,

@@ -437,6 +437,7 @@ pub fn euler_request(prompt: &str, steps: usize) -> Request {
         height: 64,
         seed: 0,
         sampler: Sampler::Euler,
+        eta: None,
         scheduler: Scheduler::Simple,
         clip_skip: 1,
         init: None,

@@ -173,8 +173,7 @@ fn fixed_options(f: &Fields<'_>, prefix: &str) -> ApiResult<()> {
 /// their defaults, which pass): face restoration, scripts, prompt styles,
 /// the SDXL refiner, `s_noise` other than 1, `s_churn` other than 0
 /// (`s_tmin`/`s_tmax` act only with it), and [`FIXED_OPTIONS`] in
-/// `override_settings`. (`eta` is checked by the worker against the
-/// sampler that runs: [`super::worker::eta_runs`].)
+/// `override_settings`. (`eta` is honoured: the sampler's η.)
 fn refuse_unhonoured(f: &Fields<'_>, overrides: &Map<String, Value>) -> ApiResult<()> {
     let named = |k: &str| -> ApiResult<Option<String>> {
         Ok(f.string(k)?
@@ -1076,7 +1075,7 @@ fn gen_work(
         variation,
         preview_every: Some(opts.previews_every()),
         tiling: f.boolean("tiling")?.unwrap_or(false),
-        eta: f.float("eta", 0.0, 100.0)?,
+        eta: f.float("eta", 0.0, 1.0)?,
     })
 }
 

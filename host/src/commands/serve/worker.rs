@@ -250,8 +250,8 @@ pub struct GenWork {
     pub preview_every: Option<usize>,
     /// A1111's `tiling`: a seamless image (circular padding).
     pub tiling: bool,
-    /// A1111's `eta`, checked against the sampler that runs (the family's
-    /// where the request names none): see [`eta_runs`].
+    /// A1111's `eta` (the sampler's η; the flow families refuse another
+    /// than their default).
     pub eta: Option<f64>,
 }
 
@@ -1200,14 +1200,6 @@ impl<'m> Worker<'_, 'm> {
             (hz, _) => hz,
         };
         let sampler = g.sampler.unwrap_or(l.sd.model().defaults().sampler);
-        if let (Some(eta), Some(runs)) = (g.eta, eta_runs(sampler)) {
-            if eta != runs {
-                return Err(JobError::Invalid(format!(
-                    "eta: sdhost's {} runs with eta {runs} only; another value would change the images",
-                    sampler.a1111_label()
-                )));
-            }
-        }
         let mut out = GenOutput {
             images: Vec::new(),
             infotexts: Vec::new(),
@@ -1243,6 +1235,7 @@ impl<'m> Worker<'_, 'm> {
                 height: h,
                 seed: g.seed.wrapping_add(i as u64),
                 sampler: out.sampler,
+                eta: g.eta,
                 scheduler: out.scheduler,
                 clip_skip: g.clip_skip,
                 init: init.clone(),
@@ -1407,17 +1400,6 @@ impl Progress for Reporter<'_> {
     }
 }
 
-/// The `eta` a sampler runs with: 1 for the ancestral and SDE samplers
-/// (k-diffusion's default), 0 for DDIM; `None` for those that take none
-/// (any `eta` is without effect there, as in A1111).
-pub fn eta_runs(sampler: Sampler) -> Option<f64> {
-    match sampler {
-        Sampler::EulerA | Sampler::Dpm2A | Sampler::DpmPp2sA | Sampler::DpmPp2mSde => Some(1.0),
-        Sampler::Ddim => Some(0.0),
-        _ => None,
-    }
-}
-
 /// The request field (A1111's name) a model's request error is about, or
 /// `None` for what the server's own flags set (tiling, noise, batch).
 fn a1111_field(f: sdhost_models::Field, prompt: &str) -> Option<&'static str> {
@@ -1431,6 +1413,7 @@ fn a1111_field(f: sdhost_models::Field, prompt: &str) -> Option<&'static str> {
         Reference => "reference_images",
         Control | IpImage => "alwayson_scripts.controlnet",
         ClipSkip => "clip_skip",
+        Eta => "eta",
         // A non-finite result: from a prompt's LoRA weights where it has
         // any, else from the CFG scale.
         Scale if prompt.contains("<lora:") => "prompt",
