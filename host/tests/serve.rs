@@ -887,6 +887,7 @@ fn options_are_honoured_refused_or_listed() {
         (json!({"randn_source": "CPU"}), "randn_source"),
         (json!({"samples_format": "jpg"}), "samples_format"),
         (json!({"s_noise": 0.9}), "s_noise"),
+        (json!({"eta_ddim": 0.5}), "eta_ddim"),
         (
             json!({"CLIP_stop_at_last_layers": 13}),
             "CLIP_stop_at_last_layers",

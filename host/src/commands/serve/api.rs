@@ -141,6 +141,7 @@ const FIXED_OPTIONS: &[(&str, &str)] = &[
     ("samples_format", "\"png\""),
     ("live_previews_image_format", "\"png\""),
     ("eta_ancestral", "1"),
+    ("eta_ddim", "0"),
     ("s_noise", "1"),
     ("s_churn", "0"),
     ("use_old_emphasis_implementation", "false"),
