@@ -2494,32 +2494,14 @@ async fn extras_ask(
         if let Some(builtin) = Upscaler::builtin(&name) {
             return Ok(builtin);
         }
-        let found = list
-            .iter()
-            .find(|(n, _)| *n == name)
-            .or_else(|| list.iter().find(|(n, _)| n.eq_ignore_ascii_case(&name)));
-        match found {
-            Some((n, p)) => {
-                models.push((field, n.clone(), p.clone()));
-                Ok(Some(Upscaler::Model(n.clone())))
-            }
-            None => {
-                let names: Vec<&str> = list.iter().map(|n| n.0.as_str()).collect();
-                Err(ApiError::field(
-                    field,
-                    format!(
-                        "{:?} is not an upscaler here; None, Lanczos, Nearest{}{} are",
-                        crate::term::clean(&name),
-                        if names.is_empty() {
-                            ""
-                        } else {
-                            " and --upscaler-dir's "
-                        },
-                        names.join(", ")
-                    ),
-                ))
-            }
-        }
+        let (n, p) = find_upscaler(
+            &list,
+            field,
+            &name,
+            "is not an upscaler here; None, Lanczos, Nearest",
+        )?;
+        models.push((field, n.clone(), p.clone()));
+        Ok(Some(Upscaler::Model(n)))
     };
     let first = pick("upscaler_1")?;
     let second = pick("upscaler_2")?;
@@ -2766,28 +2748,47 @@ async fn hires_model(st: &AppState, work: &mut GenWork) -> ApiResult<()> {
         return Ok(());
     };
     let list = upscaler_list(st).await?;
+    let found = find_upscaler(
+        &list,
+        "hr_upscaler",
+        &name,
+        "is not supported; Lanczos, Nearest, None, Latent, Latent (nearest), Latent (nearest-exact)",
+    )?;
+    if let Some(h) = work.hires.as_mut() {
+        h.model = Some(found);
+    }
+    Ok(())
+}
+
+/// The model of `list` (`--upscaler-dir`) named `name` (exactly, else in
+/// any case), or a 422 naming `field`: `"NAME" {what}`, then the folder's
+/// names.
+fn find_upscaler(
+    list: &[(String, std::path::PathBuf)],
+    field: &str,
+    name: &str,
+    what: &str,
+) -> ApiResult<(String, std::path::PathBuf)> {
     let found = list
         .iter()
-        .find(|(n, _)| *n == name)
-        .or_else(|| list.iter().find(|(n, _)| n.eq_ignore_ascii_case(&name)));
-    match (found, work.hires.as_mut()) {
-        (Some((n, p)), Some(h)) => {
-            h.model = Some((n.clone(), p.clone()));
-            Ok(())
-        }
-        _ => {
-            let names: Vec<&str> = list.iter().map(|n| n.0.as_str()).collect();
-            Err(ApiError::field(
-                "hr_upscaler",
-                format!(
-                    "{:?} is not supported; Lanczos, Nearest, None, Latent, Latent (nearest), Latent (nearest-exact){}{} are",
-                    crate::term::clean(&name),
-                    if names.is_empty() { "" } else { " and --upscaler-dir's " },
-                    names.join(", ")
-                ),
-            ))
-        }
-    }
+        .find(|(n, _)| n == name)
+        .or_else(|| list.iter().find(|(n, _)| n.eq_ignore_ascii_case(name)));
+    found.cloned().ok_or_else(|| {
+        let names: Vec<&str> = list.iter().map(|n| n.0.as_str()).collect();
+        ApiError::field(
+            field,
+            format!(
+                "{:?} {what}{}{} are",
+                crate::term::clean(name),
+                if names.is_empty() {
+                    ""
+                } else {
+                    " and --upscaler-dir's "
+                },
+                names.join(", ")
+            ),
+        )
+    })
 }
 
 async fn openai_models(State(st): State<AppState>) -> Json<Value> {
