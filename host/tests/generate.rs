@@ -205,30 +205,26 @@ fn eta_changes_the_ancestral_and_ddim_samplers_as_k_diffusion_does() {
     let x = out.join("x.png");
     let r = generate(&p, &tiny_sd1(), &x, &["--eta", "1.5"]);
     fails(&r, 2, &["1.5 is outside 0..=1"]);
-    let f = |n: &str| fixture(n);
-    let r = p.run(&[
-        "generate",
-        "-m",
-        s(&f("klein/tiny-klein.safetensors")),
-        "--llm",
-        s(&f("qwen3/tiny-qwen3-bf16.gguf")),
-        "--vae",
-        s(&f("klein/tiny-klein-ae.safetensors")),
-        "-p",
-        "a cat",
-        "-W",
-        "64",
-        "-H",
-        "64",
-        "--steps",
-        "2",
-        "--sampler",
-        "euler_a",
-        "--eta",
-        "0.5",
-        "-o",
-        s(&x),
-    ]);
+    let (llm, ae) = (
+        fixture("qwen3/tiny-qwen3-bf16.gguf"),
+        fixture("klein/tiny-klein-ae.safetensors"),
+    );
+    let klein = fixture("klein/tiny-klein.safetensors");
+    let r = generate(
+        &p,
+        &klein,
+        &x,
+        &[
+            "--llm",
+            s(&llm),
+            "--vae",
+            s(&ae),
+            "--sampler",
+            "euler_a",
+            "--eta",
+            "0.5",
+        ],
+    );
     fails(&r, 1, &["eta 1 only"]);
     assert!(!x.exists());
 }
