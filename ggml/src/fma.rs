@@ -73,6 +73,7 @@ pub(crate) mod attn;
 mod direct;
 #[cfg(target_arch = "x86_64")]
 mod int8;
+pub mod packed;
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod tiles;
 #[cfg(target_arch = "x86_64")]
@@ -1307,11 +1308,23 @@ pub fn gemm(
     if bf16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        return gemm_with::<K>(w, m, k, bf16_pass(), &pack, bias, out, store, ith, nth);
+        return gemm_with::<K>(
+            w,
+            m,
+            k,
+            bf16_pass(),
+            &pack,
+            bias,
+            out,
+            store,
+            ith,
+            nth,
+            None,
+        );
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        gemm_with::<K>(w, m, k, K::products_pass(), &pack, bias, out, store, ith, nth)
+        gemm_with::<K>(w, m, k, K::products_pass(), &pack, bias, out, store, ith, nth, None)
     })
 }
 
@@ -1338,11 +1351,23 @@ pub fn conv(
     if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| x.pack_pairs(r0, mc, kb, kc, K::MR, a);
-        return gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth);
+        return gemm_with::<K>(
+            w,
+            m,
+            k,
+            conv_kc::<K>(k),
+            &pack,
+            bias,
+            out,
+            store,
+            ith,
+            nth,
+            None,
+        );
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| x.pack(r0, mc, kb, kc, K::MR, a);
-        gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth)
+        gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth, None)
     })
 }
 
@@ -1419,6 +1444,7 @@ fn gemm_with<K: Kernel>(
     store: Store,
     ith: usize,
     nth: usize,
+    packed: Option<&[K::E]>,
 ) {
     let n = w.n;
     let fits = match store {
@@ -1449,7 +1475,12 @@ fn gemm_with<K: Kernel>(
     // rows stream past it: with few rows, packing a whole pass's panels
     // first wrote and read them again through memory (a 3072 × 12288
     // weight: 4.7 MB a thread and pass).
-    let one_block = rr.len() <= ONE_BLOCK_ROWS;
+    // A weight packed once ([`packed`]) is read in place: each panel holds
+    // every pass, one after the other.
+    let one_block = rr.len() <= ONE_BLOCK_ROWS && packed.is_none();
+    if let Some(p) = packed {
+        assert!(p.len() >= panels * k.next_multiple_of(K::KSTEP) * K::NR);
+    }
     // Passes over `k` of even lengths (a short last pass costs a whole
     // pass's stores for few products), where the weight's rows split
     // anywhere; quantized rows split only at `kc_max`, whole blocks.
@@ -1470,22 +1501,34 @@ fn gemm_with<K: Kernel>(
             let kc = kc_step.min(k - kb);
             let kp = kc.next_multiple_of(K::KSTEP);
             buf.row.resize(kp, 0.0);
-            let b = buf.b.get(if one_block { 1 } else { np } * kp * K::NR);
-            if !one_block {
+            let b = buf.b.get(match (packed, one_block) {
+                (Some(_), _) => 0,
+                (None, true) => kp * K::NR,
+                (None, false) => np * kp * K::NR,
+            });
+            if !one_block && packed.is_none() {
                 pack_weight::<K>(w, pr.start, np, kb, kc, b, &mut buf.row);
             }
+            // Where panel `q` of this thread's starts for this pass.
+            let kw = k.next_multiple_of(K::KSTEP);
+            let at = |q: usize| match packed {
+                Some(_) => (pr.start + q) * kw * K::NR + kb * K::NR,
+                None => q * kp * K::NR,
+            };
+            let b: &mut [K::E] = b;
             for r0 in rr.clone().step_by(mc_max) {
                 let mc = mc_max.min(rr.end - r0);
                 let blocks = mc.div_ceil(K::MR);
                 let a = buf.a.get(blocks * kp * K::MR);
                 pack_x(r0, mc, kb, kc, a);
                 for q in 0..np {
-                    let panel = match one_block {
-                        true => {
+                    let panel = match (packed, one_block) {
+                        (Some(p), _) => &p[at(q)..at(q) + kp * K::NR],
+                        (None, true) => {
                             pack_weight::<K>(w, pr.start + q, 1, kb, kc, b, &mut buf.row);
                             &b[..kp * K::NR]
                         }
-                        false => &b[q * kp * K::NR..(q + 1) * kp * K::NR],
+                        (None, false) => &b[at(q)..at(q) + kp * K::NR],
                     };
                     let j0 = (pr.start + q) * K::NR;
                     let cols = K::NR.min(n - j0);
@@ -1501,7 +1544,10 @@ fn gemm_with<K: Kernel>(
                     };
                     for blk in 0..blocks {
                         let next = match next {
-                            Some(p) if blk + 1 == blocks => b[p * kp * K::NR..].as_ptr(),
+                            Some(p) if blk + 1 == blocks => match packed {
+                                Some(w) => w[at(p)..].as_ptr(),
+                                None => b[at(p)..].as_ptr(),
+                            },
                             _ => std::ptr::null(),
                         };
                         let rows = K::MR.min(mc - blk * K::MR);
@@ -2343,6 +2389,11 @@ pub(crate) unsafe extern "C" fn gemm_op(
     // weight of a type `isa_for` passes, N = dst.ne[0] rows of K = x.ne[0]
     // values, and the rest as `on_product_node` reads it.
     unsafe {
+        if packed::is_packed((*dst).src[0]) {
+            return on_product_node(dst, |w, x, bias, out| {
+                packed::gemm(w, x, bias, out, ith as usize, nth as usize)
+            });
+        }
         on_product_node(dst, |w, x, bias, out| {
             let isa = isa_for_product(w.ty, x.k).unwrap_or(Isa::Avx2);
             gemm(isa, w, x, bias, out, ith as usize, nth as usize);
@@ -2708,7 +2759,19 @@ mod tests {
             let pack = |r0, mc, kb, kc, a: &mut [K::E]| pack_rows::<K>(&x, r0, mc, kb, kc, a);
             let mut got = vec![f32::NAN; m * n];
             for ith in 0..2 {
-                gemm_with::<K>(w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
+                gemm_with::<K>(
+                    w,
+                    m,
+                    k,
+                    kc,
+                    &pack,
+                    None,
+                    &mut got,
+                    Store::Rows,
+                    ith,
+                    2,
+                    None,
+                );
             }
             let tol = tol * (k as f64).sqrt();
             assert_f64_product(&got, &xs, wv, (m, k, n), tol, &format!("m {m} kc {kc}"));

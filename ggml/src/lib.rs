@@ -106,7 +106,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Process-wide switches of sdhost's own kernels and buffers. This crate
 /// reads no environment: the host reads its variables once at start
 /// (`SDHOST_NO_AMX`, `SDHOST_AMX_MIN_ROWS`, `SDHOST_NO_FMA`,
-/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_KC`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_FMA_BF16_DOTS`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_ARENA`,
+/// `SDHOST_FMA_MIN_ROWS`, `SDHOST_FMA_KC`, `SDHOST_NO_FMA_CONV`, `SDHOST_FMA_ALL`, `SDHOST_FMA_AVX2`, `SDHOST_FMA_BF16_DOTS`, `SDHOST_NO_FMA_VNNI`, `SDHOST_NO_FMA_PACK`, `SDHOST_NO_ARENA`,
 /// `SDHOST_CONV_BAND_MIB`, `SDHOST_DIRECT_CONV`, `SDHOST_NO_FLASH_PAD`) and
 /// passes them down with [`configure`]; unconfigured, everything is on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -147,6 +147,10 @@ pub struct Knobs {
     /// without it (`fma::int8`); off: the AVX512-BF16 kernel or ggml's (to
     /// measure them).
     pub fma_vnni: bool,
+    /// bf16 weights that only sdhost's bf16 kernel multiplies are packed
+    /// for it once, in place ([`Graph::pack_weights`]); off: packed in
+    /// every product (to measure the difference).
+    pub fma_pack: bool,
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
     pub fma_avx2: bool,
@@ -200,6 +204,7 @@ impl Default for Knobs {
             fma_geglu: true,
             fma_attention: true,
             fma_vnni: true,
+            fma_pack: true,
             fma_avx2: false,
             fma_bf16_dots: None,
             fma_kc: None,

@@ -32,8 +32,9 @@ pub use crate::session::init_logging;
 /// products),
 /// `SDHOST_NO_FMA_VNNI=1` (q8_0, q4_0, q4_1, q5_0, q5_1 and the k-quants
 /// q4_K, q5_K and q6_K not in 8-bit integers on AVX512-VNNI, nor the
-/// AVX2 class's integer kernel), for
-/// measurements, `SDHOST_NO_ARENA=1`
+/// AVX2 class's integer kernel), `SDHOST_NO_FMA_PACK=1` (bf16 weights
+/// packed for their kernel in every product instead of once, in place),
+/// for measurements, `SDHOST_NO_ARENA=1`
 /// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest
 /// im2col matrix a convolution builds at once; the tests make it small),
 /// `SDHOST_DIRECT_CONV=1` (ggml's direct convolution instead of im2col,
@@ -67,6 +68,7 @@ pub fn knobs_from_env() -> ggml::Knobs {
             .ok()
             .and_then(|v| v.parse().ok()),
         fma_vnni: std::env::var("SDHOST_NO_FMA_VNNI").map_or(true, |v| v != "1"),
+        fma_pack: std::env::var("SDHOST_NO_FMA_PACK").map_or(true, |v| v != "1"),
         arena: std::env::var("SDHOST_NO_ARENA").map_or(true, |v| v != "1"),
         conv_band_mib: std::env::var("SDHOST_CONV_BAND_MIB")
             .ok()

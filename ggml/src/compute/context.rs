@@ -176,6 +176,23 @@ impl Context {
         check_mul_mat(&a, &b)?;
         let (x, y) = (a.ne(), b.ne());
         let rows = y[1] * y[2] * y[3];
+        // SAFETY: a live tensor; graphs are built and computed one at a
+        // time, so nothing reads its data now.
+        let packed = unsafe { crate::fma::packed::is_packed(a.raw) };
+        // SAFETY: as above.
+        let packable = !self.amx.get() && unsafe { crate::fma::packed::packable(a.raw) };
+        if packed || packable {
+            // A weight packed (or to be packed) for sdhost's bf16 kernel is
+            // multiplied there at any number of rows, whichever graph ran
+            // first; anywhere else it is unpacked first.
+            if self.fma.get() && b.ty() == Some(Type::F32) {
+                let added = bias.is_some();
+                let isa = crate::fma::Isa::Avx512Bf16;
+                return Ok((self.mul_mat_fma(a, b, bias, isa)?, added));
+            }
+            // SAFETY: as above.
+            unsafe { crate::fma::packed::ensure_unpacked(a.raw) };
+        }
         let tiles_from = match a.ty() {
             Some(Type::BF16) => Some(crate::fma::tiles::min_rows()),
             _ if crate::fma::tiles::takes_quantized(a.raw_type()) => {

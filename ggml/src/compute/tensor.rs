@@ -181,6 +181,8 @@ impl<'ctx> Tensor<'ctx> {
                     self.ne()
                 )));
             }
+            // A weight packed for sdhost's kernel is copied as its rows.
+            crate::fma::packed::ensure_unpacked(src.raw);
             sys::ggml_backend_tensor_copy(src.raw, self.raw);
         }
         Ok(())

@@ -308,6 +308,7 @@ pub fn gemm(
         Store::Rows,
         ith,
         nth,
+        None,
     );
 }
 

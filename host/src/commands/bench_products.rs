@@ -342,6 +342,9 @@ fn time_product(
     x.set_f32(&fill(s.k * s.m, 2))?;
     y.set_output();
     let graph = ctx.graph(y, 16)?;
+    // The weight packed once for sdhost's kernel where the pipeline packs
+    // it (ggml::fma::packed).
+    let packed = own.is_some() && graph.pack_weights(&|id| id == w.id()).in_place > 0;
     let mut sched = Sched::new(&[cpu], 16)?;
     sched.alloc(&graph)?;
     let kernel = (0..graph.n_nodes())
@@ -349,6 +352,10 @@ fn time_product(
         .filter_map(|i| graph.node(i))
         .find(|n| n.op_name() == "CUSTOM")
         .map_or_else(|| "ggml".to_string(), |n| format!("sdhost {}", n.name()));
+    let kernel = match packed {
+        true => format!("{kernel}, packed"),
+        false => kernel,
+    };
     sched.compute(&graph)?;
     let mut best = f64::INFINITY;
     for _ in 0..runs {

@@ -744,11 +744,13 @@ impl<'b> Module<'b> {
         self.scheduler()?;
         let backends = self.sched_backends();
         let ctx = self.graph_context()?;
+        let pack = self.cpu_kernels();
         let sched = self.sched.as_mut().expect("created above");
         let mut map = self.params.map();
         if let Some(copy) = &self.runtime_copy {
             map.extend(copy.map());
         }
+        let weights: std::collections::HashSet<usize> = map.values().map(|t| t.id()).collect();
         let mut w = W::new(map).with_options(self.opts);
         if self.opts.flash_attn {
             w = w.with_flash_probe(flash_probe(
@@ -763,6 +765,20 @@ impl<'b> Module<'b> {
             t.set_input();
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
+        if pack {
+            // bf16 weights only sdhost's bf16 kernel multiplies are packed
+            // for it once, in place (see ggml::fma::packed); this module's
+            // graphs run one at a time.
+            let p = graph.pack_weights(&|id| weights.contains(&id));
+            if p.packed + p.unpacked > 0 {
+                tracing::debug!(
+                    "{name}: {} weights packed for the bf16 kernel, {} unpacked, {} read packed",
+                    p.packed,
+                    p.unpacked,
+                    p.in_place
+                );
+            }
+        }
         let built_at = started.elapsed();
         let fail = |what: &str, e: ggml::Error| match e {
             ggml::Error::Aborted => ModelError::Cancelled,

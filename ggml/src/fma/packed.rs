@@ -1,0 +1,504 @@
+//! bf16 weights packed once, in place, as the bf16 kernel reads them.
+//!
+//! Every product on [`super::Bf16Avx512`] used to transpose its weight into
+//! panels (32 outputs side by side, `k` in pairs) before multiplying, in
+//! every evaluation and on every thread: at the UNet's and the text
+//! encoders' shapes that packing was a tenth of the product's time, and
+//! most of it at few rows. A weight whose every use in a graph is such a
+//! product is instead rewritten into that layout once, in its own buffer
+//! (the same bytes: 32 whole outputs a panel, `k` even), and the products
+//! read its panels in place.
+//!
+//! The mark is the weight's own `op_params` (a leaf's, which ggml never
+//! reads): whatever holds the tensor sees it. [`Graph::pack_weights`]
+//! packs before a graph runs and unpacks a weight that the graph uses
+//! otherwise (a view, another op, ggml's own product), so a packed weight
+//! never reaches anything but [`super::gemm_op`]. [`crate::Context::mul_mat`]
+//! puts every product of a weight that can be packed on that op, at any
+//! number of rows (so which kernel multiplies it never depends on which
+//! graph ran first: a short prompt after a long one gives the same
+//! numbers as before it), and a copy ([`crate::Tensor::copy_from`])
+//! unpacks its source first.
+//!
+//! Hand-written: the layout is this crate's kernel's own.
+
+use super::{features, Bf16Avx512, Elem, Kernel, Weight};
+use crate::compute::Graph;
+use crate::sys;
+
+/// `op_params[0]` of a packed weight; `op_params[1]` holds the panel
+/// width.
+const MAGIC: i32 = i32::from_le_bytes(*b"sdPK");
+
+/// Outputs per panel.
+const NR: usize = Bf16Avx512::NR;
+
+/// Whether `t` holds its rows as the bf16 kernel's panels.
+///
+/// # Safety
+/// `t` is a live tensor.
+pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
+    // SAFETY: the caller's.
+    unsafe {
+        (*t).op == sys::GGML_OP_NONE && (*t).op_params[0] == MAGIC && (*t).op_params[1] == NR as i32
+    }
+}
+
+/// Whether `t` can be packed in place: a bf16 matrix of whole panels and
+/// pairs, contiguous, no view, its data in host memory, on a processor
+/// with the bf16 kernel, packing not turned off.
+///
+/// # Safety
+/// `t` is a live tensor; its buffer, when set, is live.
+pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
+    let f = features();
+    if !crate::knobs().fma_pack {
+        return false;
+    }
+    // SAFETY: the caller's.
+    unsafe {
+        let [k, n, d2, d3] = (*t).ne;
+        f.avx512
+            && f.avx512bf16
+            && (*t).type_ == sys::GGML_TYPE_BF16
+            && (*t).op == sys::GGML_OP_NONE
+            && (*t).view_src.is_null()
+            && d2 == 1
+            && d3 == 1
+            && k > 0
+            && k % 2 == 0
+            && n > 0
+            && (n as usize).is_multiple_of(NR)
+            && sys::ggml_is_contiguous(t)
+            && !(*t).data.is_null()
+            && !(*t).buffer.is_null()
+            && sys::ggml_backend_buffer_is_host((*t).buffer)
+    }
+}
+
+/// Rewrites `t`'s rows as panels and marks it.
+///
+/// # Safety
+/// [`packable`] holds; nothing reads or writes `t`'s data meanwhile.
+unsafe fn pack(t: *mut sys::ggml_tensor) {
+    // SAFETY: the caller's: a contiguous host matrix of `n` rows of `k`
+    // bf16 (2 bytes each).
+    unsafe {
+        let [k, n, ..] = (*t).ne.map(|d| d as usize);
+        let data = std::slice::from_raw_parts_mut((*t).data as *mut u8, 2 * k * n);
+        rows_to_panels(data, k, n);
+        (*t).op_params[0] = MAGIC;
+        (*t).op_params[1] = NR as i32;
+    }
+}
+
+/// Rewrites a packed `t`'s panels as rows again and unmarks it.
+///
+/// # Safety
+/// [`is_packed`] holds (so [`packable`] did); nothing reads or writes
+/// `t`'s data meanwhile.
+pub(crate) unsafe fn unpack(t: *mut sys::ggml_tensor) {
+    // SAFETY: the caller's, as in `pack`.
+    unsafe {
+        let [k, n, ..] = (*t).ne.map(|d| d as usize);
+        let data = std::slice::from_raw_parts_mut((*t).data as *mut u8, 2 * k * n);
+        panels_to_rows(data, k, n);
+        (*t).op_params[0] = 0;
+        (*t).op_params[1] = 0;
+    }
+}
+
+/// `n` rows of `k` bf16 (`k` even, `n` a multiple of [`NR`]) rewritten as
+/// the kernel's panels: panel `q` (outputs `q·NR..`) at `q·NR·k`, pair
+/// `g` of output `c` at `(g·NR + c)·2` within it ([`Elem::pack_panel`]'s
+/// layout over the whole of `k`, so a pass over `kb..` starts at `kb·NR`).
+fn rows_to_panels(data: &mut [u8], k: usize, n: usize) {
+    assert!(k.is_multiple_of(2) && n.is_multiple_of(NR) && data.len() == 2 * k * n);
+    let panel_bytes = 2 * NR * k;
+    let mut panel = vec![0u16; NR * k];
+    let mut row = vec![0f32; k];
+    for rows in data.chunks_exact_mut(panel_bytes) {
+        let w = Weight {
+            data: rows,
+            ty: sys::GGML_TYPE_BF16,
+            k,
+            n: NR,
+            row_bytes: 2 * k,
+        };
+        <u16 as Elem>::pack_panel(&w, 0, 0, k, &mut panel, NR, &mut row);
+        for (b, v) in rows.chunks_exact_mut(2).zip(&panel) {
+            b.copy_from_slice(&v.to_le_bytes());
+        }
+    }
+}
+
+/// The inverse of [`rows_to_panels`].
+fn panels_to_rows(data: &mut [u8], k: usize, n: usize) {
+    assert!(k.is_multiple_of(2) && n.is_multiple_of(NR) && data.len() == 2 * k * n);
+    let (pairs, panel_bytes) = (k / 2, 2 * NR * k);
+    let mut panel = vec![[0u8; 4]; NR * pairs];
+    for bytes in data.chunks_exact_mut(panel_bytes) {
+        for (p, b) in panel.iter_mut().zip(bytes.chunks_exact(4)) {
+            p.copy_from_slice(b);
+        }
+        for (c, row) in bytes.chunks_exact_mut(4 * pairs).enumerate() {
+            for (g, pair) in row.chunks_exact_mut(4).enumerate() {
+                pair.copy_from_slice(&panel[g * NR + c]);
+            }
+        }
+    }
+}
+
+/// Unpacks `t` if it is packed.
+///
+/// # Safety
+/// `t` is a live tensor; nothing reads or writes its data meanwhile.
+pub(crate) unsafe fn ensure_unpacked(t: *mut sys::ggml_tensor) {
+    // SAFETY: the caller's.
+    unsafe {
+        if is_packed(t) {
+            unpack(t);
+        }
+    }
+}
+
+/// The product of the packed weight `w` and `x` (see [`super::gemm`]).
+pub(crate) fn gemm(
+    w: &Weight<'_>,
+    x: &super::Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    assert!(
+        w.ty == sys::GGML_TYPE_BF16
+            && features().avx512bf16
+            && w.n.is_multiple_of(NR)
+            && w.k.is_multiple_of(2)
+            && (w.data.as_ptr() as usize).is_multiple_of(2)
+            && w.data.len() >= w.n * w.k * 2
+    );
+    // SAFETY: the weight's bytes, 2-aligned (checked), as u16.
+    let panels = unsafe { std::slice::from_raw_parts(w.data.as_ptr() as *const u16, w.n * w.k) };
+    type K = Bf16Avx512;
+    let pack = |r0, mc, kb, kc, a: &mut [u16]| super::pack_rows::<K>(x, r0, mc, kb, kc, a);
+    super::gemm_with::<K>(
+        w,
+        x.rows,
+        x.k,
+        super::bf16_pass(),
+        &pack,
+        bias,
+        out,
+        super::Store::Rows,
+        ith,
+        nth,
+        Some(panels),
+    );
+}
+
+/// A weight handed to the thread that packs it.
+struct WeightPtr(*mut sys::ggml_tensor);
+
+// SAFETY: each is packed by one thread only, while nothing else uses it
+// ([`Graph::pack_weights`]).
+unsafe impl Send for WeightPtr {}
+
+/// What [`Graph::pack_weights`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Packing {
+    /// Weights packed now.
+    pub packed: usize,
+    /// Weights unpacked now (used otherwise in this graph).
+    pub unpacked: usize,
+    /// Weights the graph reads packed (including those packed now).
+    pub in_place: usize,
+}
+
+impl Graph<'_> {
+    /// Before this graph runs: packs each weight (`is_weight` of its
+    /// [`crate::Tensor::id`]) that [`packable`] allows and whose every use
+    /// in the graph is the weight of a product on sdhost's bf16 kernel, and
+    /// unpacks each packed one the graph uses otherwise. Only for a graph
+    /// no other thread computes, over weights nothing else reads meanwhile.
+    pub fn pack_weights(&self, is_weight: &dyn Fn(usize) -> bool) -> Packing {
+        use std::collections::HashMap;
+        // Per weight: (products that take it as theirs, other uses).
+        let mut uses: HashMap<*mut sys::ggml_tensor, (usize, usize)> = HashMap::new();
+        for i in 0..self.n_nodes() {
+            let Some(node) = self.node(i) else { continue };
+            let node = node.raw();
+            // SAFETY: a node of the live graph and its live operands.
+            unsafe {
+                let product = is_bf16_product(node);
+                for (s, &src) in (*node).src.iter().enumerate() {
+                    if src.is_null() {
+                        continue;
+                    }
+                    let (root, direct) = match (*src).view_src.is_null() {
+                        true => (src, true),
+                        false => ((*src).view_src, false),
+                    };
+                    if !is_weight(root as usize) {
+                        continue;
+                    }
+                    let e = uses.entry(root).or_default();
+                    if product && s == 0 && direct {
+                        e.0 += 1;
+                    } else {
+                        e.1 += 1;
+                    }
+                }
+            }
+        }
+        let mut done = Packing::default();
+        let mut to_pack = Vec::new();
+        for (t, (products, others)) in uses {
+            // SAFETY: a live weight of the graph; the caller promises no
+            // one else reads or writes it now.
+            unsafe {
+                if others > 0 {
+                    if is_packed(t) {
+                        unpack(t);
+                        done.unpacked += 1;
+                    }
+                } else if products > 0 {
+                    if is_packed(t) {
+                        done.in_place += 1;
+                    } else if packable(t) {
+                        to_pack.push(WeightPtr(t));
+                    }
+                }
+            }
+        }
+        done.packed = to_pack.len();
+        done.in_place += to_pack.len();
+        // The first graph packs every weight (a UNet's 2.5 GB took half a
+        // second on one thread): the machine's threads share them.
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let bytes = |t: &WeightPtr| {
+            // SAFETY: a live tensor.
+            unsafe { sys::ggml_nbytes(t.0) }
+        };
+        let total: usize = to_pack.iter().map(bytes).sum();
+        let share = total.div_ceil(threads).max(1);
+        let mut groups: Vec<Vec<WeightPtr>> = vec![Vec::new()];
+        let mut filled = 0;
+        for t in to_pack {
+            if filled >= share {
+                groups.push(Vec::new());
+                filled = 0;
+            }
+            filled += bytes(&t);
+            groups.last_mut().expect("one group at least").push(t);
+        }
+        std::thread::scope(|s| {
+            for group in groups {
+                s.spawn(move || {
+                    for t in group {
+                        // SAFETY: packable (checked above), a different
+                        // tensor on each thread, which nothing else reads
+                        // or writes now (the caller's promise).
+                        unsafe { pack(t.0) };
+                    }
+                });
+            }
+        });
+        done
+    }
+}
+
+/// Whether `node` is a product on sdhost's kernels ([`super::gemm_op`]),
+/// which reads a packed weight on the bf16 kernel.
+///
+/// # Safety
+/// `node` is a live tensor.
+unsafe fn is_bf16_product(node: *const sys::ggml_tensor) -> bool {
+    // SAFETY: the caller's; a custom node's op_params start with ggml's
+    // `ggml_custom_op_params`, whose first field is the function.
+    unsafe {
+        if (*node).op != sys::GGML_OP_CUSTOM {
+            return false;
+        }
+        let fun = ((*node).op_params.as_ptr() as *const usize).read_unaligned();
+        fun == super::gemm_op as *const () as usize
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// bf16 bytes of `len` values in [-1, 1), from `seed`.
+    fn bf16_bytes(len: usize, seed: u64) -> Vec<u8> {
+        (0..len as u64)
+            .flat_map(|i| {
+                let h = (i ^ (seed << 40)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+                let v = (h >> 40) as f32 / (1u64 << 23) as f32 - 1.0;
+                ((v.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_magic_is_four_letters() {
+        assert_eq!(MAGIC.to_le_bytes(), *b"sdPK");
+    }
+
+    #[test]
+    fn packing_round_trips_and_is_the_kernels_layout() {
+        for (k, n) in [(2, 32), (320, 64), (3074, 96)] {
+            let rows = bf16_bytes(k * n, 7);
+            let mut data = rows.clone();
+            rows_to_panels(&mut data, k, n);
+            // (One pair a row: the panels are the rows.)
+            assert!(k == 2 || data != rows);
+            // Each panel as the kernel packs it for one pass over all of k.
+            let w = Weight {
+                data: &rows,
+                ty: sys::GGML_TYPE_BF16,
+                k,
+                n,
+                row_bytes: 2 * k,
+            };
+            let mut panel = vec![0u16; NR * k];
+            let mut row = vec![0f32; k];
+            for q in 0..n / NR {
+                super::super::pack_panel_by_columns(&w, q * NR, 0, k, &mut panel, NR, &mut row);
+                let want: Vec<u8> = panel.iter().flat_map(|v| v.to_le_bytes()).collect();
+                assert_eq!(
+                    &data[q * 2 * NR * k..(q + 1) * 2 * NR * k],
+                    &want[..],
+                    "k {k}"
+                );
+            }
+            panels_to_rows(&mut data, k, n);
+            assert_eq!(data, rows, "k {k}, n {n}: the rows come back");
+        }
+    }
+
+    #[test]
+    fn packed_products_equal_the_kernels_bit_for_bit() {
+        if !(features().avx512 && features().avx512bf16) {
+            eprintln!("no AVX512-BF16 here: the packed products are not used");
+            return;
+        }
+        // Rows from one to several blocks; k of one pass and of several
+        // (the last one short); a bias or none.
+        for (m, k, n) in [(1, 64, 32), (13, 320, 64), (40, 4100, 96), (700, 640, 32)] {
+            let rows = bf16_bytes(k * n, 3);
+            let xs: Vec<f32> = bf16_bytes(m * k, 5)
+                .chunks_exact(2)
+                .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16) * 0.7)
+                .collect();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = super::super::Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            let w = Weight {
+                data: &rows,
+                ty: sys::GGML_TYPE_BF16,
+                k,
+                n,
+                row_bytes: 2 * k,
+            };
+            let mut packed_rows = rows.clone();
+            rows_to_panels(&mut packed_rows, k, n);
+            let wp = Weight {
+                data: &packed_rows,
+                ..w
+            };
+            for b in [None, Some(&bias[..])] {
+                let mut want = vec![0f32; m * n];
+                let mut got = vec![0f32; m * n];
+                for ith in 0..2 {
+                    super::super::gemm(super::super::Isa::Avx512Bf16, &w, &x, b, &mut want, ith, 2);
+                    gemm(&wp, &x, b, &mut got, ith, 2);
+                }
+                assert!(
+                    want.iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{m}×{k}×{n}, bias {}",
+                    b.is_some()
+                );
+            }
+        }
+    }
+
+    /// A graph's weight is packed where only the bf16 kernel's products
+    /// take it, stays on that kernel at any number of rows, and comes back
+    /// as its rows where something else reads it.
+    #[test]
+    fn graphs_pack_and_unpack_their_weights() {
+        use crate::{Context, Type};
+        if !(features().avx512 && features().avx512bf16 && super::super::available()) {
+            eprintln!("no AVX512-BF16 here: nothing is packed");
+            return;
+        }
+        let (k, n) = (64i64, 64i64);
+        let weights = Context::new(2, 0).unwrap();
+        let w = weights.new_tensor(Type::BF16, &[k, n]).unwrap();
+        // SAFETY: a live context of no-alloc tensors, into the host arena's
+        // buffer (freed below).
+        let buffer = unsafe {
+            sys::ggml_backend_alloc_ctx_tensors_from_buft(weights.raw, crate::arena::buffer_type())
+        };
+        assert!(!buffer.is_null());
+        let rows = bf16_bytes((k * n) as usize, 11);
+        w.set_bytes(&rows).unwrap();
+        let is_w = |id: usize| id == w.id();
+        // SAFETY: a live tensor.
+        let packed = || unsafe { is_packed(w.raw()) };
+        let bytes = || w.get_bytes().unwrap();
+
+        // Products on the kernel alone: packed, once.
+        let c = Context::new(16, 16).unwrap();
+        c.set_cpu_kernels(true);
+        let x = c.new_tensor(Type::F32, &[k, 200]).unwrap();
+        let y = c.mul_mat(w, x).unwrap();
+        let g = c.graph(y, 16).unwrap();
+        let done = g.pack_weights(&is_w);
+        assert_eq!((done.packed, done.unpacked, done.in_place), (1, 0, 1));
+        assert!(packed() && bytes() != rows);
+        assert_eq!(g.pack_weights(&is_w).packed, 0, "packed once");
+
+        // Two rows, which ggml's product would take: still the kernel's.
+        let x2 = c.new_tensor(Type::F32, &[k, 2]).unwrap();
+        let y2 = c.mul_mat(w, x2).unwrap();
+        // SAFETY: a live node.
+        assert!(unsafe { is_bf16_product(y2.raw()) });
+
+        // A view of it in the same graph as a product: back to its rows.
+        let v = c.mul_mat(c.narrow(w, 1, 0, 32).unwrap(), x2).unwrap();
+        let both = c
+            .add(c.cont(c.narrow(y2, 0, 0, 32).unwrap()).unwrap(), v)
+            .unwrap();
+        let g = c.graph(both, 16).unwrap();
+        let done = g.pack_weights(&is_w);
+        assert_eq!((done.packed, done.unpacked), (0, 1));
+        assert!(!packed() && bytes() == rows);
+
+        // Packed again, then a context without sdhost's kernels unpacks it
+        // as it builds ggml's product.
+        let g = c.graph(y, 16).unwrap();
+        assert_eq!(g.pack_weights(&is_w).packed, 1);
+        let plain = Context::new(16, 16).unwrap();
+        let x3 = plain.new_tensor(Type::F32, &[k, 200]).unwrap();
+        let y3 = plain.mul_mat(w, x3).unwrap();
+        // SAFETY: a live node.
+        assert!(!unsafe { is_bf16_product(y3.raw()) });
+        assert!(!packed() && bytes() == rows);
+
+        // Not a weight of the graph: left alone.
+        let g = c.graph(y, 16).unwrap();
+        assert_eq!(g.pack_weights(&|_| false), Packing::default());
+        assert!(!packed());
+        // SAFETY: the buffer allocated above; nothing uses it after.
+        unsafe { sys::ggml_backend_buffer_free(buffer) };
+    }
+}
