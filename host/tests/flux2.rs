@@ -540,3 +540,97 @@ fn the_memory_plan_counts_reference_images() {
         assert_eq!(encoding(&tiny), None);
     });
 }
+
+/// `sdhost convert` of the parts klein is given apart: a Qwen3 text
+/// encoder (its own vocabulary carried along, the output head left out)
+/// and the autoencoder; both generate; a file of no model sdhost runs is
+/// one line and no file.
+#[test]
+fn convert_writes_the_text_encoder_and_the_autoencoder() {
+    let p = Prefix::with_cpu();
+    let work = p.dir("work");
+    let dit = fixture("klein/tiny-klein.safetensors");
+    let bf16 = fixture("qwen3/tiny-qwen3-bf16.gguf");
+    let ae = fixture("klein/tiny-klein-ae.safetensors");
+    let convert = |src: &std::path::Path, out: &std::path::Path, ty: &str| {
+        p.run(&["convert", "-m", s(src), "-o", s(out), "--type", ty])
+    };
+    let q8 = work.join("qwen3-q8_0.gguf");
+    let r = convert(&bf16, &q8, "q8_0").ok();
+    assert!(
+        r.stderr.contains("35 tensors") && r.stderr.contains("0 left out"),
+        "{}",
+        r.stderr
+    );
+    let (tensors, meta) = checkpoint::gguf::scan_with_metadata(&q8).unwrap();
+    assert_eq!(
+        meta.get("general.architecture").map(String::as_str),
+        Some("qwen3")
+    );
+    assert!(tensors
+        .iter()
+        .any(|t| t.name == "blk.0.attn_q.weight" && t.dtype == "q8_0"));
+    assert!(tensors
+        .iter()
+        .any(|t| t.name == "blk.0.attn_norm.weight" && t.dtype == "f32"));
+    assert_eq!(
+        checkpoint::gguf::vocabulary(&q8).unwrap(),
+        checkpoint::gguf::vocabulary(&bf16).unwrap(),
+        "the vocabulary goes with the weights"
+    );
+    // transformers' names, with the head a causal LM carries: left out.
+    let hf = work.join("qwen3-hf-q8_0.gguf");
+    let r = convert(&fixture("qwen3/tiny-qwen3.safetensors"), &hf, "q8_0").ok();
+    assert!(r.stderr.contains("1 left out"), "{}", r.stderr);
+    let (tensors, _) = checkpoint::gguf::scan_with_metadata(&hf).unwrap();
+    assert!(tensors.iter().all(|t| t.name.starts_with("model.")));
+    let ae16 = work.join("ae-f16.gguf");
+    let r = convert(&ae, &ae16, "f16").ok();
+    // (BatchNorm's integer count of batches is no weight.)
+    assert!(
+        r.stderr.contains("182 tensors") && r.stderr.contains("1 left out"),
+        "{}",
+        r.stderr
+    );
+
+    let image = |llm: &std::path::Path, vae: &std::path::Path, name: &str| {
+        let out = p.dir("out").join(name);
+        let a = [
+            "-m",
+            s(&dit),
+            "--llm",
+            s(llm),
+            "--vae",
+            s(vae),
+            "--steps",
+            "2",
+        ];
+        let mut a = a.to_vec();
+        a.extend_from_slice(&["-W", "64", "-H", "48", "--seed", "7"]);
+        generate(&p, &out, &a).ok();
+        pixels(&out)
+    };
+    let want = image(&bf16, &ae, "bf16.png");
+    assert_eq!(
+        image(&bf16, &ae16, "ae16.png"),
+        want,
+        "the f16 autoencoder's image"
+    );
+    let got = image(&q8, &ae, "q8.png");
+    let mean = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| f64::from(a.abs_diff(*b)))
+        .sum::<f64>()
+        / want.len() as f64;
+    // (The committed q8_0 encoder's image is 0.53 levels from the bf16 one.)
+    assert!(mean < 1.5, "the q8_0 encoder's image is {mean} levels off");
+
+    let out = p.dir("refused");
+    let r = convert(
+        &fixture("taesd/tiny-taesd.safetensors"),
+        &out.join("x.gguf"),
+        "q8_0",
+    );
+    assert_one_line_failure(&r, "no tensor of a model sdhost runs", &out, "a TAESD file");
+}

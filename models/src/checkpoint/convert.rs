@@ -63,8 +63,9 @@ pub struct Conversion {
     /// The type each tensor is written in when a type is requested
     /// (`None`: left out).
     pub rule: fn(&str, &[u64], Type) -> Option<Type>,
-    /// `general.architecture`: the family's name, `unknown` for a file of
-    /// none (a VAE alone converts too).
+    /// `general.architecture`: the family's name, or what the file is
+    /// (`t5encoder`, `clip`, `qwen3`, `vae`), `unknown` for a file of
+    /// none.
     pub architecture: &'static str,
 }
 
@@ -196,7 +197,13 @@ pub fn to_gguf(
             bytes,
         });
     }
-    // A file of no supported family (a VAE alone, for `--vae`) converts too.
+    if plan.is_empty() {
+        return Err(ModelError::Unsupported(format!(
+            "{}: no tensor of a model sdhost runs ({} left out: not a checkpoint, transformer, text encoder or VAE it knows)",
+            ckpt.path.display(),
+            stats.skipped
+        )));
+    }
     let architecture = family.architecture;
     let file_type = requested.name();
     let mut kv: Vec<(&str, &str)> = vec![
@@ -239,7 +246,14 @@ pub fn to_gguf(
             bytes: p.bytes,
         })
         .collect();
-    gguf::write_header(out, &kv, &infos).map_err(io)?;
+    // A GGUF's own tokenizer (a T5's or a Qwen3's vocabulary) goes with
+    // its weights, unchanged.
+    let carried = match ckpt.path.extension().and_then(|e| e.to_str()) {
+        Some("gguf") => gguf::raw_metadata(&ckpt.path, "tokenizer.")
+            .map_err(|e| bad(format!("{}: {e}", ckpt.path.display())))?,
+        _ => Vec::new(),
+    };
+    gguf::write_header(out, &kv, &carried, &infos).map_err(io)?;
     let mut buf = Vec::new();
     for (i, p) in plan.iter().enumerate() {
         let name = &p.entry.name;

@@ -280,6 +280,39 @@ pub fn vocabulary(path: &Path) -> Result<Option<Vocabulary>, String> {
     Ok(Some(v))
 }
 
+/// A metadata entry of a GGUF file as it is written there: its key, then
+/// its type tag and value bytes ([`raw_metadata`], [`write_header`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawEntry {
+    /// The key.
+    pub key: String,
+    /// The type tag and the value, as in the file.
+    pub value: Vec<u8>,
+}
+
+/// The metadata entries of a GGUF file whose keys start with `prefix`, as
+/// written (to carry them into another file unchanged: a converted text
+/// encoder keeps its own vocabulary, `tokenizer.*`).
+pub fn raw_metadata(path: &Path, prefix: &str) -> Result<Vec<RawEntry>, String> {
+    let (buf, total) = header(path)?;
+    let mut r = Reader { buf: &buf, pos: 0 };
+    let (_, n_kv) = counts(&mut r, total)?;
+    let mut out = Vec::new();
+    for i in 0..n_kv {
+        let key = r.string(&format!("metadata key {i}"))?;
+        let start = r.pos;
+        let ty = r.u32(&key)?;
+        r.value(ty, &key, 0)?;
+        if key.starts_with(prefix) {
+            out.push(RawEntry {
+                key,
+                value: buf[start..r.pos].to_vec(),
+            });
+        }
+    }
+    Ok(out)
+}
+
 /// Reads the tensor table of a GGUF file. Shapes are outermost first (as in
 /// safetensors), dtypes are ggml's type names, offsets absolute.
 pub fn scan(path: &Path) -> Result<Vec<TensorEntry>, String> {
@@ -406,17 +439,22 @@ pub fn padding(n: u64) -> usize {
 pub fn write_header(
     w: &mut impl Write,
     kv: &[(&str, &str)],
+    raw: &[RawEntry],
     tensors: &[OutInfo],
 ) -> std::io::Result<()> {
     let mut head = Vec::new();
     head.extend_from_slice(MAGIC);
     head.extend_from_slice(&3u32.to_le_bytes());
     head.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
-    head.extend_from_slice(&(kv.len() as u64).to_le_bytes());
+    head.extend_from_slice(&((kv.len() + raw.len()) as u64).to_le_bytes());
     for (k, v) in kv {
         put_str(&mut head, k)?;
         head.extend_from_slice(&8u32.to_le_bytes());
         put_str(&mut head, v)?;
+    }
+    for e in raw {
+        put_str(&mut head, &e.key)?;
+        head.extend_from_slice(&e.value);
     }
     let mut offset = 0u64;
     for t in tensors {
@@ -467,7 +505,7 @@ pub fn write(
             bytes: t.data.len() as u64,
         })
         .collect();
-    write_header(w, kv, &infos)?;
+    write_header(w, kv, &[], &infos)?;
     for t in tensors {
         w.write_all(&t.data)?;
         w.write_all(&vec![0u8; padding(t.data.len() as u64)])?;

@@ -748,6 +748,32 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
             architecture: "clip",
         };
     }
+    // A Qwen3 text encoder given apart (`--llm`): the encoder's tensors
+    // under the names they have (transformers' or llama.cpp's, both read
+    // back), the output head left out; llama.cpp names such a file `qwen3`
+    // too.
+    if crate::encoders::qwen3::encoder_tensors(ckpt).is_some() {
+        return Conversion {
+            rule: |name, shape, requested| {
+                let encoder = name.starts_with("model.")
+                    || crate::encoders::qwen3::transformers_name(name).is_some();
+                encoder.then(|| target_type(name, shape, requested))
+            },
+            architecture: "qwen3",
+        };
+    }
+    // A VAE given apart (`--vae`): every tensor, under its bare, `vae.` or
+    // `first_stage_model.` name (each read back).
+    let vae_alone = !has(UNET_PREFIX)
+        && ["", "vae.", VAE_PREFIX]
+            .iter()
+            .any(|p| has(&format!("{p}decoder.conv_in.")) || has(&format!("{p}encoder.conv_in.")));
+    if vae_alone {
+        return Conversion {
+            rule: |name, shape, requested| Some(target_type(name, shape, requested)),
+            architecture: "vae",
+        };
+    }
     Conversion {
         rule: |name, shape, requested| {
             crate::checkpoint::module_of(name).map(|_| target_type(name, shape, requested))
