@@ -578,6 +578,14 @@ fn convert_writes_the_text_encoder_and_the_autoencoder() {
         checkpoint::gguf::vocabulary(&bf16).unwrap(),
         "the vocabulary goes with the weights"
     );
+    // A quantized GGUF converts too: decoded, then encoded as asked.
+    let back = work.join("qwen3-bf16-from-q8_0.gguf");
+    let r = convert(&fixture("qwen3/tiny-qwen3-q8_0.gguf"), &back, "bf16").ok();
+    assert!(r.stderr.contains("35 tensors"), "{}", r.stderr);
+    let (tensors, _) = checkpoint::gguf::scan_with_metadata(&back).unwrap();
+    assert!(tensors
+        .iter()
+        .any(|t| t.name == "blk.0.ffn_down.weight" && t.dtype == "bf16"));
     // transformers' names, with the head a causal LM carries: left out.
     let hf = work.join("qwen3-hf-q8_0.gguf");
     let r = convert(&fixture("qwen3/tiny-qwen3.safetensors"), &hf, "q8_0").ok();
@@ -616,15 +624,20 @@ fn convert_writes_the_text_encoder_and_the_autoencoder() {
         want,
         "the f16 autoencoder's image"
     );
-    let got = image(&q8, &ae, "q8.png");
-    let mean = got
-        .iter()
-        .zip(&want)
-        .map(|(a, b)| f64::from(a.abs_diff(*b)))
-        .sum::<f64>()
-        / want.len() as f64;
-    // (The committed q8_0 encoder's image is 0.53 levels from the bf16 one.)
+    // The mean difference from the bf16 encoder's image, in levels (the
+    // committed q8_0 encoder's image is 0.53 levels from it).
+    let off = |got: Vec<u8>| {
+        let sum: f64 = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| f64::from(a.abs_diff(*b)))
+            .sum();
+        sum / want.len() as f64
+    };
+    let mean = off(image(&q8, &ae, "q8.png"));
     assert!(mean < 1.5, "the q8_0 encoder's image is {mean} levels off");
+    let mean = off(image(&back, &ae, "back.png"));
+    assert!(mean < 1.5, "the encoder from q8_0 is {mean} levels off");
 
     let out = p.dir("refused");
     let r = convert(

@@ -137,6 +137,39 @@ impl Type {
         Ok(out)
     }
 
+    /// Decodes `bytes` (whole blocks of this type) to f32, by ggml's own
+    /// conversion of the type.
+    pub fn decode(self, bytes: &[u8]) -> Result<Vec<f32>> {
+        let (block, size) = (self.block_size(), self.block_bytes());
+        if size == 0 || !bytes.len().is_multiple_of(size) {
+            return Err(Error::Invalid(format!(
+                "{} bytes are no whole blocks of {}",
+                bytes.len(),
+                self.name()
+            )));
+        }
+        let n = bytes.len() / size * block;
+        if self == Type::F32 {
+            return Ok(bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect());
+        }
+        // SAFETY: pure lookup in ggml's type table.
+        let traits = unsafe { &*sys::ggml_get_type_traits(self.raw()) };
+        let Some(to_float) = traits.to_float else {
+            return Err(Error::Invalid(format!(
+                "{} values cannot be decoded",
+                self.name()
+            )));
+        };
+        let mut out = vec![0f32; n];
+        // SAFETY: `bytes` holds n / block whole blocks of this type, which
+        // `to_float` reads, writing n f32 into `out`.
+        unsafe { to_float(bytes.as_ptr().cast(), out.as_mut_ptr(), n as i64) };
+        Ok(out)
+    }
+
     /// Elements per block (1 for plain types).
     pub fn block_size(self) -> usize {
         // SAFETY: pure lookup in ggml's type table.
@@ -154,5 +187,41 @@ impl Type {
         unsafe { std::ffi::CStr::from_ptr(p) }
             .to_string_lossy()
             .into_owned()
+    }
+}
+
+#[cfg(test)]
+mod decode_tests {
+    use super::*;
+
+    #[test]
+    fn decoding_inverts_encoding_within_each_types_rounding() {
+        let values: Vec<f32> = (0..512)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0)
+            .collect();
+        for (ty, tol) in [
+            (Type::F32, 0.0),
+            (Type::F16, 1e-3),
+            (Type::BF16, 1e-2),
+            (Type::Q8_0, 2e-2),
+            (Type::Q4_0, 0.3),
+            (Type::Q6K, 0.1),
+        ] {
+            let bytes = ty.encode(&values, 256).unwrap();
+            let back = ty.decode(&bytes).unwrap();
+            assert_eq!(back.len(), values.len(), "{}", ty.name());
+            let err = back
+                .iter()
+                .zip(&values)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            assert!(err <= tol, "{}: off by {err}", ty.name());
+        }
+        let q8 = Type::Q8_0.encode(&values[..32], 32).unwrap();
+        assert!(
+            Type::Q8_0.decode(&q8[..q8.len() - 1]).is_err(),
+            "a cut block"
+        );
+        assert!(Type::I32.decode(&[0; 4]).is_err());
     }
 }

@@ -26,7 +26,8 @@ use std::os::unix::fs::FileExt;
 pub struct Converted {
     /// Tensors written.
     pub tensors: usize,
-    /// Tensors left out (not model weights, or not float).
+    /// Tensors left out (not model weights, or of a type sdhost does not
+    /// read, such as integer buffers).
     pub skipped: usize,
     /// Bytes of tensor data written.
     pub bytes: u64,
@@ -82,6 +83,9 @@ struct Planned<'a> {
     /// Bytes per source element when the source is f32/f16/bf16 and is
     /// re-encoded; `None` when the data is copied as it is.
     decode: Option<u64>,
+    /// The source's ggml type where it is another quantized one, decoded
+    /// and re-encoded.
+    requantize: Option<Type>,
     shape: Vec<u64>,
     bytes: u64,
 }
@@ -183,16 +187,42 @@ pub fn to_gguf(
                 (Some(es), bytes)
             }
             None if Type::from_name(&t.dtype) == Some(ty) => (None, t.bytes),
-            None => {
-                stats.skipped += 1;
-                continue;
-            }
+            None => match Type::from_name(&t.dtype).filter(|s| *s != Type::I32) {
+                // A quantized source (a GGUF's) converts too: decoded by
+                // ggml, then encoded as asked.
+                Some(src) => {
+                    let n = t.shape.iter().product::<u64>().max(1);
+                    let bytes = ty.bytes_of(n).ok_or_else(|| {
+                        bad(format!(
+                            "tensor {}: shape {:?} does not fit {}",
+                            t.name,
+                            t.shape,
+                            ty.name()
+                        ))
+                    })?;
+                    plan.push(Planned {
+                        entry: t,
+                        offset,
+                        ty,
+                        decode: None,
+                        requantize: Some(src),
+                        shape,
+                        bytes,
+                    });
+                    continue;
+                }
+                None => {
+                    stats.skipped += 1;
+                    continue;
+                }
+            },
         };
         plan.push(Planned {
             entry: t,
             offset,
             ty,
             decode,
+            requantize: None,
             shape,
             bytes,
         });
@@ -263,8 +293,36 @@ pub fn to_gguf(
                 .map_err(|e| bad(format!("tensor {name}: reading data: {e}")))
         };
         let mut written = 0u64;
-        match p.decode {
-            Some(es) => {
+        match (p.decode, p.requantize) {
+            (_, Some(src)) => {
+                // Pieces of whole blocks of both types (each a power of two
+                // elements: 1, 32 or 256).
+                let row = p.shape.last().copied().unwrap_or(1).max(1);
+                let n = p.shape.iter().product::<u64>().max(1);
+                let (sb, sbytes) = (src.block_size() as u64, src.block_bytes() as u64);
+                let block = sb.max(p.ty.block_size() as u64);
+                if !row.is_multiple_of(sb) {
+                    return Err(bad(format!(
+                        "tensor {name}: rows of {row} are no whole blocks of {}",
+                        src.name()
+                    )));
+                }
+                for (at, len, enc_row) in pieces(n, row, block, PIECE_BYTES) {
+                    if cancelled() {
+                        return Err(ModelError::Cancelled);
+                    }
+                    read(&mut buf, at / sb * sbytes, len / sb * sbytes)?;
+                    let values = src
+                        .decode(&buf)
+                        .map_err(|e| bad(format!("tensor {name}: {e}")))?;
+                    let data =
+                        p.ty.encode(&values, enc_row as usize)
+                            .map_err(|e| bad(format!("tensor {name}: {e}")))?;
+                    out.write_all(&data).map_err(io)?;
+                    written += data.len() as u64;
+                }
+            }
+            (Some(es), None) => {
                 let row = p.shape.last().copied().unwrap_or(1).max(1);
                 let n = p.entry.bytes / es;
                 for (at, len, enc_row) in pieces(n, row, p.ty.block_size() as u64, PIECE_BYTES / es)
@@ -281,7 +339,7 @@ pub fn to_gguf(
                     written += data.len() as u64;
                 }
             }
-            None => {
+            (None, None) => {
                 let mut at = 0;
                 while at < p.entry.bytes {
                     if cancelled() {
