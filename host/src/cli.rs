@@ -308,7 +308,8 @@ pub struct SampleArgs {
     /// The sampler's η, 0 to 1 (A1111's eta): the share of fresh noise the
     /// ancestral samplers and dpm++2m_sde add each step (default 1; 0:
     /// none, deterministic) and DDIM's (default 0). Other samplers take
-    /// none; the flow families (FLUX, Z-Image, klein) only the default
+    /// none; the flow families (FLUX, Z-Image, klein) take it in ComfyUI's
+    /// flow forms, their DDIM only the default
     #[arg(long, value_name = "ETA", value_parser = parse_eta)]
     pub eta: Option<f64>,
 

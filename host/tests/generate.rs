@@ -173,7 +173,8 @@ fn generate_records_the_sampler_and_schedule() {
 /// `--eta` (A1111's): Euler a at η 0 is Euler to the bit; DDIM at η 1 is
 /// Euler a (DDIM's σ_t in σ-space is the ancestral step), within a level;
 /// Euler a at η 0.5 is neither, and its PNG records `Eta: 0.5`; the flow
-/// families take only the default, an eta out of 0..=1 is refused.
+/// families' Euler a takes it in ComfyUI's flow form (η 0: Euler, within a
+/// level) and their DDIM only its default; an eta out of 0..=1 is refused.
 #[test]
 fn eta_changes_the_ancestral_and_ddim_samplers_as_k_diffusion_does() {
     let p = Prefix::with_cpu();
@@ -210,22 +211,30 @@ fn eta_changes_the_ancestral_and_ddim_samplers_as_k_diffusion_does() {
         fixture("klein/tiny-klein-ae.safetensors"),
     );
     let klein = fixture("klein/tiny-klein.safetensors");
-    let r = generate(
-        &p,
-        &klein,
-        &x,
-        &[
-            "--llm",
-            s(&llm),
-            "--vae",
-            s(&ae),
-            "--sampler",
-            "euler_a",
-            "--eta",
-            "0.5",
-        ],
+    let parts = ["--llm", s(&llm), "--vae", s(&ae)];
+    let flow = |name: &str, extra: &[&str]| {
+        let f = out.join(name);
+        let mut a = parts.to_vec();
+        a.extend_from_slice(extra);
+        generate(&p, &klein, &f, &a).ok();
+        f
+    };
+    let k_euler = flow("k-euler.png", &["--sampler", "euler"]);
+    let k0 = flow("k0.png", &["--sampler", "euler_a", "--eta", "0"]);
+    let k1 = flow("k1.png", &["--sampler", "euler_a"]);
+    let k_half = flow("k-half.png", &["--sampler", "euler_a", "--eta", "0.5"]);
+    assert_within_a_level(&pixels(&k0), &pixels(&k_euler));
+    assert_ne!(pixels(&k_half), pixels(&k1));
+    assert_ne!(pixels(&k_half), pixels(&k0));
+    assert!(
+        png_info(&k_half).2.contains(", Eta: 0.5"),
+        "{}",
+        png_info(&k_half).2
     );
-    fails(&r, 1, &["eta 1 only"]);
+    let mut a = parts.to_vec();
+    a.extend_from_slice(&["--sampler", "ddim", "--eta", "0.5"]);
+    let r = generate(&p, &klein, &x, &a);
+    fails(&r, 1, &["eta 0 only"]);
     assert!(!x.exists());
 }
 

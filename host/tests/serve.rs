@@ -3178,10 +3178,16 @@ fn zimage_through_the_apis() {
     assert_eq!(r.status, 200, "{}", r.text());
     let (w, h, _, _) = png_of(r.json()["images"][0].as_str().unwrap());
     assert_eq!((w, h), (64, 64));
-    // A flow family's ancestral sampler takes only its default eta.
+    // A flow family's ancestral sampler takes an eta (ComfyUI's flow form),
+    // its DDIM only the default.
     let r = srv.post(
         "/sdapi/v1/txt2img",
         json!({"prompt": "x", "steps": 2, "sampler_name": "Euler a", "eta": 0.5}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let r = srv.post(
+        "/sdapi/v1/txt2img",
+        json!({"prompt": "x", "steps": 2, "sampler_name": "DDIM", "eta": 0.5}),
     );
     assert_eq!(r.status, 422, "{}", r.text());
     assert_eq!(r.json()["field"], "eta", "{}", r.text());

@@ -581,7 +581,9 @@ impl<'b> Pipeline<'b> {
         let mut finished = false;
         let rule = sampling.noise_rule();
         if let (Some(eta), Some(default)) = (req.eta, req.sampler.default_eta()) {
-            if eta != default && matches!(rule, NoiseRule::RectifiedFlow { .. }) {
+            // DDIM's η is its σ_t in σ-space, which has no flow form.
+            let flow = matches!(rule, NoiseRule::RectifiedFlow { .. });
+            if eta != default && flow && req.sampler == crate::sampling::Sampler::Ddim {
                 return Err(ModelError::request(
                     Field::Eta,
                     format!(

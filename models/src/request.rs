@@ -35,7 +35,8 @@ pub struct Request {
     /// Sampler.
     pub sampler: Sampler,
     /// The sampler's η (A1111's `eta`), `None`: its default
-    /// ([`Sampler::default_eta`]); the flow families take only the default.
+    /// ([`Sampler::default_eta`]); the flow families' DDIM takes only the
+    /// default.
     pub eta: Option<f64>,
     /// How the sampling σs are spread over the schedule.
     pub scheduler: Scheduler,

@@ -12,7 +12,7 @@
 use serde_json::Value;
 
 use super::noise::{DiscreteSchedule, NoiseSchedule};
-use super::sampler::{sample_f64, sample_f64_with_eta, sample_with_eta, NoiseRule, Sampler};
+use super::sampler::{sample_f64_with_eta, sample_with_eta, NoiseRule, Sampler};
 use super::scheduler::Scheduler;
 
 const TOL: f64 = 1e-5;
@@ -354,8 +354,11 @@ fn flow_samplers_match_references() {
         let sigmas = scheduler.sigmas(&NoiseSchedule::Flow(flow), steps);
         let x: Vec<f64> = x_unit.iter().map(|v| v * sigmas[0]).collect();
         let (mut calls, mut draws) = (0, 0);
-        let got = sample_f64::<()>(
+        // A case with an "eta" runs the sampler at that η (else its default).
+        let eta = case.get("eta").map(|e| e.as_f64().expect("eta"));
+        let got = sample_f64_with_eta::<()>(
             sampler,
+            eta,
             rule,
             &sigmas,
             x,
@@ -370,7 +373,10 @@ fn flow_samplers_match_references() {
             |_| {},
         )
         .unwrap();
-        let label = format!("{sampler} {scheduler} (flow)");
+        let label = match eta {
+            Some(e) => format!("{sampler} {scheduler} (flow, η = {e})"),
+            None => format!("{sampler} {scheduler} (flow)"),
+        };
         assert_eq!(
             calls,
             case["denoise_calls"].as_u64().unwrap() as usize,

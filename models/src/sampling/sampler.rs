@@ -294,8 +294,9 @@ pub fn sample<E>(
 /// the ancestral samplers' noise share (k-diffusion's `eta`: 0 makes them
 /// deterministic), DPM++ 2M SDE's, and DDIM's (0: the Euler step; above,
 /// DDIM's σ_t, which in σ-space is Euler ancestral with that η). Under
-/// [`NoiseRule::RectifiedFlow`] only the default is taken (the caller
-/// refuses another: [`Sampler::default_eta`]).
+/// [`NoiseRule::RectifiedFlow`] the ancestral and SDE samplers take it in
+/// ComfyUI's flow forms; DDIM there runs as Euler, at its default only
+/// (the caller refuses another).
 #[allow(clippy::too_many_arguments)]
 pub fn sample_with_eta<E>(
     sampler: Sampler,
@@ -352,10 +353,19 @@ pub fn sample_f64_with_eta<E>(
     mut noise: impl FnMut(usize) -> Vec<f64>,
     mut step_done: impl FnMut(usize),
 ) -> Result<Vec<f64>, E> {
-    if let NoiseRule::RectifiedFlow { first_sigma } = rule {
-        return sample_flow(sampler, first_sigma, sigmas, x, denoise, noise, step_done);
-    }
     let eta = eta.or(sampler.default_eta()).unwrap_or(0.0);
+    if let NoiseRule::RectifiedFlow { first_sigma } = rule {
+        return sample_flow(
+            sampler,
+            eta,
+            first_sigma,
+            sigmas,
+            x,
+            denoise,
+            noise,
+            step_done,
+        );
+    }
     // Multistep history: the previous x̂₀ and log-σ step (dpm++2m, dpm++2m_sde)
     // and the last derivatives, newest last (lms).
     let mut old_denoised: Option<Vec<f64>> = None;
@@ -529,9 +539,13 @@ pub fn sample_f64_with_eta<E>(
 }
 
 /// [`sample_f64`] under [`NoiseRule::RectifiedFlow`]: the samplers whose
-/// noise differs take ComfyUI's flow forms, the others run as in σ-space.
+/// noise differs take ComfyUI's flow forms at η `eta` (its `_RF` samplers'
+/// down-step `σ_next·(1 + (σ_next/σ − 1)·η)`, and DPM++ 2M SDE's η; each
+/// draws noise where ComfyUI's does), the others run as in σ-space.
+#[allow(clippy::too_many_arguments)]
 fn sample_flow<E>(
     sampler: Sampler,
+    eta: f64,
     first_sigma: f64,
     sigmas: &[f64],
     mut x: Vec<f64>,
@@ -564,9 +578,9 @@ fn sample_flow<E>(
     for i in 0..sigmas.len().saturating_sub(1) {
         let (s, s_next) = (sigmas[i], sigmas[i + 1]);
         let den = denoise(&x, s, i)?;
-        // η = 1: σ_down = σ_next²/σ, and the rescale and renoise that keep
-        // the marginal at σ_next.
-        let s_down = s_next * (s_next / s);
+        // σ_down (at η = 1, σ_next²/σ), and the rescale and renoise that
+        // keep the marginal at σ_next.
+        let s_down = s_next * (1.0 + (s_next / s - 1.0) * eta);
         let (a_next, a_down) = (1.0 - s_next, 1.0 - s_down);
         let renoise = (s_next * s_next - s_down * s_down * a_next * a_next / (a_down * a_down))
             .max(0.0)
@@ -585,7 +599,9 @@ fn sample_flow<E>(
                     for (xv, d) in x.iter_mut().zip(&den) {
                         *xv = r * *xv + (1.0 - r) * d;
                     }
-                    renoised(&mut x, noise(i));
+                    if eta > 0.0 {
+                        renoised(&mut x, noise(i));
+                    }
                 }
             }
             Sampler::Dpm2A => {
@@ -620,7 +636,9 @@ fn sample_flow<E>(
                     for (xv, d) in x.iter_mut().zip(&den2) {
                         *xv = r * *xv + (1.0 - r) * d;
                     }
-                    renoised(&mut x, noise(i));
+                    if eta > 0.0 {
+                        renoised(&mut x, noise(i));
+                    }
                 }
             }
             Sampler::DpmPp2mSde => {
@@ -629,8 +647,8 @@ fn sample_flow<E>(
                 } else {
                     let h = lambda(s_next) - lambda(s);
                     let alpha = s_next * lambda(s_next).exp();
-                    let b = -(-2.0 * h).exp_m1();
-                    let a = s_next / s * (-h).exp();
+                    let b = -(-h * (eta + 1.0)).exp_m1();
+                    let a = s_next / s * (-h * eta).exp();
                     for (xv, d) in x.iter_mut().zip(&den) {
                         *xv = a * *xv + alpha * b * d;
                     }
@@ -640,7 +658,10 @@ fn sample_flow<E>(
                             *xv += c * (d - p);
                         }
                     }
-                    axpy(&mut x, s_next * b.sqrt(), &noise(i));
+                    if eta > 0.0 {
+                        let up = s_next * (-(-2.0 * h * eta).exp_m1()).sqrt();
+                        axpy(&mut x, up, &noise(i));
+                    }
                     h_last = Some(h);
                 }
                 old_denoised = Some(den);

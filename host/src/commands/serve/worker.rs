@@ -250,8 +250,8 @@ pub struct GenWork {
     pub preview_every: Option<usize>,
     /// A1111's `tiling`: a seamless image (circular padding).
     pub tiling: bool,
-    /// A1111's `eta` (the sampler's η; the flow families refuse another
-    /// than their default).
+    /// A1111's `eta` (the sampler's η; the flow families' DDIM refuses
+    /// another than its default).
     pub eta: Option<f64>,
 }
 
