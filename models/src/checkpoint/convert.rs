@@ -229,8 +229,7 @@ pub fn to_gguf(
     }
     if plan.is_empty() {
         return Err(ModelError::Unsupported(format!(
-            "{}: no tensor of a model sdhost runs ({} left out: not a checkpoint, transformer, text encoder or VAE it knows)",
-            ckpt.path.display(),
+            "none of its {} tensors is one sdhost converts (it converts checkpoints, diffusion transformers, text encoders and VAEs)",
             stats.skipped
         )));
     }
