@@ -708,7 +708,13 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
             Some((last, rest)) => format!("{} and {last}", rest.join(", ")),
             None => continue,
         };
+        // Weights of whole panels are packed once, in place, and then take
+        // the kernel at any number of rows (`packed`).
         let passes = match isa {
+            Isa::Avx512Bf16 if names.contains("bf16") && crate::knobs().fma_pack => format!(
+                " (k in passes of {}; bf16 weights of whole panels packed once, at any rows)",
+                bf16_pass()
+            ),
             Isa::Avx512Bf16 => format!(" (k in passes of {})", bf16_pass()),
             _ => String::new(),
         };
