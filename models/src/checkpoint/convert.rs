@@ -173,33 +173,26 @@ pub fn to_gguf(
         } else {
             t.shape.clone()
         };
+        // The bytes of `n` values of the type the tensor gets.
+        let encoded = |n: u64| {
+            ty.bytes_of(n).ok_or_else(|| {
+                bad(format!(
+                    "tensor {}: shape {:?} does not fit {}",
+                    t.name,
+                    t.shape,
+                    ty.name()
+                ))
+            })
+        };
         let (decode, bytes) = match float_size(&t.dtype) {
-            Some(es) => {
-                let n = t.bytes / es;
-                let bytes = ty.bytes_of(n).ok_or_else(|| {
-                    bad(format!(
-                        "tensor {}: shape {:?} does not fit {}",
-                        t.name,
-                        t.shape,
-                        ty.name()
-                    ))
-                })?;
-                (Some(es), bytes)
-            }
+            Some(es) => (Some(es), encoded(t.bytes / es)?),
             None if Type::from_name(&t.dtype) == Some(ty) => (None, t.bytes),
             None => match Type::from_name(&t.dtype).filter(|s| *s != Type::I32) {
                 // A quantized source (a GGUF's) converts too: decoded by
                 // ggml, then encoded as asked.
                 Some(src) => {
-                    let n = t.shape.iter().product::<u64>().max(1);
-                    let bytes = ty.bytes_of(n).ok_or_else(|| {
-                        bad(format!(
-                            "tensor {}: shape {:?} does not fit {}",
-                            t.name,
-                            t.shape,
-                            ty.name()
-                        ))
-                    })?;
+                    let n = t.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d));
+                    let bytes = encoded(n.unwrap_or(u64::MAX))?;
                     plan.push(Planned {
                         entry: t,
                         offset,
@@ -297,7 +290,7 @@ pub fn to_gguf(
                 // Pieces of whole blocks of both types (each a power of two
                 // elements: 1, 32 or 256).
                 let row = p.shape.last().copied().unwrap_or(1).max(1);
-                let n = p.shape.iter().product::<u64>().max(1);
+                let n = p.bytes / p.ty.block_bytes() as u64 * p.ty.block_size() as u64;
                 let (sb, sbytes) = (src.block_size() as u64, src.block_bytes() as u64);
                 let block = sb.max(p.ty.block_size() as u64);
                 if !row.is_multiple_of(sb) {
