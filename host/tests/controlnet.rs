@@ -438,6 +438,28 @@ fn generate_with_controlnets_from_the_cli() {
         .map(|m| m["module"].as_str().unwrap_or_default().to_string())
         .collect();
     assert!(modules.iter().any(|m| m == "controlnet"), "{}", r.stdout);
+
+    // Converted to GGUF (each layout, f16): the same image.
+    for (src, name) in [(&net, "diffusers"), (&ldm, "ldm")] {
+        let g = out.join(format!("{name}.gguf"));
+        p.run(&["convert", "-m", s(src), "-o", s(&g), "--type", "f16"])
+            .ok();
+        let image = |net: &std::path::Path, file: &str| {
+            let f = out.join(file);
+            let a = [
+                "--seed",
+                "5",
+                "--control-net",
+                s(net),
+                "--control-image",
+                s(&control),
+            ];
+            generate(&p, &f, &a).ok();
+            pixels(&f)
+        };
+        let want = image(src, &format!("{name}.png"));
+        assert_eq!(image(&g, &format!("{name}-gguf.png")), want, "{name}");
+    }
 }
 
 #[test]

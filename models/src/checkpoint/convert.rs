@@ -65,8 +65,8 @@ pub struct Conversion {
     /// (`None`: left out).
     pub rule: fn(&str, &[u64], Type) -> Option<Type>,
     /// `general.architecture`: the family's name, or what the file is
-    /// (`t5encoder`, `clip`, `qwen3`, `vae`), `unknown` for a file of
-    /// none.
+    /// (`t5encoder`, `clip`, `qwen3`, `vae`, `controlnet`), `unknown` for
+    /// a file of none.
     pub architecture: &'static str,
 }
 
@@ -222,7 +222,7 @@ pub fn to_gguf(
     }
     if plan.is_empty() {
         return Err(ModelError::Unsupported(format!(
-            "none of its {} tensors is one sdhost converts (it converts checkpoints, diffusion transformers, text encoders and VAEs)",
+            "none of its {} tensors is one sdhost converts (it converts checkpoints, diffusion transformers, text encoders, VAEs and ControlNets)",
             stats.skipped
         )));
     }

@@ -762,6 +762,15 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
             architecture: "qwen3",
         };
     }
+    // A ControlNet (`--control-net`) in either layout: every tensor, under
+    // its name.
+    let original = has("control_model.") && !has(UNET_PREFIX);
+    if original || (has("controlnet_cond_embedding.") && has("controlnet_down_blocks.")) {
+        return Conversion {
+            rule: |name, shape, requested| Some(target_type(name, shape, requested)),
+            architecture: "controlnet",
+        };
+    }
     // A VAE given apart (`--vae`): every tensor, under its bare, `vae.` or
     // `first_stage_model.` name (each read back).
     let vae_alone = !has(UNET_PREFIX)
