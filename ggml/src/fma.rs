@@ -1314,23 +1314,11 @@ pub fn gemm(
     if bf16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        return gemm_with::<K>(
-            w,
-            m,
-            k,
-            bf16_pass(),
-            &pack,
-            bias,
-            out,
-            store,
-            ith,
-            nth,
-            None,
-        );
+        return gemm_with::<K>(w, m, k, bf16_pass(), &pack, bias, out, store, ith, nth);
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| pack_rows::<K>(x, r0, mc, kb, kc, a);
-        gemm_with::<K>(w, m, k, K::products_pass(), &pack, bias, out, store, ith, nth, None)
+        gemm_with::<K>(w, m, k, K::products_pass(), &pack, bias, out, store, ith, nth)
     })
 }
 
@@ -1357,23 +1345,11 @@ pub fn conv(
     if isa == Isa::Avx512Bf16 && features().avx512bf16 && w.ty == sys::GGML_TYPE_BF16 {
         type K = Bf16Avx512;
         let pack = |r0, mc, kb, kc, a: &mut [u16]| x.pack_pairs(r0, mc, kb, kc, K::MR, a);
-        return gemm_with::<K>(
-            w,
-            m,
-            k,
-            conv_kc::<K>(k),
-            &pack,
-            bias,
-            out,
-            store,
-            ith,
-            nth,
-            None,
-        );
+        return gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth);
     }
     on_f32_kernel!(isa, K => {
         let pack = |r0, mc, kb, kc, a: &mut [f32]| x.pack(r0, mc, kb, kc, K::MR, a);
-        gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth, None)
+        gemm_with::<K>(w, m, k, conv_kc::<K>(k), &pack, bias, out, store, ith, nth)
     })
 }
 
@@ -1440,6 +1416,24 @@ const CONV_BLOCK_BYTES: usize = 384 << 10;
 
 #[allow(clippy::too_many_arguments)]
 fn gemm_with<K: Kernel>(
+    w: &Weight<'_>,
+    m: usize,
+    k: usize,
+    kc_max: usize,
+    pack_x: PackX<'_, K::E>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    store: Store,
+    ith: usize,
+    nth: usize,
+) {
+    gemm_on_panels::<K>(w, m, k, kc_max, pack_x, bias, out, store, ith, nth, None)
+}
+
+/// [`gemm_with`], the weight's panels packed already where `packed` holds
+/// them (for every pass: [`packed`]).
+#[allow(clippy::too_many_arguments)]
+fn gemm_on_panels<K: Kernel>(
     w: &Weight<'_>,
     m: usize,
     k: usize,
@@ -2765,19 +2759,7 @@ mod tests {
             let pack = |r0, mc, kb, kc, a: &mut [K::E]| pack_rows::<K>(&x, r0, mc, kb, kc, a);
             let mut got = vec![f32::NAN; m * n];
             for ith in 0..2 {
-                gemm_with::<K>(
-                    w,
-                    m,
-                    k,
-                    kc,
-                    &pack,
-                    None,
-                    &mut got,
-                    Store::Rows,
-                    ith,
-                    2,
-                    None,
-                );
+                gemm_with::<K>(w, m, k, kc, &pack, None, &mut got, Store::Rows, ith, 2);
             }
             let tol = tol * (k as f64).sqrt();
             assert_f64_product(&got, &xs, wv, (m, k, n), tol, &format!("m {m} kc {kc}"));

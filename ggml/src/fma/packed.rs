@@ -183,7 +183,7 @@ pub(crate) fn gemm(
     let panels = unsafe { std::slice::from_raw_parts(w.data.as_ptr() as *const u16, w.n * w.k) };
     type K = Bf16Avx512;
     let pack = |r0, mc, kb, kc, a: &mut [u16]| super::pack_rows::<K>(x, r0, mc, kb, kc, a);
-    super::gemm_with::<K>(
+    super::gemm_on_panels::<K>(
         w,
         x.rows,
         x.k,

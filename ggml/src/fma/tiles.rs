@@ -308,7 +308,6 @@ pub fn gemm(
         Store::Rows,
         ith,
         nth,
-        None,
     );
 }
 
