@@ -46,7 +46,9 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
 
 /// Whether `t` can be packed in place: a bf16 matrix of whole panels and
 /// pairs, contiguous, no view, its data in host memory, on a processor
-/// with the bf16 kernel, packing not turned off.
+/// whose bf16 weights take the bf16 kernel ([`super::bf16_dots`]: not
+/// Intel's, where they are widened on the f32 kernel), packing not turned
+/// off.
 ///
 /// # Safety
 /// `t` is a live tensor; its buffer, when set, is live.
@@ -59,7 +61,7 @@ pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
     unsafe {
         let [k, n, d2, d3] = (*t).ne;
         f.avx512
-            && f.avx512bf16
+            && super::bf16_dots()
             && (*t).type_ == sys::GGML_TYPE_BF16
             && (*t).op == sys::GGML_OP_NONE
             && (*t).view_src.is_null()
@@ -436,8 +438,8 @@ mod tests {
     #[test]
     fn graphs_pack_and_unpack_their_weights() {
         use crate::{Context, Type};
-        if !(features().avx512 && features().avx512bf16 && super::super::available()) {
-            eprintln!("no AVX512-BF16 here: nothing is packed");
+        if !(features().avx512 && super::super::bf16_dots() && super::super::available()) {
+            eprintln!("bf16 weights do not take the bf16 kernel here: nothing is packed");
             return;
         }
         let (k, n) = (64i64, 64i64);
