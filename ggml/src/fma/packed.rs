@@ -1,6 +1,6 @@
 //! bf16 weights packed once, in place, as the bf16 kernel reads them.
 //!
-//! Every product on [`super::Bf16Avx512`] used to transpose its weight into
+//! Every product on the AVX512-BF16 kernel (`Bf16Avx512`) used to transpose its weight into
 //! panels (32 outputs side by side, `k` in pairs) before multiplying, in
 //! every evaluation and on every thread: at the UNet's and the text
 //! encoders' shapes that packing was a tenth of the product's time, and
@@ -13,7 +13,7 @@
 //! reads): whatever holds the tensor sees it. [`Graph::pack_weights`]
 //! packs before a graph runs and unpacks a weight that the graph uses
 //! otherwise (a view, another op, ggml's own product), so a packed weight
-//! never reaches anything but [`super::gemm_op`]. [`crate::Context::mul_mat`]
+//! never reaches anything but this crate's product op (`gemm_op`). [`crate::Context::mul_mat`]
 //! puts every product of a weight that can be packed on that op, at any
 //! number of rows (so which kernel multiplies it never depends on which
 //! graph ran first: a short prompt after a long one gives the same
@@ -220,7 +220,7 @@ pub struct Packing {
 
 impl Graph<'_> {
     /// Before this graph runs: packs each weight (`is_weight` of its
-    /// [`crate::Tensor::id`]) that [`packable`] allows and whose every use
+    /// [`crate::Tensor::id`]) that `packable` allows and whose every use
     /// in the graph is the weight of a product on sdhost's bf16 kernel, and
     /// unpacks each packed one the graph uses otherwise. Only for a graph
     /// no other thread computes, over weights nothing else reads meanwhile.
