@@ -2390,8 +2390,9 @@ pub(crate) unsafe extern "C" fn gemm_op(
     // values, and the rest as `on_product_node` reads it.
     unsafe {
         if packed::is_packed((*dst).src[0]) {
+            let a0 = packed::lead((*dst).src[0]);
             return on_product_node(dst, |w, x, bias, out| {
-                packed::gemm(w, x, bias, out, ith as usize, nth as usize)
+                packed::gemm(w, a0, x, bias, out, ith as usize, nth as usize)
             });
         }
         on_product_node(dst, |w, x, bias, out| {

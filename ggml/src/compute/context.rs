@@ -182,12 +182,13 @@ impl Context {
         // SAFETY: as above.
         let packable = !self.amx.get() && unsafe { crate::fma::packed::packable(a.raw) };
         if packed || packable {
-            // A weight packed (or to be packed) for sdhost's bf16 kernel is
+            // A weight packed (or to be packed) for sdhost's kernel is
             // multiplied there at any number of rows, whichever graph ran
             // first; anywhere else it is unpacked first.
             if self.fma.get() && b.ty() == Some(Type::F32) {
                 let added = bias.is_some();
-                let isa = crate::fma::Isa::Avx512Bf16;
+                // SAFETY: as above.
+                let isa = unsafe { crate::fma::packed::kernel(a.raw) };
                 return Ok((self.mul_mat_fma(a, b, bias, isa)?, added));
             }
             // SAFETY: as above.

@@ -99,8 +99,12 @@ impl<'ctx> Tensor<'ctx> {
                 self.is_allocated()
             )));
         }
-        // SAFETY: allocated tensor and a slice of exactly its size.
-        unsafe { sys::ggml_backend_tensor_set(self.raw, data.as_ptr().cast(), 0, data.len()) };
+        // SAFETY: allocated tensor and a slice of exactly its size; a
+        // weight packed for sdhost's kernels holds rows again.
+        unsafe {
+            sys::ggml_backend_tensor_set(self.raw, data.as_ptr().cast(), 0, data.len());
+            crate::fma::packed::forget(self.raw);
+        }
         Ok(())
     }
 
@@ -128,8 +132,12 @@ impl<'ctx> Tensor<'ctx> {
             return Err(Error::Invalid("get_bytes needs an allocated tensor".into()));
         }
         let mut out = vec![0u8; self.nbytes()];
-        // SAFETY: allocated tensor of exactly this many bytes.
-        unsafe { sys::ggml_backend_tensor_get(self.raw, out.as_mut_ptr().cast(), 0, out.len()) };
+        // SAFETY: allocated tensor of exactly this many bytes; a weight
+        // packed for sdhost's kernels reads as its rows.
+        unsafe {
+            sys::ggml_backend_tensor_get(self.raw, out.as_mut_ptr().cast(), 0, out.len());
+            crate::fma::packed::as_rows(self.raw, &mut out);
+        }
         Ok(out)
     }
 

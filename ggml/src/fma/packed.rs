@@ -1,4 +1,5 @@
-//! bf16 weights packed once, in place, as the bf16 kernel reads them.
+//! Weights packed once, in place, as sdhost's kernels read them: bf16
+//! for the AVX512-BF16 kernel, q8_0 and q4_0 for the AVX512-VNNI one.
 //!
 //! Every product on the AVX512-BF16 kernel (`Bf16Avx512`) used to transpose its weight into
 //! panels (32 outputs side by side, `k` in pairs) before multiplying, in
@@ -7,7 +8,12 @@
 //! most of it at few rows. A weight whose every use in a graph is such a
 //! product is instead rewritten into that layout once, in its own buffer
 //! (the same bytes: 32 whole outputs a panel, `k` even), and the products
-//! read its panels in place.
+//! read its panels in place. The AVX512-VNNI kernel (`fma/vnni.rs`)
+//! packed each panel of a q8_0 or q4_0 weight for every chunk of rows
+//! (a fifth of its time over `bench --products`' shapes); its panels
+//! packed in place hold the same bytes as the rows (16 outputs a panel,
+//! their values in lines and their f16 scales after them: the layout of
+//! `vnni::pack_in_place`).
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
 //! reads): whatever holds the tensor sees it. [`Graph::pack_weights`]
@@ -22,7 +28,7 @@
 //!
 //! Hand-written: the layout is this crate's kernel's own.
 
-use super::{features, Bf16Avx512, Elem, Kernel, Weight};
+use super::{features, vnni, Bf16Avx512, Elem, Isa, Kernel, Weight};
 use crate::compute::Graph;
 use crate::sys;
 
@@ -30,25 +36,51 @@ use crate::sys;
 /// width.
 const MAGIC: i32 = i32::from_le_bytes(*b"sdPK");
 
-/// Outputs per panel.
+/// Outputs per panel of bf16 weights.
 const NR: usize = Bf16Avx512::NR;
 
-/// Whether `t` holds its rows as the bf16 kernel's panels.
+/// Outputs per panel of a weight of type `ty` packed in place, where that
+/// type can be: bf16 [`NR`], q8_0 and q4_0 the VNNI kernel's 16.
+fn width(ty: sys::ggml_type) -> Option<usize> {
+    match ty {
+        sys::GGML_TYPE_BF16 => Some(NR),
+        _ if vnni::in_place_format(ty).is_some() => Some(vnni::NR),
+        _ => None,
+    }
+}
+
+/// Whether `t` holds its rows as a kernel's panels.
 ///
 /// # Safety
 /// `t` is a live tensor.
 pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
     // SAFETY: the caller's.
     unsafe {
-        (*t).op == sys::GGML_OP_NONE && (*t).op_params[0] == MAGIC && (*t).op_params[1] == NR as i32
+        (*t).op == sys::GGML_OP_NONE
+            && (*t).op_params[0] == MAGIC
+            && width((*t).type_).is_some_and(|w| (*t).op_params[1] == w as i32)
     }
 }
 
-/// Whether `t` can be packed in place: a bf16 matrix of whole panels and
-/// pairs, contiguous, no view, its data in host memory, on a processor
-/// whose bf16 weights take the bf16 kernel ([`super::bf16_dots`]: not
-/// Intel's, where they are widened on the f32 kernel), packing not turned
-/// off.
+/// The kernel that multiplies a weight packed (or packable) in place:
+/// AVX512-BF16 for bf16, AVX512-VNNI for q8_0 and q4_0.
+///
+/// # Safety
+/// `t` is a live tensor.
+pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
+    // SAFETY: the caller's.
+    match unsafe { (*t).type_ } {
+        sys::GGML_TYPE_BF16 => Isa::Avx512Bf16,
+        _ => Isa::Avx512Vnni,
+    }
+}
+
+/// Whether `t` can be packed in place: a matrix of whole panels,
+/// contiguous, no view, its data in host memory, packing not turned off,
+/// and either bf16 of pairs of `k` on a processor whose bf16 weights take
+/// the bf16 kernel ([`super::bf16_dots`]: not Intel's, where they are
+/// widened on the f32 kernel), or q8_0 or q4_0 where they take the
+/// AVX512-VNNI kernel and no tile unit does.
 ///
 /// # Safety
 /// `t` is a live tensor; its buffer, when set, is live.
@@ -60,17 +92,25 @@ pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
     // SAFETY: the caller's.
     unsafe {
         let [k, n, d2, d3] = (*t).ne;
-        f.avx512
-            && super::bf16_dots()
-            && (*t).type_ == sys::GGML_TYPE_BF16
+        let ty = (*t).type_;
+        let kernel = match ty {
+            sys::GGML_TYPE_BF16 => f.avx512 && super::bf16_dots() && k % 2 == 0,
+            _ => {
+                vnni::in_place_format(ty).is_some()
+                    && super::isa_for(ty) == Some(Isa::Avx512Vnni)
+                    && !crate::amx::available()
+                    && k % vnni::QK as i64 == 0
+            }
+        };
+        kernel
+            && ((*t).data as usize).is_multiple_of(32)
             && (*t).op == sys::GGML_OP_NONE
             && (*t).view_src.is_null()
             && d2 == 1
             && d3 == 1
             && k > 0
-            && k % 2 == 0
             && n > 0
-            && (n as usize).is_multiple_of(NR)
+            && width(ty).is_some_and(|w| (n as usize).is_multiple_of(w))
             && sys::ggml_is_contiguous(t)
             && !(*t).data.is_null()
             && !(*t).buffer.is_null()
@@ -84,13 +124,21 @@ pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
 /// [`packable`] holds; nothing reads or writes `t`'s data meanwhile.
 unsafe fn pack(t: *mut sys::ggml_tensor) {
     // SAFETY: the caller's: a contiguous host matrix of `n` rows of `k`
-    // bf16 (2 bytes each).
+    // values of a type `width` knows.
     unsafe {
         let [k, n, ..] = (*t).ne.map(|d| d as usize);
-        let data = std::slice::from_raw_parts_mut((*t).data as *mut u8, 2 * k * n);
-        rows_to_panels(data, k, n);
+        let ty = (*t).type_;
+        let data = std::slice::from_raw_parts_mut((*t).data as *mut u8, sys::ggml_nbytes(t));
+        // Where the rows start in a 64-byte line (the VNNI layout puts its
+        // values on lines).
+        let a0 = (*t).data as usize % 64;
+        match ty {
+            sys::GGML_TYPE_BF16 => rows_to_panels(data, k, n),
+            _ => vnni::pack_in_place(ty, data, k, n, a0),
+        }
         (*t).op_params[0] = MAGIC;
-        (*t).op_params[1] = NR as i32;
+        (*t).op_params[1] = width(ty).expect("packable") as i32;
+        (*t).op_params[2] = a0 as i32;
     }
 }
 
@@ -103,10 +151,60 @@ pub(crate) unsafe fn unpack(t: *mut sys::ggml_tensor) {
     // SAFETY: the caller's, as in `pack`.
     unsafe {
         let [k, n, ..] = (*t).ne.map(|d| d as usize);
-        let data = std::slice::from_raw_parts_mut((*t).data as *mut u8, 2 * k * n);
-        panels_to_rows(data, k, n);
-        (*t).op_params[0] = 0;
-        (*t).op_params[1] = 0;
+        let ty = (*t).type_;
+        let data = std::slice::from_raw_parts_mut((*t).data as *mut u8, sys::ggml_nbytes(t));
+        to_rows(ty, data, k, n, lead(t));
+        forget(t);
+    }
+}
+
+/// Where a packed `t`'s rows started in a 64-byte line when it was packed
+/// (`op_params[2]`; the VNNI layout depends on it).
+///
+/// # Safety
+/// `t` is a live tensor.
+pub(crate) unsafe fn lead(t: *const sys::ggml_tensor) -> usize {
+    // SAFETY: the caller's.
+    unsafe { (*t).op_params[2] as usize }
+}
+
+/// Rewrites the panels of a packed `[k, n]` weight of type `ty` in
+/// `data` as its rows (`a0` as [`lead`]).
+fn to_rows(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
+    match ty {
+        sys::GGML_TYPE_BF16 => panels_to_rows(data, k, n),
+        _ => vnni::unpack_in_place(ty, data, k, n, a0),
+    }
+}
+
+/// Unmarks `t` without touching its data: for one whose data was just
+/// written as rows.
+///
+/// # Safety
+/// `t` is a live tensor.
+pub(crate) unsafe fn forget(t: *mut sys::ggml_tensor) {
+    // SAFETY: the caller's.
+    unsafe {
+        if is_packed(t) {
+            (*t).op_params[0] = 0;
+            (*t).op_params[1] = 0;
+            (*t).op_params[2] = 0;
+        }
+    }
+}
+
+/// `t`'s bytes as rows: `bytes` read from it, unpacked where `t` is
+/// packed (leaving `t` as it is).
+///
+/// # Safety
+/// `t` is a live tensor of `bytes.len()` bytes.
+pub(crate) unsafe fn as_rows(t: *const sys::ggml_tensor, bytes: &mut [u8]) {
+    // SAFETY: the caller's.
+    unsafe {
+        if is_packed(t) {
+            let [k, n, ..] = (*t).ne.map(|d| d as usize);
+            to_rows((*t).type_, bytes, k, n, lead(t));
+        }
     }
 }
 
@@ -164,15 +262,21 @@ pub(crate) unsafe fn ensure_unpacked(t: *mut sys::ggml_tensor) {
     }
 }
 
-/// The product of the packed weight `w` and `x` (see [`super::gemm`]).
+/// The product of the packed weight `w` and `x` (see [`super::gemm`]);
+/// `a0` is its [`lead`].
 pub(crate) fn gemm(
     w: &Weight<'_>,
+    a0: usize,
     x: &super::Rows<'_>,
     bias: Option<&[f32]>,
     out: &mut [f32],
     ith: usize,
     nth: usize,
 ) {
+    if w.ty != sys::GGML_TYPE_BF16 {
+        assert!(features().avx512vnni);
+        return vnni::gemm_in_place(w, a0, x, bias, out, ith, nth);
+    }
     assert!(
         w.ty == sys::GGML_TYPE_BF16
             && features().avx512bf16
@@ -221,7 +325,7 @@ pub struct Packing {
 impl Graph<'_> {
     /// Before this graph runs: packs each weight (`is_weight` of its
     /// [`crate::Tensor::id`]) that `packable` allows and whose every use
-    /// in the graph is the weight of a product on sdhost's bf16 kernel, and
+    /// in the graph is the weight of a product on sdhost's kernel for it, and
     /// unpacks each packed one the graph uses otherwise. Only for a graph
     /// no other thread computes, over weights nothing else reads meanwhile.
     pub fn pack_weights(&self, is_weight: &dyn Fn(usize) -> bool) -> Packing {
@@ -233,7 +337,7 @@ impl Graph<'_> {
             let node = node.raw();
             // SAFETY: a node of the live graph and its live operands.
             unsafe {
-                let product = is_bf16_product(node);
+                let product = is_sdhost_product(node);
                 for (s, &src) in (*node).src.iter().enumerate() {
                     if src.is_null() {
                         continue;
@@ -311,12 +415,12 @@ impl Graph<'_> {
     }
 }
 
-/// Whether `node` is a product on sdhost's kernels ([`super::gemm_op`]),
-/// which reads a packed weight on the bf16 kernel.
+/// Whether `node` is a product on sdhost's kernels (`gemm_op`), which
+/// reads a packed weight on its kernel.
 ///
 /// # Safety
 /// `node` is a live tensor.
-unsafe fn is_bf16_product(node: *const sys::ggml_tensor) -> bool {
+unsafe fn is_sdhost_product(node: *const sys::ggml_tensor) -> bool {
     // SAFETY: the caller's; a custom node's op_params start with ggml's
     // `ggml_custom_op_params`, whose first field is the function.
     unsafe {
@@ -419,7 +523,7 @@ mod tests {
                 let mut got = vec![0f32; m * n];
                 for ith in 0..2 {
                     super::super::gemm(super::super::Isa::Avx512Bf16, &w, &x, b, &mut want, ith, 2);
-                    gemm(&wp, &x, b, &mut got, ith, 2);
+                    gemm(&wp, 0, &x, b, &mut got, ith, 2);
                 }
                 assert!(
                     want.iter()
@@ -432,34 +536,64 @@ mod tests {
         }
     }
 
-    /// A graph's weight is packed where only the bf16 kernel's products
-    /// take it, stays on that kernel at any number of rows, and comes back
-    /// as its rows where something else reads it.
+    /// A graph's weight is packed where only its kernel's products take
+    /// it (bf16, q8_0, q4_0), stays on that kernel at any number of rows,
+    /// reads as its rows, and comes back as its rows where something else
+    /// reads it or new rows are written.
     #[test]
     fn graphs_pack_and_unpack_their_weights() {
-        use crate::{Context, Type};
-        if !(features().avx512 && super::super::bf16_dots() && super::super::available()) {
-            eprintln!("bf16 weights do not take the bf16 kernel here: nothing is packed");
-            return;
+        for (ty, takes) in [
+            (
+                crate::Type::BF16,
+                features().avx512 && super::super::bf16_dots(),
+            ),
+            (
+                crate::Type::Q8_0,
+                super::super::isa_for(sys::GGML_TYPE_Q8_0) == Some(Isa::Avx512Vnni),
+            ),
+            (
+                crate::Type::Q4_0,
+                super::super::isa_for(sys::GGML_TYPE_Q4_0) == Some(Isa::Avx512Vnni),
+            ),
+        ] {
+            if !(takes && super::super::available())
+                || crate::amx::available() && ty != crate::Type::BF16
+            {
+                eprintln!("{ty:?} weights do not take a kernel that packs them here");
+                continue;
+            }
+            graph_packs_and_unpacks(ty);
         }
+    }
+
+    fn graph_packs_and_unpacks(ty: crate::Type) {
+        use crate::{Context, Type};
         let (k, n) = (64i64, 64i64);
         let weights = Context::new(2, 0).unwrap();
-        let w = weights.new_tensor(Type::BF16, &[k, n]).unwrap();
+        let w = weights.new_tensor(ty, &[k, n]).unwrap();
         // SAFETY: a live context of no-alloc tensors, into the host arena's
         // buffer (freed below).
         let buffer = unsafe {
             sys::ggml_backend_alloc_ctx_tensors_from_buft(weights.raw, crate::arena::buffer_type())
         };
         assert!(!buffer.is_null());
-        let rows = bf16_bytes((k * n) as usize, 11);
-        w.set_bytes(&rows).unwrap();
+        let values: Vec<f32> = bf16_bytes((k * n) as usize, 11)
+            .chunks_exact(2)
+            .map(|b| f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16))
+            .collect();
+        w.set_f32(&values).unwrap();
+        let rows = w.get_bytes().unwrap();
         let is_w = |id: usize| id == w.id();
         // SAFETY: a live tensor.
         let packed = || unsafe { is_packed(w.raw()) };
-        let bytes = || w.get_bytes().unwrap();
+        // The bytes where they are (get_bytes reads packed weights as rows).
+        // SAFETY: the weight's allocated bytes.
+        let raw = || unsafe {
+            std::slice::from_raw_parts((*w.raw()).data as *const u8, rows.len()).to_vec()
+        };
 
         // Products on the kernel alone: packed, once.
-        let c = Context::new(16, 16).unwrap();
+        let c = Context::new(16, 96).unwrap();
         c.set_cpu_kernels(true);
         // (Where the processor has AMX, its tile unit takes bf16 weights
         // and nothing is packed: these are the products without it.)
@@ -468,15 +602,20 @@ mod tests {
         let y = c.mul_mat(w, x).unwrap();
         let g = c.graph(y, 16).unwrap();
         let done = g.pack_weights(&is_w);
-        assert_eq!((done.packed, done.unpacked, done.in_place), (1, 0, 1));
-        assert!(packed() && bytes() != rows);
+        assert_eq!(
+            (done.packed, done.unpacked, done.in_place),
+            (1, 0, 1),
+            "{ty:?}"
+        );
+        assert!(packed() && raw() != rows);
+        assert_eq!(w.get_bytes().unwrap(), rows, "{ty:?}: read as rows");
         assert_eq!(g.pack_weights(&is_w).packed, 0, "packed once");
 
         // Two rows, which ggml's product would take: still the kernel's.
         let x2 = c.new_tensor(Type::F32, &[k, 2]).unwrap();
         let y2 = c.mul_mat(w, x2).unwrap();
         // SAFETY: a live node.
-        assert!(unsafe { is_bf16_product(y2.raw()) });
+        assert!(unsafe { is_sdhost_product(y2.raw()) });
 
         // A view of it in the same graph as a product: back to its rows.
         let v = c.mul_mat(c.narrow(w, 1, 0, 32).unwrap(), x2).unwrap();
@@ -486,7 +625,7 @@ mod tests {
         let g = c.graph(both, 16).unwrap();
         let done = g.pack_weights(&is_w);
         assert_eq!((done.packed, done.unpacked), (0, 1));
-        assert!(!packed() && bytes() == rows);
+        assert!(!packed() && raw() == rows);
 
         // Packed again, then a context without sdhost's kernels unpacks it
         // as it builds ggml's product.
@@ -496,8 +635,17 @@ mod tests {
         let x3 = plain.new_tensor(Type::F32, &[k, 200]).unwrap();
         let y3 = plain.mul_mat(w, x3).unwrap();
         // SAFETY: a live node.
-        assert!(!unsafe { is_bf16_product(y3.raw()) });
-        assert!(!packed() && bytes() == rows);
+        assert!(!unsafe { is_sdhost_product(y3.raw()) });
+        assert!(!packed() && raw() == rows);
+
+        // Packed again, then new rows written: they are read as rows.
+        let g = c.graph(y, 16).unwrap();
+        assert_eq!(g.pack_weights(&is_w).packed, 1);
+        let mut other = rows.clone();
+        other.reverse();
+        w.set_bytes(&other).unwrap();
+        assert!(!packed() && raw() == other && w.get_bytes().unwrap() == other);
+        w.set_bytes(&rows).unwrap();
 
         // Not a weight of the graph: left alone.
         let g = c.graph(y, 16).unwrap();

@@ -62,7 +62,7 @@ use crate::sys;
 /// Values of `k` per block of both weight types and the rounded rows.
 pub const QK: usize = 32;
 /// Outputs per panel: the lanes of a vector.
-const NR: usize = 16;
+pub(super) const NR: usize = 16;
 /// Rows per micro-tile: 16 f32 accumulators beside the panel's 8 weight
 /// vectors and its scales (of the 32 registers).
 const MR: usize = 16;
@@ -195,6 +195,148 @@ pub(super) struct Line([u8; 64]);
 /// types with [`Format::halves`] the scales of the block's two halves.
 pub(super) const LINES: usize = 10;
 
+/// [`Tile::tile`]'s layouts of the weight: panels packed per product (of
+/// [`LINES`] lines a block), or the weight's own panels packed in place
+/// ([`pack_in_place`]) of q8_0 or q4_0.
+const LINES_LAYOUT: u8 = 0;
+const Q8_IN_PLACE: u8 = 1;
+const Q4_IN_PLACE: u8 = 2;
+
+/// Bytes of a block's 16 f16 scales in a panel packed in place.
+const SCALE_BYTES: usize = 2 * NR;
+
+/// A panel of a weight packed in place, from the pass's first block: its
+/// value lines, the first block's scales where they precede the values
+/// ([`Parts`]), and the (other) blocks' scales after them.
+#[derive(Clone, Copy)]
+pub(super) struct InPlace<'a> {
+    values: &'a [u8],
+    head: Option<&'a [u8]>,
+    scales: &'a [u8],
+}
+
+/// The format of `ty` where its weights can be packed in place for this
+/// kernel ([`pack_in_place`]): q8_0 and q4_0, whose panels (values and
+/// f16 scales) take the bytes their rows took.
+pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
+    match ty {
+        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 => Format::of(ty),
+        _ => None,
+    }
+}
+
+/// Bytes of one block of a panel's values packed in place: q8_0's 8 lines
+/// of unsigned bytes, q4_0's 4 lines of nibbles.
+fn value_bytes(f: Format) -> usize {
+    match f.q8() {
+        true => 8 * 64,
+        false => 4 * 64,
+    }
+}
+
+/// Where a panel packed in place keeps its parts: the block whose scales
+/// come first (none, or block 0), its values, and the other blocks'
+/// scales, in bytes from the panel's start.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Parts {
+    /// Blocks whose scales precede the values (0 or 1).
+    head: usize,
+    /// Bytes of one block's values.
+    v: usize,
+    /// Blocks in the panel.
+    blocks: usize,
+}
+
+impl Parts {
+    /// The parts of panel `p` of a weight of format `f` and `blocks`
+    /// blocks a row whose first byte was `a0` bytes past a 64-byte line
+    /// when it was packed (a multiple of 32): the values start on a line
+    /// where the panel starts on one, else after block 0's scales.
+    fn of(f: Format, blocks: usize, a0: usize, p: usize) -> Parts {
+        let panel = NR * blocks * f.size;
+        let head = (64 - (a0 + p * panel) % 64) % 64 / SCALE_BYTES;
+        Parts {
+            head: head.min(blocks),
+            v: value_bytes(f),
+            blocks,
+        }
+    }
+
+    /// Where block `b`'s values start.
+    fn values(self, b: usize) -> usize {
+        self.head * SCALE_BYTES + b * self.v
+    }
+
+    /// Where block `b`'s 16 f16 scales are.
+    fn scales(self, b: usize) -> usize {
+        match b < self.head {
+            true => b * SCALE_BYTES,
+            false => self.values(self.blocks) + (b - self.head) * SCALE_BYTES,
+        }
+    }
+}
+
+/// Rewrites `n` rows (a multiple of 16) of `k` values of q8_0 or q4_0
+/// ([`in_place_format`]) in `data`, whose first byte is `a0` bytes past a
+/// 64-byte line (a multiple of 32), as this kernel's panels in the same
+/// bytes: panel `p` (outputs `16p..16p + 16`) where its rows were, holding
+/// each block's values, then each block's 16 f16 scales (32 bytes); where
+/// the panel starts half a line off, block 0's scales come first, so that
+/// the values start on a line ([`Parts`]). Block `b`'s values are lines of
+/// 64 bytes, lane `c` (4 bytes) of line `j` being bytes `4j..4j + 4` of
+/// output `c`'s block: for q8_0 8 lines of its values made unsigned (+
+/// 128, as [`pack_panel`] makes them), for q4_0 4 lines of its nibble
+/// bytes as they are (the low nibbles of line `j` are values `4j..4j + 4`,
+/// the high ones values `16 + 4j..`, which the kernel splits).
+pub(super) fn pack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
+    let f = in_place_format(ty).expect("q8_0 or q4_0");
+    let blocks = k / QK;
+    let row_bytes = blocks * f.size;
+    assert!(k.is_multiple_of(QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
+    assert!(a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
+    let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
+    let mut panel = vec![0u8; NR * row_bytes];
+    for (p, rows) in data.chunks_exact_mut(NR * row_bytes).enumerate() {
+        let parts = Parts::of(f, blocks, a0, p);
+        for (c, row) in rows.chunks_exact(row_bytes).enumerate() {
+            for (b, block) in row.chunks_exact(f.size).enumerate() {
+                panel[parts.scales(b) + 2 * c..][..2].copy_from_slice(&block[..2]);
+                for (j, four) in block[f.values..].chunks_exact(4).enumerate() {
+                    let word = u32::from_le_bytes(four.try_into().expect("4 bytes")) ^ flip;
+                    panel[parts.values(b) + 64 * j + 4 * c..][..4]
+                        .copy_from_slice(&word.to_le_bytes());
+                }
+            }
+        }
+        rows.copy_from_slice(&panel);
+    }
+}
+
+/// The inverse of [`pack_in_place`] (with the same `a0`).
+pub(super) fn unpack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
+    let f = in_place_format(ty).expect("q8_0 or q4_0");
+    let blocks = k / QK;
+    let row_bytes = blocks * f.size;
+    assert!(k.is_multiple_of(QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
+    assert!(a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
+    let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
+    let mut rows_out = vec![0u8; NR * row_bytes];
+    for (p, panel) in data.chunks_exact_mut(NR * row_bytes).enumerate() {
+        let parts = Parts::of(f, blocks, a0, p);
+        for (c, row) in rows_out.chunks_exact_mut(row_bytes).enumerate() {
+            for (b, block) in row.chunks_exact_mut(f.size).enumerate() {
+                block[..2].copy_from_slice(&panel[parts.scales(b) + 2 * c..][..2]);
+                for (j, four) in block[f.values..].chunks_exact_mut(4).enumerate() {
+                    let at = parts.values(b) + 64 * j + 4 * c;
+                    let word = u32::from_le_bytes(panel[at..at + 4].try_into().expect("4 bytes"));
+                    four.copy_from_slice(&(word ^ flip).to_le_bytes());
+                }
+            }
+        }
+        panel.copy_from_slice(&rows_out);
+    }
+}
+
 /// A thread's buffers: the chunk's rounded rows and one packed panel.
 #[derive(Default)]
 pub(super) struct Buffers {
@@ -296,6 +438,46 @@ pub(super) fn gemm_on(
     ith: usize,
     nth: usize,
 ) {
+    drive(lanes, w, x, bias, out, ith, nth, None)
+}
+
+/// [`gemm_on`] on this module's kernel for a weight whose rows were
+/// rewritten by [`pack_in_place`] (with `a0`): its panels are read where
+/// they are.
+pub(super) fn gemm_in_place(
+    w: &Weight<'_>,
+    a0: usize,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    let f = in_place_format(w.ty).expect("a type packed in place");
+    assert!(
+        w.n.is_multiple_of(NR)
+            && w.k.is_multiple_of(QK)
+            && w.row_bytes == w.k / QK * f.size
+            && w.data.len() >= w.n * w.row_bytes
+            && a0 < 64
+            && a0.is_multiple_of(SCALE_BYTES)
+    );
+    drive(VNNI, w, x, bias, out, ith, nth, Some(a0))
+}
+
+/// [`gemm_on`], on the weight's own panels where `in_place` says how they
+/// were packed ([`gemm_in_place`] checked the layout).
+#[allow(clippy::too_many_arguments)]
+fn drive(
+    lanes: Lanes,
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+    in_place: Option<usize>,
+) {
     let (m, k, n) = (x.rows, x.k, w.n);
     let (nr, mr) = (lanes.nr, lanes.mr);
     assert!(
@@ -341,11 +523,31 @@ pub(super) fn gemm_on(
             for p in pr.clone() {
                 let j0 = p * nr;
                 let cols = nr.min(n - j0);
-                // SAFETY: the kernel's `applies` (asserted) checked the
-                // processor's features; `w` holds n rows of `units` units
-                // (asserted), `panel` blocks × LINES lines, b0 + blocks ≤
-                // the row's blocks and b0 starts a unit.
-                unsafe { (lanes.pack_panel)(w, f, j0, cols, b0, blocks, &mut buf.panel) };
+                let panel = match in_place {
+                    // Panel p of the weight, packed in place: the pass's
+                    // values and scales (Parts).
+                    Some(a0) => {
+                        let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
+                        let parts = Parts::of(f, units, a0, p);
+                        let tail = parts.scales(parts.head);
+                        let first = b0.max(parts.head) - parts.head;
+                        let rest = blocks - usize::from(b0 < parts.head);
+                        Some(InPlace {
+                            values: &bytes[parts.values(b0)..parts.values(b0 + blocks)],
+                            head: (b0 < parts.head).then(|| &bytes[..SCALE_BYTES]),
+                            scales: &bytes[tail + first * SCALE_BYTES..][..rest * SCALE_BYTES],
+                        })
+                    }
+                    None => {
+                        // SAFETY: the kernel's `applies` (asserted) checked
+                        // the processor's features; `w` holds n rows of
+                        // `units` units (asserted), `panel` blocks × LINES
+                        // lines, b0 + blocks ≤ the row's blocks and b0
+                        // starts a unit.
+                        unsafe { (lanes.pack_panel)(w, f, j0, cols, b0, blocks, &mut buf.panel) };
+                        None
+                    }
+                };
                 for t0 in (0..rows).step_by(mr) {
                     let tr = mr.min(rows - t0);
                     let i0 = r0 + t0;
@@ -354,6 +556,8 @@ pub(super) fn gemm_on(
                     let tile = Tile {
                         blocks,
                         panel: &buf.panel,
+                        in_place: panel,
+                        nibbles: !f.q8(),
                         q: &buf.q[t0 * QK..],
                         d: &buf.d[t0..],
                         s: &buf.s[t0..],
@@ -641,6 +845,11 @@ pub(super) unsafe fn k_lines(f: Format, unit: *const u8) -> [[f32; 8]; 2] {
 pub(super) struct Tile<'a> {
     pub(super) blocks: usize,
     pub(super) panel: &'a [Line],
+    /// The weight's own panel, where it was packed in place (then `panel`
+    /// is not read; this module's kernel only).
+    pub(super) in_place: Option<InPlace<'a>>,
+    /// An in-place panel holds q4_0's nibbles (else q8_0's bytes).
+    pub(super) nibbles: bool,
     pub(super) q: &'a [i8],
     pub(super) d: &'a [f32],
     pub(super) s: &'a [i32],
@@ -677,18 +886,34 @@ impl Tile<'_> {
         assert!(self.sd.len() >= last && self.sh.len() >= last);
         assert!(self.panel.len() >= self.blocks * LINES);
         macro_rules! rows {
-            ($min:literal, $halves:literal: $($r:literal)*) => {
+            ($min:literal, $halves:literal, $layout:ident: $($r:literal)*) => {
                 match tr {
                     // SAFETY: as this function's.
-                    $($r => unsafe { self.tile::<$r, $min, $halves>(c, ldc, cols, add, bias) },)*
+                    $($r => unsafe { self.tile::<$r, $min, $halves, $layout>(c, ldc, cols, add, bias) },)*
                     _ => unreachable!(),
                 }
             };
         }
+        if let Some(p) = &self.in_place {
+            let v = if self.nibbles { 256 } else { 512 };
+            assert!(!self.min && !self.halves);
+            let head = usize::from(p.head.is_some());
+            assert!(p.head.is_none_or(|h| h.len() >= SCALE_BYTES));
+            assert!(p.values.len() >= self.blocks * v);
+            assert!(p.scales.len() >= (self.blocks - head) * SCALE_BYTES);
+            return match self.nibbles {
+                true => rows!(false, false, Q4_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+                false => rows!(false, false, Q8_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            };
+        }
         match (self.min, self.halves) {
-            (true, _) => rows!(true, false: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
-            (false, true) => rows!(false, true: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
-            (false, false) => rows!(false, false: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            (true, _) => rows!(true, false, LINES_LAYOUT: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            (false, true) => {
+                rows!(false, true, LINES_LAYOUT: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+            }
+            (false, false) => {
+                rows!(false, false, LINES_LAYOUT: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+            }
         }
     }
 
@@ -699,7 +924,7 @@ impl Tile<'_> {
     /// As [`Tile::run`]'s, with `tr = R`, `MIN = self.min` and `HALVES =
     /// self.halves` (checked there; not both).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool>(
+    unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool, const LAYOUT: u8>(
         &self,
         c: &mut [f32],
         ldc: usize,
@@ -723,21 +948,62 @@ impl Tile<'_> {
             self.sh.as_ptr(),
             self.sd.as_ptr(),
         );
+        let (values, scales, head) = match &self.in_place {
+            // (Block 0's scales first where they are apart: `scales` then
+            // starts at block 1's.)
+            Some(p) => match p.head {
+                Some(h) => (
+                    p.values.as_ptr(),
+                    p.scales.as_ptr().wrapping_sub(SCALE_BYTES),
+                    h.as_ptr(),
+                ),
+                None => (p.values.as_ptr(), p.scales.as_ptr(), p.scales.as_ptr()),
+            },
+            None => (std::ptr::null(), std::ptr::null(), std::ptr::null()),
+        };
         for b in 0..self.blocks {
-            // SAFETY: block b < blocks of the panel and of rows t0..t0 + R
-            // of the chunk (checked by run).
+            // SAFETY: block b < blocks of the panel (of its in-place values
+            // and scales where LAYOUT says so) and of rows t0..t0 + R of
+            // the chunk (checked by run).
             unsafe {
-                let p = self.panel.as_ptr().add(b * LINES) as *const __m512i;
                 let mut w = [_mm512_setzero_si512(); 8];
-                for (j, w) in w.iter_mut().enumerate() {
-                    *w = _mm512_load_si512(p.add(j));
+                let (dw, mw);
+                if LAYOUT == LINES_LAYOUT {
+                    let p = self.panel.as_ptr().add(b * LINES) as *const __m512i;
+                    for (j, w) in w.iter_mut().enumerate() {
+                        *w = _mm512_load_si512(p.add(j));
+                    }
+                    dw = _mm512_load_ps(p.add(8) as *const f32);
+                    // The minimums, or the second halves' scales.
+                    mw = match MIN || HALVES {
+                        true => _mm512_load_ps(p.add(9) as *const f32),
+                        false => _mm512_setzero_ps(),
+                    };
+                } else {
+                    if LAYOUT == Q8_IN_PLACE {
+                        let p = values.add(b * 512) as *const __m512i;
+                        for (j, w) in w.iter_mut().enumerate() {
+                            *w = _mm512_loadu_si512(p.add(j));
+                        }
+                    } else {
+                        // Line j's low nibbles are values 4j..4j + 4 of
+                        // each output, its high ones values 16 + 4j...
+                        let p = values.add(b * 256) as *const __m512i;
+                        let nib = _mm512_set1_epi8(0x0f);
+                        for j in 0..4 {
+                            let v = _mm512_loadu_si512(p.add(j));
+                            w[j] = _mm512_and_si512(v, nib);
+                            w[j + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib);
+                        }
+                    }
+                    let at = match b {
+                        0 => head,
+                        _ => scales.wrapping_add(b * SCALE_BYTES),
+                    };
+                    let h = _mm256_loadu_si256(at as *const __m256i);
+                    dw = _mm512_cvtph_ps(h);
+                    mw = _mm512_setzero_ps();
                 }
-                let dw = _mm512_load_ps(p.add(8) as *const f32);
-                // The minimums, or the second halves' scales.
-                let mw = match MIN || HALVES {
-                    true => _mm512_load_ps(p.add(9) as *const f32),
-                    false => _mm512_setzero_ps(),
-                };
                 let at = b * self.stride;
                 for (r, acc) in acc.iter_mut().enumerate() {
                     let x = q.add((at + r) * QK) as *const i32;
@@ -972,6 +1238,93 @@ mod tests {
                 }
                 let tol = |e: usize| 1e-5 * want[e].abs().max(1.0);
                 assert_gemm(&w, &xs, m, bias, &want, tol);
+            }
+        }
+    }
+
+    #[test]
+    fn weights_packed_in_place_round_trip_and_multiply_bit_for_bit() {
+        // One panel and several, one block and an odd count, passes over k
+        // (130 blocks: two passes), rows from one to past a chunk.
+        let shapes = [
+            (32, 16, 1),
+            (96, 48, 13),
+            (320, 32, 300),
+            (4160, 32, 37),
+            (64, 16, 2),
+        ];
+        for ty in [sys::GGML_TYPE_Q8_0, sys::GGML_TYPE_Q4_0] {
+            for &(k, n, m) in &shapes {
+                let (rows, _) = weight(ty, k, n);
+                let f = Format::of(ty).unwrap();
+                let blocks = k / QK;
+                // Rows starting on a line and half a line off.
+                let mut data = vec![];
+                for a0 in [0, 32] {
+                    data = rows.clone();
+                    pack_in_place(ty, &mut data, k, n, a0);
+                    assert_ne!(data, rows, "type {ty}, {k}×{n}: packed differs");
+                    for p in 0..n / NR {
+                        // Each panel's values start on a line.
+                        let parts = Parts::of(f, blocks, a0, p);
+                        let start = p * NR * blocks * f.size;
+                        assert_eq!((a0 + start + parts.values(0)) % 64, 0, "{a0}, panel {p}");
+                        // Block 0: output c's scale at 2c of its scales,
+                        // its first four values in lane c of line 0.
+                        let panel = &data[start..];
+                        for c in 0..NR {
+                            let row = &rows[(p * NR + c) * blocks * f.size..];
+                            let at = parts.scales(0) + 2 * c;
+                            assert_eq!(panel[at..at + 2], row[..2]);
+                            let flip = if f.q8() { 0x80 } else { 0 };
+                            for t in 0..4 {
+                                assert_eq!(
+                                    panel[parts.values(0) + 4 * c + t],
+                                    row[f.values + t] ^ flip
+                                );
+                            }
+                        }
+                    }
+                    let mut back = data.clone();
+                    unpack_in_place(ty, &mut back, k, n, a0);
+                    assert_eq!(back, rows, "type {ty}, {k}×{n}, {a0}: the rows come back");
+                }
+                if !applies(ty) {
+                    eprintln!("no AVX512-VNNI here: in-place products not run");
+                    continue;
+                }
+                let w = Weight {
+                    data: &rows,
+                    ty,
+                    k,
+                    n,
+                    row_bytes: rows.len() / n,
+                };
+                // (Packed for rows half a line off: the last a0 above.)
+                let wp = Weight { data: &data, ..w };
+                let xs = activations(k, m);
+                let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
+                let row = |i: usize| &xs[i * k..(i + 1) * k];
+                let x = Rows {
+                    rows: m,
+                    k,
+                    row: &row,
+                };
+                for (b, nth) in [(None, 1), (Some(&bias[..]), 2), (None, 3)] {
+                    let mut want = vec![f32::NAN; m * n];
+                    let mut got = vec![f32::NAN; m * n];
+                    for ith in 0..nth {
+                        gemm_on(VNNI, &w, &x, b, &mut want, ith, nth);
+                        gemm_in_place(&wp, 32, &x, b, &mut got, ith, nth);
+                    }
+                    assert!(
+                        want.iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "type {ty}, {m}×{k}×{n} on {nth} threads, bias {}",
+                        b.is_some()
+                    );
+                }
             }
         }
     }

@@ -323,8 +323,11 @@ fn time_product(
     ctx.set_emulated_bf16(own == Some(true));
     let w = inputs.new_tensor(ty, &[s.k as i64, s.n as i64])?;
     let x = inputs.new_tensor(Type::F32, &[s.k as i64, s.m as i64])?;
-    let y = ctx.mul_mat(w, x)?;
+    // Allocated before the product is built, as the pipeline's weights
+    // are: a weight that can be packed in place takes its kernel at any
+    // number of rows.
     let _buffer = inputs.alloc_tensors(cpu)?;
+    let y = ctx.mul_mat(w, x)?;
     // Values in [-1, 1), cheap to make (a block repeated): the time does
     // not depend on them.
     let fill = |n: usize, seed: u64| -> Vec<f32> {
