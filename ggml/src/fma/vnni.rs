@@ -202,6 +202,9 @@ const LINES_LAYOUT: u8 = 0;
 const Q8_IN_PLACE: u8 = 1;
 const Q4_IN_PLACE: u8 = 2;
 
+/// Blocks ahead that the first tile over an in-place panel prefetches.
+const PREFETCH_BLOCKS: usize = 8;
+
 /// Bytes of a block's 16 f16 scales in a panel packed in place.
 const SCALE_BYTES: usize = 2 * NR;
 
@@ -558,6 +561,7 @@ fn drive(
                         panel: &buf.panel,
                         in_place: panel,
                         nibbles: !f.q8(),
+                        first: t0 == 0,
                         q: &buf.q[t0 * QK..],
                         d: &buf.d[t0..],
                         s: &buf.s[t0..],
@@ -850,6 +854,9 @@ pub(super) struct Tile<'a> {
     pub(super) in_place: Option<InPlace<'a>>,
     /// An in-place panel holds q4_0's nibbles (else q8_0's bytes).
     pub(super) nibbles: bool,
+    /// The chunk's first tile: the first to read an in-place panel, from
+    /// memory (it prefetches ahead).
+    pub(super) first: bool,
     pub(super) q: &'a [i8],
     pub(super) d: &'a [f32],
     pub(super) s: &'a [i32],
@@ -980,6 +987,18 @@ impl Tile<'_> {
                         false => _mm512_setzero_ps(),
                     };
                 } else {
+                    if self.first {
+                        // The first tile reads the panel from memory: ask
+                        // for the lines a few blocks ahead (the prefetchers
+                        // stop at each page), and their scales.
+                        let v = if LAYOUT == Q8_IN_PLACE { 512 } else { 256 };
+                        let ahead = values.wrapping_add((b + PREFETCH_BLOCKS) * v);
+                        for j in 0..v / 64 {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
+                        }
+                        let s = scales.wrapping_add((b + PREFETCH_BLOCKS) * SCALE_BYTES);
+                        _mm_prefetch::<_MM_HINT_T0>(s as *const i8);
+                    }
                     if LAYOUT == Q8_IN_PLACE {
                         let p = values.add(b * 512) as *const __m512i;
                         for (j, w) in w.iter_mut().enumerate() {
