@@ -716,6 +716,13 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                 bf16_pass()
             ),
             Isa::Avx512Bf16 => format!(" (k in passes of {})", bf16_pass()),
+            Isa::Avx512Vnni
+                if names.contains("q8_0")
+                    && crate::knobs().fma_pack
+                    && !crate::amx::available() =>
+            {
+                " (q8_0 and q4_0 weights of whole panels packed once, at any rows)".to_string()
+            }
             _ => String::new(),
         };
         bf16 += &format!(", {names} from {rows} rows on {}{passes}", isa.label());

@@ -147,9 +147,10 @@ pub struct Knobs {
     /// without it (`fma::int8`); off: the AVX512-BF16 kernel or ggml's (to
     /// measure them).
     pub fma_vnni: bool,
-    /// bf16 weights that only sdhost's bf16 kernel multiplies are packed
-    /// for it once, in place ([`Graph::pack_weights`]); off: packed in
-    /// every product (to measure the difference).
+    /// bf16 weights that only sdhost's bf16 kernel multiplies, and q8_0
+    /// and q4_0 ones that only its AVX512-VNNI kernel does, are packed for
+    /// it once, in place ([`Graph::pack_weights`]); off: packed in every
+    /// product (to measure the difference).
     pub fma_pack: bool,
     /// The FMA path keeps to its AVX2 kernel on AVX-512 processors (to
     /// measure the AVX2 class there).
