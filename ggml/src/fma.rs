@@ -721,7 +721,8 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                     && crate::knobs().fma_pack
                     && !crate::amx::available() =>
             {
-                " (q8_0 and q4_0 weights of whole panels packed once, at any rows)".to_string()
+                " (q8_0, q4_0 and q4_K weights of whole panels packed once, at any rows)"
+                    .to_string()
             }
             _ => String::new(),
         };

@@ -99,7 +99,7 @@ pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
                 vnni::in_place_format(ty).is_some()
                     && super::isa_for(ty) == Some(Isa::Avx512Vnni)
                     && !crate::amx::available()
-                    && k % vnni::QK as i64 == 0
+                    && k % vnni::unit(ty) as i64 == 0
             }
         };
         kernel
@@ -537,7 +537,7 @@ mod tests {
     }
 
     /// A graph's weight is packed where only its kernel's products take
-    /// it (bf16, q8_0, q4_0), stays on that kernel at any number of rows,
+    /// it (bf16, q8_0, q4_0, q4_K), stays on that kernel at any number of rows,
     /// reads as its rows, and comes back as its rows where something else
     /// reads it or new rows are written.
     #[test]
@@ -555,6 +555,10 @@ mod tests {
                 crate::Type::Q4_0,
                 super::super::isa_for(sys::GGML_TYPE_Q4_0) == Some(Isa::Avx512Vnni),
             ),
+            (
+                crate::Type::Q4K,
+                super::super::isa_for(sys::GGML_TYPE_Q4_K) == Some(Isa::Avx512Vnni),
+            ),
         ] {
             if !(takes && super::super::available())
                 || crate::amx::available() && ty != crate::Type::BF16
@@ -568,7 +572,8 @@ mod tests {
 
     fn graph_packs_and_unpacks(ty: crate::Type) {
         use crate::{Context, Type};
-        let (k, n) = (64i64, 64i64);
+        // (A q4_K row is whole super-blocks of 256 values.)
+        let (k, n) = (256i64, 64i64);
         let weights = Context::new(2, 0).unwrap();
         let w = weights.new_tensor(ty, &[k, n]).unwrap();
         // SAFETY: a live context of no-alloc tensors, into the host arena's

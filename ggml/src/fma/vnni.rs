@@ -201,6 +201,7 @@ pub(super) const LINES: usize = 10;
 const LINES_LAYOUT: u8 = 0;
 const Q8_IN_PLACE: u8 = 1;
 const Q4_IN_PLACE: u8 = 2;
+const Q4K_IN_PLACE: u8 = 3;
 
 /// Blocks ahead that the first tile over an in-place panel prefetches.
 const PREFETCH_BLOCKS: usize = 8;
@@ -223,8 +224,110 @@ pub(super) struct InPlace<'a> {
 /// f16 scales) take the bytes their rows took.
 pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
     match ty {
-        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 => Format::of(ty),
+        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 | sys::GGML_TYPE_Q4_K => Format::of(ty),
         _ => None,
+    }
+}
+
+/// Bytes of one super-block's values in a q4_K panel packed in place: 4
+/// pairs of blocks, 8 lines each.
+const K_VALUES: usize = 4 * 8 * 64;
+
+/// Bytes of one super-block's header in a q4_K panel packed in place: the
+/// 16 outputs' f16 d, their f16 dmin, then each of the 12 bytes of 6-bit
+/// scales and minimums, 16 outputs side by side.
+const K_HEADER: usize = 32 + 32 + 12 * 16;
+
+/// Rewrites `n` rows (a multiple of 16) of `k` q4_K values in `data` as
+/// this kernel's panels in the same bytes: panel `p` (outputs `16p..16p +
+/// 16`) where its rows were, holding each super-block's values ([`K_VALUES`]:
+/// lane `c` of line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of
+/// output `c`'s nibbles, whose low nibbles are block `2g`'s values `4j..4j +
+/// 4` and high ones block `2g + 1`'s), then each super-block's header
+/// ([`K_HEADER`]), from which [`k_scale_lines`] computes what
+/// [`k_lines`] does, 16 outputs at once.
+fn pack_q4k_in_place(data: &mut [u8], k: usize, n: usize, pack: bool) {
+    let f = Format::of(sys::GGML_TYPE_Q4_K).expect("q4_K");
+    let units = k / (8 * QK);
+    let row_bytes = units * f.size;
+    assert!(k.is_multiple_of(8 * QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
+    let mut other = vec![0u8; NR * row_bytes];
+    for here in data.chunks_exact_mut(NR * row_bytes) {
+        for c in 0..NR {
+            for u in 0..units {
+                let row = c * row_bytes + u * f.size;
+                let head = units * K_VALUES + u * K_HEADER;
+                // (row, panel) byte pairs: d, dmin, the 12 scale bytes.
+                let mut pairs = vec![(row, head + 2 * c), (row + 1, head + 2 * c + 1)];
+                pairs.extend([(row + 2, head + 32 + 2 * c), (row + 3, head + 33 + 2 * c)]);
+                pairs.extend((0..12).map(|i| (row + 4 + i, head + 64 + 16 * i + c)));
+                for g in 0..4 {
+                    for j in 0..8 {
+                        for t in 0..4 {
+                            let at = u * K_VALUES + g * 512 + 64 * j + 4 * c + t;
+                            pairs.push((row + 16 + 32 * g + 4 * j + t, at));
+                        }
+                    }
+                }
+                for (r, q) in pairs {
+                    match pack {
+                        true => other[q] = here[r],
+                        false => other[r] = here[q],
+                    }
+                }
+            }
+        }
+        here.copy_from_slice(&other);
+    }
+}
+
+/// Each block's two lines of [`k_lines`] (d · scale, − dmin · minimum) for
+/// the 16 outputs of a q4_K super-block's `header` in a panel packed in
+/// place ([`pack_q4k_in_place`]), into `lines` (16 of them).
+///
+/// # Safety
+/// The processor has AVX512F, BW and VL.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+unsafe fn k_scale_lines(header: &[u8], lines: &mut [Line]) {
+    assert!(header.len() >= K_HEADER && lines.len() >= 16);
+    let h = header.as_ptr();
+    // SAFETY: K_HEADER bytes at `h` (asserted).
+    let (d, dmin, p) = unsafe {
+        let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
+        let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(h.add(32) as *const __m256i));
+        let p: [__m512i; 12] = std::array::from_fn(|i| {
+            _mm512_cvtepu8_epi32(_mm_loadu_si128(h.add(64 + 16 * i) as *const __m128i))
+        });
+        (d, dmin, p)
+    };
+    let (m63, m15) = (_mm512_set1_epi32(63), _mm512_set1_epi32(15));
+    let sign = _mm512_set1_epi32(i32::MIN);
+    for s in 0..8 {
+        // ggml's get_scale_min_k4, as k_lines unpacks it.
+        let (sc, m) = match s < 4 {
+            true => (_mm512_and_si512(p[s], m63), _mm512_and_si512(p[s + 4], m63)),
+            false => (
+                _mm512_or_si512(
+                    _mm512_and_si512(p[s + 4], m15),
+                    _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(p[s - 4])),
+                ),
+                _mm512_or_si512(
+                    _mm512_srli_epi32::<4>(p[s + 4]),
+                    _mm512_slli_epi32::<4>(_mm512_srli_epi32::<6>(p[s])),
+                ),
+            ),
+        };
+        let scale = _mm512_mul_ps(d, _mm512_cvtepi32_ps(sc));
+        // − (dmin · minimum), the sign flipped as k_lines negates.
+        let min = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(_mm512_mul_ps(dmin, _mm512_cvtepi32_ps(m))),
+            sign,
+        ));
+        // SAFETY: lines 2s and 2s + 1 < 16 (asserted), 64-byte aligned.
+        unsafe {
+            _mm512_store_ps(lines.as_mut_ptr().add(2 * s) as *mut f32, scale);
+            _mm512_store_ps(lines.as_mut_ptr().add(2 * s + 1) as *mut f32, min);
+        }
     }
 }
 
@@ -292,7 +395,11 @@ impl Parts {
 /// bytes as they are (the low nibbles of line `j` are values `4j..4j + 4`,
 /// the high ones values `16 + 4j..`, which the kernel splits).
 pub(super) fn pack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
-    let f = in_place_format(ty).expect("q8_0 or q4_0");
+    let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
+    if f.kind == Kind::Q4K {
+        // (Its values are loaded unaligned wherever the panel starts.)
+        return pack_q4k_in_place(data, k, n, true);
+    }
     let blocks = k / QK;
     let row_bytes = blocks * f.size;
     assert!(k.is_multiple_of(QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
@@ -317,7 +424,10 @@ pub(super) fn pack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: us
 
 /// The inverse of [`pack_in_place`] (with the same `a0`).
 pub(super) fn unpack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
-    let f = in_place_format(ty).expect("q8_0 or q4_0");
+    let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
+    if f.kind == Kind::Q4K {
+        return pack_q4k_in_place(data, k, n, false);
+    }
     let blocks = k / QK;
     let row_bytes = blocks * f.size;
     assert!(k.is_multiple_of(QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
@@ -459,8 +569,8 @@ pub(super) fn gemm_in_place(
     let f = in_place_format(w.ty).expect("a type packed in place");
     assert!(
         w.n.is_multiple_of(NR)
-            && w.k.is_multiple_of(QK)
-            && w.row_bytes == w.k / QK * f.size
+            && w.k.is_multiple_of(f.per_unit * QK)
+            && w.row_bytes == w.k / (f.per_unit * QK) * f.size
             && w.data.len() >= w.n * w.row_bytes
             && a0 < 64
             && a0.is_multiple_of(SCALE_BYTES)
@@ -529,6 +639,24 @@ fn drive(
                 let panel = match in_place {
                     // Panel p of the weight, packed in place: the pass's
                     // values and scales (Parts).
+                    Some(_) if f.kind == Kind::Q4K => {
+                        // The pass's super-blocks' values, and their scale
+                        // and minimum lines into `buf.panel`.
+                        let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
+                        let (u0, nu) = (b0 / 8, blocks / 8);
+                        for u in u0..u0 + nu {
+                            let head = &bytes[units * K_VALUES + u * K_HEADER..][..K_HEADER];
+                            let lines = &mut buf.panel[16 * (u - u0)..16 * (u - u0 + 1)];
+                            // SAFETY: the processor has AVX512-VNNI, with F,
+                            // BW and VL (`applies`, asserted).
+                            unsafe { k_scale_lines(head, lines) };
+                        }
+                        Some(InPlace {
+                            values: &bytes[u0 * K_VALUES..(u0 + nu) * K_VALUES],
+                            head: None,
+                            scales: &[],
+                        })
+                    }
                     Some(a0) => {
                         let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
                         let parts = Parts::of(f, units, a0, p);
@@ -560,7 +688,11 @@ fn drive(
                         blocks,
                         panel: &buf.panel,
                         in_place: panel,
-                        nibbles: !f.q8(),
+                        layout: match f.kind {
+                            Kind::Q4K => Q4K_IN_PLACE,
+                            _ if f.q8() => Q8_IN_PLACE,
+                            _ => Q4_IN_PLACE,
+                        },
                         first: t0 == 0,
                         q: &buf.q[t0 * QK..],
                         d: &buf.d[t0..],
@@ -852,8 +984,10 @@ pub(super) struct Tile<'a> {
     /// The weight's own panel, where it was packed in place (then `panel`
     /// is not read; this module's kernel only).
     pub(super) in_place: Option<InPlace<'a>>,
-    /// An in-place panel holds q4_0's nibbles (else q8_0's bytes).
-    pub(super) nibbles: bool,
+    /// How an in-place panel holds its values: [`Q8_IN_PLACE`],
+    /// [`Q4_IN_PLACE`] or [`Q4K_IN_PLACE`] (then `panel` holds each
+    /// block's scale and minimum lines).
+    pub(super) layout: u8,
     /// The chunk's first tile: the first to read an in-place panel, from
     /// memory (it prefetches ahead).
     pub(super) first: bool,
@@ -902,15 +1036,23 @@ impl Tile<'_> {
             };
         }
         if let Some(p) = &self.in_place {
-            let v = if self.nibbles { 256 } else { 512 };
+            if self.layout == Q4K_IN_PLACE {
+                assert!(self.min && !self.halves && self.blocks.is_multiple_of(8));
+                assert!(p.values.len() >= self.blocks / 8 * K_VALUES);
+                assert!(self.panel.len() >= 2 * self.blocks);
+                return rows!(true, false, Q4K_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+            }
+            let v = if self.layout == Q4_IN_PLACE { 256 } else { 512 };
             assert!(!self.min && !self.halves);
             let head = usize::from(p.head.is_some());
             assert!(p.head.is_none_or(|h| h.len() >= SCALE_BYTES));
             assert!(p.values.len() >= self.blocks * v);
             assert!(p.scales.len() >= (self.blocks - head) * SCALE_BYTES);
-            return match self.nibbles {
-                true => rows!(false, false, Q4_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
-                false => rows!(false, false, Q8_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
+            return match self.layout {
+                Q4_IN_PLACE => {
+                    rows!(false, false, Q4_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+                }
+                _ => rows!(false, false, Q8_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16),
             };
         }
         match (self.min, self.halves) {
@@ -986,6 +1128,28 @@ impl Tile<'_> {
                         true => _mm512_load_ps(p.add(9) as *const f32),
                         false => _mm512_setzero_ps(),
                     };
+                } else if LAYOUT == Q4K_IN_PLACE {
+                    // Block b's values are the low (b even) or high nibbles
+                    // of its pair's 8 lines; its scale and minimum lines
+                    // were computed for this chunk into `panel`.
+                    let p = values.add(b / 2 * 512) as *const __m512i;
+                    if self.first && b % 2 == 0 {
+                        let ahead = (p as *const u8).wrapping_add(PREFETCH_BLOCKS / 2 * 512);
+                        for j in 0..8 {
+                            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
+                        }
+                    }
+                    let nib = _mm512_set1_epi8(0x0f);
+                    for (j, w) in w.iter_mut().enumerate() {
+                        let v = _mm512_loadu_si512(p.add(j));
+                        *w = match b % 2 {
+                            0 => _mm512_and_si512(v, nib),
+                            _ => _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib),
+                        };
+                    }
+                    let l = self.panel.as_ptr().add(2 * b) as *const f32;
+                    dw = _mm512_load_ps(l);
+                    mw = _mm512_load_ps(l.add(16));
                 } else {
                     if self.first {
                         // The first tile reads the panel from memory: ask
@@ -1344,6 +1508,81 @@ mod tests {
                         b.is_some()
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn q4_k_weights_packed_in_place_round_trip_and_multiply_bit_for_bit() {
+        // One super-block and several, rows in two passes over k (17
+        // super-blocks), rows from one to past a chunk.
+        let ty = sys::GGML_TYPE_Q4_K;
+        let f = Format::of(ty).unwrap();
+        for (k, n, m) in [(256, 16, 1), (512, 32, 13), (4352, 16, 37), (256, 48, 300)] {
+            let wf: Vec<f32> = (0..k * n)
+                .map(|i| (v(8, i) + 0.3 * v(9, i / k)) * (1 + i / k % 4) as f32)
+                .collect();
+            let mut rows = vec![0u8; n * k / (f.per_unit * QK) * f.size];
+            // SAFETY: `rows` holds n rows of k values of q4_K.
+            unsafe {
+                sys::ggml_quantize_chunk(
+                    ty,
+                    wf.as_ptr(),
+                    rows.as_mut_ptr().cast(),
+                    0,
+                    n as i64,
+                    k as i64,
+                    std::ptr::null(),
+                )
+            };
+            let mut data = rows.clone();
+            pack_in_place(ty, &mut data, k, n, 0);
+            assert_ne!(data, rows);
+            // Output 1's d where the header says, its first value's nibble
+            // in lane 1 of line 0.
+            let units = k / 256;
+            assert_eq!(
+                data[units * K_VALUES + 2..units * K_VALUES + 4],
+                rows[f.size * units..][..2]
+            );
+            assert_eq!(data[4], rows[f.size * units + 16]);
+            let mut back = data.clone();
+            unpack_in_place(ty, &mut back, k, n, 0);
+            assert_eq!(back, rows, "{k}×{n}: the rows come back");
+            if !applies(ty) {
+                eprintln!("no AVX512-VNNI here: in-place products not run");
+                continue;
+            }
+            let w = Weight {
+                data: &rows,
+                ty,
+                k,
+                n,
+                row_bytes: rows.len() / n,
+            };
+            let wp = Weight { data: &data, ..w };
+            let xs = activations(k, m);
+            let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            for (b, nth) in [(None, 1), (Some(&bias[..]), 2), (None, 3)] {
+                let mut want = vec![f32::NAN; m * n];
+                let mut got = vec![f32::NAN; m * n];
+                for ith in 0..nth {
+                    gemm_on(VNNI, &w, &x, b, &mut want, ith, nth);
+                    gemm_in_place(&wp, 0, &x, b, &mut got, ith, nth);
+                }
+                assert!(
+                    want.iter()
+                        .zip(&got)
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "q4_K, {m}×{k}×{n} on {nth} threads, bias {}",
+                    b.is_some()
+                );
             }
         }
     }
