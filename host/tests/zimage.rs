@@ -499,3 +499,85 @@ fn a_base_checkpoint_gets_base_defaults() {
         ],
     );
 }
+
+#[test]
+fn convert_quantizes_the_transformer_and_keeps_its_embedders() {
+    // `sdhost convert` refused a Z-Image transformer file ("none of its
+    // tensors is one sdhost converts"): each layout converts under its own
+    // names, and the quantized file generates the original's image within
+    // the rounding of its weights.
+    let p = Prefix::with_cpu();
+    let work = p.dir("work");
+    let llm = fixture("qwen3/tiny-qwen3-bf16.gguf");
+    let ae = fixture("ae16/tiny-ae16.safetensors");
+    let image = |dit: &std::path::Path, name: &str| {
+        let out = p.dir("out").join(name);
+        let a = [
+            "-m",
+            s(dit),
+            "--llm",
+            s(&llm),
+            "--vae",
+            s(&ae),
+            "--steps",
+            "2",
+        ];
+        let mut a = a.to_vec();
+        a.extend_from_slice(&["-W", "64", "-H", "48", "--seed", "7"]);
+        generate(&p, &out, &a).ok();
+        pixels(&out)
+    };
+    let layouts = [
+        (
+            "zimage/tiny-zimage.safetensors",
+            "cap_embedder.1.weight",
+            "layers.0.attention.qkv.weight",
+        ),
+        (
+            "zimage/tiny-zimage-diffusers.safetensors",
+            "all_x_embedder.2-1.weight",
+            "layers.0.attention.to_q.weight",
+        ),
+    ];
+    for (src, embedder, linear) in layouts {
+        let src = fixture(src);
+        let q8 = work.join("q8_0.gguf");
+        let r = p
+            .run(&["convert", "-m", s(&src), "-o", s(&q8), "--type", "q8_0"])
+            .ok();
+        assert!(r.stderr.contains("0 left out"), "{}", r.stderr);
+        let (tensors, meta) = checkpoint::gguf::scan_with_metadata(&q8).unwrap();
+        assert_eq!(
+            meta.get("general.architecture").map(String::as_str),
+            Some("zimage")
+        );
+        let mut names: Vec<_> = tensors.iter().map(|t| t.name.clone()).collect();
+        let mut want: Vec<_> = checkpoint::scan(&src)
+            .unwrap()
+            .tensors
+            .into_iter()
+            .map(|t| t.name)
+            .collect();
+        names.sort();
+        want.sort();
+        assert_eq!(names, want, "every tensor under its own name");
+        let dtype = |end: &str| {
+            let t = tensors.iter().find(|t| t.name.ends_with(end));
+            t.map(|t| t.dtype.clone()).unwrap_or_default()
+        };
+        assert_eq!(dtype(embedder), "f16", "{}", src.display());
+        assert_eq!(dtype(linear), "q8_0", "{}", src.display());
+        let (a, b) = (image(&src, "src.png"), image(&q8, "q8.png"));
+        let mean = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| f64::from(x.abs_diff(*y)))
+            .sum::<f64>()
+            / a.len() as f64;
+        eprintln!(
+            "{}: q8_0 image {mean:.2} levels from the original's",
+            src.display()
+        );
+        assert!(mean < 1.5, "{}: {mean:.2} levels", src.display());
+    }
+}

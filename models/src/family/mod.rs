@@ -733,6 +733,12 @@ pub fn conversion(ckpt: &Checkpoint) -> crate::checkpoint::convert::Conversion {
             architecture: Family::Flux.name(),
         };
     }
+    if zimage::is_transformer(ckpt) {
+        return Conversion {
+            rule: zimage::converted_type,
+            architecture: Family::ZImage.name(),
+        };
+    }
     // A text encoder given apart (`--t5xxl`, `--clip-l`): every tensor,
     // by FLUX's rule (T5's position-bias table stays f16).
     let has = |p: &str| ckpt.tensors.iter().any(|t| t.name.starts_with(p));

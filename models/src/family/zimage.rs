@@ -86,6 +86,36 @@ pub fn is_transformer(ckpt: &Checkpoint) -> bool {
     }) || is_diffusers(ckpt)
 }
 
+/// The type `sdhost convert` writes a Z-Image transformer's tensor in,
+/// under the name it has (bare, packed or diffusers', each read back): the
+/// general rule ([`crate::checkpoint::convert::target_type`]), except that
+/// a quantized conversion keeps the input embedders (`x_embedder`,
+/// diffusers' `all_x_embedder`, `t_embedder`, `cap_embedder`) and the
+/// final layer in f16, as FLUX's rule keeps its own
+/// ([`super::flux::converted_type`]) and as the files people share keep
+/// them.
+pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Option<ggml::Type> {
+    use ggml::Type;
+    let inner = name.strip_prefix(DIT_PREFIX).unwrap_or(name);
+    let sensitive = [
+        "x_embedder.",
+        "all_x_embedder.",
+        "t_embedder.",
+        "cap_embedder.",
+        "final_layer.",
+        "all_final_layer.",
+    ]
+    .iter()
+    .any(|p| inner.starts_with(p));
+    let quantized = !matches!(requested, Type::F32 | Type::F16 | Type::BF16);
+    let ty = crate::checkpoint::convert::target_type(name, shape, requested);
+    Some(match ty {
+        Type::F32 => Type::F32,
+        _ if quantized && sensitive => Type::F16,
+        ty => ty,
+    })
+}
+
 /// One checkpoint from a Z-Image transformer and its text encoder given
 /// apart (`llm`), under the one-file names. Errors name the file that is
 /// not what its flag says.
