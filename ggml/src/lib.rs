@@ -148,7 +148,7 @@ pub struct Knobs {
     /// measure them).
     pub fma_vnni: bool,
     /// bf16 weights that only sdhost's bf16 kernel multiplies, and q8_0
-    /// and q4_0 ones that only its AVX512-VNNI kernel does, are packed for
+    /// q4_0 and q4_K ones that only its AVX512-VNNI kernel does, are packed for
     /// it once, in place ([`Graph::pack_weights`]); off: packed in every
     /// product (to measure the difference).
     pub fma_pack: bool,

@@ -1,5 +1,6 @@
 //! Weights packed once, in place, as sdhost's kernels read them: bf16
-//! for the AVX512-BF16 kernel, q8_0 and q4_0 for the AVX512-VNNI one.
+//! for the AVX512-BF16 kernel, q8_0, q4_0 and q4_K for the AVX512-VNNI
+//! one.
 //!
 //! Every product on the AVX512-BF16 kernel (`Bf16Avx512`) used to transpose its weight into
 //! panels (32 outputs side by side, `k` in pairs) before multiplying, in
@@ -9,7 +10,7 @@
 //! product is instead rewritten into that layout once, in its own buffer
 //! (the same bytes: 32 whole outputs a panel, `k` even), and the products
 //! read its panels in place. The AVX512-VNNI kernel (`fma/vnni.rs`)
-//! packed each panel of a q8_0 or q4_0 weight for every chunk of rows
+//! packed each panel of a q8_0, q4_0 or q4_K weight for every chunk of rows
 //! (a fifth of its time over `bench --products`' shapes); its panels
 //! packed in place hold the same bytes as the rows (16 outputs a panel,
 //! their values in lines and their f16 scales after them: the layout of
@@ -40,7 +41,7 @@ const MAGIC: i32 = i32::from_le_bytes(*b"sdPK");
 const NR: usize = Bf16Avx512::NR;
 
 /// Outputs per panel of a weight of type `ty` packed in place, where that
-/// type can be: bf16 [`NR`], q8_0 and q4_0 the VNNI kernel's 16.
+/// type can be: bf16 [`NR`], q8_0, q4_0 and q4_K the VNNI kernel's 16.
 fn width(ty: sys::ggml_type) -> Option<usize> {
     match ty {
         sys::GGML_TYPE_BF16 => Some(NR),
@@ -63,7 +64,7 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
 }
 
 /// The kernel that multiplies a weight packed (or packable) in place:
-/// AVX512-BF16 for bf16, AVX512-VNNI for q8_0 and q4_0.
+/// AVX512-BF16 for bf16, AVX512-VNNI for q8_0, q4_0 and q4_K.
 ///
 /// # Safety
 /// `t` is a live tensor.
@@ -79,7 +80,7 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
 /// contiguous, no view, its data in host memory, packing not turned off,
 /// and either bf16 of pairs of `k` on a processor whose bf16 weights take
 /// the bf16 kernel ([`super::bf16_dots`]: not Intel's, where they are
-/// widened on the f32 kernel), or q8_0 or q4_0 where they take the
+/// widened on the f32 kernel), or q8_0, q4_0 or q4_K where they take the
 /// AVX512-VNNI kernel and no tile unit does.
 ///
 /// # Safety

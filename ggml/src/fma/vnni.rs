@@ -197,7 +197,7 @@ pub(super) const LINES: usize = 10;
 
 /// [`Tile::tile`]'s layouts of the weight: panels packed per product (of
 /// [`LINES`] lines a block), or the weight's own panels packed in place
-/// ([`pack_in_place`]) of q8_0 or q4_0.
+/// ([`pack_in_place`]) of q8_0, q4_0 or q4_K.
 const LINES_LAYOUT: u8 = 0;
 const Q8_IN_PLACE: u8 = 1;
 const Q4_IN_PLACE: u8 = 2;
@@ -220,8 +220,8 @@ pub(super) struct InPlace<'a> {
 }
 
 /// The format of `ty` where its weights can be packed in place for this
-/// kernel ([`pack_in_place`]): q8_0 and q4_0, whose panels (values and
-/// f16 scales) take the bytes their rows took.
+/// kernel ([`pack_in_place`]): q8_0, q4_0 and q4_K, whose panels (values
+/// and scales) take the bytes their rows took.
 pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
     match ty {
         sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 | sys::GGML_TYPE_Q4_K => Format::of(ty),
@@ -238,52 +238,9 @@ const K_VALUES: usize = 4 * 8 * 64;
 /// scales and minimums, 16 outputs side by side.
 const K_HEADER: usize = 32 + 32 + 12 * 16;
 
-/// Rewrites `n` rows (a multiple of 16) of `k` q4_K values in `data` as
-/// this kernel's panels in the same bytes: panel `p` (outputs `16p..16p +
-/// 16`) where its rows were, holding each super-block's values ([`K_VALUES`]:
-/// lane `c` of line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of
-/// output `c`'s nibbles, whose low nibbles are block `2g`'s values `4j..4j +
-/// 4` and high ones block `2g + 1`'s), then each super-block's header
-/// ([`K_HEADER`]), from which [`k_scale_lines`] computes what
-/// [`k_lines`] does, 16 outputs at once.
-fn pack_q4k_in_place(data: &mut [u8], k: usize, n: usize, pack: bool) {
-    let f = Format::of(sys::GGML_TYPE_Q4_K).expect("q4_K");
-    let units = k / (8 * QK);
-    let row_bytes = units * f.size;
-    assert!(k.is_multiple_of(8 * QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
-    let mut other = vec![0u8; NR * row_bytes];
-    for here in data.chunks_exact_mut(NR * row_bytes) {
-        for c in 0..NR {
-            for u in 0..units {
-                let row = c * row_bytes + u * f.size;
-                let head = units * K_VALUES + u * K_HEADER;
-                // (row, panel) byte pairs: d, dmin, the 12 scale bytes.
-                let mut pairs = vec![(row, head + 2 * c), (row + 1, head + 2 * c + 1)];
-                pairs.extend([(row + 2, head + 32 + 2 * c), (row + 3, head + 33 + 2 * c)]);
-                pairs.extend((0..12).map(|i| (row + 4 + i, head + 64 + 16 * i + c)));
-                for g in 0..4 {
-                    for j in 0..8 {
-                        for t in 0..4 {
-                            let at = u * K_VALUES + g * 512 + 64 * j + 4 * c + t;
-                            pairs.push((row + 16 + 32 * g + 4 * j + t, at));
-                        }
-                    }
-                }
-                for (r, q) in pairs {
-                    match pack {
-                        true => other[q] = here[r],
-                        false => other[r] = here[q],
-                    }
-                }
-            }
-        }
-        here.copy_from_slice(&other);
-    }
-}
-
 /// Each block's two lines of [`k_lines`] (d · scale, − dmin · minimum) for
 /// the 16 outputs of a q4_K super-block's `header` in a panel packed in
-/// place ([`pack_q4k_in_place`]), into `lines` (16 of them).
+/// place ([`pack_in_place`]), into `lines` (16 of them).
 ///
 /// # Safety
 /// The processor has AVX512F, BW and VL.
@@ -382,8 +339,8 @@ impl Parts {
     }
 }
 
-/// Rewrites `n` rows (a multiple of 16) of `k` values of q8_0 or q4_0
-/// ([`in_place_format`]) in `data`, whose first byte is `a0` bytes past a
+/// Rewrites `n` rows (a multiple of 16) of `k` values of q8_0, q4_0 or q4_K
+/// ([`in_place_format`]; q4_K's layout below) in `data`, whose first byte is `a0` bytes past a
 /// 64-byte line (a multiple of 32), as this kernel's panels in the same
 /// bytes: panel `p` (outputs `16p..16p + 16`) where its rows were, holding
 /// each block's values, then each block's 16 f16 scales (32 bytes); where
@@ -394,59 +351,85 @@ impl Parts {
 /// 128, as [`pack_panel`] makes them), for q4_0 4 lines of its nibble
 /// bytes as they are (the low nibbles of line `j` are values `4j..4j + 4`,
 /// the high ones values `16 + 4j..`, which the kernel splits).
+///
+/// A q4_K panel holds each super-block's values ([`K_VALUES`]: lane `c` of
+/// line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of output
+/// `c`'s nibbles, whose low nibbles are block `2g`'s values `4j..4j + 4`
+/// and high ones block `2g + 1`'s), then each super-block's header
+/// ([`K_HEADER`]), from which [`k_scale_lines`] computes what [`k_lines`]
+/// does, 16 outputs at once; `a0` is not used (its values are loaded
+/// wherever the panel starts).
 pub(super) fn pack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
-    let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
-    if f.kind == Kind::Q4K {
-        // (Its values are loaded unaligned wherever the panel starts.)
-        return pack_q4k_in_place(data, k, n, true);
-    }
-    let blocks = k / QK;
-    let row_bytes = blocks * f.size;
-    assert!(k.is_multiple_of(QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
-    assert!(a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
-    let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
-    let mut panel = vec![0u8; NR * row_bytes];
-    for (p, rows) in data.chunks_exact_mut(NR * row_bytes).enumerate() {
-        let parts = Parts::of(f, blocks, a0, p);
-        for (c, row) in rows.chunks_exact(row_bytes).enumerate() {
-            for (b, block) in row.chunks_exact(f.size).enumerate() {
-                panel[parts.scales(b) + 2 * c..][..2].copy_from_slice(&block[..2]);
-                for (j, four) in block[f.values..].chunks_exact(4).enumerate() {
-                    let word = u32::from_le_bytes(four.try_into().expect("4 bytes")) ^ flip;
-                    panel[parts.values(b) + 64 * j + 4 * c..][..4]
-                        .copy_from_slice(&word.to_le_bytes());
-                }
-            }
-        }
-        rows.copy_from_slice(&panel);
-    }
+    convert_in_place(ty, data, k, n, a0, true)
 }
 
 /// The inverse of [`pack_in_place`] (with the same `a0`).
 pub(super) fn unpack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
+    convert_in_place(ty, data, k, n, a0, false)
+}
+
+/// [`pack_in_place`] (`pack`) or [`unpack_in_place`]: each panel's bytes
+/// moved between where its rows keep them and where the panel does, the
+/// 16 outputs' rows at a time, in words of 4 bytes (the values; q8_0's
+/// made unsigned or signed again by one exclusive or) and of 2 (scales) or
+/// 1 (q4_K's scale bytes).
+fn convert_in_place(
+    ty: sys::ggml_type,
+    data: &mut [u8],
+    k: usize,
+    n: usize,
+    a0: usize,
+    pack: bool,
+) {
     let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
-    if f.kind == Kind::Q4K {
-        return pack_q4k_in_place(data, k, n, false);
-    }
-    let blocks = k / QK;
-    let row_bytes = blocks * f.size;
-    assert!(k.is_multiple_of(QK) && n.is_multiple_of(NR) && data.len() == n * row_bytes);
-    assert!(a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
+    let (units, blocks) = (k / (f.per_unit * QK), k / QK);
+    let row_bytes = units * f.size;
+    assert!(k.is_multiple_of(f.per_unit * QK) && n.is_multiple_of(NR));
+    assert!(data.len() == n * row_bytes && a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
     let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
-    let mut rows_out = vec![0u8; NR * row_bytes];
-    for (p, panel) in data.chunks_exact_mut(NR * row_bytes).enumerate() {
-        let parts = Parts::of(f, blocks, a0, p);
-        for (c, row) in rows_out.chunks_exact_mut(row_bytes).enumerate() {
-            for (b, block) in row.chunks_exact_mut(f.size).enumerate() {
-                block[..2].copy_from_slice(&panel[parts.scales(b) + 2 * c..][..2]);
-                for (j, four) in block[f.values..].chunks_exact_mut(4).enumerate() {
-                    let at = parts.values(b) + 64 * j + 4 * c;
-                    let word = u32::from_le_bytes(panel[at..at + 4].try_into().expect("4 bytes"));
-                    four.copy_from_slice(&(word ^ flip).to_le_bytes());
+    let mut other = vec![0u8; NR * row_bytes];
+    for (p, here) in data.chunks_exact_mut(NR * row_bytes).enumerate() {
+        // Moves a word of `len` bytes from `row` (of the rows) to `at` (of
+        // the panel), or back.
+        let mut word = |row: usize, at: usize, len: usize| {
+            let (from, to) = if pack { (row, at) } else { (at, row) };
+            match len {
+                4 => {
+                    let w = u32::from_le_bytes(here[from..from + 4].try_into().expect("4 bytes"));
+                    other[to..to + 4].copy_from_slice(&(w ^ flip).to_le_bytes());
+                }
+                _ => other[to..to + len].copy_from_slice(&here[from..from + len]),
+            }
+        };
+        for c in 0..NR {
+            let row0 = c * row_bytes;
+            if f.kind == Kind::Q4K {
+                for u in 0..units {
+                    let (row, head) = (row0 + u * f.size, units * K_VALUES + u * K_HEADER);
+                    word(row, head + 2 * c, 2);
+                    word(row + 2, head + 32 + 2 * c, 2);
+                    for i in 0..12 {
+                        word(row + 4 + i, head + 64 + 16 * i + c, 1);
+                    }
+                    for g in 0..4 {
+                        for j in 0..8 {
+                            let at = u * K_VALUES + g * 512 + 64 * j + 4 * c;
+                            word(row + 16 + 32 * g + 4 * j, at, 4);
+                        }
+                    }
+                }
+                continue;
+            }
+            let parts = Parts::of(f, blocks, a0, p);
+            for b in 0..blocks {
+                let row = row0 + b * f.size;
+                word(row, parts.scales(b) + 2 * c, 2);
+                for j in 0..(f.size - f.values) / 4 {
+                    word(row + f.values + 4 * j, parts.values(b) + 64 * j + 4 * c, 4);
                 }
             }
         }
-        panel.copy_from_slice(&rows_out);
+        here.copy_from_slice(&other);
     }
 }
 
