@@ -544,6 +544,18 @@ fn a_malformed_fp8_scale_is_one_line_naming_it() {
 fn q8_0_gguf_transformers_converted_by_sdhost_run_within_a_bound() {
     let p = Prefix::with_cpu();
     let r = refs();
+    // ComfyUI's scaled fp8 is refused in one line naming the file once.
+    let refused = p.dir("refused");
+    let src = fixture("flux/tiny-flux-schnell-fp8-scaled.safetensors");
+    let out = refused.join("fp8.gguf");
+    let run = p.run(&["convert", "-m", s(&src), "-o", s(&out), "--type", "q8_0"]);
+    assert_one_line_failure(&run, "a scaled-fp8 checkpoint", &refused, "scaled fp8");
+    assert_eq!(
+        run.stderr.matches("fp8-scaled.safetensors").count(),
+        1,
+        "{}",
+        run.stderr
+    );
     for (variant, prefix) in [("schnell", "model.diffusion_model."), ("dev", "")] {
         let out = p.dir("gguf").join(format!("{variant}-q8_0.gguf"));
         let src = fixture(&format!("flux/tiny-flux-{variant}.safetensors"));

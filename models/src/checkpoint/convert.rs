@@ -151,10 +151,10 @@ pub fn to_gguf(
         .iter()
         .any(|t| t.name.ends_with(".scale_weight"))
     {
-        return Err(ModelError::Unsupported(format!(
-            "{}: a scaled-fp8 checkpoint; convert its f16/bf16 original instead",
-            ckpt.path.display()
-        )));
+        // (The caller names the file.)
+        return Err(ModelError::Unsupported(
+            "a scaled-fp8 checkpoint; convert its f16/bf16 original instead".into(),
+        ));
     }
     let rule = family.rule;
     let wanted: Vec<(&TensorEntry, Type)> = ckpt
