@@ -189,9 +189,11 @@ impl<'ctx> Tensor<'ctx> {
                     self.ne()
                 )));
             }
-            // A weight packed for sdhost's kernel is copied as its rows.
+            // A weight packed for sdhost's kernel is copied as its rows, and
+            // a packed one copied into holds rows again.
             crate::fma::packed::ensure_unpacked(src.raw);
             sys::ggml_backend_tensor_copy(src.raw, self.raw);
+            crate::fma::packed::forget(self.raw);
         }
         Ok(())
     }

@@ -576,6 +576,7 @@ mod tests {
         // (A q4_K row is whole super-blocks of 256 values.)
         let (k, n) = (256i64, 64i64);
         let weights = Context::new(2, 0).unwrap();
+        let weights_b = Context::new(2, 0).unwrap();
         let w = weights.new_tensor(ty, &[k, n]).unwrap();
         // SAFETY: a live context of no-alloc tensors, into the host arena's
         // buffer (freed below).
@@ -652,6 +653,25 @@ mod tests {
         w.set_bytes(&other).unwrap();
         assert!(!packed() && raw() == other && w.get_bytes().unwrap() == other);
         w.set_bytes(&rows).unwrap();
+
+        // Packed again, then rows copied into it from another tensor: read
+        // as rows.
+        let g = c.graph(y, 16).unwrap();
+        assert_eq!(g.pack_weights(&is_w).packed, 1);
+        let source = weights_b.new_tensor(ty, &[k, n]).unwrap();
+        // SAFETY: a live context of no-alloc tensors (freed below).
+        let buffer_b = unsafe {
+            sys::ggml_backend_alloc_ctx_tensors_from_buft(
+                weights_b.raw,
+                crate::arena::buffer_type(),
+            )
+        };
+        source.set_bytes(&other).unwrap();
+        w.copy_from(&source).unwrap();
+        assert!(!packed() && raw() == other);
+        w.set_bytes(&rows).unwrap();
+        // SAFETY: the buffer allocated above; nothing uses it after.
+        unsafe { sys::ggml_backend_buffer_free(buffer_b) };
 
         // Not a weight of the graph: left alone.
         let g = c.graph(y, 16).unwrap();
