@@ -1455,42 +1455,8 @@ mod tests {
                     unpack_in_place(ty, &mut back, k, n, a0);
                     assert_eq!(back, rows, "type {ty}, {k}×{n}, {a0}: the rows come back");
                 }
-                if !applies(ty) {
-                    eprintln!("no AVX512-VNNI here: in-place products not run");
-                    continue;
-                }
-                let w = Weight {
-                    data: &rows,
-                    ty,
-                    k,
-                    n,
-                    row_bytes: rows.len() / n,
-                };
                 // (Packed for rows half a line off: the last a0 above.)
-                let wp = Weight { data: &data, ..w };
-                let xs = activations(k, m);
-                let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
-                let row = |i: usize| &xs[i * k..(i + 1) * k];
-                let x = Rows {
-                    rows: m,
-                    k,
-                    row: &row,
-                };
-                for (b, nth) in [(None, 1), (Some(&bias[..]), 2), (None, 3)] {
-                    let mut want = vec![f32::NAN; m * n];
-                    let mut got = vec![f32::NAN; m * n];
-                    for ith in 0..nth {
-                        gemm_on(VNNI, &w, &x, b, &mut want, ith, nth);
-                        gemm_in_place(&wp, 32, &x, b, &mut got, ith, nth);
-                    }
-                    assert!(
-                        want.iter()
-                            .zip(&got)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "type {ty}, {m}×{k}×{n} on {nth} threads, bias {}",
-                        b.is_some()
-                    );
-                }
+                assert_in_place_products(ty, &rows, &data, 32, k, n, m);
             }
         }
     }
@@ -1502,22 +1468,7 @@ mod tests {
         let ty = sys::GGML_TYPE_Q4_K;
         let f = Format::of(ty).unwrap();
         for (k, n, m) in [(256, 16, 1), (512, 32, 13), (4352, 16, 37), (256, 48, 300)] {
-            let wf: Vec<f32> = (0..k * n)
-                .map(|i| (v(8, i) + 0.3 * v(9, i / k)) * (1 + i / k % 4) as f32)
-                .collect();
-            let mut rows = vec![0u8; n * k / (f.per_unit * QK) * f.size];
-            // SAFETY: `rows` holds n rows of k values of q4_K.
-            unsafe {
-                sys::ggml_quantize_chunk(
-                    ty,
-                    wf.as_ptr(),
-                    rows.as_mut_ptr().cast(),
-                    0,
-                    n as i64,
-                    k as i64,
-                    std::ptr::null(),
-                )
-            };
+            let rows = quantized(ty, k, n);
             let mut data = rows.clone();
             pack_in_place(ty, &mut data, k, n, 0);
             assert_ne!(data, rows);
@@ -1532,41 +1483,80 @@ mod tests {
             let mut back = data.clone();
             unpack_in_place(ty, &mut back, k, n, 0);
             assert_eq!(back, rows, "{k}×{n}: the rows come back");
-            if !applies(ty) {
-                eprintln!("no AVX512-VNNI here: in-place products not run");
-                continue;
-            }
-            let w = Weight {
-                data: &rows,
+            assert_in_place_products(ty, &rows, &data, 0, k, n, m);
+        }
+    }
+
+    /// `n` rows of `k` values of `ty` quantized by ggml: rows of different
+    /// magnitudes and signs around an offset (the minimums matter).
+    fn quantized(ty: sys::ggml_type, k: usize, n: usize) -> Vec<u8> {
+        let f = Format::of(ty).unwrap();
+        let wf: Vec<f32> = (0..k * n)
+            .map(|i| (v(8, i) + 0.3 * v(9, i / k)) * (1 + i / k % 4) as f32)
+            .collect();
+        let mut bytes = vec![0u8; n * k / (f.per_unit * QK) * f.size];
+        // SAFETY: `bytes` holds n rows of k values of `ty`.
+        unsafe {
+            sys::ggml_quantize_chunk(
                 ty,
-                k,
-                n,
-                row_bytes: rows.len() / n,
-            };
-            let wp = Weight { data: &data, ..w };
-            let xs = activations(k, m);
-            let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
-            let row = |i: usize| &xs[i * k..(i + 1) * k];
-            let x = Rows {
-                rows: m,
-                k,
-                row: &row,
-            };
-            for (b, nth) in [(None, 1), (Some(&bias[..]), 2), (None, 3)] {
-                let mut want = vec![f32::NAN; m * n];
-                let mut got = vec![f32::NAN; m * n];
-                for ith in 0..nth {
-                    gemm_on(VNNI, &w, &x, b, &mut want, ith, nth);
-                    gemm_in_place(&wp, 0, &x, b, &mut got, ith, nth);
-                }
-                assert!(
-                    want.iter()
-                        .zip(&got)
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "q4_K, {m}×{k}×{n} on {nth} threads, bias {}",
-                    b.is_some()
-                );
+                wf.as_ptr(),
+                bytes.as_mut_ptr().cast(),
+                0,
+                n as i64,
+                k as i64,
+                std::ptr::null(),
+            )
+        };
+        bytes
+    }
+
+    /// Holds the products of the weight `rows` (`n` rows of `k` values of
+    /// `ty`) packed in place (`packed`, at `a0`) to the per-product
+    /// packing's, bit for bit, over `m` rows, on 1 to 3 threads, with a
+    /// bias and without.
+    fn assert_in_place_products(
+        ty: sys::ggml_type,
+        rows: &[u8],
+        packed: &[u8],
+        a0: usize,
+        k: usize,
+        n: usize,
+        m: usize,
+    ) {
+        if !applies(ty) {
+            eprintln!("no AVX512-VNNI here: in-place products not run");
+            return;
+        }
+        let w = Weight {
+            data: rows,
+            ty,
+            k,
+            n,
+            row_bytes: rows.len() / n,
+        };
+        let wp = Weight { data: packed, ..w };
+        let xs = activations(k, m);
+        let bias: Vec<f32> = (0..n).map(|j| v(6, j)).collect();
+        let row = |i: usize| &xs[i * k..(i + 1) * k];
+        let x = Rows {
+            rows: m,
+            k,
+            row: &row,
+        };
+        for (b, nth) in [(None, 1), (Some(&bias[..]), 2), (None, 3)] {
+            let mut want = vec![f32::NAN; m * n];
+            let mut got = vec![f32::NAN; m * n];
+            for ith in 0..nth {
+                gemm_on(VNNI, &w, &x, b, &mut want, ith, nth);
+                gemm_in_place(&wp, a0, &x, b, &mut got, ith, nth);
             }
+            assert!(
+                want.iter()
+                    .zip(&got)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "type {ty}, {m}×{k}×{n} on {nth} threads, bias {}",
+                b.is_some()
+            );
         }
     }
 
@@ -1594,24 +1584,7 @@ mod tests {
                 "type {ty}"
             );
             for (case, &(k, n, m)) in shapes.iter().enumerate() {
-                // Rows of different magnitudes and signs around an offset
-                // (the minimums matter), quantized by ggml.
-                let wf: Vec<f32> = (0..k * n)
-                    .map(|i| (v(8, i) + 0.3 * v(9, i / k)) * (1 + i / k % 4) as f32)
-                    .collect();
-                let mut bytes = vec![0u8; n * k / (f.per_unit * QK) * f.size];
-                // SAFETY: `bytes` holds n rows of k values of `ty`.
-                unsafe {
-                    sys::ggml_quantize_chunk(
-                        ty,
-                        wf.as_ptr(),
-                        bytes.as_mut_ptr().cast(),
-                        0,
-                        n as i64,
-                        k as i64,
-                        std::ptr::null(),
-                    )
-                };
+                let bytes = quantized(ty, k, n);
                 // The weights as ggml dequantizes them.
                 let mut wd = vec![0f32; k * n];
                 let to_float = traits.to_float.unwrap();

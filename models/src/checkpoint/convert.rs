@@ -35,6 +35,18 @@ pub struct Converted {
 
 use super::dtype::decode_f32;
 
+/// [`target_type`], except that a tensor the family marks `sensitive`
+/// (small layers every token passes through: input embeddings, the final
+/// layer) stays f16 where a quantized type is asked for.
+pub fn target_type_keeping(name: &str, shape: &[u64], requested: Type, sensitive: bool) -> Type {
+    let quantized = !matches!(requested, Type::F32 | Type::F16 | Type::BF16);
+    match target_type(name, shape, requested) {
+        Type::F32 => Type::F32,
+        _ if quantized && sensitive => Type::F16,
+        ty => ty,
+    }
+}
+
 /// The type a tensor of `shape` (outermost first) named `name` gets when
 /// `requested` is asked for.
 pub fn target_type(name: &str, shape: &[u64], requested: Type) -> Type {

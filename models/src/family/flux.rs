@@ -241,7 +241,6 @@ pub fn lora_aliases(path: &str, shape: &[u64]) -> Vec<Alias> {
 /// layer and T5's position-bias table in f16: they are small, and every
 /// token passes through them.
 pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Option<ggml::Type> {
-    use ggml::Type;
     let inner = name.strip_prefix(DIT_PREFIX).unwrap_or(name);
     let sensitive = [
         "img_in.",
@@ -254,13 +253,9 @@ pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Optio
     .iter()
     .any(|p| inner.starts_with(p))
         || inner.contains("relative_attention_bias");
-    let quantized = !matches!(requested, Type::F32 | Type::F16 | Type::BF16);
-    let ty = crate::checkpoint::convert::target_type(name, shape, requested);
-    Some(match ty {
-        Type::F32 => Type::F32,
-        _ if quantized && sensitive => Type::F16,
-        ty => ty,
-    })
+    Some(crate::checkpoint::convert::target_type_keeping(
+        name, shape, requested, sensitive,
+    ))
 }
 
 /// llama.cpp's names of a T5 encoder (city96's `t5-v1_1-xxl-encoder`

@@ -95,7 +95,6 @@ pub fn is_transformer(ckpt: &Checkpoint) -> bool {
 /// ([`super::flux::converted_type`]) and as the files people share keep
 /// them.
 pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Option<ggml::Type> {
-    use ggml::Type;
     let inner = name.strip_prefix(DIT_PREFIX).unwrap_or(name);
     let sensitive = [
         "x_embedder.",
@@ -107,13 +106,9 @@ pub fn converted_type(name: &str, shape: &[u64], requested: ggml::Type) -> Optio
     ]
     .iter()
     .any(|p| inner.starts_with(p));
-    let quantized = !matches!(requested, Type::F32 | Type::F16 | Type::BF16);
-    let ty = crate::checkpoint::convert::target_type(name, shape, requested);
-    Some(match ty {
-        Type::F32 => Type::F32,
-        _ if quantized && sensitive => Type::F16,
-        ty => ty,
-    })
+    Some(crate::checkpoint::convert::target_type_keeping(
+        name, shape, requested, sensitive,
+    ))
 }
 
 /// One checkpoint from a Z-Image transformer and its text encoder given
