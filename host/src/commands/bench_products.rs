@@ -138,6 +138,10 @@ struct Row {
     /// sdhost's CPU kernels on: GFLOP/s and the kernel that ran.
     sdhost_gflops: f64,
     kernel: String,
+    /// sdhost's kernel on the same weight before it was packed once, in
+    /// place (packing per product, as `SDHOST_NO_FMA_PACK=1` runs it),
+    /// where the weight is packed: the same run's other side.
+    sdhost_per_product_gflops: Option<f64>,
     /// ggml's own kernels (sdhost's off), same run.
     ggml_gflops: f64,
     /// PyTorch f32 and bf16 at the same shape, where the peer ran.
@@ -171,6 +175,8 @@ impl Report for ProductsReport {
                     r.weight.clone(),
                     g(r.sdhost_gflops),
                     r.kernel.clone(),
+                    r.sdhost_per_product_gflops
+                        .map_or("-".into(), |t| ratio(r.sdhost_gflops, t)),
                     g(r.ggml_gflops),
                     ratio(r.sdhost_gflops, r.ggml_gflops),
                     opt(r.torch_f32_gflops),
@@ -192,6 +198,7 @@ impl Report for ProductsReport {
                 "WEIGHT",
                 "SDHOST",
                 "KERNEL",
+                "PACKED/PER PRODUCT",
                 "GGML",
                 "SDHOST/GGML",
                 "TORCH F32",
@@ -263,14 +270,15 @@ pub fn run(session: &Session, a: &BenchArgs, list: &str) -> anyhow::Result<()> {
                 continue;
             }
             tracing::info!("product {} {}", shape.name, ty.name());
-            let (ours, kernel) = time_product(cpu, shape, ty, Some(emulated), runs)?;
-            let (theirs, _) = time_product(cpu, shape, ty, None, runs)?;
+            let (ours, kernel, per_product) = time_product(cpu, shape, ty, Some(emulated), runs)?;
+            let (theirs, _, _) = time_product(cpu, shape, ty, None, runs)?;
             let torch = torch_rows.get(i);
             rows.push(Row {
                 shape: *shape,
                 weight: ty.name().to_string(),
                 sdhost_gflops: ours,
                 kernel,
+                sdhost_per_product_gflops: per_product,
                 ggml_gflops: theirs,
                 torch_f32_gflops: torch.and_then(|t| t.0),
                 torch_bf16_gflops: torch.and_then(|t| t.1),
@@ -308,15 +316,17 @@ fn cpu_model() -> String {
 
 /// Times `x · wᵀ` on `cpu` with sdhost's CPU kernels on (`Some`: told
 /// whether the CPU plugin's bf16 is emulated, as the pipeline tells them)
-/// or off: the best GFLOP/s of `runs` after one warm-up, and the kernel
-/// that computed it (the name of sdhost's node, or `ggml`).
+/// or off: the best GFLOP/s of `runs` after one warm-up, the kernel that
+/// computed it (the name of sdhost's node, or `ggml`), and where the
+/// weight is packed once for that kernel (as the pipeline packs it), the
+/// best GFLOP/s before it was, packing per product.
 fn time_product(
     cpu: &Backend,
     s: &Shape,
     ty: Type,
     own: Option<bool>,
     runs: u32,
-) -> anyhow::Result<(f64, String)> {
+) -> anyhow::Result<(f64, String, Option<f64>)> {
     let inputs = Context::new(4, 0)?;
     let ctx = Context::new(8, 16)?;
     ctx.set_cpu_kernels(own.is_some());
@@ -345,11 +355,26 @@ fn time_product(
     x.set_f32(&fill(s.k * s.m, 2))?;
     y.set_output();
     let graph = ctx.graph(y, 16)?;
-    // The weight packed once for sdhost's kernel where the pipeline packs
-    // it (ggml::fma::packed).
-    let packed = own.is_some() && graph.pack_weights(&|id| id == w.id()).in_place > 0;
     let mut sched = Sched::new(&[cpu], 16)?;
     sched.alloc(&graph)?;
+    let mut best = || -> anyhow::Result<f64> {
+        sched.compute(&graph)?;
+        let mut best = f64::INFINITY;
+        for _ in 0..runs {
+            let t = Instant::now();
+            sched.compute(&graph)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        Ok(best)
+    };
+    let first = best()?;
+    // Then the weight packed once for sdhost's kernel, where the pipeline
+    // packs it (ggml::fma::packed).
+    let packed = own.is_some() && graph.pack_weights(&|id| id == w.id()).in_place > 0;
+    let (time, per_product) = match packed {
+        true => (best()?, Some(first)),
+        false => (first, None),
+    };
     let kernel = (0..graph.n_nodes())
         .rev()
         .filter_map(|i| graph.node(i))
@@ -359,15 +384,9 @@ fn time_product(
         true => format!("{kernel}, packed"),
         false => kernel,
     };
-    sched.compute(&graph)?;
-    let mut best = f64::INFINITY;
-    for _ in 0..runs {
-        let t = Instant::now();
-        sched.compute(&graph)?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
     let flop = 2.0 * s.m as f64 * s.k as f64 * s.n as f64;
-    Ok((flop / best / 1e9, kernel))
+    let gflops = |t: f64| flop / t / 1e9;
+    Ok((gflops(time), kernel, per_product.map(gflops)))
 }
 
 /// bench/machine_throughput.py, run as `python - ARGS`.
@@ -431,6 +450,7 @@ mod tests {
             weight: "f32".into(),
             sdhost_gflops: 150.0,
             kernel: "sdhost fma mul_mat avx2".into(),
+            sdhost_per_product_gflops: torch.map(|_| 125.0),
             ggml_gflops: 100.0,
             torch_f32_gflops: torch,
             torch_bf16_gflops: torch.map(|t| 4.0 * t),
@@ -451,6 +471,11 @@ mod tests {
         let t = report(Some(120.0), None).text();
         assert!(
             t.contains("120.0") && t.contains("1.25×") && !t.contains("torch:"),
+            "{t}"
+        );
+        // Packed once against per product (125 GFLOP/s), same run.
+        assert!(
+            t.contains("PACKED/PER PRODUCT") && t.contains("1.20×"),
             "{t}"
         );
         // Against PyTorch's bf16 too (480 GFLOP/s).
