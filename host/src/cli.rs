@@ -200,7 +200,8 @@ pub struct BenchArgs {
     /// Time the models' matrix products one by one on the CPU instead of
     /// a model: UNet and DiT shapes at the image size (-W/-H, default
     /// 1024²) and an LLM text encoder's at a short prompt, for each weight type listed (default f16,bf16,q8_0,q4_0,q4_K),
-    /// with sdhost's CPU kernels and with ggml's in the same run, and
+    /// with sdhost's CPU kernels (a weight the pipeline packs once, in
+    /// place, timed per product too) and with ggml's in the same run, and
     /// PyTorch's at the same shapes with `--peer diffusers`
     #[arg(long, value_name = "TYPES", num_args = 0..=1, default_missing_value = "f16,bf16,q8_0,q4_0,q4_K",
           conflicts_with_all = ["model", "startup"])]
