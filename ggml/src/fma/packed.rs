@@ -13,7 +13,7 @@
 //! packed each panel of a q8_0, q4_0 or q4_K weight for every chunk of rows
 //! (a fifth of its time over `bench --products`' shapes); its panels
 //! packed in place hold the same bytes as the rows (16 outputs a panel,
-//! their values in lines and their f16 scales after them: the layout of
+//! their values in lines and their scales after them: the layouts of
 //! `vnni::pack_in_place`).
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
