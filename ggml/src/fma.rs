@@ -1311,7 +1311,7 @@ pub fn gemm(
         };
         let takes = |l: &vnni::Lanes| (l.applies)(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty));
         if let Some(lanes) = lanes.filter(takes) {
-            return vnni::gemm_on(lanes, w, x, bias, out, ith, nth);
+            return vnni::gemm_on(lanes, w, x, bias, out, ith, nth, None);
         }
     }
     let bf16 = matches!(isa, Isa::Avx512Bf16 | Isa::Avx512Vnni)

@@ -521,22 +521,6 @@ pub(super) const VNNI: Lanes = Lanes {
     },
 };
 
-/// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
-/// (`ith` of `nth`) of the outputs, on the integer kernel `lanes` ([`VNNI`]
-/// or `int8.rs`'s). The caller made sure that the kernel's `applies` holds
-/// for `w.ty` and that `w.k == x.k`, a multiple of [`unit`].
-pub(super) fn gemm_on(
-    lanes: Lanes,
-    w: &Weight<'_>,
-    x: &Rows<'_>,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    ith: usize,
-    nth: usize,
-) {
-    drive(lanes, w, x, bias, out, ith, nth, None)
-}
-
 /// [`gemm_on`] on this module's kernel for a weight whose rows were
 /// rewritten by [`pack_in_place`] (with `a0`): its panels are read where
 /// they are.
@@ -558,13 +542,17 @@ pub(super) fn gemm_in_place(
             && a0 < 64
             && a0.is_multiple_of(SCALE_BYTES)
     );
-    drive(VNNI, w, x, bias, out, ith, nth, Some(a0))
+    gemm_on(VNNI, w, x, bias, out, ith, nth, Some(a0))
 }
 
-/// [`gemm_on`], on the weight's own panels where `in_place` says how they
-/// were packed ([`gemm_in_place`] checked the layout).
+/// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
+/// (`ith` of `nth`) of the outputs, on the integer kernel `lanes` ([`VNNI`]
+/// or `int8.rs`'s). The caller made sure that the kernel's `applies` holds
+/// for `w.ty` and that `w.k == x.k`, a multiple of [`unit`]. Where
+/// `in_place` is given, the weight's own panels are read as they were
+/// packed ([`gemm_in_place`], which checks the layout, passes it).
 #[allow(clippy::too_many_arguments)]
-fn drive(
+pub(super) fn gemm_on(
     lanes: Lanes,
     w: &Weight<'_>,
     x: &Rows<'_>,
@@ -1547,7 +1535,7 @@ mod tests {
             let mut want = vec![f32::NAN; m * n];
             let mut got = vec![f32::NAN; m * n];
             for ith in 0..nth {
-                gemm_on(VNNI, &w, &x, b, &mut want, ith, nth);
+                gemm_on(VNNI, &w, &x, b, &mut want, ith, nth, None);
                 gemm_in_place(&wp, a0, &x, b, &mut got, ith, nth);
             }
             assert!(
