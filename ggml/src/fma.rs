@@ -54,7 +54,10 @@
 //!
 //! The weight is packed in every evaluation, block by block, in the
 //! thread's own buffers: no packed copy of a weight is kept or allocated in
-//! the graph. [`Context::mul_mat`](crate::Context::mul_mat) takes this path
+//! the graph. A weight of whole panels that only these kernels multiply
+//! (bf16 on AVX512-BF16, f16 on the AVX2 class, q8_0, q4_0 and q4_K on
+//! AVX512-VNNI) is instead rewritten as the kernel's panels once, in its
+//! own bytes ([`packed`], [`gemm_in_place`]). [`Context::mul_mat`](crate::Context::mul_mat) takes this path
 //! for contexts marked with
 //! [`Context::set_cpu_kernels`](crate::Context::set_cpu_kernels) where
 //! [`isa_for`] says so (see there for which types, and why).
@@ -514,7 +517,9 @@ pub const F16_MAX_K: usize = 1280;
 /// ggml's tinyBLAS rounds the activations to f16 and widens the weight in
 /// its loop, which at short rows costs more than packing it once per pass.
 /// That is SD's UNets' linear layers but their feed-forward outputs; a
-/// DiT's 3072-wide products stay ggml's.
+/// DiT's 3072-wide products stay ggml's. Such an f16 weight that the
+/// pipeline packs once, in place ([`packed`], [`f16_in_place`]), is
+/// multiplied on that kernel at any number of rows.
 pub fn isa_for_product(ty: sys::ggml_type, k: usize) -> Option<Isa> {
     if let Some(isa) = isa_for(ty) {
         return Some(isa);
@@ -524,6 +529,84 @@ pub fn isa_for_product(ty: sys::ggml_type, k: usize) -> Option<Isa> {
     match ty {
         sys::GGML_TYPE_F16 if avx2_class && k <= F16_MAX_K => isa_for(sys::GGML_TYPE_F32),
         _ => None,
+    }
+}
+
+/// The f32 kernel that multiplies f16 weights packed once, in place
+/// ([`packed`]: f16 panels of the kernel's width, widened in its loop with
+/// F16C's `vcvtph2ps`), on processors of the AVX2 class (neither
+/// AVX512-BF16 nor a tile unit, or [`crate::Knobs::fma_avx2`]): the
+/// AVX2 kernel, or the AVX-512 one where [`isa_for`] gives f32 weights
+/// that; for weights of rows up to [`F16_MAX_K`] values, as
+/// [`isa_for_product`] (longer ones, a UNet's feed-forward outputs and a
+/// DiT's, measured 0.83–1.01× ggml's tinyBLAS packed in place on a Zen 5
+/// kept to AVX2, session 50, and stay ggml's). Elsewhere f16 weights are
+/// rounded to bf16 at load (`--compute-type auto`) or stay ggml's.
+pub(crate) fn f16_in_place() -> Option<Isa> {
+    let (f, knobs) = (features(), crate::knobs());
+    let avx2_class = (!f.avx512bf16 || knobs.fma_avx2) && !crate::amx::available();
+    match isa_for(sys::GGML_TYPE_F32) {
+        Some(isa @ (Isa::Avx2 | Isa::Avx512)) if avx2_class => Some(isa),
+        _ => None,
+    }
+}
+
+/// The `k` per pass of the AVX2 kernel over f16 weights packed in place
+/// ([`gemm_f16_in_place`]): a panel of 768 × 16 f16 is 24 KiB, as one of
+/// 384 × 16 f32. Measured on a Zen 5 with the kernels kept to AVX2, both
+/// threads, alternating in one process (session 50), against the f32
+/// kernel's 256: 1.04–1.08× at SD's UNet shapes, 1.1–1.2× at 16 and 77
+/// rows; 512 and 1024 were level within the noise.
+pub const F16_KC: usize = 768;
+
+/// Outputs per panel of an f16 weight packed in place for `isa`'s f32
+/// kernel ([`f16_in_place`]).
+pub(crate) fn f16_width(isa: Isa) -> usize {
+    match isa {
+        Isa::Avx512 => F32Avx512::NR,
+        _ => F32Avx2::NR,
+    }
+}
+
+/// The product of an f16 weight packed in place (see [`gemm`]): panel
+/// after panel of [`f16_width`] outputs, each `k` values of them side by
+/// side, on the f32 kernel [`f16_in_place`] names.
+pub(crate) fn gemm_f16_in_place(
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+) {
+    let isa = f16_in_place().expect("f16 weights are packed where a kernel takes them");
+    assert!(
+        w.ty == sys::GGML_TYPE_F16
+            && w.n.is_multiple_of(f16_width(isa))
+            && (w.data.as_ptr() as usize).is_multiple_of(2)
+            && w.data.len() >= w.n * w.k * 2
+    );
+    // SAFETY: the weight's bytes, 2-aligned (checked), as u16.
+    let panels = unsafe { std::slice::from_raw_parts(w.data.as_ptr() as *const u16, w.n * w.k) };
+    match isa {
+        Isa::Avx512 => {
+            type K = F32Avx512;
+            gemm_in_place::<K, u16>(
+                w,
+                x,
+                K::products_pass(),
+                bias,
+                out,
+                ith,
+                nth,
+                panels,
+                tile_f16_avx512,
+            )
+        }
+        _ => {
+            type K = F32Avx2;
+            gemm_in_place::<K, u16>(w, x, F16_KC, bias, out, ith, nth, panels, tile_f16_avx2)
+        }
     }
 }
 
@@ -728,7 +811,14 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
         };
         bf16 += &format!(", {names} from {rows} rows on {}{passes}", isa.label());
     }
-    if isa_for(sys::GGML_TYPE_F16).is_none() {
+    let f16_packed = f16_in_place().filter(|_| crate::knobs().fma_pack);
+    if let (None, Some(isa)) = (isa_for(sys::GGML_TYPE_F16), f16_packed) {
+        bf16 += &format!(
+            ", f16 with rows up to {F16_MAX_K} values on {} (weights of whole panels packed once, at any rows; else from {} rows)",
+            isa.label(),
+            isa.min_rows(sys::GGML_TYPE_F16)
+        );
+    } else if isa_for(sys::GGML_TYPE_F16).is_none() {
         if let Some(isa) = isa_for_product(sys::GGML_TYPE_F16, F16_MAX_K) {
             bf16 += &format!(
                 ", f16 with rows up to {F16_MAX_K} values from {} rows on {}",
@@ -1435,47 +1525,15 @@ fn gemm_with<K: Kernel>(
     ith: usize,
     nth: usize,
 ) {
-    gemm_on_panels::<K>(w, m, k, kc_max, pack_x, bias, out, store, ith, nth, None)
-}
-
-/// [`gemm_with`], the weight's panels packed already where `packed` holds
-/// them (for every pass: [`packed`]).
-#[allow(clippy::too_many_arguments)]
-fn gemm_on_panels<K: Kernel>(
-    w: &Weight<'_>,
-    m: usize,
-    k: usize,
-    kc_max: usize,
-    pack_x: PackX<'_, K::E>,
-    bias: Option<&[f32]>,
-    out: &mut [f32],
-    store: Store,
-    ith: usize,
-    nth: usize,
-    packed: Option<&[K::E]>,
-) {
     let n = w.n;
     let fits = match store {
         Store::Rows => out.len() >= m * n,
         Store::Channels { ld } => ld >= m && out.len() >= (n - 1) * ld + m,
     };
     assert!(w.k == k && fits && bias.is_none_or(|b| b.len() >= n));
-    let panels = n.div_ceil(K::NR);
-    // Each thread packs the part of the weight it multiplies and the part
-    // of `x`: by panels, its panels and every row; by rows, every panel and
-    // its rows. By rows packs less where there are fewer outputs than rows,
-    // and shares evenly where there are too few panels.
-    let row_blocks = m.div_ceil(K::MR);
-    let by_rows = (n < m || panels < 4 * nth) && row_blocks >= nth;
-    let (pr, rr) = if by_rows {
-        let blocks = share(row_blocks, ith, nth);
-        (0..panels, blocks.start * K::MR..(blocks.end * K::MR).min(m))
-    } else {
-        (share(panels, ith, nth), 0..m)
-    };
-    if pr.is_empty() || rr.is_empty() {
+    let Some((pr, rr)) = split::<K>(m, n, ith, nth) else {
         return;
-    }
+    };
     let np = pr.len();
     // Whole micro-tiles per block: a partial one goes through `buf.c`. A
     // thread's rows that fit one block (in the level-2 cache) are one
@@ -1483,19 +1541,8 @@ fn gemm_on_panels<K: Kernel>(
     // rows stream past it: with few rows, packing a whole pass's panels
     // first wrote and read them again through memory (a 3072 × 12288
     // weight: 4.7 MB a thread and pass).
-    // A weight packed once ([`packed`]) is read in place: each panel holds
-    // every pass, one after the other.
-    let one_block = rr.len() <= ONE_BLOCK_ROWS && packed.is_none();
-    if let Some(p) = packed {
-        assert!(p.len() >= panels * k.next_multiple_of(K::KSTEP) * K::NR);
-    }
-    // Passes over `k` of even lengths (a short last pass costs a whole
-    // pass's stores for few products), where the weight's rows split
-    // anywhere; quantized rows split only at `kc_max`, whole blocks.
-    let kc_step = match block_size(w.ty) {
-        1 => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::KSTEP),
-        block => kc_max / block * block,
-    };
+    let one_block = rr.len() <= ONE_BLOCK_ROWS;
+    let kc_step = pass_step::<K>(w.ty, k, kc_max);
     let mc_max = match one_block {
         true => rr.len().next_multiple_of(K::MR),
         false => {
@@ -1509,20 +1556,13 @@ fn gemm_on_panels<K: Kernel>(
             let kc = kc_step.min(k - kb);
             let kp = kc.next_multiple_of(K::KSTEP);
             buf.row.resize(kp, 0.0);
-            let b = buf.b.get(match (packed, one_block) {
-                (Some(_), _) => 0,
-                (None, true) => kp * K::NR,
-                (None, false) => np * kp * K::NR,
+            let b = buf.b.get(match one_block {
+                true => kp * K::NR,
+                false => np * kp * K::NR,
             });
-            if !one_block && packed.is_none() {
+            if !one_block {
                 pack_weight::<K>(w, pr.start, np, kb, kc, b, &mut buf.row);
             }
-            // Where panel `q` of this thread's starts for this pass.
-            let kw = k.next_multiple_of(K::KSTEP);
-            let at = |q: usize| match packed {
-                Some(_) => (pr.start + q) * kw * K::NR + kb * K::NR,
-                None => q * kp * K::NR,
-            };
             let b: &mut [K::E] = b;
             for r0 in rr.clone().step_by(mc_max) {
                 let mc = mc_max.min(rr.end - r0);
@@ -1530,80 +1570,257 @@ fn gemm_on_panels<K: Kernel>(
                 let a = buf.a.get(blocks * kp * K::MR);
                 pack_x(r0, mc, kb, kc, a);
                 for q in 0..np {
-                    let panel = match (packed, one_block) {
-                        (Some(p), _) => &p[at(q)..at(q) + kp * K::NR],
-                        (None, true) => {
-                            pack_weight::<K>(w, pr.start + q, 1, kb, kc, b, &mut buf.row);
-                            &b[..kp * K::NR]
-                        }
-                        (None, false) => &b[at(q)..at(q) + kp * K::NR],
-                    };
-                    let j0 = (pr.start + q) * K::NR;
-                    let cols = K::NR.min(n - j0);
-                    // The last tile on a packed panel brings the next one
-                    // (or the first, for the next block of rows) into the
-                    // cache as it runs: packed a whole pass ahead, that
-                    // panel has left the level-2 cache since (a thread's
-                    // share of a 1280 × 10240 weight is 13 MB).
+                    // One block packs each panel just before its use, at the
+                    // start of `b`.
+                    let at = if one_block { 0 } else { q * kp * K::NR };
+                    if one_block {
+                        pack_weight::<K>(w, pr.start + q, 1, kb, kc, b, &mut buf.row);
+                    }
+                    let panel = &b[at..at + kp * K::NR];
+                    // The last tile on a panel packed a whole pass ahead
+                    // brings the next one (or the first, for the next block
+                    // of rows) into the cache as it runs: that panel has
+                    // left the level-2 cache since (a thread's share of a
+                    // 1280 × 10240 weight is 13 MB).
                     let next = match (one_block, q + 1 < np) {
                         (true, _) => None,
                         (false, true) => Some(q + 1),
                         (false, false) => (r0 + mc < rr.end).then_some(0),
                     };
+                    let j0 = (pr.start + q) * K::NR;
                     for blk in 0..blocks {
                         let next = match next {
-                            Some(p) if blk + 1 == blocks => match packed {
-                                Some(w) => w[at(p)..].as_ptr(),
-                                None => b[at(p)..].as_ptr(),
-                            },
+                            Some(p) if blk + 1 == blocks => b[p * kp * K::NR..].as_ptr(),
                             _ => std::ptr::null(),
                         };
-                        let rows = K::MR.min(mc - blk * K::MR);
                         let a = &a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
-                        let i0 = r0 + blk * K::MR;
-                        if matches!(store, Store::Rows) && rows == K::MR && cols == K::NR {
-                            let bias = match bias {
-                                Some(b) if kb == 0 => b[j0..j0 + K::NR].as_ptr(),
-                                _ => std::ptr::null(),
-                            };
-                            let c = &mut out[i0 * n + j0..(i0 + K::MR - 1) * n + j0 + K::NR];
-                            // SAFETY: gemm checked the processor's features
-                            // for K; the slices hold kp·MR and kp·NR values,
-                            // `c` MR rows of NR values n apart, and `bias`
-                            // (if any) NR values.
-                            unsafe { K::tile(kp, a, panel, c.as_mut_ptr(), n, kb > 0, bias, next) };
-                            continue;
-                        }
-                        // SAFETY: as above, into `buf.c` (MR × NR).
-                        unsafe {
-                            K::tile(
-                                kp,
-                                a,
-                                panel,
-                                buf.c.as_mut_ptr(),
-                                K::NR,
-                                false,
-                                std::ptr::null(),
-                                next,
-                            )
+                        let at = Tile {
+                            i0: r0 + blk * K::MR,
+                            rows: K::MR.min(mc - blk * K::MR),
+                            j0,
                         };
-                        if let Store::Channels { ld } = store {
-                            let bias = bias.filter(|_| kb == 0).map(|b| &b[j0..j0 + cols]);
-                            let c = &mut out[j0 * ld + i0..];
-                            finish_channels(&buf.c, K::NR, rows, cols, c, ld, kb > 0, bias);
-                            continue;
-                        }
-                        let bias = match bias {
-                            Some(b) if kb == 0 => b[j0..j0 + cols].as_ptr(),
+                        // SAFETY: gemm checked the processor's features for
+                        // K; the slices hold kp·MR and kp·NR values, and
+                        // `store_tile` hands it MR rows of NR values (and
+                        // NR of bias) it may write.
+                        store_tile::<K>(
+                            at,
+                            n,
+                            kb,
+                            store,
+                            bias,
+                            out,
+                            &mut buf.c,
+                            |c, ldc, add, bias| unsafe {
+                                K::tile(kp, a, panel, c, ldc, add, bias, next)
+                            },
+                        );
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// A micro-tile's place in the output: rows `i0..i0 + rows` of outputs
+/// from `j0`.
+#[derive(Clone, Copy)]
+struct Tile {
+    i0: usize,
+    rows: usize,
+    j0: usize,
+}
+
+/// This thread's share (`ith` of `nth`) of a product of `m` rows and `n`
+/// outputs on `K`: its panels of the weight and its rows, or `None` where
+/// it has none. Each thread packs the part of the weight it multiplies and
+/// the part of `x`: by panels, its panels and every row; by rows, every
+/// panel and its rows. By rows packs less where there are fewer outputs
+/// than rows, and shares evenly where there are too few panels.
+fn split<K: Kernel>(
+    m: usize,
+    n: usize,
+    ith: usize,
+    nth: usize,
+) -> Option<(std::ops::Range<usize>, std::ops::Range<usize>)> {
+    let panels = n.div_ceil(K::NR);
+    let row_blocks = m.div_ceil(K::MR);
+    let by_rows = (n < m || panels < 4 * nth) && row_blocks >= nth;
+    let (pr, rr) = if by_rows {
+        let blocks = share(row_blocks, ith, nth);
+        (0..panels, blocks.start * K::MR..(blocks.end * K::MR).min(m))
+    } else {
+        (share(panels, ith, nth), 0..m)
+    };
+    (!pr.is_empty() && !rr.is_empty()).then_some((pr, rr))
+}
+
+/// The `k` per pass over a weight of type `ty` on `K`, at most `kc_max`:
+/// passes of even lengths (a short last pass costs a whole pass's stores
+/// for few products), where the weight's rows split anywhere; quantized
+/// rows split only at `kc_max`, whole blocks.
+fn pass_step<K: Kernel>(ty: sys::ggml_type, k: usize, kc_max: usize) -> usize {
+    match block_size(ty) {
+        1 => k.div_ceil(k.div_ceil(kc_max)).next_multiple_of(K::KSTEP),
+        block => kc_max / block * block,
+    }
+}
+
+/// One micro-tile of sums into `out` at `at` (of `n` outputs a row; `kb`
+/// the pass, whose first adds the bias and the others what `out` holds):
+/// `tile(c, ldc, add, bias)` writes the `MR × NR` sums there, plus what
+/// `c` held where `add`, plus `bias` where not null. A whole tile of rows
+/// goes straight into `out`; a partial one, or one stored by channels,
+/// through `acc` (`MR × NR`).
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn store_tile<K: Kernel>(
+    at: Tile,
+    n: usize,
+    kb: usize,
+    store: Store,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    acc: &mut [f32],
+    tile: impl FnOnce(*mut f32, usize, bool, *const f32),
+) {
+    let Tile { i0, rows, j0 } = at;
+    let cols = K::NR.min(n - j0);
+    if matches!(store, Store::Rows) && rows == K::MR && cols == K::NR {
+        let bias = match bias {
+            Some(b) if kb == 0 => b[j0..j0 + K::NR].as_ptr(),
+            _ => std::ptr::null(),
+        };
+        let c = &mut out[i0 * n + j0..(i0 + K::MR - 1) * n + j0 + K::NR];
+        return tile(c.as_mut_ptr(), n, kb > 0, bias);
+    }
+    assert!(acc.len() >= K::MR * K::NR);
+    tile(acc.as_mut_ptr(), K::NR, false, std::ptr::null());
+    if let Store::Channels { ld } = store {
+        let bias = bias.filter(|_| kb == 0).map(|b| &b[j0..j0 + cols]);
+        let c = &mut out[j0 * ld + i0..];
+        return finish_channels(acc, K::NR, rows, cols, c, ld, kb > 0, bias);
+    }
+    let bias = match bias {
+        Some(b) if kb == 0 => b[j0..j0 + cols].as_ptr(),
+        _ => std::ptr::null(),
+    };
+    let c = &mut out[i0 * n + j0..(i0 + rows - 1) * n + j0 + cols];
+    // SAFETY: `c` holds `rows` rows of `cols` values n apart, `bias` (if
+    // any) `cols` values, `acc` MR rows of NR ≥ cols.
+    unsafe { finish(acc, K::NR, rows, cols, c.as_mut_ptr(), n, kb > 0, bias) };
+}
+
+/// A micro-kernel over panels packed once, in place ([`packed`]), whose
+/// values are `W` (the kernel's own element, or f16 for the f32
+/// kernels): [`Kernel::tile`]'s contract, `b` and `next` of type `W`,
+/// after the rows of the tile that matter (the others of its `MR` may be
+/// left out: a product of one row need not multiply five of zeros).
+type InPlaceTile<E, W> =
+    unsafe fn(usize, usize, &[E], &[W], *mut f32, usize, bool, *const f32, *const W);
+
+/// [`Kernel::tile`] as an [`InPlaceTile`] (all `MR` rows multiplied).
+///
+/// # Safety
+/// As [`Kernel::tile`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn whole_tile<K: Kernel>(
+    _rows: usize,
+    kp: usize,
+    a: &[K::E],
+    b: &[K::E],
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+    next: *const K::E,
+) {
+    // SAFETY: the caller's.
+    unsafe { K::tile(kp, a, b, c, ldc, add, bias, next) }
+}
+
+/// [`gemm_with`] (into rows) over a weight packed once, in place
+/// ([`packed`]): `panels` holds panel after panel of `K::NR` outputs over
+/// the whole of `k` (padded to `K::KSTEP`), so that a pass from `kb`
+/// starts `kb · NR` values into each; `tile` multiplies a block of rows
+/// by a stretch of one.
+#[allow(clippy::too_many_arguments)]
+fn gemm_in_place<K: Kernel, W>(
+    w: &Weight<'_>,
+    x: &Rows<'_>,
+    kc_max: usize,
+    bias: Option<&[f32]>,
+    out: &mut [f32],
+    ith: usize,
+    nth: usize,
+    panels: &[W],
+    tile: InPlaceTile<K::E, W>,
+) {
+    let (n, m, k) = (w.n, x.rows, x.k);
+    let kw = k.next_multiple_of(K::KSTEP);
+    assert!(
+        w.k == k
+            && out.len() >= m * n
+            && bias.is_none_or(|b| b.len() >= n)
+            && panels.len() >= n.div_ceil(K::NR) * kw * K::NR
+    );
+    let Some((pr, rr)) = split::<K>(m, n, ith, nth) else {
+        return;
+    };
+    let np = pr.len();
+    let kc_step = pass_step::<K>(w.ty, k, kc_max);
+    let kp_max = kc_step.min(k).next_multiple_of(K::KSTEP);
+    let mc_max = K::block_rows(kp_max, np).next_multiple_of(K::MR);
+    K::buffers(|buf| {
+        buf.c.resize(K::MR * K::NR, 0.0);
+        for kb in (0..k).step_by(kc_step) {
+            let kc = kc_step.min(k - kb);
+            let kp = kc.next_multiple_of(K::KSTEP);
+            // Where panel `q` of this thread's starts for this pass.
+            let at = |q: usize| (pr.start + q) * kw * K::NR + kb * K::NR;
+            for r0 in rr.clone().step_by(mc_max) {
+                let mc = mc_max.min(rr.end - r0);
+                let blocks = mc.div_ceil(K::MR);
+                let a = buf.a.get(blocks * kp * K::MR);
+                pack_rows::<K>(x, r0, mc, kb, kc, a);
+                let a: &[K::E] = a;
+                for q in 0..np {
+                    let panel = &panels[at(q)..at(q) + kp * K::NR];
+                    // The last tile on a panel brings the next one (or the
+                    // first, for the next block of rows) into the cache.
+                    let next = match q + 1 < np {
+                        true => Some(q + 1),
+                        false => (r0 + mc < rr.end).then_some(0),
+                    };
+                    let j0 = (pr.start + q) * K::NR;
+                    for blk in 0..blocks {
+                        let next = match next {
+                            Some(p) if blk + 1 == blocks => panels[at(p)..].as_ptr(),
                             _ => std::ptr::null(),
                         };
-                        let c = &mut out[i0 * n + j0..(i0 + rows - 1) * n + j0 + cols];
-                        // SAFETY: `c` holds `rows` rows of `cols` values n
-                        // apart, `bias` (if any) `cols` values, `buf.c` MR
-                        // rows of NR ≥ cols.
-                        unsafe {
-                            finish(&buf.c, K::NR, rows, cols, c.as_mut_ptr(), n, kb > 0, bias)
+                        let a = &a[blk * kp * K::MR..(blk + 1) * kp * K::MR];
+                        let at = Tile {
+                            i0: r0 + blk * K::MR,
+                            rows: K::MR.min(mc - blk * K::MR),
+                            j0,
                         };
+                        // SAFETY: the caller checked the processor's
+                        // features for `tile`; the slices hold kp·MR and
+                        // kp·NR values, and `store_tile` hands it MR rows
+                        // of NR values (and NR of bias) it may write.
+                        let rows = at.rows;
+                        store_tile::<K>(
+                            at,
+                            n,
+                            kb,
+                            Store::Rows,
+                            bias,
+                            out,
+                            &mut buf.c,
+                            |c, ldc, add, bias| unsafe {
+                                tile(rows, kp, a, panel, c, ldc, add, bias, next)
+                            },
+                        );
                     }
                 }
             }
@@ -2201,6 +2418,95 @@ unsafe fn tile_avx2(
             }
         }
     }
+    // SAFETY: the caller's contract on c, ldc and bias.
+    unsafe { store_256(&acc, c, ldc, add, bias) }
+}
+
+/// [`F32Avx2`]'s tile over a panel of f16 values ([`gemm_f16_in_place`]):
+/// per `k` two loads of 8 f16 widened by `vcvtph2ps`, which runs beside
+/// the multiply-adds, so the panel is read at half the bytes and never
+/// packed.
+///
+/// # Safety
+/// As [`Kernel::tile`]; the processor has AVX2, FMA and F16C.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_f16_avx2(
+    rows: usize,
+    kp: usize,
+    a: &[f32],
+    b: &[u16],
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+    next: *const u16,
+) {
+    assert!(a.len() >= kp * F32Avx2::MR && b.len() >= kp * F32Avx2::NR);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's; lengths checked above; each tile multiplies
+    // the first of the 6 rows (`R ≤ 6`) and writes as many.
+    unsafe {
+        let (a, b) = (a.as_ptr(), b.as_ptr());
+        match rows {
+            1 => tile_avx2_f16::<1>(kp, a, b, c, ldc, add, bias, next),
+            2 => tile_avx2_f16::<2>(kp, a, b, c, ldc, add, bias, next),
+            3 | 4 => tile_avx2_f16::<4>(kp, a, b, c, ldc, add, bias, next),
+            _ => tile_avx2_f16::<6>(kp, a, b, c, ldc, add, bias, next),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_avx2_f16<const R: usize>(
+    kp: usize,
+    a: *const f32,
+    b: *const u16,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+    next: *const u16,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 2]; R];
+    for kk in 0..kp {
+        // SAFETY: kk < kp: within the caller's lengths.
+        unsafe {
+            if kk % 2 == 0 {
+                prefetch_lines::<1>(next.wrapping_add(kk * 16));
+            }
+            let b0 = _mm256_cvtph_ps(_mm_loadu_si128(b.add(kk * 16) as *const __m128i));
+            let b1 = _mm256_cvtph_ps(_mm_loadu_si128(b.add(kk * 16 + 8) as *const __m128i));
+            let ak = a.add(kk * 6);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = _mm256_broadcast_ss(&*ak.add(r));
+                acc[0] = _mm256_fmadd_ps(av, b0, acc[0]);
+                acc[1] = _mm256_fmadd_ps(av, b1, acc[1]);
+            }
+        }
+    }
+    // SAFETY: the caller's contract on c, ldc and bias.
+    unsafe { store_256(&acc, c, ldc, add, bias) }
+}
+
+/// Writes `R` rows of 16 sums to `c` (`ldc` apart), plus what `c` held
+/// where `add`, plus `bias` where not null (inlined as [`store_512`] is).
+///
+/// # Safety
+/// The processor has AVX (the caller is compiled for it); `c` addresses `R`
+/// rows of 16 f32, `ldc` apart; `bias` (if not null) 16 f32.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn store_256<const R: usize>(
+    acc: &[[std::arch::x86_64::__m256; 2]; R],
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+) {
+    use std::arch::x86_64::*;
     for (r, acc) in acc.iter().enumerate() {
         // SAFETY: row r's 16 values at r·ldc and the bias's 16 are the
         // caller's.
@@ -2219,6 +2525,75 @@ unsafe fn tile_avx2(
             _mm256_storeu_ps(row.add(8), v1);
         }
     }
+}
+
+/// [`F32Avx512`]'s tile over a panel of f16 values, as
+/// [`tile_f16_avx2`].
+///
+/// # Safety
+/// As [`Kernel::tile`]; the processor has AVX-512F.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_f16_avx512(
+    rows: usize,
+    kp: usize,
+    a: &[f32],
+    b: &[u16],
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+    next: *const u16,
+) {
+    assert!(a.len() >= kp * F32Avx512::MR && b.len() >= kp * F32Avx512::NR);
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's; lengths checked above; each tile multiplies
+    // the first `R ≤ 12` of the 12 rows (their stride) and writes as many.
+    unsafe {
+        let (a, b) = (a.as_ptr(), b.as_ptr());
+        match rows {
+            1 => tile_avx512_f16::<1, 12, 2>(kp, a, b, c, ldc, add, bias, next),
+            2 => tile_avx512_f16::<2, 12, 2>(kp, a, b, c, ldc, add, bias, next),
+            3 | 4 => tile_avx512_f16::<4, 12, 2>(kp, a, b, c, ldc, add, bias, next),
+            _ => tile_avx512_f16::<12, 12, 2>(kp, a, b, c, ldc, add, bias, next),
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx512f")]
+unsafe fn tile_avx512_f16<const R: usize, const MR: usize, const NV: usize>(
+    kp: usize,
+    a: *const f32,
+    b: *const u16,
+    c: *mut f32,
+    ldc: usize,
+    add: bool,
+    bias: *const f32,
+    next: *const u16,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); NV]; R];
+    for kk in 0..kp {
+        // SAFETY: kk < kp: within the caller's lengths.
+        unsafe {
+            prefetch_lines::<1>(next.wrapping_add(kk * 16 * NV));
+            let mut bv = [_mm512_setzero_ps(); NV];
+            for (v, bv) in bv.iter_mut().enumerate() {
+                let h = _mm256_loadu_si256(b.add(kk * 16 * NV + 16 * v) as *const __m256i);
+                *bv = _mm512_cvtph_ps(h);
+            }
+            let ak = a.add(kk * MR);
+            for (r, acc) in acc.iter_mut().enumerate() {
+                let av = _mm512_set1_ps(*ak.add(r));
+                for (acc, bv) in acc.iter_mut().zip(&bv) {
+                    *acc = _mm512_fmadd_ps(av, *bv, *acc);
+                }
+            }
+        }
+    }
+    // SAFETY: the caller's contract on c, ldc and bias.
+    unsafe { store_512(&acc, c, ldc, add, bias) }
 }
 
 /// AVX-512F: 12 × 32 accumulators in twenty-four registers; per `k` two
@@ -2953,9 +3328,10 @@ mod tests {
             let s = summary(false).unwrap();
             assert!(s.contains("q8_0 from 128 rows on AVX2"), "{s}");
             assert!(
-                s.contains(", f16 with rows up to 1280 values from 512 rows on AVX2"),
+                s.contains(", f16 with rows up to 1280 values on AVX2 (weights of whole panels packed once, at any rows; else from 512 rows)"),
                 "{s}"
             );
+            assert_eq!(f16_in_place(), f32);
         }
     }
 

@@ -199,7 +199,8 @@ pub struct BenchArgs {
 
     /// Time the models' matrix products one by one on the CPU instead of
     /// a model: UNet and DiT shapes at the image size (-W/-H, default
-    /// 1024²) and an LLM text encoder's at a short prompt, for each weight type listed (default f16,bf16,q8_0,q4_0,q4_K),
+    /// 1024²), a DiT's modulation at one row, and CLIP-L's and an LLM text
+    /// encoder's at a prompt, for each weight type listed (default f16,bf16,q8_0,q4_0,q4_K),
     /// with sdhost's CPU kernels (a weight the pipeline packs once, in
     /// place, timed per product too) and with ggml's in the same run, and
     /// PyTorch's at the same shapes with `--peer diffusers`

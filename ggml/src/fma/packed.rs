@@ -1,6 +1,6 @@
 //! Weights packed once, in place, as sdhost's kernels read them: bf16
-//! for the AVX512-BF16 kernel, q8_0, q4_0 and q4_K for the AVX512-VNNI
-//! one.
+//! for the AVX512-BF16 kernel, f16 for the f32 kernels of the AVX2 class,
+//! q8_0, q4_0 and q4_K for the AVX512-VNNI one.
 //!
 //! Every product on the AVX512-BF16 kernel (`Bf16Avx512`) used to transpose its weight into
 //! panels (32 outputs side by side, `k` in pairs) before multiplying, in
@@ -14,7 +14,12 @@
 //! (a fifth of its time over `bench --products`' shapes); its panels
 //! packed in place hold the same bytes as the rows (16 outputs a panel,
 //! their values in lines and their scales after them: the layouts of
-//! `vnni::pack_in_place`).
+//! `vnni::pack_in_place`). On processors of the AVX2 class an f16
+//! weight's products (those with rows up to `F16_MAX_K` values; longer
+//! ones stay on ggml's tinyBLAS) widened each panel to f32 for every pass;
+//! packed in place its panels stay f16 (16 outputs side by side for each
+//! `k`, 32 on AVX-512 without AVX512-BF16), which the tile widens as it
+//! loads them.
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
 //! reads): whatever holds the tensor sees it. [`Graph::pack_weights`]
@@ -41,10 +46,12 @@ const MAGIC: i32 = i32::from_le_bytes(*b"sdPK");
 const NR: usize = Bf16Avx512::NR;
 
 /// Outputs per panel of a weight of type `ty` packed in place, where that
-/// type can be: bf16 [`NR`], q8_0, q4_0 and q4_K the VNNI kernel's 16.
+/// type can be: bf16 [`NR`], f16 its f32 kernel's ([`super::f16_width`]),
+/// q8_0, q4_0 and q4_K the VNNI kernel's 16.
 fn width(ty: sys::ggml_type) -> Option<usize> {
     match ty {
         sys::GGML_TYPE_BF16 => Some(NR),
+        sys::GGML_TYPE_F16 => super::f16_in_place().map(super::f16_width),
         _ if vnni::in_place_format(ty).is_some() => Some(vnni::NR),
         _ => None,
     }
@@ -64,7 +71,8 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
 }
 
 /// The kernel that multiplies a weight packed (or packable) in place:
-/// AVX512-BF16 for bf16, AVX512-VNNI for q8_0, q4_0 and q4_K.
+/// AVX512-BF16 for bf16, an f32 kernel for f16 ([`super::f16_in_place`]),
+/// AVX512-VNNI for q8_0, q4_0 and q4_K.
 ///
 /// # Safety
 /// `t` is a live tensor.
@@ -72,6 +80,7 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
     // SAFETY: the caller's.
     match unsafe { (*t).type_ } {
         sys::GGML_TYPE_BF16 => Isa::Avx512Bf16,
+        sys::GGML_TYPE_F16 => super::f16_in_place().unwrap_or(Isa::Avx2),
         _ => Isa::Avx512Vnni,
     }
 }
@@ -80,7 +89,8 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
 /// contiguous, no view, its data in host memory, packing not turned off,
 /// and either bf16 of pairs of `k` on a processor whose bf16 weights take
 /// the bf16 kernel ([`super::bf16_dots`]: not Intel's, where they are
-/// widened on the f32 kernel), or q8_0, q4_0 or q4_K where they take the
+/// widened on the f32 kernel), or f16 on processors of the AVX2 class
+/// ([`super::f16_in_place`]), or q8_0, q4_0 or q4_K where they take the
 /// AVX512-VNNI kernel and no tile unit does.
 ///
 /// # Safety
@@ -96,6 +106,7 @@ pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
         let ty = (*t).type_;
         let kernel = match ty {
             sys::GGML_TYPE_BF16 => f.avx512 && super::bf16_dots() && k % 2 == 0,
+            sys::GGML_TYPE_F16 => super::f16_in_place().is_some() && k as usize <= super::F16_MAX_K,
             _ => {
                 vnni::in_place_format(ty).is_some()
                     && super::isa_for(ty) == Some(Isa::Avx512Vnni)
@@ -135,6 +146,7 @@ unsafe fn pack(t: *mut sys::ggml_tensor) {
         let a0 = (*t).data as usize % 64;
         match ty {
             sys::GGML_TYPE_BF16 => rows_to_panels(data, k, n),
+            sys::GGML_TYPE_F16 => halves_to_panels(data, k, n, width(ty).expect("packable")),
             _ => vnni::pack_in_place(ty, data, k, n, a0),
         }
         (*t).op_params[0] = MAGIC;
@@ -174,6 +186,10 @@ pub(crate) unsafe fn lead(t: *const sys::ggml_tensor) -> usize {
 fn to_rows(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
     match ty {
         sys::GGML_TYPE_BF16 => panels_to_rows(data, k, n),
+        sys::GGML_TYPE_F16 => {
+            let width = width(ty).expect("f16 weights are packed where a kernel takes them");
+            panels_to_halves(data, k, n, width)
+        }
         _ => vnni::unpack_in_place(ty, data, k, n, a0),
     }
 }
@@ -250,6 +266,37 @@ fn panels_to_rows(data: &mut [u8], k: usize, n: usize) {
     }
 }
 
+/// `n` rows of `k` f16 (`n` a multiple of `width`) rewritten as the f32
+/// kernels' panels of f16: panel `q` (outputs `q·width..`) at
+/// `q·width·k`, value `i` of output `c` at `i·width + c` within it (so a
+/// pass over `kb..` starts at `kb·width`).
+fn halves_to_panels(data: &mut [u8], k: usize, n: usize, width: usize) {
+    assert!(n.is_multiple_of(width) && data.len() == 2 * k * n);
+    let mut rows = vec![0u8; 2 * width * k];
+    for panel in data.chunks_exact_mut(2 * width * k) {
+        rows.copy_from_slice(panel);
+        for (i, values) in panel.chunks_exact_mut(2 * width).enumerate() {
+            for (c, v) in values.chunks_exact_mut(2).enumerate() {
+                v.copy_from_slice(&rows[2 * (c * k + i)..2 * (c * k + i) + 2]);
+            }
+        }
+    }
+}
+
+/// The inverse of [`halves_to_panels`].
+fn panels_to_halves(data: &mut [u8], k: usize, n: usize, width: usize) {
+    assert!(n.is_multiple_of(width) && data.len() == 2 * k * n);
+    let mut panel = vec![0u8; 2 * width * k];
+    for rows in data.chunks_exact_mut(2 * width * k) {
+        panel.copy_from_slice(rows);
+        for (c, row) in rows.chunks_exact_mut(2 * k).enumerate() {
+            for (i, v) in row.chunks_exact_mut(2).enumerate() {
+                v.copy_from_slice(&panel[2 * (i * width + c)..2 * (i * width + c) + 2]);
+            }
+        }
+    }
+}
+
 /// Unpacks `t` if it is packed.
 ///
 /// # Safety
@@ -274,6 +321,9 @@ pub(crate) fn gemm(
     ith: usize,
     nth: usize,
 ) {
+    if w.ty == sys::GGML_TYPE_F16 {
+        return super::gemm_f16_in_place(w, x, bias, out, ith, nth);
+    }
     if w.ty != sys::GGML_TYPE_BF16 {
         assert!(features().avx512vnni);
         return vnni::gemm_in_place(w, a0, x, bias, out, ith, nth);
@@ -289,19 +339,16 @@ pub(crate) fn gemm(
     // SAFETY: the weight's bytes, 2-aligned (checked), as u16.
     let panels = unsafe { std::slice::from_raw_parts(w.data.as_ptr() as *const u16, w.n * w.k) };
     type K = Bf16Avx512;
-    let pack = |r0, mc, kb, kc, a: &mut [u16]| super::pack_rows::<K>(x, r0, mc, kb, kc, a);
-    super::gemm_on_panels::<K>(
+    super::gemm_in_place::<K, u16>(
         w,
-        x.rows,
-        x.k,
+        x,
         super::bf16_pass(),
-        &pack,
         bias,
         out,
-        super::Store::Rows,
         ith,
         nth,
-        Some(panels),
+        panels,
+        super::whole_tile::<K>,
     );
 }
 
@@ -537,8 +584,126 @@ mod tests {
         }
     }
 
+    /// f16 bytes of `len` values in [-1, 1), from `seed`.
+    fn f16_bytes(len: usize, seed: u64) -> Vec<u8> {
+        bf16_bytes(len, seed)
+            .chunks_exact(2)
+            .flat_map(|b| {
+                let v = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
+                half::f16::from_f32(v).to_le_bytes()
+            })
+            .collect()
+    }
+
+    /// f16 weights packed in place: the layout, the way back, and products
+    /// on both f32 kernels' f16 tiles bit for bit those of the same kernel
+    /// packing (widening) the rows per product, over one and several
+    /// blocks and passes (the last short), 1–3 threads, with a bias.
+    #[test]
+    fn f16_panels_round_trip_and_multiply_as_the_f32_kernels() {
+        use super::super::{gemm_in_place, F32Avx2, F32Avx512, Kernel};
+        let f = features();
+        for (m, k, n) in [
+            (1, 8, 32),
+            (7, 320, 64),
+            (40, 1030, 96),
+            (400, 640, 32),
+            (97, 2560, 64),
+        ] {
+            let rows = f16_bytes(k * n, 3);
+            let xs: Vec<f32> = f16_bytes(m * k, 5)
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32() * 0.7)
+                .collect();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32 * 0.01).collect();
+            let row = |i: usize| &xs[i * k..(i + 1) * k];
+            let x = super::super::Rows {
+                rows: m,
+                k,
+                row: &row,
+            };
+            let w = Weight {
+                data: &rows,
+                ty: sys::GGML_TYPE_F16,
+                k,
+                n,
+                row_bytes: 2 * k,
+            };
+            for (isa, width) in [(Isa::Avx2, F32Avx2::NR), (Isa::Avx512, F32Avx512::NR)] {
+                let mut data = rows.clone();
+                halves_to_panels(&mut data, k, n, width);
+                let value = |at: usize| u16::from_le_bytes([data[2 * at], data[2 * at + 1]]);
+                let row_value = |j: usize, i: usize| {
+                    u16::from_le_bytes([rows[2 * (j * k + i)], rows[2 * (j * k + i) + 1]])
+                };
+                for (j, i) in [
+                    (0, 0),
+                    (1, 0),
+                    (width - 1, k - 1),
+                    (n - 1, k / 2),
+                    (n - width / 2, 3 % k),
+                ] {
+                    let (q, c) = (j / width, j % width);
+                    assert_eq!(
+                        value(q * width * k + i * width + c),
+                        row_value(j, i),
+                        "{isa:?}"
+                    );
+                }
+                let mut back = data.clone();
+                panels_to_halves(&mut back, k, n, width);
+                assert_eq!(back, rows, "{m}×{k}×{n} {isa:?}: the rows come back");
+                let have = match isa {
+                    Isa::Avx512 => f.avx512,
+                    _ => f.avx2,
+                };
+                if !have {
+                    eprintln!("no {isa:?} here: its f16 tile is not run");
+                    continue;
+                }
+                // SAFETY: the packed bytes as u16 (copied: alignment).
+                let panels: Vec<u16> = data
+                    .chunks_exact(2)
+                    .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                    .collect();
+                for (b, nth) in [(None, 1), (Some(&bias[..]), 2), (Some(&bias[..]), 3)] {
+                    let mut want = vec![0f32; m * n];
+                    let mut got = vec![0f32; m * n];
+                    for ith in 0..nth {
+                        super::super::gemm(isa, &w, &x, b, &mut want, ith, nth);
+                        match isa {
+                            Isa::Avx512 => {
+                                type K = F32Avx512;
+                                let tile = super::super::tile_f16_avx512;
+                                let pass = K::products_pass();
+                                gemm_in_place::<K, u16>(
+                                    &w, &x, pass, b, &mut got, ith, nth, &panels, tile,
+                                )
+                            }
+                            _ => {
+                                type K = F32Avx2;
+                                let tile = super::super::tile_f16_avx2;
+                                let pass = K::products_pass();
+                                gemm_in_place::<K, u16>(
+                                    &w, &x, pass, b, &mut got, ith, nth, &panels, tile,
+                                )
+                            }
+                        }
+                    }
+                    assert!(
+                        want.iter()
+                            .zip(&got)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{m}×{k}×{n} {isa:?}, {nth} threads, bias {}",
+                        b.is_some()
+                    );
+                }
+            }
+        }
+    }
+
     /// A graph's weight is packed where only its kernel's products take
-    /// it (bf16, q8_0, q4_0, q4_K), stays on that kernel at any number of rows,
+    /// it (bf16, f16, q8_0, q4_0, q4_K), stays on that kernel at any number of rows,
     /// reads as its rows, and comes back as its rows where something else
     /// reads it or new rows are written.
     #[test]
@@ -548,6 +713,7 @@ mod tests {
                 crate::Type::BF16,
                 features().avx512 && super::super::bf16_dots(),
             ),
+            (crate::Type::F16, super::super::f16_in_place().is_some()),
             (
                 crate::Type::Q8_0,
                 super::super::isa_for(sys::GGML_TYPE_Q8_0) == Some(Isa::Avx512Vnni),

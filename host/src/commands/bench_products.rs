@@ -7,7 +7,8 @@
 //! The shapes are those of SD's UNet (at the image size's latent tokens,
 //! and SDXL's levels 2 and 3 with the batch of two that guidance runs)
 //! and of a 3072-wide DiT block (FLUX.1's, at its image tokens: 4096 at
-//! 1024²), and Qwen3-4B's MLP at a 16-token prompt (an LLM text encoder),
+//! 1024²; and its modulation at one row), CLIP-L's MLP at 77 tokens (SD's
+//! text encoder) and Qwen3-4B's at a 16-token prompt (an LLM text encoder),
 //! `x · wᵀ` with x `M × K` f32 activations and w an `N × K` weight of each
 //! asked type.
 
@@ -95,6 +96,22 @@ fn shapes(width: u32, height: u32) -> Vec<Shape> {
             name: "DiT MLP out (12288 → 3072)",
             m: dit,
             k: 12288,
+            n: 3072,
+        },
+        // A DiT block's modulation (FLUX.1's: six vectors of 3072 from the
+        // timestep's embedding): one row, the weight read once.
+        Shape {
+            name: "DiT modulation, 1 row (3072 → 18432)",
+            m: 1,
+            k: 3072,
+            n: 18432,
+        },
+        // CLIP-L's MLP (SD 1.x's and SDXL's first text encoder) at its 77
+        // tokens, whatever the image size.
+        Shape {
+            name: "CLIP-L MLP in, 77 tokens (768 → 3072)",
+            m: 77,
+            k: 768,
             n: 3072,
         },
         // Qwen3-4B's (Z-Image's and FLUX.2 klein 4B's text encoder) at a
