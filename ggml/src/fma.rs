@@ -57,8 +57,9 @@
 //! the graph. A weight of whole panels that only these kernels multiply
 //! (bf16 on AVX512-BF16, f16 on the AVX2 class, q8_0, q4_0 and q4_K on
 //! AVX512-VNNI) is instead rewritten as the kernel's panels once, in its
-//! own bytes ([`packed`], [`gemm_in_place`]). [`Context::mul_mat`](crate::Context::mul_mat) takes this path
-//! for contexts marked with
+//! own bytes ([`packed`], `gemm_in_place`).
+//! [`Context::mul_mat`](crate::Context::mul_mat) takes this path for
+//! contexts marked with
 //! [`Context::set_cpu_kernels`](crate::Context::set_cpu_kernels) where
 //! [`isa_for`] says so (see there for which types, and why).
 
@@ -518,7 +519,7 @@ pub const F16_MAX_K: usize = 1280;
 /// its loop, which at short rows costs more than packing it once per pass.
 /// That is SD's UNets' linear layers but their feed-forward outputs; a
 /// DiT's 3072-wide products stay ggml's. Such an f16 weight that the
-/// pipeline packs once, in place ([`packed`], [`f16_in_place`]), is
+/// pipeline packs once, in place ([`packed`], `f16_in_place`), is
 /// multiplied on that kernel at any number of rows.
 pub fn isa_for_product(ty: sys::ggml_type, k: usize) -> Option<Isa> {
     if let Some(isa) = isa_for(ty) {
@@ -552,7 +553,7 @@ pub(crate) fn f16_in_place() -> Option<Isa> {
 }
 
 /// The `k` per pass of the AVX2 kernel over f16 weights packed in place
-/// ([`gemm_f16_in_place`]): a panel of 768 × 16 f16 is 24 KiB, as one of
+/// (`gemm_f16_in_place`): a panel of 768 × 16 f16 is 24 KiB, as one of
 /// 384 × 16 f32. Measured on a Zen 5 with the kernels kept to AVX2, both
 /// threads, alternating in one process (session 50), against the f32
 /// kernel's 256: 1.04–1.08× at SD's UNet shapes, 1.1–1.2× at 16 and 77
@@ -1599,22 +1600,14 @@ fn gemm_with<K: Kernel>(
                             rows: K::MR.min(mc - blk * K::MR),
                             j0,
                         };
-                        // SAFETY: gemm checked the processor's features for
-                        // K; the slices hold kp·MR and kp·NR values, and
-                        // `store_tile` hands it MR rows of NR values (and
-                        // NR of bias) it may write.
-                        store_tile::<K>(
-                            at,
-                            n,
-                            kb,
-                            store,
-                            bias,
-                            out,
-                            &mut buf.c,
-                            |c, ldc, add, bias| unsafe {
-                                K::tile(kp, a, panel, c, ldc, add, bias, next)
-                            },
-                        );
+                        let tile = |c, ldc, add, bias| {
+                            // SAFETY: gemm checked the processor's features
+                            // for K; the slices hold kp·MR and kp·NR
+                            // values, and `store_tile` hands it MR rows of
+                            // NR values (and NR of bias) it may write.
+                            unsafe { K::tile(kp, a, panel, c, ldc, add, bias, next) }
+                        };
+                        store_tile::<K>(at, n, kb, store, bias, out, &mut buf.c, tile);
                     }
                 }
             }
@@ -1804,23 +1797,16 @@ fn gemm_in_place<K: Kernel, W>(
                             rows: K::MR.min(mc - blk * K::MR),
                             j0,
                         };
-                        // SAFETY: the caller checked the processor's
-                        // features for `tile`; the slices hold kp·MR and
-                        // kp·NR values, and `store_tile` hands it MR rows
-                        // of NR values (and NR of bias) it may write.
                         let rows = at.rows;
-                        store_tile::<K>(
-                            at,
-                            n,
-                            kb,
-                            Store::Rows,
-                            bias,
-                            out,
-                            &mut buf.c,
-                            |c, ldc, add, bias| unsafe {
-                                tile(rows, kp, a, panel, c, ldc, add, bias, next)
-                            },
-                        );
+                        let tile = |c, ldc, add, bias| {
+                            // SAFETY: the caller checked the processor's
+                            // features for `tile`; the slices hold kp·MR
+                            // and kp·NR values, and `store_tile` hands it
+                            // MR rows of NR values (and NR of bias) it may
+                            // write.
+                            unsafe { tile(rows, kp, a, panel, c, ldc, add, bias, next) }
+                        };
+                        store_tile::<K>(at, n, kb, Store::Rows, bias, out, &mut buf.c, tile);
                     }
                 }
             }
