@@ -607,8 +607,9 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
     ])
     .json();
     let rows = j["rows"].as_array().unwrap();
-    // Six UNet, three DiT and two Qwen3 shapes.
-    assert_eq!(rows.len(), 11, "{j}");
+    // Six UNet, four DiT (the modulation's one row), one CLIP-L and two
+    // Qwen3 shapes.
+    assert_eq!(rows.len(), 13, "{j}");
     assert!(j["torch"].is_null(), "{j}");
     for r in rows {
         assert_eq!(r["weight"], "f32", "{r}");
@@ -625,13 +626,15 @@ echo "{\"threads\":1,\"torch\":\"fake\",\"products\":[$rows]}""#,
             assert_eq!(kernel, "ggml", "{r}");
         }
     }
-    // The shapes follow the size: 16×16 is 4 latent and 1 DiT token.
+    // The shapes follow the size: 16×16 is 4 latent and 1 DiT token; the
+    // text encoders' do not.
     assert_eq!(
         (
             rows[0]["shape"]["m"].as_u64(),
-            rows[6]["shape"]["m"].as_u64()
+            rows[6]["shape"]["m"].as_u64(),
+            rows[10]["shape"]["m"].as_u64()
         ),
-        (Some(4), Some(1))
+        (Some(4), Some(1), Some(77))
     );
 
     // An unknown type is one line naming it (the text table is unit-tested
