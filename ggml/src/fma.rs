@@ -480,9 +480,13 @@ pub const AVX2_INT8_MIN_ROWS: usize = 16;
 
 /// The fewest rows that take the AVX2 integer kernel with a q4_K weight:
 /// ahead of ggml's AVX2 k-quant kernel from 256 rows (1.13–1.30×, same
-/// measurements), level or behind at 16 (0.85–0.99×); rows between were
-/// not measured.
-pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 256;
+/// measurements), level or behind at 16 (0.85–0.99×). Between them
+/// (`SDHOST_FMA_AVX2=1 SDHOST_FMA_MIN_ROWS=1 sdhost bench --products q4_K`
+/// at 96² to 256² on a Zen 5, session 50, seven runs): 1.04–1.79× from 30
+/// rows (Qwen3-4B's, CLIP-L's and a DiT's shapes; three of 40 at
+/// 0.82–0.85×, in runs whose other shapes were also off), 0.75–1.42× at
+/// 16–18 rows.
+pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 32;
 
 /// The fewest rows that take the f32 kernel with a q8_0 weight (processors
 /// with neither AVX512-VNNI nor AVX512-BF16: [`isa_for`]), which

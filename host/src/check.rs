@@ -566,7 +566,7 @@ pub fn cases() -> Vec<Case> {
             cpu_kernels: true,
             reference: None,
             build: |i, c| {
-                // Two super-blocks, a ragged panel and tile of rows, from
+                // Two super-blocks, a ragged panel and tile of rows, past
                 // fma::AVX2_INT8_Q4_K_MIN_ROWS.
                 let (a, b) = (t(i, Type::Q4K, &[512, 40])?, t(i, Type::F32, &[512, 260])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
