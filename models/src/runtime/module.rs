@@ -766,13 +766,13 @@ impl<'b> Module<'b> {
         }
         let graph = ctx.graph(built.output, GRAPH_SIZE)?;
         if pack {
-            // bf16 weights only sdhost's bf16 kernel multiplies are packed
+            // Weights only one of sdhost's CPU kernels multiplies are packed
             // for it once, in place (see ggml::fma::packed); this module's
             // graphs run one at a time.
             let p = graph.pack_weights(&|id| weights.contains(&id));
             if p.packed + p.unpacked > 0 {
                 tracing::debug!(
-                    "{name}: {} weights packed for the bf16 kernel, {} unpacked, {} read packed",
+                    "{name}: {} weights packed for sdhost's CPU kernels, {} unpacked, {} read packed",
                     p.packed,
                     p.unpacked,
                     p.in_place
