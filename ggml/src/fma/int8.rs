@@ -29,7 +29,10 @@
 
 use std::arch::x86_64::*;
 
-use super::vnni::{k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Tile, LINES, QK};
+use super::vnni::{
+    k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Tile, LINES, PREFETCH_BLOCKS,
+    Q4_IN_PLACE, QK,
+};
 use super::{features, Weight};
 use crate::sys;
 
@@ -288,21 +291,32 @@ pub(super) unsafe fn run(
     let last = (t.blocks - 1) * t.stride + tr;
     assert!(t.q.len() >= last * QK && t.d.len() >= last && t.s.len() >= last);
     assert!(t.sd.len() >= last && t.sh.len() >= last);
-    assert!(t.panel.len() * 64 >= t.blocks * LINES * LINE);
     assert!(t.min == f.min && t.halves == f.halves);
     macro_rules! rows {
         ($min:literal, $halves:literal, $g:literal) => {
+            rows!($min, $halves, $g, false)
+        };
+        ($min:literal, $halves:literal, $g:literal, $in_place:literal) => {
             // SAFETY: as this function's.
             unsafe {
                 match tr {
-                    1 => tile::<1, $min, $halves, $g>(t, c, ldc, cols, add, bias),
-                    2 => tile::<2, $min, $halves, $g>(t, c, ldc, cols, add, bias),
-                    3 => tile::<3, $min, $halves, $g>(t, c, ldc, cols, add, bias),
+                    1 => tile::<1, $min, $halves, $g, $in_place>(t, c, ldc, cols, add, bias),
+                    2 => tile::<2, $min, $halves, $g, $in_place>(t, c, ldc, cols, add, bias),
+                    3 => tile::<3, $min, $halves, $g, $in_place>(t, c, ldc, cols, add, bias),
                     _ => unreachable!(),
                 }
             }
         };
     }
+    if let Some(p) = &t.in_place {
+        // q4_0 packed in place (`super::vnni::pack_in_place` at 8 outputs):
+        // per block 4 lines of nibble bytes, the scales after every block.
+        assert!(t.layout == Q4_IN_PLACE && f.kind == Kind::Legacy && !f.q8());
+        assert!(!f.min && f.high.is_none() && p.head.is_none());
+        assert!(p.values.len() >= t.blocks * 4 * LINE && p.scales.len() >= t.blocks * 2 * NR);
+        return rows!(false, false, 8, true);
+    }
+    assert!(t.panel.len() * 64 >= t.blocks * LINES * LINE);
     match (f.min, f.halves, group(f)) {
         (true, false, 8) => rows!(true, false, 8),
         (true, false, 4) => rows!(true, false, 4),
@@ -314,12 +328,21 @@ pub(super) unsafe fn run(
 }
 
 /// [`run`] for `R` rows: the weight's minimums where `MIN`, the halves'
-/// own scales where `HALVES`, lines added in 16 bits `G` at a time.
+/// own scales where `HALVES`, lines added in 16 bits `G` at a time; the
+/// weight's own panel packed in place (q4_0) where `IN_PLACE`, its nibble
+/// lines split here (line `j`'s low nibbles are line `j` of the per-product
+/// layout, its high ones line `4 + j`) and its f16 scales widened.
 ///
 /// # Safety
 /// As [`run`]'s, with `tr = R` and the format's `MIN`, `HALVES` and `G`.
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool, const G: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile<
+    const R: usize,
+    const MIN: bool,
+    const HALVES: bool,
+    const G: usize,
+    const IN_PLACE: bool,
+>(
     t: &Tile<'_>,
     c: &mut [f32],
     ldc: usize,
@@ -340,7 +363,12 @@ unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool, const G: usi
         }
     }
     let ones = _mm256_set1_epi16(1);
+    let nibble = _mm256_set1_epi8(0x0f);
     let panel = t.panel.as_ptr() as *const u8;
+    let (values, scales) = match &t.in_place {
+        Some(p) => (p.values.as_ptr(), p.scales.as_ptr()),
+        None => (std::ptr::null(), std::ptr::null()),
+    };
     let (q, d, s, sh, sd) = (
         t.q.as_ptr(),
         t.d.as_ptr(),
@@ -353,9 +381,35 @@ unsafe fn tile<const R: usize, const MIN: bool, const HALVES: bool, const G: usi
         // the chunk (checked by run).
         unsafe {
             let p = panel.add(b * LINES * LINE);
-            let w: [__m256i; 8] =
-                std::array::from_fn(|j| _mm256_load_si256(p.add(j * LINE) as *const __m256i));
-            let dw = _mm256_load_ps(p.add(8 * LINE) as *const f32);
+            let (w, dw): ([__m256i; 8], _) = if IN_PLACE {
+                if t.first && b % 2 == 0 {
+                    // The first tile reads the panel from memory: ask for
+                    // the lines a few blocks ahead (the prefetchers stop at
+                    // each page), and their scales (two blocks' values a
+                    // 256-byte stretch, their scales 32 bytes).
+                    let ahead = values.wrapping_add((b + PREFETCH_BLOCKS) * 4 * LINE);
+                    for j in 0..4 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
+                    }
+                    let s = scales.wrapping_add((b + PREFETCH_BLOCKS) * 2 * NR);
+                    _mm_prefetch::<_MM_HINT_T0>(s as *const i8);
+                }
+                let v = values.add(b * 4 * LINE);
+                let n: [__m256i; 4] =
+                    std::array::from_fn(|j| _mm256_loadu_si256(v.add(j * LINE) as *const __m256i));
+                let lo = |j: usize| _mm256_and_si256(n[j], nibble);
+                let hi = |j: usize| _mm256_and_si256(_mm256_srli_epi16::<4>(n[j]), nibble);
+                let h = _mm_loadu_si128(scales.add(b * 2 * NR) as *const __m128i);
+                (
+                    [lo(0), lo(1), lo(2), lo(3), hi(0), hi(1), hi(2), hi(3)],
+                    _mm256_cvtph_ps(h),
+                )
+            } else {
+                (
+                    std::array::from_fn(|j| _mm256_load_si256(p.add(j * LINE) as *const __m256i)),
+                    _mm256_load_ps(p.add(8 * LINE) as *const f32),
+                )
+            };
             // The minimums, or the second halves' scales.
             let mw = match MIN || HALVES {
                 true => _mm256_load_ps(p.add(9 * LINE) as *const f32),

@@ -47,14 +47,22 @@ const NR: usize = Bf16Avx512::NR;
 
 /// Outputs per panel of a weight of type `ty` packed in place, where that
 /// type can be: bf16 [`NR`], f16 its f32 kernel's ([`super::f16_width`]),
-/// q8_0, q4_0 and q4_K the VNNI kernel's 16.
+/// q8_0, q4_0 and q4_K the VNNI kernel's 16, q4_0 on the AVX2 integer
+/// kernel its 8.
 fn width(ty: sys::ggml_type) -> Option<usize> {
     match ty {
         sys::GGML_TYPE_BF16 => Some(NR),
         sys::GGML_TYPE_F16 => super::f16_in_place().map(super::f16_width),
+        sys::GGML_TYPE_Q4_0 if avx2_int8(ty) => Some(super::int8::NR),
         _ if vnni::in_place_format(ty).is_some() => Some(vnni::NR),
         _ => None,
     }
+}
+
+/// Whether weights of type `ty` take the AVX2 integer kernel here (the AVX2
+/// class: `super::isa_for`).
+fn avx2_int8(ty: sys::ggml_type) -> bool {
+    super::isa_for(ty) == Some(Isa::Avx2Int8)
 }
 
 /// Whether `t` holds its rows as a kernel's panels.
@@ -81,6 +89,7 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
     match unsafe { (*t).type_ } {
         sys::GGML_TYPE_BF16 => Isa::Avx512Bf16,
         sys::GGML_TYPE_F16 => super::f16_in_place().unwrap_or(Isa::Avx2),
+        ty if avx2_int8(ty) => Isa::Avx2Int8,
         _ => Isa::Avx512Vnni,
     }
 }
@@ -108,8 +117,10 @@ pub(crate) unsafe fn packable(t: *const sys::ggml_tensor) -> bool {
             sys::GGML_TYPE_BF16 => f.avx512 && super::bf16_dots() && k % 2 == 0,
             sys::GGML_TYPE_F16 => super::f16_in_place().is_some() && k as usize <= super::F16_MAX_K,
             _ => {
+                let isa = super::isa_for(ty);
                 vnni::in_place_format(ty).is_some()
-                    && super::isa_for(ty) == Some(Isa::Avx512Vnni)
+                    && (isa == Some(Isa::Avx512Vnni)
+                        || isa == Some(Isa::Avx2Int8) && ty == sys::GGML_TYPE_Q4_0)
                     && !crate::amx::available()
                     && k % vnni::unit(ty) as i64 == 0
             }
@@ -147,7 +158,7 @@ unsafe fn pack(t: *mut sys::ggml_tensor) {
         match ty {
             sys::GGML_TYPE_BF16 => rows_to_panels(data, k, n),
             sys::GGML_TYPE_F16 => halves_to_panels(data, k, n, width(ty).expect("packable")),
-            _ => vnni::pack_in_place(ty, data, k, n, a0),
+            _ => vnni::pack_in_place(ty, data, k, n, a0, width(ty).expect("packable")),
         }
         (*t).op_params[0] = MAGIC;
         (*t).op_params[1] = width(ty).expect("packable") as i32;
@@ -190,7 +201,10 @@ fn to_rows(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
             let width = width(ty).expect("f16 weights are packed where a kernel takes them");
             panels_to_halves(data, k, n, width)
         }
-        _ => vnni::unpack_in_place(ty, data, k, n, a0),
+        _ => {
+            let width = width(ty).expect("a type packed in place");
+            vnni::unpack_in_place(ty, data, k, n, a0, width)
+        }
     }
 }
 
@@ -325,8 +339,12 @@ pub(crate) fn gemm(
         return super::gemm_f16_in_place(w, x, bias, out, ith, nth);
     }
     if w.ty != sys::GGML_TYPE_BF16 {
+        if avx2_int8(w.ty) {
+            assert!(features().avx2);
+            return vnni::gemm_in_place(super::int8::LANES, w, a0, x, bias, out, ith, nth);
+        }
         assert!(features().avx512vnni);
-        return vnni::gemm_in_place(w, a0, x, bias, out, ith, nth);
+        return vnni::gemm_in_place(vnni::VNNI, w, a0, x, bias, out, ith, nth);
     }
     assert!(
         w.ty == sys::GGML_TYPE_BF16

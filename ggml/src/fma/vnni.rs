@@ -200,11 +200,11 @@ pub(super) const LINES: usize = 10;
 /// ([`pack_in_place`]) of q8_0, q4_0 or q4_K.
 const LINES_LAYOUT: u8 = 0;
 const Q8_IN_PLACE: u8 = 1;
-const Q4_IN_PLACE: u8 = 2;
+pub(super) const Q4_IN_PLACE: u8 = 2;
 const Q4K_IN_PLACE: u8 = 3;
 
 /// Blocks ahead that the first tile over an in-place panel prefetches.
-const PREFETCH_BLOCKS: usize = 8;
+pub(super) const PREFETCH_BLOCKS: usize = 8;
 
 /// Bytes of a block's 16 f16 scales in a panel packed in place.
 const SCALE_BYTES: usize = 2 * NR;
@@ -214,9 +214,9 @@ const SCALE_BYTES: usize = 2 * NR;
 /// ([`Parts`]), and the (other) blocks' scales after them.
 #[derive(Clone, Copy)]
 pub(super) struct InPlace<'a> {
-    values: &'a [u8],
-    head: Option<&'a [u8]>,
-    scales: &'a [u8],
+    pub(super) values: &'a [u8],
+    pub(super) head: Option<&'a [u8]>,
+    pub(super) scales: &'a [u8],
 }
 
 /// The format of `ty` where its weights can be packed in place for this
@@ -288,12 +288,13 @@ unsafe fn k_scale_lines(header: &[u8], lines: &mut [Line]) {
     }
 }
 
-/// Bytes of one block of a panel's values packed in place: q8_0's 8 lines
-/// of unsigned bytes, q4_0's 4 lines of nibbles.
-fn value_bytes(f: Format) -> usize {
+/// Bytes of one block of a panel's values packed in place for a kernel of
+/// `nr` outputs (lines of `4·nr` bytes): q8_0's 8 lines of unsigned
+/// bytes, q4_0's 4 lines of nibbles.
+fn value_bytes(f: Format, nr: usize) -> usize {
     match f.q8() {
-        true => 8 * 64,
-        false => 4 * 64,
+        true => 8 * 4 * nr,
+        false => 4 * 4 * nr,
     }
 }
 
@@ -306,35 +307,43 @@ struct Parts {
     head: usize,
     /// Bytes of one block's values.
     v: usize,
+    /// Bytes of one block's scales (the panel's outputs' f16).
+    scale: usize,
     /// Blocks in the panel.
     blocks: usize,
 }
 
 impl Parts {
-    /// The parts of panel `p` of a weight of format `f` and `blocks`
-    /// blocks a row whose first byte was `a0` bytes past a 64-byte line
-    /// when it was packed (a multiple of 32): the values start on a line
-    /// where the panel starts on one, else after block 0's scales.
-    fn of(f: Format, blocks: usize, a0: usize, p: usize) -> Parts {
-        let panel = NR * blocks * f.size;
-        let head = (64 - (a0 + p * panel) % 64) % 64 / SCALE_BYTES;
+    /// The parts of panel `p` (of `nr` outputs) of a weight of format
+    /// `f` and `blocks` blocks a row whose first byte was `a0` bytes past
+    /// a 64-byte line when it was packed (a multiple of 32): for this
+    /// module's kernel the values start on a line where the panel starts
+    /// on one, else after block 0's scales; the AVX2 kernel's (`nr` 8,
+    /// lines of 32 bytes) loads its lines wherever they are.
+    fn of(f: Format, blocks: usize, a0: usize, p: usize, nr: usize) -> Parts {
+        let (panel, scale) = (nr * blocks * f.size, 2 * nr);
+        let head = match nr == NR {
+            true => (64 - (a0 + p * panel) % 64) % 64 / scale,
+            false => 0,
+        };
         Parts {
             head: head.min(blocks),
-            v: value_bytes(f),
+            v: value_bytes(f, nr),
+            scale,
             blocks,
         }
     }
 
     /// Where block `b`'s values start.
     fn values(self, b: usize) -> usize {
-        self.head * SCALE_BYTES + b * self.v
+        self.head * self.scale + b * self.v
     }
 
-    /// Where block `b`'s 16 f16 scales are.
+    /// Where block `b`'s f16 scales (one per output) are.
     fn scales(self, b: usize) -> usize {
         match b < self.head {
-            true => b * SCALE_BYTES,
-            false => self.values(self.blocks) + (b - self.head) * SCALE_BYTES,
+            true => b * self.scale,
+            false => self.values(self.blocks) + (b - self.head) * self.scale,
         }
     }
 }
@@ -359,13 +368,31 @@ impl Parts {
 /// ([`K_HEADER`]), from which [`k_scale_lines`] computes what [`k_lines`]
 /// does, 16 outputs at once; `a0` is not used (its values are loaded
 /// wherever the panel starts).
-pub(super) fn pack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
-    convert_in_place(ty, data, k, n, a0, true)
+///
+/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0 only) the same
+/// at half the width: panels of 8 outputs, lines of 32 bytes, no scales
+/// before the values.
+pub(super) fn pack_in_place(
+    ty: sys::ggml_type,
+    data: &mut [u8],
+    k: usize,
+    n: usize,
+    a0: usize,
+    nr: usize,
+) {
+    convert_in_place(ty, data, k, n, a0, nr, true)
 }
 
-/// The inverse of [`pack_in_place`] (with the same `a0`).
-pub(super) fn unpack_in_place(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
-    convert_in_place(ty, data, k, n, a0, false)
+/// The inverse of [`pack_in_place`] (with the same `a0` and `nr`).
+pub(super) fn unpack_in_place(
+    ty: sys::ggml_type,
+    data: &mut [u8],
+    k: usize,
+    n: usize,
+    a0: usize,
+    nr: usize,
+) {
+    convert_in_place(ty, data, k, n, a0, nr, false)
 }
 
 /// [`pack_in_place`] (`pack`) or [`unpack_in_place`]: each panel's bytes
@@ -379,16 +406,19 @@ fn convert_in_place(
     k: usize,
     n: usize,
     a0: usize,
+    nr: usize,
     pack: bool,
 ) {
     let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
     let (units, blocks) = (k / (f.per_unit * QK), k / QK);
     let row_bytes = units * f.size;
-    assert!(k.is_multiple_of(f.per_unit * QK) && n.is_multiple_of(NR));
+    assert!(nr == NR || (nr == super::int8::NR && ty == sys::GGML_TYPE_Q4_0));
+    assert!(k.is_multiple_of(f.per_unit * QK) && n.is_multiple_of(nr));
     assert!(data.len() == n * row_bytes && a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
     let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
-    let mut other = vec![0u8; NR * row_bytes];
-    for (p, here) in data.chunks_exact_mut(NR * row_bytes).enumerate() {
+    let line = 4 * nr;
+    let mut other = vec![0u8; nr * row_bytes];
+    for (p, here) in data.chunks_exact_mut(nr * row_bytes).enumerate() {
         // Moves a word of `len` bytes from `row` (of the rows) to `at` (of
         // the panel), or back.
         let mut word = |row: usize, at: usize, len: usize| {
@@ -401,7 +431,7 @@ fn convert_in_place(
                 _ => other[to..to + len].copy_from_slice(&here[from..from + len]),
             }
         };
-        for c in 0..NR {
+        for c in 0..nr {
             let row0 = c * row_bytes;
             if f.kind == Kind::Q4K {
                 for u in 0..units {
@@ -420,12 +450,16 @@ fn convert_in_place(
                 }
                 continue;
             }
-            let parts = Parts::of(f, blocks, a0, p);
+            let parts = Parts::of(f, blocks, a0, p, nr);
             for b in 0..blocks {
                 let row = row0 + b * f.size;
                 word(row, parts.scales(b) + 2 * c, 2);
                 for j in 0..(f.size - f.values) / 4 {
-                    word(row + f.values + 4 * j, parts.values(b) + 64 * j + 4 * c, 4);
+                    word(
+                        row + f.values + 4 * j,
+                        parts.values(b) + line * j + 4 * c,
+                        4,
+                    );
                 }
             }
         }
@@ -521,10 +555,12 @@ pub(super) const VNNI: Lanes = Lanes {
     },
 };
 
-/// [`gemm_on`] on this module's kernel for a weight whose rows were
-/// rewritten by [`pack_in_place`] (with `a0`): its panels are read where
-/// they are.
+/// [`gemm_on`] on the integer kernel `lanes` ([`VNNI`], or the AVX2 one
+/// for q4_0) for a weight whose rows were rewritten by [`pack_in_place`]
+/// (with `a0` and its `nr`): its panels are read where they are.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_in_place(
+    lanes: Lanes,
     w: &Weight<'_>,
     a0: usize,
     x: &Rows<'_>,
@@ -535,14 +571,15 @@ pub(super) fn gemm_in_place(
 ) {
     let f = in_place_format(w.ty).expect("a type packed in place");
     assert!(
-        w.n.is_multiple_of(NR)
+        w.n.is_multiple_of(lanes.nr)
+            && (lanes.nr == NR || f.kind == Kind::Legacy && !f.q8())
             && w.k.is_multiple_of(f.per_unit * QK)
             && w.row_bytes == w.k / (f.per_unit * QK) * f.size
             && w.data.len() >= w.n * w.row_bytes
             && a0 < 64
             && a0.is_multiple_of(SCALE_BYTES)
     );
-    gemm_on(VNNI, w, x, bias, out, ith, nth, Some(a0))
+    gemm_on(lanes, w, x, bias, out, ith, nth, Some(a0))
 }
 
 /// `out[i·n + j] = Σ x[i][·] · w[j][·] (+ bias[j])` for this thread's part
@@ -611,6 +648,7 @@ pub(super) fn gemm_on(
                     // Panel p of the weight, packed in place: the pass's
                     // values and scales (Parts).
                     Some(_) if f.kind == Kind::Q4K => {
+                        assert_eq!(nr, NR, "q4_K is packed in place for AVX512-VNNI only");
                         // The pass's super-blocks' values, and their scale
                         // and minimum lines into `buf.panel`.
                         let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
@@ -630,14 +668,14 @@ pub(super) fn gemm_on(
                     }
                     Some(a0) => {
                         let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
-                        let parts = Parts::of(f, units, a0, p);
-                        let tail = parts.scales(parts.head);
+                        let parts = Parts::of(f, units, a0, p, nr);
+                        let (tail, scale) = (parts.scales(parts.head), parts.scale);
                         let first = b0.max(parts.head) - parts.head;
                         let rest = blocks - usize::from(b0 < parts.head);
                         Some(InPlace {
                             values: &bytes[parts.values(b0)..parts.values(b0 + blocks)],
-                            head: (b0 < parts.head).then(|| &bytes[..SCALE_BYTES]),
-                            scales: &bytes[tail + first * SCALE_BYTES..][..rest * SCALE_BYTES],
+                            head: (b0 < parts.head).then(|| &bytes[..scale]),
+                            scales: &bytes[tail + first * scale..][..rest * scale],
                         })
                     }
                     None => {
@@ -1407,7 +1445,15 @@ mod tests {
             (4160, 32, 37),
             (64, 16, 2),
         ];
-        for ty in [sys::GGML_TYPE_Q8_0, sys::GGML_TYPE_Q4_0] {
+        // This module's kernel (16 outputs a panel) and the AVX2 one (8;
+        // q4_0 only).
+        let kernels = [
+            (VNNI, sys::GGML_TYPE_Q8_0),
+            (VNNI, sys::GGML_TYPE_Q4_0),
+            (super::super::int8::LANES, sys::GGML_TYPE_Q4_0),
+        ];
+        for (lanes, ty) in kernels {
+            let nr = lanes.nr;
             for &(k, n, m) in &shapes {
                 let (rows, _) = weight(ty, k, n);
                 let f = Format::of(ty).unwrap();
@@ -1416,18 +1462,24 @@ mod tests {
                 let mut data = vec![];
                 for a0 in [0, 32] {
                     data = rows.clone();
-                    pack_in_place(ty, &mut data, k, n, a0);
+                    pack_in_place(ty, &mut data, k, n, a0, nr);
                     assert_ne!(data, rows, "type {ty}, {k}×{n}: packed differs");
-                    for p in 0..n / NR {
-                        // Each panel's values start on a line.
-                        let parts = Parts::of(f, blocks, a0, p);
-                        let start = p * NR * blocks * f.size;
-                        assert_eq!((a0 + start + parts.values(0)) % 64, 0, "{a0}, panel {p}");
+                    for p in 0..n / nr {
+                        // Each panel's values start on a line (the AVX2
+                        // kernel's loads need not).
+                        let parts = Parts::of(f, blocks, a0, p, nr);
+                        let start = p * nr * blocks * f.size;
+                        if nr == NR {
+                            let at = a0 + start + parts.values(0);
+                            assert_eq!(at % 64, 0, "{a0}, panel {p}");
+                        } else {
+                            assert_eq!(parts.values(0), 0);
+                        }
                         // Block 0: output c's scale at 2c of its scales,
                         // its first four values in lane c of line 0.
                         let panel = &data[start..];
-                        for c in 0..NR {
-                            let row = &rows[(p * NR + c) * blocks * f.size..];
+                        for c in 0..nr {
+                            let row = &rows[(p * nr + c) * blocks * f.size..];
                             let at = parts.scales(0) + 2 * c;
                             assert_eq!(panel[at..at + 2], row[..2]);
                             let flip = if f.q8() { 0x80 } else { 0 };
@@ -1440,11 +1492,11 @@ mod tests {
                         }
                     }
                     let mut back = data.clone();
-                    unpack_in_place(ty, &mut back, k, n, a0);
+                    unpack_in_place(ty, &mut back, k, n, a0, nr);
                     assert_eq!(back, rows, "type {ty}, {k}×{n}, {a0}: the rows come back");
                 }
                 // (Packed for rows half a line off: the last a0 above.)
-                assert_in_place_products(ty, &rows, &data, 32, k, n, m);
+                assert_in_place_products(lanes, ty, &rows, &data, 32, k, n, m);
             }
         }
     }
@@ -1458,7 +1510,7 @@ mod tests {
         for (k, n, m) in [(256, 16, 1), (512, 32, 13), (4352, 16, 37), (256, 48, 300)] {
             let rows = quantized(ty, k, n);
             let mut data = rows.clone();
-            pack_in_place(ty, &mut data, k, n, 0);
+            pack_in_place(ty, &mut data, k, n, 0, NR);
             assert_ne!(data, rows);
             // Output 1's d where the header says, its first value's nibble
             // in lane 1 of line 0.
@@ -1469,9 +1521,9 @@ mod tests {
             );
             assert_eq!(data[4], rows[f.size * units + 16]);
             let mut back = data.clone();
-            unpack_in_place(ty, &mut back, k, n, 0);
+            unpack_in_place(ty, &mut back, k, n, 0, NR);
             assert_eq!(back, rows, "{k}×{n}: the rows come back");
-            assert_in_place_products(ty, &rows, &data, 0, k, n, m);
+            assert_in_place_products(VNNI, ty, &rows, &data, 0, k, n, m);
         }
     }
 
@@ -1499,10 +1551,12 @@ mod tests {
     }
 
     /// Holds the products of the weight `rows` (`n` rows of `k` values of
-    /// `ty`) packed in place (`packed`, at `a0`) to the per-product
-    /// packing's, bit for bit, over `m` rows, on 1 to 3 threads, with a
-    /// bias and without.
+    /// `ty`) packed in place for `lanes` (`packed`, at `a0`) to the
+    /// per-product packing's on the same kernel, bit for bit, over `m`
+    /// rows, on 1 to 3 threads, with a bias and without.
+    #[allow(clippy::too_many_arguments)]
     fn assert_in_place_products(
+        lanes: Lanes,
         ty: sys::ggml_type,
         rows: &[u8],
         packed: &[u8],
@@ -1511,8 +1565,11 @@ mod tests {
         n: usize,
         m: usize,
     ) {
-        if !applies(ty) {
-            eprintln!("no AVX512-VNNI here: in-place products not run");
+        if !(lanes.applies)(ty) {
+            eprintln!(
+                "the kernel of {} outputs cannot run here: in-place products not run",
+                lanes.nr
+            );
             return;
         }
         let w = Weight {
@@ -1535,8 +1592,8 @@ mod tests {
             let mut want = vec![f32::NAN; m * n];
             let mut got = vec![f32::NAN; m * n];
             for ith in 0..nth {
-                gemm_on(VNNI, &w, &x, b, &mut want, ith, nth, None);
-                gemm_in_place(&wp, a0, &x, b, &mut got, ith, nth);
+                gemm_on(lanes, &w, &x, b, &mut want, ith, nth, None);
+                gemm_in_place(lanes, &wp, a0, &x, b, &mut got, ith, nth);
             }
             assert!(
                 want.iter()
