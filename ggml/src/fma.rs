@@ -55,8 +55,8 @@
 //! The weight is packed in every evaluation, block by block, in the
 //! thread's own buffers: no packed copy of a weight is kept or allocated in
 //! the graph. A weight of whole panels that only these kernels multiply
-//! (bf16 on AVX512-BF16, f16 on the AVX2 class, q8_0, q4_0 and q4_K on
-//! AVX512-VNNI) is instead rewritten as the kernel's panels once, in its
+//! (bf16 on AVX512-BF16, f16 and q4_0 on the AVX2 class, q8_0, q4_0 and
+//! q4_K on AVX512-VNNI) is instead rewritten as the kernel's panels once, in its
 //! own bytes ([`packed`], `gemm_in_place`).
 //! [`Context::mul_mat`](crate::Context::mul_mat) takes this path for
 //! contexts marked with
@@ -811,6 +811,13 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
             {
                 " (q8_0, q4_0 and q4_K weights of whole panels packed once, at any rows)"
                     .to_string()
+            }
+            Isa::Avx2Int8
+                if names.contains("q4_0")
+                    && crate::knobs().fma_pack
+                    && !crate::amx::available() =>
+            {
+                " (q4_0 weights of whole panels packed once, at any rows)".to_string()
             }
             _ => String::new(),
         };

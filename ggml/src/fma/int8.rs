@@ -16,6 +16,11 @@
 //! (q4), where ggml's AVX2 dot products take about as many instructions
 //! for one output's 32 and a horizontal sum per block.
 //!
+//! A q4_0 weight that only this kernel multiplies is packed once, in place
+//! (`super::packed`; `super::vnni::pack_in_place` at 8 outputs: per block
+//! 4 lines of nibble bytes, the f16 scales after the blocks), and the tile
+//! splits each line into two of values as it loads it.
+//!
 //! It takes q4_K, q5_K and q6_K too (its tests hold all seven types), but
 //! `super::isa_for` sends it only the types where it measured faster than
 //! ggml's kernels: q4_0, q4_1, q5_0, q5_1 and q4_K.

@@ -1,6 +1,7 @@
 //! Weights packed once, in place, as sdhost's kernels read them: bf16
-//! for the AVX512-BF16 kernel, f16 for the f32 kernels of the AVX2 class,
-//! q8_0, q4_0 and q4_K for the AVX512-VNNI one.
+//! for the AVX512-BF16 kernel, f16 for the f32 kernels of the AVX2 class
+//! and q4_0 for its integer kernel, q8_0, q4_0 and q4_K for the
+//! AVX512-VNNI one.
 //!
 //! Every product on the AVX512-BF16 kernel (`Bf16Avx512`) used to transpose its weight into
 //! panels (32 outputs side by side, `k` in pairs) before multiplying, in
@@ -19,7 +20,9 @@
 //! ones stay on ggml's tinyBLAS) widened each panel to f32 for every pass;
 //! packed in place its panels stay f16 (16 outputs side by side for each
 //! `k`, 32 on AVX-512 without AVX512-BF16), which the tile widens as it
-//! loads them.
+//! loads them. The AVX2 class's integer kernel (`fma/int8.rs`) takes q4_0
+//! packed in place too, at half the VNNI kernel's width (8 outputs, lines
+//! of 32 bytes: `vnni::pack_in_place` with `nr` 8).
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
 //! reads): whatever holds the tensor sees it. [`Graph::pack_weights`]
@@ -100,7 +103,8 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
 /// the bf16 kernel ([`super::bf16_dots`]: not Intel's, where they are
 /// widened on the f32 kernel), or f16 on processors of the AVX2 class
 /// ([`super::f16_in_place`]), or q8_0, q4_0 or q4_K where they take the
-/// AVX512-VNNI kernel and no tile unit does.
+/// AVX512-VNNI kernel and no tile unit does, or q4_0 where it takes the
+/// AVX2 integer kernel.
 ///
 /// # Safety
 /// `t` is a live tensor; its buffer, when set, is live.
@@ -721,7 +725,7 @@ mod tests {
     }
 
     /// A graph's weight is packed where only its kernel's products take
-    /// it (bf16, f16, q8_0, q4_0, q4_K), stays on that kernel at any number of rows,
+    /// it (bf16, f16, q8_0, q4_0, q4_K; q4_0 on the AVX2 integer kernel too), stays on that kernel at any number of rows,
     /// reads as its rows, and comes back as its rows where something else
     /// reads it or new rows are written.
     #[test]
@@ -738,7 +742,10 @@ mod tests {
             ),
             (
                 crate::Type::Q4_0,
-                super::super::isa_for(sys::GGML_TYPE_Q4_0) == Some(Isa::Avx512Vnni),
+                matches!(
+                    super::super::isa_for(sys::GGML_TYPE_Q4_0),
+                    Some(Isa::Avx512Vnni | Isa::Avx2Int8)
+                ),
             ),
             (
                 crate::Type::Q4K,
