@@ -573,6 +573,17 @@ pub(crate) fn f16_width(isa: Isa) -> usize {
     }
 }
 
+/// The integer kernel of `isa` (`fma/vnni.rs`'s or the AVX2 one of
+/// `fma/int8.rs`, which both run on `vnni`'s driver), where it has one.
+#[cfg(target_arch = "x86_64")]
+fn integer_lanes(isa: Isa) -> Option<vnni::Lanes> {
+    match isa {
+        Isa::Avx512Vnni => Some(vnni::VNNI),
+        Isa::Avx2Int8 => Some(int8::LANES),
+        _ => None,
+    }
+}
+
 /// The product of an f16 weight packed in place (see [`gemm`]): panel
 /// after panel of [`f16_width`] outputs, each `k` values of them side by
 /// side, on the f32 kernel [`f16_in_place`] names.
@@ -1406,13 +1417,8 @@ pub fn gemm(
 ) {
     #[cfg(target_arch = "x86_64")]
     {
-        let lanes = match isa {
-            Isa::Avx512Vnni => Some(vnni::VNNI),
-            Isa::Avx2Int8 => Some(int8::LANES),
-            _ => None,
-        };
         let takes = |l: &vnni::Lanes| (l.applies)(w.ty) && x.k.is_multiple_of(vnni::unit(w.ty));
-        if let Some(lanes) = lanes.filter(takes) {
+        if let Some(lanes) = integer_lanes(isa).filter(takes) {
             return vnni::gemm_on(lanes, w, x, bias, out, ith, nth, None);
         }
     }

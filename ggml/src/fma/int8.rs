@@ -276,10 +276,11 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
 /// what `c` holds where `add`.
 ///
 /// # Safety
-/// The processor has AVX2 and FMA; the tile's slices hold `blocks` blocks
-/// of `stride ≥ tr` rows from its first row, its panel `blocks` blocks of
-/// this kernel's lines packed for `f` ([`group`]); `c` holds `tr` rows of
-/// `cols` ≤ 8 values, `ldc` apart; `bias` `cols` values.
+/// The processor has AVX2, FMA and F16C; the tile's slices hold `blocks`
+/// blocks of `stride ≥ tr` rows from its first row, its panel `blocks`
+/// blocks of this kernel's lines packed for `f` ([`group`]) or, where
+/// `in_place` is set, those of a q4_0 panel packed in place; `c` holds
+/// `tr` rows of `cols` ≤ 8 values, `ldc` apart; `bias` `cols` values.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn run(
     t: &Tile<'_>,

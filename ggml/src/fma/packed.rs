@@ -345,7 +345,8 @@ pub(crate) fn gemm(
     if w.ty != sys::GGML_TYPE_BF16 {
         if avx2_int8(w.ty) {
             assert!(features().avx2);
-            return vnni::gemm_in_place(super::int8::LANES, w, a0, x, bias, out, ith, nth);
+            let lanes = super::integer_lanes(Isa::Avx2Int8).expect("the AVX2 integer kernel");
+            return vnni::gemm_in_place(lanes, w, a0, x, bias, out, ith, nth);
         }
         assert!(features().avx512vnni);
         return vnni::gemm_in_place(vnni::VNNI, w, a0, x, bias, out, ith, nth);

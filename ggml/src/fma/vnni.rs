@@ -412,7 +412,8 @@ fn convert_in_place(
     let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
     let (units, blocks) = (k / (f.per_unit * QK), k / QK);
     let row_bytes = units * f.size;
-    assert!(nr == NR || (nr == super::int8::NR && ty == sys::GGML_TYPE_Q4_0));
+    // This kernel's width, or the AVX2 kernel's half of it (q4_0).
+    assert!(nr == NR || (nr == NR / 2 && ty == sys::GGML_TYPE_Q4_0));
     assert!(k.is_multiple_of(f.per_unit * QK) && n.is_multiple_of(nr));
     assert!(data.len() == n * row_bytes && a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
     let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
@@ -1447,10 +1448,11 @@ mod tests {
         ];
         // This module's kernel (16 outputs a panel) and the AVX2 one (8;
         // q4_0 only).
+        let avx2 = super::super::integer_lanes(super::super::Isa::Avx2Int8).unwrap();
         let kernels = [
             (VNNI, sys::GGML_TYPE_Q8_0),
             (VNNI, sys::GGML_TYPE_Q4_0),
-            (super::super::int8::LANES, sys::GGML_TYPE_Q4_0),
+            (avx2, sys::GGML_TYPE_Q4_0),
         ];
         for (lanes, ty) in kernels {
             let nr = lanes.nr;
