@@ -13,8 +13,12 @@
 //! ordinary bf16 cases. The `(FMA)` cases check sdhost's AVX2 + FMA
 //! matrix products (`ggml::fma`) the same way on the in-process CPU of a
 //! processor with AVX2, FMA and F16C, for the weight types that take them
-//! (`ggml::fma::isa_for_product`; `SDHOST_FMA_ALL=1`: every type). Each row names the
-//! sdhost kernels that ran (`kernel`); none: ggml's.
+//! (`ggml::fma::isa_for_product`; `SDHOST_FMA_ALL=1`: every type). As in
+//! the models, an input only those kernels multiply (a weight of whole
+//! panels) is packed for its kernel once, in place, before the graph runs
+//! (`ggml::fma::packed`), so the products on packed weights are checked
+//! too. Each row names the sdhost kernels that ran (`kernel`, with the
+//! weights packed in place); none: ggml's.
 
 use ggml::{Backend, Context, Sched, Tensor, Type};
 use sdhost_models::nn::{attention_with, Scores};
@@ -430,6 +434,24 @@ pub fn cases() -> Vec<Case> {
                 // (at least fma::MIN_ROWS), shared by panels; rows of 320
                 // values (up to fma::F16_MAX_K: the AVX2 class takes them).
                 let (a, b) = (t(i, Type::F16, &[320, 200])?, t(i, Type::F32, &[320, 515])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
+            name: "mul_mat f16, whole panels (FMA)",
+            tolerance: 5e-3,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // Whole panels of rows up to fma::F16_MAX_K values, at
+                // fma::MIN_ROWS rows and more: on the AVX2 class packed once,
+                // in place (ggml::fma::packed; the inputs are allocated after
+                // the graph is built, so fewer rows would take ggml's
+                // product and leave it as rows).
+                let (a, b) = (
+                    t(i, Type::F16, &[1030, 64])?,
+                    t(i, Type::F32, &[1030, 520])?,
+                );
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },
@@ -1065,6 +1087,15 @@ pub fn run_case(
     }
     out.set_output();
     let graph = ctx.graph(out, 256)?;
+    // As the models do: an input only sdhost's CPU kernels multiply (a
+    // weight) is packed for its kernel once, in place, so that the cases
+    // check those products too (`ggml::fma::packed`; none where the inputs
+    // are not in host memory).
+    let ids: Vec<usize> = inputs.iter().map(|t| t.id()).collect();
+    let packed = match cpu_kernels {
+        true => graph.pack_weights(&|id| ids.contains(&id)).in_place,
+        false => 0,
+    };
     let mut sched = Sched::new(backends, 256)?;
     sched.alloc(&graph)?;
     sched.compute(&graph)?;
@@ -1080,6 +1111,9 @@ pub fn run_case(
         .filter(|n| !n.is_empty())
         .collect();
     own_kernels.dedup();
+    if packed > 0 {
+        own_kernels.push(format!("{packed} weight(s) packed in place"));
+    }
     Ok(CaseRun {
         output: out.get_f32()?,
         fell_back,
