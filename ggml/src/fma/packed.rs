@@ -83,7 +83,8 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
 
 /// The kernel that multiplies a weight packed (or packable) in place:
 /// AVX512-BF16 for bf16, an f32 kernel for f16 ([`super::f16_in_place`]),
-/// AVX512-VNNI for q8_0, q4_0 and q4_K.
+/// AVX512-VNNI for q8_0, q4_0 and q4_K, or on the AVX2 class its integer
+/// kernel for q4_0.
 ///
 /// # Safety
 /// `t` is a live tensor.
