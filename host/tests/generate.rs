@@ -1006,40 +1006,46 @@ fn fma_products_in_the_model_match_ggml_s() {
     assert_within_a_level(&ours, &ggml);
 }
 
-/// f16 weights packed once, in place, for the AVX2 class's f32 kernel
-/// (`SDHOST_FMA_AVX2=1` puts a processor with AVX-512 in that class) give
-/// the image of the same kernel packing them in every product
-/// (`SDHOST_NO_FMA_PACK=1`), within a level; the debug log says the
-/// weights were packed in the one and not in the other.
+/// f16 weights packed once, in place, for the AVX2 class's f32 kernel, and
+/// q4_0 ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a processor
+/// with AVX-512 in that class), give the image of the same kernels packing
+/// them in every product (`SDHOST_NO_FMA_PACK=1`), within a level; the
+/// debug log says the weights were packed in the one and not in the other.
 #[test]
-fn f16_weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
+fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     if !ggml::fma::available() {
-        eprintln!("SKIPPED: no AVX2/FMA here, so no f16 weight is packed");
+        eprintln!("SKIPPED: no AVX2/FMA here, so no weight is packed");
         return;
     }
     let p = Prefix::with_cpu();
     let out = p.dir("out");
-    let run = |name: &str, pack: &str| {
-        let png = out.join(name);
-        let extra = ["--compute-type", "f16", "-vv"];
-        let mut c = generate_64_cmd(&p, "tiny-sd1.safetensors", &png, &extra);
-        // Every product on sdhost's kernel, packed or not.
-        c.env("SDHOST_FMA_AVX2", "1")
-            .env("SDHOST_FMA_MIN_ROWS", "1");
-        c.env("SDHOST_NO_FMA_PACK", pack);
-        let r = Run::from(output(&mut c)).ok();
-        (pixels(&png), r.stderr)
-    };
-    let (packed, log) = run("packed.png", "0");
-    let (per_product, log_b) = run("per-product.png", "1");
-    let packed_lines = |log: &str| {
-        log.lines()
-            .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
-            .count()
-    };
-    assert!(packed_lines(&log) > 0, "{log}");
-    assert_eq!(packed_lines(&log_b), 0, "{log_b}");
-    assert_within_a_level(&packed, &per_product);
+    let q4_0 = out.join("tiny-q4_0.gguf");
+    let sd1 = fixture("tiny-sd1.safetensors");
+    p.run(&["convert", "-m", s(&sd1), "-o", s(&q4_0), "--type", "q4_0"])
+        .ok();
+    for (model, ty) in [(&sd1, "f16"), (&q4_0, "auto")] {
+        let run = |name: &str, pack: &str| {
+            let png = out.join(format!("{ty}-{name}.png"));
+            let extra = ["--compute-type", ty, "-vv"];
+            let mut c = generate_cmd(&p, model, &png, 3, &extra);
+            // Every product on sdhost's kernels, packed or not.
+            c.env("SDHOST_FMA_AVX2", "1")
+                .env("SDHOST_FMA_MIN_ROWS", "1");
+            c.env("SDHOST_NO_FMA_PACK", pack);
+            let r = Run::from(output(&mut c)).ok();
+            (pixels(&png), r.stderr)
+        };
+        let (packed, log) = run("packed", "0");
+        let (per_product, log_b) = run("per-product", "1");
+        let packed_lines = |log: &str| {
+            log.lines()
+                .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
+                .count()
+        };
+        assert!(packed_lines(&log) > 0, "{ty}: {log}");
+        assert_eq!(packed_lines(&log_b), 0, "{ty}: {log_b}");
+        assert_within_a_level(&packed, &per_product);
+    }
 }
 
 /// Two images of the same size within a level on average, and 8 at most.
