@@ -200,16 +200,11 @@ pub(crate) unsafe fn lead(t: *const sys::ggml_tensor) -> usize {
 /// Rewrites the panels of a packed `[k, n]` weight of type `ty` in
 /// `data` as its rows (`a0` as [`lead`]).
 fn to_rows(ty: sys::ggml_type, data: &mut [u8], k: usize, n: usize, a0: usize) {
+    let width = width(ty).expect("a type packed in place");
     match ty {
         sys::GGML_TYPE_BF16 => panels_to_rows(data, k, n),
-        sys::GGML_TYPE_F16 => {
-            let width = width(ty).expect("f16 weights are packed where a kernel takes them");
-            panels_to_halves(data, k, n, width)
-        }
-        _ => {
-            let width = width(ty).expect("a type packed in place");
-            vnni::unpack_in_place(ty, data, k, n, a0, width)
-        }
+        sys::GGML_TYPE_F16 => panels_to_halves(data, k, n, width),
+        _ => vnni::unpack_in_place(ty, data, k, n, a0, width),
     }
 }
 
@@ -290,27 +285,27 @@ fn panels_to_rows(data: &mut [u8], k: usize, n: usize) {
 /// `q·width·k`, value `i` of output `c` at `i·width + c` within it (so a
 /// pass over `kb..` starts at `kb·width`).
 fn halves_to_panels(data: &mut [u8], k: usize, n: usize, width: usize) {
-    assert!(n.is_multiple_of(width) && data.len() == 2 * k * n);
-    let mut rows = vec![0u8; 2 * width * k];
-    for panel in data.chunks_exact_mut(2 * width * k) {
-        rows.copy_from_slice(panel);
-        for (i, values) in panel.chunks_exact_mut(2 * width).enumerate() {
-            for (c, v) in values.chunks_exact_mut(2).enumerate() {
-                v.copy_from_slice(&rows[2 * (c * k + i)..2 * (c * k + i) + 2]);
-            }
-        }
-    }
+    move_halves(data, k, n, width, true)
 }
 
 /// The inverse of [`halves_to_panels`].
 fn panels_to_halves(data: &mut [u8], k: usize, n: usize, width: usize) {
+    move_halves(data, k, n, width, false)
+}
+
+/// [`halves_to_panels`] (`pack`) or [`panels_to_halves`]: each value of a
+/// panel's `width` outputs moved between `c·k + i` (its row) and `i·width
+/// + c` (the panel), through a copy of the panel's bytes.
+fn move_halves(data: &mut [u8], k: usize, n: usize, width: usize, pack: bool) {
     assert!(n.is_multiple_of(width) && data.len() == 2 * k * n);
-    let mut panel = vec![0u8; 2 * width * k];
-    for rows in data.chunks_exact_mut(2 * width * k) {
-        panel.copy_from_slice(rows);
-        for (c, row) in rows.chunks_exact_mut(2 * k).enumerate() {
-            for (i, v) in row.chunks_exact_mut(2).enumerate() {
-                v.copy_from_slice(&panel[2 * (i * width + c)..2 * (i * width + c) + 2]);
+    let mut copy = vec![0u8; 2 * width * k];
+    for here in data.chunks_exact_mut(2 * width * k) {
+        copy.copy_from_slice(here);
+        for c in 0..width {
+            for i in 0..k {
+                let (row, panel) = (2 * (c * k + i), 2 * (i * width + c));
+                let (to, from) = if pack { (panel, row) } else { (row, panel) };
+                here[to..to + 2].copy_from_slice(&copy[from..from + 2]);
             }
         }
     }
