@@ -16,10 +16,12 @@
 //! (q4), where ggml's AVX2 dot products take about as many instructions
 //! for one output's 32 and a horizontal sum per block.
 //!
-//! A q4_0 weight that only this kernel multiplies is packed once, in place
-//! (`super::packed`; `super::vnni::pack_in_place` at 8 outputs: per block
-//! 4 lines of nibble bytes, the f16 scales after the blocks), and the tile
-//! splits each line into two of values as it loads it.
+//! A q4_0 or q4_K weight that only this kernel multiplies is packed once,
+//! in place (`super::packed`; `super::vnni::pack_in_place` at 8 outputs:
+//! for q4_0 per block 4 lines of nibble bytes, the f16 scales after the
+//! blocks; for q4_K per pair of blocks 8 lines of nibble bytes, each
+//! super-block's scale bytes after the values), and the tile splits the
+//! nibbles into values as it loads them.
 //!
 //! It takes q4_K, q5_K and q6_K too (its tests hold all seven types), but
 //! `super::isa_for` sends it only the types where it measured faster than
@@ -35,8 +37,8 @@
 use std::arch::x86_64::*;
 
 use super::vnni::{
-    k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Tile, LINES, PREFETCH_BLOCKS,
-    Q4_IN_PLACE, QK,
+    k_header_bytes, k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Tile, LINES,
+    LINES_LAYOUT, PREFETCH_BYTES, Q4K_IN_PLACE, Q4_IN_PLACE, QK,
 };
 use super::{features, Weight};
 use crate::sys;
@@ -59,6 +61,7 @@ pub(super) const LANES: Lanes = Lanes {
     round_row,
     pack_panel,
     run,
+    k_scale_lines,
 };
 
 /// Whether a weight of type `ty` can take this kernel on this processor
@@ -196,6 +199,55 @@ pub(super) unsafe fn pack_panel(
     }
 }
 
+/// Each block's two lines (d · scale, − dmin · minimum) for the 8 outputs
+/// of a q4_K super-block's `header` in a panel packed in place at this
+/// kernel's width (`super::vnni::pack_in_place`), into `lines` (16 of
+/// them: line `2s` block `s`'s scales, line `2s + 1` its minimums, each in
+/// the line's first 32 bytes) — `super::vnni`'s `k_scale_lines` on AVX2.
+///
+/// # Safety
+/// The processor has AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn k_scale_lines(header: &[u8], lines: &mut [Line]) {
+    assert!(header.len() >= k_header_bytes(NR) && lines.len() >= 16);
+    let h = header.as_ptr();
+    // SAFETY: the header's bytes at `h` (asserted).
+    let (d, dmin, p) = unsafe {
+        let d = _mm256_cvtph_ps(_mm_loadu_si128(h as *const __m128i));
+        let dmin = _mm256_cvtph_ps(_mm_loadu_si128(h.add(2 * NR) as *const __m128i));
+        let p: [__m256i; 12] = std::array::from_fn(|i| {
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(h.add(4 * NR + NR * i) as *const __m128i))
+        });
+        (d, dmin, p)
+    };
+    let (m63, m15) = (_mm256_set1_epi32(63), _mm256_set1_epi32(15));
+    let sign = _mm256_set1_ps(-0.0);
+    for s in 0..8 {
+        // ggml's get_scale_min_k4, as `k_lines` unpacks it.
+        let (sc, m) = match s < 4 {
+            true => (_mm256_and_si256(p[s], m63), _mm256_and_si256(p[s + 4], m63)),
+            false => (
+                _mm256_or_si256(
+                    _mm256_and_si256(p[s + 4], m15),
+                    _mm256_slli_epi32::<4>(_mm256_srli_epi32::<6>(p[s - 4])),
+                ),
+                _mm256_or_si256(
+                    _mm256_srli_epi32::<4>(p[s + 4]),
+                    _mm256_slli_epi32::<4>(_mm256_srli_epi32::<6>(p[s])),
+                ),
+            ),
+        };
+        let scale = _mm256_mul_ps(d, _mm256_cvtepi32_ps(sc));
+        // − (dmin · minimum), the sign flipped as `k_lines` negates.
+        let min = _mm256_xor_ps(_mm256_mul_ps(dmin, _mm256_cvtepi32_ps(m)), sign);
+        // SAFETY: lines 2s and 2s + 1 < 16 (asserted), 64-byte aligned.
+        unsafe {
+            _mm256_store_ps(lines.as_mut_ptr().add(2 * s) as *mut f32, scale);
+            _mm256_store_ps(lines.as_mut_ptr().add(2 * s + 1) as *mut f32, min);
+        }
+    }
+}
+
 /// Word `e` of vector `c` becomes lane `c` of vector `e`.
 #[target_feature(enable = "avx2")]
 fn transpose_8x8(r: [__m256i; 8]) -> [__m256i; 8] {
@@ -279,7 +331,9 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
 /// The processor has AVX2, FMA and F16C; the tile's slices hold `blocks`
 /// blocks of `stride ≥ tr` rows from its first row, its panel `blocks`
 /// blocks of this kernel's lines packed for `f` ([`group`]) or, where
-/// `in_place` is set, those of a q4_0 panel packed in place; `c` holds
+/// `in_place` is set, those of a q4_0 or q4_K panel packed in place (for
+/// q4_K, the panel its scale and minimum lines: `super::vnni::gemm_on`);
+/// `c` holds
 /// `tr` rows of `cols` ≤ 8 values, `ldc` apart; `bias` `cols` values.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn run(
@@ -300,27 +354,35 @@ pub(super) unsafe fn run(
     assert!(t.min == f.min && t.halves == f.halves);
     macro_rules! rows {
         ($min:literal, $halves:literal, $g:literal) => {
-            rows!($min, $halves, $g, false)
+            rows!($min, $halves, $g, LINES_LAYOUT)
         };
-        ($min:literal, $halves:literal, $g:literal, $in_place:literal) => {
+        ($min:literal, $halves:literal, $g:literal, $layout:ident) => {
             // SAFETY: as this function's.
             unsafe {
                 match tr {
-                    1 => tile::<1, $min, $halves, $g, $in_place>(t, c, ldc, cols, add, bias),
-                    2 => tile::<2, $min, $halves, $g, $in_place>(t, c, ldc, cols, add, bias),
-                    3 => tile::<3, $min, $halves, $g, $in_place>(t, c, ldc, cols, add, bias),
+                    1 => tile::<1, $min, $halves, $g, $layout>(t, c, ldc, cols, add, bias),
+                    2 => tile::<2, $min, $halves, $g, $layout>(t, c, ldc, cols, add, bias),
+                    3 => tile::<3, $min, $halves, $g, $layout>(t, c, ldc, cols, add, bias),
                     _ => unreachable!(),
                 }
             }
         };
     }
     if let Some(p) = &t.in_place {
+        assert!(p.head.is_none());
+        if t.layout == Q4K_IN_PLACE {
+            // q4_K packed in place: per pair of blocks 8 lines of nibble
+            // bytes; each block's scale and minimum lines in the panel.
+            assert!(f.kind == Kind::Q4K && f.min && !f.halves && t.blocks.is_multiple_of(8));
+            assert!(p.values.len() >= t.blocks / 2 * 8 * LINE && t.panel.len() >= 2 * t.blocks);
+            return rows!(true, false, 8, Q4K_IN_PLACE);
+        }
         // q4_0 packed in place (`super::vnni::pack_in_place` at 8 outputs):
         // per block 4 lines of nibble bytes, the scales after every block.
         assert!(t.layout == Q4_IN_PLACE && f.kind == Kind::Legacy && !f.q8());
-        assert!(!f.min && f.high.is_none() && p.head.is_none());
+        assert!(!f.min && f.high.is_none());
         assert!(p.values.len() >= t.blocks * 4 * LINE && p.scales.len() >= t.blocks * 2 * NR);
-        return rows!(false, false, 8, true);
+        return rows!(false, false, 8, Q4_IN_PLACE);
     }
     assert!(t.panel.len() * 64 >= t.blocks * LINES * LINE);
     match (f.min, f.halves, group(f)) {
@@ -335,9 +397,12 @@ pub(super) unsafe fn run(
 
 /// [`run`] for `R` rows: the weight's minimums where `MIN`, the halves'
 /// own scales where `HALVES`, lines added in 16 bits `G` at a time; the
-/// weight's own panel packed in place (q4_0) where `IN_PLACE`, its nibble
-/// lines split here (line `j`'s low nibbles are line `j` of the per-product
-/// layout, its high ones line `4 + j`) and its f16 scales widened.
+/// weight's panel as `LAYOUT` says (`super::vnni`'s layouts): packed per
+/// product, or q4_0 packed in place, its nibble lines split here (line
+/// `j`'s low nibbles are line `j` of the per-product layout, its high ones
+/// line `4 + j`) and its f16 scales widened, or q4_K packed in place (a
+/// pair of blocks' 8 lines, block `2g`'s values the low nibbles, block `2g
+/// + 1`'s the high ones; the scale and minimum lines in `t.panel`).
 ///
 /// # Safety
 /// As [`run`]'s, with `tr = R` and the format's `MIN`, `HALVES` and `G`.
@@ -347,7 +412,7 @@ unsafe fn tile<
     const MIN: bool,
     const HALVES: bool,
     const G: usize,
-    const IN_PLACE: bool,
+    const LAYOUT: u8,
 >(
     t: &Tile<'_>,
     c: &mut [f32],
@@ -386,18 +451,18 @@ unsafe fn tile<
         // SAFETY: block b < blocks of the panel and of rows t0..t0 + R of
         // the chunk (checked by run).
         unsafe {
-            let p = panel.add(b * LINES * LINE);
-            let (w, dw): ([__m256i; 8], _) = if IN_PLACE {
+            let p = panel.wrapping_add(b * LINES * LINE);
+            let (w, dw): ([__m256i; 8], _) = if LAYOUT == Q4_IN_PLACE {
                 if t.first && b % 2 == 0 {
                     // The first tile reads the panel from memory: ask for
-                    // the lines a few blocks ahead (the prefetchers stop at
-                    // each page), and their scales (two blocks' values a
+                    // the lines PREFETCH_BYTES ahead (the prefetchers stop
+                    // at each page), and their scales (two blocks' values a
                     // 256-byte stretch, their scales 32 bytes).
-                    let ahead = values.wrapping_add((b + PREFETCH_BLOCKS) * 4 * LINE);
+                    let ahead = values.wrapping_add(b * 4 * LINE + PREFETCH_BYTES);
                     for j in 0..4 {
                         _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
                     }
-                    let s = scales.wrapping_add((b + PREFETCH_BLOCKS) * 2 * NR);
+                    let s = scales.wrapping_add((b + PREFETCH_BYTES / (4 * LINE)) * 2 * NR);
                     _mm_prefetch::<_MM_HINT_T0>(s as *const i8);
                 }
                 let v = values.add(b * 4 * LINE);
@@ -410,6 +475,24 @@ unsafe fn tile<
                     [lo(0), lo(1), lo(2), lo(3), hi(0), hi(1), hi(2), hi(3)],
                     _mm256_cvtph_ps(h),
                 )
+            } else if LAYOUT == Q4K_IN_PLACE {
+                // Block b's values are the low (b even) or high nibbles of
+                // its pair's 8 lines (256 bytes).
+                let v = values.add(b / 2 * 8 * LINE);
+                if t.first && b % 2 == 0 {
+                    let ahead = v.wrapping_add(PREFETCH_BYTES);
+                    for j in 0..4 {
+                        _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
+                    }
+                }
+                let line = |j: usize| _mm256_loadu_si256(v.add(j * LINE) as *const __m256i);
+                let w = match b % 2 {
+                    0 => std::array::from_fn(|j| _mm256_and_si256(line(j), nibble)),
+                    _ => std::array::from_fn(|j| {
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(line(j)), nibble)
+                    }),
+                };
+                (w, _mm256_load_ps(t.panel.as_ptr().add(2 * b) as *const f32))
             } else {
                 (
                     std::array::from_fn(|j| _mm256_load_si256(p.add(j * LINE) as *const __m256i)),
@@ -418,6 +501,9 @@ unsafe fn tile<
             };
             // The minimums, or the second halves' scales.
             let mw = match MIN || HALVES {
+                true if LAYOUT == Q4K_IN_PLACE => {
+                    _mm256_load_ps(t.panel.as_ptr().add(2 * b + 1) as *const f32)
+                }
                 true => _mm256_load_ps(p.add(9 * LINE) as *const f32),
                 false => _mm256_setzero_ps(),
             };

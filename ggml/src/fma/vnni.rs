@@ -198,13 +198,24 @@ pub(super) const LINES: usize = 10;
 /// [`Tile::tile`]'s layouts of the weight: panels packed per product (of
 /// [`LINES`] lines a block), or the weight's own panels packed in place
 /// ([`pack_in_place`]) of q8_0, q4_0 or q4_K.
-const LINES_LAYOUT: u8 = 0;
+pub(super) const LINES_LAYOUT: u8 = 0;
 const Q8_IN_PLACE: u8 = 1;
 pub(super) const Q4_IN_PLACE: u8 = 2;
-const Q4K_IN_PLACE: u8 = 3;
+pub(super) const Q4K_IN_PLACE: u8 = 3;
 
-/// Blocks ahead that the first tile over an in-place panel prefetches.
-pub(super) const PREFETCH_BLOCKS: usize = 8;
+/// Bytes of values ahead of the block it reads that the first tile over
+/// an in-place panel prefetches (the prefetchers stop at each page), past
+/// the panel's end too: the next panel, which the same thread reads next.
+/// It was 8 blocks (1 KiB of the AVX2 kernel's q4_0, 2 KiB of the VNNI
+/// kernel's q4_0 and q4_K, 4 KiB of q8_0): on a Zen 5 (session 51, one row
+/// × 3072 × 18432, both threads, alternating) 8 KiB took the AVX2
+/// kernel's q4_K from 52–81 to 110–145 GFLOP/s, its q4_0 from 70–92 to
+/// 77–131, the VNNI kernel's q4_0 from 83–94 to 99–153 and q4_K from
+/// 65–106 to 78–112 (q8_0 level), 4 KiB between them, 16 KiB level with 8;
+/// against ggml's (`bench --products`) the AVX2 kernel's 1-row products
+/// went from 0.55–0.63× (q4_K) and 1.22–1.26× (q4_0) to 1.18–1.50× and
+/// 1.92–2.39×.
+pub(super) const PREFETCH_BYTES: usize = 8192;
 
 /// Bytes of a block's 16 f16 scales in a panel packed in place.
 const SCALE_BYTES: usize = 2 * NR;
@@ -229,26 +240,31 @@ pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
     }
 }
 
-/// Bytes of one super-block's values in a q4_K panel packed in place: 4
-/// pairs of blocks, 8 lines each.
-const K_VALUES: usize = 4 * 8 * 64;
+/// Bytes of one super-block's values in a q4_K panel of `nr` outputs
+/// packed in place: 4 pairs of blocks, 8 lines of `4·nr` bytes each.
+pub(super) const fn k_value_bytes(nr: usize) -> usize {
+    4 * 8 * 4 * nr
+}
 
-/// Bytes of one super-block's header in a q4_K panel packed in place: the
-/// 16 outputs' f16 d, their f16 dmin, then each of the 12 bytes of 6-bit
-/// scales and minimums, 16 outputs side by side.
-const K_HEADER: usize = 32 + 32 + 12 * 16;
+/// Bytes of one super-block's header in a q4_K panel of `nr` outputs
+/// packed in place: the outputs' f16 d, their f16 dmin, then each of the
+/// 12 bytes of 6-bit scales and minimums, the outputs side by side.
+pub(super) const fn k_header_bytes(nr: usize) -> usize {
+    2 * nr + 2 * nr + 12 * nr
+}
 
 /// Each block's two lines of [`k_lines`] (d · scale, − dmin · minimum) for
 /// the 16 outputs of a q4_K super-block's `header` in a panel packed in
-/// place ([`pack_in_place`]), into `lines` (16 of them).
+/// place ([`pack_in_place`]), into `lines` (16 of them: line `2s` block
+/// `s`'s scales, line `2s + 1` its minimums).
 ///
 /// # Safety
 /// The processor has AVX512F, BW and VL.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
 unsafe fn k_scale_lines(header: &[u8], lines: &mut [Line]) {
-    assert!(header.len() >= K_HEADER && lines.len() >= 16);
+    assert!(header.len() >= k_header_bytes(NR) && lines.len() >= 16);
     let h = header.as_ptr();
-    // SAFETY: K_HEADER bytes at `h` (asserted).
+    // SAFETY: the header's bytes at `h` (asserted).
     let (d, dmin, p) = unsafe {
         let d = _mm512_cvtph_ps(_mm256_loadu_si256(h as *const __m256i));
         let dmin = _mm512_cvtph_ps(_mm256_loadu_si256(h.add(32) as *const __m256i));
@@ -361,17 +377,17 @@ impl Parts {
 /// bytes as they are (the low nibbles of line `j` are values `4j..4j + 4`,
 /// the high ones values `16 + 4j..`, which the kernel splits).
 ///
-/// A q4_K panel holds each super-block's values ([`K_VALUES`]: lane `c` of
-/// line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of output
-/// `c`'s nibbles, whose low nibbles are block `2g`'s values `4j..4j + 4`
-/// and high ones block `2g + 1`'s), then each super-block's header
-/// ([`K_HEADER`]), from which [`k_scale_lines`] computes what [`k_lines`]
-/// does, 16 outputs at once; `a0` is not used (its values are loaded
-/// wherever the panel starts).
+/// A q4_K panel holds each super-block's values ([`k_value_bytes`]: lane
+/// `c` of line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of
+/// output `c`'s nibbles, whose low nibbles are block `2g`'s values `4j..4j
+/// + 4` and high ones block `2g + 1`'s), then each super-block's header
+/// ([`k_header_bytes`]), from which [`k_scale_lines`] computes what
+/// [`k_lines`] does, 16 outputs at once; `a0` is not used (its values are
+/// loaded wherever the panel starts).
 ///
-/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0 only) the same
-/// at half the width: panels of 8 outputs, lines of 32 bytes, no scales
-/// before the values.
+/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0 and q4_K) the
+/// same at half the width: panels of 8 outputs, lines of 32 bytes, no
+/// scales before the values.
 pub(super) fn pack_in_place(
     ty: sys::ggml_type,
     data: &mut [u8],
@@ -412,8 +428,8 @@ fn convert_in_place(
     let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
     let (units, blocks) = (k / (f.per_unit * QK), k / QK);
     let row_bytes = units * f.size;
-    // This kernel's width, or the AVX2 kernel's half of it (q4_0).
-    assert!(nr == NR || (nr == NR / 2 && ty == sys::GGML_TYPE_Q4_0));
+    // This kernel's width, or the AVX2 kernel's half of it (q4_0, q4_K).
+    assert!(nr == NR || (nr == NR / 2 && !f.q8()));
     assert!(k.is_multiple_of(f.per_unit * QK) && n.is_multiple_of(nr));
     assert!(data.len() == n * row_bytes && a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
     let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
@@ -435,16 +451,17 @@ fn convert_in_place(
         for c in 0..nr {
             let row0 = c * row_bytes;
             if f.kind == Kind::Q4K {
+                let (values, header) = (k_value_bytes(nr), k_header_bytes(nr));
                 for u in 0..units {
-                    let (row, head) = (row0 + u * f.size, units * K_VALUES + u * K_HEADER);
+                    let (row, head) = (row0 + u * f.size, units * values + u * header);
                     word(row, head + 2 * c, 2);
-                    word(row + 2, head + 32 + 2 * c, 2);
+                    word(row + 2, head + 2 * nr + 2 * c, 2);
                     for i in 0..12 {
-                        word(row + 4 + i, head + 64 + 16 * i + c, 1);
+                        word(row + 4 + i, head + 4 * nr + nr * i + c, 1);
                     }
                     for g in 0..4 {
                         for j in 0..8 {
-                            let at = u * K_VALUES + g * 512 + 64 * j + 4 * c;
+                            let at = u * values + g * 8 * line + line * j + 4 * c;
                             word(row + 16 + 32 * g + 4 * j, at, 4);
                         }
                     }
@@ -536,6 +553,9 @@ pub(super) struct Lanes {
     #[allow(clippy::type_complexity)]
     pub(super) run:
         unsafe fn(&Tile<'_>, usize, &mut [f32], usize, usize, bool, Option<&[f32]>, Format),
+    /// A q4_K super-block's scale and minimum lines from its header in a
+    /// panel packed in place (as [`k_scale_lines`], at `nr` outputs).
+    pub(super) k_scale_lines: unsafe fn(&[u8], &mut [Line]),
 }
 
 /// This module's kernel.
@@ -554,10 +574,11 @@ pub(super) const VNNI: Lanes = Lanes {
         // SAFETY: the caller's (`Lanes::run`'s contract is Tile::run's).
         unsafe { t.run(tr, c, ldc, cols, add, bias) }
     },
+    k_scale_lines,
 };
 
 /// [`gemm_on`] on the integer kernel `lanes` ([`VNNI`], or the AVX2 one
-/// for q4_0) for a weight whose rows were rewritten by [`pack_in_place`]
+/// for q4_0 and q4_K) for a weight whose rows were rewritten by [`pack_in_place`]
 /// (with `a0` and its `nr`): its panels are read where they are.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_in_place(
@@ -573,7 +594,7 @@ pub(super) fn gemm_in_place(
     let f = in_place_format(w.ty).expect("a type packed in place");
     assert!(
         w.n.is_multiple_of(lanes.nr)
-            && (lanes.nr == NR || f.kind == Kind::Legacy && !f.q8())
+            && (lanes.nr == NR || !f.q8())
             && w.k.is_multiple_of(f.per_unit * QK)
             && w.row_bytes == w.k / (f.per_unit * QK) * f.size
             && w.data.len() >= w.n * w.row_bytes
@@ -649,20 +670,24 @@ pub(super) fn gemm_on(
                     // Panel p of the weight, packed in place: the pass's
                     // values and scales (Parts).
                     Some(_) if f.kind == Kind::Q4K => {
-                        assert_eq!(nr, NR, "q4_K is packed in place for AVX512-VNNI only");
                         // The pass's super-blocks' values, and their scale
-                        // and minimum lines into `buf.panel`.
+                        // and minimum lines into `buf.panel` (a line each).
                         let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
                         let (u0, nu) = (b0 / 8, blocks / 8);
+                        let (values, header) = (k_value_bytes(nr), k_header_bytes(nr));
+                        if std::env::var_os("PF").is_some() {
+                            let v = bytes[u0 * values..].as_ptr();
+                            for l in 0..16 { unsafe { std::arch::x86_64::_mm_prefetch::<{std::arch::x86_64::_MM_HINT_T0}>(v.wrapping_add(64 * l) as *const i8) }; }
+                        }
                         for u in u0..u0 + nu {
-                            let head = &bytes[units * K_VALUES + u * K_HEADER..][..K_HEADER];
+                            let head = &bytes[units * values + u * header..][..header];
                             let lines = &mut buf.panel[16 * (u - u0)..16 * (u - u0 + 1)];
-                            // SAFETY: the processor has AVX512-VNNI, with F,
-                            // BW and VL (`applies`, asserted).
-                            unsafe { k_scale_lines(head, lines) };
+                            // SAFETY: the kernel's `applies` (asserted)
+                            // checked the processor's features.
+                            unsafe { (lanes.k_scale_lines)(head, lines) };
                         }
                         Some(InPlace {
-                            values: &bytes[u0 * K_VALUES..(u0 + nu) * K_VALUES],
+                            values: &bytes[u0 * values..(u0 + nu) * values],
                             head: None,
                             scales: &[],
                         })
@@ -1048,7 +1073,7 @@ impl Tile<'_> {
         if let Some(p) = &self.in_place {
             if self.layout == Q4K_IN_PLACE {
                 assert!(self.min && !self.halves && self.blocks.is_multiple_of(8));
-                assert!(p.values.len() >= self.blocks / 8 * K_VALUES);
+                assert!(p.values.len() >= self.blocks / 8 * k_value_bytes(NR));
                 assert!(self.panel.len() >= 2 * self.blocks);
                 return rows!(true, false, Q4K_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
             }
@@ -1144,7 +1169,7 @@ impl Tile<'_> {
                     // were computed for this chunk into `panel`.
                     let p = values.add(b / 2 * 512) as *const __m512i;
                     if self.first && b % 2 == 0 {
-                        let ahead = (p as *const u8).wrapping_add(PREFETCH_BLOCKS / 2 * 512);
+                        let ahead = (p as *const u8).wrapping_add(PREFETCH_BYTES);
                         for j in 0..8 {
                             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
                         }
@@ -1166,11 +1191,11 @@ impl Tile<'_> {
                         // for the lines a few blocks ahead (the prefetchers
                         // stop at each page), and their scales.
                         let v = if LAYOUT == Q8_IN_PLACE { 512 } else { 256 };
-                        let ahead = values.wrapping_add((b + PREFETCH_BLOCKS) * v);
+                        let ahead = values.wrapping_add(b * v + PREFETCH_BYTES);
                         for j in 0..v / 64 {
                             _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * j) as *const i8);
                         }
-                        let s = scales.wrapping_add((b + PREFETCH_BLOCKS) * SCALE_BYTES);
+                        let s = scales.wrapping_add((b + PREFETCH_BYTES / v) * SCALE_BYTES);
                         _mm_prefetch::<_MM_HINT_T0>(s as *const i8);
                     }
                     if LAYOUT == Q8_IN_PLACE {
@@ -1506,26 +1531,37 @@ mod tests {
     #[test]
     fn q4_k_weights_packed_in_place_round_trip_and_multiply_bit_for_bit() {
         // One super-block and several, rows in two passes over k (17
-        // super-blocks), rows from one to past a chunk.
+        // super-blocks), rows from one to past a chunk; on this module's
+        // kernel (16 outputs a panel) and the AVX2 one (8).
         let ty = sys::GGML_TYPE_Q4_K;
         let f = Format::of(ty).unwrap();
-        for (k, n, m) in [(256, 16, 1), (512, 32, 13), (4352, 16, 37), (256, 48, 300)] {
-            let rows = quantized(ty, k, n);
-            let mut data = rows.clone();
-            pack_in_place(ty, &mut data, k, n, 0, NR);
-            assert_ne!(data, rows);
-            // Output 1's d where the header says, its first value's nibble
-            // in lane 1 of line 0.
-            let units = k / 256;
-            assert_eq!(
-                data[units * K_VALUES + 2..units * K_VALUES + 4],
-                rows[f.size * units..][..2]
-            );
-            assert_eq!(data[4], rows[f.size * units + 16]);
-            let mut back = data.clone();
-            unpack_in_place(ty, &mut back, k, n, 0, NR);
-            assert_eq!(back, rows, "{k}×{n}: the rows come back");
-            assert_in_place_products(VNNI, ty, &rows, &data, 0, k, n, m);
+        let avx2 = super::super::integer_lanes(super::super::Isa::Avx2Int8).unwrap();
+        for lanes in [VNNI, avx2] {
+            let nr = lanes.nr;
+            for (k, n, m) in [(256, 16, 1), (512, 32, 13), (4352, 16, 37), (256, 48, 300)] {
+                let rows = quantized(ty, k, n);
+                let mut data = rows.clone();
+                pack_in_place(ty, &mut data, k, n, 0, nr);
+                assert_ne!(data, rows);
+                // Output 1's d where the header says, its first value's
+                // nibble in lane 1 of line 0; the second panel's output 0
+                // likewise.
+                let units = k / 256;
+                let head = units * k_value_bytes(nr);
+                assert_eq!(data[head + 2..head + 4], rows[f.size * units..][..2]);
+                assert_eq!(data[4], rows[f.size * units + 16]);
+                if n >= 2 * nr {
+                    let (panel, row) = (nr * units * f.size, &rows[nr * units * f.size..]);
+                    assert_eq!(data[panel + head..][..2], row[..2]);
+                    assert_eq!(data[panel + head + 2 * nr..][..2], row[2..4]);
+                    assert_eq!(data[panel + head + 4 * nr + nr], row[5]);
+                    assert_eq!(data[panel..][..4], row[16..20]);
+                }
+                let mut back = data.clone();
+                unpack_in_place(ty, &mut back, k, n, 0, nr);
+                assert_eq!(back, rows, "{k}×{n}, {nr} outputs a panel: the rows come back");
+                assert_in_place_products(lanes, ty, &rows, &data, 0, k, n, m);
+            }
         }
     }
 
