@@ -208,13 +208,13 @@ pub(super) const Q4K_IN_PLACE: u8 = 3;
 /// the panel's end too: the next panel, which the same thread reads next.
 /// It was 8 blocks (1 KiB of the AVX2 kernel's q4_0, 2 KiB of the VNNI
 /// kernel's q4_0 and q4_K, 4 KiB of q8_0): on a Zen 5 (session 51, one row
-/// × 3072 × 18432, both threads, alternating) 8 KiB took the AVX2
-/// kernel's q4_K from 52–81 to 110–145 GFLOP/s, its q4_0 from 70–92 to
-/// 77–131, the VNNI kernel's q4_0 from 83–94 to 99–153 and q4_K from
-/// 65–106 to 78–112 (q8_0 level), 4 KiB between them, 16 KiB level with 8;
-/// against ggml's (`bench --products`) the AVX2 kernel's 1-row products
-/// went from 0.55–0.63× (q4_K) and 1.22–1.26× (q4_0) to 1.18–1.50× and
-/// 1.92–2.39×.
+/// × 3072 × 18432, both threads, seven rounds alternating) 8 KiB took the
+/// AVX2 kernel's q4_K from 52–81 to 90–145 GFLOP/s and its q4_0 from
+/// 70–92 to 77–134; the VNNI kernel's q4_K went from 69–106 to 78–112,
+/// its q4_0 and q8_0 stayed level; 4 KiB was between them, 16 KiB level
+/// with 8. Against ggml's (`bench --products`) the AVX2 kernel's 1-row
+/// products went from 0.55–0.63× (q4_K) and 1.22–1.26× (q4_0) to
+/// 1.18–1.50× and 1.92–2.39×.
 pub(super) const PREFETCH_BYTES: usize = 8192;
 
 /// Bytes of a block's 16 f16 scales in a panel packed in place.
