@@ -826,12 +826,19 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                 " (q8_0, q4_0 and q4_K weights of whole panels packed once, at any rows)"
                     .to_string()
             }
-            Isa::Avx2Int8
-                if names.contains("q4_0")
-                    && crate::knobs().fma_pack
-                    && !crate::amx::available() =>
-            {
-                " (q4_0 weights of whole panels packed once, at any rows)".to_string()
+            Isa::Avx2Int8 if crate::knobs().fma_pack && !crate::amx::available() => {
+                // q4_0 and q4_K (`packed`), where this group has them.
+                let packed: Vec<&str> = ["q4_0", "q4_K"]
+                    .into_iter()
+                    .filter(|t| names.contains(t))
+                    .collect();
+                match packed[..] {
+                    [] => String::new(),
+                    _ => format!(
+                        " ({} weights of whole panels packed once, at any rows)",
+                        packed.join(" and ")
+                    ),
+                }
             }
             _ => String::new(),
         };
@@ -3333,6 +3340,10 @@ mod tests {
             assert_eq!(rows, AVX2_Q8_0_MIN_ROWS);
             let s = summary(false).unwrap();
             assert!(s.contains("q8_0 from 128 rows on AVX2"), "{s}");
+            assert!(
+                s.contains(", q4_K from 32 rows on AVX2 in 8-bit integers (q4_K weights of whole panels packed once, at any rows)"),
+                "{s}"
+            );
             assert!(
                 s.contains(", f16 with rows up to 1280 values on AVX2 (weights of whole panels packed once, at any rows; else from 512 rows)"),
                 "{s}"

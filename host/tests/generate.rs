@@ -1007,10 +1007,11 @@ fn fma_products_in_the_model_match_ggml_s() {
 }
 
 /// f16 weights packed once, in place, for the AVX2 class's f32 kernel, and
-/// q4_0 ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a processor
-/// with AVX-512 in that class), give the image of the same kernels packing
-/// them in every product (`SDHOST_NO_FMA_PACK=1`), within a level; the
-/// debug log says the weights were packed in the one and not in the other.
+/// q4_0 and q4_K ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a
+/// processor with AVX-512 in that class), give the image of the same
+/// kernels packing them in every product (`SDHOST_NO_FMA_PACK=1`), within a
+/// level; the debug log says weights of that type were packed in the one
+/// and none in the other.
 #[test]
 fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     if !ggml::fma::available() {
@@ -1023,7 +1024,17 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     let sd1 = fixture("tiny-sd1.safetensors");
     p.run(&["convert", "-m", s(&sd1), "-o", s(&q4_0), "--type", "q4_0"])
         .ok();
-    for (model, ty) in [(&sd1, "f16"), (&q4_0, "auto")] {
+    // SD 2.x's tiny model: its rows of 256 and 512 values (CLIP's MLP out,
+    // the UNet's time embedding and feed-forward out) are q4_K's blocks.
+    let q4_k = out.join("tiny-sd2-q4_K.gguf");
+    let sd2 = fixture("tiny-sd2.safetensors");
+    p.run(&["convert", "-m", s(&sd2), "-o", s(&q4_k), "--type", "q4_K"])
+        .ok();
+    for (model, ty, packed_type) in [
+        (&sd1, "f16", "f16"),
+        (&q4_0, "auto", "q4_0"),
+        (&q4_k, "auto", "q4_K"),
+    ] {
         let run = |name: &str, pack: &str| {
             let png = out.join(format!("{ty}-{name}.png"));
             let extra = ["--compute-type", ty, "-vv"];
@@ -1040,10 +1051,17 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
         let packed_lines = |log: &str| {
             log.lines()
                 .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
-                .count()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
         };
-        assert!(packed_lines(&log) > 0, "{ty}: {log}");
-        assert_eq!(packed_lines(&log_b), 0, "{ty}: {log_b}");
+        // The debug line counts the weights packed by type ("(f16 40, q4_K
+        // 19)").
+        let lines = packed_lines(&log);
+        let of_type = |l: &&String| {
+            l.contains(&format!("({packed_type} ")) || l.contains(&format!(", {packed_type} "))
+        };
+        assert!(lines.iter().any(|l| of_type(&l)), "{packed_type}: {log}");
+        assert!(packed_lines(&log_b).is_empty(), "{ty}: {log_b}");
         assert_within_a_level(&packed, &per_product);
     }
 }

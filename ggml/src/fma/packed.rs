@@ -379,7 +379,7 @@ struct WeightPtr(*mut sys::ggml_tensor);
 unsafe impl Send for WeightPtr {}
 
 /// What [`Graph::pack_weights`] did.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Packing {
     /// Weights packed now.
     pub packed: usize,
@@ -387,6 +387,18 @@ pub struct Packing {
     pub unpacked: usize,
     /// Weights the graph reads packed (including those packed now).
     pub in_place: usize,
+    /// Of those packed now, how many of each type (ggml's names, in
+    /// ggml's order of types).
+    pub types: Vec<(String, usize)>,
+}
+
+impl Packing {
+    /// The weights packed now by type, as people read it: "q4_K 19, f16
+    /// 40".
+    pub fn types_text(&self) -> String {
+        let each: Vec<String> = self.types.iter().map(|(t, n)| format!("{t} {n}")).collect();
+        each.join(", ")
+    }
 }
 
 impl Graph<'_> {
@@ -447,6 +459,20 @@ impl Graph<'_> {
         }
         done.packed = to_pack.len();
         done.in_place += to_pack.len();
+        let mut types = std::collections::BTreeMap::new();
+        for t in &to_pack {
+            // SAFETY: a live tensor.
+            *types.entry(unsafe { (*t.0).type_ }).or_insert(0) += 1;
+        }
+        done.types = types
+            .into_iter()
+            .map(|(ty, n)| {
+                (
+                    crate::Type::from_id(ty as u32).map_or_else(|| ty.to_string(), |t| t.name()),
+                    n,
+                )
+            })
+            .collect();
         // The first graph packs every weight (a UNet's 2.5 GB took half a
         // second on one thread): the machine's threads share them.
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -677,7 +677,15 @@ pub(super) fn gemm_on(
                         let (values, header) = (k_value_bytes(nr), k_header_bytes(nr));
                         if std::env::var_os("PF").is_some() {
                             let v = bytes[u0 * values..].as_ptr();
-                            for l in 0..16 { unsafe { std::arch::x86_64::_mm_prefetch::<{std::arch::x86_64::_MM_HINT_T0}>(v.wrapping_add(64 * l) as *const i8) }; }
+                            for l in 0..16 {
+                                unsafe {
+                                    std::arch::x86_64::_mm_prefetch::<
+                                        { std::arch::x86_64::_MM_HINT_T0 },
+                                    >(
+                                        v.wrapping_add(64 * l) as *const i8
+                                    )
+                                };
+                            }
                         }
                         for u in u0..u0 + nu {
                             let head = &bytes[units * values + u * header..][..header];
@@ -1559,7 +1567,10 @@ mod tests {
                 }
                 let mut back = data.clone();
                 unpack_in_place(ty, &mut back, k, n, 0, nr);
-                assert_eq!(back, rows, "{k}×{n}, {nr} outputs a panel: the rows come back");
+                assert_eq!(
+                    back, rows,
+                    "{k}×{n}, {nr} outputs a panel: the rows come back"
+                );
                 assert_in_place_products(lanes, ty, &rows, &data, 0, k, n, m);
             }
         }

@@ -771,8 +771,12 @@ impl<'b> Module<'b> {
             // graphs run one at a time.
             let p = graph.pack_weights(&|id| weights.contains(&id));
             if p.packed + p.unpacked > 0 {
+                let types = match p.types_text() {
+                    t if t.is_empty() => t,
+                    t => format!(" ({t})"),
+                };
                 tracing::debug!(
-                    "{name}: {} weights packed for sdhost's CPU kernels, {} unpacked, {} read packed",
+                    "{name}: {} weights packed for sdhost's CPU kernels{types}, {} unpacked, {} read packed",
                     p.packed,
                     p.unpacked,
                     p.in_place
