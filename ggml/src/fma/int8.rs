@@ -401,8 +401,8 @@ pub(super) unsafe fn run(
 /// product, or q4_0 packed in place, its nibble lines split here (line
 /// `j`'s low nibbles are line `j` of the per-product layout, its high ones
 /// line `4 + j`) and its f16 scales widened, or q4_K packed in place (a
-/// pair of blocks' 8 lines, block `2g`'s values the low nibbles, block `2g
-/// + 1`'s the high ones; the scale and minimum lines in `t.panel`).
+/// pair of blocks' 8 lines, block `2g`'s values the low nibbles, block
+/// `2g + 1`'s the high ones; the scale and minimum lines in `t.panel`).
 ///
 /// # Safety
 /// As [`run`]'s, with `tr = R` and the format's `MIN`, `HALVES` and `G`.

@@ -468,7 +468,7 @@ impl Graph<'_> {
             .into_iter()
             .map(|(ty, n)| {
                 (
-                    crate::Type::from_id(ty as u32).map_or_else(|| ty.to_string(), |t| t.name()),
+                    crate::Type::from_id(ty).map_or_else(|| ty.to_string(), |t| t.name()),
                     n,
                 )
             })

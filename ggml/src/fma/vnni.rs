@@ -379,8 +379,8 @@ impl Parts {
 ///
 /// A q4_K panel holds each super-block's values ([`k_value_bytes`]: lane
 /// `c` of line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of
-/// output `c`'s nibbles, whose low nibbles are block `2g`'s values `4j..4j
-/// + 4` and high ones block `2g + 1`'s), then each super-block's header
+/// output `c`'s nibbles, whose low nibbles are block `2g`'s values
+/// `4j..4j + 4` and high ones block `2g + 1`'s), then each super-block's header
 /// ([`k_header_bytes`]), from which [`k_scale_lines`] computes what
 /// [`k_lines`] does, 16 outputs at once; `a0` is not used (its values are
 /// loaded wherever the panel starts).
@@ -675,18 +675,6 @@ pub(super) fn gemm_on(
                         let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
                         let (u0, nu) = (b0 / 8, blocks / 8);
                         let (values, header) = (k_value_bytes(nr), k_header_bytes(nr));
-                        if std::env::var_os("PF").is_some() {
-                            let v = bytes[u0 * values..].as_ptr();
-                            for l in 0..16 {
-                                unsafe {
-                                    std::arch::x86_64::_mm_prefetch::<
-                                        { std::arch::x86_64::_MM_HINT_T0 },
-                                    >(
-                                        v.wrapping_add(64 * l) as *const i8
-                                    )
-                                };
-                            }
-                        }
                         for u in u0..u0 + nu {
                             let head = &bytes[units * values + u * header..][..header];
                             let lines = &mut buf.panel[16 * (u - u0)..16 * (u - u0 + 1)];
