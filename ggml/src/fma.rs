@@ -487,8 +487,8 @@ pub const AVX2_INT8_MIN_ROWS: usize = 16;
 /// 0.82–0.85×, in runs whose other shapes were also off), 0.75–1.42× at
 /// 16–18 rows. A q4_K weight packed once, in place (`fma::packed`: whole
 /// panels, only this kernel's products) takes it at any number of rows:
-/// so packed it measured 1.12–1.89× ggml's at 16 rows and 1.18–1.50× at
-/// one (session 51).
+/// so packed it measured 1.12–2.26× ggml's at 16 rows and level at one
+/// (0.74–1.50× over seven runs: memory-bound), session 51.
 pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 32;
 
 /// The fewest rows that take the f32 kernel with a q8_0 weight (processors

@@ -213,8 +213,8 @@ pub(super) const Q4K_IN_PLACE: u8 = 3;
 /// 70–92 to 77–134; the VNNI kernel's q4_K went from 69–106 to 78–112,
 /// its q4_0 and q8_0 stayed level; 4 KiB was between them, 16 KiB level
 /// with 8. Against ggml's (`bench --products`) the AVX2 kernel's 1-row
-/// products went from 0.55–0.63× (q4_K) and 1.22–1.26× (q4_0) to
-/// 1.18–1.50× and 1.92–2.39×.
+/// q4_K product went from 0.55–0.63× to level (0.74–1.50× over seven
+/// runs: memory-bound), its q4_0 from 1.22–1.26× to 1.92–2.39×.
 pub(super) const PREFETCH_BYTES: usize = 8192;
 
 /// Bytes of a block's 16 f16 scales in a panel packed in place.
