@@ -333,8 +333,8 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
 /// blocks of this kernel's lines packed for `f` ([`group`]) or, where
 /// `in_place` is set, those of a q4_0 or q4_K panel packed in place (for
 /// q4_K, the panel its scale and minimum lines: `super::vnni::gemm_on`);
-/// `c` holds
-/// `tr` rows of `cols` ≤ 8 values, `ldc` apart; `bias` `cols` values.
+/// `c` holds `tr` rows of `cols` ≤ 8 values, `ldc` apart; `bias` `cols`
+/// values.
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn run(
     t: &Tile<'_>,

@@ -393,8 +393,8 @@ pub struct Packing {
 }
 
 impl Packing {
-    /// The weights packed now by type, as people read it: "q4_K 19, f16
-    /// 40".
+    /// The weights packed now by type, as people read it: "f16 78, q4_K
+    /// 16".
     pub fn types_text(&self) -> String {
         let each: Vec<String> = self.types.iter().map(|(t, n)| format!("{t} {n}")).collect();
         each.join(", ")
