@@ -823,12 +823,12 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                     && crate::knobs().fma_pack
                     && !crate::amx::available() =>
             {
-                " (q8_0, q4_0 and q4_K weights of whole panels packed once, at any rows)"
+                " (q8_0, q4_0, q4_1 and q4_K weights of whole panels packed once, at any rows)"
                     .to_string()
             }
             Isa::Avx2Int8 if crate::knobs().fma_pack && !crate::amx::available() => {
-                // q4_0 and q4_K (`packed`), where this group has them.
-                let packed: Vec<&str> = ["q4_0", "q4_K"]
+                // q4_0, q4_1 and q4_K (`packed`), where this group has them.
+                let packed: Vec<&str> = ["q4_0", "q4_1", "q4_K"]
                     .into_iter()
                     .filter(|t| names.contains(t))
                     .collect();

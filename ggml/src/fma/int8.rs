@@ -16,10 +16,10 @@
 //! (q4), where ggml's AVX2 dot products take about as many instructions
 //! for one output's 32 and a horizontal sum per block.
 //!
-//! A q4_0 or q4_K weight that only this kernel multiplies is packed once,
-//! in place (`super::packed`; `super::vnni::pack_in_place` at 8 outputs:
-//! for q4_0 per block 4 lines of nibble bytes, the f16 scales after the
-//! blocks; for q4_K per pair of blocks 8 lines of nibble bytes, each
+//! A q4_0, q4_1 or q4_K weight that only this kernel multiplies is packed
+//! once, in place (`super::packed`; `super::vnni::pack_in_place` at 8
+//! outputs: for q4_0 and q4_1 per block 4 lines of nibble bytes, the f16
+//! scales (and minimums) after the blocks; for q4_K per pair of blocks 8 lines of nibble bytes, each
 //! super-block's scale bytes after the values), and the tile splits the
 //! nibbles into values as it loads them.
 //!
@@ -331,7 +331,7 @@ unsafe fn values(f: Format, row: *const u8, b: usize) -> __m256i {
 /// The processor has AVX2, FMA and F16C; the tile's slices hold `blocks`
 /// blocks of `stride ≥ tr` rows from its first row, its panel `blocks`
 /// blocks of this kernel's lines packed for `f` ([`group`]) or, where
-/// `in_place` is set, those of a q4_0 or q4_K panel packed in place (for
+/// `in_place` is set, those of a q4_0, q4_1 or q4_K panel packed in place (for
 /// q4_K, the panel its scale and minimum lines: `super::vnni::gemm_on`);
 /// `c` holds `tr` rows of `cols` ≤ 8 values, `ldc` apart; `bias` `cols`
 /// values.
@@ -377,11 +377,16 @@ pub(super) unsafe fn run(
             assert!(p.values.len() >= t.blocks / 2 * 8 * LINE && t.panel.len() >= 2 * t.blocks);
             return rows!(true, false, 8, Q4K_IN_PLACE);
         }
-        // q4_0 packed in place (`super::vnni::pack_in_place` at 8 outputs):
-        // per block 4 lines of nibble bytes, the scales after every block.
+        // q4_0 or q4_1 packed in place (`super::vnni::pack_in_place` at 8
+        // outputs): per block 4 lines of nibble bytes, the scales after
+        // every block (and q4_1's minimums after them).
         assert!(t.layout == Q4_IN_PLACE && f.kind == Kind::Legacy && !f.q8());
-        assert!(!f.min && f.high.is_none());
+        assert!(f.high.is_none() && !f.halves);
         assert!(p.values.len() >= t.blocks * 4 * LINE && p.scales.len() >= t.blocks * 2 * NR);
+        if f.min {
+            assert!(p.mins.len() >= t.blocks * 2 * NR);
+            return rows!(true, false, 8, Q4_IN_PLACE);
+        }
         return rows!(false, false, 8, Q4_IN_PLACE);
     }
     assert!(t.panel.len() * 64 >= t.blocks * LINES * LINE);
@@ -398,7 +403,7 @@ pub(super) unsafe fn run(
 /// [`run`] for `R` rows: the weight's minimums where `MIN`, the halves'
 /// own scales where `HALVES`, lines added in 16 bits `G` at a time; the
 /// weight's panel as `LAYOUT` says (`super::vnni`'s layouts): packed per
-/// product, or q4_0 packed in place, its nibble lines split here (line
+/// product, or q4_0 or q4_1 packed in place, its nibble lines split here (line
 /// `j`'s low nibbles are line `j` of the per-product layout, its high ones
 /// line `4 + j`) and its f16 scales widened, or q4_K packed in place (a
 /// pair of blocks' 8 lines, block `2g`'s values the low nibbles, block
@@ -436,9 +441,9 @@ unsafe fn tile<
     let ones = _mm256_set1_epi16(1);
     let nibble = _mm256_set1_epi8(0x0f);
     let panel = t.panel.as_ptr() as *const u8;
-    let (values, scales) = match &t.in_place {
-        Some(p) => (p.values.as_ptr(), p.scales.as_ptr()),
-        None => (std::ptr::null(), std::ptr::null()),
+    let (values, scales, mins) = match &t.in_place {
+        Some(p) => (p.values.as_ptr(), p.scales.as_ptr(), p.mins.as_ptr()),
+        None => (std::ptr::null(), std::ptr::null(), std::ptr::null()),
     };
     let (q, d, s, sh, sd) = (
         t.q.as_ptr(),
@@ -464,6 +469,10 @@ unsafe fn tile<
                     }
                     let s = scales.wrapping_add((b + PREFETCH_BYTES / (4 * LINE)) * 2 * NR);
                     _mm_prefetch::<_MM_HINT_T0>(s as *const i8);
+                    if MIN {
+                        let m = mins.wrapping_add((b + PREFETCH_BYTES / (4 * LINE)) * 2 * NR);
+                        _mm_prefetch::<_MM_HINT_T0>(m as *const i8);
+                    }
                 }
                 let v = values.add(b * 4 * LINE);
                 let n: [__m256i; 4] =
@@ -503,6 +512,10 @@ unsafe fn tile<
             let mw = match MIN || HALVES {
                 true if LAYOUT == Q4K_IN_PLACE => {
                     _mm256_load_ps(t.panel.as_ptr().add(2 * b + 1) as *const f32)
+                }
+                // q4_1's minimums, after its scales.
+                true if LAYOUT == Q4_IN_PLACE => {
+                    _mm256_cvtph_ps(_mm_loadu_si128(mins.add(b * 2 * NR) as *const __m128i))
                 }
                 true => _mm256_load_ps(p.add(9 * LINE) as *const f32),
                 false => _mm256_setzero_ps(),

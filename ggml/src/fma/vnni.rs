@@ -197,7 +197,7 @@ pub(super) const LINES: usize = 10;
 
 /// [`Tile::tile`]'s layouts of the weight: panels packed per product (of
 /// [`LINES`] lines a block), or the weight's own panels packed in place
-/// ([`pack_in_place`]) of q8_0, q4_0 or q4_K.
+/// ([`pack_in_place`]) of q8_0, q4_0, q4_1 or q4_K.
 pub(super) const LINES_LAYOUT: u8 = 0;
 const Q8_IN_PLACE: u8 = 1;
 pub(super) const Q4_IN_PLACE: u8 = 2;
@@ -228,14 +228,18 @@ pub(super) struct InPlace<'a> {
     pub(super) values: &'a [u8],
     pub(super) head: Option<&'a [u8]>,
     pub(super) scales: &'a [u8],
+    /// The blocks' f16 minimums (q4_1; empty for the other types).
+    pub(super) mins: &'a [u8],
 }
 
 /// The format of `ty` where its weights can be packed in place for this
-/// kernel ([`pack_in_place`]): q8_0, q4_0 and q4_K, whose panels (values
-/// and scales) take the bytes their rows took.
+/// kernel ([`pack_in_place`]): q8_0, q4_0, q4_1 and q4_K, whose panels
+/// (values, scales and minimums) take the bytes their rows took.
 pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
     match ty {
-        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 | sys::GGML_TYPE_Q4_K => Format::of(ty),
+        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 | sys::GGML_TYPE_Q4_1 | sys::GGML_TYPE_Q4_K => {
+            Format::of(ty)
+        }
         _ => None,
     }
 }
@@ -362,18 +366,25 @@ impl Parts {
             false => self.values(self.blocks) + (b - self.head) * self.scale,
         }
     }
+
+    /// Where block `b`'s f16 minimums (one per output; q4_1) are: after
+    /// every block's scales.
+    fn mins(self, b: usize) -> usize {
+        self.values(self.blocks) + (self.blocks - self.head + b) * self.scale
+    }
 }
 
-/// Rewrites `n` rows (a multiple of 16) of `k` values of q8_0, q4_0 or q4_K
-/// ([`in_place_format`]; q4_K's layout below) in `data`, whose first byte is `a0` bytes past a
-/// 64-byte line (a multiple of 32), as this kernel's panels in the same
-/// bytes: panel `p` (outputs `16p..16p + 16`) where its rows were, holding
-/// each block's values, then each block's 16 f16 scales (32 bytes); where
+/// Rewrites `n` rows (a multiple of 16) of `k` values of q8_0, q4_0, q4_1
+/// or q4_K ([`in_place_format`]; q4_K's layout below) in `data`, whose
+/// first byte is `a0` bytes past a 64-byte line (a multiple of 32), as this
+/// kernel's panels in the same bytes: panel `p` (outputs `16p..16p + 16`)
+/// where its rows were, holding each block's values, then each block's 16
+/// f16 scales (32 bytes), then q4_1's 16 f16 minimums per block; where
 /// the panel starts half a line off, block 0's scales come first, so that
 /// the values start on a line ([`Parts`]). Block `b`'s values are lines of
 /// 64 bytes, lane `c` (4 bytes) of line `j` being bytes `4j..4j + 4` of
 /// output `c`'s block: for q8_0 8 lines of its values made unsigned (+
-/// 128, as [`pack_panel`] makes them), for q4_0 4 lines of its nibble
+/// 128, as [`pack_panel`] makes them), for q4_0 and q4_1 4 lines of its nibble
 /// bytes as they are (the low nibbles of line `j` are values `4j..4j + 4`,
 /// the high ones values `16 + 4j..`, which the kernel splits).
 ///
@@ -385,7 +396,7 @@ impl Parts {
 /// [`k_lines`] does, 16 outputs at once; `a0` is not used (its values are
 /// loaded wherever the panel starts).
 ///
-/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0 and q4_K) the
+/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: all but q8_0) the
 /// same at half the width: panels of 8 outputs, lines of 32 bytes, no
 /// scales before the values.
 pub(super) fn pack_in_place(
@@ -425,7 +436,7 @@ fn convert_in_place(
     nr: usize,
     pack: bool,
 ) {
-    let f = in_place_format(ty).expect("q8_0, q4_0 or q4_K");
+    let f = in_place_format(ty).expect("q8_0, q4_0, q4_1 or q4_K");
     let (units, blocks) = (k / (f.per_unit * QK), k / QK);
     let row_bytes = units * f.size;
     // This kernel's width, or the AVX2 kernel's half of it (q4_0, q4_K).
@@ -472,6 +483,9 @@ fn convert_in_place(
             for b in 0..blocks {
                 let row = row0 + b * f.size;
                 word(row, parts.scales(b) + 2 * c, 2);
+                if f.min {
+                    word(row + 2, parts.mins(b) + 2 * c, 2);
+                }
                 for j in 0..(f.size - f.values) / 4 {
                     word(
                         row + f.values + 4 * j,
@@ -578,7 +592,7 @@ pub(super) const VNNI: Lanes = Lanes {
 };
 
 /// [`gemm_on`] on the integer kernel `lanes` ([`VNNI`], or the AVX2 one
-/// for q4_0 and q4_K) for a weight whose rows were rewritten by [`pack_in_place`]
+/// for all but q8_0) for a weight whose rows were rewritten by [`pack_in_place`]
 /// (with `a0` and its `nr`): its panels are read where they are.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_in_place(
@@ -686,6 +700,7 @@ pub(super) fn gemm_on(
                             values: &bytes[u0 * values..(u0 + nu) * values],
                             head: None,
                             scales: &[],
+                            mins: &[],
                         })
                     }
                     Some(a0) => {
@@ -694,10 +709,15 @@ pub(super) fn gemm_on(
                         let (tail, scale) = (parts.scales(parts.head), parts.scale);
                         let first = b0.max(parts.head) - parts.head;
                         let rest = blocks - usize::from(b0 < parts.head);
+                        let mins = match f.min {
+                            true => &bytes[parts.mins(b0)..][..blocks * scale],
+                            false => &[],
+                        };
                         Some(InPlace {
                             values: &bytes[parts.values(b0)..parts.values(b0 + blocks)],
                             head: (b0 < parts.head).then(|| &bytes[..scale]),
                             scales: &bytes[tail + first * scale..][..rest * scale],
+                            mins,
                         })
                     }
                     None => {
@@ -1074,12 +1094,17 @@ impl Tile<'_> {
                 return rows!(true, false, Q4K_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
             }
             let v = if self.layout == Q4_IN_PLACE { 256 } else { 512 };
-            assert!(!self.min && !self.halves);
+            // (q4_1's minimums: a line of f16 per block.)
+            assert!(!self.halves && (!self.min || self.layout == Q4_IN_PLACE));
+            assert!(!self.min || p.mins.len() >= self.blocks * SCALE_BYTES);
             let head = usize::from(p.head.is_some());
             assert!(p.head.is_none_or(|h| h.len() >= SCALE_BYTES));
             assert!(p.values.len() >= self.blocks * v);
             assert!(p.scales.len() >= (self.blocks - head) * SCALE_BYTES);
             return match self.layout {
+                Q4_IN_PLACE if self.min => {
+                    rows!(true, false, Q4_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
+                }
                 Q4_IN_PLACE => {
                     rows!(false, false, Q4_IN_PLACE: 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16)
                 }
@@ -1141,6 +1166,7 @@ impl Tile<'_> {
             },
             None => (std::ptr::null(), std::ptr::null(), std::ptr::null()),
         };
+        let mins = self.in_place.map_or(std::ptr::null(), |p| p.mins.as_ptr());
         for b in 0..self.blocks {
             // SAFETY: block b < blocks of the panel (of its in-place values
             // and scales where LAYOUT says so) and of rows t0..t0 + R of
@@ -1193,6 +1219,10 @@ impl Tile<'_> {
                         }
                         let s = scales.wrapping_add((b + PREFETCH_BYTES / v) * SCALE_BYTES);
                         _mm_prefetch::<_MM_HINT_T0>(s as *const i8);
+                        if MIN {
+                            let m = mins.wrapping_add((b + PREFETCH_BYTES / v) * SCALE_BYTES);
+                            _mm_prefetch::<_MM_HINT_T0>(m as *const i8);
+                        }
                     }
                     if LAYOUT == Q8_IN_PLACE {
                         let p = values.add(b * 512) as *const __m512i;
@@ -1216,7 +1246,13 @@ impl Tile<'_> {
                     };
                     let h = _mm256_loadu_si256(at as *const __m256i);
                     dw = _mm512_cvtph_ps(h);
-                    mw = _mm512_setzero_ps();
+                    mw = match MIN {
+                        // q4_1's minimums.
+                        true => _mm512_cvtph_ps(_mm256_loadu_si256(
+                            mins.add(b * SCALE_BYTES) as *const __m256i
+                        )),
+                        false => _mm512_setzero_ps(),
+                    };
                 }
                 let at = b * self.stride;
                 for (r, acc) in acc.iter_mut().enumerate() {
@@ -1468,12 +1504,14 @@ mod tests {
             (64, 16, 2),
         ];
         // This module's kernel (16 outputs a panel) and the AVX2 one (8;
-        // q4_0 only).
+        // not q8_0).
         let avx2 = super::super::integer_lanes(super::super::Isa::Avx2Int8).unwrap();
         let kernels = [
             (VNNI, sys::GGML_TYPE_Q8_0),
             (VNNI, sys::GGML_TYPE_Q4_0),
+            (VNNI, sys::GGML_TYPE_Q4_1),
             (avx2, sys::GGML_TYPE_Q4_0),
+            (avx2, sys::GGML_TYPE_Q4_1),
         ];
         for (lanes, ty) in kernels {
             let nr = lanes.nr;
@@ -1505,6 +1543,15 @@ mod tests {
                             let row = &rows[(p * nr + c) * blocks * f.size..];
                             let at = parts.scales(0) + 2 * c;
                             assert_eq!(panel[at..at + 2], row[..2]);
+                            if f.min {
+                                // q4_1's minimums after every scale: block
+                                // 0's and the last block's.
+                                let at = parts.mins(0) + 2 * c;
+                                assert_eq!(panel[at..at + 2], row[2..4]);
+                                let last = (blocks - 1) * f.size;
+                                let at = parts.mins(blocks - 1) + 2 * c;
+                                assert_eq!(panel[at..at + 2], row[last + 2..last + 4]);
+                            }
                             let flip = if f.q8() { 0x80 } else { 0 };
                             for t in 0..4 {
                                 assert_eq!(
