@@ -19,9 +19,9 @@
 //! A q4_0, q4_1 or q4_K weight that only this kernel multiplies is packed
 //! once, in place (`super::packed`; `super::vnni::pack_in_place` at 8
 //! outputs: for q4_0 and q4_1 per block 4 lines of nibble bytes, the f16
-//! scales (and minimums) after the blocks; for q4_K per pair of blocks 8 lines of nibble bytes, each
-//! super-block's scale bytes after the values), and the tile splits the
-//! nibbles into values as it loads them.
+//! scales (and minimums) after the blocks; for q4_K per pair of blocks 8
+//! lines of nibble bytes, each super-block's scale bytes after the
+//! values), and the tile splits the nibbles into values as it loads them.
 //!
 //! It takes q4_K, q5_K and q6_K too (its tests hold all seven types), but
 //! `super::isa_for` sends it only the types where it measured faster than
