@@ -823,8 +823,8 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                     && crate::knobs().fma_pack
                     && !crate::amx::available() =>
             {
-                " (q8_0, q4_0, q4_1 and q4_K weights of whole panels packed once, at any rows)"
-                    .to_string()
+                // Every type it takes (`packed`, `vnni::in_place_format`).
+                " (weights of whole panels packed once, at any rows)".to_string()
             }
             Isa::Avx2Int8 if crate::knobs().fma_pack && !crate::amx::available() => {
                 // q4_0, q4_1 and q4_K (`packed`), where this group has them.
@@ -3349,6 +3349,14 @@ mod tests {
                 "{s}"
             );
             assert_eq!(f16_in_place(), f32);
+        }
+        if f.avx512vnni && !crate::amx::available() && knobs.fma_pack {
+            // Every type of the VNNI kernel packed in place (`packed`).
+            let s = summary(false).unwrap();
+            assert!(
+                s.contains("q5_K and q6_K from 8 rows on AVX512-VNNI (weights of whole panels packed once, at any rows)"),
+                "{s}"
+            );
         }
     }
 

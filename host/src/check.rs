@@ -619,6 +619,18 @@ pub fn cases() -> Vec<Case> {
             },
         },
         Case {
+            name: "mul_mat q6_K, whole panels (FMA)",
+            tolerance: 2e-2,
+            cpu_kernels: true,
+            reference: None,
+            build: |i, c| {
+                // Whole panels of 16 outputs: packed in place on
+                // AVX512-VNNI (the case above keeps a ragged panel).
+                let (a, b) = (t(i, Type::Q6K, &[512, 48])?, t(i, Type::F32, &[512, 20])?);
+                Ok((vec![a, b], c.mul_mat(a, b)?))
+            },
+        },
+        Case {
             name: "mul_mat bf16 (AMX)",
             tolerance: 1e-2,
             cpu_kernels: true,

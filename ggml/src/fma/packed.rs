@@ -1,7 +1,8 @@
 //! Weights packed once, in place, as sdhost's kernels read them: bf16
 //! for the AVX512-BF16 kernel, f16 for the f32 kernels of the AVX2 class
-//! and q4_0, q4_1 and q4_K for its integer kernel, q8_0, q4_0, q4_1 and
-//! q4_K for the AVX512-VNNI one.
+//! and q4_0, q4_1 and q4_K for its integer kernel, every type the
+//! AVX512-VNNI one takes (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K)
+//! for it.
 //!
 //! Every product on the AVX512-BF16 kernel (`Bf16Avx512`) used to transpose its weight into
 //! panels (32 outputs side by side, `k` in pairs) before multiplying, in
@@ -11,10 +12,11 @@
 //! product is instead rewritten into that layout once, in its own buffer
 //! (the same bytes: 32 whole outputs a panel, `k` even), and the products
 //! read its panels in place. The AVX512-VNNI kernel (`fma/vnni.rs`)
-//! packed each panel of a q8_0, q4_0, q4_1 or q4_K weight for every chunk of rows
-//! (a fifth of its time over `bench --products`' shapes); its panels
-//! packed in place hold the same bytes as the rows (16 outputs a panel,
-//! their values in lines and their scales after them: the layouts of
+//! packed each panel of its weights for every chunk of rows (a fifth of
+//! its time over `bench --products`' shapes, most of it at few rows); its
+//! panels packed in place hold the same bytes as the rows (16 outputs a
+//! panel, their values in lines, the fifth and sixth bits of q5_0, q5_1,
+//! q5_K and q6_K as masks, their scales after them: the layouts of
 //! `vnni::pack_in_place`). On processors of the AVX2 class an f16
 //! weight's products (those with rows up to `F16_MAX_K` values; longer
 //! ones stay on ggml's tinyBLAS) widened each panel to f32 for every pass;
@@ -50,15 +52,13 @@ const NR: usize = Bf16Avx512::NR;
 
 /// Outputs per panel of a weight of type `ty` packed in place, where that
 /// type can be: bf16 [`NR`], f16 its f32 kernel's ([`super::f16_width`]),
-/// q8_0, q4_0, q4_1 and q4_K the VNNI kernel's 16, q4_0, q4_1 and q4_K on
-/// the AVX2 integer kernel its 8.
+/// the VNNI kernel's types its 16, q4_0, q4_1 and q4_K on the AVX2 integer
+/// kernel its 8 (`vnni::in_place_on`).
 fn width(ty: sys::ggml_type) -> Option<usize> {
     match ty {
         sys::GGML_TYPE_BF16 => Some(NR),
         sys::GGML_TYPE_F16 => super::f16_in_place().map(super::f16_width),
-        sys::GGML_TYPE_Q4_0 | sys::GGML_TYPE_Q4_1 | sys::GGML_TYPE_Q4_K if avx2_int8(ty) => {
-            Some(super::int8::NR)
-        }
+        _ if avx2_int8(ty) => vnni::in_place_on(ty, super::int8::NR).then_some(super::int8::NR),
         _ if vnni::in_place_format(ty).is_some() => Some(vnni::NR),
         _ => None,
     }
@@ -85,8 +85,8 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
 
 /// The kernel that multiplies a weight packed (or packable) in place:
 /// AVX512-BF16 for bf16, an f32 kernel for f16 ([`super::f16_in_place`]),
-/// AVX512-VNNI for q8_0, q4_0, q4_1 and q4_K, or on the AVX2 class its
-/// integer kernel for q4_0, q4_1 and q4_K.
+/// AVX512-VNNI for its types, or on the AVX2 class its integer kernel for
+/// q4_0, q4_1 and q4_K.
 ///
 /// # Safety
 /// `t` is a live tensor.
@@ -105,9 +105,9 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
 /// and either bf16 of pairs of `k` on a processor whose bf16 weights take
 /// the bf16 kernel ([`super::bf16_dots`]: not Intel's, where they are
 /// widened on the f32 kernel), or f16 on processors of the AVX2 class
-/// ([`super::f16_in_place`]), or q8_0, q4_0, q4_1 or q4_K where they take
-/// the AVX512-VNNI kernel and no tile unit does, or q4_0, q4_1 and q4_K
-/// where they take the AVX2 integer kernel.
+/// ([`super::f16_in_place`]), or q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K
+/// or q6_K where they take the AVX512-VNNI kernel and no tile unit does, or
+/// q4_0, q4_1 and q4_K where they take the AVX2 integer kernel.
 ///
 /// # Safety
 /// `t` is a live tensor; its buffer, when set, is live.
@@ -750,8 +750,8 @@ mod tests {
     }
 
     /// A graph's weight is packed where only its kernel's products take
-    /// it (bf16, f16, q8_0, q4_0, q4_1, q4_K; all but q8_0 on the AVX2
-    /// integer kernel too), stays on that kernel at any number of rows,
+    /// it (bf16, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K;
+    /// q4_0, q4_1 and q4_K on the AVX2 integer kernel too), stays on that kernel at any number of rows,
     /// reads as its rows, and comes back as its rows where something else
     /// reads it or new rows are written.
     #[test]
@@ -786,6 +786,22 @@ mod tests {
                     super::super::isa_for(sys::GGML_TYPE_Q4_K),
                     Some(Isa::Avx512Vnni | Isa::Avx2Int8)
                 ),
+            ),
+            (
+                crate::Type::Q5_0,
+                super::super::isa_for(sys::GGML_TYPE_Q5_0) == Some(Isa::Avx512Vnni),
+            ),
+            (
+                crate::Type::Q5_1,
+                super::super::isa_for(sys::GGML_TYPE_Q5_1) == Some(Isa::Avx512Vnni),
+            ),
+            (
+                crate::Type::Q5K,
+                super::super::isa_for(sys::GGML_TYPE_Q5_K) == Some(Isa::Avx512Vnni),
+            ),
+            (
+                crate::Type::Q6K,
+                super::super::isa_for(sys::GGML_TYPE_Q6_K) == Some(Isa::Avx512Vnni),
             ),
         ] {
             if !(takes && super::super::available())

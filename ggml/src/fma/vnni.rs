@@ -45,7 +45,10 @@
 //!
 //! Threads split the outputs by panels of 16; each rounds the rows itself
 //! (a small fraction of the work), a chunk of rows at a time that stays in
-//! the level-2 cache, and packs each of its panels for each chunk; rows
+//! the level-2 cache, and packs each of its panels for each chunk, or
+//! reads the panels of a weight packed once, in place (`super::packed`,
+//! [`pack_in_place`]; q5_0's, q5_1's, q5_K's and q6_K's made into the
+//! lines of the per-product packing for each chunk by [`expand`]); rows
 //! longer than [`PASS_BLOCKS`] blocks are taken in passes over `k` that
 //! add into the outputs. Hand-written for the reason the rest of
 //! [`super`] is: ggml's kernels leave most of these instructions' rate
@@ -177,12 +180,27 @@ impl Format {
         self.kind == Kind::Legacy && self.size == 34
     }
 
+    /// Bits above a value's nibble: 1 for q5_0, q5_1 and q5_K (the
+    /// fifth), 2 for q6_K (fifth and sixth), else 0. Packed in place, each
+    /// plane of a block is one line of masks ([`pack_in_place`]).
+    pub(super) fn planes(self) -> usize {
+        match self.kind {
+            Kind::Legacy => usize::from(self.high.is_some()),
+            Kind::Q4K => 0,
+            Kind::Q5K => 1,
+            Kind::Q6K => 2,
+        }
+    }
+
     /// The activations keep their f32 scales as they are (k-quants), not
     /// rounded to f16 as ggml's q8_0 and q8_1 keep them.
     pub(super) fn exact(self) -> bool {
         self.kind != Kind::Legacy
     }
 }
+
+/// Bytes of a line of this kernel's panels.
+const LINE: usize = 4 * NR;
 
 /// One 64-byte line of a packed panel.
 #[derive(Clone, Copy)]
@@ -233,28 +251,49 @@ pub(super) struct InPlace<'a> {
 }
 
 /// The format of `ty` where its weights can be packed in place for this
-/// kernel ([`pack_in_place`]): q8_0, q4_0, q4_1 and q4_K, whose panels
-/// (values, scales and minimums) take the bytes their rows took.
+/// kernel ([`pack_in_place`]): every type it takes (q8_0, q4_0, q4_1,
+/// q5_0, q5_1, q4_K, q5_K and q6_K), whose panels (values, fifth and
+/// sixth bits, scales and minimums) take the bytes their rows took. The
+/// AVX2 kernel's ([`in_place_on`]) are those without such bits, but q8_0.
 pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
-    match ty {
-        sys::GGML_TYPE_Q8_0 | sys::GGML_TYPE_Q4_0 | sys::GGML_TYPE_Q4_1 | sys::GGML_TYPE_Q4_K => {
-            Format::of(ty)
-        }
-        _ => None,
-    }
+    Format::of(ty)
 }
 
-/// Bytes of one super-block's values in a q4_K panel of `nr` outputs
-/// packed in place: 4 pairs of blocks, 8 lines of `4·nr` bytes each.
+/// Whether weights of type `ty` can be packed in place for the integer
+/// kernel of `nr` outputs a panel: this module's ([`NR`]) every type of
+/// [`in_place_format`]; the AVX2 kernel's (8) q4_0, q4_1 and q4_K (its
+/// tile splits nibbles; q8_0 does not take it, and the fifth and sixth
+/// bits of q5_0, q5_1, q5_K and q6_K are set with AVX-512's byte masks).
+pub(super) fn in_place_on(ty: sys::ggml_type, nr: usize) -> bool {
+    in_place_format(ty).is_some_and(|f| nr == NR || (nr == NR / 2 && !f.q8() && f.planes() == 0))
+}
+
+/// Bytes of one super-block's nibbles in a q4_K (q5_K, q6_K) panel of `nr`
+/// outputs packed in place: 4 pairs of blocks, 8 lines of `4·nr` bytes
+/// each.
 pub(super) const fn k_value_bytes(nr: usize) -> usize {
     4 * 8 * 4 * nr
 }
 
-/// Bytes of one super-block's header in a q4_K panel of `nr` outputs
-/// packed in place: the outputs' f16 d, their f16 dmin, then each of the
-/// 12 bytes of 6-bit scales and minimums, the outputs side by side.
+/// Bytes of one super-block's header in a q4_K (q5_K) panel of `nr`
+/// outputs packed in place: the outputs' f16 d, their f16 dmin, then each
+/// of the 12 bytes of 6-bit scales and minimums, the outputs side by side.
 pub(super) const fn k_header_bytes(nr: usize) -> usize {
     2 * nr + 2 * nr + 12 * nr
+}
+
+/// A k-quant super-block's bytes in a panel of `nr` outputs packed in
+/// place: its values (the nibbles, [`k_value_bytes`], then each block's
+/// masks of fifth and sixth bits, [`Format::planes`] lines a block) and its
+/// header (q4_K's and q5_K's [`k_header_bytes`]; q6_K's: the outputs' f16
+/// d, then each of the 16 int8 scales, the outputs side by side).
+pub(super) fn k_unit_bytes(f: Format, nr: usize) -> (usize, usize) {
+    let values = k_value_bytes(nr) + 8 * f.planes() * 4 * nr;
+    let header = match f.kind {
+        Kind::Q6K => 2 * nr + 16 * nr,
+        _ => k_header_bytes(nr),
+    };
+    (values, header)
 }
 
 /// Each block's two lines of [`k_lines`] (d · scale, − dmin · minimum) for
@@ -310,11 +349,12 @@ unsafe fn k_scale_lines(header: &[u8], lines: &mut [Line]) {
 
 /// Bytes of one block of a panel's values packed in place for a kernel of
 /// `nr` outputs (lines of `4·nr` bytes): q8_0's 8 lines of unsigned
-/// bytes, q4_0's 4 lines of nibbles.
+/// bytes, q4_0's and q4_1's 4 lines of nibbles, q5_0's and q5_1's 4 lines
+/// of nibbles and one of the masks of their fifth bits.
 fn value_bytes(f: Format, nr: usize) -> usize {
     match f.q8() {
         true => 8 * 4 * nr,
-        false => 4 * 4 * nr,
+        false => (4 + f.planes()) * 4 * nr,
     }
 }
 
@@ -374,31 +414,39 @@ impl Parts {
     }
 }
 
-/// Rewrites `n` rows (a multiple of 16) of `k` values of q8_0, q4_0, q4_1
-/// or q4_K ([`in_place_format`]; q4_K's layout below) in `data`, whose
-/// first byte is `a0` bytes past a 64-byte line (a multiple of 32), as this
+/// Rewrites `n` rows (a multiple of 16) of `k` values of a type of
+/// [`in_place_format`] (the k-quants' layout below) in `data`, whose first
+/// byte is `a0` bytes past a 64-byte line (a multiple of 32), as this
 /// kernel's panels in the same bytes: panel `p` (outputs `16p..16p + 16`)
 /// where its rows were, holding each block's values, then each block's 16
-/// f16 scales (32 bytes), then q4_1's 16 f16 minimums per block; where
-/// the panel starts half a line off, block 0's scales come first, so that
-/// the values start on a line ([`Parts`]). Block `b`'s values are lines of
-/// 64 bytes, lane `c` (4 bytes) of line `j` being bytes `4j..4j + 4` of
-/// output `c`'s block: for q8_0 8 lines of its values made unsigned (+
-/// 128, as [`pack_panel`] makes them), for q4_0 and q4_1 4 lines of its nibble
-/// bytes as they are (the low nibbles of line `j` are values `4j..4j + 4`,
-/// the high ones values `16 + 4j..`, which the kernel splits).
+/// f16 scales (32 bytes), then q4_1's and q5_1's 16 f16 minimums per
+/// block; where the panel starts half a line off, block 0's scales come
+/// first, so that the values start on a line ([`Parts`]). Block `b`'s
+/// values are lines of 64 bytes, lane `c` (4 bytes) of line `j` being
+/// bytes `4j..4j + 4` of output `c`'s block: for q8_0 8 lines of its
+/// values made unsigned (+ 128, as [`pack_panel`] makes them), for q4_0,
+/// q4_1, q5_0 and q5_1 4 lines of its nibble bytes as they are (the low
+/// nibbles of line `j` are values `4j..4j + 4`, the high ones values `16 +
+/// 4j..`, which the kernel splits), then for q5_0 and q5_1 a line of 8
+/// masks of 64 bits, one per line of values the kernel makes: bit `4c + e`
+/// of mask `j` is the fifth bit of value `4j + e` of output `c` (a nibble
+/// of its 32 fifth bits per output and mask).
 ///
-/// A q4_K panel holds each super-block's values ([`k_value_bytes`]: lane
-/// `c` of line `j` of pair `g` being bytes `32g + 4j..32g + 4j + 4` of
-/// output `c`'s nibbles, whose low nibbles are block `2g`'s values
-/// `4j..4j + 4` and high ones block `2g + 1`'s), then each super-block's header
-/// ([`k_header_bytes`]), from which [`k_scale_lines`] computes what
-/// [`k_lines`] does, 16 outputs at once; `a0` is not used (its values are
-/// loaded wherever the panel starts).
+/// A k-quant panel holds each super-block's values ([`k_unit_bytes`]):
+/// first its nibbles, lane `c` of line `j` of pair `g` being bytes `32g +
+/// 4j..32g + 4j + 4` of output `c`'s nibbles (q4_K and q5_K: the low
+/// nibbles are block `2g`'s values `4j..4j + 4`, the high ones block `2g +
+/// 1`'s; q6_K: block `4(g / 2) + g % 2`'s and the block two after it), then
+/// for q5_K and q6_K each block's masks of its fifth bits (and q6_K's of
+/// its sixth, a line after them), as q5_0's; then, after every
+/// super-block's values, each super-block's header, from which
+/// [`k_scale_lines`] (q4_K, q5_K) computes what [`k_lines`] does, 16
+/// outputs at once; `a0` is not used (its values are loaded wherever the
+/// panel starts).
 ///
-/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: all but q8_0) the
-/// same at half the width: panels of 8 outputs, lines of 32 bytes, no
-/// scales before the values.
+/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0, q4_1 and q4_K,
+/// [`in_place_on`]) the same at half the width: panels of 8 outputs, lines
+/// of 32 bytes, no scales before the values.
 pub(super) fn pack_in_place(
     ty: sys::ggml_type,
     data: &mut [u8],
@@ -422,11 +470,92 @@ pub(super) fn unpack_in_place(
     convert_in_place(ty, data, k, n, a0, nr, false)
 }
 
+/// Where a block's 32 fifth (or sixth) bits are in a row: a word whose bit
+/// `i` is value `i`'s (q5_0, q5_1), or bit `bit` of each of 32 bytes
+/// (q5_K, q6_K).
+#[derive(Clone, Copy)]
+enum Bits {
+    Word(usize),
+    Bytes(usize, u32),
+}
+
+/// One panel's moves between its rows and its panel layout
+/// ([`convert_in_place`]).
+struct Move<'a> {
+    pack: bool,
+    /// q8_0's values are made unsigned in the panel.
+    flip: u32,
+    /// What the moves read: the rows where packing, the panel where
+    /// unpacking.
+    here: &'a [u8],
+    /// What they write.
+    other: &'a mut [u8],
+    /// Bytes of a mask: a bit per byte of a line of `4·nr`.
+    mask: usize,
+}
+
+impl Move<'_> {
+    /// Moves a word of `len` bytes from `row` (of the rows) to `at` (of
+    /// the panel), or back.
+    fn word(&mut self, row: usize, at: usize, len: usize) {
+        let (from, to) = if self.pack { (row, at) } else { (at, row) };
+        match len {
+            4 => {
+                let w = u32::from_le_bytes(self.here[from..from + 4].try_into().expect("4 bytes"));
+                self.other[to..to + 4].copy_from_slice(&(w ^ self.flip).to_le_bytes());
+            }
+            _ => self.other[to..to + len].copy_from_slice(&self.here[from..from + len]),
+        }
+    }
+
+    /// Moves output `c`'s 32 bits of a block's plane between where its row
+    /// keeps them (`bits`) and nibble `c` of each of the 8 masks at `at`.
+    fn bits(&mut self, bits: Bits, at: usize, c: usize) {
+        let (byte, shift) = (c / 2, 4 * (c % 2));
+        if self.pack {
+            let word = match bits {
+                Bits::Word(row) => {
+                    u32::from_le_bytes(self.here[row..row + 4].try_into().expect("4 bytes"))
+                }
+                Bits::Bytes(row, bit) => gather_bits(&self.here[row..row + 32], bit),
+            };
+            for j in 0..8 {
+                let m = &mut self.other[at + j * self.mask + byte];
+                *m = (*m & !(0xf << shift)) | (((word >> (4 * j)) & 0xf) as u8) << shift;
+            }
+            return;
+        }
+        let word = (0..8).fold(0u32, |w, j| {
+            w | u32::from((self.here[at + j * self.mask + byte] >> shift) & 0xf) << (4 * j)
+        });
+        match bits {
+            Bits::Word(row) => self.other[row..row + 4].copy_from_slice(&word.to_le_bytes()),
+            Bits::Bytes(row, bit) => {
+                for (i, b) in self.other[row..row + 32].iter_mut().enumerate() {
+                    *b = (*b & !(1 << bit)) | (((word >> i) & 1) as u8) << bit;
+                }
+            }
+        }
+    }
+}
+
+/// Bit `bit` of each of the 32 `bytes`, as a word (bit `i` from byte `i`).
+fn gather_bits(bytes: &[u8], bit: u32) -> u32 {
+    // Of each 8 bytes' bits (one per byte, at the bytes' lowest), the
+    // multiply gathers byte i's into bit 56 + i, each from a different
+    // partial product (no carries).
+    bytes.chunks_exact(8).enumerate().fold(0, |w, (q, b)| {
+        let x = (u64::from_le_bytes(b.try_into().expect("8 bytes")) >> bit) & 0x0101_0101_0101_0101;
+        w | ((x.wrapping_mul(0x0102_0408_1020_4080) >> 56) as u32) << (8 * q)
+    })
+}
+
 /// [`pack_in_place`] (`pack`) or [`unpack_in_place`]: each panel's bytes
 /// moved between where its rows keep them and where the panel does, the
 /// 16 outputs' rows at a time, in words of 4 bytes (the values; q8_0's
-/// made unsigned or signed again by one exclusive or) and of 2 (scales) or
-/// 1 (q4_K's scale bytes).
+/// made unsigned or signed again by one exclusive or), of 2 (scales) or 1
+/// (the k-quants' scale bytes), and nibbles of masks (fifth and sixth
+/// bits).
 fn convert_in_place(
     ty: sys::ggml_type,
     data: &mut [u8],
@@ -436,44 +565,70 @@ fn convert_in_place(
     nr: usize,
     pack: bool,
 ) {
-    let f = in_place_format(ty).expect("q8_0, q4_0, q4_1 or q4_K");
+    let f = in_place_format(ty).expect("a type packed in place");
     let (units, blocks) = (k / (f.per_unit * QK), k / QK);
     let row_bytes = units * f.size;
-    // This kernel's width, or the AVX2 kernel's half of it (q4_0, q4_K).
-    assert!(nr == NR || (nr == NR / 2 && !f.q8()));
+    // This kernel's width, or the AVX2 kernel's half of it (q4_0, q4_1,
+    // q4_K).
+    assert!(in_place_on(ty, nr));
     assert!(k.is_multiple_of(f.per_unit * QK) && n.is_multiple_of(nr));
     assert!(data.len() == n * row_bytes && a0 < 64 && a0.is_multiple_of(SCALE_BYTES));
     let flip = if f.q8() { 0x8080_8080u32 } else { 0 };
     let line = 4 * nr;
     let mut other = vec![0u8; nr * row_bytes];
     for (p, here) in data.chunks_exact_mut(nr * row_bytes).enumerate() {
-        // Moves a word of `len` bytes from `row` (of the rows) to `at` (of
-        // the panel), or back.
-        let mut word = |row: usize, at: usize, len: usize| {
-            let (from, to) = if pack { (row, at) } else { (at, row) };
-            match len {
-                4 => {
-                    let w = u32::from_le_bytes(here[from..from + 4].try_into().expect("4 bytes"));
-                    other[to..to + 4].copy_from_slice(&(w ^ flip).to_le_bytes());
-                }
-                _ => other[to..to + len].copy_from_slice(&here[from..from + len]),
-            }
+        let mut m = Move {
+            pack,
+            flip,
+            here,
+            other: &mut other,
+            mask: nr / 2,
         };
         for c in 0..nr {
             let row0 = c * row_bytes;
-            if f.kind == Kind::Q4K {
-                let (values, header) = (k_value_bytes(nr), k_header_bytes(nr));
+            if f.kind != Kind::Legacy {
+                let (values, header) = k_unit_bytes(f, nr);
+                // Where the nibbles and the fifth bits start in a
+                // super-block; where each pair of blocks' nibbles is.
+                let (qs, qh) = match f.kind {
+                    Kind::Q4K => (16, 0),
+                    Kind::Q5K => (48, 16),
+                    _ => (0, 128),
+                };
                 for u in 0..units {
                     let (row, head) = (row0 + u * f.size, units * values + u * header);
-                    word(row, head + 2 * c, 2);
-                    word(row + 2, head + 2 * nr + 2 * c, 2);
-                    for i in 0..12 {
-                        word(row + 4 + i, head + 4 * nr + nr * i + c, 1);
+                    if f.kind == Kind::Q6K {
+                        m.word(row + 208, head + 2 * c, 2);
+                        for i in 0..16 {
+                            m.word(row + 192 + i, head + 2 * nr + nr * i + c, 1);
+                        }
+                    } else {
+                        m.word(row, head + 2 * c, 2);
+                        m.word(row + 2, head + 2 * nr + 2 * c, 2);
+                        for i in 0..12 {
+                            m.word(row + 4 + i, head + 4 * nr + nr * i + c, 1);
+                        }
                     }
                     for g in 0..4 {
                         for j in 0..8 {
                             let at = u * values + g * 8 * line + line * j + 4 * c;
-                            word(row + 16 + 32 * g + 4 * j, at, 4);
+                            m.word(row + qs + 32 * g + 4 * j, at, 4);
+                        }
+                    }
+                    // Block s's planes: q5_K's fifth bits are bit s of the
+                    // 32 bytes; q6_K's (block 4h + t) bits 2t and 2t + 1
+                    // of bytes 32h..32h + 32.
+                    for s in 0..8 {
+                        for plane in 0..f.planes() {
+                            let bits = match f.kind {
+                                Kind::Q5K => Bits::Bytes(row + qh, s as u32),
+                                _ => Bits::Bytes(
+                                    row + qh + 32 * (s / 4),
+                                    (2 * (s % 4) + plane) as u32,
+                                ),
+                            };
+                            let at = u * values + 32 * line + (s * f.planes() + plane) * line;
+                            m.bits(bits, at, c);
                         }
                     }
                 }
@@ -482,16 +637,20 @@ fn convert_in_place(
             let parts = Parts::of(f, blocks, a0, p, nr);
             for b in 0..blocks {
                 let row = row0 + b * f.size;
-                word(row, parts.scales(b) + 2 * c, 2);
+                m.word(row, parts.scales(b) + 2 * c, 2);
                 if f.min {
-                    word(row + 2, parts.mins(b) + 2 * c, 2);
+                    m.word(row + 2, parts.mins(b) + 2 * c, 2);
                 }
-                for j in 0..(f.size - f.values) / 4 {
-                    word(
+                let nibbles = (f.size - f.values) / 4;
+                for j in 0..nibbles {
+                    m.word(
                         row + f.values + 4 * j,
                         parts.values(b) + line * j + 4 * c,
                         4,
                     );
+                }
+                if let Some(h) = f.high {
+                    m.bits(Bits::Word(row + h), parts.values(b) + line * nibbles, c);
                 }
             }
         }
@@ -592,8 +751,10 @@ pub(super) const VNNI: Lanes = Lanes {
 };
 
 /// [`gemm_on`] on the integer kernel `lanes` ([`VNNI`], or the AVX2 one
-/// for all but q8_0) for a weight whose rows were rewritten by [`pack_in_place`]
-/// (with `a0` and its `nr`): its panels are read where they are.
+/// for its types, [`in_place_on`]) for a weight whose rows were rewritten
+/// by [`pack_in_place`] (with `a0` and its `nr`): its panels are read where
+/// they are (q5_0's, q5_1's, q5_K's and q6_K's made into the per-product
+/// packing's lines for each chunk of rows: [`expand`]).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm_in_place(
     lanes: Lanes,
@@ -608,7 +769,7 @@ pub(super) fn gemm_in_place(
     let f = in_place_format(w.ty).expect("a type packed in place");
     assert!(
         w.n.is_multiple_of(lanes.nr)
-            && (lanes.nr == NR || !f.q8())
+            && in_place_on(w.ty, lanes.nr)
             && w.k.is_multiple_of(f.per_unit * QK)
             && w.row_bytes == w.k / (f.per_unit * QK) * f.size
             && w.data.len() >= w.n * w.row_bytes
@@ -683,6 +844,20 @@ pub(super) fn gemm_on(
                 let panel = match in_place {
                     // Panel p of the weight, packed in place: the pass's
                     // values and scales (Parts).
+                    Some(a0) if f.planes() > 0 => {
+                        // Its blocks' lines, made from the panel in place
+                        // (fifth and sixth bits set by their masks), as
+                        // the per-product packing makes them.
+                        assert!(nr == NR);
+                        let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
+                        // SAFETY: the kernel's `applies` (asserted) checked
+                        // the processor's features; `bytes` is panel p of
+                        // a weight of `units` units a row, packed at `a0`
+                        // (gemm_in_place checked), b0 + blocks ≤ its blocks,
+                        // `buf.panel` blocks × LINES lines.
+                        unsafe { expand(f, bytes, units, a0, p, b0, blocks, &mut buf.panel) };
+                        None
+                    }
                     Some(_) if f.kind == Kind::Q4K => {
                         // The pass's super-blocks' values, and their scale
                         // and minimum lines into `buf.panel` (a line each).
@@ -762,6 +937,170 @@ pub(super) fn gemm_on(
             }
         }
     });
+}
+
+/// Lines of blocks `b0..b0 + blocks` of panel `p` (its bytes: `bytes`) of
+/// a weight of `units` units a row packed in place at `a0` of a type with
+/// fifth bits (q5_0, q5_1, q5_K, q6_K), into `panel`: per block the
+/// [`LINES`] lines [`pack_panel`] writes, the same bytes (its values
+/// unsigned with their fifth and sixth bits, the scales' and minimums'
+/// lines, or q6_K's halves' scales). Unlike the per-product packing it
+/// reads the panel's own bytes in order (no gather of 16 rows, no
+/// transpose, no scale read one by one), and it prefetches
+/// [`PREFETCH_BYTES`] ahead.
+///
+/// # Safety
+/// The processor has AVX512F, BW and VL; `bytes` is a whole panel of
+/// [`NR`] outputs packed by [`pack_in_place`] (at `a0`), `b0 + blocks`
+/// ≤ its blocks, and `b0` starts a unit; `panel` holds `blocks ×
+/// LINES` lines.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn expand(
+    f: Format,
+    bytes: &[u8],
+    units: usize,
+    a0: usize,
+    p: usize,
+    b0: usize,
+    blocks: usize,
+    panel: &mut [Line],
+) {
+    assert!(f.planes() > 0 && panel.len() >= blocks * LINES);
+    assert!(bytes.len() == NR * units * f.size && b0.is_multiple_of(f.per_unit));
+    let nib = _mm512_set1_epi8(0x0f);
+    let out = panel.as_mut_ptr() as *mut __m512i;
+    // Block b's 8 lines of values: the nibbles at `at` (the high ones
+    // where `high`), their `PLANES` planes' masks at `masks`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl")]
+    #[inline]
+    unsafe fn values<const PLANES: usize>(
+        at: *const u8,
+        high: bool,
+        masks: *const u8,
+        out: *mut __m512i,
+    ) {
+        let nib = _mm512_set1_epi8(0x0f);
+        for j in 0..8 {
+            // SAFETY: 8 lines at `at` and `PLANES` lines of masks at
+            // `masks` in the panel, 8 lines at `out` (the caller's).
+            unsafe {
+                let v = _mm512_loadu_si512(at.add(LINE * j) as *const __m512i);
+                let mut v = match high {
+                    false => _mm512_and_si512(v, nib),
+                    true => _mm512_and_si512(_mm512_srli_epi16::<4>(v), nib),
+                };
+                for plane in 0..PLANES {
+                    let m = (masks.add(LINE * plane + 8 * j) as *const u64).read_unaligned();
+                    v = _mm512_mask_add_epi8(v, m, v, _mm512_set1_epi8(0x10 << plane));
+                }
+                _mm512_store_si512(out.add(j), v);
+            }
+        }
+    }
+    let ahead = |at: *const u8, len: usize| {
+        let at = at.wrapping_add(PREFETCH_BYTES);
+        for l in (0..len).step_by(64) {
+            // (A prefetch, of any address.)
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(l) as *const i8);
+        }
+    };
+    let base = bytes.as_ptr();
+    if f.kind == Kind::Legacy {
+        let parts = Parts::of(f, units, a0, p, NR);
+        assert!(parts.values(units) <= bytes.len());
+        for b in 0..blocks {
+            let v = parts.values(b0 + b);
+            ahead(base.wrapping_add(v), parts.v);
+            // Line j's low nibbles are values 4j.., its high ones 16 +
+            // 4j..: lines j and j + 4 of the block.
+            for (lines, high) in [(0, false), (4, true)] {
+                for j in 0..4 {
+                    // SAFETY: the block's 4 lines of nibbles and its line
+                    // of masks, in the panel (Parts); lines of `panel`
+                    // below blocks·LINES (asserted).
+                    unsafe {
+                        let x = _mm512_loadu_si512(base.add(v + LINE * j) as *const __m512i);
+                        let x = match high {
+                            false => _mm512_and_si512(x, nib),
+                            true => _mm512_and_si512(_mm512_srli_epi16::<4>(x), nib),
+                        };
+                        let m = (base.add(v + 4 * LINE + 8 * (lines + j)) as *const u64)
+                            .read_unaligned();
+                        let x = _mm512_mask_add_epi8(x, m, x, _mm512_set1_epi8(0x10));
+                        _mm512_store_si512(out.add(b * LINES + lines + j), x);
+                    }
+                }
+            }
+            // SAFETY: the block's 16 f16 scales (and minimums) in the
+            // panel (Parts), lines 8 and 9 of the block's in `panel`.
+            unsafe {
+                let h = _mm256_loadu_si256(base.add(parts.scales(b0 + b)) as *const __m256i);
+                _mm512_store_ps(out.add(b * LINES + 8) as *mut f32, _mm512_cvtph_ps(h));
+                if f.min {
+                    let h = _mm256_loadu_si256(base.add(parts.mins(b0 + b)) as *const __m256i);
+                    _mm512_store_ps(out.add(b * LINES + 9) as *mut f32, _mm512_cvtph_ps(h));
+                }
+            }
+        }
+        return;
+    }
+    let (unit_values, header) = k_unit_bytes(f, NR);
+    assert!(units * (unit_values + header) == bytes.len());
+    let mut lines = [Line([0; 64]); 16];
+    for u in b0 / 8..(b0 + blocks) / 8 {
+        let unit = base.wrapping_add(u * unit_values);
+        let head = &bytes[units * unit_values + u * header..][..header];
+        let first = (u - b0 / 8) * 8;
+        if f.kind == Kind::Q5K {
+            // SAFETY: the processor's features (the caller's); a q5_K
+            // header is q4_K's.
+            unsafe { k_scale_lines(head, &mut lines) };
+        } else {
+            // q6_K: each block's halves' scales, d · the int8 scale.
+            // SAFETY: the header's 16 f16 d and 16 × 16 scale bytes.
+            unsafe {
+                let d = _mm512_cvtph_ps(_mm256_loadu_si256(head.as_ptr() as *const __m256i));
+                for (i, line) in lines.iter_mut().enumerate() {
+                    let at = head.as_ptr().add(2 * NR + NR * i) as *const __m128i;
+                    let sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(at)));
+                    _mm512_store_ps(line.0.as_mut_ptr() as *mut f32, _mm512_mul_ps(d, sc));
+                }
+            }
+        }
+        for s in 0..8 {
+            // The pair of blocks whose nibbles hold block s's values, and
+            // which nibble (q5_K: s / 2, the odd one's the high; q6_K:
+            // blocks 4h + t, t of 0..4, in pair 2h + t % 2, t ≥ 2 high).
+            let (g, high) = match f.kind {
+                Kind::Q5K => (s / 2, s % 2 == 1),
+                _ => (2 * (s / 4) + s % 2, s % 4 >= 2),
+            };
+            // An eighth of the super-block's values a block.
+            ahead(unit.wrapping_add(s * unit_values / 8), unit_values / 8);
+            let at = unit.wrapping_add(8 * LINE * g);
+            let masks = unit.wrapping_add(32 * LINE + s * f.planes() * LINE);
+            // SAFETY: the pair's 8 lines and the block's masks in the
+            // super-block, lines of block first + s < blocks of `panel`
+            // (asserted); the processor's features (the caller's).
+            unsafe {
+                let block = out.add((first + s) * LINES);
+                match f.planes() {
+                    1 => values::<1>(at, high, masks, block),
+                    _ => values::<2>(at, high, masks, block),
+                }
+                let dst = block.add(8);
+                _mm512_store_si512(
+                    dst,
+                    _mm512_load_si512(lines.as_ptr().add(2 * s) as *const _),
+                );
+                _mm512_store_si512(
+                    dst.add(1),
+                    _mm512_load_si512(lines.as_ptr().add(2 * s + 1) as *const _),
+                );
+            }
+        }
+    }
 }
 
 /// Rounds row `x` (whole blocks) to 8 bits as ggml's q8_0 and q8_1 do,
@@ -1510,6 +1849,8 @@ mod tests {
             (VNNI, sys::GGML_TYPE_Q8_0),
             (VNNI, sys::GGML_TYPE_Q4_0),
             (VNNI, sys::GGML_TYPE_Q4_1),
+            (VNNI, sys::GGML_TYPE_Q5_0),
+            (VNNI, sys::GGML_TYPE_Q5_1),
             (avx2, sys::GGML_TYPE_Q4_0),
             (avx2, sys::GGML_TYPE_Q4_1),
         ];
@@ -1559,6 +1900,22 @@ mod tests {
                                     row[f.values + t] ^ flip
                                 );
                             }
+                            // q5_0's and q5_1's fifth bits after the
+                            // nibbles: nibble c of mask j is bits 4j..4j +
+                            // 4 of output c's.
+                            if let Some(h) = f.high {
+                                let qh = u32::from_le_bytes(row[h..h + 4].try_into().unwrap());
+                                let masks = &panel[parts.values(0) + 16 * nr..];
+                                for j in 0..8 {
+                                    let m = u64::from_le_bytes(
+                                        masks[8 * j..8 * j + 8].try_into().unwrap(),
+                                    );
+                                    assert_eq!(
+                                        (m >> (4 * c)) & 0xf,
+                                        u64::from((qh >> (4 * j)) & 0xf)
+                                    );
+                                }
+                            }
                         }
                     }
                     let mut back = data.clone();
@@ -1572,15 +1929,28 @@ mod tests {
     }
 
     #[test]
-    fn q4_k_weights_packed_in_place_round_trip_and_multiply_bit_for_bit() {
+    fn k_quant_weights_packed_in_place_round_trip_and_multiply_bit_for_bit() {
         // One super-block and several, rows in two passes over k (17
-        // super-blocks), rows from one to past a chunk; on this module's
-        // kernel (16 outputs a panel) and the AVX2 one (8).
-        let ty = sys::GGML_TYPE_Q4_K;
-        let f = Format::of(ty).unwrap();
+        // super-blocks), rows from one to past a chunk; q4_K on this
+        // module's kernel (16 outputs a panel) and the AVX2 one (8), q5_K
+        // and q6_K on this one.
         let avx2 = super::super::integer_lanes(super::super::Isa::Avx2Int8).unwrap();
-        for lanes in [VNNI, avx2] {
+        let kernels = [
+            (VNNI, sys::GGML_TYPE_Q4_K),
+            (avx2, sys::GGML_TYPE_Q4_K),
+            (VNNI, sys::GGML_TYPE_Q5_K),
+            (VNNI, sys::GGML_TYPE_Q6_K),
+        ];
+        for (lanes, ty) in kernels {
+            let f = Format::of(ty).unwrap();
             let nr = lanes.nr;
+            // Where a super-block keeps its d, its first nibbles and its
+            // fifth bits.
+            let (d, qs, qh) = match f.kind {
+                Kind::Q4K => (0, 16, 0),
+                Kind::Q5K => (0, 48, 16),
+                _ => (208, 0, 128),
+            };
             for (k, n, m) in [(256, 16, 1), (512, 32, 13), (4352, 16, 37), (256, 48, 300)] {
                 let rows = quantized(ty, k, n);
                 let mut data = rows.clone();
@@ -1590,24 +1960,70 @@ mod tests {
                 // nibble in lane 1 of line 0; the second panel's output 0
                 // likewise.
                 let units = k / 256;
-                let head = units * k_value_bytes(nr);
-                assert_eq!(data[head + 2..head + 4], rows[f.size * units..][..2]);
-                assert_eq!(data[4], rows[f.size * units + 16]);
+                let (values, _) = k_unit_bytes(f, nr);
+                let head = units * values;
+                let row1 = &rows[f.size * units..];
+                assert_eq!(data[head + 2..head + 4], row1[d..d + 2]);
+                assert_eq!(data[4], row1[qs]);
                 if n >= 2 * nr {
                     let (panel, row) = (nr * units * f.size, &rows[nr * units * f.size..]);
-                    assert_eq!(data[panel + head..][..2], row[..2]);
-                    assert_eq!(data[panel + head + 2 * nr..][..2], row[2..4]);
-                    assert_eq!(data[panel + head + 4 * nr + nr], row[5]);
-                    assert_eq!(data[panel..][..4], row[16..20]);
+                    assert_eq!(data[panel + head..][..2], row[d..d + 2]);
+                    assert_eq!(data[panel..][..4], row[qs..qs + 4]);
+                    if f.kind == Kind::Q4K {
+                        assert_eq!(data[panel + head + 2 * nr..][..2], row[2..4]);
+                        assert_eq!(data[panel + head + 4 * nr + nr], row[5]);
+                    }
+                }
+                if f.planes() > 0 {
+                    // Block 0's first mask after the nibbles: bit 4c + e is
+                    // bit 0 of output c's byte e of fifth bits.
+                    let mask =
+                        u64::from_le_bytes(data[k_value_bytes(nr)..][..8].try_into().unwrap());
+                    for c in 0..nr {
+                        let row = &rows[c * units * f.size..];
+                        for e in 0..4 {
+                            assert_eq!((mask >> (4 * c + e)) & 1, u64::from(row[qh + e] & 1));
+                        }
+                    }
                 }
                 let mut back = data.clone();
                 unpack_in_place(ty, &mut back, k, n, 0, nr);
                 assert_eq!(
                     back, rows,
-                    "{k}×{n}, {nr} outputs a panel: the rows come back"
+                    "type {ty}, {k}×{n}, {nr} outputs a panel: the rows come back"
                 );
                 assert_in_place_products(lanes, ty, &rows, &data, 0, k, n, m);
             }
+        }
+    }
+
+    #[test]
+    fn the_avx2_kernel_packs_no_fifth_bits_in_place() {
+        for ty in [
+            sys::GGML_TYPE_Q4_0,
+            sys::GGML_TYPE_Q4_1,
+            sys::GGML_TYPE_Q4_K,
+        ] {
+            assert!(in_place_on(ty, NR) && in_place_on(ty, NR / 2), "{ty}");
+        }
+        for ty in [
+            sys::GGML_TYPE_Q8_0,
+            sys::GGML_TYPE_Q5_0,
+            sys::GGML_TYPE_Q5_1,
+            sys::GGML_TYPE_Q5_K,
+            sys::GGML_TYPE_Q6_K,
+        ] {
+            assert!(in_place_on(ty, NR) && !in_place_on(ty, NR / 2), "{ty}");
+        }
+        assert!(!in_place_on(sys::GGML_TYPE_F16, NR));
+    }
+
+    #[test]
+    fn bits_gathered_from_bytes() {
+        let bytes: Vec<u8> = (0..32u32).map(|i| (i * 37 + 11) as u8).collect();
+        for bit in 0..8 {
+            let want = (0..32).fold(0u32, |w, i| w | u32::from((bytes[i] >> bit) & 1) << i);
+            assert_eq!(gather_bits(&bytes, bit), want, "bit {bit}");
         }
     }
 
