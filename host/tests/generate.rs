@@ -1070,6 +1070,66 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     }
 }
 
+/// Weights of the types whose fifth and sixth bits are packed as masks
+/// (q5_0, q5_1, q5_K, q6_K), packed once, in place, for the AVX512-VNNI
+/// kernel, give the image of the same kernel packing them in every
+/// product (`SDHOST_NO_FMA_PACK=1`), within a level; the debug log says
+/// weights of that type were packed in the one and none in the other.
+#[test]
+fn masked_weights_packed_in_place_on_avx512_vnni_match_packing_per_product() {
+    let vnni = ggml::fma::isa_for(ggml::sys::GGML_TYPE_Q6_K) == Some(ggml::fma::Isa::Avx512Vnni);
+    if !vnni || ggml::amx::available() {
+        eprintln!("SKIPPED: no AVX512-VNNI here (or a tile unit takes the weights)");
+        return;
+    }
+    let p = Prefix::with_cpu();
+    let out = p.dir("out");
+    let convert = |src: &Path, ty: &str| {
+        let dst = out.join(format!("tiny-{ty}.gguf"));
+        p.run(&["convert", "-m", s(src), "-o", s(&dst), "--type", ty])
+            .ok();
+        dst
+    };
+    // SD 1.x's tiny model for the blocks of 32, SD 2.x's for the
+    // k-quants' super-blocks of 256 (rows of 256 and 512 values).
+    let (sd1, sd2) = (
+        fixture("tiny-sd1.safetensors"),
+        fixture("tiny-sd2.safetensors"),
+    );
+    for (model, ty) in [
+        (convert(&sd1, "q5_0"), "q5_0"),
+        (convert(&sd1, "q5_1"), "q5_1"),
+        (convert(&sd2, "q5_K"), "q5_K"),
+        (convert(&sd2, "q6_K"), "q6_K"),
+    ] {
+        let run = |name: &str, pack: &str| {
+            let png = out.join(format!("{ty}-{name}.png"));
+            let mut c = generate_cmd(&p, &model, &png, 3, &["-vv"]);
+            // Every product on sdhost's kernels, packed or not.
+            c.env("SDHOST_FMA_MIN_ROWS", "1")
+                .env("SDHOST_NO_FMA_PACK", pack);
+            let r = Run::from(output(&mut c)).ok();
+            (pixels(&png), r.stderr)
+        };
+        let (packed, log) = run("packed", "0");
+        let (per_product, log_b) = run("per-product", "1");
+        let packed_lines = |log: &str| {
+            log.lines()
+                .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        };
+        let of_type =
+            |l: &&String| l.contains(&format!("({ty} ")) || l.contains(&format!(", {ty} "));
+        assert!(
+            packed_lines(&log).iter().any(|l| of_type(&l)),
+            "{ty}: {log}"
+        );
+        assert!(packed_lines(&log_b).is_empty(), "{ty}: {log_b}");
+        assert_within_a_level(&packed, &per_product);
+    }
+}
+
 /// Two images of the same size within a level on average, and 8 at most.
 fn assert_within_a_level(a: &[u8], b: &[u8]) {
     assert_eq!(a.len(), b.len());
