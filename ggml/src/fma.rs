@@ -827,16 +827,20 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                 " (weights of whole panels packed once, at any rows)".to_string()
             }
             Isa::Avx2Int8 if crate::knobs().fma_pack && !crate::amx::available() => {
-                // q4_0, q4_1 and q4_K (`packed`), where this group has them.
-                let packed: Vec<&str> = ["q4_0", "q4_1", "q4_K"]
+                // q4_0, q4_1, q5_0, q5_1 and q4_K (`packed`), where this
+                // group has them.
+                let packed: Vec<&str> = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_K"]
                     .into_iter()
                     .filter(|t| names.contains(t))
                     .collect();
-                match packed[..] {
-                    [] => String::new(),
-                    _ => format!(
-                        " ({} weights of whole panels packed once, at any rows)",
-                        packed.join(" and ")
+                match packed.split_last() {
+                    None => String::new(),
+                    Some((last, [])) => {
+                        format!(" ({last} weights of whole panels packed once, at any rows)")
+                    }
+                    Some((last, rest)) => format!(
+                        " ({} and {last} weights of whole panels packed once, at any rows)",
+                        rest.join(", ")
                     ),
                 }
             }
@@ -3342,6 +3346,10 @@ mod tests {
             assert!(s.contains("q8_0 from 128 rows on AVX2"), "{s}");
             assert!(
                 s.contains(", q4_K from 32 rows on AVX2 in 8-bit integers (q4_K weights of whole panels packed once, at any rows)"),
+                "{s}"
+            );
+            assert!(
+                s.contains("q5_0 and q5_1 weights of whole panels packed once, at any rows)"),
                 "{s}"
             );
             assert!(

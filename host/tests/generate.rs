@@ -1007,7 +1007,7 @@ fn fma_products_in_the_model_match_ggml_s() {
 }
 
 /// f16 weights packed once, in place, for the AVX2 class's f32 kernel, and
-/// q4_0, q4_1 and q4_K ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a
+/// q4_0, q4_1, q5_0 and q4_K ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a
 /// processor with AVX-512 in that class), give the image of the same
 /// kernels packing them in every product (`SDHOST_NO_FMA_PACK=1`), within a
 /// level; the debug log says weights of that type were packed in the one
@@ -1027,6 +1027,9 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     let q4_1 = out.join("tiny-q4_1.gguf");
     p.run(&["convert", "-m", s(&sd1), "-o", s(&q4_1), "--type", "q4_1"])
         .ok();
+    let q5_0 = out.join("tiny-q5_0.gguf");
+    p.run(&["convert", "-m", s(&sd1), "-o", s(&q5_0), "--type", "q5_0"])
+        .ok();
     // SD 2.x's tiny model: its rows of 256 and 512 values (CLIP's MLP out,
     // the UNet's time embedding and feed-forward out) are q4_K's blocks.
     let q4_k = out.join("tiny-sd2-q4_K.gguf");
@@ -1037,6 +1040,7 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
         (&sd1, "f16", "f16"),
         (&q4_0, "auto", "q4_0"),
         (&q4_1, "auto", "q4_1"),
+        (&q5_0, "auto", "q5_0"),
         (&q4_k, "auto", "q4_K"),
     ] {
         let run = |name: &str, pack: &str| {

@@ -16,12 +16,16 @@
 //! (q4), where ggml's AVX2 dot products take about as many instructions
 //! for one output's 32 and a horizontal sum per block.
 //!
-//! A q4_0, q4_1 or q4_K weight that only this kernel multiplies is packed
-//! once, in place (`super::packed`; `super::vnni::pack_in_place` at 8
-//! outputs: for q4_0 and q4_1 per block 4 lines of nibble bytes, the f16
-//! scales (and minimums) after the blocks; for q4_K per pair of blocks 8
-//! lines of nibble bytes, each super-block's scale bytes after the
-//! values), and the tile splits the nibbles into values as it loads them.
+//! A q4_0, q4_1, q5_0, q5_1 or q4_K weight that only this kernel
+//! multiplies is packed once, in place (`super::packed`;
+//! `super::vnni::pack_in_place` at 8 outputs: for q4_0 and q4_1 per block
+//! 4 lines of nibble bytes, the f16 scales (and minimums) after the
+//! blocks; q5_0 and q5_1 the same with a line of masks of the fifth bits
+//! after each block's nibbles; for q4_K per pair of blocks 8 lines of
+//! nibble bytes, each super-block's scale bytes after the values), and the
+//! tile splits the nibbles into values as it loads them (q5_0's and q5_1's
+//! panels are made into the per-product lines for each chunk of rows:
+//! [`expand`]).
 //!
 //! It takes q4_K, q5_K and q6_K too (its tests hold all seven types), but
 //! `super::isa_for` sends it only the types where it measured faster than
@@ -37,7 +41,7 @@
 use std::arch::x86_64::*;
 
 use super::vnni::{
-    k_header_bytes, k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Tile, LINES,
+    k_header_bytes, k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Parts, Tile, LINES,
     LINES_LAYOUT, PREFETCH_BYTES, Q4K_IN_PLACE, Q4_IN_PLACE, QK,
 };
 use super::{features, Weight};
@@ -62,6 +66,7 @@ pub(super) const LANES: Lanes = Lanes {
     pack_panel,
     run,
     k_scale_lines,
+    expand,
 };
 
 /// Whether a weight of type `ty` can take this kernel on this processor
@@ -194,6 +199,85 @@ pub(super) unsafe fn pack_panel(
             unsafe {
                 let p = dst.add((b * LINES + 8 + i) * LINE) as *mut f32;
                 _mm256_store_ps(p, _mm256_loadu_ps(line.as_ptr()));
+            }
+        }
+    }
+}
+
+/// Lines of blocks `b0..b0 + blocks` of panel `p` (its bytes: `bytes`) of
+/// a q5_0 or q5_1 weight of `units` blocks a row packed in place at this
+/// kernel's width (`super::vnni::pack_in_place` with `nr` 8: per block 4
+/// lines of nibble bytes and a line of 8 masks of 32 bits, the f16 scales
+/// and minimums after the blocks), into `panel`: per block the [`LINES`]
+/// lines [`pack_panel`] writes, the same bytes. Each mask is spread over
+/// its line's bytes (a broadcast, a byte shuffle, a compare with each
+/// byte's bit) to add the fifth bits' 16. `a0` is unused (this kernel's
+/// panels keep no scales before their values).
+///
+/// # Safety
+/// The processor has AVX2 and F16C; `bytes` is a whole panel of [`NR`]
+/// outputs packed in place, `b0 + blocks` ≤ its blocks; `panel` holds
+/// `blocks × LINES` lines of [`LINE`] bytes.
+#[target_feature(enable = "avx2,f16c")]
+#[allow(clippy::too_many_arguments)]
+unsafe fn expand(
+    f: Format,
+    bytes: &[u8],
+    units: usize,
+    a0: usize,
+    p: usize,
+    b0: usize,
+    blocks: usize,
+    panel: &mut [Line],
+) {
+    assert!(f.kind == Kind::Legacy && f.high.is_some() && f.planes() == 1);
+    assert!(bytes.len() == NR * units * f.size && b0 + blocks <= units);
+    assert!(panel.len() * 64 >= blocks * LINES * LINE);
+    let parts = Parts::of(f, units, a0, p, NR);
+    assert!(parts.values(0) == 0 && parts.values(units) <= bytes.len());
+    let (base, dst) = (bytes.as_ptr(), panel.as_mut_ptr() as *mut u8);
+    let nibble = _mm256_set1_epi8(0x0f);
+    // Byte i of a line takes byte i / 8 of its mask (within each half of
+    // the vector: the broadcast put the mask's 4 bytes in both) and tests
+    // bit i % 8 of it.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let sixteen = _mm256_set1_epi8(0x10);
+    for b in 0..blocks {
+        let v = parts.values(b0 + b);
+        // SAFETY: block b0 + b's 4 lines of nibbles and its line of masks,
+        // its scales and minimums, in the panel (Parts, asserted); lines
+        // of block b of `panel` (asserted).
+        unsafe {
+            let ahead = base.wrapping_add(v + PREFETCH_BYTES);
+            for l in (0..5 * LINE).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l) as *const i8);
+            }
+            for j in 0..4 {
+                let x = _mm256_loadu_si256(base.add(v + LINE * j) as *const __m256i);
+                let halves = [
+                    _mm256_and_si256(x, nibble),
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble),
+                ];
+                for (h, x) in halves.into_iter().enumerate() {
+                    let line = j + 4 * h;
+                    let m = (base.add(v + 4 * LINE + 4 * line) as *const i32).read_unaligned();
+                    let m = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
+                    let x = _mm256_or_si256(x, _mm256_and_si256(set, sixteen));
+                    _mm256_store_si256(dst.add((b * LINES + line) * LINE) as *mut __m256i, x);
+                }
+            }
+            let h = _mm_loadu_si128(base.add(parts.scales(b0 + b)) as *const __m128i);
+            let line = dst.add((b * LINES + 8) * LINE) as *mut f32;
+            _mm256_store_ps(line, _mm256_cvtph_ps(h));
+            if f.min {
+                let h = _mm_loadu_si128(base.add(parts.mins(b0 + b)) as *const __m128i);
+                let line = dst.add((b * LINES + 9) * LINE) as *mut f32;
+                _mm256_store_ps(line, _mm256_cvtph_ps(h));
             }
         }
     }

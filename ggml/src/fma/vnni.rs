@@ -48,7 +48,8 @@
 //! the level-2 cache, and packs each of its panels for each chunk, or
 //! reads the panels of a weight packed once, in place (`super::packed`,
 //! [`pack_in_place`]; q5_0's, q5_1's, q5_K's and q6_K's made into the
-//! lines of the per-product packing for each chunk by [`expand`]); rows
+//! lines of the per-product packing for each chunk by [`expand`], or the
+//! AVX2 kernel's `expand` for its q5_0 and q5_1); rows
 //! longer than [`PASS_BLOCKS`] blocks are taken in passes over `k` that
 //! add into the outputs. Hand-written for the reason the rest of
 //! [`super`] is: ggml's kernels leave most of these instructions' rate
@@ -254,18 +255,20 @@ pub(super) struct InPlace<'a> {
 /// kernel ([`pack_in_place`]): every type it takes (q8_0, q4_0, q4_1,
 /// q5_0, q5_1, q4_K, q5_K and q6_K), whose panels (values, fifth and
 /// sixth bits, scales and minimums) take the bytes their rows took. The
-/// AVX2 kernel's ([`in_place_on`]) are those without such bits, but q8_0.
+/// AVX2 kernel's ([`in_place_on`]) are those it takes but q8_0.
 pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
     Format::of(ty)
 }
 
 /// Whether weights of type `ty` can be packed in place for the integer
 /// kernel of `nr` outputs a panel: this module's ([`NR`]) every type of
-/// [`in_place_format`]; the AVX2 kernel's (8) q4_0, q4_1 and q4_K (its
-/// tile splits nibbles; q8_0 does not take it, and the fifth and sixth
-/// bits of q5_0, q5_1, q5_K and q6_K are set with AVX-512's byte masks).
+/// [`in_place_format`]; the AVX2 kernel's (8) q4_0, q4_1, q5_0, q5_1 and
+/// q4_K (q8_0 does not take it; q5_K and q6_K it takes only where
+/// `super::isa_for` sends them, which it does not).
 pub(super) fn in_place_on(ty: sys::ggml_type, nr: usize) -> bool {
-    in_place_format(ty).is_some_and(|f| nr == NR || (nr == NR / 2 && !f.q8() && f.planes() == 0))
+    in_place_format(ty).is_some_and(|f| {
+        nr == NR || (nr == NR / 2 && !f.q8() && (f.planes() == 0 || f.kind == Kind::Legacy))
+    })
 }
 
 /// Bytes of one super-block's nibbles in a q4_K (q5_K, q6_K) panel of `nr`
@@ -362,7 +365,7 @@ fn value_bytes(f: Format, nr: usize) -> usize {
 /// come first (none, or block 0), its values, and the other blocks'
 /// scales, in bytes from the panel's start.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Parts {
+pub(super) struct Parts {
     /// Blocks whose scales precede the values (0 or 1).
     head: usize,
     /// Bytes of one block's values.
@@ -380,7 +383,7 @@ impl Parts {
     /// module's kernel the values start on a line where the panel starts
     /// on one, else after block 0's scales; the AVX2 kernel's (`nr` 8,
     /// lines of 32 bytes) loads its lines wherever they are.
-    fn of(f: Format, blocks: usize, a0: usize, p: usize, nr: usize) -> Parts {
+    pub(super) fn of(f: Format, blocks: usize, a0: usize, p: usize, nr: usize) -> Parts {
         let (panel, scale) = (nr * blocks * f.size, 2 * nr);
         let head = match nr == NR {
             true => (64 - (a0 + p * panel) % 64) % 64 / scale,
@@ -395,12 +398,12 @@ impl Parts {
     }
 
     /// Where block `b`'s values start.
-    fn values(self, b: usize) -> usize {
+    pub(super) fn values(self, b: usize) -> usize {
         self.head * self.scale + b * self.v
     }
 
     /// Where block `b`'s f16 scales (one per output) are.
-    fn scales(self, b: usize) -> usize {
+    pub(super) fn scales(self, b: usize) -> usize {
         match b < self.head {
             true => b * self.scale,
             false => self.values(self.blocks) + (b - self.head) * self.scale,
@@ -409,7 +412,7 @@ impl Parts {
 
     /// Where block `b`'s f16 minimums (one per output; q4_1) are: after
     /// every block's scales.
-    fn mins(self, b: usize) -> usize {
+    pub(super) fn mins(self, b: usize) -> usize {
         self.values(self.blocks) + (self.blocks - self.head + b) * self.scale
     }
 }
@@ -444,9 +447,10 @@ impl Parts {
 /// outputs at once; `a0` is not used (its values are loaded wherever the
 /// panel starts).
 ///
-/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0, q4_1 and q4_K,
-/// [`in_place_on`]) the same at half the width: panels of 8 outputs, lines
-/// of 32 bytes, no scales before the values.
+/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0, q4_1, q5_0,
+/// q5_1 and q4_K, [`in_place_on`]) the same at half the width: panels of 8
+/// outputs, lines of 32 bytes (masks of 32 bits), no scales before the
+/// values.
 pub(super) fn pack_in_place(
     ty: sys::ggml_type,
     data: &mut [u8],
@@ -729,6 +733,11 @@ pub(super) struct Lanes {
     /// A q4_K super-block's scale and minimum lines from its header in a
     /// panel packed in place (as [`k_scale_lines`], at `nr` outputs).
     pub(super) k_scale_lines: unsafe fn(&[u8], &mut [Line]),
+    /// A panel packed in place of a type whose fifth (and sixth) bits are
+    /// masks made into the per-product packing's lines (as [`expand`], at
+    /// `nr` outputs; the AVX2 kernel's for q5_0 and q5_1).
+    #[allow(clippy::type_complexity)]
+    pub(super) expand: unsafe fn(Format, &[u8], usize, usize, usize, usize, usize, &mut [Line]),
 }
 
 /// This module's kernel.
@@ -748,6 +757,7 @@ pub(super) const VNNI: Lanes = Lanes {
         unsafe { t.run(tr, c, ldc, cols, add, bias) }
     },
     k_scale_lines,
+    expand,
 };
 
 /// [`gemm_on`] on the integer kernel `lanes` ([`VNNI`], or the AVX2 one
@@ -848,14 +858,15 @@ pub(super) fn gemm_on(
                         // Its blocks' lines, made from the panel in place
                         // (fifth and sixth bits set by their masks), as
                         // the per-product packing makes them.
-                        assert!(nr == NR);
                         let bytes = &w.data[j0 * w.row_bytes..(j0 + nr) * w.row_bytes];
+                        let panel = &mut buf.panel;
                         // SAFETY: the kernel's `applies` (asserted) checked
                         // the processor's features; `bytes` is panel p of
                         // a weight of `units` units a row, packed at `a0`
-                        // (gemm_in_place checked), b0 + blocks ≤ its blocks,
-                        // `buf.panel` blocks × LINES lines.
-                        unsafe { expand(f, bytes, units, a0, p, b0, blocks, &mut buf.panel) };
+                        // for this kernel (gemm_in_place checked), b0 +
+                        // blocks ≤ its blocks, `buf.panel` blocks × LINES
+                        // lines.
+                        unsafe { (lanes.expand)(f, bytes, units, a0, p, b0, blocks, panel) };
                         None
                     }
                     Some(_) if f.kind == Kind::Q4K => {
@@ -1853,6 +1864,8 @@ mod tests {
             (VNNI, sys::GGML_TYPE_Q5_1),
             (avx2, sys::GGML_TYPE_Q4_0),
             (avx2, sys::GGML_TYPE_Q4_1),
+            (avx2, sys::GGML_TYPE_Q5_0),
+            (avx2, sys::GGML_TYPE_Q5_1),
         ];
         for (lanes, ty) in kernels {
             let nr = lanes.nr;
@@ -1905,11 +1918,14 @@ mod tests {
                             // 4 of output c's.
                             if let Some(h) = f.high {
                                 let qh = u32::from_le_bytes(row[h..h + 4].try_into().unwrap());
-                                let masks = &panel[parts.values(0) + 16 * nr..];
+                                // (Masks of nr / 2 bytes: a bit per byte of a
+                                // line.)
+                                let (masks, len) = (&panel[parts.values(0) + 16 * nr..], nr / 2);
                                 for j in 0..8 {
-                                    let m = u64::from_le_bytes(
-                                        masks[8 * j..8 * j + 8].try_into().unwrap(),
-                                    );
+                                    let m = masks[len * j..len * (j + 1)]
+                                        .iter()
+                                        .rev()
+                                        .fold(0u64, |m, &b| m << 8 | u64::from(b));
                                     assert_eq!(
                                         (m >> (4 * c)) & 0xf,
                                         u64::from((qh >> (4 * j)) & 0xf)
@@ -1998,18 +2014,18 @@ mod tests {
     }
 
     #[test]
-    fn the_avx2_kernel_packs_no_fifth_bits_in_place() {
+    fn the_avx2_kernel_packs_its_types_in_place() {
         for ty in [
             sys::GGML_TYPE_Q4_0,
             sys::GGML_TYPE_Q4_1,
+            sys::GGML_TYPE_Q5_0,
+            sys::GGML_TYPE_Q5_1,
             sys::GGML_TYPE_Q4_K,
         ] {
             assert!(in_place_on(ty, NR) && in_place_on(ty, NR / 2), "{ty}");
         }
         for ty in [
             sys::GGML_TYPE_Q8_0,
-            sys::GGML_TYPE_Q5_0,
-            sys::GGML_TYPE_Q5_1,
             sys::GGML_TYPE_Q5_K,
             sys::GGML_TYPE_Q6_K,
         ] {
