@@ -297,6 +297,9 @@ impl Isa {
             Isa::Avx512Bf16 if ty == sys::GGML_TYPE_BF16 && emulated => EMULATED_BF16_MIN_ROWS,
             Isa::Avx512Vnni => VNNI_MIN_ROWS,
             Isa::Avx2Int8 if ty == sys::GGML_TYPE_Q4_K => AVX2_INT8_Q4_K_MIN_ROWS,
+            Isa::Avx2Int8 if matches!(ty, sys::GGML_TYPE_Q5_K | sys::GGML_TYPE_Q6_K) => {
+                AVX2_INT8_K_MIN_ROWS
+            }
             Isa::Avx2Int8 => AVX2_INT8_MIN_ROWS,
             Isa::Avx512 | Isa::Avx2 if ty == sys::GGML_TYPE_Q8_0 => AVX2_Q8_0_MIN_ROWS,
             Isa::Avx512 if ty == sys::GGML_TYPE_BF16 => BF16_F32_MIN_ROWS,
@@ -490,6 +493,15 @@ pub const AVX2_INT8_MIN_ROWS: usize = 16;
 /// so packed it measured 1.12–2.26× ggml's at 16 rows and level at one
 /// (0.74–1.50× over seven runs: memory-bound), session 51.
 pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 32;
+
+/// The fewest rows that take the AVX2 integer kernel with a q5_K or q6_K
+/// weight packed per product (one that cannot be packed in place: a
+/// ragged panel, a view): 256, where that measured level with ggml's AVX2
+/// k-quant kernels or ahead (q5_K 1.05–1.17×, q6_K 0.98–1.03×; at 16 rows
+/// 0.93–0.94× and 0.85–0.91×, session 30). Packed once, in place, they take
+/// it at any number of rows (session 52: "Zen 5 and the AVX2 class: q5_0,
+/// q5_1, q5_K and q6_K weights packed once, in place").
+pub const AVX2_INT8_K_MIN_ROWS: usize = 256;
 
 /// The fewest rows that take the f32 kernel with a q8_0 weight (processors
 /// with neither AVX512-VNNI nor AVX512-BF16: [`isa_for`]), which
@@ -731,13 +743,17 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
         sys::GGML_TYPE_BF16 => Some(f32_isa),
         // Without AVX512-VNNI and AVX512-BF16 (the AVX2 class), or where
         // `fma_avx2` keeps to AVX2: in 8-bit integers on AVX2, the types
-        // where that measured faster than ggml's kernels (below). q8_0's
-        // bytes would overflow `vpmaddubsw`'s pairs: the next arm.
+        // where that measured faster than ggml's kernels (q5_K and q6_K
+        // packed once, in place; per product only from
+        // AVX2_INT8_K_MIN_ROWS). q8_0's bytes would overflow
+        // `vpmaddubsw`'s pairs: the next arm.
         sys::GGML_TYPE_Q4_0
         | sys::GGML_TYPE_Q4_1
         | sys::GGML_TYPE_Q5_0
         | sys::GGML_TYPE_Q5_1
         | sys::GGML_TYPE_Q4_K
+        | sys::GGML_TYPE_Q5_K
+        | sys::GGML_TYPE_Q6_K
             if knobs.fma_vnni && !crate::amx::available() =>
         {
             Some(Isa::Avx2Int8)
@@ -750,6 +766,29 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
             false => Some(f32_isa),
         },
         _ => None,
+    }
+}
+
+/// From how many rows the weights named in `names` (a list, as the kernel
+/// summary writes it) take their kernel packed in place, in words: "at any
+/// rows", or those whose panels are made into lines per chunk from
+/// `packed::min_rows` ("at any rows; q5_0 and q5_1 from 8", or "from 8
+/// rows" where only they are named).
+fn in_place_rows(names: &str) -> String {
+    let masked: Vec<&str> = ["q5_0", "q5_1", "q5_K", "q6_K"]
+        .into_iter()
+        .filter(|t| names.contains(t))
+        .collect();
+    let from = packed::min_rows(sys::GGML_TYPE_Q5_0);
+    let all = names
+        .split([',', ' '])
+        .filter(|w| w.starts_with('q'))
+        .count();
+    match masked.split_last() {
+        None => "at any rows".to_string(),
+        Some(_) if masked.len() == all => format!("from {from} rows"),
+        Some((last, [])) => format!("at any rows; {last} from {from}"),
+        Some((last, rest)) => format!("at any rows; {} and {last} from {from}", rest.join(", ")),
     }
 }
 
@@ -824,24 +863,29 @@ pub fn summary(emulated_bf16: bool) -> Option<String> {
                     && !crate::amx::available() =>
             {
                 // Every type it takes (`packed`, `vnni::in_place_format`).
-                " (weights of whole panels packed once, at any rows)".to_string()
+                format!(
+                    " (weights of whole panels packed once, {})",
+                    in_place_rows(&names)
+                )
             }
             Isa::Avx2Int8 if crate::knobs().fma_pack && !crate::amx::available() => {
-                // q4_0, q4_1, q5_0, q5_1 and q4_K (`packed`), where this
-                // group has them.
-                let packed: Vec<&str> = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_K"]
+                // Its types (`packed`), where this group has them.
+                let packed: Vec<&str> = ["q4_0", "q4_1", "q5_0", "q5_1", "q4_K", "q5_K", "q6_K"]
                     .into_iter()
                     .filter(|t| names.contains(t))
                     .collect();
                 match packed.split_last() {
                     None => String::new(),
-                    Some((last, [])) => {
-                        format!(" ({last} weights of whole panels packed once, at any rows)")
+                    Some((last, rest)) => {
+                        let list = match rest {
+                            [] => last.to_string(),
+                            _ => format!("{} and {last}", rest.join(", ")),
+                        };
+                        format!(
+                            " ({list} weights of whole panels packed once, {})",
+                            in_place_rows(&list)
+                        )
                     }
-                    Some((last, rest)) => format!(
-                        " ({} and {last} weights of whole panels packed once, at any rows)",
-                        rest.join(", ")
-                    ),
                 }
             }
             _ => String::new(),
@@ -3349,7 +3393,11 @@ mod tests {
                 "{s}"
             );
             assert!(
-                s.contains("q5_0 and q5_1 weights of whole panels packed once, at any rows)"),
+                s.contains("q5_0 and q5_1 weights of whole panels packed once, at any rows; q5_0 and q5_1 from 8)"),
+                "{s}"
+            );
+            assert!(
+                s.contains("q5_K and q6_K from 256 rows on AVX2 in 8-bit integers (q5_K and q6_K weights of whole panels packed once, from 8 rows)"),
                 "{s}"
             );
             assert!(
@@ -3362,7 +3410,7 @@ mod tests {
             // Every type of the VNNI kernel packed in place (`packed`).
             let s = summary(false).unwrap();
             assert!(
-                s.contains("q5_K and q6_K from 8 rows on AVX512-VNNI (weights of whole panels packed once, at any rows)"),
+                s.contains("q5_K and q6_K from 8 rows on AVX512-VNNI (weights of whole panels packed once, at any rows; q5_0, q5_1, q5_K and q6_K from 8)"),
                 "{s}"
             );
         }

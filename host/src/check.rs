@@ -625,8 +625,11 @@ pub fn cases() -> Vec<Case> {
             reference: None,
             build: |i, c| {
                 // Whole panels of 16 outputs: packed in place on
-                // AVX512-VNNI (the case above keeps a ragged panel).
-                let (a, b) = (t(i, Type::Q6K, &[512, 48])?, t(i, Type::F32, &[512, 20])?);
+                // AVX512-VNNI and the AVX2 integer kernel (the case above
+                // keeps a ragged panel); rows past
+                // fma::AVX2_INT8_K_MIN_ROWS, where a weight built before
+                // its buffer (as here) takes that kernel.
+                let (a, b) = (t(i, Type::Q6K, &[512, 48])?, t(i, Type::F32, &[512, 260])?);
                 Ok((vec![a, b], c.mul_mat(a, b)?))
             },
         },

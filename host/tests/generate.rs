@@ -1007,7 +1007,7 @@ fn fma_products_in_the_model_match_ggml_s() {
 }
 
 /// f16 weights packed once, in place, for the AVX2 class's f32 kernel, and
-/// q4_0, q4_1, q5_0 and q4_K ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a
+/// q4_0, q4_1, q5_0, q4_K and q6_K ones for its integer kernel (`SDHOST_FMA_AVX2=1` puts a
 /// processor with AVX-512 in that class), give the image of the same
 /// kernels packing them in every product (`SDHOST_NO_FMA_PACK=1`), within a
 /// level; the debug log says weights of that type were packed in the one
@@ -1036,12 +1036,16 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     let sd2 = fixture("tiny-sd2.safetensors");
     p.run(&["convert", "-m", s(&sd2), "-o", s(&q4_k), "--type", "q4_K"])
         .ok();
+    let q6_k = out.join("tiny-sd2-q6_K.gguf");
+    p.run(&["convert", "-m", s(&sd2), "-o", s(&q6_k), "--type", "q6_K"])
+        .ok();
     for (model, ty, packed_type) in [
         (&sd1, "f16", "f16"),
         (&q4_0, "auto", "q4_0"),
         (&q4_1, "auto", "q4_1"),
         (&q5_0, "auto", "q5_0"),
         (&q4_k, "auto", "q4_K"),
+        (&q6_k, "auto", "q6_K"),
     ] {
         let run = |name: &str, pack: &str| {
             let png = out.join(format!("{ty}-{name}.png"));

@@ -183,9 +183,11 @@ impl Context {
         let packable = !self.amx.get() && unsafe { crate::fma::packed::packable(a.raw) };
         if packed || packable {
             // A weight packed (or to be packed) for sdhost's kernel is
-            // multiplied there at any number of rows, whichever graph ran
-            // first; anywhere else it is unpacked first.
-            if self.fma.get() && b.ty() == Some(Type::F32) {
+            // multiplied there at any number of rows from its type's few
+            // (`packed::min_rows`), whichever graph ran first; anywhere else
+            // it is unpacked first.
+            let from = crate::fma::packed::min_rows(a.raw_type()) as i64;
+            if self.fma.get() && b.ty() == Some(Type::F32) && rows >= from {
                 let added = bias.is_some();
                 // SAFETY: as above.
                 let isa = unsafe { crate::fma::packed::kernel(a.raw) };

@@ -41,8 +41,8 @@
 use std::arch::x86_64::*;
 
 use super::vnni::{
-    k_header_bytes, k_lines, k_values, Buffers, Format, Kind, Lanes, Line, Parts, Tile, LINES,
-    LINES_LAYOUT, PREFETCH_BYTES, Q4K_IN_PLACE, Q4_IN_PLACE, QK,
+    k_header_bytes, k_lines, k_unit_bytes, k_values, Buffers, Format, Kind, Lanes, Line, Parts,
+    Tile, LINES, LINES_LAYOUT, PREFETCH_BYTES, Q4K_IN_PLACE, Q4_IN_PLACE, QK,
 };
 use super::{features, Weight};
 use crate::sys;
@@ -205,19 +205,20 @@ pub(super) unsafe fn pack_panel(
 }
 
 /// Lines of blocks `b0..b0 + blocks` of panel `p` (its bytes: `bytes`) of
-/// a q5_0 or q5_1 weight of `units` blocks a row packed in place at this
-/// kernel's width (`super::vnni::pack_in_place` with `nr` 8: per block 4
-/// lines of nibble bytes and a line of 8 masks of 32 bits, the f16 scales
-/// and minimums after the blocks), into `panel`: per block the [`LINES`]
-/// lines [`pack_panel`] writes, the same bytes. Each mask is spread over
-/// its line's bytes (a broadcast, a byte shuffle, a compare with each
-/// byte's bit) to add the fifth bits' 16. `a0` is unused (this kernel's
-/// panels keep no scales before their values).
+/// a weight of `units` units a row whose fifth (and sixth) bits are masks
+/// (q5_0, q5_1, q5_K, q6_K), packed in place at this kernel's width
+/// (`super::vnni::pack_in_place` with `nr` 8: masks of 32 bits, one per
+/// line of 32 bytes), into `panel`: per block the [`LINES`] lines
+/// [`pack_panel`] writes, the same bytes — `super::vnni`'s `expand` on
+/// AVX2. Each mask is spread over its line's bytes (a broadcast, a byte
+/// shuffle, a compare with each byte's bit) to add the bit's 16 (32).
+/// `a0` is unused (this kernel's panels keep no scales before their
+/// values).
 ///
 /// # Safety
 /// The processor has AVX2 and F16C; `bytes` is a whole panel of [`NR`]
-/// outputs packed in place, `b0 + blocks` ≤ its blocks; `panel` holds
-/// `blocks × LINES` lines of [`LINE`] bytes.
+/// outputs packed in place, `b0 + blocks` ≤ its blocks and `b0` starts a
+/// unit; `panel` holds `blocks × LINES` lines of [`LINE`] bytes.
 #[target_feature(enable = "avx2,f16c")]
 #[allow(clippy::too_many_arguments)]
 unsafe fn expand(
@@ -230,11 +231,9 @@ unsafe fn expand(
     blocks: usize,
     panel: &mut [Line],
 ) {
-    assert!(f.kind == Kind::Legacy && f.high.is_some() && f.planes() == 1);
-    assert!(bytes.len() == NR * units * f.size && b0 + blocks <= units);
+    assert!(f.planes() > 0 && bytes.len() == NR * units * f.size);
+    assert!(b0.is_multiple_of(f.per_unit) && b0 + blocks <= units * f.per_unit);
     assert!(panel.len() * 64 >= blocks * LINES * LINE);
-    let parts = Parts::of(f, units, a0, p, NR);
-    assert!(parts.values(0) == 0 && parts.values(units) <= bytes.len());
     let (base, dst) = (bytes.as_ptr(), panel.as_mut_ptr() as *mut u8);
     let nibble = _mm256_set1_epi8(0x0f);
     // Byte i of a line takes byte i / 8 of its mask (within each half of
@@ -245,39 +244,109 @@ unsafe fn expand(
         3, 3,
     );
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let sixteen = _mm256_set1_epi8(0x10);
-    for b in 0..blocks {
-        let v = parts.values(b0 + b);
-        // SAFETY: block b0 + b's 4 lines of nibbles and its line of masks,
-        // its scales and minimums, in the panel (Parts, asserted); lines
-        // of block b of `panel` (asserted).
+    // Line `line` of block b of `panel`: the 32 nibbles of `x` (the low
+    // ones, or the high where `high`) plus each plane's bit where the
+    // plane's mask (at `masks`, 32 bytes a plane) marks it.
+    let values = |x: __m256i, high: bool, masks: *const u8, line: usize, b: usize| {
+        // SAFETY: the masks of `f.planes()` planes at `masks` in the
+        // panel, line `line` of block b of `panel` (the callers').
         unsafe {
-            let ahead = base.wrapping_add(v + PREFETCH_BYTES);
-            for l in (0..5 * LINE).step_by(64) {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(l) as *const i8);
+            let mut x = match high {
+                false => _mm256_and_si256(x, nibble),
+                true => _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble),
+            };
+            for plane in 0..f.planes() {
+                let m = (masks.add(LINE * plane + 4 * line) as *const i32).read_unaligned();
+                let m = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
+                let set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
+                let add = _mm256_and_si256(set, _mm256_set1_epi8(0x10 << plane));
+                x = _mm256_or_si256(x, add);
             }
-            for j in 0..4 {
-                let x = _mm256_loadu_si256(base.add(v + LINE * j) as *const __m256i);
-                let halves = [
-                    _mm256_and_si256(x, nibble),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble),
-                ];
-                for (h, x) in halves.into_iter().enumerate() {
-                    let line = j + 4 * h;
-                    let m = (base.add(v + 4 * LINE + 4 * line) as *const i32).read_unaligned();
-                    let m = _mm256_shuffle_epi8(_mm256_set1_epi32(m), spread);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
-                    let x = _mm256_or_si256(x, _mm256_and_si256(set, sixteen));
-                    _mm256_store_si256(dst.add((b * LINES + line) * LINE) as *mut __m256i, x);
+            _mm256_store_si256(dst.add((b * LINES + line) * LINE) as *mut __m256i, x);
+        }
+    };
+    let ahead = |at: *const u8, len: usize| {
+        let at = at.wrapping_add(PREFETCH_BYTES);
+        for l in (0..len).step_by(64) {
+            // (A prefetch, of any address.)
+            _mm_prefetch::<_MM_HINT_T0>(at.wrapping_add(l) as *const i8);
+        }
+    };
+    if f.kind == Kind::Legacy {
+        let parts = Parts::of(f, units, a0, p, NR);
+        assert!(parts.values(0) == 0 && parts.values(units) <= bytes.len());
+        for b in 0..blocks {
+            let v = parts.values(b0 + b);
+            ahead(base.wrapping_add(v), 5 * LINE);
+            // SAFETY: block b0 + b's 4 lines of nibbles and its line of
+            // masks, its scales and minimums, in the panel (Parts,
+            // asserted); lines of block b of `panel` (asserted).
+            unsafe {
+                for j in 0..4 {
+                    let x = _mm256_loadu_si256(base.add(v + LINE * j) as *const __m256i);
+                    // Line j's low nibbles are values 4j.., its high ones
+                    // 16 + 4j..: lines j and j + 4 of the block.
+                    values(x, false, base.add(v + 4 * LINE), j, b);
+                    values(x, true, base.add(v + 4 * LINE), j + 4, b);
+                }
+                let h = _mm_loadu_si128(base.add(parts.scales(b0 + b)) as *const __m128i);
+                let line = dst.add((b * LINES + 8) * LINE) as *mut f32;
+                _mm256_store_ps(line, _mm256_cvtph_ps(h));
+                if f.min {
+                    let h = _mm_loadu_si128(base.add(parts.mins(b0 + b)) as *const __m128i);
+                    let line = dst.add((b * LINES + 9) * LINE) as *mut f32;
+                    _mm256_store_ps(line, _mm256_cvtph_ps(h));
                 }
             }
-            let h = _mm_loadu_si128(base.add(parts.scales(b0 + b)) as *const __m128i);
-            let line = dst.add((b * LINES + 8) * LINE) as *mut f32;
-            _mm256_store_ps(line, _mm256_cvtph_ps(h));
-            if f.min {
-                let h = _mm_loadu_si128(base.add(parts.mins(b0 + b)) as *const __m128i);
-                let line = dst.add((b * LINES + 9) * LINE) as *mut f32;
-                _mm256_store_ps(line, _mm256_cvtph_ps(h));
+        }
+        return;
+    }
+    let (unit_values, header) = k_unit_bytes(f, NR);
+    assert!(units * (unit_values + header) == bytes.len());
+    let mut lines = [Line([0; 64]); 16];
+    for u in b0 / 8..(b0 + blocks) / 8 {
+        let unit = base.wrapping_add(u * unit_values);
+        let head = &bytes[units * unit_values + u * header..][..header];
+        let first = (u - b0 / 8) * 8;
+        if f.kind == Kind::Q5K {
+            // SAFETY: the processor's features (the caller's); a q5_K
+            // header is q4_K's.
+            unsafe { k_scale_lines(head, &mut lines) };
+        } else {
+            // q6_K: each block's halves' scales, d · the int8 scale.
+            // SAFETY: the header's 8 f16 d and 16 × 8 scale bytes.
+            unsafe {
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(head.as_ptr() as *const __m128i));
+                for (i, line) in lines.iter_mut().enumerate() {
+                    let at = head.as_ptr().add(2 * NR + NR * i) as *const __m128i;
+                    let sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(at)));
+                    _mm256_store_ps(line.0.as_mut_ptr() as *mut f32, _mm256_mul_ps(d, sc));
+                }
+            }
+        }
+        for s in 0..8 {
+            // An eighth of the super-block's values a block.
+            ahead(unit.wrapping_add(s * unit_values / 8), unit_values / 8);
+            // The pair of blocks whose nibbles hold block s's values, and
+            // which nibble (as `super::vnni`'s `expand`).
+            let (g, high) = match f.kind {
+                Kind::Q5K => (s / 2, s % 2 == 1),
+                _ => (2 * (s / 4) + s % 2, s % 4 >= 2),
+            };
+            let masks = unit.wrapping_add(32 * LINE + s * f.planes() * LINE);
+            // SAFETY: the pair's 8 lines and the block's masks in the
+            // super-block, lines of block first + s < blocks of `panel`
+            // (asserted); the scale lines' first 32 bytes.
+            unsafe {
+                for j in 0..8 {
+                    let x = _mm256_loadu_si256(unit.add(8 * LINE * g + LINE * j) as *const __m256i);
+                    values(x, high, masks, j, first + s);
+                }
+                for i in 0..2 {
+                    let v = _mm256_load_si256(lines.as_ptr().add(2 * s + i) as *const __m256i);
+                    let line = dst.add(((first + s) * LINES + 8 + i) * LINE);
+                    _mm256_store_si256(line as *mut __m256i, v);
+                }
             }
         }
     }

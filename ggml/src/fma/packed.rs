@@ -84,6 +84,28 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
     }
 }
 
+/// The fewest rows at which a product of a weight of type `ty` packed (or
+/// packable) in place takes its kernel: any for most types, but 8 for the
+/// types whose fifth (and sixth) bits are masks (q5_0, q5_1, q5_K, q6_K),
+/// whose panels are made into the kernel's lines for each chunk of rows
+/// (`vnni::expand`): at one row that measured behind ggml's kernels on a
+/// Zen 5 (session 52; `bench --products`, the DiT's modulation: q6_K
+/// 0.74–0.80×, q5_K 0.79–1.01× on AVX512-VNNI, 0.24–0.42× and 0.69–0.70×
+/// on the AVX2 kernel, q5_0 and q5_1 0.77–1.42×), at 16 ahead (1.24–8.35×).
+/// Fewer rows take ggml's product, which unpacks a weight packed before
+/// (`Context::mul_mat`): which kernel runs still depends only on the rows.
+pub(crate) fn min_rows(ty: sys::ggml_type) -> usize {
+    match vnni::in_place_format(ty) {
+        Some(f) if f.planes() > 0 => EXPANDED_MIN_ROWS,
+        _ => 1,
+    }
+}
+
+/// [`min_rows`] of the types whose panels are made into lines per chunk:
+/// the VNNI kernel's per-product threshold (`fma::VNNI_MIN_ROWS`); between
+/// 1 and 16 rows not measured.
+const EXPANDED_MIN_ROWS: usize = 8;
+
 /// The kernel that multiplies a weight packed (or packable) in place:
 /// AVX512-BF16 for bf16, an f32 kernel for f16 ([`super::f16_in_place`]),
 /// AVX512-VNNI for its types, or on the AVX2 class its integer kernel for
@@ -868,11 +890,26 @@ mod tests {
         assert_eq!(w.get_bytes().unwrap(), rows, "{ty:?}: read as rows");
         assert_eq!(g.pack_weights(&is_w).packed, 0, "packed once");
 
-        // Two rows, which ggml's product would take: still the kernel's.
+        // Two rows, which ggml's product would take: still the kernel's,
+        // but for the types whose panels are made into lines per chunk
+        // (from `min_rows`: ggml's, the weight unpacked first).
         let x2 = c.new_tensor(Type::F32, &[k, 2]).unwrap();
         let y2 = c.mul_mat(w, x2).unwrap();
+        let few = min_rows(ty.raw()) > 2;
         // SAFETY: a live node.
-        assert!(unsafe { is_sdhost_product(y2.raw()) });
+        assert_eq!(unsafe { is_sdhost_product(y2.raw()) }, !few, "{ty:?}");
+        if few {
+            assert!(!packed() && raw() == rows);
+            // Packed again for the rest.
+            let g = c.graph(y, 16).unwrap();
+            assert_eq!(g.pack_weights(&is_w).packed, 1);
+            // From its rows on, the kernel's.
+            let x8 = c
+                .new_tensor(Type::F32, &[k, min_rows(ty.raw()) as i64])
+                .unwrap();
+            // SAFETY: a live node.
+            assert!(unsafe { is_sdhost_product(c.mul_mat(w, x8).unwrap().raw()) });
+        }
 
         // A view of it in the same graph as a product: back to its rows.
         let v = c.mul_mat(c.narrow(w, 1, 0, 32).unwrap(), x2).unwrap();

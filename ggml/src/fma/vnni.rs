@@ -206,7 +206,7 @@ const LINE: usize = 4 * NR;
 /// One 64-byte line of a packed panel.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-pub(super) struct Line([u8; 64]);
+pub(super) struct Line(pub(super) [u8; 64]);
 
 /// A panel's lines per block: 8 of weight bytes (line `j`, lane `c`: values
 /// `4j..4j + 4` of output `c`, unsigned), one of the 16 outputs' scales
@@ -262,13 +262,10 @@ pub(super) fn in_place_format(ty: sys::ggml_type) -> Option<Format> {
 
 /// Whether weights of type `ty` can be packed in place for the integer
 /// kernel of `nr` outputs a panel: this module's ([`NR`]) every type of
-/// [`in_place_format`]; the AVX2 kernel's (8) q4_0, q4_1, q5_0, q5_1 and
-/// q4_K (q8_0 does not take it; q5_K and q6_K it takes only where
-/// `super::isa_for` sends them, which it does not).
+/// [`in_place_format`], the AVX2 kernel's (8) all but q8_0 (which does
+/// not take it).
 pub(super) fn in_place_on(ty: sys::ggml_type, nr: usize) -> bool {
-    in_place_format(ty).is_some_and(|f| {
-        nr == NR || (nr == NR / 2 && !f.q8() && (f.planes() == 0 || f.kind == Kind::Legacy))
-    })
+    in_place_format(ty).is_some_and(|f| nr == NR || (nr == NR / 2 && !f.q8()))
 }
 
 /// Bytes of one super-block's nibbles in a q4_K (q5_K, q6_K) panel of `nr`
@@ -1955,7 +1952,9 @@ mod tests {
             (VNNI, sys::GGML_TYPE_Q4_K),
             (avx2, sys::GGML_TYPE_Q4_K),
             (VNNI, sys::GGML_TYPE_Q5_K),
+            (avx2, sys::GGML_TYPE_Q5_K),
             (VNNI, sys::GGML_TYPE_Q6_K),
+            (avx2, sys::GGML_TYPE_Q6_K),
         ];
         for (lanes, ty) in kernels {
             let f = Format::of(ty).unwrap();
@@ -2021,16 +2020,13 @@ mod tests {
             sys::GGML_TYPE_Q5_0,
             sys::GGML_TYPE_Q5_1,
             sys::GGML_TYPE_Q4_K,
-        ] {
-            assert!(in_place_on(ty, NR) && in_place_on(ty, NR / 2), "{ty}");
-        }
-        for ty in [
-            sys::GGML_TYPE_Q8_0,
             sys::GGML_TYPE_Q5_K,
             sys::GGML_TYPE_Q6_K,
         ] {
-            assert!(in_place_on(ty, NR) && !in_place_on(ty, NR / 2), "{ty}");
+            assert!(in_place_on(ty, NR) && in_place_on(ty, NR / 2), "{ty}");
         }
+        let q8 = sys::GGML_TYPE_Q8_0;
+        assert!(in_place_on(q8, NR) && !in_place_on(q8, NR / 2));
         assert!(!in_place_on(sys::GGML_TYPE_F16, NR));
     }
 
