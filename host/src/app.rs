@@ -33,8 +33,8 @@ pub use crate::session::init_logging;
 /// `SDHOST_NO_FMA_VNNI=1` (q8_0, q4_0, q4_1, q5_0, q5_1 and the k-quants
 /// q4_K, q5_K and q6_K not in 8-bit integers on AVX512-VNNI, nor the
 /// AVX2 class's integer kernel), `SDHOST_NO_FMA_PACK=1` (bf16 weights and those
-/// in 8-bit integers on AVX512-VNNI, and f16, q4_0, q4_1, q5_0, q5_1 and
-/// q4_K ones on the AVX2 class, packed for their
+/// in 8-bit integers on AVX512-VNNI, and f16 ones and those in 8-bit
+/// integers on the AVX2 class, packed for their
 /// kernel in every product instead of once, in place),
 /// for measurements, `SDHOST_NO_ARENA=1`
 /// (ggml's own CPU compute buffers), `SDHOST_CONV_BAND_MIB` (the largest

@@ -16,20 +16,21 @@
 //! (q4), where ggml's AVX2 dot products take about as many instructions
 //! for one output's 32 and a horizontal sum per block.
 //!
-//! A q4_0, q4_1, q5_0, q5_1 or q4_K weight that only this kernel
-//! multiplies is packed once, in place (`super::packed`;
+//! A weight that only this kernel multiplies is packed once, in place
+//! (`super::packed`;
 //! `super::vnni::pack_in_place` at 8 outputs: for q4_0 and q4_1 per block
 //! 4 lines of nibble bytes, the f16 scales (and minimums) after the
 //! blocks; q5_0 and q5_1 the same with a line of masks of the fifth bits
 //! after each block's nibbles; for q4_K per pair of blocks 8 lines of
-//! nibble bytes, each super-block's scale bytes after the values), and the
-//! tile splits the nibbles into values as it loads them (q5_0's and q5_1's
-//! panels are made into the per-product lines for each chunk of rows:
+//! nibble bytes, each super-block's scale bytes after the values; q5_K and
+//! q6_K likewise with each block's masks after the nibbles), and the tile
+//! splits the nibbles into values as it loads them (the panels of the types
+//! with masks are made into the per-product lines for each chunk of rows:
 //! [`expand`]).
 //!
-//! It takes q4_K, q5_K and q6_K too (its tests hold all seven types), but
-//! `super::isa_for` sends it only the types where it measured faster than
-//! ggml's kernels: q4_0, q4_1, q5_0, q5_1 and q4_K.
+//! `super::isa_for` sends it all seven types; q5_K and q6_K per product
+//! only from `super::AVX2_INT8_K_MIN_ROWS` rows (below that they measured
+//! behind ggml's kernels), packed in place from 8.
 //!
 //! The rows are rounded as `super::vnni` rounds them (ggml's q8_0 and
 //! q8_1 for the legacy types, per 32 values with f32 scales for the

@@ -1,6 +1,6 @@
 //! Weights packed once, in place, as sdhost's kernels read them: bf16
 //! for the AVX512-BF16 kernel, f16 for the f32 kernels of the AVX2 class
-//! and q4_0, q4_1, q5_0, q5_1 and q4_K for its integer kernel, every type the
+//! and every type of its integer kernel (all but q8_0), every type the
 //! AVX512-VNNI one takes (q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K)
 //! for it.
 //!
@@ -22,9 +22,8 @@
 //! ones stay on ggml's tinyBLAS) widened each panel to f32 for every pass;
 //! packed in place its panels stay f16 (16 outputs side by side for each
 //! `k`, 32 on AVX-512 without AVX512-BF16), which the tile widens as it
-//! loads them. The AVX2 class's integer kernel (`fma/int8.rs`) takes q4_0,
-//! q4_1, q5_0, q5_1 and q4_K packed in place too, at half the VNNI
-//! kernel's width (8 outputs, lines of 32 bytes: `vnni::pack_in_place`
+//! loads them. The AVX2 class's integer kernel (`fma/int8.rs`) takes its
+//! types packed in place too, at half the VNNI kernel's width (8 outputs, lines of 32 bytes: `vnni::pack_in_place`
 //! with `nr` 8).
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
@@ -53,8 +52,8 @@ const NR: usize = Bf16Avx512::NR;
 
 /// Outputs per panel of a weight of type `ty` packed in place, where that
 /// type can be: bf16 [`NR`], f16 its f32 kernel's ([`super::f16_width`]),
-/// the VNNI kernel's types its 16, q4_0, q4_1, q5_0, q5_1 and q4_K on the
-/// AVX2 integer kernel its 8 (`vnni::in_place_on`).
+/// the VNNI kernel's types its 16, the AVX2 integer kernel's its 8
+/// (`vnni::in_place_on`).
 fn width(ty: sys::ggml_type) -> Option<usize> {
     match ty {
         sys::GGML_TYPE_BF16 => Some(NR),
@@ -108,8 +107,7 @@ const EXPANDED_MIN_ROWS: usize = 8;
 
 /// The kernel that multiplies a weight packed (or packable) in place:
 /// AVX512-BF16 for bf16, an f32 kernel for f16 ([`super::f16_in_place`]),
-/// AVX512-VNNI for its types, or on the AVX2 class its integer kernel for
-/// q4_0, q4_1, q5_0, q5_1 and q4_K.
+/// AVX512-VNNI for its types, or on the AVX2 class its integer kernel.
 ///
 /// # Safety
 /// `t` is a live tensor.
@@ -129,8 +127,8 @@ pub(crate) unsafe fn kernel(t: *const sys::ggml_tensor) -> Isa {
 /// the bf16 kernel ([`super::bf16_dots`]: not Intel's, where they are
 /// widened on the f32 kernel), or f16 on processors of the AVX2 class
 /// ([`super::f16_in_place`]), or q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K
-/// or q6_K where they take the AVX512-VNNI kernel and no tile unit does, or
-/// q4_0, q4_1, q5_0, q5_1 and q4_K where they take the AVX2 integer kernel.
+/// or q6_K where they take the AVX512-VNNI kernel or the AVX2 integer one
+/// and no tile unit does.
 ///
 /// # Safety
 /// `t` is a live tensor; its buffer, when set, is live.

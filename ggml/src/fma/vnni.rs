@@ -48,8 +48,8 @@
 //! the level-2 cache, and packs each of its panels for each chunk, or
 //! reads the panels of a weight packed once, in place (`super::packed`,
 //! [`pack_in_place`]; q5_0's, q5_1's, q5_K's and q6_K's made into the
-//! lines of the per-product packing for each chunk by [`expand`], or the
-//! AVX2 kernel's `expand` for its q5_0 and q5_1); rows
+//! lines of the per-product packing for each chunk by [`expand`], or by
+//! the AVX2 kernel's own `expand` for its panels); rows
 //! longer than [`PASS_BLOCKS`] blocks are taken in passes over `k` that
 //! add into the outputs. Hand-written for the reason the rest of
 //! [`super`] is: ggml's kernels leave most of these instructions' rate
@@ -444,10 +444,9 @@ impl Parts {
 /// outputs at once; `a0` is not used (its values are loaded wherever the
 /// panel starts).
 ///
-/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: q4_0, q4_1, q5_0,
-/// q5_1 and q4_K, [`in_place_on`]) the same at half the width: panels of 8
-/// outputs, lines of 32 bytes (masks of 32 bits), no scales before the
-/// values.
+/// For the AVX2 integer kernel (`int8.rs`, `nr` = 8: all but q8_0,
+/// [`in_place_on`]) the same at half the width: panels of 8 outputs, lines
+/// of 32 bytes (masks of 32 bits), no scales before the values.
 pub(super) fn pack_in_place(
     ty: sys::ggml_type,
     data: &mut [u8],
@@ -732,7 +731,7 @@ pub(super) struct Lanes {
     pub(super) k_scale_lines: unsafe fn(&[u8], &mut [Line]),
     /// A panel packed in place of a type whose fifth (and sixth) bits are
     /// masks made into the per-product packing's lines (as [`expand`], at
-    /// `nr` outputs; the AVX2 kernel's for q5_0 and q5_1).
+    /// `nr` outputs; the AVX2 kernel's own at 8).
     #[allow(clippy::type_complexity)]
     pub(super) expand: unsafe fn(Format, &[u8], usize, usize, usize, usize, usize, &mut [Line]),
 }
