@@ -1047,34 +1047,10 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
         (&q4_k, "auto", "q4_K"),
         (&q6_k, "auto", "q6_K"),
     ] {
-        let run = |name: &str, pack: &str| {
-            let png = out.join(format!("{ty}-{name}.png"));
-            let extra = ["--compute-type", ty, "-vv"];
-            let mut c = generate_cmd(&p, model, &png, 3, &extra);
-            // Every product on sdhost's kernels, packed or not.
-            c.env("SDHOST_FMA_AVX2", "1")
-                .env("SDHOST_FMA_MIN_ROWS", "1");
-            c.env("SDHOST_NO_FMA_PACK", pack);
-            let r = Run::from(output(&mut c)).ok();
-            (pixels(&png), r.stderr)
-        };
-        let (packed, log) = run("packed", "0");
-        let (per_product, log_b) = run("per-product", "1");
-        let packed_lines = |log: &str| {
-            log.lines()
-                .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        };
-        // The debug line counts the weights packed by type ("(f16 40, q4_K
-        // 19)").
-        let lines = packed_lines(&log);
-        let of_type = |l: &&String| {
-            l.contains(&format!("({packed_type} ")) || l.contains(&format!(", {packed_type} "))
-        };
-        assert!(lines.iter().any(|l| of_type(&l)), "{packed_type}: {log}");
-        assert!(packed_lines(&log_b).is_empty(), "{ty}: {log_b}");
-        assert_within_a_level(&packed, &per_product);
+        // Every product on sdhost's kernels, packed or not.
+        let env = [("SDHOST_FMA_AVX2", "1"), ("SDHOST_FMA_MIN_ROWS", "1")];
+        let extra = ["--compute-type", ty];
+        packing_matches_per_product(&p, model, &out, packed_type, &extra, &env, packed_type);
     }
 }
 
@@ -1110,32 +1086,54 @@ fn masked_weights_packed_in_place_on_avx512_vnni_match_packing_per_product() {
         (convert(&sd2, "q5_K"), "q5_K"),
         (convert(&sd2, "q6_K"), "q6_K"),
     ] {
-        let run = |name: &str, pack: &str| {
-            let png = out.join(format!("{ty}-{name}.png"));
-            let mut c = generate_cmd(&p, &model, &png, 3, &["-vv"]);
-            // Every product on sdhost's kernels, packed or not.
-            c.env("SDHOST_FMA_MIN_ROWS", "1")
-                .env("SDHOST_NO_FMA_PACK", pack);
-            let r = Run::from(output(&mut c)).ok();
-            (pixels(&png), r.stderr)
-        };
-        let (packed, log) = run("packed", "0");
-        let (per_product, log_b) = run("per-product", "1");
-        let packed_lines = |log: &str| {
-            log.lines()
-                .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        };
-        let of_type =
-            |l: &&String| l.contains(&format!("({ty} ")) || l.contains(&format!(", {ty} "));
-        assert!(
-            packed_lines(&log).iter().any(|l| of_type(&l)),
-            "{ty}: {log}"
-        );
-        assert!(packed_lines(&log_b).is_empty(), "{ty}: {log_b}");
-        assert_within_a_level(&packed, &per_product);
+        // Every product on sdhost's kernels, packed or not.
+        let env = [("SDHOST_FMA_MIN_ROWS", "1")];
+        packing_matches_per_product(&p, &model, &out, ty, &[], &env, ty);
     }
+}
+
+/// Generates with `model` (plus `extra` arguments and `env`) with its
+/// weights packed once, in place, and with them packed in every product
+/// (`SDHOST_NO_FMA_PACK=1`): the debug log's packing line counts weights
+/// of `packed_type` in the one ("(f16 40, q4_K 19)") and no such line is in
+/// the other; the images are within a level.
+fn packing_matches_per_product(
+    p: &Prefix,
+    model: &Path,
+    out: &Path,
+    name: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+    packed_type: &str,
+) {
+    let run = |how: &str, pack: &str| {
+        let png = out.join(format!("{name}-{how}.png"));
+        let args: Vec<&str> = extra.iter().copied().chain(["-vv"]).collect();
+        let mut c = generate_cmd(p, model, &png, 3, &args);
+        for (k, v) in env {
+            c.env(k, v);
+        }
+        c.env("SDHOST_NO_FMA_PACK", pack);
+        let r = Run::from(output(&mut c)).ok();
+        (pixels(&png), r.stderr)
+    };
+    let (packed, log) = run("packed", "0");
+    let (per_product, log_b) = run("per-product", "1");
+    let packed_lines = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("weights packed for sdhost's CPU kernels"))
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let of_type = |l: &&String| {
+        l.contains(&format!("({packed_type} ")) || l.contains(&format!(", {packed_type} "))
+    };
+    assert!(
+        packed_lines(&log).iter().any(|l| of_type(&l)),
+        "{packed_type}: {log}"
+    );
+    assert!(packed_lines(&log_b).is_empty(), "{name}: {log_b}");
+    assert_within_a_level(&packed, &per_product);
 }
 
 /// Two images of the same size within a level on average, and 8 at most.

@@ -328,12 +328,7 @@ unsafe fn expand(
         for s in 0..8 {
             // An eighth of the super-block's values a block.
             ahead(unit.wrapping_add(s * unit_values / 8), unit_values / 8);
-            // The pair of blocks whose nibbles hold block s's values, and
-            // which nibble (as `super::vnni`'s `expand`).
-            let (g, high) = match f.kind {
-                Kind::Q5K => (s / 2, s % 2 == 1),
-                _ => (2 * (s / 4) + s % 2, s % 4 >= 2),
-            };
+            let (g, high) = f.nibbles_of(s);
             let masks = unit.wrapping_add(32 * LINE + s * f.planes() * LINE);
             // SAFETY: the pair's 8 lines and the block's masks in the
             // super-block, lines of block first + s < blocks of `panel`

@@ -181,6 +181,18 @@ impl Format {
         self.kind == Kind::Legacy && self.size == 34
     }
 
+    /// The pair of blocks of a k-quant's super-block whose nibbles hold
+    /// block `s`'s values in a panel packed in place, and whether they are
+    /// the high nibbles: q4_K's and q5_K's pair `s / 2`, the odd block's the
+    /// high; q6_K's blocks `4h + t` (t of 0..4) in pair `2h + t % 2`, high
+    /// where t ≥ 2.
+    pub(super) fn nibbles_of(self, s: usize) -> (usize, bool) {
+        match self.kind {
+            Kind::Q6K => (2 * (s / 4) + s % 2, s % 4 >= 2),
+            _ => (s / 2, s % 2 == 1),
+        }
+    }
+
     /// Bits above a value's nibble: 1 for q5_0, q5_1 and q5_K (the
     /// fifth), 2 for q6_K (fifth and sixth), else 0. Packed in place, each
     /// plane of a block is one line of masks ([`pack_in_place`]).
@@ -1076,13 +1088,7 @@ unsafe fn expand(
             }
         }
         for s in 0..8 {
-            // The pair of blocks whose nibbles hold block s's values, and
-            // which nibble (q5_K: s / 2, the odd one's the high; q6_K:
-            // blocks 4h + t, t of 0..4, in pair 2h + t % 2, t ≥ 2 high).
-            let (g, high) = match f.kind {
-                Kind::Q5K => (s / 2, s % 2 == 1),
-                _ => (2 * (s / 4) + s % 2, s % 4 >= 2),
-            };
+            let (g, high) = f.nibbles_of(s);
             // An eighth of the super-block's values a block.
             ahead(unit.wrapping_add(s * unit_values / 8), unit_values / 8);
             let at = unit.wrapping_add(8 * LINE * g);
