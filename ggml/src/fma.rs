@@ -499,8 +499,8 @@ pub const AVX2_INT8_Q4_K_MIN_ROWS: usize = 32;
 /// ragged panel, a view): 256, where that measured level with ggml's AVX2
 /// k-quant kernels or ahead (q5_K 1.05–1.17×, q6_K 0.98–1.03×; at 16 rows
 /// 0.93–0.94× and 0.85–0.91×, session 30). Packed once, in place, they take
-/// it at any number of rows (session 52: "Zen 5 and the AVX2 class: q5_0,
-/// q5_1, q5_K and q6_K weights packed once, in place").
+/// it from `packed::min_rows` (4) rows (session 52: "Zen 5 and the AVX2
+/// class: q5_0, q5_1, q5_K and q6_K weights packed once, in place").
 pub const AVX2_INT8_K_MIN_ROWS: usize = 256;
 
 /// The fewest rows that take the f32 kernel with a q8_0 weight (processors
@@ -772,7 +772,7 @@ pub fn isa_for(ty: sys::ggml_type) -> Option<Isa> {
 /// From how many rows the weights named in `names` (a list, as the kernel
 /// summary writes it) take their kernel packed in place, in words: "at any
 /// rows", or those whose panels are made into lines per chunk from
-/// `packed::min_rows` ("at any rows; q5_0 and q5_1 from 8", or "from 8
+/// `packed::min_rows` ("at any rows; q5_0 and q5_1 from 4", or "from 4
 /// rows" where only they are named).
 fn in_place_rows(names: &str) -> String {
     let masked: Vec<&str> = ["q5_0", "q5_1", "q5_K", "q6_K"]
@@ -3393,11 +3393,11 @@ mod tests {
                 "{s}"
             );
             assert!(
-                s.contains("q5_0 and q5_1 weights of whole panels packed once, at any rows; q5_0 and q5_1 from 8)"),
+                s.contains("q5_0 and q5_1 weights of whole panels packed once, at any rows; q5_0 and q5_1 from 4)"),
                 "{s}"
             );
             assert!(
-                s.contains("q5_K and q6_K from 256 rows on AVX2 in 8-bit integers (q5_K and q6_K weights of whole panels packed once, from 8 rows)"),
+                s.contains("q5_K and q6_K from 256 rows on AVX2 in 8-bit integers (q5_K and q6_K weights of whole panels packed once, from 4 rows)"),
                 "{s}"
             );
             assert!(
@@ -3410,7 +3410,7 @@ mod tests {
             // Every type of the VNNI kernel packed in place (`packed`).
             let s = summary(false).unwrap();
             assert!(
-                s.contains("q5_K and q6_K from 8 rows on AVX512-VNNI (weights of whole panels packed once, at any rows; q5_0, q5_1, q5_K and q6_K from 8)"),
+                s.contains("q5_K and q6_K from 8 rows on AVX512-VNNI (weights of whole panels packed once, at any rows; q5_0, q5_1, q5_K and q6_K from 4)"),
                 "{s}"
             );
         }

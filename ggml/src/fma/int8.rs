@@ -30,7 +30,7 @@
 //!
 //! `super::isa_for` sends it all seven types; q5_K and q6_K per product
 //! only from `super::AVX2_INT8_K_MIN_ROWS` rows (below that they measured
-//! behind ggml's kernels), packed in place from 8.
+//! behind ggml's kernels), packed in place from 4 (`super::packed::min_rows`).
 //!
 //! The rows are rounded as `super::vnni` rounds them (ggml's q8_0 and
 //! q8_1 for the legacy types, per 32 values with f32 scales for the

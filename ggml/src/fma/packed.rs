@@ -84,26 +84,32 @@ pub(crate) unsafe fn is_packed(t: *const sys::ggml_tensor) -> bool {
 }
 
 /// The fewest rows at which a product of a weight of type `ty` packed (or
-/// packable) in place takes its kernel: any for most types, but 8 for the
+/// packable) in place takes its kernel: any for most types, but 4 for the
 /// types whose fifth (and sixth) bits are masks (q5_0, q5_1, q5_K, q6_K),
 /// whose panels are made into the kernel's lines for each chunk of rows
 /// (`vnni::expand`): at one row that measured behind ggml's kernels on a
 /// Zen 5 (session 52; `bench --products`, the DiT's modulation: q6_K
 /// 0.74–0.80×, q5_K 0.79–1.01× on AVX512-VNNI, 0.24–0.42× and 0.69–0.70×
-/// on the AVX2 kernel, q5_0 and q5_1 0.77–1.42×), at 16 ahead (1.24–8.35×).
-/// Fewer rows take ggml's product, which unpacks a weight packed before
-/// (`Context::mul_mat`): which kernel runs still depends only on the rows.
+/// on the AVX2 kernel, q5_0 and q5_1 0.77–1.42×), at 4 rows ahead or
+/// level (the DiT's products at 32²: 2.2–4.2× on AVX512-VNNI; on the AVX2
+/// kernel q6_K 1.0–1.1×, q5_K 1.4–2.0×, q5_0 2.0–2.4×), at 9 and 16 rows
+/// ahead (1.2–8.4×). Fewer rows take ggml's product, which unpacks a
+/// weight packed before (`Context::mul_mat`): which kernel runs still
+/// depends only on the rows. [`crate::Knobs::fma_min_rows`] overrides it
+/// (not below one), for measurements.
 pub(crate) fn min_rows(ty: sys::ggml_type) -> usize {
     match vnni::in_place_format(ty) {
-        Some(f) if f.planes() > 0 => EXPANDED_MIN_ROWS,
+        Some(f) if f.planes() > 0 => crate::knobs()
+            .fma_min_rows
+            .unwrap_or(EXPANDED_MIN_ROWS)
+            .max(1),
         _ => 1,
     }
 }
 
-/// [`min_rows`] of the types whose panels are made into lines per chunk:
-/// the VNNI kernel's per-product threshold (`fma::VNNI_MIN_ROWS`); between
-/// 1 and 16 rows not measured.
-const EXPANDED_MIN_ROWS: usize = 8;
+/// [`min_rows`] of the types whose panels are made into lines per chunk
+/// (2 and 3 rows not measured).
+const EXPANDED_MIN_ROWS: usize = 4;
 
 /// The kernel that multiplies a weight packed (or packable) in place:
 /// AVX512-BF16 for bf16, an f32 kernel for f16 ([`super::f16_in_place`]),
