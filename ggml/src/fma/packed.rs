@@ -23,8 +23,10 @@
 //! packed in place its panels stay f16 (16 outputs side by side for each
 //! `k`, 32 on AVX-512 without AVX512-BF16), which the tile widens as it
 //! loads them. The AVX2 class's integer kernel (`fma/int8.rs`) takes its
-//! types packed in place too, at half the VNNI kernel's width (8 outputs, lines of 32 bytes: `vnni::pack_in_place`
-//! with `nr` 8).
+//! types packed in place too, at half the VNNI kernel's width (8 outputs,
+//! lines of 32 bytes: `vnni::pack_in_place` with `nr` 8). Products of
+//! fewer than [`min_rows`] rows (4 for the types whose panels are made into
+//! lines per chunk, else 1) take ggml's kernels instead.
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
 //! reads): whatever holds the tensor sees it. [`Graph::pack_weights`]
