@@ -25,7 +25,7 @@
 //! loads them. The AVX2 class's integer kernel (`fma/int8.rs`) takes its
 //! types packed in place too, at half the VNNI kernel's width (8 outputs,
 //! lines of 32 bytes: `vnni::pack_in_place` with `nr` 8). Products of
-//! fewer than [`min_rows`] rows (4 for the types whose panels are made into
+//! fewer than `min_rows` rows (4 for the types whose panels are made into
 //! lines per chunk, else 1) take ggml's kernels instead.
 //!
 //! The mark is the weight's own `op_params` (a leaf's, which ggml never
