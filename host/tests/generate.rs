@@ -1020,25 +1020,18 @@ fn weights_packed_in_place_on_the_avx2_class_match_packing_per_product() {
     }
     let p = Prefix::with_cpu();
     let out = p.dir("out");
-    let q4_0 = out.join("tiny-q4_0.gguf");
-    let sd1 = fixture("tiny-sd1.safetensors");
-    p.run(&["convert", "-m", s(&sd1), "-o", s(&q4_0), "--type", "q4_0"])
-        .ok();
-    let q4_1 = out.join("tiny-q4_1.gguf");
-    p.run(&["convert", "-m", s(&sd1), "-o", s(&q4_1), "--type", "q4_1"])
-        .ok();
-    let q5_0 = out.join("tiny-q5_0.gguf");
-    p.run(&["convert", "-m", s(&sd1), "-o", s(&q5_0), "--type", "q5_0"])
-        .ok();
+    let (sd1, sd2) = (
+        fixture("tiny-sd1.safetensors"),
+        fixture("tiny-sd2.safetensors"),
+    );
+    let q4_0 = converted(&p, &out, &sd1, "q4_0");
+    let q4_1 = converted(&p, &out, &sd1, "q4_1");
+    let q5_0 = converted(&p, &out, &sd1, "q5_0");
     // SD 2.x's tiny model: its rows of 256 and 512 values (CLIP's MLP out,
-    // the UNet's time embedding and feed-forward out) are q4_K's blocks.
-    let q4_k = out.join("tiny-sd2-q4_K.gguf");
-    let sd2 = fixture("tiny-sd2.safetensors");
-    p.run(&["convert", "-m", s(&sd2), "-o", s(&q4_k), "--type", "q4_K"])
-        .ok();
-    let q6_k = out.join("tiny-sd2-q6_K.gguf");
-    p.run(&["convert", "-m", s(&sd2), "-o", s(&q6_k), "--type", "q6_K"])
-        .ok();
+    // the UNet's time embedding and feed-forward out) are the k-quants'
+    // super-blocks.
+    let q4_k = converted(&p, &out, &sd2, "q4_K");
+    let q6_k = converted(&p, &out, &sd2, "q6_K");
     for (model, ty, packed_type) in [
         (&sd1, "f16", "f16"),
         (&q4_0, "auto", "q4_0"),
@@ -1068,12 +1061,6 @@ fn masked_weights_packed_in_place_on_avx512_vnni_match_packing_per_product() {
     }
     let p = Prefix::with_cpu();
     let out = p.dir("out");
-    let convert = |src: &Path, ty: &str| {
-        let dst = out.join(format!("tiny-{ty}.gguf"));
-        p.run(&["convert", "-m", s(src), "-o", s(&dst), "--type", ty])
-            .ok();
-        dst
-    };
     // SD 1.x's tiny model for the blocks of 32, SD 2.x's for the
     // k-quants' super-blocks of 256 (rows of 256 and 512 values).
     let (sd1, sd2) = (
@@ -1081,15 +1068,24 @@ fn masked_weights_packed_in_place_on_avx512_vnni_match_packing_per_product() {
         fixture("tiny-sd2.safetensors"),
     );
     for (model, ty) in [
-        (convert(&sd1, "q5_0"), "q5_0"),
-        (convert(&sd1, "q5_1"), "q5_1"),
-        (convert(&sd2, "q5_K"), "q5_K"),
-        (convert(&sd2, "q6_K"), "q6_K"),
+        (converted(&p, &out, &sd1, "q5_0"), "q5_0"),
+        (converted(&p, &out, &sd1, "q5_1"), "q5_1"),
+        (converted(&p, &out, &sd2, "q5_K"), "q5_K"),
+        (converted(&p, &out, &sd2, "q6_K"), "q6_K"),
     ] {
         // Every product on sdhost's kernels, packed or not.
         let env = [("SDHOST_FMA_MIN_ROWS", "1")];
         packing_matches_per_product(&p, &model, &out, ty, &[], &env, ty);
     }
+}
+
+/// `src` converted to `ty` by `sdhost convert`, in `out`.
+fn converted(p: &Prefix, out: &Path, src: &Path, ty: &str) -> std::path::PathBuf {
+    let stem = src.file_stem().and_then(|s| s.to_str()).unwrap_or("model");
+    let dst = out.join(format!("{stem}-{ty}.gguf"));
+    p.run(&["convert", "-m", s(src), "-o", s(&dst), "--type", ty])
+        .ok();
+    dst
 }
 
 /// Generates with `model` (plus `extra` arguments and `env`) with its

@@ -1856,7 +1856,7 @@ mod tests {
             (64, 16, 2),
         ];
         // This module's kernel (16 outputs a panel) and the AVX2 one (8;
-        // not q8_0).
+        // all but q8_0).
         let avx2 = super::super::integer_lanes(super::super::Isa::Avx2Int8).unwrap();
         let kernels = [
             (VNNI, sys::GGML_TYPE_Q8_0),
@@ -1949,9 +1949,8 @@ mod tests {
     #[test]
     fn k_quant_weights_packed_in_place_round_trip_and_multiply_bit_for_bit() {
         // One super-block and several, rows in two passes over k (17
-        // super-blocks), rows from one to past a chunk; q4_K on this
-        // module's kernel (16 outputs a panel) and the AVX2 one (8), q5_K
-        // and q6_K on this one.
+        // super-blocks), rows from one to past a chunk; q4_K, q5_K and q6_K
+        // on this module's kernel (16 outputs a panel) and the AVX2 one (8).
         let avx2 = super::super::integer_lanes(super::super::Isa::Avx2Int8).unwrap();
         let kernels = [
             (VNNI, sys::GGML_TYPE_Q4_K),
